@@ -1,0 +1,43 @@
+# dsv41-offload: the two commands a fresh machine needs are `make deploy` and `make test`.
+SHELL := /bin/bash
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
+# Exactly what CI tested: every package pinned in constraints.txt.
+CONSTRAINTS := constraints.txt
+NIXL_PIN := nixl-cu12==1.5.1
+
+.PHONY: venv test unit lint sanity deploy lab-down bench clean
+
+venv: $(VENV)/.stamp
+
+$(VENV)/.stamp: pyproject.toml $(CONSTRAINTS)
+	$(PY) -m venv $(VENV)
+	$(PIP) install -q -c $(CONSTRAINTS) --upgrade pip setuptools wheel
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[torch,dev]'
+	# NIXL's wheel declares torch and CUDA deps it does not need for host-memory UCX transfers.
+	$(PIP) install -q --no-deps $(NIXL_PIN)
+	touch $@
+
+lint: venv
+	$(BIN)/ansible-lint
+	@if [ -x tools/sanity.sh ]; then PATH=$(abspath $(BIN)):$$PATH bash tools/sanity.sh; fi
+
+unit: venv
+	$(BIN)/pytest -q tests/unit
+
+test: venv lint
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -p no:cacheprovider tests/unit tests/integration
+
+deploy: venv
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/ansible-playbook deploy.yml
+
+lab-down: venv
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/ansible-playbook playbooks/lab_down.yml
+
+bench: venv
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -s -p no:cacheprovider tests/perf
+
+clean:
+	rm -rf $(VENV) build *.egg-info python/*.egg-info
