@@ -1,0 +1,70 @@
+"""``dsv41 drafter ...``: train (distil from the engine's target), serve (the remote worker),
+identity (print the identities a worker will report)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="Remote drafter worker and tools.")
+
+
+@app.command("serve")
+def serve_cmd(
+    listen: str = typer.Option(..., help="tcp://ADDR:PORT to listen on (port 0 = ephemeral)."),
+    drafter: str = typer.Option(..., help="Drafter directory (drafter.json + drafter.safetensors)."),
+    target_identity: str = typer.Option("", help="Target identity this worker serves (hex sha256)."),
+    device: str = typer.Option("cpu", help="cpu or cuda[:N]."),
+    cuda_graphs: bool = typer.Option(False, "--cuda-graphs/--no-cuda-graphs", help="Replay CUDA graphs (CUDA only)."),
+    backend: str = typer.Option("torch", help="Drafter backend: torch."),
+    metrics: str = typer.Option("", help="HOST:PORT for Prometheus /metrics (empty = off)."),
+    ready_file: str = typer.Option("", help="Write the bound URL here once serving."),
+    max_batch: int = typer.Option(64, min=1, max=1024, help="Largest batch accepted per round."),
+    threads: int = typer.Option(1, min=1, max=256, help="torch CPU threads."),
+    delay_ms: float = typer.Option(0.0, min=0.0, help="Injected per-round delay (fault drills)."),
+) -> None:
+    """Serve drafting rounds until SIGTERM."""
+    import torch
+
+    from dsv41.drafter.worker import serve
+
+    torch.set_num_threads(threads)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s dsv41-drafter %(levelname)s %(message)s")
+    serve(drafter, listen, target_identity=target_identity, device=device, cuda_graphs=cuda_graphs, backend=backend,
+          metrics=metrics, ready_file=ready_file, max_batch=max_batch, delay_ms=delay_ms)
+
+
+@app.command("identity")
+def identity_cmd(drafter: str = typer.Argument(..., help="Drafter directory.")) -> None:
+    """Print the drafter, Markov head and recorded target identities as JSON."""
+    from dsv41.drafter.model import identities
+
+    print(json.dumps(identities(drafter), indent=1))
+
+
+@app.command("train")
+def train_cmd(
+    config: str = typer.Option(..., help="Target model config (e.g. python/dsv41/data/lab_model.json)."),
+    weights: str = typer.Option(..., help="Target weights (safetensors from `dsv41 engine init-weights`)."),
+    out: str = typer.Option(..., help="Output drafter directory."),
+    steps: int = typer.Option(0, min=0, help="Training steps (0 = the default in docs/drafter.md)."),
+    seed: int = typer.Option(0, help="Seed (data order and initialisation)."),
+    threads: int = typer.Option(1, min=1, max=256, help="torch CPU threads."),
+    as_json: bool = typer.Option(False, "--json", help="Print the training report as JSON."),
+) -> None:
+    """Distil a drafter from the target's greedy continuations (deterministic, seconds on CPU)."""
+    import torch
+
+    from dsv41.drafter.train import train_drafter
+
+    torch.set_num_threads(threads)
+    rep = train_drafter(config, weights, out, steps=steps or None, seed=seed)
+    if as_json:
+        print(json.dumps(rep, indent=1))
+    else:
+        print(f"drafter written to {out}: drafter {rep['identities']['drafter'][:12]} markov "
+              f"{rep['identities']['markov'][:12]} target {rep['identities']['target'][:12]}; "
+              f"held-out acceptance {rep['heldout_acceptance']:.2f} ({rep['seconds']:.1f} s)")

@@ -1,0 +1,144 @@
+"""The async drafting proxy: a separate, torch-free CPU process that owns the drafter connection.
+
+The engine writes encoded ROUND payloads into a shared-memory ring slot (state REQUEST); the proxy
+takes the slot (TAKEN), runs the round against the worker (identity-checked hello, per-round
+timeout, late replies dropped by generation) and publishes the DRAFTS payload or an error status
+(REPLY). It writes its heartbeat and state into the ring's host flags every loop, naps
+``nap_us`` between polls when idle, and exits when the engine sets the stop flag, when its parent
+process is gone, or when the engine heartbeat is older than ``engine_timeout_s`` (an orphaned
+proxy never lingers). This module must not import torch (checked by a test).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from dsv41.drafter import protocol as P
+from dsv41.drafter.client import DrafterClient, DrafterUnavailable, IdentityMismatch, RoundTimeout, WorkerRefused
+from dsv41.drafter.shm import ProxyState, Ring, SlotState
+
+log = logging.getLogger("dsv41.drafter.proxy")
+
+
+def _try_connect(client: DrafterClient, ring: Ring, *, force: bool = False) -> None:
+    try:
+        client.connect(force=force)
+        ring.proxy_state = ProxyState.CONNECTED
+        ring.error = ""
+    except IdentityMismatch as exc:
+        ring.proxy_state = ProxyState.REFUSED
+        ring.error = str(exc)
+    except DrafterUnavailable as exc:
+        if "waiting to reconnect" not in str(exc):
+            ring.proxy_state = ProxyState.DISCONNECTED
+            ring.error = str(exc)
+
+
+def run_proxy(shm_name: str, url: str, expected: dict, *, timeout_ms: float = 100.0, nap_us: float = 50.0,
+              engine_timeout_s: float = 10.0, reconnect_s: float = 1.0, parent_pid: int | None = None,
+              max_rounds: int | None = None) -> int:
+    """Serve rounds from the ring named ``shm_name`` until told to stop; returns rounds served.
+
+    Raises :class:`dsv41.errors.Dsv41Error` when the ring cannot be attached or the URL is bad.
+    """
+    ring = Ring.attach(shm_name)
+    client = DrafterClient(url, expected, timeout_ms=timeout_ms, reconnect_s=reconnect_s, client_name="proxy")
+    ring.proxy_pid = os.getpid()
+    ring.proxy_state = ProxyState.STARTING
+    ring.beat_proxy()
+    _try_connect(client, ring, force=True)
+    served = 0
+    nap = nap_us / 1e6
+    seen = {k: 0 for k in ("timeouts", "refusals", "identity_refusals", "reconnects", "late_dropped")}
+    try:
+        while True:
+            ring.beat_proxy()
+            if ring.stop:
+                break
+            if parent_pid is not None and os.getppid() != parent_pid:
+                log.warning("drafter proxy: parent %d is gone, exiting", parent_pid)
+                break
+            eng = ring.engine_heartbeat
+            if eng and (time.monotonic_ns() - eng) / 1e9 > engine_timeout_s:
+                log.warning("drafter proxy: engine heartbeat older than %.1f s, exiting", engine_timeout_s)
+                break
+            reqs = ring.find(SlotState.REQUEST)
+            if not reqs:
+                if ring.proxy_state != ProxyState.CONNECTED:
+                    _try_connect(client, ring)
+                time.sleep(nap)
+                continue
+            for i in reqs:
+                got = ring.read(i)
+                if got is None:
+                    continue  # torn write: not published completely yet
+                seq, _, payload = got
+                ring.set_state(i, SlotState.TAKEN)
+                ring.bump("rounds")
+                status, body = P.Status.OK, b""
+                try:
+                    body = client.round_raw(payload)
+                    ring.proxy_state = ProxyState.CONNECTED
+                    ring.bump("rounds_ok")
+                except RoundTimeout as exc:
+                    status, body = P.Status.TIMEOUT, str(exc).encode()
+                except WorkerRefused as exc:
+                    status, body = exc.status, str(exc).encode()
+                except IdentityMismatch as exc:
+                    ring.proxy_state = ProxyState.REFUSED
+                    ring.error = str(exc)
+                    status, body = P.Status.IDENTITY_MISMATCH, str(exc).encode()
+                except DrafterUnavailable as exc:
+                    if ring.proxy_state != ProxyState.REFUSED:
+                        ring.proxy_state = ProxyState.DISCONNECTED
+                    ring.bump("unavailable")
+                    status, body = P.Status.UNAVAILABLE, str(exc).encode()
+                for k in seen:
+                    cur = client.counters[k]
+                    if cur != seen[k]:
+                        ring.bump(k, cur - seen[k])
+                        seen[k] = cur
+                if len(body) > ring.slot_size:
+                    status, body = P.Status.LIMIT, b"reply larger than the ring slot"
+                ring.write(i, SlotState.REPLY, seq, body, int(status))
+                served += 1
+                ring.beat_proxy()
+            if max_rounds is not None and served >= max_rounds:
+                break
+    finally:
+        ring.proxy_state = ProxyState.STOPPED
+        client.close()
+        ring.close()
+    return served
+
+
+def self_test() -> dict:
+    """Torch-free self-test: ring create/attach round trip and host flags; returns a report.
+
+    Raises :class:`dsv41.errors.Dsv41Error` when a check fails.
+    """
+    import sys
+
+    from dsv41.errors import Dsv41Error
+
+    ring = Ring.create(2, 4096)
+    try:
+        other = Ring.attach(ring.name, untrack=False)
+        try:
+            ring.write(0, SlotState.REQUEST, 7, b"ping")
+            seq, status, data = other.read(0)
+            if (seq, status, data) != (7, 0, b"ping") or other.slot_state(0) != SlotState.REQUEST:
+                raise Dsv41Error("proxy self-test: ring round trip failed")
+            other.beat_proxy()
+            if ring.proxy_heartbeat == 0:
+                raise Dsv41Error("proxy self-test: host flag not shared")
+        finally:
+            other.close()
+    finally:
+        ring.close()
+    torch_loaded = "torch" in sys.modules
+    if torch_loaded:
+        raise Dsv41Error("proxy self-test: torch was imported into the proxy process")
+    return {"ring": "ok", "host_flags": "ok", "torch_loaded": False, "pid": os.getpid()}

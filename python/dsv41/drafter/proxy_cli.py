@@ -1,0 +1,80 @@
+"""``dsv41 proxy ...``: the torch-free async drafting proxy (spawned by the engine's async
+speculator; ``self-test`` checks a host before enabling ``DSV41_DRAFTER_ASYNC``).
+
+Runnable as ``python -m dsv41.drafter.proxy_cli`` without importing the rest of the CLI (whose
+groups import torch).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import typer
+
+from dsv41.errors import Dsv41Error
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="The async drafting proxy (torch-free).")
+
+
+def _hex_or_empty(name: str, v: str) -> str:
+    if v and (len(v) != 64 or any(c not in "0123456789abcdef" for c in v)):
+        raise Dsv41Error(f"--{name} {v!r} is not a lowercase hex sha256")
+    return v
+
+
+@app.command("run")
+def run(
+    shm: str = typer.Option(..., help="Name of the shared-memory ring the engine created."),
+    remote: str = typer.Option(..., help="Drafter worker URL, tcp://HOST:PORT."),
+    drafter_identity: str = typer.Option("", help="Expected drafter identity (hex sha256)."),
+    markov_identity: str = typer.Option("", help="Expected Markov head identity (hex sha256)."),
+    target_identity: str = typer.Option("", help="Expected target identity (hex sha256)."),
+    timeout_ms: float = typer.Option(100.0, min=1.0, help="Per-round timeout (ms)."),
+    nap_us: float = typer.Option(50.0, min=0.0, help="Sleep between idle polls (µs)."),
+    engine_timeout_s: float = typer.Option(10.0, min=0.1, help="Exit when the engine heartbeat is older (s)."),
+    parent_pid: int = typer.Option(0, help="Exit when this parent process is gone (0 = do not check)."),
+) -> None:
+    """Serve drafting rounds from the ring until the engine stops us."""
+    from dsv41.drafter.protocol import parse_url
+    from dsv41.drafter.proxy import run_proxy
+
+    parse_url(remote)
+    expected = {"drafter": _hex_or_empty("drafter-identity", drafter_identity),
+                "markov": _hex_or_empty("markov-identity", markov_identity),
+                "target": _hex_or_empty("target-identity", target_identity)}
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s dsv41-proxy %(levelname)s %(message)s")
+    run_proxy(shm, remote, expected, timeout_ms=timeout_ms, nap_us=nap_us, engine_timeout_s=engine_timeout_s,
+              parent_pid=parent_pid or None)
+
+
+@app.command("self-test")
+def self_test_cmd(as_json: bool = typer.Option(False, "--json", help="Print the report as JSON.")) -> None:
+    """Check shared memory, host flags and that the proxy runs without torch."""
+    from dsv41.drafter.proxy import self_test
+
+    rep = self_test()
+    print(json.dumps(rep) if as_json else "proxy self-test: ok (ring, host flags, torch-free)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (``python -m dsv41.drafter.proxy_cli``): one line and exit 1 on errors."""
+    from typer._click import exceptions as click_exc
+
+    try:
+        app(args=argv, standalone_mode=False)
+    except click_exc.ClickException as exc:
+        print(f"dsv41: error: {exc.format_message()}", file=sys.stderr)
+        return 1
+    except Dsv41Error as exc:
+        print(f"dsv41: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""The remote drafter worker: ``dsv41 drafter serve``.
+
+A threaded TCP server speaking :mod:`dsv41.drafter.protocol`: every connection starts with
+HELLO_REQ -> HELLO (identities, limits), then ROUND -> DRAFTS (or ERROR with a status). Rounds from
+all connections share one backend under a lock (one GPU stream). Malformed frames are refused with
+an ERROR status (the connection is closed when the header itself is bad); a round whose deadline
+passed while it queued is answered TIMEOUT without computing. Prometheus metrics (own registry):
+``dsv41_drafter_rounds_total``, ``dsv41_drafter_drafts_total``, ``dsv41_drafter_round_seconds``,
+``dsv41_drafter_refusals_total{status}``, ``dsv41_drafter_connections``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import socketserver
+import threading
+import time
+
+from dsv41.drafter import protocol as P
+from dsv41.errors import Dsv41Error
+
+log = logging.getLogger("dsv41.drafter.worker")
+
+
+class WorkerMetrics:
+    """Prometheus metrics of one worker (a private registry, so tests can run several)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        self.rounds = Counter("dsv41_drafter_rounds", "Drafting rounds answered with drafts", registry=self.registry)
+        self.drafts = Counter("dsv41_drafter_drafts", "Draft tokens proposed", registry=self.registry)
+        self.items = Counter("dsv41_drafter_items", "Requests drafted for (batch items)", registry=self.registry)
+        self.latency = Histogram("dsv41_drafter_round_seconds", "Round compute latency (s)", registry=self.registry,
+                                 buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0))
+        self.refusals = Counter("dsv41_drafter_refusals", "Frames or rounds refused", ["status"], registry=self.registry)
+        self.connections = Gauge("dsv41_drafter_connections", "Open client connections", registry=self.registry)
+        self.info = Gauge("dsv41_drafter_info", "Worker identities (value 1)",
+                          ["drafter", "markov", "target", "backend"], registry=self.registry)
+
+
+class DrafterWorker:
+    """Serve ``backend`` (an object with ``draft(items) -> Drafts``, ``ids``, ``cfg``, ``backend``,
+    ``max_batch``) on ``host:port`` (port 0 = ephemeral; :attr:`address` after :meth:`start`).
+
+    ``target_identity``: the target this drafter serves (hex sha256); a client whose hello names a
+    different non-empty target identity is refused (IDENTITY_MISMATCH). ``delay_ms`` injects a
+    per-round delay (drills and tests of the client's timeout path).
+    """
+
+    def __init__(self, backend, host: str = "127.0.0.1", port: int = 0, *, target_identity: str = "",
+                 delay_ms: float = 0.0) -> None:
+        self.backend = backend
+        self.target_identity = target_identity or backend.ids.get("target", "")
+        self.delay_s = delay_ms / 1000.0
+        self.metrics = WorkerMetrics()
+        cfg = backend.cfg
+        self.hello = P.Hello(
+            drafter_identity=backend.ids["drafter"], markov_identity=backend.ids["markov"],
+            target_identity=self.target_identity or "0" * 64, max_batch=backend.max_batch, max_k=cfg.max_k,
+            hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, top_n=cfg.top_n, max_context=cfg.n_ctx,
+            backend=backend.backend)
+        self.metrics.info.labels(self.hello.drafter_identity, self.hello.markov_identity,
+                                 self.hello.target_identity, backend.backend).set(1)
+        self._lock = threading.Lock()
+        self._host, self._port = host, port
+        self._server: socketserver.ThreadingTCPServer | None = None
+        self._thread: threading.Thread | None = None
+        self._conns: set[socket.socket] = set()
+        self._conns_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> tuple[str, int]:
+        """Bind and serve in a background thread; returns the bound (host, port)."""
+        worker = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:  # noqa: D401 - socketserver API
+                worker._handle(self.request)
+
+        class Server(socketserver.ThreadingTCPServer):
+            allow_reuse_address = True
+            daemon_threads = True
+
+        try:
+            self._server = Server((self._host, self._port), Handler)
+        except OSError as exc:
+            raise Dsv41Error(f"drafter serve: cannot listen on {self._host}:{self._port}: {exc}") from None
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
+                                        name="drafter-worker", daemon=True)
+        self._thread.start()
+        log.info("drafter worker listening on %s:%d (backend %s, drafter %s, target %s)", *self.address,
+                 self.backend.backend, self.hello.drafter_identity[:12], self.hello.target_identity[:12])
+        return self.address
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self._server is not None
+        return self._server.server_address[:2]
+
+    def stop(self) -> None:
+        """Stop accepting, close every connection, join the server thread."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        with self._conns_lock:
+            for c in list(self._conns):
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    # ------------------------------------------------------------------ per connection
+
+    def _refuse(self, sock: socket.socket, status: P.Status, message: str, round_id: int = 0) -> None:
+        self.metrics.refusals.labels(status.name.lower()).inc()
+        log.warning("drafter worker refused a frame: %s: %s", status.name, message)
+        try:
+            P.send_frame(sock, P.Msg.ERROR, message.encode("utf-8")[:4096], round_id=round_id, status=status)
+        except OSError:
+            pass
+
+    def _handle(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._conns_lock:
+            self._conns.add(sock)
+        self.metrics.connections.inc()
+        greeted = False
+        try:
+            while True:
+                try:
+                    head, payload = P.read_frame(sock)
+                except P.ProtocolError as exc:
+                    self._refuse(sock, exc.status, str(exc))
+                    return  # header-level errors: the stream cannot be resynchronised
+                except (ConnectionError, OSError):
+                    return
+                t_recv = time.monotonic()
+                if head.msg == P.Msg.HELLO_REQ:
+                    try:
+                        req = P.HelloRequest.decode(payload)
+                    except P.ProtocolError as exc:
+                        self._refuse(sock, exc.status, str(exc), head.round_id)
+                        return
+                    if req.target_identity and self.target_identity and req.target_identity != self.target_identity:
+                        self._refuse(sock, P.Status.IDENTITY_MISMATCH,
+                                     f"client target {req.target_identity[:12]} != worker target {self.target_identity[:12]}",
+                                     head.round_id)
+                        return
+                    P.send_frame(sock, P.Msg.HELLO, self.hello.encode(), round_id=head.round_id)
+                    greeted = True
+                    continue
+                if not greeted:
+                    self._refuse(sock, P.Status.NO_HELLO, "the first frame must be HELLO_REQ", head.round_id)
+                    return
+                if head.msg != P.Msg.ROUND:
+                    self._refuse(sock, P.Status.BAD_TYPE, f"unexpected {head.msg.name} from a client", head.round_id)
+                    continue
+                reply = self._round(sock, head, payload, t_recv)
+                if reply is not None:
+                    P.send_frame(sock, P.Msg.DRAFTS, reply, round_id=head.round_id)
+        except OSError:
+            return
+        finally:
+            self.metrics.connections.dec()
+            with self._conns_lock:
+                self._conns.discard(sock)
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _round(self, sock: socket.socket, head: P.Header, payload: bytes, t_recv: float) -> bytes | None:
+        try:
+            rnd = P.Round.decode(payload, max_items=self.backend.max_batch, hidden_size=self.hello.hidden_size)
+        except P.ProtocolError as exc:
+            self._refuse(sock, exc.status, str(exc), head.round_id)
+            return None
+        with self._lock:
+            if rnd.deadline_ms and (time.monotonic() - t_recv) * 1000.0 > rnd.deadline_ms:
+                self._refuse(sock, P.Status.TIMEOUT, f"round {head.round_id} waited past its {rnd.deadline_ms} ms deadline",
+                             head.round_id)
+                return None
+            t0 = time.perf_counter()
+            try:
+                if self.delay_s:
+                    time.sleep(self.delay_s)
+                drafts = self.backend.draft(rnd.items)
+            except Dsv41Error as exc:
+                self._refuse(sock, P.Status.MALFORMED, str(exc), head.round_id)
+                return None
+            except Exception as exc:  # a backend bug must not kill the worker; report and count it
+                log.exception("drafter backend failed")
+                self._refuse(sock, P.Status.INTERNAL, f"backend error: {type(exc).__name__}", head.round_id)
+                return None
+            dt = time.perf_counter() - t0
+        self.metrics.rounds.inc()
+        self.metrics.items.inc(len(rnd.items))
+        self.metrics.drafts.inc(sum(int(t.size) for t in drafts.tokens))
+        self.metrics.latency.observe(dt)
+        return drafts.encode()
+
+
+def serve(drafter_dir: str, listen: str, *, target_identity: str = "", device: str = "cpu", cuda_graphs: bool = False,
+          backend: str = "torch", metrics: str = "", ready_file: str = "", max_batch: int = 64,
+          delay_ms: float = 0.0, stop_event: threading.Event | None = None) -> None:
+    """Load the backend, check identities, serve until SIGTERM/SIGINT (or ``stop_event``).
+
+    Raises :class:`Dsv41Error` on bad arguments, a drafter trained for another target, or a port
+    that cannot be bound.
+    """
+    import signal
+
+    host, port = P.parse_url(listen)
+    if target_identity and (len(target_identity) != 64 or any(c not in "0123456789abcdef" for c in target_identity)):
+        raise Dsv41Error(f"--target-identity {target_identity!r} is not a lowercase hex sha256")
+    if backend == "torch":
+        from dsv41.drafter.model import TorchDrafter
+
+        be = TorchDrafter(drafter_dir, device=device, cuda_graphs=cuda_graphs, max_batch=max_batch)
+    elif backend == "exl3":
+        raise Dsv41Error("drafter serve: the exl3 backend is not part of this build (see docs/drafter.md)")
+    else:
+        raise Dsv41Error(f"drafter serve: unknown backend {backend!r} (torch)")
+    recorded = be.ids.get("target", "")
+    if target_identity and recorded and recorded != target_identity:
+        raise Dsv41Error(f"drafter {drafter_dir} was distilled for target {recorded[:12]}, "
+                         f"not --target-identity {target_identity[:12]}; refusing to serve it")
+    worker = DrafterWorker(be, host, port, target_identity=target_identity, delay_ms=delay_ms)
+    worker.start()
+    if metrics:
+        from prometheus_client import start_http_server
+
+        mh, _, mp = metrics.rpartition(":")
+        if not mp.isdigit():
+            worker.stop()
+            raise Dsv41Error(f"--metrics {metrics!r}: expected HOST:PORT")
+        try:
+            start_http_server(int(mp), addr=mh or "127.0.0.1", registry=worker.metrics.registry)
+        except OSError as exc:
+            worker.stop()
+            raise Dsv41Error(f"--metrics {metrics}: cannot listen: {exc}") from None
+    stop = stop_event or threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            signal.signal(sig, lambda *_: stop.set())
+        except ValueError:  # not the main thread (tests): the stop event is enough
+            pass
+    if ready_file:
+        with open(ready_file, "w") as f:
+            f.write(f"tcp://{worker.address[0]}:{worker.address[1]}\n")
+    print(f"drafter worker ready on tcp://{worker.address[0]}:{worker.address[1]} "
+          f"drafter={worker.hello.drafter_identity} markov={worker.hello.markov_identity} "
+          f"target={worker.hello.target_identity}", flush=True)
+    try:
+        while not stop.wait(0.2):
+            pass
+    finally:
+        worker.stop()

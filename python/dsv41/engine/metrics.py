@@ -1,0 +1,97 @@
+"""Prometheus metrics of the lab engine, named like vLLM's where one exists.
+
+vLLM names (``vllm:`` prefix, label ``model_name``): ``num_requests_running``,
+``num_requests_waiting`` (gauges), ``prompt_tokens_total``, ``generation_tokens_total``,
+``request_success_total{finished_reason}``, ``spec_decode_num_drafts_total``,
+``spec_decode_num_draft_tokens_total``, ``spec_decode_num_accepted_tokens_total`` (counters),
+``time_to_first_token_seconds``, ``e2e_request_latency_seconds`` (histograms).
+
+Engram, per rank (label ``rank``, values gathered from every rank over torch.distributed):
+``dsv41_engram_lookups_total``, ``_rows_total``, ``_fallbacks_total``, ``_transport_errors_total``,
+``_refusals_total``, ``_reconnects_total``, ``dsv41_engram_lookup_latency_seconds`` (summary:
+``_sum``/``_count``), ``dsv41_engram_scale_bytes_total{value="0"|"255"}`` (reference-convention
+special scale bytes seen) and ``dsv41_engram_nonfinite_values_total`` (values zeroed, see
+docs/engine.md). Drafter counters (``Speculator.counters()``) as ``dsv41_drafter_<key>``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+
+ENGRAM_KEYS = ("lookups", "rows", "fallbacks", "transport_errors", "refusals", "reconnects")
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class _EngramCollector:
+    def __init__(self, source: Callable[[], dict]) -> None:
+        self._source = source
+
+    def collect(self):
+        per_rank = self._source()  # {rank: counters dict}
+        fams = {k: CounterMetricFamily(f"dsv41_engram_{k}", f"Engram {k.replace('_', ' ')} per TP rank",
+                                       labels=["rank"]) for k in ENGRAM_KEYS}
+        lat = SummaryMetricFamily("dsv41_engram_lookup_latency_seconds", "Engram row lookup latency per rank",
+                                  labels=["rank"])
+        sb = CounterMetricFamily("dsv41_engram_scale_bytes", "Special UE8M0 scale bytes decoded (reference convention)",
+                                 labels=["rank", "value"])
+        nf = CounterMetricFamily("dsv41_engram_nonfinite_values", "Dequantized Engram values that were not finite and were zeroed",
+                                 labels=["rank"])
+        for rank, c in sorted(per_rank.items()):
+            r = str(rank)
+            for k in ENGRAM_KEYS:
+                fams[k].add_metric([r], float(c.get(k, 0)))
+            lat.add_metric([r], count_value=float(c.get("latency_count", 0)), sum_value=float(c.get("latency_sum_s", 0.0)))
+            sb.add_metric([r, "0"], float(c.get("scale_bytes_0", 0)))
+            sb.add_metric([r, "255"], float(c.get("scale_bytes_255", 0)))
+            nf.add_metric([r], float(c.get("nonfinite_values", 0)))
+        yield from fams.values()
+        yield lat
+        yield sb
+        yield nf
+
+
+class _DrafterCollector:
+    def __init__(self, source: Callable[[], dict]) -> None:
+        self._source = source
+
+    def collect(self):
+        for k, v in sorted((self._source() or {}).items()):
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                name = "".join(ch if ch.isalnum() else "_" for ch in str(k))
+                yield GaugeMetricFamily(f"dsv41_drafter_{name}", f"Speculator counter {k}", value=float(v))
+
+
+class EngineMetrics:
+    """All engine metrics in one private registry (``registry``), label ``model_name``.
+
+    ``engram_source() -> {rank: counters}`` and ``drafter_source() -> dict`` are read at scrape.
+    """
+
+    def __init__(self, model_name: str, engram_source: Callable[[], dict],
+                 drafter_source: Callable[[], dict] | None = None) -> None:
+        self.registry = CollectorRegistry()
+        lab = ["model_name"]
+        R = self.registry
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running set", lab, registry=R).labels(model_name)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for admission", lab, registry=R).labels(model_name)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed", lab, registry=R).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", lab, registry=R).labels(model_name)
+        self._success = Counter("vllm:request_success", "Finished requests", lab + ["finished_reason"], registry=R)
+        self.model_name = model_name
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Speculation rounds with drafts", lab, registry=R).labels(model_name)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", lab, registry=R).labels(model_name)
+        self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", lab, registry=R).labels(model_name)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", lab, buckets=_TTFT_BUCKETS,
+                              registry=R).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", lab,
+                             buckets=_TTFT_BUCKETS, registry=R).labels(model_name)
+        R.register(_EngramCollector(engram_source))
+        if drafter_source is not None:
+            R.register(_DrafterCollector(drafter_source))
+
+    def finished(self, reason: str) -> None:
+        self._success.labels(self.model_name, reason).inc()

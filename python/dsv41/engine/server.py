@@ -1,0 +1,346 @@
+"""OpenAI-compatible HTTP API of the lab engine (FastAPI + uvicorn), rank 0 only.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming: one chunk per
+engine step that produced tokens; ``stream_options.include_usage`` and
+``stream_options.continuous_usage_stats``; ``return_token_ids``; ``seed``, ``max_tokens``
+(``max_completion_tokens`` for chat), ``min_tokens``, ``temperature``, ``top_p``, ``ignore_eos``),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``POST /pause?mode=wait|abort``,
+``POST /resume``, ``GET /is_paused``.
+
+Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 bad JSON or
+parameters (incl. a request longer than the KV budget), 404 unknown model, 503 paused/draining or
+engine failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from dsv41.engine.scheduler import RequestError
+from dsv41.engine.spec import SamplingParams
+from dsv41.engine.tokenizer import VOCAB_SIZE, ByteTokenizer
+from dsv41.errors import Dsv41Error
+
+log = logging.getLogger("dsv41.engine.server")
+
+
+class ApiError(Exception):
+    """An error answered to the client: ``status`` code, ``message``, OpenAI error ``type``."""
+
+    def __init__(self, status: int, message: str, etype: str = "BadRequestError", param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.etype, self.param = status, message, etype, param
+
+
+def _err_response(e: ApiError):
+    return JSONResponse(status_code=e.status, content={"error": {"message": e.message, "type": e.etype,
+                                                                  "param": e.param, "code": e.status}})
+
+
+def _int(body: dict, key: str, default, lo: int | None = None, hi: int | None = None):
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ApiError(400, f"{key} must be an integer, got {v!r}", param=key)
+    if lo is not None and v < lo:
+        raise ApiError(400, f"{key} must be >= {lo}, got {v}", param=key)
+    if hi is not None and v > hi:
+        raise ApiError(400, f"{key} must be <= {hi}, got {v}", param=key)
+    return v
+
+
+def _float(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ApiError(400, f"{key} must be a number, got {v!r}", param=key)
+    v = float(v)
+    if v != v or v > hi or v < lo or (lo_open and v <= lo):
+        raise ApiError(400, f"{key} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", param=key)
+    return v
+
+
+def parse_sampling(body: dict, default_max_tokens: int, chat: bool) -> SamplingParams:
+    """Validate the sampling fields of a request body; raises ``ApiError`` (400)."""
+    if _int(body, "n", 1) != 1:
+        raise ApiError(400, "n must be 1 (the lab engine returns one choice)", param="n")
+    if body.get("best_of") not in (None, 1):
+        raise ApiError(400, "best_of is not supported", param="best_of")
+    for unsupported in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "logit_bias"):
+        v = body.get(unsupported)
+        if v not in (None, False, [], {}) and not (unsupported == "logprobs" and v is False):
+            raise ApiError(400, f"{unsupported} is not supported by the lab engine", param=unsupported)
+    if body.get("stop") not in (None, [], ""):
+        raise ApiError(400, "stop is not supported by the lab engine", param="stop")
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, key, default_max_tokens, lo=0)
+    min_tokens = _int(body, "min_tokens", 0, lo=0)
+    if min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})", param="min_tokens")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ApiError(400, f"seed must be an integer, got {seed!r}", param="seed")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise ApiError(400, "ignore_eos must be a boolean", param="ignore_eos")
+    return SamplingParams(temperature=_float(body, "temperature", 1.0, 0.0, 100.0),
+                          top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=seed,
+                          max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos)
+
+
+def parse_prompt(body: dict, tok: ByteTokenizer) -> list[int]:
+    """``prompt``: a string, a list of token ids, or a one-element list of either."""
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]
+    if isinstance(p, str):
+        ids = tok.encode(p)
+    elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        bad = [t for t in p if not 0 <= t < VOCAB_SIZE]
+        if bad:
+            raise ApiError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {VOCAB_SIZE})", param="prompt")
+        ids = list(p)
+    elif isinstance(p, list):
+        raise ApiError(400, "prompt must be a string, a list of token ids, or a one-element list of those "
+                            "(batched prompts are not supported)", param="prompt")
+    else:
+        raise ApiError(400, "prompt is required (a string or a list of token ids)", param="prompt")
+    if not ids:
+        raise ApiError(400, "prompt is empty", param="prompt")
+    return ids
+
+
+class ServerState:
+    """Admission state shared by the handlers: ``paused``, ``draining``."""
+
+    def __init__(self) -> None:
+        self.paused = False
+        self.draining = False
+
+
+def create_app(engine, model_name: str, max_model_len: int, state: ServerState | None = None, metrics=None):
+    """Build the FastAPI app serving ``engine`` (an ``engine.Engine``) as ``model_name``."""
+    tok = ByteTokenizer()
+    st = state or ServerState()
+    app = FastAPI(title="dsv41 lab engine", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server_state = st
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_req, exc: ApiError):
+        return _err_response(exc)
+
+    async def _body(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        return body
+
+    def _admission(body: dict) -> None:
+        m = body.get("model")
+        if m is not None and m != model_name:
+            raise ApiError(404, f"The model `{m}` does not exist.", etype="NotFoundError", param="model")
+        if engine.fatal:
+            raise ApiError(503, f"engine failed: {engine.fatal}", etype="ServiceUnavailableError")
+        if st.draining:
+            raise ApiError(503, "the server is shutting down (draining); not admitting new requests",
+                           etype="ServiceUnavailableError")
+        if st.paused:
+            raise ApiError(503, "the server is paused (POST /resume to admit requests again)",
+                           etype="ServiceUnavailableError")
+
+    def _stream_opts(body: dict) -> tuple[bool, bool]:
+        so = body.get("stream_options") or {}
+        if not isinstance(so, dict):
+            raise ApiError(400, "stream_options must be an object", param="stream_options")
+        if so and not body.get("stream"):
+            raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
+        return bool(so.get("include_usage")), bool(so.get("continuous_usage_stats"))
+
+    async def _run(request: Request, body: dict, chat: bool):
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise ApiError(400, "stream must be a boolean", param="stream")
+        include_usage, continuous = _stream_opts(body)
+        rti = bool(body.get("return_token_ids", False))
+        if chat:
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not msgs:
+                raise ApiError(400, "messages must be a non-empty list", param="messages")
+            try:
+                ids = tok.chat_prompt(msgs)
+            except Dsv41Error as exc:
+                raise ApiError(400, str(exc), param="messages") from None
+            default_max = max(1, min(256, max_model_len - len(ids)))
+        else:
+            ids = parse_prompt(body, tok)
+            default_max = 16
+        params = parse_sampling(body, default_max, chat)
+        _admission(body)
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def sink(ev: dict) -> None:
+            loop.call_soon_threadsafe(q.put_nowait, ev)
+
+        try:
+            req = engine.submit(ids, params, sink)
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param="max_tokens") from None
+        except Dsv41Error as exc:
+            raise ApiError(503, str(exc), etype="ServiceUnavailableError") from None
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        dec = tok.incremental()
+
+        def usage(ev: dict) -> dict:
+            return {"prompt_tokens": ev["prompt_tokens"], "completion_tokens": ev["completion_tokens"],
+                    "total_tokens": ev["prompt_tokens"] + ev["completion_tokens"]}
+
+        if not stream:
+            out: list[int] = []
+            while True:
+                ev = await q.get()
+                if ev["type"] == "tokens":
+                    out += ev["ids"]
+                    continue
+                break
+            if ev["reason"] == "error":
+                raise ApiError(503, ev.get("error", "engine failed"), etype="ServiceUnavailableError")
+            text = dec.feed(out, final=True)
+            choice: dict[str, Any] = {"index": 0, "finish_reason": ev["reason"], "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            if rti:
+                choice["token_ids"] = out
+                choice["prompt_token_ids"] = ids
+            return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name,
+                                 "choices": [choice], "usage": usage(ev)})
+
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, tids: list[int] | None, finish: str | None, ev: dict | None, first: bool) -> str:
+            if chat:
+                delta: dict[str, Any] = {}
+                if first:
+                    delta["role"] = "assistant"
+                if text is not None:
+                    delta["content"] = text
+                c: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            if rti and tids is not None:
+                c["token_ids"] = tids
+                if first:
+                    c["prompt_token_ids"] = ids
+            d: dict[str, Any] = {"id": rid, "object": chunk_obj, "created": created, "model": model_name, "choices": [c]}
+            if include_usage and continuous and ev is not None:
+                d["usage"] = usage(ev)
+            return f"data: {json.dumps(d)}\n\n"
+
+        async def gen():
+            first = True
+            finished = False
+            try:
+                while True:
+                    ev = await q.get()
+                    if ev["type"] == "tokens":
+                        yield chunk(dec.feed(ev["ids"]), ev["ids"], None, ev, first)
+                        first = False
+                        continue
+                    finished = True
+                    if ev["reason"] == "error":
+                        err = {"error": {"message": ev.get("error", "engine failed"), "type": "ServiceUnavailableError",
+                                         "param": None, "code": 503}}
+                        yield f"data: {json.dumps(err)}\n\n"
+                        break
+                    tail = dec.feed([], final=True)
+                    yield chunk(tail, [] if rti else None, ev["reason"], ev, first)
+                    if include_usage:
+                        yield f"data: {json.dumps({'id': rid, 'object': chunk_obj, 'created': created, 'model': model_name, 'choices': [], 'usage': usage(ev)})}\n\n"
+                    break
+                yield "data: [DONE]\n\n"
+            finally:
+                if not finished:  # client went away: free the engine's slot
+                    engine.abort(req.request_id)
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _run(request, await _body(request), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _run(request, await _body(request), chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "dsv41",
+                                            "root": model_name, "max_model_len": max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if engine.fatal:
+            return JSONResponse(status_code=503, content={"status": "failed", "error": engine.fatal})
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics_ep():
+        if metrics is None:
+            raise ApiError(404, "metrics are not enabled", etype="NotFoundError")
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/pause")
+    async def pause(request: Request, mode: str | None = None, timeout_s: float = 600.0):
+        if mode is None:
+            raw = await request.body()
+            if raw.strip():
+                try:
+                    b = json.loads(raw)
+                except json.JSONDecodeError as exc:
+                    raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+                mode = b.get("mode") if isinstance(b, dict) else None
+            mode = mode or "wait"
+        if mode not in ("wait", "abort"):
+            raise ApiError(400, f"mode must be 'wait' or 'abort', got {mode!r}", param="mode")
+        st.paused = True
+        running, waiting = engine.sched.counts()
+        if mode == "abort":
+            engine.abort(None)
+        deadline = time.monotonic() + timeout_s
+        while not engine.idle():
+            if time.monotonic() > deadline:
+                raise ApiError(504, f"paused, but in-flight requests did not finish within {timeout_s} s",
+                               etype="TimeoutError")
+            await asyncio.sleep(0.02)
+        return {"paused": True, "mode": mode, "in_flight_at_pause": running + waiting,
+                "aborted": running + waiting if mode == "abort" else 0}
+
+    @app.post("/resume")
+    async def resume():
+        st.paused = False
+        return {"paused": False}
+
+    @app.get("/is_paused")
+    async def is_paused():
+        return {"is_paused": st.paused}
+
+    return app

@@ -1,0 +1,185 @@
+"""``dsv41 engram ...``: layout, hash, make-tables, manifest, verify, read-rows.
+
+The remote engineer's ``dsv41.engram.remote_cli`` (serve, sweep) registers itself on ``app``
+when present.  Heavy imports happen inside commands so ``dsv41 --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dsv41.errors import ConfigError, Dsv41Error
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+
+def _ints(value: str, what: str) -> list[int]:
+    out = []
+    for part in value.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            out.append(int(part, 0))
+        except ValueError:
+            raise ConfigError(f"{what}: {part!r} is not an integer") from None
+    if not out:
+        raise ConfigError(f"{what}: give a comma-separated list of integers")
+    return out
+
+
+@app.command()
+def layout(
+    config: Annotated[Path, typer.Argument(help="Model config JSON (flat or with text_config).")],
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size.")] = 1,
+) -> None:
+    """Print primes, offsets, multipliers, rows and per-rank columns/row ranges as JSON."""
+    from dsv41.engram.layout import EngramLayout
+
+    print(json.dumps(EngramLayout.from_config(config).to_json(tp)))
+
+
+@app.command("hash")
+def hash_cmd(
+    config: Annotated[Path, typer.Option("--config", help="Model config JSON.")],
+    token_map: Annotated[Path, typer.Option("--token-map", help="JSON list of ints, or object with key token_map.")],
+    tokens: Annotated[str, typer.Option("--tokens", help="Comma-separated raw token ids, e.g. 3,5,6,8.")],
+    mask: Annotated[Optional[str], typer.Option("--mask", help="Comma-separated 1 (live) / 0 (DEAD) per token.")] = None,
+) -> None:
+    """Hash tokens to global row ids: prints {"rows": ...}, shape T x layers x 24."""
+    import numpy as np
+
+    from dsv41.engram.hashing import NgramHasher, load_token_map
+    from dsv41.engram.layout import EngramLayout
+
+    toks = _ints(tokens, "--tokens")
+    m = None
+    if mask is not None:
+        mv = _ints(mask, "--mask")
+        if any(x not in (0, 1) for x in mv):
+            raise ConfigError("--mask: values must be 0 or 1")
+        if len(mv) != len(toks):
+            raise ConfigError(f"--mask has {len(mv)} values, --tokens has {len(toks)}")
+        m = np.asarray(mv, dtype=bool)
+    h = NgramHasher(EngramLayout.from_config(config), load_token_map(token_map))
+    rows, _ = h.hash(np.asarray(toks, dtype=np.int64), m)
+    print(json.dumps({"rows": rows.tolist()}))
+
+
+@app.command("make-tables")
+def make_tables(
+    config: Annotated[Path, typer.Option("--config", help="Model config JSON.")],
+    out: Annotated[Path, typer.Option("--out", help="Output directory (shards + manifest.json).")],
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic content.")] = 0,
+    revision: Annotated[Optional[str], typer.Option("--revision", help="Manifest revision (default synthetic-seedN).")] = None,
+    chunk_size: Annotated[int, typer.Option("--chunk-size", help="Bytes per verified chunk.")] = 32 << 20,
+) -> None:
+    """Write deterministic synthetic shards in the real layout plus manifest.json."""
+    from dsv41.engram.tables import write_synthetic_tables
+
+    if chunk_size < 4096:
+        raise ConfigError("--chunk-size must be >= 4096")
+    p = write_synthetic_tables(config, out, seed, revision=revision, chunk_size=chunk_size)
+    print(str(p))
+
+
+@app.command("manifest")
+def manifest_cmd(
+    config: Annotated[Path, typer.Option("--config", help="Model config JSON.")],
+    data: Annotated[Path, typer.Option("--data", help="Directory holding the shards.")],
+    revision: Annotated[str, typer.Option("--revision", help="Checkpoint revision, e.g. dba1be0a.")],
+    out: Annotated[Path, typer.Option("--out", help="Where to write the manifest JSON.")],
+    file: Annotated[Optional[list[str]], typer.Option("--file", help="LAYER=NAME (default: the last shards).")] = None,
+    chunk_size: Annotated[int, typer.Option("--chunk-size")] = 32 << 20,
+) -> None:
+    """Build a manifest for existing shards (e.g. the real checkpoint) by hashing them."""
+    from dsv41.engram.manifest import build_manifest
+
+    files = None
+    if file:
+        files = {}
+        for f in file:
+            k, sep, v = f.partition("=")
+            if not sep or not k.strip().isdigit() or not v:
+                raise ConfigError(f"--file {f!r}: expected LAYER=NAME")
+            files[int(k)] = v
+    if chunk_size < 4096:
+        raise ConfigError("--chunk-size must be >= 4096")
+    m = build_manifest(config, data, files, revision=revision, chunk_size=chunk_size)
+    m.save(out)
+    print(str(out))
+
+
+@app.command()
+def verify(
+    manifest: Annotated[Path, typer.Option("--manifest", help="manifest.json")],
+    data: Annotated[Optional[Path], typer.Option("--data", help="Shard directory (default: the manifest's).")] = None,
+    workers: Annotated[Optional[int], typer.Option("--workers", help="Hashing threads (default: CPUs).")] = None,
+    progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", help="Progress bar (default: on a TTY).")] = None,
+) -> None:
+    """Verify sizes and every chunk's sha256; exit 1 naming file, chunk and byte range."""
+    from dsv41.engram.manifest import load_manifest
+    from dsv41.engram.manifest import verify as do_verify
+
+    m = load_manifest(manifest)
+    do_verify(m, data, workers=workers, progress=progress)
+    total = sum(f["size"] for f in m.files)
+    print(json.dumps({"verified": True, "files": len(m.files), "bytes": total,
+                      "tables": {str(t.layer_id): t.identity for t in m.tables}}))
+
+
+@app.command("read-rows")
+def read_rows(
+    manifest: Annotated[Path, typer.Option("--manifest", help="manifest.json")],
+    layer: Annotated[int, typer.Option("--layer", help="Engram layer id, e.g. 1.")],
+    rows: Annotated[str, typer.Option("--rows", help="Comma-separated global row ids.")],
+    data: Annotated[Optional[Path], typer.Option("--data", help="Shard directory (default: the manifest's).")] = None,
+    source: Annotated[str, typer.Option("--source", help="local, or tcp://H:P / nixl://H:P of a table server.")] = "local",
+) -> None:
+    """Print one hex row (weight + scale bytes) per line, in request order."""
+    import numpy as np
+
+    from dsv41.engram.manifest import load_manifest
+
+    ids = np.asarray(_ints(rows, "--rows"), dtype=np.int64)
+    m = load_manifest(manifest)
+    if source == "local":
+        from dsv41.engram.tables import LocalRowReader
+
+        with LocalRowReader(m, data or manifest.parent, threads=4) as r:
+            out = r.read(layer, ids)
+    else:
+        from dsv41.engram.rowsource import parse_remote_url
+
+        parse_remote_url(source)
+        try:
+            client = importlib.import_module("dsv41.engram.client")
+        except ModuleNotFoundError as exc:
+            if exc.name == "dsv41.engram.client":
+                raise Dsv41Error(f"--source {source}: remote reads need dsv41.engram.client, which is not installed") from None
+            raise
+        m.table(layer)
+        out = client.read_rows_remote(source, m, layer, ids)
+    print("\n".join(bytes(row).hex() for row in out))
+
+
+def _register_remote(target: typer.Typer = app) -> bool:
+    """Let the remote part (serve, sweep) add its commands to ``target`` when it is installed;
+    returns whether it was."""
+    import importlib.util
+
+    if importlib.util.find_spec("dsv41.engram.remote_cli") is None:
+        return False  # the remote part is not installed here
+    # errors inside remote_cli itself must surface, not be hidden
+    remote_cli = importlib.import_module("dsv41.engram.remote_cli")
+
+    remote_cli.register(target)
+    return True
+
+
+_register_remote()

@@ -1,0 +1,390 @@
+"""Engram manifest: JSON (+ JSON Schema ``dsv41/schemas/manifest.schema.json``), table
+identities and parallel chunked sha256 verification.
+
+Identity of a table = sha256 of the sorted-key compact JSON of its layout parameters
+(global hash parameters except ``layer_ids``, layer id, rows, row geometry, tensor names,
+primes, offsets, multipliers) and its region hashes (sha256 of the weight and scale regions).
+It names table *content*: the same table packed at other file offsets has the same identity.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsv41.engram.layout import EngramLayout
+from dsv41.errors import VerificationError
+
+FORMAT = "dsv41-engram-manifest"
+VERSION = 1
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "manifest.schema.json"
+_READ_BLOCK = 4 << 20  # bytes per pread while hashing (hashlib releases the GIL on big updates)
+
+
+@dataclass
+class TableEntry:
+    """One Engram table in a shard.  Offsets are absolute byte offsets in ``file``."""
+
+    layer_id: int
+    file: str
+    weight_name: str
+    scale_name: str
+    rows: int
+    row_bytes: int
+    weight_bytes: int
+    scale_bytes: int
+    weight_offset: int
+    scale_offset: int
+    weight_sha256: str
+    scale_sha256: str
+    hash: dict[str, list[int]]
+    identity: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (the manifest's ``tables[i]``)."""
+        return asdict(self)
+
+
+def layout_params(layout: EngramLayout) -> dict[str, Any]:
+    """The manifest's ``layout`` object (global hash parameters)."""
+    return dict(layout.params)
+
+
+def table_identity(layout: dict[str, Any], entry: dict[str, Any] | TableEntry) -> str:
+    """Hex sha256 identity of a table (see module docstring for what it covers)."""
+    e = entry.to_dict() if isinstance(entry, TableEntry) else entry
+    doc = {
+        "layout": {k: v for k, v in layout.items() if k != "layer_ids"},
+        **{k: e[k] for k in ("layer_id", "rows", "row_bytes", "weight_bytes", "scale_bytes",
+                             "weight_name", "scale_name", "weight_sha256", "scale_sha256")},
+        "hash": e["hash"],
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def make_table_entry(layout: EngramLayout, li: int, file: str, rows: int, weight_offset: int,
+                     scale_offset: int, weight_sha256: str, scale_sha256: str) -> TableEntry:
+    """Build a :class:`TableEntry` (identity computed) for table ``li`` of ``layout``."""
+    from dsv41.engram.tables import scale_name, weight_name
+
+    layer = layout.layer_ids[li]
+    e = TableEntry(
+        layer_id=layer, file=file, weight_name=weight_name(layer), scale_name=scale_name(layer),
+        rows=rows, row_bytes=layout.row_bytes, weight_bytes=layout.weight_bytes,
+        scale_bytes=layout.scale_bytes, weight_offset=weight_offset, scale_offset=scale_offset,
+        weight_sha256=weight_sha256, scale_sha256=scale_sha256,
+        hash={"primes": layout.primes[li], "offsets": layout.offsets[li], "multipliers": layout.multipliers[li]},
+        identity="",
+    )
+    e.identity = table_identity(layout_params(layout), e)
+    return e
+
+
+@dataclass
+class Manifest:
+    """A loaded manifest.  ``files``: list of dicts (name, size, sha256, chunk_size, chunks);
+    ``tables``: list of :class:`TableEntry`; ``path``: where it was loaded from (or None)."""
+
+    revision: str
+    layout: dict[str, Any]
+    files: list[dict[str, Any]]
+    tables: list[TableEntry]
+    path: Path | None = field(default=None, compare=False)
+
+    def table(self, layer_id: int) -> TableEntry:
+        """The table of ``layer_id``; RowRangeError (a Dsv41Error) if the manifest has none."""
+        for t in self.tables:
+            if t.layer_id == layer_id:
+                return t
+        from dsv41.engram.tables import RowRangeError
+
+        raise RowRangeError(f"manifest has no table for layer {layer_id} (layers: {[t.layer_id for t in self.tables]})")
+
+    def file(self, name: str) -> dict[str, Any]:
+        """The ``files`` record called ``name`` (KeyError if absent)."""
+        for f in self.files:
+            if f["name"] == name:
+                return f
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form, valid against the schema."""
+        return {"format": FORMAT, "version": VERSION, "revision": self.revision, "layout": self.layout,
+                "files": self.files, "tables": [t.to_dict() for t in self.tables]}
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write atomically (temp file + rename) as indented JSON."""
+        p = Path(path)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        os.replace(tmp, p)
+        self.path = p
+
+
+_schema_cache: dict[str, Any] = {}
+
+
+def schema() -> dict[str, Any]:
+    """The manifest JSON Schema (parsed once)."""
+    if "s" not in _schema_cache:
+        _schema_cache["s"] = json.loads(SCHEMA_PATH.read_text())
+    return _schema_cache["s"]
+
+
+def manifest_from_dict(doc: Any, where: str = "manifest") -> Manifest:
+    """Validate ``doc`` (schema + consistency) and build a :class:`Manifest`.
+
+    Raises VerificationError naming the failing JSON path, or the inconsistency: chunk count
+    vs size, a table in a file not listed, duplicate layers, a region outside its file, or an
+    identity that does not match the table's parameters.
+    """
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(schema())
+    err = jsonschema.exceptions.best_match(validator.iter_errors(doc))
+    if err is not None:
+        loc = "/".join(str(x) for x in err.absolute_path) or "(top)"
+        raise VerificationError(f"{where} fails its schema at {loc}: {err.message}")
+    files = {}
+    for f in doc["files"]:
+        if f["name"] in files:
+            raise VerificationError(f"{where}: file {f['name']} listed twice")
+        want = -(-f["size"] // f["chunk_size"])
+        if len(f["chunks"]) != want:
+            raise VerificationError(
+                f"{where}: file {f['name']} has {len(f['chunks'])} chunk hashes, size {f['size']} "
+                f"with chunk_size {f['chunk_size']} needs {want}"
+            )
+        files[f["name"]] = f
+    tables = []
+    seen = set()
+    for t in doc["tables"]:
+        L = t["layer_id"]
+        if L in seen:
+            raise VerificationError(f"{where}: layer {L} has two tables")
+        seen.add(L)
+        if t["file"] not in files:
+            raise VerificationError(f"{where}: table of layer {L} is in {t['file']}, which is not in files")
+        if t["weight_bytes"] + t["scale_bytes"] != t["row_bytes"]:
+            raise VerificationError(f"{where}: layer {L}: weight_bytes + scale_bytes != row_bytes")
+        size = files[t["file"]]["size"]
+        for kind, nb in (("weight", t["weight_bytes"]), ("scale", t["scale_bytes"])):
+            end = t[f"{kind}_offset"] + t["rows"] * nb
+            if end > size:
+                raise VerificationError(
+                    f"{where}: layer {L} {kind} region ends at byte {end}, beyond {t['file']} size {size}"
+                )
+        ident = table_identity(doc["layout"], t)
+        if ident != t["identity"]:
+            raise VerificationError(
+                f"{where}: layer {L} identity {t['identity']} does not match its parameters ({ident})"
+            )
+        tables.append(TableEntry(**t))
+    return Manifest(revision=doc["revision"], layout=doc["layout"], files=list(doc["files"]), tables=tables)
+
+
+def load_manifest(path: str | os.PathLike) -> Manifest:
+    """Read and validate a manifest file.  VerificationError when it is missing, not JSON, fails
+    the schema, or is inconsistent (see :func:`manifest_from_dict`)."""
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise VerificationError(f"manifest {p} does not exist") from None
+    except IsADirectoryError:
+        raise VerificationError(f"manifest {p} is a directory") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise VerificationError(f"cannot read manifest {p}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise VerificationError(f"manifest {p} is not valid JSON: {exc}") from None
+    m = manifest_from_dict(doc, f"manifest {p}")
+    m.path = p
+    return m
+
+
+def _as_manifest(manifest: Manifest | str | os.PathLike) -> Manifest:
+    return manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
+
+
+def _hash_range(path: Path, offset: int, length: int, buf: bytearray, on_bytes=None) -> tuple[str, int]:
+    """sha256 of ``length`` bytes at ``offset`` (fewer if the file ends); returns (hex, bytes read)."""
+    h = hashlib.sha256()
+    got = 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_SEQUENTIAL)
+        mv = memoryview(buf)
+        while got < length:
+            n = os.preadv(fd, [mv[: min(len(buf), length - got)]], offset + got)
+            if n == 0:
+                break
+            h.update(mv[:n])
+            got += n
+            if on_bytes is not None:
+                on_bytes(n)
+    finally:
+        os.close(fd)
+    return h.hexdigest(), got
+
+
+def _progress_ctx(enabled: bool, total: int):
+    if not enabled:
+        return None
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    prog = Progress("verify", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                    console=Console(stderr=True), transient=True)
+    return prog
+
+
+def verify(manifest: Manifest | str | os.PathLike, data_dir: str | os.PathLike | None = None,
+           workers: int | None = None, progress: bool | None = None) -> None:
+    """Check every file of ``manifest`` in ``data_dir`` (default: the manifest's directory):
+    existence, size and every chunk's sha256, chunks hashed in parallel by ``workers`` threads
+    (default: 2 per CPU, max 32).  ``progress``: rich bar on stderr (None = only when stderr is a TTY).
+
+    Raises VerificationError naming the file, chunk index and byte range of the first problem
+    (and how many more there are): missing file, truncated file, wrong size, sha256 mismatch;
+    then checks each table's rows/offsets against its shard's safetensors header.
+    """
+    m = _as_manifest(manifest)
+    if data_dir is None:
+        if m.path is None:
+            raise VerificationError("verify needs data_dir for a manifest not loaded from a file")
+        data_dir = m.path.parent
+    d = Path(data_dir)
+    problems: list[str] = []
+    tasks: list[tuple[dict, Path, int]] = []
+    for f in m.files:
+        p = d / f["name"]
+        try:
+            size = os.stat(p).st_size
+        except FileNotFoundError:
+            problems.append(f"{f['name']}: missing (expected {f['size']} bytes in {d})")
+            continue
+        except OSError as exc:
+            problems.append(f"{f['name']}: cannot stat: {exc.strerror or exc}")
+            continue
+        cs = f["chunk_size"]
+        if size < f["size"]:
+            k = size // cs
+            problems.append(
+                f"{f['name']}: truncated: {size} bytes, manifest says {f['size']}; chunk {k} "
+                f"bytes [{k * cs}, {min((k + 1) * cs, f['size'])}) incomplete"
+            )
+            continue
+        if size > f["size"]:
+            problems.append(f"{f['name']}: wrong size: {size} bytes, manifest says {f['size']}")
+            continue
+        tasks.extend((f, p, k) for k in range(len(f["chunks"])))
+    if problems:
+        raise VerificationError(_summary(problems))
+    total = sum(min(f["chunk_size"], f["size"] - k * f["chunk_size"]) for f, _, k in tasks)
+    show = sys.stderr.isatty() if progress is None else bool(progress)
+    prog = _progress_ctx(show, total)
+    # default: 2 threads per core, so one thread's disk wait overlaps another's hashing
+    nworkers = max(1, min(workers or min(32, 2 * (os.cpu_count() or 1)), len(tasks) or 1))
+    local = threading.local()
+    lock = threading.Lock()
+    bar = None
+
+    def on_bytes(n: int) -> None:
+        if prog is not None:
+            with lock:
+                prog.update(bar, advance=n)
+
+    def work(task: tuple[dict, Path, int]) -> str | None:
+        f, p, k = task
+        if not hasattr(local, "buf"):
+            local.buf = bytearray(min(_READ_BLOCK, max(f["chunk_size"], 4096)))
+        cs = f["chunk_size"]
+        start = k * cs
+        length = min(cs, f["size"] - start)
+        try:
+            digest, got = _hash_range(p, start, length, local.buf, on_bytes)
+        except OSError as exc:
+            return f"{f['name']}: chunk {k} bytes [{start}, {start + length}): read error: {exc.strerror or exc}"
+        if got != length:
+            return f"{f['name']}: chunk {k} bytes [{start}, {start + length}): file ended after {got} bytes"
+        if digest != f["chunks"][k]:
+            return (f"{f['name']}: chunk {k} bytes [{start}, {start + length}): sha256 {digest[:16]}... "
+                    f"!= manifest {f['chunks'][k][:16]}...")
+        return None
+
+    if prog is not None:
+        prog.start()
+        bar = prog.add_task("verify", total=total)
+    try:
+        with ThreadPoolExecutor(nworkers, thread_name_prefix="verify") as ex:
+            results = list(ex.map(work, tasks))
+    finally:
+        if prog is not None:
+            prog.stop()
+    problems = [r for r in results if r]
+    if problems:
+        raise VerificationError(_summary(problems))
+    # bytes match; now the manifest's table geometry must be what the shard headers say
+    from dsv41.engram.tables import table_regions
+
+    for t in m.tables:
+        reg = table_regions(d / t.file, t.layer_id, t.row_bytes)
+        want = {"rows": t.rows, "weight_offset": t.weight_offset, "scale_offset": t.scale_offset,
+                "weight_bytes": t.weight_bytes, "scale_bytes": t.scale_bytes}
+        if reg != want:
+            diff = ", ".join(f"{k} {want[k]} vs header {reg[k]}" for k in want if reg[k] != want[k])
+            problems.append(f"{t.file}: layer {t.layer_id} table differs from the safetensors header: {diff}")
+    if problems:
+        raise VerificationError(_summary(problems))
+
+
+def _summary(problems: list[str]) -> str:
+    more = f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
+    return f"verify failed: {problems[0]}{more}"
+
+
+def build_manifest(cfg: Any, data_dir: str | os.PathLike, files: dict[int, str] | None = None, *,
+                   revision: str, chunk_size: int = 32 << 20, workers: int | None = None) -> Manifest:
+    """Build a manifest for existing shards (e.g. the real checkpoint's last two shards).
+
+    ``files`` maps layer id -> shard file name (default: :func:`tables.shard_names`).  Reads each
+    file's safetensors header for the table offsets, hashes chunks in parallel and the two
+    regions sequentially.  VerificationError if a tensor is missing or malformed.
+    """
+    from dsv41.engram.tables import shard_names, table_regions
+
+    layout = cfg if isinstance(cfg, EngramLayout) else EngramLayout.from_config(cfg)
+    d = Path(data_dir)
+    names = files or dict(zip(layout.layer_ids, shard_names(len(layout.layer_ids))))
+    frecs: dict[str, dict[str, Any]] = {}
+    tables = []
+    buf = bytearray(_READ_BLOCK)
+    for li, layer in enumerate(layout.layer_ids):
+        name = names[layer]
+        p = d / name
+        reg = table_regions(p, layer, layout.row_bytes)
+        if name not in frecs:
+            size = os.stat(p).st_size
+            nch = -(-size // chunk_size)
+
+            def one(k: int, p=p, size=size) -> str:
+                return _hash_range(p, k * chunk_size, min(chunk_size, size - k * chunk_size), bytearray(_READ_BLOCK))[0]
+
+            with ThreadPoolExecutor(max(1, workers or os.cpu_count() or 1)) as ex:
+                chunks = list(ex.map(one, range(nch)))
+            whole, _ = _hash_range(p, 0, size, buf)
+            frecs[name] = {"name": name, "size": size, "sha256": whole, "chunk_size": chunk_size, "chunks": chunks}
+        wsha, _ = _hash_range(p, reg["weight_offset"], reg["rows"] * reg["weight_bytes"], buf)
+        ssha, _ = _hash_range(p, reg["scale_offset"], reg["rows"] * reg["scale_bytes"], buf)
+        tables.append(make_table_entry(layout, li, name, reg["rows"], reg["weight_offset"], reg["scale_offset"], wsha, ssha))
+    man = Manifest(revision=revision, layout=layout_params(layout), files=list(frecs.values()), tables=tables)
+    manifest_from_dict(man.to_dict(), "built manifest")  # self-check against the schema
+    return man

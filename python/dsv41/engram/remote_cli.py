@@ -1,0 +1,129 @@
+"""``dsv41 engram serve`` and ``dsv41 engram sweep`` (registered by ``dsv41.engram.cli``).
+
+Also runnable alone (``python -m dsv41.engram.remote_cli serve ...``), which is how tests start
+the server as a separate process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dsv41.errors import Dsv41Error
+
+
+class _Terminated(BaseException):
+    """SIGTERM/SIGINT arrived while the tables were still loading."""
+
+
+def serve(
+    manifest: Annotated[Path, typer.Option("--manifest", help="manifest.json of the tables.")],
+    data: Annotated[Optional[Path], typer.Option("--data", help="Directory of the shards (default: the manifest's).")] = None,
+    listen: Annotated[Optional[list[str]], typer.Option("--listen", help="tcp://A:P or nixl://A:P (repeat for several; port 0 = ephemeral).")] = None,
+    metrics: Annotated[Optional[str], typer.Option("--metrics", help="A:P for Prometheus /metrics and /ready.")] = None,
+    ready_file: Annotated[Optional[Path], typer.Option("--ready-file", help="Written (JSON: pid, bound URLs) once listening.")] = None,
+    drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="Seconds SIGTERM waits for in-flight requests.")] = 5.0,
+) -> None:
+    """Load every table into RAM, verify it against the manifest, then serve rows until SIGTERM."""
+    from dsv41.engram.manifest import load_manifest
+    from dsv41.engram.server import EngramServer, write_ready_file
+
+    m = load_manifest(manifest)
+    data_dir = data if data is not None else manifest.parent
+    es = EngramServer(m, data_dir, list(listen or []), metrics)
+    stop = threading.Event()
+    serving = threading.Event()
+
+    def on_signal(signum, frame):
+        stop.set()
+        if not serving.is_set():
+            raise _Terminated()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        try:
+            es.start_metrics()
+            report = es.load()
+            addrs = es.listen()
+            serving.set()
+        except _Terminated:
+            print("dsv41 engram serve: terminated while loading", file=sys.stderr)
+            es.stop(0)
+            return
+        info = es.ready_info()
+        if ready_file is not None:
+            write_ready_file(ready_file, info)
+        print(json.dumps({"event": "listening", "listen": [str(a) for a in addrs],
+                          "load_seconds": round(report["seconds"], 3), "implementation": info["implementation"]}),
+              flush=True)
+        while not stop.wait(0.5):
+            pass
+        es.stop(drain_timeout)
+        print(json.dumps({"event": "stopped", **es.rowserver.snapshot()}), flush=True)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if ready_file is not None:
+            try:
+                os.unlink(ready_file)
+            except OSError:
+                pass
+
+
+def sweep(
+    manifest: Annotated[Path, typer.Option("--manifest", help="manifest.json of the tables.")],
+    remote: Annotated[str, typer.Option("--remote", help="tcp://H:P[@LOCAL] or nixl://H:P[@LOCAL] of this rank's server.")],
+    rank: Annotated[int, typer.Option("--rank", help="This rank (0-based).")],
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size.")] = 2,
+    data: Annotated[Optional[Path], typer.Option("--data", help="Local shards (default: the manifest's directory).")] = None,
+    lookups: Annotated[int, typer.Option("--lookups", help="Row ids to look up (both layers together).")] = 839040,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the token sequences.")] = 0,
+    timeout_ms: Annotated[int, typer.Option("--timeout-ms", help="Per-request timeout before local fallback.")] = 1000,
+    required: Annotated[bool, typer.Option("--required", help="Fail instead of falling back to local rows.")] = False,
+    token_map: Annotated[Optional[Path], typer.Option("--token-map", help="Token map (default: the lab tokenizer's, if it fits).")] = None,
+) -> None:
+    """Compare remote rows with local rows over hashed token sequences; prints JSON, exit 1 if any row differs."""
+    from dsv41.engram.manifest import load_manifest
+    from dsv41.engram.sweep import run_sweep
+    from dsv41.transport import parse_url
+
+    parse_url(remote)
+    m = load_manifest(manifest)
+    report = run_sweep(m, data, remote, tp, rank, lookups=lookups, seed=seed, timeout_ms=timeout_ms,
+                       required=required, token_map=str(token_map) if token_map else None)
+    print(json.dumps(report))
+    if report["bad_rows"]:
+        raise Dsv41Error(f"sweep found {report['bad_rows']} bad rows")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``serve`` and ``sweep`` to the ``dsv41 engram`` typer app."""
+    app.command("serve")(serve)
+    app.command("sweep")(sweep)
+
+
+def _standalone() -> int:
+    app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+    register(app)
+    from typer._click import exceptions as click_exc
+
+    try:
+        app(args=sys.argv[1:], standalone_mode=False)
+    except click_exc.ClickException as exc:
+        print(f"dsv41: error: {exc.format_message()}", file=sys.stderr)
+        return 1
+    except Dsv41Error as exc:
+        print(f"dsv41: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_standalone())

@@ -1,0 +1,195 @@
+"""The one interface the engine reads Engram rows through, and its construction from the
+environment (``VLLM_ENGRAM_REMOTE*``, docs/interfaces.md section engram).
+"""
+
+from __future__ import annotations
+
+import importlib
+import ipaddress
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from dsv41.errors import ConfigError
+
+#: Counter keys every RowSource reports.
+COUNTER_KEYS = ("lookups", "rows", "fallbacks", "transport_errors", "refusals", "reconnects",
+                "latency_sum_s", "latency_count")
+SCHEMES = ("tcp", "nixl")
+DEFAULT_TIMEOUT_MS = 100
+
+
+@runtime_checkable
+class RowSource(Protocol):
+    """Where packed Engram rows come from (local shards or the remote table server)."""
+
+    def lookup(self, layer_id: int, rows: np.ndarray) -> np.ndarray:
+        """Packed rows uint8[N, 264] for global row ids int64[N] of ``layer_id``, request order."""
+        ...
+
+    def counters(self) -> dict:
+        """Counters with at least :data:`COUNTER_KEYS`."""
+        ...
+
+    def close(self) -> None:
+        """Release files, sockets and threads."""
+        ...
+
+
+class LocalRowSource:
+    """RowSource over a :class:`~dsv41.engram.tables.LocalRowReader` (the exact local path).
+
+    Counts lookups, rows and latency; fallbacks/transport_errors/refusals/reconnects stay 0.
+    Thread-safe.
+    """
+
+    def __init__(self, reader: Any) -> None:
+        self.reader = reader
+        self._lock = threading.Lock()
+        self._c: dict[str, float | int] = {k: 0 for k in COUNTER_KEYS}
+        self._c["latency_sum_s"] = 0.0
+
+    def lookup(self, layer_id: int, rows: np.ndarray) -> np.ndarray:
+        """See :meth:`RowSource.lookup`; RowRangeError for out-of-range ids."""
+        t0 = time.perf_counter()
+        out = self.reader.read(layer_id, rows)
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self._c["lookups"] += 1
+            self._c["rows"] += int(out.shape[0])
+            self._c["latency_sum_s"] += dt
+            self._c["latency_count"] += 1
+        return out
+
+    def counters(self) -> dict:
+        """Snapshot of the counters (plus ``source: "local"``)."""
+        with self._lock:
+            return {"source": "local", **self._c}
+
+    def close(self) -> None:
+        """Close the reader."""
+        self.reader.close()
+
+
+@dataclass(frozen=True)
+class RemoteURL:
+    """One parsed ``scheme://host:port[@local_addr]`` of ``VLLM_ENGRAM_REMOTE``."""
+
+    scheme: str
+    host: str
+    port: int
+    local_addr: str | None = None
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        tail = f"@{self.local_addr}" if self.local_addr else ""
+        return f"{self.scheme}://{host}:{self.port}{tail}"
+
+
+def _check_host(h: str, what: str, url: str) -> None:
+    if not h:
+        raise ConfigError(f"VLLM_ENGRAM_REMOTE: {what} missing in {url!r}")
+    try:
+        ipaddress.ip_address(h)
+        return
+    except ValueError:
+        pass
+    labels = h.split(".")
+    if not all(lab and len(lab) <= 63 and lab.replace("-", "").isalnum() and not lab.startswith("-") for lab in labels):
+        raise ConfigError(f"VLLM_ENGRAM_REMOTE: bad {what} {h!r} in {url!r}")
+
+
+def parse_remote_url(url: str) -> RemoteURL:
+    """Parse ``tcp://H:P[@LOCAL_ADDR]`` or ``nixl://H:P[@LOCAL_ADDR]`` (IPv6 hosts in [])."""
+    u = url.strip()
+    if "://" not in u:
+        raise ConfigError(f"VLLM_ENGRAM_REMOTE: {url!r} is not a URL (expected tcp://HOST:PORT[@LOCAL_ADDR])")
+    scheme, rest = u.split("://", 1)
+    if scheme not in SCHEMES:
+        raise ConfigError(f"VLLM_ENGRAM_REMOTE: scheme {scheme!r} in {url!r} is not one of {', '.join(SCHEMES)}")
+    local = None
+    if "@" in rest:
+        rest, local = rest.rsplit("@", 1)
+        local = local.strip("[]")
+        _check_host(local, "local address", url)
+    if rest.startswith("["):
+        host, sep, port_s = rest[1:].partition("]:")
+        if not sep:
+            raise ConfigError(f"VLLM_ENGRAM_REMOTE: bad IPv6 address in {url!r}")
+    else:
+        host, sep, port_s = rest.rpartition(":")
+        if not sep:
+            raise ConfigError(f"VLLM_ENGRAM_REMOTE: port missing in {url!r}")
+    _check_host(host, "host", url)
+    if not port_s.isdigit() or not 1 <= int(port_s) <= 65535:
+        raise ConfigError(f"VLLM_ENGRAM_REMOTE: port {port_s!r} in {url!r} must be 1..65535")
+    return RemoteURL(scheme, host, int(port_s), local)
+
+
+def parse_remote_env(env: Mapping[str, str], tp: int) -> tuple[list[RemoteURL], int, bool] | None:
+    """Parse ``VLLM_ENGRAM_REMOTE`` (comma-separated, one URL per rank),
+    ``VLLM_ENGRAM_REMOTE_TIMEOUT_MS`` (int > 0, default 100) and
+    ``VLLM_ENGRAM_REMOTE_REQUIRED`` (0/1, default 0).  Returns None when remote is off
+    (unset/empty), else (urls, timeout_ms, required).  ConfigError on any bad value.
+    """
+    value = (env.get("VLLM_ENGRAM_REMOTE") or "").strip()
+    tstr = (env.get("VLLM_ENGRAM_REMOTE_TIMEOUT_MS") or "").strip()
+    rstr = (env.get("VLLM_ENGRAM_REMOTE_REQUIRED") or "").strip()
+    if rstr not in ("", "0", "1"):
+        raise ConfigError(f"VLLM_ENGRAM_REMOTE_REQUIRED must be 0 or 1, got {rstr!r}")
+    required = rstr == "1"
+    if tstr:
+        if not tstr.isdigit() or int(tstr) <= 0:
+            raise ConfigError(f"VLLM_ENGRAM_REMOTE_TIMEOUT_MS must be an integer > 0, got {tstr!r}")
+        timeout_ms = int(tstr)
+    else:
+        timeout_ms = DEFAULT_TIMEOUT_MS
+    if not value:
+        if required:
+            raise ConfigError("VLLM_ENGRAM_REMOTE_REQUIRED=1 but VLLM_ENGRAM_REMOTE is empty")
+        return None
+    parts = [p for p in (x.strip() for x in value.split(",")) if p]
+    if len(parts) != tp:
+        raise ConfigError(f"VLLM_ENGRAM_REMOTE names {len(parts)} URL(s) but tp is {tp}: one URL per rank")
+    return [parse_remote_url(p) for p in parts], timeout_ms, required
+
+
+def from_env(manifest: Any, data_dir: str | os.PathLike | None, rank: int, tp: int,
+             env: Mapping[str, str] | None = None, threads: int = 16) -> RowSource:
+    """Build the engine's RowSource from the environment.
+
+    ``VLLM_ENGRAM_REMOTE`` unset/empty -> :class:`LocalRowSource` over a LocalRowReader of
+    ``data_dir``.  Otherwise ``dsv41.engram.client.RemoteRowSource(urls, manifest, rank, tp,
+    timeout_ms, required, local=reader)`` with ``urls`` the validated URL strings (one per
+    rank) and ``reader`` the local exact fallback (None when ``data_dir`` is None).
+    ``manifest``: Manifest or path.  ConfigError on bad env, rank/tp, or a missing client.
+    """
+    from dsv41.engram.manifest import Manifest, load_manifest
+    from dsv41.engram.tables import LocalRowReader
+
+    env = os.environ if env is None else env
+    if not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tp must be an int >= 1, got {tp!r}")
+    if not isinstance(rank, int) or not 0 <= rank < tp:
+        raise ConfigError(f"rank must be in [0, {tp}), got {rank!r}")
+    remote = parse_remote_env(env, tp)
+    m = manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
+    if remote is None:
+        if data_dir is None:
+            raise ConfigError("no data directory for the local Engram reader (and VLLM_ENGRAM_REMOTE is unset)")
+        return LocalRowSource(LocalRowReader(m, Path(data_dir), threads=threads))
+    urls, timeout_ms, required = remote
+    try:
+        client = importlib.import_module("dsv41.engram.client")
+    except ModuleNotFoundError as exc:
+        if exc.name in ("dsv41.engram.client",):
+            raise ConfigError("VLLM_ENGRAM_REMOTE is set but dsv41.engram.client is not installed") from None
+        raise
+    reader = LocalRowReader(m, Path(data_dir), threads=threads) if data_dir is not None else None
+    return client.RemoteRowSource([str(u) for u in urls], m, rank, tp, timeout_ms, required, local=reader)

@@ -1,0 +1,1 @@
+"""Measurement harness: greedy references, admission control, bench, windows."""

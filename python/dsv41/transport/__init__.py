@@ -1,0 +1,52 @@
+"""Row transport: one request/response interface, two backends chosen by URL scheme.
+
+- ``tcp://HOST:PORT[@LOCAL]``: own compact framing (``protocol``), C++ hot path when built
+  (``native``), rows read straight into caller-owned buffers.
+- ``nixl://HOST:PORT[@LOCAL]``: TCP control channel for the handshake, then NIXL one-sided READs
+  of the server's registered tables (``nixl_backend``).
+
+``open_client(url_or_endpoint, identities, timeout_s)`` returns an object with
+``lookup_into(identity, rows, dests, timeout_s)`` and ``close()`` for either scheme, after
+checking that the server holds every expected table identity.
+"""
+
+from __future__ import annotations
+
+from dsv41.transport import protocol
+from dsv41.transport.errors import Refused, TransportError, TransportTimeout
+from dsv41.transport.url import Endpoint, parse_url
+
+__all__ = [
+    "Endpoint",
+    "Refused",
+    "TransportError",
+    "TransportTimeout",
+    "open_client",
+    "parse_url",
+    "protocol",
+]
+
+
+def open_client(url: str | Endpoint, identities: list[bytes], timeout_s: float = 1.0):
+    """Connect to a row server and check it serves every table in ``identities`` (raw 32 B).
+
+    Returns a ``TcpClient`` or ``NixlClient``.  Raises ``Refused`` (reason ``wrong_identity``)
+    when a table is missing or differs, ``TransportError`` / ``TransportTimeout`` otherwise.
+    """
+    ep = parse_url(url) if isinstance(url, str) else url
+    if ep.scheme == "nixl":
+        from dsv41.transport.nixl_backend import NixlClient
+
+        return NixlClient(ep, identities, timeout_s=timeout_s)
+    from dsv41.transport.tcp import TcpClient
+
+    c = TcpClient(ep, connect_timeout_s=timeout_s)
+    try:
+        served = {bytes.fromhex(t["identity"]) for t in c.hello(timeout_s)}
+        missing = [i for i in identities if i not in served]
+        if missing:
+            raise Refused(protocol.ST_WRONG_IDENTITY, "wrong_identity", f"{ep} does not serve table {missing[0].hex()[:16]}...")
+    except BaseException:
+        c.close()
+        raise
+    return c

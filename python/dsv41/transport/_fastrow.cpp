@@ -1,0 +1,507 @@
+// C++ hot path of the dsv41 row transport (protocol: dsv41/transport/protocol.py, version 1).
+//
+// ServerCore: the per-client request loop of the table server (lookup, hello, ping, refusals),
+// run with the GIL released; ops it does not handle itself (the NIXL handshake) are handed back
+// to Python.  client_lookup: one lookup on a non-blocking client socket, busy-polling for a
+// bounded time before sleeping in ppoll, writing rows straight into caller buffers.
+// Built by setup.py (pybind11 setuptools helpers); dsv41/transport/tcp.py and server.py hold the
+// pure-Python equivalents, tested to give identical bytes and statuses.
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr uint32_t kMagic = 0x45565344u;
+constexpr uint16_t kVersion = 1;
+constexpr size_t kReq = 56, kRep = 24, kRow = 264, kW = 256, kS = 8;
+constexpr uint32_t kMaxRows = 1u << 20;
+constexpr uint64_t kMaxPayload = uint64_t(kMaxRows) * 8;
+constexpr size_t kGatherChunk = 16384;
+constexpr uint32_t kPrefetch = 8;  // rows gathered ahead of the copy (prefetch distance)
+enum : uint16_t { OP_LOOKUP = 1, OP_HELLO = 2, OP_NIXL_HELLO = 3, OP_PING = 4 };
+enum : uint16_t {
+  ST_OK = 0, ST_BAD_MAGIC = 1, ST_BAD_VERSION = 2, ST_UNKNOWN_OP = 3, ST_WRONG_IDENTITY = 4,
+  ST_OUT_OF_RANGE = 5, ST_OVERSIZE = 6, ST_BAD_FRAME = 7, ST_SHUTTING_DOWN = 8, ST_NOT_SUPPORTED = 9,
+  ST_COUNT = 16
+};
+constexpr double kBuckets[] = {25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 10e-3, 50e-3, 0.25, 1.0, 5.0};
+constexpr int kNBuckets = sizeof(kBuckets) / sizeof(kBuckets[0]);
+
+// Little-endian hosts only (x86-64, aarch64): fields are copied with memcpy.
+template <class T> T rd(const uint8_t *p) { T v; std::memcpy(&v, p, sizeof v); return v; }
+template <class T> void wr(uint8_t *p, T v) { std::memcpy(p, &v, sizeof v); }
+
+void pack_rep(uint8_t *h, uint16_t status, uint64_t rid, uint32_t count, uint32_t plen) {
+  wr<uint32_t>(h, kMagic); wr<uint16_t>(h + 4, kVersion); wr<uint16_t>(h + 6, status);
+  wr<uint64_t>(h + 8, rid); wr<uint32_t>(h + 16, count); wr<uint32_t>(h + 20, plen);
+}
+
+// Blocking full read; false on EOF or error.
+bool recv_all(int fd, uint8_t *p, size_t n) {
+  while (n) {
+    ssize_t r = ::recv(fd, p, n, 0);
+    if (r > 0) { p += r; n -= size_t(r); continue; }
+    if (r < 0 && errno == EINTR) continue;
+    return false;
+  }
+  return true;
+}
+
+bool send_all(int fd, const uint8_t *p, size_t n) {
+  while (n) {
+    ssize_t r = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (r > 0) { p += r; n -= size_t(r); continue; }
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      pollfd pf{fd, POLLOUT, 0};
+      ::poll(&pf, 1, 1000);
+      continue;
+    }
+    return false;
+  }
+  return true;
+}
+
+struct Table {
+  uint8_t ident[32];
+  uint32_t layer;
+  uint64_t rows;
+  const uint8_t *w;
+  const uint8_t *s;
+};
+
+class ServerCore {
+ public:
+  std::vector<Table> tables;
+  std::vector<py::object> keep;  // the numpy arrays backing the tables
+  std::vector<uint8_t> hello;
+  std::atomic<bool> stopping{false};
+  std::atomic<uint64_t> requests{0}, rows_served{0}, lat_sum_ns{0};
+  std::atomic<uint64_t> refusals[ST_COUNT];
+  std::atomic<uint64_t> buckets[kNBuckets + 1];
+
+  ServerCore() {
+    for (auto &r : refusals) r = 0;
+    for (auto &b : buckets) b = 0;
+  }
+
+  void add_table(py::bytes ident, uint32_t layer, py::array_t<uint8_t, py::array::c_style> w,
+                 py::array_t<uint8_t, py::array::c_style> s) {
+    std::string id = ident;
+    if (id.size() != 32) throw std::invalid_argument("identity must be 32 bytes");
+    if (w.ndim() != 2 || w.shape(1) != (py::ssize_t)kW || s.ndim() != 2 || s.shape(1) != (py::ssize_t)kS ||
+        w.shape(0) != s.shape(0))
+      throw std::invalid_argument("weight must be uint8[rows,256] and scale uint8[rows,8]");
+    Table t;
+    std::memcpy(t.ident, id.data(), 32);
+    t.layer = layer;
+    t.rows = uint64_t(w.shape(0));
+    t.w = w.data();
+    t.s = s.data();
+    tables.push_back(t);
+    keep.push_back(w);
+    keep.push_back(s);
+    size_t o = hello.size();
+    hello.resize(o + 48);
+    std::memcpy(&hello[o], t.ident, 32);
+    wr<uint32_t>(&hello[o + 32], layer);
+    wr<uint64_t>(&hello[o + 36], t.rows);
+    wr<uint32_t>(&hello[o + 44], uint32_t(kRow));
+  }
+
+  const Table *find(const uint8_t *id) const {
+    for (auto &t : tables)
+      if (std::memcmp(t.ident, id, 32) == 0) return &t;
+    return nullptr;
+  }
+
+  py::dict stats() const {
+    py::dict d;
+    d["requests"] = requests.load();
+    d["rows"] = rows_served.load();
+    d["latency_sum"] = double(lat_sum_ns.load()) * 1e-9;
+    py::list b;
+    for (auto &x : buckets) b.append(x.load());
+    d["latency_buckets"] = b;
+    py::dict r;
+    for (int i = 0; i < ST_COUNT; i++)
+      if (refusals[i]) r[py::int_(i)] = refusals[i].load();
+    d["refusals"] = r;
+    return d;
+  }
+
+  void observe(double sec, uint64_t n) {
+    requests++;
+    rows_served += n;
+    lat_sum_ns += uint64_t(sec * 1e9);
+    int i = 0;
+    while (i < kNBuckets && sec > kBuckets[i]) i++;
+    buckets[i]++;
+  }
+};
+
+class Connection {
+ public:
+  Connection(ServerCore &core, int fd, bool nixl) : core_(core), fd_(fd), nixl_(nixl) {}
+
+  // Serve until the peer closes, a fatal frame arrives (None), or an op Python must handle
+  // arrives: returns (op, request_id, count, payload bytes).
+  py::object run() {
+    uint16_t op = 0;
+    uint64_t rid = 0;
+    uint32_t count = 0;
+    bool handoff = false;
+    {
+      py::gil_scoped_release nogil;
+      handoff = loop(op, rid, count);
+    }
+    if (!handoff) return py::none();
+    return py::make_tuple(op, rid, count, py::bytes(reinterpret_cast<const char *>(payload_.data()), plen_));
+  }
+
+  // Send a reply prepared by Python (the NIXL handshake); false if the peer is gone.
+  bool reply(uint16_t status, uint64_t rid, uint32_t count, py::bytes body) {
+    std::string b = body;
+    std::vector<uint8_t> buf(kRep + b.size());
+    pack_rep(buf.data(), status, rid, count, uint32_t(b.size()));
+    std::memcpy(buf.data() + kRep, b.data(), b.size());
+    if (status != ST_OK && status < ST_COUNT) core_.refusals[status]++;
+    py::gil_scoped_release nogil;
+    return send_all(fd_, buf.data(), buf.size());
+  }
+
+ private:
+  ServerCore &core_;
+  int fd_;
+  bool nixl_;
+  uint8_t hdr_[kReq];
+  std::vector<uint8_t> payload_;
+  size_t plen_ = 0;
+  std::vector<uint8_t> gather_;
+
+  bool refuse(uint16_t st, uint64_t rid) {
+    core_.refusals[st]++;
+    uint8_t h[kRep];
+    pack_rep(h, st, rid, 0, 0);
+    return send_all(fd_, h, kRep);
+  }
+
+  bool loop(uint16_t &op_out, uint64_t &rid_out, uint32_t &count_out) {
+    for (;;) {
+      if (!recv_all(fd_, hdr_, kReq)) return false;
+      auto t0 = std::chrono::steady_clock::now();
+      uint32_t magic = rd<uint32_t>(hdr_);
+      uint16_t ver = rd<uint16_t>(hdr_ + 4), op = rd<uint16_t>(hdr_ + 6);
+      uint64_t rid = rd<uint64_t>(hdr_ + 8);
+      const uint8_t *ident = hdr_ + 16;
+      uint32_t count = rd<uint32_t>(hdr_ + 48), plen = rd<uint32_t>(hdr_ + 52);
+      if (magic != kMagic) { refuse(ST_BAD_MAGIC, rid); return false; }
+      if (ver != kVersion) { refuse(ST_BAD_VERSION, rid); return false; }
+      if (plen > kMaxPayload) { refuse(ST_OVERSIZE, rid); return false; }
+      if (payload_.size() < plen) payload_.resize(plen);
+      plen_ = plen;
+      if (!recv_all(fd_, payload_.data(), plen)) return false;
+      if (core_.stopping.load()) { if (!refuse(ST_SHUTTING_DOWN, rid)) return false; continue; }
+      bool ok = true;
+      switch (op) {
+        case OP_LOOKUP: ok = lookup(rid, ident, count, t0); break;
+        case OP_HELLO: {
+          std::vector<uint8_t> b(kRep + core_.hello.size());
+          pack_rep(b.data(), ST_OK, rid, uint32_t(core_.tables.size()), uint32_t(core_.hello.size()));
+          if (!core_.hello.empty()) std::memcpy(b.data() + kRep, core_.hello.data(), core_.hello.size());
+          ok = send_all(fd_, b.data(), b.size());
+          break;
+        }
+        case OP_PING: {
+          uint8_t h[kRep];
+          pack_rep(h, ST_OK, rid, 0, 0);
+          ok = send_all(fd_, h, kRep);
+          break;
+        }
+        case OP_NIXL_HELLO:
+          if (!nixl_) { ok = refuse(ST_NOT_SUPPORTED, rid); break; }
+          op_out = op; rid_out = rid; count_out = count;
+          return true;
+        default: ok = refuse(ST_UNKNOWN_OP, rid);
+      }
+      if (!ok) return false;
+    }
+  }
+
+  bool lookup(uint64_t rid, const uint8_t *ident, uint32_t count, std::chrono::steady_clock::time_point t0) {
+    const Table *t = core_.find(ident);
+    if (!t) return refuse(ST_WRONG_IDENTITY, rid);
+    if (uint64_t(count) * 8 != plen_) return refuse(ST_BAD_FRAME, rid);
+    const uint8_t *p = payload_.data();
+    for (uint32_t i = 0; i < count; i++)
+      if (rd<uint64_t>(p + 8 * size_t(i)) >= t->rows) return refuse(ST_OUT_OF_RANGE, rid);
+    size_t first = count < kGatherChunk ? count : kGatherChunk;
+    if (gather_.size() < kRep + first * kRow) gather_.resize(kRep + first * kRow);
+    pack_rep(gather_.data(), ST_OK, rid, count, uint32_t(uint64_t(count) * kRow));
+    bool first_chunk = true;  // the header rides in the first chunk's send
+    for (uint32_t s = 0; s < count || s == 0; s += kGatherChunk) {
+      uint32_t n = count - s < kGatherChunk ? count - s : uint32_t(kGatherChunk);
+      uint8_t *o = gather_.data() + kRep;
+      for (uint32_t i = 0; i < n; i++) {
+        if (i + kPrefetch < n) {  // random rows: hide the cache/TLB misses of rows ahead
+          uint64_t q = rd<uint64_t>(p + 8 * size_t(s + i + kPrefetch));
+          const uint8_t *wq = t->w + q * kW;
+          __builtin_prefetch(wq);
+          __builtin_prefetch(wq + 64);
+          __builtin_prefetch(wq + 128);
+          __builtin_prefetch(wq + 192);
+          __builtin_prefetch(t->s + q * kS);
+        }
+        uint64_t r = rd<uint64_t>(p + 8 * size_t(s + i));
+        std::memcpy(o + size_t(i) * kRow, t->w + r * kW, kW);
+        std::memcpy(o + size_t(i) * kRow + kW, t->s + r * kS, kS);
+      }
+      size_t skip = first_chunk ? 0 : kRep;
+      if (!send_all(fd_, gather_.data() + skip, kRep - skip + size_t(n) * kRow)) return false;
+      first_chunk = false;
+      if (count == 0) break;
+    }
+    core_.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), count);
+    return true;
+  }
+};
+
+int64_t now_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
+}
+
+// Non-blocking receive of exactly n bytes with spin-then-poll; 0 ok, -1 timeout, -2 error/EOF.
+int recv_deadline(int fd, uint8_t *p, size_t n, int64_t deadline, int64_t spin_ns) {
+  int64_t spin_until = now_ns() + spin_ns;
+  while (n) {
+    ssize_t r = ::recv(fd, p, n, MSG_DONTWAIT);
+    if (r > 0) { p += r; n -= size_t(r); continue; }
+    if (r == 0) return -2;
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return -2;
+    int64_t t = now_ns();
+    if (t >= deadline) return -1;
+    if (t < spin_until) continue;
+    pollfd pf{fd, POLLIN, 0};
+    int64_t rem = deadline - t;
+    timespec ts{time_t(rem / 1000000000LL), long(rem % 1000000000LL)};
+    ::ppoll(&pf, 1, &ts, nullptr);
+  }
+  return 0;
+}
+
+int send_deadline(int fd, iovec *iov, int niov, int64_t deadline) {
+  while (niov) {
+    ssize_t r = ::writev(fd, iov, niov);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) return -2;
+      int64_t rem = deadline - now_ns();
+      if (rem <= 0) return -1;
+      pollfd pf{fd, POLLOUT, 0};
+      timespec ts{time_t(rem / 1000000000LL), long(rem % 1000000000LL)};
+      ::ppoll(&pf, 1, &ts, nullptr);
+      continue;
+    }
+    size_t k = size_t(r);
+    while (niov && k >= iov->iov_len) { k -= iov->iov_len; iov++; niov--; }
+    if (niov) { iov->iov_base = static_cast<uint8_t *>(iov->iov_base) + k; iov->iov_len -= k; }
+  }
+  return 0;
+}
+
+// One lookup on a non-blocking connected socket.  Returns (code, reply_count, reply_plen):
+// code 0 = rows written; 1 = refused (status in reply_count's place, payload discarded);
+// -1 = timeout; -2 = transport error; -3 = generation mismatch; -4 = malformed reply.
+// On any negative code the caller must close the socket.
+py::tuple client_lookup(int fd, uint64_t gen, py::bytes ident, py::array_t<uint64_t, py::array::c_style> rows,
+                        py::list dests, int64_t timeout_ns, int64_t spin_ns) {
+  std::string id = ident;
+  if (id.size() != 32) throw std::invalid_argument("identity must be 32 bytes");
+  uint32_t n = uint32_t(rows.shape(0));
+  std::vector<std::pair<uint8_t *, size_t>> out;
+  for (auto h : dests) {
+    auto a = py::reinterpret_borrow<py::array_t<uint8_t, py::array::c_style>>(h);
+    out.emplace_back(a.mutable_data(), size_t(a.nbytes()));
+  }
+  const uint8_t *rp = reinterpret_cast<const uint8_t *>(rows.data());
+  int code = 0;
+  uint32_t rcount = 0, rplen = 0;
+  {
+    py::gil_scoped_release nogil;
+    int64_t deadline = now_ns() + timeout_ns;
+    uint8_t h[kReq];
+    wr<uint32_t>(h, kMagic); wr<uint16_t>(h + 4, kVersion); wr<uint16_t>(h + 6, OP_LOOKUP);
+    wr<uint64_t>(h + 8, gen); std::memcpy(h + 16, id.data(), 32);
+    wr<uint32_t>(h + 48, n); wr<uint32_t>(h + 52, n * 8);
+    iovec iov[2] = {{h, kReq}, {const_cast<uint8_t *>(rp), size_t(n) * 8}};
+    code = send_deadline(fd, iov, n ? 2 : 1, deadline);
+    uint8_t rep[kRep];
+    if (code == 0) code = recv_deadline(fd, rep, kRep, deadline, spin_ns);
+    if (code == 0) {
+      uint16_t status = rd<uint16_t>(rep + 6);
+      rcount = rd<uint32_t>(rep + 16);
+      rplen = rd<uint32_t>(rep + 20);
+      if (rd<uint32_t>(rep) != kMagic || rd<uint16_t>(rep + 4) != kVersion) code = -4;
+      else if (rd<uint64_t>(rep + 8) != gen) code = -3;
+      else if (status != ST_OK) {
+        if (rplen > 4096) code = -4;
+        else {
+          uint8_t junk[4096];
+          code = recv_deadline(fd, junk, rplen, deadline, spin_ns);
+          if (code == 0) { code = 1; rcount = status; }
+        }
+      } else if (rcount != n || uint64_t(rplen) != uint64_t(n) * kRow) code = -4;
+      else
+        for (auto &d : out)
+          if (d.second && (code = recv_deadline(fd, d.first, d.second, deadline, spin_ns)) != 0) break;
+    }
+  }
+  return py::make_tuple(code, rcount, rplen);
+}
+
+// Pipelined lookup of many rows: requests of `chunk` rows, up to `window` in flight, replies
+// received in order straight into `out` (uint8[N,264]).  Each reply must arrive within
+// `timeout_ns` of the previous one (the same budget a sequential request would get).
+// Generations gen0, gen0+1, ... Returns (code, status, chunk_index) with the codes of
+// client_lookup; on any code != 0 the caller must close the socket (requests may be in flight).
+py::tuple client_lookup_many(int fd, uint64_t gen0, py::bytes ident, py::array_t<uint64_t, py::array::c_style> rows,
+                             py::array_t<uint8_t, py::array::c_style> out, uint32_t chunk, uint32_t window,
+                             int64_t timeout_ns, int64_t spin_ns) {
+  std::string id = ident;
+  if (id.size() != 32) throw std::invalid_argument("identity must be 32 bytes");
+  if (chunk == 0 || chunk > kMaxRows || window == 0) throw std::invalid_argument("bad chunk/window");
+  size_t n = size_t(rows.shape(0));
+  if (out.ndim() != 2 || size_t(out.shape(0)) != n || out.shape(1) != (py::ssize_t)kRow)
+    throw std::invalid_argument("out must be uint8[N,264]");
+  const uint8_t *rp = reinterpret_cast<const uint8_t *>(rows.data());
+  uint8_t *op = out.mutable_data();
+  size_t nchunks = (n + chunk - 1) / chunk;
+  int code = 0;
+  uint32_t status = 0;
+  size_t recv_idx = 0;
+  {
+    py::gil_scoped_release nogil;
+    std::vector<uint8_t> hdrs(nchunks * kReq);
+    for (size_t k = 0; k < nchunks; k++) {
+      uint8_t *h = &hdrs[k * kReq];
+      uint32_t c = uint32_t(std::min<size_t>(chunk, n - k * chunk));
+      wr<uint32_t>(h, kMagic); wr<uint16_t>(h + 4, kVersion); wr<uint16_t>(h + 6, OP_LOOKUP);
+      wr<uint64_t>(h + 8, gen0 + k); std::memcpy(h + 16, id.data(), 32);
+      wr<uint32_t>(h + 48, c); wr<uint32_t>(h + 52, c * 8);
+    }
+    size_t send_idx = 0, send_off = 0;  // bytes of chunk send_idx already sent
+    uint8_t rep[kRep];
+    size_t rgot = 0;          // bytes of the current reply (header then rows) received
+    bool in_payload = false;
+    int64_t deadline = now_ns() + timeout_ns;
+    int64_t spin_until = now_ns() + spin_ns;
+    while (recv_idx < nchunks && code == 0) {
+      bool progressed = false;
+      while (send_idx < nchunks && send_idx - recv_idx < window) {
+        size_t c = std::min<size_t>(chunk, n - send_idx * chunk);
+        size_t hlen = kReq, plen = c * 8;
+        iovec iov[2];
+        int niov = 0;
+        if (send_off < hlen) {
+          iov[niov++] = {&hdrs[send_idx * kReq] + send_off, hlen - send_off};
+          iov[niov++] = {const_cast<uint8_t *>(rp) + send_idx * chunk * 8, plen};
+        } else {
+          iov[niov++] = {const_cast<uint8_t *>(rp) + send_idx * chunk * 8 + (send_off - hlen), plen - (send_off - hlen)};
+        }
+        msghdr mh{};
+        mh.msg_iov = iov;
+        mh.msg_iovlen = niov;
+        ssize_t r = ::sendmsg(fd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (r < 0) {
+          if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
+          code = -2;
+          break;
+        }
+        progressed = progressed || r > 0;
+        send_off += size_t(r);
+        if (send_off == hlen + plen) { send_idx++; send_off = 0; }
+      }
+      if (code) break;
+      // receive whatever is there for the reply in progress
+      for (;;) {
+        size_t c = std::min<size_t>(chunk, n - recv_idx * chunk);
+        uint8_t *dst;
+        size_t want;
+        if (!in_payload) { dst = rep + rgot; want = kRep - rgot; }
+        else { dst = op + recv_idx * chunk * kRow + rgot; want = c * kRow - rgot; }
+        ssize_t r = ::recv(fd, dst, want, MSG_DONTWAIT);
+        if (r == 0) { code = -2; break; }
+        if (r < 0) {
+          if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
+          code = -2;
+          break;
+        }
+        progressed = true;
+        rgot += size_t(r);
+        if (!in_payload && rgot == kRep) {
+          uint16_t st = rd<uint16_t>(rep + 6);
+          if (rd<uint32_t>(rep) != kMagic || rd<uint16_t>(rep + 4) != kVersion) { code = -4; break; }
+          if (rd<uint64_t>(rep + 8) != gen0 + recv_idx) { code = -3; break; }
+          if (st != ST_OK) { code = 1; status = st; break; }
+          if (rd<uint32_t>(rep + 16) != c || uint64_t(rd<uint32_t>(rep + 20)) != uint64_t(c) * kRow) { code = -4; break; }
+          in_payload = true;
+          rgot = 0;
+          if (c == 0) { in_payload = false; recv_idx++; }
+        } else if (in_payload && rgot == c * kRow) {
+          in_payload = false;
+          rgot = 0;
+          recv_idx++;
+          deadline = now_ns() + timeout_ns;  // next reply gets its own full budget
+          if (recv_idx == nchunks) break;
+          if (send_idx < nchunks && send_idx - recv_idx < window) break;  // go send the next request
+        }
+      }
+      if (code || recv_idx == nchunks) break;
+      if (progressed) { spin_until = now_ns() + spin_ns; continue; }
+      int64_t t = now_ns();
+      if (t >= deadline) { code = -1; break; }
+      if (t < spin_until) continue;
+      pollfd pf{fd, short(POLLIN | (send_idx < nchunks && send_idx - recv_idx < window ? POLLOUT : 0)), 0};
+      int64_t rem = deadline - t;
+      timespec ts{time_t(rem / 1000000000LL), long(rem % 1000000000LL)};
+      ::ppoll(&pf, 1, &ts, nullptr);
+    }
+  }
+  return py::make_tuple(code, status, recv_idx);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_fastrow, m) {
+  m.doc() = "C++ hot path of the dsv41 row transport (server request loop, client lookup).";
+  py::class_<ServerCore>(m, "ServerCore")
+      .def(py::init<>())
+      .def("add_table", &ServerCore::add_table)
+      .def("stats", &ServerCore::stats)
+      .def("set_stopping", [](ServerCore &c, bool v) { c.stopping = v; });
+  py::class_<Connection>(m, "Connection")
+      .def(py::init<ServerCore &, int, bool>(), py::keep_alive<1, 2>())
+      .def("run", &Connection::run)
+      .def("reply", &Connection::reply);
+  m.def("client_lookup", &client_lookup);
+  m.def("client_lookup_many", &client_lookup_many);
+}

@@ -1,0 +1,310 @@
+"""NIXL backend of the row transport: one-sided READs of registered table memory.
+
+Server side (``NixlExporter``): one NIXL agent registers each table's weight and scale regions
+once and answers the control-channel handshake (``OP_NIXL_HELLO`` on the ``nixl://`` TCP port)
+with its agent metadata and one strided descriptor list per table (weights: ``rows`` blocks of
+256 B; scales: ``rows`` blocks of 8 B).  The server's CPU is not on the data path.
+
+Client side (``NixlClient``): the handshake sends the identities the client expects; the server
+refuses a mismatch before sharing any descriptor.  Lookups are bounds-checked locally before a
+READ is posted, then READ straight into a registered staging slot (weights to bytes 0..255 and
+scales to 256..263 of each 264 B staging row) and copied to the caller.  A READ still in flight
+at its deadline keeps its staging slot quarantined until NIXL reports it finished or the
+connection is torn down, so its late bytes can never land in a slot that is being reused.
+
+NIXL is imported lazily (``nixl_cu12._api``; runs without torch).  UCX picks its transports from
+the environment: ``UCX_TLS=tcp`` in tests, ``UCX_TLS=rc,tcp`` plus ``UCX_NET_DEVICES`` on RoCE.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import mmap
+import os
+import threading
+import time
+import uuid
+
+import numpy as np
+
+from dsv41.transport import protocol as P
+from dsv41.transport.errors import Refused, TransportError, TransportTimeout
+from dsv41.transport.tcp import TcpClient
+from dsv41.transport.url import Endpoint
+
+_agent_seq = itertools.count(1)
+
+
+def _nixl_api():
+    try:
+        from nixl_cu12 import _api
+    except ImportError as exc:  # pragma: no cover - the venv pins nixl-cu12
+        raise TransportError(f"NIXL is not installed ({exc}); install nixl-cu12 --no-deps") from None
+    return _api
+
+
+def _quiet_nixl_logs() -> None:
+    import logging
+
+    logging.getLogger("nixl_cu12").setLevel(logging.WARNING)
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("nixl"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _agent(prefix: str, progress_thread: bool):
+    api = _nixl_api()
+    _quiet_nixl_logs()
+    name = f"{prefix}-{os.getpid()}-{next(_agent_seq)}-{uuid.uuid4().hex[:8]}"
+    try:
+        agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
+    except Exception as exc:  # NIXL raises plain RuntimeError/nixlBind errors
+        raise TransportError(f"cannot create a NIXL agent: {exc}") from None
+    if "UCX" not in agent.backends:
+        raise TransportError("NIXL has no UCX backend on this host")
+    return agent
+
+
+class NixlExporter:
+    """Registers resident tables with NIXL once and answers handshakes.
+
+    ``tables``: ``dsv41.transport.server.RowTable`` list (their arrays must outlive the
+    exporter).  Raises ``TransportError`` when NIXL or UCX cannot be initialised.
+    """
+
+    def __init__(self, tables) -> None:
+        # The server's progress thread answers READs over UCX's TCP emulation; on RDMA it idles.
+        self.agent = _agent("dsv41-engram-server", progress_thread=True)
+        self.tables = {t.identity: t for t in tables}
+        regs = []
+        for t in tables:
+            regs.append((t.weight.ctypes.data, t.weight.nbytes, 0, ""))
+            regs.append((t.scale.ctypes.data, t.scale.nbytes, 0, ""))
+        try:
+            self._reg = self.agent.register_memory(regs, "DRAM")
+        except Exception as exc:
+            raise TransportError(f"NIXL could not register the tables: {exc}") from None
+        self._metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
+
+    def handshake(self, identities: list[bytes]) -> bytes:
+        """JSON reply for a client that expects ``identities`` (all already checked to exist):
+        agent name and metadata, and per table the strided descriptors of its two regions."""
+        out = []
+        for ident in identities:
+            t = self.tables[ident]
+            out.append(
+                {
+                    "identity": ident.hex(),
+                    "layer_id": t.layer_id,
+                    "rows": t.rows,
+                    "weight": [t.weight.ctypes.data, P.WEIGHT_BYTES, 0, P.WEIGHT_BYTES, t.rows],
+                    "scale": [t.scale.ctypes.data, P.SCALE_BYTES, 0, P.SCALE_BYTES, t.rows],
+                }
+            )
+        return json.dumps({"version": P.VERSION, "agent": self.agent.name, "metadata": self._metadata, "tables": out}).encode()
+
+    def close(self) -> None:
+        """Deregister the tables (call after the server stopped)."""
+        try:
+            self.agent.deregister_memory(self._reg)
+        except Exception:
+            pass
+
+
+class NixlClient:
+    """Client of a ``nixl://`` endpoint: handshake over TCP, then one-sided READs.
+
+    ``identities``: the tables this client expects (raw 32 B each); a server lacking any of them
+    refuses (``Refused`` with reason ``wrong_identity``) before sharing descriptors.
+    ``staging_rows``: rows per staging slot (a larger lookup is READ in chunks);
+    ``slots``: staging slots (quarantined slots wait here until their READ finishes).
+    Raises ``TransportError`` / ``TransportTimeout`` when the server cannot be reached.
+    """
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        identities: list[bytes],
+        timeout_s: float = 2.0,
+        staging_rows: int = 16384,
+        slots: int = 4,
+    ) -> None:
+        self.endpoint = endpoint
+        self.staging_rows = staging_rows
+        self.nslots = slots
+        self.ctrl = TcpClient(endpoint, connect_timeout_s=timeout_s)
+        self.agent = None
+        self._closed = False
+        self._lock = threading.Lock()
+        try:
+            ids = [P.identity_bytes(i) for i in identities]
+            count, body = self.ctrl.request(P.OP_NIXL_HELLO, bytes(32), len(ids), b"".join(ids), timeout_s)
+            try:
+                info = json.loads(body)
+                md = base64.b64decode(info["metadata"])
+                tables = info["tables"]
+            except (ValueError, KeyError, TypeError):
+                raise TransportError(f"{endpoint} sent a malformed NIXL handshake") from None
+            if len(tables) != len(ids) or [bytes.fromhex(t["identity"]) for t in tables] != ids:
+                raise TransportError(f"{endpoint} answered the NIXL handshake for other tables")
+            # No progress thread on the client: polling the transfer drives progress, and a
+            # second thread waking up costs milliseconds on a loaded host (measured).
+            self.agent = _agent("dsv41-engram-client", progress_thread=False)
+            self.remote = self.agent.add_remote_agent(md)
+            # Remote descriptor list: per table, [weights (rows blocks), scales (rows blocks)].
+            self.tables: dict[bytes, tuple[int, int, int]] = {}  # identity -> (rows, wbase, sbase)
+            strided, base = [], 0
+            for t in tables:
+                rows = int(t["rows"])
+                strided.append([int(x) for x in t["weight"]])
+                strided.append([int(x) for x in t["scale"]])
+                self.tables[bytes.fromhex(t["identity"])] = (rows, base, base + rows)
+                base += 2 * rows
+            self.remote_dlist = self.agent.prep_xfer_dlist(self.remote, np.array(strided, dtype=np.uint64), "DRAM")
+            total = staging_rows * slots
+            self._staging_mem = mmap.mmap(-1, total * P.ROW_BYTES)
+            self.staging = np.frombuffer(self._staging_mem, np.uint8).reshape(total, P.ROW_BYTES)
+            addr = self.staging.ctypes.data
+            self._reg = self.agent.register_memory([(addr, self.staging.nbytes, 0, "")], "DRAM")
+            self.local_dlist = self.agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT",
+                np.array(
+                    [[addr, P.WEIGHT_BYTES, 0, P.ROW_BYTES, total], [addr + P.WEIGHT_BYTES, P.SCALE_BYTES, 0, P.ROW_BYTES, total]],
+                    dtype=np.uint64,
+                ),
+                "DRAM",
+            )
+            self._total = total
+            self._free = list(range(slots))
+            self._quarantine: dict[int, object] = {}  # slot -> in-flight xfer handle
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def quarantined(self) -> int:
+        """Number of staging slots held by abandoned READs."""
+        return len(self._quarantine)
+
+    def _reap(self) -> None:
+        for slot, h in list(self._quarantine.items()):
+            try:
+                st = self.agent.check_xfer_state(h)
+            except Exception:
+                st = "ERR"
+            if st != "PROC":
+                try:
+                    h.release()
+                except Exception:
+                    pass
+                del self._quarantine[slot]
+                self._free.append(slot)
+
+    def lookup_into(self, identity: bytes, rows: np.ndarray, dests: list[np.ndarray], timeout_s: float) -> None:
+        """READ ``rows`` (uint64[N], global ids) of table ``identity`` into ``dests``
+        (C-contiguous uint8 ``[n_i, 264]``, 1..16 ranges, ``sum(n_i) == N``).
+
+        Raises ``Refused`` (unknown identity / out of range; nothing posted),
+        ``TransportTimeout`` (slot quarantined) or ``TransportError``.
+        """
+        with self._lock:
+            if self._closed or self.agent is None:
+                raise TransportError(f"not connected to {self.endpoint}")
+            entry = self.tables.get(identity)
+            if entry is None:
+                raise Refused(P.ST_WRONG_IDENTITY, "wrong_identity")
+            nrows, wbase, sbase = entry
+            rows = np.ascontiguousarray(rows, dtype=np.uint64)
+            n = rows.shape[0]
+            if sum(d.shape[0] for d in dests) != n or not 1 <= len(dests) <= 16:
+                raise ValueError("destinations must hold exactly the requested rows in 1..16 ranges")
+            if n and int(rows.max()) >= nrows:
+                raise Refused(P.ST_OUT_OF_RANGE, "out_of_range")  # checked before any READ
+            deadline = time.monotonic() + timeout_s
+            self._reap()
+            if not self._free:
+                raise TransportError(f"{self.endpoint}: every NIXL staging slot is quarantined")
+            slot = self._free.pop()
+            try:
+                flat = np.concatenate(dests) if len(dests) > 1 else dests[0]
+                for s in range(0, n, self.staging_rows):
+                    r = rows[s : s + self.staging_rows].astype(np.int64)
+                    k = r.shape[0]
+                    loc = slot * self.staging_rows + np.arange(k, dtype=np.int64)
+                    li = np.concatenate([loc, loc + self._total]).astype(np.int32)
+                    ri = np.concatenate([r + wbase, r + sbase]).astype(np.int32)
+                    self._read(slot, li, ri, deadline)
+                    flat[s : s + k] = self.staging[slot * self.staging_rows : slot * self.staging_rows + k]
+                if len(dests) > 1:
+                    o = 0
+                    for d in dests:
+                        d[...] = flat[o : o + d.shape[0]]
+                        o += d.shape[0]
+            except TransportTimeout:
+                raise  # the slot stays quarantined
+            except BaseException:
+                self._free.append(slot)
+                raise
+            self._free.append(slot)
+
+    def _read(self, slot: int, li: np.ndarray, ri: np.ndarray, deadline: float) -> None:
+        try:
+            h = self.agent.make_prepped_xfer("READ", self.local_dlist, li, self.remote_dlist, ri)
+            st = self.agent.transfer(h)
+        except Exception as exc:
+            raise TransportError(f"NIXL READ from {self.endpoint} failed to post: {exc}") from None
+        spins = 0
+        while st == "PROC":
+            if time.monotonic() >= deadline:
+                self._quarantine[slot] = h
+                raise TransportTimeout(f"NIXL READ from {self.endpoint} timed out")
+            spins += 1
+            if spins > 2000:
+                time.sleep(50e-6)  # stop hogging a core once the READ is clearly slow
+            try:
+                st = self.agent.check_xfer_state(h)
+            except Exception:
+                st = "ERR"
+        try:
+            h.release()
+        except Exception:
+            pass
+        if st != "DONE":
+            raise TransportError(f"NIXL READ from {self.endpoint} failed")
+
+    def close(self) -> None:
+        """Tear down: abandon quarantined READs, deregister staging, drop the remote agent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self.ctrl is not None:
+                self.ctrl.close()
+            agent = self.agent
+            if agent is None:
+                return
+            for h in list(getattr(self, "_quarantine", {}).values()):
+                try:
+                    h.release()
+                except Exception:
+                    pass
+            for attr in ("local_dlist", "remote_dlist"):
+                d = getattr(self, attr, None)
+                if d is not None:
+                    try:
+                        d.release()
+                    except Exception:
+                        pass
+            if getattr(self, "_reg", None) is not None:
+                try:
+                    agent.deregister_memory(self._reg)
+                except Exception:
+                    pass
+            if getattr(self, "remote", None):
+                try:
+                    agent.remove_remote_agent(self.remote)
+                except Exception:
+                    pass
+            self.agent = None

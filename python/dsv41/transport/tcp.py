@@ -1,0 +1,280 @@
+"""TCP client of the row transport: rows land straight in caller-owned buffers.
+
+Latency design (docs/remote-engram.md): the socket is non-blocking; after sending, the client
+busy-polls ``recv_into`` for up to ``spin_us`` (a thread wake-up costs ~30 us on the target
+hosts) and then blocks in ``poll`` until the deadline.  A request that misses its deadline tears
+the connection down, so a late reply can never land in a buffer whose request already timed out;
+every reply must also echo the request's generation (``request id``), else the connection is
+dropped as a protocol error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import select
+import socket
+import time
+
+import numpy as np
+
+from dsv41.transport import native as _native
+from dsv41.transport import protocol as P
+from dsv41.transport.errors import Refused, TransportError, TransportTimeout
+from dsv41.transport.url import Endpoint
+
+MAX_DEST_RANGES = 16
+
+
+class TcpClient:
+    """One connection to a row server (``tcp://`` or a ``nixl://`` control channel).
+
+    ``connect_timeout_s``: bound on connect; ``spin_us``: busy-poll budget per receive before
+    blocking.  ``native``: C++ lookup path (default: when built, see ``transport.native``).
+    Not thread-safe: one in-flight request at a time (callers lock).
+    Raises ``TransportError`` when the server cannot be reached.
+    """
+
+    def __init__(
+        self, endpoint: Endpoint, connect_timeout_s: float = 1.0, spin_us: int = 50, native: bool | None = None
+    ) -> None:
+        self.endpoint = endpoint
+        self.native = _native.use_native(native)
+        self.spin_s = spin_us / 1e6
+        self._gen = itertools.count(1)
+        self._hdr = bytearray(P.REP.size)
+        self._hdr_mv = memoryview(self._hdr)
+        self.sock: socket.socket | None = None
+        try:
+            fam = socket.AF_INET6 if ":" in endpoint.host else socket.AF_INET
+            s = socket.socket(fam, socket.SOCK_STREAM)
+            try:
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if endpoint.local_host:
+                    s.bind((endpoint.local_host, endpoint.local_port))
+                s.settimeout(connect_timeout_s)
+                s.connect((endpoint.host, endpoint.port))
+                s.setblocking(False)
+            except BaseException:
+                s.close()
+                raise
+        except OSError as exc:
+            raise TransportError(f"cannot connect to {endpoint}: {exc.strerror or exc}") from None
+        self.sock = s
+        self._poll = select.poll()
+        self._poll.register(s.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+
+    @property
+    def connected(self) -> bool:
+        return self.sock is not None
+
+    def close(self) -> None:
+        """Close the connection (idempotent)."""
+        s, self.sock = self.sock, None
+        if s is not None:
+            try:
+                self._poll.unregister(s.fileno())
+            except (KeyError, ValueError, OSError):
+                pass
+            s.close()
+
+    # -- low level -------------------------------------------------------------------------
+    def _fail(self, exc: TransportError) -> TransportError:
+        self.close()
+        return exc
+
+    def _send_all(self, bufs: list, deadline: float) -> None:
+        s = self.sock
+        views = [memoryview(b).cast("B") for b in bufs if len(memoryview(b).cast("B"))]
+        while views:
+            try:
+                n = s.sendmsg(views)
+            except BlockingIOError:
+                n = 0
+            except OSError as exc:
+                raise self._fail(TransportError(f"send to {self.endpoint} failed: {exc}")) from None
+            while n and views:
+                if n >= len(views[0]):
+                    n -= len(views[0])
+                    views.pop(0)
+                else:
+                    views[0] = views[0][n:]
+                    n = 0
+            if views:
+                rem = deadline - time.monotonic()
+                if rem <= 0:
+                    raise self._fail(TransportTimeout(f"send to {self.endpoint} timed out"))
+                select.select([], [s], [], rem)
+
+    def _recv_into(self, mv: memoryview, deadline: float) -> None:
+        s = self.sock
+        got, n = 0, len(mv)
+        spin_until = time.monotonic() + self.spin_s
+        while got < n:
+            try:
+                r = s.recv_into(mv[got:])
+                if r == 0:
+                    raise self._fail(TransportError(f"{self.endpoint} closed the connection"))
+                got += r
+                continue
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError as exc:
+                raise self._fail(TransportError(f"receive from {self.endpoint} failed: {exc}")) from None
+            t = time.monotonic()
+            if t >= deadline:
+                raise self._fail(TransportTimeout(f"request to {self.endpoint} timed out"))
+            if t < spin_until:
+                continue
+            self._poll.poll(max(1, int((deadline - t) * 1000 + 0.999)))
+
+    def _discard(self, n: int, deadline: float) -> None:
+        scratch = memoryview(bytearray(min(n, 1 << 16)))
+        while n:
+            k = min(n, len(scratch))
+            self._recv_into(scratch[:k], deadline)
+            n -= k
+
+    def _reply_header(self, gen: int, deadline: float) -> tuple[int, int, int]:
+        self._recv_into(self._hdr_mv, deadline)
+        magic, ver, status, rid, count, plen = P.REP.unpack(self._hdr)
+        if magic != P.MAGIC or ver != P.VERSION:
+            raise self._fail(TransportError(f"{self.endpoint} sent a malformed reply header"))
+        if rid != gen:
+            # Generation mismatch: a reply that is not ours must never reach a caller buffer.
+            raise self._fail(TransportError(f"{self.endpoint} replied to request {rid}, expected {gen}"))
+        return status, count, plen
+
+    def _refusal(self, status: int, plen: int, deadline: float) -> Refused:
+        if plen > 4096:
+            return self._fail(Refused(status, P.status_name(status)))
+        self._discard(plen, deadline)
+        return Refused(status, P.status_name(status))
+
+    def request(self, op: int, identity: bytes, count: int, payload: bytes, timeout_s: float) -> tuple[int, bytes]:
+        """Send one control request; return ``(count, payload)`` of an OK reply.
+
+        Raises ``Refused`` (connection kept), ``TransportTimeout`` or ``TransportError``
+        (connection closed).  Replies are limited to 16 MiB.
+        """
+        if self.sock is None:
+            raise TransportError(f"not connected to {self.endpoint}")
+        deadline = time.monotonic() + timeout_s
+        gen = next(self._gen)
+        hdr = P.REQ.pack(P.MAGIC, P.VERSION, op, gen, identity, count, len(payload))
+        self._send_all([hdr, payload], deadline)
+        status, rcount, plen = self._reply_header(gen, deadline)
+        if status != P.ST_OK:
+            raise self._refusal(status, plen, deadline)
+        if plen > (16 << 20):
+            raise self._fail(TransportError(f"{self.endpoint} sent an oversize control reply"))
+        buf = bytearray(plen)
+        self._recv_into(memoryview(buf), deadline)
+        return rcount, bytes(buf)
+
+    def hello(self, timeout_s: float = 1.0) -> list[dict]:
+        """The server's tables: ``[{identity (hex), layer_id, rows, row_bytes}]``."""
+        count, data = self.request(P.OP_HELLO, bytes(32), 0, b"", timeout_s)
+        if len(data) != count * P.TABLE_ENTRY.size:
+            raise self._fail(TransportError(f"{self.endpoint} sent a malformed table list"))
+        out = []
+        for i in range(count):
+            ident, layer, rows, rb = P.TABLE_ENTRY.unpack_from(data, i * P.TABLE_ENTRY.size)
+            out.append({"identity": ident.hex(), "layer_id": layer, "rows": rows, "row_bytes": rb})
+        return out
+
+    def lookup_into(self, identity: bytes, rows: np.ndarray, dests: list[np.ndarray], timeout_s: float) -> None:
+        """Fetch ``rows`` (uint64[N], global ids) of table ``identity`` into ``dests``.
+
+        ``dests``: 1..16 C-contiguous uint8 ``[n_i, 264]`` arrays with ``sum(n_i) == N``; rows are
+        written in request order across them.  ``N <= MAX_ROWS``.  Raises ``Refused`` (wrong
+        identity, out of range...; no destination byte written), ``TransportTimeout`` or
+        ``TransportError`` (connection closed; destinations may hold partial data of this request
+        only).
+        """
+        if self.sock is None:
+            raise TransportError(f"not connected to {self.endpoint}")
+        n = int(rows.shape[0])
+        if not 1 <= len(dests) <= MAX_DEST_RANGES:
+            raise ValueError(f"1..{MAX_DEST_RANGES} destination ranges, got {len(dests)}")
+        total = 0
+        for d in dests:
+            if d.dtype != np.uint8 or d.ndim != 2 or d.shape[1] != P.ROW_BYTES or not d.flags.c_contiguous:
+                raise ValueError("destinations must be C-contiguous uint8[n, 264] arrays")
+            if not d.flags.writeable:
+                raise ValueError("destination is read-only")
+            total += d.shape[0]
+        if total != n:
+            raise ValueError(f"destinations hold {total} rows, request has {n}")
+        if n > P.MAX_ROWS:
+            raise ValueError(f"at most {P.MAX_ROWS} rows per request, got {n}")
+        if rows.dtype != np.dtype("<u8") or not rows.flags.c_contiguous:
+            rows = np.ascontiguousarray(rows, dtype="<u8")
+        gen = next(self._gen)
+        if self.native:
+            self._native_lookup(identity, gen, rows, dests, timeout_s)
+            return
+        deadline = time.monotonic() + timeout_s
+        hdr = P.REQ.pack(P.MAGIC, P.VERSION, P.OP_LOOKUP, gen, identity, n, 8 * n)
+        self._send_all([hdr, rows], deadline)
+        status, rcount, plen = self._reply_header(gen, deadline)
+        if status != P.ST_OK:
+            raise self._refusal(status, plen, deadline)
+        if rcount != n or plen != n * P.ROW_BYTES:
+            raise self._fail(TransportError(f"{self.endpoint} sent {rcount} rows, expected {n}"))
+        for d in dests:
+            if d.shape[0]:
+                self._recv_into(memoryview(d).cast("B"), deadline)
+
+    def lookup_many(self, identity: bytes, rows: np.ndarray, out: np.ndarray, timeout_s: float,
+                    chunk_rows: int = 16384, window: int = 4) -> None:
+        """Fetch any number of rows into ``out`` (C-contiguous uint8 ``[N, 264]``) as requests of
+        ``chunk_rows`` rows; on the C++ path up to ``window`` requests are in flight at once
+        (the server gathers the next piece while this client receives the previous one).
+        Each reply must arrive within ``timeout_s`` of the previous one.  Raises like
+        ``lookup_into``; after any error the connection is closed.
+        """
+        if self.sock is None:
+            raise TransportError(f"not connected to {self.endpoint}")
+        n = int(rows.shape[0])
+        if out.dtype != np.uint8 or out.shape != (n, P.ROW_BYTES) or not out.flags.c_contiguous:
+            raise ValueError("out must be a C-contiguous uint8[N, 264] array")
+        if not 1 <= chunk_rows <= P.MAX_ROWS:
+            raise ValueError(f"chunk_rows must be in 1..{P.MAX_ROWS}")
+        rows = np.ascontiguousarray(rows, dtype="<u8")
+        if n == 0:
+            return
+        if not self.native:
+            for s in range(0, n, chunk_rows):
+                self.lookup_into(identity, rows[s : s + chunk_rows], [out[s : s + chunk_rows]], timeout_s)
+            return
+        nchunks = -(-n // chunk_rows)
+        gen0 = next(self._gen)
+        self._gen = itertools.count(gen0 + nchunks)
+        code, status, _ = _native._fastrow.client_lookup_many(
+            self.sock.fileno(), gen0, identity, rows, out, chunk_rows, window, int(timeout_s * 1e9), int(self.spin_s * 1e9)
+        )
+        if code == 0:
+            return
+        if code == 1:
+            # other pipelined requests may still be in flight: the stream cannot be reused
+            raise self._fail(Refused(status, P.status_name(status)))
+        self._native_error(code)
+
+    def _native_error(self, code: int) -> None:
+        if code == -1:
+            raise self._fail(TransportTimeout(f"request to {self.endpoint} timed out"))
+        if code == -3:
+            raise self._fail(TransportError(f"{self.endpoint} replied to another request (generation mismatch)"))
+        if code == -4:
+            raise self._fail(TransportError(f"{self.endpoint} sent a malformed reply"))
+        raise self._fail(TransportError(f"connection to {self.endpoint} failed"))
+
+    def _native_lookup(self, identity: bytes, gen: int, rows: np.ndarray, dests: list, timeout_s: float) -> None:
+        code, a, _ = _native._fastrow.client_lookup(
+            self.sock.fileno(), gen, identity, rows, dests, int(timeout_s * 1e9), int(self.spin_s * 1e9)
+        )
+        if code == 0:
+            return
+        if code == 1:
+            raise Refused(a, P.status_name(a))
+        self._native_error(code)

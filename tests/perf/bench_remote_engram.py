@@ -1,0 +1,273 @@
+"""Remote Engram benchmarks (``make bench``); each result is a ratio against a baseline measured
+in the same run on the same machine:
+
+1. decode-size lookups (24 and 96 rows) over tcp (C++ client and server, server in its own
+   process) vs a bare C TCP ping-pong (``tcp_pingpong.c``, compiled here with gcc) moving the
+   same request/reply byte counts on the same loopback; target p50 <= 2.0x the floor.
+2. prefill-size lookup (786,432 rows = 32K tokens x 12 columns x 2 layers, one TP2 rank) through
+   ``RemoteRowSource`` vs the local reader with the page cache evicted; target remote >= 20x.
+3. server table load (parallel O_DIRECT + overlapped sha256 + verify) vs a raw O_DIRECT
+   sequential read of the same bytes (no hashing); target <= 1.2x.
+4. the same lookups over nixl (UCX over TCP on loopback).
+5. the full exactness sweep (839,040 lookups) for both ranks and both backends on the lab tables.
+
+Tables: two synthetic shards of ``DSV41_BENCH_ROWS`` rows (default 2,000,000 = 528 MB each) in
+``DSV41_BENCH_DIR`` (default a pytest tmp dir on the real disk).  Results are printed and, with
+``DSV41_BENCH_OUT=FILE``, appended to FILE as JSON lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("UCX_TLS", "tcp")
+
+from dsv41.engram import tables as etables  # noqa: E402
+from dsv41.engram.client import RemoteRowSource  # noqa: E402
+from dsv41.engram.manifest import load_manifest  # noqa: E402
+from dsv41.engram.server import PAGE, READ_CHUNK, load_tables  # noqa: E402
+from dsv41.transport import native, open_client  # noqa: E402
+from dsv41.transport import protocol as P  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+LAB = REPO / "python/dsv41/data/lab_model.json"
+ROWS = int(os.environ.get("DSV41_BENCH_ROWS", "2000000"))
+ENV = {**os.environ, "UCX_TLS": os.environ.get("UCX_TLS", "tcp"), "OMP_NUM_THREADS": "1"}
+RESULTS: list[dict] = []
+
+
+def machine() -> str:
+    cpu = "?"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    return f"nproc={os.cpu_count()}, {cpu}, kernel {platform.release()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+
+
+def record(name: str, **kv) -> None:
+    row = {"bench": name, **kv}
+    RESULTS.append(row)
+    print(f"\n[remote bench] {json.dumps(row)}")
+    out = os.environ.get("DSV41_BENCH_OUT")
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def evict(paths) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def pct(xs, q) -> float:
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), q))
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    d = Path(os.environ.get("DSV41_BENCH_DIR") or tmp_path_factory.mktemp("bench_remote"))
+    man = d / "manifest.json"
+    if not man.exists() or load_manifest(man).tables[0].rows != ROWS:
+        etables.write_synthetic_tables(LAB, d, seed=1, rows_override=[ROWS, ROWS])
+    print(f"\n[remote bench] machine: {machine()}; implementation {native.implementation()}")
+    return load_manifest(man), d
+
+
+class Served:
+    def __init__(self, man: Path, tmp: Path):
+        self.ready = tmp / f"ready-{os.getpid()}-{time.monotonic_ns()}.json"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dsv41.engram.remote_cli", "serve", "--manifest", str(man),
+             "--listen", "tcp://127.0.0.1:0", "--listen", "nixl://127.0.0.1:0", "--ready-file", str(self.ready)],
+            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 300
+        while not self.ready.exists():
+            assert self.proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.1)
+        self.info = json.loads(self.ready.read_text())
+        self.tcp, self.nixl = self.info["listen"]
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(60) == 0
+
+
+@pytest.fixture(scope="module")
+def server(shards, tmp_path_factory):
+    m, d = shards
+    s = Served(d / "manifest.json", tmp_path_factory.mktemp("srv"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def pingpong(tmp_path_factory):
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.fail("gcc is needed to build the ping-pong floor")
+    exe = tmp_path_factory.mktemp("pp") / "tcp_pingpong"
+    subprocess.run([gcc, "-O2", "-o", str(exe), str(Path(__file__).with_name("tcp_pingpong.c"))], check=True)
+    return exe
+
+
+def floor_samples(exe, req: int, rep: int, iters: int) -> list[float]:
+    out = subprocess.run([str(exe), str(req), str(rep), str(iters), "200"], capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    return [int(x) / 1e3 for x in out.split()]  # microseconds
+
+
+def lookup_samples(client, ident, rows, iters: int) -> list[float]:
+    out = np.empty((rows.shape[0], 264), np.uint8)
+    for _ in range(200):
+        client.lookup_into(ident, rows, [out], 1.0)
+    ts = []
+    pc = time.perf_counter_ns
+    for _ in range(iters):
+        t0 = pc()
+        client.lookup_into(ident, rows, [out], 1.0)
+        ts.append((pc() - t0) / 1e3)
+    return ts
+
+
+def test_decode_lookup_vs_c_floor(shards, server, pingpong):
+    m, d = shards
+    ident = P.identity_bytes(m.table(1).identity)
+    rng = np.random.default_rng(0)
+    for n in (24, 96):
+        rows = rng.integers(0, m.table(1).rows, n).astype(np.uint64)
+        req, rep = P.REQ.size + 8 * n, P.REP.size + P.ROW_BYTES * n
+        ours, floor, nx = [], [], []
+        c = open_client(server.tcp, [ident])
+        xc = open_client(server.nixl, [ident])
+        for _ in range(5):  # interleaved rounds: machine load hits both sides alike
+            floor += floor_samples(pingpong, req, rep, 1000)
+            ours += lookup_samples(c, ident, rows, 1000)
+            nx += lookup_samples(xc, ident, rows, 200)
+        c.close()
+        xc.close()
+        src = RemoteRowSource(server.tcp, m, 0, 1, timeout_ms=100)
+        src.lookup(1, rows.astype(np.int64))
+        rs = []
+        for _ in range(3000):
+            t0 = time.perf_counter_ns()
+            src.lookup(1, rows.astype(np.int64))
+            rs.append((time.perf_counter_ns() - t0) / 1e3)
+        assert src.counters()["fallbacks"] == 0
+        src.close()
+        record(f"decode_{n}_rows", machine=machine(), implementation=native.implementation(),
+               floor_p50_us=round(pct(floor, 50), 1), floor_p99_us=round(pct(floor, 99), 1),
+               tcp_p50_us=round(pct(ours, 50), 1), tcp_p99_us=round(pct(ours, 99), 1),
+               ratio_p50=round(pct(ours, 50) / pct(floor, 50), 2), ratio_p99=round(pct(ours, 99) / pct(floor, 99), 2),
+               rowsource_tcp_p50_us=round(pct(rs, 50), 1), rowsource_tcp_p99_us=round(pct(rs, 99), 1),
+               nixl_p50_us=round(pct(nx, 50), 1), nixl_p99_us=round(pct(nx, 99), 1), target_p50_ratio=2.0)
+
+
+def test_prefill_lookup_vs_cold_local(shards, server):
+    m, d = shards
+    per_layer = 32768 * 12  # 32K tokens x this rank's 12 columns, per layer
+    rng = np.random.default_rng(1)
+    ids = {L: rng.integers(0, m.table(L).rows, per_layer) for L in (1, 2)}
+    reader = etables.LocalRowReader(m, d, threads=16)
+    evict([d / t.file for t in m.tables])
+    t0 = time.perf_counter()
+    local = {L: reader.read(L, ids[L]) for L in (1, 2)}
+    t_local = time.perf_counter() - t0
+    reader.close()
+    res = {}
+    for scheme, url in (("tcp", server.tcp), ("nixl", server.nixl)):
+        src = RemoteRowSource(url, m, 0, 1, timeout_ms=5000)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            got = {L: src.lookup(L, ids[L]) for L in (1, 2)}
+            best = min(best, time.perf_counter() - t0)
+        for L in (1, 2):
+            assert np.array_equal(got[L], local[L])
+        assert src.counters()["fallbacks"] == 0
+        src.close()
+        res[scheme] = best
+    record("prefill_786432_rows", machine=machine(), local_cold_s=round(t_local, 3), tcp_s=round(res["tcp"], 3),
+           nixl_s=round(res["nixl"], 3), tcp_speedup=round(t_local / res["tcp"], 1),
+           nixl_speedup=round(t_local / res["nixl"], 1), target_speedup=20)
+
+
+def raw_direct_read(m, d: Path) -> float:
+    """Baseline: O_DIRECT sequential 8 MiB reads of the same page-aligned spans, no hashing."""
+    import mmap
+
+    buf = mmap.mmap(-1, READ_CHUNK)
+    mv = memoryview(buf)
+    t0 = time.perf_counter()
+    for t in m.tables:
+        for off, length in ((t.weight_offset, t.rows * 256), (t.scale_offset, t.rows * 8)):
+            a0 = off - off % PAGE
+            end = off + length
+            fd = os.open(d / t.file, os.O_RDONLY | os.O_DIRECT)
+            pos = a0
+            while pos < end:
+                n = os.preadv(fd, [mv], pos)
+                if n == 0:
+                    break
+                pos += n
+            os.close(fd)
+    return time.perf_counter() - t0
+
+
+def test_server_load_vs_raw_direct_read(shards):
+    m, d = shards
+    raw, load = [], []
+    for _ in range(3):
+        evict([d / t.file for t in m.tables])
+        raw.append(raw_direct_read(m, d))
+        evict([d / t.file for t in m.tables])
+        t0 = time.perf_counter()
+        tabs, report = load_tables(m, d)
+        load.append(time.perf_counter() - t0)
+        assert all(r["direct"] for r in report["tables"])
+        del tabs
+    nbytes = sum(t.rows * 264 for t in m.tables)
+    record("server_load", machine=machine(), bytes=nbytes, raw_direct_s=round(min(raw), 3),
+           load_verify_s=round(min(load), 3), raw_GBps=round(nbytes / min(raw) / 1e9, 2),
+           load_GBps=round(nbytes / min(load) / 1e9, 2), ratio=round(min(load) / min(raw), 2), target_ratio=1.2)
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "nixl"])
+def test_full_sweep_both_ranks(tmp_path_factory, scheme, capsys):
+    """The production-size exactness sweep (839,040 lookups per rank) on the lab tables."""
+    from dsv41.cli import main
+
+    d = tmp_path_factory.getbasetemp() / "lab_tables"
+    if not (d / "manifest.json").exists():
+        etables.write_synthetic_tables(LAB, d, seed=3)
+    s = Served(d / "manifest.json", tmp_path_factory.mktemp("sw"))
+    try:
+        for rank in (0, 1):
+            url = s.tcp if scheme == "tcp" else s.nixl
+            capsys.readouterr()
+            rc = main(["engram", "sweep", "--manifest", str(d / "manifest.json"), "--remote", url, "--tp", "2",
+                       "--rank", str(rank), "--lookups", "839040", "--seed", str(rank)])
+            out = capsys.readouterr().out
+            assert rc == 0
+            rep = json.loads(out)
+            assert rep["bad_rows"] == 0 and rep["lookups"] == 839040
+            record(f"sweep_{scheme}_rank{rank}", machine=machine(), **{k: rep[k] for k in (
+                "lookups", "bad_rows", "fallbacks", "refusals", "transport_errors", "requests", "seconds")})
+    finally:
+        s.stop()

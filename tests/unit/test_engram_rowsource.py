@@ -1,0 +1,144 @@
+"""RowSource: local source counters, environment parsing, remote construction."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dsv41.engram import tables
+from dsv41.engram.manifest import load_manifest
+from dsv41.engram.rowsource import (
+    COUNTER_KEYS,
+    LocalRowSource,
+    RemoteURL,
+    RowSource,
+    from_env,
+    parse_remote_env,
+    parse_remote_url,
+)
+from dsv41.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+LAB = REPO / "python/dsv41/data/lab_model.json"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("rs")
+    tables.write_synthetic_tables(LAB, d, seed=2, rows_override=[3000, 2000], chunk_size=1 << 20)
+    return d
+
+
+def test_local_source_from_empty_env(data: Path) -> None:
+    for env in ({}, {"VLLM_ENGRAM_REMOTE": ""}, {"VLLM_ENGRAM_REMOTE": "  ", "VLLM_ENGRAM_REMOTE_REQUIRED": "0"}):
+        src = from_env(data / "manifest.json", data, 0, 2, env=env)
+        assert isinstance(src, LocalRowSource) and isinstance(src, RowSource)
+        ids = np.asarray([1, 2999, 7])
+        np.testing.assert_array_equal(src.lookup(1, ids), tables.synthetic_rows(2, 1, 3000, ids))
+        src.lookup(2, np.asarray([0]))
+        c = src.counters()
+        assert set(COUNTER_KEYS) <= set(c)
+        assert (c["lookups"], c["rows"], c["latency_count"], c["fallbacks"]) == (2, 4, 2, 0)
+        assert c["latency_sum_s"] > 0 and c["source"] == "local"
+        src.close()
+
+
+def test_local_needs_data_dir(data: Path) -> None:
+    with pytest.raises(ConfigError, match="no data directory"):
+        from_env(data / "manifest.json", None, 0, 1, env={})
+
+
+@pytest.mark.parametrize(
+    "url,want",
+    [
+        ("tcp://198.18.1.1:7000", RemoteURL("tcp", "198.18.1.1", 7000)),
+        ("nixl://x86host:7001@198.18.1.2", RemoteURL("nixl", "x86host", 7001, "198.18.1.2")),
+        ("tcp://[::1]:9", RemoteURL("tcp", "::1", 9)),
+    ],
+)
+def test_parse_url(url: str, want: RemoteURL) -> None:
+    assert parse_remote_url(url) == want
+    assert parse_remote_url(str(want)) == want
+
+
+@pytest.mark.parametrize(
+    "url,msg",
+    [
+        ("198.18.1.1:7000", "not a URL"),
+        ("http://h:1", "scheme 'http'"),
+        ("tcp://h", "port missing"),
+        ("tcp://h:0", "1..65535"),
+        ("tcp://h:x", "1..65535"),
+        ("tcp://:5", "host missing"),
+        ("tcp://bad_host!:5", "bad host"),
+        ("tcp://h:5@", "local address missing"),
+        ("tcp://[::1:5", "IPv6"),
+    ],
+)
+def test_parse_url_errors(url: str, msg: str) -> None:
+    with pytest.raises(ConfigError, match=msg):
+        parse_remote_url(url)
+
+
+@pytest.mark.parametrize(
+    "env,msg",
+    [
+        ({"VLLM_ENGRAM_REMOTE": "tcp://a:1"}, "names 1 URL.*tp is 2"),
+        ({"VLLM_ENGRAM_REMOTE": "tcp://a:1,tcp://b:1,tcp://c:1"}, "names 3 URL"),
+        ({"VLLM_ENGRAM_REMOTE": "tcp://a:1,tcp://b:1", "VLLM_ENGRAM_REMOTE_TIMEOUT_MS": "0"}, "integer > 0"),
+        ({"VLLM_ENGRAM_REMOTE": "tcp://a:1,tcp://b:1", "VLLM_ENGRAM_REMOTE_TIMEOUT_MS": "1.5"}, "integer > 0"),
+        ({"VLLM_ENGRAM_REMOTE": "tcp://a:1,tcp://b:1", "VLLM_ENGRAM_REMOTE_REQUIRED": "yes"}, "0 or 1"),
+        ({"VLLM_ENGRAM_REMOTE_REQUIRED": "1"}, "VLLM_ENGRAM_REMOTE is empty"),
+    ],
+)
+def test_env_errors(env: dict, msg: str) -> None:
+    with pytest.raises(ConfigError, match=msg):
+        parse_remote_env(env, 2)
+
+
+def test_env_defaults() -> None:
+    urls, t, req = parse_remote_env({"VLLM_ENGRAM_REMOTE": " tcp://a:1@10.0.0.1 , nixl://b:2 "}, 2)
+    assert [str(u) for u in urls] == ["tcp://a:1@10.0.0.1", "nixl://b:2"]
+    assert (t, req) == (100, False)
+    assert parse_remote_env({"VLLM_ENGRAM_REMOTE": "tcp://a:1", "VLLM_ENGRAM_REMOTE_TIMEOUT_MS": "250",
+                             "VLLM_ENGRAM_REMOTE_REQUIRED": "1"}, 1)[1:] == (250, True)
+
+
+def test_rank_tp_errors(data: Path) -> None:
+    with pytest.raises(ConfigError, match="rank"):
+        from_env(data / "manifest.json", data, 2, 2, env={})
+    with pytest.raises(ConfigError, match="tp"):
+        from_env(data / "manifest.json", data, 0, 0, env={})
+
+
+def test_remote_constructs_client(data: Path, monkeypatch) -> None:
+    seen = {}
+
+    class Fake:
+        def __init__(self, urls, manifest, rank, tp, timeout_ms, required, local=None):
+            seen.update(urls=urls, manifest=manifest, rank=rank, tp=tp, timeout_ms=timeout_ms,
+                        required=required, local=local)
+
+    mod = types.ModuleType("dsv41.engram.client")
+    mod.RemoteRowSource = Fake
+    monkeypatch.setitem(sys.modules, "dsv41.engram.client", mod)
+    env = {"VLLM_ENGRAM_REMOTE": "tcp://198.18.1.1:7000@198.18.1.2,nixl://198.18.2.1:7000",
+           "VLLM_ENGRAM_REMOTE_TIMEOUT_MS": "50", "VLLM_ENGRAM_REMOTE_REQUIRED": "1"}
+    src = from_env(load_manifest(data / "manifest.json"), data, 1, 2, env=env)
+    assert isinstance(src, Fake)
+    assert seen["urls"] == ["tcp://198.18.1.1:7000@198.18.1.2", "nixl://198.18.2.1:7000"]
+    assert (seen["rank"], seen["tp"], seen["timeout_ms"], seen["required"]) == (1, 2, 50, True)
+    assert isinstance(seen["local"], tables.LocalRowReader)
+    seen["local"].close()
+    from_env(data / "manifest.json", None, 0, 2, env=env)
+    assert seen["local"] is None
+
+
+def test_remote_without_client(data: Path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "dsv41.engram.client", None)
+    with pytest.raises(ConfigError, match="dsv41.engram.client is not installed"):
+        from_env(data / "manifest.json", data, 0, 1, env={"VLLM_ENGRAM_REMOTE": "tcp://a:1"})

@@ -1,0 +1,150 @@
+"""library/engram_manifest.py: real dsv41 verify on small synthetic tables, cache, identities, check mode."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+import os
+import sys
+
+import pytest
+
+LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "library")
+sys.path.insert(0, LIBRARY)
+
+
+class _Exit(Exception):
+    pass
+
+
+class _Fail(Exception):
+    pass
+
+
+@pytest.fixture
+def run_module(monkeypatch):
+    """Run a module main() with args (ansible-core 2.19 patch_module_args); -> (kind, result)."""
+    from ansible.module_utils import basic
+    from ansible.module_utils.testing import patch_module_args
+
+    def _exit(self, **kw):
+        raise _Exit(kw)
+
+    def _fail(self, msg, **kw):
+        kw["msg"] = msg
+        raise _Fail(kw)
+
+    monkeypatch.setattr(basic.AnsibleModule, "exit_json", _exit)
+    monkeypatch.setattr(basic.AnsibleModule, "fail_json", _fail)
+
+    def _run(mod, args):
+        with patch_module_args(args):
+            try:
+                mod.main()
+            except _Exit as e:
+                return "exit", e.args[0]
+            except _Fail as e:
+                return "fail", e.args[0]
+        raise AssertionError("module returned without exit_json/fail_json")
+
+    return _run
+
+import engram_manifest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+LAB = REPO / "python/dsv41/data/lab_model.json"
+
+
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory):
+    from dsv41.engram import tables
+
+    d = tmp_path_factory.mktemp("golden")
+    tables.write_synthetic_tables(LAB, d, seed=3, rows_override=[600, 300], chunk_size=1 << 16)
+    return d
+
+
+@pytest.fixture
+def data(golden, tmp_path):
+    import shutil
+
+    d = tmp_path / "tables"
+    shutil.copytree(golden, d)
+    return d
+
+
+@pytest.fixture
+def count_verify(monkeypatch):
+    """Count the files each dsv41 verify() call hashes (the real function still runs)."""
+    calls = []
+    real = engram_manifest.dsv41_manifest.verify
+
+    def wrapped(man, data_dir=None, **kw):
+        calls.append(sorted(f["name"] for f in man.files))
+        return real(man, data_dir, **kw)
+
+    monkeypatch.setattr(engram_manifest.dsv41_manifest, "verify", wrapped)
+    return calls
+
+
+def _args(data, **kw):
+    return {"manifest": str(data / "manifest.json"), "data_dir": str(data), "cache": str(data / ".verified.json"), **kw}
+
+
+def test_verify_then_cache_skips_unchanged_shards(data, count_verify, run_module):
+    kind, res = run_module(engram_manifest, _args(data))
+    assert kind == "exit" and not res["changed"] and res["cache_updated"]
+    assert len(res["files"]) == 2 and res["verified"] == res["files"] and res["cached"] == []
+    kind, res = run_module(engram_manifest, _args(data))
+    assert kind == "exit" and res["verified"] == [] and res["cached"] == res["files"] and not res["cache_updated"]
+    assert len(count_verify) == 1  # the second run hashed nothing
+
+
+def test_touched_shard_is_rehashed_alone(data, count_verify, run_module):
+    run_module(engram_manifest, _args(data))
+    f = data / json.loads((data / "manifest.json").read_text())["files"][1]["name"]
+    st = f.stat()
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1000))
+    kind, res = run_module(engram_manifest, _args(data))
+    assert kind == "exit" and res["verified"] == [f.name] and count_verify[-1] == [f.name]
+
+
+def test_corrupt_shard_fails_naming_file_and_chunk(data, run_module):
+    run_module(engram_manifest, _args(data))
+    name = json.loads((data / "manifest.json").read_text())["files"][0]["name"]
+    with open(data / name, "r+b") as fh:  # same size, same inode; mtime changes -> rehashed
+        fh.seek(70000)
+        b = fh.read(1)
+        fh.seek(70000)
+        fh.write(bytes([b[0] ^ 1]))
+    kind, res = run_module(engram_manifest, _args(data))
+    assert kind == "fail" and f"{name}: chunk 1 bytes [65536, 131072)" in res["msg"]
+
+
+def test_check_mode_writes_no_cache(data, run_module):
+    kind, res = run_module(engram_manifest, _args(data, _ansible_check_mode=True))
+    assert kind == "exit" and not res["cache_updated"] and not (data / ".verified.json").exists()
+
+
+def test_identity_mismatch_fails(data, run_module):
+    kind, res = run_module(engram_manifest, _args(data, identities={"1": "00" * 32}))
+    assert kind == "fail" and "layer 1 identity" in res["msg"] and "expected " + "00" * 32 in res["msg"]
+    good = {str(t["layer_id"]): t["identity"] for t in res["tables"]}
+    kind, res = run_module(engram_manifest, _args(data, identities=good))
+    assert kind == "exit"
+
+
+def test_missing_and_invalid_manifest(data, tmp_path, run_module):
+    kind, res = run_module(engram_manifest, _args(data, manifest=str(tmp_path / "none.json")))
+    assert kind == "fail" and "cannot read manifest" in res["msg"]
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "x"}')
+    kind, res = run_module(engram_manifest, _args(data, manifest=str(bad)))
+    assert kind == "fail" and res["msg"]
+
+
+def test_stale_cache_of_another_manifest_is_ignored(data, count_verify, run_module):
+    (data / ".verified.json").write_text(json.dumps({"format": "dsv41-verify-cache/1", "manifest_sha256": "x",
+                                                     "files": {}}))
+    kind, res = run_module(engram_manifest, _args(data))
+    assert kind == "exit" and len(res["verified"]) == 2

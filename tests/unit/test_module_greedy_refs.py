@@ -1,0 +1,100 @@
+"""library/greedy_refs.py: record on first run, verify after, first differing position, counters."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "library")
+sys.path.insert(0, LIBRARY)
+
+
+class _Exit(Exception):
+    pass
+
+
+class _Fail(Exception):
+    pass
+
+
+@pytest.fixture
+def run_module(monkeypatch):
+    """Run a module main() with args (ansible-core 2.19 patch_module_args); -> (kind, result)."""
+    from ansible.module_utils import basic
+    from ansible.module_utils.testing import patch_module_args
+
+    def _exit(self, **kw):
+        raise _Exit(kw)
+
+    def _fail(self, msg, **kw):
+        kw["msg"] = msg
+        raise _Fail(kw)
+
+    monkeypatch.setattr(basic.AnsibleModule, "exit_json", _exit)
+    monkeypatch.setattr(basic.AnsibleModule, "fail_json", _fail)
+
+    def _run(mod, args):
+        with patch_module_args(args):
+            try:
+                mod.main()
+            except _Exit as e:
+                return "exit", e.args[0]
+            except _Fail as e:
+                return "fail", e.args[0]
+        raise AssertionError("module returned without exit_json/fail_json")
+
+    return _run
+
+
+import greedy_refs  # noqa: E402
+from test_harness_refs import FakeServing  # noqa: E402
+
+
+@pytest.fixture
+def serving():
+    s = FakeServing()
+    yield s
+    s.close()
+
+
+def test_auto_records_then_verifies(serving, tmp_path, run_module):
+    path = tmp_path / "refs" / "greedy.json"
+    args = {"endpoint": serving.url, "path": str(path), "max_tokens": 6, "metrics_url": serving.url + "/metrics"}
+    kind, res = run_module(greedy_refs, args)
+    assert kind == "exit" and res["changed"] and res["action"] == "recorded"
+    assert json.loads(path.read_text())["max_tokens"] == 6
+    kind, res = run_module(greedy_refs, args)
+    assert kind == "exit" and not res["changed"] and res["action"] == "verified"
+    assert (res["identical"], res["total"], res["summary"]) == (6, 6, "6/6 identical")
+    assert res["counters_delta"]["0"]["lookups"] == 6 and res["counters_delta"]["1"]["fallbacks"] == 0
+    assert res["drafter_delta"] == {"rounds": 12.0, "identity_refusals": 0.0}
+
+
+def test_mismatch_fails_with_first_position(serving, tmp_path, run_module):
+    path = tmp_path / "greedy.json"
+    run_module(greedy_refs, {"endpoint": serving.url, "path": str(path), "max_tokens": 6})
+    serving.shift_names, serving.shift_at = {"casefold"}, 2
+    kind, res = run_module(greedy_refs, {"endpoint": serving.url, "path": str(path)})
+    assert kind == "fail" and res["identical"] == 5
+    assert "casefold differs at 2" in res["msg"] and str(path) in res["msg"]
+    assert [p["first_diff"] for p in res["prompts"] if p["name"] == "casefold"] == [2]
+
+
+def test_check_mode_records_nothing(serving, tmp_path, run_module):
+    path = tmp_path / "greedy.json"
+    kind, res = run_module(greedy_refs, {"endpoint": serving.url, "path": str(path), "_ansible_check_mode": True})
+    assert kind == "exit" and res["changed"] and not path.exists()
+
+
+def test_verify_mode_needs_the_file(serving, tmp_path, run_module):
+    kind, res = run_module(greedy_refs, {"endpoint": serving.url, "path": str(tmp_path / "x.json"), "mode": "verify"})
+    assert kind == "fail" and "cannot read refs" in res["msg"]
+
+
+def test_endpoint_without_token_ids_fails_clearly(serving, tmp_path, run_module):
+    serving.no_token_ids = True
+    kind, res = run_module(greedy_refs, {"endpoint": serving.url, "path": str(tmp_path / "r.json")})
+    assert kind == "fail" and "token_ids" in res["msg"]

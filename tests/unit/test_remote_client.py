@@ -1,0 +1,268 @@
+"""RemoteRowSource: exact remote rows, exact local fallback on transport error / timeout /
+refusal, background reconnect, required mode, counters, argument checks."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dsv41.engram.client import RemoteRowSource, RemoteUnavailable, read_rows_remote
+from dsv41.engram.manifest import load_manifest
+from dsv41.engram.rowsource import COUNTER_KEYS, LocalRowSource
+from dsv41.engram.server import load_tables
+from dsv41.engram.tables import LocalRowReader, RowRangeError, write_synthetic_tables
+from dsv41.errors import Dsv41Error
+from dsv41.transport import parse_url
+from dsv41.transport import protocol as P
+from dsv41.transport.server import RowServer, RowTable
+
+
+@pytest.fixture(scope="module")
+def tabs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("t")
+    cfg = json.load(open("python/dsv41/data/lab_model.json"))
+    cfg["engram_vocab_size"] = 300
+    write_synthetic_tables(cfg, d, seed=9)
+    m = load_manifest(d / "manifest.json")
+    tables, _ = load_tables(m, d)
+    return d, m, tables
+
+
+def serve(tables, port=0):
+    srv = RowServer(tables, [parse_url(f"tcp://127.0.0.1:{port}")])
+    return srv, srv.start()[0]
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def local(d, m):
+    return LocalRowReader(m, d, threads=2)
+
+
+def rand_rows(m, layer, n, seed=0):
+    return np.random.default_rng(seed).integers(0, m.table(layer).rows, n)
+
+
+def test_remote_rows_exact_and_counters(tabs):
+    d, m, tables = tabs
+    srv, ep = serve(tables)
+    ref = local(d, m)
+    src = RemoteRowSource([str(ep), "tcp://127.0.0.1:1"], m, 0, 2, timeout_ms=1000, local=local(d, m))
+    for L in (1, 2):
+        for n in (12, 96, 40000):  # 40000 rows: several CHUNK_ROWS requests
+            rows = rand_rows(m, L, n, n)
+            np.testing.assert_array_equal(src.lookup(L, rows), ref.read(L, rows))
+    assert src.lookup(1, np.zeros(0, np.int64)).shape == (0, 264)
+    c = src.counters()
+    assert set(COUNTER_KEYS) <= set(c)
+    assert c["lookups"] == 7 and c["fallbacks"] == 0 and c["remote_rows"] == 2 * (12 + 96 + 40000)
+    assert c["latency_count"] == 7 and c["latency_sum_s"] > 0 and c["source"] == "tcp"
+    src.close()
+    ref.close()
+    srv.stop(1)
+
+
+def test_fallback_then_reconnect_after_restart(tabs):
+    d, m, tables = tabs
+    srv, ep = serve(tables)
+    ref = local(d, m)
+    src = RemoteRowSource(str(ep), m, 1, 2, timeout_ms=200, local=LocalRowSource(local(d, m)))
+    rows = rand_rows(m, 2, 50)
+    np.testing.assert_array_equal(src.lookup(2, rows), ref.read(2, rows))
+    srv.stop(1)  # server gone
+    for i in range(3):
+        np.testing.assert_array_equal(src.lookup(2, rows), ref.read(2, rows))
+    c = src.counters()
+    assert c["fallbacks"] == 3 and c["transport_errors"] == 1 and not c["connected"]
+    srv2, _ = serve(tables, ep.port)  # restart on the same port
+    assert src.wait_connected(10)
+    np.testing.assert_array_equal(src.lookup(2, rows), ref.read(2, rows))
+    c = src.counters()
+    assert c["reconnects"] == 1 and c["fallbacks"] == 3 and c["remote_rows"] == 100
+    src.close()
+    srv2.stop(1)
+    ref.close()
+
+
+def test_server_absent_from_start_then_appears(tabs):
+    d, m, tables = tabs
+    port = free_port()
+    ref = local(d, m)
+    src = RemoteRowSource(f"tcp://127.0.0.1:{port}", m, 0, 1, timeout_ms=100, local=local(d, m))
+    rows = rand_rows(m, 1, 24)
+    t0 = time.monotonic()
+    np.testing.assert_array_equal(src.lookup(1, rows), ref.read(1, rows))
+    assert time.monotonic() - t0 < 0.5  # no connect wait on the lookup path
+    srv, _ = serve(tables, port)
+    assert src.wait_connected(10)
+    np.testing.assert_array_equal(src.lookup(1, rows), ref.read(1, rows))
+    c = src.counters()
+    assert c["fallbacks"] == 1 and c["connect_failures"] >= 1 and c["remote_rows"] == 24
+    src.close()
+    srv.stop(1)
+    ref.close()
+
+
+def test_required_mode_raises(tabs):
+    d, m, tables = tabs
+    with pytest.raises(RemoteUnavailable, match="required"):
+        RemoteRowSource(f"tcp://127.0.0.1:{free_port()}", m, 0, 1, required=True, local=local(d, m))
+    srv, ep = serve(tables)
+    src = RemoteRowSource(str(ep), m, 0, 1, timeout_ms=200, required=True, local=local(d, m))
+    src.lookup(1, rand_rows(m, 1, 5))
+    srv.stop(1)
+    with pytest.raises(RemoteUnavailable, match="required"):
+        src.lookup(1, rand_rows(m, 1, 5))
+    src.close()
+
+
+def test_no_local_reader_raises(tabs):
+    d, m, tables = tabs
+    src = RemoteRowSource(f"tcp://127.0.0.1:{free_port()}", m, 0, 1, local=None)
+    with pytest.raises(RemoteUnavailable, match="no local reader"):
+        src.lookup(1, [1, 2])
+    src.close()
+
+
+def test_refusal_falls_back_exactly(tabs):
+    d, m, tables = tabs
+    # same identity, but the server holds only half of layer 1's rows: a lookup past them is refused
+    t = tables[0]
+    half = RowTable(t.identity, t.layer_id, t.weight[: t.rows // 2], t.scale[: t.rows // 2])
+    srv, ep = serve([half, tables[1]])
+    ref = local(d, m)
+    src = RemoteRowSource(str(ep), m, 0, 1, timeout_ms=500, local=local(d, m))
+    rows = np.array([0, t.rows - 1, 5])
+    np.testing.assert_array_equal(src.lookup(1, rows), ref.read(1, rows))
+    c = src.counters()
+    assert c["refusals"] == 1 and c["fallbacks"] == 1
+    src.close()
+    srv.stop(1)
+    ref.close()
+
+
+def test_wrong_identity_server_never_used(tabs):
+    d, m, tables = tabs
+    other = [RowTable(bytes(32), 1, tables[0].weight, tables[0].scale)]
+    srv, ep = serve(other)
+    ref = local(d, m)
+    src = RemoteRowSource(str(ep), m, 0, 1, timeout_ms=200, local=local(d, m))
+    rows = rand_rows(m, 1, 10)
+    np.testing.assert_array_equal(src.lookup(1, rows), ref.read(1, rows))
+    c = src.counters()
+    assert not c["connected"] and c["fallbacks"] == 1 and c["remote_rows"] == 0
+    assert "does not serve" in src.last_error
+    src.close()
+    srv.stop(1)
+    with pytest.raises(RemoteUnavailable):
+        read_rows_remote(str(ep), m, 1, [1])
+    ref.close()
+
+
+class SilentServer:
+    """Answers HELLO with the real table list, never answers a lookup (a hung server)."""
+
+    def __init__(self, tables):
+        self.hello = b"".join(P.TABLE_ENTRY.pack(t.identity, t.layer_id, t.rows, 264) for t in tables)
+        self.n = len(tables)
+        self.ls = socket.socket()
+        self.ls.bind(("127.0.0.1", 0))
+        self.ls.listen(4)
+        self.port = self.ls.getsockname()[1]
+        self.conns = []
+        threading.Thread(target=self.run, daemon=True).start()
+
+    def run(self):
+        while True:
+            try:
+                c, _ = self.ls.accept()
+            except OSError:
+                return
+            self.conns.append(c)
+            threading.Thread(target=self.conn, args=(c,), daemon=True).start()
+
+    def conn(self, c):
+        try:
+            while True:
+                h = b""
+                while len(h) < P.REQ.size:
+                    k = c.recv(P.REQ.size - len(h))
+                    if not k:
+                        return
+                    h += k
+                _, _, op, rid, _, count, plen = P.REQ.unpack(h)
+                while plen:
+                    plen -= len(c.recv(plen))
+                if op == P.OP_HELLO:
+                    c.sendall(P.REP.pack(P.MAGIC, P.VERSION, 0, rid, self.n, len(self.hello)) + self.hello)
+        except OSError:
+            pass
+
+    def close(self):
+        self.ls.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_timeout_fallback_latency_bounded(tabs):
+    d, m, tables = tabs
+    hung = SilentServer(tables)
+    ref = local(d, m)
+    src = RemoteRowSource(f"tcp://127.0.0.1:{hung.port}", m, 0, 1, timeout_ms=50, local=local(d, m))
+    assert src.connected
+    rows = rand_rows(m, 2, 24)
+    t0 = time.monotonic()
+    np.testing.assert_array_equal(src.lookup(2, rows), ref.read(2, rows))
+    assert time.monotonic() - t0 < 0.05 + 0.5  # timeout + local read, with slack for a loaded host
+    c = src.counters()
+    assert c["transport_errors"] == 1 and c["fallbacks"] == 1
+    src.close()
+    hung.close()
+    ref.close()
+
+
+def test_argument_checks(tabs):
+    d, m, tables = tabs
+    with pytest.raises(Dsv41Error, match="one per rank"):
+        RemoteRowSource(["tcp://127.0.0.1:1"] * 3, m, 0, 2)
+    with pytest.raises(Dsv41Error, match="rank"):
+        RemoteRowSource("tcp://127.0.0.1:1", m, 2, 2)
+    with pytest.raises(Dsv41Error, match="at least one URL"):
+        RemoteRowSource("", m, 0, 1)
+    with pytest.raises(Dsv41Error, match="timeout_ms"):
+        RemoteRowSource("tcp://127.0.0.1:1", m, 0, 1, timeout_ms=0)
+    with pytest.raises(Dsv41Error, match="scheme"):
+        RemoteRowSource("http://127.0.0.1:1", m, 0, 1)
+    src = RemoteRowSource(f"tcp://127.0.0.1:{free_port()}", m, 0, 1, local=local(d, m))
+    with pytest.raises(RowRangeError):
+        src.lookup(1, [m.table(1).rows])
+    with pytest.raises(RowRangeError):
+        src.lookup(1, [-1])
+    with pytest.raises(RowRangeError):
+        src.lookup(7, [0])
+    with pytest.raises(Dsv41Error, match="1-D integer"):
+        src.lookup(1, [0.5])
+    src.close()
+    with pytest.raises(RowRangeError):
+        read_rows_remote("tcp://127.0.0.1:1", m, 1, [m.table(1).rows])
+
+
+def test_read_rows_remote_exact(tabs):
+    d, m, tables = tabs
+    srv, ep = serve(tables)
+    ref = local(d, m)
+    rows = rand_rows(m, 2, 100)
+    np.testing.assert_array_equal(read_rows_remote(str(ep), m.path, 2, rows), ref.read(2, rows))
+    srv.stop(1)
+    ref.close()

@@ -1,0 +1,146 @@
+"""NIXL backend (UCX over TCP on loopback): handshake, identity refusal before any descriptor is
+shared, local bounds check before a READ, exact rows, quarantine of abandoned READs."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("UCX_TLS", "tcp")
+
+from dsv41.transport import Refused, TransportError, TransportTimeout, open_client, parse_url  # noqa: E402
+from dsv41.transport import protocol as P  # noqa: E402
+from dsv41.transport.nixl_backend import NixlClient, NixlExporter  # noqa: E402
+from dsv41.transport.server import RowServer, RowTable  # noqa: E402
+
+ROWS = 40000
+
+
+def make_table(seed, layer):
+    rng = np.random.default_rng(seed)
+    return RowTable(hashlib.sha256(f"n{seed}".encode()).digest(), layer,
+                    rng.integers(0, 256, (ROWS, 256), dtype=np.uint8), rng.integers(0, 256, (ROWS, 8), dtype=np.uint8))
+
+
+def expected(t, rows):
+    r = np.asarray(rows, dtype=np.int64)
+    return np.concatenate([t.weight[r], t.scale[r]], axis=1)
+
+
+@pytest.fixture(scope="module")
+def nixl_server():
+    tables = [make_table(1, 1), make_table(2, 14)]
+    ex = NixlExporter(tables)
+    srv = RowServer(tables, [parse_url("nixl://127.0.0.1:0"), parse_url("tcp://127.0.0.1:0")], nixl_provider=ex)
+    eps = srv.start()
+    yield srv, eps[0], eps[1], tables
+    srv.stop(2)
+    ex.close()
+
+
+def test_exact_rows_both_tables(nixl_server):
+    srv, nep, _, tables = nixl_server
+    c = open_client(nep, [t.identity for t in tables])
+    assert isinstance(c, NixlClient)
+    rng = np.random.default_rng(3)
+    for t in tables:
+        for n in (1, 24, 96, 20000):  # 20000 > staging_rows: chunked READs
+            rows = rng.integers(0, ROWS, n).astype(np.uint64)
+            rows[-1] = ROWS - 1
+            out = np.zeros((n, 264), np.uint8)
+            c.lookup_into(t.identity, rows, [out], 20.0)
+            np.testing.assert_array_equal(out, expected(t, rows))
+    dests = [np.zeros((k, 264), np.uint8) for k in (3, 0, 5)]
+    c.lookup_into(tables[0].identity, np.arange(8, dtype=np.uint64), dests, 5.0)
+    np.testing.assert_array_equal(np.concatenate(dests), expected(tables[0], range(8)))
+    c.close()
+    c.close()  # idempotent
+    with pytest.raises(TransportError, match="not connected"):
+        c.lookup_into(tables[0].identity, np.arange(2, dtype=np.uint64), [np.zeros((2, 264), np.uint8)], 1.0)
+
+
+def test_wrong_identity_refused_before_descriptors(nixl_server):
+    srv, nep, _, tables = nixl_server
+    before = srv.snapshot()["nixl_handshakes"]
+    with pytest.raises(Refused) as ei:
+        NixlClient(nep, [tables[0].identity, hashlib.sha256(b"wrong").digest()])
+    assert ei.value.reason == "wrong_identity"
+    snap = srv.snapshot()
+    assert snap["nixl_handshakes"] == before  # no metadata or descriptor left the server
+    assert snap["refusals"].get("wrong_identity", 0) >= 1
+
+
+def test_out_of_range_and_unknown_table_checked_before_read(nixl_server):
+    srv, nep, _, tables = nixl_server
+    c = NixlClient(nep, [tables[0].identity])
+    out = np.full((2, 264), 9, np.uint8)
+    with pytest.raises(Refused) as ei:
+        c.lookup_into(tables[0].identity, np.array([0, ROWS], np.uint64), [out], 1.0)
+    assert ei.value.reason == "out_of_range"
+    with pytest.raises(Refused) as ei:
+        c.lookup_into(tables[1].identity, np.array([0, 1], np.uint64), [out], 1.0)  # not in handshake
+    assert ei.value.reason == "wrong_identity"
+    assert (out == 9).all()
+    c.close()
+
+
+def test_abandoned_read_quarantines_its_slot(nixl_server):
+    srv, nep, _, tables = nixl_server
+    c = NixlClient(nep, [tables[0].identity], staging_rows=16384, slots=1)
+    rows = np.arange(16384, dtype=np.uint64)
+    out = np.zeros((16384, 264), np.uint8)
+    with pytest.raises(TransportTimeout):
+        c.lookup_into(tables[0].identity, rows, [out], 1e-4)
+    assert c.quarantined == 1
+    small = np.zeros((2, 264), np.uint8)
+    try:
+        c.lookup_into(tables[0].identity, np.array([1, 2], np.uint64), [small], 5.0)
+        reaped = True  # the READ had already finished: slot reaped and reused
+    except TransportError as exc:
+        assert "quarantined" in str(exc)
+        reaped = False
+    deadline = time.monotonic() + 20
+    while not reaped and time.monotonic() < deadline:
+        time.sleep(0.05)
+        try:
+            c.lookup_into(tables[0].identity, np.array([1, 2], np.uint64), [small], 5.0)
+            reaped = True
+        except TransportError:
+            pass
+    assert reaped and c.quarantined == 0
+    np.testing.assert_array_equal(small, expected(tables[0], [1, 2]))
+    assert not out.any()  # the abandoned READ landed in staging, never in the caller's buffer
+    c.close()
+
+
+def test_nixl_hello_on_plain_tcp_listener_not_supported(nixl_server):
+    srv, _, tep, tables = nixl_server
+    with pytest.raises(Refused) as ei:
+        NixlClient(parse_url(f"nixl://{tep.host}:{tep.port}"), [tables[0].identity])
+    assert ei.value.reason == "not_supported"
+
+
+def test_nixl_control_channel_serves_tcp_lookups_too(nixl_server):
+    srv, nep, _, tables = nixl_server
+    c = open_client(parse_url(f"tcp://{nep.host}:{nep.port}"), [tables[1].identity])
+    out = np.zeros((3, 264), np.uint8)
+    c.lookup_into(tables[1].identity, np.array([5, 6, 7], np.uint64), [out], 2.0)
+    np.testing.assert_array_equal(out, expected(tables[1], [5, 6, 7]))
+    c.close()
+
+
+def test_handshake_bad_frame(nixl_server):
+    srv, nep, _, tables = nixl_server
+    from dsv41.transport.tcp import TcpClient
+
+    c = TcpClient(nep)
+    with pytest.raises(Refused) as ei:
+        c.request(P.OP_NIXL_HELLO, bytes(32), 2, tables[0].identity, 1.0)  # count says 2, one given
+    assert ei.value.reason == "bad_frame"
+    with pytest.raises(Refused):
+        c.request(P.OP_NIXL_HELLO, bytes(32), 0, b"", 1.0)
+    c.close()

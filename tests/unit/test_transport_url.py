@@ -1,0 +1,42 @@
+"""Transport URL parsing: tcp/nixl, IPv6, @LOCAL_ADDR, one clear error for bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsv41.errors import Dsv41Error
+from dsv41.transport import parse_url
+
+
+@pytest.mark.parametrize(
+    "url,parts",
+    [
+        ("tcp://127.0.0.1:18600", ("tcp", "127.0.0.1", 18600, None, 0)),
+        ("nixl://198.18.1.1:18610@198.18.1.2", ("nixl", "198.18.1.1", 18610, "198.18.1.2", 0)),
+        ("tcp://[::1]:5@[::1]:7", ("tcp", "::1", 5, "::1", 7)),
+        ("tcp://localhost:0", ("tcp", "localhost", 0, None, 0)),
+    ],
+)
+def test_parse(url, parts):
+    ep = parse_url(url)
+    assert (ep.scheme, ep.host, ep.port, ep.local_host, ep.local_port) == parts
+    assert parse_url(str(ep)) == ep
+
+
+@pytest.mark.parametrize(
+    "url,msg",
+    [
+        ("127.0.0.1:1", "expected tcp"),
+        ("rdma://h:1", "scheme"),
+        ("tcp://h", "missing :PORT"),
+        ("tcp://h:x", "not a number"),
+        ("tcp://h:70000", "out of range"),
+        ("tcp://:5", "empty host"),
+        ("tcp://::1:5", "brackets"),
+        ("tcp://[::1:5", "unclosed"),
+        (None, "expected tcp"),
+    ],
+)
+def test_bad_urls(url, msg):
+    with pytest.raises(Dsv41Error, match=msg):
+        parse_url(url)
