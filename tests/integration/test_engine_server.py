@@ -205,7 +205,8 @@ def test_sigterm_drains_in_flight_stream(server):
     first = threading.Event()
 
     def stream():
-        out["chunks"] = sse(server, {"prompt": "The dog ", "max_tokens": 60, "temperature": 0, "ignore_eos": True},
+        out["chunks"] = sse(server, {"prompt": "The dog ", "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+                                     "stream": True},
                             first)
 
     t = threading.Thread(target=stream)

@@ -258,11 +258,23 @@ def test_sigterm_drains_and_exits_zero(tabs):
     c = open_client(srv.urls[0], [ident])
     out = np.empty((10, 264), np.uint8)
     c.lookup_into(ident, np.arange(10, dtype=np.uint64), [out], 2.0)
+    # a large lookup in flight while SIGTERM arrives: exact rows either way (served or fallback)
+    ref = LocalRowReader(m, tabs / "a", threads=2)
+    src = RemoteRowSource(srv.urls[0], m, 0, 1, timeout_ms=2000, local=LocalRowReader(m, tabs / "a", threads=2))
+    rows = np.random.default_rng(3).integers(0, m.table(1).rows, 400000)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(rows=src.lookup(1, rows)))
+    t.start()
+    time.sleep(0.02)
     assert srv.stop(signal.SIGTERM) == 0
+    t.join(60)
+    assert np.array_equal(result["rows"], ref.read(1, rows))
     assert not srv.ready.exists()
     log = srv.output()
     assert '"event": "stopped"' in log and "Traceback" not in log
     c.close()
+    src.close()
+    ref.close()
 
 
 def test_serve_bad_input_one_line(tabs, tmp_path, capsys):

@@ -64,10 +64,16 @@ def test_remote_rows_exact_and_counters(tabs):
             rows = rand_rows(m, L, n, n)
             np.testing.assert_array_equal(src.lookup(L, rows), ref.read(L, rows))
     assert src.lookup(1, np.zeros(0, np.int64)).shape == (0, 264)
+    buf = np.zeros((30, 264), np.uint8)
+    rows = rand_rows(m, 2, 30, 1)
+    assert src.lookup(2, rows, out=buf) is buf
+    np.testing.assert_array_equal(buf, ref.read(2, rows))
+    with pytest.raises(Dsv41Error, match="out must be"):
+        src.lookup(2, rows, out=np.zeros((29, 264), np.uint8))
     c = src.counters()
     assert set(COUNTER_KEYS) <= set(c)
-    assert c["lookups"] == 7 and c["fallbacks"] == 0 and c["remote_rows"] == 2 * (12 + 96 + 40000)
-    assert c["latency_count"] == 7 and c["latency_sum_s"] > 0 and c["source"] == "tcp"
+    assert c["lookups"] == 8 and c["fallbacks"] == 0 and c["remote_rows"] == 2 * (12 + 96 + 40000) + 30
+    assert c["latency_count"] == 8 and c["latency_sum_s"] > 0 and c["source"] == "tcp"
     src.close()
     ref.close()
     srv.stop(1)
@@ -81,8 +87,11 @@ def test_fallback_then_reconnect_after_restart(tabs):
     rows = rand_rows(m, 2, 50)
     np.testing.assert_array_equal(src.lookup(2, rows), ref.read(2, rows))
     srv.stop(1)  # server gone
-    for i in range(3):
+    for i in range(2):
         np.testing.assert_array_equal(src.lookup(2, rows), ref.read(2, rows))
+    buf = np.zeros((50, 264), np.uint8)
+    assert src.lookup(2, rows, out=buf) is buf  # fallback through a LocalRowSource into out
+    np.testing.assert_array_equal(buf, ref.read(2, rows))
     c = src.counters()
     assert c["fallbacks"] == 3 and c["transport_errors"] == 1 and not c["connected"]
     srv2, _ = serve(tables, ep.port)  # restart on the same port
@@ -102,7 +111,9 @@ def test_server_absent_from_start_then_appears(tabs):
     src = RemoteRowSource(f"tcp://127.0.0.1:{port}", m, 0, 1, timeout_ms=100, local=local(d, m))
     rows = rand_rows(m, 1, 24)
     t0 = time.monotonic()
-    np.testing.assert_array_equal(src.lookup(1, rows), ref.read(1, rows))
+    buf = np.zeros((24, 264), np.uint8)
+    assert src.lookup(1, rows, out=buf) is buf  # fallback through a LocalRowReader into out
+    np.testing.assert_array_equal(buf, ref.read(1, rows))
     assert time.monotonic() - t0 < 0.5  # no connect wait on the lookup path
     srv, _ = serve(tables, port)
     assert src.wait_connected(10)

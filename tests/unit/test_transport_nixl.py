@@ -144,3 +144,19 @@ def test_handshake_bad_frame(nixl_server):
     with pytest.raises(Refused):
         c.request(P.OP_NIXL_HELLO, bytes(32), 0, b"", 1.0)
     c.close()
+
+
+def test_pure_python_server_answers_handshake(nixl_server):
+    srv0, _, _, tables = nixl_server
+    srv = RowServer(tables, [parse_url("nixl://127.0.0.1:0")], nixl_provider=srv0.nixl_provider, native=False)
+    ep = srv.start()[0]
+    with pytest.raises(Refused) as ei:
+        NixlClient(ep, [hashlib.sha256(b"wrong").digest()])
+    assert ei.value.reason == "wrong_identity"
+    c = NixlClient(ep, [tables[1].identity])
+    out = np.zeros((4, 264), np.uint8)
+    c.lookup_into(tables[1].identity, np.array([3, 1, 4, 1], np.uint64), [out], 5.0)
+    np.testing.assert_array_equal(out, expected(tables[1], [3, 1, 4, 1]))
+    c.close()
+    srv.stop(1)
+    assert srv.snapshot()["nixl_handshakes"] == 1

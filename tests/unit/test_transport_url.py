@@ -15,6 +15,7 @@ from dsv41.transport import parse_url
         ("nixl://198.18.1.1:18610@198.18.1.2", ("nixl", "198.18.1.1", 18610, "198.18.1.2", 0)),
         ("tcp://[::1]:5@[::1]:7", ("tcp", "::1", 5, "::1", 7)),
         ("tcp://localhost:0", ("tcp", "localhost", 0, None, 0)),
+        ("tcp://[::1]:9@::1", ("tcp", "::1", 9, "::1", 0)),
     ],
 )
 def test_parse(url, parts):
@@ -40,3 +41,13 @@ def test_parse(url, parts):
 def test_bad_urls(url, msg):
     with pytest.raises(Dsv41Error, match=msg):
         parse_url(url)
+
+
+def test_rowsource_url_form_round_trips():
+    """URLs as dsv41.engram.rowsource.parse_remote_url writes them parse here unchanged."""
+    from dsv41.engram.rowsource import parse_remote_url
+
+    for u in ("tcp://198.18.1.1:18610@198.18.1.2", "nixl://[fe80::1]:18611@fe80::2", "tcp://host-a:1"):
+        r = parse_remote_url(u)
+        ep = parse_url(str(r))
+        assert (ep.scheme, ep.host, ep.port, ep.local_host) == (r.scheme, r.host, r.port, r.local_addr)

@@ -52,6 +52,9 @@ def train_cmd(
     out: str = typer.Option(..., help="Output drafter directory."),
     steps: int = typer.Option(0, min=0, help="Training steps (0 = the default in docs/drafter.md)."),
     seed: int = typer.Option(0, help="Seed (data order and initialisation)."),
+    manifest: str = typer.Option("", help="Engram manifest (with --data); default: synthetic tables in memory."),
+    data: str = typer.Option("", help="Engram table directory (with --manifest)."),
+    tables_seed: int = typer.Option(41, help="Seed of the synthetic tables when no --manifest (the lab's dsv41_tables_seed)."),
     threads: int = typer.Option(1, min=1, max=256, help="torch CPU threads."),
     as_json: bool = typer.Option(False, "--json", help="Print the training report as JSON."),
 ) -> None:
@@ -61,7 +64,8 @@ def train_cmd(
     from dsv41.drafter.train import train_drafter
 
     torch.set_num_threads(threads)
-    rep = train_drafter(config, weights, out, steps=steps or None, seed=seed)
+    rep = train_drafter(config, weights, out, steps=steps or None, seed=seed, manifest=manifest or None,
+                        data=data or None, tables_seed=tables_seed)
     if as_json:
         print(json.dumps(rep, indent=1))
     else:

@@ -250,14 +250,17 @@ def save_drafter(model, cfg: DrafterConfig, out_dir: str | os.PathLike) -> dict:
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", dtype=_torch().float32).contiguous() for k, v in model.state_dict().items()}
-    tmp_w = out / (WEIGHTS_NAME + ".tmp")
-    save_file(tensors, str(tmp_w), metadata={"format": FORMAT})
-    os.replace(tmp_w, out / WEIGHTS_NAME)
-    tmp_c = out / (CONFIG_NAME + ".tmp")
-    tmp_c.write_text(cfg.to_json() + "\n")
-    os.replace(tmp_c, out / CONFIG_NAME)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp_w = out / (WEIGHTS_NAME + ".tmp")
+        save_file(tensors, str(tmp_w), metadata={"format": FORMAT})
+        os.replace(tmp_w, out / WEIGHTS_NAME)
+        tmp_c = out / (CONFIG_NAME + ".tmp")
+        tmp_c.write_text(cfg.to_json() + "\n")
+        os.replace(tmp_c, out / CONFIG_NAME)
+    except OSError as exc:
+        raise Dsv41Error(f"drafter: cannot write {out}: {exc}") from None
     return identities(out)
 
 

@@ -444,12 +444,14 @@ class Drafts:
         return cls(toks, ids, probs, top_n)
 
 
-def parse_url(url: str) -> tuple[str, int]:
-    """``tcp://HOST:PORT`` -> (host, port); raises :class:`Dsv41Error` otherwise."""
+def parse_url(url: str, *, listen: bool = False) -> tuple[str, int]:
+    """``tcp://HOST:PORT`` -> (host, port); port 0 (ephemeral) only when ``listen``.
+
+    Raises :class:`Dsv41Error` otherwise."""
     if not url.startswith("tcp://"):
         raise Dsv41Error(f"drafter URL {url!r}: only tcp://HOST:PORT is supported")
     rest = url[len("tcp://"):].split("@", 1)[0].rstrip("/")
     host, sep, port = rest.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not port.isdigit() or not (0 if listen else 1) <= int(port) < 65536:
         raise Dsv41Error(f"drafter URL {url!r}: expected tcp://HOST:PORT")
     return host.strip("[]"), int(port)

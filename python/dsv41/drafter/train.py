@@ -35,7 +35,8 @@ DEFAULTS = {"n_prompts": 24, "prompt_chars": 48, "gen_tokens": 48, "steps": 300,
 
 class SyntheticRowSource:
     """A ``RowSource`` serving the synthetic Engram tables of ``make-tables --seed`` from memory
-    (``dsv41.engram.tables.synthetic_rows``), so training needs no table files."""
+    (``dsv41.engram.tables.synthetic_rows``, materialised once per layer: 264 B x rows, ~50 MB
+    for the lab model), so training needs no table files."""
 
     def __init__(self, model_cfg: dict, seed: int) -> None:
         from dsv41.engram.layout import EngramLayout
@@ -43,13 +44,19 @@ class SyntheticRowSource:
         self.layout = EngramLayout.from_config(model_cfg)
         self.seed = seed
         self.n = 0
+        self._tables: dict[int, np.ndarray] = {}
 
     def lookup(self, layer_id: int, rows: np.ndarray) -> np.ndarray:
         from dsv41.engram.tables import synthetic_rows
 
-        li = list(self.layout.layer_ids).index(layer_id)
-        self.n += int(np.asarray(rows).size)
-        return synthetic_rows(self.seed, layer_id, int(self.layout.rows[li]), rows)
+        t = self._tables.get(layer_id)
+        if t is None:
+            li = list(self.layout.layer_ids).index(layer_id)
+            total = int(self.layout.rows[li])
+            t = self._tables[layer_id] = synthetic_rows(self.seed, layer_id, total, np.arange(total))
+        rows = np.asarray(rows, dtype=np.int64)
+        self.n += int(rows.size)
+        return t[rows]
 
     def counters(self) -> dict:
         return {"lookups": self.n}
@@ -113,7 +120,7 @@ def simulate_acceptance(drafter, seq, prompt_len: int, tap, k: int) -> tuple[int
 
 
 def train_drafter(config: str, weights: str, out: str, *, steps: int | None = None, seed: int = 0,
-                  manifest: str | None = None, data: str | None = None, tables_seed: int = 0,
+                  manifest: str | None = None, data: str | None = None, tables_seed: int = 41,
                   runner=None, **overrides) -> dict:
     """Distil a drafter into ``out``; returns a report (identities, loss, held-out acceptance).
 

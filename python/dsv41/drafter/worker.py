@@ -216,7 +216,7 @@ def serve(drafter_dir: str, listen: str, *, target_identity: str = "", device: s
     """
     import signal
 
-    host, port = P.parse_url(listen)
+    host, port = P.parse_url(listen, listen=True)
     if target_identity and (len(target_identity) != 64 or any(c not in "0123456789abcdef" for c in target_identity)):
         raise Dsv41Error(f"--target-identity {target_identity!r} is not a lowercase hex sha256")
     if backend == "torch":

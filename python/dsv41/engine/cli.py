@@ -124,6 +124,7 @@ def serve_cmd(
     threads: Annotated[int, typer.Option("--threads", help="torch CPU threads per rank.")] = 1,
 ) -> None:
     """Serve the lab model: rank 0 answers HTTP, rank 1 is a headless worker (start it first)."""
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d rendezvous retries are expected noise
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _threads(threads)
     _check_device(device)
@@ -131,7 +132,7 @@ def serve_cmd(
         raise Dsv41Error(f"--tp must be 1 or 2, got {tp}")
     if not 0 <= rank < tp:
         raise Dsv41Error(f"--rank must be in [0, {tp}), got {rank}")
-    if not 0 < port < 65536:
+    if rank == 0 and not 0 < port < 65536:
         raise Dsv41Error(f"--port must be in [1, 65535], got {port}")
     from dsv41.engine.model import TargetModel, load_config, load_weights, target_identity
 
@@ -145,6 +146,7 @@ def serve_cmd(
     if tp > 1:
         from dsv41.engine.tp import DistComm
 
+        logging.getLogger("dsv41.engine").info("rank %d joining the TP%d group at %s", rank, tp, master)
         comm = DistComm.init(rank, tp, master, device, timeout_s=rendezvous_timeout)
     else:
         from dsv41.engine.tp import LocalComm
@@ -168,6 +170,15 @@ def serve_cmd(
                 comm.close()
 
 
+def _drafter_kv_extra() -> int:
+    """KV tokens the drafter package says a remote drafter frees (0 without the package)."""
+    try:
+        from dsv41.drafter.spark import kv_budget_extra_tokens
+    except ImportError:
+        return 0
+    return int(kv_budget_extra_tokens(os.environ))
+
+
 def _serve_rank0(cfg, model, comm, rows, identity, device, host, port, kv_cache_tokens, max_running,
                  max_step_tokens, name) -> None:
     import asyncio
@@ -183,10 +194,17 @@ def _serve_rank0(cfg, model, comm, rows, identity, device, host, port, kv_cache_
     log = logging.getLogger("dsv41.engine")
     spec = speculator_from_env(os.environ, cfg.raw, identity, device)
     depth = draft_depth() if spec is not None else 0
+    extra = _drafter_kv_extra()
+    if extra:
+        log.info("KV budget +%d tokens freed by the remote drafter (capacity mode): %d in all", extra,
+                 kv_cache_tokens + extra)
+        kv_cache_tokens += extra
     sched = Scheduler(kv_cache_tokens, cfg.max_position_embeddings, max_running, max_step_tokens, depth)
     holder: dict = {}
     metrics = EngineMetrics(name, lambda: dict(holder["engine"].rank_counters),
                             spec.counters if spec is not None else None)
+    metrics.kv_tokens.set(kv_cache_tokens)
+    metrics.kv_extra_tokens.set(extra)
     engine = Engine(model, sched, comm, rows, spec, depth, metrics)
     holder["engine"] = engine
     state = ServerState()

@@ -89,6 +89,10 @@ class EngineMetrics:
                               registry=R).labels(model_name)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", lab,
                              buckets=_TTFT_BUCKETS, registry=R).labels(model_name)
+        self.kv_tokens = Gauge("dsv41_engine_kv_cache_tokens", "KV budget in tokens (incl. drafter capacity extra)",
+                               lab, registry=R).labels(model_name)
+        self.kv_extra_tokens = Gauge("dsv41_engine_kv_extra_tokens", "KV tokens added because the drafter runs remotely",
+                                     lab, registry=R).labels(model_name)
         R.register(_EngramCollector(engram_source))
         if drafter_source is not None:
             R.register(_DrafterCollector(drafter_source))

@@ -205,12 +205,14 @@ class RemoteRowSource:
         return self._client is not None
 
     # -- RowSource -----------------------------------------------------------------------------
-    def lookup(self, layer_id: int, rows: Any) -> np.ndarray:
+    def lookup(self, layer_id: int, rows: Any, out: np.ndarray | None = None) -> np.ndarray:
         """Packed rows uint8[N, 264] of global row ids ``rows`` (int[N]) of ``layer_id``.
 
-        Remote first; on failure exact rows from ``local`` (fallback counted).  Raises
+        Remote first; on failure exact rows from ``local`` (fallback counted).  ``out``: optional
+        caller-owned C-contiguous uint8[N, 264] buffer to fill and return (a staging buffer
+        reused across calls skips populating fresh memory for every lookup).  Raises
         ``RowRangeError`` for bad ids or layers, ``RemoteUnavailable`` when required or when
-        there is no local reader.
+        there is no local reader, ``Dsv41Error`` for a bad ``out``.
         """
         t0 = time.perf_counter()
         from dsv41.engram.tables import RowRangeError
@@ -220,7 +222,11 @@ class RemoteRowSource:
             raise RowRangeError(f"manifest has no table for layer {layer_id}")
         r = _check_rows(rows, entry)
         n = r.shape[0]
-        out = np.empty((n, P.ROW_BYTES), np.uint8)
+        if out is None:
+            out = np.empty((n, P.ROW_BYTES), np.uint8)
+        elif (not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.shape != (n, P.ROW_BYTES)
+              or not out.flags.c_contiguous or not out.flags.writeable):
+            raise Dsv41Error(f"out must be a writable C-contiguous uint8[{n}, {P.ROW_BYTES}] array")
         failure: BaseException | None = None
         if n:
             with self._lock:
@@ -241,7 +247,10 @@ class RemoteRowSource:
                     raise RemoteUnavailable(f"remote Engram {self.url} is required but failed: {failure}") from None
                 if self.local is None:
                     raise RemoteUnavailable(f"remote Engram {self.url} failed and there is no local reader: {failure}") from None
-                out = self.local.lookup(layer_id, r) if hasattr(self.local, "lookup") else self.local.read(layer_id, r)
+                if hasattr(self.local, "lookup"):
+                    out[...] = self.local.lookup(layer_id, r)
+                else:
+                    self.local.read(layer_id, r, out=out)
         dt = time.perf_counter() - t0
         with self._clock:
             self._c["lookups"] += 1

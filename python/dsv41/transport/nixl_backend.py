@@ -54,12 +54,41 @@ def _quiet_nixl_logs() -> None:
             logging.getLogger(name).setLevel(logging.WARNING)
 
 
+#: Progress-thread delay (us) of the server's agent.  nixl_cu12's Python wrapper hard-codes 0,
+#: which makes the UCX progress thread busy-spin a whole core even when idle (measured: ~93% of
+#: a core); with a delay it sleeps between polls (see _agent).
+PROGRESS_DELAY_US = int(os.environ.get("DSV41_NIXL_PROGRESS_DELAY_US", "1000"))
+_agent_lock = threading.Lock()
+
+
+class _BindWithDelay:
+    """Stand-in for nixl_cu12's binding module while one agent is built: forwards everything,
+    but sets the agent config's ``pthrDelay`` before the agent is created."""
+
+    def __init__(self, real, delay_us: int) -> None:
+        self._real, self._delay = real, delay_us
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def nixlAgent(self, name, cfg):  # noqa: N802 - mirrors the binding's name
+        cfg.pthrDelay = self._delay
+        return self._real.nixlAgent(name, cfg)
+
+
 def _agent(prefix: str, progress_thread: bool):
     api = _nixl_api()
     _quiet_nixl_logs()
     name = f"{prefix}-{os.getpid()}-{next(_agent_seq)}-{uuid.uuid4().hex[:8]}"
     try:
-        agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
+        with _agent_lock:
+            real = api.nixlBind
+            if progress_thread and PROGRESS_DELAY_US > 0:
+                api.nixlBind = _BindWithDelay(real, PROGRESS_DELAY_US)
+            try:
+                agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
+            finally:
+                api.nixlBind = real
     except Exception as exc:  # NIXL raises plain RuntimeError/nixlBind errors
         raise TransportError(f"cannot create a NIXL agent: {exc}") from None
     if "UCX" not in agent.backends:

@@ -8,7 +8,6 @@ listeners close first, each client finishes the request it is serving, then its 
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
@@ -358,8 +357,3 @@ class _Conn:
             self.refuse(status, rid)
         else:
             self.reply(P.ST_OK, rid, count, body)
-
-
-def table_list_json(tables: list[RowTable]) -> str:
-    """Human-readable table list (for logs)."""
-    return json.dumps([{"layer_id": t.layer_id, "rows": t.rows, "identity": t.identity.hex()} for t in tables])

@@ -244,8 +244,12 @@ class TcpClient:
         if n == 0:
             return
         if not self.native:
-            for s in range(0, n, chunk_rows):
-                self.lookup_into(identity, rows[s : s + chunk_rows], [out[s : s + chunk_rows]], timeout_s)
+            try:
+                for s in range(0, n, chunk_rows):
+                    self.lookup_into(identity, rows[s : s + chunk_rows], [out[s : s + chunk_rows]], timeout_s)
+            except Refused:
+                self.close()  # same contract as the pipelined path
+                raise
             return
         nchunks = -(-n // chunk_rows)
         gen0 = next(self._gen)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from dsv41.errors import Dsv41Error
@@ -35,6 +36,11 @@ def _fmt_host(h: str) -> str:
 
 
 def _split_hostport(text: str, url: str, need_port: bool) -> tuple[str, int]:
+    if not need_port and text.count(":") > 1:
+        try:  # a bare IPv6 local address (as rowsource.RemoteURL writes it)
+            return str(ipaddress.ip_address(text)), 0
+        except ValueError:
+            pass
     if text.startswith("["):
         end = text.find("]")
         if end < 0:
