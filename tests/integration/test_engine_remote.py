@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_engine_common import (PY, REPO, engine_env, free_port, lab_assets, local_rows, serve_cmd,  # noqa: E402
+from test_engine_common import (free_ports, PY, REPO, engine_env, free_port, lab_assets, local_rows, serve_cmd,  # noqa: E402
                                 start, stop, wait_ready)
 
 pytest.importorskip("dsv41.engram.client", reason="remote row source (dsv41.engram.client) not installed")
@@ -98,7 +98,8 @@ def test_tp2_remote_rows_and_table_server_death(assets, reference, tmp_path):
     """Rank 0 reads over tcp://, rank 1 over nixl:// (tcp:// without NIXL); the table server is
     killed mid-stream: every token still equals the local-reader reference, fallbacks counted."""
     srv = TableServer(assets, tmp_path, nixl=_nixl_ok())
-    port, master = free_port(), f"127.0.0.1:{free_port()}"
+    port, mport = free_ports(2)
+    master = f"127.0.0.1:{mport}"
     env = engine_env(VLLM_ENGRAM_REMOTE=f"{srv.tcp},{srv.nixl or srv.tcp}", VLLM_ENGRAM_REMOTE_TIMEOUT_MS="100")
     r1 = start(serve_cmd(assets, rank=1, tp=2, master=master), env, tmp_path / "rank1.log")
     r0 = start(serve_cmd(assets, rank=0, tp=2, port=port, master=master), env, tmp_path / "rank0.log")

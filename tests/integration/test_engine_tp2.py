@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_engine_common import (engine_env, free_port, lab_assets, local_rows, serve_cmd, start,  # noqa: E402
+from test_engine_common import (free_ports, engine_env, free_port, lab_assets, local_rows, serve_cmd, start,  # noqa: E402
                                 stop, wait_ready)
 
 from dsv41.engine.runner import LocalRunner  # noqa: E402
@@ -29,7 +29,8 @@ def assets(tmp_path_factory):
 
 
 def start_pair(assets, logdir: Path, extra=()):
-    port, master = free_port(), f"127.0.0.1:{free_port()}"
+    port, mport = free_ports(2)
+    master = f"127.0.0.1:{mport}"
     r1 = start(serve_cmd(assets, rank=1, tp=2, master=master, extra=extra), engine_env(), logdir / "rank1.log")
     time.sleep(0.5)  # the worker really is first; it waits for rank 0's rendezvous store
     r0 = start(serve_cmd(assets, rank=0, tp=2, port=port, master=master, extra=extra), engine_env(),

@@ -296,6 +296,19 @@ def test_serve_bad_input_one_line(tabs, tmp_path, capsys):
     assert p.returncode == 1 and "does not exist" in p.stderr and p.stderr.count("\n") == 1
 
 
+def test_sweep_against_absent_server(tabs, capsys):
+    man = str(tabs / "a" / "manifest.json")
+    url = f"tcp://127.0.0.1:{free_port()}"
+    rc, out, err = run_cli(capsys, "engram", "sweep", "--manifest", man, "--remote", url, "--rank", "0",
+                           "--lookups", "500", "--timeout-ms", "50")
+    assert rc == 1 and "compared no remote rows" in err
+    rep = json.loads(out)
+    assert rep["bad_rows"] == 0 and rep["fallbacks"] >= 1 and rep["remote_rows"] == 0
+    rc, out, err = run_cli(capsys, "engram", "sweep", "--manifest", man, "--remote", url, "--rank", "1",
+                           "--lookups", "500", "--required")
+    assert rc == 1 and "required" in err and err.count("\n") == 1
+
+
 def test_cli_registration(capsys):
     rc, out, err = run_cli(capsys, "engram", "--help")
     assert rc == 0 and "serve" in out and "sweep" in out

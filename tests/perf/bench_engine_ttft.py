@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_engine_common import (PY, REPO, engine_env, free_port, lab_assets, serve_cmd, start, stop,  # noqa: E402
+from test_engine_common import (free_ports, PY, REPO, engine_env, free_port, lab_assets, serve_cmd, start, stop,  # noqa: E402
                                 wait_ready)
 
 PROMPT_TOKENS = int(os.environ.get("DSV41_BENCH_PROMPT_TOKENS", "3072"))
@@ -68,7 +68,8 @@ def machine() -> str:
 
 class Pair:
     def __init__(self, assets, tmp: Path, env: dict, tag: str):
-        self.port, master = free_port(), f"127.0.0.1:{free_port()}"
+        self.port, mport = free_ports(2)
+        master = f"127.0.0.1:{mport}"
         extra = ["--kv-cache-tokens", "16384", "--max-step-tokens", "512"]
         self.r1 = start(serve_cmd(assets, rank=1, tp=2, master=master, extra=extra), env, tmp / f"{tag}-r1.log")
         self.r0 = start(serve_cmd(assets, rank=0, tp=2, port=self.port, master=master, extra=extra), env,

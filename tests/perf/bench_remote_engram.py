@@ -92,12 +92,13 @@ def shards(tmp_path_factory):
 
 
 class Served:
-    def __init__(self, man: Path, tmp: Path):
+    def __init__(self, man: Path, tmp: Path, pure: bool = False):
         self.ready = tmp / f"ready-{os.getpid()}-{time.monotonic_ns()}.json"
+        env = {**ENV, "DSV41_TRANSPORT_PURE": "1"} if pure else ENV
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dsv41.engram.remote_cli", "serve", "--manifest", str(man),
              "--listen", "tcp://127.0.0.1:0", "--listen", "nixl://127.0.0.1:0", "--ready-file", str(self.ready)],
-            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 300
         while not self.ready.exists():
             assert self.proc.poll() is None and time.monotonic() < deadline, "server did not start"
@@ -153,8 +154,10 @@ def lookup_samples(client, ident, rows, iters: int) -> list[float]:
     return ts
 
 
-def test_decode_lookup_vs_c_floor(shards, server, pingpong):
+def test_decode_lookup_vs_c_floor(shards, server, pingpong, tmp_path):
     m, d = shards
+    pure = Served(d / "manifest.json", tmp_path, pure=True)  # pure-Python server and client
+    assert pure.info["implementation"] == "python"
     ident = P.identity_bytes(m.table(1).identity)
     rng = np.random.default_rng(0)
     for n in (24, 96):
@@ -169,6 +172,12 @@ def test_decode_lookup_vs_c_floor(shards, server, pingpong):
             nx += lookup_samples(xc, ident, rows, 200)
         c.close()
         xc.close()
+        from dsv41.transport.tcp import TcpClient
+        from dsv41.transport.url import parse_url
+
+        pc = TcpClient(parse_url(pure.tcp), native=False)
+        py = lookup_samples(pc, ident, rows, 2000)
+        pc.close()
         src = RemoteRowSource(server.tcp, m, 0, 1, timeout_ms=100)
         src.lookup(1, rows.astype(np.int64))
         rs = []
@@ -183,7 +192,10 @@ def test_decode_lookup_vs_c_floor(shards, server, pingpong):
                tcp_p50_us=round(pct(ours, 50), 1), tcp_p99_us=round(pct(ours, 99), 1),
                ratio_p50=round(pct(ours, 50) / pct(floor, 50), 2), ratio_p99=round(pct(ours, 99) / pct(floor, 99), 2),
                rowsource_tcp_p50_us=round(pct(rs, 50), 1), rowsource_tcp_p99_us=round(pct(rs, 99), 1),
-               nixl_p50_us=round(pct(nx, 50), 1), nixl_p99_us=round(pct(nx, 99), 1), target_p50_ratio=2.0)
+               nixl_p50_us=round(pct(nx, 50), 1), nixl_p99_us=round(pct(nx, 99), 1),
+               pure_python_p50_us=round(pct(py, 50), 1), pure_python_p99_us=round(pct(py, 99), 1),
+               pure_python_ratio_p50=round(pct(py, 50) / pct(floor, 50), 2), target_p50_ratio=2.0)
+    pure.stop()
 
 
 def test_prefill_lookup_vs_cold_local(shards, server, pingpong):

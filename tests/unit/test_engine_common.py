@@ -61,9 +61,19 @@ def local_rows(ns):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ephemeral ports (all bound at once, so they differ)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def serve_cmd(ns, rank: int = 0, tp: int = 1, port: int = 0, master: str = "127.0.0.1:0", extra=()) -> list[str]:

@@ -277,3 +277,32 @@ def test_read_rows_remote_exact(tabs):
     np.testing.assert_array_equal(read_rows_remote(str(ep), m.path, 2, rows), ref.read(2, rows))
     srv.stop(1)
     ref.close()
+
+
+def test_concurrent_lookups_during_outage_are_exact(tabs):
+    d, m, tables = tabs
+    srv, ep = serve(tables)
+    ref = local(d, m)
+    src = RemoteRowSource(str(ep), m, 0, 1, timeout_ms=200, local=local(d, m))
+    errors = []
+
+    def worker(k):
+        rng = np.random.default_rng(k)
+        for _ in range(40):
+            rows = rng.integers(0, m.table(1).rows, 24)
+            if not np.array_equal(src.lookup(1, rows), ref.read(1, rows)):
+                errors.append(k)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    srv.stop(1)  # the server goes away while four threads look rows up
+    for t in threads:
+        t.join(60)
+    assert not errors
+    alive = [t for t in threading.enumerate() if t.name.startswith("engram-reconnect")]
+    assert len(alive) <= 1
+    c = src.counters()
+    assert c["lookups"] == 160
+    src.close()
+    ref.close()

@@ -160,3 +160,29 @@ def test_pure_python_server_answers_handshake(nixl_server):
     c.close()
     srv.stop(1)
     assert srv.snapshot()["nixl_handshakes"] == 1
+
+
+def test_server_agent_progress_thread_gets_a_delay():
+    """The wrapper's hard-coded pthrDelay=0 (a busy-spinning progress thread) is overridden."""
+    from dsv41.transport import nixl_backend as nb
+
+    seen = {}
+
+    class Cfg:
+        pthrDelay = 0
+
+    class Real:
+        other = 5
+
+        @staticmethod
+        def nixlAgent(name, cfg):  # noqa: N802
+            seen["delay"] = cfg.pthrDelay
+            return "agent"
+
+    proxy = nb._BindWithDelay(Real, 1000)
+    assert proxy.nixlAgent("a", Cfg()) == "agent" and seen["delay"] == 1000 and proxy.other == 5
+    api = nb._nixl_api()
+    real = api.nixlBind
+    ex = NixlExporter([make_table(5, 1)])
+    assert api.nixlBind is real  # the binding module is restored after building the agent
+    ex.close()

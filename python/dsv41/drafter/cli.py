@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Optional
 
 import typer
 
@@ -18,7 +19,8 @@ def serve_cmd(
     drafter: str = typer.Option(..., help="Drafter directory (drafter.json + drafter.safetensors)."),
     target_identity: str = typer.Option("", help="Target identity this worker serves (hex sha256)."),
     device: str = typer.Option("cpu", help="cpu or cuda[:N]."),
-    cuda_graphs: bool = typer.Option(False, "--cuda-graphs/--no-cuda-graphs", help="Replay CUDA graphs (CUDA only)."),
+    cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs",
+                                               help="Replay CUDA graphs (default: on with --device cuda)."),
     backend: str = typer.Option("torch", help="Drafter backend: torch."),
     metrics: str = typer.Option("", help="HOST:PORT for Prometheus /metrics (empty = off)."),
     ready_file: str = typer.Option("", help="Write the bound URL here once serving."),
@@ -33,6 +35,8 @@ def serve_cmd(
 
     torch.set_num_threads(threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s dsv41-drafter %(levelname)s %(message)s")
+    if cuda_graphs is None:
+        cuda_graphs = device.startswith("cuda")
     serve(drafter, listen, target_identity=target_identity, device=device, cuda_graphs=cuda_graphs, backend=backend,
           metrics=metrics, ready_file=ready_file, max_batch=max_batch, delay_ms=delay_ms)
 

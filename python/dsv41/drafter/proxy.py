@@ -38,8 +38,12 @@ def _try_connect(client: DrafterClient, ring: Ring, *, force: bool = False) -> N
 
 def run_proxy(shm_name: str, url: str, expected: dict, *, timeout_ms: float = 100.0, nap_us: float = 50.0,
               engine_timeout_s: float = 10.0, reconnect_s: float = 1.0, parent_pid: int | None = None,
-              max_rounds: int | None = None) -> int:
+              max_rounds: int | None = None, nap_max_us: float = 1000.0) -> int:
     """Serve rounds from the ring named ``shm_name`` until told to stop; returns rounds served.
+
+    Idle naps start at ``nap_us`` and double up to ``nap_max_us`` while no round arrives (reset
+    by each round): the reply is needed only at the engine's next step, so a short pickup delay
+    costs nothing while a hot spin would steal a core from the engine on a small host.
 
     Raises :class:`dsv41.errors.Dsv41Error` when the ring cannot be attached or the URL is bad.
     """
@@ -50,7 +54,8 @@ def run_proxy(shm_name: str, url: str, expected: dict, *, timeout_ms: float = 10
     ring.beat_proxy()
     _try_connect(client, ring, force=True)
     served = 0
-    nap = nap_us / 1e6
+    nap_min, nap_max = nap_us / 1e6, max(nap_us, nap_max_us) / 1e6
+    nap = nap_min
     seen = {k: 0 for k in ("timeouts", "refusals", "identity_refusals", "reconnects", "late_dropped")}
     try:
         while True:
@@ -69,7 +74,9 @@ def run_proxy(shm_name: str, url: str, expected: dict, *, timeout_ms: float = 10
                 if ring.proxy_state != ProxyState.CONNECTED:
                     _try_connect(client, ring)
                 time.sleep(nap)
+                nap = min(nap * 2, nap_max)
                 continue
+            nap = nap_min
             for i in reqs:
                 got = ring.read(i)
                 if got is None:

@@ -33,7 +33,8 @@ def run(
     markov_identity: str = typer.Option("", help="Expected Markov head identity (hex sha256)."),
     target_identity: str = typer.Option("", help="Expected target identity (hex sha256)."),
     timeout_ms: float = typer.Option(100.0, min=1.0, help="Per-round timeout (ms)."),
-    nap_us: float = typer.Option(50.0, min=0.0, help="Sleep between idle polls (µs)."),
+    nap_us: float = typer.Option(50.0, min=0.0, help="First sleep between idle polls (µs)."),
+    nap_max_us: float = typer.Option(1000.0, min=0.0, help="Longest sleep between idle polls (µs); naps double while idle."),
     engine_timeout_s: float = typer.Option(10.0, min=0.1, help="Exit when the engine heartbeat is older (s)."),
     parent_pid: int = typer.Option(0, help="Exit when this parent process is gone (0 = do not check)."),
 ) -> None:
@@ -46,7 +47,8 @@ def run(
                 "markov": _hex_or_empty("markov-identity", markov_identity),
                 "target": _hex_or_empty("target-identity", target_identity)}
     logging.basicConfig(level=logging.INFO, format="%(asctime)s dsv41-proxy %(levelname)s %(message)s")
-    run_proxy(shm, remote, expected, timeout_ms=timeout_ms, nap_us=nap_us, engine_timeout_s=engine_timeout_s,
+    run_proxy(shm, remote, expected, timeout_ms=timeout_ms, nap_us=nap_us, nap_max_us=nap_max_us,
+              engine_timeout_s=engine_timeout_s,
               parent_pid=parent_pid or None)
 
 

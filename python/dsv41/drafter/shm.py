@@ -41,6 +41,7 @@ HEADER_SIZE = 512
 SLOT_HEADER = struct.Struct("<IIQIIQ")  # 32 bytes
 PROXY_COUNTERS = ("rounds", "rounds_ok", "timeouts", "refusals", "identity_refusals", "reconnects",
                   "unavailable", "late_dropped")
+_CREATED: set[str] = set()  # segments this process created (and its resource tracker owns)
 _ERR_OFF = 112
 _ERR_MAX = 398
 
@@ -83,12 +84,13 @@ class Ring:
             raise Dsv41Error(f"drafter ring: n_slots {n_slots} / slot_size {slot_size} out of range")
         size = HEADER_SIZE + n_slots * (SLOT_HEADER.size + slot_size)
         shm = shared_memory.SharedMemory(create=True, size=size)
+        _CREATED.add(shm.name)
         shm.buf[:HEADER_SIZE + n_slots * SLOT_HEADER.size] = b"\0" * (HEADER_SIZE + n_slots * SLOT_HEADER.size)
         struct.pack_into("<IIII", shm.buf, 0, MAGIC, VERSION, n_slots, slot_size)
         return cls(shm, owner=True)
 
     @classmethod
-    def attach(cls, name: str, *, untrack: bool = True) -> Ring:
+    def attach(cls, name: str, *, untrack: bool | None = None) -> Ring:
         try:
             shm = shared_memory.SharedMemory(name=name)
         except FileNotFoundError:
@@ -98,7 +100,9 @@ class Ring:
         try:
             from multiprocessing import resource_tracker
 
-            if untrack:  # (False when the creating process attaches to its own segment)
+            if untrack is None:  # the creating process attaching to its own segment keeps it tracked
+                untrack = shm.name not in _CREATED
+            if untrack:
                 resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 - no public API before 3.13
         except Exception:  # pragma: no cover - tracker absent or already unregistered
             pass

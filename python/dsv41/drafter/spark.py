@@ -26,6 +26,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -286,6 +287,9 @@ class AsyncSpeculator(_Base):
         self._inflight: tuple[int, int, dict] | None = None  # (slot, seq, {rid: (ctx_len, tail)})
         self._ready: dict[str, _Ready] = {}
         self._last_state_error = ""
+        # propose (engine thread) and counters (metrics scrape thread) both touch the ring, and a
+        # respawn replaces it: one lock keeps a scrape from reading a closed segment.
+        self._lock = threading.Lock()
         self._spawn()
 
     # ------------------------------------------------------------------ proxy lifecycle
@@ -465,6 +469,10 @@ class AsyncSpeculator(_Base):
         """Non-blocking: previous round's still-valid drafts (or none), and submit this round."""
         if not batch:
             return []
+        with self._lock:
+            return self._propose(batch)
+
+    def _propose(self, batch) -> list:
         if self.ring is not None:
             self.ring.beat_engine()
         if not self.watchdog():
@@ -483,6 +491,10 @@ class AsyncSpeculator(_Base):
         return out
 
     def counters(self) -> dict:
+        with self._lock:
+            return self._counters()
+
+    def _counters(self) -> dict:
         c = dict(self._c)
         if self.ring is not None:
             for k, v in self.ring.counters().items():
@@ -493,6 +505,10 @@ class AsyncSpeculator(_Base):
 
     def close(self) -> None:
         """Stop the proxy (stop flag, then kill by pid) and unlink the ring."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self.proc is not None and self.ring is not None:
             self.ring.stop = True
             try:

@@ -188,7 +188,7 @@ def _rope(positions, head_dim: int, theta: float, dtype):
     """cos/sin tables ``[T, head_dim/2]`` for integer positions (RoFormer, Su et al. 2021)."""
     import torch
 
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim))
     ang = positions.to(torch.float64)[:, None] * inv[None, :]
     return torch.cos(ang).to(dtype), torch.sin(ang).to(dtype)
 

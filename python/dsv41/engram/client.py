@@ -123,6 +123,7 @@ class RemoteRowSource:
         self._idents = {t.layer_id: P.identity_bytes(t.identity) for t in self.manifest.tables}
         self._lock = threading.Lock()  # guards the client and one in-flight request
         self._clock = threading.Lock()  # guards counters
+        self._rlock = threading.Lock()  # guards starting the reconnect thread
         self._c = {"lookups": 0, "rows": 0, "fallbacks": 0, "transport_errors": 0, "refusals": 0,
                    "reconnects": 0, "latency_sum_s": 0.0, "latency_count": 0, "remote_rows": 0,
                    "connect_failures": 0}
@@ -161,11 +162,13 @@ class RemoteRowSource:
         self.last_error = str(exc)
 
     def _start_reconnect(self) -> None:
-        if self._closed.is_set():
-            return
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._reconnect_loop, name=f"engram-reconnect-{self.rank}", daemon=True)
-            self._thread.start()
+        with self._rlock:  # one reconnect thread at most, even when lookups fail concurrently
+            if self._closed.is_set():
+                return
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._reconnect_loop, name=f"engram-reconnect-{self.rank}",
+                                                daemon=True)
+                self._thread.start()
 
     def _reconnect_loop(self) -> None:
         delay = RECONNECT_MIN_S

@@ -89,7 +89,10 @@ def sweep(
     required: Annotated[bool, typer.Option("--required", help="Fail instead of falling back to local rows.")] = False,
     token_map: Annotated[Optional[Path], typer.Option("--token-map", help="Token map (default: the lab tokenizer's, if it fits).")] = None,
 ) -> None:
-    """Compare remote rows with local rows over hashed token sequences; prints JSON, exit 1 if any row differs."""
+    """Compare remote rows with local rows over hashed token sequences; prints JSON.
+
+    Exit 1 if any row differs or if no row at all came from the server (fallbacks are counted,
+    not failed, unless --required)."""
     from dsv41.engram.manifest import load_manifest
     from dsv41.engram.sweep import run_sweep
     from dsv41.transport import parse_url
@@ -101,6 +104,9 @@ def sweep(
     print(json.dumps(report))
     if report["bad_rows"]:
         raise Dsv41Error(f"sweep found {report['bad_rows']} bad rows")
+    if report["remote_rows"] == 0:
+        raise Dsv41Error(f"sweep compared no remote rows: all {report['lookups']} lookups fell back to local "
+                         f"({report['fallbacks']} fallbacks); is {remote} up?")
 
 
 def register(app: typer.Typer) -> None:
