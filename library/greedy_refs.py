@@ -46,6 +46,27 @@ options:
     description: Name prefix of the Engram counters on O(metrics_url).
     type: str
     default: dsv41_engram_
+  require_ranks:
+    description:
+      - Ranks (label values) whose Engram counters must show lookups and zero fallbacks while the
+        prompts run. Needs O(metrics_url).
+    type: list
+    elements: str
+    default: []
+  require_drafter:
+    description: Rank 0's speculator must run drafting rounds without identity refusals. Needs O(metrics_url).
+    type: bool
+    default: false
+  attempts:
+    description:
+      - Runs of the prompts until the counter requirements hold (a table server restored a moment
+        ago may still be reconnecting). A token mismatch fails at once.
+    type: int
+    default: 1
+  delay:
+    description: Seconds between attempts.
+    type: float
+    default: 2.0
 attributes:
   check_mode:
     support: full
@@ -94,6 +115,10 @@ drafter_delta:
   description: Speculator counters of rank 0 (C(dsv41_drafter_*)), after minus before.
   returned: when metrics_url is set
   type: dict
+attempts:
+  description: Runs of the prompts made.
+  returned: always
+  type: int
 summary:
   description: One line, for example C(6/6 identical).
   returned: always
@@ -101,6 +126,7 @@ summary:
 """
 
 import os
+import time
 import traceback
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
@@ -116,6 +142,40 @@ else:
     DSV41_IMPORT_ERROR = None
 
 
+def run_once(module, mode, result):
+    """Run the prompts once (record or verify), reading the counters around them.
+
+    Returns (comparison, problem) where problem is None or one line about the counters.
+    """
+    p = module.params
+    before = dsv41_refs.fetch_metrics_text(p["metrics_url"]) if p["metrics_url"] else None
+    if mode == "record":
+        doc = dsv41_refs.run_prompts(p["endpoint"], None, p["max_tokens"], timeout_s=p["timeout"])
+        cmp = dsv41_refs.compare(doc, doc)
+        if not module.check_mode:
+            dsv41_refs.save_refs(doc, p["path"])
+        result.update(changed=True)
+        result.setdefault("action", "recorded")
+    else:
+        cmp = dsv41_refs.verify(p["endpoint"], dsv41_refs.load_refs(p["path"]), timeout_s=p["timeout"])
+        result.setdefault("action", "verified")
+    problems = []
+    if before is not None:
+        after = dsv41_refs.fetch_metrics_text(p["metrics_url"])
+        engram = dsv41_refs.counter_delta(dsv41_refs.engram_counters(before, p["metrics_prefix"]),
+                                          dsv41_refs.engram_counters(after, p["metrics_prefix"]))
+        drafter = dsv41_refs.counter_delta({"": dsv41_refs.flat_values(before, "dsv41_drafter_")},
+                                           {"": dsv41_refs.flat_values(after, "dsv41_drafter_")})[""]
+        result.update(counters_delta=engram, drafter_delta=drafter)
+        if p["require_ranks"]:
+            problems.append(dsv41_refs.check_remote_engram(engram, p["require_ranks"]))
+        if p["require_drafter"]:
+            problems.append(dsv41_refs.check_drafter(drafter))
+    d = cmp.to_dict()
+    result.update(identical=d["identical"], total=d["total"], prompts=d["prompts"], summary=cmp.summary())
+    return cmp, "; ".join(x for x in problems if x) or None
+
+
 def main():
     module = AnsibleModule(
         argument_spec=dict(
@@ -126,7 +186,12 @@ def main():
             timeout=dict(type="float", default=120.0),
             metrics_url=dict(type="str"),
             metrics_prefix=dict(type="str", default="dsv41_engram_"),
+            require_ranks=dict(type="list", elements="str", default=[]),
+            require_drafter=dict(type="bool", default=False),
+            attempts=dict(type="int", default=1),
+            delay=dict(type="float", default=2.0),
         ),
+        required_if=[("require_drafter", True, ("metrics_url",))],
         supports_check_mode=True,
     )
     if not HAS_DSV41:
@@ -135,30 +200,27 @@ def main():
     mode = p["mode"]
     if mode == "auto":
         mode = "verify" if os.path.exists(p["path"]) else "record"
+    if p["require_ranks"] and not p["metrics_url"]:
+        module.fail_json(msg="require_ranks needs metrics_url")
     result = dict(changed=False)
+    attempt = 0
     try:
-        before = dsv41_refs.fetch_metrics_text(p["metrics_url"]) if p["metrics_url"] else None
-        if mode == "record":
-            doc = dsv41_refs.run_prompts(p["endpoint"], None, p["max_tokens"], timeout_s=p["timeout"])
-            cmp = dsv41_refs.compare(doc, doc)
-            if not module.check_mode:
-                dsv41_refs.save_refs(doc, p["path"])
-            result.update(changed=True, action="recorded")
-        else:
-            cmp = dsv41_refs.verify(p["endpoint"], dsv41_refs.load_refs(p["path"]), timeout_s=p["timeout"])
-            result.update(action="verified")
-        if before is not None:
-            after = dsv41_refs.fetch_metrics_text(p["metrics_url"])
-            result["counters_delta"] = dsv41_refs.counter_delta(
-                dsv41_refs.engram_counters(before, p["metrics_prefix"]), dsv41_refs.engram_counters(after, p["metrics_prefix"]))
-            result["drafter_delta"] = dsv41_refs.counter_delta(
-                {"": dsv41_refs.flat_values(before, "dsv41_drafter_")}, {"": dsv41_refs.flat_values(after, "dsv41_drafter_")})[""]
+        while True:
+            attempt += 1
+            cmp, problem = run_once(module, mode, result)
+            if mode == "record" and not module.check_mode:
+                mode = "verify"  # recorded once; later attempts compare against it
+            if cmp.identical != cmp.total or problem is None or attempt >= p["attempts"]:
+                break
+            time.sleep(p["delay"])
     except Dsv41Error as exc:
         module.fail_json(msg=str(exc), endpoint=p["endpoint"], path=p["path"])
-    d = cmp.to_dict()
-    result.update(identical=d["identical"], total=d["total"], prompts=d["prompts"], summary=cmp.summary())
+    result["attempts"] = attempt
     if cmp.identical != cmp.total:
         result["msg"] = "greedy references differ from %s: %s" % (p["path"], cmp.summary())
+        module.fail_json(**result)
+    if problem:
+        result["msg"] = "counters while the references ran (%d attempt(s)): %s" % (attempt, problem)
         module.fail_json(**result)
     module.exit_json(**result)
 

@@ -181,6 +181,36 @@ def test_pause_wait_abort_resume(server):
     assert post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
+def test_client_disconnect_aborts_request(server):
+    def aborted():
+        for line in httpx.get(server["url"] + "/metrics").text.splitlines():
+            if line.startswith("vllm:request_success_total") and 'finished_reason="abort"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    before = aborted()
+    with httpx.stream("POST", server["url"] + "/v1/completions", timeout=60,
+                      json={"prompt": "The dog ", "max_tokens": 900, "stream": True, "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # hang up after the first chunk
+    t0 = time.monotonic()
+    while aborted() == before and time.monotonic() - t0 < 30:
+        time.sleep(0.1)
+    assert aborted() == before + 1
+    assert 'vllm:num_requests_running{model_name="dsv41-lab"} 0.0' in httpx.get(server["url"] + "/metrics").text
+
+
+def test_chat_completion_non_stream(server):
+    r = post(server, "/v1/chat/completions", {"model": "dsv41-lab", "messages": [{"role": "user", "content": "hi"}],
+                                              "max_completion_tokens": 6, "temperature": 0, "return_token_ids": True})
+    body = r.json()
+    assert r.status_code == 200 and body["object"] == "chat.completion"
+    msg = body["choices"][0]["message"]
+    assert msg["role"] == "assistant" and msg["content"] == TOK.decode(body["choices"][0]["token_ids"])
+    assert body["usage"]["completion_tokens"] == 6
+
+
 def test_metrics(server):
     post(server, "/v1/completions", {"prompt": "The cat ", "max_tokens": 3})
     text = httpx.get(server["url"] + "/metrics").text

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_engine_common import (free_ports, engine_env, free_port, lab_assets, local_rows, serve_cmd, start,  # noqa: E402
+from test_engine_common import (engine_env, free_ports, lab_assets, local_rows, serve_cmd, start,  # noqa: E402
                                 stop, wait_ready)
 
 from dsv41.engine.runner import LocalRunner  # noqa: E402
@@ -115,14 +115,17 @@ def test_rank1_sigterm_drains_both_ranks(pair):
     assert pair["r1"].wait(30) == 0, (pair["dir"] / "rank1.log").read_text()[-2000:]
 
 
-def test_rank0_exits_with_clear_error_when_rank1_dies(assets, tmp_path):
+@pytest.mark.parametrize("victim", ["r1", "r0"])
+def test_peer_death_ends_the_other_rank_with_clear_error(assets, tmp_path, victim):
     p = start_pair(assets, tmp_path)
+    survivor = "r0" if victim == "r1" else "r1"
+    rank = "0" if survivor == "r0" else "1"
     try:
-        p["r1"].kill()
-        rc = p["r0"].wait(60)
-        log = (tmp_path / "rank0.log").read_text()
-        assert rc == 1
-        assert "dsv41: error: rank 0: lost the TP peer" in log
+        p[victim].kill()
+        rc = p[survivor].wait(60)
+        log = (tmp_path / f"rank{rank}.log").read_text()
+        assert rc == 1, log
+        assert f"dsv41: error: rank {rank}: lost the TP peer" in log
         assert "Traceback" not in log
     finally:
         stop(p["r0"], signal.SIGKILL)

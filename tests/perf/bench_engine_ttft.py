@@ -24,14 +24,14 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_engine_common import (free_ports, PY, REPO, engine_env, free_port, lab_assets, serve_cmd, start, stop,  # noqa: E402
+from test_engine_common import (PY, REPO, engine_env, free_ports, lab_assets, serve_cmd, start, stop,  # noqa: E402
                                 wait_ready)
 
 PROMPT_TOKENS = int(os.environ.get("DSV41_BENCH_PROMPT_TOKENS", "3072"))
 DECODE_TOKENS = int(os.environ.get("DSV41_BENCH_DECODE_TOKENS", "96"))
+DEVICE = os.environ.get("DSV41_BENCH_DEVICE", "cpu")  # cuda: rank r on cuda:r (NCCL)
 REPEATS = 3
 
 
@@ -71,8 +71,13 @@ class Pair:
         self.port, mport = free_ports(2)
         master = f"127.0.0.1:{mport}"
         extra = ["--kv-cache-tokens", "16384", "--max-step-tokens", "512"]
-        self.r1 = start(serve_cmd(assets, rank=1, tp=2, master=master, extra=extra), env, tmp / f"{tag}-r1.log")
-        self.r0 = start(serve_cmd(assets, rank=0, tp=2, port=self.port, master=master, extra=extra), env,
+
+        def dev(r):
+            return ["--device", DEVICE if DEVICE == "cpu" else f"cuda:{r}"]
+
+        self.r1 = start(serve_cmd(assets, rank=1, tp=2, master=master, extra=extra + dev(1)), env,
+                        tmp / f"{tag}-r1.log")
+        self.r0 = start(serve_cmd(assets, rank=0, tp=2, port=self.port, master=master, extra=extra + dev(0)), env,
                         tmp / f"{tag}-r0.log")
         self.url = f"http://127.0.0.1:{self.port}"
         wait_ready(self.port, self.r0, tmp / f"{tag}-r0.log")
@@ -141,7 +146,8 @@ def test_engine_cold_ttft_and_decode(tmp_path_factory):
     from dsv41.engine.tokenizer import ByteTokenizer
 
     prompt = ByteTokenizer().encode(corpus_text(99, PROMPT_TOKENS * 2))[:PROMPT_TOKENS]
-    results = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "prompt_tokens": PROMPT_TOKENS}
+    results = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "prompt_tokens": PROMPT_TOKENS,
+               "device": DEVICE}
 
     # --- local O_DIRECT reader, cold
     pair = Pair(assets, tmp, engine_env(), "local")
@@ -202,6 +208,6 @@ def test_engine_cold_ttft_and_decode(tmp_path_factory):
         "decode_single_tok_s": single, "decode_3conc_tok_s": conc, "decode_3conc_over_single": conc / single,
     })
     print(json.dumps(results))
-    print(f"\nEngine TP2, {PROMPT_TOKENS}-token prompt, cold TTFT: local O_DIRECT {ms(local)}, remote {ms(remote)} "
+    print(f"\nEngine TP2 ({DEVICE}), {PROMPT_TOKENS}-token prompt, cold TTFT: local O_DIRECT {ms(local)}, remote {ms(remote)} "
           f"(remote/local {results['ttft_remote_over_local']:.3f}); decode single {single:.1f} tok/s, "
           f"3 concurrent {conc:.1f} tok/s aggregate (x{conc / single:.2f}); {results['machine']}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
@@ -119,6 +118,10 @@ def test_cli_generate_identity_and_errors(assets, tmp_path):
           str(assets.weights), "--tp", "3"), "--tp must be 1 or 2"),
         (("serve", "--manifest", str(assets.manifest), "--config", str(assets.config), "--weights",
           str(assets.weights), "--device", "tpu"), "--device"),
+        (("serve", "--manifest", str(assets.manifest), "--config", str(assets.config), "--weights",
+          str(assets.weights), "--tp", "2", "--rank", "2"), "--rank must be in [0, 2)"),
+        (("serve", "--manifest", str(assets.manifest), "--data", str(assets.data), "--config", str(assets.config),
+          "--weights", str(assets.weights), "--tp", "2", "--rank", "1", "--master", "nohost"), "ADDR:PORT"),
         (("serve", "--manifest", str(assets.manifest), "--config", str(assets.config), "--weights",
           str(tmp_path / "none.safetensors")), "init-weights"),
         (("generate", "--prompt", "x", "--manifest", str(assets.manifest), "--config", str(LAB_CONFIG),

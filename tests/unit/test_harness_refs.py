@@ -24,6 +24,9 @@ class FakeServing:
         self.no_token_ids = False
         self.fallbacks = 0
         self.lookups = 0
+        self.fallbacks_per_call = 0
+        self.drafter_rounds_per_call = 2
+        self.rounds = 0
         self.calls: list[str] = []
         fake = self
 
@@ -48,7 +51,7 @@ class FakeServing:
                         text += f'dsv41_engram_lookups_total{{rank="{r}"}} {fake.lookups}\n'
                         text += f'dsv41_engram_fallbacks_total{{rank="{r}"}} {fake.fallbacks}\n'
                     text += 'vllm:num_requests_running{model_name="x"} 0\n'
-                    text += f"dsv41_drafter_rounds {fake.lookups * 2}\ndsv41_drafter_identity_refusals 0\n"
+                    text += f"dsv41_drafter_rounds {fake.rounds}\ndsv41_drafter_identity_refusals 0\n"
                     return self._send(200, text.encode(), "text/plain")
                 return self._send(404, {})
 
@@ -70,6 +73,8 @@ class FakeServing:
                     if name in fake.shift_names and len(ids) > fake.shift_at:
                         ids[fake.shift_at] = (ids[fake.shift_at] + 1) % 260
                     fake.lookups += 1
+                    fake.fallbacks += fake.fallbacks_per_call
+                    fake.rounds += fake.drafter_rounds_per_call
                     choice = {"text": "x"} if fake.no_token_ids else {"text": "x", "token_ids": ids}
                     return self._send(200, {"choices": [choice]})
                 return self._send(404, {})
@@ -175,6 +180,13 @@ def test_engram_counters_and_delta():
 def test_flat_values():
     text = "dsv41_drafter_rounds 4\ndsv41_drafter_drafts_total 9\ndsv41_drafter_x{a=\"1\"} 3\nother 1\n"
     assert refs.flat_values(text, "dsv41_drafter_") == {"rounds": 4.0, "drafts": 9.0}
+
+
+def test_check_drafter():
+    assert refs.check_drafter({"rounds": 3, "identity_refusals": 0}) is None
+    assert refs.check_drafter({"rounds": 3, "identity_refusals": 2}) == "drafter: 2 identity refusals"
+    assert refs.check_drafter({"rounds": 0, "fail_closed_rounds": 7}) == "drafter: no drafting rounds (7 failed closed)"
+    assert refs.check_drafter({}) == "drafter: no drafting rounds"
 
 
 def test_fetch_engram_counters(serving):

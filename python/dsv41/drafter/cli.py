@@ -21,7 +21,7 @@ def serve_cmd(
     device: str = typer.Option("cpu", help="cpu or cuda[:N]."),
     cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs",
                                                help="Replay CUDA graphs (default: on with --device cuda)."),
-    backend: str = typer.Option("torch", help="Drafter backend: torch."),
+    backend: str = typer.Option("torch", help="Drafter backend: torch, or exl3 (EXL3 model dir, CUDA, exllamav3)."),
     metrics: str = typer.Option("", help="HOST:PORT for Prometheus /metrics (empty = off)."),
     ready_file: str = typer.Option("", help="Write the bound URL here once serving."),
     max_batch: int = typer.Option(64, min=1, max=1024, help="Largest batch accepted per round."),

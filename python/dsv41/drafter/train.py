@@ -144,6 +144,10 @@ def train_drafter(config: str, weights: str, out: str, *, steps: int | None = No
     if steps is not None:
         hp["steps"] = int(steps)
     t0 = time.monotonic()
+    try:  # fail before minutes of work, not after
+        Path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"drafter train: cannot create --out {out}: {exc}") from None
     if runner is None:
         runner = LocalRunner(config, weights, make_row_source(config, manifest, data, tables_seed))
     tid = target_identity(config, weights)

@@ -224,9 +224,11 @@ def serve(drafter_dir: str, listen: str, *, target_identity: str = "", device: s
 
         be = TorchDrafter(drafter_dir, device=device, cuda_graphs=cuda_graphs, max_batch=max_batch)
     elif backend == "exl3":
-        raise Dsv41Error("drafter serve: the exl3 backend is not part of this build (see docs/drafter.md)")
+        from dsv41.drafter.exl3 import Exl3Drafter
+
+        be = Exl3Drafter(drafter_dir, device=device, max_batch=max_batch)
     else:
-        raise Dsv41Error(f"drafter serve: unknown backend {backend!r} (torch)")
+        raise Dsv41Error(f"drafter serve: unknown backend {backend!r} (torch or exl3)")
     recorded = be.ids.get("target", "")
     if target_identity and recorded and recorded != target_identity:
         raise Dsv41Error(f"drafter {drafter_dir} was distilled for target {recorded[:12]}, "

@@ -132,6 +132,10 @@ def serve_cmd(
         raise Dsv41Error(f"--tp must be 1 or 2, got {tp}")
     if not 0 <= rank < tp:
         raise Dsv41Error(f"--rank must be in [0, {tp}), got {rank}")
+    if tp > 1:
+        mhost, _, mport = master.rpartition(":")
+        if not mhost or not mport.isdigit() or not 0 < int(mport) < 65536:
+            raise Dsv41Error(f"--master must be ADDR:PORT, got {master!r}")
     if rank == 0 and not 0 < port < 65536:
         raise Dsv41Error(f"--port must be in [1, 65535], got {port}")
     from dsv41.engine.model import TargetModel, load_config, load_weights, target_identity
@@ -141,8 +145,6 @@ def serve_cmd(
     identity = target_identity(config, weights)
     rows = _row_source(manifest, data, rank, tp)
     drain = {"flag": False}
-    if rank != 0:
-        signal.signal(signal.SIGTERM, lambda *_: drain.__setitem__("flag", True))
     if tp > 1:
         from dsv41.engine.tp import DistComm
 
@@ -156,6 +158,10 @@ def serve_cmd(
         model = TargetModel(cfg, w, comm, rows, device)
         if rank != 0:
             from dsv41.engine.engine import worker_loop
+
+            # Installed only once the group has formed: before that, SIGTERM simply ends the
+            # process (nothing to drain; the C++ rendezvous would not run a Python handler).
+            signal.signal(signal.SIGTERM, lambda *_: drain.__setitem__("flag", True))
 
             logging.getLogger("dsv41.engine").info("rank %d ready (identity %s)", rank, identity[:12])
             worker_loop(model, comm, rows, lambda: drain["flag"])

@@ -14,7 +14,6 @@ produced tokens, then one ``finish``).
 from __future__ import annotations
 
 import logging
-import os
 import random
 import threading
 import time

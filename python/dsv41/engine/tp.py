@@ -13,7 +13,6 @@ plane is NCCL.
 from __future__ import annotations
 
 import datetime as _dt
-import os
 
 from dsv41.errors import Dsv41Error
 

@@ -301,3 +301,14 @@ def fetch_metrics_text(metrics_url: str, timeout_s: float = 10.0) -> str:
     except httpx.HTTPError as exc:
         raise RefsError(f"cannot read metrics at {metrics_url}: {exc}") from exc
     return r.text
+
+
+def check_drafter(delta: dict) -> str | None:
+    """None when rank 0's speculator ran drafting rounds with no identity refusal in ``delta``
+    (keys of ``dsv41.drafter.spark.COUNTER_KEYS``); otherwise one line saying why."""
+    if delta.get("identity_refusals", 0) > 0:
+        return f"drafter: {int(delta['identity_refusals'])} identity refusals"
+    if delta.get("rounds", 0) <= 0:
+        fc = int(delta.get("fail_closed_rounds", 0))
+        return "drafter: no drafting rounds" + (f" ({fc} failed closed)" if fc else "")
+    return None

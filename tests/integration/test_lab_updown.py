@@ -1,0 +1,101 @@
+"""The lab itself: lab_up builds three hosts with their own hostname, addresses, MTUs and process
+table, idempotently, with the blackhole route first; lab_down kills only processes inside the
+lab's namespaces; without root the playbooks stop with one clear line.
+
+Takes over the lab on this machine (like the molecule test); skipped unless root + iproute2.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+LAB = Path("/var/lib/dsv41-lab")
+HOSTS = ("sparkhead", "sparkworker", "x86host")
+
+needs_lab = pytest.mark.skipif(
+    os.geteuid() != 0 or not all(shutil.which(c) for c in ("ip", "nsenter", "unshare", "setpriv")),
+    reason="needs root, iproute2 and util-linux for the lab's network namespaces")
+pytestmark = [pytest.mark.lab]
+
+
+def _play(playbook: str, *args: str, env: dict | None = None, user: int | None = None) -> subprocess.CompletedProcess:
+    cmd = [str(BIN / "ansible-playbook"), playbook, *args]
+    if user is not None:
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+    e = dict(os.environ, ANSIBLE_FORCE_COLOR="0", NO_COLOR="1", PATH=f"{BIN}:{os.environ.get('PATH', '')}", **(env or {}))
+    return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=600)
+
+
+def _changed(out: str) -> int:
+    return sum(int(m) for m in re.findall(r"changed=(\d+)", out.split("PLAY RECAP")[-1]))
+
+
+def _in(host: str, *cmd: str) -> str:
+    pid = (LAB / f"{host}.pid").read_text().strip()
+    return subprocess.run(["nsenter", "--target", pid, "--mount", "--net", "--uts", "--pid", "--", *cmd],
+                          capture_output=True, text=True, check=True).stdout
+
+
+@needs_lab
+def test_lab_up_idempotent_isolated_then_down_kills_only_its_processes():
+    up = _play("playbooks/lab_up.yml")
+    assert up.returncode == 0, up.stdout[-3000:]
+    again = _play("playbooks/lab_up.yml")
+    assert again.returncode == 0 and _changed(again.stdout) == 0, again.stdout[-3000:]
+
+    assert subprocess.run(["ip", "route", "show", "type", "blackhole", "198.18.0.0/15"],
+                          capture_output=True, text=True).stdout.strip()
+    for h in HOSTS:
+        assert _in(h, "hostname").strip() == h
+        links = _in(h, "ip", "-o", "link")
+        assert re.search(r"mgmt0@\S+ <[^>]*UP[^>]*> mtu 1500 ", links)
+        ps = _in(h, "ps", "-e", "-o", "pid=,comm=")
+        assert re.search(r"^\s*1 supervisord$", ps, re.M), ps  # own pid namespace, supervisord is init
+    assert "mtu 9000" in _in("sparkhead", "ip", "-o", "link", "show", "fab0")
+    assert "198.18.2.1/30" in _in("x86host", "ip", "-o", "-4", "addr", "show", "ofl-worker")
+    # direct links only: the Sparks reach x86host over their own link, not each other's
+    ping = subprocess.run(["nsenter", "--target", (LAB / "sparkworker.pid").read_text().strip(), "--net", "--",
+                           "ping", "-c1", "-W1", "198.18.1.1"], capture_output=True, text=True)
+    assert ping.returncode != 0
+    # bind mounts: each host has its own /etc/dsv41
+    _in("sparkhead", "sh", "-c", "echo head > /etc/dsv41/whoami")
+    assert not (LAB / "sparkworker/etc/dsv41/whoami").exists()
+    assert (LAB / "sparkhead/etc/dsv41/whoami").read_text() == "head\n"
+
+    outsider = subprocess.Popen(["sleep", "300"])  # same command as nothing in the lab, outside it
+    try:
+        down = _play("playbooks/lab_down.yml")
+        assert down.returncode == 0, down.stdout[-3000:]
+        assert outsider.poll() is None, "lab_down killed a process outside the lab"
+    finally:
+        outsider.kill()
+        outsider.wait()
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(f"dsv41-{h}" in netns for h in HOSTS)
+    assert not subprocess.run(["ip", "route", "show", "type", "blackhole", "198.18.0.0/15"],
+                              capture_output=True, text=True).stdout.strip()
+    assert not any((LAB / f"{h}.pid").exists() for h in HOSTS)
+
+
+@needs_lab
+def test_not_root_is_one_clear_line():
+    import tempfile
+
+    home = Path(tempfile.mkdtemp(prefix="dsv41-nonroot-"))
+    try:
+        os.chmod(home, 0o777)
+        r = _play("playbooks/lab_up.yml", env={"HOME": str(home), "ANSIBLE_LOCAL_TEMP": str(home / "tmp")}, user=65534)
+        out = r.stdout + r.stderr
+        assert r.returncode != 0
+        assert "dsv41 lab: needs root (network namespaces, bind mounts)" in out, out[-3000:]
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
