@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_engine_common import lab_assets, local_rows  # noqa: E402
 
 from dsv41.drafter import spark as S  # noqa: E402
+from dsv41.drafter.client import IdentityMismatch  # noqa: E402
 from dsv41.engine.tokenizer import ByteTokenizer  # noqa: E402
 
 torch.set_num_threads(1)
@@ -209,6 +210,9 @@ def test_identity_mismatch_refused_end_to_end(target, drafter, tmp_path, referen
         spec = S.speculator_from_env(_env(drafter, url), model_cfg=target["cfg"].raw, target_identity=target["identity"])
         outs, m = run_engine(target, spec, PROMPTS)
         assert outs == reference and m["drafted"] == 0
+        assert spec.counters()["fail_closed_rounds"] >= 1
+        with pytest.raises(IdentityMismatch, match="identity mismatch"):
+            spec.client.connect(force=True)  # the refusal itself, independent of machine load
         assert spec.counters()["identity_refusals"] >= 1
     finally:
         proc.kill()

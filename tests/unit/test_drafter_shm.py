@@ -97,3 +97,5 @@ def test_proxy_loop_unreachable_worker_stop_and_engine_timeout(ring):
     t, box = _serve(ring, f"tcp://127.0.0.1:{port}", engine_timeout_s=1.0)
     t.join(5)
     assert not t.is_alive() and box["n"] == 0
+    with pytest.raises(FileNotFoundError):  # and removes the ring its dead engine left behind
+        shared_memory.SharedMemory(name=ring.name)

@@ -149,7 +149,7 @@ def _wait_reply(spec, timeout=20.0):
 
 
 def test_async_proxy_realigned_drafts_watchdog_and_budget(ddir, worker):
-    spec = S.AsyncSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=2000, watchdog_ms=1500,
+    spec = S.AsyncSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=2000, watchdog_ms=5000,
                              respawns=1, window_s=60, max_context=4, max_k=7)
     try:
         batch = _inputs(1, depth=5)

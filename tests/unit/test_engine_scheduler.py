@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 
@@ -93,8 +96,20 @@ def test_take_waiting_for_abort():
 
 
 def run_cli(*args):
-    return subprocess.run([PY, "-m", "dsv41.cli", "engine", *args], capture_output=True, text=True, cwd=str(REPO),
-                          timeout=300)
+    """``dsv41 engine ARGS`` in this process (``dsv41.cli.main``): returncode, stdout, stderr."""
+    from dsv41.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["engine", *args])
+    return SimpleNamespace(returncode=rc, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+def test_cli_entry_point_subprocess():
+    r = subprocess.run([PY, "-m", "dsv41.cli", "engine", "serve", "--manifest", "/nonexistent/m.json"],
+                       capture_output=True, text=True, cwd=str(REPO), timeout=300)
+    assert r.returncode == 1 and r.stderr.strip() == ("dsv41: error: weights file weights.safetensors does not "
+                                                      "exist (run `dsv41 engine init-weights`)")
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +146,7 @@ def test_cli_generate_identity_and_errors(assets, tmp_path):
         r = run_cli(*args)
         assert r.returncode == 1, (args, r.stdout, r.stderr)
         assert frag in r.stderr and "Traceback" not in r.stderr, r.stderr
-        assert r.stderr.strip().startswith("dsv41: error:")
+        assert [ln for ln in r.stderr.splitlines() if ln.startswith("dsv41: error:")], r.stderr
 
 
 def test_cli_init_weights(tmp_path):

@@ -54,6 +54,7 @@ def run_proxy(shm_name: str, url: str, expected: dict, *, timeout_ms: float = 10
     ring.beat_proxy()
     _try_connect(client, ring, force=True)
     served = 0
+    orphaned = False
     nap_min, nap_max = nap_us / 1e6, max(nap_us, nap_max_us) / 1e6
     nap = nap_min
     seen = {k: 0 for k in ("timeouts", "refusals", "identity_refusals", "reconnects", "late_dropped")}
@@ -64,10 +65,12 @@ def run_proxy(shm_name: str, url: str, expected: dict, *, timeout_ms: float = 10
                 break
             if parent_pid is not None and os.getppid() != parent_pid:
                 log.warning("drafter proxy: parent %d is gone, exiting", parent_pid)
+                orphaned = True
                 break
             eng = ring.engine_heartbeat
             if eng and (time.monotonic_ns() - eng) / 1e9 > engine_timeout_s:
                 log.warning("drafter proxy: engine heartbeat older than %.1f s, exiting", engine_timeout_s)
+                orphaned = True
                 break
             reqs = ring.find(SlotState.REQUEST)
             if not reqs:
@@ -117,7 +120,15 @@ def run_proxy(shm_name: str, url: str, expected: dict, *, timeout_ms: float = 10
     finally:
         ring.proxy_state = ProxyState.STOPPED
         client.close()
+        name = ring.shm._name  # noqa: SLF001 - the OS-level name ("/psm_...")
         ring.close()
+        if orphaned:  # the engine died without unlinking its ring (e.g. SIGKILL): do it for it
+            try:
+                from multiprocessing.shared_memory import _posixshmem  # no tracker bookkeeping here
+
+                _posixshmem.shm_unlink(name)
+            except (ImportError, OSError):
+                pass
     return served
 
 

@@ -127,8 +127,13 @@ class Ring:
         if self.owner:
             try:
                 self.shm.unlink()
-            except FileNotFoundError:
-                pass
+            except FileNotFoundError:  # an orphaned proxy removed it already: just forget it
+                try:
+                    from multiprocessing import resource_tracker
+
+                    resource_tracker.unregister(self.shm._name, "shared_memory")  # noqa: SLF001
+                except Exception:  # pragma: no cover
+                    pass
 
     # ------------------------------------------------------------------ host flags
 
