@@ -152,6 +152,8 @@ def test_distilled_drafter_is_useful(drafter, reference):
 def test_greedy_identical_with_speculation(mode, target, drafter, worker, reference):
     env = _env(drafter, None if mode == "local" else worker, DSV41_DRAFTER_ASYNC="1" if mode == "async" else "0")
     spec = S.speculator_from_env(env, model_cfg=target["cfg"].raw, target_identity=target["identity"])
+    if mode == "async":
+        assert spec.wait_ready(60)  # an engine starts long before its first request
     outs, m = run_engine(target, spec, PROMPTS)
     assert outs == reference
     assert m["drafted"] > 0 and m["accepted"] > 0  # drafts were proposed and some accepted
@@ -175,6 +177,8 @@ def test_killing_worker_or_proxy_mid_stream_loses_nothing(mode, target, drafter,
     proc, url = start_worker(drafter["dir"], target["identity"], tmp_path / "worker.log")
     env = _env(drafter, url, DSV41_DRAFTER_ASYNC="1" if mode == "async" else "0", DSV41_DRAFTER_TIMEOUT_MS="200")
     spec = S.speculator_from_env(env, model_cfg=target["cfg"].raw, target_identity=target["identity"])
+    if mode == "async":
+        assert spec.wait_ready(60)
     killed = []
 
     def kill(_i):
@@ -191,9 +195,10 @@ def test_killing_worker_or_proxy_mid_stream_loses_nothing(mode, target, drafter,
         assert outs == ref
         c = spec.counters()
         assert killed
-        assert c["fail_closed_rounds"] + c.get("proxy_down", 0) > 0
-        if mode == "async":
+        if mode == "async":  # the respawned proxy may still be starting when the requests end
             assert c["watchdog_fires"] >= 1 and c["proxy_respawns"] >= 1
+        else:
+            assert c["fail_closed_rounds"] > 0
     finally:
         proc.kill()
         proc.wait(10)

@@ -141,7 +141,10 @@ def test_bad_requests_get_4xx_with_message(server, body, status, frag):
 
 def test_bad_chat_requests(server):
     for body, frag in [({"messages": []}, "messages"), ({"messages": [{"role": "user"}]}, "content"),
-                       ({"messages": [{"role": "u", "content": "x"}], "max_completion_tokens": -3}, "max_completion_tokens")]:
+                       ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3}, "max_completion_tokens"),
+                       ({"messages": [{"role": "wizard", "content": "x"}]}, "not one of"),
+                       ({"messages": ["hi"]}, "role"), ({"messages": "hi"}, "non-empty list"),
+                       ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text parts")]:
         r = post(server, "/v1/chat/completions", body)
         assert r.status_code == 400 and frag in r.json()["error"]["message"]
     assert httpx.get(server["url"] + "/health").json() == {"status": "ok"}

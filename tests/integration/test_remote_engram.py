@@ -227,9 +227,12 @@ def test_server_killed_mid_sweep_then_restarted(tabs, scheme):
         bad += int(np.count_nonzero((got != ref.read(L, rows)).any(axis=1)))
         return dt
 
+    # a loaded 2-core host can miss the first handshake's deadline; the source then reconnects
+    # in the background - wait for that, the fault under test comes later
+    assert src.wait_connected(30), src.last_error
     for _ in range(30):
         step()
-    assert src.counters()["fallbacks"] == 0
+    assert src.counters()["fallbacks"] == 0, src.last_error
     srv.stop(signal.SIGKILL)
     for _ in range(30):
         worst_outage = max(worst_outage, step())

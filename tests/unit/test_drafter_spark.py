@@ -211,6 +211,7 @@ def test_async_identity_refusal_via_proxy(tmp_path, ddir, worker):
     bad = dict(_expected(ddir), markov="00" * 32)
     spec = S.AsyncSpeculator(_url(worker), bad, k=5, timeout_ms=500, max_context=4)
     try:
+        assert spec.wait_ready(30) is False  # refused, not connected
         spec.propose(_inputs(1))
         _wait_reply(spec)
         c = spec.counters()

@@ -22,6 +22,7 @@ import pytest
 
 from dsv41.engine.tokenizer import (BOS, COMPRESSED_VOCAB_SIZE, EOS, PAD, SEP, TOKEN_MAP, TOKEN_MAP_SHA256,
                                     ByteTokenizer, build_token_map)
+from dsv41.errors import Dsv41Error
 
 REPO = Path(__file__).resolve().parents[2]
 LAB_CONFIG = REPO / "python" / "dsv41" / "data" / "lab_model.json"
@@ -158,6 +159,8 @@ def test_chat_prompt_and_errors():
     ids = tok.chat_prompt([{"role": "user", "content": "hi"},
                            {"role": "user", "content": [{"type": "text", "text": "there"}]}])
     assert ids[0] == BOS and ids.count(SEP) == 3 and tok.decode(ids).endswith("assistant: ")
-    for bad in ([{"content": "x"}], [{"role": "user"}], [{"role": "user", "content": [{"type": "image_url"}]}], ["x"]):
-        with pytest.raises(Exception):
+    for bad, frag in (([{"content": "x"}], "role"), ([{"role": "user"}], "content"),
+                      ([{"role": "user", "content": [{"type": "image_url"}]}], "text parts"), (["x"], "role"),
+                      ([{"role": "wizard", "content": "x"}], "not one of"), ([{"role": "user", "content": 5}], "content")):
+        with pytest.raises(Dsv41Error, match=frag):
             tok.chat_prompt(bad)

@@ -15,8 +15,8 @@ from dsv41.engine.metrics import EngineMetrics
 from dsv41.engine.model import TargetModel, load_config, load_weights
 from dsv41.engine.runner import LocalRunner
 from dsv41.engine.scheduler import RequestError, Scheduler
-from dsv41.engine.spec import (DraftProposal, SamplingParams, draft_depth, probs_of, process_logits,
-                               speculator_from_env, verify)
+from dsv41.engine.spec import (SAMPLING_EPS, DraftProposal, SamplingParams, draft_depth, probs_of, process_logits,
+                               sample, speculator_from_env, verify)
 from dsv41.engine.tokenizer import EOS, ByteTokenizer
 from dsv41.engine.tp import LocalComm
 from dsv41.errors import Dsv41Error
@@ -258,3 +258,63 @@ def test_engine_request_edges(assets):
     r = run_all(e, [(TOK.encode("The cat "), SamplingParams(temperature=0.0, max_tokens=30)),
                     (TOK.encode("The dog "), SamplingParams(temperature=0.0, max_tokens=30))])
     assert [len(x[0]) for x in r] == [30, 30]
+
+
+def test_tiny_temperature_is_greedy_and_bad_distributions_raise():
+    # logits / 1e-320 overflows to inf and softmax gives NaN: such temperatures must be greedy.
+    assert SamplingParams(temperature=1e-320).greedy and SamplingParams(temperature=SAMPLING_EPS / 2).greedy
+    assert not SamplingParams(temperature=SAMPLING_EPS).greedy
+    g = torch.Generator().manual_seed(0)
+    for bad in (torch.tensor([float("nan"), 1.0]), torch.tensor([0.0, 0.0]), torch.tensor([-1.0, 2.0])):
+        with pytest.raises(Dsv41Error, match="not finite/normalisable"):
+            sample(bad, g)
+    assert sample(torch.tensor([0.0, 1.0]), g) == 1
+
+
+class MalformedSpeculator(OracleSpeculator):
+    """Right-length answer, wrong contents: alternately None tokens, short top_ids, NaN probs."""
+
+    def propose(self, batch):
+        good = super().propose(batch)
+        k = self.calls % 3
+        out = []
+        for p in good:
+            if k == 0:
+                out.append(DraftProposal(tokens=None, top_ids=None, top_probs=None))
+            elif k == 1:
+                out.append(DraftProposal(tokens=p.tokens, top_ids=p.top_ids[:0], top_probs=p.top_probs[:0]))
+            else:
+                out.append(DraftProposal(tokens=p.tokens, top_ids=p.top_ids, top_probs=p.top_probs * np.nan))
+        return out
+
+
+def test_malformed_proposals_fail_closed(assets, reference):
+    ids = TOK.encode(PROMPTS[1])
+    e = make_engine(assets, MalformedSpeculator(reference), 3)
+    res = run_all(e, [(ids, SamplingParams(temperature=0.0, max_tokens=12))])
+    assert res[0][0] == reference[tuple(ids)][len(ids):len(ids) + 12]
+    assert e.fatal is None and e.spec_errors >= 6
+    assert e.metrics.spec_drafts._value.get() == 0  # nothing malformed reached the verifier
+
+
+def test_one_failing_request_does_not_end_the_engine(assets, reference):
+    # A NaN temperature (the HTTP layer refuses it; the engine API does not) makes sampling fail:
+    # only that request ends with "error", its batch neighbours finish normally.
+    ids = [TOK.encode(p) for p in PROMPTS[:2]]
+    e = make_engine(assets)
+    res = run_all(e, [(ids[0], SamplingParams(temperature=float("nan"), max_tokens=8)),
+                      (ids[1], SamplingParams(temperature=0.0, max_tokens=8))])
+    assert res[0][1]["reason"] == "error" and "not finite/normalisable" in res[0][1]["error"]
+    assert res[1][0] == reference[tuple(ids[1])][len(ids[1]):len(ids[1]) + 8]
+    assert e.fatal is None and e.sched.idle() and e.sched.reserved == 0
+
+
+def test_submit_after_failure_raises_and_failure_finishes_waiting(assets):
+    e = make_engine(assets)
+    evs = []
+    e.submit([5, 6], SamplingParams(max_tokens=4), evs.append)  # queued, engine thread not started
+    e._fail("rank 1 is gone")
+    assert evs[-1]["reason"] == "error" and evs[-1]["error"] == "rank 1 is gone"
+    with pytest.raises(Dsv41Error, match="rank 1 is gone"):
+        e.submit([5], SamplingParams(max_tokens=1), evs.append)
+    assert e.sched.idle()

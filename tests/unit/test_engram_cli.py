@@ -117,7 +117,7 @@ def test_read_rows_errors(capsys, tables_dir: Path, monkeypatch) -> None:
     rc, _, err = run(capsys, "engram", "read-rows", "--manifest", man, "--layer", "3", "--rows", "1")
     assert rc == 1 and "no Engram table for layer 3" in err
     rc, _, err = run(capsys, "engram", "read-rows", "--manifest", man, "--layer", "1", "--rows", "1", "--source", "udp://a:1")
-    assert rc == 1 and "scheme 'udp'" in err
+    assert rc == 1 and "--source: bad transport URL 'udp://a:1': scheme must be one of" in err
     monkeypatch.setitem(sys.modules, "dsv41.engram.client", None)
     rc, _, err = run(capsys, "engram", "read-rows", "--manifest", man, "--layer", "1", "--rows", "1", "--source", "tcp://127.0.0.1:9")
     assert rc == 1 and "dsv41.engram.client, which is not installed" in err
@@ -159,7 +159,7 @@ def test_bad_config_and_usage(capsys, tmp_path: Path) -> None:
     rc, _, err = run(capsys, "engram", "layout", str(LAB), "--tp", "0")
     assert rc == 1 and "tp must be" in err
     rc, _, err = run(capsys, "engram", "make-tables", "--config", str(LAB), "--out", str(tmp_path), "--chunk-size", "5")
-    assert rc == 1 and ">= 4096" in err
+    assert rc == 1 and "[4096, 2^40]" in err
 
 
 def test_subprocess_exit_code_and_one_line(tmp_path: Path) -> None:

@@ -132,7 +132,14 @@ def test_nested_text_config_and_pad_alias(tmp_path: Path) -> None:
         ({"engram_head_dim": 100}, "multiple of 32"),
         ({"engram_num_embeddings": [5]}, "one positive int per"),
         ({"engram_vocab_size": "x"}, "engram_vocab_size"),
-        ({"engram_max_ngram_size": 1}, ">= 2"),
+        ({"engram_max_ngram_size": 1}, r"in \[2, 16\]"),
+        # plausibility bounds: these used to hang the prime search or overflow int64/u32
+        ({"engram_max_ngram_size": 10**6}, r"in \[2, 16\]"),
+        ({"engram_n_heads": 10**9}, r"engram_n_heads must be in \[1, 256\]"),
+        ({"engram_vocab_size": 10**30}, r"in \[2, 2\^32\]"),
+        ({"engram_compressed_vocab_size": 10**20}, r"in \[1, 2\^31\]"),
+        ({"engram_head_dim": 2**40}, "multiple of 32 <= 8192"),
+        ({"engram_layer_ids": [1, 10**20]}, "must be < 65536"),
         ({"engram_pad_id": 3}, "differs"),
     ],
 )
@@ -171,3 +178,13 @@ def test_to_json(real: EngramLayout) -> None:
     assert j["layers"][0]["ranks"][0]["rows"] == [0, 192001740]
     assert j["layers"][1]["ranks"][1]["rows"] == [192007016, 384016682]
     json.dumps(j)
+
+
+def test_tp_bound() -> None:
+    """`layout --tp 100000000` used to print (and build) one entry per rank for ever."""
+    lay = EngramLayout.from_config(REAL_CFG)
+    with pytest.raises(ConfigError, match=r"tp must be an int in \[1, 1024\]"):
+        lay.to_json(10**8)
+    with pytest.raises(ConfigError, match="tp must be"):
+        lay.columns_for_rank(True, 0)
+    assert lay.columns_for_rank(1024, 1023) == (24, 24)

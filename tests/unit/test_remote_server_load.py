@@ -50,7 +50,7 @@ def test_load_region_exact(tmp_path, offset, length):
 def test_load_region_errors(tmp_path):
     p = tmp_path / "short.bin"
     p.write_bytes(b"x" * 5000)
-    with pytest.raises(VerificationError, match="file ends"):
+    with pytest.raises(VerificationError, match="truncated: 5000 bytes"):
         load_region(p, 100, 10000)
     with pytest.raises(Dsv41Error, match="does not exist"):
         load_region(tmp_path / "missing.bin", 0, 10)

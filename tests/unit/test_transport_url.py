@@ -36,6 +36,8 @@ def test_parse(url, parts):
         ("tcp://::1:5", "brackets"),
         ("tcp://[::1:5", "unclosed"),
         (None, "expected tcp"),
+        ("tcp://a b:5", "bad host"),  # the host check merged in from engram.rowsource
+        ("tcp://h:5@", "empty local address"),
     ],
 )
 def test_bad_urls(url, msg):

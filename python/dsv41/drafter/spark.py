@@ -331,6 +331,27 @@ class AsyncSpeculator(_Base):
         self._inflight = None
         self._ready = {}
 
+    def wait_ready(self, timeout_s: float = 30.0) -> bool:
+        """Block until the proxy has connected (True) or refused the worker / timed out (False).
+
+        For engine start-up and tests; ``propose`` itself never waits.
+        """
+        from dsv41.drafter.shm import ProxyState
+
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            with self._lock:
+                if self.ring is None:
+                    return False
+                self.ring.beat_engine()
+                st = self.ring.proxy_state
+            if st == ProxyState.CONNECTED:
+                return True
+            if st == ProxyState.REFUSED:
+                return False
+            time.sleep(0.01)
+        return False
+
     @property
     def proxy_pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
@@ -623,12 +644,17 @@ def speculator_from_env(env=os.environ, *, model_cfg: dict, target_identity: str
         from dsv41.drafter.model import load_config
 
         cfg = load_config(drafter_dir)
-        return AsyncSpeculator(
+        spec = AsyncSpeculator(
             remote, expected, k=k, policy=policy, timeout_ms=timeout_ms,
             watchdog_ms=_env_float(env, "DSV41_DRAFTER_WATCHDOG_MS", 2000.0, 10.0, 600000.0),
             respawns=_env_int(env, "DSV41_DRAFTER_PROXY_RESPAWNS", 3, 0, 1000),
             window_s=_env_float(env, "DSV41_DRAFTER_PROXY_WINDOW_S", 60.0, 0.001, 86400.0),
             max_context=cfg.n_ctx, max_k=cfg.max_k)
+        # At engine start-up give the proxy a moment to connect (never required: fail closed).
+        if not spec.wait_ready(10.0):
+            log.warning("drafter proxy not connected to %s after 10 s (%s); drafting target-only until it is",
+                        remote, spec.ring.error if spec.ring is not None else "proxy down")
+        return spec
     if _env_bool(env, "DSV41_DRAFTER_SHADOW"):
         return ShadowSpeculator(remote, expected, drafter_dir, k=k, policy=policy, timeout_ms=timeout_ms)
     return RemoteSpeculator(remote, expected, k=k, policy=policy, timeout_ms=timeout_ms)

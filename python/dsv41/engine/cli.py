@@ -35,6 +35,11 @@ def init_weights_cmd(
     from dsv41.engine.model import init_weights, load_config, save_weights, target_identity
 
     cfg = load_config(config)
+    # Fail before the ~1 min training run, not after it.
+    if not out.parent.is_dir():
+        raise Dsv41Error(f"--out {out}: directory {out.parent} does not exist")
+    if out.is_dir():
+        raise Dsv41Error(f"--out {out} is a directory; give a file name")
     prog = None if quiet else (lambda s, l: print(f"init-weights: step {s} loss {l:.3f}", file=sys.stderr))
     w, meta = init_weights(cfg, progress=prog)
     save_weights(cfg, w, meta, out)
@@ -57,6 +62,8 @@ def _row_source(manifest: Path, data: Optional[Path], rank: int, tp: int):
 
     if not manifest.is_file():
         raise Dsv41Error(f"manifest {manifest} does not exist (run `dsv41 engram make-tables`)")
+    if data is not None and not data.is_dir():
+        raise Dsv41Error(f"--data {data} is not a directory (the table shards from `dsv41 engram make-tables`)")
     return rowsource.from_env(str(manifest), str(data) if data else None, rank, tp)
 
 
@@ -251,6 +258,10 @@ def _serve_rank0(cfg, model, comm, rows, identity, device, host, port, kv_cache_
     engine.start()
     try:
         asyncio.run(main())
+    except SystemExit as exc:
+        # uvicorn calls sys.exit() when it cannot bind (bad --host, port in use): one clear line.
+        raise Dsv41Error(f"could not listen on {host}:{port} (bad address or port in use; uvicorn exit "
+                         f"{exc.code})") from None
     finally:
         state.draining = True
         engine.shutdown()

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from dsv41.engine.scheduler import Request, RequestError, Scheduler
-from dsv41.engine.spec import DraftInput, SamplingParams, process_logits, probs_of, sample, verify
+from dsv41.engine.spec import DraftInput, DraftProposal, SamplingParams, process_logits, probs_of, sample, verify
 from dsv41.engine.tokenizer import EOS
 from dsv41.engine.tp import PeerLost
 from dsv41.errors import Dsv41Error
@@ -74,16 +74,22 @@ class Engine:
     def submit(self, prompt: list[int], params: SamplingParams, sink: Callable[[dict], None]) -> Request:
         """Queue a request. Raises ``RequestError`` when it can never run, ``Dsv41Error`` when the
         engine has failed."""
-        if self.fatal:
-            raise Dsv41Error(f"engine failed: {self.fatal}")
         if params.max_tokens < 0:
             raise RequestError("max_tokens must be >= 0")
         r = Request(prompt=list(prompt), params=params, sink=sink)
+        # Under _ctl so that either we see `fatal` here or _fail (which sets it under _ctl) finds
+        # the request in the waiting queue and finishes it: never a request nobody will finish.
+        with self._ctl:
+            if self.fatal:
+                raise Dsv41Error(f"engine failed: {self.fatal}")
+            if params.max_tokens == 0:
+                self.sched.check(len(prompt), 0)
+            else:
+                self.sched.add(r)
         if params.max_tokens == 0:
-            self.sched.check(len(prompt), 0)
+            r.finished = "length"
             sink({"type": "finish", "reason": "length", "prompt_tokens": len(prompt), "completion_tokens": 0})
             return r
-        self.sched.add(r)
         self._wake.set()
         return r
 
@@ -94,9 +100,11 @@ class Engine:
         self._wake.set()
 
     def idle(self) -> bool:
+        """True when no request is running or waiting."""
         return self.sched.idle()
 
     def start(self) -> None:
+        """Start the engine thread (daemon) that runs :meth:`step` until :meth:`shutdown`."""
         self._thread = threading.Thread(target=self._loop, name="dsv41-engine", daemon=True)
         self._thread.start()
 
@@ -138,7 +146,8 @@ class Engine:
             self._fail(f"engine step failed: {type(exc).__name__}: {exc}")
 
     def _fail(self, msg: str) -> None:
-        self.fatal = msg
+        with self._ctl:
+            self.fatal = msg
         for r in list(self.sched.running) + self.sched.take_waiting():
             self._finish(r, "error", error=msg)
         if self.on_fatal:
@@ -171,7 +180,11 @@ class Engine:
         with self._ctl:
             aborts, self._aborts = self._aborts, []
         for rid in aborts:
-            targets = list(self.sched.running) + (self.sched.take_waiting() if rid is None else list(self.sched.waiting))
+            if rid is None:
+                targets = list(self.sched.running) + self.sched.take_waiting()
+            else:
+                with self.sched.lock:  # submit() appends to `waiting` from the event-loop thread
+                    targets = list(self.sched.running) + list(self.sched.waiting)
             for r in targets:
                 if rid is None or r.request_id == rid:
                     self._finish(r, "abort")
@@ -225,10 +238,30 @@ class Engine:
                             self.spec_errors, exc)
             return
         for (r, d), p in zip(reqs, props):
-            toks = [int(t) for t in np.asarray(p.tokens).reshape(-1)[:d]]
-            if any(not 0 <= t < self.model.cfg.vocab_size for t in toks):
-                toks = []  # a drafter bug must not reach the model: verify nothing this round
-            r.drafts, r.proposal = toks, p
+            try:
+                toks, prop = self._checked_proposal(p, d)
+            except Exception as exc:  # noqa: BLE001 - a malformed proposal costs this request's round only
+                self.spec_errors += 1
+                log.warning("speculator returned a malformed proposal for %s, ignored: %s", r.request_id, exc)
+                continue
+            r.drafts, r.proposal = toks, prop
+
+    def _checked_proposal(self, p, depth: int) -> tuple[list[int], DraftProposal]:
+        """Validate one ``DraftProposal`` (docs/interfaces.md shapes) and return (drafts, proposal
+        with numpy arrays). Raises ``Dsv41Error`` on ids outside the vocabulary, a ``top_ids``/
+        ``top_probs`` that is not ``[>=k, w]`` or non-finite/negative probabilities: a drafter bug
+        must never reach the model or the verifier."""
+        toks = [int(t) for t in np.asarray(p.tokens).reshape(-1)[:depth]]
+        vocab = self.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in toks):
+            raise Dsv41Error(f"draft token outside the vocabulary [0, {vocab})")
+        ids = np.asarray(p.top_ids, dtype=np.int64)
+        probs = np.asarray(p.top_probs, dtype=np.float64)
+        if toks and (ids.ndim != 2 or ids.shape != probs.shape or ids.shape[0] < len(toks)):
+            raise Dsv41Error(f"top_ids {ids.shape} / top_probs {probs.shape} do not cover {len(toks)} drafts")
+        if probs.size and (not np.isfinite(probs).all() or (probs < 0).any()):
+            raise Dsv41Error("top_probs has negative or non-finite values")
+        return toks, DraftProposal(tokens=np.asarray(toks, dtype=np.int64), top_ids=ids, top_probs=probs)
 
     def step(self) -> bool:
         """One engine step; returns False when there was nothing to do."""
@@ -269,38 +302,50 @@ class Engine:
         for (r, toks, want), lg, tp in zip(plan.items, out.logits, out.taps):
             if r.finished:
                 continue
-            if r.prefilling:
-                r.fed += len(toks)
-                if self.metrics:
-                    self.metrics.prompt_tokens.inc(len(toks))
-                if r.prefilling:
-                    continue
-                tok = self._sample_one(r, lg[0])
-                r.last_hidden = tp[0].numpy()
-                r.first_token_at = now
-                if self.metrics:
-                    self.metrics.ttft.observe(now - r.arrival)
-                self._emit(r, [tok])
-                continue
-            drafts = r.drafts
-            if drafts:
-                emitted, acc = verify(lg, drafts, r.proposal, r.params, len(r.output), EOS, r.gen)
-                keep = r.cache.length - len(toks) + 1 + acc
-                r.cache.truncate(keep)
-                if self.comm.tp > 1:
-                    self._truncs.append((r.request_id, keep))
-                r.last_hidden = tp[acc].numpy()
-                if self.metrics:
-                    self.metrics.spec_drafts.inc()
-                    self.metrics.spec_draft_tokens.inc(len(drafts))
-                    self.metrics.spec_accepted.inc(acc)
-                r.drafts, r.proposal = [], None
-                self._emit(r, emitted)
-            else:
-                tok = self._sample_one(r, lg[0])
-                r.last_hidden = tp[0].numpy()
-                self._emit(r, [tok])
+            try:
+                self._advance(r, toks, lg, tp, now)
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not end the engine
+                log.exception("request %s failed", r.request_id)
+                self._finish(r, "error", error=f"request failed: {type(exc).__name__}: {exc}")
         return True
+
+    def _advance(self, r: Request, toks: list[int], lg, tp, now: float) -> None:
+        """Consume one request's share of a forward: count prefill, sample or verify, emit.
+
+        ``lg`` float32 ``[n_wanted, V]`` logits, ``tp`` float32 ``[n_wanted, H]`` taps of the
+        positions the plan asked for. Raises on a sampling/verification failure (the caller
+        finishes only this request with ``error``)."""
+        if r.prefilling:
+            r.fed += len(toks)
+            if self.metrics:
+                self.metrics.prompt_tokens.inc(len(toks))
+            if r.prefilling:
+                return
+            tok = self._sample_one(r, lg[0])
+            r.last_hidden = tp[0].numpy()
+            r.first_token_at = now
+            if self.metrics:
+                self.metrics.ttft.observe(now - r.arrival)
+            self._emit(r, [tok])
+            return
+        drafts = r.drafts
+        if drafts:
+            emitted, acc = verify(lg, drafts, r.proposal, r.params, len(r.output), EOS, r.gen)
+            keep = r.cache.length - len(toks) + 1 + acc
+            r.cache.truncate(keep)
+            if self.comm.tp > 1:
+                self._truncs.append((r.request_id, keep))
+            r.last_hidden = tp[acc].numpy()
+            if self.metrics:
+                self.metrics.spec_drafts.inc()
+                self.metrics.spec_draft_tokens.inc(len(drafts))
+                self.metrics.spec_accepted.inc(acc)
+            r.drafts, r.proposal = [], None
+            self._emit(r, emitted)
+        else:
+            tok = self._sample_one(r, lg[0])
+            r.last_hidden = tp[0].numpy()
+            self._emit(r, [tok])
 
     def _sample_one(self, r: Request, logits) -> int:
         import torch

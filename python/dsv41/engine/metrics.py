@@ -59,7 +59,12 @@ class _DrafterCollector:
         self._source = source
 
     def collect(self):
-        for k, v in sorted((self._source() or {}).items()):
+        try:
+            counters = dict(self._source() or {})
+        except Exception as exc:  # noqa: BLE001 - a broken speculator must not break /metrics
+            yield GaugeMetricFamily("dsv41_drafter_counters_error", f"Speculator.counters() failed: {exc}"[:200], value=1.0)
+            return
+        for k, v in sorted(counters.items()):
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 name = "".join(ch if ch.isalnum() else "_" for ch in str(k))
                 yield GaugeMetricFamily(f"dsv41_drafter_{name}", f"Speculator counter {k}", value=float(v))

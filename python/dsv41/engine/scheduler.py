@@ -28,7 +28,7 @@ class RequestError(Dsv41Error):
     """A request the engine cannot take (too long, bad ids): HTTP 400."""
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: `r in running` must not compare prompts field by field
 class Request:
     """One generation request as the engine tracks it.
 

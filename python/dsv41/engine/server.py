@@ -22,6 +22,7 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -32,6 +33,9 @@ from dsv41.errors import Dsv41Error
 
 log = logging.getLogger("dsv41.engine.server")
 
+# How often a non-streaming handler checks whether its client is still connected (seconds).
+DISCONNECT_POLL_S = 0.5
+
 
 class ApiError(Exception):
     """An error answered to the client: ``status`` code, ``message``, OpenAI error ``type``."""
@@ -41,12 +45,25 @@ class ApiError(Exception):
         self.status, self.message, self.etype, self.param = status, message, etype, param
 
 
+def _bool(body: dict, key: str, default: bool = False) -> bool:
+    """``body[key]`` as a JSON boolean (``default`` when absent/null); ``ApiError`` 400 otherwise."""
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ApiError(400, f"{key} must be a boolean, got {v!r}", param=key)
+    return v
+
+
 def _err_response(e: ApiError):
+    """The OpenAI-shaped JSON error response of ``e``."""
     return JSONResponse(status_code=e.status, content={"error": {"message": e.message, "type": e.etype,
                                                                   "param": e.param, "code": e.status}})
 
 
 def _int(body: dict, key: str, default, lo: int | None = None, hi: int | None = None):
+    """``body[key]`` as an int in [lo, hi] (``default`` when absent/null); ``ApiError`` 400 otherwise
+    (floats, strings and booleans are refused, as OpenAI's schema types them as integers)."""
     v = body.get(key, default)
     if v is None:
         return default
@@ -60,12 +77,17 @@ def _int(body: dict, key: str, default, lo: int | None = None, hi: int | None = 
 
 
 def _float(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    """``body[key]`` as a finite float in [lo, hi] (or (lo, hi] with ``lo_open``); ``ApiError`` 400
+    otherwise (NaN, strings, booleans, integers beyond float range)."""
     v = body.get(key, default)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ApiError(400, f"{key} must be a number, got {v!r}", param=key)
-    v = float(v)
+    try:
+        v = float(v)
+    except OverflowError:  # a JSON integer beyond float range, e.g. 10**400
+        raise ApiError(400, f"{key} must be in [{lo}, {hi}], got an integer of {len(str(v))} digits", param=key) from None
     if v != v or v > hi or v < lo or (lo_open and v <= lo):
         raise ApiError(400, f"{key} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", param=key)
     return v
@@ -91,9 +113,7 @@ def parse_sampling(body: dict, default_max_tokens: int, chat: bool) -> SamplingP
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ApiError(400, f"seed must be an integer, got {seed!r}", param="seed")
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise ApiError(400, "ignore_eos must be a boolean", param="ignore_eos")
+    ignore_eos = _bool(body, "ignore_eos")
     return SamplingParams(temperature=_float(body, "temperature", 1.0, 0.0, 100.0),
                           top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=seed,
                           max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos)
@@ -140,6 +160,14 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
     async def _api_error(_req, exc: ApiError):
         return _err_response(exc)
 
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_req, exc: RequestValidationError):
+        # FastAPI's own 422 (e.g. ``/pause?timeout_s=abc``) in OpenAI's error shape.
+        errs = exc.errors()
+        where = ".".join(str(x) for x in errs[0].get("loc", ())) if errs else ""
+        msg = f"{where}: {errs[0].get('msg')}" if errs else "invalid request"
+        return _err_response(ApiError(400, msg, param=where or None))
+
     async def _body(request: Request) -> dict:
         raw = await request.body()
         try:
@@ -164,19 +192,19 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
                            etype="ServiceUnavailableError")
 
     def _stream_opts(body: dict) -> tuple[bool, bool]:
-        so = body.get("stream_options") or {}
+        so = body.get("stream_options")
+        if so is None:
+            return False, False
         if not isinstance(so, dict):
             raise ApiError(400, "stream_options must be an object", param="stream_options")
         if so and not body.get("stream"):
             raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
-        return bool(so.get("include_usage")), bool(so.get("continuous_usage_stats"))
+        return _bool(so, "include_usage"), _bool(so, "continuous_usage_stats")
 
     async def _run(request: Request, body: dict, chat: bool):
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise ApiError(400, "stream must be a boolean", param="stream")
+        stream = _bool(body, "stream")
         include_usage, continuous = _stream_opts(body)
-        rti = bool(body.get("return_token_ids", False))
+        rti = _bool(body, "return_token_ids")
         if chat:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:
@@ -214,14 +242,33 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
 
         if not stream:
             out: list[int] = []
-            while True:
-                ev = await q.get()
-                if ev["type"] == "tokens":
-                    out += ev["ids"]
-                    continue
-                break
+            finished = False
+            next_check = time.monotonic() + DISCONNECT_POLL_S
+            try:
+                while True:
+                    # Token events may arrive every few ms, so check the clock, not only timeouts.
+                    if time.monotonic() >= next_check:
+                        next_check = time.monotonic() + DISCONNECT_POLL_S
+                        if await request.is_disconnected():
+                            # Nobody will read the answer: free the engine slot now (vLLM aborts too).
+                            log.info("client of %s went away; aborting it", req.request_id)
+                            return Response(status_code=499)
+                    try:
+                        ev = await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
+                    except asyncio.TimeoutError:
+                        continue
+                    if ev["type"] == "tokens":
+                        out += ev["ids"]
+                        continue
+                    finished = True
+                    break
+            finally:
+                if not finished:  # disconnect, or the handler was cancelled (shutdown)
+                    engine.abort(req.request_id)
             if ev["reason"] == "error":
-                raise ApiError(503, ev.get("error", "engine failed"), etype="ServiceUnavailableError")
+                if engine.fatal:
+                    raise ApiError(503, ev.get("error", "engine failed"), etype="ServiceUnavailableError")
+                raise ApiError(500, ev.get("error", "request failed"), etype="InternalServerError")
             text = dec.feed(out, final=True)
             choice: dict[str, Any] = {"index": 0, "finish_reason": ev["reason"], "logprobs": None}
             if chat:
@@ -310,6 +357,9 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
 
     @app.post("/pause")
     async def pause(request: Request, mode: str | None = None, timeout_s: float = 600.0):
+        """Stop admitting (new requests get 503), then ``wait`` for in-flight requests to finish or
+        ``abort`` them; idempotent. Mode from the query or a JSON body ``{"mode": ...}``; 504 when
+        in-flight requests outlive ``timeout_s`` (the server stays paused)."""
         if mode is None:
             raw = await request.body()
             if raw.strip():
@@ -317,10 +367,14 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
                     b = json.loads(raw)
                 except json.JSONDecodeError as exc:
                     raise ApiError(400, f"request body is not valid JSON: {exc}") from None
-                mode = b.get("mode") if isinstance(b, dict) else None
+                if not isinstance(b, dict):
+                    raise ApiError(400, "request body must be a JSON object like {\"mode\": \"wait\"}")
+                mode = b.get("mode")
             mode = mode or "wait"
         if mode not in ("wait", "abort"):
             raise ApiError(400, f"mode must be 'wait' or 'abort', got {mode!r}", param="mode")
+        if not 0 < timeout_s < float("inf"):  # NaN fails too
+            raise ApiError(400, f"timeout_s must be a positive number of seconds, got {timeout_s}", param="timeout_s")
         st.paused = True
         running, waiting = engine.sched.counts()
         if mode == "abort":

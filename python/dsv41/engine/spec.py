@@ -30,6 +30,9 @@ import numpy as np
 from dsv41.errors import Dsv41Error
 
 TOP_K = 32  # width of DraftProposal.top_ids/top_probs (docs/interfaces.md)
+# Temperatures below this are greedy: vLLM's ``_SAMPLING_EPS`` (vllm/sampling_params.py) does the
+# same, and it keeps ``logits / temperature`` finite (1e-320 would overflow to inf -> NaN probs).
+SAMPLING_EPS = 1e-5
 
 
 @dataclass
@@ -101,8 +104,9 @@ def speculator_from_env(env, model_cfg: dict, target_identity: str, device: str)
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling: ``temperature`` (0 = greedy), ``top_p`` in (0, 1], ``seed`` (None:
-    a random seed), ``max_tokens`` >= 0, ``min_tokens`` (EOS suppressed before), ``ignore_eos``."""
+    """Per-request sampling: ``temperature`` (< ``SAMPLING_EPS`` = greedy), ``top_p`` in (0, 1],
+    ``seed`` (None: a random seed), ``max_tokens`` >= 0, ``min_tokens`` (EOS suppressed before),
+    ``ignore_eos``."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -113,7 +117,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < SAMPLING_EPS
 
 
 def process_logits(logits, params: SamplingParams, n_generated: int, eos_id: int):
@@ -147,10 +151,16 @@ def probs_of(logits, params: SamplingParams):
 
 
 def sample(p, gen) -> int:
-    """One draw from probabilities ``p`` with generator ``gen``."""
+    """One draw from probabilities ``p`` (``[V]``, any float dtype) with generator ``gen``.
+
+    Raises ``Dsv41Error`` when ``p`` is not a distribution (non-finite, negative or all zero), so
+    the engine ends only that request instead of hitting torch's opaque multinomial error."""
     import torch
 
-    return int(torch.multinomial(p.to(torch.float64), 1, generator=gen))
+    p = p.to(torch.float64)
+    if not bool(torch.isfinite(p).all()) or bool((p < 0).any()) or not float(p.sum()) > 0.0:
+        raise Dsv41Error("sampling distribution is not finite/normalisable (temperature/top_p too extreme?)")
+    return int(torch.multinomial(p, 1, generator=gen))
 
 
 def verify(logits, drafts: list[int], proposal: DraftProposal | None, params: SamplingParams,

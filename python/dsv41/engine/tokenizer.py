@@ -56,6 +56,11 @@ COMPRESSED_VOCAB_SIZE = int(TOKEN_MAP.max()) + 1  # 229
 TOKEN_MAP_SHA256 = hashlib.sha256(TOKEN_MAP.astype("<i4").tobytes()).hexdigest()
 
 
+# Message roles the chat endpoint accepts: OpenAI's chat roles (``function`` is its deprecated
+# form of ``tool``); anything else is a client error, as in the OpenAI API.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 class ByteTokenizer:
     """Encode text to raw ids and decode ids back to text.
 
@@ -89,11 +94,14 @@ class ByteTokenizer:
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """The lab chat template: BOS, then per message ``SEP role ": " content "\\n"``, then
-        ``SEP "assistant: "``. Raises ``Dsv41Error`` on a malformed message."""
+        ``SEP "assistant: "``. Raises ``Dsv41Error`` on a malformed message (not a dict, a role
+        outside ``CHAT_ROLES``, content neither a string nor a list of text parts)."""
         ids = [BOS]
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise Dsv41Error(f"messages[{i}] needs a string 'role'")
+            if m["role"] not in CHAT_ROLES:
+                raise Dsv41Error(f"messages[{i}].role {m['role']!r} is not one of {', '.join(CHAT_ROLES)}")
             content = m.get("content")
             if isinstance(content, list):  # OpenAI content parts: only text parts exist here
                 parts = []

@@ -25,12 +25,20 @@ def _ints(value: str, what: str) -> list[int]:
         if not part:
             continue
         try:
-            out.append(int(part, 0))
+            v = int(part, 0)
         except ValueError:
             raise ConfigError(f"{what}: {part!r} is not an integer") from None
+        if not -(1 << 63) <= v < (1 << 63):  # numpy int64 is where these go
+            raise ConfigError(f"{what}: {part} does not fit in a 64-bit integer")
+        out.append(v)
     if not out:
         raise ConfigError(f"{what}: give a comma-separated list of integers")
     return out
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if not 4096 <= chunk_size <= (1 << 40):
+        raise ConfigError(f"--chunk-size must be in [4096, 2^40] bytes, got {chunk_size}")
 
 
 @app.command()
@@ -78,13 +86,17 @@ def make_tables(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic content.")] = 0,
     revision: Annotated[Optional[str], typer.Option("--revision", help="Manifest revision (default synthetic-seedN).")] = None,
     chunk_size: Annotated[int, typer.Option("--chunk-size", help="Bytes per verified chunk.")] = 32 << 20,
+    force: Annotated[bool, typer.Option("--force", help="Replace files in --out that make-tables did not write.")] = False,
 ) -> None:
-    """Write deterministic synthetic shards in the real layout plus manifest.json."""
+    """Write deterministic synthetic shards in the real layout plus manifest.json.
+
+    Shards are written to temporary names and renamed only when all are complete, the manifest
+    last; files in --out that are not earlier make-tables output are never replaced without
+    --force."""
     from dsv41.engram.tables import write_synthetic_tables
 
-    if chunk_size < 4096:
-        raise ConfigError("--chunk-size must be >= 4096")
-    p = write_synthetic_tables(config, out, seed, revision=revision, chunk_size=chunk_size)
+    _check_chunk_size(chunk_size)
+    p = write_synthetic_tables(config, out, seed, revision=revision, chunk_size=chunk_size, force=force)
     print(str(p))
 
 
@@ -108,8 +120,7 @@ def manifest_cmd(
             if not sep or not k.strip().isdigit() or not v:
                 raise ConfigError(f"--file {f!r}: expected LAYER=NAME")
             files[int(k)] = v
-    if chunk_size < 4096:
-        raise ConfigError("--chunk-size must be >= 4096")
+    _check_chunk_size(chunk_size)
     m = build_manifest(config, data, files, revision=revision, chunk_size=chunk_size)
     m.save(out)
     print(str(out))
@@ -126,6 +137,8 @@ def verify(
     from dsv41.engram.manifest import load_manifest
     from dsv41.engram.manifest import verify as do_verify
 
+    if workers is not None and not 1 <= workers <= 1024:
+        raise ConfigError(f"--workers must be in [1, 1024], got {workers}")
     m = load_manifest(manifest)
     do_verify(m, data, workers=workers, progress=progress)
     total = sum(f["size"] for f in m.files)
@@ -156,7 +169,7 @@ def read_rows(
     else:
         from dsv41.engram.rowsource import parse_remote_url
 
-        parse_remote_url(source)
+        parse_remote_url(source, what="--source")
         try:
             client = importlib.import_module("dsv41.engram.client")
         except ModuleNotFoundError as exc:

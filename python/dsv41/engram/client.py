@@ -39,16 +39,10 @@ def _manifest(manifest: Any):
 
 
 def _check_rows(rows: Any, entry: Any) -> np.ndarray:
-    from dsv41.engram.tables import RowRangeError
+    """int64[N] of valid ids of ``entry``'s table (``tables.check_row_ids``; RowRangeError)."""
+    from dsv41.engram.tables import check_row_ids
 
-    r = np.asarray(rows)
-    if r.ndim != 1 or (r.size and not np.issubdtype(r.dtype, np.integer)):
-        raise Dsv41Error("rows must be a 1-D integer array")
-    r = r.astype(np.int64, copy=False)
-    if r.size and (int(r.min()) < 0 or int(r.max()) >= entry.rows):
-        bad = int(r[(r < 0) | (r >= entry.rows)][0])
-        raise RowRangeError(f"row {bad} is outside layer {entry.layer_id}'s table [0, {entry.rows})")
-    return r
+    return check_row_ids(rows, entry.rows, entry.layer_id)
 
 
 def _fetch(client: Any, ident: bytes, rows: np.ndarray, out: np.ndarray, timeout_s: float) -> None:
@@ -73,15 +67,19 @@ def read_rows_remote(url: str, manifest: Any, layer_id: int, rows: Any, timeout_
     r = _check_rows(rows, entry)
     ident = P.identity_bytes(entry.identity)
     out = np.empty((r.shape[0], P.ROW_BYTES), np.uint8)
+    def unavailable(exc: TransportError) -> RemoteUnavailable:
+        msg = str(exc)  # transport messages usually name the endpoint already
+        return RemoteUnavailable(msg if str(parse_url(url)) in msg else f"{url}: {msg}")
+
     try:
         client = open_client(url, [ident], timeout_ms / 1000)
     except TransportError as exc:
-        raise RemoteUnavailable(f"{url}: {exc}") from None
+        raise unavailable(exc) from None
     try:
         if r.size:
             _fetch(client, ident, r, out, timeout_ms / 1000)
     except TransportError as exc:
-        raise RemoteUnavailable(f"{url}: {exc}") from None
+        raise unavailable(exc) from None
     finally:
         client.close()
     return out

@@ -28,6 +28,15 @@ REQUIRED_KEYS = (
 #: One UE8M0 scale byte per this many FP8 values (engram-spec.md section 4).
 SCALE_BLOCK = 32
 
+#: Plausibility bounds (V4.1-Flash: 4, 8, 256, 16,000,000, 99,092, layers 1 and 14).  They keep
+#: a typo from hanging the prime search or overflowing the int64 hash / u32 wire fields.
+MAX_NGRAM_SIZE = 16
+MAX_HEADS = 256
+MAX_HEAD_DIM = 8192
+MAX_VOCAB_SIZE = 1 << 32
+MAX_COMPRESSED_VOCAB = 1 << 31
+MAX_LAYER_ID = 1 << 16
+
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -42,8 +51,9 @@ def load_model_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> di
     ``engram_compressed_vocab_size`` (defaults to ``vocab_size``: small synthetic configs use an
     identity token map).
 
-    Raises :class:`ConfigError` for an unreadable file, bad JSON, missing keys, wrong types, or
-    inconsistent values (e.g. ``engram_num_embeddings`` not one per layer).
+    Raises :class:`ConfigError` for an unreadable file, bad JSON, missing keys, wrong types,
+    values outside the plausibility bounds above (``MAX_*``), or inconsistent values (e.g.
+    ``engram_num_embeddings`` not one per layer).
     """
     if isinstance(path_or_dict, Mapping):
         raw: Any = dict(path_or_dict)
@@ -88,13 +98,16 @@ def load_model_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> di
     for k in ("engram_max_ngram_size", "engram_n_heads", "engram_head_dim", "engram_pad_token_id"):
         if not _is_int(cfg[k]) or cfg[k] < 0:
             raise ConfigError(f"model config {where}: {k} must be an int >= 0, got {cfg[k]!r}")
-    if cfg["engram_max_ngram_size"] < 2:
-        raise ConfigError(f"model config {where}: engram_max_ngram_size must be >= 2")
-    if cfg["engram_n_heads"] < 1:
-        raise ConfigError(f"model config {where}: engram_n_heads must be >= 1")
+    if max(layers) >= MAX_LAYER_ID:
+        raise ConfigError(f"model config {where}: engram_layer_ids must be < {MAX_LAYER_ID}, got {max(layers)}")
+    if not 2 <= cfg["engram_max_ngram_size"] <= MAX_NGRAM_SIZE:
+        raise ConfigError(f"model config {where}: engram_max_ngram_size must be in [2, {MAX_NGRAM_SIZE}]")
+    if not 1 <= cfg["engram_n_heads"] <= MAX_HEADS:
+        raise ConfigError(f"model config {where}: engram_n_heads must be in [1, {MAX_HEADS}]")
     hd = cfg["engram_head_dim"]
-    if hd < SCALE_BLOCK or hd % SCALE_BLOCK:
-        raise ConfigError(f"model config {where}: engram_head_dim {hd} must be a positive multiple of {SCALE_BLOCK}")
+    if hd < SCALE_BLOCK or hd % SCALE_BLOCK or hd > MAX_HEAD_DIM:
+        raise ConfigError(
+            f"model config {where}: engram_head_dim {hd} must be a positive multiple of {SCALE_BLOCK} <= {MAX_HEAD_DIM}")
     vs = cfg["engram_vocab_size"]
     n_orders = cfg["engram_max_ngram_size"] - 1
     if _is_int(vs):
@@ -105,8 +118,8 @@ def load_model_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> di
         raise ConfigError(
             f"model config {where}: engram_vocab_size must be an int or a list of {n_orders} ints"
         )
-    if min(vs_list) < 2:
-        raise ConfigError(f"model config {where}: engram_vocab_size must be >= 2")
+    if min(vs_list) < 2 or max(vs_list) > MAX_VOCAB_SIZE:
+        raise ConfigError(f"model config {where}: engram_vocab_size must be in [2, 2^32]")
     cfg["engram_vocab_sizes"] = vs_list
     if "engram_compressed_vocab_size" not in cfg:
         if "vocab_size" not in cfg:
@@ -115,8 +128,9 @@ def load_model_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> di
             )
         cfg["engram_compressed_vocab_size"] = cfg["vocab_size"]
     cvs = cfg["engram_compressed_vocab_size"]
-    if not _is_int(cvs) or cvs < 1:
-        raise ConfigError(f"model config {where}: engram_compressed_vocab_size must be an int >= 1, got {cvs!r}")
+    if not _is_int(cvs) or not 1 <= cvs <= MAX_COMPRESSED_VOCAB:
+        raise ConfigError(
+            f"model config {where}: engram_compressed_vocab_size must be an int in [1, 2^31], got {cvs!r}")
     ne = cfg.get("engram_num_embeddings")
     if ne is not None:
         if _is_int(ne):

@@ -122,6 +122,13 @@ class NgramHasher:
         if not 0 <= pad < len(self.token_map):
             raise ConfigError(f"engram_pad_token_id {pad} is outside the token map (len {len(self.token_map)})")
         self.pad_compressed = int(self.token_map[pad])
+        cvs = layout.compressed_vocab_size
+        if int(self.token_map.max()) >= cvs:
+            # ids beyond the compressed vocabulary could overflow the int64 products the
+            # multipliers were bounded for (layout.compute_multipliers)
+            raise ConfigError(
+                f"token map holds compressed id {int(self.token_map.max())}, outside "
+                f"engram_compressed_vocab_size {cvs}")
         self._mult = np.asarray(layout.multipliers, dtype=np.int64)  # [L, N]
         self._primes = np.asarray(layout.primes, dtype=np.int64)  # [L, C]
         self._offsets = np.asarray(layout.offsets, dtype=np.int64)  # [L, C]

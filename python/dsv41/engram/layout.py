@@ -24,6 +24,8 @@ RELEASED_MULTIPLIERS: dict[int, tuple[int, int, int, int]] = {
 }
 RELEASED_COMPRESSED_VOCAB = 99092
 RELEASED_MAX_NGRAM = 4
+#: Largest tensor-parallel size accepted (``layout --tp`` prints one entry per rank).
+MAX_TP = 1024
 
 
 def is_prime(n: int) -> bool:
@@ -185,9 +187,10 @@ class EngramLayout:
 
         ``part = ceil(n_columns / tp)``; ``c0 = min(rank*part, n)``, ``c1 = min(c0+part, n)``
         (an empty range when tp does not divide evenly and the rank is past the end).
+        ConfigError unless ``1 <= tp <= MAX_TP`` and ``0 <= rank < tp``.
         """
-        if not isinstance(tp, int) or tp < 1:
-            raise ConfigError(f"tp must be an int >= 1, got {tp!r}")
+        if not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= MAX_TP:
+            raise ConfigError(f"tp must be an int in [1, {MAX_TP}], got {tp!r}")
         if not isinstance(rank, int) or not 0 <= rank < tp:
             raise ConfigError(f"rank must be in [0, {tp}), got {rank!r}")
         n = self.n_columns

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -120,11 +121,18 @@ class Manifest:
                 "files": self.files, "tables": [t.to_dict() for t in self.tables]}
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write atomically (temp file + rename) as indented JSON."""
+        """Write atomically (temp file + rename) as indented JSON; VerificationError (a
+        Dsv41Error) when ``path`` cannot be written (no temp file is left behind)."""
         p = Path(path)
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        os.replace(tmp, p)
+        tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
+        try:
+            if p.is_dir():
+                raise IsADirectoryError(21, "Is a directory")
+            tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+            os.replace(tmp, p)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise VerificationError(f"cannot write manifest {p}: {exc.strerror or exc}") from None
         self.path = p
 
 
@@ -209,6 +217,19 @@ def load_manifest(path: str | os.PathLike) -> Manifest:
     return m
 
 
+def _regular_size(p: Path) -> int:
+    """Size of a regular file; VerificationError for a missing file, a directory, FIFO, ..."""
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise VerificationError(f"{p}: file does not exist") from None
+    except OSError as exc:
+        raise VerificationError(f"{p}: cannot stat: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise VerificationError(f"{p}: not a regular file")
+    return st.st_size
+
+
 def _as_manifest(manifest: Manifest | str | os.PathLike) -> Manifest:
     return manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
 
@@ -267,13 +288,17 @@ def verify(manifest: Manifest | str | os.PathLike, data_dir: str | os.PathLike |
     for f in m.files:
         p = d / f["name"]
         try:
-            size = os.stat(p).st_size
+            st = os.stat(p)
         except FileNotFoundError:
             problems.append(f"{f['name']}: missing (expected {f['size']} bytes in {d})")
             continue
         except OSError as exc:
             problems.append(f"{f['name']}: cannot stat: {exc.strerror or exc}")
             continue
+        if not stat.S_ISREG(st.st_mode):
+            problems.append(f"{f['name']}: not a regular file in {d}")
+            continue
+        size = st.st_size
         cs = f["chunk_size"]
         if size < f["size"]:
             k = size // cs
@@ -364,6 +389,16 @@ def build_manifest(cfg: Any, data_dir: str | os.PathLike, files: dict[int, str] 
     layout = cfg if isinstance(cfg, EngramLayout) else EngramLayout.from_config(cfg)
     d = Path(data_dir)
     names = files or dict(zip(layout.layer_ids, shard_names(len(layout.layer_ids))))
+    missing = [L for L in layout.layer_ids if L not in names]
+    extra = sorted(set(names) - set(layout.layer_ids))
+    if missing or extra:
+        raise VerificationError(
+            f"shard files must name every Engram layer {layout.layer_ids} exactly once"
+            + (f"; missing layer(s) {missing}" if missing else "") + (f"; unknown layer(s) {extra}" if extra else "")
+        )
+    for L, name in names.items():
+        if not name or "/" in name or "\\" in name or name in (".", ".."):
+            raise VerificationError(f"shard file of layer {L} must be a plain file name in the data dir, got {name!r}")
     frecs: dict[str, dict[str, Any]] = {}
     tables = []
     buf = bytearray(_READ_BLOCK)
@@ -372,7 +407,7 @@ def build_manifest(cfg: Any, data_dir: str | os.PathLike, files: dict[int, str] 
         p = d / name
         reg = table_regions(p, layer, layout.row_bytes)
         if name not in frecs:
-            size = os.stat(p).st_size
+            size = _regular_size(p)
             nch = -(-size // chunk_size)
 
             def one(k: int, p=p, size=size) -> str:

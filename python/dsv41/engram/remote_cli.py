@@ -33,11 +33,16 @@ def serve(
 ) -> None:
     """Load every table into RAM, verify it against the manifest, then serve rows until SIGTERM."""
     from dsv41.engram.manifest import load_manifest
-    from dsv41.engram.server import EngramServer, write_ready_file
+    from dsv41.engram.server import EngramServer, clear_stale_ready_file, write_ready_file
 
     m = load_manifest(manifest)
     data_dir = data if data is not None else manifest.parent
     es = EngramServer(m, data_dir, list(listen or []), metrics)
+    if ready_file is not None:
+        # Checked before the (long) load; a stale ready file of an earlier run is removed now so
+        # a watcher never takes it for this run's readiness.
+        clear_stale_ready_file(ready_file)
+    wrote_ready = False
     stop = threading.Event()
     serving = threading.Event()
 
@@ -60,6 +65,7 @@ def serve(
         info = es.ready_info()
         if ready_file is not None:
             write_ready_file(ready_file, info)
+            wrote_ready = True
         print(json.dumps({"event": "listening", "listen": [str(a) for a in addrs],
                           "load_seconds": round(report["seconds"], 3), "implementation": info["implementation"]}),
               flush=True)
@@ -70,7 +76,7 @@ def serve(
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        if ready_file is not None:
+        if wrote_ready:  # only ever remove the file this process wrote
             try:
                 os.unlink(ready_file)
             except OSError:
@@ -98,6 +104,8 @@ def sweep(
     from dsv41.transport import parse_url
 
     parse_url(remote)
+    if not 0 <= seed < (1 << 63):
+        raise Dsv41Error(f"--seed must be in [0, 2^63), got {seed}")
     m = load_manifest(manifest)
     report = run_sweep(m, data, remote, tp, rank, lookups=lookups, seed=seed, timeout_ms=timeout_ms,
                        required=required, token_map=str(token_map) if token_map else None)

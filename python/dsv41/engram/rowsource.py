@@ -5,7 +5,6 @@ environment (``VLLM_ENGRAM_REMOTE*``, docs/interfaces.md section engram).
 from __future__ import annotations
 
 import importlib
-import ipaddress
 import os
 import threading
 import time
@@ -16,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from dsv41.errors import ConfigError
+from dsv41.errors import ConfigError, Dsv41Error
 
 #: Counter keys every RowSource reports.
 COUNTER_KEYS = ("lookups", "rows", "fallbacks", "transport_errors", "refusals", "reconnects",
@@ -92,44 +91,22 @@ class RemoteURL:
         return f"{self.scheme}://{host}:{self.port}{tail}"
 
 
-def _check_host(h: str, what: str, url: str) -> None:
-    if not h:
-        raise ConfigError(f"VLLM_ENGRAM_REMOTE: {what} missing in {url!r}")
+def parse_remote_url(url: str, what: str = "VLLM_ENGRAM_REMOTE") -> RemoteURL:
+    """Parse a client URL ``tcp://H:P[@LOCAL_ADDR]`` or ``nixl://H:P[@LOCAL_ADDR]`` (IPv6 hosts
+    in []) with :func:`dsv41.transport.url.parse_url` (the package's one URL parser), plus the
+    client rules: port 1..65535, a local address without a port.  ConfigError naming ``what``.
+    """
+    from dsv41.transport.url import parse_url
+
     try:
-        ipaddress.ip_address(h)
-        return
-    except ValueError:
-        pass
-    labels = h.split(".")
-    if not all(lab and len(lab) <= 63 and lab.replace("-", "").isalnum() and not lab.startswith("-") for lab in labels):
-        raise ConfigError(f"VLLM_ENGRAM_REMOTE: bad {what} {h!r} in {url!r}")
-
-
-def parse_remote_url(url: str) -> RemoteURL:
-    """Parse ``tcp://H:P[@LOCAL_ADDR]`` or ``nixl://H:P[@LOCAL_ADDR]`` (IPv6 hosts in [])."""
-    u = url.strip()
-    if "://" not in u:
-        raise ConfigError(f"VLLM_ENGRAM_REMOTE: {url!r} is not a URL (expected tcp://HOST:PORT[@LOCAL_ADDR])")
-    scheme, rest = u.split("://", 1)
-    if scheme not in SCHEMES:
-        raise ConfigError(f"VLLM_ENGRAM_REMOTE: scheme {scheme!r} in {url!r} is not one of {', '.join(SCHEMES)}")
-    local = None
-    if "@" in rest:
-        rest, local = rest.rsplit("@", 1)
-        local = local.strip("[]")
-        _check_host(local, "local address", url)
-    if rest.startswith("["):
-        host, sep, port_s = rest[1:].partition("]:")
-        if not sep:
-            raise ConfigError(f"VLLM_ENGRAM_REMOTE: bad IPv6 address in {url!r}")
-    else:
-        host, sep, port_s = rest.rpartition(":")
-        if not sep:
-            raise ConfigError(f"VLLM_ENGRAM_REMOTE: port missing in {url!r}")
-    _check_host(host, "host", url)
-    if not port_s.isdigit() or not 1 <= int(port_s) <= 65535:
-        raise ConfigError(f"VLLM_ENGRAM_REMOTE: port {port_s!r} in {url!r} must be 1..65535")
-    return RemoteURL(scheme, host, int(port_s), local)
+        ep = parse_url(url)
+    except Dsv41Error as exc:
+        raise ConfigError(f"{what}: {exc}") from None
+    if ep.port == 0:
+        raise ConfigError(f"{what}: port 0 in {url!r}: a server port must be 1..65535")
+    if ep.local_port:
+        raise ConfigError(f"{what}: the local address in {url!r} takes no port")
+    return RemoteURL(ep.scheme, ep.host, ep.port, ep.local_host)
 
 
 def parse_remote_env(env: Mapping[str, str], tp: int) -> tuple[list[RemoteURL], int, bool] | None:

@@ -57,18 +57,15 @@ class LoadProgress:
         self.done = 0
 
     def add(self, n: int) -> None:
+        """Count ``n`` more region bytes loaded (thread-safe)."""
         with self.lock:
             self.done += n
 
 
 def _open(path: Path, direct: bool) -> tuple[int, bool]:
-    if direct and hasattr(os, "O_DIRECT"):
-        try:
-            return os.open(path, os.O_RDONLY | os.O_DIRECT), True
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-    return os.open(path, os.O_RDONLY), False
+    from dsv41.engram.tables import open_table_file  # one open rule for reader and loader
+
+    return open_table_file(path, direct)
 
 
 def load_region(path: str | os.PathLike, offset: int, length: int, direct: bool = True,
@@ -145,8 +142,12 @@ def load_region(path: str | os.PathLike, offset: int, length: int, direct: bool 
     if herr:
         raise herr[0]
     if pos < need:
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            size = a0 + pos
         raise VerificationError(
-            f"{path}: file ends at byte {a0 + pos}, the region [{offset}, {offset + length}) needs {offset + length}"
+            f"{path}: truncated: {size} bytes, the region [{offset}, {offset + length}) needs {offset + length}"
         )
     view = np.frombuffer(buf, dtype=np.uint8, count=length, offset=offset - a0)
     del mv
@@ -268,9 +269,12 @@ class _Collector:
 
 def parse_hostport(text: str, what: str) -> tuple[str, int]:
     """``HOST:PORT`` -> (host, port); ``Dsv41Error`` on bad input."""
-    ep = parse_url(f"tcp://{text}") if "://" not in text else None
-    if ep is None:
+    if "://" in text or "@" in text:
         raise Dsv41Error(f"{what} must be HOST:PORT, got {text!r}")
+    try:
+        ep = parse_url(f"tcp://{text}")
+    except Dsv41Error:
+        raise Dsv41Error(f"{what} must be HOST:PORT (port 0..65535), got {text!r}") from None
     return ep.host, ep.port
 
 
@@ -389,6 +393,30 @@ class EngramServer:
             self._http.server_close()
 
 
+def _is_ready_file(p: Path) -> bool:
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(doc, dict) and {"pid", "listen"} <= set(doc)
+
+
+def clear_stale_ready_file(path: str | os.PathLike) -> None:
+    """Prepare ``path`` for :func:`write_ready_file` before loading: its directory must exist;
+    an existing ready file (JSON with ``pid`` and ``listen``, a crashed run's) is removed;
+    anything else there (a directory, another file) is refused with ``Dsv41Error`` and kept."""
+    p = Path(path)
+    if not p.parent.is_dir():
+        raise Dsv41Error(f"--ready-file {p}: directory {p.parent} does not exist")
+    if os.path.lexists(p):
+        if not p.is_file() or not _is_ready_file(p):
+            raise Dsv41Error(f"--ready-file {p} exists and is not a ready file: refusing to replace it")
+        try:
+            p.unlink()
+        except OSError as exc:
+            raise Dsv41Error(f"cannot remove stale ready file {p}: {exc.strerror or exc}") from None
+
+
 def write_ready_file(path: str | os.PathLike, info: dict) -> None:
     """Write ``info`` as JSON atomically (temp + rename) so a watcher never reads half a file."""
     p = Path(path)
@@ -397,4 +425,5 @@ def write_ready_file(path: str | os.PathLike, info: dict) -> None:
         tmp.write_text(json.dumps(info, indent=1) + "\n")
         os.replace(tmp, p)
     except OSError as exc:
+        tmp.unlink(missing_ok=True)
         raise Dsv41Error(f"cannot write ready file {p}: {exc.strerror or exc}") from None

@@ -113,7 +113,7 @@ def run_sweep(manifest: Any, data_dir: str | Path | None, remote: str, tp: int, 
 
     ``manifest``: Manifest or path; ``data_dir``: local shards (default: the manifest's
     directory); ``remote``: ``tcp://`` / ``nixl://`` URL of this rank's server.  Raises
-    ``Dsv41Error`` on bad arguments, ``RemoteUnavailable`` when ``required`` and the server fails.
+    ``Dsv41Error`` on bad arguments (incl. a rank that owns no columns at this tp), ``RemoteUnavailable`` when ``required`` and the server fails.
     """
     from dsv41.engram.client import RemoteRowSource, _manifest
     from dsv41.engram.hashing import NgramHasher
@@ -130,6 +130,10 @@ def run_sweep(manifest: Any, data_dir: str | Path | None, remote: str, tp: int, 
         data_dir = Path(m.path).parent
     layout = layout_from_manifest(m)
     c0, c1 = layout.columns_for_rank(tp, rank)
+    if c0 == c1:  # e.g. tp 16: part 2, ranks 12..15 own no column; nothing to compare
+        raise Dsv41Error(f"rank {rank} owns no Engram columns at tp {tp} (columns per rank: {-(-layout.n_columns // tp)})")
+    if not 0 <= seed < (1 << 63):
+        raise Dsv41Error(f"seed must be in [0, 2^63), got {seed}")
     tm, gen, desc = token_source(layout, token_map)
     hasher = NgramHasher(layout, tm)
     rng = np.random.default_rng([seed, rank])

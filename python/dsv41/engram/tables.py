@@ -15,6 +15,7 @@ import hashlib
 import json
 import mmap
 import os
+import stat
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,23 @@ SYNTH_WEIGHT_START = 664
 
 class RowRangeError(Dsv41Error):
     """A requested row id is outside the table (or the layer has no table)."""
+
+
+def check_row_ids(rows: Any, n_rows: int, layer_id: int) -> np.ndarray:
+    """Validate global row ids of one table: ``rows`` int[N] (any integer dtype, 1-D) ->
+    int64[N].  RowRangeError for a non-1-D / non-integer array or any id outside
+    ``[0, n_rows)`` (naming the first bad id).  The one row-range check of the package: the
+    local reader, the remote client and its fallback all use it."""
+    r = np.asarray(rows)
+    if r.ndim != 1 or (r.size and not np.issubdtype(r.dtype, np.integer)):
+        raise RowRangeError("row ids must be a 1-D integer array")
+    if r.size and r.dtype == np.uint64 and int(r.max()) >= (1 << 63):
+        raise RowRangeError(f"row {int(r.max())} is outside layer {layer_id}'s table [0, {n_rows})")
+    r = r.astype(np.int64, copy=False)
+    if r.size and (int(r.min()) < 0 or int(r.max()) >= n_rows):
+        bad = int(r[(r < 0) | (r >= n_rows)][0])
+        raise RowRangeError(f"row {bad} is outside layer {layer_id}'s table [0, {n_rows})")
+    return r
 
 
 def weight_name(layer_id: int) -> str:
@@ -83,10 +101,15 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[int, dict[str, Any
     return n, header
 
 
+def _uints(v: Any, n: int) -> bool:
+    """Whether ``v`` is a list of ``n`` non-negative ints (bools excluded)."""
+    return isinstance(v, list) and len(v) == n and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+
+
 def table_regions(path: str | os.PathLike, layer_id: int, row_bytes: int = 264) -> dict[str, int]:
     """Locate a layer's table in a shard: dict(rows, weight_offset, scale_offset,
     weight_bytes, scale_bytes) with absolute byte offsets.  VerificationError when the tensors
-    are absent or have the wrong dtype/shape."""
+    are absent, have the wrong dtype/shape, malformed data_offsets, or end beyond the file."""
     n, hdr = read_safetensors_header(path)
     out: dict[str, int] = {}
     for kind, name, dtype in (("weight", weight_name(layer_id), "F8_E4M3"), ("scale", scale_name(layer_id), "F8_E8M0")):
@@ -94,8 +117,10 @@ def table_regions(path: str | os.PathLike, layer_id: int, row_bytes: int = 264) 
         if not isinstance(t, dict):
             raise VerificationError(f"{path}: tensor {name} not found")
         shape, offs = t.get("shape"), t.get("data_offsets")
-        if t.get("dtype") != dtype or not (isinstance(shape, list) and len(shape) == 2):
+        if t.get("dtype") != dtype or not _uints(shape, 2) or shape[0] < 1 or shape[1] < 1:
             raise VerificationError(f"{path}: {name} must be {dtype} [rows, n], got {t.get('dtype')} {shape}")
+        if not _uints(offs, 2) or offs[0] > offs[1]:
+            raise VerificationError(f"{path}: {name} data_offsets must be [begin, end] byte offsets, got {offs!r}")
         if offs[1] - offs[0] != shape[0] * shape[1]:
             raise VerificationError(f"{path}: {name} data_offsets {offs} do not match shape {shape}")
         out[f"{kind}_offset"] = 8 + n + offs[0]
@@ -103,6 +128,11 @@ def table_regions(path: str | os.PathLike, layer_id: int, row_bytes: int = 264) 
         out.setdefault("rows", shape[0])
         if shape[0] != out["rows"]:
             raise VerificationError(f"{path}: weight and scale of layer {layer_id} differ in rows")
+    size = os.stat(path).st_size
+    for kind in ("weight", "scale"):
+        end = out[f"{kind}_offset"] + out["rows"] * out[f"{kind}_bytes"]
+        if end > size:
+            raise VerificationError(f"{path}: truncated: {size} bytes, the {kind} region of layer {layer_id} ends at {end}")
     if out["weight_bytes"] + out["scale_bytes"] != row_bytes:
         raise VerificationError(
             f"{path}: layer {layer_id} rows are {out['weight_bytes']}+{out['scale_bytes']} B, expected {row_bytes}"
@@ -170,14 +200,18 @@ class HashingWriter:
         self._region: tuple[str, Any] | None = None
 
     def begin_region(self, name: str) -> None:
+        """Start hashing the bytes written from now on as region ``name`` (e.g. "weight")."""
         self._region = (name, hashlib.sha256())
 
     def end_region(self) -> None:
+        """Finish the current region; its hex sha256 goes to ``regions[name]``."""
         assert self._region is not None
         self.regions[self._region[0]] = self._region[1].hexdigest()
         self._region = None
 
     def write(self, data: bytes | memoryview) -> None:
+        """Append ``data`` (any buffer; bytes) to the file and every running hash.  OSError
+        from the file system propagates."""
         mv = memoryview(data).cast("B")
         self.f.write(mv)
         self.file_sha.update(mv)
@@ -195,6 +229,7 @@ class HashingWriter:
                 self.chunk_fill = 0
 
     def close(self) -> dict[str, Any]:
+        """Close the file; returns ``{size (bytes), sha256, chunk_size, chunks: [sha256 per chunk]}``."""
         if self.chunk_fill:
             self.chunks.append(self.chunk_sha.hexdigest())
         self.f.close()
@@ -227,7 +262,7 @@ def write_table_shard(path: Path, layer_id: int, rows: int, seed: int, weight_st
     w = HashingWriter(path, chunk_size)
     try:
         head = table_header_bytes(layer_id, rows, wb, sb, weight_start,
-                                  {"format": "pt", "dsv41": "synthetic engram table", "seed": str(seed)})
+                                  {"format": "pt", "dsv41": SYNTH_MARK, "seed": str(seed)})
         w.write(head)
         nblk = -(-rows // SYNTH_BLOCK_ROWS)
         w.begin_region("weight")
@@ -250,39 +285,119 @@ def write_table_shard(path: Path, layer_id: int, rows: int, seed: int, weight_st
     return rec
 
 
+SYNTH_MARK = "synthetic engram table"
+
+
+def _is_synthetic_shard(path: Path) -> bool:
+    """Whether ``path`` is a shard written by :func:`write_synthetic_tables` (header metadata)."""
+    try:
+        _, hdr = read_safetensors_header(path)
+    except VerificationError:
+        return False
+    meta = hdr.get("__metadata__")
+    return isinstance(meta, dict) and meta.get("dsv41") == SYNTH_MARK
+
+
+def _check_replaceable(out: Path, names: list[str]) -> None:
+    """Refuse (Dsv41Error) when writing ``names`` + manifest.json into ``out`` would replace a
+    file that is not earlier make-tables output (e.g. a real checkpoint shard)."""
+    for name in names:
+        p = out / name
+        if os.path.lexists(p) and not (p.is_file() and _is_synthetic_shard(p)):
+            raise Dsv41Error(f"{p} exists and is not a make-tables shard: refusing to replace it (use --force)")
+    mp = out / "manifest.json"
+    if os.path.lexists(mp):
+        try:
+            doc = json.loads(mp.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            doc = None
+        files = doc.get("files") if isinstance(doc, dict) and doc.get("format") == "dsv41-engram-manifest" else None
+        if not isinstance(files, list):
+            raise Dsv41Error(f"{mp} exists and is not a dsv41 manifest: refusing to replace it (use --force)")
+        for f in files:
+            fp = out / str(f.get("name", "")) if isinstance(f, dict) else None
+            if fp is not None and fp.is_file() and not _is_synthetic_shard(fp):
+                raise Dsv41Error(f"{mp} describes {fp.name}, which is not a make-tables shard: refusing to "
+                                 "replace the manifest (use --force)")
+
+
 def write_synthetic_tables(cfg: Any, out_dir: str | os.PathLike, seed: int = 0, *,
                            revision: str | None = None, chunk_size: int = 32 << 20,
-                           rows_override: list[int] | None = None) -> Path:
+                           rows_override: list[int] | None = None, force: bool = False) -> Path:
     """Write one synthetic shard per Engram layer plus ``manifest.json`` into ``out_dir``.
 
-    ``cfg``: config path/mapping or an :class:`EngramLayout`.  Deterministic from ``seed``.
-    ``rows_override`` (tests/benchmarks only) writes tables of other sizes with the same format;
-    the manifest records the rows actually written.  Returns the manifest path.
+    ``cfg``: config path/mapping or an :class:`EngramLayout`.  Deterministic from ``seed``
+    (an int in [0, 2^63)).  ``rows_override`` (tests/benchmarks only) writes tables of other
+    sizes with the same format; the manifest records the rows actually written.  Returns the
+    manifest path.
+
+    Crash safety: shards go to hidden temporary names and are renamed into place only when all
+    of them are complete; the old manifest is removed before the renames and the new one written
+    (atomically) last, so an interrupted or failed run never leaves a manifest that verifies
+    against half-written shards, and a failure while writing leaves earlier output untouched.
+    Existing files that are not make-tables output (e.g. real shards of the same names) are
+    never replaced unless ``force``.  Raises Dsv41Error for a bad seed, a refused replacement,
+    too little free space, or a write error (temporary files are removed).
     """
+    import shutil
+
     from dsv41.engram import manifest as mf
 
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < (1 << 63):
+        raise Dsv41Error(f"seed must be an int in [0, 2^63), got {seed!r}")
     layout = cfg if isinstance(cfg, EngramLayout) else EngramLayout.from_config(cfg)
+    n_layers = len(layout.layer_ids)
+    if rows_override is not None and (len(rows_override) != n_layers or any(r < 1 for r in rows_override)):
+        raise Dsv41Error(f"rows_override must give {n_layers} positive row counts, got {rows_override!r}")
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise Dsv41Error(f"cannot create output directory {out}: {exc.strerror or exc}") from None
-    names = shard_names(len(layout.layer_ids))
+    names = shard_names(n_layers)
+    if not force:
+        _check_replaceable(out, names)
+    rows_of = [layout.rows[li] if rows_override is None else rows_override[li] for li in range(n_layers)]
+    need = sum(r * layout.row_bytes + PAGE * 2 for r in rows_of)
+    try:
+        free = shutil.disk_usage(out).free
+    except OSError:
+        free = None
+    if free is not None and need > free:
+        raise Dsv41Error(f"{out}: the tables need {need} bytes ({need / 2**30:.1f} GiB), only {free} are free")
+    tag = f".tmp{os.getpid()}"
+    tmps = [out / f".{n}{tag}" for n in names]
     files, tables = [], []
-    for li, layer in enumerate(layout.layer_ids):
-        rows = layout.rows[li] if rows_override is None else rows_override[li]
+    try:
+        for li, layer in enumerate(layout.layer_ids):
+            try:
+                rec = write_table_shard(tmps[li], layer, rows_of[li], seed, SYNTH_WEIGHT_START + 8 * li,
+                                        layout.weight_bytes, layout.scale_bytes, chunk_size)
+            except OSError as exc:
+                raise Dsv41Error(f"cannot write {out / names[li]}: {exc.strerror or exc}") from None
+            files.append({"name": names[li], **{k: rec[k] for k in ("size", "sha256", "chunk_size", "chunks")}})
+            tables.append(mf.make_table_entry(layout, li, names[li], rows_of[li], rec["weight_offset"],
+                                              rec["scale_offset"], rec["regions"]["weight"], rec["regions"]["scale"]))
+        man = mf.Manifest(revision=revision or f"synthetic-seed{seed}", layout=mf.layout_params(layout),
+                          files=files, tables=tables)
+        mf.manifest_from_dict(man.to_dict(), "new manifest")  # schema self-check before replacing anything
+        path = out / "manifest.json"
         try:
-            rec = write_table_shard(out / names[li], layer, rows, seed, SYNTH_WEIGHT_START + 8 * li,
-                                    layout.weight_bytes, layout.scale_bytes, chunk_size)
+            if os.path.lexists(path):
+                os.unlink(path)  # no stale manifest may describe the shards while they change
+            for tmp, name in zip(tmps, names):
+                os.replace(tmp, out / name)
         except OSError as exc:
-            raise Dsv41Error(f"cannot write {out / names[li]}: {exc.strerror or exc}") from None
-        files.append({"name": names[li], **{k: rec[k] for k in ("size", "sha256", "chunk_size", "chunks")}})
-        tables.append(mf.make_table_entry(layout, li, names[li], rows, rec["weight_offset"], rec["scale_offset"],
-                                          rec["regions"]["weight"], rec["regions"]["scale"]))
-    man = mf.Manifest(revision=revision or f"synthetic-seed{seed}", layout=mf.layout_params(layout),
-                      files=files, tables=tables)
-    path = out / "manifest.json"
-    man.save(path)
+            raise Dsv41Error(f"cannot move the new shards into {out}: {exc.strerror or exc}") from None
+        man.save(path)
+    finally:
+        for tmp in tmps:
+            try:
+                tmp.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                pass
     return path
 
 
@@ -294,6 +409,33 @@ MAX_RUN_PAGES = 64
 BATCH_BYTES = 8 << 20
 
 
+def open_table_file(path: str | os.PathLike, direct: bool = True) -> tuple[int, bool]:
+    """Open a shard read-only: ``(fd, is_direct)``.  O_DIRECT when asked and the file system
+    allows it (EINVAL, e.g. tmpfs, falls back to buffered).  The file must be a regular file:
+    OSError(EISDIR / EINVAL "not a regular file") otherwise - a FIFO would block reads forever,
+    so it is opened non-blocking and checked before any read.  Shared by the local reader and
+    the table server's loader."""
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+    is_direct = False
+    fd = -1
+    if direct and hasattr(os, "O_DIRECT"):
+        try:
+            fd = os.open(path, flags | os.O_DIRECT)
+            is_direct = True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: the file system refuses O_DIRECT (tmpfs)
+                raise
+    if fd < 0:
+        fd = os.open(path, flags)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return fd, is_direct
+
+
 class _TableFile:
     """One open shard: fd, whether it is O_DIRECT, and the lock guarding a fallback switch."""
 
@@ -301,23 +443,13 @@ class _TableFile:
         self.path = path
         self.direct = False
         self.lock = threading.Lock()
-        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-        if direct and hasattr(os, "O_DIRECT"):
-            try:
-                self.fd = os.open(path, flags | os.O_DIRECT)
-                self.direct = True
-                return
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:  # EINVAL: the file system refuses O_DIRECT (tmpfs)
-                    raise
-        self.fd = os.open(path, flags)
+        self.fd, self.direct = open_table_file(path, direct)
 
     def fall_back(self, fd_seen: int) -> None:
         """Switch to buffered I/O after the kernel refused an O_DIRECT read (EINVAL)."""
         with self.lock:
             if self.fd == fd_seen and self.direct:
-                self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                self.direct = False
+                self.fd, self.direct = open_table_file(self.path, direct=False)
                 self._old = fd_seen  # closed in close(): other threads may still use it
 
     def close(self) -> None:
@@ -415,10 +547,7 @@ class LocalRowReader:
         if self._closed:
             raise Dsv41Error("LocalRowReader is closed")
         t = self._table(layer_id)
-        ids = np.asarray(rows)
-        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
-            raise RowRangeError("row ids must be a 1-D integer array")
-        ids = ids.astype(np.int64, copy=False)
+        ids = check_row_ids(rows, t.rows, layer_id)
         n = ids.shape[0]
         if out is None:
             out = np.empty((n, t.row_bytes), dtype=np.uint8)
@@ -426,10 +555,6 @@ class LocalRowReader:
             raise Dsv41Error(f"out must be a C-contiguous uint8[{n}, {t.row_bytes}] array, got {out.dtype}{list(out.shape)}")
         if n == 0:
             return out
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= t.rows:
-            bad = lo if lo < 0 else hi
-            raise RowRangeError(f"row {bad} is outside layer {layer_id}'s table [0, {t.rows})")
         tf = self._file(t.file)
         wb, sb = t.weight_bytes, t.scale_bytes
         # items: one per (request position, region); absolute byte start and length
@@ -487,7 +612,8 @@ class LocalRowReader:
                 # the file may end inside the last page: only the bytes rows need must be there
                 need_end = int(piece_p1[k]) * PAGE + PAGE
                 if got < size and off + got < min(need_end, self._needed_end(starts, lens, item_piece, k)):
-                    raise Dsv41Error(f"short read of {tf.path} at byte {off}: {got} of {size} bytes")
+                    raise Dsv41Error(f"{tf.path}: truncated: a read at byte {off} got {got} of {size} bytes "
+                                     f"(is the shard shorter than its manifest says? run dsv41 engram verify)")
             arr = np.frombuffer(buf, dtype=np.uint8, count=bufmax)
             items = ib_order[ib[b] : ib[b + 1]]
             w = items[items < n]

@@ -193,6 +193,9 @@ class NixlClient:
                 strided.append([int(x) for x in t["scale"]])
                 self.tables[bytes.fromhex(t["identity"])] = (rows, base, base + rows)
                 base += 2 * rows
+            if base > np.iinfo(np.int32).max:
+                # prepped-transfer indices are int32: a larger descriptor list would wrap to wrong rows
+                raise TransportError(f"{endpoint}: {base} row descriptors exceed NIXL's int32 indices")
             self.remote_dlist = self.agent.prep_xfer_dlist(self.remote, np.array(strided, dtype=np.uint64), "DRAM")
             total = staging_rows * slots
             self._staging_mem = mmap.mmap(-1, total * P.ROW_BYTES)
@@ -210,9 +213,22 @@ class NixlClient:
             self._total = total
             self._free = list(range(slots))
             self._quarantine: dict[int, object] = {}  # slot -> in-flight xfer handle
+            # UCX wires its endpoint up lazily on the first transfer, which can take longer than
+            # a lookup's deadline (100 ms) on a loaded host: pay it here, under the connect
+            # timeout, so the first real lookup does not time out and fall back.
+            self._warm_up(timeout_s)
         except BaseException:
             self.close()
             raise
+
+    def _warm_up(self, timeout_s: float) -> None:
+        """READ row 0 of the first table once (raises like ``lookup_into``)."""
+        _, wbase, sbase = next(iter(self.tables.values()))
+        slot = self._free.pop()
+        loc = slot * self.staging_rows
+        self._read(slot, np.array([loc, loc + self._total], np.int32), np.array([wbase, sbase], np.int32),
+                   time.monotonic() + timeout_s)  # a timeout leaves the slot quarantined
+        self._free.append(slot)
 
     @property
     def quarantined(self) -> int:

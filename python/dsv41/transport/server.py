@@ -41,6 +41,7 @@ class RowTable:
 
     @property
     def rows(self) -> int:
+        """Rows of the table (``weight.shape[0]``)."""
         return int(self.weight.shape[0])
 
 
@@ -60,6 +61,7 @@ class ServerStats:
     latency_sum: float = 0.0
 
     def observe(self, seconds: float, rows: int) -> None:
+        """Count one served request of ``rows`` rows that took ``seconds`` (histogram bucket)."""
         with self.lock:
             self.requests += 1
             self.rows += rows
@@ -73,10 +75,12 @@ class ServerStats:
             self.latency_buckets[i] += 1
 
     def refuse(self, reason: str) -> None:
+        """Count one refusal under ``reason`` (``protocol.status_name``)."""
         with self.lock:
             self.refusals[reason] = self.refusals.get(reason, 0) + 1
 
     def snapshot(self) -> dict:
+        """Consistent copy of every counter (dict; ``latency_buckets`` per LATENCY_BUCKETS + inf)."""
         with self.lock:
             return {
                 "requests": self.requests,

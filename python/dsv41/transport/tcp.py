@@ -65,6 +65,7 @@ class TcpClient:
 
     @property
     def connected(self) -> bool:
+        """Whether the socket is open (False after ``close`` or any transport error)."""
         return self.sock is not None
 
     def close(self) -> None:

@@ -31,6 +31,20 @@ class Endpoint:
         return s
 
 
+def check_host(h: str, url: str) -> None:
+    """Raise ``Dsv41Error`` unless ``h`` is an IP address or a DNS name (labels of letters,
+    digits and inner hyphens, <= 63 characters each)."""
+    try:
+        ipaddress.ip_address(h)
+        return
+    except ValueError:
+        pass
+    labels = h.split(".")
+    if not all(lab and len(lab) <= 63 and lab.replace("-", "").isalnum() and lab.isascii()
+               and not lab.startswith("-") and not lab.endswith("-") for lab in labels):
+        raise Dsv41Error(f"bad transport URL {url!r}: bad host {h!r}")
+
+
 def _fmt_host(h: str) -> str:
     return f"[{h}]" if ":" in h else h
 
@@ -57,6 +71,7 @@ def _split_hostport(text: str, url: str, need_port: bool) -> tuple[str, int]:
         raise Dsv41Error(f"bad transport URL {url!r}: put IPv6 addresses in [brackets]")
     if not host:
         raise Dsv41Error(f"bad transport URL {url!r}: empty host")
+    check_host(host, url)
     if not port_s:
         if need_port:
             raise Dsv41Error(f"bad transport URL {url!r}: missing :PORT")
@@ -71,15 +86,19 @@ def _split_hostport(text: str, url: str, need_port: bool) -> tuple[str, int]:
 
 
 def parse_url(url: str) -> Endpoint:
-    """Parse ``scheme://HOST:PORT[@LOCAL_ADDR[:PORT]]``; raises ``Dsv41Error`` on bad input."""
+    """Parse ``scheme://HOST:PORT[@LOCAL_ADDR[:PORT]]`` (IPv6 in brackets; port 0 = ephemeral,
+    for listen addresses).  The one URL parser of the package: ``engram.rowsource`` and every
+    CLI option taking a URL go through it.  Raises ``Dsv41Error`` on bad input."""
     if not isinstance(url, str) or "://" not in url:
         raise Dsv41Error(f"bad transport URL {url!r}: expected tcp://HOST:PORT or nixl://HOST:PORT")
-    scheme, rest = url.split("://", 1)
+    scheme, rest = url.strip().split("://", 1)
     if scheme not in SCHEMES:
         raise Dsv41Error(f"bad transport URL {url!r}: scheme must be one of {', '.join(SCHEMES)}")
     local = None
     if "@" in rest:
         rest, local = rest.split("@", 1)
+        if not local:
+            raise Dsv41Error(f"bad transport URL {url!r}: empty local address after '@'")
     host, port = _split_hostport(rest, url, need_port=True)
     lh, lp = (None, 0)
     if local is not None:
