@@ -130,6 +130,14 @@ def test_stream_token_ids_and_seeded_sampling(server):
     ({"prompt": "x", "seed": "a"}, 400, "seed"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream=true"),
     ([1, 2], 400, "JSON object"),
+    ({"prompt": "x", "temperature": 10 ** 400}, 400, "temperature"),  # beyond float range: was a 500
+    ({"prompt": "x", "max_tokens": 1.5}, 400, "max_tokens must be an integer"),
+    ({"prompt": "x", "max_tokens": 10 ** 30}, 400, "at most"),
+    ({"prompt": "x", "ignore_eos": 1}, 400, "ignore_eos must be a boolean"),
+    ({"prompt": "x", "return_token_ids": "yes"}, 400, "return_token_ids must be a boolean"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream must be a boolean"),
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "1"}}, 400, "include_usage"),
+    ({"prompt": [[5, 6], [7]]}, 400, "batched prompts"),
 ])
 def test_bad_requests_get_4xx_with_message(server, body, status, frag):
     raw = body if isinstance(body, str) else json.dumps(body)
@@ -230,6 +238,43 @@ def test_metrics(server):
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:spec_decode_num_drafts_total",
                  "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"):
         assert name in text
+
+
+def test_tiny_temperature_is_greedy_not_a_dead_engine(server):
+    """temperature 1e-320 made logits/temperature overflow -> NaN -> the engine thread died."""
+    greedy = post(server, "/v1/completions", {"prompt": "The cat ", "max_tokens": 6, "temperature": 0,
+                                              "return_token_ids": True}).json()
+    r = post(server, "/v1/completions", {"prompt": "The cat ", "max_tokens": 6, "temperature": 1e-320,
+                                         "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]
+    assert httpx.get(server["url"] + "/health").json() == {"status": "ok"}
+
+
+def test_pause_bad_input_is_400_openai_shaped(server):
+    for url, kw in [("/pause?timeout_s=abc", {}), ("/pause?timeout_s=-1", {}), ("/pause", {"json": [1]}),
+                    ("/pause", {"content": b"{bad", "headers": {"content-type": "application/json"}})]:
+        r = httpx.post(server["url"] + url, timeout=30, **kw)
+        assert r.status_code == 400, (url, r.text)
+        assert r.json()["error"]["type"] == "BadRequestError" and r.json()["error"]["message"]
+    assert httpx.get(server["url"] + "/is_paused").json() == {"is_paused": False}
+
+
+def test_non_stream_client_disconnect_aborts_request(server):
+    def aborted():
+        for line in httpx.get(server["url"] + "/metrics").text.splitlines():
+            if line.startswith("vllm:request_success_total") and 'finished_reason="abort"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    before = aborted()
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server["url"] + "/v1/completions", json={"prompt": "The dog ", "max_tokens": 900,
+                                                            "ignore_eos": True}, timeout=1.5)
+    t0 = time.monotonic()
+    while aborted() == before and time.monotonic() - t0 < 30:
+        time.sleep(0.2)
+    assert aborted() == before + 1  # the slot was freed, not held for 900 tokens
 
 
 def test_sigterm_drains_in_flight_stream(server):

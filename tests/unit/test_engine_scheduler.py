@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import socket
 import subprocess
 from types import SimpleNamespace
 
@@ -141,6 +143,11 @@ def test_cli_generate_identity_and_errors(assets, tmp_path):
           str(tmp_path / "none.safetensors")), "init-weights"),
         (("generate", "--prompt", "x", "--manifest", str(assets.manifest), "--config", str(LAB_CONFIG),
           "--weights", str(assets.weights), "--max-tokens", "-2"), "max_tokens"),
+        (("serve", "--manifest", str(assets.manifest), "--data", str(tmp_path / "nodata"), "--config",
+          str(assets.config), "--weights", str(assets.weights)), "is not a directory"),
+        (("init-weights", "--config", str(assets.config), "--out", str(tmp_path / "no" / "w.safetensors")),
+         "does not exist"),
+        (("init-weights", "--config", str(assets.config), "--out", str(tmp_path)), "is a directory"),
     ]
     for args, frag in bad:
         r = run_cli(*args)
@@ -160,3 +167,18 @@ def test_cli_init_weights(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     r = run_cli("init-weights", "--config", str(tmp_path / "bad.json"), "--out", str(tmp_path / "w2.safetensors"))
     assert r.returncode == 1 and "lacks keys" in r.stderr
+
+
+def test_cli_serve_port_in_use_is_one_line(assets):
+    """uvicorn sys.exit()s when it cannot bind; the CLI turns that into one error line, exit 1."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = subprocess.run([PY, "-m", "dsv41.cli", "engine", "serve", "--manifest", str(assets.manifest), "--data",
+                            str(assets.data), "--config", str(assets.config), "--weights", str(assets.weights),
+                            "--port", str(port)], capture_output=True, text=True, cwd=str(REPO), timeout=300,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.splitlines()[-1].startswith(f"dsv41: error: could not listen on 127.0.0.1:{port}"), r.stderr
+    assert "Traceback" not in r.stderr

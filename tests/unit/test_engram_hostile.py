@@ -86,7 +86,10 @@ def test_make_tables_refuses_foreign_files(capsys, tmp_path: Path) -> None:
 
 
 def test_make_tables_rerun_and_midway_failure_keep_a_valid_set(tmp_path: Path, monkeypatch) -> None:
+    stale = tmp_path / f".{tables.shard_names(2)[0]}.tmp99999"  # a killed run's leftover
+    stale.write_bytes(b"half a shard")
     p = tables.write_synthetic_tables(LAB, tmp_path, seed=1, rows_override=ROWS, chunk_size=1 << 16)
+    assert not stale.exists()
     old = p.read_bytes()
     # re-running over its own output is allowed (the lab role does) and reproduces it
     tables.write_synthetic_tables(LAB, tmp_path, seed=1, rows_override=ROWS, chunk_size=1 << 16)
@@ -225,6 +228,9 @@ def test_serve_never_deletes_a_foreign_ready_file(capsys, tdir: Path, tmp_path: 
         rc, _, err = run(capsys, "engram", "serve", "--manifest", tdir / "manifest.json",
                          "--listen", "tcp://127.0.0.1:0", "--metrics", "garbage")
         one_error(rc, err, "--metrics must be HOST:PORT")
+        rc, _, err = run(capsys, "engram", "serve", "--manifest", tdir / "manifest.json",
+                         "--listen", "tcp://127.0.0.1:0", "--drain-timeout", "1e20")
+        one_error(rc, err, "--drain-timeout must be in [0, 3600]")
     finally:
         busy.close()
 
@@ -237,3 +243,14 @@ def test_sweep_rank_without_columns_and_bad_seed(capsys, tdir: Path) -> None:
     rc, _, err = run(capsys, "engram", "sweep", "--manifest", tdir / "manifest.json", "--remote",
                      "tcp://127.0.0.1:1", "--rank", "0", "--seed", "-1")
     one_error(rc, err, "--seed must be in [0, 2^63)")
+
+
+def test_huge_timeouts_are_refused(capsys, tdir: Path) -> None:
+    """A 10^14 ms timeout used to overflow socket.settimeout (traceback)."""
+    from dsv41.engram.rowsource import parse_remote_env
+
+    rc, _, err = run(capsys, "engram", "sweep", "--manifest", tdir / "manifest.json", "--remote",
+                     "tcp://127.0.0.1:1", "--rank", "0", "--lookups", "10", "--timeout-ms", "99999999999999")
+    one_error(rc, err, "timeout_ms must be in (0, 600000]")
+    with pytest.raises(ConfigError, match=r"in \[1, 600000\]"):
+        parse_remote_env({"VLLM_ENGRAM_REMOTE": "tcp://h:1", "VLLM_ENGRAM_REMOTE_TIMEOUT_MS": "9" * 20}, 1)

@@ -91,8 +91,8 @@ def test_parse_url_errors(url: str, msg: str) -> None:
     [
         ({"VLLM_ENGRAM_REMOTE": "tcp://a:1"}, "names 1 URL.*tp is 2"),
         ({"VLLM_ENGRAM_REMOTE": "tcp://a:1,tcp://b:1,tcp://c:1"}, "names 3 URL"),
-        ({"VLLM_ENGRAM_REMOTE": "tcp://a:1,tcp://b:1", "VLLM_ENGRAM_REMOTE_TIMEOUT_MS": "0"}, "integer > 0"),
-        ({"VLLM_ENGRAM_REMOTE": "tcp://a:1,tcp://b:1", "VLLM_ENGRAM_REMOTE_TIMEOUT_MS": "1.5"}, "integer > 0"),
+        ({"VLLM_ENGRAM_REMOTE": "tcp://a:1,tcp://b:1", "VLLM_ENGRAM_REMOTE_TIMEOUT_MS": "0"}, r"integer in \[1, 600000\]"),
+        ({"VLLM_ENGRAM_REMOTE": "tcp://a:1,tcp://b:1", "VLLM_ENGRAM_REMOTE_TIMEOUT_MS": "1.5"}, r"integer in \[1, 600000\]"),
         ({"VLLM_ENGRAM_REMOTE": "tcp://a:1,tcp://b:1", "VLLM_ENGRAM_REMOTE_REQUIRED": "yes"}, "0 or 1"),
         ({"VLLM_ENGRAM_REMOTE_REQUIRED": "1"}, "VLLM_ENGRAM_REMOTE is empty"),
     ],

@@ -24,6 +24,8 @@ from dsv41.transport import protocol as P
 CHUNK_ROWS = 16384
 RECONNECT_MIN_S = 0.05
 RECONNECT_MAX_S = 2.0
+#: Largest per-request timeout accepted (10 minutes; ms).
+MAX_TIMEOUT_MS = 600_000
 
 
 class RemoteUnavailable(Dsv41Error):
@@ -62,6 +64,8 @@ def read_rows_remote(url: str, manifest: Any, layer_id: int, rows: Any, timeout_
     ``RowRangeError`` for ids outside the table, ``RemoteUnavailable`` when the server cannot be
     reached, refuses, or times out.
     """
+    if not 0 < timeout_ms <= MAX_TIMEOUT_MS:
+        raise Dsv41Error(f"timeout_ms must be in (0, {MAX_TIMEOUT_MS}], got {timeout_ms}")
     m = _manifest(manifest)
     entry = m.table(layer_id)
     r = _check_rows(rows, entry)
@@ -108,8 +112,8 @@ class RemoteRowSource:
             raise Dsv41Error(f"rank {rank!r} must be in [0, tp={tp!r})")
         if len(urls) not in (1, tp):
             raise Dsv41Error(f"{len(urls)} URLs for tp={tp}: give one per rank")
-        if timeout_ms <= 0:
-            raise Dsv41Error(f"timeout_ms must be > 0, got {timeout_ms}")
+        if not 0 < timeout_ms <= MAX_TIMEOUT_MS:  # beyond it poll()/settimeout() overflow
+            raise Dsv41Error(f"timeout_ms must be in (0, {MAX_TIMEOUT_MS}], got {timeout_ms}")
         self.url = urls[rank] if len(urls) == tp else urls[0]
         self.endpoint = parse_url(self.url)
         self.manifest = _manifest(manifest)

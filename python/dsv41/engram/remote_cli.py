@@ -35,6 +35,8 @@ def serve(
     from dsv41.engram.manifest import load_manifest
     from dsv41.engram.server import EngramServer, clear_stale_ready_file, write_ready_file
 
+    if not 0 <= drain_timeout <= 3600:  # checked now, not at SIGTERM (join() overflows on huge values)
+        raise Dsv41Error(f"--drain-timeout must be in [0, 3600] seconds, got {drain_timeout}")
     m = load_manifest(manifest)
     data_dir = data if data is not None else manifest.parent
     es = EngramServer(m, data_dir, list(listen or []), metrics)

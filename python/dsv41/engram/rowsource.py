@@ -122,8 +122,8 @@ def parse_remote_env(env: Mapping[str, str], tp: int) -> tuple[list[RemoteURL], 
         raise ConfigError(f"VLLM_ENGRAM_REMOTE_REQUIRED must be 0 or 1, got {rstr!r}")
     required = rstr == "1"
     if tstr:
-        if not tstr.isdigit() or int(tstr) <= 0:
-            raise ConfigError(f"VLLM_ENGRAM_REMOTE_TIMEOUT_MS must be an integer > 0, got {tstr!r}")
+        if not tstr.isdigit() or not 0 < int(tstr) <= 600_000:  # = client.MAX_TIMEOUT_MS
+            raise ConfigError(f"VLLM_ENGRAM_REMOTE_TIMEOUT_MS must be an integer in [1, 600000], got {tstr!r}")
         timeout_ms = int(tstr)
     else:
         timeout_ms = DEFAULT_TIMEOUT_MS

@@ -367,6 +367,12 @@ def write_synthetic_tables(cfg: Any, out_dir: str | os.PathLike, seed: int = 0, 
         raise Dsv41Error(f"{out}: the tables need {need} bytes ({need / 2**30:.1f} GiB), only {free} are free")
     tag = f".tmp{os.getpid()}"
     tmps = [out / f".{n}{tag}" for n in names]
+    for n in names:  # leftovers of a run that was killed (SIGKILL, power loss) before cleaning up
+        for stale in out.glob(f".{n}.tmp*"):
+            try:
+                stale.unlink()
+            except OSError:
+                pass
     files, tables = [], []
     try:
         for li, layer in enumerate(layout.layer_ids):
