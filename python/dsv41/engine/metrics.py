@@ -103,4 +103,5 @@ class EngineMetrics:
             R.register(_DrafterCollector(drafter_source))
 
     def finished(self, reason: str) -> None:
+        """Count one finished request under ``finished_reason=reason``."""
         self._success.labels(self.model_name, reason).inc()

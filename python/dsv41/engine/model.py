@@ -79,10 +79,12 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
+        """Per-head width: hidden_size / num_attention_heads."""
         return self.hidden_size // self.num_attention_heads
 
     @property
     def engram_dim(self) -> int:
+        """Engram row width in values: 24 columns x 256 = 6144 (docs/engram-spec.md)."""
         return ENGRAM_COLUMNS * ENGRAM_HEAD_DIM  # 6144
 
 
@@ -476,6 +478,7 @@ class TargetModel:
 
     # -- caches
     def new_cache(self, capacity: int) -> SeqCache:
+        """An empty KV cache for one sequence of at most ``capacity`` tokens (this rank's heads)."""
         return SeqCache(self.cfg.num_hidden_layers, self.local_heads, self.cfg.head_dim, capacity, self.device)
 
     # -- pieces

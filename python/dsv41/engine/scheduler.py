@@ -56,6 +56,7 @@ class Request:
 
     @property
     def prefilling(self) -> bool:
+        """True while prompt tokens remain to be fed into the KV cache."""
         return self.fed < len(self.prompt)
 
 
@@ -92,6 +93,7 @@ class Scheduler:
         self.lock = threading.Lock()
 
     def reservation(self, r: Request) -> int:
+        """KV tokens reserved for ``r`` at admission: prompt + max_tokens + spec depth + 1."""
         return len(r.prompt) + r.params.max_tokens + self.spec_depth + 1
 
     def check(self, prompt_len: int, max_tokens: int) -> None:
@@ -106,6 +108,7 @@ class Scheduler:
                                f"{self.kv_cache_tokens}, max_position_embeddings {self.max_model_len})")
 
     def add(self, r: Request) -> None:
+        """Append ``r`` to the waiting queue (any thread); ``RequestError`` when it can never run."""
         self.check(len(r.prompt), r.params.max_tokens)
         with self.lock:
             self.waiting.append(r)
@@ -116,6 +119,7 @@ class Scheduler:
             return len(self.running), len(self.waiting)
 
     def idle(self) -> bool:
+        """True when nothing is running or waiting."""
         with self.lock:
             return not self.running and not self.waiting
 

@@ -150,7 +150,14 @@ class ServerState:
 
 
 def create_app(engine, model_name: str, max_model_len: int, state: ServerState | None = None, metrics=None):
-    """Build the FastAPI app serving ``engine`` (an ``engine.Engine``) as ``model_name``."""
+    """Build the FastAPI app serving ``engine`` (an ``engine.Engine``) as ``model_name``.
+
+    Threads: handlers run on the event loop; ``engine`` calls each request's sink from its own
+    thread, which hands events to the handler's ``asyncio.Queue`` with ``call_soon_threadsafe``.
+    Admission (``_admission``) and ``engine.submit`` run with no ``await`` between them, so a
+    ``/pause`` can never slip in between the check and the submit. A client that goes away
+    (streaming or not) has its request aborted, freeing its slot and KV reservation.
+    """
     tok = ByteTokenizer()
     st = state or ServerState()
     app = FastAPI(title="dsv41 lab engine", docs_url=None, redoc_url=None, openapi_url=None)
@@ -314,8 +321,9 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
                         continue
                     finished = True
                     if ev["reason"] == "error":
-                        err = {"error": {"message": ev.get("error", "engine failed"), "type": "ServiceUnavailableError",
-                                         "param": None, "code": 503}}
+                        code, etype = (503, "ServiceUnavailableError") if engine.fatal else (500, "InternalServerError")
+                        err = {"error": {"message": ev.get("error", "engine failed"), "type": etype,
+                                         "param": None, "code": code}}
                         yield f"data: {json.dumps(err)}\n\n"
                         break
                     tail = dec.feed([], final=True)
@@ -332,25 +340,30 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        """OpenAI completions (see module doc for the fields honoured)."""
         return await _run(request, await _body(request), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        """OpenAI chat completions over the lab chat template (``ByteTokenizer.chat_prompt``)."""
         return await _run(request, await _body(request), chat=True)
 
     @app.get("/v1/models")
     async def models():
+        """The one served model (readiness probe of the playbooks and the harness)."""
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "dsv41",
                                             "root": model_name, "max_model_len": max_model_len}]}
 
     @app.get("/health")
     async def health():
+        """200 ``{"status": "ok"}``, or 503 with the error once the engine has failed."""
         if engine.fatal:
             return JSONResponse(status_code=503, content={"status": "failed", "error": engine.fatal})
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics_ep():
+        """Prometheus text (names in ``dsv41.engine.metrics``)."""
         if metrics is None:
             raise ApiError(404, "metrics are not enabled", etype="NotFoundError")
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -390,11 +403,13 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
 
     @app.post("/resume")
     async def resume():
+        """Admit requests again (idempotent)."""
         st.paused = False
         return {"paused": False}
 
     @app.get("/is_paused")
     async def is_paused():
+        """``{"is_paused": bool}`` (vLLM's dev-mode endpoint shape)."""
         return {"is_paused": st.paused}
 
     return app

@@ -60,11 +60,19 @@ class DraftProposal:
 class Speculator(Protocol):
     """What the engine holds when speculation is on (implemented in ``dsv41.drafter``)."""
 
-    def propose(self, batch: list[DraftInput]) -> list[DraftProposal]: ...
+    def propose(self, batch: list[DraftInput]) -> list[DraftProposal]:
+        """One proposal per input, same order (engine thread, once per step). Raising, or a list
+        of the wrong length, or a malformed proposal costs that round only (no drafts)."""
+        ...
 
-    def counters(self) -> dict: ...
+    def counters(self) -> dict:
+        """Numeric counters shown in ``/metrics`` as ``dsv41_drafter_<key>`` (read at scrape,
+        from the HTTP thread: must not block on the drafter)."""
+        ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the drafter's resources (engine shutdown); must not raise."""
+        ...
 
 
 def draft_depth(env=os.environ) -> int:
@@ -117,6 +125,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """True when decoding is argmax (``temperature < SAMPLING_EPS``)."""
         return self.temperature < SAMPLING_EPS
 
 

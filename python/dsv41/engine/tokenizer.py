@@ -73,19 +73,23 @@ class ByteTokenizer:
     bos_id, eos_id, pad_id, sep_id = BOS, EOS, PAD, SEP
 
     def encode(self, text: str, bos: bool = False) -> list[int]:
+        """UTF-8 bytes of ``text`` as ids (byte b -> b + 4), with a leading BOS when ``bos``."""
         ids = [b + BYTE_OFFSET for b in text.encode("utf-8")]
         return [BOS] + ids if bos else ids
 
     def check_ids(self, ids: list[int]) -> None:
+        """``Dsv41Error`` unless every id is a (non-bool) int in ``[0, VOCAB_SIZE)``."""
         for t in ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < VOCAB_SIZE:
                 raise Dsv41Error(f"token id {t!r} is outside the vocabulary [0, {VOCAB_SIZE})")
 
     def to_bytes(self, ids: list[int]) -> bytes:
+        """The raw bytes of ``ids`` (special ids dropped); ``Dsv41Error`` on ids outside the vocabulary."""
         self.check_ids(ids)
         return bytes(t - BYTE_OFFSET for t in ids if t >= BYTE_OFFSET)
 
     def decode(self, ids: list[int]) -> str:
+        """Text of ``ids``: specials dropped, invalid UTF-8 replaced with U+FFFD."""
         return self.to_bytes(ids).decode("utf-8", errors="replace")
 
     def incremental(self) -> "IncrementalDecoder":
@@ -125,4 +129,6 @@ class IncrementalDecoder:
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, ids: list[int], final: bool = False) -> str:
+        """Text completed by ``ids`` (a split character waits for its next bytes; ``final``
+        flushes it as U+FFFD)."""
         return self._dec.decode(self._tok.to_bytes(ids), final=final)

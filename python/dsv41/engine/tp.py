@@ -32,9 +32,11 @@ class LocalComm:
     tp = 1
 
     def sum_shards(self, parts):
+        """Sum of this rank's partial tensors in a fixed order (bit-identical to TP2's sum)."""
         return ordered_sum(parts)
 
     def gather_cols(self, local):
+        """All ranks' column slices concatenated on dim 1: at TP1 ``local`` is already whole."""
         return local
 
 
@@ -55,6 +57,7 @@ class DistComm:
 
     @classmethod
     def init(cls, rank: int, tp: int, master: str, device: str = "cpu", timeout_s: float = 600.0) -> "DistComm":
+        """Join the TP group (gloo on CPU, NCCL + a gloo control group on CUDA); see class doc."""
         import torch
         import torch.distributed as dist
 
@@ -84,6 +87,8 @@ class DistComm:
                            f"during {what}: {detail}") from None
 
     def sum_shards(self, parts):
+        """All-gather every rank's partials (list of equal-shape tensors) and sum them in rank
+        order (``ordered_sum``), so TP2 adds in the same order as TP1; ``PeerLost`` on failure."""
         import torch
         import torch.distributed as dist
 
@@ -93,6 +98,8 @@ class DistComm:
         return ordered_sum([p for b in bufs for p in b.unbind(0)])
 
     def gather_cols(self, local):
+        """``[N, C/tp]`` on each rank -> ``[N, C]`` in rank order (vLLM column convention);
+        ``PeerLost`` on failure."""
         import torch
         import torch.distributed as dist
 
@@ -118,6 +125,7 @@ class DistComm:
         return out
 
     def close(self) -> None:
+        """Destroy the process group (best effort: never raises)."""
         import torch.distributed as dist
 
         try:
