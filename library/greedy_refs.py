@@ -182,7 +182,7 @@ def main():
             endpoint=dict(type="str", required=True),
             path=dict(type="path", required=True),
             mode=dict(type="str", default="auto", choices=["auto", "record", "verify"]),
-            max_tokens=dict(type="int", default=16),
+            max_tokens=dict(type="int", default=16, no_log=False),  # a token count, not a secret
             timeout=dict(type="float", default=120.0),
             metrics_url=dict(type="str"),
             metrics_prefix=dict(type="str", default="dsv41_engram_"),

@@ -12,7 +12,7 @@ description:
     C(nsenter --target PID --mount --net --uts --ipc --pid --).
   - The holder PID is read from O(pidfile) at every command, so a lab brought up earlier in the
     same run is found, and a lab that is down fails with one clear message.
-  - Files travel through the shared remote tmp dir, so O(remote_tmp) must not lie under a
+  - Files travel through the shared remote tmp dir, so C(remote_tmp) must not lie under a
     per-host bind mount (/opt/dsv41, /etc/dsv41, /run/dsv41).
 options:
   pidfile:

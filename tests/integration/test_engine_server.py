@@ -130,6 +130,7 @@ def test_stream_token_ids_and_seeded_sampling(server):
     ({"prompt": "x", "seed": "a"}, 400, "seed"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream=true"),
     ([1, 2], 400, "JSON object"),
+    ('{"prompt": ' + "[" * 100000 + "]" * 100000 + "}", 400, "nested too deeply"),  # was a text 500
     ({"prompt": "x", "temperature": 10 ** 400}, 400, "temperature"),  # beyond float range: was a 500
     ({"prompt": "x", "max_tokens": 1.5}, 400, "max_tokens must be an integer"),
     ({"prompt": "x", "max_tokens": 10 ** 30}, 400, "at most"),

@@ -34,6 +34,6 @@ def test_molecule_default_scenario():
                        capture_output=True, text=True, timeout=900)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-6000:]
-    # idempotence ran and passed; the fault test's redeploy restored remote lookups
-    assert "Idempotence completed successfully" in out or "idempotence" in out.lower()
-    assert "6/6 identical" in out
+    # molecule fails on a changed task in the idempotence step (rc above); the converge and the
+    # fault test's redeploy both ended with the greedy references verified
+    assert out.count("6/6 identical") >= 2, out[-6000:]

@@ -45,6 +45,20 @@ def test_serve_refuses_bad_arguments(ddir, capsys):
                                    "--cuda-graphs"])
     assert "exl3" in _err(capsys, ["drafter", "serve", "--listen", "tcp://127.0.0.1:0", "--drafter", ddir,
                                    "--backend", "exl3"])
+    assert "expected cpu, cuda or cuda:N" in _err(capsys, ["drafter", "serve", "--listen", "tcp://127.0.0.1:0",
+                                                            "--drafter", ddir, "--device", "tpu"])
+    assert "--ready-file" in _err(capsys, ["drafter", "serve", "--listen", "tcp://127.0.0.1:0", "--drafter", ddir,
+                                           "--ready-file", "/nonexistent-dsv41/dir/f"])
+    import socket
+
+    with socket.socket() as busy:  # a port in use: one line, nothing left listening
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert "cannot listen" in _err(capsys, ["drafter", "serve", "--listen", f"tcp://127.0.0.1:{port}",
+                                                "--drafter", ddir])
+        assert "cannot listen" in _err(capsys, ["drafter", "serve", "--listen", "tcp://127.0.0.1:0", "--drafter",
+                                                ddir, "--metrics", f"127.0.0.1:{port}"])
 
 
 def test_train_refuses_missing_inputs(tmp_path, capsys):
@@ -65,6 +79,9 @@ def test_proxy_self_test_and_errors_torch_free():
     r = subprocess.run([sys.executable, "-c", code, "run", "--shm", "dsv41-no-such-ring", "--remote",
                         "tcp://127.0.0.1:1"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and r.stderr.strip() == "dsv41: error: drafter ring: shared memory 'dsv41-no-such-ring' does not exist"
+    r = subprocess.run([sys.executable, "-c", code, "run", "--shm", "", "--remote", "tcp://127.0.0.1:1"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stderr.startswith("dsv41: error: drafter ring:") and "Traceback" not in r.stderr
     r = subprocess.run([sys.executable, "-c", code, "run", "--shm", "x", "--remote", "http://h:1"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "tcp://" in r.stderr and "Traceback" not in r.stderr

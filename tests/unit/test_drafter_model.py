@@ -102,3 +102,16 @@ def test_bad_inputs_and_files(tmp_path, ddir):
         M.load_model(tmp_path / "y")
     with pytest.raises(ConfigError, match="positive"):
         M.DrafterConfig(vocab_size=0, hidden_size=4).validate()
+    for mutate, msg in [(lambda c: c.pop("vocab_size"), "missing vocab_size"),
+                        (lambda c: c.update(max_k=True), "max_k"),
+                        (lambda c: c.update(max_k=10**9), "max_k"),
+                        (lambda c: c.update(tap_layer=-1), "tap_layer"),
+                        (lambda c: c.update(rms_norm_eps="x"), "rms_norm_eps"),
+                        (lambda c: c.update(target_identity="Z" * 64), "target_identity")]:
+        c = json.loads((ddir / M.CONFIG_NAME).read_text())
+        mutate(c)
+        (tmp_path / "y" / M.CONFIG_NAME).write_text(json.dumps(c))
+        with pytest.raises(ConfigError, match=msg):
+            M.load_config(tmp_path / "y")
+    with pytest.raises(Dsv41Error, match="expected cpu, cuda or cuda:N"):
+        M.TorchDrafter(ddir, device="tpu")

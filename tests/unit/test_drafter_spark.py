@@ -14,6 +14,7 @@ import torch
 from dsv41.drafter import spark as S
 from dsv41.drafter.model import TorchDrafter, identities, random_drafter
 from dsv41.drafter.protocol import RoundItem
+from dsv41.drafter.shm import SlotState
 from dsv41.drafter.worker import DrafterWorker
 from dsv41.engine.spec import DraftInput
 from dsv41.errors import ConfigError
@@ -195,9 +196,8 @@ def test_async_stuck_proxy_detected(ddir, worker):
     spec = S.AsyncSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=2000, watchdog_ms=300,
                              respawns=0, window_s=60, max_context=4)
     try:
-        t0 = time.monotonic()
-        while spec.ring.proxy_heartbeat == 0 and time.monotonic() - t0 < 20:
-            time.sleep(0.01)
+        assert spec.wait_ready(20)  # connected: idle, beating every loop (no promise ahead)
+        time.sleep(0.05)
         os.kill(spec.proxy_pid, signal.SIGSTOP)  # alive but frozen: only the heartbeat shows it
         time.sleep(0.5)
         assert spec.propose(_inputs(1))[0].tokens.size == 0
@@ -237,6 +237,8 @@ def test_env_contract(ddir, worker, monkeypatch):
         ({"DSV41_DRAFTER_REMOTE": _url(worker)}, "DSV41_DRAFTER_DIR"),
         ({**env, "DSV41_DRAFTER_LOCAL": ddir}, "only one"),
         ({**env, "DSV41_DRAFTER_K": "x"}, "integer"),
+        ({**env, "DSV41_DRAFTER_K": "-1"}, "DSV41_DRAFTER_K"),
+        ({**env, "DSV41_DRAFTER_K": str(1 << 40)}, "DSV41_DRAFTER_K"),
         ({**env, "DSV41_DRAFTER_TIMEOUT_MS": "0"}, "TIMEOUT_MS"),
         ({**env, "DSV41_DRAFTER_ASYNC": "maybe"}, "0 or 1"),
         ({**env, "DSV41_DRAFTER_ASYNC": "1", "DSV41_DRAFTER_SHADOW": "1"}, "synchronous"),
@@ -264,3 +266,141 @@ def test_capacity_mode():
                    ({**on, "DSV41_DRAFTER_LOCAL": "/x"}, "frees no memory")]:
         with pytest.raises(ConfigError, match=msg):
             S.kv_budget_extra_tokens(e)
+
+
+def _shm_path(name: str) -> str:
+    return "/dev/shm/" + name.lstrip("/")
+
+
+def test_async_garbage_in_ring_replaces_proxy_and_fails_closed(ddir, worker):
+    import struct
+
+    spec = S.AsyncSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=2000, respawns=1, window_s=60,
+                             max_context=4)
+    try:
+        batch = _inputs(1)
+        spec.propose(batch)  # submits a round
+        slot = spec._inflight[0]
+        old_ring, old_pid = spec.ring.name, spec.proxy_pid
+        struct.pack_into("<I", spec.ring.buf, 512 + slot * spec.ring.stride, 0xBAD)  # garbage state word
+        assert spec.propose(batch)[0].tokens.size == 0  # no exception, no drafts
+        c = spec.counters()
+        assert c["watchdog_fires"] == 1 and c["proxy_respawns"] == 1 and c["fail_closed_rounds"] >= 1
+        assert spec.proxy_pid != old_pid and not os.path.exists(_shm_path(old_ring))
+        struct.pack_into("<I", spec.ring.buf, 20, 0xBAD)  # garbage proxy state: a scrape still works
+        assert spec.counters()["proxy_state"] in (-1, 0, 1, 2, 3, 4)
+    finally:
+        spec.close()
+
+
+def test_no_shm_left_after_normal_close_or_engine_kill(ddir, worker):
+    spec = S.AsyncSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=2000, max_context=4)
+    name, pid = spec.ring.name, spec.proxy_pid
+    assert spec.wait_ready(20)
+    spec.close()
+    assert not os.path.exists(_shm_path(name))
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    # an engine killed with SIGKILL: its orphaned proxy notices and unlinks the ring itself
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from dsv41.drafter.spark import AsyncSpeculator; "
+            "s = AsyncSpeculator(sys.argv[1], {}, nap_us=50); "
+            "print(s.ring.name, s.proxy_pid, flush=True); time.sleep(60)")
+    eng = subprocess.Popen([sys.executable, "-c", code, _url(worker)], stdout=subprocess.PIPE, text=True,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        name, ppid = eng.stdout.readline().split()
+        assert os.path.exists(_shm_path(name))
+    finally:
+        eng.kill()
+        eng.wait(10)
+    t0 = time.monotonic()
+    while os.path.exists(_shm_path(name)) and time.monotonic() - t0 < 15:
+        time.sleep(0.05)
+    assert not os.path.exists(_shm_path(name))
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 10:
+        try:
+            os.kill(int(ppid), 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(int(ppid), signal.SIGKILL)
+        raise AssertionError("orphaned proxy still running 10 s after its engine died")
+
+
+def test_async_proxy_that_cannot_start_leaks_nothing(ddir, worker, monkeypatch):
+    from dsv41.drafter import shm
+    from dsv41.errors import Dsv41Error
+
+    made = []
+    real = shm.Ring.create.__func__
+    monkeypatch.setattr(shm.Ring, "create", classmethod(lambda cls, *a: made.append(real(cls, *a)) or made[-1]))
+    with pytest.raises(Dsv41Error, match="cannot start"):
+        S.AsyncSpeculator(_url(worker), _expected(ddir), proxy_cmd=["/nonexistent-dsv41-python"])
+    assert made and not os.path.exists(_shm_path(made[-1].name))
+    # a respawn that fails keeps the engine decoding (no drafts) and leaves nothing behind
+    spec = S.AsyncSpeculator(_url(worker), _expected(ddir), k=5, respawns=2, max_context=4)
+    try:
+        spec.proxy_cmd = ["/nonexistent-dsv41-python"]
+        os.kill(spec.proxy_pid, signal.SIGKILL)
+        spec.proc.wait(5)
+        assert spec.propose(_inputs(1))[0].tokens.size == 0
+        c = spec.counters()
+        assert c["proxy_up"] == 0 and c["proxy_gave_up"] == 1 and spec.ring is None
+        assert not os.path.exists(_shm_path(made[-1].name))
+    finally:
+        spec.close()
+
+
+def test_async_round_never_readable_replaces_proxy(ddir, worker):
+    now = [1000.0]
+    spec = S.AsyncSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=50, watchdog_ms=5000, respawns=1,
+                             max_context=4, clock=lambda: now[0])
+    try:
+        assert spec.wait_ready(20)
+        batch = _inputs(1)
+        spec.propose(batch)
+        slot = spec._inflight[0]
+        t0 = time.monotonic()
+        while spec.ring.slot_state(slot) != SlotState.REPLY and time.monotonic() - t0 < 10:
+            time.sleep(0.005)
+        d0 = 512 + slot * spec.ring.stride + 32
+        spec.ring.buf[d0] ^= 0xFF  # the reply's CRC never matches: unreadable forever
+        pid = spec.proxy_pid
+        assert spec.propose(batch)[0].tokens.size == 0 and spec._inflight is not None  # not yet
+        now[0] += spec._inflight_limit_s + 1
+        assert spec.propose(batch)[0].tokens.size == 0
+        c = spec.counters()
+        assert c["watchdog_fires"] == 1 and c["proxy_respawns"] == 1 and spec.proxy_pid != pid
+        assert spec.wait_ready(20)  # and drafting resumes with the fresh proxy
+        spec.propose(batch)
+        _wait_reply(spec)
+        assert spec.counters()["rounds"] >= 1
+    finally:
+        spec.close()
+
+
+def test_async_round_longer_than_watchdog_is_not_a_hang(ddir):
+    """A proxy blocked in a round (worker slower than the watchdog period, within the round
+    timeout) announces when it will be back; the watchdog must not kill it."""
+    slow = DrafterWorker(TorchDrafter(ddir), target_identity=TARGET, delay_ms=500)
+    slow.start()
+    spec = S.AsyncSpeculator(_url(slow), _expected(ddir), k=5, timeout_ms=1500, watchdog_ms=150, respawns=3,
+                             max_context=4)
+    try:
+        assert spec.wait_ready(20)
+        batch = _inputs(1)
+        spec.propose(batch)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.5:
+            spec.propose(batch)  # the engine keeps stepping while rounds are out
+            time.sleep(0.02)
+        c = spec.counters()
+        assert c["watchdog_fires"] == 0 and c["rounds"] >= 1 and c["timeouts"] == 0
+    finally:
+        spec.close()
+        slow.stop()

@@ -186,3 +186,150 @@ def test_concurrent_clients(worker):
     for t in ts:
         t.join()
     assert not errs
+
+
+# ---------------------------------------------------------------------------------- hostile peers
+
+
+@pytest.fixture()
+def tight(ddir):
+    """A worker with short hello/frame timeouts and room for 3 connections."""
+    w = DrafterWorker(TorchDrafter(ddir, max_batch=8), target_identity=TARGET, max_connections=3,
+                      hello_timeout_s=0.4, frame_timeout_s=0.4)
+    w.start()
+    yield w
+    w.stop()
+
+
+def _hello(s):
+    P.send_frame(s, P.Msg.HELLO_REQ, P.HelloRequest(TARGET).encode())
+    assert P.read_frame(s)[0].msg == P.Msg.HELLO
+
+
+def _closed_after_error(s, status):
+    head, _ = P.read_frame(s)
+    assert head.msg == P.Msg.ERROR and head.status == status
+    try:  # and the worker closed the connection (a reset when our unread bytes were pending)
+        assert s.recv(1) == b""
+    except ConnectionResetError:
+        pass
+
+
+def test_silent_and_slowloris_clients_do_not_block_others(tight):
+    silent = socket.create_connection(tight.address, timeout=5)  # connects, never says a word
+    slow = socket.create_connection(tight.address, timeout=5)
+    _hello(slow)
+    frame = P.pack_frame(P.Msg.ROUND, _round(1).encode(), round_id=3)
+    slow.sendall(frame[:40])  # header + a few payload bytes, then nothing
+    c = DrafterClient(_url(tight), _expected(tight), timeout_ms=3000)  # served meanwhile
+    assert len(c.round(_round(2)).tokens) == 2
+    c.close()
+    _closed_after_error(silent, P.Status.TIMEOUT)
+    _closed_after_error(slow, P.Status.TIMEOUT)
+    silent.close()
+    slow.close()
+
+
+def test_greeted_idle_client_is_not_timed_out(tight):
+    c = DrafterClient(_url(tight), _expected(tight), timeout_ms=3000)
+    c.connect()
+    threading.Event().wait(0.6)  # longer than the frame timeout: idling between rounds is fine
+    assert len(c.round(_round(1)).tokens) == 1
+    c.close()
+
+
+def test_length_fields_never_allocate(tight):
+    import tracemalloc
+
+    with socket.create_connection(tight.address, timeout=5) as s:  # before hello: 1 MiB is too much
+        head = bytearray(P.pack_frame(P.Msg.HELLO_REQ, b""))
+        head[20:24] = (1 << 20).to_bytes(4, "little")
+        s.sendall(bytes(head))
+        _closed_after_error(s, P.Status.BAD_LENGTH)
+    with socket.create_connection(tight.address, timeout=5) as s:  # 2^31: over MAX_PAYLOAD
+        _hello(s)
+        head = bytearray(P.pack_frame(P.Msg.ROUND, b""))
+        head[20:24] = (1 << 31).to_bytes(4, "little")
+        s.sendall(bytes(head))
+        _closed_after_error(s, P.Status.BAD_LENGTH)
+    tracemalloc.start()
+    try:
+        with socket.create_connection(tight.address, timeout=5) as s:  # 60 MiB announced, 100 B sent
+            _hello(s)
+            head = bytearray(P.pack_frame(P.Msg.ROUND, b""))
+            head[20:24] = (60 << 20).to_bytes(4, "little")
+            s.sendall(bytes(head) + b"\0" * 100)
+            _closed_after_error(s, P.Status.TIMEOUT)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < (8 << 20), f"worker allocated {peak} B for a 100 B payload"
+
+
+def test_wrong_version_and_connection_limit(tight):
+    with socket.create_connection(tight.address, timeout=5) as s:
+        frame = bytearray(P.pack_frame(P.Msg.HELLO_REQ, P.HelloRequest(TARGET).encode()))
+        frame[4:6] = (P.VERSION + 1).to_bytes(2, "little")
+        s.sendall(bytes(frame))
+        _closed_after_error(s, P.Status.BAD_VERSION)
+    held = [socket.create_connection(tight.address, timeout=5) for _ in range(3)]
+    for s in held:
+        _hello(s)
+    with socket.create_connection(tight.address, timeout=5) as extra:
+        _closed_after_error(extra, P.Status.LIMIT)
+    for s in held:
+        s.close()
+    c = DrafterClient(_url(tight), _expected(tight), timeout_ms=3000, reconnect_s=0.0)
+    for _ in range(50):  # the worker notices the closed sockets asynchronously
+        try:
+            c.connect()
+            break
+        except DrafterUnavailable:
+            threading.Event().wait(0.02)
+    assert len(c.round(_round(1)).tokens) == 1
+    assert tight.metrics.refusals.labels("limit")._value.get() >= 1
+    c.close()
+
+
+def test_client_hello_bounded_against_a_trickling_or_bloated_worker():
+    import time
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    stop = threading.Event()
+
+    def fake_worker(mode):
+        conn, _ = srv.accept()
+        with conn:
+            P.read_frame(conn)
+            if mode == "bloated":  # announces a 60 MiB HELLO
+                head = bytearray(P.pack_frame(P.Msg.HELLO, b""))
+                head[20:24] = (60 << 20).to_bytes(4, "little")
+                conn.sendall(bytes(head))
+            else:  # a valid HELLO header, then one byte every 50 ms
+                frame = P.pack_frame(P.Msg.HELLO, b"\0" * 200)
+                for b in frame:
+                    if stop.wait(0.05):
+                        break
+                    try:
+                        conn.sendall(bytes([b]))
+                    except OSError:
+                        break
+            stop.wait(5)
+
+    url = f"tcp://127.0.0.1:{srv.getsockname()[1]}"
+    try:
+        for mode, msg in (("bloated", "BAD_LENGTH"), ("trickle", "timed out|before the deadline")):
+            t = threading.Thread(target=fake_worker, args=(mode,), daemon=True)
+            t.start()
+            c = DrafterClient(url, {}, connect_timeout_ms=300)
+            t0 = time.monotonic()
+            with pytest.raises(DrafterUnavailable, match=msg):
+                c.connect(force=True)
+            assert time.monotonic() - t0 < 2.0
+            stop.set()
+            t.join(5)
+            stop.clear()
+    finally:
+        srv.close()

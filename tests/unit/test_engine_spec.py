@@ -47,7 +47,7 @@ class OracleSpeculator:
     """Proposes the target's own greedy continuation (all drafts should be accepted)."""
 
     def __init__(self, ref, wrong=False):
-        self.ref, self.wrong, self.calls, self.inputs = ref, wrong, 0, []
+        self.ref, self.wrong, self.calls, self.inputs, self.sampling = ref, wrong, 0, [], []
 
     def propose(self, batch):
         self.calls += 1
@@ -61,6 +61,7 @@ class OracleSpeculator:
             if self.wrong:
                 toks = (toks + 1) % 260
             self.inputs.append((d.request_id, len(ids), d.hidden.shape, d.depth))
+            self.sampling.append((d.temperature, d.seed))
             top = np.zeros((len(toks), 32), dtype=np.int64)
             top[:, 0] = toks
             pr = np.zeros((len(toks), 32), dtype=np.float32)
@@ -202,6 +203,7 @@ def test_greedy_identical_with_and_without_speculation(assets, reference):
     assert m.spec_accepted._value.get() == m.spec_draft_tokens._value.get() > 0
     assert max(max(r[2]) for r in res) == 5  # 4 accepted + bonus in one step
     rid, L, hshape, depth = oracle.inputs[0]
+    assert set(t for t, _ in oracle.sampling) == {0.0}  # greedy requests: temperature 0
     assert hshape == (128,) and 1 <= depth <= 4
 
     wrong = OracleSpeculator(reference, wrong=True)
@@ -222,9 +224,12 @@ def test_sampling_seeded_per_request(assets, reference):
     c = run_all(make_engine(assets), [(ids, p2)])
     assert c[0][0] != a[0][0]
     # sampled verification with an (arbitrary) drafter is reproducible per seed too
-    s1 = run_all(make_engine(assets, OracleSpeculator(reference), 2), [(ids, p1)])
+    o1 = OracleSpeculator(reference)
+    s1 = run_all(make_engine(assets, o1, 2), [(ids, p1)])
     s2 = run_all(make_engine(assets, OracleSpeculator(reference), 2), [(ids, p1)])
     assert s1[0][0] == s2[0][0] and len(s1[0][0]) == 20
+    # the drafter is told the request's temperature and seed (it must sample drafts from q)
+    assert o1.sampling and set(o1.sampling) == {(1.0, 123)}
 
 
 class BrokenSpeculator(OracleSpeculator):

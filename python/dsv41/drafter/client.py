@@ -115,7 +115,9 @@ class DrafterClient:
         try:
             sock.settimeout(self.connect_timeout_s)
             P.send_frame(sock, P.Msg.HELLO_REQ, P.HelloRequest(self.expected["target"], self.client_name).encode())
-            head, payload = P.read_frame(sock)
+            # a worker that trickles or announces a huge hello cannot hold or bloat the client
+            head, payload = P.read_frame(sock, deadline=time.monotonic() + self.connect_timeout_s,
+                                         max_length=P.MAX_HELLO_PAYLOAD)
             if head.msg == P.Msg.ERROR:
                 msg = payload.decode("utf-8", "replace")
                 if head.status == P.Status.IDENTITY_MISMATCH:

@@ -26,6 +26,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -66,24 +67,36 @@ class DrafterConfig:
         """Raise :class:`ConfigError` on an inconsistent configuration."""
         for name in ("vocab_size", "hidden_size", "d_model", "n_layers", "n_ctx", "markov_rank", "max_k", "top_n"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"drafter config: {name} must be a positive integer, got {v!r}")
         if self.top_n > self.vocab_size:
             raise ConfigError(f"drafter config: top_n {self.top_n} > vocab_size {self.vocab_size}")
         if self.max_k > 64:
             raise ConfigError(f"drafter config: max_k {self.max_k} > 64")
-        if self.target_identity and len(self.target_identity) != 64:
-            raise ConfigError("drafter config: target_identity must be a hex sha256")
+        for name in ("tap_layer", "hidden_offset"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"drafter config: {name} must be a non-negative integer, got {v!r}")
+        if not isinstance(self.rms_norm_eps, (int, float)) or not 0 < float(self.rms_norm_eps) < 1:
+            raise ConfigError(f"drafter config: rms_norm_eps must be in (0, 1), got {self.rms_norm_eps!r}")
+        if self.target_identity and (not isinstance(self.target_identity, str) or len(self.target_identity) != 64
+                                     or any(c not in "0123456789abcdef" for c in self.target_identity)):
+            raise ConfigError("drafter config: target_identity must be a lowercase hex sha256")
 
     def to_json(self) -> str:
+        """Canonical JSON text (sorted keys; what the drafter identity hashes)."""
         d = {"format": FORMAT, "version": 1, **asdict(self)}
         return json.dumps(d, sort_keys=True, indent=1)
 
     @classmethod
     def from_dict(cls, d: dict) -> DrafterConfig:
+        """Build and validate from a parsed ``drafter.json``; :class:`ConfigError` otherwise."""
         if d.get("format") != FORMAT:
             raise ConfigError(f"drafter config: format {d.get('format')!r} != {FORMAT!r}")
         known = {f for f in cls.__dataclass_fields__}
+        missing = [k for k in ("vocab_size", "hidden_size") if k not in d]
+        if missing:
+            raise ConfigError(f"drafter config: missing {', '.join(missing)}")
         try:
             cfg = cls(**{k: v for k, v in d.items() if k in known})
         except TypeError as exc:
@@ -352,6 +365,8 @@ class TorchDrafter:
                  max_batch: int = 64) -> None:
         torch = _torch()
         self.torch = torch
+        if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+            raise Dsv41Error(f"drafter: device {device!r}: expected cpu, cuda or cuda:N")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise Dsv41Error("drafter: --device cuda requested but CUDA is not available")
         self.cfg, self.model = load_model(drafter_dir, device)

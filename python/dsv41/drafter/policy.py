@@ -91,6 +91,8 @@ class RespawnBudget:
         self.exhausted = False
 
     def allow(self, now: float) -> bool:
+        """Record a respawn at ``now`` (seconds, any monotonic clock) and return True while
+        fewer than ``n`` happened in the last ``window_s``; the first refusal is final."""
         if self.exhausted:
             return False
         self.times = [t for t in self.times if now - t < self.window_s]

@@ -44,6 +44,7 @@ from __future__ import annotations
 import enum
 import socket
 import struct
+import time
 import zlib
 from dataclasses import dataclass, field
 
@@ -63,6 +64,9 @@ MAX_ID_LEN = 256
 MAX_ITEMS = 1024
 MAX_TOKENS_PER_ITEM = 1 << 20
 MAX_DEPTH = 64
+#: Largest HELLO_REQ / HELLO / hello-time ERROR payload (two 1 KiB strings plus the fixed
+#: fields fit with room to spare); a peer that has not said hello cannot make us read more.
+MAX_HELLO_PAYLOAD = 8192
 
 _ROUND_HEAD = struct.Struct("<III")
 _ITEM_HEAD = struct.Struct("<HHIfQQ")
@@ -180,27 +184,48 @@ def decode_frame(buf: bytes) -> tuple[Header, bytes]:
 # socket helpers
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    """Read exactly ``n`` bytes; raises ConnectionError on EOF, socket.timeout on timeout."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        r = sock.recv_into(view[got:], n - got)
-        if r == 0:
+#: Payload bytes read per ``recv`` call: the receive buffer grows with the bytes that actually
+#: arrived, so a header that announces a large payload costs no memory until it is sent.
+_RECV_CHUNK = 1 << 20
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """Read exactly ``n`` bytes, growing the buffer as data arrives (never ``n`` up front).
+
+    ``deadline`` (``time.monotonic()`` seconds): the whole read must finish by then, so a peer
+    that trickles bytes (slowloris) cannot hold the reader; None = the socket's own timeout per
+    ``recv``. Raises ConnectionError on EOF, ``socket.timeout`` on timeout.
+    """
+    buf = bytearray()
+    while len(buf) < n:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise socket.timeout(f"{len(buf)} of {n} B received before the deadline")
+            sock.settimeout(remaining)
+        chunk = sock.recv(min(n - len(buf), _RECV_CHUNK))
+        if not chunk:
             raise ConnectionError("peer closed the connection")
-        got += r
+        buf += chunk
     return bytes(buf)
 
 
-def read_frame(sock: socket.socket) -> tuple[Header, bytes]:
-    """Read one frame from a blocking socket (respecting its timeout).
+def read_frame(sock: socket.socket, *, deadline: float | None = None,
+               max_length: int = MAX_PAYLOAD) -> tuple[Header, bytes]:
+    """Read one frame from a blocking socket.
+
+    ``deadline``: monotonic time by which the whole frame must have arrived (None: the socket's
+    timeout applies per ``recv``). ``max_length``: largest payload this reader accepts (at most
+    :data:`MAX_PAYLOAD`; checked before any payload byte is read).
 
     Raises ConnectionError on EOF, ``socket.timeout`` on timeout, :class:`ProtocolError` on a
-    malformed frame.
+    malformed frame (BAD_LENGTH, fatal, when the payload exceeds ``max_length``).
     """
-    header = unpack_header(_recv_exact(sock, HEADER_SIZE))
-    payload = _recv_exact(sock, header.length) if header.length else b""
+    header = unpack_header(_recv_exact(sock, HEADER_SIZE, deadline))
+    if header.length > max_length:
+        raise ProtocolError(Status.BAD_LENGTH, f"payload length {header.length} > {max_length} allowed here",
+                            fatal=True)
+    payload = _recv_exact(sock, header.length, deadline) if header.length else b""
     check_payload(header, payload)
     return header, payload
 
@@ -244,10 +269,13 @@ class HelloRequest:
     client: str = "spark"
 
     def encode(self) -> bytes:
+        """HELLO_REQ payload; :class:`ProtocolError` (LIMIT) for a string over 1 KiB."""
         return _pack_str(self.target_identity) + _pack_str(self.client)
 
     @classmethod
     def decode(cls, buf: bytes) -> HelloRequest:
+        """Parse a HELLO_REQ payload; :class:`ProtocolError` (MALFORMED) when truncated,
+        trailing, not utf-8, or the identity is neither empty nor 64 lowercase hex digits."""
         ident, off = _unpack_str(buf, 0)
         client, off = _unpack_str(buf, off)
         if off != len(buf):
@@ -277,12 +305,14 @@ class Hello:
     backend: str
 
     def encode(self) -> bytes:
+        """HELLO payload (identities as 3 x 32 raw bytes, then the limits and backend name)."""
         ids = b"".join(bytes.fromhex(x) for x in (self.drafter_identity, self.markov_identity, self.target_identity))
         return ids + _HELLO_LIMITS.pack(self.max_batch, self.max_k, self.hidden_size, self.vocab_size,
                                         self.top_n, self.max_context) + _pack_str(self.backend)
 
     @classmethod
     def decode(cls, buf: bytes) -> Hello:
+        """Parse a HELLO payload; :class:`ProtocolError` (MALFORMED) when short or trailing."""
         need = 96 + _HELLO_LIMITS.size
         if len(buf) < need:
             raise ProtocolError(Status.MALFORMED, f"HELLO of {len(buf)} B < {need}")
@@ -318,6 +348,7 @@ class RoundItem:
 
     @property
     def context_len(self) -> int:
+        """Full context length in tokens (``position``, or the tokens sent when it is 0)."""
         return self.position or int(np.asarray(self.tokens).size)
 
 
@@ -330,6 +361,8 @@ class Round:
     deadline_ms: int = 0
 
     def encode(self) -> bytes:
+        """ROUND payload; :class:`ProtocolError` for an id over :data:`MAX_ID_LEN` bytes, a
+        hidden state not of ``hidden_size`` values, or a depth outside 0..:data:`MAX_DEPTH`."""
         parts = [_ROUND_HEAD.pack(len(self.items), self.hidden_size, self.deadline_ms)]
         for it in self.items:
             rid = it.request_id.encode("utf-8")
@@ -403,6 +436,7 @@ class Drafts:
     extra: dict = field(default_factory=dict)
 
     def encode(self) -> bytes:
+        """DRAFTS payload (top ids as int32, probabilities as float32, little-endian)."""
         parts = [_DRAFTS_HEAD.pack(len(self.tokens), self.top_n)]
         for t, i, p in zip(self.tokens, self.top_ids, self.top_probs, strict=True):
             k = int(t.size)
@@ -413,6 +447,8 @@ class Drafts:
 
     @classmethod
     def decode(cls, buf: bytes, *, max_items: int = MAX_ITEMS) -> Drafts:
+        """Parse a DRAFTS payload; every count is bounds-checked before use; non-finite or
+        negative probabilities are MALFORMED."""
         if len(buf) < _DRAFTS_HEAD.size:
             raise ProtocolError(Status.MALFORMED, "truncated DRAFTS header")
         n, top_n = _DRAFTS_HEAD.unpack_from(buf, 0)

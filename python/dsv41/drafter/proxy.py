@@ -5,8 +5,8 @@ takes the slot (TAKEN), runs the round against the worker (identity-checked hell
 timeout, late replies dropped by generation) and publishes the DRAFTS payload or an error status
 (REPLY). It writes its heartbeat and state into the ring's host flags every loop, naps
 ``nap_us`` between polls when idle, and exits when the engine sets the stop flag, when its parent
-process is gone, or when the engine heartbeat is older than ``engine_timeout_s`` (an orphaned
-proxy never lingers). This module must not import torch (checked by a test).
+process is gone, or - when no parent pid is given to watch - when the engine heartbeat is older
+than ``engine_timeout_s`` (an orphaned proxy never lingers; an idle engine does not beat). This module must not import torch (checked by a test).
 """
 
 from __future__ import annotations
@@ -22,7 +22,19 @@ from dsv41.drafter.shm import ProxyState, Ring, SlotState
 log = logging.getLogger("dsv41.drafter.proxy")
 
 
+def _busy(ring: Ring, seconds: float) -> None:
+    """Publish a heartbeat ``seconds`` in the future before a call that may block that long.
+
+    The engine's watchdog reads the heartbeat age; a proxy blocked in a round (up to its
+    timeout) or a connect is healthy, and must not be killed just because its watchdog period is
+    shorter than that wait. Once the promised time has passed without a fresh beat, the
+    watchdog fires as usual.
+    """
+    ring.proxy_heartbeat = time.monotonic_ns() + int(seconds * 1e9)
+
+
 def _try_connect(client: DrafterClient, ring: Ring, *, force: bool = False) -> None:
+    _busy(ring, 2 * client.connect_timeout_s)  # TCP connect + hello, each bounded by it
     try:
         client.connect(force=force)
         ring.proxy_state = ProxyState.CONNECTED
@@ -67,8 +79,12 @@ def run_proxy(shm_name: str, url: str, expected: dict, *, timeout_ms: float = 10
                 log.warning("drafter proxy: parent %d is gone, exiting", parent_pid)
                 orphaned = True
                 break
+            # The engine beats only when it drafts, so an idle engine goes quiet: with a parent
+            # to watch, its death is the signal (else every idle spell of engine_timeout_s
+            # would kill the proxy and spend the engine's respawn budget); without one, the
+            # heartbeat is all there is.
             eng = ring.engine_heartbeat
-            if eng and (time.monotonic_ns() - eng) / 1e9 > engine_timeout_s:
+            if parent_pid is None and eng and (time.monotonic_ns() - eng) / 1e9 > engine_timeout_s:
                 log.warning("drafter proxy: engine heartbeat older than %.1f s, exiting", engine_timeout_s)
                 orphaned = True
                 break
@@ -88,6 +104,8 @@ def run_proxy(shm_name: str, url: str, expected: dict, *, timeout_ms: float = 10
                 ring.set_state(i, SlotState.TAKEN)
                 ring.bump("rounds")
                 status, body = P.Status.OK, b""
+                # a (re)connect inside round_raw plus the round itself
+                _busy(ring, 2 * client.connect_timeout_s + client.timeout_s)
                 try:
                     body = client.round_raw(payload)
                     ring.proxy_state = ProxyState.CONNECTED

@@ -35,7 +35,8 @@ def run(
     timeout_ms: float = typer.Option(100.0, min=1.0, help="Per-round timeout (ms)."),
     nap_us: float = typer.Option(50.0, min=0.0, help="First sleep between idle polls (µs)."),
     nap_max_us: float = typer.Option(1000.0, min=0.0, help="Longest sleep between idle polls (µs); naps double while idle."),
-    engine_timeout_s: float = typer.Option(10.0, min=0.1, help="Exit when the engine heartbeat is older (s)."),
+    engine_timeout_s: float = typer.Option(10.0, min=0.1,
+                                           help="Without --parent-pid: exit when the engine heartbeat is older (s)."),
     parent_pid: int = typer.Option(0, help="Exit when this parent process is gone (0 = do not check)."),
 ) -> None:
     """Serve drafting rounds from the ring until the engine stops us."""

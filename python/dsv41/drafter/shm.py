@@ -7,7 +7,8 @@ Header (512 bytes)::
 
     0   u32 magic 'DSRG'      4  u32 version (1)     8  u32 n_slots      12 u32 slot_size
     16  u32 proxy pid         20 u32 proxy state (ProxyState)
-    24  u64 proxy heartbeat (CLOCK_MONOTONIC ns, written every proxy loop)
+    24  u64 proxy heartbeat (CLOCK_MONOTONIC ns, written every proxy loop; before a call that
+            may block, the time by which the proxy will beat again, i.e. in the future)
     32  u64 engine heartbeat (CLOCK_MONOTONIC ns, written by every engine call)
     40  u32 stop flag (engine -> proxy)
     48  u64 x 8 proxy counters (PROXY_COUNTERS order)
@@ -46,7 +47,14 @@ _ERR_OFF = 112
 _ERR_MAX = 398
 
 
+class RingCorrupt(Dsv41Error):
+    """The ring holds values no dsv41 writer produces (a state word outside its enum): the peer
+    is broken or something else wrote into the segment; the engine treats it like a dead proxy."""
+
+
 class SlotState(enum.IntEnum):
+    """Slot life cycle: engine FREE -> REQUEST, proxy -> TAKEN -> REPLY, engine -> FREE."""
+
     FREE = 0
     REQUEST = 1
     TAKEN = 2
@@ -54,11 +62,20 @@ class SlotState(enum.IntEnum):
 
 
 class ProxyState(enum.IntEnum):
+    """The proxy's connection state, published in the host flags (offset 20)."""
+
     STARTING = 0
     CONNECTED = 1
     DISCONNECTED = 2
     REFUSED = 3  # identity mismatch: the proxy will not draft with that worker
     STOPPED = 4
+
+
+def _enum(kind, v: int, what: str):
+    try:
+        return kind(v)
+    except ValueError:
+        raise RingCorrupt(f"drafter ring: {what} {v:#x} is not a valid {kind.__name__}") from None
 
 
 class Ring:
@@ -77,9 +94,16 @@ class Ring:
         if magic != MAGIC or version != VERSION:
             raise Dsv41Error(f"shared memory {shm.name}: not a dsv41 drafter ring (magic {magic:#x}, version {version})")
         self.stride = SLOT_HEADER.size + self.slot_size
+        need = HEADER_SIZE + self.n_slots * self.stride
+        if not 1 <= self.n_slots <= 256 or not 64 <= self.slot_size <= (256 << 20) or shm.size < need:
+            # a corrupt header must not let slot offsets run past the segment
+            raise Dsv41Error(f"shared memory {shm.name}: ring header ({self.n_slots} slots of {self.slot_size} B) "
+                             f"does not fit its {shm.size} B")
 
     @classmethod
     def create(cls, n_slots: int = 4, slot_size: int = 1 << 20) -> Ring:
+        """Create a fresh segment (``n_slots`` in 1..256, ``slot_size`` bytes in 64..256 MiB) owned
+        by this process; :class:`Dsv41Error` out of range, OSError when /dev/shm is full."""
         if not 1 <= n_slots <= 256 or not 64 <= slot_size <= (256 << 20):
             raise Dsv41Error(f"drafter ring: n_slots {n_slots} / slot_size {slot_size} out of range")
         size = HEADER_SIZE + n_slots * (SLOT_HEADER.size + slot_size)
@@ -91,10 +115,14 @@ class Ring:
 
     @classmethod
     def attach(cls, name: str, *, untrack: bool | None = None) -> Ring:
+        """Attach to the segment ``name`` (not owned: never unlinked by this side, except by an
+        orphaned proxy). :class:`Dsv41Error` when missing, unnamable, foreign or inconsistent."""
         try:
             shm = shared_memory.SharedMemory(name=name)
         except FileNotFoundError:
             raise Dsv41Error(f"drafter ring: shared memory {name!r} does not exist") from None
+        except (OSError, ValueError) as exc:  # "", "/", a name with a slash, no permission
+            raise Dsv41Error(f"drafter ring: cannot attach shared memory {name!r}: {exc}") from None
         # The engine owns the segment: on Python < 3.13 attaching registers it with this
         # process's resource tracker, which would unlink it when the proxy exits.
         try:
@@ -109,10 +137,15 @@ class Ring:
         if shm.size < HEADER_SIZE:
             shm.close()
             raise Dsv41Error(f"drafter ring: shared memory {name!r} is too small")
-        return cls(shm, owner=False)
+        try:
+            return cls(shm, owner=False)
+        except Dsv41Error:
+            shm.close()
+            raise
 
     @property
     def name(self) -> str:
+        """The segment's name as ``SharedMemory`` reports it (no leading slash)."""
         return self.shm.name
 
     def close(self) -> None:
@@ -150,27 +183,32 @@ class Ring:
         struct.pack_into("<Q", self.buf, off, v)
 
     proxy_pid = property(lambda s: s._u32(16), lambda s, v: s._set_u32(16, v))
-    proxy_state = property(lambda s: ProxyState(s._u32(20)), lambda s, v: s._set_u32(20, int(v)))
+    proxy_state = property(lambda s: _enum(ProxyState, s._u32(20), "proxy state"), lambda s, v: s._set_u32(20, int(v)))
     proxy_heartbeat = property(lambda s: s._u64(24), lambda s, v: s._set_u64(24, v))
     engine_heartbeat = property(lambda s: s._u64(32), lambda s, v: s._set_u64(32, v))
     stop = property(lambda s: bool(s._u32(40)), lambda s, v: s._set_u32(40, int(bool(v))))
 
     def beat_proxy(self) -> None:
+        """Store CLOCK_MONOTONIC ns as the proxy heartbeat."""
         self.proxy_heartbeat = time.monotonic_ns()
 
     def beat_engine(self) -> None:
+        """Store CLOCK_MONOTONIC ns as the engine heartbeat."""
         self.engine_heartbeat = time.monotonic_ns()
 
     def counters(self) -> dict:
+        """The proxy's counters ({name: int}, :data:`PROXY_COUNTERS`)."""
         vals = struct.unpack_from(f"<{len(PROXY_COUNTERS)}Q", self.buf, 48)
         return dict(zip(PROXY_COUNTERS, vals))
 
     def bump(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to proxy counter ``name`` (proxy side only: single writer)."""
         off = 48 + 8 * PROXY_COUNTERS.index(name)
         self._set_u64(off, self._u64(off) + n)
 
     @property
     def error(self) -> str:
+        """The proxy's last error message (utf-8, at most 398 bytes; set to "" when healthy)."""
         (n,) = struct.unpack_from("<H", self.buf, _ERR_OFF)
         return bytes(self.buf[_ERR_OFF + 2:_ERR_OFF + 2 + min(n, _ERR_MAX)]).decode("utf-8", "replace")
 
@@ -190,12 +228,14 @@ class Ring:
     def slot_header(self, i: int) -> tuple[SlotState, int, int, int, int, int]:
         """(state, status, seq, length, crc, submit_ns) of slot ``i``."""
         st, status, seq, length, crc, t = SLOT_HEADER.unpack_from(self.buf, self._slot_off(i))
-        return SlotState(st), status, seq, length, crc, t
+        return _enum(SlotState, st, f"slot {i} state"), status, seq, length, crc, t
 
     def slot_state(self, i: int) -> SlotState:
-        return SlotState(self._u32(self._slot_off(i)))
+        """State word of slot ``i``; :class:`RingCorrupt` when it is not a :class:`SlotState`."""
+        return _enum(SlotState, self._u32(self._slot_off(i)), f"slot {i} state")
 
     def set_state(self, i: int, state: SlotState) -> None:
+        """Store slot ``i``'s state word alone (hand-over without new data)."""
         self._set_u32(self._slot_off(i), int(state))
 
     def write(self, i: int, state: SlotState, seq: int, data: bytes, status: int = 0) -> None:
@@ -214,7 +254,7 @@ class Ring:
 
     def read(self, i: int) -> tuple[int, int, bytes] | None:
         """(seq, status, data) of slot ``i``, or None while its CRC does not match yet."""
-        _, status, seq, length, crc, _ = self.slot_header(i)
+        _, status, seq, length, crc, _ = SLOT_HEADER.unpack_from(self.buf, self._slot_off(i))
         if length > self.slot_size:
             return None
         d0 = self._slot_off(i) + SLOT_HEADER.size
@@ -224,10 +264,10 @@ class Ring:
         return seq, status, data
 
     def find(self, state: SlotState) -> list[int]:
-        """Slots in ``state``, oldest sequence first."""
+        """Slots in ``state``, oldest sequence first (a slot with a corrupt state word never matches)."""
         hits = []
         for i in range(self.n_slots):
-            st, _, seq, *_ = self.slot_header(i)
-            if st == state:
+            st, _, seq, *_ = SLOT_HEADER.unpack_from(self.buf, self._slot_off(i))
+            if st == int(state):
                 hits.append((seq, i))
         return [i for _, i in sorted(hits)]

@@ -285,6 +285,10 @@ class AsyncSpeculator(_Base):
         self.down_logged = False
         self._seq = 0
         self._inflight: tuple[int, int, dict] | None = None  # (slot, seq, {rid: (ctx_len, tail)})
+        self._inflight_t = 0.0  # clock() when the round in flight was submitted
+        # a round unanswered this long means a broken proxy (its own client gives up after
+        # timeout_ms and connects within 0.5 s): at least the watchdog period, at least 2 s
+        self._inflight_limit_s = max(self.watchdog_s, 2.0, 20 * timeout_ms / 1000.0)
         self._ready: dict[str, _Ready] = {}
         self._last_state_error = ""
         # propose (engine thread) and counters (metrics scrape thread) both touch the ring, and a
@@ -297,7 +301,10 @@ class AsyncSpeculator(_Base):
     def _spawn(self) -> None:
         from dsv41.drafter.shm import Ring
 
-        self.ring = Ring.create(self.n_slots, self.slot_size)
+        try:
+            self.ring = Ring.create(self.n_slots, self.slot_size)
+        except OSError as exc:  # /dev/shm full or not mounted
+            raise Dsv41Error(f"drafter proxy: cannot create the shared-memory ring: {exc}") from None
         self.ring.beat_engine()
         cmd = [*self.proxy_cmd, "run", "--shm", self.ring.name, "--remote", self.url,
                "--drafter-identity", self.expected.get("drafter", ""),
@@ -307,7 +314,12 @@ class AsyncSpeculator(_Base):
                "--parent-pid", str(os.getpid())]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
+        except OSError as exc:  # fork/exec failed: do not leave the fresh segment behind
+            self.ring.close()
+            self.ring = None
+            raise Dsv41Error(f"drafter proxy: cannot start {cmd[0]}: {exc}") from None
         self.spawned_at = self.clock()
         self._inflight = None
         self._ready = {}
@@ -336,7 +348,7 @@ class AsyncSpeculator(_Base):
 
         For engine start-up and tests; ``propose`` itself never waits.
         """
-        from dsv41.drafter.shm import ProxyState
+        from dsv41.drafter.shm import ProxyState, RingCorrupt
 
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
@@ -344,7 +356,10 @@ class AsyncSpeculator(_Base):
                 if self.ring is None:
                     return False
                 self.ring.beat_engine()
-                st = self.ring.proxy_state
+                try:
+                    st = self.ring.proxy_state
+                except RingCorrupt:  # propose's corrupt-ring path replaces the proxy
+                    return False
             if st == ProxyState.CONNECTED:
                 return True
             if st == ProxyState.REFUSED:
@@ -354,6 +369,7 @@ class AsyncSpeculator(_Base):
 
     @property
     def proxy_pid(self) -> int | None:
+        """Pid of the current proxy process, None while it is down."""
         return self.proc.pid if self.proc is not None else None
 
     def watchdog(self) -> bool:
@@ -372,14 +388,23 @@ class AsyncSpeculator(_Base):
             stuck = now - self.spawned_at > self.startup_grace_s
         if not (dead or stuck):
             return True
+        return self._replace("exited" if dead else f"is stuck (heartbeat older than {self.watchdog_s:.1f} s)")
+
+    def _replace(self, why: str) -> bool:
+        """Kill the current proxy (and unlink its ring) and respawn one while the budget allows;
+        returns True when a fresh proxy was spawned."""
+        now = self.clock()
         self._c["watchdog_fires"] += 1
-        log.warning("drafter proxy pid %d %s; drafting target-only until it is back", self.proc.pid,
-                    "exited" if dead else f"is stuck (heartbeat older than {self.watchdog_s:.1f} s)")
+        log.warning("drafter proxy pid %d %s; drafting target-only until it is back", self.proc.pid, why)
         self._kill()
         if self.budget.allow(now):
             self._c["proxy_respawns"] += 1
-            self._spawn()
-            return True
+            try:
+                self._spawn()
+                return True
+            except (OSError, Dsv41Error) as exc:  # /dev/shm full, fork failed: stay down, say so
+                self._kill()
+                log.error("drafter proxy respawn failed: %s", exc)
         self._c["proxy_gave_up"] = 1
         if not self.down_logged:
             log.error("drafter proxy respawn budget (%d per %.0f s) spent: the proxy stays down, "
@@ -485,6 +510,7 @@ class AsyncSpeculator(_Base):
             meta[it.request_id] = (int(toks.size), toks[-self.TAIL:].copy(), now)
         self.ring.write(free[0], SlotState.REQUEST, self._seq, payload)
         self._inflight = (free[0], self._seq, meta)
+        self._inflight_t = now
 
     def propose(self, batch) -> list:
         """Non-blocking: previous round's still-valid drafts (or none), and submit this round."""
@@ -499,7 +525,21 @@ class AsyncSpeculator(_Base):
         if not self.watchdog():
             self._c["proxy_down"] += 1
             return self._fail(len(batch), "proxy down")
-        self._collect()
+        from dsv41.drafter.shm import RingCorrupt
+
+        try:
+            self._collect()
+        except RingCorrupt as exc:  # garbage in the ring: the proxy (or a stray writer) is broken
+            self._replace(f"left a corrupt ring ({exc})")
+            self._c["proxy_down"] += 1
+            return self._fail(len(batch), "corrupt ring")
+        if self._inflight is not None and self.clock() - self._inflight_t > self._inflight_limit_s:
+            # The proxy beats but never publishes a readable reply (its client answers or times
+            # out within timeout_ms, so this is a broken proxy): replace it rather than stop
+            # drafting for good behind a round that never completes.
+            self._c["timeouts"] += 1
+            self._replace(f"left round {self._inflight[1]} unanswered for {self._inflight_limit_s:.1f} s")
+            return self._fail(len(batch), "round never answered")
         depths = self._depths(batch)
         out = _empty(len(batch))
         for i, x in enumerate(batch):
@@ -520,7 +560,12 @@ class AsyncSpeculator(_Base):
         if self.ring is not None:
             for k, v in self.ring.counters().items():
                 c[f"proxy_{k}"] = v
-            c["proxy_state"] = int(self.ring.proxy_state)
+            from dsv41.drafter.shm import RingCorrupt
+
+            try:
+                c["proxy_state"] = int(self.ring.proxy_state)
+            except RingCorrupt:  # a scrape must not fail; the next propose replaces the proxy
+                c["proxy_state"] = -1
         c["proxy_up"] = int(self.proc is not None and self.proc.poll() is None)
         return c
 

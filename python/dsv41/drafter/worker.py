@@ -12,6 +12,7 @@ passed while it queued is answered TIMEOUT without computing. Prometheus metrics
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import socketserver
 import threading
@@ -51,8 +52,17 @@ class DrafterWorker:
     """
 
     def __init__(self, backend, host: str = "127.0.0.1", port: int = 0, *, target_identity: str = "",
-                 delay_ms: float = 0.0) -> None:
+                 delay_ms: float = 0.0, max_connections: int = 64, hello_timeout_s: float = 10.0,
+                 frame_timeout_s: float = 10.0) -> None:
         self.backend = backend
+        # Connection hygiene (a peer must not hold or bloat the worker): at most
+        # ``max_connections`` open at once (more are refused LIMIT and closed); the hello must
+        # arrive within ``hello_timeout_s`` of connecting; once a frame's first byte is in, the
+        # whole frame must arrive within ``frame_timeout_s`` (slowloris). An idle greeted client
+        # may wait between rounds for as long as it likes.
+        self.max_connections = max_connections
+        self.hello_timeout_s = hello_timeout_s
+        self.frame_timeout_s = frame_timeout_s
         self.target_identity = target_identity or backend.ids.get("target", "")
         self.delay_s = delay_ms / 1000.0
         self.metrics = WorkerMetrics()
@@ -98,6 +108,7 @@ class DrafterWorker:
 
     @property
     def address(self) -> tuple[str, int]:
+        """The bound (host, port); only valid after :meth:`start`."""
         assert self._server is not None
         return self._server.server_address[:2]
 
@@ -121,23 +132,54 @@ class DrafterWorker:
         self.metrics.refusals.labels(status.name.lower()).inc()
         log.warning("drafter worker refused a frame: %s: %s", status.name, message)
         try:
+            sock.settimeout(self.frame_timeout_s)  # a peer that never reads cannot block us
             P.send_frame(sock, P.Msg.ERROR, message.encode("utf-8")[:4096], round_id=round_id, status=status)
         except OSError:
             pass
 
+    def _next_frame(self, sock: socket.socket, greeted: bool) -> tuple[P.Header, bytes]:
+        """Read the next frame under the connection's timeouts and length limits.
+
+        Before the hello: the whole frame within ``hello_timeout_s`` of now, payload at most
+        :data:`P.MAX_HELLO_PAYLOAD`. After it: wait for the first byte without limit (an idle
+        client is fine; :meth:`stop` shuts the socket down), then the whole frame within
+        ``frame_timeout_s``. Raises ``socket.timeout``, ConnectionError, :class:`P.ProtocolError`.
+        """
+        if not greeted:
+            return P.read_frame(sock, deadline=time.monotonic() + self.hello_timeout_s,
+                                max_length=P.MAX_HELLO_PAYLOAD)
+        sock.settimeout(None)
+        if not sock.recv(1, socket.MSG_PEEK):
+            raise ConnectionError("peer closed the connection")
+        return P.read_frame(sock, deadline=time.monotonic() + self.frame_timeout_s)
+
     def _handle(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._conns_lock:
-            self._conns.add(sock)
+            full = len(self._conns) >= self.max_connections
+            if not full:
+                self._conns.add(sock)
+        if full:
+            self._refuse(sock, P.Status.LIMIT, f"worker has {self.max_connections} connections open already")
+            try:
+                sock.close()
+            except OSError:
+                pass
+            return
         self.metrics.connections.inc()
         greeted = False
         try:
             while True:
                 try:
-                    head, payload = P.read_frame(sock)
+                    head, payload = self._next_frame(sock, greeted)
                 except P.ProtocolError as exc:
                     self._refuse(sock, exc.status, str(exc))
                     return  # header-level errors: the stream cannot be resynchronised
+                except socket.timeout:
+                    why = "no hello" if not greeted else "frame incomplete"
+                    limit = self.hello_timeout_s if not greeted else self.frame_timeout_s
+                    self._refuse(sock, P.Status.TIMEOUT, f"{why} within {limit:g} s; closing")
+                    return
                 except (ConnectionError, OSError):
                     return
                 t_recv = time.monotonic()
@@ -152,6 +194,7 @@ class DrafterWorker:
                                      f"client target {req.target_identity[:12]} != worker target {self.target_identity[:12]}",
                                      head.round_id)
                         return
+                    sock.settimeout(self.frame_timeout_s)
                     P.send_frame(sock, P.Msg.HELLO, self.hello.encode(), round_id=head.round_id)
                     greeted = True
                     continue
@@ -163,6 +206,7 @@ class DrafterWorker:
                     continue
                 reply = self._round(sock, head, payload, t_recv)
                 if reply is not None:
+                    sock.settimeout(self.frame_timeout_s)
                     P.send_frame(sock, P.Msg.DRAFTS, reply, round_id=head.round_id)
         except OSError:
             return
@@ -216,7 +260,15 @@ def serve(drafter_dir: str, listen: str, *, target_identity: str = "", device: s
     """
     import signal
 
+    import re
+
     host, port = P.parse_url(listen, listen=True)
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise Dsv41Error(f"drafter serve: --device {device!r}: expected cpu, cuda or cuda:N")
+    if ready_file:  # check before loading anything, so a typo does not cost a start-up
+        rdir = os.path.dirname(os.path.abspath(ready_file))
+        if not os.path.isdir(rdir) or not os.access(rdir, os.W_OK):
+            raise Dsv41Error(f"drafter serve: --ready-file {ready_file}: directory {rdir} is missing or not writable")
     if target_identity and (len(target_identity) != 64 or any(c not in "0123456789abcdef" for c in target_identity)):
         raise Dsv41Error(f"--target-identity {target_identity!r} is not a lowercase hex sha256")
     if backend == "torch":
@@ -254,8 +306,12 @@ def serve(drafter_dir: str, listen: str, *, target_identity: str = "", device: s
         except ValueError:  # not the main thread (tests): the stop event is enough
             pass
     if ready_file:
-        with open(ready_file, "w") as f:
-            f.write(f"tcp://{worker.address[0]}:{worker.address[1]}\n")
+        try:
+            with open(ready_file, "w") as f:
+                f.write(f"tcp://{worker.address[0]}:{worker.address[1]}\n")
+        except OSError as exc:
+            worker.stop()
+            raise Dsv41Error(f"drafter serve: cannot write --ready-file {ready_file}: {exc}") from None
     print(f"drafter worker ready on tcp://{worker.address[0]}:{worker.address[1]} "
           f"drafter={worker.hello.drafter_identity} markov={worker.hello.markov_identity} "
           f"target={worker.hello.target_identity}", flush=True)

@@ -223,7 +223,9 @@ class Engine:
                 continue
             ids = np.asarray(r.prompt + r.output, dtype=np.int64)
             batch.append(DraftInput(request_id=r.request_id, token_ids=ids,
-                                    hidden=np.asarray(r.last_hidden, dtype=np.float32), depth=d))
+                                    hidden=np.asarray(r.last_hidden, dtype=np.float32), depth=d,
+                                    temperature=0.0 if r.params.greedy else float(r.params.temperature),
+                                    seed=r.sample_seed))
             reqs.append((r, d))
         if not batch:
             return
@@ -270,7 +272,8 @@ class Engine:
         for r in self.sched.admit():
             r.cache = self.model.new_cache(r.reserved)
             seed = r.params.seed if r.params.seed is not None else random.SystemRandom().randrange(2**63)
-            r.gen = torch.Generator().manual_seed(int(seed) & ((1 << 63) - 1))
+            r.sample_seed = int(seed) & ((1 << 63) - 1)
+            r.gen = torch.Generator().manual_seed(r.sample_seed)
             r.new = True
             self._by_id[r.request_id] = r
         if self.spec is not None:

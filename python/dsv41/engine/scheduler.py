@@ -48,6 +48,7 @@ class Request:
     last_hidden: Any = None  # float32[H] tap at the position that produced `pending`
     cache: Any = None
     gen: Any = None  # torch.Generator, seeded per request
+    sample_seed: int | None = None  # the seed `gen` got (params.seed, or a random one)
     first_token_at: float | None = None
     finished: str | None = None
     reserved: int = 0

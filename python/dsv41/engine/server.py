@@ -8,8 +8,9 @@ engine step that produced tokens; ``stream_options.include_usage`` and
 ``POST /resume``, ``GET /is_paused``.
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 bad JSON or
-parameters (incl. a request longer than the KV budget), 404 unknown model, 503 paused/draining or
-engine failed.
+parameters (incl. a request longer than the KV budget), 404 unknown model, 413 body over
+``MAX_BODY_BYTES``, 500 one request failed inside the engine (or a handler bug), 503
+paused/draining or engine failed.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ log = logging.getLogger("dsv41.engine.server")
 
 # How often a non-streaming handler checks whether its client is still connected (seconds).
 DISCONNECT_POLL_S = 0.5
+# Largest request body accepted (bytes): the longest useful prompt is max_position_embeddings
+# tokens (a few KiB here); parsing and tokenizing runs on the event loop, so bound it (413 above).
+MAX_BODY_BYTES = 4 << 20
 
 
 class ApiError(Exception):
@@ -53,6 +57,17 @@ def _bool(body: dict, key: str, default: bool = False) -> bool:
     if not isinstance(v, bool):
         raise ApiError(400, f"{key} must be a boolean, got {v!r}", param=key)
     return v
+
+
+def parse_json_body(raw: bytes):
+    """Decode a request body; ``ApiError`` 400 on anything that is not JSON (bad UTF-8, syntax,
+    nesting deep enough to hit Python's recursion limit)."""
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "request body is not valid JSON: nested too deeply") from None
 
 
 def _err_response(e: ApiError):
@@ -119,11 +134,19 @@ def parse_sampling(body: dict, default_max_tokens: int, chat: bool) -> SamplingP
                           max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos)
 
 
-def parse_prompt(body: dict, tok: ByteTokenizer) -> list[int]:
-    """``prompt``: a string, a list of token ids, or a one-element list of either."""
+def parse_prompt(body: dict, tok: ByteTokenizer, max_len: int | None = None) -> list[int]:
+    """``prompt``: a string, a list of token ids, or a one-element list of either -> raw ids.
+
+    ``max_len``: when given, a prompt that cannot fit (more characters or ids than ``max_len``;
+    every character is at least one byte token) is refused before tokenizing. Raises ``ApiError``
+    400 for an empty, too long or malformed prompt and for ids outside ``[0, VOCAB_SIZE)``.
+    """
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]
+    if max_len is not None and isinstance(p, (str, list)) and len(p) > max_len:
+        raise ApiError(400, f"the prompt has {len(p)} {'characters' if isinstance(p, str) else 'tokens'}, "
+                            f"but the engine holds at most {max_len} tokens per request", param="prompt")
     if isinstance(p, str):
         ids = tok.encode(p)
     elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
@@ -175,12 +198,22 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
         msg = f"{where}: {errs[0].get('msg')}" if errs else "invalid request"
         return _err_response(ApiError(400, msg, param=where or None))
 
+    @app.exception_handler(Exception)
+    async def _unexpected(_req, exc: Exception):
+        # A bug must still answer in OpenAI's shape (and be logged), never as a bare text 500.
+        log.error("unhandled error in a request handler", exc_info=exc)
+        return _err_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", etype="InternalServerError"))
+
     async def _body(request: Request) -> dict:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body of {declared} bytes is over the {MAX_BODY_BYTES} byte limit",
+                           etype="RequestTooLargeError")
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body of {len(raw)} bytes is over the {MAX_BODY_BYTES} byte limit",
+                           etype="RequestTooLargeError")
+        body = parse_json_body(raw)
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
         return body
@@ -222,7 +255,7 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
                 raise ApiError(400, str(exc), param="messages") from None
             default_max = max(1, min(256, max_model_len - len(ids)))
         else:
-            ids = parse_prompt(body, tok)
+            ids = parse_prompt(body, tok, max_model_len)
             default_max = 16
         params = parse_sampling(body, default_max, chat)
         _admission(body)
@@ -376,10 +409,7 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
         if mode is None:
             raw = await request.body()
             if raw.strip():
-                try:
-                    b = json.loads(raw)
-                except json.JSONDecodeError as exc:
-                    raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+                b = parse_json_body(raw)
                 if not isinstance(b, dict):
                     raise ApiError(400, "request body must be a JSON object like {\"mode\": \"wait\"}")
                 mode = b.get("mode")
@@ -398,7 +428,8 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
                 raise ApiError(504, f"paused, but in-flight requests did not finish within {timeout_s} s",
                                etype="TimeoutError")
             await asyncio.sleep(0.02)
-        return {"paused": True, "mode": mode, "in_flight_at_pause": running + waiting,
+        # `paused` is the state now: a /resume that raced this wait reopened admission.
+        return {"paused": st.paused, "mode": mode, "in_flight_at_pause": running + waiting,
                 "aborted": running + waiting if mode == "abort" else 0}
 
     @app.post("/resume")

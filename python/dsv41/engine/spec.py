@@ -38,12 +38,17 @@ SAMPLING_EPS = 1e-5
 @dataclass
 class DraftInput:
     """One request's drafting input: ``request_id``; ``token_ids`` int64 ``[L]``; ``hidden``
-    float32 ``[H]``; ``depth``: the most drafts the engine will verify this round."""
+    float32 ``[H]``; ``depth``: the most drafts the engine will verify this round;
+    ``temperature``: the request's (0.0 when greedy) and ``seed``: its effective sampling seed
+    (the drafter samples its drafts from q when temperature > 0: sampled verification is exact
+    only for drafts drawn from the q it reports, Leviathan et al. 2023, Algorithm 1)."""
 
     request_id: str
     token_ids: np.ndarray
     hidden: np.ndarray
     depth: int
+    temperature: float = 0.0
+    seed: int | None = None
 
 
 @dataclass
