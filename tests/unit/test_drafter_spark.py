@@ -334,13 +334,18 @@ def test_no_shm_left_after_normal_close_or_engine_kill(ddir, worker):
 
 def test_async_proxy_that_cannot_start_leaks_nothing(ddir, worker, monkeypatch):
     from dsv41.drafter import shm
-    from dsv41.errors import Dsv41Error
 
     made = []
     real = shm.Ring.create.__func__
     monkeypatch.setattr(shm.Ring, "create", classmethod(lambda cls, *a: made.append(real(cls, *a)) or made[-1]))
-    with pytest.raises(Dsv41Error, match="cannot start"):
-        S.AsyncSpeculator(_url(worker), _expected(ddir), proxy_cmd=["/nonexistent-dsv41-python"])
+    # a proxy that cannot start at engine start-up: fail closed (no drafts, counted), no leak
+    down = S.AsyncSpeculator(_url(worker), _expected(ddir), proxy_cmd=["/nonexistent-dsv41-python"])
+    try:
+        assert down.proxy_pid is None and down.ring is None
+        assert down.propose(_inputs(1))[0].tokens.size == 0
+        assert down.counters()["proxy_gave_up"] == 1
+    finally:
+        down.close()
     assert made and not os.path.exists(_shm_path(made[-1].name))
     # a respawn that fails keeps the engine decoding (no drafts) and leaves nothing behind
     spec = S.AsyncSpeculator(_url(worker), _expected(ddir), k=5, respawns=2, max_context=4)

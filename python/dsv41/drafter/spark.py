@@ -294,7 +294,15 @@ class AsyncSpeculator(_Base):
         # propose (engine thread) and counters (metrics scrape thread) both touch the ring, and a
         # respawn replaces it: one lock keeps a scrape from reading a closed segment.
         self._lock = threading.Lock()
-        self._spawn()
+        try:
+            self._spawn()
+        except Dsv41Error as exc:
+            # Fail closed: an engine whose proxy cannot start serves target-only (counted, logged)
+            # rather than not serving at all.
+            self._kill()
+            self._c["proxy_gave_up"] = 1
+            self.down_logged = True
+            log.error("%s; the proxy stays down, decoding continues target-only", exc)
 
     # ------------------------------------------------------------------ proxy lifecycle
 
