@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -24,6 +23,7 @@ import time
 from pathlib import Path
 
 import httpx
+from benchutil import evict, machine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_engine_common import (PY, REPO, engine_env, free_ports, lab_assets, serve_cmd, start, stop,  # noqa: E402
@@ -41,29 +41,6 @@ def _nixl_ok() -> bool:
         return True
     except Exception:  # noqa: BLE001
         return False
-
-
-def evict(data: Path) -> None:
-    """Drop the shards from the page cache (posix_fadvise DONTNEED after fsync)."""
-    for f in sorted(data.glob("*.safetensors")):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"nproc {os.cpu_count()}, {cpu}, kernel {platform.release()}"
 
 
 class Pair:
@@ -155,7 +132,7 @@ def test_engine_cold_ttft_and_decode(tmp_path_factory):
         ttft(pair.url, prompt[:64])  # warm the code paths (not the rows of the long prompt)
         local, ref = [], None
         for _ in range(REPEATS):
-            evict(assets.data)
+            evict(sorted(assets.data.glob("*.safetensors")))
             t, toks = ttft(pair.url, prompt)
             local.append(t)
             ref = ref or toks
@@ -189,7 +166,7 @@ def test_engine_cold_ttft_and_decode(tmp_path_factory):
             ttft(pair.url, prompt[:64])
             remote = []
             for _ in range(REPEATS):
-                evict(assets.data)  # the engine's local fallback stays cold too
+                evict(sorted(assets.data.glob("*.safetensors")))  # the engine's local fallback stays cold too
                 t, toks = ttft(pair.url, prompt)
                 remote.append(t)
                 assert toks == ref  # remote rows are byte-identical

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import platform
 import statistics
 import subprocess
 import time
@@ -20,34 +19,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchutil import evict, machine
+
 from dsv41.engram import tables
 from dsv41.engram.manifest import load_manifest, verify
 
 REPO = Path(__file__).resolve().parents[2]
 LAB = REPO / "python/dsv41/data/lab_model.json"
 ROWS = int(os.environ.get("DSV41_BENCH_ROWS", "2000000"))
-
-
-def machine() -> str:
-    cpu = "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"nproc={os.cpu_count()}, {cpu}, kernel {platform.release()}, {time.strftime('%Y-%m-%d')}"
-
-
-def evict(paths) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def cached_fraction(path: Path) -> str:

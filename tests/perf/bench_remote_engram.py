@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import resource
 import shutil
 import signal
@@ -33,6 +32,8 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("UCX_TLS", "tcp")
+
+from benchutil import evict, machine  # noqa: E402
 
 from dsv41.engram import tables as etables  # noqa: E402
 from dsv41.engram.client import RemoteRowSource  # noqa: E402
@@ -48,15 +49,6 @@ ENV = {**os.environ, "UCX_TLS": os.environ.get("UCX_TLS", "tcp"), "OMP_NUM_THREA
 RESULTS: list[dict] = []
 
 
-def machine() -> str:
-    cpu = "?"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    return f"nproc={os.cpu_count()}, {cpu}, kernel {platform.release()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
-
-
 def record(name: str, **kv) -> None:
     row = {"bench": name, **kv}
     RESULTS.append(row)
@@ -65,16 +57,6 @@ def record(name: str, **kv) -> None:
     if out:
         with open(out, "a") as f:
             f.write(json.dumps(row) + "\n")
-
-
-def evict(paths) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def pct(xs, q) -> float:

@@ -5,49 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 import os
-import sys
 
 import pytest
-
-LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "library")
-sys.path.insert(0, LIBRARY)
-
-
-class _Exit(Exception):
-    pass
-
-
-class _Fail(Exception):
-    pass
-
-
-@pytest.fixture
-def run_module(monkeypatch):
-    """Run a module main() with args (ansible-core 2.19 patch_module_args); -> (kind, result)."""
-    from ansible.module_utils import basic
-    from ansible.module_utils.testing import patch_module_args
-
-    def _exit(self, **kw):
-        raise _Exit(kw)
-
-    def _fail(self, msg, **kw):
-        kw["msg"] = msg
-        raise _Fail(kw)
-
-    monkeypatch.setattr(basic.AnsibleModule, "exit_json", _exit)
-    monkeypatch.setattr(basic.AnsibleModule, "fail_json", _fail)
-
-    def _run(mod, args):
-        with patch_module_args(args):
-            try:
-                mod.main()
-            except _Exit as e:
-                return "exit", e.args[0]
-            except _Fail as e:
-                return "fail", e.args[0]
-        raise AssertionError("module returned without exit_json/fail_json")
-
-    return _run
 
 import engram_manifest  # noqa: E402
 
