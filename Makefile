@@ -28,7 +28,7 @@ unit: venv
 	$(BIN)/pytest -q tests/unit
 
 test: venv lint
-	PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -p no:cacheprovider tests/unit tests/integration
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -p no:cacheprovider --durations=15 tests/unit tests/integration
 
 deploy: venv
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/ansible-playbook deploy.yml

@@ -15,6 +15,7 @@ act() { local what=$1; shift; say "$what"; if (( ! CHECK )); then "$@"; fi; }
 has_link() { # NS IF  (NS "-" = root namespace)
   if [[ $1 == - ]]; then ip link show dev "$2" >/dev/null 2>&1; else ip -n "$1" link show dev "$2" >/dev/null 2>&1; fi
 }
+del_link() { ip link del "$1" 2>/dev/null || ! has_link - "$1"; }
 ipn() { local ns=$1; shift; if [[ $ns == - ]]; then ip "$@"; else ip -n "$ns" "$@"; fi; }
 
 # Converge MTU, address and up state of IF in NS.
@@ -105,7 +106,9 @@ cmd_down() { # NS HOSTVETH PIDFILE : kill only processes inside NS, then delete 
     fi
     act "netns $ns" ip netns del "$ns"
   fi
-  if has_link - "$veth"; then act "veth $veth" ip link del "$veth"; fi
+  # Deleting the netns destroys its veth peers asynchronously: the root-side end may vanish
+  # between the check and the delete, which is the state we want, not an error.
+  if has_link - "$veth"; then act "veth $veth" del_link "$veth"; fi
   if [[ -f $pidf ]]; then act "pidfile $pidf" rm -f "$pidf"; fi
 }
 
