@@ -60,6 +60,10 @@ def test_lab_up_idempotent_isolated_then_down_kills_only_its_processes():
         assert re.search(r"mgmt0@\S+ <[^>]*UP[^>]*> mtu 1500 ", links)
         ps = _in(h, "ps", "-e", "-o", "pid=,comm=")
         assert re.search(r"^\s*1 supervisord$", ps, re.M), ps  # own pid namespace, supervisord is init
+        # own /dev/shm (tmpfs of the host's mount namespace): rings die with the host
+        _in(h, "sh", "-c", f"echo {h} > /dev/shm/dsv41-lab-probe")
+        assert _in(h, "cat", "/dev/shm/dsv41-lab-probe").strip() == h
+    assert not os.path.exists("/dev/shm/dsv41-lab-probe")
     assert "mtu 9000" in _in("sparkhead", "ip", "-o", "link", "show", "fab0")
     assert "198.18.2.1/30" in _in("x86host", "ip", "-o", "-4", "addr", "show", "ofl-worker")
     # direct links only: the Sparks reach x86host over their own link, not each other's

@@ -80,7 +80,9 @@ cmd_holder() { # NS HOSTNAME PIDFILE INIT_CMD MOUNT_SRC:MOUNT_DST...
   if holder_alive "$pidf"; then return 0; fi
   if (( CHECK )); then say "holder for $host"; return 0; fi
   say "holder for $host"
-  local script="hostname $host"
+  # Its own /dev/shm, as a real host has: shared-memory rings of processes killed by lab down
+  # vanish with the mount namespace instead of piling up on the machine.
+  local script="hostname $host; mount -t tmpfs -o mode=1777,size=256m tmpfs /dev/shm"
   local m
   for m in "$@"; do script+="; mount --bind ${m%%:*} ${m#*:}"; done
   script+="; exec $init"
