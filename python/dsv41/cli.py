@@ -12,9 +12,8 @@ import importlib
 import sys
 
 import typer
-from typer._click import exceptions as click_exc  # typer vendors click
 
-from dsv41.errors import Dsv41Error
+from dsv41.errors import run_app
 
 app = typer.Typer(
     name="dsv41",
@@ -66,28 +65,7 @@ _register()
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the command, turning expected failures into one line and exit 1."""
-    try:
-        rv = app(args=argv, standalone_mode=False)
-    except typer.Exit as exc:
-        return int(exc.exit_code)
-    except click_exc.NoArgsIsHelpError as exc:
-        print(exc.format_message(), file=sys.stderr)
-        return 0
-    except typer.Abort:
-        print("dsv41: error: aborted", file=sys.stderr)
-        return 1
-    except click_exc.ClickException as exc:  # usage errors, bad option values
-        print(f"dsv41: error: {exc.format_message()}", file=sys.stderr)
-        return 1
-    except Dsv41Error as exc:
-        print(f"dsv41: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except BrokenPipeError:
-        return 0
-    except KeyboardInterrupt:
-        print("dsv41: error: interrupted", file=sys.stderr)
-        return 130
-    return int(rv) if isinstance(rv, int) else 0
+    return run_app(app, argv)
 
 
 if __name__ == "__main__":

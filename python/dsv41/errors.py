@@ -6,6 +6,8 @@ should read as a sentence, never as a traceback.
 
 from __future__ import annotations
 
+import sys
+
 
 class Dsv41Error(Exception):
     """A user-facing failure: bad input, a failed verification, an unreachable peer.
@@ -28,3 +30,37 @@ class ConfigError(Dsv41Error):
 
 class VerificationError(Dsv41Error):
     """Data on disk or on the wire does not match what a manifest or reference says."""
+
+
+def run_app(app, argv: list[str] | None = None) -> int:
+    """Run a typer ``app`` and return its exit code, turning expected failures into one line.
+
+    Usage errors, bad option values and :class:`Dsv41Error` print ``dsv41: error: <message>`` to
+    stderr and return 1 (or the error's ``exit_code``); no traceback.  Shared by the ``dsv41``
+    command and the standalone, torch-free proxy entry (``python -m dsv41.drafter.proxy_cli``).
+    """
+    import typer
+    from typer._click import exceptions as click_exc  # typer vendors click
+
+    try:
+        rv = app(args=argv, standalone_mode=False)
+    except typer.Exit as exc:
+        return int(exc.exit_code)
+    except click_exc.NoArgsIsHelpError as exc:
+        print(exc.format_message(), file=sys.stderr)
+        return 0
+    except typer.Abort:
+        print("dsv41: error: aborted", file=sys.stderr)
+        return 1
+    except click_exc.ClickException as exc:  # usage errors, bad option values
+        print(f"dsv41: error: {exc.format_message()}", file=sys.stderr)
+        return 1
+    except Dsv41Error as exc:
+        print(f"dsv41: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except BrokenPipeError:
+        return 0
+    except KeyboardInterrupt:
+        print("dsv41: error: interrupted", file=sys.stderr)
+        return 130
+    return int(rv) if isinstance(rv, int) else 0

@@ -13,7 +13,7 @@ import sys
 
 import typer
 
-from dsv41.errors import Dsv41Error
+from dsv41.errors import Dsv41Error, run_app
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="The async drafting proxy (torch-free).")
@@ -64,19 +64,7 @@ def self_test_cmd(as_json: bool = typer.Option(False, "--json", help="Print the 
 
 def main(argv: list[str] | None = None) -> int:
     """Standalone entry (``python -m dsv41.drafter.proxy_cli``): one line and exit 1 on errors."""
-    from typer._click import exceptions as click_exc
-
-    try:
-        app(args=argv, standalone_mode=False)
-    except click_exc.ClickException as exc:
-        print(f"dsv41: error: {exc.format_message()}", file=sys.stderr)
-        return 1
-    except Dsv41Error as exc:
-        print(f"dsv41: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    return run_app(app, argv)
 
 
 if __name__ == "__main__":
