@@ -1,0 +1,153 @@
+"""The vLLM contract: what the overlay patches and relies on in one vLLM release, and the checks
+made against the installed vLLM before anything is patched.  Torch-free.
+
+``vllm_contract.json`` (next to this module) is written by ``tools/vllm_contract.py`` from the
+wheel itself and committed; re-pinning vLLM means re-running the tool and reviewing the diff.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+from dsv41.errors import ConfigError, Dsv41Error
+
+FORMAT = "dsv41-vllm-contract"
+VERSION = 1
+CONTRACT_PATH = Path(__file__).with_name("vllm_contract.json")
+
+ENGRAM_FILE = "vllm/models/deepseek_v41/common/engram.py"
+SPEC_INIT_FILE = "vllm/v1/worker/gpu/spec_decode/__init__.py"
+SPECULATOR_FILE = "vllm/v1/worker/gpu/spec_decode/speculator.py"
+MODEL_RUNNER_FILE = "vllm/v1/worker/gpu/model_runner.py"
+BREAKABLE_FILE = "vllm/compilation/breakable_cudagraph.py"
+PLUGINS_FILE = "vllm/plugins/__init__.py"
+ENGRAM_CONFIG_FILE = "vllm/config/engram.py"
+#: Files whose objects the overlay replaces (Engram: ParallelEngramEmbedding._allocate_weights,
+#: .lookup, Engram._create_embedding; drafter: init_speculator in both modules).
+PATCHED_FILES = (ENGRAM_FILE, SPEC_INIT_FILE, MODEL_RUNNER_FILE)
+#: Files whose behaviour the overlay relies on without patching them.
+RELIED_FILES = (SPECULATOR_FILE, BREAKABLE_FILE, PLUGINS_FILE, ENGRAM_CONFIG_FILE)
+CHECKED_FILES = PATCHED_FILES + RELIED_FILES
+CONTRACT_TPS = (1, 2, 4)
+
+PLUGIN_NAME = "dsv41_overlay"
+PLUGIN_VALUE = "dsv41.overlay.plugin:register"
+VLLM_ENV = ("VLLM_PLUGINS", "VLLM_USE_BREAKABLE_CUDAGRAPH")
+DSV41_ENV = ("DSV41_ENGRAM_REMOTE", "DSV41_ENGRAM_REMOTE_TIMEOUT_MS", "DSV41_ENGRAM_REMOTE_REQUIRED",
+             "DSV41_RUNTIME_ROOT", "DSV41_DRAFTER_REMOTE", "DSV41_DRAFTER_DIR", "DSV41_DRAFTER_ASYNC",
+             "DSV41_DRAFTER_K", "DSV41_DRAFTER_TIMEOUT_MS")
+#: Old names, refused with the new name in the message.
+OLD_ENV = {"VLLM_ENGRAM_REMOTE": "DSV41_ENGRAM_REMOTE",
+           "VLLM_ENGRAM_REMOTE_TIMEOUT_MS": "DSV41_ENGRAM_REMOTE_TIMEOUT_MS",
+           "VLLM_ENGRAM_REMOTE_REQUIRED": "DSV41_ENGRAM_REMOTE_REQUIRED"}
+PIECEWISE_FLAG = "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}'"
+#: What the overlay requires of vLLM's compilation when Engram rows are remote: the host-side
+#: fetch runs in an eager_break_during_capture function, which re-runs at every PIECEWISE
+#: replay but is captured once (stale rows) under FULL graphs and the specialized decode.
+COMPILATION = {
+    "engram_remote": {
+        "cudagraph_mode_allowed": ["NONE", "PIECEWISE"],
+        "cudagraph_mode_refused": ["FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"],
+        "flag": PIECEWISE_FLAG,
+        "breakable_cudagraph_env": "VLLM_USE_BREAKABLE_CUDAGRAPH",
+        "breakable_cudagraph_required_for": "PIECEWISE",
+        "specialized_decode": {"additional_config_key": "decode_backend", "refused": "latency_specialized"},
+        "engram_config": {"cpu_offload": True, "dp_shared_memory": False, "engram_dp_size": 1},
+    }
+}
+
+
+class ContractMismatch(Dsv41Error):
+    """The installed vLLM is not the one the contract was written for."""
+
+
+def load(path: str | Path | None = None) -> dict[str, Any]:
+    """The contract dict; ConfigError when missing, not JSON or not this format."""
+    p = Path(path) if path is not None else CONTRACT_PATH
+    try:
+        c = json.loads(p.read_text())
+    except OSError as exc:
+        raise ConfigError(f"vLLM contract {p}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"vLLM contract {p}: not JSON ({exc})") from None
+    if not isinstance(c, dict) or c.get("format") != FORMAT or c.get("version") != VERSION:
+        raise ConfigError(f"vLLM contract {p}: not a {FORMAT} v{VERSION} file")
+    for key in ("vllm_version", "files", "ranges", "entry_point"):
+        if key not in c:
+            raise ConfigError(f"vLLM contract {p}: missing {key!r}")
+    return c
+
+
+def installed_vllm_root() -> Path | None:
+    """Directory holding the installed ``vllm`` package (its parent), found without importing
+    it; None when vLLM is not installed."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]).parent
+
+
+def installed_version() -> str | None:
+    """``vllm``'s distribution version, or None when not installed."""
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_files(contract: dict[str, Any], root: str | Path, version: str | None) -> list[str]:
+    """Every difference between the contract and the vLLM under ``root`` (``root/vllm/...``):
+    version, missing files and sha256 mismatches.  Empty list = the contract holds."""
+    problems = []
+    if version != contract["vllm_version"]:
+        problems.append(f"vLLM version {version} != contract {contract['vllm_version']}")
+    for rel, rec in sorted(contract["files"].items()):
+        p = Path(root) / rel
+        try:
+            digest = hashlib.sha256(p.read_bytes()).hexdigest()
+        except OSError:
+            problems.append(f"{rel} is missing")
+            continue
+        if digest != rec["sha256"]:
+            problems.append(f"{rel} sha256 {digest[:12]} != contract {rec['sha256'][:12]}")
+    return problems
+
+
+def expected_ranges(contract: dict[str, Any], tp: int, rank: int) -> dict[str, Any] | None:
+    """The contract's ranges of ``rank`` at ``tp`` (None when the contract has no such TP)."""
+    ranks = contract["ranges"]["tp"].get(str(tp))
+    if ranks is None or not 0 <= rank < len(ranks):
+        return None
+    return ranks[rank]
+
+
+def check_ranges(layout: Any, layer_id: int, tp: int, rank: int, got: dict[str, int],
+                 contract: dict[str, Any] | None = None) -> list[str]:
+    """Compare vLLM's ranges of one embedding (``got``: head_start, part_n_hash_cols,
+    vocab_start_idx, vocab_end_idx) with the dsv41 layout's (``layout``: EngramLayout of the
+    manifest) and, when the layout is the contract's model, with the contract's.  Returns the
+    differences (empty = agree)."""
+    li = layout.layer_index(layer_id)
+    c0, _ = layout.columns_for_rank(tp, rank)
+    lo, hi = layout.row_range(li, tp, rank)
+    part = -(-layout.n_columns // tp)
+    want = {"head_start": c0, "part_n_hash_cols": part, "vocab_start_idx": lo, "vocab_end_idx": hi}
+    problems = [f"layer {layer_id} rank {rank}/{tp}: vLLM {k}={got.get(k)} != dsv41 layout {v}"
+                for k, v in want.items() if got.get(k) != v]
+    if contract is not None:
+        rows = contract["ranges"].get("layer_rows", {})
+        same_model = [str(x) for x in layout.layer_ids] == list(rows) and \
+            [rows[str(x)] for x in layout.layer_ids] == list(layout.rows)
+        exp = expected_ranges(contract, tp, rank) if same_model else None
+        if exp is not None:
+            lay = {x["layer_id"]: x for x in exp["layers"]}.get(layer_id, {})
+            cwant = {"head_start": exp["head_start"], "part_n_hash_cols": exp["part_n_hash_cols"],
+                     "vocab_start_idx": lay.get("vocab_start_idx"), "vocab_end_idx": lay.get("vocab_end_idx")}
+            problems += [f"layer {layer_id} rank {rank}/{tp}: vLLM {k}={got.get(k)} != contract {v}"
+                         for k, v in cwant.items() if got.get(k) != v]
+    return problems
