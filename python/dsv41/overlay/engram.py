@@ -113,8 +113,8 @@ class RemoteRows:
         self._fills = "out" in inspect.signature(source.lookup).parameters
         pin = self.device.type == "cuda"
         nbytes = self.max_rows * (4 + ROW_BYTES)
-        self.h_ids = torch.empty((max_tokens, part), dtype=torch.int32, pin_memory=pin)
-        self.h_buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.h_ids = torch.empty((max_tokens, part), dtype=torch.int32, device="cpu", pin_memory=pin)
+        self.h_buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
         self.d_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self.d_w = torch.empty((self.max_rows, dim), dtype=torch.uint8, device=self.device)
         self.d_s = torch.empty((self.max_rows, dim // block), dtype=torch.uint8, device=self.device)
