@@ -219,12 +219,21 @@ def make_dsv41_spec(vllm_config: Any, env: Any = None) -> tuple[Any, int, int]:
     return spec, int(cfg.tap_layer), int(cfg.n_ctx)
 
 
+def build_speculator(base: type, vllm_config: Any, device: Any, req_states: Any, tp_group: Any, env: Any) -> Any:
+    """The OverlaySpeculator over ``base`` whose rank 0 asks the drafter ``env`` configures."""
+    cls = speculator_class(base)
+    return cls(vllm_config, device, req_states, tp_group=tp_group, make_spec=lambda cfg: make_dsv41_spec(cfg, env))
+
+
 def apply_init_speculator(module: ModuleType, settings: Any) -> None:
     """Replace ``init_speculator`` in ``module`` (vLLM's spec_decode package or the model
     runner, which binds it by name): ``method: dspark`` gets the OverlaySpeculator."""
     if getattr(module, "_dsv41_overlay", False) or not hasattr(module, "init_speculator"):
         return
     orig = module.init_speculator
+    if getattr(orig, "_dsv41_overlay", False):  # the model runner bound the already patched one
+        module._dsv41_overlay = True
+        return
 
     def init_speculator(vllm_config: Any, device: Any, req_states: Any) -> Any:
         if vllm_config.speculative_config.method != "dspark":
@@ -234,10 +243,9 @@ def apply_init_speculator(module: ModuleType, settings: Any) -> None:
         from vllm.distributed import get_tp_group
         from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
 
-        cls = speculator_class(BaseSpeculator)
-        return cls(vllm_config, device, req_states, tp_group=get_tp_group(),
-                   make_spec=lambda cfg: make_dsv41_spec(cfg, settings.env))
+        return build_speculator(BaseSpeculator, vllm_config, device, req_states, get_tp_group(), settings.env)
 
     init_speculator.__doc__ = orig.__doc__
+    init_speculator._dsv41_overlay = True  # type: ignore[attr-defined]
     module.init_speculator = init_speculator
     module._dsv41_overlay = True
