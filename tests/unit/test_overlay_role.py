@@ -1,0 +1,69 @@
+"""roles/serve under vLLM: the overlay's mount, plugin and flags appear only when something is
+remote (rollback = both off = vLLM's own launch), rendered by ansible-playbook itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PLAY = """
+- hosts: localhost
+  gather_facts: false
+  connection: local
+  vars_files: ["{repo}/roles/serve/defaults/main.yml", "{repo}/roles/serve/vars/main.yml"]
+  tasks:
+    - name: Render
+      ansible.builtin.copy:
+        content: "{{{{ serve_command }}}}"
+        dest: "{out}"
+        mode: "0644"
+"""
+
+
+def render(tmp_path: Path, **extra) -> str:
+    out = tmp_path / "cmd.txt"
+    play = tmp_path / "play.yml"
+    play.write_text(PLAY.format(repo=REPO, out=out))
+    fixed = {"serve_runtime": "vllm", "serve_image": "vllm/vllm-openai@sha256:" + "a" * 64, "dsv41_rank": 0,
+             "serve_rank0_host": "localhost", "serve_master_address": "192.0.2.1", "serve_host": "192.0.2.10",
+             "serve_fabric_ifname": "eth1", "serve_overlay_site": "/opt/dsv41/overlay/site-0123456789abcdef"}
+    args = ["-e", json.dumps({**fixed, **extra})]
+    bindir = Path(sys.executable).parent
+    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), PATH=f"{bindir}:{os.environ['PATH']}")
+    subprocess.run([str(bindir / "ansible-playbook"), "-i", "localhost,", str(play), *args], cwd=tmp_path,
+                   env=env, check=True, capture_output=True, text=True, timeout=120)
+    return out.read_text()
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("role")
+
+
+def test_nothing_remote_is_vllms_own_launch(tmp) -> None:
+    cmd = render(tmp, serve_engram_remote=False, serve_drafter_remote=False)
+    assert "vllm serve /model" in cmd
+    for absent in ("VLLM_PLUGINS", "PYTHONPATH", "overlay-site", "--compilation-config", "--speculative-config"):
+        assert absent not in cmd
+
+
+def test_remote_engram_mounts_the_overlay_and_asks_piecewise(tmp) -> None:
+    cmd = render(tmp, serve_engram_remote=True, serve_drafter_remote=False)
+    assert "-v /opt/dsv41/overlay/site-0123456789abcdef:/opt/dsv41/overlay-site:ro" in cmd
+    assert "-e PYTHONPATH=/opt/dsv41/overlay-site -e VLLM_PLUGINS=dsv41_overlay" in cmd
+    assert """--compilation-config '{"cudagraph_mode": "PIECEWISE"}'""" in cmd
+    assert "--speculative-config" not in cmd and "/opt/dsv41/drafter" not in cmd
+    assert cmd.index("overlay-site:ro") < cmd.index("vllm/vllm-openai@") < cmd.index("vllm serve")
+
+
+def test_remote_drafting_adds_the_dspark_config(tmp) -> None:
+    cmd = render(tmp, serve_engram_remote=False, serve_drafter_remote=True, serve_spec_tokens=4)
+    assert """--speculative-config '{"method": "dspark", "num_speculative_tokens": 4}'""" in cmd
+    assert "-v /opt/dsv41/drafter:/opt/dsv41/drafter:ro" in cmd and "VLLM_PLUGINS=dsv41_overlay" in cmd
+    assert "--compilation-config" not in cmd
