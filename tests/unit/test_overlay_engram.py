@@ -8,6 +8,7 @@ compares against vLLM's real kernel and lookup on CUDA.
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 from pathlib import Path
@@ -23,6 +24,7 @@ from dsv41.engram.manifest import load_manifest
 from dsv41.engram.rowsource import LocalRowSource
 from dsv41.overlay import contract as C
 from dsv41.overlay import engram as E
+from dsv41.overlay import settings as S
 
 CFG = {"engram_layer_ids": [1, 14], "engram_max_ngram_size": 4, "engram_vocab_size": 500,
        "engram_n_heads": 8, "engram_head_dim": 256, "engram_pad_token_id": 2,
@@ -214,3 +216,144 @@ def test_ranges_checked_against_layout_and_contract() -> None:
     lo, hi = small.row_range(0, 2, 0)
     assert C.check_ranges(small, 1, 2, 0, {"head_start": 0, "part_n_hash_cols": 12, "vocab_start_idx": lo,
                                            "vocab_end_idx": hi}, contract) == []
+
+
+# ----------------------------------------------------------- the patch on a fake vLLM module
+
+
+def fake_vllm_engram(tp: int, rank: int, mode: str = "PIECEWISE", cpu_offload: bool = True):
+    """A module shaped like vLLM 0.33.0's ``common/engram.py`` where the overlay touches it
+    (constructor order, ``_allocate_weights``, ``_weight_loader``, ``lookup``,
+    ``Engram._create_embedding``); the kernel is ``kernel_on_cpu`` behind vLLM's launch syntax."""
+    mod = types.ModuleType("fake_vllm_engram")
+    ns = types.SimpleNamespace
+    mod.get_current_vllm_config = lambda: ns(compilation_config=ns(cudagraph_mode=ns(name=mode)),
+                                             additional_config={}, scheduler_config=ns(max_num_batched_tokens=16))
+    mod.get_tensor_model_parallel_rank = lambda: rank
+    mod.triton = ns(cdiv=lambda a, b: -(-a // b))
+    launches = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def run(w, s, sel, dst, out, vocab_start, vocab_end, rows, st, sh, **kw):
+                launches.append(kw)
+                assert w.dtype == torch.float8_e4m3fn and kw["SORTED"] and not kw["PACKED"] and vocab_start == 0
+                kernel_on_cpu(w.view(torch.uint8), s, sel, dst, out, vocab_end, rows)
+            return run
+
+    mod._engram_lookup_kernel = Kernel()
+    mod.launches = launches
+
+    class ParallelEngramEmbedding:
+        _weight_loader = staticmethod(lambda param, w: "vllm's loader")
+
+        def __init__(self, num_embeddings, dim, head_sizes, block_size=32, cpu_offload=cpu_offload):
+            self.cpu_offload, self.dp_size, self.dp_shared_memory, self.peer_rows = cpu_offload, 1, False, 0
+            self.dim, self.block_size, self.n_hash_cols, self.tp_size = dim, block_size, len(head_sizes), tp
+            self.part_n_hash_cols = -(-self.n_hash_cols // tp)
+            self.head_start = rank * self.part_n_hash_cols
+            self.vocab_start_idx = sum(head_sizes[: self.head_start])
+            self.vocab_end_idx = sum(head_sizes[: self.head_start + self.part_n_hash_cols])
+            self.part_num_embeddings = self.vocab_end_idx - self.vocab_start_idx
+            self._num_sms = 4
+            self.weight, self.weight_scale_inv = self._allocate_weights()
+            self.loader = self._weight_loader
+
+        def _allocate_weights(self):
+            return (torch.zeros(self.part_num_embeddings, self.dim, dtype=torch.uint8),
+                    torch.zeros(self.part_num_embeddings, self.dim // 32, dtype=torch.uint8))
+
+        def lookup(self, indices, out, background=False):
+            out.fill_(7)  # "vLLM's own path"
+
+    class Engram:
+        def __init__(self, layout, li):
+            self.embed_tokens = self._create_embedding(layout, li)
+
+        def _create_embedding(self, layout, li):
+            return ParallelEngramEmbedding(layout.num_embeddings[li], 256, layout.head_sizes[li])
+
+    mod.ParallelEngramEmbedding, mod.Engram = ParallelEngramEmbedding, Engram
+    return mod
+
+
+@pytest.fixture
+def runtime(tabs, tmp_path):
+    manifest, d, layout = tabs
+    (tmp_path / "manifest.json").write_text(Path(manifest.path).read_text())
+    (tmp_path / "overlay.json").write_text(json.dumps({"tables_dir": str(d)}))
+    E._sources.clear()
+    yield tmp_path
+    for src, _ in E._sources.values():
+        src.close()
+    E._sources.clear()
+
+
+def _vlayout(layout):
+    return types.SimpleNamespace(layer_ids=layout.layer_ids, num_embeddings=layout.rows,
+                                 head_sizes=[tuple(p) for p in layout.primes])
+
+
+@pytest.mark.parametrize("tp,rank", [(1, 0), (2, 1)])
+def test_apply_takes_the_table_and_serves_exact_rows(tabs, runtime, breakable, tp: int, rank: int) -> None:
+    manifest, d, layout = tabs
+    mod = fake_vllm_engram(tp, rank)
+    settings = S.parse({"DSV41_ENGRAM_REMOTE": "tcp://127.0.0.1:1", "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "50",
+                        "DSV41_RUNTIME_ROOT": str(runtime)})
+    E.apply(mod, settings, C.load())
+    E.apply(mod, settings, C.load())  # idempotent
+    eng = mod.Engram(_vlayout(layout), 1)
+    emb = eng.embed_tokens
+    assert emb.weight.numel() == 0 and emb.weight_scale_inv.numel() == 0  # no host table
+    assert emb.loader(None, None) is None  # the checkpoint's tensor is dropped
+    assert emb._dsv41.layer_id == 14 and emb._dsv41.max_tokens == 16
+    ids = np.random.default_rng(3).integers(-1, layout.rows[1] + 2, size=(5, 24)).astype(np.int32)
+    out = torch.empty((5, emb.part_n_hash_cols, 256), dtype=torch.bfloat16)
+    emb.lookup(torch.from_numpy(ids), out, background=True)
+    he = emb.head_start + emb.part_n_hash_cols
+    ref = reference(tabs, 14, ids[:, emb.head_start:he], emb.vocab_start_idx, emb.vocab_end_idx)
+    assert same_bits(out.float().numpy().reshape(-1, 256), ref)
+    assert mod.launches[-1]["LOCAL_HEADS"] == emb.part_n_hash_cols and mod.launches[-1]["TOTAL_HEADS"] == 24
+    src = E._sources[next(iter(E._sources))][0]
+    assert src.counters()["fallbacks"] == 1  # nothing listens on port 1: exact local rows
+
+
+def test_apply_refuses_full_graphs_at_construction(tabs, runtime) -> None:
+    manifest, d, layout = tabs
+    mod = fake_vllm_engram(1, 0, mode="FULL_AND_PIECEWISE")
+    E.apply(mod, S.parse({"DSV41_ENGRAM_REMOTE": "tcp://127.0.0.1:1", "DSV41_RUNTIME_ROOT": str(runtime)}),
+            C.load())
+    with pytest.raises(E.OverlayRefused, match="PIECEWISE"):
+        mod.Engram(_vlayout(layout), 0)
+
+
+@pytest.mark.parametrize("required", [False, True])
+def test_apply_declines_what_it_cannot_serve(tabs, runtime, breakable, required: bool, caplog) -> None:
+    manifest, d, layout = tabs
+    env = {"DSV41_ENGRAM_REMOTE": "tcp://127.0.0.1:1", "DSV41_RUNTIME_ROOT": str(runtime),
+           "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "50"}
+    if required:
+        env["DSV41_ENGRAM_REMOTE_REQUIRED"] = "1"
+    settings = S.parse(env)
+    gpu_tables = fake_vllm_engram(1, 0, cpu_offload=False)
+    E.apply(gpu_tables, settings, C.load())
+    wrong_rows = fake_vllm_engram(1, 0)
+    E.apply(wrong_rows, settings, C.load())
+    bad = _vlayout(layout)
+    bad.num_embeddings = [r + 1 for r in layout.rows]
+    if required:
+        with pytest.raises(E.OverlayRefused, match="host-offloaded.*REQUIRED=1"):
+            gpu_tables.Engram(_vlayout(layout), 0)
+        with pytest.raises((E.OverlayRefused, E.Dsv41Error), match="required|rows"):
+            wrong_rows.Engram(bad, 0)
+        return
+    with caplog.at_level("ERROR", logger="dsv41.overlay"):
+        a = gpu_tables.Engram(_vlayout(layout), 0)
+        b = wrong_rows.Engram(bad, 0)
+    for eng in (a, b):  # vLLM's own table and lookup
+        assert eng.embed_tokens.weight.numel() > 0 and getattr(eng.embed_tokens, "_dsv41", None) is None
+        out = torch.zeros((1, 24, 256), dtype=torch.bfloat16)
+        eng.embed_tokens.lookup(torch.zeros((1, 24), dtype=torch.int32), out)
+        assert (out == 7).all()
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("host-offloaded" in m for m in msgs) and any("rows, the manifest" in m for m in msgs)

@@ -316,7 +316,9 @@ def apply(module: ModuleType, settings: S.OverlaySettings, contract: dict) -> No
             _decline("; ".join(problems))
             return orig_alloc(self)
         max_tokens = int(vcfg.scheduler_config.max_num_batched_tokens)
-        device = torch.device("cuda", torch.accelerator.current_device_index())
+        # vLLM builds the model on the current CUDA device; the CPU is for tests without a GPU
+        device = (torch.device("cuda", torch.accelerator.current_device_index()) if torch.cuda.is_available()
+                  else torch.device("cpu"))
         self._dsv41 = RemoteRows(
             src, layer_id, head_start=self.head_start, part=self.part_n_hash_cols, n_hash_cols=self.n_hash_cols,
             vocab_start=self.vocab_start_idx, vocab_end=self.vocab_end_idx, dim=self.dim, block=self.block_size,
