@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from dsv41.engine.model import (ENGRAM_COLUMNS, TargetModel, init_weights, load_config, load_weights, save_weights,
-                                target_identity, train_forward)
+from dsv41.engine.model import TargetModel
+from dsv41.engine.model_config import ENGRAM_COLUMNS, load_config
 from dsv41.engine.runner import LocalRunner
-from dsv41.engine.tokenizer import ByteTokenizer
 from dsv41.engine.tp import LocalComm, ordered_sum
+from dsv41.engine.weights import init_weights, load_weights, save_weights, target_identity, train_forward
 from dsv41.errors import ConfigError, Dsv41Error
+from dsv41.tokenizer import ByteTokenizer
 from test_engine_common import LAB_CONFIG, lab_assets, local_rows
 
 TOK = ByteTokenizer()

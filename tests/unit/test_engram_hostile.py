@@ -253,4 +253,4 @@ def test_huge_timeouts_are_refused(capsys, tdir: Path) -> None:
                      "tcp://127.0.0.1:1", "--rank", "0", "--lookups", "10", "--timeout-ms", "99999999999999")
     one_error(rc, err, "timeout_ms must be in (0, 600000]")
     with pytest.raises(ConfigError, match=r"in \[1, 600000\]"):
-        parse_remote_env({"VLLM_ENGRAM_REMOTE": "tcp://h:1", "VLLM_ENGRAM_REMOTE_TIMEOUT_MS": "9" * 20}, 1)
+        parse_remote_env({"DSV41_ENGRAM_REMOTE": "tcp://h:1", "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "9" * 20}, 1)

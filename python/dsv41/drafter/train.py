@@ -3,7 +3,7 @@
 Method (docs/drafter.md): the target (``dsv41.engine.runner.LocalRunner``, greedy) continues
 ``n_prompts`` snippets of the engine's own training corpus (``dsv41.engine.corpus``, seeded) by
 ``gen_tokens`` tokens. Every position ``L`` of the generated part gives one example in the engine's
-drafting convention (engine/spec.py): hidden = tap row ``L - 2``, context = tokens ``[:L]``,
+drafting convention (engine/spec_decode.py): hidden = tap row ``L - 2``, context = tokens ``[:L]``,
 targets = the target's next ``max_k`` greedy tokens ``[L : L + max_k]``. The drafter is trained
 with teacher forcing (cross-entropy summed over the draft positions, Adam), single-threaded and
 seeded, so the same inputs give the same weights (and identities). Acceptance is then measured
@@ -131,10 +131,10 @@ def train_drafter(config: str, weights: str, out: str, *, steps: int | None = No
 
     from dsv41.drafter.model import TorchDrafter
     from dsv41.engine.corpus import corpus_text
-    from dsv41.engine.model import target_identity
     from dsv41.engine.runner import LocalRunner
-    from dsv41.engine.tokenizer import ByteTokenizer
+    from dsv41.engine.weights import target_identity
     from dsv41.harness.refs import PROMPTS
+    from dsv41.tokenizer import ByteTokenizer
 
     hp = dict(DEFAULTS)
     unknown = set(overrides) - set(hp)

@@ -88,7 +88,7 @@ def token_source(layout: Any, token_map_path: str | None):
 
         return tm, gen, f"zipf ids through {token_map_path}"
     try:
-        from dsv41.engine import tokenizer as tok
+        from dsv41 import tokenizer as tok
     except ImportError:
         tok = None
     if tok is not None and layout.compressed_vocab_size == tok.COMPRESSED_VOCAB_SIZE:

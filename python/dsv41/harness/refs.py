@@ -305,7 +305,7 @@ def fetch_metrics_text(metrics_url: str, timeout_s: float = 10.0) -> str:
 
 def check_drafter(delta: dict) -> str | None:
     """None when rank 0's speculator ran drafting rounds with no identity refusal in ``delta``
-    (keys of ``dsv41.drafter.spark.COUNTER_KEYS``); otherwise one line saying why."""
+    (keys of ``dsv41.drafter.speculators.COUNTER_KEYS``); otherwise one line saying why."""
     if delta.get("identity_refusals", 0) > 0:
         return f"drafter: {int(delta['identity_refusals'])} identity refusals"
     if delta.get("rounds", 0) <= 0:

@@ -1,5 +1,6 @@
 """Spark-side speculators (local, remote, shadow, async proxy), fail-closed paths, watchdog,
-respawn budget and the environment contract - against synthetic inputs (no engine needed)."""
+respawn budget and the factory that builds them from settings - against synthetic inputs (no
+engine needed)."""
 
 from __future__ import annotations
 
@@ -11,17 +12,29 @@ import numpy as np
 import pytest
 import torch
 
-from dsv41.drafter import spark as S
+from dsv41 import envs
+from dsv41.drafter import factory
+from dsv41.drafter.async_speculator import AsyncSpeculator
 from dsv41.drafter.model import TorchDrafter, identities, random_drafter
 from dsv41.drafter.protocol import RoundItem
 from dsv41.drafter.shm import SlotState
 from dsv41.drafter.worker import DrafterWorker
-from dsv41.engine.spec import DraftInput
+from dsv41.drafter.speculators import LocalSpeculator, RemoteSpeculator, ShadowSpeculator
+from dsv41.engine.spec_decode import DraftInput
 from dsv41.errors import ConfigError
 
 torch.set_num_threads(1)
 H, V, TARGET = 16, 40, "cd" * 32
 MODEL_CFG = {"hidden_size": H, "vocab_size": V}
+
+
+def _build(env: dict, **kw):
+    """The speculator an environment asks for: parse once, then the factory."""
+    return factory.build_speculator(envs.parse(env), **kw)
+
+
+def _kv_extra(env: dict) -> int:
+    return factory.kv_budget_extra_tokens(envs.parse(env))
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +63,12 @@ def _inputs(n=2, L=9, depth=5, seed=0):
 
 
 def _expected(ddir):
-    return S.expected_identities(ddir, TARGET)
+    return factory.expected_identities(ddir, TARGET)
 
 
 def test_local_and_remote_agree_and_policy_applies(ddir, worker):
-    loc = S.LocalSpeculator(ddir, k=5)
-    rem = S.RemoteSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=2000)
+    loc = LocalSpeculator(ddir, k=5)
+    rem = RemoteSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=2000)
     batch = _inputs(2)
     a, b = loc.propose(batch), rem.propose(batch)
     for x, y in zip(a, b):
@@ -70,7 +83,7 @@ def test_local_and_remote_agree_and_policy_applies(ddir, worker):
 
 
 def test_remote_fails_closed_and_recovers_when_worker_dies(ddir, worker):
-    rem = S.RemoteSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=2000, reconnect_s=0.0)
+    rem = RemoteSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=2000, reconnect_s=0.0)
     assert rem.propose(_inputs(1))[0].tokens.size == 5
     host, port = worker.address
     worker.stop()
@@ -93,7 +106,7 @@ def test_remote_refuses_mismatching_worker(tmp_path, ddir):
     w = DrafterWorker(TorchDrafter(other), target_identity=TARGET)
     w.start()
     try:
-        rem = S.RemoteSpeculator(_url(w), _expected(ddir), k=5, timeout_ms=500, reconnect_s=0.0)
+        rem = RemoteSpeculator(_url(w), _expected(ddir), k=5, timeout_ms=500, reconnect_s=0.0)
         for _ in range(3):
             assert rem.propose(_inputs(1))[0].tokens.size == 0
         c = rem.counters()
@@ -107,7 +120,7 @@ def test_remote_timeout_fails_closed(ddir):
     w = DrafterWorker(TorchDrafter(ddir), target_identity=TARGET, delay_ms=200)
     w.start()
     try:
-        rem = S.RemoteSpeculator(_url(w), _expected(ddir), k=5, timeout_ms=20)
+        rem = RemoteSpeculator(_url(w), _expected(ddir), k=5, timeout_ms=20)
         assert rem.propose(_inputs(1))[0].tokens.size == 0
         assert rem.counters()["timeouts"] == 1
         rem.close()
@@ -116,7 +129,7 @@ def test_remote_timeout_fails_closed(ddir):
 
 
 def test_shadow_parity_counts(ddir, worker):
-    sh = S.ShadowSpeculator(_url(worker), _expected(ddir), ddir, k=5, timeout_ms=2000)
+    sh = ShadowSpeculator(_url(worker), _expected(ddir), ddir, k=5, timeout_ms=2000)
     for s in range(3):
         sh.propose(_inputs(2, seed=s))
     c = sh.counters()
@@ -150,7 +163,7 @@ def _wait_reply(spec, timeout=20.0):
 
 
 def test_async_proxy_realigned_drafts_watchdog_and_budget(ddir, worker):
-    spec = S.AsyncSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=2000, watchdog_ms=5000,
+    spec = AsyncSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=2000, watchdog_ms=5000,
                              respawns=1, window_s=60, max_context=4, max_k=7)
     try:
         batch = _inputs(1, depth=5)
@@ -193,7 +206,7 @@ def test_async_proxy_realigned_drafts_watchdog_and_budget(ddir, worker):
 
 
 def test_async_stuck_proxy_detected(ddir, worker):
-    spec = S.AsyncSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=2000, watchdog_ms=300,
+    spec = AsyncSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=2000, watchdog_ms=300,
                              respawns=0, window_s=60, max_context=4)
     try:
         assert spec.wait_ready(20)  # connected: idle, beating every loop (no promise ahead)
@@ -209,7 +222,7 @@ def test_async_stuck_proxy_detected(ddir, worker):
 
 def test_async_identity_refusal_via_proxy(tmp_path, ddir, worker):
     bad = dict(_expected(ddir), markov="00" * 32)
-    spec = S.AsyncSpeculator(_url(worker), bad, k=5, timeout_ms=500, max_context=4)
+    spec = AsyncSpeculator(_url(worker), bad, k=5, timeout_ms=500, max_context=4)
     try:
         assert spec.wait_ready(30) is False  # refused, not connected
         spec.propose(_inputs(1))
@@ -222,16 +235,16 @@ def test_async_identity_refusal_via_proxy(tmp_path, ddir, worker):
 
 
 def test_env_contract(ddir, worker, monkeypatch):
-    assert S.speculator_from_env({}, model_cfg=MODEL_CFG, target_identity=TARGET) is None
-    loc = S.speculator_from_env({"DSV41_DRAFTER_LOCAL": ddir, "DSV41_DRAFTER_K": "3"}, model_cfg=MODEL_CFG,
+    assert _build({}, model_cfg=MODEL_CFG, target_identity=TARGET) is None
+    loc = _build({"DSV41_DRAFTER_LOCAL": ddir, "DSV41_DRAFTER_K": "3"}, model_cfg=MODEL_CFG,
                                 target_identity=TARGET)
-    assert isinstance(loc, S.LocalSpeculator) and loc.k == 3
+    assert isinstance(loc, LocalSpeculator) and loc.k == 3
     env = {"DSV41_DRAFTER_REMOTE": _url(worker), "DSV41_DRAFTER_DIR": ddir}
-    rem = S.speculator_from_env(env, model_cfg=MODEL_CFG, target_identity=TARGET)
-    assert type(rem) is S.RemoteSpeculator
+    rem = _build(env, model_cfg=MODEL_CFG, target_identity=TARGET)
+    assert type(rem) is RemoteSpeculator
     rem.close()
-    sh = S.speculator_from_env({**env, "DSV41_DRAFTER_SHADOW": "1"}, model_cfg=MODEL_CFG, target_identity=TARGET)
-    assert isinstance(sh, S.ShadowSpeculator)
+    sh = _build({**env, "DSV41_DRAFTER_SHADOW": "1"}, model_cfg=MODEL_CFG, target_identity=TARGET)
+    assert isinstance(sh, ShadowSpeculator)
     sh.close()
     bad = [
         ({"DSV41_DRAFTER_REMOTE": _url(worker)}, "DSV41_DRAFTER_DIR"),
@@ -247,25 +260,25 @@ def test_env_contract(ddir, worker, monkeypatch):
     ]
     for e, msg in bad:
         with pytest.raises(Exception, match=msg):
-            S.speculator_from_env(e, model_cfg=MODEL_CFG, target_identity=TARGET)
+            _build(e, model_cfg=MODEL_CFG, target_identity=TARGET)
     with pytest.raises(ConfigError, match="hidden_size"):
-        S.speculator_from_env(env, model_cfg={"hidden_size": H * 2}, target_identity=TARGET)
+        _build(env, model_cfg={"hidden_size": H * 2}, target_identity=TARGET)
     with pytest.raises(ConfigError, match="distilled for target"):
-        S.speculator_from_env(env, model_cfg=MODEL_CFG, target_identity="ff" * 32)
+        _build(env, model_cfg=MODEL_CFG, target_identity="ff" * 32)
     assert identities(ddir)["target"] == TARGET
 
 
 def test_capacity_mode():
-    assert S.kv_budget_extra_tokens({}) == 0
+    assert _kv_extra({}) == 0
     on = {"DSV41_DRAFTER_CAPACITY_MODE": "1", "DSV41_DRAFTER_REMOTE": "tcp://127.0.0.1:1",
           "DSV41_DRAFTER_LOCAL_MEMORY_TOKENS": "4096"}
-    assert S.kv_budget_extra_tokens(on) == 4096
-    assert S.kv_budget_extra_tokens({**on, "DSV41_DRAFTER_REMOTE": ""}) == 0  # no remote drafter: nothing freed
+    assert _kv_extra(on) == 4096
+    assert _kv_extra({**on, "DSV41_DRAFTER_REMOTE": ""}) == 0  # no remote drafter: nothing freed
     for e, msg in [({**on, "DSV41_DRAFTER_LOCAL_MEMORY_TOKENS": "0"}, "> 0"),
                    ({**on, "DSV41_DRAFTER_LOCAL_MEMORY_TOKENS": "lots"}, "integer"),
                    ({**on, "DSV41_DRAFTER_LOCAL": "/x"}, "frees no memory")]:
         with pytest.raises(ConfigError, match=msg):
-            S.kv_budget_extra_tokens(e)
+            _kv_extra(e)
 
 
 def _shm_path(name: str) -> str:
@@ -275,7 +288,7 @@ def _shm_path(name: str) -> str:
 def test_async_garbage_in_ring_replaces_proxy_and_fails_closed(ddir, worker):
     import struct
 
-    spec = S.AsyncSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=2000, respawns=1, window_s=60,
+    spec = AsyncSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=2000, respawns=1, window_s=60,
                              max_context=4)
     try:
         batch = _inputs(1)
@@ -294,7 +307,7 @@ def test_async_garbage_in_ring_replaces_proxy_and_fails_closed(ddir, worker):
 
 
 def test_no_shm_left_after_normal_close_or_engine_kill(ddir, worker):
-    spec = S.AsyncSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=2000, max_context=4)
+    spec = AsyncSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=2000, max_context=4)
     name, pid = spec.ring.name, spec.proxy_pid
     assert spec.wait_ready(20)
     spec.close()
@@ -305,7 +318,7 @@ def test_no_shm_left_after_normal_close_or_engine_kill(ddir, worker):
     import subprocess
     import sys
 
-    code = ("import sys, time; from dsv41.drafter.spark import AsyncSpeculator; "
+    code = ("import sys, time; from dsv41.drafter.async_speculator import AsyncSpeculator; "
             "s = AsyncSpeculator(sys.argv[1], {}, nap_us=50); "
             "print(s.ring.name, s.proxy_pid, flush=True); time.sleep(60)")
     eng = subprocess.Popen([sys.executable, "-c", code, _url(worker)], stdout=subprocess.PIPE, text=True,
@@ -339,7 +352,7 @@ def test_async_proxy_that_cannot_start_leaks_nothing(ddir, worker, monkeypatch):
     real = shm.Ring.create.__func__
     monkeypatch.setattr(shm.Ring, "create", classmethod(lambda cls, *a: made.append(real(cls, *a)) or made[-1]))
     # a proxy that cannot start at engine start-up: fail closed (no drafts, counted), no leak
-    down = S.AsyncSpeculator(_url(worker), _expected(ddir), proxy_cmd=["/nonexistent-dsv41-python"])
+    down = AsyncSpeculator(_url(worker), _expected(ddir), proxy_cmd=["/nonexistent-dsv41-python"])
     try:
         assert down.proxy_pid is None and down.ring is None
         assert down.propose(_inputs(1))[0].tokens.size == 0
@@ -348,7 +361,7 @@ def test_async_proxy_that_cannot_start_leaks_nothing(ddir, worker, monkeypatch):
         down.close()
     assert made and not os.path.exists(_shm_path(made[-1].name))
     # a respawn that fails keeps the engine decoding (no drafts) and leaves nothing behind
-    spec = S.AsyncSpeculator(_url(worker), _expected(ddir), k=5, respawns=2, max_context=4)
+    spec = AsyncSpeculator(_url(worker), _expected(ddir), k=5, respawns=2, max_context=4)
     try:
         spec.proxy_cmd = ["/nonexistent-dsv41-python"]
         os.kill(spec.proxy_pid, signal.SIGKILL)
@@ -363,7 +376,7 @@ def test_async_proxy_that_cannot_start_leaks_nothing(ddir, worker, monkeypatch):
 
 def test_async_round_never_readable_replaces_proxy(ddir, worker):
     now = [1000.0]
-    spec = S.AsyncSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=50, watchdog_ms=5000, respawns=1,
+    spec = AsyncSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=50, watchdog_ms=5000, respawns=1,
                              max_context=4, clock=lambda: now[0])
     try:
         assert spec.wait_ready(20)
@@ -394,7 +407,7 @@ def test_async_round_longer_than_watchdog_is_not_a_hang(ddir):
     timeout) announces when it will be back; the watchdog must not kill it."""
     slow = DrafterWorker(TorchDrafter(ddir), target_identity=TARGET, delay_ms=500)
     slow.start()
-    spec = S.AsyncSpeculator(_url(slow), _expected(ddir), k=5, timeout_ms=1500, watchdog_ms=150, respawns=3,
+    spec = AsyncSpeculator(_url(slow), _expected(ddir), k=5, timeout_ms=1500, watchdog_ms=150, respawns=3,
                              max_context=4)
     try:
         assert spec.wait_ready(20)
