@@ -271,7 +271,7 @@ def test_env_contract(ddir, worker, monkeypatch):
 def test_capacity_mode():
     assert _kv_extra({}) == 0
     on = {"DSV41_DRAFTER_CAPACITY_MODE": "1", "DSV41_DRAFTER_REMOTE": "tcp://127.0.0.1:1",
-          "DSV41_DRAFTER_LOCAL_MEMORY_TOKENS": "4096"}
+          "DSV41_DRAFTER_DIR": "/d", "DSV41_DRAFTER_LOCAL_MEMORY_TOKENS": "4096"}
     assert _kv_extra(on) == 4096
     assert _kv_extra({**on, "DSV41_DRAFTER_REMOTE": ""}) == 0  # no remote drafter: nothing freed
     for e, msg in [({**on, "DSV41_DRAFTER_LOCAL_MEMORY_TOKENS": "0"}, "> 0"),

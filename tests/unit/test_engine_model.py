@@ -92,7 +92,7 @@ def test_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.json")
     (tmp_path / "bad.json").write_text("{")
-    with pytest.raises(ConfigError, match="not readable JSON"):
+    with pytest.raises(ConfigError, match="not valid JSON"):  # engram.config reads the file
         load_config(tmp_path / "bad.json")
     assert load_config({"text_config": base}).hidden_size == 128
 
