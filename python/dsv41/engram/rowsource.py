@@ -42,7 +42,7 @@ class RowSource(Protocol):
 
 
 class LocalRowSource:
-    """RowSource over a :class:`~dsv41.engram.tables.LocalRowReader` (the exact local path).
+    """RowSource over a :class:`~dsv41.engram.reader.LocalRowReader` (the exact local path).
 
     Counts lookups, rows and latency; fallbacks/transport_errors/refusals/reconnects stay 0.
     Thread-safe.
@@ -148,7 +148,7 @@ def from_env(manifest: Any, data_dir: str | os.PathLike | None, rank: int, tp: i
     ``manifest``: Manifest or path.  ConfigError on bad env, rank/tp, or a missing client.
     """
     from dsv41.engram.manifest import Manifest, load_manifest
-    from dsv41.engram.tables import LocalRowReader
+    from dsv41.engram.reader import LocalRowReader
 
     env = os.environ if env is None else env
     if not isinstance(tp, int) or tp < 1:
