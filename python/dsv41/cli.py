@@ -33,6 +33,7 @@ _GROUPS = [
     ("bench", "dsv41.harness.bench_cli", "Benchmark client: TTFT, step_ms, tok/s, acceptance."),
     ("window", "dsv41.harness.window_cli", "Fenced windows and the WIN2 decision rule."),
     ("refs", "dsv41.harness.refs_cli", "Greedy reference prompts: record and verify."),
+    ("metrics", "dsv41.harness.metrics_cli", "Read a Prometheus /metrics endpoint as JSON."),
 ]
 
 
