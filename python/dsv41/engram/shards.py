@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from dsv41.errors import Dsv41Error, VerificationError
 
@@ -53,7 +54,7 @@ class RowRangeError(Dsv41Error):
     """A requested row id is outside the table (or the layer has no table)."""
 
 
-def check_row_ids(rows: Any, n_rows: int, layer_id: int) -> np.ndarray:
+def check_row_ids(rows: ArrayLike, n_rows: int, layer_id: int) -> np.ndarray:
     """Validate global row ids of one table: ``rows`` int[N] (any integer dtype, 1-D) ->
     int64[N].  RowRangeError for a non-1-D / non-integer array or any id outside
     ``[0, n_rows)`` (naming the first bad id).  The one row-range check of the package: the
