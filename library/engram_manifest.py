@@ -11,8 +11,12 @@ short_description: Verify Engram table shards against a trusted dsv41 manifest
 description:
   - Loads the manifest with C(dsv41.engram.manifest.load_manifest) (JSON Schema) and verifies the
     shards with C(dsv41.engram.manifest.verify) (sizes, chunked sha256, table identities).
-  - Keeps a cache of verified files keyed by (size, mtime_ns, inode) and the manifest's sha256,
-    so an unchanged shard is not rehashed on every run; a changed or new file is verified again.
+  - Keeps a cache of verified files (C(dsv41.engram.manifest.verify)'s) keyed by size, mtime_ns,
+    ctime_ns, device and inode and by the manifest's content, so an unchanged shard is not
+    rehashed on every run. A write to a shard changes its ctime, which a user cannot set back, so
+    a changed file is verified again even when its mtime was restored.
+  - O(verify=full) re-hashes every shard whatever the cache says (for a schedule, or after a
+    suspicion the cache cannot see, such as corruption below the file system).
   - A failure names the file and chunk (the message of C(VerificationError)).
 options:
   manifest:
@@ -35,6 +39,13 @@ options:
   workers:
     description: Hashing threads (default chosen by dsv41).
     type: int
+  verify:
+    description:
+      - V(cached) skips shards whose cache entry matches; V(full) re-hashes every shard and
+        rewrites the cache.
+    type: str
+    choices: [cached, full]
+    default: cached
 attributes:
   check_mode:
     support: full
@@ -56,6 +67,15 @@ EXAMPLES = r"""
     cache: /opt/dsv41/tables/.verified.json
   vars:
     ansible_python_interpreter: /opt/dsv41/venv/bin/python
+
+- name: Re-hash every shard whatever the cache says (scheduled)
+  engram_manifest:
+    manifest: /opt/dsv41/tables/manifest.json
+    data_dir: /opt/dsv41/tables
+    cache: /opt/dsv41/tables/.verified.json
+    verify: full
+  vars:
+    ansible_python_interpreter: /opt/dsv41/venv/bin/python
 """
 
 RETURN = r"""
@@ -70,7 +90,7 @@ verified:
   type: list
   elements: str
 cached:
-  description: Files skipped because the cache entry matched (size, mtime_ns, inode, manifest).
+  description: Files skipped because the cache entry matched (size, mtime_ns, ctime_ns, device, inode, manifest).
   returned: always
   type: list
   elements: str
@@ -78,6 +98,10 @@ cache_updated:
   description: Whether the cache file was written.
   returned: always
   type: bool
+verify:
+  description: The verify mode used, V(cached) or V(full).
+  returned: always
+  type: str
 tables:
   description: Layer id, file and identity of each table.
   returned: always
@@ -85,11 +109,6 @@ tables:
   elements: dict
 """
 
-import dataclasses
-import hashlib
-import json
-import os
-import tempfile
 import traceback
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
@@ -104,49 +123,6 @@ else:
     HAS_DSV41 = True
     DSV41_IMPORT_ERROR = None
 
-CACHE_FORMAT = "dsv41-verify-cache/1"
-
-
-def file_key(path):
-    """(size, mtime_ns, inode) of ``path``; None if it does not exist."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return [st.st_size, st.st_mtime_ns, st.st_ino]
-
-
-def load_cache(path, manifest_sha):
-    """Cached {file: key} for this manifest; empty when absent, unreadable or for another manifest."""
-    if not path:
-        return {}
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(doc, dict) or doc.get("format") != CACHE_FORMAT or doc.get("manifest_sha256") != manifest_sha:
-        return {}
-    files = doc.get("files")
-    return files if isinstance(files, dict) else {}
-
-
-def save_cache(module, path, manifest_sha, files):
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".verify-cache.")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"format": CACHE_FORMAT, "manifest_sha256": manifest_sha, "files": files}, f, indent=1, sort_keys=True)
-    module.atomic_move(tmp, path)
-
-
-def subset(man, names):
-    """The manifest restricted to the files called ``names`` (a dataclass copy; verify() walks
-    ``files``), or the whole manifest when it is not a dataclass."""
-    if dataclasses.is_dataclass(man) and any(f.name == "files" for f in dataclasses.fields(man)):
-        return dataclasses.replace(man, files=[f for f in man.files if f["name"] in names])
-    return man
-
 
 def main():
     module = AnsibleModule(
@@ -156,17 +132,13 @@ def main():
             cache=dict(type="path", default=""),
             identities=dict(type="dict", default={}),
             workers=dict(type="int"),
+            verify=dict(type="str", default="cached", choices=["cached", "full"]),
         ),
         supports_check_mode=True,
     )
     if not HAS_DSV41:
         module.fail_json(msg=missing_required_lib("dsv41"), exception=DSV41_IMPORT_ERROR)
     p = module.params
-    try:
-        with open(p["manifest"], "rb") as f:
-            manifest_sha = hashlib.sha256(f.read()).hexdigest()
-    except OSError as exc:
-        module.fail_json(msg="cannot read manifest %s: %s" % (p["manifest"], exc.strerror))
     try:
         man = dsv41_manifest.load_manifest(p["manifest"])
     except Dsv41Error as exc:
@@ -177,21 +149,14 @@ def main():
         if have != [str(want)]:
             module.fail_json(msg="manifest %s: layer %s identity %s, expected %s" % (
                 p["manifest"], layer, have[0] if have else "missing", want), tables=tables)
-    files = sorted({f["name"] for f in man.files})
-    cache = load_cache(p["cache"], manifest_sha)
-    keys = {f: file_key(os.path.join(p["data_dir"], f)) for f in files}
-    todo = [f for f in files if keys[f] is None or cache.get(f) != keys[f]]
-    if todo:
-        try:
-            dsv41_manifest.verify(subset(man, set(todo)), p["data_dir"], workers=p["workers"], progress=False)
-        except Dsv41Error as exc:
-            module.fail_json(msg=str(exc), manifest=p["manifest"], data_dir=p["data_dir"], tables=tables)
-    new_cache = {f: keys[f] for f in files}
-    cache_updated = bool(p["cache"]) and new_cache != cache and not module.check_mode
-    if cache_updated:
-        save_cache(module, p["cache"], manifest_sha, new_cache)
-    module.exit_json(changed=False, files=files, verified=todo, cached=[f for f in files if f not in todo],
-                     cache_updated=cache_updated, tables=tables)
+    try:
+        report = dsv41_manifest.verify(man, p["data_dir"], workers=p["workers"], progress=False,
+                                       cache=p["cache"] or None, mode=p["verify"],
+                                       update_cache=not module.check_mode)
+    except Dsv41Error as exc:
+        module.fail_json(msg=str(exc), manifest=p["manifest"], data_dir=p["data_dir"], tables=tables)
+    module.exit_json(changed=False, files=sorted(report.files), verified=sorted(report.verified), cached=sorted(report.cached),
+                     cache_updated=report.cache_updated, verify=p["verify"], tables=tables)
 
 
 if __name__ == "__main__":

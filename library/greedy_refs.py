@@ -125,8 +125,6 @@ summary:
   type: str
 """
 
-import os
-import time
 import traceback
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
@@ -140,40 +138,6 @@ except ImportError:
 else:
     HAS_DSV41 = True
     DSV41_IMPORT_ERROR = None
-
-
-def run_once(module, mode, result):
-    """Run the prompts once (record or verify), reading the counters around them.
-
-    Returns (comparison, problem) where problem is None or one line about the counters.
-    """
-    p = module.params
-    before = dsv41_refs.fetch_metrics_text(p["metrics_url"]) if p["metrics_url"] else None
-    if mode == "record":
-        doc = dsv41_refs.run_prompts(p["endpoint"], None, p["max_tokens"], timeout_s=p["timeout"])
-        cmp = dsv41_refs.compare(doc, doc)
-        if not module.check_mode:
-            dsv41_refs.save_refs(doc, p["path"])
-        result.update(changed=True)
-        result.setdefault("action", "recorded")
-    else:
-        cmp = dsv41_refs.verify(p["endpoint"], dsv41_refs.load_refs(p["path"]), timeout_s=p["timeout"])
-        result.setdefault("action", "verified")
-    problems = []
-    if before is not None:
-        after = dsv41_refs.fetch_metrics_text(p["metrics_url"])
-        engram = dsv41_refs.counter_delta(dsv41_refs.engram_counters(before, p["metrics_prefix"]),
-                                          dsv41_refs.engram_counters(after, p["metrics_prefix"]))
-        drafter = dsv41_refs.counter_delta({"": dsv41_refs.flat_values(before, "dsv41_drafter_")},
-                                           {"": dsv41_refs.flat_values(after, "dsv41_drafter_")})[""]
-        result.update(counters_delta=engram, drafter_delta=drafter)
-        if p["require_ranks"]:
-            problems.append(dsv41_refs.check_remote_engram(engram, p["require_ranks"]))
-        if p["require_drafter"]:
-            problems.append(dsv41_refs.check_drafter(drafter))
-    d = cmp.to_dict()
-    result.update(identical=d["identical"], total=d["total"], prompts=d["prompts"], summary=cmp.summary())
-    return cmp, "; ".join(x for x in problems if x) or None
 
 
 def main():
@@ -197,31 +161,18 @@ def main():
     if not HAS_DSV41:
         module.fail_json(msg=missing_required_lib("dsv41"), exception=DSV41_IMPORT_ERROR)
     p = module.params
-    mode = p["mode"]
-    if mode == "auto":
-        mode = "verify" if os.path.exists(p["path"]) else "record"
-    if p["require_ranks"] and not p["metrics_url"]:
-        module.fail_json(msg="require_ranks needs metrics_url")
-    result = dict(changed=False)
-    attempt = 0
     try:
-        while True:
-            attempt += 1
-            cmp, problem = run_once(module, mode, result)
-            if mode == "record" and not module.check_mode:
-                mode = "verify"  # recorded once; later attempts compare against it
-            if cmp.identical != cmp.total or problem is None or attempt >= p["attempts"]:
-                break
-            time.sleep(p["delay"])
+        res = dsv41_refs.check(p["endpoint"], p["path"], mode=p["mode"], max_tokens=p["max_tokens"],
+                               timeout_s=p["timeout"], metrics_url=p["metrics_url"],
+                               metrics_prefix=p["metrics_prefix"], require_ranks=p["require_ranks"],
+                               require_drafter=p["require_drafter"], attempts=p["attempts"],
+                               delay_s=p["delay"], write=not module.check_mode)
     except Dsv41Error as exc:
         module.fail_json(msg=str(exc), endpoint=p["endpoint"], path=p["path"])
-    result["attempts"] = attempt
-    if cmp.identical != cmp.total:
-        result["msg"] = "greedy references differ from %s: %s" % (p["path"], cmp.summary())
-        module.fail_json(**result)
-    if problem:
-        result["msg"] = "counters while the references ran (%d attempt(s)): %s" % (attempt, problem)
-        module.fail_json(**result)
+    result = dict(changed=res.action == "recorded", **res.to_dict())
+    msg = res.message(p["path"])
+    if msg:
+        module.fail_json(msg=msg, **result)
     module.exit_json(**result)
 
 

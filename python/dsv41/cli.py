@@ -32,6 +32,7 @@ GROUPS = [
     ("drafter", "dsv41.drafter.cli", "Remote drafter worker and tools."),
     ("proxy", "dsv41.drafter.proxy_cli", "The async drafting proxy (torch-free)."),
     ("refs", "dsv41.harness.refs_cli", "Greedy reference prompts: record and verify."),
+    ("metrics", "dsv41.harness.metrics_cli", "Read a Prometheus /metrics endpoint as JSON."),
 ]
 
 

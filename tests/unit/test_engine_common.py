@@ -3,7 +3,7 @@
 Other engine test modules import this file (``from test_engine_common import ...``); the assets
 are built once per session under pytest's base temp dir: a config with a short training run
 (``train_steps`` 40, so weights take seconds), the weights, and real synthetic tables from
-``dsv41.engram.tables.write_synthetic_tables``.
+``dsv41.engram.synthetic.write_synthetic_tables``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def lab_assets(tmp_path_factory, train_steps: int = 40, table_seed: int = 5) -> 
 
     from dsv41.engine.model_config import load_config
     from dsv41.engine.weights import init_weights, save_weights
-    from dsv41.engram.tables import write_synthetic_tables
+    from dsv41.engram.synthetic import write_synthetic_tables
 
     base.mkdir(parents=True, exist_ok=True)
     cfg = json.loads(LAB_CONFIG.read_text())

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from dsv41 import envs
-from dsv41.engram import tables
+from dsv41.engram import reader
+from dsv41.engram import synthetic
 from dsv41.engram.manifest import load_manifest
 from dsv41.engram.rowsource import (
     COUNTER_KEYS,
@@ -30,7 +31,7 @@ LAB = REPO / "python/dsv41/data/lab_model.json"
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("rs")
-    tables.write_synthetic_tables(LAB, d, seed=2, rows_override=[3000, 2000], chunk_size=1 << 20)
+    synthetic.write_synthetic_tables(LAB, d, seed=2, rows_override=[3000, 2000], chunk_size=1 << 20)
     return d
 
 
@@ -39,7 +40,7 @@ def test_local_source_from_empty_env(data: Path) -> None:
         src = from_env(data / "manifest.json", data, 0, 2, settings=envs.parse(env))
         assert isinstance(src, LocalRowSource) and isinstance(src, RowSource)
         ids = np.asarray([1, 2999, 7])
-        np.testing.assert_array_equal(src.lookup(1, ids), tables.synthetic_rows(2, 1, 3000, ids))
+        np.testing.assert_array_equal(src.lookup(1, ids), synthetic.synthetic_rows(2, 1, 3000, ids))
         src.lookup(2, np.asarray([0]))
         c = src.counters()
         assert set(COUNTER_KEYS) <= set(c)
@@ -135,7 +136,7 @@ def test_remote_constructs_client(data: Path, monkeypatch) -> None:
     assert isinstance(src, Fake)
     assert seen["urls"] == ["tcp://198.18.1.1:7000@198.18.1.2", "nixl://198.18.2.1:7000"]
     assert (seen["rank"], seen["tp"], seen["timeout_ms"], seen["required"]) == (1, 2, 50, True)
-    assert isinstance(seen["local"], tables.LocalRowReader)
+    assert isinstance(seen["local"], reader.LocalRowReader)
     seen["local"].close()
     from_env(data / "manifest.json", None, 0, 2, settings=envs.parse(env))
     assert seen["local"] is None

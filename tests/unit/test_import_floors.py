@@ -34,11 +34,8 @@ FLOORS: list[tuple[str, ...]] = [
 ]
 
 # Module pairs allowed to import each other. Each entry names the change that removes it.
-KNOWN_CIRCLES: set[frozenset[str]] = {
-    # engram/tables.py <-> engram/manifest.py: the engram branch (issue 9, "engram/tables.py by
-    # concern") splits tables.py so that manifest imports only the shard format; drop this then.
-    frozenset({"dsv41.engram.manifest", "dsv41.engram.tables"}),
-}
+# Module pairs allowed to import each other (none: keep it that way).
+KNOWN_CIRCLES: set[frozenset[str]] = set()
 
 
 def _modules() -> dict[str, Path]:

@@ -16,10 +16,10 @@ LAB = REPO / "python/dsv41/data/lab_model.json"
 
 @pytest.fixture(scope="module")
 def golden(tmp_path_factory):
-    from dsv41.engram import tables
+    from dsv41.engram import synthetic
 
     d = tmp_path_factory.mktemp("golden")
-    tables.write_synthetic_tables(LAB, d, seed=3, rows_override=[600, 300], chunk_size=1 << 16)
+    synthetic.write_synthetic_tables(LAB, d, seed=3, rows_override=[600, 300], chunk_size=1 << 16)
     return d
 
 
@@ -34,15 +34,17 @@ def data(golden, tmp_path):
 
 @pytest.fixture
 def count_verify(monkeypatch):
-    """Count the files each dsv41 verify() call hashes (the real function still runs)."""
+    """Record the files each dsv41 verify() call hashes (the real hashing still runs); calls
+    that hash nothing are not recorded."""
     calls = []
-    real = engram_manifest.dsv41_manifest.verify
+    real = engram_manifest.dsv41_manifest._verify_files
 
-    def wrapped(man, data_dir=None, **kw):
-        calls.append(sorted(f["name"] for f in man.files))
-        return real(man, data_dir, **kw)
+    def wrapped(man, d, files, *a, **kw):
+        if files:
+            calls.append(sorted(f["name"] for f in files))
+        return real(man, d, files, *a, **kw)
 
-    monkeypatch.setattr(engram_manifest.dsv41_manifest, "verify", wrapped)
+    monkeypatch.setattr(engram_manifest.dsv41_manifest, "_verify_files", wrapped)
     return calls
 
 
@@ -95,7 +97,7 @@ def test_identity_mismatch_fails(data, run_module):
 
 def test_missing_and_invalid_manifest(data, tmp_path, run_module):
     kind, res = run_module(engram_manifest, _args(data, manifest=str(tmp_path / "none.json")))
-    assert kind == "fail" and "cannot read manifest" in res["msg"]
+    assert kind == "fail" and "none.json does not exist" in res["msg"]
     bad = tmp_path / "bad.json"
     bad.write_text('{"format": "x"}')
     kind, res = run_module(engram_manifest, _args(data, manifest=str(bad)))
@@ -107,3 +109,49 @@ def test_stale_cache_of_another_manifest_is_ignored(data, count_verify, run_modu
                                                      "files": {}}))
     kind, res = run_module(engram_manifest, _args(data))
     assert kind == "exit" and len(res["verified"]) == 2
+
+
+def _flip_byte_keep_mtime(path: Path, offset: int) -> None:
+    """Overwrite one byte in place (same size, same inode) and put the old mtime back."""
+    st = path.stat()
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ 1]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_mtime_ns == st.st_mtime_ns and path.stat().st_size == st.st_size
+
+
+def test_in_place_write_with_mtime_restored_is_caught(data, run_module):
+    """Issue 10 item 3: one byte overwritten in place, mtime set back -> the cached run re-hashes
+    (ctime moved) and fails naming the file and chunk."""
+    kind, res = run_module(engram_manifest, _args(data))
+    assert kind == "exit" and res["cache_updated"]
+    name = json.loads((data / "manifest.json").read_text())["files"][0]["name"]
+    _flip_byte_keep_mtime(data / name, 70000)
+    kind, res = run_module(engram_manifest, _args(data))
+    assert kind == "fail" and f"{name}: chunk 1 bytes [65536, 131072)" in res["msg"]
+
+
+def test_full_mode_rehashes_everything(data, count_verify, run_module):
+    kind, res = run_module(engram_manifest, _args(data))
+    assert kind == "exit" and len(count_verify) == 1
+    kind, res = run_module(engram_manifest, _args(data, verify="full"))
+    assert kind == "exit" and res["verified"] == res["files"] and res["cached"] == [] and res["verify"] == "full"
+    assert count_verify[-1] == res["files"]
+    kind, res = run_module(engram_manifest, _args(data, verify="sometimes"))
+    assert kind == "fail" and "verify" in res["msg"]
+
+
+def test_old_format_cache_is_rehashed(data, count_verify, run_module):
+    """A version-1 cache (size, mtime, inode only) is not trusted: everything is hashed once."""
+    from dsv41.engram import manifest as mf
+
+    man = mf.load_manifest(data / "manifest.json")
+    keys = {f["name"]: [(data / f["name"]).stat().st_size, (data / f["name"]).stat().st_mtime_ns,
+                        (data / f["name"]).stat().st_ino] for f in man.files}
+    (data / ".verified.json").write_text(json.dumps({"format": "dsv41-verify-cache/1",
+                                                     "manifest_sha256": mf.manifest_digest(man), "files": keys}))
+    kind, res = run_module(engram_manifest, _args(data))
+    assert kind == "exit" and len(res["verified"]) == 2 and res["cache_updated"]

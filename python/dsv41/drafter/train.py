@@ -35,7 +35,7 @@ DEFAULTS = {"n_prompts": 24, "prompt_chars": 48, "gen_tokens": 48, "steps": 300,
 
 class SyntheticRowSource:
     """A ``RowSource`` serving the synthetic Engram tables of ``make-tables --seed`` from memory
-    (``dsv41.engram.tables.synthetic_rows``, materialised once per layer: 264 B x rows, ~50 MB
+    (``dsv41.engram.synthetic.synthetic_rows``, materialised once per layer: 264 B x rows, ~50 MB
     for the lab model), so training needs no table files."""
 
     def __init__(self, model_cfg: dict, seed: int) -> None:
@@ -47,7 +47,7 @@ class SyntheticRowSource:
         self._tables: dict[int, np.ndarray] = {}
 
     def lookup(self, layer_id: int, rows: np.ndarray) -> np.ndarray:
-        from dsv41.engram.tables import synthetic_rows
+        from dsv41.engram.synthetic import synthetic_rows
 
         t = self._tables.get(layer_id)
         if t is None:
@@ -74,7 +74,7 @@ def make_row_source(config_path: str, manifest: str | None, data: str | None, ta
             raise ConfigError("--manifest and --data go together")
         from dsv41.engram.manifest import load_manifest
         from dsv41.engram.rowsource import LocalRowSource
-        from dsv41.engram.tables import LocalRowReader
+        from dsv41.engram.reader import LocalRowReader
 
         return LocalRowSource(LocalRowReader(load_manifest(manifest), data))
     try:

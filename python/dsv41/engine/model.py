@@ -187,7 +187,7 @@ class TargetModel:
         """
         import torch
 
-        from dsv41.engram.tables import dequantize
+        from dsv41.engram.dequant import dequantize
 
         N = x.shape[0]
         H, hc = self.cfg.hidden_size, self.cfg.hc_mult

@@ -45,7 +45,7 @@ class RowSource(Protocol):
 
 
 class LocalRowSource:
-    """RowSource over a :class:`~dsv41.engram.tables.LocalRowReader` (the exact local path).
+    """RowSource over a :class:`~dsv41.engram.reader.LocalRowReader` (the exact local path).
 
     Counts lookups, rows and latency; fallbacks/transport_errors/refusals/reconnects stay 0.
     Thread-safe.
@@ -151,7 +151,7 @@ def from_env(manifest: Any, data_dir: str | os.PathLike | None, rank: int, tp: i
     ``manifest``: Manifest or path.  ConfigError on bad settings, rank/tp, or a missing client.
     """
     from dsv41.engram.manifest import Manifest, load_manifest
-    from dsv41.engram.tables import LocalRowReader
+    from dsv41.engram.reader import LocalRowReader
 
     settings = envs.parse() if settings is None else settings
     if not isinstance(tp, int) or tp < 1:

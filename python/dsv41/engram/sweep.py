@@ -117,7 +117,7 @@ def run_sweep(manifest: Any, data_dir: str | Path | None, remote: str, tp: int, 
     """
     from dsv41.engram.client import RemoteRowSource, _manifest
     from dsv41.engram.hashing import NgramHasher
-    from dsv41.engram.tables import LocalRowReader
+    from dsv41.engram.reader import LocalRowReader
 
     if lookups < 1:
         raise Dsv41Error(f"--lookups must be >= 1, got {lookups}")
