@@ -72,19 +72,15 @@ state:
   sample: open
 """
 
-import traceback
 
-from ansible.module_utils.basic import AnsibleModule, missing_required_lib
+from ansible.module_utils.basic import AnsibleModule
 
 try:
-    from dsv41.harness import admission as dsv41_admission
-    from dsv41.errors import Dsv41Error
-except ImportError:
-    HAS_DSV41 = False
-    DSV41_IMPORT_ERROR = traceback.format_exc()
-else:
-    HAS_DSV41 = True
-    DSV41_IMPORT_ERROR = None
+    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import dsv41_errors, import_dsv41, require_dsv41
+except ImportError:  # run from library/ (ansible.cfg: module_utils = plugins/module_utils)
+    from ansible.module_utils.dsv41_common import dsv41_errors, import_dsv41, require_dsv41
+
+dsv41_admission = import_dsv41("dsv41.harness.admission")
 
 
 def main():
@@ -97,17 +93,14 @@ def main():
         ),
         supports_check_mode=True,
     )
-    if not HAS_DSV41:
-        module.fail_json(msg=missing_required_lib("dsv41"), exception=DSV41_IMPORT_ERROR)
+    require_dsv41(module)
     p = module.params
-    try:
+    with dsv41_errors(module, endpoint=p["endpoint"]):
         before = dsv41_admission.status(p["endpoint"], p["timeout"])
         want = before if p["state"] == "status" else p["state"]
         changed = want != before
         if changed and not module.check_mode:
             dsv41_admission.set_state(p["endpoint"], want, p["timeout"], p["settle"])
-    except Dsv41Error as exc:
-        module.fail_json(msg=str(exc), endpoint=p["endpoint"])
     result = dict(changed=changed, previous=before, state=want)
     if module._diff:
         result["diff"] = dict(before="admission: %s\n" % before, after="admission: %s\n" % want,

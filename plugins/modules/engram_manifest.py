@@ -90,19 +90,15 @@ import hashlib
 import json
 import os
 import tempfile
-import traceback
 
-from ansible.module_utils.basic import AnsibleModule, missing_required_lib
+from ansible.module_utils.basic import AnsibleModule
 
 try:
-    from dsv41.engram import manifest as dsv41_manifest
-    from dsv41.errors import Dsv41Error
-except ImportError:
-    HAS_DSV41 = False
-    DSV41_IMPORT_ERROR = traceback.format_exc()
-else:
-    HAS_DSV41 = True
-    DSV41_IMPORT_ERROR = None
+    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import Dsv41Error, import_dsv41, require_dsv41
+except ImportError:  # run from library/ (ansible.cfg: module_utils = plugins/module_utils)
+    from ansible.module_utils.dsv41_common import Dsv41Error, import_dsv41, require_dsv41
+
+dsv41_manifest = import_dsv41("dsv41.engram.manifest")
 
 CACHE_FORMAT = "dsv41-verify-cache/1"
 
@@ -159,8 +155,7 @@ def main():
         ),
         supports_check_mode=True,
     )
-    if not HAS_DSV41:
-        module.fail_json(msg=missing_required_lib("dsv41"), exception=DSV41_IMPORT_ERROR)
+    require_dsv41(module)
     p = module.params
     try:
         with open(p["manifest"], "rb") as f:

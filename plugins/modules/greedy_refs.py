@@ -127,19 +127,15 @@ summary:
 
 import os
 import time
-import traceback
 
-from ansible.module_utils.basic import AnsibleModule, missing_required_lib
+from ansible.module_utils.basic import AnsibleModule
 
 try:
-    from dsv41.harness import refs as dsv41_refs
-    from dsv41.errors import Dsv41Error
-except ImportError:
-    HAS_DSV41 = False
-    DSV41_IMPORT_ERROR = traceback.format_exc()
-else:
-    HAS_DSV41 = True
-    DSV41_IMPORT_ERROR = None
+    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import Dsv41Error, import_dsv41, require_dsv41
+except ImportError:  # run from library/ (ansible.cfg: module_utils = plugins/module_utils)
+    from ansible.module_utils.dsv41_common import Dsv41Error, import_dsv41, require_dsv41
+
+dsv41_refs = import_dsv41("dsv41.harness.refs")
 
 
 def run_once(module, mode, result):
@@ -194,8 +190,7 @@ def main():
         required_if=[("require_drafter", True, ("metrics_url",))],
         supports_check_mode=True,
     )
-    if not HAS_DSV41:
-        module.fail_json(msg=missing_required_lib("dsv41"), exception=DSV41_IMPORT_ERROR)
+    require_dsv41(module)
     p = module.params
     mode = p["mode"]
     if mode == "auto":

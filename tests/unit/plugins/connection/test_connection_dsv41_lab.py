@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "plugins", "connection"))
-
-import dsv41_lab  # noqa: E402
-from ansible.errors import AnsibleConnectionFailure  # noqa: E402
+from ansible.errors import AnsibleConnectionFailure
+from ansible_collections.dsv41.offload.plugins.connection import dsv41_lab
 
 
 def test_live_pid_is_returned(tmp_path):

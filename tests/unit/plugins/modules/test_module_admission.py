@@ -1,4 +1,4 @@
-"""library/admission.py: status, HOLD/release, idempotence, check mode, diff, errors."""
+"""plugins/modules/admission.py: status, HOLD/release, idempotence, check mode, diff, errors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-import admission  # noqa: E402  (library/ on sys.path: conftest.py)
+from ansible_collections.dsv41.offload.plugins.modules import admission  # noqa: E402
 from test_harness_refs import FakeServing  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""library/engram_manifest.py: real dsv41 verify on small synthetic tables, cache, identities, check mode."""
+"""plugins/modules/engram_manifest.py: real dsv41 verify on small synthetic tables, cache, identities, check mode."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import os
 
 import pytest
 
-import engram_manifest  # noqa: E402
+from ansible_collections.dsv41.offload.plugins.modules import engram_manifest  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-LAB = REPO / "python/dsv41/data/lab_model.json"
+import dsv41  # noqa: E402
+
+# the lab model config ships inside the package (also found when ansible-test runs a copy of the tests)
+LAB = Path(dsv41.__file__).resolve().parent / "data" / "lab_model.json"
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""library/greedy_refs.py: record on first run, verify after, first differing position, counters."""
+"""plugins/modules/greedy_refs.py: record on first run, verify after, first differing position, counters."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-import greedy_refs  # noqa: E402
+from ansible_collections.dsv41.offload.plugins.modules import greedy_refs  # noqa: E402
 from test_harness_refs import FakeServing  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""library/rdma_link.py against a fake sysfs tree: MTU, up, address, verbs MTU, RoCE v2 GID."""
+"""plugins/modules/rdma_link.py against a fake sysfs tree: MTU, up, address, verbs MTU, RoCE v2 GID."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-import rdma_link  # noqa: E402
+from ansible_collections.dsv41.offload.plugins.modules import rdma_link  # noqa: E402
 
 
 def _netdev(sysfs, name, mtu=9000, up=True):
