@@ -34,6 +34,6 @@ pyver=$(python -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 cd "$c"
 case "$what" in
   sanity) ansible-test sanity --python "$pyver" "$@" ;;
-  units) ansible-test units --python "$pyver" "$@" tests/unit/plugins ;;
+  units) ansible-test units --local --python "$pyver" --python-interpreter "$(command -v python)" "$@" tests/unit/plugins/ ;;
   *) echo "sanity.sh: unknown command $what (sanity or units)" >&2; exit 2 ;;
 esac
