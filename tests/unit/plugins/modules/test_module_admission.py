@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 from ansible_collections.dsv41.offload.plugins.modules import admission  # noqa: E402

@@ -17,8 +17,11 @@ def _netdev(sysfs, name, mtu=9000, up=True):
     (d / "operstate").write_text("up\n" if up else "down\n")
 
 
-def _rdma(sysfs, dev, ndev, active_mtu="4096 (5)", gids=(("RoCE v1", "fe80:0000:0000:0000:0000:0000:0000:0001"),
-                                                          ("RoCE v2", "0000:0000:0000:0000:0000:ffff:0a4d:0002"))):
+_GIDS = (("RoCE v1", "fe80:0000:0000:0000:0000:0000:0000:0001"),
+         ("RoCE v2", "0000:0000:0000:0000:0000:ffff:0a4d:0002"))
+
+
+def _rdma(sysfs, dev, ndev, active_mtu="4096 (5)", gids=_GIDS):
     port = sysfs / "class/infiniband" / dev / "ports/1"
     for sub in ("gid_attrs/ndevs", "gid_attrs/types", "gids"):
         (port / sub).mkdir(parents=True, exist_ok=True)
