@@ -9,6 +9,7 @@ heavy dependencies (torch, NIXL) inside the commands, so ``dsv41 --help`` stays 
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 
 import typer
@@ -47,11 +48,12 @@ def _root() -> None:
 
 
 @app.command()
-def version() -> None:
+def version(as_json: bool = typer.Option(False, "--json", help="Also the Python and the transport path, as JSON.")) -> None:
     """Print the dsv41 package version."""
-    from dsv41 import __version__
+    from dsv41.version import version_info
 
-    print(__version__)
+    info = version_info()
+    print(json.dumps(info) if as_json else info["dsv41"])
 
 
 _register()

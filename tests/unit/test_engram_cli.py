@@ -19,7 +19,7 @@ from dsv41.engram import synthetic
 
 REPO = Path(__file__).resolve().parents[2]
 LAB = REPO / "python/dsv41/data/lab_model.json"
-VEC = Path("/work/shared/testdata/engram_hash_vectors.json")
+VEC = Path(__file__).resolve().parents[1] / "data" / "engram_hash_vectors.json"
 REAL = {
     "engram_layer_ids": [1, 14], "engram_num_embeddings": [384006168, 384016682], "engram_max_ngram_size": 4,
     "engram_vocab_size": 16000000, "engram_n_heads": 8, "engram_head_dim": 256,
