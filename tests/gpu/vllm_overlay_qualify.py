@@ -7,7 +7,7 @@ vLLM's pinned host tables with vLLM's own weight loader, starts ``dsv41 engram s
 loopback, patches a second set of Engram layers with the overlay and compares ``staged_rows``
 bit for bit (``prepare_embeddings`` -> ``_start_prefetch`` -> ``_ready_rows``) for random ids
 including -1, out-of-range ids and other ranks' ids, over rows with scale bytes 0 and 255; the
-same rows are also checked against ``tables.dequantize(convention="vllm")`` on the CPU.  Then
+same rows are also checked against ``dequant.dequantize(convention="vllm")`` on the CPU.  Then
 the refusals (FULL graphs, specialized decode), the drafter seam (OverlaySpeculator against the
 drafter run in-process) and the benchmark (overlay lookup + H2D + dequant vs vLLM's UVA lookup
 of the same rows).  Prints one JSON document (also written to --out).
@@ -269,7 +269,8 @@ def main() -> int:
 
     from dsv41.engram.layout import EngramLayout
     from dsv41.engram.manifest import load_manifest
-    from dsv41.engram.tables import dequantize, synthetic_rows, write_synthetic_tables
+    from dsv41.engram.dequant import dequantize
+    from dsv41.engram.synthetic import synthetic_rows, write_synthetic_tables
     from dsv41.overlay import contract as C
     from dsv41.overlay import engram as E
     from dsv41.overlay import settings as S
@@ -319,7 +320,9 @@ def run_checks(eng, layout, manifest, args, url, runtime, contract, E, S, dequan
     vl, mcfg = vllm_layout(eng, layout)
     data = args.work / "tables"
     rng = np.random.default_rng(1234)
-    settings = S.parse({"DSV41_ENGRAM_REMOTE": url, "DSV41_RUNTIME_ROOT": str(runtime)})
+    def settings_for(tp: int):
+        return S.parse({"DSV41_ENGRAM_REMOTE": ",".join([url] * tp), "DSV41_RUNTIME_ROOT": str(runtime)})
+
     cases = [(1, 0), (2, 0), (2, 1), (5, 4)] if not args.bench_only else [(2, 0)]
     exact, compared, zeros255 = True, 0, {"scale_0": 0, "scale_255": 0}
     per_case = []
@@ -336,7 +339,7 @@ def run_checks(eng, layout, manifest, args, url, runtime, contract, E, S, dequan
         for li, lid in enumerate(layout.layer_ids):
             load_vllm_tables(own[li].embed_tokens, manifest, data, lid)
         E._sources.clear()
-        E.apply(eng, settings, contract)
+        E.apply(eng, settings_for(tp), contract)
         ovl = [build_engram(eng, vl, li, mcfg) for li in range(len(layout.layer_ids))]
         case = {"tp": tp, "rank": rank, "vllm_pinned_bytes": 0, "overlay_pinned_bytes": 0, "sizes": []}
         for li, lid in enumerate(layout.layer_ids):
@@ -352,7 +355,7 @@ def run_checks(eng, layout, manifest, args, url, runtime, contract, E, S, dequan
                 ovl[li].prepare_embeddings(d)
                 rb = ovl[li]._ready_rows(t).clone()
                 same = bool(torch.equal(ra.view(torch.int16), rb.view(torch.int16)))
-                # CPU reference: tables.dequantize(convention="vllm") of the owned rows
+                # CPU reference: dequant.dequantize(convention="vllm") of the owned rows
                 he = min(a.head_start + a.part_n_hash_cols, a.n_hash_cols)
                 mine = np.full((t, a.part_n_hash_cols), -1, np.int64)
                 mine[:, : he - a.head_start] = ids[:, a.head_start:he]
@@ -435,7 +438,7 @@ def stages(emb_o, sets, a, reps, manifest, data, E, torch) -> dict:
     """Where the overlay's time goes for the same ids: the row fetch alone (remote tcp, and the
     exact local reader), and the GPU stage alone (one H2D of selectors + rows, split, vLLM's kernel)."""
     from dsv41.engram.rowsource import LocalRowSource
-    from dsv41.engram.tables import LocalRowReader
+    from dsv41.engram.reader import LocalRowReader
 
     rr = emb_o._dsv41
     plans = []
@@ -483,7 +486,8 @@ def drafter_seam(args, torch):
     """OverlaySpeculator (over vLLM's BaseSpeculator when it imports here) with a remote
     ``dsv41 drafter serve`` on loopback, against the same drafter run in-process."""
     from dsv41.drafter.model import TorchDrafter, random_drafter
-    from dsv41.drafter.spark import RemoteSpeculator, expected_identities
+    from dsv41.drafter.factory import expected_identities
+    from dsv41.drafter.speculators import RemoteSpeculator
     from dsv41.overlay import drafter as D
 
     res: dict = {}
@@ -533,7 +537,7 @@ def drafter_seam(args, torch):
         cols = (tot[:, None] - 4 + torch.arange(4, device="cuda")[None]).clamp(min=0)
         tails = rs.all_token_ids.gpu[torch.arange(n_reqs, device="cuda")[:, None], cols].cpu().numpy()
         live, items = D.draft_inputs(batch.req_ids, num_sampled.cpu().numpy(), hid, tails, tot.cpu().numpy(), k)
-        from dsv41.drafter.spark import LocalSpeculator
+        from dsv41.drafter.speculators import LocalSpeculator
 
         local = LocalSpeculator(str(ddir), k=k, device="cpu")
         want = D.fill_drafts(n_reqs, k, live, local.propose(items))

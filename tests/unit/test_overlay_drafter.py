@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from dsv41.drafter.model import random_drafter
-from dsv41.drafter.spark import LocalSpeculator
-from dsv41.engine.spec import DraftProposal
+from dsv41.drafter.speculators import LocalSpeculator
+from dsv41.engine.spec_decode import DraftProposal
+from dsv41 import envs
 from dsv41.errors import ConfigError
 from dsv41.overlay import drafter as D
 
@@ -168,26 +169,27 @@ def test_init_speculator_is_replaced_for_dspark_only(monkeypatch) -> None:
 
     mod = types.ModuleType("fake_spec_decode")
     mod.init_speculator = orig
-    D.apply_init_speculator(mod, ns(env={}))
+    D.apply_init_speculator(mod, ns(env=envs.Settings()))
     assert mod.init_speculator is not orig and mod._dsv41_overlay
     cfg = _vcfg()
     cfg.speculative_config.method = "mtp"
     assert mod.init_speculator(cfg, "cpu", None) == "vllm's own" and calls == ["mtp"]
     runner = types.ModuleType("fake_model_runner")
     runner.init_speculator = mod.init_speculator  # bound by name after the patch
-    D.apply_init_speculator(runner, ns(env={}))
+    D.apply_init_speculator(runner, ns(env=envs.Settings()))
     assert runner.init_speculator is mod.init_speculator and runner._dsv41_overlay
 
 
 def test_make_dsv41_spec_needs_the_drafter_files(ddir) -> None:
     with pytest.raises(ConfigError, match="DSV41_DRAFTER_DIR"):
-        D.make_dsv41_spec(_vcfg(), {"DSV41_DRAFTER_REMOTE": "tcp://127.0.0.1:1"})
+        D.make_dsv41_spec(_vcfg(), envs.Settings(drafter_remote="tcp://127.0.0.1:1"))
     bad = _vcfg()
     bad.model_config.hf_config.hidden_size = H + 1
-    with pytest.raises(ConfigError, match="hidden_size"):
-        D.make_dsv41_spec(bad, {"DSV41_DRAFTER_REMOTE": "tcp://127.0.0.1:1", "DSV41_DRAFTER_DIR": str(ddir)})
-    spec, tap, n_ctx = D.make_dsv41_spec(_vcfg(), {"DSV41_DRAFTER_REMOTE": "tcp://127.0.0.1:1",
-                                                   "DSV41_DRAFTER_DIR": str(ddir), "DSV41_DRAFTER_TIMEOUT_MS": "50"})
+    with pytest.raises(Exception, match="hidden_size"):
+        D.make_dsv41_spec(bad, envs.parse({"DSV41_DRAFTER_REMOTE": "tcp://127.0.0.1:1", "DSV41_DRAFTER_DIR": str(ddir)}))
+    spec, tap, n_ctx = D.make_dsv41_spec(_vcfg(), envs.parse({"DSV41_DRAFTER_REMOTE": "tcp://127.0.0.1:1",
+                                                              "DSV41_DRAFTER_DIR": str(ddir),
+                                                              "DSV41_DRAFTER_TIMEOUT_MS": "50"}))
     try:
         assert (tap, n_ctx) == (0, 4)
         # nothing listens: one round fails closed inside the dsv41 speculator

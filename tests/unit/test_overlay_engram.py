@@ -2,7 +2,7 @@
 
 vLLM's Triton kernel needs a GPU; here its arithmetic is emulated (``kernel_on_cpu``, a test fake
 written from ``_engram_lookup_kernel``'s SORTED/BF16 branch) and the assembled rows are compared
-bit for bit with ``tables.dequantize(convention="vllm")``.  tests/gpu/vllm_overlay_qualify.py
+bit for bit with ``dequant.dequantize(convention="vllm")``.  tests/gpu/vllm_overlay_qualify.py
 compares against vLLM's real kernel and lookup on CUDA.
 """
 
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsv41.engram import tables
+from dsv41.engram import dequant, reader, synthetic
 from dsv41.engram.client import RemoteRowSource, RemoteUnavailable
 from dsv41.engram.layout import EngramLayout
 from dsv41.engram.manifest import load_manifest
@@ -35,7 +35,7 @@ SEED = 5
 @pytest.fixture(scope="module")
 def tabs(tmp_path_factory):
     d = tmp_path_factory.mktemp("ovl")
-    mpath = tables.write_synthetic_tables(CFG, d, seed=SEED, chunk_size=1 << 20)
+    mpath = synthetic.write_synthetic_tables(CFG, d, seed=SEED, chunk_size=1 << 20)
     return load_manifest(mpath), d, EngramLayout.from_config(CFG)
 
 
@@ -53,14 +53,14 @@ def kernel_on_cpu(w, s, sel, dst, out, n, rows):
 
 
 def reference(tabs_, layer_id: int, ids: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """float32 [R, 256] holding bf16 values: owned rows via tables.dequantize(vllm), others 0."""
+    """float32 [R, 256] holding bf16 values: owned rows via dequant.dequantize(vllm), others 0."""
     manifest, d, layout = tabs_
     flat = ids.reshape(-1).astype(np.int64)
     owned = (flat >= lo) & (flat < hi)
     ref = np.zeros((flat.size, 256), np.float32)
     if owned.any():
-        packed = tables.synthetic_rows(SEED, layer_id, layout.rows[layout.layer_index(layer_id)], flat[owned])
-        ref[owned] = tables.dequantize(packed, convention="vllm", backend="numpy")[0]
+        packed = synthetic.synthetic_rows(SEED, layer_id, layout.rows[layout.layer_index(layer_id)], flat[owned])
+        ref[owned] = dequant.dequantize(packed, convention="vllm", backend="numpy")[0]
     return ref
 
 
@@ -84,7 +84,7 @@ def test_plan_rows_masks_like_the_kernel() -> None:
 @pytest.mark.parametrize("tp,rank", [(1, 0), (2, 0), (2, 1), (5, 4)])
 def test_rows_assembled_bit_exact_against_tables_dequantize_vllm(tabs, tp: int, rank: int) -> None:
     manifest, d, layout = tabs
-    src = LocalRowSource(tables.LocalRowReader(manifest, d))
+    src = LocalRowSource(reader.LocalRowReader(manifest, d))
     rng = np.random.default_rng(tp * 10 + rank)
     for li, layer_id in enumerate(layout.layer_ids):
         c0, _ = layout.columns_for_rank(tp, rank)
@@ -116,9 +116,9 @@ def test_rows_assembled_bit_exact_against_tables_dequantize_vllm(tabs, tp: int, 
 
 def test_scale_bytes_zero_and_255_reach_the_output(tabs) -> None:
     manifest, d, layout = tabs
-    packed = tables.synthetic_rows(SEED, 1, layout.rows[0], np.array([1, 2]))
+    packed = synthetic.synthetic_rows(SEED, 1, layout.rows[0], np.array([1, 2]))
     assert (packed[0, 256:] == 0).any() and (packed[1, 256:] == 255).any()
-    src = LocalRowSource(tables.LocalRowReader(manifest, d))
+    src = LocalRowSource(reader.LocalRowReader(manifest, d))
     rr = E.RemoteRows(src, 1, head_start=0, part=24, n_hash_cols=24, vocab_start=0, vocab_end=layout.rows[0],
                       dim=256, block=32, max_tokens=4, device="cpu", dequant=kernel_on_cpu)
     ids = np.full((1, 24), -1, np.int32)
@@ -137,7 +137,7 @@ def test_remote_source_falls_back_exactly_and_refuses_when_required(tabs) -> Non
     manifest, d, layout = tabs
     # nothing listens on port 1: remote fails, the local shards give the exact rows
     src = RemoteRowSource("tcp://127.0.0.1:1", manifest, 0, 1, timeout_ms=50, required=False,
-                          local=tables.LocalRowReader(manifest, d))
+                          local=reader.LocalRowReader(manifest, d))
     try:
         rr = E.RemoteRows(src, 14, head_start=0, part=24, n_hash_cols=24, vocab_start=0,
                           vocab_end=layout.rows[1], dim=256, block=32, max_tokens=8, device="cpu",
@@ -155,7 +155,7 @@ def test_remote_source_falls_back_exactly_and_refuses_when_required(tabs) -> Non
 
 def test_too_many_tokens_and_empty_batches(tabs) -> None:
     manifest, d, layout = tabs
-    src = LocalRowSource(tables.LocalRowReader(manifest, d))
+    src = LocalRowSource(reader.LocalRowReader(manifest, d))
     rr = E.RemoteRows(src, 1, head_start=0, part=24, n_hash_cols=24, vocab_start=0, vocab_end=layout.rows[0],
                       dim=256, block=32, max_tokens=2, device="cpu", dequant=kernel_on_cpu)
     rr.lookup(torch.zeros((0, 24), dtype=torch.int32), torch.empty((0, 24, 256), dtype=torch.bfloat16))
@@ -298,8 +298,8 @@ def _vlayout(layout):
 def test_apply_takes_the_table_and_serves_exact_rows(tabs, runtime, breakable, tp: int, rank: int) -> None:
     manifest, d, layout = tabs
     mod = fake_vllm_engram(tp, rank)
-    settings = S.parse({"DSV41_ENGRAM_REMOTE": "tcp://127.0.0.1:1", "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "50",
-                        "DSV41_RUNTIME_ROOT": str(runtime)})
+    settings = S.parse({"DSV41_ENGRAM_REMOTE": ",".join(["tcp://127.0.0.1:1"] * tp),
+                        "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "50", "DSV41_RUNTIME_ROOT": str(runtime)})
     E.apply(mod, settings, C.load())
     E.apply(mod, settings, C.load())  # idempotent
     eng = mod.Engram(_vlayout(layout), 1)

@@ -51,7 +51,8 @@ def test_register_is_inert_and_imports_no_torch_without_a_remote() -> None:
 
 def test_register_imports_no_torch_when_active(tmp_path: Path) -> None:
     # active but vLLM absent (CI): contract mismatch, inert, still no torch
-    env = dict(_clean_env(), DSV41_ENGRAM_REMOTE="tcp://127.0.0.1:7441", DSV41_DRAFTER_REMOTE="tcp://127.0.0.1:7450")
+    env = dict(_clean_env(), DSV41_ENGRAM_REMOTE="tcp://127.0.0.1:7441", DSV41_DRAFTER_REMOTE="tcp://127.0.0.1:7450",
+               DSV41_DRAFTER_DIR=str(tmp_path))
     code = ("import sys; from dsv41.overlay import plugin; plugin.register(); "
             "print(plugin.STATE['state'], 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -60,12 +61,12 @@ def test_register_imports_no_torch_when_active(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("old,new", sorted(C.OLD_ENV.items()))
 def test_old_engram_names_are_refused_naming_the_new(old: str, new: str) -> None:
-    with pytest.raises(ConfigError, match=f"^{old} is no longer read: rename it to {new}$"):
+    with pytest.raises(ConfigError, match=f"^{old} was renamed: set {new} instead"):
         S.parse({old: "1"})
 
 
 @pytest.mark.parametrize("env,msg", [
-    ({"DSV41_ENGRAM_REMOTE_REQUIRED": "yes"}, "^DSV41_ENGRAM_REMOTE_REQUIRED must be 0 or 1"),
+    ({"DSV41_ENGRAM_REMOTE_REQUIRED": "maybe"}, "^DSV41_ENGRAM_REMOTE_REQUIRED must be 0 or 1"),
     ({"DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "0"}, "^DSV41_ENGRAM_REMOTE_TIMEOUT_MS must be an integer"),
     ({"DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "600001"}, "^DSV41_ENGRAM_REMOTE_TIMEOUT_MS must be an integer"),
     ({"DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "1.5"}, "^DSV41_ENGRAM_REMOTE_TIMEOUT_MS must be an integer"),
@@ -90,7 +91,9 @@ def test_settings_parse_values() -> None:
     bad = S.parse({"DSV41_ENGRAM_REMOTE": "http://h:1"})
     with pytest.raises(ConfigError, match="^DSV41_ENGRAM_REMOTE"):
         S.rank_url(bad, 1, 0)
-    assert S.parse({"DSV41_DRAFTER_REMOTE": "tcp://h:1"}).drafter
+    assert S.parse({"DSV41_DRAFTER_REMOTE": "tcp://h:1", "DSV41_DRAFTER_DIR": "/d"}).drafter
+    with pytest.raises(ConfigError, match="^DSV41_DRAFTER_DIR"):
+        S.parse({"DSV41_DRAFTER_REMOTE": "tcp://h:1"})
 
 
 def test_runtime_files(tmp_path: Path) -> None:
@@ -212,7 +215,7 @@ def test_contract_mismatch_is_inert_with_one_log_line(fake_installed, monkeypatc
 
 def test_bad_env_stops_register(fake_installed, monkeypatch) -> None:
     monkeypatch.setenv("VLLM_ENGRAM_REMOTE", "tcp://127.0.0.1:7441")
-    with pytest.raises(ConfigError, match="rename it to DSV41_ENGRAM_REMOTE"):
+    with pytest.raises(ConfigError, match="was renamed: set DSV41_ENGRAM_REMOTE instead"):
         plugin.register()
 
 

@@ -16,7 +16,8 @@ PLAY = """
 - hosts: localhost
   gather_facts: false
   connection: local
-  vars_files: ["{repo}/roles/serve/defaults/main.yml", "{repo}/roles/serve/vars/main.yml"]
+  vars_files: ["{repo}/roles/dsv41/defaults/main.yml", "{repo}/roles/serve/defaults/main.yml",
+               "{repo}/roles/serve/vars/main.yml"]
   tasks:
     - name: Render
       ansible.builtin.copy:

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dsv41.envs import RENAMED
 from dsv41.errors import ConfigError, Dsv41Error
 
 FORMAT = "dsv41-vllm-contract"
@@ -41,10 +42,8 @@ VLLM_ENV = ("VLLM_PLUGINS", "VLLM_USE_BREAKABLE_CUDAGRAPH")
 DSV41_ENV = ("DSV41_ENGRAM_REMOTE", "DSV41_ENGRAM_REMOTE_TIMEOUT_MS", "DSV41_ENGRAM_REMOTE_REQUIRED",
              "DSV41_RUNTIME_ROOT", "DSV41_DRAFTER_REMOTE", "DSV41_DRAFTER_DIR", "DSV41_DRAFTER_ASYNC",
              "DSV41_DRAFTER_K", "DSV41_DRAFTER_TIMEOUT_MS")
-#: Old names, refused with the new name in the message.
-OLD_ENV = {"VLLM_ENGRAM_REMOTE": "DSV41_ENGRAM_REMOTE",
-           "VLLM_ENGRAM_REMOTE_TIMEOUT_MS": "DSV41_ENGRAM_REMOTE_TIMEOUT_MS",
-           "VLLM_ENGRAM_REMOTE_REQUIRED": "DSV41_ENGRAM_REMOTE_REQUIRED"}
+#: Old names, refused with the new name in the message (dsv41.envs.RENAMED).
+OLD_ENV = dict(RENAMED)
 PIECEWISE_FLAG = "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}'"
 #: What the overlay requires of vLLM's compilation when Engram rows are remote: the host-side
 #: fetch runs in an eager_break_during_capture function, which re-runs at every PIECEWISE

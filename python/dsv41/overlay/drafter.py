@@ -32,7 +32,6 @@ Each ``propose`` (once per engine step, every TP rank):
 from __future__ import annotations
 
 import logging
-import os
 from types import ModuleType
 from typing import Any
 
@@ -55,7 +54,7 @@ def draft_inputs(req_ids: list[str], num_sampled: np.ndarray, hidden: np.ndarray
     """The DraftInputs of one step: (batch indices, DraftInput list) for requests with
     ``num_sampled > 0``.  ``hidden`` float32 ``[num_reqs, H]``; ``tails`` int ``[num_reqs, n]``
     (the last n tokens, left-padded); ``total_len`` int ``[num_reqs]``."""
-    from dsv41.engine.spec import DraftInput
+    from dsv41.engine.spec_decode import DraftInput
 
     live, batch = [], []
     n = tails.shape[1]
@@ -201,21 +200,19 @@ def speculator_class(base: type) -> type:
     return OverlaySpeculator
 
 
-def make_dsv41_spec(vllm_config: Any, env: Any = None) -> tuple[Any, int, int]:
-    """Build the dsv41 speculator from the environment (``DSV41_DRAFTER_*``); returns
-    (speculator, tap layer, n_ctx).  ConfigError when the drafter files are missing or do not
-    fit the target model (hidden or vocab size)."""
+def make_dsv41_spec(vllm_config: Any, settings: Any) -> tuple[Any, int, int]:
+    """Build the dsv41 speculator ``settings`` (:class:`dsv41.envs.Settings`, ``DSV41_DRAFTER_*``)
+    ask for; returns (speculator, tap layer, n_ctx).  ConfigError when the drafter files are
+    missing or do not fit the target model (hidden or vocab size)."""
+    from dsv41.drafter.factory import build_speculator as build
     from dsv41.drafter.model import load_config
-    from dsv41.drafter.spark import speculator_from_env
 
-    env = os.environ if env is None else env
-    drafter_dir = (env.get("DSV41_DRAFTER_DIR") or "").strip()
-    if not drafter_dir:
-        raise ConfigError("DSV41_DRAFTER_REMOTE needs DSV41_DRAFTER_DIR (the drafter files the worker must match)")
+    if not settings.drafter_dir:
+        raise ConfigError("DSV41_DRAFTER_DIR: DSV41_DRAFTER_REMOTE needs DSV41_DRAFTER_DIR")
     hf = vllm_config.model_config.hf_config
     model_cfg = {"hidden_size": getattr(hf, "hidden_size", None), "vocab_size": getattr(hf, "vocab_size", None)}
-    cfg = load_config(drafter_dir)
-    spec = speculator_from_env(env, model_cfg=model_cfg, target_identity="")
+    spec = build(settings, model_cfg=model_cfg, target_identity="")
+    cfg = load_config(settings.drafter_dir)
     return spec, int(cfg.tap_layer), int(cfg.n_ctx)
 
 

@@ -251,7 +251,7 @@ def _source(settings: S.OverlaySettings, tp: int, rank: int) -> tuple[Any, Any]:
         from dsv41.engram.client import RemoteRowSource
         from dsv41.engram.manifest import load_manifest
         from dsv41.engram.sweep import layout_from_manifest
-        from dsv41.engram.tables import LocalRowReader
+        from dsv41.engram.reader import LocalRowReader
 
         url = S.rank_url(settings, tp, rank)
         manifest_path, tables_dir = S.runtime_files(settings)
