@@ -385,6 +385,13 @@ def run_checks(eng, layout, manifest, args, url, runtime, contract, E, S, dequan
     out["scale_bytes_seen"] = zeros255
     out["all_bit_exact"] = exact
 
+    # the benchmark and the refusals run as TP2 rank 0: patch again with that rank's URL list
+    (eng.ParallelEngramEmbedding._allocate_weights, eng.ParallelEngramEmbedding.lookup,
+     eng.Engram._create_embedding) = orig
+    eng._dsv41_overlay = False
+    E._sources.clear()
+    SIM.update(tp=2, rank=0)
+    E.apply(eng, settings_for(2), contract)
     # refusals (model construction raises; nothing falls back silently)
     refusals = {}
     for label, mode, extra in (("FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", {}),
