@@ -26,6 +26,7 @@ PKG = Path(__file__).resolve().parents[2] / "python" / "dsv41"
 FLOORS: list[tuple[str, ...]] = [
     ("errors", "envs", "tokenizer", "__init__"),
     ("transport",),
+    ("version",),
     ("engram",),
     ("engine",),
     ("harness",),
