@@ -4,13 +4,14 @@ Floors, bottom to top (a module may import its own floor and the floors below, n
 
 0. ground: ``errors``, ``envs``, ``tokenizer``, the ``dsv41`` package itself (version);
 1. ``transport`` (row wire protocol, TCP/NIXL);
-2. ``engram`` (tables, manifest, row sources, table server);
-3. ``engine`` (the lab target; ``engine.spec_decode`` is the hook the drafter implements);
-4. ``harness`` (greedy references, admission, measurement clients);
-5. ``drafter`` (speculators, worker, proxy; trains against the engine);
-6. ``entrypoints``, ``overlay`` (composition roots: the only code that knows engine and drafter;
+2. ``version`` (reports the install, including the native transport extension);
+3. ``engram`` (tables, manifest, row sources, table server);
+4. ``engine`` (the lab target; ``engine.spec_decode`` is the hook the drafter implements);
+5. ``harness`` (greedy references, admission, measurement clients);
+6. ``drafter`` (speculators, worker, proxy; trains against the engine);
+7. ``entrypoints``, ``overlay`` (composition roots: the only code that knows engine and drafter;
    ``overlay`` composes them inside vLLM);
-7. ``cli`` (the ``dsv41`` command).
+8. ``cli`` (the ``dsv41`` command).
 
 Every import counts, including the lazy ones inside functions: a lazy import hides a cost, not a
 dependency. A new subpackage must be given a floor here (and in docs/architecture.md).
