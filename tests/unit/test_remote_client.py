@@ -212,11 +212,11 @@ class SilentServer:
                     if not k:
                         return
                     h += k
-                _, _, op, rid, _, count, plen = P.REQ.unpack(h)
+                _, ver, op, rid, _, count, plen = P.REQ.unpack(h)
                 while plen:
                     plen -= len(c.recv(plen))
-                if op == P.OP_HELLO:
-                    c.sendall(P.REP.pack(P.MAGIC, P.VERSION, 0, rid, self.n, len(self.hello)) + self.hello)
+                if op == P.OP_HELLO:  # replies echo the request's version, as the real server's
+                    c.sendall(P.REP.pack(P.MAGIC, ver, 0, rid, self.n, len(self.hello)) + self.hello)
         except OSError:
             pass
 

@@ -506,7 +506,19 @@ class TargetModel:
             out.append(np.asarray(rows)[len(win) - n:])
         return np.concatenate(out, 0)
 
-    def _engram(self, li: int, L: dict, x, rows_np):
+    def _engram_prefetch(self, rows_np) -> list | None:
+        """Packed rows of every Engram layer of this step, fetched together where the row
+        source can (``lookup_layers``: one request for both layers over tcp protocol v2 or one
+        NIXL READ); None when it cannot (``_engram`` then looks each layer up itself)."""
+        both = getattr(self.rows, "lookup_layers", None)
+        if both is None or rows_np is None:
+            return None
+        lids = list(self.cfg.engram_layer_ids)
+        ids = [np.ascontiguousarray(rows_np[:, li, self.col0:self.col1].reshape(-1), dtype=np.int64)
+               for li in range(len(lids))]
+        return both(lids, ids)
+
+    def _engram(self, li: int, L: dict, x, rows_np, raw=None):
         """The spec's gate (engram-spec.md section 7) on x ``[N, hc, H]`` float64.
 
         Looks up this rank's columns ``[col0, col1)`` of ``rows_np[:, li]`` through the row
@@ -520,8 +532,9 @@ class TargetModel:
         N = x.shape[0]
         H, hc = self.cfg.hidden_size, self.cfg.hc_mult
         lid = self.cfg.engram_layer_ids[li]
-        ids = np.ascontiguousarray(rows_np[:, li, self.col0:self.col1].reshape(-1), dtype=np.int64)
-        raw = self.rows.lookup(lid, ids)
+        if raw is None:
+            ids = np.ascontiguousarray(rows_np[:, li, self.col0:self.col1].reshape(-1), dtype=np.int64)
+            raw = self.rows.lookup(lid, ids)
         with np.errstate(over="ignore", invalid="ignore"):  # scale byte 255 -> NaN by convention
             vals, counts = dequantize(np.asarray(raw), convention="reference")
         self._count_scales(counts)
@@ -579,6 +592,7 @@ class TargetModel:
         if self.hasher is not None:
             wins = [c.tokens[-3:] + list(t) for c, t in items]
             rows_np = self.engram_rows(wins, lens)
+        raws = self._engram_prefetch(rows_np)
         for c, n in zip((c for c, _ in items), lens):
             c.ensure(c.length + n)
         x = self.embed[toks][:, None, :].expand(N, hc, H).clone()
@@ -586,7 +600,8 @@ class TargetModel:
         taps = None
         for i, L in enumerate(self.layers):
             if "wkv" in L:
-                x = self._engram(cfg.engram_layer_ids.index(i), L, x, rows_np)
+                li = cfg.engram_layer_ids.index(i)
+                x = self._engram(li, L, x, rows_np, None if raws is None else raws[li])
             h = (x * L["hc_attn_pre"][None, :, None]).sum(1)
             hn = _rms(h, L["attn_norm.weight"], cfg.rms_norm_eps)
             parts = []

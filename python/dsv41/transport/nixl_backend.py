@@ -31,7 +31,7 @@ import numpy as np
 
 from dsv41.transport import protocol as P
 from dsv41.transport.errors import Refused, TransportError, TransportTimeout
-from dsv41.transport.tcp import TcpClient
+from dsv41.transport.tcp import TcpClient, check_segments
 from dsv41.transport.url import Endpoint
 
 _agent_seq = itertools.count(1)
@@ -229,6 +229,58 @@ class NixlClient:
         self._read(slot, np.array([loc, loc + self._total], np.int32), np.array([wbase, sbase], np.int32),
                    time.monotonic() + timeout_s)  # a timeout leaves the slot quarantined
         self._free.append(slot)
+
+    #: ``lookup_segs`` reads several tables in one NIXL transfer (no server protocol involved).
+    multi_table = True
+
+    def lookup_segs(self, segs: tuple, timeout_s: float) -> tuple[int, int, int]:
+        """Rows of 1..16 tables, ``segs`` and return codes as ``TcpClient.lookup_segs``; when
+        they fit one staging slot, every segment's rows go in one READ (one transfer to post
+        and poll), else one table after another through ``lookup_into``.  Raises like
+        ``lookup_into``."""
+        code, a, total = check_segments(segs)
+        if code:
+            return code, a, total
+        if total > self.staging_rows or len(segs) == 1:
+            for ident, rows, _, out in segs:
+                self.lookup_into(ident, rows, [out], timeout_s)
+            return 0, total, 0
+        with self._lock:
+            if self._closed or self.agent is None:
+                raise TransportError(f"not connected to {self.endpoint}")
+            ri = np.empty(2 * total, np.int64)
+            o = 0
+            for ident, rows, _, _ in segs:
+                entry = self.tables.get(ident)
+                if entry is None:
+                    raise Refused(P.ST_WRONG_IDENTITY, "wrong_identity")
+                nrows, wbase, sbase = entry
+                if rows.shape[0] and int(rows.view(np.uint64).max()) >= nrows:
+                    raise Refused(P.ST_OUT_OF_RANGE, "out_of_range")  # checked before any READ
+                k = rows.shape[0]
+                np.add(rows, wbase, out=ri[o : o + k], casting="unsafe")
+                np.add(rows, sbase, out=ri[total + o : total + o + k], casting="unsafe")
+                o += k
+            deadline = time.monotonic() + timeout_s
+            self._reap()
+            if not self._free:
+                raise TransportError(f"{self.endpoint}: every NIXL staging slot is quarantined")
+            slot = self._free.pop()
+            base = slot * self.staging_rows
+            loc = np.arange(base, base + total, dtype=np.int32)
+            try:
+                self._read(slot, np.concatenate([loc, loc + self._total]), ri.astype(np.int32), deadline)
+            except TransportTimeout:
+                raise  # the slot stays quarantined
+            except BaseException:
+                self._free.append(slot)
+                raise
+            o = base
+            for _, rows, _, out in segs:
+                out[...] = self.staging[o : o + rows.shape[0]]
+                o += rows.shape[0]
+            self._free.append(slot)
+        return 0, total, 0
 
     @property
     def quarantined(self) -> int:
