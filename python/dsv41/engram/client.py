@@ -227,17 +227,14 @@ class RemoteRowSource:
         """
         t0 = _perf()
         tab = self._tabs.get(layer_id)
-        if (tab is not None and type(rows) is np.ndarray and rows.ndim == 1
-                and 0 < rows.shape[0] <= CHUNK_ROWS):
-            n = rows.shape[0]
-            if out is None:
-                out = np.empty((n, P.ROW_BYTES), np.uint8)
+        if tab is not None and type(rows) is np.ndarray:
+            buf = np.empty((len(rows), P.ROW_BYTES), np.uint8) if out is None else out
             failure = None
             with self._lock:
                 client = self._client
-                if client is not None:
+                if client is not None and len(buf):
                     try:
-                        code = client.lookup_segs(((tab[0], rows, tab[1], out),), self.timeout_s)[0]
+                        code, n, _ = client.lookup_segs(((tab[0], rows, tab[1], buf),), self.timeout_s, CHUNK_ROWS)
                     except (TransportTimeout, TransportError) as exc:  # ids and out passed the checks
                         code, failure = -1, exc
                         self._note_error_locked(exc)
@@ -250,11 +247,11 @@ class RemoteRowSource:
                         c["remote_rows"] += n
                         c["latency_sum_s"] += _perf() - t0
                         c["latency_count"] += 1
-                        return out
+                        return buf
             if failure is not None:
-                self._fall_back(failure, [(layer_id, rows, out)])
-                self._count([n], failure, t0)
-                return out
+                self._fall_back(failure, [(layer_id, rows, buf)])
+                self._count([len(buf)], failure, t0)
+                return buf
         return self._lookup_general(layer_id, rows, out, t0)
 
     def _lookup_general(self, layer_id: int, rows: Any, out: np.ndarray | None, t0: float) -> np.ndarray:
@@ -297,9 +294,41 @@ class RemoteRowSource:
         nixl as one READ.  Same errors, counters (one lookup per layer) and fallback as
         ``lookup``: a failure falls back for every layer of the call.
         """
+        t0 = _perf()
+        if outs is not None and len(layer_ids) == len(rows) == len(outs) == 2:  # the decode step
+            tabs = self._tabs
+            a, b = tabs.get(layer_ids[0]), tabs.get(layer_ids[1])
+            if a is not None and b is not None:
+                failure = None
+                with self._lock:
+                    client = self._client
+                    if client is not None and client.multi_table:
+                        try:
+                            code, n, _ = client.lookup_segs(((a[0], rows[0], a[1], outs[0]), (b[0], rows[1], b[1], outs[1])),
+                                                            self.timeout_s, CHUNK_ROWS)
+                        except (TransportTimeout, TransportError) as exc:  # ids and outs passed the checks
+                            code, failure = -1, exc
+                            self._note_error_locked(exc)
+                            client.close()
+                            self._client = None
+                        if code == 0 and n:
+                            c = self._c
+                            c["lookups"] += 2
+                            c["rows"] += n
+                            c["remote_rows"] += n
+                            c["latency_sum_s"] += _perf() - t0
+                            c["latency_count"] += 1
+                            return list(outs)
+                if failure is not None:
+                    parts = [(layer_ids[0], rows[0], outs[0]), (layer_ids[1], rows[1], outs[1])]
+                    self._fall_back(failure, parts)
+                    self._count([len(outs[0]), len(outs[1])], failure, t0)
+                    return list(outs)
+        return self._lookup_layers_general(layer_ids, rows, outs, t0)
+
+    def _lookup_layers_general(self, layer_ids: Any, rows: Any, outs: Any, t0: float) -> list[np.ndarray]:
         from dsv41.engram.tables import RowRangeError
 
-        t0 = _perf()
         layer_ids = list(layer_ids)
         if len(rows) != len(layer_ids) or (outs is not None and len(outs) != len(layer_ids)):
             raise Dsv41Error("lookup_layers needs one row array (and one out, if given) per layer")

@@ -555,9 +555,9 @@ py::tuple client_lookup_many(int fd, uint64_t gen0, py::bytes ident, py::array_t
 // (nothing sent), (4, k, 0) for a bad out.  One segment goes as a version-1 OP_LOOKUP (every
 // server speaks it); several as one OP_LOOKUP_MULTI in a `version` (>= 2) frame.  Otherwise
 // the codes of client_lookup: (0, total, 0) rows written; (1, status, 0) refused; negative:
-// the caller must close the socket.
+// the caller must close the socket.  More than `max_rows` rows in all: (2, 0, 0), nothing sent.
 py::tuple client_lookup_segs(int fd, uint64_t gen, uint16_t version, py::tuple segs, int64_t timeout_ns,
-                             int64_t spin_ns) {
+                             int64_t spin_ns, uint64_t max_rows) {
   size_t k = segs.size();
   if (k == 0 || k > kMaxSegs) throw std::invalid_argument("1..16 segments");
   if (k > 1 && version < 2) throw std::invalid_argument("several tables per request need protocol version 2");
@@ -590,6 +590,7 @@ py::tuple client_lookup_segs(int fd, uint64_t gen, uint16_t version, py::tuple s
     cs[j] = CSeg{PyBytes_AS_STRING(id), ids, static_cast<uint8_t *>(o.mutable_data()), n};
     total += n;
   }
+  if (total > max_rows) return py::make_tuple(2, 0, 0);  // the caller's large-lookup path
   if (total > kMaxRows) throw std::invalid_argument("at most 1 Mi rows per request");
   int code = 0;
   uint32_t rcount = 0;

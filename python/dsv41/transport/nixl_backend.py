@@ -233,7 +233,7 @@ class NixlClient:
     #: ``lookup_segs`` reads several tables in one NIXL transfer (no server protocol involved).
     multi_table = True
 
-    def lookup_segs(self, segs: tuple, timeout_s: float) -> tuple[int, int, int]:
+    def lookup_segs(self, segs: tuple, timeout_s: float, max_rows: int = P.MAX_ROWS) -> tuple[int, int, int]:
         """Rows of 1..16 tables, ``segs`` and return codes as ``TcpClient.lookup_segs``; when
         they fit one staging slot, every segment's rows go in one READ (one transfer to post
         and poll), else one table after another through ``lookup_into``.  Raises like
@@ -241,6 +241,8 @@ class NixlClient:
         code, a, total = check_segments(segs)
         if code:
             return code, a, total
+        if total > max_rows:
+            return 2, 0, 0
         if total > self.staging_rows or len(segs) == 1:
             for ident, rows, _, out in segs:
                 self.lookup_into(ident, rows, [out], timeout_s)

@@ -268,7 +268,7 @@ class TcpClient:
             if d.shape[0]:
                 self._recv_into(memoryview(d).cast("B"), deadline)
 
-    def lookup_segs(self, segs: tuple, timeout_s: float) -> tuple[int, int, int]:
+    def lookup_segs(self, segs: tuple, timeout_s: float, max_rows: int = P.MAX_ROWS) -> tuple[int, int, int]:
         """Rows of one or more tables in one request, straight into caller buffers (the engine's
         decode path; checks cost O(1) Python on the C++ path).
 
@@ -278,7 +278,8 @@ class TcpClient:
         version-1 ``OP_LOOKUP``.  At most ``MAX_ROWS`` rows in all.  Returns ``(0, total, 0)``
         when the rows were written; without sending anything: ``(2, k, 0)`` when segment k's
         rows are not such an array, ``(3, k, i)`` when its id i is outside ``[0, row_limit)``,
-        ``(4, k, 0)`` for a bad ``out``.  Raises ``Refused`` (connection kept),
+        ``(4, k, 0)`` for a bad ``out``, ``(2, 0, 0)`` for more than ``max_rows`` rows in all
+        (the caller's large-lookup path).  Raises ``Refused`` (connection kept),
         ``TransportTimeout`` or ``TransportError`` (connection closed).
         """
         if self.sock is None:
@@ -287,22 +288,23 @@ class TcpClient:
         if self._fast is not None:
             if len(segs) > 1 and self.version < 2:
                 raise ValueError(f"{self.endpoint} speaks protocol version 1: one table per request")
-            code, a, b = self._fast(self.sock.fileno(), gen, self.version, segs, int(timeout_s * 1e9), self._spin_ns)
+            code, a, b = self._fast(self.sock.fileno(), gen, self.version, segs, int(timeout_s * 1e9), self._spin_ns,
+                                    min(max_rows, P.MAX_ROWS))
             if code == 0 or code >= 2:
                 return code, a, b
             if code == 1:
                 raise Refused(a, P.status_name(a))
             self._native_error(code)
-        return self._lookup_segs_py(gen, segs, timeout_s)
+        return self._lookup_segs_py(gen, segs, timeout_s, min(max_rows, P.MAX_ROWS))
 
-    def _lookup_segs_py(self, gen: int, segs: tuple, timeout_s: float) -> tuple[int, int, int]:
+    def _lookup_segs_py(self, gen: int, segs: tuple, timeout_s: float, max_rows: int) -> tuple[int, int, int]:
         if len(segs) > 1 and self.version < 2:
             raise ValueError(f"{self.endpoint} speaks protocol version 1: one table per request")
         code, a, total = check_segments(segs)
         if code:
             return code, a, total
-        if total > P.MAX_ROWS:
-            raise ValueError(f"at most {P.MAX_ROWS} rows per request, got {total}")
+        if total > max_rows:
+            return 2, 0, 0
         deadline = time.monotonic() + timeout_s
         if len(segs) == 1:
             ver, op, ident, count = P.VERSION, P.OP_LOOKUP, segs[0][0], total
