@@ -181,7 +181,7 @@ def test_decode_lookup_vs_c_floor(shards, server, pingpong, tmp_path):
         rows2 = [rows, rng.integers(0, m.table(2).rows, n).astype(np.int64)]
         req, rep = P.REQ.size + 8 * n, P.REP.size + P.ROW_BYTES * n
         req2, rep2 = P.REQ.size + 2 * P.SEG.size + 16 * n, P.REP.size + 2 * P.ROW_BYTES * n
-        ours, floor, nx, rs, floor2, both, two = [], [], [], [], [], [], []
+        ours, floor, nx, rs, floor2, both, two, gen = [], [], [], [], [], [], [], []
         c = open_client(server.tcp, [ident])
         xc = open_client(server.nixl, [ident])
         src = RemoteRowSource(server.tcp, m, 0, 1, timeout_ms=100)
@@ -193,6 +193,12 @@ def test_decode_lookup_vs_c_floor(shards, server, pingpong, tmp_path):
             floor += floor_samples(pingpong, req, rep, 1000)
             ours += lookup_samples(c, ident, urows, 1000)
             rs += rowsource_samples(src, 1, rows, buf, 1000)
+            t = []
+            for _ in range(1000):  # the general path: the previous release's per-call steps
+                t0 = time.perf_counter_ns()
+                src._lookup_general(1, rows, buf, time.perf_counter())
+                t.append((time.perf_counter_ns() - t0) / 1e3)
+            gen += t
             floor2 += floor_samples(pingpong, req2, rep2, 500)
             both += layers_samples(src, rows2, outs, 500)
             t = []
@@ -231,6 +237,10 @@ def test_decode_lookup_vs_c_floor(shards, server, pingpong, tmp_path):
                ratio_p50=round(pct(ours, 50) / f50, 2), ratio_p99=round(pct(ours, 99) / f99, 2),
                rowsource_tcp_p50_us=round(pct(rs, 50), 1), rowsource_tcp_p99_us=round(pct(rs, 99), 1),
                rowsource_ratio_p50=round(pct(rs, 50) / f50, 2), rowsource_ratio_p99=round(pct(rs, 99) / f99, 2),
+               rowsource_vs_tcp_p50=round(pct(rs, 50) / pct(ours, 50), 2),
+               rowsource_general_path_p50_us=round(pct(gen, 50), 1),
+               rowsource_general_path_p99_us=round(pct(gen, 99), 1),
+               rowsource_general_vs_tcp_p50=round(pct(gen, 50) / pct(ours, 50), 2),
                rowsource_no_out_p50_us=round(pct(alloc, 50), 1),
                layers_floor_p50_us=round(pct(floor2, 50), 1), layers_one_request_p50_us=round(pct(both, 50), 1),
                layers_one_request_p99_us=round(pct(both, 99), 1),

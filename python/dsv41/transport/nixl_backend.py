@@ -211,6 +211,11 @@ class NixlClient:
                 "DRAM",
             )
             self._total = total
+            # Local descriptor indices of each slot, weight and scale of a row side by side, so
+            # the first 2k entries serve a k-row READ (built once, not per lookup).
+            loc = np.arange(total, dtype=np.int32)
+            self._li = np.empty(2 * total, np.int32)
+            self._li[0::2], self._li[1::2] = loc, loc + total
             self._free = list(range(slots))
             self._quarantine: dict[int, object] = {}  # slot -> in-flight xfer handle
             # UCX wires its endpoint up lazily on the first transfer, which can take longer than
@@ -225,10 +230,26 @@ class NixlClient:
         """READ row 0 of the first table once (raises like ``lookup_into``)."""
         _, wbase, sbase = next(iter(self.tables.values()))
         slot = self._free.pop()
-        loc = slot * self.staging_rows
-        self._read(slot, np.array([loc, loc + self._total], np.int32), np.array([wbase, sbase], np.int32),
-                   time.monotonic() + timeout_s)  # a timeout leaves the slot quarantined
+        li, ri = self._indices(slot, [(np.zeros(1, np.int64), wbase, sbase)])
+        self._read(slot, li, ri, time.monotonic() + timeout_s)  # a timeout leaves the slot quarantined
         self._free.append(slot)
+
+    def _indices(self, slot: int, parts: list) -> tuple[np.ndarray, np.ndarray]:
+        """Descriptor indices of one READ into staging ``slot``: ``parts`` = [(ids int64/uint64[k],
+        weight base, scale base)] of at most ``staging_rows`` rows in all, in staging order.
+        Returns int32 ``(local, remote)`` of 2 per row (weight, scale); O(rows requested),
+        whatever the table size (the remote list is the server's strided regions)."""
+        k = sum(p[0].shape[0] for p in parts)
+        ri = np.empty(2 * k, np.int32)
+        o = 0
+        for ids, wbase, sbase in parts:
+            m = ids.shape[0]
+            ids = ids.view(np.int64) if ids.dtype == np.uint64 else ids  # checked < rows < 2**31
+            np.add(ids, wbase, out=ri[2 * o : 2 * (o + m) : 2], casting="unsafe")
+            np.add(ids, sbase, out=ri[2 * o + 1 : 2 * (o + m) : 2], casting="unsafe")
+            o += m
+        b = 2 * slot * self.staging_rows
+        return self._li[b : b + 2 * k], ri
 
     #: ``lookup_segs`` reads several tables in one NIXL transfer (no server protocol involved).
     multi_table = True
@@ -250,8 +271,7 @@ class NixlClient:
         with self._lock:
             if self._closed or self.agent is None:
                 raise TransportError(f"not connected to {self.endpoint}")
-            ri = np.empty(2 * total, np.int64)
-            o = 0
+            parts = []
             for ident, rows, _, _ in segs:
                 entry = self.tables.get(ident)
                 if entry is None:
@@ -259,19 +279,16 @@ class NixlClient:
                 nrows, wbase, sbase = entry
                 if rows.shape[0] and int(rows.view(np.uint64).max()) >= nrows:
                     raise Refused(P.ST_OUT_OF_RANGE, "out_of_range")  # checked before any READ
-                k = rows.shape[0]
-                np.add(rows, wbase, out=ri[o : o + k], casting="unsafe")
-                np.add(rows, sbase, out=ri[total + o : total + o + k], casting="unsafe")
-                o += k
+                parts.append((rows, wbase, sbase))
             deadline = time.monotonic() + timeout_s
             self._reap()
             if not self._free:
                 raise TransportError(f"{self.endpoint}: every NIXL staging slot is quarantined")
             slot = self._free.pop()
             base = slot * self.staging_rows
-            loc = np.arange(base, base + total, dtype=np.int32)
             try:
-                self._read(slot, np.concatenate([loc, loc + self._total]), ri.astype(np.int32), deadline)
+                li, ri = self._indices(slot, parts)
+                self._read(slot, li, ri, deadline)
             except TransportTimeout:
                 raise  # the slot stays quarantined
             except BaseException:
@@ -331,11 +348,9 @@ class NixlClient:
             try:
                 flat = np.concatenate(dests) if len(dests) > 1 else dests[0]
                 for s in range(0, n, self.staging_rows):
-                    r = rows[s : s + self.staging_rows].astype(np.int64)
+                    r = rows[s : s + self.staging_rows]
                     k = r.shape[0]
-                    loc = slot * self.staging_rows + np.arange(k, dtype=np.int64)
-                    li = np.concatenate([loc, loc + self._total]).astype(np.int32)
-                    ri = np.concatenate([r + wbase, r + sbase]).astype(np.int32)
+                    li, ri = self._indices(slot, [(r, wbase, sbase)])
                     self._read(slot, li, ri, deadline)
                     flat[s : s + k] = self.staging[slot * self.staging_rows : slot * self.staging_rows + k]
                 if len(dests) > 1:
