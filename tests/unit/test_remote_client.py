@@ -329,6 +329,9 @@ def test_hot_path_checks_match_general_path(tabs):
         src.lookup(1, np.array([-3, 1], np.int64), out=buf)
     with pytest.raises(RowRangeError, match="1-D"):
         src.lookup(1, np.zeros((2, 1), np.int64), out=buf)
+    for odd in (np.int64(3), np.zeros((2, 1), np.int64)):
+        with pytest.raises(RowRangeError, match="1-D"):
+            src.lookup(1, odd)
     ro = np.zeros((2, 264), np.uint8)
     ro.flags.writeable = False
     for bad in (ro, np.zeros((3, 264), np.uint8), np.zeros((2, 264), np.int8)):

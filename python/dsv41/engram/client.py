@@ -227,7 +227,7 @@ class RemoteRowSource:
         """
         t0 = _perf()
         tab = self._tabs.get(layer_id)
-        if tab is not None and type(rows) is np.ndarray:
+        if tab is not None and type(rows) is np.ndarray and rows.ndim == 1:
             buf = np.empty((len(rows), P.ROW_BYTES), np.uint8) if out is None else out
             failure = None
             with self._lock:
