@@ -20,7 +20,7 @@ Measured per table size, each in its own process (so RSS is that size's alone):
 - a 24- and a 96-row ``lookup_into`` READ, checked byte for byte against rows written into the
   sparse file at those ids.
 
-Stops growing the table size as soon as a step's RSS would pass ``DSV41_NIXL_RSS_CAP_MB``
+Stops growing the table size as soon as a step's RSS would pass ``DSV41_BENCH_NIXL_RSS_CAP_MB``
 (default 4096).  Results print as JSON lines (``DSV41_BENCH_OUT=FILE`` appends them).
 """
 
@@ -40,9 +40,9 @@ os.environ.setdefault("UCX_TLS", "tcp")
 
 from benchutil import machine  # noqa: E402
 
-TABLE_ROWS = [int(x) for x in os.environ.get("DSV41_NIXL_TABLE_ROWS", "1000000,16000000,192000000").split(",")]
+TABLE_ROWS = [int(x) for x in os.environ.get("DSV41_BENCH_NIXL_TABLE_ROWS", "1000000,16000000,192000000").split(",")]
 REQUESTED = (24, 96, 393216)
-RSS_CAP_MB = float(os.environ.get("DSV41_NIXL_RSS_CAP_MB", "4096"))
+RSS_CAP_MB = float(os.environ.get("DSV41_BENCH_NIXL_RSS_CAP_MB", "4096"))
 STAGING_ROWS = 16384
 
 
