@@ -20,8 +20,8 @@ Measured per table size, each in its own process (so RSS is that size's alone):
 - a 24- and a 96-row ``lookup_into`` READ, checked byte for byte against rows written into the
   sparse file at those ids.
 
-Stops growing the table size as soon as a step's RSS would pass ``DSV41_BENCH_NIXL_RSS_CAP_MB``
-(default 4096).  Results print as JSON lines (``DSV41_BENCH_OUT=FILE`` appends them).
+Takes no larger table once a process's RSS after connecting passes ``DSV41_BENCH_NIXL_RSS_CAP_MB``
+(default 4096): memory growing with table rows would itself be the finding.  Results print as JSON lines (``DSV41_BENCH_OUT=FILE`` appends them).
 """
 
 from __future__ import annotations
