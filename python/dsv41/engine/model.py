@@ -48,6 +48,9 @@ ENGRAM_COLUMNS = 24  # 3 orders x 8 heads (engram-spec.md section 2)
 ENGRAM_HEAD_DIM = 256
 ROW_BYTES = 264
 ENGRAM_EPS = 1e-20  # engram-spec.md section 7
+# Rows per Engram layer up to which a step's row buffers are reused (4.3 MB each; decode steps and
+# small prefill chunks); larger chunks get fresh arrays so nothing prefill-sized stays resident.
+ENGRAM_BUF_ROWS = 16384
 
 
 @dataclass
@@ -463,6 +466,7 @@ class TargetModel:
         self.norm = W["norm.weight"]
         self.head = W["head.weight"]
         self._rope_cache: dict = {}
+        self._engram_bufs: list = []  # per Engram layer: reused staging buffer for decode-size steps
         self.layout = None
         self.hasher = None
         if cfg.engram_layer_ids:
@@ -516,7 +520,14 @@ class TargetModel:
         lids = list(self.cfg.engram_layer_ids)
         ids = [np.ascontiguousarray(rows_np[:, li, self.col0:self.col1].reshape(-1), dtype=np.int64)
                for li in range(len(lids))]
-        return both(lids, ids)
+        n = ids[0].shape[0]
+        if n > ENGRAM_BUF_ROWS:  # a large prefill chunk: fresh arrays, nothing that size kept
+            return both(lids, ids)
+        if len(self._engram_bufs) != len(lids) or self._engram_bufs[0].shape[0] < n:
+            # The rows are dequantized into new arrays before the next step, so one buffer per
+            # layer is reused: no allocation per step, and the row source's buffer path.
+            self._engram_bufs = [np.empty((max(n, 1024), 264), np.uint8) for _ in lids]
+        return both(lids, ids, [b[:n] for b in self._engram_bufs])
 
     def _engram(self, li: int, L: dict, x, rows_np, raw=None):
         """The spec's gate (engram-spec.md section 7) on x ``[N, hc, H]`` float64.
