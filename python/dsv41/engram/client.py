@@ -42,8 +42,8 @@ def _manifest(manifest: Any):
 
 
 def _check_rows(rows: Any, entry: Any) -> np.ndarray:
-    """int64[N] of valid ids of ``entry``'s table (``tables.check_row_ids``; RowRangeError)."""
-    from dsv41.engram.tables import check_row_ids
+    """int64[N] of valid ids of ``entry``'s table (``shards.check_row_ids``; RowRangeError)."""
+    from dsv41.engram.shards import check_row_ids
 
     return check_row_ids(rows, entry.rows, entry.layer_id)
 
@@ -257,7 +257,7 @@ class RemoteRowSource:
     def _lookup_general(self, layer_id: int, rows: Any, out: np.ndarray | None, t0: float) -> np.ndarray:
         """``lookup`` for every case the hot path does not take: id conversion and checks,
         large lookups (pipelined ``CHUNK_ROWS`` requests), disconnection and fallback."""
-        from dsv41.engram.tables import RowRangeError
+        from dsv41.engram.shards import RowRangeError
 
         entry = self._entries.get(layer_id)
         if entry is None:
@@ -327,7 +327,7 @@ class RemoteRowSource:
         return self._lookup_layers_general(layer_ids, rows, outs, t0)
 
     def _lookup_layers_general(self, layer_ids: Any, rows: Any, outs: Any, t0: float) -> list[np.ndarray]:
-        from dsv41.engram.tables import RowRangeError
+        from dsv41.engram.shards import RowRangeError
 
         layer_ids = list(layer_ids)
         if len(rows) != len(layer_ids) or (outs is not None and len(outs) != len(layer_ids)):
