@@ -9,22 +9,12 @@ import threading
 
 import numpy as np
 import pytest
-from test_transport_tcp import expected, make_table, raw_conn, recv_exact
+from test_transport_tcp import expected, impl, make_table, raw_conn, recv_exact  # noqa: F401 - impl: fixture
 
-from dsv41.transport import Refused, native, open_client, parse_url
+from dsv41.transport import Refused, open_client, parse_url
 from dsv41.transport import protocol as P
 from dsv41.transport.server import RowServer
 from dsv41.transport.tcp import TcpClient
-
-IMPLS = [pytest.param(True, id="cpp"), pytest.param(False, id="python")]
-
-
-@pytest.fixture(params=IMPLS)
-def impl(request):
-    if request.param and native._fastrow is None:
-        pytest.fail("C++ extension not built: run pip install -e .")
-    return request.param
-
 
 @pytest.fixture
 def served(impl):

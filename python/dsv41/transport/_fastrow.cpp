@@ -386,6 +386,32 @@ int send_deadline(int fd, iovec *iov, int niov, int64_t deadline) {
   return 0;
 }
 
+// Reply header of request `gen` sent in a `ver` frame; a refusal's payload is discarded.  0: an
+// OK reply of exactly `rows` rows follows (its payload still to read); 1: refused (the status in
+// rcount); else the negative codes of client_lookup.  A bad_version refusal may carry another
+// version (the server's newest).
+int recv_reply_header(int fd, uint64_t gen, uint16_t ver, uint64_t rows, int64_t deadline, int64_t spin_ns,
+                      uint32_t &rcount, uint32_t &rplen) {
+  uint8_t rep[kRep];
+  int code = recv_deadline(fd, rep, kRep, deadline, spin_ns);
+  if (code) return code;
+  uint16_t status = rd<uint16_t>(rep + 6);
+  rcount = rd<uint32_t>(rep + 16);
+  rplen = rd<uint32_t>(rep + 20);
+  if (rd<uint32_t>(rep) != kMagic || (rd<uint16_t>(rep + 4) != ver && status != ST_BAD_VERSION)) return -4;
+  if (rd<uint64_t>(rep + 8) != gen) return -3;
+  if (status != ST_OK) {
+    if (rplen > 4096) return -4;
+    uint8_t junk[4096];
+    code = recv_deadline(fd, junk, rplen, deadline, spin_ns);
+    if (code) return code;
+    rcount = status;
+    return 1;
+  }
+  if (rcount != rows || uint64_t(rplen) != rows * kRow) return -4;
+  return 0;
+}
+
 // One lookup on a non-blocking connected socket.  Returns (code, reply_count, reply_plen):
 // code 0 = rows written; 1 = refused (status in reply_count's place, payload discarded);
 // -1 = timeout; -2 = transport error; -3 = generation mismatch; -4 = malformed reply.
@@ -412,26 +438,10 @@ py::tuple client_lookup(int fd, uint64_t gen, py::bytes ident, py::array_t<uint6
     wr<uint32_t>(h + 48, n); wr<uint32_t>(h + 52, n * 8);
     iovec iov[2] = {{h, kReq}, {const_cast<uint8_t *>(rp), size_t(n) * 8}};
     code = send_deadline(fd, iov, n ? 2 : 1, deadline);
-    uint8_t rep[kRep];
-    if (code == 0) code = recv_deadline(fd, rep, kRep, deadline, spin_ns);
-    if (code == 0) {
-      uint16_t status = rd<uint16_t>(rep + 6);
-      rcount = rd<uint32_t>(rep + 16);
-      rplen = rd<uint32_t>(rep + 20);
-      if (rd<uint32_t>(rep) != kMagic || rd<uint16_t>(rep + 4) != kVersion) code = -4;
-      else if (rd<uint64_t>(rep + 8) != gen) code = -3;
-      else if (status != ST_OK) {
-        if (rplen > 4096) code = -4;
-        else {
-          uint8_t junk[4096];
-          code = recv_deadline(fd, junk, rplen, deadline, spin_ns);
-          if (code == 0) { code = 1; rcount = status; }
-        }
-      } else if (rcount != n || uint64_t(rplen) != uint64_t(n) * kRow) code = -4;
-      else
-        for (auto &d : out)
-          if (d.second && (code = recv_deadline(fd, d.first, d.second, deadline, spin_ns)) != 0) break;
-    }
+    if (code == 0) code = recv_reply_header(fd, gen, kVersion, n, deadline, spin_ns, rcount, rplen);
+    if (code == 0)
+      for (auto &d : out)
+        if (d.second && (code = recv_deadline(fd, d.first, d.second, deadline, spin_ns)) != 0) break;
   }
   return py::make_tuple(code, rcount, rplen);
 }
@@ -622,27 +632,11 @@ py::tuple client_lookup_segs(int fd, uint64_t gen, uint16_t version, py::tuple s
     for (size_t j = 0; j < k; j++)
       if (cs[j].n) iov[niov++] = {const_cast<uint8_t *>(cs[j].ids), cs[j].n * 8};
     code = send_deadline(fd, iov, niov, deadline);
-    uint8_t rep[kRep];
-    if (code == 0) code = recv_deadline(fd, rep, kRep, deadline, spin_ns);
-    if (code == 0) {
-      uint16_t status = rd<uint16_t>(rep + 6);
-      rcount = rd<uint32_t>(rep + 16);
-      uint32_t rplen = rd<uint32_t>(rep + 20);
-      uint16_t rver = rd<uint16_t>(rep + 4);
-      if (rd<uint32_t>(rep) != kMagic || (rver != ver && status != ST_BAD_VERSION)) code = -4;
-      else if (rd<uint64_t>(rep + 8) != gen) code = -3;
-      else if (status != ST_OK) {
-        if (rplen > 4096) code = -4;
-        else {
-          uint8_t junk[4096];
-          code = recv_deadline(fd, junk, rplen, deadline, spin_ns);
-          if (code == 0) { code = 1; rcount = status; }
-        }
-      } else if (rcount != total || uint64_t(rplen) != uint64_t(total) * kRow) code = -4;
-      else
-        for (size_t j = 0; j < k; j++)
-          if (cs[j].n && (code = recv_deadline(fd, cs[j].out, cs[j].n * kRow, deadline, spin_ns)) != 0) break;
-    }
+    uint32_t rplen = 0;
+    if (code == 0) code = recv_reply_header(fd, gen, ver, total, deadline, spin_ns, rcount, rplen);
+    if (code == 0)
+      for (size_t j = 0; j < k; j++)
+        if (cs[j].n && (code = recv_deadline(fd, cs[j].out, cs[j].n * kRow, deadline, spin_ns)) != 0) break;
   }
   return py::make_tuple(code, rcount, 0);
 }
