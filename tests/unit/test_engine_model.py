@@ -258,3 +258,30 @@ def test_local_runner_generate(assets, cfg):
     for bad, msg in [(([], 3), "empty"), (([999], 3), "outside"), ((p, -1), ">= 0"), ((p, 9000), "max_position")]:
         with pytest.raises(Dsv41Error, match=msg):
             r.generate(*bad)
+
+
+def test_both_layers_fetched_together_equal_per_layer(cfg, weights, assets):
+    """A row source with ``lookup_layers`` is asked once per step for both Engram layers; the
+    output equals the per-layer ``lookup`` path bit for bit."""
+
+    class PerLayer:  # only the RowSource protocol: the engine looks each layer up itself
+        def __init__(self, inner):
+            self.inner = inner
+
+        def lookup(self, layer_id, rows):
+            return self.inner.lookup(layer_id, rows)
+
+    calls = []
+
+    class Together(PerLayer):
+        def lookup_layers(self, layer_ids, rows, outs=None):
+            calls.append(list(layer_ids))
+            return self.inner.lookup_layers(layer_ids, rows, outs)
+
+    ids = TOK.encode("Every tiny tree opens this cold cat. count 3 4")
+    a = TargetModel(cfg, weights, LocalComm(), PerLayer(local_rows(assets)))
+    b = TargetModel(cfg, weights, LocalComm(), Together(local_rows(assets)))
+    la = a.forward([(a.new_cache(64), ids)], [list(range(len(ids)))]).logits[0]
+    lb = b.forward([(b.new_cache(64), ids)], [list(range(len(ids)))]).logits[0]
+    assert torch.equal(la, lb)
+    assert calls == [list(cfg.engram_layer_ids)]

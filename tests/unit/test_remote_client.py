@@ -214,11 +214,11 @@ class SilentServer:
                     if not k:
                         return
                     h += k
-                _, _, op, rid, _, count, plen = P.REQ.unpack(h)
+                _, ver, op, rid, _, count, plen = P.REQ.unpack(h)
                 while plen:
                     plen -= len(c.recv(plen))
-                if op == P.OP_HELLO:
-                    c.sendall(P.REP.pack(P.MAGIC, P.VERSION, 0, rid, self.n, len(self.hello)) + self.hello)
+                if op == P.OP_HELLO:  # replies echo the request's version, as the real server's
+                    c.sendall(P.REP.pack(P.MAGIC, ver, 0, rid, self.n, len(self.hello)) + self.hello)
         except OSError:
             pass
 
@@ -306,5 +306,118 @@ def test_concurrent_lookups_during_outage_are_exact(tabs):
     assert len(alive) <= 1
     c = src.counters()
     assert c["lookups"] == 160
+    src.close()
+    ref.close()
+
+
+def test_hot_path_checks_match_general_path(tabs):
+    """ndarray ids go through lookup_segs (checks in C++); every bad input still gets the same
+    error as before and sends nothing; odd dtypes and lists take the general path exactly."""
+    d, m, tables = tabs
+    srv, ep = serve(tables)
+    ref = local(d, m)
+    src = RemoteRowSource(str(ep), m, 0, 1, timeout_ms=1000, local=local(d, m))
+    n1 = m.table(1).rows
+    for rows in (np.array([0, n1 - 1, 5], np.int64), np.array([3, 4], np.uint64), np.array([7, 8], np.int32),
+                 [1, 2, 3], np.arange(10, dtype=np.int64)[::3]):
+        buf = np.zeros((len(rows), 264), np.uint8)
+        assert src.lookup(1, rows, out=buf) is buf
+        np.testing.assert_array_equal(buf, ref.read(1, np.asarray(rows, np.int64)))
+    before = srv.snapshot()["requests"]
+    buf = np.zeros((2, 264), np.uint8)
+    with pytest.raises(RowRangeError, match=f"row {n1} is outside"):
+        src.lookup(1, np.array([1, n1], np.int64), out=buf)
+    with pytest.raises(RowRangeError, match="row -3 is outside"):
+        src.lookup(1, np.array([-3, 1], np.int64), out=buf)
+    with pytest.raises(RowRangeError, match="1-D"):
+        src.lookup(1, np.zeros((2, 1), np.int64), out=buf)
+    for odd in (np.int64(3), np.zeros((2, 1), np.int64)):
+        with pytest.raises(RowRangeError, match="1-D"):
+            src.lookup(1, odd)
+    ro = np.zeros((2, 264), np.uint8)
+    ro.flags.writeable = False
+    for bad in (ro, np.zeros((3, 264), np.uint8), np.zeros((2, 264), np.int8)):
+        with pytest.raises(Dsv41Error, match="out must be"):
+            src.lookup(1, np.array([1, 2], np.int64), out=bad)
+    assert srv.snapshot()["requests"] == before
+    assert src.counters()["fallbacks"] == 0
+    src.close()
+    ref.close()
+    srv.stop(1)
+
+
+def test_lookup_layers_one_request_exact(tabs):
+    d, m, tables = tabs
+    srv, ep = serve(tables)
+    ref = local(d, m)
+    src = RemoteRowSource(str(ep), m, 0, 1, timeout_ms=1000, local=local(d, m))
+    assert src._client.multi_table
+    for n in (24, 96, 20000):  # 2 x 20000 rows: more than one request's worth, per layer
+        rows = [rand_rows(m, 1, n, n), rand_rows(m, 2, n, n + 1)]
+        outs = [np.zeros((n, 264), np.uint8), np.zeros((n, 264), np.uint8)]
+        before = srv.snapshot()["requests"]
+        got = src.lookup_layers((1, 2), rows, outs)
+        assert got[0] is outs[0] and got[1] is outs[1]
+        if n <= 96:
+            assert srv.snapshot()["requests"] == before + 1  # both layers, one request
+        for L in (1, 2):
+            np.testing.assert_array_equal(got[L - 1], ref.read(L, rows[L - 1]))
+        got = src.lookup_layers([2, 1], [rows[1], rows[0]])  # no buffers, either order
+        np.testing.assert_array_equal(got[0], ref.read(2, rows[1]))
+        np.testing.assert_array_equal(got[1], ref.read(1, rows[0]))
+    c = src.counters()
+    assert c["lookups"] == 12 and c["fallbacks"] == 0 and c["remote_rows"] == c["rows"] == 4 * (24 + 96 + 20000)
+    with pytest.raises(RowRangeError):
+        src.lookup_layers((1, 2), [[0], [m.table(2).rows]], None)
+    with pytest.raises(RowRangeError):
+        src.lookup_layers((1, 7), [[0], [0]])
+    with pytest.raises(Dsv41Error, match="one row array"):
+        src.lookup_layers((1, 2), [[0]])
+    with pytest.raises(Dsv41Error, match="out must be"):
+        src.lookup_layers((1, 2), [[0], [1]], [np.zeros((1, 264), np.uint8), np.zeros((2, 264), np.uint8)])
+    # the server goes away: both layers fall back, exactly, and count one fallback
+    srv.stop(1)
+    rows = [rand_rows(m, 1, 24, 5), rand_rows(m, 2, 24, 6)]
+    outs = [np.zeros((24, 264), np.uint8), np.zeros((24, 264), np.uint8)]
+    got = src.lookup_layers((1, 2), rows, outs)
+    for L in (1, 2):
+        np.testing.assert_array_equal(got[L - 1], ref.read(L, rows[L - 1]))
+    c = src.counters()
+    assert c["fallbacks"] == 1 and c["transport_errors"] == 1
+    src.close()
+    ref.close()
+
+
+def test_lookup_layers_against_version1_server(tabs):
+    """A version-1 server (before OP_LOOKUP_MULTI): one request per layer, exact rows."""
+    from test_transport_multi import V1Server
+
+    d, m, tables = tabs
+    old = V1Server(tables)
+    ref = local(d, m)
+    src = RemoteRowSource(f"tcp://127.0.0.1:{old.ep.port}", m, 0, 1, timeout_ms=1000, local=local(d, m))
+    assert src.connected and not src._client.multi_table
+    rows = [rand_rows(m, 1, 24, 1), rand_rows(m, 2, 24, 2)]
+    outs = [np.zeros((24, 264), np.uint8), np.zeros((24, 264), np.uint8)]
+    got = src.lookup_layers((1, 2), rows, outs)
+    for L in (1, 2):
+        np.testing.assert_array_equal(got[L - 1], ref.read(L, rows[L - 1]))
+    assert src.counters()["fallbacks"] == 0 and src.counters()["remote_rows"] == 48
+    src.close()
+    ref.close()
+    old.close()
+
+
+def test_local_rowsource_lookup_layers(tabs):
+    d, m, tables = tabs
+    src = LocalRowSource(local(d, m))
+    ref = local(d, m)
+    rows = [rand_rows(m, 1, 10, 3), rand_rows(m, 2, 7, 4)]
+    outs = [np.zeros((10, 264), np.uint8), np.zeros((7, 264), np.uint8)]
+    got = src.lookup_layers((1, 2), rows, outs)
+    assert got[0] is outs[0]
+    for L in (1, 2):
+        np.testing.assert_array_equal(got[L - 1], ref.read(L, rows[L - 1]))
+    assert src.counters()["lookups"] == 2
     src.close()
     ref.close()

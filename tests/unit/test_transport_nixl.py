@@ -208,3 +208,38 @@ def test_server_agent_progress_thread_gets_a_delay():
     ex = NixlExporter([make_table(5, 1)])
     assert api.nixlBind is real  # the binding module is restored after building the agent
     ex.close()
+
+
+def test_lookup_segs_both_tables_one_read(nixl_server, monkeypatch):
+    """Several tables in one READ (the engine's two Engram layers per step): exact rows, one
+    transfer posted, checks before any READ, larger requests table by table."""
+    srv, nep, _, tables = nixl_server
+    c = open_client(nep, [t.identity for t in tables])
+    assert c.multi_table
+    posted = []
+    real = c.agent.make_prepped_xfer
+    monkeypatch.setattr(c.agent, "make_prepped_xfer", lambda *a, **k: posted.append(len(a[2])) or real(*a, **k))
+    rng = np.random.default_rng(5)
+    for n0, n1 in ((24, 24), (96, 3), (0, 7), (10000, 9000)):  # last: more than one staging slot
+        ids = [rng.integers(0, ROWS, n0), rng.integers(0, ROWS, n1)]
+        outs = [np.zeros((n0, 264), np.uint8), np.zeros((n1, 264), np.uint8)]
+        posted.clear()
+        segs = tuple((t.identity, r, ROWS, o) for t, r, o in zip(tables, ids, outs))
+        assert c.lookup_segs(segs, 20.0) == (0, n0 + n1, 0)
+        for t, r, o in zip(tables, ids, outs):
+            np.testing.assert_array_equal(o, expected(t, r))
+        if n0 + n1 <= c.staging_rows:
+            assert posted == [2 * (n0 + n1)]  # one READ, two descriptors per row
+    out = np.zeros((2, 264), np.uint8)
+    posted.clear()
+    ok = (tables[0].identity, np.array([1], np.int64), ROWS, np.zeros((1, 264), np.uint8))
+    assert c.lookup_segs((ok, (tables[1].identity, np.array([1, ROWS], np.int64), ROWS, out)), 1.0) == (3, 1, 1)
+    assert c.lookup_segs((ok, (tables[1].identity, np.array([1, 2], np.int32), ROWS, out)), 1.0) == (2, 1, 0)
+    with pytest.raises(Refused) as e:  # a limit above the table: the client's own table check
+        c.lookup_segs((ok, (tables[1].identity, np.array([1, ROWS], np.int64), 1 << 40, out)), 1.0)
+    assert e.value.reason == "out_of_range"
+    with pytest.raises(Refused) as e:
+        c.lookup_segs((ok, (bytes(32), np.array([1, 2], np.int64), ROWS, out)), 1.0)
+    assert e.value.reason == "wrong_identity"
+    assert posted == [] and (out == 0).all()  # nothing was READ
+    c.close()

@@ -37,6 +37,9 @@ from dsv41.errors import ConfigError, Dsv41Error
 from dsv41.tokenizer import TOKEN_MAP
 
 ENGRAM_EPS = 1e-20  # engram-spec.md section 7
+# Rows per Engram layer up to which a step's row buffers are reused (4.3 MB each; decode steps and
+# small prefill chunks); larger chunks get fresh arrays so nothing prefill-sized stays resident.
+ENGRAM_BUF_ROWS = 16384
 
 
 class SeqCache:
@@ -135,6 +138,7 @@ class TargetModel:
         self.norm = W["norm.weight"]
         self.head = W["head.weight"]
         self._rope_cache: dict = {}
+        self._engram_bufs: list = []  # per Engram layer: reused staging buffer for decode-size steps
         self.layout = None
         self.hasher = None
         if cfg.engram_layer_ids:
@@ -178,7 +182,26 @@ class TargetModel:
             out.append(np.asarray(rows)[len(win) - n:])
         return np.concatenate(out, 0)
 
-    def _engram(self, li: int, L: dict, x, rows_np):
+    def _engram_prefetch(self, rows_np) -> list | None:
+        """Packed rows of every Engram layer of this step, fetched together where the row
+        source can (``lookup_layers``: one request for both layers over tcp protocol v2 or one
+        NIXL READ); None when it cannot (``_engram`` then looks each layer up itself)."""
+        both = getattr(self.rows, "lookup_layers", None)
+        if both is None or rows_np is None:
+            return None
+        lids = list(self.cfg.engram_layer_ids)
+        ids = [np.ascontiguousarray(rows_np[:, li, self.col0:self.col1].reshape(-1), dtype=np.int64)
+               for li in range(len(lids))]
+        n = ids[0].shape[0]
+        if n > ENGRAM_BUF_ROWS:  # a large prefill chunk: fresh arrays, nothing that size kept
+            return both(lids, ids)
+        if len(self._engram_bufs) != len(lids) or self._engram_bufs[0].shape[0] < n:
+            # The rows are dequantized into new arrays before the next step, so one buffer per
+            # layer is reused: no allocation per step, and the row source's buffer path.
+            self._engram_bufs = [np.empty((max(n, 1024), 264), np.uint8) for _ in lids]
+        return both(lids, ids, [b[:n] for b in self._engram_bufs])
+
+    def _engram(self, li: int, L: dict, x, rows_np, raw=None):
         """The spec's gate (engram-spec.md section 7) on x ``[N, hc, H]`` float64.
 
         Looks up this rank's columns ``[col0, col1)`` of ``rows_np[:, li]`` through the row
@@ -192,8 +215,9 @@ class TargetModel:
         N = x.shape[0]
         H, hc = self.cfg.hidden_size, self.cfg.hc_mult
         lid = self.cfg.engram_layer_ids[li]
-        ids = np.ascontiguousarray(rows_np[:, li, self.col0:self.col1].reshape(-1), dtype=np.int64)
-        raw = self.rows.lookup(lid, ids)
+        if raw is None:
+            ids = np.ascontiguousarray(rows_np[:, li, self.col0:self.col1].reshape(-1), dtype=np.int64)
+            raw = self.rows.lookup(lid, ids)
         with np.errstate(over="ignore", invalid="ignore"):  # scale byte 255 -> NaN by convention
             vals, counts = dequantize(np.asarray(raw), convention="reference")
         self._count_scales(counts)
@@ -251,6 +275,7 @@ class TargetModel:
         if self.hasher is not None:
             wins = [c.tokens[-3:] + list(t) for c, t in items]
             rows_np = self.engram_rows(wins, lens)
+        raws = self._engram_prefetch(rows_np)
         for c, n in zip((c for c, _ in items), lens):
             c.ensure(c.length + n)
         x = self.embed[toks][:, None, :].expand(N, hc, H).clone()
@@ -258,7 +283,8 @@ class TargetModel:
         taps = None
         for i, L in enumerate(self.layers):
             if "wkv" in L:
-                x = self._engram(cfg.engram_layer_ids.index(i), L, x, rows_np)
+                li = cfg.engram_layer_ids.index(i)
+                x = self._engram(li, L, x, rows_np, None if raws is None else raws[li])
             h = (x * L["hc_attn_pre"][None, :, None]).sum(1)
             hn = rms_norm(h, L["attn_norm.weight"], cfg.rms_norm_eps)
             parts = []

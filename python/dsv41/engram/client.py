@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from time import perf_counter as _perf
 from typing import Any
 
 import numpy as np
@@ -123,8 +124,10 @@ class RemoteRowSource:
         self.local = local
         self._entries = {t.layer_id: t for t in self.manifest.tables}
         self._idents = {t.layer_id: P.identity_bytes(t.identity) for t in self.manifest.tables}
-        self._lock = threading.Lock()  # guards the client and one in-flight request
-        self._clock = threading.Lock()  # guards counters
+        self._tabs = {L: (self._idents[L], int(t.rows)) for L, t in self._entries.items()}  # hot path
+        # Guards the client, its one in-flight request, and the counters (updated while the
+        # request's lock is held anyway, so the hot path takes no second lock).
+        self._lock = threading.Lock()
         self._rlock = threading.Lock()  # guards starting the reconnect thread
         self._c = {"lookups": 0, "rows": 0, "fallbacks": 0, "transport_errors": 0, "refusals": 0,
                    "reconnects": 0, "latency_sum_s": 0.0, "latency_count": 0, "remote_rows": 0,
@@ -148,18 +151,18 @@ class RemoteRowSource:
     def _connect(self):
         return open_client(self.endpoint, list(self._idents.values()), max(self.timeout_s, 0.5))
 
-    def _note_error(self, exc: BaseException) -> None:
-        with self._clock:
-            if isinstance(exc, Refused):
-                self._c["refusals"] += 1
-            else:
-                self._c["transport_errors"] += 1
+    def _note_error_locked(self, exc: BaseException) -> None:
+        """Count a failed request (caller holds ``_lock``)."""
+        if isinstance(exc, Refused):
+            self._c["refusals"] += 1
+        else:
+            self._c["transport_errors"] += 1
         self.last_error = str(exc)
 
     def _note_connect_failure(self, exc: BaseException) -> None:
         # Failed (re)connect attempts are counted apart from lookup failures, which they would
         # otherwise inflate while a server is down.
-        with self._clock:
+        with self._lock:
             self._c["connect_failures"] += 1
         self.last_error = str(exc)
 
@@ -189,7 +192,6 @@ class RemoteRowSource:
                     client.close()
                     return
                 self._client = client
-            with self._clock:
                 if self._ever_connected:
                     self._c["reconnects"] += 1
             self._ever_connected = True
@@ -214,12 +216,47 @@ class RemoteRowSource:
         """Packed rows uint8[N, 264] of global row ids ``rows`` (int[N]) of ``layer_id``.
 
         Remote first; on failure exact rows from ``local`` (fallback counted).  ``out``: optional
-        caller-owned C-contiguous uint8[N, 264] buffer to fill and return (a staging buffer
-        reused across calls skips populating fresh memory for every lookup).  Raises
-        ``RowRangeError`` for bad ids or layers, ``RemoteUnavailable`` when required or when
-        there is no local reader, ``Dsv41Error`` for a bad ``out``.
+        caller-owned C-contiguous uint8[N, 264] buffer to fill and return (the engine's or the
+        vLLM overlay's staging buffer: no allocation per call).  Raises ``RowRangeError`` for
+        bad ids or layers, ``RemoteUnavailable`` when required or when there is no local reader,
+        ``Dsv41Error`` for a bad ``out``.
+
+        Hot path (int64/uint64 C-contiguous ids, at most ``CHUNK_ROWS``, a connected tcp or nixl
+        client): one ``lookup_segs`` call does every check in C++ (tcp) and the counters are
+        updated under the connection lock this call holds anyway.
         """
-        t0 = time.perf_counter()
+        t0 = _perf()
+        tab = self._tabs.get(layer_id)
+        if tab is not None and type(rows) is np.ndarray and rows.ndim == 1:
+            buf = np.empty((len(rows), P.ROW_BYTES), np.uint8) if out is None else out
+            failure = None
+            with self._lock:
+                client = self._client
+                if client is not None and len(buf):
+                    try:
+                        code, n, _ = client.lookup_segs(((tab[0], rows, tab[1], buf),), self.timeout_s, CHUNK_ROWS)
+                    except (TransportTimeout, TransportError) as exc:  # ids and out passed the checks
+                        code, failure = -1, exc
+                        self._note_error_locked(exc)
+                        client.close()
+                        self._client = None
+                    if code == 0:
+                        c = self._c
+                        c["lookups"] += 1
+                        c["rows"] += n
+                        c["remote_rows"] += n
+                        c["latency_sum_s"] += _perf() - t0
+                        c["latency_count"] += 1
+                        return buf
+            if failure is not None:
+                self._fall_back(failure, [(layer_id, rows, buf)])
+                self._count([len(buf)], failure, t0)
+                return buf
+        return self._lookup_general(layer_id, rows, out, t0)
+
+    def _lookup_general(self, layer_id: int, rows: Any, out: np.ndarray | None, t0: float) -> np.ndarray:
+        """``lookup`` for every case the hot path does not take: id conversion and checks,
+        large lookups (pipelined ``CHUNK_ROWS`` requests), disconnection and fallback."""
         from dsv41.engram.shards import RowRangeError
 
         entry = self._entries.get(layer_id)
@@ -227,11 +264,7 @@ class RemoteRowSource:
             raise RowRangeError(f"manifest has no table for layer {layer_id}")
         r = _check_rows(rows, entry)
         n = r.shape[0]
-        if out is None:
-            out = np.empty((n, P.ROW_BYTES), np.uint8)
-        elif (not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.shape != (n, P.ROW_BYTES)
-              or not out.flags.c_contiguous or not out.flags.writeable):
-            raise Dsv41Error(f"out must be a writable C-contiguous uint8[{n}, {P.ROW_BYTES}] array")
+        out = self._out(out, n)
         failure: BaseException | None = None
         if n:
             with self._lock:
@@ -243,36 +276,143 @@ class RemoteRowSource:
                         _fetch(client, self._idents[layer_id], r, out, self.timeout_s)
                     except (TransportTimeout, TransportError) as exc:  # Refused is a TransportError
                         failure = exc
-                        self._note_error(exc)
+                        self._note_error_locked(exc)
                         client.close()
                         self._client = None
             if failure is not None:
-                self._start_reconnect()
-                if self.required:
-                    raise RemoteUnavailable(f"remote Engram {self.url} is required but failed: {failure}") from None
-                if self.local is None:
-                    raise RemoteUnavailable(f"remote Engram {self.url} failed and there is no local reader: {failure}") from None
-                if hasattr(self.local, "lookup"):
-                    out[...] = self.local.lookup(layer_id, r)
-                else:
-                    self.local.read(layer_id, r, out=out)
-        dt = time.perf_counter() - t0
-        with self._clock:
-            self._c["lookups"] += 1
-            self._c["rows"] += n
-            self._c["latency_sum_s"] += dt
-            self._c["latency_count"] += 1
-            if failure is not None:
-                self._c["fallbacks"] += 1
-            elif n:
-                self._c["remote_rows"] += n
+                self._fall_back(failure, [(layer_id, r, out)])
+        self._count([n], failure, t0)
         return out
+
+    def lookup_layers(self, layer_ids: Any, rows: Any, outs: Any = None) -> list[np.ndarray]:
+        """Rows of several layers (e.g. both Engram layers of a step) in one round trip.
+
+        ``layer_ids``: sequence of layer ids; ``rows``: one int[N_i] array per layer; ``outs``:
+        None or one caller-owned buffer (uint8[N_i, 264], or None) per layer.  Returns the list
+        of uint8[N_i, 264] arrays.  Over tcp the layers travel as one ``OP_LOOKUP_MULTI``
+        request when the server speaks protocol version 2 (else one request per layer); over
+        nixl as one READ.  Same errors, counters (one lookup per layer) and fallback as
+        ``lookup``: a failure falls back for every layer of the call.
+        """
+        t0 = _perf()
+        if outs is not None and len(layer_ids) == len(rows) == len(outs) == 2:  # the decode step
+            tabs = self._tabs
+            a, b = tabs.get(layer_ids[0]), tabs.get(layer_ids[1])
+            if a is not None and b is not None:
+                failure = None
+                with self._lock:
+                    client = self._client
+                    if client is not None and client.multi_table:
+                        try:
+                            code, n, _ = client.lookup_segs(((a[0], rows[0], a[1], outs[0]), (b[0], rows[1], b[1], outs[1])),
+                                                            self.timeout_s, CHUNK_ROWS)
+                        except (TransportTimeout, TransportError) as exc:  # ids and outs passed the checks
+                            code, failure = -1, exc
+                            self._note_error_locked(exc)
+                            client.close()
+                            self._client = None
+                        if code == 0 and n:
+                            c = self._c
+                            c["lookups"] += 2
+                            c["rows"] += n
+                            c["remote_rows"] += n
+                            c["latency_sum_s"] += _perf() - t0
+                            c["latency_count"] += 1
+                            return list(outs)
+                if failure is not None:
+                    parts = [(layer_ids[0], rows[0], outs[0]), (layer_ids[1], rows[1], outs[1])]
+                    self._fall_back(failure, parts)
+                    self._count([len(outs[0]), len(outs[1])], failure, t0)
+                    return list(outs)
+        return self._lookup_layers_general(layer_ids, rows, outs, t0)
+
+    def _lookup_layers_general(self, layer_ids: Any, rows: Any, outs: Any, t0: float) -> list[np.ndarray]:
+        from dsv41.engram.shards import RowRangeError
+
+        layer_ids = list(layer_ids)
+        if len(rows) != len(layer_ids) or (outs is not None and len(outs) != len(layer_ids)):
+            raise Dsv41Error("lookup_layers needs one row array (and one out, if given) per layer")
+        if not 1 <= len(layer_ids) <= P.MAX_SEGMENTS:
+            raise Dsv41Error(f"lookup_layers takes 1..{P.MAX_SEGMENTS} layers, got {len(layer_ids)}")
+        parts = []
+        for k, layer_id in enumerate(layer_ids):
+            entry = self._entries.get(layer_id)
+            if entry is None:
+                raise RowRangeError(f"manifest has no table for layer {layer_id}")
+            r = _check_rows(rows[k], entry)
+            parts.append((layer_id, r, self._out(None if outs is None else outs[k], r.shape[0])))
+        total = sum(p[1].shape[0] for p in parts)
+        failure: BaseException | None = None
+        with self._lock:
+            client = self._client
+            if client is None:
+                failure = TransportError(f"not connected to {self.url}")
+            elif total:
+                try:
+                    if client.multi_table and total <= CHUNK_ROWS:
+                        segs = tuple((self._idents[L], r, self._entries[L].rows, o) for L, r, o in parts)
+                        code = client.lookup_segs(segs, self.timeout_s)[0]
+                        if code:  # ids and buffers were checked above
+                            raise Dsv41Error(f"internal: lookup_segs returned {code} after checks")
+                    else:
+                        for L, r, o in parts:
+                            if r.shape[0]:
+                                _fetch(client, self._idents[L], r, o, self.timeout_s)
+                except (TransportTimeout, TransportError) as exc:
+                    failure = exc
+                    self._note_error_locked(exc)
+                    client.close()
+                    self._client = None
+        if failure is not None and total:
+            self._fall_back(failure, parts)
+        elif failure is not None:
+            failure = None  # nothing to read: nothing fell back
+        self._count([p[1].shape[0] for p in parts], failure, t0)
+        return [p[2] for p in parts]
+
+    @staticmethod
+    def _out(out: Any, n: int) -> np.ndarray:
+        if out is None:
+            return np.empty((n, P.ROW_BYTES), np.uint8)
+        if (not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.shape != (n, P.ROW_BYTES)
+                or not out.flags.c_contiguous or not out.flags.writeable):
+            raise Dsv41Error(f"out must be a writable C-contiguous uint8[{n}, {P.ROW_BYTES}] array")
+        return out
+
+    def _fall_back(self, failure: BaseException, parts: list) -> None:
+        """Fill every ``(layer_id, ids, out)`` of ``parts`` from the local reader, or raise."""
+        self._start_reconnect()
+        if self.required:
+            raise RemoteUnavailable(f"remote Engram {self.url} is required but failed: {failure}") from None
+        if self.local is None:
+            raise RemoteUnavailable(f"remote Engram {self.url} failed and there is no local reader: {failure}") from None
+        for layer_id, r, out in parts:
+            if hasattr(self.local, "lookup"):
+                out[...] = self.local.lookup(layer_id, r)
+            else:
+                self.local.read(layer_id, r, out=out)
+
+    def _count(self, ns: list[int], failure: BaseException | None, t0: float) -> None:
+        n = sum(ns)
+        with self._lock:  # the connection lock: counters have no lock of their own
+            c = self._c
+            c["lookups"] += len(ns)
+            c["rows"] += n
+            c["latency_sum_s"] += _perf() - t0
+            c["latency_count"] += 1
+            if failure is not None:
+                c["fallbacks"] += 1
+            elif n:
+                c["remote_rows"] += n
 
     def counters(self) -> dict:
         """Counters: lookups, rows, fallbacks, transport_errors, refusals, reconnects,
-        latency_sum_s, latency_count (+ remote_rows, connect_failures, connected, source, url)."""
-        with self._clock:
-            c = dict(self._c)
+        latency_sum_s, latency_count (+ remote_rows, connect_failures, connected, source, url).
+
+        Read without a lock (a dict copy is one step under the GIL), so a snapshot never waits
+        for a request in flight; one taken while a lookup is being counted may show that lookup
+        partly counted."""
+        c = dict(self._c)
         c.update(source=self.endpoint.scheme, url=self.url, connected=self._client is not None)
         return c
 

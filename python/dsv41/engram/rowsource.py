@@ -57,10 +57,11 @@ class LocalRowSource:
         self._c: dict[str, float | int] = {k: 0 for k in COUNTER_KEYS}
         self._c["latency_sum_s"] = 0.0
 
-    def lookup(self, layer_id: int, rows: np.ndarray) -> np.ndarray:
-        """See :meth:`RowSource.lookup`; RowRangeError for out-of-range ids."""
+    def lookup(self, layer_id: int, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """See :meth:`RowSource.lookup`; ``out``: optional caller-owned uint8[N, 264] buffer
+        (as the reader's ``read``).  RowRangeError for out-of-range ids."""
         t0 = time.perf_counter()
-        out = self.reader.read(layer_id, rows)
+        out = self.reader.read(layer_id, rows) if out is None else self.reader.read(layer_id, rows, out=out)
         dt = time.perf_counter() - t0
         with self._lock:
             self._c["lookups"] += 1
@@ -68,6 +69,12 @@ class LocalRowSource:
             self._c["latency_sum_s"] += dt
             self._c["latency_count"] += 1
         return out
+
+    def lookup_layers(self, layer_ids, rows, outs=None) -> list[np.ndarray]:
+        """Rows of several layers (``RemoteRowSource.lookup_layers``' contract): one
+        ``lookup`` per layer, locally there is no round trip to save."""
+        outs = [None] * len(rows) if outs is None else outs
+        return [self.lookup(L, r, out=o) for L, r, o in zip(layer_ids, rows, outs)]
 
     def counters(self) -> dict:
         """Snapshot of the counters (plus ``source: "local"``)."""

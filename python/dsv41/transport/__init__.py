@@ -6,8 +6,9 @@
   of the server's registered tables (``nixl_backend``).
 
 ``open_client(url_or_endpoint, identities, timeout_s)`` returns an object with
-``lookup_into(identity, rows, dests, timeout_s)`` and ``close()`` for either scheme, after
-checking that the server holds every expected table identity.
+``lookup_into(identity, rows, dests, timeout_s)``, ``lookup_segs(segs, timeout_s)`` (several
+tables in one request when ``multi_table``) and ``close()`` for either scheme, after checking
+that the server holds every expected table identity.
 """
 
 from __future__ import annotations
@@ -30,8 +31,11 @@ __all__ = [
 def open_client(url: str | Endpoint, identities: list[bytes], timeout_s: float = 1.0):
     """Connect to a row server and check it serves every table in ``identities`` (raw 32 B).
 
-    Returns a ``TcpClient`` or ``NixlClient``.  Raises ``Refused`` (reason ``wrong_identity``)
-    when a table is missing or differs, ``TransportError`` / ``TransportTimeout`` otherwise.
+    Returns a ``TcpClient`` or ``NixlClient``.  A tcp client asks HELLO in a protocol-version-2
+    frame; a version-1 server refuses it (``bad_version``, connection closed), so the client
+    reconnects and keeps to version-1 frames (``multi_table`` False).  Raises ``Refused`` (reason
+    ``wrong_identity``) when a table is missing or differs, ``TransportError`` /
+    ``TransportTimeout`` otherwise.
     """
     ep = parse_url(url) if isinstance(url, str) else url
     if ep.scheme == "nixl":
@@ -42,7 +46,15 @@ def open_client(url: str | Endpoint, identities: list[bytes], timeout_s: float =
 
     c = TcpClient(ep, connect_timeout_s=timeout_s)
     try:
-        served = {bytes.fromhex(t["identity"]) for t in c.hello(timeout_s)}
+        try:
+            tables = c.hello(timeout_s, version=protocol.MAX_VERSION)
+        except Refused as exc:
+            if exc.status != protocol.ST_BAD_VERSION:
+                raise
+            c.close()
+            c = TcpClient(ep, connect_timeout_s=timeout_s)  # a version-1 server
+            tables = c.hello(timeout_s)
+        served = {bytes.fromhex(t["identity"]) for t in tables}
         missing = [i for i in identities if i not in served]
         if missing:
             raise Refused(protocol.ST_WRONG_IDENTITY, "wrong_identity", f"{ep} does not serve table {missing[0].hex()[:16]}...")

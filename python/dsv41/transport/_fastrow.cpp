@@ -1,4 +1,4 @@
-// C++ hot path of the dsv41 row transport (protocol: dsv41/transport/protocol.py, version 1).
+// C++ hot path of the dsv41 row transport (protocol: dsv41/transport/protocol.py, versions 1-2).
 //
 // ServerCore: the per-client request loop of the table server (lookup, hello, ping, refusals),
 // run with the GIL released; ops it does not handle itself (the NIXL handshake) are handed back
@@ -29,13 +29,16 @@ namespace py = pybind11;
 namespace {
 
 constexpr uint32_t kMagic = 0x45565344u;
-constexpr uint16_t kVersion = 1;
+constexpr uint16_t kVersion = 1;     // frames of the single-table ops that every peer speaks
+constexpr uint16_t kMaxVersion = 2;  // version 2 adds OP_LOOKUP_MULTI
+constexpr uint32_t kMaxSegs = 16;    // tables per OP_LOOKUP_MULTI request
+constexpr size_t kSeg = 40;          // segment header: 32 B identity, u32 count, u32 reserved
 constexpr size_t kReq = 56, kRep = 24, kRow = 264, kW = 256, kS = 8;
 constexpr uint32_t kMaxRows = 1u << 20;
 constexpr uint64_t kMaxPayload = uint64_t(kMaxRows) * 8;
 constexpr size_t kGatherChunk = 16384;
 constexpr uint32_t kPrefetch = 8;  // rows gathered ahead of the copy (prefetch distance)
-enum : uint16_t { OP_LOOKUP = 1, OP_HELLO = 2, OP_NIXL_HELLO = 3, OP_PING = 4 };
+enum : uint16_t { OP_LOOKUP = 1, OP_HELLO = 2, OP_NIXL_HELLO = 3, OP_PING = 4, OP_LOOKUP_MULTI = 5 };
 enum : uint16_t {
   ST_OK = 0, ST_BAD_MAGIC = 1, ST_BAD_VERSION = 2, ST_UNKNOWN_OP = 3, ST_WRONG_IDENTITY = 4,
   ST_OUT_OF_RANGE = 5, ST_OVERSIZE = 6, ST_BAD_FRAME = 7, ST_SHUTTING_DOWN = 8, ST_NOT_SUPPORTED = 9,
@@ -48,8 +51,8 @@ constexpr int kNBuckets = sizeof(kBuckets) / sizeof(kBuckets[0]);
 template <class T> T rd(const uint8_t *p) { T v; std::memcpy(&v, p, sizeof v); return v; }
 template <class T> void wr(uint8_t *p, T v) { std::memcpy(p, &v, sizeof v); }
 
-void pack_rep(uint8_t *h, uint16_t status, uint64_t rid, uint32_t count, uint32_t plen) {
-  wr<uint32_t>(h, kMagic); wr<uint16_t>(h + 4, kVersion); wr<uint16_t>(h + 6, status);
+void pack_rep(uint8_t *h, uint16_t ver, uint16_t status, uint64_t rid, uint32_t count, uint32_t plen) {
+  wr<uint32_t>(h, kMagic); wr<uint16_t>(h + 4, ver); wr<uint16_t>(h + 6, status);
   wr<uint64_t>(h + 8, rid); wr<uint32_t>(h + 16, count); wr<uint32_t>(h + 20, plen);
 }
 
@@ -176,11 +179,12 @@ class Connection {
     return py::make_tuple(op, rid, count, py::bytes(reinterpret_cast<const char *>(payload_.data()), plen_));
   }
 
-  // Send a reply prepared by Python (the NIXL handshake); false if the peer is gone.
+  // Send a reply prepared by Python (the NIXL handshake) in the handed-off request's version;
+  // false if the peer is gone.
   bool reply(uint16_t status, uint64_t rid, uint32_t count, py::bytes body) {
     std::string b = body;
     std::vector<uint8_t> buf(kRep + b.size());
-    pack_rep(buf.data(), status, rid, count, uint32_t(b.size()));
+    pack_rep(buf.data(), ver_, status, rid, count, uint32_t(b.size()));
     std::memcpy(buf.data() + kRep, b.data(), b.size());
     if (status != ST_OK && status < ST_COUNT) core_.refusals[status]++;
     py::gil_scoped_release nogil;
@@ -188,18 +192,25 @@ class Connection {
   }
 
  private:
+  struct Seg {
+    const Table *t;
+    const uint8_t *ids;  // u64 little-endian
+    uint32_t n;
+  };
   ServerCore &core_;
   int fd_;
   bool nixl_;
+  uint16_t ver_ = kVersion;  // version of the request being answered (replies echo it)
   uint8_t hdr_[kReq];
   std::vector<uint8_t> payload_;
   size_t plen_ = 0;
   std::vector<uint8_t> gather_;
+  std::vector<Seg> segs_;
 
   bool refuse(uint16_t st, uint64_t rid) {
     core_.refusals[st]++;
     uint8_t h[kRep];
-    pack_rep(h, st, rid, 0, 0);
+    pack_rep(h, ver_, st, rid, 0, 0);
     return send_all(fd_, h, kRep);
   }
 
@@ -212,8 +223,11 @@ class Connection {
       uint64_t rid = rd<uint64_t>(hdr_ + 8);
       const uint8_t *ident = hdr_ + 16;
       uint32_t count = rd<uint32_t>(hdr_ + 48), plen = rd<uint32_t>(hdr_ + 52);
+      ver_ = kVersion;
       if (magic != kMagic) { refuse(ST_BAD_MAGIC, rid); return false; }
-      if (ver != kVersion) { refuse(ST_BAD_VERSION, rid); return false; }
+      // bad_version carries the newest version this server speaks in its header
+      if (ver < kVersion || ver > kMaxVersion) { ver_ = kMaxVersion; refuse(ST_BAD_VERSION, rid); return false; }
+      ver_ = ver;
       if (plen > kMaxPayload) { refuse(ST_OVERSIZE, rid); return false; }
       if (payload_.size() < plen) payload_.resize(plen);
       plen_ = plen;
@@ -222,16 +236,19 @@ class Connection {
       bool ok = true;
       switch (op) {
         case OP_LOOKUP: ok = lookup(rid, ident, count, t0); break;
+        case OP_LOOKUP_MULTI:
+          ok = ver >= 2 ? lookup_multi(rid, count, t0) : refuse(ST_UNKNOWN_OP, rid);  // as a v1 server would
+          break;
         case OP_HELLO: {
           std::vector<uint8_t> b(kRep + core_.hello.size());
-          pack_rep(b.data(), ST_OK, rid, uint32_t(core_.tables.size()), uint32_t(core_.hello.size()));
+          pack_rep(b.data(), ver_, ST_OK, rid, uint32_t(core_.tables.size()), uint32_t(core_.hello.size()));
           if (!core_.hello.empty()) std::memcpy(b.data() + kRep, core_.hello.data(), core_.hello.size());
           ok = send_all(fd_, b.data(), b.size());
           break;
         }
         case OP_PING: {
           uint8_t h[kRep];
-          pack_rep(h, ST_OK, rid, 0, 0);
+          pack_rep(h, ver_, ST_OK, rid, 0, 0);
           ok = send_all(fd_, h, kRep);
           break;
         }
@@ -245,23 +262,65 @@ class Connection {
     }
   }
 
+  bool in_range(const Seg &g) const {
+    for (uint32_t i = 0; i < g.n; i++)
+      if (rd<uint64_t>(g.ids + 8 * size_t(i)) >= g.t->rows) return false;
+    return true;
+  }
+
   bool lookup(uint64_t rid, const uint8_t *ident, uint32_t count, std::chrono::steady_clock::time_point t0) {
     const Table *t = core_.find(ident);
     if (!t) return refuse(ST_WRONG_IDENTITY, rid);
     if (uint64_t(count) * 8 != plen_) return refuse(ST_BAD_FRAME, rid);
+    segs_.assign(1, Seg{t, payload_.data(), count});
+    if (!in_range(segs_[0])) return refuse(ST_OUT_OF_RANGE, rid);
+    return serve(rid, count, t0);
+  }
+
+  // Version 2: `nseg` segment headers (identity, count, reserved 0), then every segment's ids.
+  bool lookup_multi(uint64_t rid, uint32_t nseg, std::chrono::steady_clock::time_point t0) {
+    if (nseg == 0 || nseg > kMaxSegs || plen_ < size_t(nseg) * kSeg) return refuse(ST_BAD_FRAME, rid);
     const uint8_t *p = payload_.data();
-    for (uint32_t i = 0; i < count; i++)
-      if (rd<uint64_t>(p + 8 * size_t(i)) >= t->rows) return refuse(ST_OUT_OF_RANGE, rid);
-    size_t first = count < kGatherChunk ? count : kGatherChunk;
+    uint64_t total = 0;
+    for (uint32_t k = 0; k < nseg; k++) {
+      if (rd<uint32_t>(p + k * kSeg + 36) != 0) return refuse(ST_BAD_FRAME, rid);
+      total += rd<uint32_t>(p + k * kSeg + 32);
+    }
+    if (size_t(nseg) * kSeg + total * 8 != plen_) return refuse(ST_BAD_FRAME, rid);
+    segs_.clear();
+    const uint8_t *ids = p + size_t(nseg) * kSeg;
+    for (uint32_t k = 0; k < nseg; k++) {
+      const Table *t = core_.find(p + k * kSeg);
+      if (!t) return refuse(ST_WRONG_IDENTITY, rid);
+      uint32_t n = rd<uint32_t>(p + k * kSeg + 32);
+      segs_.push_back(Seg{t, ids, n});
+      ids += 8 * size_t(n);
+    }
+    for (auto &g : segs_)
+      if (!in_range(g)) return refuse(ST_OUT_OF_RANGE, rid);
+    return serve(rid, uint32_t(total), t0);
+  }
+
+  // Gather the rows of segs_ (in order) and stream them after an OK header, kGatherChunk rows
+  // per send.
+  bool serve(uint64_t rid, uint32_t total, std::chrono::steady_clock::time_point t0) {
+    size_t first = total < kGatherChunk ? total : kGatherChunk;
     if (gather_.size() < kRep + first * kRow) gather_.resize(kRep + first * kRow);
-    pack_rep(gather_.data(), ST_OK, rid, count, uint32_t(uint64_t(count) * kRow));
-    bool first_chunk = true;  // the header rides in the first chunk's send
-    for (uint32_t s = 0; s < count || s == 0; s += kGatherChunk) {
-      uint32_t n = count - s < kGatherChunk ? count - s : uint32_t(kGatherChunk);
-      uint8_t *o = gather_.data() + kRep;
-      for (uint32_t i = 0; i < n; i++) {
-        if (i + kPrefetch < n) {  // random rows: hide the cache/TLB misses of rows ahead
-          uint64_t q = rd<uint64_t>(p + 8 * size_t(s + i + kPrefetch));
+    pack_rep(gather_.data(), ver_, ST_OK, rid, total, uint32_t(uint64_t(total) * kRow));
+    size_t fill = 0;           // rows gathered into the current chunk
+    bool header_pending = true;  // the header rides in the first chunk's send
+    auto flush = [&]() {
+      size_t skip = header_pending ? 0 : kRep;
+      bool ok = send_all(fd_, gather_.data() + skip, kRep - skip + fill * kRow);
+      header_pending = false;
+      fill = 0;
+      return ok;
+    };
+    for (auto &g : segs_) {
+      const Table *t = g.t;
+      for (uint32_t i = 0; i < g.n; i++) {
+        if (i + kPrefetch < g.n) {  // random rows: hide the cache/TLB misses of rows ahead
+          uint64_t q = rd<uint64_t>(g.ids + 8 * size_t(i + kPrefetch));
           const uint8_t *wq = t->w + q * kW;
           __builtin_prefetch(wq);
           __builtin_prefetch(wq + 64);
@@ -269,16 +328,15 @@ class Connection {
           __builtin_prefetch(wq + 192);
           __builtin_prefetch(t->s + q * kS);
         }
-        uint64_t r = rd<uint64_t>(p + 8 * size_t(s + i));
-        std::memcpy(o + size_t(i) * kRow, t->w + r * kW, kW);
-        std::memcpy(o + size_t(i) * kRow + kW, t->s + r * kS, kS);
+        uint64_t r = rd<uint64_t>(g.ids + 8 * size_t(i));
+        uint8_t *o = gather_.data() + kRep + fill * kRow;
+        std::memcpy(o, t->w + r * kW, kW);
+        std::memcpy(o + kW, t->s + r * kS, kS);
+        if (++fill == kGatherChunk && !flush()) return false;
       }
-      size_t skip = first_chunk ? 0 : kRep;
-      if (!send_all(fd_, gather_.data() + skip, kRep - skip + size_t(n) * kRow)) return false;
-      first_chunk = false;
-      if (count == 0) break;
     }
-    core_.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), count);
+    if ((fill || header_pending) && !flush()) return false;
+    core_.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), total);
     return true;
   }
 };
@@ -328,6 +386,32 @@ int send_deadline(int fd, iovec *iov, int niov, int64_t deadline) {
   return 0;
 }
 
+// Reply header of request `gen` sent in a `ver` frame; a refusal's payload is discarded.  0: an
+// OK reply of exactly `rows` rows follows (its payload still to read); 1: refused (the status in
+// rcount); else the negative codes of client_lookup.  A bad_version refusal may carry another
+// version (the server's newest).
+int recv_reply_header(int fd, uint64_t gen, uint16_t ver, uint64_t rows, int64_t deadline, int64_t spin_ns,
+                      uint32_t &rcount, uint32_t &rplen) {
+  uint8_t rep[kRep];
+  int code = recv_deadline(fd, rep, kRep, deadline, spin_ns);
+  if (code) return code;
+  uint16_t status = rd<uint16_t>(rep + 6);
+  rcount = rd<uint32_t>(rep + 16);
+  rplen = rd<uint32_t>(rep + 20);
+  if (rd<uint32_t>(rep) != kMagic || (rd<uint16_t>(rep + 4) != ver && status != ST_BAD_VERSION)) return -4;
+  if (rd<uint64_t>(rep + 8) != gen) return -3;
+  if (status != ST_OK) {
+    if (rplen > 4096) return -4;
+    uint8_t junk[4096];
+    code = recv_deadline(fd, junk, rplen, deadline, spin_ns);
+    if (code) return code;
+    rcount = status;
+    return 1;
+  }
+  if (rcount != rows || uint64_t(rplen) != rows * kRow) return -4;
+  return 0;
+}
+
 // One lookup on a non-blocking connected socket.  Returns (code, reply_count, reply_plen):
 // code 0 = rows written; 1 = refused (status in reply_count's place, payload discarded);
 // -1 = timeout; -2 = transport error; -3 = generation mismatch; -4 = malformed reply.
@@ -354,26 +438,10 @@ py::tuple client_lookup(int fd, uint64_t gen, py::bytes ident, py::array_t<uint6
     wr<uint32_t>(h + 48, n); wr<uint32_t>(h + 52, n * 8);
     iovec iov[2] = {{h, kReq}, {const_cast<uint8_t *>(rp), size_t(n) * 8}};
     code = send_deadline(fd, iov, n ? 2 : 1, deadline);
-    uint8_t rep[kRep];
-    if (code == 0) code = recv_deadline(fd, rep, kRep, deadline, spin_ns);
-    if (code == 0) {
-      uint16_t status = rd<uint16_t>(rep + 6);
-      rcount = rd<uint32_t>(rep + 16);
-      rplen = rd<uint32_t>(rep + 20);
-      if (rd<uint32_t>(rep) != kMagic || rd<uint16_t>(rep + 4) != kVersion) code = -4;
-      else if (rd<uint64_t>(rep + 8) != gen) code = -3;
-      else if (status != ST_OK) {
-        if (rplen > 4096) code = -4;
-        else {
-          uint8_t junk[4096];
-          code = recv_deadline(fd, junk, rplen, deadline, spin_ns);
-          if (code == 0) { code = 1; rcount = status; }
-        }
-      } else if (rcount != n || uint64_t(rplen) != uint64_t(n) * kRow) code = -4;
-      else
-        for (auto &d : out)
-          if (d.second && (code = recv_deadline(fd, d.first, d.second, deadline, spin_ns)) != 0) break;
-    }
+    if (code == 0) code = recv_reply_header(fd, gen, kVersion, n, deadline, spin_ns, rcount, rplen);
+    if (code == 0)
+      for (auto &d : out)
+        if (d.second && (code = recv_deadline(fd, d.first, d.second, deadline, spin_ns)) != 0) break;
   }
   return py::make_tuple(code, rcount, rplen);
 }
@@ -489,6 +557,90 @@ py::tuple client_lookup_many(int fd, uint64_t gen0, py::bytes ident, py::array_t
   return py::make_tuple(code, status, recv_idx);
 }
 
+// The engine's lookup: rows of one or more tables in one request, straight into caller buffers.
+// `segs`: a tuple of (identity bytes[32], rows, row_limit, out) with rows a 1-D C-contiguous
+// int64/uint64 array and out a writable C-contiguous uint8[len(rows), 264] array.  Checks run
+// here (O(1) Python per call): returns (2, k, 0) when segment k's rows are not such an array
+// (the caller converts and retries), (3, k, i) when id i of segment k is outside [0, row_limit)
+// (nothing sent), (4, k, 0) for a bad out.  One segment goes as a version-1 OP_LOOKUP (every
+// server speaks it); several as one OP_LOOKUP_MULTI in a `version` (>= 2) frame.  Otherwise
+// the codes of client_lookup: (0, total, 0) rows written; (1, status, 0) refused; negative:
+// the caller must close the socket.  More than `max_rows` rows in all: (2, 0, 0), nothing sent.
+py::tuple client_lookup_segs(int fd, uint64_t gen, uint16_t version, py::tuple segs, int64_t timeout_ns,
+                             int64_t spin_ns, uint64_t max_rows) {
+  size_t k = segs.size();
+  if (k == 0 || k > kMaxSegs) throw std::invalid_argument("1..16 segments");
+  if (k > 1 && version < 2) throw std::invalid_argument("several tables per request need protocol version 2");
+  struct CSeg { const char *ident; const uint8_t *ids; uint8_t *out; size_t n; };
+  CSeg cs[kMaxSegs];
+  size_t total = 0;
+  for (size_t j = 0; j < k; j++) {
+    PyObject *t = PyTuple_GET_ITEM(segs.ptr(), j);
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 4) throw std::invalid_argument("segment must be (ident, rows, limit, out)");
+    PyObject *id = PyTuple_GET_ITEM(t, 0);
+    if (!PyBytes_Check(id) || PyBytes_GET_SIZE(id) != 32) throw std::invalid_argument("identity must be 32 bytes");
+    py::handle rh(PyTuple_GET_ITEM(t, 1)), oh(PyTuple_GET_ITEM(t, 3));
+    if (!py::isinstance<py::array>(rh)) return py::make_tuple(2, j, 0);
+    auto r = py::reinterpret_borrow<py::array>(rh);
+    char kind = r.dtype().kind();
+    if (r.ndim() != 1 || r.itemsize() != 8 || (kind != 'i' && kind != 'u') ||
+        !(r.flags() & py::array::c_style))
+      return py::make_tuple(2, j, 0);
+    size_t n = size_t(r.shape(0));
+    if (!py::isinstance<py::array>(oh)) return py::make_tuple(4, j, 0);
+    auto o = py::reinterpret_borrow<py::array>(oh);
+    if (o.ndim() != 2 || size_t(o.shape(0)) != n || o.shape(1) != (py::ssize_t)kRow || o.itemsize() != 1 ||
+        o.dtype().kind() != 'u' || !(o.flags() & py::array::c_style) || !o.writeable())
+      return py::make_tuple(4, j, 0);
+    uint64_t limit = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, 2));
+    if (limit == uint64_t(-1) && PyErr_Occurred()) throw py::error_already_set();
+    const uint8_t *ids = static_cast<const uint8_t *>(r.data());
+    for (size_t i = 0; i < n; i++)  // a negative int64 is >= limit as u64
+      if (rd<uint64_t>(ids + 8 * i) >= limit) return py::make_tuple(3, j, i);
+    cs[j] = CSeg{PyBytes_AS_STRING(id), ids, static_cast<uint8_t *>(o.mutable_data()), n};
+    total += n;
+  }
+  if (total > max_rows) return py::make_tuple(2, 0, 0);  // the caller's large-lookup path
+  if (total > kMaxRows) throw std::invalid_argument("at most 1 Mi rows per request");
+  int code = 0;
+  uint32_t rcount = 0;
+  {
+    py::gil_scoped_release nogil;
+    int64_t deadline = now_ns() + timeout_ns;
+    uint8_t h[kReq + kMaxSegs * kSeg];
+    iovec iov[1 + kMaxSegs];
+    int niov = 0;
+    uint16_t ver = k == 1 ? kVersion : version;
+    size_t hlen = kReq;
+    wr<uint32_t>(h, kMagic); wr<uint16_t>(h + 4, ver); wr<uint64_t>(h + 8, gen);
+    if (k == 1) {
+      wr<uint16_t>(h + 6, OP_LOOKUP);
+      std::memcpy(h + 16, cs[0].ident, 32);
+      wr<uint32_t>(h + 48, uint32_t(total)); wr<uint32_t>(h + 52, uint32_t(total * 8));
+    } else {
+      wr<uint16_t>(h + 6, OP_LOOKUP_MULTI);
+      std::memset(h + 16, 0, 32);
+      wr<uint32_t>(h + 48, uint32_t(k)); wr<uint32_t>(h + 52, uint32_t(k * kSeg + total * 8));
+      for (size_t j = 0; j < k; j++) {
+        uint8_t *g = h + kReq + j * kSeg;
+        std::memcpy(g, cs[j].ident, 32);
+        wr<uint32_t>(g + 32, uint32_t(cs[j].n)); wr<uint32_t>(g + 36, 0);
+      }
+      hlen += k * kSeg;
+    }
+    iov[niov++] = {h, hlen};
+    for (size_t j = 0; j < k; j++)
+      if (cs[j].n) iov[niov++] = {const_cast<uint8_t *>(cs[j].ids), cs[j].n * 8};
+    code = send_deadline(fd, iov, niov, deadline);
+    uint32_t rplen = 0;
+    if (code == 0) code = recv_reply_header(fd, gen, ver, total, deadline, spin_ns, rcount, rplen);
+    if (code == 0)
+      for (size_t j = 0; j < k; j++)
+        if (cs[j].n && (code = recv_deadline(fd, cs[j].out, cs[j].n * kRow, deadline, spin_ns)) != 0) break;
+  }
+  return py::make_tuple(code, rcount, 0);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_fastrow, m) {
@@ -504,4 +656,5 @@ PYBIND11_MODULE(_fastrow, m) {
       .def("reply", &Connection::reply);
   m.def("client_lookup", &client_lookup);
   m.def("client_lookup_many", &client_lookup_many);
+  m.def("client_lookup_segs", &client_lookup_segs);
 }

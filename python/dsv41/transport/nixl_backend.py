@@ -32,7 +32,7 @@ import numpy as np
 from dsv41 import envs
 from dsv41.transport import protocol as P
 from dsv41.transport.errors import Refused, TransportError, TransportTimeout
-from dsv41.transport.tcp import TcpClient
+from dsv41.transport.tcp import TcpClient, check_segments
 from dsv41.transport.url import Endpoint
 
 _agent_seq = itertools.count(1)
@@ -213,6 +213,11 @@ class NixlClient:
                 "DRAM",
             )
             self._total = total
+            # Local descriptor indices of each slot, weight and scale of a row side by side, so
+            # the first 2k entries serve a k-row READ (built once, not per lookup).
+            loc = np.arange(total, dtype=np.int32)
+            self._li = np.empty(2 * total, np.int32)
+            self._li[0::2], self._li[1::2] = loc, loc + total
             self._free = list(range(slots))
             self._quarantine: dict[int, object] = {}  # slot -> in-flight xfer handle
             # UCX wires its endpoint up lazily on the first transfer, which can take longer than
@@ -227,10 +232,76 @@ class NixlClient:
         """READ row 0 of the first table once (raises like ``lookup_into``)."""
         _, wbase, sbase = next(iter(self.tables.values()))
         slot = self._free.pop()
-        loc = slot * self.staging_rows
-        self._read(slot, np.array([loc, loc + self._total], np.int32), np.array([wbase, sbase], np.int32),
-                   time.monotonic() + timeout_s)  # a timeout leaves the slot quarantined
+        li, ri = self._indices(slot, [(np.zeros(1, np.int64), wbase, sbase)])
+        self._read(slot, li, ri, time.monotonic() + timeout_s)  # a timeout leaves the slot quarantined
         self._free.append(slot)
+
+    def _indices(self, slot: int, parts: list) -> tuple[np.ndarray, np.ndarray]:
+        """Descriptor indices of one READ into staging ``slot``: ``parts`` = [(ids int64/uint64[k],
+        weight base, scale base)] of at most ``staging_rows`` rows in all, in staging order.
+        Returns int32 ``(local, remote)`` of 2 per row (weight, scale); O(rows requested),
+        whatever the table size (the remote list is the server's strided regions)."""
+        k = sum(p[0].shape[0] for p in parts)
+        ri = np.empty(2 * k, np.int32)
+        o = 0
+        for ids, wbase, sbase in parts:
+            m = ids.shape[0]
+            ids = ids.view(np.int64) if ids.dtype == np.uint64 else ids  # checked < rows < 2**31
+            np.add(ids, wbase, out=ri[2 * o : 2 * (o + m) : 2], casting="unsafe")
+            np.add(ids, sbase, out=ri[2 * o + 1 : 2 * (o + m) : 2], casting="unsafe")
+            o += m
+        b = 2 * slot * self.staging_rows
+        return self._li[b : b + 2 * k], ri
+
+    #: ``lookup_segs`` reads several tables in one NIXL transfer (no server protocol involved).
+    multi_table = True
+
+    def lookup_segs(self, segs: tuple, timeout_s: float, max_rows: int = P.MAX_ROWS) -> tuple[int, int, int]:
+        """Rows of 1..16 tables, ``segs`` and return codes as ``TcpClient.lookup_segs``; when
+        they fit one staging slot, every segment's rows go in one READ (one transfer to post
+        and poll), else one table after another through ``lookup_into``.  Raises like
+        ``lookup_into``."""
+        code, a, total = check_segments(segs)
+        if code:
+            return code, a, total
+        if total > max_rows:
+            return 2, 0, 0
+        if total > self.staging_rows or len(segs) == 1:
+            for ident, rows, _, out in segs:
+                self.lookup_into(ident, rows, [out], timeout_s)
+            return 0, total, 0
+        with self._lock:
+            if self._closed or self.agent is None:
+                raise TransportError(f"not connected to {self.endpoint}")
+            parts = []
+            for ident, rows, _, _ in segs:
+                entry = self.tables.get(ident)
+                if entry is None:
+                    raise Refused(P.ST_WRONG_IDENTITY, "wrong_identity")
+                nrows, wbase, sbase = entry
+                if rows.shape[0] and int(rows.view(np.uint64).max()) >= nrows:
+                    raise Refused(P.ST_OUT_OF_RANGE, "out_of_range")  # checked before any READ
+                parts.append((rows, wbase, sbase))
+            deadline = time.monotonic() + timeout_s
+            self._reap()
+            if not self._free:
+                raise TransportError(f"{self.endpoint}: every NIXL staging slot is quarantined")
+            slot = self._free.pop()
+            base = slot * self.staging_rows
+            try:
+                li, ri = self._indices(slot, parts)
+                self._read(slot, li, ri, deadline)
+            except TransportTimeout:
+                raise  # the slot stays quarantined
+            except BaseException:
+                self._free.append(slot)
+                raise
+            o = base
+            for _, rows, _, out in segs:
+                out[...] = self.staging[o : o + rows.shape[0]]
+                o += rows.shape[0]
+            self._free.append(slot)
+        return 0, total, 0
 
     @property
     def quarantined(self) -> int:
@@ -279,11 +350,9 @@ class NixlClient:
             try:
                 flat = np.concatenate(dests) if len(dests) > 1 else dests[0]
                 for s in range(0, n, self.staging_rows):
-                    r = rows[s : s + self.staging_rows].astype(np.int64)
+                    r = rows[s : s + self.staging_rows]
                     k = r.shape[0]
-                    loc = slot * self.staging_rows + np.arange(k, dtype=np.int64)
-                    li = np.concatenate([loc, loc + self._total]).astype(np.int32)
-                    ri = np.concatenate([r + wbase, r + sbase]).astype(np.int32)
+                    li, ri = self._indices(slot, [(r, wbase, sbase)])
                     self._read(slot, li, ri, deadline)
                     flat[s : s + k] = self.staging[slot * self.staging_rows : slot * self.staging_rows + k]
                 if len(dests) > 1:

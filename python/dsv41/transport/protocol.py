@@ -1,5 +1,5 @@
-"""Wire format of the dsv41 row transport (version 1), shared by the TCP data path and the NIXL
-control channel.
+"""Wire format of the dsv41 row transport (versions 1 and 2), shared by the TCP data path and the
+NIXL control channel.
 
 All integers are little-endian.  One request, one reply, strictly in order per connection.
 
@@ -18,6 +18,18 @@ followed by ``payload_len`` bytes; for a successful lookup ``count`` rows of ``R
 
 A frame the server cannot resynchronise after (bad magic, bad version, oversize payload) gets a
 status reply and the connection is closed; every other refusal keeps the connection open.
+
+Version 2 adds ``OP_LOOKUP_MULTI`` (rows of several tables, e.g. both Engram layers of a decode
+step, in one round trip) and nothing else: a version-2 server answers version-1 frames exactly as
+before (replies echo the request's version), and ``OP_LOOKUP_MULTI`` in a version-1 frame is
+``unknown_op``, as a version-1 server answers it.  A ``bad_version`` reply carries the newest
+version the server speaks in its header (a version-1 server: 1), so a version-2 client that meets
+a version-1 server learns it from the refusal of its version-2 ``HELLO`` (which closes that
+connection), reconnects and keeps to version-1 frames (one ``OP_LOOKUP`` per table).
+``OP_LOOKUP_MULTI`` request: header ``identity`` all zero, ``count`` = number of segments (1..16),
+payload = ``count`` segment headers (``SEG``: 32 B identity | u32 rows | u32 reserved 0) then
+every segment's u64 row ids in segment order; the reply is one ``ST_OK`` header with ``count`` =
+total rows, then the rows in segment order.  Any bad segment refuses the whole request.
 """
 
 from __future__ import annotations
@@ -25,7 +37,9 @@ from __future__ import annotations
 import struct
 
 MAGIC = 0x45565344  # b"DSVE" little-endian
-VERSION = 1
+VERSION = 1  # frames of the single-table ops (every peer speaks them)
+MAX_VERSION = 2  # newest version this code speaks
+VERSIONS = (1, 2)
 ROW_BYTES = 264
 WEIGHT_BYTES = 256
 SCALE_BYTES = 8
@@ -40,6 +54,7 @@ OP_LOOKUP = 1
 OP_HELLO = 2  # reply: the table list (TABLE_ENTRY records)
 OP_NIXL_HELLO = 3  # payload: expected identities; reply: JSON with NIXL metadata + descriptors
 OP_PING = 4
+OP_LOOKUP_MULTI = 5  # version 2: rows of up to MAX_SEGMENTS tables in one request
 
 # statuses
 ST_OK = 0
@@ -72,6 +87,11 @@ STATUS_NAMES = {
 # on one TP2 rank (786,432 rows).  Clients split larger lookups.
 MAX_ROWS = 1 << 20
 MAX_PAYLOAD = MAX_ROWS * 8
+
+# OP_LOOKUP_MULTI segment header: identity, rows, reserved (0)
+SEG = struct.Struct("<32sII")
+MAX_SEGMENTS = 16
+assert SEG.size == 40
 
 # HELLO reply record: identity, layer_id, rows, row_bytes
 TABLE_ENTRY = struct.Struct("<32sIQI")

@@ -283,9 +283,10 @@ class _Conn:
         self.hdr_mv = memoryview(self.hdr)
         self.payload = bytearray(4096)
         self.gather = np.empty((0, P.ROW_BYTES), np.uint8)
+        self.ver = P.VERSION  # version of the request being answered (replies echo it)
 
     def reply(self, status: int, rid: int, count: int = 0, payload=b"") -> None:
-        self.sock.sendall(P.REP.pack(P.MAGIC, P.VERSION, status, rid, count, len(payload)) + bytes(payload))
+        self.sock.sendall(P.REP.pack(P.MAGIC, self.ver, status, rid, count, len(payload)) + bytes(payload))
 
     def refuse(self, status: int, rid: int) -> None:
         self.srv.stats.refuse(P.status_name(status))
@@ -300,12 +301,15 @@ class _Conn:
                 return
             t0 = time.perf_counter()
             magic, ver, op, rid, ident, count, plen = P.REQ.unpack(self.hdr)
+            self.ver = P.VERSION
             if magic != P.MAGIC:
                 self.refuse(P.ST_BAD_MAGIC, rid)
                 return  # cannot resynchronise
-            if ver != P.VERSION:
+            if ver not in P.VERSIONS:
+                self.ver = P.MAX_VERSION  # the refusal tells the peer the newest version spoken here
                 self.refuse(P.ST_BAD_VERSION, rid)
                 return
+            self.ver = ver
             if plen > P.MAX_PAYLOAD:
                 self.refuse(P.ST_OVERSIZE, rid)
                 return
@@ -318,6 +322,8 @@ class _Conn:
                 continue
             if op == P.OP_LOOKUP:
                 self.lookup(rid, ident, count, pmv, t0)
+            elif op == P.OP_LOOKUP_MULTI and ver >= 2:  # a version-1 frame: unknown_op, as before
+                self.lookup_multi(rid, count, pmv, t0)
             elif op == P.OP_HELLO:
                 self.reply(P.ST_OK, rid, len(srv.tables), srv._hello)
             elif op == P.OP_PING:
@@ -339,17 +345,47 @@ class _Conn:
         if count and int(rows.max()) >= table.rows:
             self.refuse(P.ST_OUT_OF_RANGE, rid)
             return
-        self.sock.sendall(P.REP.pack(P.MAGIC, P.VERSION, P.ST_OK, rid, count, count * P.ROW_BYTES))
+        self.serve(rid, [(table, rows)], t0)
+
+    def lookup_multi(self, rid: int, nseg: int, pmv: memoryview, t0: float) -> None:
+        """Version 2: ``nseg`` segment headers, then every segment's ids (protocol.py)."""
+        if not 1 <= nseg <= P.MAX_SEGMENTS or len(pmv) < nseg * P.SEG.size:
+            self.refuse(P.ST_BAD_FRAME, rid)
+            return
+        heads = [P.SEG.unpack_from(pmv, k * P.SEG.size) for k in range(nseg)]
+        total = sum(h[1] for h in heads)
+        if any(h[2] for h in heads) or nseg * P.SEG.size + 8 * total != len(pmv):
+            self.refuse(P.ST_BAD_FRAME, rid)
+            return
+        segs, off = [], nseg * P.SEG.size
+        for ident, n, _ in heads:
+            table = self.srv.tables.get(ident)
+            if table is None:
+                self.refuse(P.ST_WRONG_IDENTITY, rid)
+                return
+            segs.append((table, np.frombuffer(pmv, dtype="<u8", count=n, offset=off)))
+            off += 8 * n
+        if any(r.size and int(r.max()) >= t.rows for t, r in segs):
+            self.refuse(P.ST_OUT_OF_RANGE, rid)
+            return
+        self.serve(rid, segs, t0)
+
+    def serve(self, rid: int, segs: list, t0: float) -> None:
+        """OK header, then the rows of ``segs`` ([(RowTable, uint64 ids)], bounds checked) in
+        order, gathered and sent ``GATHER_CHUNK`` rows at a time."""
+        count = sum(int(r.shape[0]) for _, r in segs)
+        self.sock.sendall(P.REP.pack(P.MAGIC, self.ver, P.ST_OK, rid, count, count * P.ROW_BYTES))
         step = min(count, GATHER_CHUNK)
         if self.gather.shape[0] < step:
             self.gather = np.empty((step, P.ROW_BYTES), np.uint8)
-        for s in range(0, count, GATHER_CHUNK):
-            r = rows[s : s + GATHER_CHUNK]
-            out = self.gather[: r.shape[0]]
-            # mode="clip" skips numpy's own bounds buffering; bounds were checked above.
-            np.take(table.weight, r, axis=0, out=out[:, : P.WEIGHT_BYTES], mode="clip")
-            np.take(table.scale, r, axis=0, out=out[:, P.WEIGHT_BYTES :], mode="clip")
-            self.sock.sendall(out)
+        for table, rows in segs:
+            for s in range(0, rows.shape[0], GATHER_CHUNK):
+                r = rows[s : s + GATHER_CHUNK]
+                out = self.gather[: r.shape[0]]
+                # mode="clip" skips numpy's own bounds buffering; bounds were checked above.
+                np.take(table.weight, r, axis=0, out=out[:, : P.WEIGHT_BYTES], mode="clip")
+                np.take(table.scale, r, axis=0, out=out[:, P.WEIGHT_BYTES :], mode="clip")
+                self.sock.sendall(out)
         self.srv.stats.observe(time.perf_counter() - t0, count)
 
     def nixl_hello(self, rid: int, count: int, pmv: memoryview) -> None:

@@ -25,6 +25,28 @@ from dsv41.transport.url import Endpoint
 MAX_DEST_RANGES = 16
 
 
+def check_segments(segs: tuple) -> tuple[int, int, int]:
+    """Python form of the C++ checks of ``TcpClient.lookup_segs`` (the pure path and NIXL):
+    ``(0, 0, total_rows)`` or ``(2|3|4, k, i)`` as documented there.  ValueError for a wrong
+    number of segments."""
+    if not 1 <= len(segs) <= P.MAX_SEGMENTS:
+        raise ValueError(f"1..{P.MAX_SEGMENTS} segments, got {len(segs)}")
+    total = 0
+    for k, (_, rows, limit, out) in enumerate(segs):
+        if (not isinstance(rows, np.ndarray) or rows.ndim != 1 or rows.dtype.kind not in "iu"
+                or rows.dtype.itemsize != 8 or not rows.flags.c_contiguous):
+            return 2, k, 0
+        n = rows.shape[0]
+        if (not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.shape != (n, P.ROW_BYTES)
+                or not out.flags.c_contiguous or not out.flags.writeable):
+            return 4, k, 0
+        bad = np.flatnonzero(rows.view(np.uint64) >= np.uint64(limit))
+        if bad.size:
+            return 3, k, int(bad[0])
+        total += n
+    return 0, 0, total
+
+
 class TcpClient:
     """One connection to a row server (``tcp://`` or a ``nixl://`` control channel).
 
@@ -39,7 +61,11 @@ class TcpClient:
     ) -> None:
         self.endpoint = endpoint
         self.native = _native.use_native(native)
+        self._fast = _native._fastrow.client_lookup_segs if self.native else None
         self.spin_s = spin_us / 1e6
+        self._spin_ns = int(spin_us * 1000)
+        #: Protocol version of the peer as far as this client knows (``negotiate`` raises it to 2).
+        self.version = P.VERSION
         self._gen = itertools.count(1)
         self._hdr = bytearray(P.REP.size)
         self._hdr_mv = memoryview(self._hdr)
@@ -67,6 +93,11 @@ class TcpClient:
     def connected(self) -> bool:
         """Whether the socket is open (False after ``close`` or any transport error)."""
         return self.sock is not None
+
+    @property
+    def multi_table(self) -> bool:
+        """Whether ``lookup_segs`` may carry several tables in one request (peer speaks v2)."""
+        return self.version >= 2
 
     def close(self) -> None:
         """Close the connection (idempotent)."""
@@ -135,10 +166,11 @@ class TcpClient:
             self._recv_into(scratch[:k], deadline)
             n -= k
 
-    def _reply_header(self, gen: int, deadline: float) -> tuple[int, int, int]:
+    def _reply_header(self, gen: int, deadline: float, version: int = P.VERSION) -> tuple[int, int, int]:
         self._recv_into(self._hdr_mv, deadline)
         magic, ver, status, rid, count, plen = P.REP.unpack(self._hdr)
-        if magic != P.MAGIC or ver != P.VERSION:
+        # a bad_version refusal carries the server's newest version instead of ours
+        if magic != P.MAGIC or (ver != version and status != P.ST_BAD_VERSION):
             raise self._fail(TransportError(f"{self.endpoint} sent a malformed reply header"))
         if rid != gen:
             # Generation mismatch: a reply that is not ours must never reach a caller buffer.
@@ -151,19 +183,26 @@ class TcpClient:
         self._discard(plen, deadline)
         return Refused(status, P.status_name(status))
 
-    def request(self, op: int, identity: bytes, count: int, payload: bytes, timeout_s: float) -> tuple[int, bytes]:
-        """Send one control request; return ``(count, payload)`` of an OK reply.
+    def request(self, op: int, identity: bytes, count: int, payload: bytes, timeout_s: float,
+                version: int = P.VERSION) -> tuple[int, bytes]:
+        """Send one control request in a ``version`` frame; return ``(count, payload)`` of an OK
+        reply.
 
-        Raises ``Refused`` (connection kept), ``TransportTimeout`` or ``TransportError``
-        (connection closed).  Replies are limited to 16 MiB.
+        Raises ``Refused`` (connection kept; ``bad_version``: closed by the server),
+        ``TransportTimeout`` or ``TransportError`` (connection closed).  Replies are limited to
+        16 MiB.
         """
         if self.sock is None:
             raise TransportError(f"not connected to {self.endpoint}")
         deadline = time.monotonic() + timeout_s
         gen = next(self._gen)
-        hdr = P.REQ.pack(P.MAGIC, P.VERSION, op, gen, identity, count, len(payload))
+        hdr = P.REQ.pack(P.MAGIC, version, op, gen, identity, count, len(payload))
         self._send_all([hdr, payload], deadline)
-        status, rcount, plen = self._reply_header(gen, deadline)
+        status, rcount, plen = self._reply_header(gen, deadline, version)
+        if status == P.ST_BAD_VERSION:
+            self.close()  # the server closes after it
+            raise Refused(status, P.status_name(status), f"{self.endpoint} does not speak protocol version "
+                          f"{version} (its newest: {P.REP.unpack(self._hdr)[1]})")
         if status != P.ST_OK:
             raise self._refusal(status, plen, deadline)
         if plen > (16 << 20):
@@ -172,9 +211,12 @@ class TcpClient:
         self._recv_into(memoryview(buf), deadline)
         return rcount, bytes(buf)
 
-    def hello(self, timeout_s: float = 1.0) -> list[dict]:
-        """The server's tables: ``[{identity (hex), layer_id, rows, row_bytes}]``."""
-        count, data = self.request(P.OP_HELLO, bytes(32), 0, b"", timeout_s)
+    def hello(self, timeout_s: float = 1.0, version: int = P.VERSION) -> list[dict]:
+        """The server's tables: ``[{identity (hex), layer_id, rows, row_bytes}]``, asked in a
+        ``version`` frame (``Refused`` ``bad_version`` from a server that does not speak it; on a
+        successful version-2 HELLO ``self.version`` becomes 2)."""
+        count, data = self.request(P.OP_HELLO, bytes(32), 0, b"", timeout_s, version)
+        self.version = max(self.version, version)
         if len(data) != count * P.TABLE_ENTRY.size:
             raise self._fail(TransportError(f"{self.endpoint} sent a malformed table list"))
         out = []
@@ -225,6 +267,63 @@ class TcpClient:
         for d in dests:
             if d.shape[0]:
                 self._recv_into(memoryview(d).cast("B"), deadline)
+
+    def lookup_segs(self, segs: tuple, timeout_s: float, max_rows: int = P.MAX_ROWS) -> tuple[int, int, int]:
+        """Rows of one or more tables in one request, straight into caller buffers (the engine's
+        decode path; checks cost O(1) Python on the C++ path).
+
+        ``segs``: tuple of 1..16 ``(identity (32 B), rows, row_limit, out)``; ``rows`` a 1-D
+        C-contiguous int64/uint64 array, ``out`` a writable C-contiguous uint8 ``[len(rows), 264]``
+        array; several segments need ``self.version >= 2`` (one ``OP_LOOKUP_MULTI``), one is a
+        version-1 ``OP_LOOKUP``.  At most ``MAX_ROWS`` rows in all.  Returns ``(0, total, 0)``
+        when the rows were written; without sending anything: ``(2, k, 0)`` when segment k's
+        rows are not such an array, ``(3, k, i)`` when its id i is outside ``[0, row_limit)``,
+        ``(4, k, 0)`` for a bad ``out``, ``(2, 0, 0)`` for more than ``max_rows`` rows in all
+        (the caller's large-lookup path).  Raises ``Refused`` (connection kept),
+        ``TransportTimeout`` or ``TransportError`` (connection closed).
+        """
+        if self.sock is None:
+            raise TransportError(f"not connected to {self.endpoint}")
+        gen = next(self._gen)
+        if self._fast is not None:
+            if len(segs) > 1 and self.version < 2:
+                raise ValueError(f"{self.endpoint} speaks protocol version 1: one table per request")
+            code, a, b = self._fast(self.sock.fileno(), gen, self.version, segs, int(timeout_s * 1e9), self._spin_ns,
+                                    min(max_rows, P.MAX_ROWS))
+            if code == 0 or code >= 2:
+                return code, a, b
+            if code == 1:
+                raise Refused(a, P.status_name(a))
+            self._native_error(code)
+        return self._lookup_segs_py(gen, segs, timeout_s, min(max_rows, P.MAX_ROWS))
+
+    def _lookup_segs_py(self, gen: int, segs: tuple, timeout_s: float, max_rows: int) -> tuple[int, int, int]:
+        if len(segs) > 1 and self.version < 2:
+            raise ValueError(f"{self.endpoint} speaks protocol version 1: one table per request")
+        code, a, total = check_segments(segs)
+        if code:
+            return code, a, total
+        if total > max_rows:
+            return 2, 0, 0
+        deadline = time.monotonic() + timeout_s
+        if len(segs) == 1:
+            ver, op, ident, count = P.VERSION, P.OP_LOOKUP, segs[0][0], total
+            bufs = [P.REQ.pack(P.MAGIC, ver, op, gen, ident, count, 8 * total), segs[0][1]]
+        else:
+            ver, op, count = self.version, P.OP_LOOKUP_MULTI, len(segs)
+            heads = b"".join(P.SEG.pack(s[0], s[1].shape[0], 0) for s in segs)
+            bufs = [P.REQ.pack(P.MAGIC, ver, op, gen, bytes(32), count, len(heads) + 8 * total), heads]
+            bufs += [s[1] for s in segs]
+        self._send_all(bufs, deadline)
+        status, rcount, plen = self._reply_header(gen, deadline, ver)
+        if status != P.ST_OK:
+            raise self._refusal(status, plen, deadline)
+        if rcount != total or plen != total * P.ROW_BYTES:
+            raise self._fail(TransportError(f"{self.endpoint} sent {rcount} rows, expected {total}"))
+        for s in segs:
+            if s[1].shape[0]:
+                self._recv_into(memoryview(s[3]).cast("B"), deadline)
+        return 0, total, 0
 
     def lookup_many(self, identity: bytes, rows: np.ndarray, out: np.ndarray, timeout_s: float,
                     chunk_rows: int = 16384, window: int = 4) -> None:
