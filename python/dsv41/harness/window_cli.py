@@ -1,0 +1,128 @@
+"""``dsv41 window ...``: the WIN2 R3 decision, its calibration, and the two-window cap."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from dsv41.harness import win2
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+
+def _print_decision(d: win2.Decision, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(d.to_dict(), indent=1))
+        return
+    ci = f"[{d.ci[0]:+.2%}, {d.ci[1]:+.2%}]" if d.ci else "-"
+    eff = f"{d.effect:+.2%}" if d.effect is not None else "-"
+    print(f"{d.verdict}: {d.metric} effect {eff} CI {ci}, {d.n_pairs} pairs, min effect {d.min_effect:.1%}")
+    for r in d.reasons:
+        print(f"  {r}")
+    for cat, e in d.categories.items():
+        print(f"  {cat}: {e['verdict']} effect {e['effect']:+.2%} CI [{e['ci'][0]:+.2%}, {e['ci'][1]:+.2%}] "
+              f"({e['n_pairs']} pairs)")
+
+
+@app.command()
+def decide(
+    cells: str = typer.Argument(..., help="cells.jsonl of a window (one JSON object per cell)."),
+    metric: str = typer.Option("step_ms_p50", help="ttft_ms, step_ms_p50 or tok_s."),
+    min_effect: float = typer.Option(win2.DEFAULT_MIN_EFFECT, help="Declared minimum effect (fraction)."),
+    alpha: float = typer.Option(win2.DEFAULT_ALPHA, help="1 - confidence level of the CI."),
+    seed: int = typer.Option(0, help="Bootstrap seed."),
+    gate: str = typer.Option("", help="Distributional gate records (JSON list) for a drafting candidate."),
+    tolerance_nat: float = typer.Option(0.5, help="Near-tie tolerance of the gate (nat)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the decision as JSON."),
+) -> None:
+    """Decide a window by WIN2 R3; exit 0 whatever the verdict (the verdict is the output)."""
+    gate_records = None
+    if gate:
+        try:
+            with open(gate, encoding="utf-8") as fh:
+                gate_records = json.load(fh)
+        except (OSError, ValueError) as exc:
+            raise win2.Win2Error(f"cannot read gate records {gate}: {exc}") from None
+        if not isinstance(gate_records, list):
+            raise win2.Win2Error(f"{gate}: expected a JSON list of per-prompt records")
+    d = win2.decide(win2.load_cells(cells), metric=metric, min_effect=min_effect, alpha=alpha, seed=seed,
+                    gate_records=gate_records, tolerance_nat=tolerance_nat)
+    _print_decision(d, as_json)
+
+
+@app.command()
+def cap(
+    candidate: str = typer.Option(..., help="Candidate name."),
+    metric: str = typer.Option(..., help="Primary metric of the question."),
+    state_dir: str = typer.Option("windows", help="Directory holding questions.json."),
+    record: str = typer.Option("", help="Record a finished window: WINDOW_ID=VERDICT."),
+) -> None:
+    """Check (or, with --record, update) the two-window cap of a question; exit 1 when refused."""
+    if record:
+        wid, sep, verdict = record.partition("=")
+        if not sep or not wid:
+            raise win2.Win2Error(f"--record must be WINDOW_ID=VERDICT, got {record!r}")
+        win2.record_window(state_dir, candidate, metric, wid, verdict)
+        print(f"recorded {win2.question_key(candidate, metric)}: window {wid} {verdict}")
+        return
+    n = win2.check_cap(state_dir, candidate, metric)
+    print(f"{win2.question_key(candidate, metric)}: window {n} of at most 2 allowed")
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise win2.Win2Error(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) <= 0:
+        raise win2.Win2Error(f"{what} must be positive integers, got {text!r}")
+    return vals
+
+
+@app.command()
+def simulate(
+    sigma: float = typer.Option(0.0, help="Per-cell log-noise SD (0: estimate from --from-cells)."),
+    from_cells: str = typer.Option("", help="A measured A/A cells.jsonl to estimate sigma from."),
+    drift: float = typer.Option(0.0, help="Linear log drift per cell (ABBA cancels it)."),
+    pairs: str = typer.Option("32,64,128", help="Pair counts per window."),
+    windows: int = typer.Option(400, min=10, help="A/A windows per pair count."),
+    prompts: int = typer.Option(4, min=1, help="Prompt identities per window."),
+    metric: str = typer.Option("step_ms_p50", help="ttft_ms, step_ms_p50 or tok_s."),
+    min_effect: float = typer.Option(win2.DEFAULT_MIN_EFFECT, help="Declared minimum effect."),
+    alpha: float = typer.Option(win2.DEFAULT_ALPHA, help="1 - confidence level."),
+    resamples: int = typer.Option(1999, min=99, help="Bootstrap resamples per decision."),
+    seed: int = typer.Option(0, help="Simulation seed."),
+    out: str = typer.Option("", help="Also write the result JSON here."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Calibrate WIN2 R3: false-WIN rate of A/A windows and the minimum detectable effect."""
+    from rich.progress import Progress
+
+    counts = _int_list(pairs, "--pairs")
+    if from_cells:
+        cells = win2.load_cells(from_cells)
+        noise = win2.NoiseModel(win2.sigma_from_cells(cells, metric), drift, f"measured A/A cells {from_cells}")
+    elif sigma > 0:
+        noise = win2.NoiseModel(sigma, drift, "given on the command line")
+    else:
+        raise win2.Win2Error("give --sigma > 0 or --from-cells A/A cells to estimate it")
+    for n in counts:
+        if n % (2 * prompts):
+            raise win2.Win2Error(f"--pairs {n} is not a multiple of 2 x --prompts ({2 * prompts})")
+    with Progress(transient=True) as bar:
+        task = bar.add_task("simulating windows", total=None)
+        res = win2.simulate(noise, counts, windows, prompts, metric, min_effect, alpha, seed, resamples,
+                            progress=lambda n: bar.advance(task, n))
+    if out:
+        with open(out, "w", encoding="utf-8") as fh:
+            json.dump(res, fh, indent=1)
+    if as_json:
+        print(json.dumps(res, indent=1))
+        return
+    print(f"noise sigma {noise.sigma:.4f} ({noise.source}); {windows} A/A windows per row, alpha {alpha}, "
+          f"min effect {min_effect}")
+    print("pairs | false-WIN rate (95% CI) | MDE at power 0.8")
+    for r in res["rows"]:
+        mde = f"{r['mde']:.1%}" if r["mde"] is not None else "> largest simulated"
+        print(f"{r['n_pairs']:5d} | {r['false_win_rate']:.3f} ({r['false_win_ci95'][0]:.3f}-{r['false_win_ci95'][1]:.3f}) | {mde}")
