@@ -228,3 +228,40 @@ def test_cli_cap(tmp_path, capsys):
     assert "only after UNRESOLVED" in capsys.readouterr().err
     assert main(args + ["--record", "oops"]) == 1
     assert main(args + ["--record", "w2=MAYBE"]) == 1
+
+
+def test_simulate_small_aa_calibration():
+    """A small, seeded calibration run (the full one is documented in docs/windows.md): the rule's
+    false-WIN rate on A/A windows stays at or below alpha and a large effect is detected."""
+    res = win2.simulate(win2.NoiseModel(0.05, drift=0.002, source="test"), (16,), n_windows=60, n_prompts=4,
+                        n_resamples=499, effects=(0.02, 0.30), seed=11)
+    row = res["rows"][0]
+    assert sum(row["aa_verdicts"].values()) == 60
+    assert row["false_win_rate"] <= 0.05
+    assert row["mde"] == 0.30 and row["power_at_mde"] >= 0.8
+    assert res["noise"]["source"] == "test"
+
+
+def test_simulated_cells_are_balanced_abba():
+    rng = np.random.default_rng(0)
+    cells = win2.simulate_cells(rng, 16, 4, 0.0, win2.NoiseModel(0.01))
+    pairs, problems = win2.pair_log_ratios(cells, "step_ms_p50")
+    assert not problems and len(pairs) == 16
+    with pytest.raises(win2.Win2Error, match="multiple of"):
+        win2.simulate_cells(rng, 10, 4, 0.0, win2.NoiseModel(0.01))
+
+
+def test_sigma_from_aa_cells():
+    cells = make_cells({"short": 0.0, "code": 0.0}, noise=0.04, blocks=8)
+    assert 0.025 < win2.sigma_from_cells(cells, "step_ms_p50") < 0.06
+    with pytest.raises(win2.Win2Error, match="at least 4"):
+        win2.sigma_from_cells(cells[:4], "step_ms_p50")
+
+
+def test_cli_simulate_errors(capsys):
+    assert main(["window", "simulate"]) == 1
+    assert "--sigma" in capsys.readouterr().err
+    assert main(["window", "simulate", "--sigma", "0.05", "--pairs", "10", "--prompts", "4"]) == 1
+    assert "multiple of" in capsys.readouterr().err
+    assert main(["window", "simulate", "--sigma", "0.05", "--pairs", "a,b"]) == 1
+    assert "comma-separated" in capsys.readouterr().err

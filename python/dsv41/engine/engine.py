@@ -326,11 +326,15 @@ class Engine:
                 return
             tok = self._sample_one(r, lg[0])
             r.last_hidden = tp[0].numpy()
-            r.first_token_at = now
+            r.first_token_at = r.last_token_at = now
             if self.metrics:
                 self.metrics.ttft.observe(now - r.arrival)
             self._emit(r, [tok])
             return
+        if self.metrics and r.last_token_at is not None:
+            # One observation per step per request, like vLLM's inter-token latency (one SSE chunk).
+            self.metrics.itl.observe(now - r.last_token_at)
+        r.last_token_at = now
         drafts = r.drafts
         if drafts:
             emitted, acc = verify(lg, drafts, r.proposal, r.params, len(r.output), EOS, r.gen)
