@@ -57,6 +57,7 @@ class Engine:
         self.metrics, self.on_fatal, self.heartbeat_s = metrics, on_fatal, heartbeat_s
         self.rank_counters: dict[int, dict] = {0: {}}
         self.fatal: str | None = None
+        self.frozen = False  # /pause?mode=keep: no steps until /resume
         self.peer_draining = False
         self._wake = threading.Event()
         self._stop = False
@@ -99,6 +100,12 @@ class Engine:
             self._aborts.append(request_id)
         self._wake.set()
 
+    def freeze(self, frozen: bool) -> None:
+        """Stop (``True``) or restart stepping, keeping every request where it is (vLLM's
+        ``/pause?mode=keep``); aborts still apply while frozen."""
+        self.frozen = frozen
+        self._wake.set()
+
     def idle(self) -> bool:
         """True when no request is running or waiting."""
         return self.sched.idle()
@@ -131,7 +138,7 @@ class Engine:
         try:
             while not self._stop:
                 self._apply_aborts()
-                if self.step():
+                if not self.frozen and self.step():
                     last = time.monotonic()
                     continue
                 self._wake.wait(self.heartbeat_s)

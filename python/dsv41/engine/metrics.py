@@ -101,6 +101,8 @@ class EngineMetrics:
         # vLLM's name; observed once per engine step that gives a request tokens (one SSE chunk).
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between steps emitting tokens, per request",
                              lab, buckets=_ITL_BUCKETS, registry=R).labels(model_name)
+        self.pause_drain_aborts = Counter("dsv41_engine_pause_drain_aborts", "Requests aborted because a "
+                                          "/pause?mode=wait drain timed out", lab, registry=R).labels(model_name)
         self.kv_tokens = Gauge("dsv41_engine_kv_cache_tokens", "KV budget in tokens (incl. drafter capacity extra)",
                                lab, registry=R).labels(model_name)
         self.kv_extra_tokens = Gauge("dsv41_engine_kv_extra_tokens", "KV tokens added because the drafter runs remotely",

@@ -24,6 +24,7 @@ def run(
 ) -> None:
     """Smoke start, then every spec prompt ``repeats`` times; prints p50s per category and the
     /metrics counter deltas. Ctrl-C or a smoke failure: partial results kept, exit non-zero."""
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from dsv41.harness import bench, refs
@@ -34,14 +35,18 @@ def run(
     refs_doc = refs.load_refs(refs_file) if refs_file else None
     model = sp["model"] or bench.served_model(endpoint)
     urls = [] if no_metrics else (list(metrics) or [endpoint.rstrip("/") + "/metrics"])
-    smoke = bench.smoke(endpoint, model, refs_doc, sp["timeout_s"])
+    try:
+        smoke = bench.smoke(endpoint, model, refs_doc, sp["timeout_s"])
+    except KeyboardInterrupt:
+        raise bench.BenchAborted("interrupted during the smoke start; nothing was timed", exit_code=130) from None
     items = bench.plan_requests(sp, uuid.uuid4().hex[:12])
     before = bench.snapshot_metrics(urls) if urls else {}
     results: list = []
     interrupted = False
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("{task.fields[failed]} failed"))
-    with Progress(*cols, transient=not as_json) as bar:
+    # The bar goes to stderr so that stdout stays the summary (JSON with --json).
+    with Progress(*cols, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(f"bench {sp['name']}", total=len(items), failed=0)
 
         def tick(r) -> None:

@@ -97,6 +97,7 @@ def simulate(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Calibrate WIN2 R3: false-WIN rate of A/A windows and the minimum detectable effect."""
+    from rich.console import Console
     from rich.progress import Progress
 
     counts = _int_list(pairs, "--pairs")
@@ -110,7 +111,7 @@ def simulate(
     for n in counts:
         if n % (2 * prompts):
             raise win2.Win2Error(f"--pairs {n} is not a multiple of 2 x --prompts ({2 * prompts})")
-    with Progress(transient=True) as bar:
+    with Progress(console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("simulating windows", total=None)
         res = win2.simulate(noise, counts, windows, prompts, metric, min_effect, alpha, seed, resamples,
                             progress=lambda n: bar.advance(task, n))
