@@ -205,3 +205,57 @@ def test_pause_modes_match_vllm(server):
         assert httpx.post(server + "/pause?mode=later", timeout=30).status_code == 400
     finally:
         httpx.post(server + "/resume", timeout=30)
+
+
+def _window_spec(tmp_path):
+    doc = {"format": "dsv41-bench-spec/1", "name": "w", "max_tokens": 8, "blocks_per_prompt": 2, "seed": 7,
+           "prompts": [{"id": "a", "category": "short", "text": "row row row"},
+                       {"id": "b", "category": "code", "text": "def f(x):\n"}]}
+    p = tmp_path / "wspec.json"
+    p.write_text(json.dumps(doc))
+    return str(p)
+
+
+def test_window_run_aa_cli(server, tmp_path, capsys):
+    wd = tmp_path / "windows"
+    args = ["window", "run", "--control", server, "--candidate", server, "--spec", _window_spec(tmp_path),
+            "--windows-dir", str(wd), "--name", "aa", "--seed", "3"]
+    assert main(args + ["--id", "w1", "--json"]) == 0, capsys.readouterr().err
+    d = json.loads(capsys.readouterr().out)
+    assert d["verdict"] in ("NO-CHANGE", "UNRESOLVED") and d["n_pairs"] == 8, d["reasons"]
+    for f in ("cells.jsonl", "decision.json", "summary.md", "pairs.png", "cdf.png", "acceptance.png"):
+        assert (wd / "w1" / f).stat().st_size > 0
+    cells = [json.loads(x) for x in (wd / "w1" / "cells.jsonl").read_text().splitlines()]
+    assert len(cells) == 16 and all(c["ok"] and c["completion_tokens"] == 8 for c in cells)
+    state = json.loads((wd / "questions.json").read_text())
+    assert state["aa:step_ms_p50"][0]["window"] == "w1"
+    assert main(args + ["--id", "w1", "--no-cap"]) == 1
+    assert "already has cells" in capsys.readouterr().err
+
+
+def test_window_run_ctrl_c_is_invalid(server, tmp_path, capsys, monkeypatch):
+    real = bench.stream_one
+    calls = []
+
+    def interrupted(*a, **kw):
+        calls.append(1)
+        if len(calls) == 9:  # smoke: 3 requests per arm; then two cells, then Ctrl-C
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(bench, "stream_one", interrupted)
+    wd = tmp_path / "windows"
+    rc = main(["window", "run", "--control", server, "--candidate", server, "--spec", _window_spec(tmp_path),
+               "--windows-dir", str(wd), "--id", "w2", "--no-cap"])
+    err = capsys.readouterr().err
+    assert rc == 130 and "interrupted" in err and "Traceback" not in err
+    assert len((wd / "w2" / "cells.jsonl").read_text().splitlines()) == 2
+    assert json.loads((wd / "w2" / "decision.json").read_text())["decision"]["verdict"] == "INVALID"
+
+
+def test_window_run_unreachable_no_window(tmp_path, capsys):
+    wd = tmp_path / "windows"
+    rc = main(["window", "run", "--control", "http://127.0.0.1:9", "--candidate", "http://127.0.0.1:9",
+               "--windows-dir", str(wd), "--id", "w3", "--no-cap"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "unreachable" in err and len(err.strip().splitlines()) == 1

@@ -27,6 +27,7 @@ The six greedy reference prompts come from ``DSV41_GREEDY_PROMPTS_FILE`` when se
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -402,6 +403,28 @@ def smoke(endpoint: str, model: str, refs_doc: dict | None = None, timeout_s: fl
 
 
 # ---- a run --------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """Within the block, SIGTERM raises KeyboardInterrupt in the main thread, so a run stopped by
+    a supervisor or a playbook is handled exactly like Ctrl-C (partial results kept, exit
+    non-zero); the previous handler is restored after."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum, frame):
+        raise KeyboardInterrupt
+
+    prev = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, prev)
+
 
 def plan_requests(spec: dict, salt_base: str) -> list[dict]:
     """The requests of ``dsv41 bench run``: every prompt ``repeats`` times, seed

@@ -475,7 +475,7 @@ def simulate_cells(rng: np.random.Generator, n_pairs: int, n_prompts: int, effec
 def simulate(noise: NoiseModel, pair_counts=(32, 64, 128), n_windows: int = 400, n_prompts: int = 4,
              metric: str = "step_ms_p50", min_effect: float = DEFAULT_MIN_EFFECT, alpha: float = DEFAULT_ALPHA,
              seed: int = 0, n_resamples: int = 1999, power: float = 0.8,
-             effects=(0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.08, 0.10, 0.15, 0.20, 0.30),
+             effects=(0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.08, 0.10, 0.15, 0.20, 0.30, 0.40, 0.50, 0.75),
              progress=None) -> dict:
     """A/A and known-effect windows through the full rule (``decide``, categories included).
 

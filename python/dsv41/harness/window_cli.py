@@ -127,3 +127,93 @@ def simulate(
     for r in res["rows"]:
         mde = f"{r['mde']:.1%}" if r["mde"] is not None else "> largest simulated"
         print(f"{r['n_pairs']:5d} | {r['false_win_rate']:.3f} ({r['false_win_ci95'][0]:.3f}-{r['false_win_ci95'][1]:.3f}) | {mde}")
+
+
+@app.command("run")
+def run_window(
+    control: str = typer.Option(..., help="Control arm base URL."),
+    candidate: str = typer.Option(..., help="Candidate arm base URL (the same URL with --switch-cmd, or "
+                                            "for an A/A window)."),
+    spec: str = typer.Option("", help="Workload spec (default: $DSV41_BENCH_SPEC_FILE, else the shipped one)."),
+    name: str = typer.Option("aa", help="Candidate name (the question is NAME + metric)."),
+    control_name: str = typer.Option("production", help="Control name."),
+    question: str = typer.Option("", help="The question, in words, for the report."),
+    metric: str = typer.Option("step_ms_p50", help="Primary metric: ttft_ms, step_ms_p50 or tok_s."),
+    min_effect: float = typer.Option(win2.DEFAULT_MIN_EFFECT, help="Declared minimum effect (fraction)."),
+    alpha: float = typer.Option(win2.DEFAULT_ALPHA, help="1 - confidence level."),
+    seed: int = typer.Option(0, help="Cell plan and bootstrap seed."),
+    windows_dir: str = typer.Option("windows", help="Where windows/<id>/ and the cap state live."),
+    window_id: str = typer.Option("", "--id", help="Window id (default: UTC time + name)."),
+    switch_cmd: str = typer.Option("", help="Shell command run to switch arms; {arm} is replaced."),
+    refs_file: str = typer.Option("", "--refs", help="Greedy refs for the smoke start's known answer."),
+    no_cap: bool = typer.Option(False, help="Do not apply or record the two-window cap (calibration runs)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the decision as JSON."),
+) -> None:
+    """Seeded ABBA/BAAB paired cells between two arms, WIN2 R3 decision, report in windows/<id>/.
+
+    Takes no HOLD itself: `window.yml` holds admission around it. Exit 0 with a verdict; exit 1
+    when the smoke start fails, 130 on Ctrl-C (cells so far kept, decision INVALID)."""
+    import datetime as dt
+    import os
+    import shlex
+    import subprocess
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from dsv41.harness import bench, refs, window
+
+    sp = bench.load_spec(spec or None)
+    with bench.sigterm_as_interrupt():
+        if metric not in win2.METRICS:
+            raise win2.Win2Error(f"unknown metric {metric!r}; one of {', '.join(win2.METRICS)}")
+        nth = 0 if no_cap else win2.check_cap(windows_dir, name, metric)
+        wid = window_id or dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + f"-{name}"
+        wdir = os.path.join(windows_dir, wid)
+        if os.path.exists(os.path.join(wdir, "cells.jsonl")):
+            raise window.WindowError(f"window {wid} already has cells in {wdir}; choose another --id")
+        os.makedirs(wdir, exist_ok=True)
+        refs_doc = refs.load_refs(refs_file) if refs_file else None
+        endpoints = {"control": control, "candidate": candidate}
+
+        def switch(arm: str) -> None:
+            if switch_cmd:
+                rc = subprocess.run(switch_cmd.replace("{arm}", shlex.quote(arm)), shell=True, check=False).returncode
+                if rc != 0:
+                    raise window.WindowError(f"switching to the {arm} arm failed (exit {rc}): {switch_cmd}")
+
+        model = sp["model"] or bench.served_model(control)
+        smoke = {}
+        for arm in ("control", "candidate"):
+            switch(arm)
+            smoke[arm] = bench.smoke(endpoints[arm], model, refs_doc, sp["timeout_s"])
+        plan = window.plan_cells(sp, seed)
+        cells_path = os.path.join(wdir, "cells.jsonl")
+        interrupted = False
+        cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*cols, console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task(f"window {wid}", total=len(plan))
+            try:
+                window.run_cells(plan, endpoints, model, sp["sampler"], sp["timeout_s"], cells_path, switch,
+                                 progress=lambda rec: bar.advance(task))
+            except KeyboardInterrupt:
+                interrupted = True
+        cells = win2.load_cells(cells_path) if os.path.getsize(cells_path) else []
+        if len(cells) < len(plan):
+            # The rule must see the missing cells as incomplete pairs: decide on what was planned.
+            done = {(c["block"], c["pair"], c["arm"]) for c in cells}
+            cells += [{k: c[k] for k in ("block", "pair", "arm", "prompt_id", "category", "seed")} | {"ok": False,
+                      "error": "not run (window stopped)"} for c in plan if (c["block"], c["pair"], c["arm"]) not in done]
+        d = win2.decide(cells, metric, min_effect, alpha, seed)
+        meta = {"window_id": wid, "candidate": name, "control": control_name, "question": question or f"{name}: {metric}",
+                "window_number": nth, "spec": {k: v for k, v in sp.items() if k != "prompts"},
+                "prompts": [p["id"] for p in sp["prompts"]], "endpoints": endpoints, "smoke": smoke,
+                "versions": window.stack_version(), "interrupted": interrupted}
+        window.write_report(wdir, d, cells, meta)
+        if not no_cap:
+            win2.record_window(windows_dir, name, metric, wid, d.verdict)
+        _print_decision(d, as_json)
+        if not as_json:
+            print(f"report: {os.path.join(wdir, 'summary.md')}")
+        if interrupted:
+            raise win2.Win2Error(f"window {wid} interrupted; cells so far in {cells_path}", exit_code=130)
