@@ -209,3 +209,52 @@ def write_report(wdir: str, decision: win2.Decision, cells: list[dict], meta: di
         fh.write("\n".join(lines) + "\n")
     files.append("summary.md")
     return files
+
+
+# ---- candidates ---------------------------------------------------------------------------------
+
+CANDIDATE_SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "candidate.schema.json"
+# Candidate role settings -> the role variables that template them (re-running the role with
+# production's values restores the file byte for byte; nothing else may be changed).
+_ROLE_VARS = {("serve", "env"): "serve_extra_env", ("engram_server", "env"): "engram_server_extra_env",
+              ("async_proxy", "async"): "async_proxy_async", ("async_proxy", "k"): "async_proxy_k",
+              ("async_proxy", "timeout_ms"): "async_proxy_timeout_ms"}
+
+
+def load_candidate(name: str, root: str | os.PathLike = "candidates") -> dict:
+    """Read and validate ``root/NAME.yml`` against ``schemas/candidate.schema.json``.
+
+    Raises WindowError for an unknown name (listing the known ones), unreadable YAML, a schema
+    error (naming the JSON path) or a ``name`` field that differs from the file name; all of
+    this happens before any HOLD is taken."""
+    import jsonschema
+    import yaml
+
+    if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+        raise WindowError(f"candidate name must be a plain name, got {name!r}")
+    path = Path(root) / f"{name}.yml"
+    if not path.is_file():
+        known = sorted(p.stem for p in Path(root).glob("*.yml")) if Path(root).is_dir() else []
+        raise WindowError(f"unknown candidate {name!r} (no {path}); known: {', '.join(known) or 'none'}")
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise WindowError(f"candidate {path} is not readable YAML: {str(exc).splitlines()[0]}") from None
+    schema = json.loads(CANDIDATE_SCHEMA.read_text())
+    err = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(doc))
+    if err is not None:
+        loc = "/".join(str(x) for x in err.absolute_path) or "(top)"
+        raise WindowError(f"candidate {path} fails its schema at {loc}: {err.message}")
+    if doc["name"] != name:
+        raise WindowError(f"candidate {path} is named {doc['name']!r}; the file name says {name!r}")
+    return doc
+
+
+def role_vars(candidate: dict) -> dict:
+    """The Ansible extra variables of a candidate's arm (``{role variable: value}``); env deltas
+    are returned as dicts to be combined over production's ``*_extra_env``."""
+    out: dict = {}
+    for role, settings in candidate.get("roles", {}).items():
+        for key, value in settings.items():
+            out[_ROLE_VARS[(role, key)]] = value
+    return out

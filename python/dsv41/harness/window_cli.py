@@ -129,6 +129,23 @@ def simulate(
         print(f"{r['n_pairs']:5d} | {r['false_win_rate']:.3f} ({r['false_win_ci95'][0]:.3f}-{r['false_win_ci95'][1]:.3f}) | {mde}")
 
 
+@app.command()
+def candidate(
+    name: str = typer.Argument(..., help="Candidate name (candidates/NAME.yml)."),
+    root: str = typer.Option("candidates", help="Directory of candidate files."),
+    vars_out: str = typer.Option("", help="Write the arm's Ansible extra variables (JSON) here."),
+) -> None:
+    """Validate a candidate and print it with its role variables as JSON; exit 1 when refused."""
+    from dsv41.harness import window
+
+    doc = window.load_candidate(name, root)
+    rv = window.role_vars(doc)
+    if vars_out:
+        with open(vars_out, "w", encoding="utf-8") as fh:
+            json.dump(rv, fh, indent=1)
+    print(json.dumps({"candidate": doc, "role_vars": rv}, indent=1))
+
+
 @app.command("run")
 def run_window(
     control: str = typer.Option(..., help="Control arm base URL."),
