@@ -258,4 +258,4 @@ def test_window_run_unreachable_no_window(tmp_path, capsys):
     rc = main(["window", "run", "--control", "http://127.0.0.1:9", "--candidate", "http://127.0.0.1:9",
                "--windows-dir", str(wd), "--id", "w3", "--no-cap"])
     err = capsys.readouterr().err
-    assert rc == 1 and "unreachable" in err and len(err.strip().splitlines()) == 1
+    assert rc == 1 and "cannot list models at http://127.0.0.1:9" in err and len(err.strip().splitlines()) == 1

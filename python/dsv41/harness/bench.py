@@ -188,19 +188,11 @@ def _client(timeout_s: float):
 
 
 def served_model(endpoint: str, timeout_s: float = 10.0) -> str:
-    """First model id of ``GET /v1/models``; BenchError naming the endpoint when unreachable."""
-    import httpx
+    """First model id of ``GET /v1/models`` (``refs.served_model``); a Dsv41Error naming the
+    endpoint when it is unreachable or lists no model."""
+    from dsv41.harness.refs import served_model as _served
 
-    try:
-        with _client(timeout_s) as c:
-            r = c.get(endpoint.rstrip("/") + "/v1/models")
-            r.raise_for_status()
-            data = r.json().get("data") or []
-    except (httpx.HTTPError, ValueError, AttributeError) as exc:
-        raise BenchError(f"endpoint {endpoint} unreachable or not OpenAI-compatible: {exc}") from None
-    if not data or not isinstance(data[0], dict) or "id" not in data[0]:
-        raise BenchError(f"{endpoint}/v1/models lists no model")
-    return str(data[0]["id"])
+    return _served(endpoint, timeout_s)
 
 
 def request_body(model: str, prompt: str, seed: int, max_tokens: int, sampler: dict, salt: str | None) -> dict:
