@@ -111,9 +111,16 @@ def test_all_identical_values_degenerate_ci():
 
 
 def test_single_block_per_prompt_gives_no_ci():
-    cells = make_cells({"short": 0.1}, blocks=1)
+    cells = make_cells({"short": 0.1}, blocks=1, n_prompts_per_cat=9)
     d = win2.decide(cells, n_resamples=NR)
     assert d.verdict == "UNRESOLVED" and any("single block" in r for r in d.reasons)
+
+
+def test_too_few_blocks_withhold_the_verdict():
+    # 2 prompts x 2 blocks: a clear 10 % effect, but 4 blocks cannot carry a verdict
+    d = win2.decide(make_cells({"short": 0.1}, blocks=2, n_prompts_per_cat=2), n_resamples=NR)
+    assert d.verdict == "UNRESOLVED" and any("too few to resolve" in r for r in d.reasons)
+    assert d.effect > 0.05
 
 
 def test_stratified_by_prompt_is_deterministic_per_seed():

@@ -55,6 +55,10 @@ DEFAULT_MIN_EFFECT = 0.02
 DEFAULT_ALPHA = 0.05
 # Bootstrap resamples: 9,999 is scipy's default and keeps the BCa tails stable at alpha = 0.05.
 DEFAULT_RESAMPLES = 9999
+# Fewer blocks than this give no verdict beyond UNRESOLVED: a bootstrap of a median over a handful
+# of blocks has a CI about as wide as its data, and a 2-block A/A window "wins" whenever both
+# blocks fall beyond +min_effect (seen on the lab: docs/windows.md).
+MIN_BLOCKS = 8
 
 
 class Win2Error(Dsv41Error):
@@ -260,6 +264,9 @@ def estimate(pairs: list[dict], min_effect: float, alpha: float, seed: int,
             lo, hi = min(lo, point), max(hi, point)
     flo, fhi = math.expm1(lo), math.expm1(hi)
     verdict = "UNRESOLVED" if method == "none" else classify(flo, fhi, min_effect)
+    if n_blocks < MIN_BLOCKS and verdict != "UNRESOLVED":
+        notes.append(f"only {n_blocks} blocks (< {MIN_BLOCKS}): too few to resolve, {verdict} withheld")
+        verdict = "UNRESOLVED"
     return Estimate(effect=math.expm1(point), ci=(flo, fhi), n_pairs=len(pairs), n_blocks=n_blocks,
                     n_prompts=n_prompts, method=method, verdict=verdict, notes=notes)
 
@@ -344,7 +351,7 @@ def decide(cells: list[dict], metric: str = "step_ms_p50", min_effect: float = D
     for cat in sorted(by_cat):
         e = estimate(by_cat[cat], min_effect, alpha, seed, n_resamples)
         d.categories[cat] = e.to_dict()
-        if e.ci[1] < -min_effect:
+        if e.verdict == "LOSS":  # CI wholly below -min_effect, from enough blocks
             regressed.append(cat)
     if d.verdict == "WIN" and regressed:
         d.verdict = "UNRESOLVED"

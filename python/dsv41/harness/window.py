@@ -68,15 +68,36 @@ def cell_record(plan_cell: dict, res: bench.RequestResult) -> dict:
     return rec
 
 
+def counter_summary(delta: dict[str, dict[str, float]]) -> dict:
+    """Per-cell figures from a ``bench.metrics_delta``: the non-zero series per URL
+    (``counters``), and when present ``accepted_per_round`` (``vllm:spec_decode_num_accepted_tokens``
+    / ``..._num_drafts``) and ``engram_fallbacks`` (sum over ranks)."""
+    out: dict = {"counters": {u: {k: v for k, v in d.items() if v} for u, d in delta.items()}}
+    tot: dict[str, float] = {}
+    for d in delta.values():
+        for k, v in d.items():
+            base = k.split("{", 1)[0]
+            tot[base] = tot.get(base, 0.0) + v
+    drafts = tot.get("vllm:spec_decode_num_drafts_total", 0.0)
+    if drafts > 0:
+        out["accepted_per_round"] = tot.get("vllm:spec_decode_num_accepted_tokens_total", 0.0) / drafts
+    if "dsv41_engram_fallbacks_total" in tot:
+        out["engram_fallbacks"] = tot["dsv41_engram_fallbacks_total"]
+    return out
+
+
 def run_cells(plan: list[dict], endpoints: dict[str, str], model: str, sampler: dict, timeout_s: float,
               out_path: str, switch: Callable[[str], None] | None = None,
-              progress: Callable[[dict], None] | None = None, stop_on_failure: bool = True) -> list[dict]:
+              progress: Callable[[dict], None] | None = None, stop_on_failure: bool = True,
+              metrics: dict[str, list[str]] | None = None) -> list[dict]:
     """Run ``plan`` in order, one request at a time, appending each cell to ``out_path``.
 
     ``endpoints``: ``{"control": url, "candidate": url}`` (the same url twice when the arms
     share the nodes and ``switch(arm)`` reconfigures them). ``switch`` is called whenever the arm
-    changes. A failed cell stops the run (``stop_on_failure``) since the window is INVALID anyway.
-    KeyboardInterrupt propagates after the cell in flight is written."""
+    changes. ``metrics``: per arm, every rank's ``/metrics`` URL, snapshotted before and after
+    each cell (outside the timed request) into the cell's :func:`counter_summary`. A failed cell
+    stops the run (``stop_on_failure``) since the window is INVALID anyway. KeyboardInterrupt
+    propagates after the cell in flight is written."""
     import httpx
 
     done: list[dict] = []
@@ -89,8 +110,12 @@ def run_cells(plan: list[dict], endpoints: dict[str, str], model: str, sampler: 
                     switch(c["arm"])
                 arm_now = c["arm"]
             body = bench.request_body(model, c["prompt"], c["seed"], c["max_tokens"], sampler, c["salt"])
+            urls = (metrics or {}).get(c["arm"]) or []
+            before = bench.snapshot_metrics(urls) if urls else None
             res = bench.stream_one(client, endpoints[c["arm"]], body, c["prompt_id"], c["category"])
             rec = cell_record(c, res)
+            if before is not None:
+                rec.update(counter_summary(bench.metrics_delta(before, bench.snapshot_metrics(urls))))
             fh.write(json.dumps(rec) + "\n")
             fh.flush()
             done.append(rec)
@@ -178,8 +203,9 @@ def write_report(wdir: str, decision: win2.Decision, cells: list[dict], meta: di
     for j, arm in enumerate(("control", "candidate")):
         vals = []
         for p in prompts:
-            v = [c["tokens_per_step"] for c in cells if c.get("ok") and c["arm"] == arm and c["prompt_id"] == p
-                 and c.get("tokens_per_step") is not None]
+            v = [c["accepted_per_round"] + 1 if c.get("accepted_per_round") is not None else c["tokens_per_step"]
+                 for c in cells if c.get("ok") and c["arm"] == arm and c["prompt_id"] == p
+                 and (c.get("tokens_per_step") is not None or c.get("accepted_per_round") is not None)]
             vals.append(statistics.median(v) if v else 0.0)
         ax.bar([i + (j - 0.5) * width for i in range(len(prompts))], vals, width, label=arm)
     ax.set_xticks(range(len(prompts)))

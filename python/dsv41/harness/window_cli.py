@@ -164,6 +164,9 @@ def run_window(
     switch_cmd: str = typer.Option("", help="Shell command run to switch arms; {arm} is replaced."),
     refs_file: str = typer.Option("", "--refs", help="Greedy refs for the smoke start's known answer."),
     no_cap: bool = typer.Option(False, help="Do not apply or record the two-window cap (calibration runs)."),
+    metrics: list[str] = typer.Option([], "--metrics", help="Every rank's /metrics URL, snapshotted around each "
+                                                             "cell (default: each arm's URL/metrics)."),
+    no_metrics: bool = typer.Option(False, help="No /metrics snapshots (endpoints without it)."),
     as_json: bool = typer.Option(False, "--json", help="Print the decision as JSON."),
 ) -> None:
     """Seeded ABBA/BAAB paired cells between two arms, WIN2 R3 decision, report in windows/<id>/.
@@ -204,6 +207,8 @@ def run_window(
         for arm in ("control", "candidate"):
             switch(arm)
             smoke[arm] = bench.smoke(endpoints[arm], model, refs_doc, sp["timeout_s"])
+        murls = None if no_metrics else {arm: list(metrics) or [url.rstrip("/") + "/metrics"]
+                                         for arm, url in endpoints.items()}
         plan = window.plan_cells(sp, seed)
         cells_path = os.path.join(wdir, "cells.jsonl")
         interrupted = False
@@ -212,7 +217,7 @@ def run_window(
             task = bar.add_task(f"window {wid}", total=len(plan))
             try:
                 window.run_cells(plan, endpoints, model, sp["sampler"], sp["timeout_s"], cells_path, switch,
-                                 progress=lambda rec: bar.advance(task))
+                                 progress=lambda rec: bar.advance(task), metrics=murls)
             except KeyboardInterrupt:
                 interrupted = True
         cells = win2.load_cells(cells_path) if os.path.getsize(cells_path) else []
