@@ -220,9 +220,13 @@ def test_window_run_aa_cli(server, tmp_path, capsys):
     wd = tmp_path / "windows"
     args = ["window", "run", "--control", server, "--candidate", server, "--spec", _window_spec(tmp_path),
             "--windows-dir", str(wd), "--name", "aa", "--seed", "3"]
-    assert main(args + ["--id", "w1", "--json"]) == 0, capsys.readouterr().err
+    assert main(args + ["--id", "w1", "--json", "--drafting"]) == 0, capsys.readouterr().err
     d = json.loads(capsys.readouterr().out)
     assert d["verdict"] in ("NO-CHANGE", "UNRESOLVED") and d["n_pairs"] == 8, d["reasons"]
+    # the same engine on both arms: greedy outputs identical, lengths equal -> the gate passes
+    assert d["gate"]["passed"], d["gate"]["reasons"]
+    assert {k for k in d["gate"]["prompts"] if k.startswith("greedy:")} == {"greedy:" + n for n, _ in
+                                                                        bench.greedy_prompts(env={})}
     for f in ("cells.jsonl", "decision.json", "summary.md", "pairs.png", "cdf.png", "acceptance.png"):
         assert (wd / "w1" / f).stat().st_size > 0
     cells = [json.loads(x) for x in (wd / "w1" / "cells.jsonl").read_text().splitlines()]

@@ -115,3 +115,16 @@ def test_cli_candidate(tmp_path, capsys):
     assert main(["window", "candidate", "nope", "--root", REPO_CANDIDATES]) == 1
     err = capsys.readouterr().err
     assert "unknown candidate" in err and len(err.strip().splitlines()) == 1
+
+
+def test_gate_records_from_cells_and_greedy():
+    cells = [{"prompt_id": "a", "arm": "control", "ok": True, "completion_tokens": 32, "accepted_per_round": 2.0},
+             {"prompt_id": "a", "arm": "candidate", "ok": True, "completion_tokens": 32, "accepted_per_round": 3.0},
+             {"prompt_id": "a", "arm": "candidate", "ok": False, "completion_tokens": 1}]
+    recs = window.gate_records(cells, {"plain": ([1, 2, 3], [1, 2, 3]), "code": ([1, 2, 3], [1, 9, 3])})
+    g = win2.distributional_gate(recs)
+    assert not g["passed"]  # "code" differs at token 1 and no logit gap was measured: fails closed
+    assert g["reasons"] == ["greedy:code: outputs differ at token 1 but no logit gap was measured"]
+    assert g["prompts"]["a"]["acceptance_candidate"] == 3.0 and g["prompts"]["a"]["length_ratio"] == 1.0
+    recs[1]["logit_gap_nat"] = 0.2  # a scorer measured a near-tie there
+    assert win2.distributional_gate(recs)["passed"]

@@ -126,6 +126,32 @@ def run_cells(plan: list[dict], endpoints: dict[str, str], model: str, sampler: 
     return done
 
 
+def gate_records(cells: list[dict], greedy: dict[str, tuple[list[int], list[int]]]) -> list[dict]:
+    """Input of ``win2.distributional_gate`` for a drafting candidate.
+
+    ``greedy``: per greedy reference prompt, (control ids, candidate ids) at temperature 0; a
+    prompt whose ids differ gets ``first_diff`` and ``logit_gap_nat`` None (the gap needs the
+    target's logits at that position, which a scorer with logprobs supplies; without one the gate
+    fails closed). Per spec prompt of the cells: output lengths and accepted drafts per round of
+    each arm."""
+    from dsv41.harness.refs import first_diff
+
+    recs = [{"prompt_id": f"greedy:{name}", "first_diff": first_diff(a, b), "logit_gap_nat": None}
+            for name, (a, b) in greedy.items()]
+    by_prompt: dict[str, dict] = {}
+    for c in cells:
+        if not c.get("ok"):
+            continue
+        r = by_prompt.setdefault(c["prompt_id"], {"prompt_id": c["prompt_id"], "first_diff": None,
+                                                  "control_lengths": [], "candidate_lengths": [],
+                                                  "control_acceptance": [], "candidate_acceptance": []})
+        if c.get("completion_tokens") is not None:
+            r[f"{c['arm']}_lengths"].append(c["completion_tokens"])
+        if c.get("accepted_per_round") is not None:
+            r[f"{c['arm']}_acceptance"].append(c["accepted_per_round"])
+    return recs + [by_prompt[k] for k in sorted(by_prompt)]
+
+
 def stack_version(repo: str | None = None) -> dict:
     """Harness version: the package version and, when run from a git checkout, the commit and
     whether the tree is dirty (a dirty tree is flagged in every report)."""

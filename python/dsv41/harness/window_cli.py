@@ -167,6 +167,9 @@ def run_window(
     metrics: list[str] = typer.Option([], "--metrics", help="Every rank's /metrics URL, snapshotted around each "
                                                              "cell (default: each arm's URL/metrics)."),
     no_metrics: bool = typer.Option(False, help="No /metrics snapshots (endpoints without it)."),
+    drafting: bool = typer.Option(False, help="A drafting candidate: the distributional gate (greedy "
+                                              "prompts on both arms, lengths, acceptance) decides validity."),
+    tolerance_nat: float = typer.Option(0.5, help="Near-tie tolerance of the gate (nat)."),
     as_json: bool = typer.Option(False, "--json", help="Print the decision as JSON."),
 ) -> None:
     """Seeded ABBA/BAAB paired cells between two arms, WIN2 R3 decision, report in windows/<id>/.
@@ -226,7 +229,15 @@ def run_window(
             done = {(c["block"], c["pair"], c["arm"]) for c in cells}
             cells += [{k: c[k] for k in ("block", "pair", "arm", "prompt_id", "category", "seed")} | {"ok": False,
                       "error": "not run (window stopped)"} for c in plan if (c["block"], c["pair"], c["arm"]) not in done]
-        d = win2.decide(cells, metric, min_effect, alpha, seed)
+        records = None
+        if drafting and not interrupted:
+            ids = {}
+            for arm in ("control", "candidate"):
+                switch(arm)
+                ids[arm] = {n: refs.generate(endpoints[arm], p, model, 32) for n, p in bench.greedy_prompts()}
+            greedy = {n: (ids["control"][n], ids["candidate"][n]) for n in ids["control"]}
+            records = window.gate_records(cells, greedy)
+        d = win2.decide(cells, metric, min_effect, alpha, seed, gate_records=records, tolerance_nat=tolerance_nat)
         meta = {"window_id": wid, "candidate": name, "control": control_name, "question": question or f"{name}: {metric}",
                 "window_number": nth, "spec": {k: v for k, v in sp.items() if k != "prompts"},
                 "prompts": [p["id"] for p in sp["prompts"]], "endpoints": endpoints, "smoke": smoke,
