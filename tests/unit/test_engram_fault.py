@@ -7,8 +7,8 @@ import time
 import numpy as np
 import pytest
 
+from dsv41 import envs
 from dsv41.engram import fault
-from dsv41.errors import ConfigError
 
 
 class Rows:
@@ -28,9 +28,9 @@ class Rows:
 
 def test_off_by_default_and_delay_applied():
     inner = Rows()
-    assert fault.wrap_from_env(inner, {}) is inner
-    assert fault.wrap_from_env(inner, {"DSV41_ENGRAM_FAULT_DELAY_MS": "0"}) is inner
-    w = fault.wrap_from_env(inner, {"DSV41_ENGRAM_FAULT_DELAY_MS": "30"})
+    assert envs.parse({}).engram_fault_delay_ms == 0.0
+    assert fault.wrap(inner, envs.parse({}).engram_fault_delay_ms) is inner
+    w = fault.wrap(inner, envs.parse({"DSV41_ENGRAM_FAULT_DELAY_MS": "30"}).engram_fault_delay_ms)
     t = time.perf_counter()
     out = w.lookup(1, [1, 2])
     assert time.perf_counter() - t >= 0.029
@@ -41,5 +41,18 @@ def test_off_by_default_and_delay_applied():
 
 @pytest.mark.parametrize("raw", ["abc", "-1", "nan", "inf", "20000"])
 def test_bad_values_name_the_variable(raw):
-    with pytest.raises(ConfigError, match="^DSV41_ENGRAM_FAULT_DELAY_MS"):
-        fault.delay_ms_from_env({"DSV41_ENGRAM_FAULT_DELAY_MS": raw})
+    with pytest.raises(envs.ConfigError, match="^DSV41_ENGRAM_FAULT_DELAY_MS"):
+        envs.parse({"DSV41_ENGRAM_FAULT_DELAY_MS": raw})
+
+
+def test_row_source_from_env_is_wrapped(tmp_path):
+    from dsv41.engram import rowsource
+    from dsv41.engram.synthetic import write_synthetic_tables
+
+    cfg = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "python" / "dsv41" / "data" / "lab_model.json")
+    write_synthetic_tables(cfg, tmp_path, 5)
+    s = envs.parse({"DSV41_ENGRAM_FAULT_DELAY_MS": "1"})
+    src = rowsource.from_env(str(tmp_path / "manifest.json"), tmp_path, 0, 1, settings=s)
+    assert isinstance(src, fault.DelayedRowSource)
+    assert not isinstance(rowsource.from_env(str(tmp_path / "manifest.json"), tmp_path, 0, 1, settings=envs.parse({})),
+                          fault.DelayedRowSource)

@@ -78,7 +78,7 @@ def test_shipped_candidates_validate():
     assert window.role_vars(window.load_candidate("aa", REPO_CANDIDATES)) == {}
     assert window.role_vars(window.load_candidate("slow-rows", REPO_CANDIDATES)) == {
         "serve_extra_env": {"DSV41_ENGRAM_FAULT_DELAY_MS": "20"}}
-    assert window.role_vars(window.load_candidate("async-drafter", REPO_CANDIDATES)) == {"async_proxy_async": True}
+    assert window.role_vars(window.load_candidate("async-drafter", REPO_CANDIDATES)) == {"spec_decode_async": True}
     with pytest.raises(window.WindowError, match="known: aa, async-drafter"):
         window.load_candidate("nope", REPO_CANDIDATES)
 

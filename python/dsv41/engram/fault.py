@@ -9,28 +9,7 @@ source still reads them); only time is added, about ``2 x delay`` per engine ste
 
 from __future__ import annotations
 
-import math
-import os
 import time
-from typing import Mapping
-
-from dsv41.errors import ConfigError
-
-
-# envs: DSV41_ENGRAM_FAULT_DELAY_MS
-def delay_ms_from_env(env: Mapping[str, str] | None = None) -> float:
-    """The injected delay in ms (0.0 when unset or empty); ConfigError naming the variable when
-    it is not a finite number >= 0 or is above 10,000 ms."""
-    raw = (os.environ if env is None else env).get("DSV41_ENGRAM_FAULT_DELAY_MS", "").strip()
-    if not raw:
-        return 0.0
-    try:
-        v = float(raw)
-    except ValueError:
-        raise ConfigError(f"DSV41_ENGRAM_FAULT_DELAY_MS must be a number of milliseconds, got {raw!r}") from None
-    if not math.isfinite(v) or not 0 <= v <= 10_000:
-        raise ConfigError(f"DSV41_ENGRAM_FAULT_DELAY_MS must be in [0, 10000] ms, got {raw!r}")
-    return v
 
 
 class DelayedRowSource:
@@ -53,7 +32,7 @@ class DelayedRowSource:
         return getattr(self.inner, name)
 
 
-def wrap_from_env(source, env: Mapping[str, str] | None = None):
-    """``source`` itself, or a DelayedRowSource when ``DSV41_ENGRAM_FAULT_DELAY_MS`` > 0."""
-    d = delay_ms_from_env(env)
-    return DelayedRowSource(source, d) if d > 0 else source
+def wrap(source, delay_ms: float):
+    """``source`` itself, or a DelayedRowSource when ``delay_ms`` (``Settings.engram_fault_delay_ms``,
+    range-checked by ``dsv41.envs``) is > 0."""
+    return DelayedRowSource(source, delay_ms) if delay_ms > 0 else source

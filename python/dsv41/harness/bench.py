@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+from dsv41 import envs
 from dsv41.errors import Dsv41Error
 
 SPEC_FORMAT = "dsv41-bench-spec/1"
@@ -59,16 +60,12 @@ class BenchAborted(BenchError):
     """The run was interrupted (Ctrl-C) or a smoke check failed: treat as a failed window."""
 
 
-# envs: DSV41_BENCH_SPEC_FILE
 def _env_spec_file(env: Mapping[str, str] | None = None) -> str | None:
-    v = (os.environ if env is None else env).get("DSV41_BENCH_SPEC_FILE", "")
-    return v or None
+    return envs.parse(env).bench_spec_file or None
 
 
-# envs: DSV41_GREEDY_PROMPTS_FILE
 def _env_greedy_prompts_file(env: Mapping[str, str] | None = None) -> str | None:
-    v = (os.environ if env is None else env).get("DSV41_GREEDY_PROMPTS_FILE", "")
-    return v or None
+    return envs.parse(env).greedy_prompts_file or None
 
 
 def _read_json(path: str | os.PathLike, what: str) -> Any:

@@ -269,8 +269,8 @@ CANDIDATE_SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "candidate.
 # Candidate role settings -> the role variables that template them (re-running the role with
 # production's values restores the file byte for byte; nothing else may be changed).
 _ROLE_VARS = {("serve", "env"): "serve_extra_env", ("engram_server", "env"): "engram_server_extra_env",
-              ("async_proxy", "async"): "async_proxy_async", ("async_proxy", "k"): "async_proxy_k",
-              ("async_proxy", "timeout_ms"): "async_proxy_timeout_ms"}
+              ("spec_decode", "async"): "spec_decode_async", ("spec_decode", "k"): "spec_decode_k",
+              ("spec_decode", "timeout_ms"): "spec_decode_timeout_ms"}
 
 
 def load_candidate(name: str, root: str | os.PathLike = "candidates") -> dict:
