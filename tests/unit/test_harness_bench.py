@@ -175,8 +175,8 @@ vllm:num_requests_running{model_name="m"} 1.0
 # TYPE dsv41_engram_lookups counter
 dsv41_engram_lookups_total{rank="0"} 10.0
 dsv41_engram_lookups_total{rank="1"} 12.0
-# TYPE dsv41_drafter_rounds gauge
-dsv41_drafter_rounds 4.0
+# TYPE dsv41_drafter_rounds counter
+dsv41_drafter_rounds_total 4.0
 """
 
 
@@ -185,7 +185,7 @@ def test_parse_metrics_and_delta():
     assert a["vllm:generation_tokens_total"] == 100.0
     assert a['dsv41_engram_lookups_total{rank="1"}'] == 12.0
     assert a["vllm:time_to_first_token_seconds_sum"] == 0.1 and "vllm:num_requests_running" not in a
-    assert a["dsv41_drafter_rounds"] == 4.0
+    assert a["dsv41_drafter_rounds_total"] == 4.0
     b = bench.parse_metrics(METRICS_A.replace("100.0", "160.0").replace("} 12.0", "} 20.0"))
     d = bench.metrics_delta({"u": a}, {"u": b})["u"]
     assert d["vllm:generation_tokens_total"] == 60.0 and d['dsv41_engram_lookups_total{rank="1"}'] == 8.0

@@ -301,45 +301,32 @@ def stream_one(client, endpoint: str, body: dict, prompt_id: str, category: str,
 
 # ---- /metrics snapshots -----------------------------------------------------------------------
 
+def _cumulative(samples) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, labels, value in samples:
+        # counters (``_total``, the speculator's too) and histogram / summary ``_sum`` / ``_count``
+        if not name.endswith(("_total", "_sum", "_count")):
+            continue
+        lab = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()) if k != "model_name")
+        out[f"{name}{{{lab}}}" if lab else name] = value
+    return out
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text -> ``{series: value}`` of the cumulative series (counters, histogram and
-    summary ``_sum``/``_count``, and the speculator's ``dsv41_drafter_*`` gauges, which count);
-    ``series`` is ``name{label="v",...}`` with labels sorted. Uses ``prometheus_client.parser``;
-    raises BenchError on text it cannot parse."""
-    from prometheus_client.parser import text_string_to_metric_families
+    summary ``_sum``/``_count``); ``series`` is ``name{label="v",...}`` with labels sorted and
+    ``model_name`` dropped. Parsed by ``harness.http.metric_samples`` (prometheus_client);
+    BenchError on text it cannot parse."""
+    from dsv41.harness import http
 
-    out: dict[str, float] = {}
-    try:
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                # An exposition without HELP lines leaves ``_total`` series typed "unknown".
-                cumulative = (fam.type in ("counter", "histogram", "summary") or fam.name.startswith("dsv41_drafter_")
-                              or (fam.type == "unknown" and s.name.endswith("_total")))
-                if not cumulative:
-                    continue
-                if s.name.endswith(("_created", "_bucket")) or (fam.type == "summary" and "quantile" in s.labels):
-                    continue
-                lab = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "model_name")
-                out[f"{s.name}{{{lab}}}" if lab else s.name] = float(s.value)
-    except ValueError as exc:
-        raise BenchError(f"cannot parse Prometheus text: {exc}") from None
-    return out
+    return _cumulative(http.metric_samples(text, what="cannot parse Prometheus text", error=BenchError))
 
 
 def snapshot_metrics(urls: Iterable[str], timeout_s: float = 10.0) -> dict[str, dict[str, float]]:
     """``{url: parse_metrics(GET url)}`` for every rank's metrics URL; BenchError when one fails."""
-    import httpx
+    from dsv41.harness import http
 
-    out = {}
-    with _client(timeout_s) as c:
-        for u in urls:
-            try:
-                r = c.get(u)
-                r.raise_for_status()
-            except httpx.HTTPError as exc:
-                raise BenchError(f"cannot read metrics at {u}: {exc}") from None
-            out[u] = parse_metrics(r.text)
-    return out
+    return {u: _cumulative(http.get_metrics(u, timeout_s=timeout_s, error=BenchError)) for u in urls}
 
 
 def metrics_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
