@@ -33,6 +33,8 @@ GROUPS = [
     ("drafter", "dsv41.drafter.cli", "Remote drafter worker and tools."),
     ("proxy", "dsv41.drafter.proxy_cli", "The async drafting proxy (torch-free)."),
     ("refs", "dsv41.harness.refs_cli", "Greedy reference prompts: record and verify."),
+    ("bench", "dsv41.harness.bench_cli", "Benchmark client: TTFT, step_ms, tok/s, acceptance."),
+    ("window", "dsv41.harness.window_cli", "Fenced-window cells, the WIN2 R3 decision, calibration, candidates."),
     ("metrics", "dsv41.harness.metrics_cli", "Read a Prometheus /metrics endpoint as JSON."),
 ]
 

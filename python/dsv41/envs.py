@@ -159,6 +159,12 @@ _ROWS = [
     EnvVar("DSV41_TABLES_MANIFEST_SHA256", str, "", "sha256 of that manifest: a new one restarts the server."),
     EnvVar("DSV41_DRAFTER_FILES_SHA256", str, "", "sha256 of the drafter files: new ones restart the worker."),
     EnvVar("DSV41_SERVE_INPUTS_SHA256", str, "", "sha256 of the engine's inputs: new ones restart the engine."),
+    EnvVar("DSV41_ENGRAM_FAULT_DELAY_MS", float, 0.0, "Fault drills only (candidate slow-rows): every Engram row "
+           "lookup sleeps this long first; rows stay exact. Never set in production.", "ms", 0, 10_000),
+    EnvVar("DSV41_BENCH_SPEC_FILE", str, "", "Workload spec of `dsv41 bench run` / `dsv41 window run` when --spec "
+           "is not given (empty: the shipped public spec; real prompt sets stay outside the repository)."),
+    EnvVar("DSV41_GREEDY_PROMPTS_FILE", str, "", "JSON list of {name, prompt}: the greedy reference prompts "
+           "(empty: the six shipped ones)."),
 ]
 
 #: The table: one row per variable, by name.
@@ -201,6 +207,9 @@ class Settings:
     tables_manifest_sha256: str = ""
     drafter_files_sha256: str = ""
     serve_inputs_sha256: str = ""
+    engram_fault_delay_ms: float = 0.0
+    bench_spec_file: str = ""
+    greedy_prompts_file: str = ""
 
 
 def parse(env: Mapping[str, str] | None = None) -> Settings:

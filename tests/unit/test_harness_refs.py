@@ -59,7 +59,8 @@ class FakeServing:
                 fake.calls.append("POST " + self.path)
                 n = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(n) or b"{}")
-                if self.path == "/pause":
+                if self.path.split("?")[0] == "/pause":
+                    fake.pause_query = self.path.partition("?")[2]
                     fake.paused = True
                     return self._send(200, {})
                 if self.path == "/resume":
@@ -199,6 +200,8 @@ def test_admission_status_hold_release_idempotent(serving):
     assert admission.status(serving.url) == "open"
     assert admission.set_state(serving.url, "held") == "open"
     assert serving.paused
+    # vLLM's default mode is abort: the HOLD must ask for a drain explicitly
+    assert serving.pause_query == "mode=wait&timeout_s=600"
     n = len(serving.calls)
     assert admission.set_state(serving.url, "held") == "held"
     assert not any(c.startswith("POST") for c in serving.calls[n:])  # idempotent: no request

@@ -59,6 +59,7 @@ class Engine:
         self.metrics, self.on_fatal, self.heartbeat_s = metrics, on_fatal, heartbeat_s
         self.rank_counters: dict[int, dict] = {0: {}}
         self.fatal: str | None = None
+        self.frozen = False  # /pause?mode=keep: no steps until /resume
         self.peer_draining = False
         self._wake = threading.Event()
         self._stop = False
@@ -101,6 +102,12 @@ class Engine:
             self._aborts.append(request_id)
         self._wake.set()
 
+    def freeze(self, frozen: bool) -> None:
+        """Stop (``True``) or restart stepping, keeping every request where it is (vLLM's
+        ``/pause?mode=keep``); aborts still apply while frozen."""
+        self.frozen = frozen
+        self._wake.set()
+
     def idle(self) -> bool:
         """True when no request is running or waiting."""
         return self.sched.idle()
@@ -133,7 +140,7 @@ class Engine:
         try:
             while not self._stop:
                 self._apply_aborts()
-                if self.step():
+                if not self.frozen and self.step():
                     last = time.monotonic()
                     continue
                 self._wake.wait(self.heartbeat_s)
@@ -328,11 +335,15 @@ class Engine:
                 return
             tok = self._sample_one(r, lg[0])
             r.last_hidden = tp[0].numpy()
-            r.first_token_at = now
+            r.first_token_at = r.last_token_at = now
             if self.metrics:
                 self.metrics.ttft.observe(now - r.arrival)
             self._emit(r, [tok])
             return
+        if self.metrics and r.last_token_at is not None:
+            # One observation per step per request, like vLLM's inter-token latency (one SSE chunk).
+            self.metrics.itl.observe(now - r.last_token_at)
+        r.last_token_at = now
         drafts = r.drafts
         if drafts:
             emitted, acc = verify(lg, drafts, r.proposal, r.params, len(r.output), EOS, r.gen)

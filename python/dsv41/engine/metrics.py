@@ -4,7 +4,8 @@ vLLM names (``vllm:`` prefix, label ``model_name``): ``num_requests_running``,
 ``num_requests_waiting`` (gauges), ``prompt_tokens_total``, ``generation_tokens_total``,
 ``request_success_total{finished_reason}``, ``spec_decode_num_drafts_total``,
 ``spec_decode_num_draft_tokens_total``, ``spec_decode_num_accepted_tokens_total`` (counters),
-``time_to_first_token_seconds``, ``e2e_request_latency_seconds`` (histograms).
+``time_to_first_token_seconds``, ``e2e_request_latency_seconds``, ``inter_token_latency_seconds``
+(histograms).
 
 Engram, per rank (label ``rank``, values gathered from every rank over torch.distributed):
 ``dsv41_engram_lookups_total``, ``_rows_total``, ``_fallbacks_total``, ``_transport_errors_total``,
@@ -25,6 +26,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Summa
 ENGRAM_KEYS = ("lookups", "rows", "fallbacks", "transport_errors", "refusals", "reconnects")
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                  7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+# vLLM's inter-token latency buckets (seconds).
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
 
 
 class _EngramCollector:
@@ -108,6 +112,11 @@ class EngineMetrics:
                               registry=R).labels(model_name)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", lab,
                              buckets=_TTFT_BUCKETS, registry=R).labels(model_name)
+        # vLLM's name; observed once per engine step that gives a request tokens (one SSE chunk).
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between steps emitting tokens, per request",
+                             lab, buckets=_ITL_BUCKETS, registry=R).labels(model_name)
+        self.pause_drain_aborts = Counter("dsv41_engine_pause_drain_aborts", "Requests aborted because a "
+                                          "/pause?mode=wait drain timed out", lab, registry=R).labels(model_name)
         self.kv_tokens = Gauge("dsv41_engine_kv_cache_tokens", "KV budget in tokens (incl. drafter capacity extra)",
                                lab, registry=R).labels(model_name)
         self.kv_extra_tokens = Gauge("dsv41_engine_kv_extra_tokens", "KV tokens added because the drafter runs remotely",

@@ -50,6 +50,7 @@ class Request:
     gen: Any = None  # torch.Generator, seeded per request
     sample_seed: int | None = None  # the seed `gen` got (params.seed, or a random one)
     first_token_at: float | None = None
+    last_token_at: float | None = None  # time of the latest step that emitted tokens (ITL)
     finished: str | None = None
     reserved: int = 0
     drafts: list[int] = field(default_factory=list)

@@ -4,7 +4,7 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streamin
 engine step that produced tokens; ``stream_options.include_usage`` and
 ``stream_options.continuous_usage_stats``; ``return_token_ids``; ``seed``, ``max_tokens``
 (``max_completion_tokens`` for chat), ``min_tokens``, ``temperature``, ``top_p``, ``ignore_eos``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``POST /pause?mode=wait|abort``,
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``POST /pause?mode=abort|wait|keep``,
 ``POST /resume``, ``GET /is_paused``.
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 bad JSON or
@@ -403,9 +403,11 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
 
     @app.post("/pause")
     async def pause(request: Request, mode: str | None = None, timeout_s: float = 600.0):
-        """Stop admitting (new requests get 503), then ``wait`` for in-flight requests to finish or
-        ``abort`` them; idempotent. Mode from the query or a JSON body ``{"mode": ...}``; 504 when
-        in-flight requests outlive ``timeout_s`` (the server stays paused)."""
+        """vLLM 0.33.0's ``/pause``: stop admitting (new requests get 503), then by ``mode`` (query,
+        or a JSON body ``{"mode": ...}``): ``abort`` (the default, as in vLLM) aborts in-flight
+        requests; ``wait`` lets them finish for at most ``timeout_s`` seconds, then aborts what is
+        left (``aborted_after_timeout``, also counted in ``dsv41_engine_pause_drain_aborts_total``);
+        ``keep`` freezes them where they are until ``/resume``. Idempotent."""
         if mode is None:
             raw = await request.body()
             if raw.strip():
@@ -413,29 +415,41 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
                 if not isinstance(b, dict):
                     raise ApiError(400, "request body must be a JSON object like {\"mode\": \"wait\"}")
                 mode = b.get("mode")
-            mode = mode or "wait"
-        if mode not in ("wait", "abort"):
-            raise ApiError(400, f"mode must be 'wait' or 'abort', got {mode!r}", param="mode")
+            mode = mode or "abort"
+        if mode not in ("abort", "wait", "keep"):
+            raise ApiError(400, f"mode must be 'abort', 'wait' or 'keep', got {mode!r}", param="mode")
         if not 0 < timeout_s < float("inf"):  # NaN fails too
             raise ApiError(400, f"timeout_s must be a positive number of seconds, got {timeout_s}", param="timeout_s")
         st.paused = True
         running, waiting = engine.sched.counts()
+        in_flight = running + waiting
+        if mode == "keep":
+            engine.freeze(True)
+            return {"paused": st.paused, "mode": mode, "in_flight_at_pause": in_flight, "aborted": 0,
+                    "aborted_after_timeout": 0}
         if mode == "abort":
             engine.abort(None)
+        late = 0
         deadline = time.monotonic() + timeout_s
         while not engine.idle():
-            if time.monotonic() > deadline:
-                raise ApiError(504, f"paused, but in-flight requests did not finish within {timeout_s} s",
-                               etype="TimeoutError")
+            if time.monotonic() > deadline and not late:
+                run_now, wait_now = engine.sched.counts()
+                late = run_now + wait_now
+                log.warning("pause: %d in-flight requests outlived the %g s drain; aborting them", late, timeout_s)
+                if metrics is not None and mode == "wait":
+                    metrics.pause_drain_aborts.inc(late)
+                engine.abort(None)
             await asyncio.sleep(0.02)
         # `paused` is the state now: a /resume that raced this wait reopened admission.
-        return {"paused": st.paused, "mode": mode, "in_flight_at_pause": running + waiting,
-                "aborted": running + waiting if mode == "abort" else 0}
+        return {"paused": st.paused, "mode": mode, "in_flight_at_pause": in_flight,
+                "aborted": in_flight if mode == "abort" else late,
+                "aborted_after_timeout": late if mode == "wait" else 0}
 
     @app.post("/resume")
     async def resume():
-        """Admit requests again (idempotent)."""
+        """Admit requests again and unfreeze a ``keep`` pause (idempotent)."""
         st.paused = False
+        engine.freeze(False)
         return {"paused": False}
 
     @app.get("/is_paused")

@@ -157,6 +157,7 @@ def from_env(manifest: Any, data_dir: str | os.PathLike | None, rank: int, tp: i
     rank) and ``reader`` the local exact fallback (None when ``data_dir`` is None).
     ``manifest``: Manifest or path.  ConfigError on bad settings, rank/tp, or a missing client.
     """
+    from dsv41.engram import fault
     from dsv41.engram.manifest import Manifest, load_manifest
     from dsv41.engram.reader import LocalRowReader
 
@@ -170,7 +171,8 @@ def from_env(manifest: Any, data_dir: str | os.PathLike | None, rank: int, tp: i
     if remote is None:
         if data_dir is None:
             raise ConfigError("no data directory for the local Engram reader (and DSV41_ENGRAM_REMOTE is unset)")
-        return LocalRowSource(LocalRowReader(m, Path(data_dir), threads=threads))
+        return fault.wrap(LocalRowSource(LocalRowReader(m, Path(data_dir), threads=threads)),
+                          settings.engram_fault_delay_ms)
     urls, timeout_ms, required = remote
     try:
         client = importlib.import_module("dsv41.engram.client")
@@ -179,4 +181,5 @@ def from_env(manifest: Any, data_dir: str | os.PathLike | None, rank: int, tp: i
             raise ConfigError("DSV41_ENGRAM_REMOTE is set but dsv41.engram.client is not installed") from None
         raise
     reader = LocalRowReader(m, Path(data_dir), threads=threads) if data_dir is not None else None
-    return client.RemoteRowSource([str(u) for u in urls], m, rank, tp, timeout_ms, required, local=reader)
+    return fault.wrap(client.RemoteRowSource([str(u) for u in urls], m, rank, tp, timeout_ms, required, local=reader),
+                      settings.engram_fault_delay_ms)

@@ -1,8 +1,11 @@
 """Admission control of the serving endpoint: HOLD (pause) and release (resume).
 
-Endpoint contract (docs/interfaces.md, engine; vLLM's names): ``POST /pause`` stops admitting new
-requests (in-flight ones finish), ``POST /resume`` admits again, ``GET /is_paused`` returns
-``{"is_paused": bool}``. States here: ``held`` (paused) and ``open``.
+Endpoint contract (docs/interfaces.md, engine; vLLM 0.33.0's dev-mode routes, present only with
+``VLLM_SERVER_DEV_MODE=1``): ``POST /pause?mode=wait&timeout_s=S`` stops admitting new requests and
+lets in-flight ones finish (bounded by ``S``; the lab engine then aborts and counts the rest),
+``POST /resume`` admits again, ``GET /is_paused`` returns ``{"is_paused": bool}``. The mode is sent
+explicitly: vLLM's default (``abort``) would kill in-flight requests. States here: ``held``
+(paused) and ``open``.
 """
 
 from __future__ import annotations
@@ -29,10 +32,13 @@ def status(endpoint: str, timeout_s: float = 10.0) -> str:
     return HELD if paused else OPEN
 
 
-def set_state(endpoint: str, state: str, timeout_s: float = 30.0, settle_s: float = 10.0) -> str:
+def set_state(endpoint: str, state: str, timeout_s: float = 30.0, settle_s: float = 10.0,
+              drain_s: float = 600.0) -> str:
     """Move admission to ``state`` (``held``/``open``) and wait until ``/is_paused`` agrees.
 
-    Returns the state before the call. Idempotent: no request is sent when already there.
+    ``held`` drains: ``POST /pause?mode=wait&timeout_s=drain_s`` (the HTTP call may take up to
+    ``drain_s + timeout_s`` seconds). Returns the state before the call. Idempotent: no request
+    is sent when already there.
     Raises AdmissionError on a bad state, HTTP errors, or when the state does not settle within
     ``settle_s`` seconds.
     """
@@ -41,9 +47,9 @@ def set_state(endpoint: str, state: str, timeout_s: float = 30.0, settle_s: floa
     before = status(endpoint, timeout_s)
     if before == state:
         return before
-    path = "/pause" if state == HELD else "/resume"
-    http.request("POST", endpoint.rstrip("/") + path, timeout_s=timeout_s, what=f"POST {path} at {endpoint} failed",
-                 error=AdmissionError)
+    path = f"/pause?mode=wait&timeout_s={drain_s:g}" if state == HELD else "/resume"
+    http.request("POST", endpoint.rstrip("/") + path, timeout_s=timeout_s + (drain_s if state == HELD else 0.0),
+                 what=f"POST {path} at {endpoint} failed", error=AdmissionError)
     deadline = time.monotonic() + settle_s
     while status(endpoint, timeout_s) != state:
         if time.monotonic() > deadline:

@@ -20,12 +20,13 @@ def record(
     model: str = typer.Option("", help="Model name (default: first of /v1/models)."),
     force: bool = typer.Option(False, help="Overwrite an existing refs file."),
 ) -> None:
-    """Run the six prompts at temperature 0 and record their token ids."""
+    """Run the six prompts ($DSV41_GREEDY_PROMPTS_FILE when set) at temperature 0 and record their ids."""
     from dsv41.harness import refs
+    from dsv41.harness.bench import greedy_prompts
 
     if os.path.exists(out) and not force:
         raise refs.RefsError(f"{out} exists; pass --force to record again")
-    doc = refs.run_prompts(endpoint, model or None, max_tokens)
+    doc = refs.run_prompts(endpoint, model or None, max_tokens, greedy_prompts())
     refs.save_refs(doc, out)
     print(f"recorded {len(doc['prompts'])} prompts ({doc['max_tokens']} tokens each) to {out}")
 

@@ -1,0 +1,526 @@
+"""The WIN2 decision rule, revision R3: paired cells in, one verdict out.
+
+Input: cells (one dict per timed request, ``windows/<id>/cells.jsonl``) with at least ``block``,
+``pair``, ``arm`` (``control`` | ``candidate``), ``prompt_id``, ``category``, ``seed``, ``ok`` and
+the metrics ``ttft_ms``, ``step_ms_p50`` (lower is better) and ``tok_s`` (higher is better).
+
+The rule (docs/windows.md; method: docs/system.md "WIN2 R3"):
+
+1. Per pair (``block``, ``pair``): one control and one candidate cell of the same prompt and seed;
+   the log-ratio ``r = log(control / candidate)`` for ``*_ms`` metrics and
+   ``log(candidate / control)`` for ``tok_s``, so ``r > 0`` always means the candidate is better.
+2. Per block: the mean of its pairs' log-ratios (an ABBA/BAAB block holds two pairs whose mean
+   cancels a linear drift in time).
+3. Effect: the median of the block values, reported as a fraction ``expm1(median)``.
+4. CI: BCa bootstrap (``scipy.stats.bootstrap``, ``confidence_level = 1 - alpha``) of that median,
+   resampling blocks *within* each prompt identity (one bootstrap sample per prompt: scipy
+   resamples each sample independently, i.e. a stratified bootstrap), never pooling blocks across
+   prompts. A prompt with a single block is carried as a constant (its only resample is itself).
+5. Verdict on the CI in fraction units with ``m = min_effect``: ``WIN`` if ``lo > +m``, ``LOSS``
+   if ``hi < -m``, ``NO-CHANGE`` if ``-m <= lo`` and ``hi <= +m``, otherwise ``UNRESOLVED``;
+   ``INVALID`` when a cell failed, a pair is incomplete or inconsistent, or a metric is missing.
+6. Per-category non-inferiority: a ``WIN`` becomes ``UNRESOLVED`` when any category's CI lies
+   wholly below ``-m`` (a regression hidden by the overall win).
+
+All-identical block values make BCa degenerate (zero-variance jackknife, scipy returns NaN): the
+CI is then the point itself and the reasons say so. Should BCa still give a non-finite bound
+(e.g. nearly all values tied), the percentile interval of the same resamples is used, said in
+the reasons.
+
+Also here: the two-window cap per question (state file ``windows/questions.json``) and the
+distributional gate for drafting candidates.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import tempfile
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+
+from dsv41.errors import Dsv41Error
+
+METRICS = {"ttft_ms": "lower", "step_ms_p50": "lower", "tok_s": "higher"}
+ARMS = ("control", "candidate")
+VERDICTS = ("WIN", "LOSS", "NO-CHANGE", "UNRESOLVED", "INVALID")
+REQUIRED = ("block", "pair", "arm", "prompt_id", "category", "seed", "ok")
+DEFAULT_MIN_EFFECT = 0.02
+DEFAULT_ALPHA = 0.05
+# Bootstrap resamples: 9,999 is scipy's default and keeps the BCa tails stable at alpha = 0.05.
+DEFAULT_RESAMPLES = 9999
+# Fewer blocks than this give no verdict beyond UNRESOLVED: a bootstrap of a median over a handful
+# of blocks has a CI about as wide as its data, and a 2-block A/A window "wins" whenever both
+# blocks fall beyond +min_effect (seen on the lab: docs/windows.md).
+MIN_BLOCKS = 8
+
+
+class Win2Error(Dsv41Error):
+    """A cells file or an argument cannot be used at all (unreadable, not JSON lines, bad flag)."""
+
+
+@dataclass
+class Estimate:
+    """Effect and CI of one set of blocks, all in fraction units (``expm1`` of log-ratios).
+
+    ``effect``: median block log-ratio as a fraction (positive = candidate better);
+    ``ci``: [lo, hi] at ``1 - alpha``; ``n_pairs``, ``n_blocks``, ``n_prompts``: counts used;
+    ``method``: ``BCa``, ``percentile`` or ``degenerate``; ``verdict`` by the rule above.
+    """
+
+    effect: float
+    ci: tuple[float, float]
+    n_pairs: int
+    n_blocks: int
+    n_prompts: int
+    method: str
+    verdict: str
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"verdict": self.verdict, "effect": self.effect, "ci": list(self.ci), "n_pairs": self.n_pairs,
+                "n_blocks": self.n_blocks, "n_prompts": self.n_prompts, "method": self.method,
+                "notes": list(self.notes)}
+
+
+@dataclass
+class Decision:
+    """The WIN2 R3 outcome; ``to_dict()`` is the ``dsv41 window decide --json`` document."""
+
+    verdict: str
+    metric: str
+    min_effect: float
+    alpha: float
+    seed: int
+    effect: float | None = None
+    ci: tuple[float, float] | None = None
+    n_pairs: int = 0
+    categories: dict[str, dict] = field(default_factory=dict)
+    reasons: list[str] = field(default_factory=list)
+    gate: dict | None = None
+
+    def to_dict(self) -> dict:
+        return {"verdict": self.verdict, "metric": self.metric, "min_effect": self.min_effect, "alpha": self.alpha,
+                "seed": self.seed, "effect": self.effect, "ci": list(self.ci) if self.ci else None,
+                "n_pairs": self.n_pairs, "categories": self.categories, "reasons": list(self.reasons),
+                "gate": self.gate, "rule": "WIN2-R3"}
+
+
+def classify(lo: float, hi: float, min_effect: float) -> str:
+    """Verdict of a CI ``[lo, hi]`` (fractions, positive = candidate better) against ``min_effect``."""
+    if lo > min_effect:
+        return "WIN"
+    if hi < -min_effect:
+        return "LOSS"
+    if lo >= -min_effect and hi <= min_effect:
+        return "NO-CHANGE"
+    return "UNRESOLVED"
+
+
+def load_cells(path: str) -> list[dict]:
+    """Read a cells JSON-lines file; ``Win2Error`` naming the file and line on anything unreadable."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.readlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise Win2Error(f"cannot read cells file {path}: {exc}") from None
+    cells = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise Win2Error(f"{path}:{i}: not a JSON object ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise Win2Error(f"{path}:{i}: each line must be a JSON object, got {type(obj).__name__}")
+        cells.append(obj)
+    if not cells:
+        raise Win2Error(f"{path}: no cells")
+    return cells
+
+
+def _metric_value(cell: dict, metric: str) -> float | None:
+    v = cell.get(metric)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    v = float(v)
+    return v if math.isfinite(v) and v > 0 else None
+
+
+def pair_log_ratios(cells: Iterable[dict], metric: str) -> tuple[list[dict], list[str]]:
+    """Pair the cells; returns (pairs, problems).
+
+    ``pairs``: ``[{"block", "pair", "prompt_id", "category", "seed", "r"}]`` with ``r`` the
+    log-ratio (positive = candidate better). ``problems``: one sentence per defect (a failed cell,
+    a missing field, a pair without both arms or with two of one, arms of different prompt or
+    seed, a missing or non-positive metric); any problem makes the window INVALID.
+    """
+    if metric not in METRICS:
+        raise Win2Error(f"unknown metric {metric!r}; one of {', '.join(METRICS)}")
+    problems: list[str] = []
+    groups: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for n, c in enumerate(cells, 1):
+        missing = [k for k in REQUIRED if k not in c]
+        if missing:
+            problems.append(f"cell {n}: missing field(s) {', '.join(missing)}")
+            continue
+        if c["arm"] not in ARMS:
+            problems.append(f"cell {n}: arm must be control or candidate, got {c['arm']!r}")
+            continue
+        key = (str(c["block"]), str(c["pair"]))
+        if c["ok"] is not True:
+            err = c.get("error") or "ok is not true"
+            problems.append(f"cell {n} (block {key[0]} pair {key[1]} {c['arm']}) failed: {err}")
+        if c["arm"] in groups[key]:
+            problems.append(f"block {key[0]} pair {key[1]}: two {c['arm']} cells")
+            continue
+        groups[key][c["arm"]] = c
+    pairs = []
+    for (block, pair), arms in groups.items():
+        if len(arms) != 2:
+            have = next(iter(arms))
+            problems.append(f"block {block} pair {pair}: incomplete (only {have})")
+            continue
+        a, b = arms["control"], arms["candidate"]
+        if a["prompt_id"] != b["prompt_id"] or a["seed"] != b["seed"]:
+            problems.append(f"block {block} pair {pair}: arms differ in prompt_id or seed "
+                            f"({a['prompt_id']!r}/{a['seed']!r} vs {b['prompt_id']!r}/{b['seed']!r})")
+            continue
+        if not (a["ok"] is True and b["ok"] is True):
+            continue  # already reported
+        va, vb = _metric_value(a, metric), _metric_value(b, metric)
+        if va is None or vb is None:
+            problems.append(f"block {block} pair {pair}: {metric} missing, non-finite or <= 0")
+            continue
+        r = math.log(va / vb) if METRICS[metric] == "lower" else math.log(vb / va)
+        pairs.append({"block": block, "pair": pair, "prompt_id": str(a["prompt_id"]),
+                      "category": str(a["category"]), "seed": a["seed"], "r": r})
+    return pairs, problems
+
+
+def _blocks(pairs: list[dict]) -> dict[str, dict[str, float]]:
+    """{prompt_id: {block: mean log-ratio of the block's pairs}}."""
+    acc: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for p in pairs:
+        acc[p["prompt_id"]][p["block"]].append(p["r"])
+    return {pid: {b: float(np.mean(v)) for b, v in bl.items()} for pid, bl in acc.items()}
+
+
+def estimate(pairs: list[dict], min_effect: float, alpha: float, seed: int,
+             n_resamples: int = DEFAULT_RESAMPLES) -> Estimate:
+    """Effect, stratified-by-prompt BCa CI and verdict of ``pairs`` (see the module doc).
+
+    ``pairs`` must be non-empty (``pair_log_ratios`` output). Deterministic for a given ``seed``.
+    """
+    from scipy import stats
+
+    per_prompt = _blocks(pairs)
+    strata = [np.array(sorted(v.values())) for _, v in sorted(per_prompt.items())]
+    allv = np.concatenate(strata)
+    n_blocks, n_prompts = int(allv.size), len(strata)
+    point = float(np.median(allv))
+    notes: list[str] = []
+    if np.ptp(allv) == 0.0:
+        lo = hi = point
+        method = "degenerate"
+        notes.append("all block log-ratios are identical: BCa is undefined, the CI is the point")
+    else:
+        sampled = [s for s in strata if s.size >= 2]
+        fixed = np.concatenate([s for s in strata if s.size < 2] or [np.empty(0)])
+        if not sampled:
+            lo, hi = -math.inf, math.inf
+            method = "none"
+            notes.append("every prompt has a single block: nothing to resample within a prompt, no CI")
+        else:
+            def stat(*samples, axis=-1):
+                parts = list(samples)
+                if fixed.size:
+                    shape = samples[0].shape[:-1] + (fixed.size,)
+                    parts.append(np.broadcast_to(fixed, shape))
+                return np.median(np.concatenate(parts, axis=-1), axis=-1)
+
+            method = "BCa"
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # DegenerateDataWarning: handled below
+                res = stats.bootstrap(tuple(sampled), stat, vectorized=True, paired=False,
+                                      confidence_level=1 - alpha, n_resamples=n_resamples, method="BCa",
+                                      rng=np.random.default_rng(seed))
+                lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
+                if not (math.isfinite(lo) and math.isfinite(hi)):
+                    method = "percentile"
+                    notes.append("BCa gave a non-finite bound (ties); percentile interval used")
+                    res = stats.bootstrap(tuple(sampled), stat, vectorized=True, paired=False,
+                                          confidence_level=1 - alpha, n_resamples=n_resamples,
+                                          method="percentile", rng=np.random.default_rng(seed))
+                    lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
+            # BCa on a median can place a bound a hair inside the point; the CI must contain it.
+            lo, hi = min(lo, point), max(hi, point)
+    flo, fhi = math.expm1(lo), math.expm1(hi)
+    verdict = "UNRESOLVED" if method == "none" else classify(flo, fhi, min_effect)
+    if n_blocks < MIN_BLOCKS and verdict != "UNRESOLVED":
+        notes.append(f"only {n_blocks} blocks (< {MIN_BLOCKS}): too few to resolve, {verdict} withheld")
+        verdict = "UNRESOLVED"
+    return Estimate(effect=math.expm1(point), ci=(flo, fhi), n_pairs=len(pairs), n_blocks=n_blocks,
+                    n_prompts=n_prompts, method=method, verdict=verdict, notes=notes)
+
+
+def distributional_gate(records: list[dict], tolerance_nat: float = 0.5, length_tolerance: float = 0.10) -> dict:
+    """The distributional gate for drafting candidates (replaces exact greedy identity).
+
+    ``records``: one per prompt identity: ``{"prompt_id", "first_diff": int|None,
+    "logit_gap_nat": float|None, "control_lengths": [int], "candidate_lengths": [int],
+    "control_acceptance": [float], "candidate_acceptance": [float]}`` where ``first_diff`` is the
+    first differing greedy token position between arms (None when identical) and
+    ``logit_gap_nat`` the target's top-1 minus top-2 logit at that position (natural-log units).
+
+    Passes when every differing prompt is a near-tie (``logit_gap_nat <= tolerance_nat``; 0.5 nat
+    is the BF16 near-tie step, docs/system.md) and every prompt's median output length per arm
+    agrees within ``length_tolerance`` (fraction). Acceptance per round is compared per prompt
+    (median ratio candidate / control) and reported, not gated: changing it is what a drafting
+    candidate is for. Returns ``{"passed": bool, "reasons": [str], "prompts": {...}}``.
+    """
+    reasons: list[str] = []
+    out: dict[str, dict] = {}
+    for rec in records:
+        pid = str(rec.get("prompt_id"))
+        row: dict[str, Any] = {"first_diff": rec.get("first_diff")}
+        if rec.get("first_diff") is not None:
+            gap = rec.get("logit_gap_nat")
+            row["logit_gap_nat"] = gap
+            if not isinstance(gap, (int, float)) or not math.isfinite(gap):
+                reasons.append(f"{pid}: outputs differ at token {rec['first_diff']} but no logit gap was measured")
+            elif gap > tolerance_nat:
+                reasons.append(f"{pid}: outputs differ at token {rec['first_diff']} with a logit gap of "
+                               f"{gap:.3g} nat > the {tolerance_nat:g} nat near-tie tolerance")
+        cl, ca = rec.get("control_lengths") or [], rec.get("candidate_lengths") or []
+        if cl and ca:
+            ml, mc = float(np.median(cl)), float(np.median(ca))
+            row["length_ratio"] = mc / ml if ml else math.inf
+            if ml == 0 or abs(mc / ml - 1) > length_tolerance:
+                reasons.append(f"{pid}: median output length {mc:g} (candidate) vs {ml:g} (control) "
+                               f"differs by more than {length_tolerance:.0%}")
+        al, aa = rec.get("control_acceptance") or [], rec.get("candidate_acceptance") or []
+        if al and aa:
+            ma, mc = float(np.median(al)), float(np.median(aa))
+            row["acceptance_control"], row["acceptance_candidate"] = ma, mc
+        out[pid] = row
+    return {"passed": not reasons, "reasons": reasons, "prompts": out,
+            "tolerance_nat": tolerance_nat, "length_tolerance": length_tolerance}
+
+
+def decide(cells: list[dict], metric: str = "step_ms_p50", min_effect: float = DEFAULT_MIN_EFFECT,
+           alpha: float = DEFAULT_ALPHA, seed: int = 0, gate_records: list[dict] | None = None,
+           tolerance_nat: float = 0.5, n_resamples: int = DEFAULT_RESAMPLES) -> Decision:
+    """Apply WIN2 R3 to ``cells``; see the module doc. ``gate_records`` (drafting candidates):
+    input of :func:`distributional_gate`; a failed gate makes the verdict INVALID.
+
+    Raises ``Win2Error`` for an unknown metric or ``min_effect``/``alpha`` outside (0, 1).
+    """
+    if metric not in METRICS:
+        raise Win2Error(f"unknown metric {metric!r}; one of {', '.join(METRICS)}")
+    if not (0 <= min_effect < 1) or not math.isfinite(min_effect):
+        raise Win2Error(f"--min-effect must be a fraction in [0, 1), got {min_effect}")
+    if not (0 < alpha < 1):
+        raise Win2Error(f"--alpha must be in (0, 1), got {alpha}")
+    d = Decision(verdict="INVALID", metric=metric, min_effect=min_effect, alpha=alpha, seed=seed)
+    pairs, problems = pair_log_ratios(cells, metric)
+    d.n_pairs = len(pairs)
+    if problems:
+        d.reasons = problems
+        return d
+    if not pairs:
+        d.reasons = ["no complete pairs"]
+        return d
+    est = estimate(pairs, min_effect, alpha, seed, n_resamples)
+    d.effect, d.ci, d.verdict = est.effect, est.ci, est.verdict
+    d.reasons.extend(est.notes)
+    d.reasons.append(f"overall: effect {est.effect:+.4f}, {1 - alpha:.0%} CI [{est.ci[0]:+.4f}, {est.ci[1]:+.4f}] "
+                     f"({est.method}; {est.n_pairs} pairs, {est.n_blocks} blocks, {est.n_prompts} prompts) "
+                     f"vs +-{min_effect:g}: {est.verdict}")
+    by_cat: dict[str, list[dict]] = defaultdict(list)
+    for p in pairs:
+        by_cat[p["category"]].append(p)
+    regressed = []
+    for cat in sorted(by_cat):
+        e = estimate(by_cat[cat], min_effect, alpha, seed, n_resamples)
+        d.categories[cat] = e.to_dict()
+        if e.verdict == "LOSS":  # CI wholly below -min_effect, from enough blocks
+            regressed.append(cat)
+    if d.verdict == "WIN" and regressed:
+        d.verdict = "UNRESOLVED"
+        d.reasons.append(f"non-inferiority failed: category {', '.join(regressed)} lies wholly below "
+                         f"-{min_effect:g}; the overall WIN becomes UNRESOLVED")
+    if gate_records is not None:
+        d.gate = distributional_gate(gate_records, tolerance_nat)
+        if not d.gate["passed"]:
+            d.verdict = "INVALID"
+            d.reasons.append("distributional gate failed: " + "; ".join(d.gate["reasons"]))
+    return d
+
+
+# ---- two-window cap ---------------------------------------------------------------------------
+
+QUESTIONS_FILE = "questions.json"
+
+
+class CapError(Dsv41Error):
+    """A question already had its windows (WIN2 R3: at most two, the second only after UNRESOLVED)."""
+
+
+def question_key(candidate: str, metric: str) -> str:
+    """The question a window answers: ``candidate:metric``."""
+    return f"{candidate}:{metric}"
+
+
+def _load_questions(state_dir: str) -> dict:
+    path = os.path.join(state_dir, QUESTIONS_FILE)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise Win2Error(f"cannot read the window cap state {path}: {exc}") from None
+    if not isinstance(doc, dict) or not all(isinstance(v, list) for v in doc.values()):
+        raise Win2Error(f"{path}: expected an object of question -> list of windows")
+    return doc
+
+
+def check_cap(state_dir: str, candidate: str, metric: str) -> int:
+    """Refuse a window the cap forbids; return the number (1 or 2) the new window would be.
+
+    Windows that ended INVALID do not count (they gave no verdict to peek at). Raises CapError.
+    """
+    key = question_key(candidate, metric)
+    past = [w for w in _load_questions(state_dir).get(key, []) if w.get("verdict") != "INVALID"]
+    if not past:
+        return 1
+    if len(past) == 1 and past[0].get("verdict") == "UNRESOLVED":
+        return 2
+    if len(past) == 1:
+        raise CapError(f"question {key} was decided {past[0].get('verdict')} in window {past[0].get('window')}; "
+                       "WIN2 R3 gives a second window only after UNRESOLVED")
+    raise CapError(f"question {key} already had two windows ({', '.join(str(w.get('window')) for w in past)}); "
+                   "WIN2 R3 refuses a third")
+
+
+def record_window(state_dir: str, candidate: str, metric: str, window_id: str, verdict: str) -> None:
+    """Append a finished window to the cap state (atomic replace of ``questions.json``)."""
+    if verdict not in VERDICTS:
+        raise Win2Error(f"unknown verdict {verdict!r}")
+    os.makedirs(state_dir, exist_ok=True)
+    doc = _load_questions(state_dir)
+    doc.setdefault(question_key(candidate, metric), []).append(
+        {"window": window_id, "verdict": verdict,
+         "at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")})
+    fd, tmp = tempfile.mkstemp(dir=state_dir, prefix=".questions.")
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, indent=1, sort_keys=True)
+    os.replace(tmp, os.path.join(state_dir, QUESTIONS_FILE))
+
+
+# ---- calibration: simulated windows -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NoiseModel:
+    """Log-normal noise of one timed cell: ``log(metric) = prompt_base + drift * t + e``,
+    ``e ~ N(0, sigma)`` per cell (``sigma`` in natural-log units, i.e. ~ the coefficient of
+    variation), ``drift`` a linear trend per cell index within a window (what ABBA cancels).
+    ``source`` says where ``sigma`` came from (a measured A/A run or docs/benchmarks.md)."""
+
+    sigma: float
+    drift: float = 0.0
+    source: str = "given"
+
+
+def sigma_from_cells(cells: list[dict], metric: str) -> float:
+    """Per-cell log-noise ``sigma`` estimated from an A/A window's cells: the robust SD (1.4826 x
+    MAD, the normal-consistent constant) of the pair log-ratios divided by sqrt(2), since a
+    log-ratio is the difference of two cells. Raises Win2Error with fewer than 4 complete pairs."""
+    pairs, problems = pair_log_ratios(cells, metric)
+    if len(pairs) < 4:
+        raise Win2Error(f"need at least 4 complete pairs to estimate noise, got {len(pairs)}"
+                        + (f" ({problems[0]})" if problems else ""))
+    r = np.array([p["r"] for p in pairs])
+    mad = float(np.median(np.abs(r - np.median(r))))
+    return 1.4826 * mad / math.sqrt(2)
+
+
+def simulate_cells(rng: np.random.Generator, n_pairs: int, n_prompts: int, effect: float, noise: NoiseModel,
+                   metric: str = "step_ms_p50") -> list[dict]:
+    """One simulated window: ``n_pairs`` pairs over ``n_prompts`` prompts (two categories),
+    blocks of two pairs in seeded ABBA/BAAB order; the candidate better by ``effect`` (fraction).
+    ``n_pairs`` must be a multiple of ``2 * n_prompts``."""
+    if n_pairs % (2 * n_prompts):
+        raise Win2Error(f"pairs ({n_pairs}) must be a multiple of 2 x prompts ({2 * n_prompts})")
+    blocks = n_pairs // (2 * n_prompts)
+    base = rng.uniform(math.log(20), math.log(60), n_prompts)
+    order = [(p, b) for p in range(n_prompts) for b in range(blocks)]
+    rng.shuffle(order)
+    cells, t = [], 0
+    lower = METRICS[metric] == "lower"
+    shift = -math.log1p(effect) if lower else math.log1p(effect)
+    for bi, (p, b) in enumerate(order):
+        seq = ("control", "candidate", "candidate", "control") if rng.random() < 0.5 else \
+            ("candidate", "control", "control", "candidate")
+        for k, arm in enumerate(seq):
+            v = base[p] + noise.drift * t + rng.normal(0.0, noise.sigma) + (shift if arm == "candidate" else 0.0)
+            t += 1
+            cells.append({"block": bi, "pair": k // 2,
+                          "arm": arm, "prompt_id": f"p{p}", "category": "short" if p % 2 else "code",
+                          "seed": 1000 * bi + k // 2, "ok": True, metric: math.exp(v)})
+    return cells
+
+
+def simulate(noise: NoiseModel, pair_counts=(32, 64, 128), n_windows: int = 400, n_prompts: int = 4,
+             metric: str = "step_ms_p50", min_effect: float = DEFAULT_MIN_EFFECT, alpha: float = DEFAULT_ALPHA,
+             seed: int = 0, n_resamples: int = 1999, power: float = 0.8,
+             effects=(0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.08, 0.10, 0.15, 0.20, 0.30, 0.40, 0.50, 0.75),
+             progress=None) -> dict:
+    """A/A and known-effect windows through the full rule (``decide``, categories included).
+
+    Returns ``{"noise": {...}, "rows": [{"n_pairs", "false_win_rate", "false_win_ci95", "aa_verdicts",
+    "mde", "power_at_mde"}]}``: ``false_win_rate`` is the fraction of A/A windows decided WIN
+    (its 95 % Clopper-Pearson interval beside it); ``mde`` the smallest effect of ``effects``
+    decided WIN in at least ``power`` of ``n_windows // 4`` windows (None when none reaches it).
+    ``progress(n)``: optional callback advanced once per simulated window.
+    """
+    from scipy import stats
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for n in pair_counts:
+        counts = {v: 0 for v in VERDICTS}
+        for _ in range(n_windows):
+            d = decide(simulate_cells(rng, n, n_prompts, 0.0, noise, metric), metric, min_effect, alpha,
+                       int(rng.integers(1 << 31)), n_resamples=n_resamples)
+            counts[d.verdict] += 1
+            if progress:
+                progress(1)
+        k = counts["WIN"]
+        ci = stats.binomtest(k, n_windows).proportion_ci(0.95, method="exact")
+        mde, p_at = None, None
+        k_eff = max(20, n_windows // 4)
+        for eff in effects:
+            wins = 0
+            for _ in range(k_eff):
+                d = decide(simulate_cells(rng, n, n_prompts, eff, noise, metric), metric, min_effect, alpha,
+                           int(rng.integers(1 << 31)), n_resamples=n_resamples)
+                wins += d.verdict == "WIN"
+                if progress:
+                    progress(1)
+            if wins / k_eff >= power:
+                mde, p_at = eff, wins / k_eff
+                break
+        rows.append({"n_pairs": n, "false_win_rate": k / n_windows, "false_win_ci95": [ci.low, ci.high],
+                     "aa_verdicts": counts, "mde": mde, "power_at_mde": p_at, "windows_per_effect": k_eff})
+    return {"noise": {"sigma": noise.sigma, "drift": noise.drift, "source": noise.source},
+            "n_windows": n_windows, "n_prompts": n_prompts, "metric": metric, "min_effect": min_effect,
+            "alpha": alpha, "power": power, "seed": seed, "n_resamples": n_resamples, "rows": rows}

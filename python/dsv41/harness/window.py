@@ -1,0 +1,312 @@
+"""Paired cells of a fenced window, and the window's report.
+
+A window's timed work is a list of blocks. A block is one (prompt, seed, budget, sampler); it
+holds two pairs run back to back in a seeded random order, ABBA (control, candidate, candidate,
+control) or BAAB, so that within a block both arms see the same drift and the block mean of the
+two pair log-ratios cancels a linear trend (docs/windows.md). Blocks of all prompts are shuffled
+together with the window seed. Each timed request is one cell; the cell's metrics are the
+request's TTFT, its own step_ms p50 and its decode tok/s (``dsv41.harness.bench``).
+
+Switching arms is the caller's job (``switch(arm)``: in a playbook, restart only what differs and
+wait for readiness; for two endpoints, nothing). Cells are appended to ``cells.jsonl`` as they
+finish, so a killed run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Callable
+
+from dsv41.errors import Dsv41Error
+from dsv41.harness import bench, win2
+
+ABBA = ("control", "candidate", "candidate", "control")
+BAAB = ("candidate", "control", "control", "candidate")
+
+
+class WindowError(Dsv41Error):
+    """A window cannot start or continue (bad plan, unusable output directory)."""
+
+
+def plan_cells(spec: dict, seed: int, salt_base: str | None = None) -> list[dict]:
+    """The seeded cell plan: ``blocks_per_prompt`` blocks per spec prompt, shuffled, each in ABBA
+    or BAAB order. Returns cells in run order: ``{"block", "pair", "arm", "prompt_id", "category",
+    "seed", "max_tokens", "prompt", "salt", "order"}``; the two cells of a pair share prompt and
+    request seed, the two pairs of a block differ in request seed. Same inputs, same plan."""
+    rng = random.Random(seed)
+    salt_base = salt_base or uuid.uuid4().hex[:12]
+    blocks = [(p, b) for p in spec["prompts"] for b in range(spec["blocks_per_prompt"])]
+    rng.shuffle(blocks)
+    cells = []
+    for bi, (p, _) in enumerate(blocks):
+        order = ABBA if rng.random() < 0.5 else BAAB
+        text = bench.prompt_text(p)
+        for k, arm in enumerate(order):
+            pair = k // 2
+            salt = f"{salt_base}-{bi}-{k}"
+            cells.append({"block": bi, "pair": pair, "arm": arm, "prompt_id": p["id"], "category": p["category"],
+                          "seed": spec["seed"] + 2 * bi + pair, "max_tokens": p.get("max_tokens", spec["max_tokens"]),
+                          "prompt": f"[{salt}] {text}" if spec["unique_prefix"] else text,
+                          "salt": salt if spec["cache_salt"] else None, "order": "".join("A" if a == "control" else "B" for a in order)})
+    return cells
+
+
+def cell_record(plan_cell: dict, res: bench.RequestResult) -> dict:
+    """One ``cells.jsonl`` line: the plan fields (prompt text dropped) plus the request's result."""
+    rec = {k: v for k, v in plan_cell.items() if k not in ("prompt", "salt")}
+    rec.update(ok=res.ok, error=res.error, ttft_ms=res.ttft_ms, step_ms_p50=res.step_ms_p50, tok_s=res.tok_s,
+               e2e_ms=res.e2e_ms, steps=res.steps, completion_tokens=res.completion_tokens,
+               tokens_per_step=res.tokens_per_step, finish_reason=res.finish_reason, step_ms=res.step_ms,
+               started_at=res.started_at)
+    return rec
+
+
+def counter_summary(delta: dict[str, dict[str, float]]) -> dict:
+    """Per-cell figures from a ``bench.metrics_delta``: the non-zero series per URL
+    (``counters``), and when present ``accepted_per_round`` (``vllm:spec_decode_num_accepted_tokens``
+    / ``..._num_drafts``) and ``engram_fallbacks`` (sum over ranks)."""
+    out: dict = {"counters": {u: {k: v for k, v in d.items() if v} for u, d in delta.items()}}
+    tot: dict[str, float] = {}
+    for d in delta.values():
+        for k, v in d.items():
+            base = k.split("{", 1)[0]
+            tot[base] = tot.get(base, 0.0) + v
+    drafts = tot.get("vllm:spec_decode_num_drafts_total", 0.0)
+    if drafts > 0:
+        out["accepted_per_round"] = tot.get("vllm:spec_decode_num_accepted_tokens_total", 0.0) / drafts
+    if "dsv41_engram_fallbacks_total" in tot:
+        out["engram_fallbacks"] = tot["dsv41_engram_fallbacks_total"]
+    return out
+
+
+def run_cells(plan: list[dict], endpoints: dict[str, str], model: str, sampler: dict, timeout_s: float,
+              out_path: str, switch: Callable[[str], None] | None = None,
+              progress: Callable[[dict], None] | None = None, stop_on_failure: bool = True,
+              metrics: dict[str, list[str]] | None = None) -> list[dict]:
+    """Run ``plan`` in order, one request at a time, appending each cell to ``out_path``.
+
+    ``endpoints``: ``{"control": url, "candidate": url}`` (the same url twice when the arms
+    share the nodes and ``switch(arm)`` reconfigures them). ``switch`` is called whenever the arm
+    changes. ``metrics``: per arm, every rank's ``/metrics`` URL, snapshotted before and after
+    each cell (outside the timed request) into the cell's :func:`counter_summary`. A failed cell
+    stops the run (``stop_on_failure``) since the window is INVALID anyway. KeyboardInterrupt
+    propagates after the cell in flight is written."""
+    import httpx
+
+    done: list[dict] = []
+    arm_now = None
+    with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False) as client, \
+            open(out_path, "a", encoding="utf-8") as fh:
+        for c in plan:
+            if c["arm"] != arm_now:
+                if switch is not None:
+                    switch(c["arm"])
+                arm_now = c["arm"]
+            body = bench.request_body(model, c["prompt"], c["seed"], c["max_tokens"], sampler, c["salt"])
+            urls = (metrics or {}).get(c["arm"]) or []
+            before = bench.snapshot_metrics(urls) if urls else None
+            res = bench.stream_one(client, endpoints[c["arm"]], body, c["prompt_id"], c["category"])
+            rec = cell_record(c, res)
+            if before is not None:
+                rec.update(counter_summary(bench.metrics_delta(before, bench.snapshot_metrics(urls))))
+            fh.write(json.dumps(rec) + "\n")
+            fh.flush()
+            done.append(rec)
+            if progress:
+                progress(rec)
+            if not res.ok and stop_on_failure:
+                break
+    return done
+
+
+def gate_records(cells: list[dict], greedy: dict[str, tuple[list[int], list[int]]]) -> list[dict]:
+    """Input of ``win2.distributional_gate`` for a drafting candidate.
+
+    ``greedy``: per greedy reference prompt, (control ids, candidate ids) at temperature 0; a
+    prompt whose ids differ gets ``first_diff`` and ``logit_gap_nat`` None (the gap needs the
+    target's logits at that position, which a scorer with logprobs supplies; without one the gate
+    fails closed). Per spec prompt of the cells: output lengths and accepted drafts per round of
+    each arm."""
+    from dsv41.harness.refs import first_diff
+
+    recs = [{"prompt_id": f"greedy:{name}", "first_diff": first_diff(a, b), "logit_gap_nat": None}
+            for name, (a, b) in greedy.items()]
+    by_prompt: dict[str, dict] = {}
+    for c in cells:
+        if not c.get("ok"):
+            continue
+        r = by_prompt.setdefault(c["prompt_id"], {"prompt_id": c["prompt_id"], "first_diff": None,
+                                                  "control_lengths": [], "candidate_lengths": [],
+                                                  "control_acceptance": [], "candidate_acceptance": []})
+        if c.get("completion_tokens") is not None:
+            r[f"{c['arm']}_lengths"].append(c["completion_tokens"])
+        if c.get("accepted_per_round") is not None:
+            r[f"{c['arm']}_acceptance"].append(c["accepted_per_round"])
+    return recs + [by_prompt[k] for k in sorted(by_prompt)]
+
+
+def stack_version(repo: str | None = None) -> dict:
+    """Harness version: the package version and, when run from a git checkout, the commit and
+    whether the tree is dirty (a dirty tree is flagged in every report)."""
+    from dsv41 import __version__
+
+    out = {"package": __version__, "commit": None, "dirty": None}
+    root = repo or str(Path(__file__).resolve().parents[3])
+    try:
+        out["commit"] = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                       timeout=10, check=True).stdout.strip()
+        out["dirty"] = bool(subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                                           capture_output=True, text=True, timeout=10, check=True).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
+
+
+def _ecdf(ax, values, label):
+    v = sorted(values)
+    if v:
+        ax.step(v, [(i + 1) / len(v) for i in range(len(v))], where="post", label=label)
+
+
+def write_report(wdir: str, decision: win2.Decision, cells: list[dict], meta: dict) -> list[str]:
+    """Write ``decision.json``, ``summary.md`` and the PNG plots into ``wdir``; returns the files.
+
+    Plots (matplotlib, Agg): per-pair log-ratios as fractions with the CI and the +-min_effect
+    band (``pairs.png``), CDFs of per-request step_ms p50 and TTFT per arm (``cdf.png``), and
+    tokens per step (drafted tokens accepted + 1) per prompt and arm (``acceptance.png``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(wdir, exist_ok=True)
+    files = []
+    doc = {"decision": decision.to_dict(), **meta}
+    with open(os.path.join(wdir, "decision.json"), "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, indent=1)
+    files.append("decision.json")
+    pairs, _ = win2.pair_log_ratios([c for c in cells if c.get("ok")], decision.metric)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    xs = list(range(len(pairs)))
+    ax.scatter(xs, [math.expm1(p["r"]) for p in pairs], s=12, label="pair (candidate better > 0)")
+    m = decision.min_effect
+    ax.axhspan(-m, m, color="grey", alpha=0.2, label=f"+-min effect {m:g}")
+    if decision.ci:
+        ax.axhspan(decision.ci[0], decision.ci[1], color="tab:orange", alpha=0.3, label="CI of the median")
+    ax.axhline(0, color="black", lw=0.5)
+    ax.set_xlabel("pair (run order)")
+    ax.set_ylabel(f"{decision.metric} ratio - 1")
+    ax.set_title(f"{meta.get('window_id', '')}: {decision.verdict}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(wdir, "pairs.png"), dpi=100)
+    plt.close(fig)
+    files.append("pairs.png")
+    fig, axs = plt.subplots(1, 2, figsize=(9, 3.5))
+    for arm in ("control", "candidate"):
+        ok = [c for c in cells if c.get("ok") and c["arm"] == arm]
+        _ecdf(axs[0], [c["step_ms_p50"] for c in ok if c.get("step_ms_p50")], arm)
+        _ecdf(axs[1], [c["ttft_ms"] for c in ok if c.get("ttft_ms")], arm)
+    axs[0].set_xlabel("step_ms p50 per request")
+    axs[1].set_xlabel("TTFT ms")
+    for a in axs:
+        a.set_ylabel("CDF")
+        a.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(wdir, "cdf.png"), dpi=100)
+    plt.close(fig)
+    files.append("cdf.png")
+    prompts = sorted({c["prompt_id"] for c in cells})
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    width = 0.4
+    for j, arm in enumerate(("control", "candidate")):
+        vals = []
+        for p in prompts:
+            v = [c["accepted_per_round"] + 1 if c.get("accepted_per_round") is not None else c["tokens_per_step"]
+                 for c in cells if c.get("ok") and c["arm"] == arm and c["prompt_id"] == p
+                 and (c.get("tokens_per_step") is not None or c.get("accepted_per_round") is not None)]
+            vals.append(statistics.median(v) if v else 0.0)
+        ax.bar([i + (j - 0.5) * width for i in range(len(prompts))], vals, width, label=arm)
+    ax.set_xticks(range(len(prompts)))
+    ax.set_xticklabels(prompts, rotation=30, fontsize=7)
+    ax.set_ylabel("tokens per step (1 + accepted drafts)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(wdir, "acceptance.png"), dpi=100)
+    plt.close(fig)
+    files.append("acceptance.png")
+    d = decision
+    ver = meta.get("versions", {})
+    lines = [f"# Window {meta.get('window_id', '')}: **{d.verdict}**", "",
+             f"- question: {meta.get('question', '-')}",
+             f"- candidate `{meta.get('candidate', '-')}` vs control `{meta.get('control', '-')}`",
+             f"- primary metric {d.metric}, min effect {d.min_effect:.1%}, alpha {d.alpha}",
+             f"- effect {d.effect:+.2%} (positive = candidate better), CI [{d.ci[0]:+.2%}, {d.ci[1]:+.2%}]"
+             if d.ci else "- effect: none (window INVALID)",
+             f"- {d.n_pairs} pairs; cells: `cells.jsonl`; plots: pairs.png, cdf.png, acceptance.png",
+             f"- harness {ver.get('package')} at {ver.get('commit') or 'unknown commit'}"
+             + (" **(dirty tree)**" if ver.get("dirty") else ""), "", "## Reasons", ""]
+    lines += [f"- {r}" for r in d.reasons] + ["", "## Categories", "", "| category | verdict | effect | CI | pairs |",
+                                             "|---|---|---:|---|---:|"]
+    for cat, e in d.categories.items():
+        lines.append(f"| {cat} | {e['verdict']} | {e['effect']:+.2%} | [{e['ci'][0]:+.2%}, {e['ci'][1]:+.2%}] | {e['n_pairs']} |")
+    with open(os.path.join(wdir, "summary.md"), "w", encoding="utf-8") as fh:
+        fh.write("\n".join(lines) + "\n")
+    files.append("summary.md")
+    return files
+
+
+# ---- candidates ---------------------------------------------------------------------------------
+
+CANDIDATE_SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "candidate.schema.json"
+# Candidate role settings -> the role variables that template them (re-running the role with
+# production's values restores the file byte for byte; nothing else may be changed).
+_ROLE_VARS = {("serve", "env"): "serve_extra_env", ("engram_server", "env"): "engram_server_extra_env",
+              ("spec_decode", "async"): "spec_decode_async", ("spec_decode", "k"): "spec_decode_k",
+              ("spec_decode", "timeout_ms"): "spec_decode_timeout_ms"}
+
+
+def load_candidate(name: str, root: str | os.PathLike = "candidates") -> dict:
+    """Read and validate ``root/NAME.yml`` against ``schemas/candidate.schema.json``.
+
+    Raises WindowError for an unknown name (listing the known ones), unreadable YAML, a schema
+    error (naming the JSON path) or a ``name`` field that differs from the file name; all of
+    this happens before any HOLD is taken."""
+    import jsonschema
+    import yaml
+
+    if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+        raise WindowError(f"candidate name must be a plain name, got {name!r}")
+    path = Path(root) / f"{name}.yml"
+    if not path.is_file():
+        known = sorted(p.stem for p in Path(root).glob("*.yml")) if Path(root).is_dir() else []
+        raise WindowError(f"unknown candidate {name!r} (no {path}); known: {', '.join(known) or 'none'}")
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise WindowError(f"candidate {path} is not readable YAML: {str(exc).splitlines()[0]}") from None
+    schema = json.loads(CANDIDATE_SCHEMA.read_text())
+    err = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(doc))
+    if err is not None:
+        loc = "/".join(str(x) for x in err.absolute_path) or "(top)"
+        raise WindowError(f"candidate {path} fails its schema at {loc}: {err.message}")
+    if doc["name"] != name:
+        raise WindowError(f"candidate {path} is named {doc['name']!r}; the file name says {name!r}")
+    return doc
+
+
+def role_vars(candidate: dict) -> dict:
+    """The Ansible extra variables of a candidate's arm (``{role variable: value}``); env deltas
+    are returned as dicts to be combined over production's ``*_extra_env``."""
+    out: dict = {}
+    for role, settings in candidate.get("roles", {}).items():
+        for key, value in settings.items():
+            out[_ROLE_VARS[(role, key)]] = value
+    return out

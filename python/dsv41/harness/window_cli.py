@@ -1,0 +1,252 @@
+"""``dsv41 window ...``: the WIN2 R3 decision, its calibration, and the two-window cap."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from dsv41.harness import win2
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+
+def _print_decision(d: win2.Decision, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(d.to_dict(), indent=1))
+        return
+    ci = f"[{d.ci[0]:+.2%}, {d.ci[1]:+.2%}]" if d.ci else "-"
+    eff = f"{d.effect:+.2%}" if d.effect is not None else "-"
+    print(f"{d.verdict}: {d.metric} effect {eff} CI {ci}, {d.n_pairs} pairs, min effect {d.min_effect:.1%}")
+    for r in d.reasons:
+        print(f"  {r}")
+    for cat, e in d.categories.items():
+        print(f"  {cat}: {e['verdict']} effect {e['effect']:+.2%} CI [{e['ci'][0]:+.2%}, {e['ci'][1]:+.2%}] "
+              f"({e['n_pairs']} pairs)")
+
+
+@app.command()
+def decide(
+    cells: str = typer.Argument(..., help="cells.jsonl of a window (one JSON object per cell)."),
+    metric: str = typer.Option("step_ms_p50", help="ttft_ms, step_ms_p50 or tok_s."),
+    min_effect: float = typer.Option(win2.DEFAULT_MIN_EFFECT, help="Declared minimum effect (fraction)."),
+    alpha: float = typer.Option(win2.DEFAULT_ALPHA, help="1 - confidence level of the CI."),
+    seed: int = typer.Option(0, help="Bootstrap seed."),
+    gate: str = typer.Option("", help="Distributional gate records (JSON list) for a drafting candidate."),
+    tolerance_nat: float = typer.Option(0.5, help="Near-tie tolerance of the gate (nat)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the decision as JSON."),
+) -> None:
+    """Decide a window by WIN2 R3; exit 0 whatever the verdict (the verdict is the output)."""
+    gate_records = None
+    if gate:
+        try:
+            with open(gate, encoding="utf-8") as fh:
+                gate_records = json.load(fh)
+        except (OSError, ValueError) as exc:
+            raise win2.Win2Error(f"cannot read gate records {gate}: {exc}") from None
+        if not isinstance(gate_records, list):
+            raise win2.Win2Error(f"{gate}: expected a JSON list of per-prompt records")
+    d = win2.decide(win2.load_cells(cells), metric=metric, min_effect=min_effect, alpha=alpha, seed=seed,
+                    gate_records=gate_records, tolerance_nat=tolerance_nat)
+    _print_decision(d, as_json)
+
+
+@app.command()
+def cap(
+    candidate: str = typer.Option(..., help="Candidate name."),
+    metric: str = typer.Option(..., help="Primary metric of the question."),
+    state_dir: str = typer.Option("windows", help="Directory holding questions.json."),
+    record: str = typer.Option("", help="Record a finished window: WINDOW_ID=VERDICT."),
+) -> None:
+    """Check (or, with --record, update) the two-window cap of a question; exit 1 when refused."""
+    if record:
+        wid, sep, verdict = record.partition("=")
+        if not sep or not wid:
+            raise win2.Win2Error(f"--record must be WINDOW_ID=VERDICT, got {record!r}")
+        win2.record_window(state_dir, candidate, metric, wid, verdict)
+        print(f"recorded {win2.question_key(candidate, metric)}: window {wid} {verdict}")
+        return
+    n = win2.check_cap(state_dir, candidate, metric)
+    print(f"{win2.question_key(candidate, metric)}: window {n} of at most 2 allowed")
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise win2.Win2Error(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) <= 0:
+        raise win2.Win2Error(f"{what} must be positive integers, got {text!r}")
+    return vals
+
+
+@app.command()
+def simulate(
+    sigma: float = typer.Option(0.0, help="Per-cell log-noise SD (0: estimate from --from-cells)."),
+    from_cells: str = typer.Option("", help="A measured A/A cells.jsonl to estimate sigma from."),
+    drift: float = typer.Option(0.0, help="Linear log drift per cell (ABBA cancels it)."),
+    pairs: str = typer.Option("32,64,128", help="Pair counts per window."),
+    windows: int = typer.Option(400, min=10, help="A/A windows per pair count."),
+    prompts: int = typer.Option(4, min=1, help="Prompt identities per window."),
+    metric: str = typer.Option("step_ms_p50", help="ttft_ms, step_ms_p50 or tok_s."),
+    min_effect: float = typer.Option(win2.DEFAULT_MIN_EFFECT, help="Declared minimum effect."),
+    alpha: float = typer.Option(win2.DEFAULT_ALPHA, help="1 - confidence level."),
+    resamples: int = typer.Option(1999, min=99, help="Bootstrap resamples per decision."),
+    seed: int = typer.Option(0, help="Simulation seed."),
+    out: str = typer.Option("", help="Also write the result JSON here."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Calibrate WIN2 R3: false-WIN rate of A/A windows and the minimum detectable effect."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    counts = _int_list(pairs, "--pairs")
+    if from_cells:
+        cells = win2.load_cells(from_cells)
+        noise = win2.NoiseModel(win2.sigma_from_cells(cells, metric), drift, f"measured A/A cells {from_cells}")
+    elif sigma > 0:
+        noise = win2.NoiseModel(sigma, drift, "given on the command line")
+    else:
+        raise win2.Win2Error("give --sigma > 0 or --from-cells A/A cells to estimate it")
+    for n in counts:
+        if n % (2 * prompts):
+            raise win2.Win2Error(f"--pairs {n} is not a multiple of 2 x --prompts ({2 * prompts})")
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("simulating windows", total=None)
+        res = win2.simulate(noise, counts, windows, prompts, metric, min_effect, alpha, seed, resamples,
+                            progress=lambda n: bar.advance(task, n))
+    if out:
+        with open(out, "w", encoding="utf-8") as fh:
+            json.dump(res, fh, indent=1)
+    if as_json:
+        print(json.dumps(res, indent=1))
+        return
+    print(f"noise sigma {noise.sigma:.4f} ({noise.source}); {windows} A/A windows per row, alpha {alpha}, "
+          f"min effect {min_effect}")
+    print("pairs | false-WIN rate (95% CI) | MDE at power 0.8")
+    for r in res["rows"]:
+        mde = f"{r['mde']:.1%}" if r["mde"] is not None else "> largest simulated"
+        print(f"{r['n_pairs']:5d} | {r['false_win_rate']:.3f} ({r['false_win_ci95'][0]:.3f}-{r['false_win_ci95'][1]:.3f}) | {mde}")
+
+
+@app.command()
+def candidate(
+    name: str = typer.Argument(..., help="Candidate name (candidates/NAME.yml)."),
+    root: str = typer.Option("candidates", help="Directory of candidate files."),
+    vars_out: str = typer.Option("", help="Write the arm's Ansible extra variables (JSON) here."),
+) -> None:
+    """Validate a candidate and print it with its role variables as JSON; exit 1 when refused."""
+    from dsv41.harness import window
+
+    doc = window.load_candidate(name, root)
+    rv = window.role_vars(doc)
+    if vars_out:
+        with open(vars_out, "w", encoding="utf-8") as fh:
+            json.dump(rv, fh, indent=1)
+    print(json.dumps({"candidate": doc, "role_vars": rv}, indent=1))
+
+
+@app.command("run")
+def run_window(
+    control: str = typer.Option(..., help="Control arm base URL."),
+    candidate: str = typer.Option(..., help="Candidate arm base URL (the same URL with --switch-cmd, or "
+                                            "for an A/A window)."),
+    spec: str = typer.Option("", help="Workload spec (default: $DSV41_BENCH_SPEC_FILE, else the shipped one)."),
+    name: str = typer.Option("aa", help="Candidate name (the question is NAME + metric)."),
+    control_name: str = typer.Option("production", help="Control name."),
+    question: str = typer.Option("", help="The question, in words, for the report."),
+    metric: str = typer.Option("step_ms_p50", help="Primary metric: ttft_ms, step_ms_p50 or tok_s."),
+    min_effect: float = typer.Option(win2.DEFAULT_MIN_EFFECT, help="Declared minimum effect (fraction)."),
+    alpha: float = typer.Option(win2.DEFAULT_ALPHA, help="1 - confidence level."),
+    seed: int = typer.Option(0, help="Cell plan and bootstrap seed."),
+    windows_dir: str = typer.Option("windows", help="Where windows/<id>/ and the cap state live."),
+    window_id: str = typer.Option("", "--id", help="Window id (default: UTC time + name)."),
+    switch_cmd: str = typer.Option("", help="Shell command run to switch arms; {arm} is replaced."),
+    refs_file: str = typer.Option("", "--refs", help="Greedy refs for the smoke start's known answer."),
+    no_cap: bool = typer.Option(False, help="Do not apply or record the two-window cap (calibration runs)."),
+    metrics: list[str] = typer.Option([], "--metrics", help="Every rank's /metrics URL, snapshotted around each "
+                                                             "cell (default: each arm's URL/metrics)."),
+    no_metrics: bool = typer.Option(False, help="No /metrics snapshots (endpoints without it)."),
+    drafting: bool = typer.Option(False, help="A drafting candidate: the distributional gate (greedy "
+                                              "prompts on both arms, lengths, acceptance) decides validity."),
+    tolerance_nat: float = typer.Option(0.5, help="Near-tie tolerance of the gate (nat)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the decision as JSON."),
+) -> None:
+    """Seeded ABBA/BAAB paired cells between two arms, WIN2 R3 decision, report in windows/<id>/.
+
+    Takes no HOLD itself: `window.yml` holds admission around it. Exit 0 with a verdict; exit 1
+    when the smoke start fails, 130 on Ctrl-C (cells so far kept, decision INVALID)."""
+    import datetime as dt
+    import os
+    import shlex
+    import subprocess
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from dsv41.harness import bench, refs, window
+
+    sp = bench.load_spec(spec or None)
+    with bench.sigterm_as_interrupt():
+        if metric not in win2.METRICS:
+            raise win2.Win2Error(f"unknown metric {metric!r}; one of {', '.join(win2.METRICS)}")
+        nth = 0 if no_cap else win2.check_cap(windows_dir, name, metric)
+        wid = window_id or dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + f"-{name}"
+        wdir = os.path.join(windows_dir, wid)
+        if os.path.exists(os.path.join(wdir, "cells.jsonl")):
+            raise window.WindowError(f"window {wid} already has cells in {wdir}; choose another --id")
+        os.makedirs(wdir, exist_ok=True)
+        refs_doc = refs.load_refs(refs_file) if refs_file else None
+        endpoints = {"control": control, "candidate": candidate}
+
+        def switch(arm: str) -> None:
+            if switch_cmd:
+                rc = subprocess.run(switch_cmd.replace("{arm}", shlex.quote(arm)), shell=True, check=False).returncode
+                if rc != 0:
+                    raise window.WindowError(f"switching to the {arm} arm failed (exit {rc}): {switch_cmd}")
+
+        model = sp["model"] or bench.served_model(control)
+        smoke = {}
+        for arm in ("control", "candidate"):
+            switch(arm)
+            smoke[arm] = bench.smoke(endpoints[arm], model, refs_doc, sp["timeout_s"])
+        murls = None if no_metrics else {arm: list(metrics) or [url.rstrip("/") + "/metrics"]
+                                         for arm, url in endpoints.items()}
+        plan = window.plan_cells(sp, seed)
+        cells_path = os.path.join(wdir, "cells.jsonl")
+        interrupted = False
+        cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*cols, console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task(f"window {wid}", total=len(plan))
+            try:
+                window.run_cells(plan, endpoints, model, sp["sampler"], sp["timeout_s"], cells_path, switch,
+                                 progress=lambda rec: bar.advance(task), metrics=murls)
+            except KeyboardInterrupt:
+                interrupted = True
+        cells = win2.load_cells(cells_path) if os.path.getsize(cells_path) else []
+        if len(cells) < len(plan):
+            # The rule must see the missing cells as incomplete pairs: decide on what was planned.
+            done = {(c["block"], c["pair"], c["arm"]) for c in cells}
+            cells += [{k: c[k] for k in ("block", "pair", "arm", "prompt_id", "category", "seed")} | {"ok": False,
+                      "error": "not run (window stopped)"} for c in plan if (c["block"], c["pair"], c["arm"]) not in done]
+        records = None
+        if drafting and not interrupted:
+            ids = {}
+            for arm in ("control", "candidate"):
+                switch(arm)
+                ids[arm] = {n: refs.generate(endpoints[arm], p, model, 32) for n, p in bench.greedy_prompts()}
+            greedy = {n: (ids["control"][n], ids["candidate"][n]) for n in ids["control"]}
+            records = window.gate_records(cells, greedy)
+        d = win2.decide(cells, metric, min_effect, alpha, seed, gate_records=records, tolerance_nat=tolerance_nat)
+        meta = {"window_id": wid, "candidate": name, "control": control_name, "question": question or f"{name}: {metric}",
+                "window_number": nth, "spec": {k: v for k, v in sp.items() if k != "prompts"},
+                "prompts": [p["id"] for p in sp["prompts"]], "endpoints": endpoints, "smoke": smoke,
+                "versions": window.stack_version(), "interrupted": interrupted}
+        window.write_report(wdir, d, cells, meta)
+        if not no_cap:
+            win2.record_window(windows_dir, name, metric, wid, d.verdict)
+        _print_decision(d, as_json)
+        if not as_json:
+            print(f"report: {os.path.join(wdir, 'summary.md')}")
+        if interrupted:
+            raise win2.Win2Error(f"window {wid} interrupted; cells so far in {cells_path}", exit_code=130)

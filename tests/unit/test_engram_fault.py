@@ -1,0 +1,58 @@
+"""The fault-injection knob of window drills: DSV41_ENGRAM_FAULT_DELAY_MS."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from dsv41 import envs
+from dsv41.engram import fault
+
+
+class Rows:
+    def __init__(self):
+        self.calls = 0
+
+    def lookup(self, layer_id, rows):
+        self.calls += 1
+        return np.asarray(rows) * 2
+
+    def counters(self):
+        return {"lookups": self.calls}
+
+    def close(self):
+        return "closed"
+
+
+def test_off_by_default_and_delay_applied():
+    inner = Rows()
+    assert envs.parse({}).engram_fault_delay_ms == 0.0
+    assert fault.wrap(inner, envs.parse({}).engram_fault_delay_ms) is inner
+    w = fault.wrap(inner, envs.parse({"DSV41_ENGRAM_FAULT_DELAY_MS": "30"}).engram_fault_delay_ms)
+    t = time.perf_counter()
+    out = w.lookup(1, [1, 2])
+    assert time.perf_counter() - t >= 0.029
+    assert out.tolist() == [2, 4]  # rows unchanged: only time is added
+    assert w.counters() == {"lookups": 1, "fault_delay_ms": 30.0}
+    assert w.close() == "closed"
+
+
+@pytest.mark.parametrize("raw", ["abc", "-1", "nan", "inf", "20000"])
+def test_bad_values_name_the_variable(raw):
+    with pytest.raises(envs.ConfigError, match="^DSV41_ENGRAM_FAULT_DELAY_MS"):
+        envs.parse({"DSV41_ENGRAM_FAULT_DELAY_MS": raw})
+
+
+def test_row_source_from_env_is_wrapped(tmp_path):
+    from dsv41.engram import rowsource
+    from dsv41.engram.synthetic import write_synthetic_tables
+
+    cfg = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "python" / "dsv41" / "data" / "lab_model.json")
+    write_synthetic_tables(cfg, tmp_path, 5)
+    s = envs.parse({"DSV41_ENGRAM_FAULT_DELAY_MS": "1"})
+    src = rowsource.from_env(str(tmp_path / "manifest.json"), tmp_path, 0, 1, settings=s)
+    assert isinstance(src, fault.DelayedRowSource)
+    assert not isinstance(rowsource.from_env(str(tmp_path / "manifest.json"), tmp_path, 0, 1, settings=envs.parse({})),
+                          fault.DelayedRowSource)

@@ -1,0 +1,130 @@
+"""Window cell plan (seeded ABBA/BAAB blocks) and the report writer, without a server."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from dsv41.harness import bench, win2, window
+
+
+def _spec(blocks=3):
+    sp = bench.load_spec(env={})
+    sp["blocks_per_prompt"] = blocks
+    return sp
+
+
+def test_plan_is_seeded_balanced_and_paired():
+    sp = _spec()
+    a, b = window.plan_cells(sp, 5, "s"), window.plan_cells(sp, 5, "s")
+    assert a == b
+    assert window.plan_cells(sp, 6, "s") != a
+    assert len(a) == len(sp["prompts"]) * 3 * 4
+    blocks = {}
+    for c in a:
+        blocks.setdefault(c["block"], []).append(c)
+    orders = set()
+    for cs in blocks.values():
+        arms = tuple(c["arm"] for c in cs)
+        assert arms in (window.ABBA, window.BAAB)
+        orders.add(arms)
+        assert len({c["prompt_id"] for c in cs}) == 1
+        for pair in (0, 1):
+            pc = [c for c in cs if c["pair"] == pair]
+            assert {c["arm"] for c in pc} == {"control", "candidate"} and len({c["seed"] for c in pc}) == 1
+        assert cs[0]["seed"] != cs[2]["seed"]
+    assert orders == {window.ABBA, window.BAAB}
+    assert len({c["salt"] for c in a}) == len(a)  # no two cells share a prefix-cache salt
+    # blocks of different prompts are interleaved, not run prompt by prompt
+    assert [blocks[i][0]["prompt_id"] for i in range(4)] != [sp["prompts"][0]["id"]] * 4
+
+
+def test_report_files(tmp_path):
+    sp = _spec(2)
+    plan = window.plan_cells(sp, 1, "s")
+    cells = []
+    for i, c in enumerate(plan):
+        res = bench.RequestResult(c["prompt_id"], c["category"], c["seed"], c["max_tokens"], ok=True,
+                                  ttft_ms=50 + i % 3, step_ms_p50=20 + (i % 5) * 0.1, tok_s=50.0, tokens_per_step=1.5,
+                                  steps=10, step_ms=[20.0] * 9, finish_reason="length", completion_tokens=14)
+        cells.append(window.cell_record(c, res))
+    d = win2.decide(cells, n_resamples=199)
+    files = window.write_report(str(tmp_path / "w1"), d, cells, {"window_id": "w1", "candidate": "aa",
+                                                                 "versions": window.stack_version()})
+    assert set(files) == {"decision.json", "summary.md", "pairs.png", "cdf.png", "acceptance.png"}
+    for f in files:
+        assert os.path.getsize(tmp_path / "w1" / f) > 0
+    assert json.loads((tmp_path / "w1" / "decision.json").read_text())["decision"]["verdict"] == d.verdict
+    md = (tmp_path / "w1" / "summary.md").read_text()
+    assert md.startswith(f"# Window w1: **{d.verdict}**") and "| category |" in md
+    assert "prompt" not in cells[0] and "salt" not in cells[0]
+
+
+def test_stack_version_outside_git(tmp_path):
+    v = window.stack_version(str(tmp_path))
+    assert v["package"] and v["commit"] is None
+
+
+REPO_CANDIDATES = os.path.join(os.path.dirname(__file__), "..", "..", "candidates")
+
+
+def test_shipped_candidates_validate():
+    import pytest
+
+    names = sorted(f[:-4] for f in os.listdir(REPO_CANDIDATES) if f.endswith(".yml"))
+    assert {"aa", "slow-rows", "async-drafter", "sync-drafter"} <= set(names)
+    for n in names:
+        assert window.load_candidate(n, REPO_CANDIDATES)["name"] == n
+    assert window.role_vars(window.load_candidate("aa", REPO_CANDIDATES)) == {}
+    assert window.role_vars(window.load_candidate("slow-rows", REPO_CANDIDATES)) == {
+        "serve_extra_env": {"DSV41_ENGRAM_FAULT_DELAY_MS": "20"}}
+    assert window.role_vars(window.load_candidate("async-drafter", REPO_CANDIDATES)) == {"spec_decode_async": True}
+    with pytest.raises(window.WindowError, match="known: aa, async-drafter"):
+        window.load_candidate("nope", REPO_CANDIDATES)
+
+
+def test_candidate_refusals(tmp_path):
+    import pytest
+
+    def cand(name, text):
+        (tmp_path / f"{name}.yml").write_text(text)
+
+    base = "name: {n}\nquestion: q\nkind: plain\nprimary_metric: step_ms_p50\nmin_effect: 0.05\n"
+    cand("badenv", base.format(n="badenv") + "roles:\n  serve:\n    env:\n      PATH: /tmp\n")
+    cand("norestore", base.format(n="norestore") + "roles:\n  serve:\n    flags: ['--x']\n")
+    cand("unknownrole", base.format(n="unknownrole") + "roles:\n  kernel: {}\n")
+    cand("badmetric", base.format(n="badmetric").replace("step_ms_p50", "p99") + "roles: {}\n")
+    cand("renamed", base.format(n="other") + "roles: {}\n")
+    cand("broken", "name: [unclosed\n")
+    cand("newline", base.format(n="newline") + 'roles:\n  serve:\n    env:\n      DSV41_X: "a\\nb"\n')
+    for name, msg in [("badenv", "schema at roles/serve/env"), ("norestore", "schema at roles/serve"),
+                      ("unknownrole", "schema at roles"), ("badmetric", "schema at primary_metric"),
+                      ("renamed", "named 'other'"), ("broken", "not readable YAML"),
+                      ("newline", "schema at roles/serve/env/DSV41_X"), ("../etc", "plain name")]:
+        with pytest.raises(window.WindowError, match=msg):
+            window.load_candidate(name, tmp_path)
+
+
+def test_cli_candidate(tmp_path, capsys):
+    from dsv41.cli import main
+
+    out = tmp_path / "vars.json"
+    assert main(["window", "candidate", "slow-rows", "--root", REPO_CANDIDATES, "--vars-out", str(out)]) == 0
+    assert json.loads(out.read_text()) == {"serve_extra_env": {"DSV41_ENGRAM_FAULT_DELAY_MS": "20"}}
+    capsys.readouterr()
+    assert main(["window", "candidate", "nope", "--root", REPO_CANDIDATES]) == 1
+    err = capsys.readouterr().err
+    assert "unknown candidate" in err and len(err.strip().splitlines()) == 1
+
+
+def test_gate_records_from_cells_and_greedy():
+    cells = [{"prompt_id": "a", "arm": "control", "ok": True, "completion_tokens": 32, "accepted_per_round": 2.0},
+             {"prompt_id": "a", "arm": "candidate", "ok": True, "completion_tokens": 32, "accepted_per_round": 3.0},
+             {"prompt_id": "a", "arm": "candidate", "ok": False, "completion_tokens": 1}]
+    recs = window.gate_records(cells, {"plain": ([1, 2, 3], [1, 2, 3]), "code": ([1, 2, 3], [1, 9, 3])})
+    g = win2.distributional_gate(recs)
+    assert not g["passed"]  # "code" differs at token 1 and no logit gap was measured: fails closed
+    assert g["reasons"] == ["greedy:code: outputs differ at token 1 but no logit gap was measured"]
+    assert g["prompts"]["a"]["acceptance_candidate"] == 3.0 and g["prompts"]["a"]["length_ratio"] == 1.0
+    recs[1]["logit_gap_nat"] = 0.2  # a scorer measured a near-tie there
+    assert win2.distributional_gate(recs)["passed"]
