@@ -145,18 +145,21 @@ def serve_cmd(
             raise Dsv41Error(f"--master must be ADDR:PORT, got {master!r}")
     if rank == 0 and not 0 < port < 65536:
         raise Dsv41Error(f"--port must be in [1, 65535], got {port}")
+    from dsv41.engine.deadline import deadlines_from_env, guard_row_source
     from dsv41.engine.model import TargetModel, load_config, load_weights, target_identity
 
+    deadlines = deadlines_from_env()
     cfg = load_config(config)
     w = load_weights(cfg, weights)
     identity = target_identity(config, weights)
-    rows = _row_source(manifest, data, rank, tp)
+    rows = guard_row_source(_row_source(manifest, data, rank, tp), deadlines.engram_lookup_s)
     drain = {"flag": False}
     if tp > 1:
         from dsv41.engine.tp import DistComm
 
         logging.getLogger("dsv41.engine").info("rank %d joining the TP%d group at %s", rank, tp, master)
-        comm = DistComm.init(rank, tp, master, device, timeout_s=rendezvous_timeout)
+        comm = DistComm.init(rank, tp, master, device, timeout_s=rendezvous_timeout,
+                             peer_timeout_s=deadlines.tp_peer_timeout_s)
     else:
         from dsv41.engine.tp import LocalComm
 
@@ -174,7 +177,7 @@ def serve_cmd(
             worker_loop(model, comm, rows, lambda: drain["flag"])
             return
         _serve_rank0(cfg, model, comm, rows, identity, device, host, port, kv_cache_tokens, max_running,
-                     max_step_tokens, served_model_name)
+                     max_step_tokens, served_model_name, deadlines)
     finally:
         try:
             rows.close()
@@ -192,8 +195,12 @@ def _drafter_kv_extra() -> int:
     return int(kv_budget_extra_tokens(os.environ))
 
 
+# Seconds a failed rank 0 keeps answering /health 503 (with the reason) before it exits.
+FATAL_LINGER_S = 1.0
+
+
 def _serve_rank0(cfg, model, comm, rows, identity, device, host, port, kv_cache_tokens, max_running,
-                 max_step_tokens, name) -> None:
+                 max_step_tokens, name, deadlines) -> None:
     import asyncio
 
     import uvicorn
@@ -218,7 +225,7 @@ def _serve_rank0(cfg, model, comm, rows, identity, device, host, port, kv_cache_
                             spec.counters if spec is not None else None)
     metrics.kv_tokens.set(kv_cache_tokens)
     metrics.kv_extra_tokens.set(extra)
-    engine = Engine(model, sched, comm, rows, spec, depth, metrics)
+    engine = Engine(model, sched, comm, rows, spec, depth, metrics, deadlines=deadlines)
     holder["engine"] = engine
     state = ServerState()
     app = create_app(engine, name, min(cfg.max_position_embeddings, kv_cache_tokens), state, metrics)
@@ -237,11 +244,16 @@ def _serve_rank0(cfg, model, comm, rows, identity, device, host, port, kv_cache_
                                            timeout_graceful_shutdown=None, lifespan="off"))
 
     async def watch():
-        # Drain triggers besides our own SIGTERM: rank 1 draining, the engine failing.
+        # Drain triggers besides our own SIGTERM: rank 1 draining, the engine failing. A failed
+        # engine keeps answering /health 503 with the reason for FATAL_LINGER_S, then exits 1
+        # for its supervisor to restart the pair.
         while not server.should_exit:
             if engine.fatal or engine.peer_draining:
                 state.draining = True
-                if engine.fatal or engine.idle():
+                if engine.fatal:
+                    await asyncio.sleep(FATAL_LINGER_S)
+                    server.should_exit = True
+                elif engine.idle():
                     server.should_exit = True
             if server.should_exit:
                 break
