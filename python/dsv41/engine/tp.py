@@ -18,9 +18,21 @@ link that drops packets) fails the collective with ``PeerLost`` within that boun
 
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
+import os
+import sys
 
 from dsv41.errors import Dsv41Error
+
+
+def _exit_now(code: int) -> None:
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except Exception:  # noqa: BLE001 - a closed stream must not stop the exit
+            pass
+    os._exit(code)
 
 
 def ordered_sum(parts):
@@ -165,6 +177,11 @@ class DistComm:
         import torch.distributed as dist
 
         if self.wedged:
+            # The c10d objects' teardown at interpreter exit talks to the rendezvous store, which
+            # lives in rank 0: with rank 0 frozen it blocks for the rendezvous timeout. The
+            # process is ending with PeerLost (exit 1) anyway, so end it once the error line is
+            # printed (atexit runs after the command's error handling, before that teardown).
+            atexit.register(_exit_now, 1)
             return
         try:
             if dist.is_initialized():
