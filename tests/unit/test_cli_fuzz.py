@@ -38,7 +38,7 @@ junk = st.text(alphabet=st.characters(codec="utf-8", exclude_characters="-"), mi
 _register()
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cmd=st.sampled_from(COMMANDS), args=st.lists(words, max_size=6), tail=st.tuples(junk, junk))
 def test_cli_never_prints_a_traceback(cmd, args, tail, capsys, tmp_path_factory, monkeypatch):
     monkeypatch.chdir(tmp_path_factory.getbasetemp())
