@@ -181,10 +181,12 @@ def test_huge_chunked_body_is_413_with_bounded_rss(tp1, path):
     finally:
         stop_ev.set()
         th.join(5)
+    grown = peak[0] - base
+    print(f"RSS {path}: base {base >> 20} MiB, peak {peak[0] >> 20} MiB, grew {grown >> 20} MiB; "
+          f"client sent {sent >> 20} MiB")
     assert resp.startswith(b"HTTP/1.1 413"), resp[:200]
     assert b"connection: close" in resp.lower()
     assert sent < 64 << 20, sent  # the server stopped reading long before 256 MiB
-    grown = peak[0] - base
     assert grown < 48 << 20, f"RSS grew {grown >> 20} MiB for a 4 MiB limit"
     assert httpx.get(tp1["url"] + "/health", timeout=5).status_code == 200
 
