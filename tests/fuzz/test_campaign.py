@@ -331,27 +331,37 @@ def test_http_api_campaign(tmp_path, tmp_path_factory):
         failures: list[str] = []
         bodies = iter(lambda: (rng.choice(["/v1/completions", "/v1/chat/completions"]), body()), None)
 
+        slowest = [0.0, b""]
+
         def client():
-            # http.client: a keep-alive connection with far less client-side CPU than httpx
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            # http.client: a keep-alive connection with far less client-side CPU than httpx. A
+            # fuzzed body can be a valid request for up to ~1000 tokens: minutes on a loaded CPU.
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+            raw = b""
             try:
                 while not failures:
                     with lock:
                         if t.malformed >= FRAMES:
                             return
                         path, raw = next(bodies)
+                    t0 = time.monotonic()
                     conn.request("POST", path, body=raw, headers={"content-type": "application/json"})
                     r = conn.getresponse()
                     text = r.read()
+                    took = time.monotonic() - t0
                     if r.getheader("connection", "").lower() == "close":
                         conn.close()
-                        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+                        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
                     with lock:
+                        if took > slowest[0]:
+                            slowest[:] = [took, raw[:200]]
                         statuses[r.status] = statuses.get(r.status, 0) + 1
                         t.frames += 1
                         t.malformed += 400 <= r.status < 500  # refused: what a malformed request gets
                         if r.status >= 500:
                             failures.append(f"{r.status} for {raw[:300]!r}: {text[:300]!r}")
+            except Exception as exc:  # noqa: BLE001 - a lost answer is a campaign failure, not a thread warning
+                failures.append(f"no answer ({type(exc).__name__}: {exc}) to {raw[:300]!r}")
             finally:
                 conn.close()
 
@@ -372,6 +382,6 @@ def test_http_api_campaign(tmp_path, tmp_path_factory):
         assert "Traceback" not in text and " ERROR " not in text, text[-3000:]
         t.connections = len(workers)
         t.report()
-        print("FUZZ-HTTP-STATUSES " + json.dumps(statuses), flush=True)
+        print("FUZZ-HTTP-STATUSES " + json.dumps(statuses) + f" slowest {slowest[0]:.1f} s: {slowest[1]!r}", flush=True)
     finally:
         stop(proc)
