@@ -24,7 +24,8 @@ COMMANDS = [[], ["engram"], ["engine"], ["drafter"], ["proxy"], ["refs"], ["vers
             ["engram", "hash"], ["engram", "make-tables"], ["engram", "manifest"], ["engram", "verify"],
             ["engram", "read-rows"], ["engine", "init-weights"], ["engine", "identity"], ["engine", "generate"],
             ["engine", "serve"], ["drafter", "serve"], ["drafter", "identity"], ["drafter", "train"],
-            ["proxy", "run"], ["proxy", "self-test"], ["refs", "record"], ["refs", "verify"], ["nope"]]
+            ["proxy", "run"], ["proxy", "self-test"], ["refs", "record"], ["refs", "verify"], ["env"], ["env", "check"],
+            ["drafter", "status"], ["metrics"], ["metrics", "get"], ["nope"]]
 OPTIONS = ["--help", "--config", "--out", "--weights", "--manifest", "--data", "--rank", "--tp", "--port",
            "--max-tokens", "--device", "--json", "--seed", "--timeout-ms", "--endpoint", "--refs", "--remote",
            "--layer", "--rows", "--threads", "--quiet", "--force", "--shm", "--master", "-x", "--"]

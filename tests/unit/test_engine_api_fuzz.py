@@ -76,7 +76,9 @@ class _Errors(logging.Handler):
 def app_client(tmp_path_factory):
     from dsv41.engine.engine import Engine
     from dsv41.engine.metrics import EngineMetrics
-    from dsv41.engine.model import TargetModel, load_config, load_weights
+    from dsv41.engine.model import TargetModel
+    from dsv41.engine.model_config import load_config
+    from dsv41.engine.weights import load_weights
     from dsv41.engine.scheduler import Scheduler
     from dsv41.engine.server import create_app
     from dsv41.engine.tp import LocalComm

@@ -14,7 +14,7 @@ from test_engine_common import lab_assets, local_rows
 
 from dsv41.engine.deadline import (CallBusy, CallTimeout, DeadlineCaller, DeadlineRowSource, Deadlines,
                                    deadlines_from_env, guard_row_source)
-from dsv41.errors import ConfigError
+from dsv41.envs import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,8 @@ def assets(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def target(assets):
-    from dsv41.engine.model import load_config, load_weights
+    from dsv41.engine.model_config import load_config
+    from dsv41.engine.weights import load_weights
 
     cfg = load_config(assets.config)
     return {"cfg": cfg, "weights": load_weights(cfg, assets.weights)}
@@ -80,8 +81,8 @@ def run(target, rows, spec=None, depth=0, deadlines=None, max_tokens=12, prompts
     from dsv41.engine.metrics import EngineMetrics
     from dsv41.engine.model import TargetModel
     from dsv41.engine.scheduler import Scheduler
-    from dsv41.engine.spec import SamplingParams
-    from dsv41.engine.tokenizer import ByteTokenizer
+    from dsv41.engine.sampler import SamplingParams
+    from dsv41.tokenizer import ByteTokenizer
     from dsv41.engine.tp import LocalComm
 
     tok = ByteTokenizer()
@@ -176,9 +177,9 @@ def test_deadline_caller_returns_values_and_errors():
 
 @pytest.mark.parametrize("env, frag", [
     ({"DSV41_TP_PEER_TIMEOUT_S": "abc"}, "DSV41_TP_PEER_TIMEOUT_S must be a number"),
-    ({"DSV41_TP_PEER_TIMEOUT_S": "nan"}, "DSV41_TP_PEER_TIMEOUT_S must be in"),
-    ({"DSV41_DRAFTER_PROPOSE_DEADLINE_MS": "0"}, "DSV41_DRAFTER_PROPOSE_DEADLINE_MS must be in"),
-    ({"DSV41_ENGRAM_LOOKUP_DEADLINE_MS": "-5"}, "DSV41_ENGRAM_LOOKUP_DEADLINE_MS must be in"),
+    ({"DSV41_TP_PEER_TIMEOUT_S": "nan"}, "DSV41_TP_PEER_TIMEOUT_S must be a number"),
+    ({"DSV41_DRAFTER_PROPOSE_DEADLINE_MS": "0"}, "DSV41_DRAFTER_PROPOSE_DEADLINE_MS must be a number"),
+    ({"DSV41_ENGRAM_LOOKUP_DEADLINE_MS": "-5"}, "DSV41_ENGRAM_LOOKUP_DEADLINE_MS must be a number"),
     ({"DSV41_TP_PEER_TIMEOUT_S": "1", "DSV41_DRAFTER_PROPOSE_DEADLINE_MS": "2000"}, "must exceed"),
 ])
 def test_bad_deadline_variables_name_the_variable(env, frag):

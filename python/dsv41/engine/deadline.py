@@ -13,14 +13,13 @@ such call on a helper thread and waits at most a deadline:
   the deadline (or finds the remote still busy) returns the exact rows from the local reader
   (counted as ``deadline_exceeded`` and ``fallbacks``); with ``required`` it raises instead.
 
-The variables (parsed in ``deadlines_from_env``; see docs/engine.md, "Liveness and deadlines"):
+The variables (rows of ``dsv41.envs``; see docs/engine.md, "Liveness and deadlines"):
 ``DSV41_TP_PEER_TIMEOUT_S`` (default 5 s), ``DSV41_DRAFTER_PROPOSE_DEADLINE_MS`` (default 1000
 ms) and ``DSV41_ENGRAM_LOOKUP_DEADLINE_MS`` (default 1000 ms).
 """
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from dsv41.errors import ConfigError, Dsv41Error
+from dsv41.errors import Dsv41Error
 
 
 class CallTimeout(Dsv41Error):
@@ -158,32 +157,20 @@ class Deadlines:
     engram_lookup_s: float = 1.0
 
 
-def _num(env: Mapping[str, str], name: str, default: float, lo: float, hi: float, unit: str) -> float:
-    raw = env.get(name, "")
-    if not raw.strip():
-        return default
-    try:
-        v = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name} must be a number of {unit}, got {raw!r}") from None
-    if not lo <= v <= hi:  # NaN fails too
-        raise ConfigError(f"{name} must be in [{lo:g}, {hi:g}] {unit}, got {raw!r}")
-    return v
+def deadlines_from_settings(settings) -> Deadlines:
+    """The step-path deadlines of a parsed environment (``dsv41.envs.Settings``:
+    ``DSV41_TP_PEER_TIMEOUT_S``, ``DSV41_DRAFTER_PROPOSE_DEADLINE_MS``,
+    ``DSV41_ENGRAM_LOOKUP_DEADLINE_MS``; ranges and the rule that the TP peer timeout exceeds the
+    propose deadline are checked by ``dsv41.envs.parse``)."""
+    return Deadlines(tp_peer_timeout_s=settings.tp_peer_timeout_s, propose_s=settings.drafter_propose_deadline_ms / 1000,
+                     engram_lookup_s=settings.engram_lookup_deadline_ms / 1000)
 
 
-# envs: DSV41_TP_PEER_TIMEOUT_S, DSV41_DRAFTER_PROPOSE_DEADLINE_MS, DSV41_ENGRAM_LOOKUP_DEADLINE_MS
 def deadlines_from_env(env: Mapping[str, str] | None = None) -> Deadlines:
-    """The step-path deadlines from the environment; ``ConfigError`` naming the variable on a
-    bad value. The TP peer timeout must exceed the propose deadline: the other rank waits for
-    the next command while rank 0 drafts."""
-    env = os.environ if env is None else env
-    d = Deadlines(tp_peer_timeout_s=_num(env, "DSV41_TP_PEER_TIMEOUT_S", 5.0, 0.2, 3600.0, "seconds"),
-                  propose_s=_num(env, "DSV41_DRAFTER_PROPOSE_DEADLINE_MS", 1000.0, 1.0, 600000.0, "milliseconds") / 1000,
-                  engram_lookup_s=_num(env, "DSV41_ENGRAM_LOOKUP_DEADLINE_MS", 1000.0, 1.0, 600000.0, "milliseconds") / 1000)
-    if d.tp_peer_timeout_s <= d.propose_s:
-        raise ConfigError(f"DSV41_TP_PEER_TIMEOUT_S ({d.tp_peer_timeout_s:g} s) must exceed "
-                          f"DSV41_DRAFTER_PROPOSE_DEADLINE_MS ({d.propose_s * 1000:g} ms)")
-    return d
+    """``deadlines_from_settings(dsv41.envs.parse(env))``; ``ConfigError`` naming the variable."""
+    from dsv41 import envs
+
+    return deadlines_from_settings(envs.parse(env))
 
 
 def guard_row_source(rows, deadline_s: float):
