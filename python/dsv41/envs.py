@@ -119,9 +119,9 @@ _ROWS = [
            "(roles/serve writes it).", "threads", 1, 4096),
     # ---- liveness and step-path deadlines (docs/engine.md, "Liveness and deadlines")
     EnvVar("DSV41_TP_PEER_TIMEOUT_S", float, 5.0, "How long a TP collective waits for the other rank after "
-           "the first command; past it the rank fails (/health 503) and exits for its supervisor.", "s", 0.2, 3600),
+           "the first command; past it the rank fails (/health 503) and exits for its supervisor.", "s", 2, 3600),
     EnvVar("DSV41_DRAFTER_PROPOSE_DEADLINE_MS", float, 1000.0, "Deadline the engine enforces on one "
-           "Speculator.propose; past it the round decodes without drafts.", "ms", 1, 600_000),
+           "Speculator.propose; past it the round decodes without drafts.", "ms", 1, 4000),
     EnvVar("DSV41_ENGRAM_LOOKUP_DEADLINE_MS", float, 1000.0, "Deadline the engine enforces on one remote "
            "Engram lookup; past it the rows come from the local reader.", "ms", 1, 600_000),
     # ---- Engram remote rows (docs/engram.md, "Row source")

@@ -180,7 +180,8 @@ def test_deadline_caller_returns_values_and_errors():
     ({"DSV41_TP_PEER_TIMEOUT_S": "nan"}, "DSV41_TP_PEER_TIMEOUT_S must be a number"),
     ({"DSV41_DRAFTER_PROPOSE_DEADLINE_MS": "0"}, "DSV41_DRAFTER_PROPOSE_DEADLINE_MS must be a number"),
     ({"DSV41_ENGRAM_LOOKUP_DEADLINE_MS": "-5"}, "DSV41_ENGRAM_LOOKUP_DEADLINE_MS must be a number"),
-    ({"DSV41_TP_PEER_TIMEOUT_S": "1", "DSV41_DRAFTER_PROPOSE_DEADLINE_MS": "2000"}, "must exceed"),
+    ({"DSV41_TP_PEER_TIMEOUT_S": "1"}, "DSV41_TP_PEER_TIMEOUT_S must be a number"),
+    ({"DSV41_TP_PEER_TIMEOUT_S": "2", "DSV41_DRAFTER_PROPOSE_DEADLINE_MS": "3000"}, "must exceed"),
 ])
 def test_bad_deadline_variables_name_the_variable(env, frag):
     with pytest.raises(ConfigError, match=frag):
