@@ -8,7 +8,7 @@ PIP := $(BIN)/python -m pip
 CONSTRAINTS := constraints.txt
 NIXL_PIN := nixl-cu12==1.5.1
 
-.PHONY: venv test unit lint sanity deploy lab-down bench clean
+.PHONY: venv test unit lint sanity deploy lab-down bench fuzz clean
 
 venv: $(VENV)/.stamp
 
@@ -41,6 +41,10 @@ lab-down: venv
 
 bench: venv
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -s -p no:cacheprovider tests/perf
+
+# The long fuzz campaign (issue 10): FUZZ_FRAMES malformed frames per protocol (default 100000).
+fuzz: venv
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -s -p no:cacheprovider tests/fuzz
 
 clean:
 	rm -rf $(VENV) build *.egg-info python/*.egg-info

@@ -117,6 +117,13 @@ _ROWS = [
     # ---- engine
     EnvVar("DSV41_ENGINE_THREADS", int, 1, "torch CPU threads per engine rank when --threads is not given "
            "(roles/serve writes it).", "threads", 1, 4096),
+    # ---- liveness and step-path deadlines (docs/engine.md, "Liveness and deadlines")
+    EnvVar("DSV41_TP_PEER_TIMEOUT_S", float, 5.0, "How long a TP collective waits for the other rank after "
+           "the first command; past it the rank fails (/health 503) and exits for its supervisor.", "s", 2, 3600),
+    EnvVar("DSV41_DRAFTER_PROPOSE_DEADLINE_MS", float, 1000.0, "Deadline the engine enforces on one "
+           "Speculator.propose; past it the round decodes without drafts.", "ms", 1, 4000),
+    EnvVar("DSV41_ENGRAM_LOOKUP_DEADLINE_MS", float, 1000.0, "Deadline the engine enforces on one remote "
+           "Engram lookup; past it the rows come from the local reader.", "ms", 1, 600_000),
     # ---- Engram remote rows (docs/engram.md, "Row source")
     EnvVar("DSV41_ENGRAM_REMOTE", str, "", "Comma-separated table-server URLs, one per TP rank "
            "(tcp://H:P[@LOCAL] or nixl://H:P[@LOCAL]); empty: the local exact reader."),
@@ -184,6 +191,9 @@ class Settings:
     :func:`parse` (tests/unit/test_envs.py keeps the fields and the table in step)."""
 
     engine_threads: int = 1
+    tp_peer_timeout_s: float = 5.0
+    drafter_propose_deadline_ms: float = 1000.0
+    engram_lookup_deadline_ms: float = 1000.0
     engram_remote: str = ""
     engram_remote_timeout_ms: int = 100
     engram_remote_required: bool = False
@@ -231,6 +241,11 @@ def parse(env: Mapping[str, str] | None = None) -> Settings:
 
 def _check(s: Settings) -> None:
     """Rules across variables (each message names the variable to change)."""
+    if s.tp_peer_timeout_s * 1000 <= s.drafter_propose_deadline_ms:
+        # the other rank waits for the next command while rank 0 drafts
+        raise ConfigError("DSV41_TP_PEER_TIMEOUT_S", f"DSV41_TP_PEER_TIMEOUT_S ({s.tp_peer_timeout_s:g} s) must "
+                                                     f"exceed DSV41_DRAFTER_PROPOSE_DEADLINE_MS "
+                                                     f"({s.drafter_propose_deadline_ms:g} ms)")
     if s.engram_remote_required and not s.engram_remote:
         raise ConfigError("DSV41_ENGRAM_REMOTE_REQUIRED",
                           "DSV41_ENGRAM_REMOTE_REQUIRED=1 but DSV41_ENGRAM_REMOTE is empty")

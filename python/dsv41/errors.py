@@ -32,6 +32,12 @@ class VerificationError(Dsv41Error):
     """Data on disk or on the wire does not match what a manifest or reference says."""
 
 
+def _say(line: str) -> None:
+    """Print ``line`` to stderr; argument bytes that are not UTF-8 (surrogate-escaped in
+    ``sys.argv``) are shown as backslash escapes whatever the stream's error handler is."""
+    print(line.encode("utf-8", "backslashreplace").decode("utf-8"), file=sys.stderr)
+
+
 def run_app(app, argv: list[str] | None = None) -> int:
     """Run a typer ``app`` and return its exit code, turning expected failures into one line.
 
@@ -53,10 +59,10 @@ def run_app(app, argv: list[str] | None = None) -> int:
         print("dsv41: error: aborted", file=sys.stderr)
         return 1
     except click_exc.ClickException as exc:  # usage errors, bad option values
-        print(f"dsv41: error: {exc.format_message()}", file=sys.stderr)
+        _say(f"dsv41: error: {exc.format_message()}")
         return 1
     except Dsv41Error as exc:
-        print(f"dsv41: error: {exc}", file=sys.stderr)
+        _say(f"dsv41: error: {exc}")
         return exc.exit_code
     except BrokenPipeError:
         return 0

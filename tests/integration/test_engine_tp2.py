@@ -28,12 +28,13 @@ def assets(tmp_path_factory):
     return lab_assets(tmp_path_factory)
 
 
-def start_pair(assets, logdir: Path, extra=()):
+def start_pair(assets, logdir: Path, extra=(), env=None):
     port, mport = free_ports(2)
     master = f"127.0.0.1:{mport}"
-    r1 = start(serve_cmd(assets, rank=1, tp=2, master=master, extra=extra), engine_env(), logdir / "rank1.log")
+    env = engine_env(**(env or {}))
+    r1 = start(serve_cmd(assets, rank=1, tp=2, master=master, extra=extra), env, logdir / "rank1.log")
     time.sleep(0.5)  # the worker really is first; it waits for rank 0's rendezvous store
-    r0 = start(serve_cmd(assets, rank=0, tp=2, port=port, master=master, extra=extra), engine_env(),
+    r0 = start(serve_cmd(assets, rank=0, tp=2, port=port, master=master, extra=extra), env,
                logdir / "rank0.log")
     try:
         wait_ready(port, r0, logdir / "rank0.log")

@@ -5,7 +5,12 @@ step it broadcasts the plan (``{"op": "step", "items": [(request_id, tokens, cap
 "truncate": [(request_id, n)], "free": [request_id]}``) over the gloo control group, every rank
 runs the same :meth:`TargetModel.forward` (collectives inside), then all ranks exchange a status
 object (Engram counters, drain flag). Idle, rank 0 pings every ``heartbeat_s`` so a dead rank 1
-is noticed within about a second. Rank 1 runs :func:`worker_loop`.
+is noticed within about a second, and a frozen one within ``DSV41_TP_PEER_TIMEOUT_S`` (the
+collectives' own bound, ``tp.DistComm``). Rank 1 runs :func:`worker_loop`.
+
+``Speculator.propose`` runs under a deadline the engine enforces itself
+(``dsv41.engine.deadline``): a drafter that does not answer in time costs that round its drafts
+(fail-closed, counted in ``dsv41_engine_spec_deadline_exceeded_total``), never the step.
 
 Events to request sinks are emitted from the engine thread (one ``tokens`` event per step that
 produced tokens, then one ``finish``).
@@ -21,6 +26,7 @@ from typing import Callable
 
 import numpy as np
 
+from dsv41.engine.deadline import CallBusy, CallTimeout, DeadlineCaller, Deadlines
 from dsv41.engine.rejection_sampler import verify
 from dsv41.engine.sampler import SamplingParams, probs_of, process_logits, sample
 from dsv41.engine.scheduler import Request, RequestError, Scheduler
@@ -49,11 +55,13 @@ class Engine:
     ``model``: ``TargetModel``; ``scheduler``: ``Scheduler``; ``comm``: ``tp`` comm (``broadcast``/
     ``all_gather_obj`` used when ``comm.tp > 1``); ``speculator``: optional Speculator with
     ``spec_depth`` drafts per round; ``metrics``: optional ``EngineMetrics``; ``on_fatal(msg)``
-    is called (engine thread) when a TP peer is lost or the step fails.
+    is called (engine thread) when a TP peer is lost or the step fails; ``deadlines``: the
+    ``Deadlines`` (``propose_s`` bounds each ``speculator.propose``; default ``Deadlines()``).
     """
 
     def __init__(self, model, scheduler: Scheduler, comm, row_source=None, speculator=None, spec_depth: int = 0,
-                 metrics=None, on_fatal: Callable[[str], None] | None = None, heartbeat_s: float = 0.5) -> None:
+                 metrics=None, on_fatal: Callable[[str], None] | None = None, heartbeat_s: float = 0.5,
+                 deadlines: Deadlines | None = None) -> None:
         self.model, self.sched, self.comm, self.rows = model, scheduler, comm, row_source
         self.spec, self.spec_depth = speculator, (spec_depth if speculator is not None else 0)
         self.metrics, self.on_fatal, self.heartbeat_s = metrics, on_fatal, heartbeat_s
@@ -71,6 +79,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.spec_errors = 0
+        self.spec_deadline_exceeded = 0
+        self.deadlines = deadlines or Deadlines()
+        self._spec_caller = DeadlineCaller("dsv41-propose") if speculator is not None else None
         self._refresh_counters()
 
     # ------------------------------------------------------------------ API (any thread)
@@ -91,6 +102,9 @@ class Engine:
                 self.sched.add(r)
         if params.max_tokens == 0:
             r.finished = "length"
+            if self.metrics:  # finished without a step: counted like every other finished request
+                self.metrics.finished("length")
+                self.metrics.e2e.observe(time.monotonic() - r.arrival)
             sink({"type": "finish", "reason": "length", "prompt_tokens": len(prompt), "completion_tokens": 0})
             return r
         self._wake.set()
@@ -129,10 +143,17 @@ class Engine:
             except PeerLost:
                 pass
         if self.spec is not None:
-            try:
-                self.spec.close()
-            except Exception:  # noqa: BLE001 - best effort at exit
-                pass
+            # A speculator whose propose hung may block close too: bounded, best effort at exit.
+            t = threading.Thread(target=self._close_spec, name="dsv41-spec-close", daemon=True)
+            t.start()
+            t.join(5.0)
+            self._spec_caller.close()
+
+    def _close_spec(self) -> None:
+        try:
+            self.spec.close()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
 
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
@@ -239,9 +260,20 @@ class Engine:
         if not batch:
             return
         try:
-            props = self.spec.propose(batch)
+            props = self._spec_caller.call(self.spec.propose, batch, timeout_s=self.deadlines.propose_s)
             if len(props) != len(batch):
                 raise Dsv41Error(f"speculator returned {len(props)} proposals for {len(batch)} requests")
+        except (CallTimeout, CallBusy) as exc:
+            # The drafter did not answer in time (or is still stuck in an earlier round): this
+            # round decodes without drafts; no second call is stacked on a stuck one.
+            self.spec_errors += 1
+            self.spec_deadline_exceeded += 1
+            if self.metrics:
+                self.metrics.spec_deadline.inc()
+            if self.spec_deadline_exceeded == 1 or self.spec_deadline_exceeded % 100 == 0:
+                log.warning("speculator over its deadline (%d so far), decoding without drafts: %s",
+                            self.spec_deadline_exceeded, exc)
+            return
         except Exception as exc:  # noqa: BLE001 - fail closed: target-only decoding for this round
             self.spec_errors += 1
             if self.spec_errors == 1 or self.spec_errors % 100 == 0:

@@ -9,11 +9,14 @@ vLLM names (``vllm:`` prefix, label ``model_name``): ``num_requests_running``,
 
 Engram, per rank (label ``rank``, values gathered from every rank over torch.distributed):
 ``dsv41_engram_lookups_total``, ``_rows_total``, ``_fallbacks_total``, ``_transport_errors_total``,
-``_refusals_total``, ``_reconnects_total``, ``dsv41_engram_lookup_latency_seconds`` (summary:
+``_refusals_total``, ``_reconnects_total``, ``_deadline_exceeded_total`` (lookups the engine
+answered from the local reader because the remote missed ``DSV41_ENGRAM_LOOKUP_DEADLINE_MS``), ``dsv41_engram_lookup_latency_seconds`` (summary:
 ``_sum``/``_count``), ``dsv41_engram_scale_bytes_total{value="0"|"255"}`` (reference-convention
 special scale bytes seen) and ``dsv41_engram_nonfinite_values_total`` (values zeroed, see
-docs/engine.md). Drafter counters (``Speculator.counters()``) as ``dsv41_drafter_<key>_total``
-counters and the summary ``dsv41_drafter_propose_latency_seconds`` (see ``_DrafterCollector``).
+docs/engine.md). ``dsv41_engine_spec_deadline_exceeded_total``: speculation rounds that went
+without drafts because ``propose`` missed ``DSV41_DRAFTER_PROPOSE_DEADLINE_MS``. Drafter counters
+(``Speculator.counters()``) as ``dsv41_drafter_<key>_total`` counters and the summary
+``dsv41_drafter_propose_latency_seconds`` (see ``_DrafterCollector``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
-ENGRAM_KEYS = ("lookups", "rows", "fallbacks", "transport_errors", "refusals", "reconnects")
+ENGRAM_KEYS = ("lookups", "rows", "fallbacks", "transport_errors", "refusals", "reconnects", "deadline_exceeded")
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                  7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 # vLLM's inter-token latency buckets (seconds).
@@ -117,6 +120,9 @@ class EngineMetrics:
                              lab, buckets=_ITL_BUCKETS, registry=R).labels(model_name)
         self.pause_drain_aborts = Counter("dsv41_engine_pause_drain_aborts", "Requests aborted because a "
                                           "/pause?mode=wait drain timed out", lab, registry=R).labels(model_name)
+        self.spec_deadline = Counter("dsv41_engine_spec_deadline_exceeded",
+                                     "Speculation rounds decoded without drafts: propose missed its deadline",
+                                     lab, registry=R).labels(model_name)
         self.kv_tokens = Gauge("dsv41_engine_kv_cache_tokens", "KV budget in tokens (incl. drafter capacity extra)",
                                lab, registry=R).labels(model_name)
         self.kv_extra_tokens = Gauge("dsv41_engine_kv_extra_tokens", "KV tokens added because the drafter runs remotely",

@@ -10,7 +10,14 @@ engine step that produced tokens; ``stream_options.include_usage`` and
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 bad JSON or
 parameters (incl. a request longer than the KV budget), 404 unknown model, 413 body over
 ``MAX_BODY_BYTES``, 500 one request failed inside the engine (or a handler bug), 503
-paused/draining or engine failed.
+paused/draining or engine failed. Every client mistake is a 4xx naming the field (``param``);
+a 500 from a handler bug says ``Connection: close`` (the client's pool opens a fresh
+connection), as does a 413.
+
+Request bodies are counted as they arrive (``BodyLimit``, an ASGI middleware in front of every
+route): the read stops at ``MAX_BODY_BYTES`` with a 413, whether the body declares a
+``Content-Length`` or is chunked, so memory stays bounded by about the limit times the
+concurrent uploads.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 import uuid
 from typing import Any
@@ -42,11 +50,129 @@ MAX_BODY_BYTES = 4 << 20
 
 
 class ApiError(Exception):
-    """An error answered to the client: ``status`` code, ``message``, OpenAI error ``type``."""
+    """An error answered to the client: ``status`` code, ``message``, OpenAI error ``type``,
+    ``param`` (the field at fault), ``close`` (answer with ``Connection: close``)."""
 
-    def __init__(self, status: int, message: str, etype: str = "BadRequestError", param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, etype: str = "BadRequestError", param: str | None = None,
+                 close: bool = False) -> None:
         super().__init__(message)
-        self.status, self.message, self.etype, self.param = status, message, etype, param
+        self.status, self.message, self.etype, self.param, self.close = status, message, etype, param, close
+
+
+def _too_large(n: int | str) -> ApiError:
+    return ApiError(413, f"request body of {n} bytes is over the {MAX_BODY_BYTES} byte limit",
+                    etype="RequestTooLargeError", close=True)
+
+
+class BodyLimit:
+    """ASGI middleware bounding every request body to ``limit`` bytes (default ``MAX_BODY_BYTES``).
+
+    A declared ``Content-Length`` over the limit is answered 413 before any body is read; a
+    chunked (or lying) body is counted as the app receives it, and the receive that crosses the
+    limit raises ``ApiError`` 413 (answered with ``Connection: close``, so the server stops
+    reading the rest). At most ``limit`` plus one received chunk is ever held per request.
+    """
+
+    def __init__(self, app, limit: int | None = None) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = MAX_BODY_BYTES if self.limit is None else self.limit
+        for k, v in scope.get("headers", ()):
+            if k == b"content-length" and v.isdigit() and int(v) > limit:
+                return await _err_response(_too_large(v.decode()))(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit:
+                    raise _too_large(f"more than {limit}")
+            return msg
+
+        return await self.app(scope, counted, send)
+
+
+class CatchAll:
+    """ASGI middleware: an exception escaping a handler (a bug) is logged once and answered as an
+    OpenAI-shaped 500 with ``Connection: close``, instead of propagating to uvicorn (which would
+    close the connection under a client that believes it is reusable). A response already under
+    way cannot be changed: uvicorn then closes the connection, so the client sees it end early."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(msg):
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:  # noqa: BLE001 - see class doc
+            log.error("unhandled error in a request handler", exc_info=exc)
+            if started:
+                raise
+            err = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", etype="InternalServerError", close=True)
+            await _err_response(err)(scope, receive, send)
+
+
+def _show(v, limit: int = 60) -> str:
+    """``repr(v)`` cut to ``limit`` characters, for error messages that echo a client's value."""
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+class BigInt:
+    """A JSON integer longer than Python's int-parsing limit (``sys.get_int_max_str_digits()``):
+    kept as its digit count so the field's own check refuses it with the field's name."""
+
+    def __init__(self, digits: str) -> None:
+        self.digits = len(digits.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"<an integer of {self.digits} digits>"
+
+
+def _parse_int(text: str):
+    limit = sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 4300
+    return BigInt(text) if limit and len(text) > limit else int(text)
+
+
+def _bad_text(obj) -> str | None:
+    """The path of the first string (value or key) in ``obj`` holding a lone UTF-16 surrogate
+    (JSON allows ``"\ud800"``; it is not Unicode text and cannot be encoded back), else None."""
+    stack = [(obj, "")]
+    while stack:
+        o, path = stack.pop()
+        if isinstance(o, str):
+            if not o.isascii():
+                try:
+                    o.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path or "body"
+        elif isinstance(o, dict):
+            for k, v in o.items():
+                p = f"{path}.{k}" if path else str(k)
+                if not k.isascii():
+                    try:
+                        k.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return path or "body"
+                stack.append((v, p))
+        elif isinstance(o, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(o))
+    return None
 
 
 def _bool(body: dict, key: str, default: bool = False) -> bool:
@@ -55,25 +181,33 @@ def _bool(body: dict, key: str, default: bool = False) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise ApiError(400, f"{key} must be a boolean, got {v!r}", param=key)
+        raise ApiError(400, f"{key} must be a boolean, got {_show(v)}", param=key)
     return v
 
 
 def parse_json_body(raw: bytes):
-    """Decode a request body; ``ApiError`` 400 on anything that is not JSON (bad UTF-8, syntax,
-    nesting deep enough to hit Python's recursion limit)."""
+    """Decode a request body; ``ApiError`` 400 on anything that is not JSON text (bad UTF-8,
+    syntax, nesting deep enough to hit Python's recursion limit, strings with lone surrogates,
+    naming the field). Integers beyond Python's int-parsing limit become ``BigInt`` (the field's
+    own check refuses them by name)."""
     try:
-        return json.loads(raw)
+        body = json.loads(raw, parse_int=_parse_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise ApiError(400, "request body is not valid JSON: nested too deeply") from None
+    except ValueError as exc:  # any other literal Python refuses to convert
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    bad = _bad_text(body)
+    if bad is not None:
+        raise ApiError(400, f"{bad}: a string holds a lone UTF-16 surrogate (not valid Unicode)", param=bad)
+    return body
 
 
 def _err_response(e: ApiError):
-    """The OpenAI-shaped JSON error response of ``e``."""
-    return JSONResponse(status_code=e.status, content={"error": {"message": e.message, "type": e.etype,
-                                                                  "param": e.param, "code": e.status}})
+    """The OpenAI-shaped JSON error response of ``e`` (``Connection: close`` when ``e.close``)."""
+    return JSONResponse(status_code=e.status, headers={"connection": "close"} if e.close else None,
+                        content={"error": {"message": e.message, "type": e.etype, "param": e.param, "code": e.status}})
 
 
 def _int(body: dict, key: str, default, lo: int | None = None, hi: int | None = None):
@@ -82,8 +216,10 @@ def _int(body: dict, key: str, default, lo: int | None = None, hi: int | None = 
     v = body.get(key, default)
     if v is None:
         return default
+    if isinstance(v, BigInt):
+        raise ApiError(400, f"{key} must be an integer in range, got {v!r}", param=key)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ApiError(400, f"{key} must be an integer, got {v!r}", param=key)
+        raise ApiError(400, f"{key} must be an integer, got {_show(v)}", param=key)
     if lo is not None and v < lo:
         raise ApiError(400, f"{key} must be >= {lo}, got {v}", param=key)
     if hi is not None and v > hi:
@@ -98,7 +234,7 @@ def _float(body: dict, key: str, default: float, lo: float, hi: float, lo_open: 
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ApiError(400, f"{key} must be a number, got {v!r}", param=key)
+        raise ApiError(400, f"{key} must be a number, got {_show(v)}", param=key)
     try:
         v = float(v)
     except OverflowError:  # a JSON integer beyond float range, e.g. 10**400
@@ -112,22 +248,24 @@ def parse_sampling(body: dict, default_max_tokens: int, chat: bool) -> SamplingP
     """Validate the sampling fields of a request body; raises ``ApiError`` (400)."""
     if _int(body, "n", 1) != 1:
         raise ApiError(400, "n must be 1 (the lab engine returns one choice)", param="n")
-    if body.get("best_of") not in (None, 1):
+    if _int(body, "best_of", 1) != 1:
         raise ApiError(400, "best_of is not supported", param="best_of")
-    for unsupported in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "logit_bias"):
-        v = body.get(unsupported)
-        if v not in (None, False, [], {}) and not (unsupported == "logprobs" and v is False):
-            raise ApiError(400, f"{unsupported} is not supported by the lab engine", param=unsupported)
-    if body.get("stop") not in (None, [], ""):
-        raise ApiError(400, "stop is not supported by the lab engine", param="stop")
+    # Features the lab engine does not implement: every non-null value asks for them and is
+    # refused (0 too: ``logprobs: 0`` asks for the sampled token's logprob), except the values
+    # that ask for nothing, compared by type so a falsy 0 never passes as false.
+    asks_nothing = {"logprobs": [False] if chat else [], "top_logprobs": [], "echo": [False], "suffix": [],
+                    "tools": [[]], "logit_bias": [{}], "stop": [[], ""]}
+    for key, nothing in asks_nothing.items():
+        v = body.get(key)
+        if v is None or any(type(v) is type(o) and v == o for o in nothing):
+            continue
+        raise ApiError(400, f"{key} is not supported by the lab engine (got {_show(v)})", param=key)
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, key, default_max_tokens, lo=0)
     min_tokens = _int(body, "min_tokens", 0, lo=0)
     if min_tokens > max_tokens:
         raise ApiError(400, f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})", param="min_tokens")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ApiError(400, f"seed must be an integer, got {seed!r}", param="seed")
+    seed = _int(body, "seed", None)
     ignore_eos = _bool(body, "ignore_eos")
     return SamplingParams(temperature=_float(body, "temperature", 1.0, 0.0, 100.0),
                           top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=seed,
@@ -142,6 +280,9 @@ def parse_prompt(body: dict, tok: ByteTokenizer, max_len: int | None = None) -> 
     400 for an empty, too long or malformed prompt and for ids outside ``[0, VOCAB_SIZE)``.
     """
     p = body.get("prompt")
+    if isinstance(p, BigInt) or (isinstance(p, list) and any(isinstance(t, BigInt) for t in p)):
+        raise ApiError(400, "prompt token ids must be integers in [0, {VOCAB_SIZE})".replace("{VOCAB_SIZE}", str(VOCAB_SIZE)),
+                       param="prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]
     if max_len is not None and isinstance(p, (str, list)) and len(p) > max_len:
@@ -185,6 +326,9 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
     st = state or ServerState()
     app = FastAPI(title="dsv41 lab engine", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server_state = st
+    # add_middleware puts the last one outermost: BodyLimit sees the request first.
+    app.add_middleware(CatchAll)
+    app.add_middleware(BodyLimit)
 
     @app.exception_handler(ApiError)
     async def _api_error(_req, exc: ApiError):
@@ -201,18 +345,13 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
     @app.exception_handler(Exception)
     async def _unexpected(_req, exc: Exception):
         # A bug must still answer in OpenAI's shape (and be logged), never as a bare text 500.
+        # Only reached for errors outside CatchAll (the middleware stack itself).
         log.error("unhandled error in a request handler", exc_info=exc)
-        return _err_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", etype="InternalServerError"))
+        return _err_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", etype="InternalServerError",
+                                      close=True))
 
     async def _body(request: Request) -> dict:
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body of {declared} bytes is over the {MAX_BODY_BYTES} byte limit",
-                           etype="RequestTooLargeError")
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body of {len(raw)} bytes is over the {MAX_BODY_BYTES} byte limit",
-                           etype="RequestTooLargeError")
+        raw = await request.body()  # bounded by BodyLimit
         body = parse_json_body(raw)
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")

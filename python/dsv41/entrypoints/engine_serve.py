@@ -61,6 +61,7 @@ def serve_cmd(
             raise Dsv41Error(f"--master must be ADDR:PORT, got {master!r}")
     if rank == 0 and not 0 < port < 65536:
         raise Dsv41Error(f"--port must be in [1, 65535], got {port}")
+    from dsv41.engine.deadline import deadlines_from_settings, guard_row_source
     from dsv41.engine.model import TargetModel
     from dsv41.engine.model_config import load_config
     from dsv41.engine.weights import load_weights, target_identity
@@ -68,13 +69,15 @@ def serve_cmd(
     cfg = load_config(config)
     w = load_weights(cfg, weights)
     identity = target_identity(config, weights)
-    rows = row_source(manifest, data, rank, tp, settings)
+    deadlines = deadlines_from_settings(settings)
+    rows = guard_row_source(row_source(manifest, data, rank, tp, settings), deadlines.engram_lookup_s)
     drain = {"flag": False}
     if tp > 1:
         from dsv41.engine.tp import DistComm
 
         logging.getLogger("dsv41.engine").info("rank %d joining the TP%d group at %s", rank, tp, master)
-        comm = DistComm.init(rank, tp, master, device, timeout_s=rendezvous_timeout)
+        comm = DistComm.init(rank, tp, master, device, timeout_s=rendezvous_timeout,
+                             peer_timeout_s=deadlines.tp_peer_timeout_s)
     else:
         from dsv41.engine.tp import LocalComm
 
@@ -92,7 +95,7 @@ def serve_cmd(
             worker_loop(model, comm, rows, lambda: drain["flag"])
             return
         _serve_rank0(settings, cfg, model, comm, rows, identity, device, host, port, kv_cache_tokens,
-                     max_running, max_step_tokens, served_model_name)
+                     max_running, max_step_tokens, served_model_name, deadlines)
     finally:
         try:
             rows.close()
@@ -101,8 +104,12 @@ def serve_cmd(
                 comm.close()
 
 
+# Seconds a failed rank 0 keeps answering /health 503 (with the reason) before it exits.
+FATAL_LINGER_S = 1.0
+
+
 def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, host, port, kv_cache_tokens,
-                 max_running, max_step_tokens, name) -> None:
+                 max_running, max_step_tokens, name, deadlines) -> None:
     import asyncio
 
     import uvicorn
@@ -126,7 +133,7 @@ def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, h
                             spec.counters if spec is not None else None)
     metrics.kv_tokens.set(kv_cache_tokens)
     metrics.kv_extra_tokens.set(extra)
-    engine = Engine(model, sched, comm, rows, spec, depth, metrics)
+    engine = Engine(model, sched, comm, rows, spec, depth, metrics, deadlines=deadlines)
     holder["engine"] = engine
     state = ServerState()
     app = create_app(engine, name, min(cfg.max_position_embeddings, kv_cache_tokens), state, metrics)
@@ -145,11 +152,16 @@ def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, h
                                            timeout_graceful_shutdown=None, lifespan="off"))
 
     async def watch():
-        # Drain triggers besides our own SIGTERM: rank 1 draining, the engine failing.
+        # Drain triggers besides our own SIGTERM: rank 1 draining, the engine failing. A failed
+        # engine keeps answering /health 503 with the reason for FATAL_LINGER_S, then exits 1
+        # for its supervisor to restart the pair.
         while not server.should_exit:
             if engine.fatal or engine.peer_draining:
                 state.draining = True
-                if engine.fatal or engine.idle():
+                if engine.fatal:
+                    await asyncio.sleep(FATAL_LINGER_S)
+                    server.should_exit = True
+                elif engine.idle():
                     server.should_exit = True
             if server.should_exit:
                 break
