@@ -69,6 +69,10 @@ class HangingRemote:
         out[...] = 0xAB
         return out
 
+    def lookup_layers(self, layer_ids, rows, outs=None):
+        outs = outs or [None] * len(layer_ids)
+        return [self.lookup(lid, r, o) for lid, r, o in zip(layer_ids, rows, outs)]
+
     def counters(self):
         return {"lookups": self.calls, "fallbacks": 0}
 
@@ -142,6 +146,22 @@ def test_hanging_remote_engram_lookup_falls_back_to_exact_local_rows(assets, tar
     assert got == want  # exact rows: the abandoned lookup never wrote into the model's arrays
     c = rows.counters()
     assert remote.calls == 1 and c["deadline_exceeded"] >= 1 and c["fallbacks"] >= c["deadline_exceeded"]
+    remote.release.set()
+
+
+def test_hanging_two_layer_lookup_falls_back_within_the_deadline(assets):
+    # the engine fetches both Engram layers of a step in one request (lookup_layers): the
+    # engine's deadline covers that request too, and the fallback rows are the exact local ones
+    local = local_rows(assets)
+    remote = HangingRemote(local)
+    rows = DeadlineRowSource(remote, 0.05)
+    ids = [np.array([0, 1, 7]), np.array([2, 3])]
+    t0 = time.monotonic()
+    got = rows.lookup_layers([1, 2], ids)
+    assert time.monotonic() - t0 < 5
+    for lid, r, g in zip([1, 2], ids, got):
+        np.testing.assert_array_equal(g, local.lookup(lid, r))
+    assert rows.counters()["deadline_exceeded"] == 1
     remote.release.set()
 
 

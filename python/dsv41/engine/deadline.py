@@ -131,6 +131,30 @@ class DeadlineRowSource:
         out[...] = got
         return out
 
+    def lookup_layers(self, layer_ids, rows, outs=None) -> list[np.ndarray]:
+        """Rows of several layers in one remote request (``RemoteRowSource.lookup_layers``'
+        contract: one uint8 ``[N_i, 264]`` array per layer), within one deadline for the whole
+        request; on a miss each layer is answered from ``inner.local`` as ``lookup`` does."""
+        if not hasattr(self.inner, "lookup_layers"):  # a source without the multi-layer request
+            if outs is None:
+                return [self.lookup(lid, r) for lid, r in zip(layer_ids, rows)]
+            return [self.lookup(lid, r, o) for lid, r, o in zip(layer_ids, rows, outs)]
+        try:
+            got = self._caller.call(self.inner.lookup_layers, layer_ids, rows, timeout_s=self.deadline_s)
+        except (CallTimeout, CallBusy):
+            with self._lock:
+                self._missed += 1
+            local = getattr(self.inner, "local", None)
+            if getattr(self.inner, "required", False) or local is None:
+                raise
+            got = [local.lookup(lid, np.asarray(r)) if hasattr(local, "lookup") else local.read(lid, np.asarray(r))
+                   for lid, r in zip(layer_ids, rows)]
+        if outs is None:
+            return list(got)
+        for o, g in zip(outs, got):
+            o[...] = g
+        return list(outs)
+
     def counters(self) -> dict:
         """``inner.counters()`` plus ``deadline_exceeded`` (also added to ``fallbacks``)."""
         c = dict(self.inner.counters())
