@@ -11,6 +11,8 @@ import time
 import numpy as np
 import pytest
 
+from serverutil import settled_snapshot
+
 from dsv41.engram.client import RemoteRowSource, RemoteUnavailable, read_rows_remote
 from dsv41.engram.manifest import load_manifest
 from dsv41.engram.rowsource import COUNTER_KEYS, LocalRowSource
@@ -323,7 +325,7 @@ def test_hot_path_checks_match_general_path(tabs):
         buf = np.zeros((len(rows), 264), np.uint8)
         assert src.lookup(1, rows, out=buf) is buf
         np.testing.assert_array_equal(buf, ref.read(1, np.asarray(rows, np.int64)))
-    before = srv.snapshot()["requests"]
+    before = settled_snapshot(srv)["requests"]
     buf = np.zeros((2, 264), np.uint8)
     with pytest.raises(RowRangeError, match=f"row {n1} is outside"):
         src.lookup(1, np.array([1, n1], np.int64), out=buf)
@@ -339,7 +341,7 @@ def test_hot_path_checks_match_general_path(tabs):
     for bad in (ro, np.zeros((3, 264), np.uint8), np.zeros((2, 264), np.int8)):
         with pytest.raises(Dsv41Error, match="out must be"):
             src.lookup(1, np.array([1, 2], np.int64), out=bad)
-    assert srv.snapshot()["requests"] == before
+    assert settled_snapshot(srv)["requests"] == before
     assert src.counters()["fallbacks"] == 0
     src.close()
     ref.close()
@@ -355,11 +357,11 @@ def test_lookup_layers_one_request_exact(tabs):
     for n in (24, 96, 20000):  # 2 x 20000 rows: more than one request's worth, per layer
         rows = [rand_rows(m, 1, n, n), rand_rows(m, 2, n, n + 1)]
         outs = [np.zeros((n, 264), np.uint8), np.zeros((n, 264), np.uint8)]
-        before = srv.snapshot()["requests"]
+        before = settled_snapshot(srv)["requests"]
         got = src.lookup_layers((1, 2), rows, outs)
         assert got[0] is outs[0] and got[1] is outs[1]
         if n <= 96:
-            assert srv.snapshot()["requests"] == before + 1  # both layers, one request
+            assert settled_snapshot(srv)["requests"] == before + 1  # both layers, one request
         for L in (1, 2):
             np.testing.assert_array_equal(got[L - 1], ref.read(L, rows[L - 1]))
         got = src.lookup_layers([2, 1], [rows[1], rows[0]])  # no buffers, either order

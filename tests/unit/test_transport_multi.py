@@ -9,6 +9,8 @@ import threading
 
 import numpy as np
 import pytest
+
+from serverutil import settled_snapshot
 from test_transport_tcp import expected, impl, make_table, raw_conn, recv_exact  # noqa: F401 - impl: fixture
 
 from dsv41.transport import Refused, open_client, parse_url
@@ -63,7 +65,7 @@ def test_lookup_segs_checks_send_nothing(served):
     srv, ep, tables, impl = served
     c = client(ep, impl)
     t = tables[0]
-    before = srv.snapshot()["requests"]
+    before = settled_snapshot(srv)["requests"]
     out = np.empty((2, 264), np.uint8)
     assert c.lookup_segs(((t.identity, np.array([1, 2], np.int32), t.rows, out),), 1.0) == (2, 0, 0)
     assert c.lookup_segs(((t.identity, [1, 2], t.rows, out),), 1.0) == (2, 0, 0)
@@ -79,7 +81,7 @@ def test_lookup_segs_checks_send_nothing(served):
         assert c.lookup_segs(((t.identity, np.array([1, 2], np.int64), t.rows, bad),), 1.0) == (4, 0, 0)
     with pytest.raises(ValueError):
         c.lookup_segs((), 1.0)
-    assert srv.snapshot()["requests"] == before  # nothing reached the server
+    assert settled_snapshot(srv)["requests"] == before  # nothing reached the server
     assert c.lookup_segs((ok,), 1.0)[0] == 0
     c.close()
 

@@ -12,6 +12,8 @@ import time
 import numpy as np
 import pytest
 
+from serverutil import settled_snapshot
+
 from dsv41.transport import Refused, TransportError, TransportTimeout, native, open_client, parse_url
 from dsv41.transport import protocol as P
 from dsv41.transport.server import RowServer, RowTable
@@ -96,7 +98,7 @@ def test_lookup_exact_rows_and_hello(served):
     # empty lookup is legal
     c.lookup_into(tables[0].identity, np.zeros(0, np.uint64), [np.empty((0, 264), np.uint8)], 1.0)
     c.close()
-    snap = srv.snapshot()
+    snap = settled_snapshot(srv)
     assert snap["requests"] == 9 and snap["rows"] == 2 * (1 + 24 + 96 + 20000)
 
 
