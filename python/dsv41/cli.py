@@ -33,6 +33,7 @@ _GROUPS = [
     ("bench", "dsv41.harness.bench_cli", "Benchmark client: TTFT, step_ms, tok/s, acceptance."),
     ("window", "dsv41.harness.window_cli", "Fenced windows and the WIN2 decision rule."),
     ("refs", "dsv41.harness.refs_cli", "Greedy reference prompts: record and verify."),
+    ("status", "dsv41.harness.status_cli", "Is production healthy, and what is it running? (exit 1 with reasons)"),
 ]
 
 

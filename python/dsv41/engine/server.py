@@ -165,11 +165,13 @@ def parse_prompt(body: dict, tok: ByteTokenizer, max_len: int | None = None) -> 
 
 
 class ServerState:
-    """Admission state shared by the handlers: ``paused``, ``draining``."""
+    """Admission state shared by the handlers: ``paused``, ``draining``, and ``paused_since``
+    (Unix time in seconds when admission was last closed; None while open)."""
 
     def __init__(self) -> None:
         self.paused = False
         self.draining = False
+        self.paused_since: float | None = None
 
 
 def create_app(engine, model_name: str, max_model_len: int, state: ServerState | None = None, metrics=None):
@@ -418,6 +420,8 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
             raise ApiError(400, f"mode must be 'wait' or 'abort', got {mode!r}", param="mode")
         if not 0 < timeout_s < float("inf"):  # NaN fails too
             raise ApiError(400, f"timeout_s must be a positive number of seconds, got {timeout_s}", param="timeout_s")
+        if not st.paused:
+            st.paused_since = time.time()
         st.paused = True
         running, waiting = engine.sched.counts()
         if mode == "abort":
@@ -436,11 +440,13 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
     async def resume():
         """Admit requests again (idempotent)."""
         st.paused = False
+        st.paused_since = None
         return {"paused": False}
 
     @app.get("/is_paused")
     async def is_paused():
-        """``{"is_paused": bool}`` (vLLM's dev-mode endpoint shape)."""
-        return {"is_paused": st.paused}
+        """``{"is_paused": bool}`` (vLLM's dev-mode endpoint shape) plus ``paused_since``: Unix
+        time (s) admission was closed, null while open (what ``dsv41 status`` shows as "since")."""
+        return {"is_paused": st.paused, "paused_since": st.paused_since if st.paused else None}
 
     return app
