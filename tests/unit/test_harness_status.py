@@ -366,3 +366,11 @@ def test_unreachable_hosts_through_the_status_playbook(tmp_path):
     r = _dsv41("status", "--inventory", str(inv / "hosts.yml"), "--window", "0", "--json")
     rep = json.loads(r.stdout)
     assert r.returncode == 1 and rep["healthy"] is False and not rep["hosts"]["x86host"]["reachable"]
+
+
+def test_inventory_that_does_not_parse_is_one_line(tmp_path):
+    inv = tmp_path / "hosts.yml"
+    inv.write_text("all: [\n")
+    r = _dsv41("status", "--inventory", str(inv))
+    assert r.returncode == 1 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"dsv41: error: inventory {inv}: no hosts in the 'spark' and 'offload' groups (it did not parse: YAML")

@@ -470,6 +470,9 @@ def render_lines(report: dict) -> list[str]:
              f"metrics {api['url']}/metrics; admission {_admission_line(report)}"]
     for name, h in sorted(report["hosts"].items()):
         c = _host_cells(name, h)
+        if not h.get("reachable"):
+            lines.append(f"{c[0]} ({c[1]}): unreachable")
+            continue
         lines.append(f"{c[0]} ({c[1]}): {c[2]}; dsv41 {c[3]}; image {c[4]}; tables {c[5]}; {c[6]}; promotion {c[7]}")
     srv = report["engram_server"]
     if srv.get("url"):
@@ -527,7 +530,7 @@ def host_entry(raw: dict) -> dict:
     rank = raw.get("rank")
     entry = {"groups": groups, "rank": int(rank) if rank not in (None, "") else None, "reachable": False, "error": None}
     if raw.get("unreachable"):
-        entry["error"] = " ".join(str(raw.get("msg") or "unreachable").split())[:300]
+        entry["error"] = " ".join(str(raw.get("msg") or "unreachable").split()).removeprefix("Task failed: ")[:300]
         return entry
     if raw.get("rc") not in (0, "0"):
         err = (raw.get("stderr") or raw.get("msg") or "").strip().splitlines()
@@ -577,19 +580,26 @@ def inventory_hosts(inventory: str) -> dict[str, list[str]]:
     inventory API. StatusError (one line) for a missing inventory or one without those hosts."""
     if not os.path.exists(inventory):
         raise StatusError(f"inventory {inventory}: no such file or directory")
+    import contextlib
+    import io
+
     from ansible.inventory.manager import InventoryManager
     from ansible.parsing.dataloader import DataLoader
-    from ansible.utils.display import Display
+    from ansible.plugins.loader import init_plugin_loader
 
-    Display().verbosity = 0
+    init_plugin_loader()
+    noise = io.StringIO()  # Ansible's warnings about the source: folded into the one error line
     try:
-        inv = InventoryManager(loader=DataLoader(), sources=[inventory])
+        with contextlib.redirect_stderr(noise), contextlib.redirect_stdout(noise):
+            inv = InventoryManager(loader=DataLoader(), sources=[inventory])
     except Exception as exc:  # noqa: BLE001 - Ansible raises its own error types for bad sources
         raise StatusError(f"inventory {inventory}: {' '.join(str(exc).split())[:300]}") from None
     groups = {g: [h.name for h in inv.groups[g].get_hosts()] for g in ("spark", "offload") if g in inv.groups}
     if not groups.get("spark") or not groups.get("offload"):
-        raise StatusError(f"inventory {inventory}: no hosts in the 'spark' and 'offload' groups "
-                          "(not a dsv41 inventory, or it did not parse)")
+        why = [ln.split(" plugin: ", 1)[-1].strip() for ln in noise.getvalue().splitlines()
+               if ln.startswith("[WARNING]: Failed to parse")]
+        raise StatusError(f"inventory {inventory}: no hosts in the 'spark' and 'offload' groups"
+                          + (f" (it did not parse: {why[0][:200]})" if why else " (not a dsv41 inventory)"))
     return groups
 
 
@@ -603,7 +613,8 @@ def run_playbook(inventory: str, window_s: float = 5.0, timeout_s: float = 300.0
 
     inventory_hosts(inventory)
     project = find_project(inventory)
-    binary = Path(os.sys.executable).parent / "ansible-playbook"
+    # ansible-playbook from the venv running this command, even when that venv is not on PATH
+    path = os.pathsep.join([str(Path(os.sys.executable).parent), os.environ.get("PATH", "")])
     found: dict = {}
     failures: list[str] = []
 
@@ -621,8 +632,7 @@ def run_playbook(inventory: str, window_s: float = 5.0, timeout_s: float = 300.0
             private_data_dir=pdd, project_dir=str(project), playbook=str(project / "playbooks" / "status.yml"),
             inventory=str(Path(inventory).resolve()), extravars={"status_window_s": float(window_s)},
             quiet=True, event_handler=on_event, timeout=int(timeout_s),
-            binary=str(binary) if binary.exists() else None,
-            envvars={"ANSIBLE_CONFIG": str(project / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"})
+            envvars={"ANSIBLE_CONFIG": str(project / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1", "PATH": path})
         if "report" in found:
             return found["report"]
         out = ""
