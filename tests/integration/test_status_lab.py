@@ -33,7 +33,7 @@ API = "http://198.18.0.11:8000"
 def deployed():
     """The lab, deployed by deploy.yml (its output is the value); lab down afterwards."""
     try:
-        r = play("deploy.yml", timeout=900)
+        r = play("deploy.yml", timeout=1800)
         assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
         yield r.stdout
     finally:

@@ -350,13 +350,15 @@ def test_unreachable_hosts_through_the_status_playbook(tmp_path):
     inv = tmp_path / "inv"
     (inv / "group_vars").mkdir(parents=True)
     (inv / "hosts.yml").write_text("all:\n  children:\n    spark:\n      hosts:\n        sparkhead:\n"
-                                   "          dsv41_rank: 0\n        sparkworker:\n          dsv41_rank: 1\n"
-                                   "    offload:\n      hosts:\n        x86host:\n")
+                                   "          dsv41_rank: 0\n          dsv41_mgmt_address: 127.0.0.1\n"
+                                   "        sparkworker:\n          dsv41_rank: 1\n"
+                                   "    offload:\n      hosts:\n        x86host:\n          dsv41_mgmt_address: 127.0.0.1\n")
+    # dsv41_api_url names another host's variable through hostvars, as the real inventories do
     (inv / "group_vars" / "all.yml").write_text(
         "ansible_connection: dsv41_lab\n"
         f"ansible_dsv41_lab_pidfile: {tmp_path}/{{{{ inventory_hostname }}}}.pid\n"
         "ansible_python_interpreter: \"{{ ansible_playbook_python }}\"\n"
-        "dsv41_mgmt_address: 127.0.0.1\ndsv41_api_url: http://127.0.0.1:9\ndsv41_drafter_metrics_port: 9\n")
+        "dsv41_api_url: \"http://{{ hostvars['sparkhead'].dsv41_mgmt_address }}:9\"\ndsv41_drafter_metrics_port: 9\n")
     r = _dsv41("status", "--inventory", str(inv / "hosts.yml"), "--window", "0")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "Traceback" not in r.stdout + r.stderr
@@ -374,3 +376,11 @@ def test_inventory_that_does_not_parse_is_one_line(tmp_path):
     r = _dsv41("status", "--inventory", str(inv))
     assert r.returncode == 1 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr
     assert r.stderr.startswith(f"dsv41: error: inventory {inv}: no hosts in the 'spark' and 'offload' groups (it did not parse: YAML")
+
+
+def test_metrics_endpoint_failing_is_a_reason(fake):
+    fake.engine_metrics = None  # the handler raises: the server answers nothing useful
+    probed = st.probe(fake.url, None, None, window_s=0)
+    rep = st.evaluate(_hosts(), probed)
+    assert probed["engine"]["error"].startswith(f"{fake.url}/metrics: ")
+    assert any(r.startswith(f"rank 0 metrics {fake.url}/metrics: ") for r in rep["reasons"]), rep["reasons"]

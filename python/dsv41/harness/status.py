@@ -240,24 +240,22 @@ def probe(api_url: str, engram_url: str | None, drafter_url: str | None, window_
 
     engine: dict = {"error": None, "engram": {}, "drafter": {}, "spec": {}, "window": {}}
     if api["error"] is None:
-        code, first = _get(api_url.rstrip("/") + "/metrics", timeout_s)
+        url = api_url.rstrip("/") + "/metrics"
+        code, first = _get(url, timeout_s)
+        second = first
+        if code == 200 and window_s > 0:
+            sleep(window_s)
+            code, second = _get(url, timeout_s)
         if code == 200:
-            before = engine_counters(first)
-            if window_s > 0:
-                sleep(window_s)
-                code, second = _get(api_url.rstrip("/") + "/metrics", timeout_s)
-            else:
-                second = first
-            if code == 200:
-                after = engine_counters(second)
-                engine.update(after)
-                engine["window"] = {
-                    "engram": {r: _delta(before["engram"].get(r, {}), c) for r, c in after["engram"].items()},
-                    "drafter": _delta(before["drafter"], after["drafter"]),
-                    "spec": _delta(before["spec"], after["spec"]),
-                }
-        if code != 200:
-            engine["error"] = f"/metrics: {code if code is not None else ''} {(first if code is None else '')}".strip()
+            before, after = engine_counters(first), engine_counters(second)
+            engine.update(after)
+            engine["window"] = {
+                "engram": {r: _delta(before["engram"].get(r, {}), c) for r, c in after["engram"].items()},
+                "drafter": _delta(before["drafter"], after["drafter"]),
+                "spec": _delta(before["spec"], after["spec"]),
+            }
+        else:
+            engine["error"] = f"{url}: " + (f"unreachable ({second})" if code is None else f"HTTP {code}")
     else:
         engine["error"] = api["error"]
 
@@ -357,6 +355,8 @@ def evaluate(hosts: dict, probed: dict, *, expected_image: str = "", window: dic
         reasons.append(f"admission {api['admission']}")
 
     eng = probed["engine"]
+    if eng.get("error") and not api.get("error"):
+        reasons.append(f"rank 0 metrics {eng['error']}")
     ranks = sorted({int(h["rank"]) for h in hosts.values() if h.get("rank") is not None})
     win = probed.get("window_s", 0.0)
     if not eng.get("error"):
