@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# ansible-test sanity on the custom modules (library/*.py) and the lab connection plugin, offline.
-# ansible-test only runs inside ansible_collections/NS/NAME, so the files are mirrored into a
-# throwaway collection. It downloads get-pip from ci-files.testing.ansible.com to build its venvs;
-# the cache is pre-seeded with tools/ansible-test-get-pip-stub.py (bootstraps pip via ensurepip).
-# Usage: tools/sanity.sh [ansible-test sanity args, e.g. --test validate-modules]
+# ansible-test on the repository's collection (galaxy.yml: dsv41.offload = plugins/, meta/,
+# tests/sanity/, tests/unit/plugins/), offline.
+# ansible-test only runs inside ansible_collections/NS/NAME, so the collection's files are copied
+# into a throwaway tree (the repository's python/ and other tests are not part of the collection).
+# ansible-test downloads get-pip from ci-files.testing.ansible.com to build its venvs; the cache is
+# pre-seeded with tools/ansible-test-get-pip-stub.py (bootstraps pip via ensurepip).
+# Usage: tools/sanity.sh [sanity|units] [ansible-test args, e.g. --test validate-modules]
+#   sanity (default): every sanity test, with tests/sanity/ignore-<core>.txt
+#   units: the module and plugin tests (tests/unit/plugins) in this Python environment, which
+#          has the dsv41 package they drive (ansible-test's own venv would not)
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
+what=${1:-sanity}
+[ $# -gt 0 ] && shift
 command -v ansible-test >/dev/null || { echo "sanity.sh: ansible-test not on PATH (use the project venv)" >&2; exit 1; }
 cache=~/.ansible/test/cache
 mkdir -p "$cache"
@@ -15,18 +22,18 @@ done
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 c=$tmp/ansible_collections/dsv41/offload
-mkdir -p "$c/plugins/modules" "$c/plugins/connection" "$c/meta" "$c/tests/sanity"
-cp "$here"/library/*.py "$c/plugins/modules/"
-cp "$here"/plugins/connection/*.py "$c/plugins/connection/"
-printf 'namespace: dsv41\nname: offload\nversion: 0.1.0\nreadme: README.md\nauthors: [dsv41-offload]\n' > "$c/galaxy.yml"
-echo '# sanity mirror of dsv41-offload library/ and plugins/' > "$c/README.md"
-echo 'requires_ansible: ">=2.19.0"' > "$c/meta/runtime.yml"
-core=$(python -c 'import ansible.release as r; print(".".join(r.__version__.split(".")[:2]))')
-{
-  # Apache-2.0 project: the GPLv3 header check does not apply.
-  for f in "$c"/plugins/modules/*.py "$c"/plugins/connection/*.py; do
-    echo "plugins/${f#"$c"/plugins/} validate-modules:missing-gplv3-license"
-  done
-} > "$c/tests/sanity/ignore-$core.txt"
+mkdir -p "$c/tests/unit"
+# -L: library/ and other links are followed, so the mirror holds plain files
+cp -rL "$here"/galaxy.yml "$here"/README.md "$here"/meta "$here"/plugins "$c/"
+cp -rL "$here"/tests/sanity "$c/tests/"
+cp -rL "$here"/tests/unit/plugins "$c/tests/unit/"
+# shared fakes the module tests import (FakeServing)
+cp "$here"/tests/unit/test_harness_refs.py "$c/tests/unit/"
+find "$c" -name __pycache__ -prune -exec rm -rf {} +
 pyver=$(python -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-cd "$c" && ansible-test sanity --python "$pyver" "$@"
+cd "$c"
+case "$what" in
+  sanity) ansible-test sanity --python "$pyver" "$@" ;;
+  units) ansible-test units --local --python "$pyver" --python-interpreter "$(command -v python)" "$@" tests/unit/plugins/ ;;
+  *) echo "sanity.sh: unknown command $what (sanity or units)" >&2; exit 2 ;;
+esac

@@ -9,6 +9,7 @@ heavy dependencies (torch, NIXL) inside the commands, so ``dsv41 --help`` stays 
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 
 import typer
@@ -23,29 +24,23 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-# (group name, module path, help). A group whose module is absent is skipped, so a host that
-# installs only part of the stack still gets a working command.
-_GROUPS = [
+# (group name, module path, help). Every module exists (tests/unit/test_cli_groups.py); a helper
+# adding a group adds its module in the same change.
+GROUPS = [
+    ("env", "dsv41.entrypoints.env_cli", "Check an env file against the DSV41_* contract (dsv41.envs)."),
     ("engram", "dsv41.engram.cli", "Engram layout, hashing, tables, manifest, rows, server."),
-    ("engine", "dsv41.engine.cli", "The local stand-in serving engine (TP over torch.distributed)."),
+    ("engine", "dsv41.entrypoints.engine_serve", "The local stand-in serving engine (TP over torch.distributed)."),
     ("drafter", "dsv41.drafter.cli", "Remote drafter worker and tools."),
     ("proxy", "dsv41.drafter.proxy_cli", "The async drafting proxy (torch-free)."),
-    ("bench", "dsv41.harness.bench_cli", "Benchmark client: TTFT, step_ms, tok/s, acceptance."),
-    ("window", "dsv41.harness.window_cli", "Fenced windows and the WIN2 decision rule."),
     ("refs", "dsv41.harness.refs_cli", "Greedy reference prompts: record and verify."),
-    ("status", "dsv41.harness.status_cli", "Is production healthy, and what is it running? (exit 1 with reasons)"),
+    ("metrics", "dsv41.harness.metrics_cli", "Read a Prometheus /metrics endpoint as JSON."),
+    ("status", "dsv41.entrypoints.status_cli", "Is production healthy, and what is it running? (exit 1 with reasons)"),
 ]
 
 
 def _register() -> None:
-    for name, module, help_text in _GROUPS:
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name and module.startswith(exc.name):
-                continue  # that part of the stack is not built yet / not installed here
-            raise
-        app.add_typer(mod.app, name=name, help=help_text)
+    for name, module, help_text in GROUPS:
+        app.add_typer(importlib.import_module(module).app, name=name, help=help_text)
 
 
 @app.callback()
@@ -54,11 +49,12 @@ def _root() -> None:
 
 
 @app.command()
-def version() -> None:
+def version(as_json: bool = typer.Option(False, "--json", help="Also the Python and the transport path, as JSON.")) -> None:
     """Print the dsv41 package version."""
-    from dsv41 import __version__
+    from dsv41.version import version_info
 
-    print(__version__)
+    info = version_info()
+    print(json.dumps(info) if as_json else info["dsv41"])
 
 
 _register()

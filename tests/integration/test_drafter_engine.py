@@ -18,9 +18,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_engine_common import lab_assets, local_rows  # noqa: E402
 
-from dsv41.drafter import spark as S  # noqa: E402
+from dsv41 import envs  # noqa: E402
+from dsv41.drafter.factory import build_speculator  # noqa: E402
 from dsv41.drafter.client import IdentityMismatch  # noqa: E402
-from dsv41.engine.tokenizer import ByteTokenizer  # noqa: E402
+from dsv41.tokenizer import ByteTokenizer  # noqa: E402
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[2]
@@ -36,7 +37,8 @@ def assets(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def target(assets):
-    from dsv41.engine.model import load_config, load_weights, target_identity
+    from dsv41.engine.model_config import load_config
+    from dsv41.engine.weights import load_weights, target_identity
 
     cfg = load_config(assets.config)
     return {"cfg": cfg, "weights": load_weights(cfg, assets.weights),
@@ -61,7 +63,7 @@ def run_engine(target, spec, prompts, max_tokens=24, temperature=0.0, seed=None,
     from dsv41.engine.metrics import EngineMetrics
     from dsv41.engine.model import TargetModel
     from dsv41.engine.scheduler import Scheduler
-    from dsv41.engine.spec import SamplingParams
+    from dsv41.engine.sampler import SamplingParams
     from dsv41.engine.tp import LocalComm
 
     model = TargetModel(target["cfg"], target["weights"], LocalComm(), target["rows"])
@@ -151,7 +153,7 @@ def test_distilled_drafter_is_useful(drafter, reference):
 @pytest.mark.parametrize("mode", ["local", "remote", "async"])
 def test_greedy_identical_with_speculation(mode, target, drafter, worker, reference):
     env = _env(drafter, None if mode == "local" else worker, DSV41_DRAFTER_ASYNC="1" if mode == "async" else "0")
-    spec = S.speculator_from_env(env, model_cfg=target["cfg"].raw, target_identity=target["identity"])
+    spec = build_speculator(envs.parse(env), model_cfg=target["cfg"].raw, target_identity=target["identity"])
     if mode == "async":
         assert spec.wait_ready(60)  # an engine starts long before its first request
     outs, m = run_engine(target, spec, PROMPTS)
@@ -163,7 +165,7 @@ def test_greedy_identical_with_speculation(mode, target, drafter, worker, refere
 
 def test_sampled_reproducible_per_seed(target, drafter, worker):
     def run(seed):
-        spec = S.speculator_from_env(_env(drafter, worker), model_cfg=target["cfg"].raw,
+        spec = build_speculator(envs.parse(_env(drafter, worker)), model_cfg=target["cfg"].raw,
                                      target_identity=target["identity"])
         return run_engine(target, spec, PROMPTS[:2], temperature=0.9, seed=seed)[0]
 
@@ -176,7 +178,7 @@ def test_sampled_reproducible_per_seed(target, drafter, worker):
 def test_killing_worker_or_proxy_mid_stream_loses_nothing(mode, target, drafter, reference, tmp_path):
     proc, url = start_worker(drafter["dir"], target["identity"], tmp_path / "worker.log")
     env = _env(drafter, url, DSV41_DRAFTER_ASYNC="1" if mode == "async" else "0", DSV41_DRAFTER_TIMEOUT_MS="200")
-    spec = S.speculator_from_env(env, model_cfg=target["cfg"].raw, target_identity=target["identity"])
+    spec = build_speculator(envs.parse(env), model_cfg=target["cfg"].raw, target_identity=target["identity"])
     if mode == "async":
         assert spec.wait_ready(60)
     killed = []
@@ -212,7 +214,7 @@ def test_identity_mismatch_refused_end_to_end(target, drafter, tmp_path, referen
                    target_identity=target["identity"], tap_layer=int(target["cfg"].drafter_tap_layer))
     proc, url = start_worker(str(other), target["identity"], tmp_path / "worker.log")
     try:
-        spec = S.speculator_from_env(_env(drafter, url), model_cfg=target["cfg"].raw, target_identity=target["identity"])
+        spec = build_speculator(envs.parse(_env(drafter, url)), model_cfg=target["cfg"].raw, target_identity=target["identity"])
         outs, m = run_engine(target, spec, PROMPTS)
         assert outs == reference and m["drafted"] == 0
         assert spec.counters()["fail_closed_rounds"] >= 1

@@ -23,9 +23,10 @@ from test_engine_common import (PY, REPO, engine_env, free_ports, lab_assets, lo
 pytest.importorskip("dsv41.engram.client", reason="remote row source (dsv41.engram.client) not installed")
 pytest.importorskip("dsv41.engram.server", reason="table server (dsv41.engram.server) not installed")
 
+from dsv41 import envs  # noqa: E402
 from dsv41.engine.runner import LocalRunner  # noqa: E402
-from dsv41.engine.tokenizer import ByteTokenizer  # noqa: E402
 from dsv41.engram import rowsource  # noqa: E402
+from dsv41.tokenizer import ByteTokenizer  # noqa: E402
 
 TOK = ByteTokenizer()
 
@@ -75,9 +76,9 @@ def test_local_tcp_nixl_greedy_identical(assets, reference, tmp_path):
     try:
         urls = [srv.tcp] + ([srv.nixl] if srv.nixl else [])
         for url in urls:
-            env = {"VLLM_ENGRAM_REMOTE": url, "VLLM_ENGRAM_REMOTE_REQUIRED": "1",
-                   "VLLM_ENGRAM_REMOTE_TIMEOUT_MS": "5000"}
-            rs = rowsource.from_env(str(assets.manifest), str(assets.data), 0, 1, env=env)
+            env = {"DSV41_ENGRAM_REMOTE": url, "DSV41_ENGRAM_REMOTE_REQUIRED": "1",
+                   "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "5000"}
+            rs = rowsource.from_env(str(assets.manifest), str(assets.data), 0, 1, settings=envs.parse(env))
             try:
                 run = LocalRunner(assets.config, assets.weights, rs)
                 for p, ref in reference.items():
@@ -100,7 +101,7 @@ def test_tp2_remote_rows_and_table_server_death(assets, reference, tmp_path):
     srv = TableServer(assets, tmp_path, nixl=_nixl_ok())
     port, mport = free_ports(2)
     master = f"127.0.0.1:{mport}"
-    env = engine_env(VLLM_ENGRAM_REMOTE=f"{srv.tcp},{srv.nixl or srv.tcp}", VLLM_ENGRAM_REMOTE_TIMEOUT_MS="100")
+    env = engine_env(DSV41_ENGRAM_REMOTE=f"{srv.tcp},{srv.nixl or srv.tcp}", DSV41_ENGRAM_REMOTE_TIMEOUT_MS="100")
     r1 = start(serve_cmd(assets, rank=1, tp=2, master=master), env, tmp_path / "rank1.log")
     r0 = start(serve_cmd(assets, rank=0, tp=2, port=port, master=master), env, tmp_path / "rank0.log")
     url = f"http://127.0.0.1:{port}"

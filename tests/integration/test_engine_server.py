@@ -18,7 +18,7 @@ from test_engine_common import (engine_env, free_port, lab_assets, local_rows, s
                                 stop, wait_ready)
 
 from dsv41.engine.runner import LocalRunner  # noqa: E402
-from dsv41.engine.tokenizer import ByteTokenizer  # noqa: E402
+from dsv41.tokenizer import ByteTokenizer  # noqa: E402
 
 TOK = ByteTokenizer()
 KV = 1024

@@ -20,7 +20,8 @@ import pytest
 from dsv41.cli import main
 from dsv41.engram.client import RemoteRowSource
 from dsv41.engram.manifest import load_manifest
-from dsv41.engram.tables import LocalRowReader, write_synthetic_tables
+from dsv41.engram.reader import LocalRowReader
+from dsv41.engram.synthetic import write_synthetic_tables
 from dsv41.transport import Refused, open_client
 from dsv41.transport import protocol as P
 

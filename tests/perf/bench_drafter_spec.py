@@ -28,9 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from test_drafter_engine import start_worker  # noqa: E402
 from test_engine_common import lab_assets, local_rows  # noqa: E402
 
-from dsv41.drafter import spark as S  # noqa: E402
-from dsv41.engine.tokenizer import ByteTokenizer  # noqa: E402
+from dsv41 import envs  # noqa: E402
+from dsv41.drafter.factory import build_speculator  # noqa: E402
 from dsv41.harness.refs import PROMPTS  # noqa: E402
+from dsv41.tokenizer import ByteTokenizer  # noqa: E402
 
 torch.set_num_threads(1)
 TOK = ByteTokenizer()
@@ -44,7 +45,7 @@ def _run(target, spec, prompts):
     from dsv41.engine.metrics import EngineMetrics
     from dsv41.engine.model import TargetModel
     from dsv41.engine.scheduler import Scheduler
-    from dsv41.engine.spec import SamplingParams
+    from dsv41.engine.sampler import SamplingParams
     from dsv41.engine.tp import LocalComm
 
     model = TargetModel(target["cfg"], target["weights"], LocalComm(), target["rows"])
@@ -88,13 +89,14 @@ def _spec(mode, env, target):
     if mode == "off":
         return None
     e = dict(env, DSV41_DRAFTER_ASYNC="1" if mode == "async" else "0")
-    return S.speculator_from_env(e, model_cfg=target["cfg"].raw, target_identity=target["identity"])
+    return build_speculator(envs.parse(e), model_cfg=target["cfg"].raw, target_identity=target["identity"])
 
 
 def test_bench_drafter_speculation(tmp_path_factory):
     from dsv41.drafter.train import train_drafter
-    from dsv41.engine.model import load_config, load_weights, target_identity
+    from dsv41.engine.model_config import load_config
     from dsv41.engine.runner import LocalRunner
+    from dsv41.engine.weights import load_weights, target_identity
 
     t0 = time.monotonic()
     assets = lab_assets(tmp_path_factory, train_steps=200, table_seed=41)

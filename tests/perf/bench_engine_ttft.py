@@ -120,7 +120,7 @@ def test_engine_cold_ttft_and_decode(tmp_path_factory):
     assets = lab_assets(tmp_path_factory, train_steps=1, table_seed=11)
     tmp = tmp_path_factory.mktemp("bench-engine")
     from dsv41.engine.corpus import corpus_text
-    from dsv41.engine.tokenizer import ByteTokenizer
+    from dsv41.tokenizer import ByteTokenizer
 
     prompt = ByteTokenizer().encode(corpus_text(99, PROMPT_TOKENS * 2))[:PROMPT_TOKENS]
     results = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "prompt_tokens": PROMPT_TOKENS,
@@ -160,7 +160,7 @@ def test_engine_cold_ttft_and_decode(tmp_path_factory):
         urls = json.loads(ready.read_text())["listen"]
         tcp = next(u for u in urls if u.startswith("tcp://"))
         nx = next((u for u in urls if u.startswith("nixl://")), tcp)
-        env = engine_env(VLLM_ENGRAM_REMOTE=f"{tcp},{nx}", VLLM_ENGRAM_REMOTE_TIMEOUT_MS="1000")
+        env = engine_env(DSV41_ENGRAM_REMOTE=f"{tcp},{nx}", DSV41_ENGRAM_REMOTE_TIMEOUT_MS="1000")
         pair = Pair(assets, tmp, env, "remote")
         try:
             ttft(pair.url, prompt[:64])

@@ -21,7 +21,8 @@ import pytest
 
 from benchutil import evict, machine
 
-from dsv41.engram import tables
+from dsv41.engram import reader
+from dsv41.engram import synthetic
 from dsv41.engram.manifest import load_manifest, verify
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,7 +46,7 @@ def shards(tmp_path_factory):
     man = d / "manifest.json"
     if not man.exists() or load_manifest(man).tables[0].rows != ROWS:
         t0 = time.perf_counter()
-        tables.write_synthetic_tables(LAB, d, seed=1, rows_override=[ROWS, ROWS])
+        synthetic.write_synthetic_tables(LAB, d, seed=1, rows_override=[ROWS, ROWS])
         print(f"\n[engram bench] wrote {2 * ROWS} rows in {time.perf_counter() - t0:.1f} s to {d}")
     m = load_manifest(man)
     return m, d
@@ -79,7 +80,7 @@ def test_reader_cold(shards, n: int, reps: int, base_reps: int) -> None:
     t = m.table(1)
     rng = np.random.default_rng(n)
     lat_r, lat_b = [], []
-    with tables.LocalRowReader(m, d, threads=16, direct=True) as r:
+    with reader.LocalRowReader(m, d, threads=16, direct=True) as r:
         direct = r.is_direct(1)
         for k in range(reps):
             ids = rng.integers(0, t.rows, n)

@@ -35,7 +35,8 @@ os.environ.setdefault("UCX_TLS", "tcp")
 
 from benchutil import evict, machine  # noqa: E402
 
-from dsv41.engram import tables as etables  # noqa: E402
+from dsv41.engram import reader  # noqa: E402
+from dsv41.engram import synthetic  # noqa: E402
 from dsv41.engram.client import RemoteRowSource  # noqa: E402
 from dsv41.engram.manifest import load_manifest  # noqa: E402
 from dsv41.engram.server import PAGE, READ_CHUNK, load_tables  # noqa: E402
@@ -68,7 +69,7 @@ def shards(tmp_path_factory):
     d = Path(os.environ.get("DSV41_BENCH_DIR") or tmp_path_factory.mktemp("bench_remote"))
     man = d / "manifest.json"
     if not man.exists() or load_manifest(man).tables[0].rows != ROWS:
-        etables.write_synthetic_tables(LAB, d, seed=1, rows_override=[ROWS, ROWS])
+        synthetic.write_synthetic_tables(LAB, d, seed=1, rows_override=[ROWS, ROWS])
     print(f"\n[remote bench] machine: {machine()}; implementation {native.implementation()}")
     return load_manifest(man), d
 
@@ -185,7 +186,7 @@ def test_prefill_lookup_vs_cold_local(shards, server, pingpong):
     per_layer = 32768 * 12  # 32K tokens x this rank's 12 columns, per layer
     rng = np.random.default_rng(1)
     ids = {L: rng.integers(0, m.table(L).rows, per_layer) for L in (1, 2)}
-    reader = etables.LocalRowReader(m, d, threads=16)
+    reader = reader.LocalRowReader(m, d, threads=16)
     evict([d / t.file for t in m.tables])
     t0 = time.perf_counter()
     local = {L: reader.read(L, ids[L]) for L in (1, 2)}
@@ -289,7 +290,7 @@ def test_sparse_prefill_lookup_vs_cold_local(shards, server):
     per_layer = 2048 * 12
     rng = np.random.default_rng(2)
     ids = {L: rng.integers(0, m.table(L).rows, per_layer) for L in (1, 2)}
-    reader = etables.LocalRowReader(m, d, threads=16)
+    reader = reader.LocalRowReader(m, d, threads=16)
     t_local = []
     for _ in range(3):
         evict([d / t.file for t in m.tables])
@@ -317,7 +318,7 @@ def test_full_sweep_both_ranks(tmp_path_factory, scheme, capsys):
 
     d = tmp_path_factory.getbasetemp() / "lab_tables"
     if not (d / "manifest.json").exists():
-        etables.write_synthetic_tables(LAB, d, seed=3)
+        synthetic.write_synthetic_tables(LAB, d, seed=3)
     s = Served(d / "manifest.json", tmp_path_factory.mktemp("sw"))
     try:
         for rank in (0, 1):

@@ -3,7 +3,7 @@
 Other engine test modules import this file (``from test_engine_common import ...``); the assets
 are built once per session under pytest's base temp dir: a config with a short training run
 (``train_steps`` 40, so weights take seconds), the weights, and real synthetic tables from
-``dsv41.engram.tables.write_synthetic_tables``.
+``dsv41.engram.synthetic.write_synthetic_tables``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from dsv41.engine.tokenizer import (BOS, COMPRESSED_VOCAB_SIZE, EOS, PAD, SEP, TOKEN_MAP, TOKEN_MAP_SHA256,
-                                    ByteTokenizer, build_token_map)
+from dsv41 import envs
 from dsv41.errors import Dsv41Error
+from dsv41.tokenizer import (BOS, COMPRESSED_VOCAB_SIZE, EOS, PAD, SEP, TOKEN_MAP, TOKEN_MAP_SHA256, ByteTokenizer,
+                             build_token_map)
 
 REPO = Path(__file__).resolve().parents[2]
 LAB_CONFIG = REPO / "python" / "dsv41" / "data" / "lab_model.json"
@@ -38,8 +39,9 @@ def lab_assets(tmp_path_factory, train_steps: int = 40, table_seed: int = 5) -> 
         return ns
     import torch
 
-    from dsv41.engine.model import init_weights, load_config, save_weights
-    from dsv41.engram.tables import write_synthetic_tables
+    from dsv41.engine.model_config import load_config
+    from dsv41.engine.weights import init_weights, save_weights
+    from dsv41.engram.synthetic import write_synthetic_tables
 
     base.mkdir(parents=True, exist_ok=True)
     cfg = json.loads(LAB_CONFIG.read_text())
@@ -58,7 +60,7 @@ def local_rows(ns):
     """The local row source (``rowsource.from_env`` with no remote set)."""
     from dsv41.engram import rowsource
 
-    return rowsource.from_env(str(ns.manifest), str(ns.data), 0, 1, env={})
+    return rowsource.from_env(str(ns.manifest), str(ns.data), 0, 1, settings=envs.parse({}))
 
 
 def free_port() -> int:
@@ -84,7 +86,7 @@ def serve_cmd(ns, rank: int = 0, tp: int = 1, port: int = 0, master: str = "127.
 
 
 def engine_env(**kw) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_ENGRAM", "DSV41_DRAFTER"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DSV41_ENGRAM", "DSV41_DRAFTER"))}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **kw)
     return env
 

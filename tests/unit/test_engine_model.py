@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from dsv41.engine.model import (ENGRAM_COLUMNS, TargetModel, init_weights, load_config, load_weights, save_weights,
-                                target_identity, train_forward)
+from dsv41.engine.model import TargetModel
+from dsv41.engine.model_config import ENGRAM_COLUMNS, load_config
 from dsv41.engine.runner import LocalRunner
-from dsv41.engine.tokenizer import ByteTokenizer
 from dsv41.engine.tp import LocalComm, ordered_sum
+from dsv41.engine.weights import init_weights, load_weights, save_weights, target_identity, train_forward
 from dsv41.errors import ConfigError, Dsv41Error
+from dsv41.tokenizer import ByteTokenizer
 from test_engine_common import LAB_CONFIG, lab_assets, local_rows
 
 TOK = ByteTokenizer()
@@ -91,7 +92,7 @@ def test_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.json")
     (tmp_path / "bad.json").write_text("{")
-    with pytest.raises(ConfigError, match="not readable JSON"):
+    with pytest.raises(ConfigError, match="not valid JSON"):  # engram.config reads the file
         load_config(tmp_path / "bad.json")
     assert load_config({"text_config": base}).hidden_size == 128
 

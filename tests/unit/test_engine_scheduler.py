@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from dsv41.engine.sampler import SamplingParams
 from dsv41.engine.scheduler import Request, RequestError, Scheduler
-from dsv41.engine.spec import SamplingParams
 from dsv41.errors import Dsv41Error
 from test_engine_common import LAB_CONFIG, PY, REPO, lab_assets
 
@@ -166,7 +166,7 @@ def test_cli_init_weights(tmp_path):
     assert path == str(tmp_path / "w.safetensors") and len(ident) == 64
     (tmp_path / "bad.json").write_text("{}")
     r = run_cli("init-weights", "--config", str(tmp_path / "bad.json"), "--out", str(tmp_path / "w2.safetensors"))
-    assert r.returncode == 1 and "lacks keys" in r.stderr
+    assert r.returncode == 1 and "lacks Engram keys" in r.stderr  # engram.config reads the file first
 
 
 def test_cli_serve_port_in_use_is_one_line(assets):

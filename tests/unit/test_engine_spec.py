@@ -3,7 +3,6 @@ counters, and sampling (seeded per request). Uses deterministic in-test Speculat
 
 from __future__ import annotations
 
-import sys
 import threading
 
 import numpy as np
@@ -12,14 +11,17 @@ import torch
 
 from dsv41.engine.engine import Engine
 from dsv41.engine.metrics import EngineMetrics
-from dsv41.engine.model import TargetModel, load_config, load_weights
+from dsv41.engine.model import TargetModel
+from dsv41.engine.model_config import load_config
 from dsv41.engine.runner import LocalRunner
 from dsv41.engine.scheduler import RequestError, Scheduler
-from dsv41.engine.spec import (SAMPLING_EPS, DraftProposal, SamplingParams, draft_depth, probs_of, process_logits,
-                               sample, speculator_from_env, verify)
-from dsv41.engine.tokenizer import EOS, ByteTokenizer
+from dsv41.engine.rejection_sampler import verify
+from dsv41.engine.sampler import SAMPLING_EPS, SamplingParams, probs_of, process_logits, sample
+from dsv41.engine.spec_decode import DraftProposal
 from dsv41.engine.tp import LocalComm
+from dsv41.engine.weights import load_weights
 from dsv41.errors import Dsv41Error
+from dsv41.tokenizer import EOS, ByteTokenizer
 from test_engine_common import lab_assets, local_rows
 
 TOK = ByteTokenizer()
@@ -171,17 +173,6 @@ def test_sampled_verify_preserves_target_distribution():
     freq = counts / n
     assert np.abs(freq - p_true.numpy()).max() < 0.025
     assert counts[4] == 0
-
-
-def test_speculator_from_env(monkeypatch):
-    assert speculator_from_env({}, {}, "x", "cpu") is None
-    monkeypatch.setitem(sys.modules, "dsv41.drafter.spark", None)
-    with pytest.raises(Dsv41Error, match="not installed"):
-        speculator_from_env({"DSV41_DRAFTER_LOCAL": "1"}, {}, "x", "cpu")
-    assert draft_depth({}) == 5 and draft_depth({"DSV41_DRAFTER_K": "3"}) == 3
-    for bad in ("x", "-1", "100"):
-        with pytest.raises(Dsv41Error, match="DSV41_DRAFTER_K"):
-            draft_depth({"DSV41_DRAFTER_K": bad})
 
 
 # --------------------------------------------------------------------------- in the engine

@@ -15,11 +15,11 @@ import typer
 
 from dsv41.cli import main
 from dsv41.engram import cli as ecli
-from dsv41.engram import tables
+from dsv41.engram import synthetic
 
 REPO = Path(__file__).resolve().parents[2]
 LAB = REPO / "python/dsv41/data/lab_model.json"
-VEC = Path("/work/shared/testdata/engram_hash_vectors.json")
+VEC = Path(__file__).resolve().parents[1] / "data" / "engram_hash_vectors.json"
 REAL = {
     "engram_layer_ids": [1, 14], "engram_num_embeddings": [384006168, 384016682], "engram_max_ngram_size": 4,
     "engram_vocab_size": 16000000, "engram_n_heads": 8, "engram_head_dim": 256,
@@ -36,7 +36,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def tables_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("cli")
-    tables.write_synthetic_tables(LAB, d, seed=4, rows_override=[4000, 1000], chunk_size=1 << 20)
+    synthetic.write_synthetic_tables(LAB, d, seed=4, rows_override=[4000, 1000], chunk_size=1 << 20)
     return d
 
 
@@ -89,7 +89,7 @@ def test_make_tables_verify_read_rows(capsys, tmp_path: Path) -> None:
     rows = m["tables"][1]["rows"]
     rc, out, _ = run(capsys, "engram", "read-rows", "--manifest", str(out_dir / "manifest.json"), "--layer", "2",
                      "--rows", f"0,13,{rows - 1}", "--source", "local")
-    exp = tables.synthetic_rows(9, 2, rows, np.asarray([0, 13, rows - 1]))
+    exp = synthetic.synthetic_rows(9, 2, rows, np.asarray([0, 13, rows - 1]))
     assert rc == 0 and out.split() == [bytes(r).hex() for r in exp]
     assert all(len(x) == 528 for x in out.split())
 
@@ -128,7 +128,7 @@ def test_read_rows_remote_calls_client(capsys, tables_dir: Path, monkeypatch) ->
 
     def read_rows_remote(url, manifest, layer_id, rows):
         calls.update(url=url, layer=layer_id, rows=rows.tolist())
-        return tables.synthetic_rows(4, layer_id, 4000, rows)
+        return synthetic.synthetic_rows(4, layer_id, 4000, rows)
 
     mod = types.ModuleType("dsv41.engram.client")
     mod.read_rows_remote = read_rows_remote
@@ -136,7 +136,7 @@ def test_read_rows_remote_calls_client(capsys, tables_dir: Path, monkeypatch) ->
     rc, out, _ = run(capsys, "engram", "read-rows", "--manifest", str(tables_dir / "manifest.json"), "--layer", "1",
                      "--rows", "3,4", "--source", "tcp://127.0.0.1:9")
     assert rc == 0 and calls == {"url": "tcp://127.0.0.1:9", "layer": 1, "rows": [3, 4]}
-    assert out.split()[0] == bytes(tables.synthetic_rows(4, 1, 4000, np.asarray([3]))[0]).hex()
+    assert out.split()[0] == bytes(synthetic.synthetic_rows(4, 1, 4000, np.asarray([3]))[0]).hex()
 
 
 def test_remote_cli_hook(monkeypatch) -> None:

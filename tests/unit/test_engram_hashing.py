@@ -21,7 +21,7 @@ from dsv41.engram.hashing import (
 from dsv41.engram.layout import EngramLayout
 from dsv41.errors import ConfigError, Dsv41Error, VerificationError
 
-VEC = Path("/work/shared/testdata/engram_hash_vectors.json")
+VEC = Path(__file__).resolve().parents[1] / "data" / "engram_hash_vectors.json"
 REAL_CFG = {
     "engram_layer_ids": [1, 14],
     "engram_num_embeddings": [384006168, 384016682],

@@ -14,7 +14,9 @@ import pytest
 
 from dsv41.cli import main
 from dsv41.engram import manifest as mf
-from dsv41.engram import tables
+from dsv41.engram import reader
+from dsv41.engram import shards
+from dsv41.engram import synthetic
 from dsv41.engram.hashing import NgramHasher
 from dsv41.engram.layout import EngramLayout
 from dsv41.errors import ConfigError, Dsv41Error, VerificationError
@@ -41,7 +43,7 @@ def one_error(rc: int, err: str, text: str) -> None:
 @pytest.fixture(scope="module")
 def tdir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("hostile")
-    tables.write_synthetic_tables(LAB, d, seed=6, rows_override=ROWS, chunk_size=1 << 16)
+    synthetic.write_synthetic_tables(LAB, d, seed=6, rows_override=ROWS, chunk_size=1 << 16)
     return d
 
 
@@ -72,7 +74,7 @@ def test_make_tables_bad_seed_writes_nothing(capsys, tmp_path: Path) -> None:
 
 
 def test_make_tables_refuses_foreign_files(capsys, tmp_path: Path) -> None:
-    name = tables.shard_names(2)[0]
+    name = shards.shard_names(2)[0]
     (tmp_path / name).write_bytes(b"real checkpoint bytes")
     rc, _, err = run(capsys, "engram", "make-tables", "--config", LAB, "--out", tmp_path)
     one_error(rc, err, "is not a make-tables shard: refusing to replace it")
@@ -86,15 +88,15 @@ def test_make_tables_refuses_foreign_files(capsys, tmp_path: Path) -> None:
 
 
 def test_make_tables_rerun_and_midway_failure_keep_a_valid_set(tmp_path: Path, monkeypatch) -> None:
-    stale = tmp_path / f".{tables.shard_names(2)[0]}.tmp99999"  # a killed run's leftover
+    stale = tmp_path / f".{shards.shard_names(2)[0]}.tmp99999"  # a killed run's leftover
     stale.write_bytes(b"half a shard")
-    p = tables.write_synthetic_tables(LAB, tmp_path, seed=1, rows_override=ROWS, chunk_size=1 << 16)
+    p = synthetic.write_synthetic_tables(LAB, tmp_path, seed=1, rows_override=ROWS, chunk_size=1 << 16)
     assert not stale.exists()
     old = p.read_bytes()
     # re-running over its own output is allowed (the lab role does) and reproduces it
-    tables.write_synthetic_tables(LAB, tmp_path, seed=1, rows_override=ROWS, chunk_size=1 << 16)
+    synthetic.write_synthetic_tables(LAB, tmp_path, seed=1, rows_override=ROWS, chunk_size=1 << 16)
     assert p.read_bytes() == old
-    real = tables.write_table_shard
+    real = synthetic.write_table_shard
     calls = []
 
     def fail_second(path, layer_id, *a, **k):
@@ -104,18 +106,18 @@ def test_make_tables_rerun_and_midway_failure_keep_a_valid_set(tmp_path: Path, m
             raise OSError(28, "No space left on device")
         return real(path, layer_id, *a, **k)
 
-    monkeypatch.setattr(tables, "write_table_shard", fail_second)
+    monkeypatch.setattr(synthetic, "write_table_shard", fail_second)
     with pytest.raises(Dsv41Error, match="No space left on device"):
-        tables.write_synthetic_tables(LAB, tmp_path, seed=2, rows_override=ROWS, chunk_size=1 << 16)
+        synthetic.write_synthetic_tables(LAB, tmp_path, seed=2, rows_override=ROWS, chunk_size=1 << 16)
     # the seed-1 set is untouched and still verifies; no temporary files remain
     assert p.read_bytes() == old
     mf.verify(mf.load_manifest(p), tmp_path, progress=False)
-    assert sorted(x.name for x in tmp_path.iterdir()) == sorted(["manifest.json", *tables.shard_names(2)])
+    assert sorted(x.name for x in tmp_path.iterdir()) == sorted(["manifest.json", *shards.shard_names(2)])
     # into an empty dir: a failing run leaves no manifest at all
     empty = tmp_path / "empty"
     calls.clear()
     with pytest.raises(Dsv41Error):
-        tables.write_synthetic_tables(LAB, empty, seed=2, rows_override=ROWS, chunk_size=1 << 16)
+        synthetic.write_synthetic_tables(LAB, empty, seed=2, rows_override=ROWS, chunk_size=1 << 16)
     assert list(empty.iterdir()) == []
 
 
@@ -124,7 +126,7 @@ def test_make_tables_needs_free_space(tmp_path: Path, monkeypatch) -> None:
 
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 5))
     with pytest.raises(Dsv41Error, match="only 5 are free"):
-        tables.write_synthetic_tables(LAB, tmp_path, seed=1, rows_override=ROWS)
+        synthetic.write_synthetic_tables(LAB, tmp_path, seed=1, rows_override=ROWS)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -132,7 +134,7 @@ def test_make_tables_needs_free_space(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_manifest_command_bad_files_and_out(capsys, tdir: Path, tmp_path: Path) -> None:
-    n47 = tables.shard_names(2)[0]
+    n47 = shards.shard_names(2)[0]
     base = ("engram", "manifest", "--config", LAB, "--data", tdir, "--revision", "r1")
     rc, _, err = run(capsys, *base, "--out", tmp_path / "m.json", "--file", f"1={n47}")
     one_error(rc, err, "missing layer(s) [2]")
@@ -183,13 +185,13 @@ def _shard(path: Path, hdr: dict, pad: int = 600) -> Path:
     ],
 )
 def test_table_regions_malformed_headers(tmp_path: Path, woffs, wshape, msg: str) -> None:
-    W, S = tables.weight_name(1), tables.scale_name(1)
+    W, S = shards.weight_name(1), shards.scale_name(1)
     hdr = {W: {"dtype": "F8_E4M3", "shape": wshape, "data_offsets": woffs},
            S: {"dtype": "F8_E8M0", "shape": [2, 8], "data_offsets": [512, 528]}}
     if msg == "truncated":  # a consistent header whose regions end beyond the file
         hdr[S] = {"dtype": "F8_E8M0", "shape": [2000, 8], "data_offsets": [512000, 528000]}
     with pytest.raises(VerificationError, match=msg.replace("[", r"\[").replace("]", r"\]")):
-        tables.table_regions(_shard(tmp_path / "s", hdr), 1)
+        shards.table_regions(_shard(tmp_path / "s", hdr), 1)
 
 
 def test_reader_refuses_fifo_instead_of_hanging(tdir: Path, tmp_path: Path) -> None:
@@ -197,7 +199,7 @@ def test_reader_refuses_fifo_instead_of_hanging(tdir: Path, tmp_path: Path) -> N
     d.mkdir()
     m = mf.load_manifest(tdir / "manifest.json")
     os.mkfifo(d / m.table(1).file)
-    with tables.LocalRowReader(m, d, threads=1) as r, pytest.raises(Dsv41Error, match="not a regular file"):
+    with reader.LocalRowReader(m, d, threads=1) as r, pytest.raises(Dsv41Error, match="not a regular file"):
         r.read(1, np.array([0]))
 
 
@@ -253,4 +255,4 @@ def test_huge_timeouts_are_refused(capsys, tdir: Path) -> None:
                      "tcp://127.0.0.1:1", "--rank", "0", "--lookups", "10", "--timeout-ms", "99999999999999")
     one_error(rc, err, "timeout_ms must be in (0, 600000]")
     with pytest.raises(ConfigError, match=r"in \[1, 600000\]"):
-        parse_remote_env({"VLLM_ENGRAM_REMOTE": "tcp://h:1", "VLLM_ENGRAM_REMOTE_TIMEOUT_MS": "9" * 20}, 1)
+        parse_remote_env({"DSV41_ENGRAM_REMOTE": "tcp://h:1", "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "9" * 20}, 1)

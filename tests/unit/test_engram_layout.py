@@ -11,7 +11,7 @@ from dsv41.engram.config import load_model_config
 from dsv41.engram.layout import RELEASED_MULTIPLIERS, EngramLayout, compute_multipliers, is_prime
 from dsv41.errors import ConfigError
 
-REAL = Path("/work/shared/testdata/dsv41_flash_engram_config.json")
+REAL = Path(__file__).resolve().parents[1] / "data" / "dsv41_flash_engram_config.json"
 REPO = Path(__file__).resolve().parents[2]
 LAB = REPO / "python/dsv41/data/lab_model.json"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv41.engram import tables
+from dsv41.engram import synthetic
 from dsv41.engram.manifest import SCHEMA_PATH, load_manifest, manifest_from_dict, table_identity, verify
 from dsv41.errors import VerificationError
 
@@ -21,7 +21,7 @@ CHUNK = 1 << 20
 @pytest.fixture(scope="module")
 def golden(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("golden")
-    tables.write_synthetic_tables(LAB, d, seed=5, rows_override=[9000, 3000], chunk_size=CHUNK)
+    synthetic.write_synthetic_tables(LAB, d, seed=5, rows_override=[9000, 3000], chunk_size=CHUNK)
     return d
 
 
@@ -145,3 +145,82 @@ def test_table_geometry_must_match_header(data: Path) -> None:
     m = load_manifest(data / "shifted.json")
     with pytest.raises(VerificationError, match=r"layer 1 table differs from the safetensors header: weight_offset 656 vs header 664"):
         verify(m, data, progress=False)
+
+
+# ---------------------------------------------------------------- verify cache (issue 10 item 3)
+
+
+def _flip_keep_mtime(p: Path, offset: int) -> None:
+    st = p.stat()
+    with open(p, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ 0x40]))
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))  # `touch -d` back to the old mtime
+
+
+def test_cache_skips_unchanged_and_catches_restored_mtime(data: Path) -> None:
+    m = load_manifest(data / "manifest.json")
+    cache = data / ".verified.json"
+    names = [f["name"] for f in m.files]
+    rep = verify(m, data, progress=False, cache=cache)
+    assert rep.verified == names and rep.cached == [] and rep.cache_updated
+    doc = json.loads(cache.read_text())
+    assert doc["format"] == "dsv41-verify-cache/2" and (cache.stat().st_mode & 0o077) == 0
+    st = (data / names[0]).stat()
+    assert doc["files"][names[0]] == [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_dev, st.st_ino]
+    rep = verify(m, data, progress=False, cache=cache)
+    assert rep.verified == [] and rep.cached == names and not rep.cache_updated
+    _flip_keep_mtime(data / names[0], CHUNK + 5)
+    with pytest.raises(VerificationError, match=rf"{names[0]}: chunk 1 bytes \[{CHUNK}, {2 * CHUNK}\): sha256"):
+        verify(m, data, progress=False, cache=cache)
+
+
+def test_full_mode_and_only(data: Path) -> None:
+    m = load_manifest(data / "manifest.json")
+    cache = data / ".verified.json"
+    names = [f["name"] for f in m.files]
+    verify(m, data, progress=False, cache=cache)
+    rep = verify(m, data, progress=False, cache=cache, mode="full")
+    assert rep.verified == names and rep.cached == []
+    rep = verify(m, data, progress=False, only=[names[1]], mode="full")
+    assert rep.files == [names[1]] and rep.verified == [names[1]]
+    with pytest.raises(VerificationError, match="not in the manifest's files"):
+        verify(m, data, progress=False, only=["other.safetensors"])
+    with pytest.raises(VerificationError, match="verify mode must be one of cached, full"):
+        verify(m, data, progress=False, mode="fast")
+
+
+def test_cache_of_other_manifest_or_garbage_is_ignored(data: Path) -> None:
+    m = load_manifest(data / "manifest.json")
+    cache = data / ".verified.json"
+    verify(m, data, progress=False, cache=cache)
+    doc = json.loads(cache.read_text())
+    cache.write_text(json.dumps({**doc, "manifest_sha256": "0" * 64}))
+    assert len(verify(m, data, progress=False, cache=cache).verified) == 2
+    cache.write_text("{not json")
+    assert len(verify(m, data, progress=False, cache=cache).verified) == 2
+
+
+def test_failed_verify_writes_no_cache(data: Path) -> None:
+    m = load_manifest(data / "manifest.json")
+    cache = data / ".verified.json"
+    name = m.files[0]["name"]
+    _flip_keep_mtime(data / name, 100)
+    with pytest.raises(VerificationError):
+        verify(m, data, progress=False, cache=cache)
+    assert not cache.exists()
+
+
+def test_cli_verify_cache_and_full(data: Path, capsys) -> None:
+    from dsv41.cli import main
+
+    cache = data / ".verified.json"
+    args = ["engram", "verify", "--manifest", str(data / "manifest.json"), "--no-progress", "--cache", str(cache)]
+    assert main(args) == 0
+    assert len(json.loads(capsys.readouterr().out)["hashed"]) == 2
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["hashed"] == []
+    assert main([*args, "--full"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["hashed"]) == 2

@@ -10,9 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv41.engram import tables
+from dsv41.engram import shards
+from dsv41.engram import synthetic
 from dsv41.engram.manifest import Manifest, TableEntry, load_manifest
-from dsv41.engram.tables import LocalRowReader, RowRangeError, dequantize
+from dsv41.engram.reader import LocalRowReader
+from dsv41.engram.shards import RowRangeError
+from dsv41.engram.dequant import dequantize
 from dsv41.errors import Dsv41Error
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,7 +27,7 @@ safe_open = pytest.importorskip("safetensors").safe_open
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("reader")
-    tables.write_synthetic_tables(LAB, d, seed=11, rows_override=[40000, 5001], chunk_size=1 << 20)
+    synthetic.write_synthetic_tables(LAB, d, seed=11, rows_override=[40000, 5001], chunk_size=1 << 20)
     return d
 
 
@@ -69,7 +72,7 @@ def test_out_buffer_and_empty(data: Path) -> None:
     with LocalRowReader(m, data, threads=2) as r:
         out = np.zeros((3, 264), np.uint8)
         assert r.read(1, np.asarray([5, 6, 7]), out=out) is out
-        np.testing.assert_array_equal(out, tables.synthetic_rows(11, 1, 40000, np.asarray([5, 6, 7])))
+        np.testing.assert_array_equal(out, synthetic.synthetic_rows(11, 1, 40000, np.asarray([5, 6, 7])))
         assert r.read(2, np.asarray([], np.int64)).shape == (0, 264)
         with pytest.raises(Dsv41Error, match="out must be"):
             r.read(1, np.asarray([1]), out=np.zeros((2, 264), np.uint8))
@@ -116,7 +119,7 @@ def test_fallback_when_odirect_refused_at_open(data: Path, monkeypatch) -> None:
     monkeypatch.setattr(os, "open", no_direct)
     with LocalRowReader(m, data, threads=2) as r:
         ids = np.asarray([0, 13, 39999])
-        np.testing.assert_array_equal(r.read(1, ids), tables.synthetic_rows(11, 1, 40000, ids))
+        np.testing.assert_array_equal(r.read(1, ids), synthetic.synthetic_rows(11, 1, 40000, ids))
         assert r.is_direct(1) is False
 
 
@@ -136,7 +139,7 @@ def test_fallback_when_odirect_read_refused(data: Path, monkeypatch) -> None:
             pytest.skip("this file system refuses O_DIRECT at open already")
         monkeypatch.setattr(os, "preadv", flaky)
         ids = np.asarray([0, 13, 39999])
-        np.testing.assert_array_equal(r.read(1, ids), tables.synthetic_rows(11, 1, 40000, ids))
+        np.testing.assert_array_equal(r.read(1, ids), synthetic.synthetic_rows(11, 1, 40000, ids))
         assert r.is_direct(1) is False
 
 
@@ -158,14 +161,14 @@ REAL_ROWS = 384006168
 def test_sparse_real_geometry(tmp_path: Path) -> None:
     """Full-size layer-1 header, file mostly holes; rows beyond 2^32 and 2^36 bytes."""
     p = tmp_path / "model-00047-of-00048.safetensors"
-    head = tables.table_header_bytes(1, REAL_ROWS, 256, 8, 664, {"format": "pt"})
+    head = synthetic.table_header_bytes(1, REAL_ROWS, 256, 8, 664, {"format": "pt"})
     size = len(head) + REAL_ROWS * 264
     with open(p, "wb") as f:
         f.write(head)
     os.truncate(p, size)
-    reg = tables.table_regions(p, 1)
+    reg = shards.table_regions(p, 1)
     assert reg["weight_offset"] == 664 and reg["rows"] == REAL_ROWS
-    t = TableEntry(layer_id=1, file=p.name, weight_name=tables.weight_name(1), scale_name=tables.scale_name(1),
+    t = TableEntry(layer_id=1, file=p.name, weight_name=shards.weight_name(1), scale_name=shards.scale_name(1),
                    rows=REAL_ROWS, row_bytes=264, weight_bytes=256, scale_bytes=8,
                    weight_offset=reg["weight_offset"], scale_offset=reg["scale_offset"],
                    weight_sha256="0" * 64, scale_sha256="0" * 64, hash={}, identity="0" * 64)
@@ -244,11 +247,15 @@ def test_short_read_is_clear(data: Path, tmp_path: Path) -> None:
     m = load_manifest(data / "manifest.json")
     t = m.table(2)
     shutil.copy(data / t.file, tmp_path / t.file)
-    os.truncate(tmp_path / t.file, t.scale_offset + 8 * 100)  # scales of rows >= 100 are gone
     with LocalRowReader(m, tmp_path, threads=1) as r:
+        assert r.read(2, np.asarray([0, 99])).shape == (2, 264)  # opened (header checked) while whole
+        os.truncate(tmp_path / t.file, t.scale_offset + 8 * 100)  # then scales of rows >= 100 are gone
         assert r.read(2, np.asarray([0, 99])).shape == (2, 264)
         with pytest.raises(Dsv41Error, match="truncated: a read at byte"):
             r.read(2, np.asarray([t.rows - 1]))
+    # a shard already short when first opened is refused by its header check (safe_open refuses it too)
+    with LocalRowReader(m, tmp_path, threads=1) as r, pytest.raises(Dsv41Error, match=f"{t.file}: truncated"):
+        r.read(2, np.asarray([0]))
 
 
 def test_other_row_geometry(tmp_path: Path) -> None:
@@ -257,12 +264,12 @@ def test_other_row_geometry(tmp_path: Path) -> None:
 
     cfg = json.loads(LAB.read_text())
     cfg["engram_head_dim"] = 96
-    tables.write_synthetic_tables(cfg, tmp_path, seed=1, rows_override=[3000, 100], chunk_size=1 << 20)
+    synthetic.write_synthetic_tables(cfg, tmp_path, seed=1, rows_override=[3000, 100], chunk_size=1 << 20)
     m = load_manifest(tmp_path / "manifest.json")
     assert m.tables[0].row_bytes == 99
     ids = np.asarray([0, 41, 42, 2999, 1500])
     with LocalRowReader(m, tmp_path, threads=2) as r:
         got = r.read(1, ids)
-    np.testing.assert_array_equal(got, tables.synthetic_rows(1, 1, 3000, ids, wb=96, sb=3))
+    np.testing.assert_array_equal(got, synthetic.synthetic_rows(1, 1, 3000, ids, wb=96, sb=3))
     vals, counts = dequantize(got, backend="numpy")
     assert vals.shape == (5, 96) and counts["convention"] == "reference"

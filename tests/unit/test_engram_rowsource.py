@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv41.engram import tables
+from dsv41 import envs
+from dsv41.engram import reader
+from dsv41.engram import synthetic
 from dsv41.engram.manifest import load_manifest
 from dsv41.engram.rowsource import (
     COUNTER_KEYS,
@@ -29,16 +31,16 @@ LAB = REPO / "python/dsv41/data/lab_model.json"
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("rs")
-    tables.write_synthetic_tables(LAB, d, seed=2, rows_override=[3000, 2000], chunk_size=1 << 20)
+    synthetic.write_synthetic_tables(LAB, d, seed=2, rows_override=[3000, 2000], chunk_size=1 << 20)
     return d
 
 
 def test_local_source_from_empty_env(data: Path) -> None:
-    for env in ({}, {"VLLM_ENGRAM_REMOTE": ""}, {"VLLM_ENGRAM_REMOTE": "  ", "VLLM_ENGRAM_REMOTE_REQUIRED": "0"}):
-        src = from_env(data / "manifest.json", data, 0, 2, env=env)
+    for env in ({}, {"DSV41_ENGRAM_REMOTE": ""}, {"DSV41_ENGRAM_REMOTE": "  ", "DSV41_ENGRAM_REMOTE_REQUIRED": "0"}):
+        src = from_env(data / "manifest.json", data, 0, 2, settings=envs.parse(env))
         assert isinstance(src, LocalRowSource) and isinstance(src, RowSource)
         ids = np.asarray([1, 2999, 7])
-        np.testing.assert_array_equal(src.lookup(1, ids), tables.synthetic_rows(2, 1, 3000, ids))
+        np.testing.assert_array_equal(src.lookup(1, ids), synthetic.synthetic_rows(2, 1, 3000, ids))
         src.lookup(2, np.asarray([0]))
         c = src.counters()
         assert set(COUNTER_KEYS) <= set(c)
@@ -49,7 +51,7 @@ def test_local_source_from_empty_env(data: Path) -> None:
 
 def test_local_needs_data_dir(data: Path) -> None:
     with pytest.raises(ConfigError, match="no data directory"):
-        from_env(data / "manifest.json", None, 0, 1, env={})
+        from_env(data / "manifest.json", None, 0, 1, settings=envs.parse({}))
 
 
 @pytest.mark.parametrize(
@@ -82,19 +84,19 @@ def test_parse_url(url: str, want: RemoteURL) -> None:
     ],
 )
 def test_parse_url_errors(url: str, msg: str) -> None:
-    with pytest.raises(ConfigError, match="^VLLM_ENGRAM_REMOTE: .*" + msg):
+    with pytest.raises(ConfigError, match="^DSV41_ENGRAM_REMOTE: .*" + msg):
         parse_remote_url(url)
 
 
 @pytest.mark.parametrize(
     "env,msg",
     [
-        ({"VLLM_ENGRAM_REMOTE": "tcp://a:1"}, "names 1 URL.*tp is 2"),
-        ({"VLLM_ENGRAM_REMOTE": "tcp://a:1,tcp://b:1,tcp://c:1"}, "names 3 URL"),
-        ({"VLLM_ENGRAM_REMOTE": "tcp://a:1,tcp://b:1", "VLLM_ENGRAM_REMOTE_TIMEOUT_MS": "0"}, r"integer in \[1, 600000\]"),
-        ({"VLLM_ENGRAM_REMOTE": "tcp://a:1,tcp://b:1", "VLLM_ENGRAM_REMOTE_TIMEOUT_MS": "1.5"}, r"integer in \[1, 600000\]"),
-        ({"VLLM_ENGRAM_REMOTE": "tcp://a:1,tcp://b:1", "VLLM_ENGRAM_REMOTE_REQUIRED": "yes"}, "0 or 1"),
-        ({"VLLM_ENGRAM_REMOTE_REQUIRED": "1"}, "VLLM_ENGRAM_REMOTE is empty"),
+        ({"DSV41_ENGRAM_REMOTE": "tcp://a:1"}, "names 1 URL.*tp is 2"),
+        ({"DSV41_ENGRAM_REMOTE": "tcp://a:1,tcp://b:1,tcp://c:1"}, "names 3 URL"),
+        ({"DSV41_ENGRAM_REMOTE": "tcp://a:1,tcp://b:1", "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "0"}, r"integer in \[1, 600000\]"),
+        ({"DSV41_ENGRAM_REMOTE": "tcp://a:1,tcp://b:1", "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "1.5"}, r"integer in \[1, 600000\]"),
+        ({"DSV41_ENGRAM_REMOTE": "tcp://a:1,tcp://b:1", "DSV41_ENGRAM_REMOTE_REQUIRED": "maybe"}, "0 or 1"),
+        ({"DSV41_ENGRAM_REMOTE_REQUIRED": "1"}, "DSV41_ENGRAM_REMOTE is empty"),
     ],
 )
 def test_env_errors(env: dict, msg: str) -> None:
@@ -103,18 +105,18 @@ def test_env_errors(env: dict, msg: str) -> None:
 
 
 def test_env_defaults() -> None:
-    urls, t, req = parse_remote_env({"VLLM_ENGRAM_REMOTE": " tcp://a:1@10.0.0.1 , nixl://b:2 "}, 2)
+    urls, t, req = parse_remote_env({"DSV41_ENGRAM_REMOTE": " tcp://a:1@10.0.0.1 , nixl://b:2 "}, 2)
     assert [str(u) for u in urls] == ["tcp://a:1@10.0.0.1", "nixl://b:2"]
     assert (t, req) == (100, False)
-    assert parse_remote_env({"VLLM_ENGRAM_REMOTE": "tcp://a:1", "VLLM_ENGRAM_REMOTE_TIMEOUT_MS": "250",
-                             "VLLM_ENGRAM_REMOTE_REQUIRED": "1"}, 1)[1:] == (250, True)
+    assert parse_remote_env({"DSV41_ENGRAM_REMOTE": "tcp://a:1", "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "250",
+                             "DSV41_ENGRAM_REMOTE_REQUIRED": "1"}, 1)[1:] == (250, True)
 
 
 def test_rank_tp_errors(data: Path) -> None:
     with pytest.raises(ConfigError, match="rank"):
-        from_env(data / "manifest.json", data, 2, 2, env={})
+        from_env(data / "manifest.json", data, 2, 2, settings=envs.parse({}))
     with pytest.raises(ConfigError, match="tp"):
-        from_env(data / "manifest.json", data, 0, 0, env={})
+        from_env(data / "manifest.json", data, 0, 0, settings=envs.parse({}))
 
 
 def test_remote_constructs_client(data: Path, monkeypatch) -> None:
@@ -128,19 +130,19 @@ def test_remote_constructs_client(data: Path, monkeypatch) -> None:
     mod = types.ModuleType("dsv41.engram.client")
     mod.RemoteRowSource = Fake
     monkeypatch.setitem(sys.modules, "dsv41.engram.client", mod)
-    env = {"VLLM_ENGRAM_REMOTE": "tcp://198.18.1.1:7000@198.18.1.2,nixl://198.18.2.1:7000",
-           "VLLM_ENGRAM_REMOTE_TIMEOUT_MS": "50", "VLLM_ENGRAM_REMOTE_REQUIRED": "1"}
-    src = from_env(load_manifest(data / "manifest.json"), data, 1, 2, env=env)
+    env = {"DSV41_ENGRAM_REMOTE": "tcp://198.18.1.1:7000@198.18.1.2,nixl://198.18.2.1:7000",
+           "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "50", "DSV41_ENGRAM_REMOTE_REQUIRED": "1"}
+    src = from_env(load_manifest(data / "manifest.json"), data, 1, 2, settings=envs.parse(env))
     assert isinstance(src, Fake)
     assert seen["urls"] == ["tcp://198.18.1.1:7000@198.18.1.2", "nixl://198.18.2.1:7000"]
     assert (seen["rank"], seen["tp"], seen["timeout_ms"], seen["required"]) == (1, 2, 50, True)
-    assert isinstance(seen["local"], tables.LocalRowReader)
+    assert isinstance(seen["local"], reader.LocalRowReader)
     seen["local"].close()
-    from_env(data / "manifest.json", None, 0, 2, env=env)
+    from_env(data / "manifest.json", None, 0, 2, settings=envs.parse(env))
     assert seen["local"] is None
 
 
 def test_remote_without_client(data: Path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "dsv41.engram.client", None)
     with pytest.raises(ConfigError, match="dsv41.engram.client is not installed"):
-        from_env(data / "manifest.json", data, 0, 1, env={"VLLM_ENGRAM_REMOTE": "tcp://a:1"})
+        from_env(data / "manifest.json", data, 0, 1, settings=envs.parse({"DSV41_ENGRAM_REMOTE": "tcp://a:1"}))

@@ -164,9 +164,10 @@ def test_engram_counters_and_delta():
             'dsv41_engram_lookups_created{rank="0"} 1.7e9\n'
             'dsv41_engram_fallbacks_total{rank="1"} 2\n'
             'dsv41_engram_latency_sum_s{rank="0"} 0.5\n'
-            'dsv41_engram_lookups_total 99\n'
-            'garbage line\n')
+            'dsv41_engram_lookups_total 99\n')
     c = refs.engram_counters(text)
+    with pytest.raises(refs.RefsError, match="not Prometheus text exposition"):
+        refs.engram_counters(text + "garbage line\n")  # parsed by prometheus_client: refused, not skipped
     assert c == {"0": {"lookups": 10.0, "latency_sum_s": 0.5}, "1": {"lookups": 12.0, "fallbacks": 2.0}}
     after = {"0": {"lookups": 15.0, "latency_sum_s": 0.7}, "1": {"lookups": 20.0, "fallbacks": 2.0}}
     d = refs.counter_delta(c, after)

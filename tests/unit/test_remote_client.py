@@ -15,7 +15,9 @@ from dsv41.engram.client import RemoteRowSource, RemoteUnavailable, read_rows_re
 from dsv41.engram.manifest import load_manifest
 from dsv41.engram.rowsource import COUNTER_KEYS, LocalRowSource
 from dsv41.engram.server import load_tables
-from dsv41.engram.tables import LocalRowReader, RowRangeError, write_synthetic_tables
+from dsv41.engram.reader import LocalRowReader
+from dsv41.engram.shards import RowRangeError
+from dsv41.engram.synthetic import write_synthetic_tables
 from dsv41.errors import Dsv41Error
 from dsv41.transport import parse_url
 from dsv41.transport import protocol as P

@@ -12,7 +12,8 @@ import pytest
 
 from dsv41.engram.manifest import load_manifest
 from dsv41.engram.server import EngramServer, LoadProgress, load_region, load_tables, parse_hostport
-from dsv41.engram.tables import LocalRowReader, write_synthetic_tables
+from dsv41.engram.reader import LocalRowReader
+from dsv41.engram.synthetic import write_synthetic_tables
 from dsv41.errors import Dsv41Error, VerificationError
 from dsv41.transport import open_client
 from dsv41.transport import protocol as P

@@ -49,6 +49,24 @@ def identity_cmd(drafter: str = typer.Argument(..., help="Drafter directory.")) 
     print(json.dumps(identities(drafter), indent=1))
 
 
+@app.command("status")
+def status_cmd(
+    metrics: str = typer.Option(..., help="URL of the worker's /metrics, e.g. http://198.18.0.13:9451/metrics."),
+    timeout: float = typer.Option(10.0, min=0.1, help="Seconds for the request."),
+    as_json: bool = typer.Option(False, "--json", help="Print the state as JSON."),
+) -> None:
+    """Print a running worker's open connections and served identities (from its /metrics)."""
+    from dsv41.drafter.status import fetch_status
+
+    st = fetch_status(metrics, timeout)
+    if as_json:
+        print(json.dumps(st, indent=1))
+    else:
+        ids = st["identities"]
+        print(f"connections {st['connections']}; drafter {ids['drafter'][:16]} markov {ids['markov'][:16]} "
+              f"target {ids['target'][:16]}")
+
+
 @app.command("train")
 def train_cmd(
     config: str = typer.Option(..., help="Target model config (e.g. python/dsv41/data/lab_model.json)."),

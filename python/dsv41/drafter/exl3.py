@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dsv41.engine.spec_decode import TOP_K
 from dsv41.errors import ConfigError, Dsv41Error
 
 SIDECAR = "dsv41_exl3.json"
@@ -40,7 +41,7 @@ class Exl3Config:
     hidden_size: int
     n_ctx: int = 64
     max_k: int = 7
-    top_n: int = 32
+    top_n: int = TOP_K
     target_identity: str = ""
 
 
@@ -104,7 +105,7 @@ class Exl3Drafter:
         self.cache = Cache(self.model, max_num_tokens=self.max_seq)
         self.model.load(device=device)
         self.cfg = Exl3Config(vocab_size=int(self.config.vocab_size), hidden_size=int(side["hidden_size"]),
-                              n_ctx=n_ctx, max_k=max_k, top_n=int(side.get("top_n", 32)),
+                              n_ctx=n_ctx, max_k=max_k, top_n=int(side.get("top_n", TOP_K)),
                               target_identity=side.get("target_identity", ""))
         self.max_batch = max_batch
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dsv41.engine.spec_decode import TOP_K
 from dsv41.errors import ConfigError, Dsv41Error
 
 CONFIG_NAME = "drafter.json"
@@ -44,7 +45,7 @@ class DrafterConfig:
     """Drafter hyper-parameters (stored as ``drafter.json``).
 
     ``hidden_offset``: how many tokens before the end of the context the hidden state belongs
-    to: 1 is the engine's convention (engine/spec.py: the hidden at position ``len(tokens) - 2``,
+    to: 1 is the engine's convention (engine/spec_decode.py: the hidden at position ``len(tokens) - 2``,
     whose logits produced the newest token); training uses it so training and inference agree.
     """
 
@@ -55,7 +56,7 @@ class DrafterConfig:
     n_ctx: int = 4
     markov_rank: int = 32
     max_k: int = 7
-    top_n: int = 32
+    top_n: int = TOP_K
     tap_layer: int = 0
     hidden_offset: int = 1
     rms_norm_eps: float = 1e-6

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dsv41.engine.spec_decode import TOP_K
 from dsv41.errors import Dsv41Error
 
 MAGIC = b"DSDR"
@@ -59,7 +60,6 @@ HEADER_SIZE = HEADER.size  # 32
 #: Largest payload accepted (bytes). 64 MiB fits a 64-request batch of 16k-wide fp32 hidden
 #: states with 4k tokens of context each many times over; anything bigger is refused as LENGTH.
 MAX_PAYLOAD = 64 << 20
-TOP_N = 32
 MAX_ID_LEN = 256
 MAX_ITEMS = 1024
 MAX_TOKENS_PER_ITEM = 1 << 20
@@ -432,7 +432,7 @@ class Drafts:
     tokens: list[np.ndarray]
     top_ids: list[np.ndarray]
     top_probs: list[np.ndarray]
-    top_n: int = TOP_N
+    top_n: int = TOP_K
     extra: dict = field(default_factory=dict)
 
     def encode(self) -> bytes:

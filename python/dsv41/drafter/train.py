@@ -3,7 +3,7 @@
 Method (docs/drafter.md): the target (``dsv41.engine.runner.LocalRunner``, greedy) continues
 ``n_prompts`` snippets of the engine's own training corpus (``dsv41.engine.corpus``, seeded) by
 ``gen_tokens`` tokens. Every position ``L`` of the generated part gives one example in the engine's
-drafting convention (engine/spec.py): hidden = tap row ``L - 2``, context = tokens ``[:L]``,
+drafting convention (engine/spec_decode.py): hidden = tap row ``L - 2``, context = tokens ``[:L]``,
 targets = the target's next ``max_k`` greedy tokens ``[L : L + max_k]``. The drafter is trained
 with teacher forcing (cross-entropy summed over the draft positions, Adam), single-threaded and
 seeded, so the same inputs give the same weights (and identities). Acceptance is then measured
@@ -35,7 +35,7 @@ DEFAULTS = {"n_prompts": 24, "prompt_chars": 48, "gen_tokens": 48, "steps": 300,
 
 class SyntheticRowSource:
     """A ``RowSource`` serving the synthetic Engram tables of ``make-tables --seed`` from memory
-    (``dsv41.engram.tables.synthetic_rows``, materialised once per layer: 264 B x rows, ~50 MB
+    (``dsv41.engram.synthetic.synthetic_rows``, materialised once per layer: 264 B x rows, ~50 MB
     for the lab model), so training needs no table files."""
 
     def __init__(self, model_cfg: dict, seed: int) -> None:
@@ -47,7 +47,7 @@ class SyntheticRowSource:
         self._tables: dict[int, np.ndarray] = {}
 
     def lookup(self, layer_id: int, rows: np.ndarray) -> np.ndarray:
-        from dsv41.engram.tables import synthetic_rows
+        from dsv41.engram.synthetic import synthetic_rows
 
         t = self._tables.get(layer_id)
         if t is None:
@@ -74,7 +74,7 @@ def make_row_source(config_path: str, manifest: str | None, data: str | None, ta
             raise ConfigError("--manifest and --data go together")
         from dsv41.engram.manifest import load_manifest
         from dsv41.engram.rowsource import LocalRowSource
-        from dsv41.engram.tables import LocalRowReader
+        from dsv41.engram.reader import LocalRowReader
 
         return LocalRowSource(LocalRowReader(load_manifest(manifest), data))
     try:
@@ -131,10 +131,10 @@ def train_drafter(config: str, weights: str, out: str, *, steps: int | None = No
 
     from dsv41.drafter.model import TorchDrafter
     from dsv41.engine.corpus import corpus_text
-    from dsv41.engine.model import target_identity
     from dsv41.engine.runner import LocalRunner
-    from dsv41.engine.tokenizer import ByteTokenizer
+    from dsv41.engine.weights import target_identity
     from dsv41.harness.refs import PROMPTS
+    from dsv41.tokenizer import ByteTokenizer
 
     hp = dict(DEFAULTS)
     unknown = set(overrides) - set(hp)

@@ -21,11 +21,13 @@ from typing import Callable
 
 import numpy as np
 
+from dsv41.engine.rejection_sampler import verify
+from dsv41.engine.sampler import SamplingParams, probs_of, process_logits, sample
 from dsv41.engine.scheduler import Request, RequestError, Scheduler
-from dsv41.engine.spec import DraftInput, DraftProposal, SamplingParams, process_logits, probs_of, sample, verify
-from dsv41.engine.tokenizer import EOS
+from dsv41.engine.spec_decode import DraftInput, DraftProposal
 from dsv41.engine.tp import PeerLost
 from dsv41.errors import Dsv41Error
+from dsv41.tokenizer import EOS
 
 log = logging.getLogger("dsv41.engine")
 

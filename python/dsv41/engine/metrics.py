@@ -11,7 +11,8 @@ Engram, per rank (label ``rank``, values gathered from every rank over torch.dis
 ``_refusals_total``, ``_reconnects_total``, ``dsv41_engram_lookup_latency_seconds`` (summary:
 ``_sum``/``_count``), ``dsv41_engram_scale_bytes_total{value="0"|"255"}`` (reference-convention
 special scale bytes seen) and ``dsv41_engram_nonfinite_values_total`` (values zeroed, see
-docs/engine.md). Drafter counters (``Speculator.counters()``) as ``dsv41_drafter_<key>``.
+docs/engine.md). Drafter counters (``Speculator.counters()``) as ``dsv41_drafter_<key>_total``
+counters and the summary ``dsv41_drafter_propose_latency_seconds`` (see ``_DrafterCollector``).
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ class _EngramCollector:
 
 
 class _DrafterCollector:
+    """``Speculator.counters()`` as Prometheus types: ``latency_sum_s`` + ``latency_count`` ->
+    summary ``dsv41_drafter_propose_latency_seconds`` (seconds); a key naming a maximum
+    (``*max*``, e.g. ``parity_max_prob_diff``) -> gauge ``dsv41_drafter_<key>``; every other
+    numeric key (monotonic since start, the Speculator contract) -> counter
+    ``dsv41_drafter_<key>_total``."""
+
     def __init__(self, source: Callable[[], dict]) -> None:
         self._source = source
 
@@ -64,10 +71,17 @@ class _DrafterCollector:
         except Exception as exc:  # noqa: BLE001 - a broken speculator must not break /metrics
             yield GaugeMetricFamily("dsv41_drafter_counters_error", f"Speculator.counters() failed: {exc}"[:200], value=1.0)
             return
-        for k, v in sorted(counters.items()):
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                name = "".join(ch if ch.isalnum() else "_" for ch in str(k))
-                yield GaugeMetricFamily(f"dsv41_drafter_{name}", f"Speculator counter {k}", value=float(v))
+        num = {str(k): float(v) for k, v in counters.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if "latency_sum_s" in num or "latency_count" in num:
+            lat = SummaryMetricFamily("dsv41_drafter_propose_latency_seconds", "Speculator propose() round latency")
+            lat.add_metric([], count_value=num.pop("latency_count", 0.0), sum_value=num.pop("latency_sum_s", 0.0))
+            yield lat
+        for k, v in sorted(num.items()):
+            name = "".join(ch if ch.isalnum() else "_" for ch in k)
+            if "max" in k.split("_"):
+                yield GaugeMetricFamily(f"dsv41_drafter_{name}", f"Speculator {k}", value=v)
+            else:
+                yield CounterMetricFamily(f"dsv41_drafter_{name}", f"Speculator counter {k}", value=v)
 
 
 class EngineMetrics:

@@ -19,352 +19,24 @@ fixed virtual shards; every run (TP1 or TP2) computes each shard's partial outpu
 shapes and sums the shards in shard order (see ``tp.Comm.sum_shards``), so TP1 and TP2 give the
 same bits. float64 keeps batch composition (GEMM vs GEMV paths) from moving a greedy argmax.
 
-Weights are deterministic from the config seed: ``init_weights`` draws them with
-``torch.Generator`` seeded by ``seed`` and then trains the backbone (Engram off) on the built-in
-toy-grammar corpus (``corpus.py``) single-threaded for ``train_steps`` AdamW steps, so greedy
-text is non-degenerate and a drafter has something learnable. Determinism holds for a given
-torch build and CPU ISA (reduction order); ``target_identity`` pins the exact bytes.
+The config is :mod:`dsv41.engine.model_config`, the weights (init, training, save/load,
+identity) :mod:`dsv41.engine.weights`; this module is the forward pass and its KV cache.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from dsv41.engine.layers import apply_rope, rms_norm, rope_tables
+from dsv41.engine.model_config import ENGRAM_HEAD_DIM, ModelConfig
 from dsv41.errors import ConfigError, Dsv41Error
-from dsv41.engine.tokenizer import TOKEN_MAP, VOCAB_SIZE
+from dsv41.tokenizer import TOKEN_MAP
 
-_REQUIRED = ["seed", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-             "intermediate_size", "hc_mult", "rms_norm_eps", "max_position_embeddings",
-             "engram_layer_ids", "drafter_tap_layer"]
-ENGRAM_COLUMNS = 24  # 3 orders x 8 heads (engram-spec.md section 2)
-ENGRAM_HEAD_DIM = 256
-ROW_BYTES = 264
 ENGRAM_EPS = 1e-20  # engram-spec.md section 7
-
-
-@dataclass
-class ModelConfig:
-    """Model keys of ``lab_model.json`` (engram keys are read by ``dsv41.engram``).
-
-    ``raw`` keeps the whole JSON dict (what ``EngramLayout.from_config`` takes).
-    """
-
-    seed: int
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    intermediate_size: int
-    hc_mult: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    engram_layer_ids: list[int]
-    drafter_tap_layer: int
-    rope_theta: float = 10000.0
-    tp_shards: int = 2
-    train_steps: int = 200
-    train_batch: int = 16
-    train_seq_len: int = 64
-    train_lr: float = 4e-3
-    engram_wkv_std: float = 5e-7
-    raw: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def head_dim(self) -> int:
-        """Per-head width: hidden_size / num_attention_heads."""
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def engram_dim(self) -> int:
-        """Engram row width in values: 24 columns x 256 = 6144 (docs/engram-spec.md)."""
-        return ENGRAM_COLUMNS * ENGRAM_HEAD_DIM  # 6144
-
-
-def load_config(path_or_dict: str | os.PathLike | dict) -> ModelConfig:
-    """Read and check the model config.
-
-    Accepts a path to JSON or a dict (flat, or nested under ``text_config``). Raises
-    ``ConfigError`` naming the missing or inconsistent key.
-    """
-    if isinstance(path_or_dict, dict):
-        raw = dict(path_or_dict)
-    else:
-        p = Path(path_or_dict)
-        try:
-            raw = json.loads(p.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"model config {p} does not exist") from None
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"model config {p} is not readable JSON: {exc}") from None
-    if isinstance(raw.get("text_config"), dict):
-        raw = {**raw, **raw["text_config"]}
-    missing = [k for k in _REQUIRED if k not in raw]
-    if missing:
-        raise ConfigError(f"model config lacks keys: {', '.join(missing)}")
-    kw = {k: raw[k] for k in ModelConfig.__dataclass_fields__ if k in raw and k != "raw"}
-    try:
-        cfg = ModelConfig(**kw, raw=raw)
-    except TypeError as exc:
-        raise ConfigError(f"model config: {exc}") from None
-    if cfg.vocab_size != VOCAB_SIZE:
-        raise ConfigError(f"vocab_size must be {VOCAB_SIZE} (byte tokenizer), got {cfg.vocab_size}")
-    if cfg.hidden_size % cfg.num_attention_heads:
-        raise ConfigError("hidden_size must be divisible by num_attention_heads")
-    if cfg.head_dim % 2:
-        raise ConfigError("head_dim must be even (RoPE)")
-    if cfg.num_attention_heads % cfg.tp_shards or cfg.intermediate_size % cfg.tp_shards:
-        raise ConfigError("num_attention_heads and intermediate_size must be divisible by tp_shards")
-    if not 0 <= cfg.drafter_tap_layer < cfg.num_hidden_layers:
-        raise ConfigError("drafter_tap_layer must name a layer in [0, num_hidden_layers)")
-    for lid in cfg.engram_layer_ids:
-        if not 0 <= lid < cfg.num_hidden_layers:
-            raise ConfigError(f"engram layer {lid} is outside [0, num_hidden_layers)")
-    if int(raw.get("engram_pad_token_id", 2)) != int(TOKEN_MAP[2]):
-        raise ConfigError("engram_pad_token_id must be 2 (the tokenizer's pad id)")
-    return cfg
-
-
-# ----------------------------------------------------------------------------------- weights
-
-
-def weight_names(cfg: ModelConfig) -> list[str]:
-    """All tensor names of the weights file, in file order."""
-    names = ["embed.weight"]
-    for i in range(cfg.num_hidden_layers):
-        p = f"layers.{i}."
-        if i in cfg.engram_layer_ids:
-            names += [p + "engram.wkv.weight", p + "engram.q_weight", p + "engram.k_weight"]
-        names += [p + n for n in ("hc_attn_pre", "hc_attn_post", "attn_norm.weight", "attn.wq.weight",
-                                  "attn.wk.weight", "attn.wv.weight", "attn.wo.weight", "hc_ffn_pre",
-                                  "hc_ffn_post", "ffn_norm.weight", "ffn.w1.weight", "ffn.w3.weight",
-                                  "ffn.w2.weight")]
-    return names + ["norm.weight", "head.weight"]
-
-
-def _random_weights(cfg: ModelConfig):
-    import torch
-
-    g = torch.Generator().manual_seed(int(cfg.seed))
-    H, I, hc, V = cfg.hidden_size, cfg.intermediate_size, cfg.hc_mult, cfg.vocab_size
-
-    def rn(*shape, std):
-        return torch.randn(*shape, generator=g, dtype=torch.float32) * std
-
-    w: dict[str, Any] = {"embed.weight": rn(V, H, std=1.0)}
-    out_std = 0.02 / math.sqrt(2 * cfg.num_hidden_layers)
-    for i in range(cfg.num_hidden_layers):
-        p = f"layers.{i}."
-        if i in cfg.engram_layer_ids:
-            # FP8 linear: E4M3-representable values times a power-of-two scale, held in fp32.
-            scale = 2.0 ** round(math.log2(cfg.engram_wkv_std))
-            wkv = rn(5 * H, cfg.engram_dim, std=1.0).clamp(-448, 448).to(torch.float8_e4m3fn)
-            w[p + "engram.wkv.weight"] = wkv.to(torch.float32) * scale
-            w[p + "engram.q_weight"] = 1.0 + rn(hc, H, std=0.1)
-            w[p + "engram.k_weight"] = 1.0 + rn(hc, H, std=0.1)
-        w[p + "hc_attn_pre"] = rn(hc, std=0.1)
-        w[p + "hc_attn_post"] = 1.0 + rn(hc, std=0.1)
-        w[p + "attn_norm.weight"] = torch.ones(H)
-        for n in ("wq", "wk", "wv"):
-            w[p + f"attn.{n}.weight"] = rn(H, H, std=0.02 * 2)
-        w[p + "attn.wo.weight"] = rn(H, H, std=out_std)
-        w[p + "hc_ffn_pre"] = rn(hc, std=0.1)
-        w[p + "hc_ffn_post"] = 1.0 + rn(hc, std=0.1)
-        w[p + "ffn_norm.weight"] = torch.ones(H)
-        w[p + "ffn.w1.weight"] = rn(I, H, std=0.04)
-        w[p + "ffn.w3.weight"] = rn(I, H, std=0.04)
-        w[p + "ffn.w2.weight"] = rn(H, I, std=out_std)
-    w["norm.weight"] = torch.ones(H)
-    w["head.weight"] = rn(V, H, std=0.04)
-    return w
-
-
-def _rope(positions, head_dim: int, theta: float, dtype):
-    """cos/sin tables ``[T, head_dim/2]`` for integer positions (RoFormer, Su et al. 2021)."""
-    import torch
-
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim))
-    ang = positions.to(torch.float64)[:, None] * inv[None, :]
-    return torch.cos(ang).to(dtype), torch.sin(ang).to(dtype)
-
-
-def _apply_rope(x, cos, sin):
-    """Rotate pairs (even, odd) of the last dim; x ``[..., T, D]``, cos/sin ``[T, D/2]``."""
-    import torch
-
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-
-
-def _rms(x, w, eps: float):
-    import torch
-
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def train_forward(cfg: ModelConfig, w: dict, tokens):
-    """Full-sequence forward without Engram (training); tokens int64[B, T] -> logits [B, T, V].
-
-    Same math as :class:`TargetModel` with Engram's contribution at zero.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    B, T = tokens.shape
-    H, nh, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-    x = w["embed.weight"][tokens][:, :, None, :].expand(B, T, cfg.hc_mult, H)
-    cos, sin = _rope(torch.arange(T), hd, cfg.rope_theta, x.dtype)
-    for i in range(cfg.num_hidden_layers):
-        p = f"layers.{i}."
-        h = (x * torch.softmax(w[p + "hc_attn_pre"], 0)[:, None]).sum(2)
-        hn = _rms(h, w[p + "attn_norm.weight"], cfg.rms_norm_eps)
-        q = (hn @ w[p + "attn.wq.weight"].T).view(B, T, nh, hd).transpose(1, 2)
-        k = (hn @ w[p + "attn.wk.weight"].T).view(B, T, nh, hd).transpose(1, 2)
-        v = (hn @ w[p + "attn.wv.weight"].T).view(B, T, nh, hd).transpose(1, 2)
-        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        o = o.transpose(1, 2).reshape(B, T, H) @ w[p + "attn.wo.weight"].T
-        x = x + w[p + "hc_attn_post"][:, None] * o[:, :, None, :]
-        h = (x * torch.softmax(w[p + "hc_ffn_pre"], 0)[:, None]).sum(2)
-        hn = _rms(h, w[p + "ffn_norm.weight"], cfg.rms_norm_eps)
-        m = F.silu(hn @ w[p + "ffn.w1.weight"].T) * (hn @ w[p + "ffn.w3.weight"].T)
-        x = x + w[p + "hc_ffn_post"][:, None] * (m @ w[p + "ffn.w2.weight"].T)[:, :, None, :]
-    hf = _rms(x.mean(2), w["norm.weight"], cfg.rms_norm_eps)
-    return hf @ w["head.weight"].T
-
-
-def init_weights(cfg: ModelConfig, progress=None) -> tuple[dict, dict]:
-    """Deterministic weights for ``cfg``: seeded init, then ``train_steps`` of training.
-
-    Returns (name -> float32 CPU tensor, metadata dict with the final training loss in nats).
-    Runs single-threaded (``torch.set_num_threads(1)``) so the result does not depend on the
-    thread count. ``progress(step, loss)`` is called every 50 steps when given.
-    """
-    import torch
-
-    from dsv41.engine.corpus import corpus_text
-    from dsv41.engine.tokenizer import ByteTokenizer
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        w = _random_weights(cfg)
-        data = torch.tensor(ByteTokenizer().encode(corpus_text(int(cfg.seed))), dtype=torch.int64)
-        trainable = {k: v.requires_grad_(True) for k, v in w.items() if ".engram." not in k}
-        opt = torch.optim.AdamW(list(trainable.values()), lr=cfg.train_lr, weight_decay=0.0,
-                                betas=(0.9, 0.95))
-        g = torch.Generator().manual_seed(int(cfg.seed) + 1)
-        L, B = cfg.train_seq_len, cfg.train_batch
-        loss_v = float("nan")
-        for step in range(cfg.train_steps):
-            lr = cfg.train_lr * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * (1 - step / max(1, cfg.train_steps)))
-            for grp in opt.param_groups:
-                grp["lr"] = lr
-            starts = torch.randint(0, len(data) - L - 1, (B,), generator=g)
-            batch = torch.stack([data[s:s + L + 1] for s in starts.tolist()])
-            logits = train_forward(cfg, w, batch[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                     batch[:, 1:].reshape(-1))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(list(trainable.values()), 1.0)
-            opt.step()
-            loss_v = float(loss.detach())
-            if progress and step % 50 == 0:
-                progress(step, loss_v)
-        out = {k: v.detach().clone().contiguous() for k, v in w.items()}
-    finally:
-        torch.set_num_threads(threads)
-    return out, {"train_final_loss": f"{loss_v:.4f}", "train_steps": str(cfg.train_steps)}
-
-
-def save_weights(cfg: ModelConfig, weights: dict, meta: dict, out: str | os.PathLike) -> None:
-    """Write ``weights`` to safetensors at ``out`` (atomic rename). Raises ``Dsv41Error`` on I/O."""
-    from safetensors.torch import save_file
-
-    out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    md = {"format": "dsv41-lab-target-v1", "seed": str(cfg.seed), **meta}
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: weights[k] for k in weight_names(cfg)}, str(tmp), metadata=md)
-        os.replace(tmp, out)
-    except OSError as exc:
-        raise Dsv41Error(f"cannot write weights to {out}: {exc}") from None
-
-
-def load_weights(cfg: ModelConfig, path: str | os.PathLike) -> dict:
-    """Read and check a weights file against ``cfg`` (names and shapes).
-
-    Raises ``Dsv41Error`` when the file is missing, not safetensors, or does not match.
-    """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    p = Path(path)
-    if not p.is_file():
-        raise Dsv41Error(f"weights file {p} does not exist (run `dsv41 engine init-weights`)")
-    try:
-        w = load_file(str(p))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise Dsv41Error(f"weights file {p} is not readable safetensors: {exc}") from None
-    ref = _shapes(cfg)
-    missing = [n for n in ref if n not in w]
-    if missing:
-        raise Dsv41Error(f"weights file {p} lacks {len(missing)} tensors (first: {missing[0]}); "
-                         "was it made for another config?")
-    for n, shape in ref.items():
-        if tuple(w[n].shape) != shape:
-            raise Dsv41Error(f"weights file {p}: {n} has shape {tuple(w[n].shape)}, config wants {shape}")
-    return w
-
-
-def _shapes(cfg: ModelConfig) -> dict[str, tuple]:
-    H, I, hc, V = cfg.hidden_size, cfg.intermediate_size, cfg.hc_mult, cfg.vocab_size
-    s: dict[str, tuple] = {"embed.weight": (V, H), "norm.weight": (H,), "head.weight": (V, H)}
-    for i in range(cfg.num_hidden_layers):
-        p = f"layers.{i}."
-        if i in cfg.engram_layer_ids:
-            s[p + "engram.wkv.weight"] = (5 * H, cfg.engram_dim)
-            s[p + "engram.q_weight"] = (hc, H)
-            s[p + "engram.k_weight"] = (hc, H)
-        for n in ("hc_attn_pre", "hc_attn_post", "hc_ffn_pre", "hc_ffn_post"):
-            s[p + n] = (hc,)
-        s[p + "attn_norm.weight"] = (H,)
-        s[p + "ffn_norm.weight"] = (H,)
-        for n in ("wq", "wk", "wv", "wo"):
-            s[p + f"attn.{n}.weight"] = (H, H)
-        s[p + "ffn.w1.weight"] = (I, H)
-        s[p + "ffn.w3.weight"] = (I, H)
-        s[p + "ffn.w2.weight"] = (H, I)
-    return s
-
-
-def target_identity(config_path: str | os.PathLike, weights_path: str | os.PathLike) -> str:
-    """Hex sha256 over the config file bytes followed by the weights file bytes.
-
-    Identifies the exact target a drafter was distilled against. Raises ``Dsv41Error`` if a file
-    cannot be read.
-    """
-    h = hashlib.sha256()
-    for p in (config_path, weights_path):
-        try:
-            with open(p, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    h.update(chunk)
-        except OSError as exc:
-            raise Dsv41Error(f"cannot read {p}: {exc}") from None
-    return h.hexdigest()
-
-
-# ----------------------------------------------------------------------------------- inference
 
 
 class SeqCache:
@@ -489,7 +161,7 @@ class TargetModel:
         tab = self._rope_cache.get("tab")
         if tab is None or tab[0].shape[0] < key:
             n = max(key, 1024, 2 * (tab[0].shape[0] if tab else 0))
-            tab = _rope(torch.arange(n, device=self.device), self.cfg.head_dim, self.cfg.rope_theta, torch.float64)
+            tab = rope_tables(torch.arange(n, device=self.device), self.cfg.head_dim, self.cfg.rope_theta, torch.float64)
             self._rope_cache["tab"] = tab
         return tab[0][positions], tab[1][positions]
 
@@ -515,7 +187,7 @@ class TargetModel:
         """
         import torch
 
-        from dsv41.engram.tables import dequantize
+        from dsv41.engram.dequant import dequantize
 
         N = x.shape[0]
         H, hc = self.cfg.hidden_size, self.cfg.hc_mult
@@ -588,14 +260,14 @@ class TargetModel:
             if "wkv" in L:
                 x = self._engram(cfg.engram_layer_ids.index(i), L, x, rows_np)
             h = (x * L["hc_attn_pre"][None, :, None]).sum(1)
-            hn = _rms(h, L["attn_norm.weight"], cfg.rms_norm_eps)
+            hn = rms_norm(h, L["attn_norm.weight"], cfg.rms_norm_eps)
             parts = []
             hps = self.heads_per_shard
             for si, (wq, wk, wv, wo) in enumerate(L["attn"]):
                 q = (hn @ wq.T).view(N, hps, hd).transpose(0, 1)
                 k = (hn @ wk.T).view(N, hps, hd).transpose(0, 1)
                 v = (hn @ wv.T).view(N, hps, hd).transpose(0, 1)
-                q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
                 o = torch.empty(hps, N, hd, dtype=torch.float64, device=self.device)
                 hs = slice(si * hps, (si + 1) * hps)
                 for j, (c, _) in enumerate(items):
@@ -613,7 +285,7 @@ class TargetModel:
             out = self.comm.sum_shards(parts)
             x = x + L["hc_attn_post"][None, :, None] * out[:, None, :]
             h = (x * L["hc_ffn_pre"][None, :, None]).sum(1)
-            hn = _rms(h, L["ffn_norm.weight"], cfg.rms_norm_eps)
+            hn = rms_norm(h, L["ffn_norm.weight"], cfg.rms_norm_eps)
             parts = [(F.silu(hn @ w1.T) * (hn @ w3.T)) @ w2.T for w1, w3, w2 in L["ffn"]]
             out = self.comm.sum_shards(parts)
             x = x + L["hc_ffn_post"][None, :, None] * out[:, None, :]
@@ -628,6 +300,6 @@ class TargetModel:
         tap_sel = taps[sel].to(torch.float32).cpu().split(counts)
         lg = None
         if logits:
-            hf = _rms(x[sel].mean(1), self.norm, cfg.rms_norm_eps)
+            hf = rms_norm(x[sel].mean(1), self.norm, cfg.rms_norm_eps)
             lg = (hf @ self.head.T).to(torch.float32).cpu().split(counts)
         return ForwardOut(logits=list(lg) if lg is not None else [None] * len(items), taps=list(tap_sel))

@@ -10,10 +10,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dsv41.engine.model import TargetModel, load_config, load_weights, target_identity
-from dsv41.engine.tokenizer import VOCAB_SIZE
+from dsv41.engine.model import TargetModel
+from dsv41.engine.model_config import load_config
 from dsv41.engine.tp import LocalComm
+from dsv41.engine.weights import load_weights, target_identity
 from dsv41.errors import Dsv41Error
+from dsv41.tokenizer import VOCAB_SIZE
 
 
 @dataclass

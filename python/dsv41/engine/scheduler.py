@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from dsv41.engine.spec import SamplingParams
+from dsv41.engine.sampler import SamplingParams
 from dsv41.errors import Dsv41Error
 
 _ids = itertools.count()

@@ -27,10 +27,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from dsv41.engine.sampler import SamplingParams
 from dsv41.engine.scheduler import RequestError
-from dsv41.engine.spec import SamplingParams
-from dsv41.engine.tokenizer import VOCAB_SIZE, ByteTokenizer
 from dsv41.errors import Dsv41Error
+from dsv41.tokenizer import VOCAB_SIZE, ByteTokenizer
 
 log = logging.getLogger("dsv41.engine.server")
 

@@ -1,5 +1,5 @@
 """Engram core: layout, hashing, table files, manifest, local row reader, row sources.
 
-Facts and formulas: ``docs/engram.md`` and ``../shared/docs/engram-spec.md``.  Heavy modules
+Facts and formulas: ``docs/engram.md`` and ``docs/engram-spec.md``.  Heavy modules
 (torch) are imported lazily so the table server stays torch-free.
 """

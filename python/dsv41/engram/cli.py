@@ -93,7 +93,7 @@ def make_tables(
     Shards are written to temporary names and renamed only when all are complete, the manifest
     last; files in --out that are not earlier make-tables output are never replaced without
     --force."""
-    from dsv41.engram.tables import write_synthetic_tables
+    from dsv41.engram.synthetic import write_synthetic_tables
 
     _check_chunk_size(chunk_size)
     p = write_synthetic_tables(config, out, seed, revision=revision, chunk_size=chunk_size, force=force)
@@ -132,18 +132,21 @@ def verify(
     data: Annotated[Optional[Path], typer.Option("--data", help="Shard directory (default: the manifest's).")] = None,
     workers: Annotated[Optional[int], typer.Option("--workers", help="Hashing threads (default: CPUs).")] = None,
     progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", help="Progress bar (default: on a TTY).")] = None,
+    cache: Annotated[Optional[Path], typer.Option("--cache", help="Verify cache file: skip shards unchanged since their last verification.")] = None,
+    full: Annotated[bool, typer.Option("--full", help="Re-hash every shard whatever the cache says.")] = False,
 ) -> None:
-    """Verify sizes and every chunk's sha256; exit 1 naming file, chunk and byte range."""
+    """Verify sizes, every chunk's sha256 and the safetensors headers; exit 1 naming file, chunk
+    and byte range (or file and tensor)."""
     from dsv41.engram.manifest import load_manifest
     from dsv41.engram.manifest import verify as do_verify
 
     if workers is not None and not 1 <= workers <= 1024:
         raise ConfigError(f"--workers must be in [1, 1024], got {workers}")
     m = load_manifest(manifest)
-    do_verify(m, data, workers=workers, progress=progress)
+    rep = do_verify(m, data, workers=workers, progress=progress, cache=cache, mode="full" if full else "cached")
     total = sum(f["size"] for f in m.files)
-    print(json.dumps({"verified": True, "files": len(m.files), "bytes": total,
-                      "tables": {str(t.layer_id): t.identity for t in m.tables}}))
+    print(json.dumps({"verified": True, "files": len(m.files), "bytes": total, "hashed": rep.verified,
+                      "cached": rep.cached, "tables": {str(t.layer_id): t.identity for t in m.tables}}))
 
 
 @app.command("read-rows")
@@ -162,7 +165,7 @@ def read_rows(
     ids = np.asarray(_ints(rows, "--rows"), dtype=np.int64)
     m = load_manifest(manifest)
     if source == "local":
-        from dsv41.engram.tables import LocalRowReader
+        from dsv41.engram.reader import LocalRowReader
 
         with LocalRowReader(m, data or manifest.parent, threads=4) as r:
             out = r.read(layer, ids)

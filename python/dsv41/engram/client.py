@@ -41,8 +41,8 @@ def _manifest(manifest: Any):
 
 
 def _check_rows(rows: Any, entry: Any) -> np.ndarray:
-    """int64[N] of valid ids of ``entry``'s table (``tables.check_row_ids``; RowRangeError)."""
-    from dsv41.engram.tables import check_row_ids
+    """int64[N] of valid ids of ``entry``'s table (``shards.check_row_ids``; RowRangeError)."""
+    from dsv41.engram.shards import check_row_ids
 
     return check_row_ids(rows, entry.rows, entry.layer_id)
 
@@ -220,7 +220,7 @@ class RemoteRowSource:
         there is no local reader, ``Dsv41Error`` for a bad ``out``.
         """
         t0 = time.perf_counter()
-        from dsv41.engram.tables import RowRangeError
+        from dsv41.engram.shards import RowRangeError
 
         entry = self._entries.get(layer_id)
         if entry is None:

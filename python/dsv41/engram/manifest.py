@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv41.engram.layout import EngramLayout
+from dsv41.engram.shards import RowRangeError, scale_name, shard_names, table_regions, weight_name
 from dsv41.errors import VerificationError
 
 FORMAT = "dsv41-engram-manifest"
@@ -73,8 +74,6 @@ def table_identity(layout: dict[str, Any], entry: dict[str, Any] | TableEntry) -
 def make_table_entry(layout: EngramLayout, li: int, file: str, rows: int, weight_offset: int,
                      scale_offset: int, weight_sha256: str, scale_sha256: str) -> TableEntry:
     """Build a :class:`TableEntry` (identity computed) for table ``li`` of ``layout``."""
-    from dsv41.engram.tables import scale_name, weight_name
-
     layer = layout.layer_ids[li]
     e = TableEntry(
         layer_id=layer, file=file, weight_name=weight_name(layer), scale_name=scale_name(layer),
@@ -104,8 +103,6 @@ class Manifest:
         for t in self.tables:
             if t.layer_id == layer_id:
                 return t
-        from dsv41.engram.tables import RowRangeError
-
         raise RowRangeError(f"manifest has no table for layer {layer_id} (layers: {[t.layer_id for t in self.tables]})")
 
     def file(self, name: str) -> dict[str, Any]:
@@ -267,25 +264,153 @@ def _progress_ctx(enabled: bool, total: int):
     return prog
 
 
+#: Format tag of the verify cache file (version 2 keys on ctime and device too; a version-1
+#: cache, keyed on size/mtime/inode only, is ignored, so the first run after an upgrade re-hashes).
+CACHE_FORMAT = "dsv41-verify-cache/2"
+VERIFY_MODES = ("cached", "full")
+
+
+@dataclass
+class VerifyReport:
+    """What :func:`verify` did: ``files`` considered (manifest order), ``verified`` (hashed in this
+    call), ``cached`` (skipped: the cache entry matched), ``cache_updated`` (cache file written)."""
+
+    files: list[str]
+    verified: list[str]
+    cached: list[str]
+    cache_updated: bool = False
+
+
+def file_key(path: str | os.PathLike) -> list[int] | None:
+    """Cache key of a file: ``[size, mtime_ns, ctime_ns, st_dev, st_ino]``, None if it cannot be
+    stat'ed.  ``st_ctime_ns`` is set by the kernel on every write, ``utime``, rename or chmod
+    and cannot be set back by a user (``touch -d`` restores mtime, not ctime); ``st_dev`` +
+    ``st_ino`` name the file, so a replaced file (new inode) is re-hashed too."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_dev, st.st_ino]
+
+
+def manifest_digest(m: Manifest) -> str:
+    """sha256 of the manifest's canonical JSON (sorted keys, compact): the cache is valid for
+    this manifest content only."""
+    return hashlib.sha256(json.dumps(m.to_dict(), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _load_cache(path: Path, digest: str) -> dict[str, Any]:
+    """Cached ``{file: key}`` for this manifest; empty when absent, unreadable, another format
+    or another manifest (never an error: a bad cache only costs a re-hash)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    if not isinstance(doc, dict) or doc.get("format") != CACHE_FORMAT or doc.get("manifest_sha256") != digest:
+        return {}
+    files = doc.get("files")
+    return files if isinstance(files, dict) else {}
+
+
+def _save_cache(path: Path, digest: str, files: dict[str, Any]) -> None:
+    """Write the cache atomically (temp file, mode 0600, + rename); VerificationError if it
+    cannot be written (the verification result itself stands)."""
+    import tempfile
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".verify-cache.")
+    except OSError as exc:
+        raise VerificationError(f"cannot write verify cache {path}: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"format": CACHE_FORMAT, "manifest_sha256": digest, "files": files}, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise VerificationError(f"cannot write verify cache {path}: {exc.strerror or exc}") from None
+
+
 def verify(manifest: Manifest | str | os.PathLike, data_dir: str | os.PathLike | None = None,
-           workers: int | None = None, progress: bool | None = None) -> None:
-    """Check every file of ``manifest`` in ``data_dir`` (default: the manifest's directory):
+           workers: int | None = None, progress: bool | None = None, *, only: Any = None,
+           cache: str | os.PathLike | None = None, mode: str = "cached", update_cache: bool = True) -> VerifyReport:
+    """Check the files of ``manifest`` in ``data_dir`` (default: the manifest's directory):
     existence, size and every chunk's sha256, chunks hashed in parallel by ``workers`` threads
-    (default: 2 per CPU, max 32).  ``progress``: rich bar on stderr (None = only when stderr is a TTY).
+    (default: 2 per CPU, max 32), then every table's rows/offsets against its shard's
+    safetensors header (checked as the reference loader checks it; always, cache or not).
+    ``progress``: rich bar on stderr (None = only when stderr is a TTY).
+
+    ``only``: file names (an iterable of str) to consider, default all.  ``cache``: path of a
+    verify cache (JSON); with ``mode="cached"`` a file whose :func:`file_key` (size, mtime_ns,
+    ctime_ns, device, inode) equals its cache entry for this manifest content is not re-hashed;
+    ``mode="full"`` re-hashes every file whatever the cache says.  After a successful check the
+    cache is rewritten when ``update_cache`` and it changed (docs/engram.md, "Verify cache", says
+    what it trusts).  Returns a :class:`VerifyReport`.
 
     Raises VerificationError naming the file, chunk index and byte range of the first problem
-    (and how many more there are): missing file, truncated file, wrong size, sha256 mismatch;
-    then checks each table's rows/offsets against its shard's safetensors header.
+    (and how many more there are): missing file, truncated file, wrong size, sha256 mismatch, a
+    malformed header or a table the header places elsewhere; nothing is cached then.  Also for an
+    unknown ``mode`` or a name in ``only`` that the manifest does not list.
     """
+    if mode not in VERIFY_MODES:
+        raise VerificationError(f"verify mode must be one of {', '.join(VERIFY_MODES)}, got {mode!r}")
     m = _as_manifest(manifest)
     if data_dir is None:
         if m.path is None:
             raise VerificationError("verify needs data_dir for a manifest not loaded from a file")
         data_dir = m.path.parent
     d = Path(data_dir)
+    names = [f["name"] for f in m.files]
+    if only is not None:
+        want = {str(x) for x in only}
+        unknown = sorted(want - set(names))
+        if unknown:
+            raise VerificationError(f"verify: {', '.join(unknown)} not in the manifest's files")
+        names = [n for n in names if n in want]
+    digest = manifest_digest(m)
+    cpath = Path(cache) if cache else None
+    old = _load_cache(cpath, digest) if cpath is not None else {}
+    keys = {n: file_key(d / n) for n in names}
+    todo = [n for n in names if mode == "full" or keys[n] is None or old.get(n) != keys[n]]
+    _verify_files(m, d, [f for f in m.files if f["name"] in set(todo)], workers, progress)
+    problems = []
+    for t in m.tables:
+        if t.file in names:
+            try:
+                check_table_header(d / t.file, t)
+            except VerificationError as exc:
+                problems.append(str(exc))
+    if problems:
+        raise VerificationError(_summary(problems))
+    # keys read again: a file that changed while it was hashed must not be cached as verified
+    after = {n: file_key(d / n) for n in names}
+    new = {**old, **{n: after[n] for n in names if after[n] is not None and after[n] == keys[n]}}
+    written = False
+    if cpath is not None and update_cache and new != old:
+        _save_cache(cpath, digest, new)
+        written = True
+    return VerifyReport(files=names, verified=todo, cached=[n for n in names if n not in todo], cache_updated=written)
+
+
+def check_table_header(path: str | os.PathLike, t: TableEntry) -> None:
+    """The shard at ``path`` has a valid safetensors header (as the reference loader checks it)
+    that places table ``t`` exactly where the manifest says (rows, offsets, row geometry).
+    VerificationError naming the file, layer and differing fields otherwise."""
+    reg = table_regions(path, t.layer_id, t.row_bytes)
+    want = {"rows": t.rows, "weight_offset": t.weight_offset, "scale_offset": t.scale_offset,
+            "weight_bytes": t.weight_bytes, "scale_bytes": t.scale_bytes}
+    if reg != want:
+        diff = ", ".join(f"{k} {want[k]} vs header {reg[k]}" for k in want if reg[k] != want[k])
+        raise VerificationError(f"{t.file}: layer {t.layer_id} table differs from the safetensors header: {diff}")
+
+
+def _verify_files(m: Manifest, d: Path, files: list[dict[str, Any]], workers: int | None,
+                  progress: bool | None) -> None:
+    """Sizes and chunk sha256s of ``files`` (records of ``m.files``) in ``d``; VerificationError
+    summarising the problems."""
     problems: list[str] = []
     tasks: list[tuple[dict, Path, int]] = []
-    for f in m.files:
+    for f in files:
         p = d / f["name"]
         try:
             st = os.stat(p)
@@ -357,18 +482,6 @@ def verify(manifest: Manifest | str | os.PathLike, data_dir: str | os.PathLike |
     problems = [r for r in results if r]
     if problems:
         raise VerificationError(_summary(problems))
-    # bytes match; now the manifest's table geometry must be what the shard headers say
-    from dsv41.engram.tables import table_regions
-
-    for t in m.tables:
-        reg = table_regions(d / t.file, t.layer_id, t.row_bytes)
-        want = {"rows": t.rows, "weight_offset": t.weight_offset, "scale_offset": t.scale_offset,
-                "weight_bytes": t.weight_bytes, "scale_bytes": t.scale_bytes}
-        if reg != want:
-            diff = ", ".join(f"{k} {want[k]} vs header {reg[k]}" for k in want if reg[k] != want[k])
-            problems.append(f"{t.file}: layer {t.layer_id} table differs from the safetensors header: {diff}")
-    if problems:
-        raise VerificationError(_summary(problems))
 
 
 def _summary(problems: list[str]) -> str:
@@ -380,12 +493,10 @@ def build_manifest(cfg: Any, data_dir: str | os.PathLike, files: dict[int, str] 
                    revision: str, chunk_size: int = 32 << 20, workers: int | None = None) -> Manifest:
     """Build a manifest for existing shards (e.g. the real checkpoint's last two shards).
 
-    ``files`` maps layer id -> shard file name (default: :func:`tables.shard_names`).  Reads each
+    ``files`` maps layer id -> shard file name (default: :func:`dsv41.engram.shards.shard_names`).  Reads each
     file's safetensors header for the table offsets, hashes chunks in parallel and the two
     regions sequentially.  VerificationError if a tensor is missing or malformed.
     """
-    from dsv41.engram.tables import shard_names, table_regions
-
     layout = cfg if isinstance(cfg, EngramLayout) else EngramLayout.from_config(cfg)
     d = Path(data_dir)
     names = files or dict(zip(layout.layer_ids, shard_names(len(layout.layer_ids))))

@@ -1,5 +1,5 @@
 """The one interface the engine reads Engram rows through, and its construction from the
-environment (``VLLM_ENGRAM_REMOTE*``, docs/interfaces.md section engram).
+environment (``DSV41_ENGRAM_REMOTE*``, docs/interfaces.md section engram).
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from dsv41 import envs
+from dsv41.envs import ConfigError as EnvConfigError
+from dsv41.envs import Settings
 from dsv41.errors import ConfigError, Dsv41Error
 
 #: Counter keys every RowSource reports.
@@ -42,7 +45,7 @@ class RowSource(Protocol):
 
 
 class LocalRowSource:
-    """RowSource over a :class:`~dsv41.engram.tables.LocalRowReader` (the exact local path).
+    """RowSource over a :class:`~dsv41.engram.reader.LocalRowReader` (the exact local path).
 
     Counts lookups, rows and latency; fallbacks/transport_errors/refusals/reconnects stay 0.
     Thread-safe.
@@ -78,7 +81,7 @@ class LocalRowSource:
 
 @dataclass(frozen=True)
 class RemoteURL:
-    """One parsed ``scheme://host:port[@local_addr]`` of ``VLLM_ENGRAM_REMOTE``."""
+    """One parsed ``scheme://host:port[@local_addr]`` of ``DSV41_ENGRAM_REMOTE``."""
 
     scheme: str
     host: str
@@ -91,7 +94,7 @@ class RemoteURL:
         return f"{self.scheme}://{host}:{self.port}{tail}"
 
 
-def parse_remote_url(url: str, what: str = "VLLM_ENGRAM_REMOTE") -> RemoteURL:
+def parse_remote_url(url: str, what: str = "DSV41_ENGRAM_REMOTE") -> RemoteURL:
     """Parse a client URL ``tcp://H:P[@LOCAL_ADDR]`` or ``nixl://H:P[@LOCAL_ADDR]`` (IPv6 hosts
     in []) with :func:`dsv41.transport.url.parse_url` (the package's one URL parser), plus the
     client rules: port 1..65535, a local address without a port.  ConfigError naming ``what``.
@@ -109,64 +112,64 @@ def parse_remote_url(url: str, what: str = "VLLM_ENGRAM_REMOTE") -> RemoteURL:
     return RemoteURL(ep.scheme, ep.host, ep.port, ep.local_host)
 
 
-def parse_remote_env(env: Mapping[str, str], tp: int) -> tuple[list[RemoteURL], int, bool] | None:
-    """Parse ``VLLM_ENGRAM_REMOTE`` (comma-separated, one URL per rank),
-    ``VLLM_ENGRAM_REMOTE_TIMEOUT_MS`` (int > 0, default 100) and
-    ``VLLM_ENGRAM_REMOTE_REQUIRED`` (0/1, default 0).  Returns None when remote is off
-    (unset/empty), else (urls, timeout_ms, required).  ConfigError on any bad value.
+def remote_config(settings: Settings, tp: int) -> tuple[list[RemoteURL], int, bool] | None:
+    """The remote row settings for ``tp`` ranks: None when ``DSV41_ENGRAM_REMOTE`` is empty,
+    else (one URL per rank, ``DSV41_ENGRAM_REMOTE_TIMEOUT_MS``, ``DSV41_ENGRAM_REMOTE_REQUIRED``).
+
+    The variables are parsed and range-checked by :func:`dsv41.envs.parse`; this adds the URL
+    syntax and the one-URL-per-rank rule. :class:`dsv41.envs.ConfigError` on a bad URL list.
     """
-    value = (env.get("VLLM_ENGRAM_REMOTE") or "").strip()
-    tstr = (env.get("VLLM_ENGRAM_REMOTE_TIMEOUT_MS") or "").strip()
-    rstr = (env.get("VLLM_ENGRAM_REMOTE_REQUIRED") or "").strip()
-    if rstr not in ("", "0", "1"):
-        raise ConfigError(f"VLLM_ENGRAM_REMOTE_REQUIRED must be 0 or 1, got {rstr!r}")
-    required = rstr == "1"
-    if tstr:
-        if not tstr.isdigit() or not 0 < int(tstr) <= 600_000:  # = client.MAX_TIMEOUT_MS
-            raise ConfigError(f"VLLM_ENGRAM_REMOTE_TIMEOUT_MS must be an integer in [1, 600000], got {tstr!r}")
-        timeout_ms = int(tstr)
-    else:
-        timeout_ms = DEFAULT_TIMEOUT_MS
+    value = settings.engram_remote.strip()
     if not value:
-        if required:
-            raise ConfigError("VLLM_ENGRAM_REMOTE_REQUIRED=1 but VLLM_ENGRAM_REMOTE is empty")
         return None
     parts = [p for p in (x.strip() for x in value.split(",")) if p]
     if len(parts) != tp:
-        raise ConfigError(f"VLLM_ENGRAM_REMOTE names {len(parts)} URL(s) but tp is {tp}: one URL per rank")
-    return [parse_remote_url(p) for p in parts], timeout_ms, required
+        raise EnvConfigError("DSV41_ENGRAM_REMOTE",
+                             f"DSV41_ENGRAM_REMOTE names {len(parts)} URL(s) but tp is {tp}: one URL per rank")
+    try:
+        urls = [parse_remote_url(p) for p in parts]
+    except ConfigError as exc:
+        raise EnvConfigError("DSV41_ENGRAM_REMOTE", str(exc)) from None
+    return urls, settings.engram_remote_timeout_ms, settings.engram_remote_required
+
+
+def parse_remote_env(env: Mapping[str, str], tp: int) -> tuple[list[RemoteURL], int, bool] | None:
+    """:func:`remote_config` of ``envs.parse(env)``: None when remote is off, else (urls,
+    timeout_ms, required). :class:`dsv41.envs.ConfigError` on any bad value."""
+    return remote_config(envs.parse(env), tp)
 
 
 def from_env(manifest: Any, data_dir: str | os.PathLike | None, rank: int, tp: int,
-             env: Mapping[str, str] | None = None, threads: int = 16) -> RowSource:
-    """Build the engine's RowSource from the environment.
+             settings: Settings | None = None, threads: int = 16) -> RowSource:
+    """Build the engine's RowSource from ``settings`` (default: ``envs.parse()`` of the
+    environment).
 
-    ``VLLM_ENGRAM_REMOTE`` unset/empty -> :class:`LocalRowSource` over a LocalRowReader of
+    ``DSV41_ENGRAM_REMOTE`` unset/empty -> :class:`LocalRowSource` over a LocalRowReader of
     ``data_dir``.  Otherwise ``dsv41.engram.client.RemoteRowSource(urls, manifest, rank, tp,
     timeout_ms, required, local=reader)`` with ``urls`` the validated URL strings (one per
     rank) and ``reader`` the local exact fallback (None when ``data_dir`` is None).
-    ``manifest``: Manifest or path.  ConfigError on bad env, rank/tp, or a missing client.
+    ``manifest``: Manifest or path.  ConfigError on bad settings, rank/tp, or a missing client.
     """
     from dsv41.engram.manifest import Manifest, load_manifest
-    from dsv41.engram.tables import LocalRowReader
+    from dsv41.engram.reader import LocalRowReader
 
-    env = os.environ if env is None else env
+    settings = envs.parse() if settings is None else settings
     if not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"tp must be an int >= 1, got {tp!r}")
     if not isinstance(rank, int) or not 0 <= rank < tp:
         raise ConfigError(f"rank must be in [0, {tp}), got {rank!r}")
-    remote = parse_remote_env(env, tp)
+    remote = remote_config(settings, tp)
     m = manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
     if remote is None:
         if data_dir is None:
-            raise ConfigError("no data directory for the local Engram reader (and VLLM_ENGRAM_REMOTE is unset)")
+            raise ConfigError("no data directory for the local Engram reader (and DSV41_ENGRAM_REMOTE is unset)")
         return LocalRowSource(LocalRowReader(m, Path(data_dir), threads=threads))
     urls, timeout_ms, required = remote
     try:
         client = importlib.import_module("dsv41.engram.client")
     except ModuleNotFoundError as exc:
         if exc.name in ("dsv41.engram.client",):
-            raise ConfigError("VLLM_ENGRAM_REMOTE is set but dsv41.engram.client is not installed") from None
+            raise ConfigError("DSV41_ENGRAM_REMOTE is set but dsv41.engram.client is not installed") from None
         raise
     reader = LocalRowReader(m, Path(data_dir), threads=threads) if data_dir is not None else None
     return client.RemoteRowSource([str(u) for u in urls], m, rank, tp, timeout_ms, required, local=reader)

@@ -63,7 +63,7 @@ class LoadProgress:
 
 
 def _open(path: Path, direct: bool) -> tuple[int, bool]:
-    from dsv41.engram.tables import open_table_file  # one open rule for reader and loader
+    from dsv41.engram.reader import open_table_file  # one open rule for reader and loader
 
     return open_table_file(path, direct)
 
@@ -160,12 +160,17 @@ def load_tables(manifest, data_dir: str | os.PathLike, direct: bool = True,
 
     All regions load in parallel; each region's sha256 must equal the manifest's
     ``weight_sha256`` / ``scale_sha256`` (whose identity ``load_manifest`` already checked).
+    Each shard's safetensors header is checked first, as the reference loader checks it, and must
+    place every table where the manifest does (``manifest.check_table_header``).
     Returns (tables, report) where report has per-table seconds, bytes and ``direct``.
-    Raises ``VerificationError`` naming the table and region that differ.
+    Raises ``VerificationError`` naming the file, table and region that differ.
     """
+    from dsv41.engram.manifest import check_table_header
+
     d = Path(data_dir)
     jobs = []
     for t in manifest.tables:
+        check_table_header(d / t.file, t)
         if t.row_bytes != P.ROW_BYTES or t.weight_bytes != P.WEIGHT_BYTES or t.scale_bytes != P.SCALE_BYTES:
             raise VerificationError(f"layer {t.layer_id}: row geometry {t.weight_bytes}+{t.scale_bytes} is not 256+8")
         jobs.append((t, "weight", t.weight_offset, t.rows * t.weight_bytes, t.weight_sha256))

@@ -88,7 +88,7 @@ def token_source(layout: Any, token_map_path: str | None):
 
         return tm, gen, f"zipf ids through {token_map_path}"
     try:
-        from dsv41.engine import tokenizer as tok
+        from dsv41 import tokenizer as tok
     except ImportError:
         tok = None
     if tok is not None and layout.compressed_vocab_size == tok.COMPRESSED_VOCAB_SIZE:
@@ -117,7 +117,7 @@ def run_sweep(manifest: Any, data_dir: str | Path | None, remote: str, tp: int, 
     """
     from dsv41.engram.client import RemoteRowSource, _manifest
     from dsv41.engram.hashing import NgramHasher
-    from dsv41.engram.tables import LocalRowReader
+    from dsv41.engram.reader import LocalRowReader
 
     if lookups < 1:
         raise Dsv41Error(f"--lookups must be >= 1, got {lookups}")

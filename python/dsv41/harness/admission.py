@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from dsv41.errors import Dsv41Error
+from dsv41.harness import http
 
 HELD, OPEN = "held", "open"
 
@@ -18,23 +19,11 @@ class AdmissionError(Dsv41Error):
     """The endpoint cannot be reached or answered something unexpected."""
 
 
-def _client(timeout_s: float):
-    import httpx
-
-    return httpx.Client(timeout=timeout_s, trust_env=False)
-
-
 def status(endpoint: str, timeout_s: float = 10.0) -> str:
     """``held`` or ``open``; AdmissionError when unreachable or the body lacks ``is_paused``."""
-    import httpx
-
-    try:
-        with _client(timeout_s) as c:
-            r = c.get(endpoint.rstrip("/") + "/is_paused")
-            r.raise_for_status()
-            paused = r.json().get("is_paused")
-    except (httpx.HTTPError, ValueError, AttributeError) as exc:
-        raise AdmissionError(f"cannot read admission state at {endpoint}: {exc}") from exc
+    doc = http.request_json("GET", endpoint.rstrip("/") + "/is_paused", timeout_s=timeout_s,
+                            what=f"cannot read admission state at {endpoint}", error=AdmissionError)
+    paused = doc.get("is_paused") if isinstance(doc, dict) else None
     if not isinstance(paused, bool):
         raise AdmissionError(f"{endpoint}/is_paused returned no boolean is_paused")
     return HELD if paused else OPEN
@@ -47,19 +36,14 @@ def set_state(endpoint: str, state: str, timeout_s: float = 30.0, settle_s: floa
     Raises AdmissionError on a bad state, HTTP errors, or when the state does not settle within
     ``settle_s`` seconds.
     """
-    import httpx
-
     if state not in (HELD, OPEN):
         raise AdmissionError(f"admission state must be {HELD!r} or {OPEN!r}, not {state!r}")
     before = status(endpoint, timeout_s)
     if before == state:
         return before
     path = "/pause" if state == HELD else "/resume"
-    try:
-        with _client(timeout_s) as c:
-            c.post(endpoint.rstrip("/") + path).raise_for_status()
-    except httpx.HTTPError as exc:
-        raise AdmissionError(f"POST {path} at {endpoint} failed: {exc}") from exc
+    http.request("POST", endpoint.rstrip("/") + path, timeout_s=timeout_s, what=f"POST {path} at {endpoint} failed",
+                 error=AdmissionError)
     deadline = time.monotonic() + settle_s
     while status(endpoint, timeout_s) != state:
         if time.monotonic() > deadline:

@@ -18,11 +18,13 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import re
 import tempfile
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from dsv41.errors import Dsv41Error
+from dsv41.harness import http
 
 FORMAT = "dsv41-greedy-refs/1"
 
@@ -97,24 +99,12 @@ def first_diff(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def _client(timeout_s: float):
-    import httpx
-
-    return httpx.Client(timeout=timeout_s, trust_env=False)
-
-
 def served_model(endpoint: str, timeout_s: float = 10.0) -> str:
     """The first model id of ``GET {endpoint}/v1/models``; RefsError if none or unreachable."""
-    import httpx
-
-    try:
-        with _client(timeout_s) as c:
-            r = c.get(endpoint.rstrip("/") + "/v1/models")
-            r.raise_for_status()
-            data = r.json().get("data") or []
-    except (httpx.HTTPError, ValueError) as exc:
-        raise RefsError(f"cannot list models at {endpoint}: {exc}") from exc
-    if not data or "id" not in data[0]:
+    doc = http.request_json("GET", endpoint.rstrip("/") + "/v1/models", what=f"cannot list models at {endpoint}",
+                            timeout_s=timeout_s, error=RefsError)
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(data, list) or not data or not isinstance(data[0], dict) or "id" not in data[0]:
         raise RefsError(f"{endpoint}/v1/models lists no model")
     return str(data[0]["id"])
 
@@ -126,19 +116,14 @@ def generate(endpoint: str, prompt: str, model: str, max_tokens: int = DEFAULT_M
     Raises RefsError when unreachable, on HTTP errors, or when the response lacks
     ``choices[0].token_ids``.
     """
-    import httpx
-
     body = {"model": model, "prompt": prompt, "max_tokens": int(max_tokens), "temperature": 0,
             "return_token_ids": True}
-    try:
-        with _client(timeout_s) as c:
-            r = c.post(endpoint.rstrip("/") + "/v1/completions", json=body)
-            r.raise_for_status()
-            choice = (r.json().get("choices") or [{}])[0]
-    except (httpx.HTTPError, ValueError) as exc:
-        raise RefsError(f"completion at {endpoint} failed: {exc}") from exc
+    doc = http.request_json("POST", endpoint.rstrip("/") + "/v1/completions", json=body, timeout_s=timeout_s,
+                            what=f"completion at {endpoint} failed", error=RefsError)
+    choices = doc.get("choices") if isinstance(doc, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
     ids = choice.get("token_ids")
-    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise RefsError(f"{endpoint}/v1/completions returned no choices[0].token_ids (return_token_ids unsupported?)")
     return ids
 
@@ -219,30 +204,17 @@ def verify(endpoint: str, recorded: dict, timeout_s: float = 120.0) -> Compariso
 
 # ---- Prometheus text: Engram counters per rank on rank 0's /metrics ----------------------------
 
-_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+(\S+)')
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
 
 def parse_metrics(text: str) -> list[tuple[str, dict, float]]:
-    """Prometheus text exposition -> [(name, labels, value)]; comments and bad lines skipped."""
-    out = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if not m:
-            continue
-        try:
-            value = float(m.group(4))
-        except ValueError:
-            continue
-        out.append((m.group(1), dict(_LABEL.findall(m.group(3) or "")), value))
-    return out
+    """Prometheus text exposition -> [(sample name, labels, value)] (``prometheus_client.parser``);
+    RefsError when the text is not valid exposition."""
+    return http.metric_samples(text, what="metrics", error=RefsError)
 
 
 def engram_counters(text: str, prefix: str = "dsv41_engram_") -> dict[str, dict[str, float]]:
     """``{rank: {key: value}}`` from metrics named ``<prefix><key>_total{rank="R"}`` (or without
-    ``_total``); series without a rank label are ignored."""
+    ``_total``); series without a rank label, ``_created`` and ``_bucket`` samples are ignored.
+    RefsError when ``text`` is not Prometheus text."""
     out: dict[str, dict[str, float]] = {}
     for name, labels, value in parse_metrics(text):
         if not name.startswith(prefix) or "rank" not in labels or name.endswith(("_created", "_bucket")):
@@ -280,8 +252,9 @@ def check_remote_engram(delta: dict, ranks: list[str]) -> str | None:
 
 
 def flat_values(text: str, prefix: str) -> dict[str, float]:
-    """``{name_without_prefix: value}`` of unlabelled series named ``<prefix>...`` (e.g. the
-    engine's ``dsv41_drafter_rounds`` speculator gauges); ``_total`` suffixes dropped."""
+    """``{name_without_prefix: value}`` of unlabelled samples named ``<prefix>...`` (e.g. the
+    engine's ``dsv41_drafter_rounds_total`` speculator counters); ``_total`` suffixes dropped,
+    ``_created`` samples ignored.  RefsError when ``text`` is not Prometheus text."""
     out: dict[str, float] = {}
     for name, labels, value in parse_metrics(text):
         if name.startswith(prefix) and not labels and not name.endswith("_created"):
@@ -292,23 +265,116 @@ def flat_values(text: str, prefix: str) -> dict[str, float]:
 
 def fetch_metrics_text(metrics_url: str, timeout_s: float = 10.0) -> str:
     """GET ``metrics_url`` -> Prometheus text; RefsError if unreachable."""
-    import httpx
-
-    try:
-        with _client(timeout_s) as c:
-            r = c.get(metrics_url)
-            r.raise_for_status()
-    except httpx.HTTPError as exc:
-        raise RefsError(f"cannot read metrics at {metrics_url}: {exc}") from exc
-    return r.text
+    return http.request("GET", metrics_url, what=f"cannot read metrics at {metrics_url}", timeout_s=timeout_s,
+                        error=RefsError).text
 
 
 def check_drafter(delta: dict) -> str | None:
     """None when rank 0's speculator ran drafting rounds with no identity refusal in ``delta``
-    (keys of ``dsv41.drafter.spark.COUNTER_KEYS``); otherwise one line saying why."""
+    (keys of ``dsv41.drafter.speculators.COUNTER_KEYS``); otherwise one line saying why."""
     if delta.get("identity_refusals", 0) > 0:
         return f"drafter: {int(delta['identity_refusals'])} identity refusals"
     if delta.get("rounds", 0) <= 0:
         fc = int(delta.get("fail_closed_rounds", 0))
         return "drafter: no drafting rounds" + (f" ({fc} failed closed)" if fc else "")
     return None
+
+
+# ---- the one reference check (module greedy_refs and `dsv41 refs verify`) ----------------------
+
+
+@dataclass
+class RefsCheck:
+    """Outcome of :func:`check`.
+
+    ``action``: ``recorded`` or ``verified`` (what the first attempt did); ``comparison``: the last
+    attempt's; ``attempts``: runs of the prompts made; ``counters_delta``: Engram counters per rank
+    and ``drafter_delta``: rank 0's speculator counters, after minus before the last attempt
+    (None without a metrics URL); ``problem``: None, or one line on the unmet counter
+    requirements.  ``ok``: all prompts identical and no problem.
+    """
+
+    action: str
+    comparison: Comparison
+    attempts: int
+    counters_delta: dict | None = None
+    drafter_delta: dict | None = None
+    problem: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.comparison.identical == self.comparison.total and self.problem is None
+
+    def message(self, path: str | os.PathLike | None = None) -> str | None:
+        """The one failure line (None when ``ok``): token mismatch first (naming the refs
+        ``path`` when given), then the counters."""
+        if self.comparison.identical != self.comparison.total:
+            src = f" from {path}" if path is not None else ""
+            return f"greedy references differ{src}: {self.comparison.summary()}"
+        if self.problem:
+            return f"counters while the references ran ({self.attempts} attempt(s)): {self.problem}"
+        return None
+
+    def to_dict(self) -> dict:
+        d = {"action": self.action, "attempts": self.attempts, "summary": self.comparison.summary(),
+             **self.comparison.to_dict()}
+        if self.counters_delta is not None:
+            d.update(counters_delta=self.counters_delta, drafter_delta=self.drafter_delta)
+        return d
+
+
+def check(endpoint: str, path: str | os.PathLike, *, mode: str = "verify", max_tokens: int = DEFAULT_MAX_TOKENS,
+          timeout_s: float = 120.0, metrics_url: str | None = None, metrics_prefix: str = "dsv41_engram_",
+          require_ranks: list[str] | tuple[str, ...] = (), require_drafter: bool = False, attempts: int = 1,
+          delay_s: float = 2.0, write: bool = True, sleep: Callable[[float], None] = time.sleep) -> RefsCheck:
+    """Run the greedy references and the counter requirements: the check of the deploy.
+
+    ``mode``: ``record`` (run the prompts and write ``path`` unless ``write`` is false), ``verify``
+    (compare with ``path``) or ``auto`` (verify if ``path`` exists, else record).  With
+    ``metrics_url`` (rank 0's ``/metrics``) the counters are read before and after each run:
+    every rank in ``require_ranks`` must count Engram lookups with zero fallbacks
+    (:func:`check_remote_engram`) and, with ``require_drafter``, rank 0's speculator must run
+    rounds with no identity refusal (:func:`check_drafter`).  Up to ``attempts`` runs,
+    ``delay_s`` seconds apart, while only the counters fail (a table server restored a moment ago
+    may still be reconnecting); a token mismatch ends at once.  After a recording, later attempts
+    verify against it.
+
+    Returns a :class:`RefsCheck` (``ok`` false on a mismatch or unmet requirements).  Raises
+    RefsError for a bad argument, an unreachable endpoint, a bad refs file or metrics text.
+    """
+    if mode not in ("auto", "record", "verify"):
+        raise RefsError(f"mode must be auto, record or verify, not {mode!r}")
+    if (require_ranks or require_drafter) and not metrics_url:
+        raise RefsError("require_ranks needs metrics_url" if require_ranks else "require_drafter needs metrics_url")
+    if attempts < 1:
+        raise RefsError(f"attempts must be >= 1, got {attempts}")
+    if mode == "auto":
+        mode = "verify" if os.path.exists(path) else "record"
+    action = "recorded" if mode == "record" else "verified"
+    attempt = 0
+    while True:
+        attempt += 1
+        before = fetch_metrics_text(metrics_url) if metrics_url else None
+        if mode == "record":
+            doc = run_prompts(endpoint, None, max_tokens, timeout_s=timeout_s)
+            cmp = compare(doc, doc)
+            if write:
+                save_refs(doc, path)
+                mode = "verify"  # recorded once; later attempts compare against it
+        else:
+            cmp = verify(endpoint, load_refs(path), timeout_s=timeout_s)
+        engram = drafter = None
+        problems: list[str | None] = []
+        if before is not None:
+            after = fetch_metrics_text(metrics_url)
+            engram = counter_delta(engram_counters(before, metrics_prefix), engram_counters(after, metrics_prefix))
+            drafter = counter_delta({"": flat_values(before, "dsv41_drafter_")},
+                                    {"": flat_values(after, "dsv41_drafter_")})[""]
+            if require_ranks:
+                problems.append(check_remote_engram(engram, list(require_ranks)))
+            if require_drafter:
+                problems.append(check_drafter(drafter))
+        problem = "; ".join(x for x in problems if x) or None
+        if cmp.identical != cmp.total or problem is None or attempt >= attempts:
+            return RefsCheck(action, cmp, attempt, engram, drafter, problem)
+        sleep(delay_s)

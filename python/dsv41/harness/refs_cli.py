@@ -34,15 +34,26 @@ def record(
 def verify(
     endpoint: str = typer.Option(..., help="Rank 0 HTTP base URL."),
     refs_file: str = typer.Option(..., "--refs", help="Refs file written by `dsv41 refs record`."),
-    as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    metrics_url: str = typer.Option("", help="Rank 0 /metrics (default: ENDPOINT/metrics)."),
+    require_rank: list[str] = typer.Option(["0", "1"], "--require-rank",
+                                           help="Rank whose Engram lookups must grow with zero fallbacks (repeat)."),
+    counters: bool = typer.Option(True, "--counters/--no-counters",
+                                  help="Read /metrics around the prompts and check the requirements."),
+    require_drafter: bool = typer.Option(True, "--require-drafter/--no-require-drafter",
+                                         help="Rank 0's speculator must run rounds with no identity refusal."),
+    attempts: int = typer.Option(5, min=1, help="Runs while only the counters fail (a token mismatch fails at once)."),
+    delay: float = typer.Option(3.0, min=0.0, help="Seconds between attempts."),
 ) -> None:
-    """Re-run the recorded prompts and compare; exit 1 naming the first differing positions."""
+    """Re-run the recorded prompts and check the Engram and drafter counters, as the deploy does
+    (dsv41.harness.refs.check); exit 1 naming the first differing positions or the failing rank."""
     from dsv41.harness import refs
 
-    cmp = refs.verify(endpoint, refs.load_refs(refs_file))
-    if as_json:
-        print(json.dumps(cmp.to_dict()))
-    else:
-        print(cmp.summary())
-    if cmp.identical != cmp.total:
-        raise VerificationError(f"greedy references differ: {cmp.summary()}")
+    url = (metrics_url or endpoint.rstrip("/") + "/metrics") if counters else None
+    res = refs.check(endpoint, refs_file, mode="verify", metrics_url=url,
+                     require_ranks=require_rank if counters else [], require_drafter=counters and require_drafter,
+                     attempts=attempts, delay_s=delay)
+    print(json.dumps(res.to_dict()) if as_json else res.comparison.summary())
+    msg = res.message()
+    if msg:
+        raise VerificationError(msg)

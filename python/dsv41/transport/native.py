@@ -7,7 +7,7 @@ tested to produce identical bytes and statuses (tests/unit/test_transport_tcp.py
 
 from __future__ import annotations
 
-import os
+from dsv41 import envs
 
 try:
     from dsv41.transport import _fastrow  # type: ignore[attr-defined]
@@ -18,10 +18,10 @@ except ImportError:  # not built on this host: pure Python still serves exact ro
 def use_native(requested: bool | None = None) -> bool:
     """True when the C++ path should be used (``requested`` overrides the environment).
 
-    Raises ``RuntimeError`` when ``requested`` is True but the extension is not built.
+    Raises ``dsv41.envs.ConfigError`` on a bad environment, ``RuntimeError`` when ``requested`` is True but the extension is not built.
     """
     if requested is None:
-        return _fastrow is not None and os.environ.get("DSV41_TRANSPORT_PURE", "") not in ("1", "true")
+        return _fastrow is not None and not envs.parse().transport_pure
     if requested and _fastrow is None:
         raise RuntimeError("the C++ transport extension is not built (run pip install -e .)")
     return bool(requested)

@@ -29,6 +29,7 @@ import uuid
 
 import numpy as np
 
+from dsv41 import envs
 from dsv41.transport import protocol as P
 from dsv41.transport.errors import Refused, TransportError, TransportTimeout
 from dsv41.transport.tcp import TcpClient
@@ -54,12 +55,12 @@ def _quiet_nixl_logs() -> None:
             logging.getLogger(name).setLevel(logging.WARNING)
 
 
-#: Progress-thread delay (us) of the server's agent.  nixl_cu12's Python wrapper hard-codes 0,
-#: which makes the UCX progress thread busy-spin a whole core even when idle (measured here: ~93%
-#: of a core, and 24-row lookups at ~8 ms p50 on the 2-core host).  With a delay the thread waits
-#: between polls and arriving data still wakes it: ~2% idle CPU, 24-row lookups ~1.1 ms p50
-#: (10, 100 and 1000 us measured alike).  ``DSV41_NIXL_PROGRESS_DELAY_US=0`` restores spinning.
-PROGRESS_DELAY_US = int(os.environ.get("DSV41_NIXL_PROGRESS_DELAY_US", "1000"))
+# Progress-thread delay (us) of the server's agent (DSV41_NIXL_PROGRESS_DELAY_US).  nixl_cu12's Python wrapper hard-codes 0,
+# which makes the UCX progress thread busy-spin a whole core even when idle (measured here: ~93%
+# of a core, and 24-row lookups at ~8 ms p50 on the 2-core host).  With a delay (default 1000) the
+# thread waits between polls and arriving data still wakes it: ~2% idle CPU, 24-row lookups
+# ~1.1 ms p50 (10, 100 and 1000 us measured alike).  ``DSV41_NIXL_PROGRESS_DELAY_US=0`` restores
+# spinning.
 _agent_lock = threading.Lock()
 
 
@@ -82,11 +83,12 @@ def _agent(prefix: str, progress_thread: bool):
     api = _nixl_api()
     _quiet_nixl_logs()
     name = f"{prefix}-{os.getpid()}-{next(_agent_seq)}-{uuid.uuid4().hex[:8]}"
+    delay_us = envs.parse().nixl_progress_delay_us if progress_thread else 0
     try:
         with _agent_lock:
             real = api.nixlBind
-            if progress_thread and PROGRESS_DELAY_US > 0:
-                api.nixlBind = _BindWithDelay(real, PROGRESS_DELAY_US)
+            if delay_us > 0:
+                api.nixlBind = _BindWithDelay(real, delay_us)
             try:
                 agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
             finally:

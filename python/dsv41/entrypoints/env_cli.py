@@ -1,0 +1,96 @@
+"""``dsv41 env check FILE``: validate an env file against the ``DSV41_*`` contract.
+
+An env file is what the roles write for systemd/supervisor: ``KEY=VALUE`` lines, blank lines and
+``#`` comments; a value may be wrapped in matching single or double quotes (systemd's
+``EnvironmentFile`` strips them). The check refuses: a line that is not ``KEY=VALUE``, a key
+given twice, a ``DSV41_*`` name not in :data:`dsv41.envs.ENV_VARS` (a typo would otherwise be
+ignored), an old ``VLLM_ENGRAM_REMOTE*`` spelling, and every value or combination that
+:func:`dsv41.envs.parse` refuses; with ``--tp N`` also an Engram URL list that is not one valid
+URL per rank. Names outside ``DSV41_*`` (``UCX_TLS``, ``OMP_NUM_THREADS``...) pass unchecked.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dsv41 import envs
+from dsv41.errors import Dsv41Error
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+MAX_BYTES = 1 << 20  # an env file is a few hundred bytes; refuse to slurp a wrong path
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """``KEY=VALUE`` pairs of ``path`` in file order. Raises :class:`Dsv41Error` naming the file
+    and line of the first malformed line or repeated key, or an unreadable file."""
+    try:
+        if path.stat().st_size > MAX_BYTES:
+            raise Dsv41Error(f"env file {path}: larger than {MAX_BYTES} bytes; not an env file")
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise Dsv41Error(f"env file {path} does not exist") from None
+    except IsADirectoryError:
+        raise Dsv41Error(f"env file {path} is a directory") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise Dsv41Error(f"env file {path}: cannot read it: {exc}") from None
+    out: dict[str, str] = {}
+    for no, line in enumerate(text.splitlines(), 1):
+        s = line.strip()
+        if not s or s.startswith("#"):
+            continue
+        key, sep, value = s.partition("=")
+        key = key.strip()
+        if not sep or not _KEY.fullmatch(key):
+            raise Dsv41Error(f"env file {path}:{no}: not KEY=VALUE: {line[:80]!r}")
+        if key in out:
+            raise Dsv41Error(f"env file {path}:{no}: {key} is set twice")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        out[key] = value
+    return out
+
+
+def check_env(values: dict[str, str], tp: int | None = None) -> envs.Settings:
+    """Validate ``values`` (an env file's pairs) and return their :class:`dsv41.envs.Settings`.
+
+    Raises :class:`dsv41.envs.ConfigError` naming the variable at fault."""
+    for key in values:
+        if key.startswith(envs.PREFIX) and key not in envs.ENV_VARS:
+            raise envs.ConfigError(key, f"{key} is not a dsv41 variable (dsv41.envs.ENV_VARS; a typo?)")
+    settings = envs.parse(values)
+    if tp is not None:
+        from dsv41.engram.rowsource import remote_config
+
+        remote_config(settings, tp)
+    return settings
+
+
+@app.command("check")
+def check_cmd(
+    file: Annotated[Path, typer.Argument(help="Env file (KEY=VALUE lines, # comments).")],
+    tp: Annotated[Optional[int], typer.Option("--tp", min=1, max=64,
+                                              help="Also check DSV41_ENGRAM_REMOTE holds one URL per rank of TP N.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON output: the variables set and their parsed values.")] = False,
+) -> None:
+    """Validate an env file: exit 0 when the engine would accept it, else one line and exit 1."""
+    values = read_env_file(file)
+    try:
+        settings = check_env(values, tp)
+    except envs.ConfigError as exc:
+        raise Dsv41Error(f"env file {file}: {exc}") from None
+    parsed = asdict(settings)
+    mine = {name: parsed[v.field] for name, v in envs.ENV_VARS.items() if name in values}
+    if as_json:
+        print(json.dumps({"file": str(file), "ok": True, "variables": mine,
+                          "other": sorted(k for k in values if k not in envs.ENV_VARS)}, sort_keys=True))
+    else:
+        print(f"{file}: ok ({len(mine)} dsv41 variable(s), {len(values) - len(mine)} other)")

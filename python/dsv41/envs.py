@@ -1,0 +1,243 @@
+"""The one contract for ``DSV41_*`` environment variables (the shape of vLLM's ``vllm/envs.py``).
+
+Every variable the package or a role's env file uses has one row in :data:`ENV_VARS`: its type,
+default, range or choices, unit and meaning. :func:`parse` reads an environment once into a
+frozen :class:`Settings` (one field per variable: ``name.removeprefix("DSV41_").lower()``) and
+raises :class:`ConfigError`, whose message begins with the offending variable's name, on any bad
+value or inconsistent combination. Nothing else in ``dsv41`` reads ``os.environ`` for a
+``DSV41_*`` name (tests/unit/test_envs.py checks it).
+
+Conventions: an unset or empty variable takes its default; booleans are ``0``/``1`` (also
+``true``/``false``, ``yes``/``no``, ``on``/``off``); integers are decimal. The Engram remote
+variables were once spelled ``VLLM_ENGRAM_REMOTE*``: vLLM 0.33 warns about every unknown
+``VLLM_*`` variable and refuses to start under ``--fail-on-environ-validation``, so the old
+spellings are refused here with an error naming the new ones (:data:`RENAMED`).
+
+Deeper checks that need other packages stay with their owners and run on :class:`Settings`:
+URL syntax and one URL per rank (``dsv41.engram.rowsource.remote_config``), the drafter URL and
+depth policy (``dsv41.drafter.factory``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dsv41 import errors
+
+PREFIX = "DSV41_"
+
+
+class ConfigError(errors.ConfigError, ValueError):
+    """A bad environment variable. ``name`` is the variable; ``str(exc)`` begins with it.
+
+    A :class:`dsv41.errors.Dsv41Error`, so the ``dsv41`` command prints it as one line, exit 1.
+    """
+
+    def __init__(self, name: str, message: str) -> None:
+        if not message.startswith(name):
+            message = f"{name}: {message}"
+        super().__init__(message)
+        self.name = name
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One row of the table.
+
+    ``type``: ``int``, ``float``, ``bool`` or ``str``; ``default``: the value when unset or
+    empty; ``unit``: of the value (``ms``, ``us``, ``s``, ``tokens``...; "" when none);
+    ``min``/``max``: inclusive bounds of numbers; ``choices``: the allowed strings.
+    """
+
+    name: str
+    type: type
+    default: Any
+    doc: str
+    unit: str = ""
+    min: float | None = None
+    max: float | None = None
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def field(self) -> str:
+        """The :class:`Settings` attribute: ``name.removeprefix("DSV41_").lower()``."""
+        return self.name.removeprefix(PREFIX).lower()
+
+    def convert(self, raw: str | None) -> Any:
+        """The typed value of ``raw`` (None or blank -> ``default``); :class:`ConfigError`."""
+        text = (raw or "").strip()
+        if not text:
+            return self.default
+        if self.type is bool:
+            low = text.lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ConfigError(self.name, f"{self.name} must be 0 or 1 (or true/false), got {raw!r}")
+        if self.type is int:
+            if not _INT.fullmatch(text):
+                raise ConfigError(self.name, f"{self.name} must be an integer in {self._range()}, got {raw!r}")
+            value: Any = int(text)
+        elif self.type is float:
+            value = float(text) if _FLOAT.fullmatch(text) else float("nan")
+            if value != value or value in (float("inf"), float("-inf")):
+                raise ConfigError(self.name, f"{self.name} must be a number in {self._range()}, got {raw!r}")
+        else:
+            value = text
+            if self.choices is not None and value not in self.choices:
+                raise ConfigError(self.name, f"{self.name} must be one of {', '.join(self.choices)}, got {raw!r}")
+            return value
+        if (self.min is not None and value < self.min) or (self.max is not None and value > self.max):
+            kind = "an integer" if self.type is int else "a number"
+            raise ConfigError(self.name, f"{self.name} must be {kind} in {self._range()}, got {raw!r}")
+        return value
+
+    def _range(self) -> str:
+        lo = "-inf" if self.min is None else _num(self.min)
+        hi = "inf" if self.max is None else _num(self.max)
+        return f"[{lo}, {hi}]" + (f" {self.unit}" if self.unit else "")
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_INT = re.compile(r"[+-]?[0-9]+")
+_FLOAT = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?")  # no "1_0", "inf", "nan"
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+_ROWS = [
+    # ---- engine
+    EnvVar("DSV41_ENGINE_THREADS", int, 1, "torch CPU threads per engine rank when --threads is not given "
+           "(roles/serve writes it).", "threads", 1, 4096),
+    # ---- Engram remote rows (docs/engram.md, "Row source")
+    EnvVar("DSV41_ENGRAM_REMOTE", str, "", "Comma-separated table-server URLs, one per TP rank "
+           "(tcp://H:P[@LOCAL] or nixl://H:P[@LOCAL]); empty: the local exact reader."),
+    EnvVar("DSV41_ENGRAM_REMOTE_TIMEOUT_MS", int, 100, "Per-lookup deadline of a remote Engram lookup; "
+           "past it the rank falls back to its local reader.", "ms", 1, 600_000),
+    EnvVar("DSV41_ENGRAM_REMOTE_REQUIRED", bool, False, "1: a failed remote lookup is an error, not a "
+           "local fallback (needs DSV41_ENGRAM_REMOTE)."),
+    # ---- speculative drafting (docs/drafter.md)
+    EnvVar("DSV41_DRAFTER_REMOTE", str, "", "tcp://H:P of the drafter worker (`dsv41 drafter serve`); "
+           "exclusive with DSV41_DRAFTER_LOCAL; needs DSV41_DRAFTER_DIR."),
+    EnvVar("DSV41_DRAFTER_LOCAL", str, "", "Drafter directory to draft in-process (no worker)."),
+    EnvVar("DSV41_DRAFTER_DIR", str, "", "Drafter files the Spark side hashes for the worker identity "
+           "check and shadow parity."),
+    EnvVar("DSV41_DRAFTER_ASYNC", bool, False, "1: remote rounds go through the torch-free proxy process "
+           "(async drafting)."),
+    EnvVar("DSV41_DRAFTER_SHADOW", bool, False, "1: every synchronous remote round is re-drafted locally "
+           "and compared (parity counters); not with DSV41_DRAFTER_ASYNC."),
+    EnvVar("DSV41_DRAFTER_K", int, 5, "Most drafts per request per round (also the engine's verify "
+           "depth).", "tokens", 0, 64),
+    EnvVar("DSV41_DRAFTER_TIMEOUT_MS", float, 100.0, "Deadline of one remote drafting round.", "ms", 1, 60_000),
+    EnvVar("DSV41_DRAFTER_DEPTH_POLICY", str, "", "Batch-aware depth, MAXBATCH:DEPTH steps (empty: "
+           "1:5,2:4,4:3,8:2,*:1; dsv41.drafter.policy)."),
+    EnvVar("DSV41_DRAFTER_WATCHDOG_MS", float, 2000.0, "A proxy whose heartbeat is older than this is "
+           "killed and respawned.", "ms", 10, 600_000),
+    EnvVar("DSV41_DRAFTER_PROXY_RESPAWNS", int, 3, "Proxy respawns allowed per DSV41_DRAFTER_PROXY_WINDOW_S; "
+           "then the proxy stays down (target-only decoding).", "respawns", 0, 1000),
+    EnvVar("DSV41_DRAFTER_PROXY_WINDOW_S", float, 60.0, "Window of the respawn budget.", "s", 0.001, 86_400),
+    EnvVar("DSV41_DRAFTER_CAPACITY_MODE", bool, False, "1 with a remote drafter: the engine's KV budget "
+           "grows by DSV41_DRAFTER_LOCAL_MEMORY_TOKENS."),
+    EnvVar("DSV41_DRAFTER_LOCAL_MEMORY_TOKENS", int, 0, "KV tokens a local drafter's memory would hold "
+           "(capacity mode).", "tokens", 0, 1 << 40),
+    # ---- transport
+    EnvVar("DSV41_TRANSPORT_PURE", bool, False, "1: the pure-Python transport path even where the C++ "
+           "extension is built."),
+    EnvVar("DSV41_NIXL_PROGRESS_DELAY_US", int, 1000, "Wait between polls of the NIXL server agent's "
+           "progress thread (0: busy-spin, nixl_cu12's default).", "us", 0, 1_000_000),
+    # ---- written by roles for restart-on-change and operators; the package does not act on them
+    EnvVar("DSV41_RUNTIME_ROOT", str, "", "Read-only Engram runtime root staged by roles/engram_overlay."),
+    EnvVar("DSV41_TABLES_MANIFEST", str, "", "Trusted manifest the table server serves (roles/engram_server)."),
+    EnvVar("DSV41_TABLES_MANIFEST_SHA256", str, "", "sha256 of that manifest: a new one restarts the server."),
+    EnvVar("DSV41_DRAFTER_FILES_SHA256", str, "", "sha256 of the drafter files: new ones restart the worker."),
+    EnvVar("DSV41_SERVE_INPUTS_SHA256", str, "", "sha256 of the engine's inputs: new ones restart the engine."),
+]
+
+#: The table: one row per variable, by name.
+ENV_VARS: dict[str, EnvVar] = {v.name: v for v in _ROWS}
+
+#: Old spelling -> new name; an old spelling in the environment is a :class:`ConfigError`.
+RENAMED: dict[str, str] = {
+    "VLLM_ENGRAM_REMOTE": "DSV41_ENGRAM_REMOTE",
+    "VLLM_ENGRAM_REMOTE_TIMEOUT_MS": "DSV41_ENGRAM_REMOTE_TIMEOUT_MS",
+    "VLLM_ENGRAM_REMOTE_REQUIRED": "DSV41_ENGRAM_REMOTE_REQUIRED",
+}
+
+@dataclass(frozen=True)
+class Settings:
+    """Parsed environment: one field per row of :data:`ENV_VARS` (``DSV41_DRAFTER_K`` ->
+    ``drafter_k``), typed and range-checked; defaults equal the table's. Build it with
+    :func:`parse` (tests/unit/test_envs.py keeps the fields and the table in step)."""
+
+    engine_threads: int = 1
+    engram_remote: str = ""
+    engram_remote_timeout_ms: int = 100
+    engram_remote_required: bool = False
+    drafter_remote: str = ""
+    drafter_local: str = ""
+    drafter_dir: str = ""
+    drafter_async: bool = False
+    drafter_shadow: bool = False
+    drafter_k: int = 5
+    drafter_timeout_ms: float = 100.0
+    drafter_depth_policy: str = ""
+    drafter_watchdog_ms: float = 2000.0
+    drafter_proxy_respawns: int = 3
+    drafter_proxy_window_s: float = 60.0
+    drafter_capacity_mode: bool = False
+    drafter_local_memory_tokens: int = 0
+    transport_pure: bool = False
+    nixl_progress_delay_us: int = 1000
+    runtime_root: str = ""
+    tables_manifest: str = ""
+    tables_manifest_sha256: str = ""
+    drafter_files_sha256: str = ""
+    serve_inputs_sha256: str = ""
+
+
+def parse(env: Mapping[str, str] | None = None) -> Settings:
+    """Read every variable of :data:`ENV_VARS` from ``env`` (default ``os.environ``).
+
+    Names outside the table are ignored here (``dsv41 env check`` refuses unknown ``DSV41_*``
+    names in an env file). Raises :class:`ConfigError` naming the first bad variable: a bad
+    value, an old ``VLLM_ENGRAM_REMOTE*`` spelling, or an inconsistent combination.
+    """
+    env = os.environ if env is None else env
+    for old, new in RENAMED.items():
+        if old in env:
+            raise ConfigError(old, f"{old} was renamed: set {new} instead (vLLM refuses unknown VLLM_* "
+                                   "variables)")
+    s = Settings(**{v.field: v.convert(env.get(v.name)) for v in _ROWS})
+    _check(s)
+    return s
+
+
+def _check(s: Settings) -> None:
+    """Rules across variables (each message names the variable to change)."""
+    if s.engram_remote_required and not s.engram_remote:
+        raise ConfigError("DSV41_ENGRAM_REMOTE_REQUIRED",
+                          "DSV41_ENGRAM_REMOTE_REQUIRED=1 but DSV41_ENGRAM_REMOTE is empty")
+    if s.drafter_capacity_mode:
+        if s.drafter_local:
+            raise ConfigError("DSV41_DRAFTER_CAPACITY_MODE", "DSV41_DRAFTER_CAPACITY_MODE=1 with "
+                                                             "DSV41_DRAFTER_LOCAL: a local drafter frees no memory")
+        if s.drafter_remote and s.drafter_local_memory_tokens <= 0:
+            raise ConfigError("DSV41_DRAFTER_LOCAL_MEMORY_TOKENS", "DSV41_DRAFTER_CAPACITY_MODE=1 needs "
+                                                                   "DSV41_DRAFTER_LOCAL_MEMORY_TOKENS > 0")
+    if s.drafter_remote and s.drafter_local:
+        raise ConfigError("DSV41_DRAFTER_REMOTE", "DSV41_DRAFTER_REMOTE: set only one of DSV41_DRAFTER_REMOTE "
+                                                  "and DSV41_DRAFTER_LOCAL")
+    if s.drafter_remote and not s.drafter_dir:
+        raise ConfigError("DSV41_DRAFTER_DIR", "DSV41_DRAFTER_DIR: DSV41_DRAFTER_REMOTE needs DSV41_DRAFTER_DIR "
+                                               "(the drafter files the worker must match)")
+    if s.drafter_async and s.drafter_shadow:
+        raise ConfigError("DSV41_DRAFTER_SHADOW", "DSV41_DRAFTER_SHADOW works with synchronous rounds only; "
+                                                  "unset DSV41_DRAFTER_ASYNC")

@@ -1,0 +1,85 @@
+"""The harness's one HTTP client (httpx): timeouts, no proxy variables, one clear error line.
+
+Every harness call to a serving endpoint (admission, greedy references, ``/metrics``) goes through
+:func:`request`, so a timeout, a refused connection, an HTTP error status or a body that is not
+JSON all end as one :class:`~dsv41.errors.Dsv41Error` subclass whose message starts with what was
+being done (``what``) and says why, e.g. ``cannot list models at http://h:8000: no answer within
+10 s (GET http://h:8000/v1/models)``.  Prometheus text is parsed with ``prometheus_client.parser``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsv41.errors import Dsv41Error
+
+
+class HttpError(Dsv41Error):
+    """An HTTP call of the harness failed (the default error class of :func:`request`)."""
+
+
+def _reason(exc: Exception, method: str, url: str, timeout_s: float) -> str:
+    import httpx
+
+    where = f"({method} {url})"
+    if isinstance(exc, httpx.TimeoutException):
+        return f"no answer within {timeout_s:g} s {where}"
+    if isinstance(exc, httpx.ConnectError):
+        return f"cannot connect: {exc} {where}"
+    if isinstance(exc, httpx.HTTPStatusError):
+        body = exc.response.text[:200].strip().replace("\n", " ")
+        return f"HTTP {exc.response.status_code} {where}" + (f": {body}" if body else "")
+    return f"{exc or type(exc).__name__} {where}"
+
+
+def request(method: str, url: str, *, what: str, timeout_s: float = 10.0, json: Any = None,
+            error: type[Dsv41Error] = HttpError) -> Any:
+    """Send one request and return the ``httpx.Response`` (status 2xx).
+
+    ``timeout_s`` bounds connect, each read and write (seconds); environment proxies are ignored
+    (``trust_env=False``: lab addresses must not go through an operator's proxy).  Raises
+    ``error(f"{what}: <reason>")`` on a timeout, a connection failure, a non-2xx status or any
+    other transport error.
+    """
+    import httpx
+
+    try:
+        with httpx.Client(timeout=timeout_s, trust_env=False) as c:
+            r = c.request(method, url, json=json)
+            r.raise_for_status()
+            r.read()
+            return r
+    except httpx.HTTPError as exc:
+        raise error(f"{what}: {_reason(exc, method, url, timeout_s)}") from exc
+    except ValueError as exc:  # an URL httpx cannot use
+        raise error(f"{what}: {exc} ({method} {url})") from exc
+
+
+def request_json(method: str, url: str, *, what: str, timeout_s: float = 10.0, json: Any = None,
+                 error: type[Dsv41Error] = HttpError) -> Any:
+    """:func:`request`, then the body decoded as JSON; ``error`` when it is not JSON."""
+    r = request(method, url, what=what, timeout_s=timeout_s, json=json, error=error)
+    try:
+        return r.json()
+    except ValueError as exc:
+        raise error(f"{what}: the response is not JSON ({method} {url})") from exc
+
+
+def metric_samples(text: str, *, what: str = "metrics", error: type[Dsv41Error] = HttpError) -> list[tuple[str, dict[str, str], float]]:
+    """Prometheus text exposition -> ``[(sample name, labels, value)]`` in text order, parsed by
+    ``prometheus_client.parser.text_string_to_metric_families`` (sample names keep their
+    ``_total`` / ``_sum`` / ``_count`` / ``_bucket`` / ``_created`` suffixes).  ``error`` naming
+    ``what`` when the text is not valid exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        return [(s.name, dict(s.labels), float(s.value))
+                for fam in text_string_to_metric_families(text) for s in fam.samples]
+    except (ValueError, TypeError, IndexError) as exc:
+        raise error(f"{what}: not Prometheus text exposition: {exc}") from exc
+
+
+def get_metrics(url: str, *, timeout_s: float = 10.0, error: type[Dsv41Error] = HttpError) -> list[tuple[str, dict[str, str], float]]:
+    """GET a ``/metrics`` URL and parse it (:func:`metric_samples`); ``error`` on failure."""
+    what = f"cannot read metrics at {url}"
+    return metric_samples(request("GET", url, what=what, timeout_s=timeout_s, error=error).text, what=what, error=error)

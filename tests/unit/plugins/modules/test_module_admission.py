@@ -1,0 +1,48 @@
+"""plugins/modules/admission.py: status, HOLD/release, idempotence, check mode, diff, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from ansible_collections.dsv41.offload.plugins.modules import admission  # noqa: E402
+from test_harness_refs import FakeServing  # noqa: E402
+
+
+@pytest.fixture
+def serving():
+    s = FakeServing()
+    yield s
+    s.close()
+
+
+def test_status_reads_only(serving, run_module):
+    kind, res = run_module(admission, {"endpoint": serving.url})
+    assert kind == "exit" and res == {"changed": False, "previous": "open", "state": "open"}
+    assert not any(c.startswith("POST") for c in serving.calls)
+
+
+def test_hold_then_idempotent_then_release(serving, run_module):
+    kind, res = run_module(admission, {"endpoint": serving.url, "state": "held"})
+    assert kind == "exit" and res["changed"] and res["previous"] == "open" and serving.paused
+    kind, res = run_module(admission, {"endpoint": serving.url, "state": "held"})
+    assert kind == "exit" and not res["changed"] and res["previous"] == "held"
+    kind, res = run_module(admission, {"endpoint": serving.url, "state": "open"})
+    assert res["changed"] and not serving.paused
+
+
+def test_check_mode_and_diff_send_nothing(serving, run_module):
+    kind, res = run_module(admission, {"endpoint": serving.url, "state": "held",
+                                       "_ansible_check_mode": True, "_ansible_diff": True})
+    assert kind == "exit" and res["changed"] and res["state"] == "held"
+    assert res["diff"]["before"] == "admission: open\n" and res["diff"]["after"] == "admission: held\n"
+    assert not serving.paused and not any(c.startswith("POST") for c in serving.calls)
+
+
+def test_unreachable_endpoint_fails_with_one_line(run_module):
+    kind, res = run_module(admission, {"endpoint": "http://127.0.0.1:9", "state": "open"})
+    assert kind == "fail" and "cannot read admission state at http://127.0.0.1:9" in res["msg"]
+
+
+def test_bad_state_rejected(run_module):
+    kind, res = run_module(admission, {"endpoint": "http://x", "state": "closed"})
+    assert kind == "fail" and "state" in res["msg"] and "closed" in res["msg"]
