@@ -174,11 +174,12 @@ def test_pause_wait_abort_resume(server):
     t.join(60)
     assert res["wait"]["choices"][0]["finish_reason"] == "length"  # nothing admitted was lost
     assert res["wait"]["usage"]["completion_tokens"] == 80
-    assert httpx.get(server["url"] + "/is_paused").json() == {"is_paused": True}
+    held = httpx.get(server["url"] + "/is_paused").json()
+    assert held["is_paused"] is True and 0 < time.time() - held["paused_since"] < 120
     r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})
     assert r.status_code == 503 and "paused" in r.json()["error"]["message"]
     assert httpx.post(server["url"] + "/resume").json() == {"paused": False}
-    assert httpx.get(server["url"] + "/is_paused").json() == {"is_paused": False}
+    assert httpx.get(server["url"] + "/is_paused").json() == {"is_paused": False, "paused_since": None}
 
     t = threading.Thread(target=long_req, args=("abort", 600))
     t.start()
@@ -258,7 +259,7 @@ def test_pause_bad_input_is_400_openai_shaped(server):
         r = httpx.post(server["url"] + url, timeout=30, **kw)
         assert r.status_code == 400, (url, r.text)
         assert r.json()["error"]["type"] == "BadRequestError" and r.json()["error"]["message"]
-    assert httpx.get(server["url"] + "/is_paused").json() == {"is_paused": False}
+    assert httpx.get(server["url"] + "/is_paused").json() == {"is_paused": False, "paused_since": None}
 
 
 def test_non_stream_client_disconnect_aborts_request(server):

@@ -11,31 +11,16 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from labutil import HOSTS, LAB, inside, needs_lab, play
 
-ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
-LAB = Path("/var/lib/dsv41-lab")
-HOSTS = ("sparkhead", "sparkworker", "x86host")
-
-needs_lab = pytest.mark.skipif(
-    os.geteuid() != 0 or not all(shutil.which(c) for c in ("ip", "nsenter", "unshare")),
-    reason="needs root, iproute2 and util-linux for the lab's network namespaces")
 pytestmark = [pytest.mark.lab]
 
 
 def _play(playbook: str, *args: str, env: dict | None = None, user: int | None = None) -> subprocess.CompletedProcess:
-    cmd = [str(BIN / "ansible-playbook"), playbook, *args]
-    if user is not None:
-        # A new user namespace without a uid map: `id -u` is the overflow uid (65534) and every
-        # capability of the initial namespace is gone, while files owned by the caller stay
-        # readable, so the check runs from a checkout in a 0700 directory too.
-        cmd = ["unshare", "--user", "--", *cmd]
-    e = dict(os.environ, ANSIBLE_FORCE_COLOR="0", NO_COLOR="1", PATH=f"{BIN}:{os.environ.get('PATH', '')}", **(env or {}))
-    return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=600)
+    return play(playbook, *args, env_extra=env, user=user)
 
 
 def _changed(out: str) -> int:
@@ -43,9 +28,7 @@ def _changed(out: str) -> int:
 
 
 def _in(host: str, *cmd: str) -> str:
-    pid = (LAB / f"{host}.pid").read_text().strip()
-    return subprocess.run(["nsenter", "--target", pid, "--mount", "--net", "--uts", "--pid", "--", *cmd],
-                          capture_output=True, text=True, check=True).stdout
+    return inside(host, *cmd).stdout
 
 
 @needs_lab

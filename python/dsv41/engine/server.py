@@ -306,11 +306,13 @@ def parse_prompt(body: dict, tok: ByteTokenizer, max_len: int | None = None) -> 
 
 
 class ServerState:
-    """Admission state shared by the handlers: ``paused``, ``draining``."""
+    """Admission state shared by the handlers: ``paused``, ``draining``, and ``paused_since``
+    (Unix time in seconds when admission was last closed; None while open)."""
 
     def __init__(self) -> None:
         self.paused = False
         self.draining = False
+        self.paused_since: float | None = None
 
 
 def create_app(engine, model_name: str, max_model_len: int, state: ServerState | None = None, metrics=None):
@@ -559,6 +561,8 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
             raise ApiError(400, f"mode must be 'abort', 'wait' or 'keep', got {mode!r}", param="mode")
         if not 0 < timeout_s < float("inf"):  # NaN fails too
             raise ApiError(400, f"timeout_s must be a positive number of seconds, got {timeout_s}", param="timeout_s")
+        if not st.paused:
+            st.paused_since = time.time()
         st.paused = True
         running, waiting = engine.sched.counts()
         in_flight = running + waiting
@@ -589,11 +593,13 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
         """Admit requests again and unfreeze a ``keep`` pause (idempotent)."""
         st.paused = False
         engine.freeze(False)
+        st.paused_since = None
         return {"paused": False}
 
     @app.get("/is_paused")
     async def is_paused():
-        """``{"is_paused": bool}`` (vLLM's dev-mode endpoint shape)."""
-        return {"is_paused": st.paused}
+        """``{"is_paused": bool}`` (vLLM's dev-mode endpoint shape) plus ``paused_since``: Unix
+        time (s) admission was closed, null while open (what ``dsv41 status`` shows as "since")."""
+        return {"is_paused": st.paused, "paused_since": st.paused_since if st.paused else None}
 
     return app

@@ -1,0 +1,1 @@
+../plugins/modules/dsv41_status.py

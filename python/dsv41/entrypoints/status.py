@@ -1,0 +1,644 @@
+"""Is production healthy, and what is it running? One implementation behind ``dsv41 status``,
+``ansible-playbook status.yml`` and the summary that ends every deploy.
+
+Three steps, each usable on its own:
+
+1. :func:`host_facts` runs *on* each host (``dsv41 status --local --json``, run by
+   ``playbooks/status.yml`` through the inventory's own connection): its dsv41 services and their
+   state, the package version, the serving container's image, the Engram manifest's revision and
+   table identities, the drafter's identities, the current promotion package.
+2. :func:`probe` runs on the controller against the endpoints that already exist (no new
+   daemons): rank 0's ``/health``, ``/is_paused`` (admission and since when), ``/metrics`` (Engram
+   counters per rank, drafter rounds, accepted tokens, fail-closed rounds, proxy respawns), the
+   table server's ``/ready`` and the drafter worker's ``/metrics`` (connections, identities).
+   ``/metrics`` is read twice, ``window_s`` seconds apart, for the "over the last N seconds" deltas.
+3. :func:`evaluate` turns hosts + probe into a report: healthy, or the reasons it is not
+   (unreachable host or rank, a service not running, fallbacks growing, admission held, identity
+   mismatch, table server not ready). :func:`render_lines` / :func:`render_tables` print it.
+
+Report shape (JSON, what ``--json`` prints)::
+
+    {"time": unix s, "window_s": float, "healthy": bool, "reasons": [str], "warnings": [str],
+     "hosts": {name: {"groups": [..], "rank": int|None, "reachable": bool, "error": str|None,
+                      "services": {name: state}, "dsv41": str, "image": str|None,
+                      "manifest": {"revision": str, "sha256": str, "tables": {layer: identity}}|None,
+                      "drafter": {"drafter", "markov", "target"}|None, "promotion": str|None}},
+     "api": {...}, "engram": {...}, "drafter": {...}, "window": {...}|None}
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from dsv41.errors import Dsv41Error
+
+# Healthy service states: supervisord's RUNNING, systemd's "active".
+_UP = {"RUNNING", "active"}
+_SERVICE_PREFIX = "dsv41-"
+
+
+class StatusError(Dsv41Error):
+    """Status could not be gathered at all (bad inventory, no project, Ansible failed to start)."""
+
+
+# ---- 1. on each host -------------------------------------------------------------------------
+
+def _run(argv: list[str], timeout_s: float = 20.0) -> subprocess.CompletedProcess | None:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def service_states(service_manager: str, supervisorctl: str = "", prefix: str = _SERVICE_PREFIX) -> dict[str, str]:
+    """``{service: state}`` of the ``dsv41-*`` services this host's service manager knows.
+
+    ``service_manager``: ``supervisor`` (states as ``supervisorctl status`` prints them, e.g.
+    ``RUNNING``, ``STOPPED``, ``FATAL``; ``supervisorctl`` is its command line, split with shlex) or
+    ``systemd`` (``systemctl list-units``' ACTIVE column, e.g. ``active``, ``failed``).
+    ``{"<manager>": "unavailable: ..."}`` when the manager cannot be asked.
+    """
+    if service_manager == "supervisor":
+        cmd = shlex.split(supervisorctl or "supervisorctl -c /etc/dsv41/supervisord.conf") + ["status"]
+        r = _run(cmd)
+        # supervisorctl exits 3 when some program is not running: the listing is still complete.
+        if r is None or (r.returncode not in (0, 3) and not r.stdout.strip()):
+            return {"supervisord": f"unavailable: {(r.stderr.strip() if r else 'cannot run ' + cmd[0])[:200]}"}
+        out = {}
+        for line in r.stdout.splitlines():
+            parts = line.split()
+            if len(parts) >= 2 and parts[0].startswith(prefix):
+                out[parts[0]] = parts[1]
+        return out
+    if service_manager == "systemd":
+        r = _run(["systemctl", "list-units", "--all", "--no-legend", "--plain", f"{prefix}*"])
+        if r is None or r.returncode != 0:
+            return {"systemd": f"unavailable: {(r.stderr.strip() if r else 'cannot run systemctl')[:200]}"}
+        out = {}
+        for line in r.stdout.splitlines():
+            parts = line.split()  # UNIT LOAD ACTIVE SUB DESCRIPTION...
+            if len(parts) >= 3 and parts[0].startswith(prefix):
+                out[parts[0].removesuffix(".service")] = parts[2]
+        return out
+    raise StatusError(f"--service-manager must be 'supervisor' or 'systemd', not {service_manager!r}")
+
+
+def manifest_facts(path: str | os.PathLike) -> dict | None:
+    """``{"revision", "sha256", "tables": {layer_id: identity}}`` of an Engram manifest, None when
+    the file is absent; ``{"error": ...}`` when it is unreadable (the verify role owns validation)."""
+    p = Path(path)
+    if not p.exists():
+        return None
+    try:
+        raw = p.read_bytes()
+        doc = json.loads(raw)
+        return {"revision": str(doc.get("revision", "?")), "sha256": hashlib.sha256(raw).hexdigest(),
+                "tables": {str(t["layer_id"]): str(t["identity"]) for t in doc.get("tables", [])}}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return {"error": f"{p}: {exc}"[:300]}
+
+
+def drafter_facts(drafter_dir: str | os.PathLike) -> dict | None:
+    """``{"drafter", "markov", "target"}`` identities of a drafter directory (as
+    ``dsv41 drafter identity`` prints them); None when absent, ``{"error": ...}`` when unreadable."""
+    d = Path(drafter_dir)
+    if not d.is_dir():
+        return None
+    from dsv41.drafter.model import identities
+
+    try:
+        return identities(d)
+    except Exception as exc:  # noqa: BLE001 - any unreadable drafter is a fact to report, not a crash
+        return {"error": f"{d}: {exc}"[:300]}
+
+
+def promotion_facts(packages_dir: str | os.PathLike) -> str | None:
+    """The current promotion package: ``<packages_dir>/current`` as a link (its target's name) or a
+    one-line file (its content); None when there is none."""
+    cur = Path(packages_dir) / "current"
+    try:
+        if cur.is_symlink():
+            return Path(os.readlink(cur)).name
+        if cur.is_file():
+            return cur.read_text().strip() or None
+    except OSError as exc:
+        return f"unreadable: {exc}"
+    return None
+
+
+def image_facts(container_runtime: str, container: str) -> str | None:
+    """``"<image reference> <image id>"`` of the running serving container, None when there is no
+    container runtime or no such container (the lab engine runs without one)."""
+    if not container_runtime or not shutil.which(container_runtime):
+        return None
+    r = _run([container_runtime, "inspect", "--format", "{{.Config.Image}} {{.Image}}", container])
+    if r is None or r.returncode != 0:
+        return None
+    return r.stdout.strip() or None
+
+
+def host_facts(*, service_manager: str = "systemd", supervisorctl: str = "", root: str = "/opt/dsv41",
+               container_runtime: str = "/usr/bin/docker", container: str = "dsv41-serve") -> dict:
+    """What this host runs, from its own files and service manager (no network). ``root`` holds
+    ``tables/manifest.json``, ``drafter/`` and ``packages/``. Shape: one ``hosts[name]`` entry of
+    the module docstring (without ``groups``, ``rank``, ``reachable``)."""
+    from dsv41 import __version__
+
+    r = Path(root)
+    return {
+        "hostname": os.uname().nodename,
+        "services": service_states(service_manager, supervisorctl),
+        "dsv41": __version__,
+        "image": image_facts(container_runtime, container),
+        "manifest": manifest_facts(r / "tables" / "manifest.json"),
+        "drafter": drafter_facts(r / "drafter"),
+        "promotion": promotion_facts(r / "packages"),
+    }
+
+
+# ---- 2. the endpoints, from the controller -----------------------------------------------------
+
+def _get(url: str, timeout_s: float):
+    """(status code, body text), or (None, why) when nothing answered (the harness HTTP client)."""
+    from dsv41.harness import http
+
+    try:
+        r = http.request("GET", url, what=url, timeout_s=timeout_s)
+        return r.status_code, r.text
+    except http.HttpError as exc:
+        resp = getattr(exc.__cause__, "response", None)
+        if resp is not None:  # a non-2xx answer: the caller judges the status
+            return resp.status_code, resp.text
+        return None, str(exc).removeprefix(f"{url}: ").removesuffix(f" (GET {url})")
+
+
+def engine_counters(text: str) -> dict:
+    """From rank 0's ``/metrics`` text: ``{"engram": {rank: {key: value}}, "drafter": {key: value},
+    "spec": {"drafts", "draft_tokens", "accepted_tokens"}}`` (names in ``dsv41.engine.metrics``)."""
+    from dsv41.harness import refs
+
+    spec = {}
+    for name, _labels, value in refs.parse_metrics(text):
+        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            if name in (f"vllm:spec_decode_{key}_total", f"vllm:spec_decode_{key}"):
+                spec[key.removeprefix("num_")] = spec.get(key.removeprefix("num_"), 0.0) + value
+    return {"engram": refs.engram_counters(text), "drafter": refs.flat_values(text, "dsv41_drafter_"), "spec": spec}
+
+
+def worker_facts(text: str) -> dict:
+    """From the drafter worker's ``/metrics`` text: ``{"connections": int, "identities": {"drafter",
+    "markov", "target"}}`` (``dsv41.drafter.status.parse_status``; Dsv41Error on foreign text)."""
+    from dsv41.drafter.status import parse_status
+
+    return parse_status(text)
+
+
+def _delta(before: dict, after: dict) -> dict:
+    return {k: after[k] - before.get(k, 0.0) for k in after if isinstance(after[k], (int, float))}
+
+
+def probe(api_url: str, engram_url: str | None, drafter_url: str | None, window_s: float = 5.0,
+          timeout_s: float = 5.0, sleep=time.sleep) -> dict:
+    """Read the endpoints. ``api_url``: rank 0's base URL; ``engram_url`` / ``drafter_url``: the
+    table server's and the drafter worker's metrics base URLs (``http://A:P``) or None.
+    ``window_s`` (s, >= 0): the gap between the two reads of rank 0's ``/metrics``.
+    Never raises for an unreachable endpoint: the report says so."""
+    if not window_s >= 0:  # NaN fails too
+        raise StatusError(f"--window must be >= 0 seconds, got {window_s}")
+    api: dict = {"url": api_url, "health": None, "error": None, "admission": None, "since": None, "model": None}
+    code, body = _get(api_url.rstrip("/") + "/health", timeout_s)
+    if code is None:
+        api["error"] = f"unreachable ({body})"
+    else:
+        api["health"] = "ok" if code == 200 else f"HTTP {code}: {body[:200]}"
+        code, body = _get(api_url.rstrip("/") + "/is_paused", timeout_s)
+        try:
+            doc = json.loads(body) if code == 200 else {}
+            api["admission"] = "held" if doc["is_paused"] else "open"
+            api["since"] = doc.get("paused_since")
+        except (ValueError, KeyError, TypeError):
+            api["admission"] = f"unknown (/is_paused: {code} {str(body)[:100]})"
+        code, body = _get(api_url.rstrip("/") + "/v1/models", timeout_s)
+        try:
+            api["model"] = json.loads(body)["data"][0]["id"] if code == 200 else None
+        except (ValueError, KeyError, IndexError, TypeError):
+            pass
+
+    engine: dict = {"error": None, "engram": {}, "drafter": {}, "spec": {}, "window": {}}
+    if api["error"] is None:
+        url = api_url.rstrip("/") + "/metrics"
+        code, first = _get(url, timeout_s)
+        second = first
+        if code == 200 and window_s > 0:
+            sleep(window_s)
+            code, second = _get(url, timeout_s)
+        try:
+            before, after = (engine_counters(first), engine_counters(second)) if code == 200 else ({}, {})
+        except Dsv41Error as exc:  # answered, but not Prometheus text
+            code, second = -1, str(exc)
+        if code == 200:
+            engine.update(after)
+            engine["window"] = {
+                "engram": {r: _delta(before["engram"].get(r, {}), c) for r, c in after["engram"].items()},
+                "drafter": _delta(before["drafter"], after["drafter"]),
+                "spec": _delta(before["spec"], after["spec"]),
+            }
+        else:
+            engine["error"] = f"{url}: " + (f"unreachable ({second})" if code is None else
+                                            second if code == -1 else f"HTTP {code}")
+    else:
+        engine["error"] = api["error"]
+
+    server: dict = {"url": engram_url, "ready": None, "error": None}
+    if engram_url:
+        code, body = _get(engram_url.rstrip("/") + "/ready", timeout_s)
+        server["ready"] = code == 200
+        server["error"] = None if code == 200 else (f"unreachable ({body})" if code is None else f"/ready HTTP {code}")
+    worker: dict = {"url": drafter_url, "error": None}
+    if drafter_url:
+        code, body = _get(drafter_url.rstrip("/") + "/metrics", timeout_s)
+        if code == 200:
+            try:
+                worker.update(worker_facts(body))
+            except Dsv41Error as exc:
+                worker["error"] = str(exc)
+        else:
+            worker["error"] = f"unreachable ({body})" if code is None else f"/metrics HTTP {code}"
+    return {"time": time.time(), "window_s": float(window_s), "api": api, "engine": engine,
+            "engram_server": server, "drafter_worker": worker}
+
+
+def last_window(windows_dir: str | os.PathLike | None) -> dict | None:
+    """The newest ``<windows_dir>/<id>/decision.json`` (by mtime) as ``{"id", "verdict", "path"}``;
+    None when there is none. ``verdict``: the file's ``verdict`` (or ``decision``) field."""
+    if not windows_dir:
+        return None
+    files = sorted(glob.glob(os.path.join(str(windows_dir), "*", "decision.json")), key=os.path.getmtime)
+    if not files:
+        return None
+    path = files[-1]
+    try:
+        doc = json.loads(Path(path).read_text())
+        verdict = doc.get("verdict", doc.get("decision")) if isinstance(doc, dict) else None
+    except (OSError, ValueError) as exc:
+        verdict = f"unreadable: {exc}"
+    return {"id": Path(path).parent.name, "verdict": str(verdict) if verdict is not None else "?", "path": path}
+
+
+# ---- 3. judge --------------------------------------------------------------------------------
+
+def _fmt_since(since: float | None, now: float) -> str:
+    if not since:
+        return "since an unknown time"
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since))
+    return f"since {stamp} ({max(0, int(now - since))} s)"
+
+
+def evaluate(hosts: dict, probed: dict, *, expected_image: str = "", window: dict | None = None) -> dict:
+    """The report (module docstring) and its verdict.
+
+    ``hosts``: ``{name: {"groups": [...], "rank": int|None, "reachable": bool, "error": str|None,
+    **host_facts}}``; ``probed``: :func:`probe`'s result; ``expected_image``: the configured serving
+    image (``serve_image``, pinned by digest), compared with what runs when both are known.
+    Unhealthy reasons: an unreachable host, rank or endpoint; a dsv41 service not running;
+    Engram fallbacks growing over the window; admission held; identity mismatch (manifest tables,
+    package version, drafter vs target, image); the table server not ready.
+    """
+    reasons: list[str] = []
+    warnings: list[str] = []
+    now = probed.get("time", time.time())
+    for name, h in sorted(hosts.items()):
+        if not h.get("reachable"):
+            reasons.append(f"{name}: unreachable ({h.get('error') or 'no answer'})")
+            continue
+        for svc, state in sorted((h.get("services") or {}).items()):
+            if state not in _UP:
+                reasons.append(f"{name}: {svc} is {state}")
+        if not h.get("services"):
+            reasons.append(f"{name}: no dsv41 services")
+        for key in ("manifest", "drafter"):
+            if isinstance(h.get(key), dict) and "error" in h[key]:
+                reasons.append(f"{name}: {key} unreadable ({h[key]['error']})")
+        img = h.get("image")
+        if expected_image and img and expected_image.split()[0] not in img.split():
+            reasons.append(f"identity mismatch: {name} runs image {img.split()[0]}, configured {expected_image}")
+
+    up = {n: h for n, h in hosts.items() if h.get("reachable")}
+    # identity: every host that holds tables holds the same ones (x86host serves, the Sparks fall back)
+    tables = {n: h["manifest"]["tables"] for n, h in up.items() if isinstance(h.get("manifest"), dict) and "tables" in h["manifest"]}
+    if len({json.dumps(t, sort_keys=True) for t in tables.values()}) > 1:
+        ref_name = next(iter(sorted(n for n in tables if "offload" in hosts[n].get("groups", []))), sorted(tables)[0])
+        for n, t in sorted(tables.items()):
+            if t != tables[ref_name]:
+                diff = sorted(k for k in set(t) | set(tables[ref_name]) if t.get(k) != tables[ref_name].get(k))
+                reasons.append(f"identity mismatch: Engram tables on {n} differ from {ref_name} (layers {', '.join(diff)})")
+    versions = {h.get("dsv41") for h in up.values() if h.get("dsv41")}
+    if len(versions) > 1:
+        reasons.append("identity mismatch: dsv41 versions differ: "
+                       + ", ".join(f"{n} {h.get('dsv41')}" for n, h in sorted(up.items())))
+
+    api = probed["api"]
+    if api.get("error"):
+        reasons.append(f"rank 0 API {api['url']}: {api['error']}")
+    elif api.get("health") != "ok":
+        reasons.append(f"rank 0 API {api['url']}: {api['health']}")
+    if api.get("admission") == "held":
+        reasons.append(f"admission held {_fmt_since(api.get('since'), now)}")
+    elif api.get("admission") not in (None, "open"):
+        reasons.append(f"admission {api['admission']}")
+
+    eng = probed["engine"]
+    if eng.get("error") and not api.get("error"):
+        reasons.append(f"rank 0 metrics {eng['error']}")
+    ranks = sorted({int(h["rank"]) for h in hosts.values() if h.get("rank") is not None})
+    win = probed.get("window_s", 0.0)
+    if not eng.get("error"):
+        for r in ranks:
+            c = eng["engram"].get(str(r))
+            if c is None:
+                reasons.append(f"rank {r}: unreachable (no Engram counters on rank 0's /metrics)")
+                continue
+            d = eng["window"].get("engram", {}).get(str(r), {})
+            if d.get("fallbacks", 0) > 0:
+                reasons.append(f"rank {r}: Engram fallbacks growing (+{int(d['fallbacks'])} in {win:g} s, "
+                               f"{int(c.get('fallbacks', 0))} since start)")
+            elif c.get("fallbacks", 0) > 0:
+                warnings.append(f"rank {r}: {int(c['fallbacks'])} Engram fallbacks since start (none in the last {win:g} s)")
+        dr = eng.get("drafter", {})
+        if dr.get("proxy_gave_up", 0) > 0:
+            reasons.append("rank 0: async proxy respawn budget spent, drafting failed closed to target-only")
+        fc = eng["window"].get("drafter", {}).get("fail_closed_rounds", 0)
+        if fc > 0:
+            warnings.append(f"rank 0: {int(fc)} drafting rounds failed closed in the last {win:g} s")
+    server = probed["engram_server"]
+    if server.get("url") and not server.get("ready"):
+        reasons.append(f"Engram table server {server['url']}: {server.get('error') or 'not ready'}")
+    worker = probed["drafter_worker"]
+    if worker.get("url"):
+        if worker.get("error"):
+            reasons.append(f"drafter worker {worker['url']}: {worker['error']}")
+        else:
+            have = worker.get("identities") or {}
+            rank0 = [h for h in up.values() if h.get("rank") == 0 and isinstance(h.get("drafter"), dict)
+                     and "error" not in h["drafter"]]
+            if rank0:
+                want = rank0[0]["drafter"]
+                bad = [k for k in ("drafter", "markov", "target") if have.get(k, "") != want.get(k, "")]
+                if bad:
+                    reasons.append("identity mismatch: drafter worker reports "
+                                   + ", ".join(f"{k} {have.get(k, '')[:12] or '-'}" for k in bad)
+                                   + "; rank 0 expects " + ", ".join(f"{k} {want.get(k, '')[:12] or '-'}" for k in bad))
+            if worker.get("connections", 0) < 1:
+                warnings.append(f"drafter worker {worker['url']}: no client connected")
+    return {"time": now, "window_s": win, "healthy": not reasons, "reasons": reasons, "warnings": warnings,
+            "hosts": hosts, "api": api, "engine": eng, "engram_server": server, "drafter_worker": worker,
+            "window": window}
+
+
+# ---- rendering -------------------------------------------------------------------------------
+
+def _short(x: str | None, n: int = 12) -> str:
+    return (x or "-")[:n]
+
+
+def _host_cells(name: str, h: dict) -> list[str]:
+    role = f"rank {h['rank']}" if h.get("rank") is not None else ",".join(h.get("groups") or []) or "-"
+    if not h.get("reachable"):
+        return [name, role, f"unreachable: {h.get('error') or ''}"[:80], "-", "-", "-", "-", "-"]
+    svcs = ", ".join(f"{s.removeprefix(_SERVICE_PREFIX)} {st}" for s, st in sorted((h.get("services") or {}).items())) or "none"
+    man = h.get("manifest")
+    tables = ("-" if man is None else man.get("error", "")[:40] if "error" in man
+              else f"{man['revision']} " + " ".join(f"L{k}:{_short(v, 8)}" for k, v in sorted(man["tables"].items())))
+    dr = h.get("drafter")
+    drafter = "-" if dr is None else dr.get("error", "")[:40] if "error" in dr else (
+        f"drafter {_short(dr.get('drafter'), 8)} target {_short(dr.get('target'), 8)}")
+    image = h.get("image") or "none (no container)"
+    return [name, role, svcs, h.get("dsv41") or "-", image, tables, drafter, h.get("promotion") or "none"]
+
+
+def _rank_rows(report: dict) -> list[list[str]]:
+    eng = report["engine"]
+    rows = []
+    for r, c in sorted(eng.get("engram", {}).items()):
+        d = eng.get("window", {}).get("engram", {}).get(r, {})
+        rows.append([r, f"{int(c.get('lookups', 0))}", f"+{int(d.get('lookups', 0))}",
+                     f"{int(c.get('fallbacks', 0))}", f"+{int(d.get('fallbacks', 0))}"])
+    return rows
+
+
+def _drafting_line(report: dict) -> str:
+    eng = report["engine"]
+    dr, spec, w = eng.get("drafter", {}), eng.get("spec", {}), eng.get("window", {})
+    wd, ws = w.get("drafter", {}), w.get("spec", {})
+    line = (f"drafter rounds {int(dr.get('rounds', 0))} (+{int(wd.get('rounds', 0))}), accepted tokens "
+            f"{int(spec.get('accepted_tokens', 0))}/{int(spec.get('draft_tokens', 0))} (+{int(ws.get('accepted_tokens', 0))}), "
+            f"fail-closed {int(dr.get('fail_closed_rounds', 0))} (+{int(wd.get('fail_closed_rounds', 0))}), "
+            f"proxy respawns {int(dr.get('proxy_respawns', 0))}")
+    worker = report["drafter_worker"]
+    if worker.get("url") and not worker.get("error"):
+        ids = worker.get("identities") or {}
+        line += (f"; worker {worker['url']} connections {int(worker.get('connections', 0))}, "
+                 f"drafter {_short(ids.get('drafter'))} target {_short(ids.get('target'))}")
+    return line
+
+
+def _admission_line(report: dict) -> str:
+    api = report["api"]
+    adm = api.get("admission") or "unknown"
+    if adm == "held":
+        adm += " " + _fmt_since(api.get("since"), report["time"])
+    return adm
+
+
+def _window_line(report: dict) -> str:
+    w = report.get("window")
+    return "none" if not w else f"{w['id']}: {w['verdict']}"
+
+
+def render_lines(report: dict) -> list[str]:
+    """The report as plain lines (the playbook's summary; also ``dsv41 status`` without a tty)."""
+    api = report["api"]
+    lines = [f"status: {'HEALTHY' if report['healthy'] else 'UNHEALTHY'}",
+             f"API: {api['url']} (model {api.get('model') or '?'}; health {api.get('health') or api.get('error')}); "
+             f"metrics {api['url']}/metrics; admission {_admission_line(report)}"]
+    for name, h in sorted(report["hosts"].items()):
+        c = _host_cells(name, h)
+        if not h.get("reachable"):
+            lines.append(f"{c[0]} ({c[1]}): unreachable")
+            continue
+        lines.append(f"{c[0]} ({c[1]}): {c[2]}; dsv41 {c[3]}; image {c[4]}; tables {c[5]}; {c[6]}; promotion {c[7]}")
+    srv = report["engram_server"]
+    if srv.get("url"):
+        lines.append(f"Engram table server {srv['url']}/metrics: {'ready' if srv.get('ready') else srv.get('error')}")
+    for r, look, dlook, fb, dfb in _rank_rows(report):
+        lines.append(f"Engram rank {r}: {look} lookups ({dlook} in {report['window_s']:g} s), "
+                     f"{fb} fallbacks ({dfb} in {report['window_s']:g} s)")
+    lines.append(_drafting_line(report))
+    lines.append(f"last window: {_window_line(report)}")
+    lines += [f"warning: {w}" for w in report.get("warnings", [])]
+    lines += [f"unhealthy: {r}" for r in report["reasons"]]
+    return lines
+
+
+def render_tables(report: dict, console) -> None:
+    """Print the report with rich tables on ``console`` (a ``rich.console.Console``)."""
+    from rich.table import Table
+
+    api = report["api"]
+    t = Table(title="dsv41 hosts", title_justify="left")
+    for col in ("host", "role", "services", "dsv41", "image", "tables (revision, identities)", "drafter", "promotion"):
+        t.add_column(col, overflow="fold")
+    for name, h in sorted(report["hosts"].items()):
+        t.add_row(*_host_cells(name, h))
+    console.print(t)
+    console.print(f"API {api['url']}  model {api.get('model') or '?'}  health {api.get('health') or api.get('error')}"
+                  f"  admission [bold]{_admission_line(report)}[/bold]", markup=True, highlight=False)
+    srv = report["engram_server"]
+    if srv.get("url"):
+        console.print(f"Engram table server {srv['url']}: {'ready' if srv.get('ready') else srv.get('error')}",
+                      highlight=False)
+    e = Table(title=f"Engram per rank (since start / last {report['window_s']:g} s)", title_justify="left")
+    for col in ("rank", "lookups", "Δ lookups", "fallbacks", "Δ fallbacks"):
+        e.add_column(col, justify="right")
+    for row in _rank_rows(report):
+        e.add_row(*row)
+    console.print(e)
+    console.print(_drafting_line(report), highlight=False)
+    console.print(f"last window: {_window_line(report)}", highlight=False)
+    for w in report.get("warnings", []):
+        console.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
+    if report["healthy"]:
+        console.print("[green]healthy[/green]")
+    for r in report["reasons"]:
+        console.print(f"[red]unhealthy:[/red] {r}", highlight=False)
+
+
+# ---- the whole run (what the playbook's summary task and `dsv41 status` call) -----------------
+
+def host_entry(raw: dict) -> dict:
+    """One host's entry from what ``playbooks/status.yml`` registered for it: ``groups``, ``rank``
+    and the ``dsv41 status --local --json`` command result (``unreachable``, ``msg``, ``rc``,
+    ``stdout``, ``stderr``)."""
+    groups = [g for g in (raw.get("groups") or []) if g not in ("all", "ungrouped")]
+    rank = raw.get("rank")
+    entry = {"groups": groups, "rank": int(rank) if rank not in (None, "") else None, "reachable": False, "error": None}
+    if raw.get("unreachable"):
+        entry["error"] = " ".join(str(raw.get("msg") or "unreachable").split()).removeprefix("Task failed: ")[:300]
+        return entry
+    if raw.get("rc") not in (0, "0"):
+        err = (raw.get("stderr") or raw.get("msg") or "").strip().splitlines()
+        entry["error"] = f"dsv41 status --local failed: {err[-1] if err else 'rc ' + str(raw.get('rc'))}"[:300]
+        return entry
+    try:
+        facts = json.loads(raw.get("stdout") or "")
+    except ValueError:
+        entry["error"] = "dsv41 status --local printed no JSON"
+        return entry
+    entry.update(facts)
+    entry["reachable"] = True
+    return entry
+
+
+def summarize(hosts: dict, api_url: str, engram_url: str | None = None, drafter_url: str | None = None,
+              window_s: float = 5.0, expected_image: str = "", windows_dir: str | None = None,
+              timeout_s: float = 5.0) -> dict:
+    """Probe the endpoints and judge: ``hosts`` as :func:`host_entry` takes them (``{name: raw}``);
+    the rest as :func:`probe` and :func:`evaluate`. Returns the report."""
+    entries = {name: host_entry(raw) for name, raw in hosts.items()}
+    probed = probe(api_url, engram_url, drafter_url, window_s=window_s, timeout_s=timeout_s)
+    return evaluate(entries, probed, expected_image=expected_image, window=last_window(windows_dir))
+
+
+def find_project(inventory: str | os.PathLike) -> Path:
+    """The project checkout that holds ``playbooks/status.yml``: the first directory above the
+    inventory, else above the current directory; StatusError when there is none."""
+    for start in (Path(inventory).resolve(), Path.cwd().resolve()):
+        for d in (start, *start.parents):
+            if (d / "playbooks" / "status.yml").is_file() and (d / "ansible.cfg").is_file():
+                return d
+    raise StatusError(f"cannot find playbooks/status.yml above {inventory} or the current directory "
+                      "(run dsv41 status from the dsv41-offload checkout)")
+
+
+def default_inventory() -> str:
+    """The inventory ansible.cfg names (the embedded default: the lab), as Ansible resolves it."""
+    from ansible import constants as C
+
+    hl = C.DEFAULT_HOST_LIST
+    return hl[0] if isinstance(hl, (list, tuple)) and hl else str(hl)
+
+
+def inventory_hosts(inventory: str) -> dict[str, list[str]]:
+    """``{group: [host, ...]}`` of the ``spark`` and ``offload`` groups, parsed by Ansible's own
+    inventory API. StatusError (one line) for a missing inventory or one without those hosts."""
+    if not os.path.exists(inventory):
+        raise StatusError(f"inventory {inventory}: no such file or directory")
+    import contextlib
+    import io
+
+    from ansible.inventory.manager import InventoryManager
+    from ansible.parsing.dataloader import DataLoader
+    from ansible.plugins.loader import init_plugin_loader
+
+    init_plugin_loader()
+    noise = io.StringIO()  # Ansible's warnings about the source: folded into the one error line
+    try:
+        with contextlib.redirect_stderr(noise), contextlib.redirect_stdout(noise):
+            inv = InventoryManager(loader=DataLoader(), sources=[inventory])
+    except Exception as exc:  # noqa: BLE001 - Ansible raises its own error types for bad sources
+        raise StatusError(f"inventory {inventory}: {' '.join(str(exc).split())[:300]}") from None
+    groups = {g: [h.name for h in inv.groups[g].get_hosts()] for g in ("spark", "offload") if g in inv.groups}
+    if not groups.get("spark") or not groups.get("offload"):
+        why = [ln.split(" plugin: ", 1)[-1].strip() for ln in noise.getvalue().splitlines()
+               if ln.startswith("[WARNING]: Failed to parse")]
+        raise StatusError(f"inventory {inventory}: no hosts in the 'spark' and 'offload' groups"
+                          + (f" (it did not parse: {why[0][:200]})" if why else " (not a dsv41 inventory)"))
+    return groups
+
+
+def run_playbook(inventory: str, window_s: float = 5.0, timeout_s: float = 300.0) -> dict:
+    """Run ``playbooks/status.yml`` through ``inventory`` with ansible-runner (fresh private data
+    dir) and return the report its summary task computed. StatusError when the run produced none
+    (the line says why)."""
+    import tempfile
+
+    import ansible_runner
+
+    inventory_hosts(inventory)
+    project = find_project(inventory)
+    # ansible-playbook from the venv running this command, even when that venv is not on PATH
+    path = os.pathsep.join([str(Path(os.sys.executable).parent), os.environ.get("PATH", "")])
+    found: dict = {}
+    failures: list[str] = []
+
+    def on_event(ev: dict) -> bool:
+        data = ev.get("event_data") or {}
+        res = data.get("res") or {}
+        if ev.get("event") == "runner_on_ok" and isinstance(res.get("report"), dict):
+            found["report"] = res["report"]
+        elif ev.get("event") in ("runner_on_failed", "runner_on_unreachable") and not data.get("ignore_errors"):
+            failures.append(f"{data.get('host', '?')}: {' '.join(str(res.get('msg', '')).split())[:300]}")
+        return False
+
+    with tempfile.TemporaryDirectory(prefix="dsv41-status-") as pdd:
+        r = ansible_runner.run(
+            private_data_dir=pdd, project_dir=str(project), playbook=str(project / "playbooks" / "status.yml"),
+            inventory=str(Path(inventory).resolve()), extravars={"status_window_s": float(window_s)},
+            quiet=True, event_handler=on_event, timeout=int(timeout_s),
+            envvars={"ANSIBLE_CONFIG": str(project / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1", "PATH": path})
+        if "report" in found:
+            return found["report"]
+        out = ""
+        if r.stdout is not None:
+            out = r.stdout.read()
+    tail = [ln for ln in out.splitlines() if ln.strip().startswith(("ERROR!", "[ERROR]", "fatal:"))]
+    why = failures[0] if failures else (tail[-1].strip() if tail else f"ansible-playbook {r.status}, rc {r.rc}")
+    raise StatusError(f"status via {inventory}: {why}")

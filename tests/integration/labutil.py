@@ -1,0 +1,48 @@
+"""What the lab tests share: the checkout, the venv's tools, the skip rule, running a playbook and
+entering a simulated host. The lab is one per machine: callers take /tmp/dsv41-lab.lock around it
+(see the Makefile's lab targets) when several checkouts share the machine."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+LAB = Path("/var/lib/dsv41-lab")
+HOSTS = ("sparkhead", "sparkworker", "x86host")
+
+needs_lab = pytest.mark.skipif(
+    os.geteuid() != 0 or not all(shutil.which(c) for c in ("ip", "nsenter", "unshare")),
+    reason="needs root, iproute2 and util-linux for the lab's network namespaces")
+
+
+def env(extra: dict | None = None) -> dict:
+    """The environment for the project's tools: the venv first on PATH, no colours."""
+    return dict(os.environ, ANSIBLE_FORCE_COLOR="0", NO_COLOR="1", PATH=f"{BIN}:{os.environ.get('PATH', '')}",
+                **(extra or {}))
+
+
+def play(playbook: str, *args: str, env_extra: dict | None = None, user: int | None = None,
+         timeout: int = 600) -> subprocess.CompletedProcess:
+    """``ansible-playbook PLAYBOOK ARGS`` from the checkout; ``user`` runs it in a new user
+    namespace without a uid map (the overflow uid, no capabilities)."""
+    cmd = [str(BIN / "ansible-playbook"), playbook, *args]
+    if user is not None:
+        # A new user namespace without a uid map: `id -u` is the overflow uid (65534) and every
+        # capability of the initial namespace is gone, while files owned by the caller stay
+        # readable, so the check runs from a checkout in a 0700 directory too.
+        cmd = ["unshare", "--user", "--", *cmd]
+    return subprocess.run(cmd, cwd=ROOT, env=env(env_extra), capture_output=True, text=True, timeout=timeout)
+
+
+def inside(host: str, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``cmd`` inside a simulated host (its mount, net, uts and pid namespaces)."""
+    pid = (LAB / f"{host}.pid").read_text().strip()
+    return subprocess.run(["nsenter", "--target", pid, "--mount", "--net", "--uts", "--pid", "--", *cmd],
+                          capture_output=True, text=True, check=check)

@@ -1,0 +1,164 @@
+"""`dsv41 status` and `ansible-playbook status.yml` on the deployed three-host lab, and README's
+"Try it" snippets run straight from README.md (so the docs cannot drift):
+
+- after deploy: healthy, the deploy's summary is status's (same lines), status.yml --check changes
+  nothing; the README's curl (streaming), openai client and /metrics snippets work as printed;
+- admission held: exit 1, "admission held since <UTC time> (N s)";
+- the table server stopped, with traffic: exit 1 naming the fallbacks growing on both ranks and the
+  stopped service.
+
+One deploy for the module (about 200 s; lab down afterwards). Takes over the lab on this machine
+like the molecule test; skipped unless root + iproute2.
+"""
+
+from __future__ import annotations
+
+import calendar
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from labutil import BIN, ROOT, env, inside, needs_lab, play
+
+pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab]
+
+API = "http://198.18.0.11:8000"
+
+
+@pytest.fixture(scope="module")
+def deployed():
+    """The lab, deployed by deploy.yml (its output is the value); lab down afterwards."""
+    try:
+        r = play("deploy.yml", timeout=1800)
+        assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+        yield r.stdout
+    finally:
+        play("playbooks/lab_down.yml")
+
+
+def _status(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "dsv41"), "status", *args], cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _readme_snippets() -> dict[str, tuple[str, str]]:
+    """``{name: (language, code)}`` of the blocks marked ``<!-- try-it: NAME -->`` in README.md."""
+    text = (ROOT / "README.md").read_text()
+    return {m.group(1): (m.group(2), m.group(3))
+            for m in re.finditer(r"<!-- try-it: (\S+) -->\n```(\w+)\n(.*?)```", text, re.S)}
+
+
+def test_healthy_after_deploy_and_the_deploy_summary_is_status(deployed):
+    r = _status("--json", "--window", "2")
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["healthy"] and rep["reasons"] == []
+    hosts = rep["hosts"]
+    assert all(h["reachable"] for h in hosts.values())
+    assert hosts["sparkhead"]["services"] == {"dsv41-serve": "RUNNING"}
+    assert hosts["x86host"]["services"] == {"dsv41-drafter": "RUNNING", "dsv41-engram-server": "RUNNING"}
+    tables = {json.dumps(h["manifest"]["tables"], sort_keys=True) for h in hosts.values()}
+    assert len(tables) == 1 and len(json.loads(tables.pop())) == 2  # layers 1 and 14, same everywhere
+    assert rep["drafter_worker"]["identities"]["target"] == hosts["sparkhead"]["drafter"]["target"] != ""
+    assert rep["api"]["admission"] == "open" and set(rep["engine"]["engram"]) == {"0", "1"}
+    assert all(c["lookups"] > 0 and c["fallbacks"] == 0 for c in rep["engine"]["engram"].values())
+    assert rep["engine"]["drafter"]["rounds"] > 0
+
+    # the deploy ended with the same summary (one implementation)
+    assert "status: HEALTHY" in deployed and f"API: {API} (model dsv41-lab; health ok)" in deployed
+    text = _status("--window", "0")
+    assert text.returncode == 0 and text.stdout.startswith("status: HEALTHY\n"), text.stdout
+    for line in text.stdout.splitlines():
+        if line.startswith(("sparkhead (", "sparkworker (", "x86host (")):
+            assert line in deployed, line
+
+    chk = play("status.yml", "--check", "-e", "status_window_s=1")
+    assert chk.returncode == 0, chk.stdout[-4000:]
+    assert "status: HEALTHY" in chk.stdout
+    assert re.findall(r"changed=(\d+)", chk.stdout.split("PLAY RECAP")[-1]) == ["0"] * 4, chk.stdout[-2000:]
+
+
+def test_readme_try_it_snippets_run_against_the_lab(deployed):
+    snippets = _readme_snippets()
+    assert set(snippets) == {"curl", "openai", "metrics"}
+    assert f"API: {API}" in deployed and API in (ROOT / "README.md").read_text()
+
+    lang, code = snippets["curl"]
+    r = subprocess.run(["bash", "-euo", "pipefail", "-c", code], capture_output=True, text=True, timeout=120)
+    assert lang == "bash" and r.returncode == 0, r.stderr
+    events = [ln[6:] for ln in r.stdout.splitlines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) > 2  # streamed: several chunks, then [DONE]
+    assert all(json.loads(e)["object"] == "text_completion" for e in events[:-1])
+
+    lang, code = snippets["openai"]
+    assert lang == "python" and len(code.strip().splitlines()) == 5
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env())
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr[-3000:]
+
+    lang, code = snippets["metrics"]
+    r = subprocess.run(["bash", "-euo", "pipefail", "-c", code], capture_output=True, text=True, timeout=60)
+    assert lang == "bash" and r.returncode == 0, r.stderr
+    assert re.search(r'^dsv41_engram_lookups_total\{rank="0"\} [1-9]', r.stdout, re.M), r.stdout
+    assert re.search(r'^dsv41_engram_fallbacks_total\{rank="1"\} ', r.stdout, re.M), r.stdout
+
+
+def test_admission_held_says_held_and_since_when(deployed):
+    import httpx
+
+    t0 = time.time()
+    assert httpx.post(f"{API}/pause", timeout=60).json()["paused"] is True
+    try:
+        time.sleep(1.5)
+        r = _status("--window", "0")
+        assert r.returncode == 1, r.stdout
+        m = re.search(r"^unhealthy: admission held since (\S+Z) \((\d+) s\)$", r.stdout, re.M)
+        assert m, r.stdout
+        since = calendar.timegm(time.strptime(m.group(1), "%Y-%m-%dT%H:%M:%SZ"))
+        assert t0 - 2 <= since <= t0 + 2 and int(m.group(2)) >= 1
+        rep = json.loads(_status("--window", "0", "--json").stdout)
+        assert rep["api"]["admission"] == "held" and abs(rep["api"]["since"] - t0) < 2
+        assert [x for x in rep["reasons"] if not x.startswith("admission held")] == []
+        # status.yml says the same and fails
+        pb = play("status.yml", "-e", "status_window_s=0")
+        assert pb.returncode != 0 and "unhealthy: admission held since" in pb.stdout
+    finally:
+        httpx.post(f"{API}/resume", timeout=30)
+    assert _status("--window", "0").returncode == 0
+
+
+def test_table_server_stopped_names_the_fallbacks_on_both_ranks(deployed):
+    import httpx
+
+    ctl = [str(BIN / "supervisorctl"), "-c", "/etc/dsv41/supervisord.conf"]
+    inside("x86host", *ctl, "stop", "dsv41-engram-server")
+    stop = threading.Event()
+    sent = []
+
+    def traffic():
+        i = 0
+        with httpx.Client(timeout=60, trust_env=False) as c:
+            while not stop.is_set():
+                c.post(f"{API}/v1/completions", json={"model": "dsv41-lab", "prompt": f"fault probe {i} ", "max_tokens": 4})
+                sent.append(i)
+                i += 1
+
+    t = threading.Thread(target=traffic, daemon=True)
+    t.start()
+    try:
+        time.sleep(2)
+        r = _status("--window", "5")
+    finally:
+        stop.set()
+        t.join(60)
+    assert sent, "no request completed while the table server was stopped"
+    assert r.returncode == 1, r.stdout
+    out = r.stdout
+    for rank in (0, 1):
+        assert re.search(rf"^unhealthy: rank {rank}: Engram fallbacks growing \(\+[1-9]\d* in 5 s, [1-9]\d* since start\)$",
+                         out, re.M), out
+    assert "unhealthy: x86host: dsv41-engram-server is STOPPED" in out
+    assert "unhealthy: Engram table server http://198.18.0.13:9441: unreachable" in out
