@@ -193,7 +193,8 @@ def test_pause_modes_match_vllm(server):
         t = started(res)
         r = httpx.post(server + "/pause?mode=keep", timeout=60)
         assert r.status_code == 200 and r.json()["mode"] == "keep" and r.json()["aborted"] == 0
-        assert httpx.get(server + "/is_paused").json() == {"is_paused": True}
+        held = httpx.get(server + "/is_paused").json()
+        assert held["is_paused"] is True and held["paused_since"] <= time.time()
         time.sleep(0.3)  # a step already under way may still emit
         frozen_at = bench.parse_metrics(httpx.get(server + "/metrics").text)["vllm:generation_tokens_total"]
         time.sleep(1.0)
