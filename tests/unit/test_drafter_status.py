@@ -91,7 +91,7 @@ def test_cli_text(worker_metrics, capsys):
 def test_http_error_status():
     s = _Server(503, "down")
     try:
-        with pytest.raises(Dsv41Error, match="answered HTTP 503"):
+        with pytest.raises(Dsv41Error, match="cannot read .*HTTP 503"):
             fetch_status(s.url)
     finally:
         s.close()

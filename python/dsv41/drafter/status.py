@@ -6,10 +6,8 @@ connections and the identities the worker serves, parsed with ``prometheus_clien
 
 from __future__ import annotations
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
 from dsv41.errors import Dsv41Error
+from dsv41.harness import http
 
 CONNECTIONS = "dsv41_drafter_connections"
 INFO = "dsv41_drafter_info"
@@ -25,15 +23,11 @@ def parse_status(text: str) -> dict:
     """
     connections = None
     identities = {k: "" for k in IDENTITY_LABELS}
-    try:
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == CONNECTIONS:
-                    connections = int(s.value)
-                elif s.name == INFO:
-                    identities.update({k: s.labels.get(k, "") for k in IDENTITY_LABELS})
-    except ValueError as exc:
-        raise Dsv41Error(f"drafter status: unreadable metrics text: {exc}") from None
+    for name, labels, value in http.metric_samples(text, what="drafter status: unreadable metrics text", error=Dsv41Error):
+        if name == CONNECTIONS:
+            connections = int(value)
+        elif name == INFO:
+            identities.update({k: labels.get(k, "") for k in IDENTITY_LABELS})
     if connections is None:
         raise Dsv41Error(f"drafter status: no {CONNECTIONS} in the metrics (is this a drafter worker?)")
     return {"connections": connections, "identities": identities}
@@ -42,12 +36,9 @@ def parse_status(text: str) -> dict:
 def fetch_status(metrics_url: str, timeout_s: float = 10.0) -> dict:
     """GET ``metrics_url`` (the worker's ``/metrics``) and parse it with :func:`parse_status`.
 
-    Raises :class:`Dsv41Error` with one line when the worker cannot be reached or answers non-200.
+    Raises :class:`Dsv41Error` with one line when the worker cannot be reached or answers non-2xx
+    (``harness.http.request``).
     """
-    try:
-        r = httpx.get(metrics_url, timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        raise Dsv41Error(f"drafter status: cannot read {metrics_url}: {exc}") from None
-    if r.status_code != 200:
-        raise Dsv41Error(f"drafter status: {metrics_url} answered HTTP {r.status_code}")
+    r = http.request("GET", metrics_url, what=f"drafter status: cannot read {metrics_url}", timeout_s=timeout_s,
+                     error=Dsv41Error)
     return parse_status(r.text)
