@@ -7,7 +7,7 @@
 - the table server stopped, with traffic: exit 1 naming the fallbacks growing on both ranks and the
   stopped service.
 
-One deploy for the module (about 200 s; lab down afterwards). Takes over the lab on this machine
+Uses the session's shared deployed lab (conftest.py: one deploy of about 200 s). Takes over the lab on this machine
 like the molecule test; skipped unless root + iproute2.
 """
 
@@ -29,15 +29,10 @@ pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab]
 API = "http://198.18.0.11:8000"
 
 
-@pytest.fixture(scope="module")
-def deployed():
-    """The lab, deployed by deploy.yml (its output is the value); lab down afterwards."""
-    try:
-        r = play("deploy.yml", timeout=1800)
-        assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
-        yield r.stdout
-    finally:
-        play("playbooks/lab_down.yml")
+@pytest.fixture
+def deployed(deployed_lab):
+    """The shared deployed lab (conftest.py); the value is its deploy.yml output."""
+    return deployed_lab
 
 
 def _status(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:

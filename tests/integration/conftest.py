@@ -1,0 +1,46 @@
+"""The deployed three-host lab, shared by every lab test module of one pytest session.
+
+A deploy costs about 200 s on the 2-core CI machine, so modules do not deploy their own lab:
+``deployed_lab`` deploys once and hands every later requester the same lab, after checking that
+it is still what deploy.yml left (``dsv41 status`` exit 0: all services up, admission open, zero
+fallbacks). A module that leaves the lab changed or down (test_lab_updown, molecule, a drill that
+failed to restore) costs the next requester a re-deploy, which is deploy.yml's own promise: it
+converges any state back to production. The lab comes down once, at the end of the session.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from labutil import BIN, LAB, ROOT, env, play
+
+_STATE: dict = {"deploy_out": None, "used": False}
+
+
+def lab_is_production() -> bool:
+    """True when the lab's three hosts are up and ``dsv41 status`` calls them healthy (exit 0)."""
+    if not all((LAB / f"{h}.pid").exists() for h in ("sparkhead", "sparkworker", "x86host")):
+        return False
+    r = subprocess.run([str(BIN / "dsv41"), "status", "--window", "2"], cwd=ROOT, env=env(),
+                       capture_output=True, text=True, timeout=300, check=False)
+    return r.returncode == 0
+
+
+@pytest.fixture
+def deployed_lab() -> str:
+    """A healthy deployed lab; the value is the stdout of the deploy.yml run that made it (the last
+    one, possibly from an earlier module). Deploys (again) when the lab is down or not healthy."""
+    _STATE["used"] = True
+    if _STATE["deploy_out"] is None or not lab_is_production():
+        r = play("deploy.yml", timeout=1800)
+        assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+        _STATE["deploy_out"] = r.stdout
+    return _STATE["deploy_out"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _lab_down_at_the_end():
+    yield
+    if _STATE["used"]:
+        play("playbooks/lab_down.yml")
