@@ -294,6 +294,13 @@ def test_frozen_server_costs_the_deadline_then_reconnects(tabs, scheme):
         assert worst < 2 * (0.15 + 0.5)  # two calls, each: deadline + local read + a loaded host's slack
     finally:
         os.kill(srv.proc.pid, signal.SIGCONT)
+    if scheme == "nixl" and not src.wait_connected(10):
+        # Known limit (docs/remote-engram.md, NIXL path): the client gave up on its READs while
+        # the server was frozen; when the server resumes, UCX may find the client's endpoint gone
+        # and abort the server process ("Endpoint timeout"). Anything else fails the test; the
+        # client must then come back to a restarted server (a supervisor's job in production).
+        assert srv.proc.wait(20) != 0 and "Endpoint timeout" in srv.output(), srv.output()[-2000:]
+        srv = Server(man, [url], tabs, metrics=False)
     assert src.wait_connected(30), src.last_error
     before = src.counters()
     for _ in range(10):

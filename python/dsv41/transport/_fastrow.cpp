@@ -657,6 +657,9 @@ PYBIND11_MODULE(_fastrow, m) {
       .def("run", &Connection::run)
       .def("reply", &Connection::reply);
   m.def("client_lookup", &client_lookup);
-  m.def("client_lookup_many", &client_lookup_many);
+  // end_ns defaults to 0 (no whole-call deadline), so callers of the 9-argument form keep working
+  m.def("client_lookup_many", &client_lookup_many, py::arg("fd"), py::arg("gen0"), py::arg("ident"), py::arg("rows"),
+        py::arg("out"), py::arg("chunk"), py::arg("window"), py::arg("timeout_ns"), py::arg("spin_ns"),
+        py::arg("end_ns") = 0);
   m.def("client_lookup_segs", &client_lookup_segs);
 }
