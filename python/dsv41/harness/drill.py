@@ -214,19 +214,19 @@ class LabHosts:
 
     def children(self, host: str, pid: int) -> list[tuple[int, list[str]]]:
         """``[(child pid, argv)]`` of ``pid`` inside ``host`` (``/proc/PID/task/*/children``)."""
-        script = ("import os,sys;p=sys.argv[1];o=[]\n"
+        script = ("import json,os,sys;p=sys.argv[1];o=set();r=[]\n"
                   "for t in os.listdir(f'/proc/{p}/task'):\n"
-                  " o+=open(f'/proc/{p}/task/{t}/children').read().split()\n"
-                  "for c in sorted(set(o),key=int):\n"
+                  " o.update(open(f'/proc/{p}/task/{t}/children').read().split())\n"
+                  "for c in sorted(o,key=int):\n"
                   " try:a=open(f'/proc/{c}/cmdline','rb').read().split(b'\\0')\n"
                   " except OSError:continue\n"
-                  " print(c,'\\x1f'.join(x.decode('utf-8','replace') for x in a if x))")
+                  " r.append([int(c),[x.decode('utf-8','replace') for x in a if x]])\n"
+                  "print(json.dumps(r))")
         r = self.run(host, ["python3", "-c", script, str(pid)])
-        out = []
-        for line in r.stdout.splitlines():
-            c, _, argv = line.partition(" ")
-            out.append((int(c), argv.split("\x1f") if argv else []))
-        return out
+        try:
+            return [(int(c), list(argv)) for c, argv in json.loads(r.stdout)]
+        except (ValueError, TypeError) as exc:
+            raise DrillError(f"drill: cannot read the children of pid {pid} on {host}: {exc}") from None
 
 
 def proxy_pid(children: Iterable[tuple[int, list[str]]], engine_pid: int) -> int | None:
