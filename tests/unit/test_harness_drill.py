@@ -50,8 +50,10 @@ def test_lab_only_urls_links_and_netem() -> None:
 def test_proxy_pid_is_the_engines_proxy_child() -> None:
     kids = [(40, ["/opt/dsv41/venv/bin/python", "-c", "x"]),
             (41, ["/opt/dsv41/venv/bin/dsv41", "proxy", "run", "--shm", "r", "--parent-pid", "99"]),
-            (42, ["/opt/dsv41/venv/bin/dsv41", "proxy", "run", "--shm", "r", "--parent-pid", "7"])]
+            (42, ["/opt/dsv41/venv/bin/dsv41", "proxy", "run", "--shm", "r", "--parent-pid", "7"]),
+            (43, ["/opt/dsv41/venv/bin/python", "-m", "dsv41.drafter.proxy_cli", "run", "--parent-pid", "9"])]
     assert drill.proxy_pid(kids, 7) == 42
+    assert drill.proxy_pid(kids, 9) == 43
     assert drill.proxy_pid(kids, 8) is None
     assert drill.proxy_pid([(5, ["proxy", "self-test", "--parent-pid", "7"])], 7) is None
 
@@ -109,6 +111,17 @@ def test_healthy_interval_needs_lookups_and_rounds() -> None:
     assert not drill.healthy_interval(a, busy, ["0"], drafter=True)
 
 
+def test_throughput_recovery_time() -> None:
+    s = _samples(fallback_until=0.0, t_end=30.0)
+    for x in s:  # 10 tok/s, except 1 tok/s from t=5 to t=16
+        x.gen_tokens = 10 * min(x.t, 5) + 1 * max(0.0, min(x.t, 16) - 5) + 10 * max(0.0, x.t - 16)
+    # Cleared at 10: the first interval from which 3 s average >= 5 tok/s starts at 14 (midpoint 14.5).
+    assert drill.throughput_recovery_time(s, 5.0, 10.0) == pytest.approx(4.5)
+    assert drill.throughput_recovery_time(s, 5.0, 10.0, frac=0.05) == pytest.approx(0.5)
+    assert drill.throughput_recovery_time(s, 0.0, 10.0) is None  # no baseline
+    assert drill.throughput_recovery_time(s[:14], 5.0, 10.0) is None  # never back within the samples
+
+
 def test_timeline_rates_and_counter_deltas() -> None:
     s = _samples(fallback_until=12.0, t_end=20.0, dt=2.0, gap=(6.0, 6.0))
     rates = drill.timeline(s)
@@ -154,7 +167,7 @@ def test_report_summary_and_timeline(tmp_path) -> None:
     assert drill.build_report("t2", [_result()], {}, "a", "b", "m")["ok"] is True
     assert drill.build_report("t3", [], {}, "a", "b", "m")["ok"] is False
     md = drill.summary_markdown(rep)
-    assert "| engram_server | 12 | 0 | r0 91, r1 0 | 0 | 1 | 3.0 | 10.0 / 10.0 | 6/6 identical | yes |" in md
+    assert "| engram_server | 12 | 0 | r0 91, r1 0 | 0 | 1 | 3.0 | 10.0 / 10.0 | 0.5 | 6/6 identical | yes |" in md
     assert "Verdict: FAIL" in md and "failed request p0: HTTP 500: boom" in md
     paths = drill.write_report(rep, tmp_path / "t1")
     assert json.loads(open(paths["report"]).read())["id"] == "t1"
@@ -172,7 +185,7 @@ class FakeLab:
 
         for h in ("x86host", "sparkhead", "sparkworker"):
             (tmp_path / f"{h}.pid").write_text(f"{os.getpid()}\n")
-        self.replies, self.calls = replies, []
+        self.replies, self.calls, self.replies_err = replies, [], ""
         self.hosts = drill.LabHosts(tmp_path, ["supervisorctl", "-c", "/etc/dsv41/supervisord.conf"], self)
 
     def __call__(self, cmd, **kw):
@@ -180,7 +193,7 @@ class FakeLab:
         self.calls.append(argv)
         for key, (rc, out) in self.replies.items():
             if argv[:len(key)] == key or argv[-len(key):] == key:
-                return subprocess.CompletedProcess(cmd, rc, out, "")
+                return subprocess.CompletedProcess(cmd, rc, out, self.replies_err if rc else "")
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
 
@@ -206,8 +219,18 @@ def test_link_and_netem_clear_only_what_is_set(tmp_path) -> None:
                              ("tc", "qdisc", "show", "dev", "ofl0", "root"): (0, "qdisc netem 8001: root limit 1000\n")})
     topo = drill.Topology(link_host="sparkworker")
     assert drill.LinkDown(lab.hosts, topo).clear()["action"] == "ip link set dev ofl0 up"
-    assert drill.Netem(lab.hosts, topo).clear()["action"] == "tc qdisc del dev ofl0 root"
+    assert drill.Netem(lab.hosts, topo).clear()["action"] == "tc qdisc del dev ofl0 root (netem)"
     assert drill.Netem(lab.hosts, topo).inject()["action"] == "tc qdisc replace dev ofl0 root netem delay 60ms 20ms loss 5%"
+    # A kernel without sch_netem: tbf instead, said in the record, and cleared the same way.
+    lab = FakeLab(tmp_path, {("netem", "delay", "60ms", "20ms", "loss", "5%"):
+                             (2, ""), ("tc", "qdisc", "show", "dev", "ofl0", "root"): (0, "qdisc tbf 8002: root refcnt 2\n")})
+    lab.replies_err = "Error: Specified qdisc kind is unknown."
+    rec = drill.Netem(lab.hosts, topo).inject()
+    assert rec["qdisc"] == "tbf" and rec["action"].startswith("tc qdisc replace dev ofl0 root tbf rate 4mbit")
+    assert drill.Netem(lab.hosts, topo).clear()["action"] == "tc qdisc del dev ofl0 root (tbf)"
+    lab.replies_err = "Error: Cannot find device"
+    with pytest.raises(DrillError, match="Cannot find device"):
+        drill.Netem(lab.hosts, topo).inject()
     lab = FakeLab(tmp_path, {("ip", "-o", "link", "show", "dev", "ofl0"): (0, up),
                              ("tc", "qdisc", "show", "dev", "ofl0", "root"): (0, "qdisc noqueue 0: root\n")})
     out = drill.clear_all(lab.hosts, topo, ["offload_link", "netem"])

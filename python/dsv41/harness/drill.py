@@ -24,13 +24,15 @@ interface, never by process name):
 ``engram_server``  ``supervisorctl stop dsv41-engram-server`` on x86host; cleared by ``start``
 ``drafter_worker`` ``supervisorctl stop dsv41-drafter`` on x86host; cleared by ``start``
 ``async_proxy``    SIGKILL of the async drafting proxy on sparkhead: the child of the
-                   ``dsv41-serve`` program's pid whose argv is ``... proxy run ... --parent-pid
-                   <that pid>``; nothing to clear (the engine's watchdog respawns it within its
+                   ``dsv41-serve`` program's pid whose argv is ``python -m
+                   dsv41.drafter.proxy_cli run ... --parent-pid <that pid>``; nothing to clear (the engine's watchdog respawns it within its
                    budget), the respawn is checked (a new proxy pid)
 ``offload_link``   ``ip link set dev ofl0 down`` inside sparkhead; cleared by ``up``
 ``netem``          ``tc qdisc replace dev ofl0 root netem <spec>`` inside sparkhead (default
                    ``delay 60ms 20ms loss 5%``: RTT above the 100 ms lookup and round
-                   deadlines part of the time); cleared by ``tc qdisc del dev ofl0 root``
+                   deadlines part of the time; a kernel without sch_netem gets a ``tbf``
+                   rate limit whose queue delays and drops instead, see :class:`Netem`);
+                   cleared by ``tc qdisc del dev ofl0 root``
 =================  =======================================================================
 
 The report (``drills/<id>/``): ``report.json`` (:func:`build_report`), ``summary.md``
@@ -68,6 +70,8 @@ FAULTS: dict[str, str] = {
     "netem": "delay and loss on the offload link (tc netem inside the Spark's namespace)",
 }
 DEFAULT_NETEM = "delay 60ms 20ms loss 5%"
+# Where sch_netem is missing: 4 Mbit/s with at most 150 ms of queue (longer waits are dropped).
+FALLBACK_TBF = "rate 4mbit burst 32kb latency 150ms"
 _IFACE = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
 _HOST = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # tc netem words the drill passes on (anything else is refused before the lab is touched).
@@ -230,11 +234,13 @@ class LabHosts:
 
 
 def proxy_pid(children: Iterable[tuple[int, list[str]]], engine_pid: int) -> int | None:
-    """The async proxy among the engine's ``children``: argv with ``proxy`` followed by ``run``
-    and ``--parent-pid <engine_pid>`` (how ``AsyncSpeculator._spawn`` starts it); None if absent."""
+    """The async proxy among the engine's ``children``: how ``AsyncSpeculator._spawn`` starts it,
+    ``python -m dsv41.drafter.proxy_cli run ... --parent-pid <engine_pid>`` (or ``dsv41 proxy
+    run ...`` with a custom ``proxy_cmd``); None if absent."""
     for pid, argv in children:
         pairs = list(zip(argv, argv[1:]))
-        if ("proxy", "run") in pairs and ("--parent-pid", str(engine_pid)) in pairs:
+        if ("--parent-pid", str(engine_pid)) in pairs and (
+                ("-m", "dsv41.drafter.proxy_cli") in pairs or ("proxy", "run") in pairs) and "run" in argv:
             return pid
     return None
 
@@ -343,6 +349,12 @@ class LinkDown(Fault):
 
 
 class Netem(Fault):
+    """Delay and loss on the link: ``tc netem``. A kernel built without sch_netem (tc answers
+    "Specified qdisc kind is unknown"; this machine's lab kernel is one) gets the closest thing
+    tc still has, a token-bucket filter (:data:`FALLBACK_TBF`): packets queue behind the rate
+    (delay) and those that would wait longer than its ``latency`` are dropped (loss). The record
+    says which qdisc was used."""
+
     name = "netem"
 
     def __init__(self, hosts, topo):
@@ -350,15 +362,24 @@ class Netem(Fault):
         self.host, self.iface, self.words = topo.link_host, topo.link_iface, parse_netem(topo.netem)
 
     def inject(self) -> dict:
-        self.hosts.run(self.host, ["tc", "qdisc", "replace", "dev", self.iface, "root", "netem", *self.words])
-        return {"host": self.host, "action": f"tc qdisc replace dev {self.iface} root netem {' '.join(self.words)}"}
+        base = ["tc", "qdisc", "replace", "dev", self.iface, "root"]
+        r = self.hosts.run(self.host, [*base, "netem", *self.words], check=False)
+        if r.returncode == 0:
+            return {"host": self.host, "qdisc": "netem",
+                    "action": f"tc qdisc replace dev {self.iface} root netem {' '.join(self.words)}"}
+        if "unknown" not in (r.stderr or "").lower():
+            self.hosts.run(self.host, [*base, "netem", *self.words])  # the same failure, as one line
+        self.hosts.run(self.host, [*base, "tbf", *FALLBACK_TBF.split()])
+        return {"host": self.host, "qdisc": "tbf",
+                "action": f"tc qdisc replace dev {self.iface} root tbf {FALLBACK_TBF} (the kernel has no sch_netem)"}
 
     def clear(self) -> dict:
         r = self.hosts.run(self.host, ["tc", "qdisc", "show", "dev", self.iface, "root"])
-        if "netem" not in r.stdout:
+        kinds = r.stdout.split()[1:2]
+        if kinds not in (["netem"], ["tbf"]):
             return {"host": self.host, "action": "none", "iface": self.iface}
         self.hosts.run(self.host, ["tc", "qdisc", "del", "dev", self.iface, "root"])
-        return {"host": self.host, "action": f"tc qdisc del dev {self.iface} root"}
+        return {"host": self.host, "action": f"tc qdisc del dev {self.iface} root ({kinds[0]})"}
 
 
 FAULT_CLASSES: dict[str, type[Fault]] = {c.name: c for c in (EngramServerStop, DrafterWorkerStop, AsyncProxyKill,
@@ -566,6 +587,28 @@ def recovery_time(samples: Sequence[Sample], t_clear: float, ranks: Sequence[str
     return None
 
 
+def throughput_recovery_time(samples: Sequence[Sample], t_inject: float, t_clear: float, frac: float = 0.5,
+                             window_s: float = 3.0) -> float | None:
+    """Seconds from ``t_clear`` until generation is back to at least ``frac`` of its pre-fault mean:
+    the first interval (of :func:`timeline`, midpoint at or after ``t_clear``) from which the mean
+    tok/s of the intervals within ``window_s`` seconds reaches ``frac`` x the mean before
+    ``t_inject``. None without a baseline, or when it never gets there within the samples (or
+    too few samples remain for a full window)."""
+    rates = [r for r in timeline(samples) if r["tok_s"] is not None]
+    before = [r["tok_s"] for r in rates if r["t"] < t_inject]
+    if not before:
+        return None
+    want = frac * sum(before) / len(before)
+    after = [r for r in rates if r["t"] >= t_clear]
+    for i, r in enumerate(after):
+        win = [x["tok_s"] for x in after[i:] if x["t"] <= r["t"] + window_s]
+        if after[-1]["t"] < r["t"] + window_s - 1e-9:
+            return None
+        if sum(win) / len(win) >= want:
+            return max(0.0, r["t"] - t_clear)
+    return None
+
+
 def counter_deltas(samples: Sequence[Sample], t0: float | None = None, t1: float | None = None) -> dict:
     """Counter deltas between the first and the last readable sample within ``[t0, t1]``:
     ``{"engram": {rank: {"lookups", "fallbacks", "remote_rows"}}, "drafter": {...}, "gen_tokens",
@@ -614,6 +657,7 @@ def fault_result(name: str, samples: Sequence[Sample], requests: Sequence[dict],
             "fail_closed_rounds": int(deltas["drafter"].get("fail_closed_rounds", 0)),
             "proxy_respawns": int(deltas["drafter"].get("proxy_respawns", 0)),
             "recovered": recovery is not None, "recovery_s": recovery,
+            "tok_s_recovery_s": throughput_recovery_time(samples, t_inject, t_clear),
             "tok_s_before": mean_tok(float("-inf"), t_inject), "tok_s_during": mean_tok(t_inject, t_clear),
             "refs": refs, "refs_ok": refs_ok,
             "ok": not failed and recovery is not None and refs_ok and len(requests) > 0,
@@ -646,16 +690,18 @@ def summary_markdown(report: dict) -> str:
              f"{p.get('max_tokens')} tokens each); per fault {p.get('baseline_s')} s baseline, "
              f"{p.get('duration_s')} s fault, recovery awaited up to {p.get('recover_timeout_s')} s "
              f"(healthy = {p.get('stable_s')} s of remote lookups on every rank with no fallback and "
-             f"remote drafting rounds with no fail-closed round).", "",
+             f"remote drafting rounds with no fail-closed round; the tok/s column: seconds after clearing "
+             f"until 3 s of generation average at least half the pre-fault tok/s).", "",
              "| fault | requests | failed | fallbacks (per rank) | fail-closed rounds | proxy respawns "
-             "| recovery s | tok/s before / during | refs | ok |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| recovery s | tok/s before / during | tok/s at half of before after s | refs | ok |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for f in report["faults"]:
         fb = ", ".join(f"r{r} {n}" for r, n in sorted(f["fallbacks"].items())) or "-"
         refs = (f["refs"] or {}).get("summary") or ("error: " + str((f["refs"] or {}).get("error")))
         rec = _fmt(f["recovery_s"]) if f["recovered"] else "not recovered"
         lines.append(f"| {f['fault']} | {f['requests']} | {f['failed']} | {fb} | {f['fail_closed_rounds']} | "
                      f"{f['proxy_respawns']} | {rec} | {_fmt(f['tok_s_before'])} / {_fmt(f['tok_s_during'])} | "
+                     f"{_fmt(f.get('tok_s_recovery_s'))} | "
                      f"{refs} | {'yes' if f['ok'] else 'NO'} |")
     lines += ["", "What was done: " + "; ".join(f"{f['fault']}: {f['inject'].get('action')} on {f['inject'].get('host')}, "
                                               f"cleared by {f['clear'].get('action')}" for f in report["faults"]) + ".",
@@ -676,6 +722,13 @@ def plot_timeline(report: dict, path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     faults = report["faults"]
+    if not faults:
+        fig = plt.figure(figsize=(6, 1.5))
+        fig.text(0.5, 0.5, f"drill {report['id']}: no fault ran ({report.get('error') or 'nothing requested'})",
+                 ha="center", va="center", fontsize=8)
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        return
     fig, axes = plt.subplots(len(faults), 1, figsize=(10, 2.6 * max(1, len(faults))), squeeze=False)
     for ax, f in zip(axes[:, 0], faults):
         rates = timeline([Sample(**s) for s in f["samples"]])
