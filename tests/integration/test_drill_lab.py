@@ -44,3 +44,13 @@ def test_short_drill_zero_failed_requests_and_recovery(deployed_lab) -> None:
         assert "Verify | readiness of both ranks" in r.stdout and "failed=1" not in r.stdout
     finally:
         shutil.rmtree(out, ignore_errors=True)
+
+
+def test_unknown_fault_is_one_error_before_anything_changes() -> None:
+    """No lab needed: the first play refuses the name, so no status read and no fault injected."""
+    before = sorted((ROOT / "drills").glob("*")) if (ROOT / "drills").exists() else []
+    r = play("playbooks/drill.yml", "-e", "drill_faults=engram_server,tablez", timeout=120)
+    assert r.returncode != 0
+    assert "drill: unknown fault 'tablez' (known: engram_server, drafter_worker, async_proxy," in r.stdout
+    assert "PLAY [Status |" not in r.stdout and "Inject and clear" not in r.stdout
+    assert (sorted((ROOT / "drills").glob("*")) if (ROOT / "drills").exists() else []) == before
