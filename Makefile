@@ -8,7 +8,7 @@ PIP := $(BIN)/python -m pip
 CONSTRAINTS := constraints.txt
 NIXL_PIN := nixl-cu12==1.5.1
 
-.PHONY: venv test unit lint sanity deploy lab-down bench fuzz clean
+.PHONY: venv test unit lint sanity deploy lab-down bench fuzz drill clean
 
 venv: $(VENV)/.stamp
 
@@ -45,6 +45,12 @@ bench: venv
 # The long fuzz campaign (issue 10): FUZZ_FRAMES malformed frames per protocol (default 100000).
 fuzz: venv
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -s -p no:cacheprovider tests/fuzz
+
+# The full fault drill (issue 12, docs/drills.md): deploy (idempotent), then every fault under load;
+# report under drills/<id>/. DRILL_ARGS adds playbook options, e.g. DRILL_ARGS='-e drill_duration_s=30'.
+drill: venv
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/ansible-playbook deploy.yml
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/ansible-playbook playbooks/drill.yml $(DRILL_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info python/*.egg-info

@@ -35,6 +35,7 @@ GROUPS = [
     ("refs", "dsv41.harness.refs_cli", "Greedy reference prompts: record and verify."),
     ("bench", "dsv41.harness.bench_cli", "Benchmark client: TTFT, step_ms, tok/s, acceptance."),
     ("window", "dsv41.harness.window_cli", "Fenced-window cells, the WIN2 R3 decision, calibration, candidates."),
+    ("drill", "dsv41.harness.drill_cli", "Fault drills under load on the lab: run, clear, check."),
     ("metrics", "dsv41.harness.metrics_cli", "Read a Prometheus /metrics endpoint as JSON."),
     ("status", "dsv41.entrypoints.status_cli", "Is production healthy, and what is it running? (exit 1 with reasons)"),
 ]
