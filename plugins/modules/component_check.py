@@ -62,7 +62,6 @@ options:
     description: Tokens per burst completion.
     type: int
     default: 16
-    no_log: false
   timeout:
     description: Seconds per completion.
     type: float
@@ -73,6 +72,7 @@ attributes:
     description: The name is validated; no traffic is sent (the rollback itself changed nothing).
   diff_mode:
     support: none
+    description: Nothing on a host is changed by this module, so there is no diff.
 requirements:
   - the dsv41 Python package and httpx on the host that runs the module
 author:
