@@ -82,7 +82,7 @@ def test_rollback_component_then_deploy_restores(deployed_lab, component, tmp_pa
     checks = {c["name"]: c for c in rep["checks"]}
     assert rep["ok"] and all(c["ok"] for c in checks.values()), checks
     assert checks["greedy references"]["detail"] == "6/6 identical"
-    assert rep["failed"] == 0 and checks["failed requests"]["detail"].startswith("0 failed of ")
+    assert rep["failed_requests"] == 0 and checks["failed requests"]["detail"].startswith("0 failed of ")
     after = _env(path)
     assert PRODUCTION_LINE[component] not in after and ROLLED_BACK_LINE[component] in after
     assert not _admission()

@@ -219,6 +219,7 @@ def test_run_remote_engram_passes_on_a_still_table_server(lab):
     # FakeServing counts one lookup per completion on each rank: 6 refs + 4 burst
     assert res.after.engram["0"]["lookups"] - res.before.engram["0"]["lookups"] == 10
     d = res.to_dict()
+    assert d["sent_requests"] == 10 and d["failed_requests"] == 0 and "failed" not in d
     assert d["ok"] and [c["name"] for c in d["checks"]] == [
         "configuration", "greedy references", "failed requests", "remote lookups still", "local reader serves"]
 

@@ -255,10 +255,10 @@ class Result:
         return "; ".join(f"{c.name}: {c.detail}" for c in self.failed_checks())
 
     def to_dict(self) -> dict:
-        """JSON-ready form (the module's result)."""
+        """JSON-ready form (the module's result; ``failed_requests``, since Ansible owns ``failed``)."""
         return {"component": self.component, "ok": self.ok, "checks": [asdict(c) for c in self.checks],
-                "before": asdict(self.before), "after": asdict(self.after), "sent": self.sent,
-                "failed": self.failed, "errors": self.errors, "seconds": round(self.seconds, 3)}
+                "before": asdict(self.before), "after": asdict(self.after), "sent_requests": self.sent,
+                "failed_requests": self.failed, "errors": self.errors, "seconds": round(self.seconds, 3)}
 
 
 def run(name: str, endpoint: str, refs_path: str, *, engine_metrics_url: str, worker_metrics_url: str,

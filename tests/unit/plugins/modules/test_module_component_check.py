@@ -58,7 +58,7 @@ def test_check_mode_sends_no_traffic(serving, run_module):
 def test_check_passes_and_reports_counters(serving, run_module):
     kind, res = run_module(component_check, _args(serving))
     assert kind == "exit" and res["ok"] and not res["changed"], res.get("msg")
-    assert res["sent"] == 8 and res["failed"] == 0
+    assert res["sent_requests"] == 8 and res["failed_requests"] == 0
     assert {c["name"]: c["ok"] for c in res["checks"]}["local reader serves"]
 
 
