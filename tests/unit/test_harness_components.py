@@ -45,8 +45,7 @@ def test_env_problems_remote_drafter():
     cap = PROD_DRAFTER + "DSV41_DRAFTER_CAPACITY_MODE=1\nDSV41_DRAFTER_LOCAL_MEMORY_TOKENS=4096\n"
     got = C.env_problems("remote_drafter", {"sparkhead": cap, "sparkworker": ""}, drafting_hosts=["sparkhead"])
     assert got == ["sparkhead: DSV41_DRAFTER_REMOTE=tcp://198.18.1.1:7451 (remote drafter still configured)",
-                   "sparkhead: DSV41_DRAFTER_CAPACITY_MODE=1 (remote drafter still configured)",
-                   "sparkhead: DSV41_DRAFTER_LOCAL_MEMORY_TOKENS=4096 (remote drafter still configured)",
+                   "sparkhead: capacity mode 1 with 4096 extra KV tokens (remote drafter still configured)",
                    "sparkhead: no DSV41_DRAFTER_LOCAL (this rank drafts; it must draft locally)"]
     local = {"sparkhead": "DSV41_DRAFTER_LOCAL=/opt/dsv41/drafter\nDSV41_DRAFTER_K=5\n", "sparkworker": ""}
     assert C.env_problems("remote_drafter", local, drafting_hosts=["sparkhead"]) == []
@@ -59,6 +58,15 @@ def test_env_problems_remote_engram_names_every_overlay_variable():
     assert [g.split("=")[0] for g in got] == ["sparkworker: DSV41_ENGRAM_REMOTE", "sparkworker: DSV41_ENGRAM_REMOTE_REQUIRED",
                                               "sparkworker: DSV41_ENGRAM_REMOTE_TIMEOUT_MS", "sparkworker: DSV41_RUNTIME_ROOT"]
     assert C.env_problems("remote_engram", {"sparkhead": ENGRAM_OFF + PROD_DRAFTER, "sparkworker": ENGRAM_OFF}) == []
+
+
+def test_env_problems_reads_values_the_way_the_engine_does():
+    # a file the engine would refuse is a problem, named by the engine's own message
+    bad = {"sparkhead": "DSV41_DRAFTER_REMOTE=tcp://h:1\nDSV41_DRAFTER_LOCAL=/opt/dsv41/drafter\n"}
+    got = C.env_problems("remote_drafter", bad, drafting_hosts=["sparkhead"])
+    assert len(got) == 1 and got[0].startswith("sparkhead: the engine would refuse its env files: DSV41_DRAFTER_REMOTE")
+    assert C.env_problems("async_handoff", {"h": "DSV41_DRAFTER_ASYNC=true\n"}) == [
+        "h: the engine would refuse its env files: DSV41_DRAFTER_ASYNC must be 0 or 1, got 'true'"]
 
 
 def test_env_problems_refuses_unknown_component():

@@ -30,6 +30,7 @@ import concurrent.futures as cf
 import time
 from dataclasses import asdict, dataclass, field
 
+from dsv41 import envs as dsv41_envs
 from dsv41.errors import Dsv41Error
 from dsv41.harness import http, refs
 
@@ -70,29 +71,42 @@ def parse_env(text: str) -> dict[str, str]:
     return out
 
 
+#: Prefixes of the Engram overlay's variables (DSV41_ENGRAM_REMOTE*, DSV41_RUNTIME_ROOT): after a
+#: remote_engram rollback none of them may be present at all, whatever its value.
+ENGRAM_OVERLAY_PREFIXES = ("DSV41_ENGRAM_REMOTE", "DSV41_RUNTIME_ROOT")
+
+
 def env_problems(name: str, envs: dict[str, str], drafting_hosts: list[str] | tuple[str, ...] = ()) -> list[str]:
     """What in the hosts' environment files still carries component ``name``.
 
     ``envs``: ``{host: text}`` with the host's drafter and Engram overlay env files concatenated;
     ``drafting_hosts``: hosts whose engine drafts (remote_drafter: they must draft locally).
-    Returns one line per problem (empty: the component is gone from every host's files).
+    Values are read the way the engine reads them (:func:`dsv41.envs.parse`; a file the engine
+    would refuse is a problem too). Returns one line per problem (empty: the component is gone
+    from every host's files).
     """
     component(name)
     out = []
     for host, text in sorted(envs.items()):
-        env = parse_env(text)
-        if name == "async_handoff" and env.get("DSV41_DRAFTER_ASYNC", "") not in ("", "0"):
-            out.append(f"{host}: DSV41_DRAFTER_ASYNC={env['DSV41_DRAFTER_ASYNC']} (async handoff still configured)")
+        raw = parse_env(text)
+        try:
+            s = dsv41_envs.parse(raw)
+        except dsv41_envs.ConfigError as exc:
+            out.append(f"{host}: the engine would refuse its env files: {exc}")
+            continue
+        if name == "async_handoff" and s.drafter_async:
+            out.append(f"{host}: DSV41_DRAFTER_ASYNC=1 (async handoff still configured)")
         elif name == "remote_drafter":
-            for key in ("DSV41_DRAFTER_REMOTE", "DSV41_DRAFTER_CAPACITY_MODE", "DSV41_DRAFTER_LOCAL_MEMORY_TOKENS"):
-                if env.get(key, "") not in ("", "0"):
-                    out.append(f"{host}: {key}={env[key]} (remote drafter still configured)")
-            if host in drafting_hosts and not env.get("DSV41_DRAFTER_LOCAL"):
+            if s.drafter_remote:
+                out.append(f"{host}: DSV41_DRAFTER_REMOTE={s.drafter_remote} (remote drafter still configured)")
+            if s.drafter_capacity_mode or s.drafter_local_memory_tokens:
+                out.append(f"{host}: capacity mode {int(s.drafter_capacity_mode)} with {s.drafter_local_memory_tokens} "
+                           f"extra KV tokens (remote drafter still configured)")
+            if host in drafting_hosts and not s.drafter_local:
                 out.append(f"{host}: no DSV41_DRAFTER_LOCAL (this rank drafts; it must draft locally)")
         elif name == "remote_engram":
-            for key in sorted(env):
-                if key.startswith("DSV41_ENGRAM_REMOTE") or key == "DSV41_RUNTIME_ROOT":
-                    out.append(f"{host}: {key}={env[key]} (remote Engram overlay env still present)")
+            for key in sorted(k for k in raw if k.startswith(ENGRAM_OVERLAY_PREFIXES)):
+                out.append(f"{host}: {key}={raw[key]} (remote Engram overlay env still present)")
     return out
 
 
