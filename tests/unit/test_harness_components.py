@@ -29,8 +29,9 @@ def test_unknown_component_is_one_line_naming_the_known_ones():
     assert [C.component(n) for n in sorted(C.COMPONENTS)] == ["async_handoff", "remote_drafter", "remote_engram"]
 
 
-def test_parse_env_skips_comments_and_blank_lines():
-    assert C.parse_env("# x=1\n\nA=1\n B = two \nnoequals\nC=\n") == {"A": "1", "B": "two", "C": ""}
+def test_env_problems_names_a_malformed_env_file():
+    got = C.env_problems("remote_engram", {"sparkhead": "# x=1\n\nnoequals\n"})
+    assert got == ["sparkhead: the engine would refuse its env files: env file sparkhead:3: not KEY=VALUE: 'noequals'"]
 
 
 def test_env_problems_async_handoff():

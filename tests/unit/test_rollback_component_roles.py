@@ -20,6 +20,7 @@ import yaml
 
 from dsv41 import envs
 from dsv41.harness import components as C
+from dsv41.envs import parse_env_text
 from dsv41.overlay import settings as S
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,9 +83,13 @@ def rendered(tmp_path_factory) -> dict:
             for v in VARIANTS}
 
 
+def parse_env(text: str) -> dict[str, str]:
+    return parse_env_text(text, "rendered")
+
+
 def host_env(files: dict) -> dict[str, str]:
     """What the serving process of one host sees: both env files (the service reads both)."""
-    return {**C.parse_env(files["drafter"]), **C.parse_env(files["engram"])}
+    return {**parse_env(files["drafter"]), **parse_env(files["engram"])}
 
 
 def test_the_playbook_switches_each_component_with_role_variables():
@@ -145,7 +150,7 @@ def test_remote_drafter_rollback_drafts_locally_with_the_baseline_kv_budget(rend
 
 def test_remote_engram_rollback_leaves_no_overlay_variable(rendered):
     for h in HOSTS:
-        env = C.parse_env(rendered["remote_engram"][h]["engram"])
+        env = parse_env(rendered["remote_engram"][h]["engram"])
         assert env == {}
         assert envs.parse(host_env(rendered["remote_engram"][h])).engram_remote == ""
 
@@ -162,7 +167,7 @@ def _register(env: dict) -> list[str]:
 def test_the_overlay_is_inert_once_its_variables_are_unset(rendered):
     # remote Engram and remote drafter both rolled back: nothing of the overlay remains set
     for h in HOSTS:
-        env = {**C.parse_env(rendered["remote_drafter"][h]["drafter"]), **C.parse_env(rendered["remote_engram"][h]["engram"])}
+        env = {**parse_env(rendered["remote_drafter"][h]["drafter"]), **parse_env(rendered["remote_engram"][h]["engram"])}
         assert not S.parse(env).active
         assert _register(env) == ["inert", "False", "False"]
     # one of the two rolled back: the overlay keeps only the other one

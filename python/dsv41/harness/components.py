@@ -58,19 +58,6 @@ def component(name: str) -> str:
     return name
 
 
-def parse_env(text: str) -> dict[str, str]:
-    """``KEY=VALUE`` lines of an environment file (the roles' templates) -> dict; blank lines
-    and ``#`` comments skipped, values kept verbatim (no quoting is used by the templates)."""
-    out: dict[str, str] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#") or "=" not in line:
-            continue
-        k, _, v = line.partition("=")
-        out[k.strip()] = v.strip()
-    return out
-
-
 #: Prefixes of the Engram overlay's variables (DSV41_ENGRAM_REMOTE*, DSV41_RUNTIME_ROOT): after a
 #: remote_engram rollback none of them may be present at all, whatever its value.
 ENGRAM_OVERLAY_PREFIXES = ("DSV41_ENGRAM_REMOTE", "DSV41_RUNTIME_ROOT")
@@ -88,10 +75,10 @@ def env_problems(name: str, envs: dict[str, str], drafting_hosts: list[str] | tu
     component(name)
     out = []
     for host, text in sorted(envs.items()):
-        raw = parse_env(text)
         try:
+            raw = dsv41_envs.parse_env_text(text, host)
             s = dsv41_envs.parse(raw)
-        except dsv41_envs.ConfigError as exc:
+        except Dsv41Error as exc:  # envs.ConfigError included
             out.append(f"{host}: the engine would refuse its env files: {exc}")
             continue
         if name == "async_handoff" and s.drafter_async:
