@@ -8,7 +8,7 @@ PIP := $(BIN)/python -m pip
 CONSTRAINTS := constraints.txt
 NIXL_PIN := nixl-cu12==1.5.1
 
-.PHONY: venv test unit lint sanity deploy lab-down bench fuzz drill clean
+.PHONY: venv test unit lint sanity deploy lab-down bench fuzz drill clean rollback-components
 
 venv: $(VENV)/.stamp
 
@@ -51,6 +51,12 @@ fuzz: venv
 drill: venv
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/ansible-playbook deploy.yml
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/ansible-playbook playbooks/drill.yml $(DRILL_ARGS)
+
+# Per-component rollback of all three components on the lab, each followed by deploy.yml
+# (docs/promotion.md, "Per-component rollback"; make test runs remote_engram only). Lab: hold the
+# lab lock around it when several checkouts share the machine.
+rollback-components: venv
+	DSV41_ROLLBACK_COMPONENTS=all PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -s -p no:cacheprovider tests/integration/test_rollback_component.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info python/*.egg-info

@@ -224,6 +224,32 @@ class Settings:
     greedy_prompts_file: str = ""
 
 
+_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def parse_env_text(text: str, source: str) -> dict[str, str]:
+    """``KEY=VALUE`` pairs of an environment file's ``text`` in file order (blank lines and ``#``
+    comments skipped, one pair of matching quotes around a value removed). ``source`` names the
+    file in errors. Raises :class:`dsv41.errors.Dsv41Error` naming ``source`` and the line of the
+    first malformed line or repeated key."""
+    out: dict[str, str] = {}
+    for no, line in enumerate(text.splitlines(), 1):
+        s = line.strip()
+        if not s or s.startswith("#"):
+            continue
+        key, sep, value = s.partition("=")
+        key = key.strip()
+        if not sep or not _ENV_KEY.fullmatch(key):
+            raise errors.Dsv41Error(f"env file {source}:{no}: not KEY=VALUE: {line[:80]!r}")
+        if key in out:
+            raise errors.Dsv41Error(f"env file {source}:{no}: {key} is set twice")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        out[key] = value
+    return out
+
+
 def parse(env: Mapping[str, str] | None = None) -> Settings:
     """Read every variable of :data:`ENV_VARS` from ``env`` (default ``os.environ``).
 

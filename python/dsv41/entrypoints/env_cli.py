@@ -12,7 +12,6 @@ URL per rank. Names outside ``DSV41_*`` (``UCX_TLS``, ``OMP_NUM_THREADS``...) pa
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Optional
@@ -24,7 +23,6 @@ from dsv41.errors import Dsv41Error
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
-_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MAX_BYTES = 1 << 20  # an env file is a few hundred bytes; refuse to slurp a wrong path
 
 
@@ -41,22 +39,7 @@ def read_env_file(path: Path) -> dict[str, str]:
         raise Dsv41Error(f"env file {path} is a directory") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise Dsv41Error(f"env file {path}: cannot read it: {exc}") from None
-    out: dict[str, str] = {}
-    for no, line in enumerate(text.splitlines(), 1):
-        s = line.strip()
-        if not s or s.startswith("#"):
-            continue
-        key, sep, value = s.partition("=")
-        key = key.strip()
-        if not sep or not _KEY.fullmatch(key):
-            raise Dsv41Error(f"env file {path}:{no}: not KEY=VALUE: {line[:80]!r}")
-        if key in out:
-            raise Dsv41Error(f"env file {path}:{no}: {key} is set twice")
-        value = value.strip()
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-            value = value[1:-1]
-        out[key] = value
-    return out
+    return envs.parse_env_text(text, str(path))
 
 
 def check_env(values: dict[str, str], tp: int | None = None) -> envs.Settings:

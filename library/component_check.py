@@ -1,0 +1,1 @@
+../plugins/modules/component_check.py
