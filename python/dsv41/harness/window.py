@@ -102,7 +102,10 @@ def run_cells(plan: list[dict], endpoints: dict[str, str], model: str, sampler: 
 
     done: list[dict] = []
     arm_now = None
-    with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False) as client, \
+    from dsv41.harness import http
+
+    with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False,
+                      headers=http.window_headers()) as client, \
             open(out_path, "a", encoding="utf-8") as fh:
         for c in plan:
             if c["arm"] != arm_now:
@@ -124,6 +127,39 @@ def run_cells(plan: list[dict], endpoints: dict[str, str], model: str, sampler: 
             if not res.ok and stop_on_failure:
                 break
     return done
+
+
+class FaultTrigger:
+    """A fault drill inside a window: once ``after_cells`` cells have finished, run the shell
+    command ``cmd`` in a background thread ``delay_s`` seconds later, so that it lands while the
+    next cell's request is in flight (window.yml's ``window_fault=mid_cell``: SIGKILL rank 0's
+    engine). Fires at most once; ``join`` waits for the command; ``rc`` is its exit status."""
+
+    def __init__(self, after_cells: int, cmd: str, delay_s: float = 0.2) -> None:
+        self.after_cells, self.cmd, self.delay_s = after_cells, cmd, delay_s
+        self.done = 0
+        self.rc: int | None = None
+        self._thread = None
+
+    def _fire(self) -> None:
+        import time
+
+        time.sleep(self.delay_s)
+        self.rc = subprocess.run(self.cmd, shell=True, check=False, stdout=subprocess.DEVNULL).returncode
+
+    def cell_done(self) -> None:
+        """Count one finished cell; start the command after the ``after_cells``-th."""
+        import threading
+
+        self.done += 1
+        if self.done == self.after_cells and self._thread is None:
+            self._thread = threading.Thread(target=self._fire, name="window-fault", daemon=True)
+            self._thread.start()
+
+    def join(self, timeout_s: float = 300.0) -> None:
+        """Wait for a started command to finish (at most ``timeout_s`` seconds)."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
 
 
 def gate_records(cells: list[dict], greedy: dict[str, tuple[list[int], list[int]]]) -> list[dict]:
