@@ -8,7 +8,7 @@ PIP := $(BIN)/python -m pip
 CONSTRAINTS := constraints.txt
 NIXL_PIN := nixl-cu12==1.5.1
 
-.PHONY: venv test unit lint sanity deploy lab-down bench fuzz clean
+.PHONY: venv test unit lint sanity deploy lab-down bench fuzz window-drills clean
 
 venv: $(VENV)/.stamp
 
@@ -45,6 +45,11 @@ bench: venv
 # The long fuzz campaign (issue 10): FUZZ_FRAMES malformed frames per protocol (default 100000).
 fuzz: venv
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -s -p no:cacheprovider tests/fuzz
+
+# window.yml's fault drills (arm start, mid-cell, restore, killed run) and the verdict windows
+# (aa, slow-rows, reverse, async vs sync drafter) on the lab, under the lab lock (docs/windows.md).
+window-drills: venv
+	flock /tmp/dsv41-lab.lock env PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -s -p no:cacheprovider tests/perf/bench_window_drills.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info python/*.egg-info
