@@ -101,16 +101,26 @@ def test_third_window_on_a_question_is_refused_before_the_hold(tmp_path):
         window_plan.plan(["aa"], root=CANDS, windows_dir=str(tmp_path))
 
 
-def test_fault_trigger_fires_once_after_n_cells(tmp_path):
-    mark = tmp_path / "fired"
-    t = window.FaultTrigger(2, f"echo x >> {mark}", delay_s=0.0)
+def test_fault_trigger_strikes_after_n_cells(tmp_path):
+    trig, mark = tmp_path / "t", tmp_path / "fired"
+    cmd = f"while [ ! -e {{trigger}} ]; do sleep 0.05; done; echo x >> {mark}"
+    t = window.FaultTrigger(2, cmd, str(trig))
+    t.start()
     t.cell_done()
-    t.join()
-    assert not mark.exists()
+    time.sleep(0.3)
+    assert not mark.exists() and not trig.exists()
     for _ in range(3):
         t.cell_done()
-    t.join()
-    assert mark.read_text() == "x\n" and t.rc == 0
+    t.join(30)
+    assert mark.read_text() == "x\n" and t.rc == 0 and not trig.exists()
+
+
+def test_fault_trigger_join_kills_a_command_that_never_ends(tmp_path):
+    t = window.FaultTrigger(5, "sleep 60", str(tmp_path / "t"))
+    t.start()
+    t0 = time.monotonic()
+    t.join(0.5)
+    assert t.rc is not None and t.rc != 0 and time.monotonic() - t0 < 10
 
 
 def test_window_headers():

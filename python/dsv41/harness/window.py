@@ -130,36 +130,42 @@ def run_cells(plan: list[dict], endpoints: dict[str, str], model: str, sampler: 
 
 
 class FaultTrigger:
-    """A fault drill inside a window: once ``after_cells`` cells have finished, run the shell
-    command ``cmd`` in a background thread ``delay_s`` seconds later, so that it lands while the
-    next cell's request is in flight (window.yml's ``window_fault=mid_cell``: SIGKILL rank 0's
-    engine). Fires at most once; ``join`` waits for the command; ``rc`` is its exit status."""
+    """A fault drill inside a window (window.yml's ``window_fault=mid_cell``: SIGKILL rank 0's
+    engine while cells run). ``cmd`` is a shell command started at once in the background (an
+    ansible-playbook takes seconds to start; started early it is ready when needed), with
+    ``{trigger}`` replaced by a file path it must wait for before it strikes; the file is created
+    once ``after_cells`` cells have finished, so the fault lands during the following cells.
+    ``join`` waits for the command (``rc`` is its exit status) and removes the file."""
 
-    def __init__(self, after_cells: int, cmd: str, delay_s: float = 0.2) -> None:
-        self.after_cells, self.cmd, self.delay_s = after_cells, cmd, delay_s
+    def __init__(self, after_cells: int, cmd: str, trigger_path: str) -> None:
+        import shlex
+
+        self.after_cells, self.trigger_path = after_cells, trigger_path
+        self.cmd = cmd.replace("{trigger}", shlex.quote(trigger_path))
         self.done = 0
         self.rc: int | None = None
-        self._thread = None
+        self._proc = None
 
-    def _fire(self) -> None:
-        import time
-
-        time.sleep(self.delay_s)
-        self.rc = subprocess.run(self.cmd, shell=True, check=False, stdout=subprocess.DEVNULL).returncode
+    def start(self) -> None:
+        """Start the command (it waits for the trigger file)."""
+        if self._proc is None:
+            self._proc = subprocess.Popen(self.cmd, shell=True, stdout=subprocess.DEVNULL)
 
     def cell_done(self) -> None:
-        """Count one finished cell; start the command after the ``after_cells``-th."""
-        import threading
-
+        """Count one finished cell; create the trigger file after the ``after_cells``-th."""
         self.done += 1
-        if self.done == self.after_cells and self._thread is None:
-            self._thread = threading.Thread(target=self._fire, name="window-fault", daemon=True)
-            self._thread.start()
+        if self.done == self.after_cells:
+            Path(self.trigger_path).write_text("fault\n")
 
     def join(self, timeout_s: float = 300.0) -> None:
-        """Wait for a started command to finish (at most ``timeout_s`` seconds)."""
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        """Wait for the command (killed after ``timeout_s`` seconds) and remove the trigger file."""
+        if self._proc is not None:
+            try:
+                self.rc = self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self.rc = self._proc.wait()
+        Path(self.trigger_path).unlink(missing_ok=True)
 
 
 def gate_records(cells: list[dict], greedy: dict[str, tuple[list[int], list[int]]]) -> list[dict]:

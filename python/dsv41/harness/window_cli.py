@@ -170,9 +170,10 @@ def run_window(
     drafting: bool = typer.Option(False, help="A drafting candidate: the distributional gate (greedy "
                                               "prompts on both arms, lengths, acceptance) decides validity."),
     tolerance_nat: float = typer.Option(0.5, help="Near-tie tolerance of the gate (nat)."),
-    fault_after_cells: int = typer.Option(0, min=0, help="Fault drill: once this many cells are written, "
-                                                          "run --fault-cmd while the next cell is in flight."),
-    fault_cmd: str = typer.Option("", help="Fault drill command (window.yml: kill rank 0's engine)."),
+    fault_after_cells: int = typer.Option(0, min=0, help="Fault drill: create --fault-cmd's trigger file "
+                                                          "once this many cells are written."),
+    fault_cmd: str = typer.Option("", help="Fault drill command, started before the cells; it must wait for "
+                                           "the file {trigger} (created after --fault-after-cells cells), then strike."),
     as_json: bool = typer.Option(False, "--json", help="Print the decision as JSON."),
 ) -> None:
     """Seeded ABBA/BAAB paired cells between two arms, WIN2 R3 decision, report in windows/<id>/.
@@ -219,7 +220,10 @@ def run_window(
         cells_path = os.path.join(wdir, "cells.jsonl")
         interrupted = False
         cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        fault = window.FaultTrigger(fault_after_cells, fault_cmd) if fault_cmd and fault_after_cells else None
+        fault = None
+        if fault_cmd and fault_after_cells:
+            fault = window.FaultTrigger(fault_after_cells, fault_cmd, os.path.join(os.path.abspath(wdir), "fault.trigger"))
+            fault.start()
         with Progress(*cols, console=Console(stderr=True), transient=True) as bar:
             task = bar.add_task(f"window {wid}", total=len(plan))
 
