@@ -8,7 +8,7 @@ PIP := $(BIN)/python -m pip
 CONSTRAINTS := constraints.txt
 NIXL_PIN := nixl-cu12==1.5.1
 
-.PHONY: venv test unit lint sanity deploy lab-down bench fuzz drill clean rollback-components
+.PHONY: venv test unit lint sanity deploy lab-down bench fuzz drill window-drills clean rollback-components
 
 venv: $(VENV)/.stamp
 
@@ -57,6 +57,11 @@ drill: venv
 # lab lock around it when several checkouts share the machine.
 rollback-components: venv
 	DSV41_ROLLBACK_COMPONENTS=all PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -s -p no:cacheprovider tests/integration/test_rollback_component.py
+
+# window.yml's fault drills (arm start, mid-cell, restore, killed run) and the verdict windows
+# (aa, slow-rows, reverse, async vs sync drafter) on the lab, under the lab lock (docs/windows.md).
+window-drills: venv
+	flock /tmp/dsv41-lab.lock env PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -s -p no:cacheprovider tests/perf/bench_window_drills.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info python/*.egg-info

@@ -174,6 +174,8 @@ _ROWS = [
            "is not given (empty: the shipped public spec; real prompt sets stay outside the repository)."),
     EnvVar("DSV41_GREEDY_PROMPTS_FILE", str, "", "JSON list of {name, prompt}: the greedy reference prompts "
            "(empty: the six shipped ones)."),
+    EnvVar("DSV41_WINDOW_TOKEN", str, "", "Set by window.yml on the controller during a HOLD: the harness's "
+           "requests carry it (header X-DSV41-Window) and the held engine admits only them (/pause?window=)."),
 ]
 
 #: The table: one row per variable, by name.
@@ -222,6 +224,7 @@ class Settings:
     engram_fault_delay_ms: float = 0.0
     bench_spec_file: str = ""
     greedy_prompts_file: str = ""
+    window_token: str = ""
 
 
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import sys
 import time
 import uuid
@@ -305,14 +306,22 @@ def parse_prompt(body: dict, tok: ByteTokenizer, max_len: int | None = None) -> 
     return ids
 
 
+#: A fenced window's requests carry this header; a HOLD taken with ``/pause?window=TOKEN`` still
+#: admits requests whose header equals TOKEN (the window's cells and its restore checks).
+WINDOW_HEADER = "x-dsv41-window"
+_WINDOW_TOKEN_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
 class ServerState:
-    """Admission state shared by the handlers: ``paused``, ``draining``, and ``paused_since``
-    (Unix time in seconds when admission was last closed; None while open)."""
+    """Admission state shared by the handlers: ``paused``, ``draining``, ``paused_since``
+    (Unix time in seconds when admission was last closed; None while open) and ``window_token``
+    (the fenced window admitted while paused; None when none)."""
 
     def __init__(self) -> None:
         self.paused = False
         self.draining = False
         self.paused_since: float | None = None
+        self.window_token: str | None = None
 
 
 def create_app(engine, model_name: str, max_model_len: int, state: ServerState | None = None, metrics=None):
@@ -359,7 +368,7 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
             raise ApiError(400, "request body must be a JSON object")
         return body
 
-    def _admission(body: dict) -> None:
+    def _admission(body: dict, request: Request) -> None:
         m = body.get("model")
         if m is not None and m != model_name:
             raise ApiError(404, f"The model `{m}` does not exist.", etype="NotFoundError", param="model")
@@ -368,7 +377,7 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
         if st.draining:
             raise ApiError(503, "the server is shutting down (draining); not admitting new requests",
                            etype="ServiceUnavailableError")
-        if st.paused:
+        if st.paused and not (st.window_token and request.headers.get(WINDOW_HEADER) == st.window_token):
             raise ApiError(503, "the server is paused (POST /resume to admit requests again)",
                            etype="ServiceUnavailableError")
 
@@ -399,7 +408,7 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
             ids = parse_prompt(body, tok, max_model_len)
             default_max = 16
         params = parse_sampling(body, default_max, chat)
-        _admission(body)
+        _admission(body, request)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
 
@@ -543,12 +552,15 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/pause")
-    async def pause(request: Request, mode: str | None = None, timeout_s: float = 600.0):
+    async def pause(request: Request, mode: str | None = None, timeout_s: float = 600.0, window: str | None = None):
         """vLLM 0.33.0's ``/pause``: stop admitting (new requests get 503), then by ``mode`` (query,
         or a JSON body ``{"mode": ...}``): ``abort`` (the default, as in vLLM) aborts in-flight
         requests; ``wait`` lets them finish for at most ``timeout_s`` seconds, then aborts what is
         left (``aborted_after_timeout``, also counted in ``dsv41_engine_pause_drain_aborts_total``);
-        ``keep`` freezes them where they are until ``/resume``. Idempotent."""
+        ``keep`` freezes them where they are until ``/resume``. Idempotent. ``window`` (dsv41's
+        fenced window, not in vLLM): while paused, requests whose ``X-DSV41-Window`` header equals
+        it are still admitted (the window's own cells and checks); a later ``/pause`` replaces it,
+        ``/resume`` clears it."""
         if mode is None:
             raw = await request.body()
             if raw.strip():
@@ -561,9 +573,12 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
             raise ApiError(400, f"mode must be 'abort', 'wait' or 'keep', got {mode!r}", param="mode")
         if not 0 < timeout_s < float("inf"):  # NaN fails too
             raise ApiError(400, f"timeout_s must be a positive number of seconds, got {timeout_s}", param="timeout_s")
+        if window is not None and not _WINDOW_TOKEN_RE.fullmatch(window):
+            raise ApiError(400, "window must be 1-128 characters of [A-Za-z0-9._-]", param="window")
         if not st.paused:
             st.paused_since = time.time()
         st.paused = True
+        st.window_token = window or None
         running, waiting = engine.sched.counts()
         in_flight = running + waiting
         if mode == "keep":
@@ -592,6 +607,7 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
     async def resume():
         """Admit requests again and unfreeze a ``keep`` pause (idempotent)."""
         st.paused = False
+        st.window_token = None
         engine.freeze(False)
         st.paused_since = None
         return {"paused": False}

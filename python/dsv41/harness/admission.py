@@ -38,16 +38,21 @@ def set_state(endpoint: str, state: str, timeout_s: float = 30.0, settle_s: floa
 
     ``held`` drains: ``POST /pause?mode=wait&timeout_s=drain_s`` (the HTTP call may take up to
     ``drain_s + timeout_s`` seconds). Returns the state before the call. Idempotent: no request
-    is sent when already there.
+    is sent when already there, except a HOLD while ``DSV41_WINDOW_TOKEN`` is set: that one is
+    always sent, with ``&window=TOKEN``, so the held engine admits the window's own requests.
     Raises AdmissionError on a bad state, HTTP errors, or when the state does not settle within
     ``settle_s`` seconds.
     """
     if state not in (HELD, OPEN):
         raise AdmissionError(f"admission state must be {HELD!r} or {OPEN!r}, not {state!r}")
     before = status(endpoint, timeout_s)
-    if before == state:
+    token = http.window_headers().get(http.WINDOW_HEADER)
+    # a window's HOLD is (re)sent even when held: it names the window the engine still admits
+    if before == state and not (state == HELD and token):
         return before
     path = f"/pause?mode=wait&timeout_s={drain_s:g}" if state == HELD else "/resume"
+    if state == HELD and token:
+        path += f"&window={token}"
     http.request("POST", endpoint.rstrip("/") + path, timeout_s=timeout_s + (drain_s if state == HELD else 0.0),
                  what=f"POST {path} at {endpoint} failed", error=AdmissionError)
     deadline = time.monotonic() + settle_s

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from dsv41 import envs
+from dsv41.harness import http
 from dsv41.errors import Dsv41Error
 
 SPEC_FORMAT = "dsv41-bench-spec/1"
@@ -181,7 +182,8 @@ class RequestResult:
 def _client(timeout_s: float):
     import httpx
 
-    return httpx.Client(timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)), trust_env=False)
+    return httpx.Client(timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)), trust_env=False,
+                        headers=http.window_headers())
 
 
 def served_model(endpoint: str, timeout_s: float = 10.0) -> str:

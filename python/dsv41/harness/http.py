@@ -32,6 +32,19 @@ def _reason(exc: Exception, method: str, url: str, timeout_s: float) -> str:
     return f"{exc or type(exc).__name__} {where}"
 
 
+WINDOW_HEADER = "X-DSV41-Window"
+
+
+def window_headers(env=None) -> dict[str, str]:
+    """``{"X-DSV41-Window": token}`` while ``DSV41_WINDOW_TOKEN`` is set (window.yml sets it on the
+    controller during a HOLD: the held engine admits only requests carrying it), else ``{}``.
+    ``env``: a mapping to read instead of the process environment (tests)."""
+    from dsv41 import envs
+
+    tok = envs.parse(env).window_token
+    return {WINDOW_HEADER: tok} if tok else {}
+
+
 def request(method: str, url: str, *, what: str, timeout_s: float = 10.0, json: Any = None,
             error: type[Dsv41Error] = HttpError) -> Any:
     """Send one request and return the ``httpx.Response`` (status 2xx).
@@ -39,12 +52,12 @@ def request(method: str, url: str, *, what: str, timeout_s: float = 10.0, json: 
     ``timeout_s`` bounds connect, each read and write (seconds); environment proxies are ignored
     (``trust_env=False``: lab addresses must not go through an operator's proxy).  Raises
     ``error(f"{what}: <reason>")`` on a timeout, a connection failure, a non-2xx status or any
-    other transport error.
+    other transport error. Carries :func:`window_headers`.
     """
     import httpx
 
     try:
-        with httpx.Client(timeout=timeout_s, trust_env=False) as c:
+        with httpx.Client(timeout=timeout_s, trust_env=False, headers=window_headers()) as c:
             r = c.request(method, url, json=json)
             r.raise_for_status()
             r.read()

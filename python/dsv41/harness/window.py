@@ -102,7 +102,10 @@ def run_cells(plan: list[dict], endpoints: dict[str, str], model: str, sampler: 
 
     done: list[dict] = []
     arm_now = None
-    with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False) as client, \
+    from dsv41.harness import http
+
+    with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False,
+                      headers=http.window_headers()) as client, \
             open(out_path, "a", encoding="utf-8") as fh:
         for c in plan:
             if c["arm"] != arm_now:
@@ -124,6 +127,45 @@ def run_cells(plan: list[dict], endpoints: dict[str, str], model: str, sampler: 
             if not res.ok and stop_on_failure:
                 break
     return done
+
+
+class FaultTrigger:
+    """A fault drill inside a window (window.yml's ``window_fault=mid_cell``: SIGKILL rank 0's
+    engine while cells run). ``cmd`` is a shell command started at once in the background (an
+    ansible-playbook takes seconds to start; started early it is ready when needed), with
+    ``{trigger}`` replaced by a file path it must wait for before it strikes; the file is created
+    once ``after_cells`` cells have finished, so the fault lands during the following cells.
+    ``join`` waits for the command (``rc`` is its exit status) and removes the file."""
+
+    def __init__(self, after_cells: int, cmd: str, trigger_path: str) -> None:
+        import shlex
+
+        self.after_cells, self.trigger_path = after_cells, trigger_path
+        self.cmd = cmd.replace("{trigger}", shlex.quote(trigger_path))
+        self.done = 0
+        self.rc: int | None = None
+        self._proc = None
+
+    def start(self) -> None:
+        """Start the command (it waits for the trigger file)."""
+        if self._proc is None:
+            self._proc = subprocess.Popen(self.cmd, shell=True, stdout=subprocess.DEVNULL)
+
+    def cell_done(self) -> None:
+        """Count one finished cell; create the trigger file after the ``after_cells``-th."""
+        self.done += 1
+        if self.done == self.after_cells:
+            Path(self.trigger_path).write_text("fault\n")
+
+    def join(self, timeout_s: float = 300.0) -> None:
+        """Wait for the command (killed after ``timeout_s`` seconds) and remove the trigger file."""
+        if self._proc is not None:
+            try:
+                self.rc = self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self.rc = self._proc.wait()
+        Path(self.trigger_path).unlink(missing_ok=True)
 
 
 def gate_records(cells: list[dict], greedy: dict[str, tuple[list[int], list[int]]]) -> list[dict]:

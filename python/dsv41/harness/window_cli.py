@@ -170,6 +170,10 @@ def run_window(
     drafting: bool = typer.Option(False, help="A drafting candidate: the distributional gate (greedy "
                                               "prompts on both arms, lengths, acceptance) decides validity."),
     tolerance_nat: float = typer.Option(0.5, help="Near-tie tolerance of the gate (nat)."),
+    fault_after_cells: int = typer.Option(0, min=0, help="Fault drill: create --fault-cmd's trigger file "
+                                                          "once this many cells are written."),
+    fault_cmd: str = typer.Option("", help="Fault drill command, started before the cells; it must wait for "
+                                           "the file {trigger} (created after --fault-after-cells cells), then strike."),
     as_json: bool = typer.Option(False, "--json", help="Print the decision as JSON."),
 ) -> None:
     """Seeded ABBA/BAAB paired cells between two arms, WIN2 R3 decision, report in windows/<id>/.
@@ -216,13 +220,26 @@ def run_window(
         cells_path = os.path.join(wdir, "cells.jsonl")
         interrupted = False
         cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        fault = None
+        if fault_cmd and fault_after_cells:
+            fault = window.FaultTrigger(fault_after_cells, fault_cmd, os.path.join(os.path.abspath(wdir), "fault.trigger"))
+            fault.start()
         with Progress(*cols, console=Console(stderr=True), transient=True) as bar:
             task = bar.add_task(f"window {wid}", total=len(plan))
+
+            def progress(rec: dict) -> None:
+                bar.advance(task)
+                if fault is not None:
+                    fault.cell_done()
+
             try:
                 window.run_cells(plan, endpoints, model, sp["sampler"], sp["timeout_s"], cells_path, switch,
-                                 progress=lambda rec: bar.advance(task), metrics=murls)
+                                 progress=progress, metrics=murls)
             except KeyboardInterrupt:
                 interrupted = True
+            finally:
+                if fault is not None:
+                    fault.join()
         cells = win2.load_cells(cells_path) if os.path.getsize(cells_path) else []
         if len(cells) < len(plan):
             # The rule must see the missing cells as incomplete pairs: decide on what was planned.
@@ -250,3 +267,35 @@ def run_window(
             print(f"report: {os.path.join(wdir, 'summary.md')}")
         if interrupted:
             raise win2.Win2Error(f"window {wid} interrupted; cells so far in {cells_path}", exit_code=130)
+
+
+@app.command("plan")
+def plan_cmd(
+    candidates: str = typer.Option(..., help="Candidate name(s), comma-separated (chain mode)."),
+    control: str = typer.Option("production", help="Control: a candidate name, or production as deployed."),
+    root: str = typer.Option("candidates", help="Directory of candidate files."),
+    windows_dir: str = typer.Option("windows", help="Where the cap state (questions.json) lives."),
+    spec: str = typer.Option("", help="Workload spec for candidates that name none."),
+) -> None:
+    """Check everything window.yml needs before a HOLD and print the plan as JSON; exit 1 with one
+    line when refused (unknown candidate, schema error, unrestorable delta, bad spec, cap)."""
+    from dsv41.harness import window_plan
+
+    doc = window_plan.plan(window_plan.split_names(candidates), control or "production", root, windows_dir,
+                           spec or None)
+    print(json.dumps(doc))
+
+
+@app.command("ready")
+def ready_cmd(
+    api: str = typer.Option(..., help="Rank 0's base URL."),
+    ranks: str = typer.Option("", help="Ranks whose Engram lookups must move with zero fallbacks "
+                                       "(comma-separated; empty when Engram is local)."),
+    timeout: float = typer.Option(120.0, help="Seconds to keep trying."),
+) -> None:
+    """Readiness of a switched arm: a short greedy request, and Engram lookups moving on every
+    listed rank with zero fallbacks; exit 1 with the last reason after --timeout."""
+    from dsv41.harness import window_plan
+
+    res = window_plan.wait_ready(api, [r.strip() for r in ranks.split(",") if r.strip()], timeout)
+    print(json.dumps(res))

@@ -1,0 +1,142 @@
+"""`make window-drills`: window.yml's fault drills and verdict windows on the three-host lab.
+
+Each test prints what it saw (seconds, verdicts, effects) for docs/windows.md. Run under the
+lab lock; deploys when the lab is not production (``dsv41 status``), leaves it production.
+Order matters (a later drill uses the state an earlier one left on purpose: the restore drill
+leaves a held window that ``-e restore_only=true`` restores)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+from labutil import BIN, ROOT, env, inside, needs_lab, play  # noqa: E402
+
+pytestmark = [needs_lab]
+API = "http://198.18.0.11:8000"
+DRILL = str(ROOT / "candidates" / "specs" / "drill.json")
+LAB_SPEC = str(ROOT / "candidates" / "specs" / "lab-window.json")
+WDIR = Path(os.environ.get("WINDOW_DRILLS_DIR", "/tmp/dsv41-window-drills"))
+
+
+def flat(out: str) -> str:
+    """Ansible's YAML callback wraps long messages and doubles quotes: one line, plain quotes."""
+    return " ".join(out.split()).replace("''", "'")
+
+
+def status_ok() -> bool:
+    return subprocess.run([str(BIN / "dsv41"), "status", "--window", "1"], cwd=ROOT, env=env(),
+                          capture_output=True, timeout=300, check=False).returncode == 0
+
+
+def paused() -> bool:
+    from dsv41.harness import admission
+
+    return admission.status(API) == "held"
+
+
+def window(name: str, *args: str, timeout: int = 1800) -> tuple[subprocess.CompletedProcess, float]:
+    t = time.monotonic()
+    r = play("window.yml", "-e", f"windows_dir={WDIR / name}", *args, timeout=timeout)
+    dt = time.monotonic() - t
+    print(f"\n== {name}: rc {r.returncode}, {dt:.0f} s")
+    return r, dt
+
+
+def restored(wdir: Path) -> None:
+    (snap_path,) = sorted(wdir.glob("*/snapshot.json"))[-1:]
+    for host, doc in json.loads(snap_path.read_text()).items():
+        out = inside(host, "sha256sum", *sorted(doc["files"])).stdout
+        assert {ln.split()[1]: ln.split()[0] for ln in out.splitlines()} == doc["files"], host
+    assert not (wdir / "ACTIVE").exists() and not paused() and status_ok()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lab():
+    if not status_ok():
+        r = play("deploy.yml", timeout=1800)
+        assert r.returncode == 0, r.stdout[-4000:]
+    yield
+    if not status_ok():
+        play("window.yml", "-e", "restore_only=true", "-e", f"windows_dir={WDIR / 'killed'}")
+
+
+def verdict(wdir: Path, cand: str) -> dict:
+    (p,) = wdir.glob(f"*-{cand}/decision.json")
+    d = json.loads(p.read_text())["decision"]
+    print(f"   {cand}: {d['verdict']} effect {d['effect']} CI {d['ci']} pairs {d['n_pairs']}")
+    return d
+
+
+def test_arm_start_fault():
+    r, _ = window("armstart", "-e", "candidate=slow-rows", "-e", f"window_spec={DRILL}", "-e", "window_fault=arm_start")
+    assert r.returncode != 0 and "switching to the candidate arm failed" in flat(r.stdout)
+    restored(WDIR / "armstart")
+
+
+def test_mid_cell_fault():
+    r, _ = window("midcell", "-e", "candidate=slow-rows", "-e", f"window_spec={DRILL}", "-e", "window_fault=mid_cell")
+    assert r.returncode != 0
+    assert ("a window was INVALID" in flat(r.stdout) or "cannot read metrics" in flat(r.stdout)
+            or "HTTP 503" in flat(r.stdout))
+    restored(WDIR / "midcell")
+
+
+def test_restore_fault_holds_then_restore_only_reopens():
+    r, _ = window("restorefault", "-e", "candidate=aa", "-e", f"window_spec={DRILL}", "-e", "window_fault=restore")
+    assert r.returncode != 0
+    assert "restore check FAILED on sparkworker: /etc/dsv41/serve.env differ" in flat(r.stdout)
+    assert paused() and (WDIR / "restorefault" / "ACTIVE").exists()
+    r, dt = window("restorefault", "-e", "restore_only=true")
+    assert r.returncode == 0, r.stdout[-4000:]
+    restored(WDIR / "restorefault")
+
+
+def test_killed_run_is_restored_by_the_next():
+    wdir = WDIR / "killed"
+    wdir.mkdir(parents=True, exist_ok=True)
+    cmd = [str(BIN / "ansible-playbook"), "window.yml", "-e", "candidate=slow-rows", "-e", f"window_spec={DRILL}",
+           "-e", f"windows_dir={wdir}"]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        cells = list(wdir.glob("*-slow-rows/cells.jsonl"))
+        if (wdir / "ACTIVE").exists() and cells and len(cells[0].read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.5)
+    os.killpg(p.pid, signal.SIGKILL)  # the playbook, dsv41 window run and any switch: the group we started
+    p.wait()
+    assert (wdir / "ACTIVE").exists() and paused()
+    r, _ = window("killed", "-e", "candidate=aa", "-e", f"window_spec={DRILL}")
+    assert "Window | restore" in r.stdout and r.returncode == 0, r.stdout[-4000:]
+    restored(wdir)
+
+
+@pytest.mark.parametrize("name,args,expect", [
+    ("aa", ["-e", "candidate=aa"], {"NO-CHANGE", "UNRESOLVED"}),
+    ("loss", ["-e", "candidate=slow-rows"], {"LOSS"}),
+    ("win", ["-e", "candidate=aa", "-e", "control=slow-rows"], {"WIN"}),
+])
+def test_verdicts(name, args, expect):
+    r, dt = window(name, *args, "-e", f"window_spec={LAB_SPEC}", timeout=3600)
+    assert r.returncode == 0, r.stdout[-4000:]
+    d = verdict(WDIR / name, args[1].split("=")[1])
+    assert d["verdict"] in expect
+    restored(WDIR / name)
+
+
+def test_async_vs_sync_drafter():
+    r, dt = window("async", "-e", "candidate=async-drafter", "-e", "control=sync-drafter", "-e", f"window_spec={LAB_SPEC}",
+                   timeout=3600)
+    assert r.returncode == 0, r.stdout[-4000:]
+    verdict(WDIR / "async", "async-drafter")
+    restored(WDIR / "async")

@@ -1,0 +1,204 @@
+"""window.yml's pre-HOLD plan (refusals, arm variables, switch tags), its fault trigger, the
+window token on the harness's requests and in the engine's /pause, and the switch readiness check."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from dsv41.harness import admission, http, window, window_plan, win2
+from dsv41.harness.window import WindowError
+
+ROOT = Path(__file__).resolve().parents[2]
+CANDS = str(ROOT / "candidates")
+
+
+def _cand(tmp_path: Path, name: str, body: str) -> str:
+    d = tmp_path / "cands"
+    d.mkdir(exist_ok=True)
+    (d / f"{name}.yml").write_text(body)
+    return str(d)
+
+
+BASE = "name: {n}\nquestion: q\nkind: plain\nprimary_metric: step_ms_p50\nmin_effect: 0.05\n"
+
+
+def test_shipped_plan_aa_has_no_switch(tmp_path):
+    p = window_plan.plan(["aa"], root=CANDS, windows_dir=str(tmp_path))
+    (w,) = p["windows"]
+    assert p["control"] == "production" and w["roles"] == [] and w["tags"] == []
+    assert w["arms"] == {"control": {}, "candidate": {}} and w["window_number"] == 1
+
+
+def test_plan_switch_reruns_the_union_of_both_arms_roles(tmp_path):
+    p = window_plan.plan(["slow-rows", "aa"], control="sync-drafter", root=CANDS, windows_dir=str(tmp_path))
+    slow, aa = p["windows"]
+    assert slow["roles"] == ["serve", "spec_decode"] and aa["roles"] == ["spec_decode"]
+    assert "spec_decode_configure" in slow["tags"] and "serve_service" in slow["tags"]
+    assert slow["arms"]["control"] == {"spec_decode_async": False}
+    assert slow["arms"]["candidate"] == {"serve_extra_env": {"DSV41_ENGRAM_FAULT_DELAY_MS": "20"}}
+    assert "engram_server_service" not in slow["tags"]
+
+
+@pytest.mark.parametrize("names,control,msg", [
+    (["nope"], "production", "unknown candidate 'nope'"),
+    (["aa"], "nope", "unknown candidate 'nope'"),
+    (["aa"], "aa", "both the control and a candidate"),
+])
+def test_plan_refusals(tmp_path, names, control, msg):
+    with pytest.raises(WindowError, match=msg):
+        window_plan.plan(names, control=control, root=CANDS, windows_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize("text,msg", [("", "no candidate given"), (" , ", "no candidate given"),
+                                      ("aa,aa", "named twice: aa")])
+def test_split_names_refusals(text, msg):
+    with pytest.raises(WindowError, match=msg):
+        window_plan.split_names(text)
+    assert window_plan.split_names(" aa, slow-rows ") == ["aa", "slow-rows"]
+
+
+def test_schema_error_is_refused(tmp_path):
+    root = _cand(tmp_path, "bad", BASE.format(n="bad") + "roles:\n  serve:\n    image: x\n")
+    with pytest.raises(WindowError, match="fails its schema at roles/serve"):
+        window_plan.plan(["bad"], root=root, windows_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize("var,msg", [("DSV41_NOT_A_VARIABLE", "not a dsv41 variable"),
+                                     ("DSV41_SERVE_INPUTS_SHA256", "derived by the role"),
+                                     ("DSV41_WINDOW_TOKEN", "derived by the role")])
+def test_unrestorable_delta_is_refused(tmp_path, var, msg):
+    root = _cand(tmp_path, "c", BASE.format(n="c") + f"roles:\n  serve:\n    env:\n      {var}: '1'\n")
+    with pytest.raises(WindowError, match=msg):
+        window_plan.plan(["c"], root=root, windows_dir=str(tmp_path))
+
+
+def test_malformed_spec_is_refused(tmp_path):
+    (tmp_path / "spec.json").write_text("{not json")
+    root = _cand(tmp_path, "c", BASE.format(n="c") + "spec: spec.json\nroles: {}\n")
+    with pytest.raises(Exception, match="not JSON"):
+        window_plan.plan(["c"], root=root, windows_dir=str(tmp_path))
+    with pytest.raises(Exception, match="cannot read"):
+        window_plan.plan(["aa"], root=CANDS, windows_dir=str(tmp_path), spec=str(tmp_path / "missing.json"))
+
+
+def test_candidate_spec_is_resolved_and_checked(tmp_path):
+    spec = json.loads((ROOT / "candidates/specs/drill.json").read_text())
+    (tmp_path / "s.json").write_text(json.dumps(spec))
+    root = _cand(tmp_path, "c", BASE.format(n="c") + "spec: s.json\nroles: {}\n")
+    (w,) = window_plan.plan(["c"], root=root, windows_dir=str(tmp_path))["windows"]
+    assert w["spec"] == str((tmp_path / "s.json").resolve())
+
+
+def test_third_window_on_a_question_is_refused_before_the_hold(tmp_path):
+    win2.record_window(str(tmp_path), "aa", "step_ms_p50", "w1", "UNRESOLVED")
+    assert window_plan.plan(["aa"], root=CANDS, windows_dir=str(tmp_path))["windows"][0]["window_number"] == 2
+    win2.record_window(str(tmp_path), "aa", "step_ms_p50", "w2", "UNRESOLVED")
+    with pytest.raises(win2.CapError, match="refuses a third"):
+        window_plan.plan(["aa"], root=CANDS, windows_dir=str(tmp_path))
+
+
+def test_fault_trigger_strikes_after_n_cells(tmp_path):
+    trig, mark = tmp_path / "t", tmp_path / "fired"
+    cmd = f"while [ ! -e {{trigger}} ]; do sleep 0.05; done; echo x >> {mark}"
+    t = window.FaultTrigger(2, cmd, str(trig))
+    t.start()
+    t.cell_done()
+    time.sleep(0.3)
+    assert not mark.exists() and not trig.exists()
+    for _ in range(3):
+        t.cell_done()
+    t.join(30)
+    assert mark.read_text() == "x\n" and t.rc == 0 and not trig.exists()
+
+
+def test_fault_trigger_join_kills_a_command_that_never_ends(tmp_path):
+    t = window.FaultTrigger(5, "sleep 60", str(tmp_path / "t"))
+    t.start()
+    t0 = time.monotonic()
+    t.join(0.5)
+    assert t.rc is not None and t.rc != 0 and time.monotonic() - t0 < 10
+
+
+def test_window_headers():
+    assert http.window_headers({}) == {}
+    assert http.window_headers({"DSV41_WINDOW_TOKEN": "w1"}) == {"X-DSV41-Window": "w1"}
+
+
+def test_admission_hold_names_the_window(monkeypatch):
+    sent = []
+    state = {"v": "held"}
+    monkeypatch.setattr(admission, "status", lambda ep, t=10.0: state["v"])
+    monkeypatch.setattr(admission.http, "request", lambda m, url, **kw: sent.append(url))
+    monkeypatch.delenv("DSV41_WINDOW_TOKEN", raising=False)
+    admission.set_state("http://h:1", "held")
+    assert sent == []  # already held, no window: nothing sent
+    monkeypatch.setenv("DSV41_WINDOW_TOKEN", "wtok")
+    admission.set_state("http://h:1", "held")
+    assert sent == ["http://h:1/pause?mode=wait&timeout_s=600&window=wtok"]
+
+
+def test_wait_ready_success_and_timeout(monkeypatch):
+    from dsv41.harness import refs
+
+    counts = iter([{"0": {"lookups": 1}, "1": {"lookups": 1}}, {"0": {"lookups": 5}, "1": {"lookups": 3}}])
+    monkeypatch.setattr(refs, "served_model", lambda base: "m")
+    monkeypatch.setattr(refs, "generate", lambda *a, **k: [1, 2])
+    monkeypatch.setattr(refs, "fetch_engram_counters", lambda url: next(counts))
+    r = window_plan.wait_ready("http://h:1", ["0", "1"], timeout_s=1)
+    assert r["attempts"] == 1 and r["delta"]["1"]["lookups"] == 2
+    monkeypatch.setattr(refs, "fetch_engram_counters", lambda url: {"0": {"lookups": 1}})
+    t0 = time.monotonic()
+    with pytest.raises(WindowError, match="rank 0: no Engram lookups counted"):
+        window_plan.wait_ready("http://h:1", ["0", "1"], timeout_s=0.2, poll_s=0.05)
+    assert time.monotonic() - t0 < 5
+
+
+def test_engine_admits_only_the_window_while_held():
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from dsv41.engine.server import create_app
+
+    class Sched:
+        def counts(self):
+            return 0, 0
+
+    class Eng:
+        fatal = None
+        sched = Sched()
+
+        def submit(self, ids, params, sink):
+            sink({"type": "tokens", "ids": [5], "prompt_tokens": len(ids), "completion_tokens": 1})
+            sink({"type": "finish", "reason": "length", "prompt_tokens": len(ids), "completion_tokens": 1})
+
+            class R:
+                request_id = "r"
+            return R()
+
+        def abort(self, rid=None):
+            pass
+
+        def idle(self):
+            return True
+
+        def freeze(self, on):
+            pass
+
+    c = TestClient(create_app(Eng(), "m", 64), raise_server_exceptions=False)
+    body = {"prompt": "x", "max_tokens": 1}
+    assert c.post("/pause?mode=wait&window=bad token").status_code == 400
+    assert c.post("/pause?mode=wait&window=w-1").status_code == 200
+    assert c.post("/v1/completions", json=body).status_code == 503
+    assert c.post("/v1/completions", json=body, headers={"X-DSV41-Window": "other"}).status_code == 503
+    assert c.post("/v1/completions", json=body, headers={"X-DSV41-Window": "w-1"}).status_code == 200
+    assert c.post("/pause?mode=wait").status_code == 200  # a plain HOLD drops the window
+    assert c.post("/v1/completions", json=body, headers={"X-DSV41-Window": "w-1"}).status_code == 503
+    c.post("/pause?mode=wait&window=w-1")
+    assert c.post("/resume").status_code == 200
+    assert c.post("/v1/completions", json=body).status_code == 200
+    c.post("/pause?mode=wait")
+    assert c.post("/v1/completions", json=body, headers={"X-DSV41-Window": "w-1"}).status_code == 503
