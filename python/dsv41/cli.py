@@ -36,6 +36,7 @@ GROUPS = [
     ("bench", "dsv41.harness.bench_cli", "Benchmark client: TTFT, step_ms, tok/s, acceptance."),
     ("window", "dsv41.harness.window_cli", "Fenced-window cells, the WIN2 R3 decision, calibration, candidates."),
     ("metrics", "dsv41.harness.metrics_cli", "Read a Prometheus /metrics endpoint as JSON."),
+    ("package", "dsv41.promotion.cli", "Promotion packages: show, diff, verify (exact production records)."),
     ("status", "dsv41.entrypoints.status_cli", "Is production healthy, and what is it running? (exit 1 with reasons)"),
 ]
 
