@@ -239,7 +239,15 @@ def test_cli_journal_decision(tmp_path, capsys):
     _run(j, "op1", [("begin", {"kind": "promote", "prev": P0}), ("held", {})])
     assert main(["package", "journal", "--path", str(j), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"action": "revert", "package": P0, "op": "op1",
-                                                   "kind": "promote", "last_step": "held"}
+                                                   "kind": "promote", "last_step": "held", "result_package": None}
+
+
+def test_journal_last_finished_operation_names_its_package(tmp_path):
+    j = tmp_path / "journal.jsonl"
+    _run(j, "r1", [("begin", {"kind": "rollback", "prev": P1, "target": P0}), ("verified", {"package": P0}),
+                   ("done", {"result": "rolled_back", "package": P0})])
+    d = journal.decide(journal.read(j))
+    assert (d.action, d.kind, d.result_package) == ("none", "rollback", P0)
 
 
 def test_cli_tampered_and_unknown_are_one_line(stored, capsys):

@@ -93,18 +93,20 @@ class Decision:
     """What a run must do first. ``action``: ``"none"`` (the last operation finished, or there is
     none), ``"finish"`` or ``"revert"``; ``package``: the id to bring production to (None for
     ``none``); ``op``/``kind``: the interrupted operation's id and kind; ``last_step``: its last
-    step written."""
+    step written; ``result_package``: for a finished last operation, the package it left as
+    production (its ``done`` entry's ``package``)."""
 
     action: str
     package: str | None = None
     op: str | None = None
     kind: str | None = None
     last_step: str | None = None
+    result_package: str | None = None
 
     def as_dict(self) -> dict:
         """The decision as a JSON-able dict."""
         return {"action": self.action, "package": self.package, "op": self.op, "kind": self.kind,
-                "last_step": self.last_step}
+                "last_step": self.last_step, "result_package": self.result_package}
 
 
 def decide(entries: list[dict]) -> Decision:
@@ -121,7 +123,8 @@ def decide(entries: list[dict]) -> Decision:
     begin = next((e for e in steps if e["step"] == "begin"), {})
     kind = begin.get("kind")
     if "done" in names:
-        return Decision("none", op=op, kind=kind, last_step="done")
+        done = next(e for e in steps if e["step"] == "done")
+        return Decision("none", op=op, kind=kind, last_step="done", result_package=done.get("package"))
     verified = [e for e in steps if e["step"] == "verified" and e.get("package")]
     if verified and "rolled_back" not in names:
         return Decision("finish", verified[-1]["package"], op, kind, names[-1])
