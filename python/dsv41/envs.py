@@ -122,8 +122,9 @@ _ROWS = [
            "the first command; past it the rank fails (/health 503) and exits for its supervisor.", "s", 2, 3600),
     EnvVar("DSV41_DRAFTER_PROPOSE_DEADLINE_MS", float, 1000.0, "Deadline the engine enforces on one "
            "Speculator.propose; past it the round decodes without drafts.", "ms", 1, 4000),
-    EnvVar("DSV41_ENGRAM_LOOKUP_DEADLINE_MS", float, 1000.0, "Deadline the engine enforces on one remote "
-           "Engram lookup; past it the rows come from the local reader.", "ms", 1, 600_000),
+    EnvVar("DSV41_ENGRAM_LOOKUP_DEADLINE_MS", float, 1000.0, "Whole-call deadline of one remote Engram lookup "
+           "(RemoteRowSource: connection lock wait and every request); past it the rows come from the local "
+           "reader.", "ms", 1, 600_000),
     # ---- Engram remote rows (docs/engram.md, "Row source")
     EnvVar("DSV41_ENGRAM_REMOTE", str, "", "Comma-separated table-server URLs, one per TP rank "
            "(tcp://H:P[@LOCAL] or nixl://H:P[@LOCAL]); empty: the local exact reader."),
@@ -166,8 +167,9 @@ _ROWS = [
     EnvVar("DSV41_TABLES_MANIFEST_SHA256", str, "", "sha256 of that manifest: a new one restarts the server."),
     EnvVar("DSV41_DRAFTER_FILES_SHA256", str, "", "sha256 of the drafter files: new ones restart the worker."),
     EnvVar("DSV41_SERVE_INPUTS_SHA256", str, "", "sha256 of the engine's inputs: new ones restart the engine."),
-    EnvVar("DSV41_ENGRAM_FAULT_DELAY_MS", float, 0.0, "Fault drills only (candidate slow-rows): every Engram row "
-           "lookup sleeps this long first; rows stay exact. Never set in production.", "ms", 0, 10_000),
+    EnvVar("DSV41_ENGRAM_FAULT_DELAY_MS", float, 0.0, "Fault drills only (candidate slow-rows): every Engram layer "
+           "lookup's rows arrive this much later (remote: inside the lookup deadline, as from a slow server); "
+           "rows stay exact. Never set in production.", "ms", 0, 10_000),
     EnvVar("DSV41_BENCH_SPEC_FILE", str, "", "Workload spec of `dsv41 bench run` / `dsv41 window run` when --spec "
            "is not given (empty: the shipped public spec; real prompt sets stay outside the repository)."),
     EnvVar("DSV41_GREEDY_PROMPTS_FILE", str, "", "JSON list of {name, prompt}: the greedy reference prompts "

@@ -254,6 +254,65 @@ def test_server_killed_mid_sweep_then_restarted(tabs, scheme):
     assert srv2.stop() == 0
 
 
+@pytest.mark.parametrize("scheme", ["tcp", "nixl"])
+def test_frozen_server_costs_the_deadline_then_reconnects(tabs, scheme):
+    """The server process frozen (SIGSTOP) with the request timeout far past the lookup deadline:
+    single and two-layer lookups come back exact from the local reader at the deadline (counted),
+    background reconnect attempts fail while it is frozen; after SIGCONT the source reconnects and
+    reads remotely again, 0 bad rows throughout."""
+    man = tabs / "a" / "manifest.json"
+    m = load_manifest(man)
+    url = f"{scheme}://127.0.0.1:{free_port()}"
+    srv = Server(man, [url], tabs, metrics=False)
+    ref = LocalRowReader(m, tabs / "a", threads=2)
+    src = RemoteRowSource(url, m, 0, 1, timeout_ms=5000, local=LocalRowReader(m, tabs / "a", threads=2),
+                          deadline_ms=150)
+    assert src.wait_connected(30), src.last_error
+    rng = np.random.default_rng(11)
+    bad = 0
+
+    def step():
+        nonlocal bad
+        ids = [rng.integers(0, m.table(L).rows, 24) for L in (1, 2)]
+        outs = [np.zeros((24, 264), np.uint8) for _ in range(2)]
+        t0 = time.monotonic()
+        src.lookup_layers([1, 2], ids, outs)
+        got = src.lookup(1, ids[0])
+        dt = time.monotonic() - t0
+        bad += sum(int(np.count_nonzero((o != ref.read(L, r)).any(axis=1))) for L, r, o in zip((1, 2), ids, outs))
+        bad += int(np.count_nonzero((got != ref.read(1, ids[0])).any(axis=1)))
+        return dt
+
+    for _ in range(10):
+        step()
+    assert src.counters()["fallbacks"] == 0, src.last_error
+    os.kill(srv.proc.pid, signal.SIGSTOP)
+    try:
+        worst = max(step() for _ in range(10))
+        c = src.counters()
+        assert c["deadline_exceeded"] >= 1 and c["fallbacks"] >= c["deadline_exceeded"]
+        assert worst < 2 * (0.15 + 0.5)  # two calls, each: deadline + local read + a loaded host's slack
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+    if scheme == "nixl" and not src.wait_connected(10):
+        # Known limit (docs/remote-engram.md, NIXL path): the client gave up on its READs while
+        # the server was frozen; when the server resumes, UCX may find the client's endpoint gone
+        # and abort the server process ("Endpoint timeout"). Anything else fails the test; the
+        # client must then come back to a restarted server (a supervisor's job in production).
+        assert srv.proc.wait(20) != 0 and "Endpoint timeout" in srv.output(), srv.output()[-2000:]
+        srv = Server(man, [url], tabs, metrics=False)
+    assert src.wait_connected(30), src.last_error
+    before = src.counters()
+    for _ in range(10):
+        step()
+    c = src.counters()
+    assert c["remote_rows"] == before["remote_rows"] + 10 * 3 * 24 and c["reconnects"] >= 1
+    assert bad == 0
+    src.close()
+    ref.close()
+    assert srv.stop() == 0
+
+
 def test_sigterm_drains_and_exits_zero(tabs):
     man = tabs / "a" / "manifest.json"
     m = load_manifest(man)

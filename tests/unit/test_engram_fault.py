@@ -56,3 +56,14 @@ def test_row_source_from_env_is_wrapped(tmp_path):
     assert isinstance(src, fault.DelayedRowSource)
     assert not isinstance(rowsource.from_env(str(tmp_path / "manifest.json"), tmp_path, 0, 1, settings=envs.parse({})),
                           fault.DelayedRowSource)
+
+
+def test_delay_applies_per_layer_to_lookup_layers():
+    # the engine fetches both Engram layers of a step with lookup_layers: the drill's delay must
+    # not be bypassed there (2 x delay per step, as for two single lookups)
+    inner = Rows()
+    w = fault.wrap(inner, 25.0)
+    t = time.perf_counter()
+    got = w.lookup_layers([1, 2], [[1, 2], [3]])
+    assert time.perf_counter() - t >= 0.049
+    assert [g.tolist() for g in got] == [[2, 4], [6]] and inner.calls == 2

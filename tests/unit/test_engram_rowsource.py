@@ -123,9 +123,10 @@ def test_remote_constructs_client(data: Path, monkeypatch) -> None:
     seen = {}
 
     class Fake:
-        def __init__(self, urls, manifest, rank, tp, timeout_ms, required, local=None):
+        def __init__(self, urls, manifest, rank, tp, timeout_ms, required, local=None, deadline_ms=None,
+                     fault_delay_ms=0.0):
             seen.update(urls=urls, manifest=manifest, rank=rank, tp=tp, timeout_ms=timeout_ms,
-                        required=required, local=local)
+                        required=required, local=local, deadline_ms=deadline_ms, fault_delay_ms=fault_delay_ms)
 
     mod = types.ModuleType("dsv41.engram.client")
     mod.RemoteRowSource = Fake
@@ -133,9 +134,14 @@ def test_remote_constructs_client(data: Path, monkeypatch) -> None:
     env = {"DSV41_ENGRAM_REMOTE": "tcp://198.18.1.1:7000@198.18.1.2,nixl://198.18.2.1:7000",
            "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "50", "DSV41_ENGRAM_REMOTE_REQUIRED": "1"}
     src = from_env(load_manifest(data / "manifest.json"), data, 1, 2, settings=envs.parse(env))
-    assert isinstance(src, Fake)
+    assert isinstance(src, Fake)  # not wrapped: the deadline lives in the remote source
     assert seen["urls"] == ["tcp://198.18.1.1:7000@198.18.1.2", "nixl://198.18.2.1:7000"]
     assert (seen["rank"], seen["tp"], seen["timeout_ms"], seen["required"]) == (1, 2, 50, True)
+    assert (seen["deadline_ms"], seen["fault_delay_ms"]) == (1000.0, 0.0)  # DSV41_ENGRAM_LOOKUP_DEADLINE_MS default
+    from_env(load_manifest(data / "manifest.json"), data, 1, 2, settings=envs.parse(
+        {**env, "DSV41_ENGRAM_LOOKUP_DEADLINE_MS": "250", "DSV41_ENGRAM_FAULT_DELAY_MS": "20"}))
+    assert (seen["deadline_ms"], seen["fault_delay_ms"]) == (250.0, 20.0)
+    seen["local"].close()
     assert isinstance(seen["local"], reader.LocalRowReader)
     seen["local"].close()
     from_env(data / "manifest.json", None, 0, 2, settings=envs.parse(env))

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from serverutil import settled_snapshot
+from serverutil import SilentServer, SlowServer, settled_snapshot
 
 from dsv41.engram.client import RemoteRowSource, RemoteUnavailable, read_rows_remote
 from dsv41.engram.manifest import load_manifest
@@ -183,51 +183,6 @@ def test_wrong_identity_server_never_used(tabs):
     with pytest.raises(RemoteUnavailable):
         read_rows_remote(str(ep), m, 1, [1])
     ref.close()
-
-
-class SilentServer:
-    """Answers HELLO with the real table list, never answers a lookup (a hung server)."""
-
-    def __init__(self, tables):
-        self.hello = b"".join(P.TABLE_ENTRY.pack(t.identity, t.layer_id, t.rows, 264) for t in tables)
-        self.n = len(tables)
-        self.ls = socket.socket()
-        self.ls.bind(("127.0.0.1", 0))
-        self.ls.listen(4)
-        self.port = self.ls.getsockname()[1]
-        self.conns = []
-        threading.Thread(target=self.run, daemon=True).start()
-
-    def run(self):
-        while True:
-            try:
-                c, _ = self.ls.accept()
-            except OSError:
-                return
-            self.conns.append(c)
-            threading.Thread(target=self.conn, args=(c,), daemon=True).start()
-
-    def conn(self, c):
-        try:
-            while True:
-                h = b""
-                while len(h) < P.REQ.size:
-                    k = c.recv(P.REQ.size - len(h))
-                    if not k:
-                        return
-                    h += k
-                _, ver, op, rid, _, count, plen = P.REQ.unpack(h)
-                while plen:
-                    plen -= len(c.recv(plen))
-                if op == P.OP_HELLO:  # replies echo the request's version, as the real server's
-                    c.sendall(P.REP.pack(P.MAGIC, ver, 0, rid, self.n, len(self.hello)) + self.hello)
-        except OSError:
-            pass
-
-    def close(self):
-        self.ls.close()
-        for c in self.conns:
-            c.close()
 
 
 def test_timeout_fallback_latency_bounded(tabs):
@@ -423,3 +378,155 @@ def test_local_rowsource_lookup_layers(tabs):
     assert src.counters()["lookups"] == 2
     src.close()
     ref.close()
+
+
+# -- the whole-call deadline (deadline_ms, the engine's DSV41_ENGRAM_LOOKUP_DEADLINE_MS) --------
+def _timed(fn, *args, **kw):
+    t0 = time.monotonic()
+    got = fn(*args, **kw)
+    return got, time.monotonic() - t0
+
+
+def test_deadline_bounds_every_path_against_a_frozen_server(tabs):
+    """A server that accepts and never answers: with a request timeout far past the deadline,
+    every kind of call (hot path, both layers in one request, general path, a pipelined large
+    lookup) returns the exact local rows at the deadline, counted; the reconnect thread brings
+    the connection back between calls (no lookup waits for it)."""
+    d, m, tables = tabs
+    hung = SilentServer(tables)
+    ref = local(d, m)
+    src = RemoteRowSource(f"tcp://127.0.0.1:{hung.port}", m, 0, 1, timeout_ms=5000, local=local(d, m),
+                          deadline_ms=80)
+    assert src.connected and src.deadline_s == 0.08
+    ids = [rand_rows(m, 1, 24, 1), rand_rows(m, 2, 24, 2)]
+    outs = [np.zeros((24, 264), np.uint8) for _ in range(2)]
+    calls = [
+        lambda: [src.lookup(2, ids[1], out=outs[1])],                       # hot path
+        lambda: src.lookup_layers([1, 2], ids, outs),                        # hot path, one request
+        lambda: src.lookup_layers([1, 2], [list(ids[0]), list(ids[1])]),     # general path
+        lambda: [src.lookup(1, rand_rows(m, 1, 40000, 3))],                  # pipelined, 3 requests
+    ]
+    for k, call in enumerate(calls, 1):
+        assert src.wait_connected(10)
+        got, dt = _timed(call)
+        assert dt < 0.08 + 1.0, f"call {k} took {dt:.3f} s"  # deadline + local read, loaded host
+        assert dt >= 0.07
+        c = src.counters()
+        assert c["deadline_exceeded"] == k and c["fallbacks"] == k and c["transport_errors"] == k
+    np.testing.assert_array_equal(outs[1], ref.read(2, ids[1]))
+    np.testing.assert_array_equal(outs[0], ref.read(1, ids[0]))
+    np.testing.assert_array_equal(got[0], ref.read(1, rand_rows(m, 1, 40000, 3)))
+    src.close()
+    hung.close()
+    ref.close()
+
+
+def test_deadline_covers_the_connection_lock(tabs):
+    """A call that finds the connection held (another thread's request wedged) waits for the
+    lock only until the deadline, answers from the local reader, keeps the healthy connection
+    and never waits for the lock to count; required mode raises instead."""
+    d, m, tables = tabs
+    srv, ep = serve(tables)
+    ref = local(d, m)
+    src = RemoteRowSource(str(ep), m, 0, 1, timeout_ms=2000, local=local(d, m), deadline_ms=60)
+    req = RemoteRowSource(str(ep), m, 0, 1, timeout_ms=2000, required=True, deadline_ms=60)
+    rows = rand_rows(m, 1, 24, 4)
+    buf = np.zeros((24, 264), np.uint8)
+    src._lock.acquire()
+    req._lock.acquire()
+    try:
+        got, dt = _timed(src.lookup, 1, rows, out=buf)
+        assert got is buf and dt < 0.06 + 1.0
+        np.testing.assert_array_equal(buf, ref.read(1, rows))
+        rows2 = rand_rows(m, 2, 24, 8)
+        outs = src.lookup_layers([1, 2], [rows, rows2], [np.zeros((24, 264), np.uint8) for _ in range(2)])
+        np.testing.assert_array_equal(outs[1], ref.read(2, rows2))
+        c = src.counters()  # read while the lock is held: never waits
+        assert c["deadline_exceeded"] == 2 and c["fallbacks"] == 2 and c["lookups"] == 3
+        assert c["transport_errors"] == 0 and c["connected"]
+        with pytest.raises(RemoteUnavailable, match="deadline"):
+            req.lookup(1, rows)
+    finally:
+        src._lock.release()
+        req._lock.release()
+    np.testing.assert_array_equal(src.lookup(1, rows), ref.read(1, rows))  # the same connection again
+    c = src.counters()
+    assert c["fallbacks"] == 2 and c["remote_rows"] == 24 and c["reconnects"] == 0
+    src.close()
+    req.close()
+    srv.stop(1)
+    ref.close()
+
+
+def test_deadline_cuts_a_slow_pipelined_lookup_short(tabs):
+    """A slow server (each 16,384-row reply 0.4 s late, inside the 1 s request timeout): the
+    whole 3-request lookup would take 1.2 s; the 0.5 s deadline ends it and the local reader
+    answers. Without a deadline the same lookup completes remotely."""
+    d, m, tables = tabs
+    ref = local(d, m)
+    slow = SlowServer(tables, ref, 0.4)
+    rows = rand_rows(m, 1, 40000, 5)
+    want = ref.read(1, rows)
+    src = RemoteRowSource(f"tcp://127.0.0.1:{slow.port}", m, 0, 1, timeout_ms=1000, local=local(d, m),
+                          deadline_ms=500)
+    got, dt = _timed(src.lookup, 1, rows)
+    np.testing.assert_array_equal(got, want)
+    assert 0.45 <= dt < 1.15, dt
+    c = src.counters()
+    assert c["deadline_exceeded"] == 1 and c["fallbacks"] == 1 and c["transport_errors"] == 1
+    src.close()
+    free = RemoteRowSource(f"tcp://127.0.0.1:{slow.port}", m, 0, 1, timeout_ms=1000, local=local(d, m))
+    got, dt = _timed(free.lookup, 1, rows)
+    np.testing.assert_array_equal(got, want)
+    assert dt >= 1.15 and free.counters()["fallbacks"] == 0 and free.counters()["deadline_exceeded"] == 0
+    free.close()
+    slow.close()
+    ref.close()
+
+
+def test_fault_delay_is_a_slow_server_inside_the_deadline(tabs):
+    """DSV41_ENGRAM_FAULT_DELAY_MS on a remote source: every layer's rows arrive that much later
+    (rows exact, counted as remote); a delay past the deadline is a deadline miss answered by
+    the local reader. rowsource.from_env wires both variables into RemoteRowSource (no wrapper)."""
+    from dsv41 import envs
+    from dsv41.engram import fault, rowsource
+
+    d, m, tables = tabs
+    srv, ep = serve(tables)
+    ref = local(d, m)
+    rows = rand_rows(m, 2, 24, 6)
+    s = envs.parse({"DSV41_ENGRAM_REMOTE": str(ep), "DSV41_ENGRAM_FAULT_DELAY_MS": "30",
+                    "DSV41_ENGRAM_LOOKUP_DEADLINE_MS": "1000", "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "1000"})
+    src = rowsource.from_env(m, d, 0, 1, settings=s)
+    assert isinstance(src, RemoteRowSource) and not isinstance(src, fault.DelayedRowSource)
+    assert src.deadline_s == 1.0 and src.fault_delay_s == 0.03
+    got, dt = _timed(src.lookup, 2, rows, out=np.zeros((24, 264), np.uint8))
+    np.testing.assert_array_equal(got, ref.read(2, rows))
+    assert dt >= 0.03
+    outs = [np.zeros((24, 264), np.uint8) for _ in range(2)]
+    rows1 = rand_rows(m, 1, 24, 7)
+    got, dt = _timed(src.lookup_layers, [1, 2], [rows1, rows], outs)
+    assert dt >= 0.06  # two layers: two delays, as the docs say (2 x delay per step)
+    np.testing.assert_array_equal(outs[0], ref.read(1, rows1))
+    np.testing.assert_array_equal(outs[1], ref.read(2, rows))
+    c = src.counters()
+    assert c["fallbacks"] == 0 and c["remote_rows"] == 72 and c["fault_delay_ms"] == 30.0
+    src.close()
+    late = RemoteRowSource(str(ep), m, 0, 1, timeout_ms=1000, local=local(d, m), deadline_ms=100,
+                           fault_delay_ms=400)
+    got, dt = _timed(late.lookup, 2, rows)
+    np.testing.assert_array_equal(got, ref.read(2, rows))
+    assert 0.09 <= dt < 0.1 + 1.0, dt
+    c = late.counters()
+    assert c["deadline_exceeded"] == 1 and c["fallbacks"] == 1
+    late.close()
+    srv.stop(1)
+    ref.close()
+
+
+def test_deadline_and_fault_arguments_checked(tabs):
+    d, m, tables = tabs
+    for kw, frag in (({"deadline_ms": 0}, "deadline_ms"), ({"deadline_ms": 10 ** 9}, "deadline_ms"),
+                     ({"fault_delay_ms": -1}, "fault_delay_ms"), ({"fault_delay_ms": float("nan")}, "fault_delay_ms")):
+        with pytest.raises(Dsv41Error, match=frag):
+            RemoteRowSource("tcp://127.0.0.1:1", m, 0, 1, **kw)

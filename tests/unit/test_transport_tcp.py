@@ -387,3 +387,16 @@ def test_lookup_many_timeout(impl):
         c.lookup_many(bytes(32), np.arange(40, dtype=np.uint64), out, 0.05, chunk_rows=10)
     assert time.monotonic() - t0 < 0.25 and not c.connected
     fake.close()
+
+
+def test_lookup_many_whole_call_deadline(impl):
+    # each reply 0.2 s late, inside the 1 s per-reply timeout: the 4 requests would take 0.8 s;
+    # `end` (the caller's whole-call deadline) ends the call at 0.3 s and closes the connection
+    fake = FakeServer(lambda rid, count: ok_reply(rid, count, 0x77), delay_s=0.2)
+    c = TcpClient(fake.ep, native=impl)
+    out = np.zeros((40, 264), np.uint8)
+    t0 = time.monotonic()
+    with pytest.raises(TransportTimeout):
+        c.lookup_many(bytes(32), np.arange(40, dtype=np.uint64), out, 1.0, chunk_rows=10, end=t0 + 0.3)
+    assert 0.28 <= time.monotonic() - t0 < 0.7 and not c.connected
+    fake.close()

@@ -4,7 +4,9 @@
 transport error or refusal the same call returns the exact rows from the local reader and counts
 a fallback; a background thread reconnects with exponential backoff (50 ms .. 2 s, jittered);
 ``required=True`` (qualification mode) raises instead of falling back, so an unavailable server
-can never silently turn into a local-disk benchmark.
+can never silently turn into a local-disk benchmark. The engine's whole-call deadline
+(``DSV41_ENGRAM_LOOKUP_DEADLINE_MS``) lives here too (``deadline_ms``): it bounds the wait for
+the connection lock and every request of a call, on the calling thread (no helper thread).
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ class RemoteUnavailable(Dsv41Error):
     """Remote rows were required (``required=True`` or no local fallback) but could not be read."""
 
 
+class DeadlineExceeded(TransportTimeout):
+    """A lookup's whole-call deadline (``deadline_ms``) passed: waiting for the connection lock,
+    before a request, or during a request whose timeout the deadline had cut short."""
+
+
 def _manifest(manifest: Any):
     if hasattr(manifest, "tables"):
         return manifest
@@ -48,13 +55,19 @@ def _check_rows(rows: Any, entry: Any) -> np.ndarray:
     return check_row_ids(rows, entry.rows, entry.layer_id)
 
 
-def _fetch(client: Any, ident: bytes, rows: np.ndarray, out: np.ndarray, timeout_s: float) -> None:
+def _fetch(client: Any, ident: bytes, rows: np.ndarray, out: np.ndarray, timeout_s: float,
+           end: float | None = None) -> None:
+    """``rows`` of table ``ident`` into ``out`` in requests of ``CHUNK_ROWS`` rows, each within
+    ``timeout_s`` and all by ``end`` (``time.monotonic()`` instant, None: no whole-call bound)."""
     if hasattr(client, "lookup_many"):  # TCP: pipelined requests of CHUNK_ROWS rows
-        client.lookup_many(ident, rows.astype(np.uint64), out, timeout_s, chunk_rows=CHUNK_ROWS)
+        client.lookup_many(ident, rows.astype(np.uint64), out, timeout_s, chunk_rows=CHUNK_ROWS, end=end)
         return
     for s in range(0, rows.shape[0], CHUNK_ROWS):
         e = min(s + CHUNK_ROWS, rows.shape[0])
-        client.lookup_into(ident, rows[s:e].astype(np.uint64), [out[s:e]], timeout_s)
+        t = timeout_s if end is None else min(timeout_s, end - time.monotonic())
+        if t <= 0:
+            raise DeadlineExceeded(f"{client.endpoint}: lookup deadline passed after {s} of {rows.shape[0]} rows")
+        client.lookup_into(ident, rows[s:e].astype(np.uint64), [out[s:e]], t)
 
 
 def read_rows_remote(url: str, manifest: Any, layer_id: int, rows: Any, timeout_ms: int = 5000) -> np.ndarray:
@@ -98,12 +111,20 @@ class RemoteRowSource:
     ``manifest``: Manifest or path; ``timeout_ms``: per request of up to ``CHUNK_ROWS`` rows;
     ``required``: raise ``RemoteUnavailable`` instead of falling back; ``local``: a RowSource
     (``lookup``) or LocalRowReader (``read``) giving the exact rows on fallback.
+    ``deadline_ms``: the whole-call deadline of one ``lookup``/``lookup_layers`` (the engine's
+    ``DSV41_ENGRAM_LOOKUP_DEADLINE_MS``): it bounds the wait for the connection lock and every
+    request of the call (each request gets ``min(timeout_ms, what is left)``); past it the rows
+    come from ``local``, counted in ``deadline_exceeded`` and ``fallbacks``; None: requests are
+    bounded by ``timeout_ms`` only. ``fault_delay_ms`` (``DSV41_ENGRAM_FAULT_DELAY_MS``, drills
+    only): every layer's rows arrive that much later, as from a slow server (inside the deadline
+    and the request timeout; a delay past either is a timeout).
     ``lookup`` raises ``RowRangeError`` for ids outside the table (like the local reader).
     Thread-safe; ``close()`` stops the reconnect thread.
     """
 
     def __init__(self, urls: Any, manifest: Any, rank: int, tp: int, timeout_ms: int = 100,
-                 required: bool = False, local: Any = None) -> None:
+                 required: bool = False, local: Any = None, deadline_ms: float | None = None,
+                 fault_delay_ms: float = 0.0) -> None:
         if isinstance(urls, str):
             urls = [u.strip() for u in urls.split(",") if u.strip()]
         urls = list(urls)
@@ -115,25 +136,46 @@ class RemoteRowSource:
             raise Dsv41Error(f"{len(urls)} URLs for tp={tp}: give one per rank")
         if not 0 < timeout_ms <= MAX_TIMEOUT_MS:  # beyond it poll()/settimeout() overflow
             raise Dsv41Error(f"timeout_ms must be in (0, {MAX_TIMEOUT_MS}], got {timeout_ms}")
+        if deadline_ms is not None and not 0 < deadline_ms <= MAX_TIMEOUT_MS:
+            raise Dsv41Error(f"deadline_ms must be in (0, {MAX_TIMEOUT_MS}], got {deadline_ms}")
+        if not 0 <= fault_delay_ms <= MAX_TIMEOUT_MS:  # also refuses NaN
+            raise Dsv41Error(f"fault_delay_ms must be in [0, {MAX_TIMEOUT_MS}], got {fault_delay_ms}")
         self.url = urls[rank] if len(urls) == tp else urls[0]
         self.endpoint = parse_url(self.url)
         self.manifest = _manifest(manifest)
         self.rank, self.tp = rank, tp
         self.timeout_s = timeout_ms / 1000
+        self.deadline_s = None if deadline_ms is None else deadline_ms / 1000
+        # Seconds a call may take in all; without a deadline the largest timeout (keeps the
+        # arithmetic of the paths below free of None checks).
+        self._budget = MAX_TIMEOUT_MS / 1000 if deadline_ms is None else deadline_ms / 1000
+        # The hot path takes the lock at once or not at all (else the general path waits for it
+        # within the deadline), so its one request gets min(timeout, deadline), precomputed.
+        self._req_s = min(self.timeout_s, self._budget)
+        self._req_cut = self._budget < self.timeout_s  # its timeout is the deadline itself
+        self.fault_delay_s = fault_delay_ms / 1000
         self.required = bool(required)
         self.local = local
         self._entries = {t.layer_id: t for t in self.manifest.tables}
         self._idents = {t.layer_id: P.identity_bytes(t.identity) for t in self.manifest.tables}
-        self._tabs = {L: (self._idents[L], int(t.rows)) for L, t in self._entries.items()}  # hot path
-        # Guards the client, its one in-flight request, and the counters (updated while the
-        # request's lock is held anyway, so the hot path takes no second lock).
+        # The hot path's tables; empty under a fault delay, so drills take the general path
+        # (which applies the delay) and production's hot path carries no fault check.
+        self._tabs = {} if self.fault_delay_s else {L: (self._idents[L], int(t.rows)) for L, t in self._entries.items()}
+        # Guards the client, its one in-flight request, and the hot path's counters (updated
+        # while the request's lock is held anyway, so the hot path takes no second lock).
         self._lock = threading.Lock()
         self._rlock = threading.Lock()  # guards starting the reconnect thread
         self._c = {"lookups": 0, "rows": 0, "fallbacks": 0, "transport_errors": 0, "refusals": 0,
                    "reconnects": 0, "latency_sum_s": 0.0, "latency_count": 0, "remote_rows": 0,
-                   "connect_failures": 0}
+                   "connect_failures": 0, "deadline_exceeded": 0}
+        # Counters of the other paths (fallbacks, the general path): their own short lock, so a
+        # call that gave up waiting for the connection lock never waits for it to count.
+        self._slock = threading.Lock()
+        self._side = {"lookups": 0, "rows": 0, "fallbacks": 0, "remote_rows": 0, "latency_sum_s": 0.0,
+                      "latency_count": 0, "deadline_exceeded": 0}
         self.last_error: str | None = None
         self._client = None
+        self._retired: list = []  # failed clients, closed by the reconnect thread, never by a lookup
         self._ever_connected = False
         self._closed = threading.Event()
         self._wake = threading.Event()
@@ -151,13 +193,28 @@ class RemoteRowSource:
     def _connect(self):
         return open_client(self.endpoint, list(self._idents.values()), max(self.timeout_s, 0.5))
 
-    def _note_error_locked(self, exc: BaseException) -> None:
-        """Count a failed request (caller holds ``_lock``)."""
+    def _fail_locked(self, client: Any, exc: BaseException, deadline_hit: bool) -> None:
+        """Count a failed request and retire its connection (caller holds ``_lock``).
+
+        ``deadline_hit``: the call's deadline ended it (counted in ``deadline_exceeded``). A
+        ``DeadlineExceeded`` raised between requests leaves nothing in flight, so the
+        connection is kept; any other failure retires it (a late reply must never reach a
+        buffer), and the reconnect thread closes it: a NIXL teardown never delays the lookup."""
+        c = self._c
+        if deadline_hit or isinstance(exc, DeadlineExceeded):
+            c["deadline_exceeded"] += 1
+        if isinstance(exc, DeadlineExceeded):
+            return
         if isinstance(exc, Refused):
-            self._c["refusals"] += 1
+            c["refusals"] += 1
         else:
-            self._c["transport_errors"] += 1
+            c["transport_errors"] += 1
         self.last_error = str(exc)
+        self._client = None
+        if self._closed.is_set():
+            client.close()
+        else:
+            self._retired.append(client)
 
     def _note_connect_failure(self, exc: BaseException) -> None:
         # Failed (re)connect attempts are counted apart from lookup failures, which they would
@@ -165,6 +222,12 @@ class RemoteRowSource:
         with self._lock:
             self._c["connect_failures"] += 1
         self.last_error = str(exc)
+
+    def _close_retired(self) -> None:
+        with self._lock:
+            dead, self._retired = self._retired, []
+        for client in dead:
+            client.close()
 
     def _start_reconnect(self) -> None:
         with self._rlock:  # one reconnect thread at most, even when lookups fail concurrently
@@ -178,6 +241,7 @@ class RemoteRowSource:
     def _reconnect_loop(self) -> None:
         delay = RECONNECT_MIN_S
         while not self._closed.is_set():
+            self._close_retired()
             self._wake.wait(delay * (0.5 + random.random()))
             if self._closed.is_set():
                 return
@@ -195,6 +259,7 @@ class RemoteRowSource:
                 if self._ever_connected:
                     self._c["reconnects"] += 1
             self._ever_connected = True
+            self._close_retired()
             return
 
     @property
@@ -215,31 +280,32 @@ class RemoteRowSource:
     def lookup(self, layer_id: int, rows: Any, out: np.ndarray | None = None) -> np.ndarray:
         """Packed rows uint8[N, 264] of global row ids ``rows`` (int[N]) of ``layer_id``.
 
-        Remote first; on failure exact rows from ``local`` (fallback counted).  ``out``: optional
-        caller-owned C-contiguous uint8[N, 264] buffer to fill and return (the engine's or the
-        vLLM overlay's staging buffer: no allocation per call).  Raises ``RowRangeError`` for
-        bad ids or layers, ``RemoteUnavailable`` when required or when there is no local reader,
-        ``Dsv41Error`` for a bad ``out``.
+        Remote first, within ``deadline_ms``; on failure exact rows from ``local`` (fallback
+        counted).  ``out``: optional caller-owned C-contiguous uint8[N, 264] buffer to fill and
+        return (the engine's or the vLLM overlay's staging buffer: no allocation per call).
+        Raises ``RowRangeError`` for bad ids or layers, ``RemoteUnavailable`` when required or
+        when there is no local reader, ``Dsv41Error`` for a bad ``out``.
 
         Hot path (int64/uint64 C-contiguous ids, at most ``CHUNK_ROWS``, a connected tcp or nixl
-        client): one ``lookup_segs`` call does every check in C++ (tcp) and the counters are
-        updated under the connection lock this call holds anyway.
+        client, the connection lock free): one ``lookup_segs`` call does every check in C++
+        (tcp) and the counters are updated under the connection lock this call holds anyway.
         """
         t0 = _perf()
         tab = self._tabs.get(layer_id)
         if tab is not None and type(rows) is np.ndarray and rows.ndim == 1:
+            lock = self._lock
+            if not lock.acquire(False):  # contended: the general path waits within the deadline
+                return self._lookup_general(layer_id, rows, out, t0)
             buf = np.empty((len(rows), P.ROW_BYTES), np.uint8) if out is None else out
             failure = None
-            with self._lock:
+            try:
                 client = self._client
                 if client is not None and len(buf):
                     try:
-                        code, n, _ = client.lookup_segs(((tab[0], rows, tab[1], buf),), self.timeout_s, CHUNK_ROWS)
+                        code, n, _ = client.lookup_segs(((tab[0], rows, tab[1], buf),), self._req_s, CHUNK_ROWS)
                     except (TransportTimeout, TransportError) as exc:  # ids and out passed the checks
                         code, failure = -1, exc
-                        self._note_error_locked(exc)
-                        client.close()
-                        self._client = None
+                        self._fail_locked(client, exc, self._req_cut and isinstance(exc, TransportTimeout))
                     if code == 0:
                         c = self._c
                         c["lookups"] += 1
@@ -248,6 +314,8 @@ class RemoteRowSource:
                         c["latency_sum_s"] += _perf() - t0
                         c["latency_count"] += 1
                         return buf
+            finally:
+                lock.release()
             if failure is not None:
                 self._fall_back(failure, [(layer_id, rows, buf)])
                 self._count([len(buf)], failure, t0)
@@ -256,7 +324,8 @@ class RemoteRowSource:
 
     def _lookup_general(self, layer_id: int, rows: Any, out: np.ndarray | None, t0: float) -> np.ndarray:
         """``lookup`` for every case the hot path does not take: id conversion and checks,
-        large lookups (pipelined ``CHUNK_ROWS`` requests), disconnection and fallback."""
+        large lookups (pipelined ``CHUNK_ROWS`` requests), a busy connection lock,
+        disconnection, fault delay and fallback."""
         from dsv41.engram.shards import RowRangeError
 
         entry = self._entries.get(layer_id)
@@ -267,22 +336,61 @@ class RemoteRowSource:
         out = self._out(out, n)
         failure: BaseException | None = None
         if n:
-            with self._lock:
-                client = self._client
-                if client is None:
-                    failure = TransportError(f"not connected to {self.url}")
-                else:
-                    try:
-                        _fetch(client, self._idents[layer_id], r, out, self.timeout_s)
-                    except (TransportTimeout, TransportError) as exc:  # Refused is a TransportError
-                        failure = exc
-                        self._note_error_locked(exc)
-                        client.close()
-                        self._client = None
+            parts = [(layer_id, r, out)]
+            failure = self._remote(parts, t0)
             if failure is not None:
-                self._fall_back(failure, [(layer_id, r, out)])
+                self._fall_back(failure, parts)
         self._count([n], failure, t0)
         return out
+
+    def _remote(self, parts: list, t0: float) -> BaseException | None:
+        """Read every ``(layer_id, ids, out)`` of ``parts`` (ids and outs checked) from the
+        server within the call's deadline (``t0``: the call's ``perf_counter`` start); the
+        failure, or None when every row was written."""
+        budget = self._budget
+        lock = self._lock
+        if not (lock.acquire(False) or lock.acquire(True, max(0.0, budget - (_perf() - t0)))):
+            with self._slock:
+                self._side["deadline_exceeded"] += 1
+            return DeadlineExceeded(f"{self.url}: the connection stayed busy past the {budget * 1e3:g} ms lookup deadline")
+        try:
+            client = self._client
+            if client is None:
+                return TransportError(f"not connected to {self.url}")
+            try:
+                if self.fault_delay_s:
+                    self._fault_wait(len(parts), t0)
+                total = sum(p[1].shape[0] for p in parts)
+                if len(parts) > 1 and client.multi_table and total <= CHUNK_ROWS:
+                    t = min(self.timeout_s, budget - (_perf() - t0))
+                    if t <= 0:
+                        raise DeadlineExceeded(f"{self.url}: the {budget * 1e3:g} ms lookup deadline passed")
+                    segs = tuple((self._idents[L], r, self._entries[L].rows, o) for L, r, o in parts)
+                    code = client.lookup_segs(segs, t)[0]
+                    if code:  # ids and buffers were checked by the caller
+                        raise Dsv41Error(f"internal: lookup_segs returned {code} after checks")
+                else:
+                    end = time.monotonic() + budget - (_perf() - t0)
+                    for L, r, o in parts:
+                        if r.shape[0]:
+                            _fetch(client, self._idents[L], r, o, self.timeout_s, end)
+            except (TransportTimeout, TransportError) as exc:  # Refused is a TransportError
+                self._fail_locked(client, exc, isinstance(exc, TransportTimeout) and _perf() - t0 >= budget)
+                return exc
+            return None
+        finally:
+            lock.release()
+
+    def _fault_wait(self, layers: int, t0: float) -> None:
+        """The drill's slow server: ``layers x fault_delay`` before the rows arrive, bounded by
+        the request timeout and the call's deadline (TransportTimeout when it reaches either)."""
+        want = self.fault_delay_s * layers
+        t = min(self.timeout_s, self._budget - (_perf() - t0))
+        if want >= t:
+            time.sleep(max(t, 0.0))
+            raise TransportTimeout(f"{self.url}: rows delayed {want * 1e3:g} ms (DSV41_ENGRAM_FAULT_DELAY_MS), "
+                                   f"past the {max(t, 0.0) * 1e3:.0f} ms left to the request")
+        time.sleep(want)
 
     def lookup_layers(self, layer_ids: Any, rows: Any, outs: Any = None) -> list[np.ndarray]:
         """Rows of several layers (e.g. both Engram layers of a step) in one round trip.
@@ -291,26 +399,27 @@ class RemoteRowSource:
         None or one caller-owned buffer (uint8[N_i, 264], or None) per layer.  Returns the list
         of uint8[N_i, 264] arrays.  Over tcp the layers travel as one ``OP_LOOKUP_MULTI``
         request when the server speaks protocol version 2 (else one request per layer); over
-        nixl as one READ.  Same errors, counters (one lookup per layer) and fallback as
-        ``lookup``: a failure falls back for every layer of the call.
+        nixl as one READ.  Same errors, deadline, counters (one lookup per layer) and fallback
+        as ``lookup``: a failure falls back for every layer of the call.
         """
         t0 = _perf()
         if outs is not None and len(layer_ids) == len(rows) == len(outs) == 2:  # the decode step
             tabs = self._tabs
             a, b = tabs.get(layer_ids[0]), tabs.get(layer_ids[1])
             if a is not None and b is not None:
+                lock = self._lock
+                if not lock.acquire(False):  # contended: the general path waits within the deadline
+                    return self._lookup_layers_general(layer_ids, rows, outs, t0)
                 failure = None
-                with self._lock:
+                try:
                     client = self._client
                     if client is not None and client.multi_table:
                         try:
                             code, n, _ = client.lookup_segs(((a[0], rows[0], a[1], outs[0]), (b[0], rows[1], b[1], outs[1])),
-                                                            self.timeout_s, CHUNK_ROWS)
+                                                            self._req_s, CHUNK_ROWS)
                         except (TransportTimeout, TransportError) as exc:  # ids and outs passed the checks
                             code, failure = -1, exc
-                            self._note_error_locked(exc)
-                            client.close()
-                            self._client = None
+                            self._fail_locked(client, exc, self._req_cut and isinstance(exc, TransportTimeout))
                         if code == 0 and n:
                             c = self._c
                             c["lookups"] += 2
@@ -319,6 +428,8 @@ class RemoteRowSource:
                             c["latency_sum_s"] += _perf() - t0
                             c["latency_count"] += 1
                             return list(outs)
+                finally:
+                    lock.release()
                 if failure is not None:
                     parts = [(layer_ids[0], rows[0], outs[0]), (layer_ids[1], rows[1], outs[1])]
                     self._fall_back(failure, parts)
@@ -341,32 +452,11 @@ class RemoteRowSource:
                 raise RowRangeError(f"manifest has no table for layer {layer_id}")
             r = _check_rows(rows[k], entry)
             parts.append((layer_id, r, self._out(None if outs is None else outs[k], r.shape[0])))
-        total = sum(p[1].shape[0] for p in parts)
         failure: BaseException | None = None
-        with self._lock:
-            client = self._client
-            if client is None:
-                failure = TransportError(f"not connected to {self.url}")
-            elif total:
-                try:
-                    if client.multi_table and total <= CHUNK_ROWS:
-                        segs = tuple((self._idents[L], r, self._entries[L].rows, o) for L, r, o in parts)
-                        code = client.lookup_segs(segs, self.timeout_s)[0]
-                        if code:  # ids and buffers were checked above
-                            raise Dsv41Error(f"internal: lookup_segs returned {code} after checks")
-                    else:
-                        for L, r, o in parts:
-                            if r.shape[0]:
-                                _fetch(client, self._idents[L], r, o, self.timeout_s)
-                except (TransportTimeout, TransportError) as exc:
-                    failure = exc
-                    self._note_error_locked(exc)
-                    client.close()
-                    self._client = None
-        if failure is not None and total:
-            self._fall_back(failure, parts)
-        elif failure is not None:
-            failure = None  # nothing to read: nothing fell back
+        if sum(p[1].shape[0] for p in parts):
+            failure = self._remote(parts, t0)
+            if failure is not None:
+                self._fall_back(failure, parts)
         self._count([p[1].shape[0] for p in parts], failure, t0)
         return [p[2] for p in parts]
 
@@ -381,7 +471,8 @@ class RemoteRowSource:
 
     def _fall_back(self, failure: BaseException, parts: list) -> None:
         """Fill every ``(layer_id, ids, out)`` of ``parts`` from the local reader, or raise."""
-        self._start_reconnect()
+        if not isinstance(failure, DeadlineExceeded) or self._client is None:
+            self._start_reconnect()  # a busy but healthy connection needs no reconnect
         if self.required:
             raise RemoteUnavailable(f"remote Engram {self.url} is required but failed: {failure}") from None
         if self.local is None:
@@ -394,8 +485,8 @@ class RemoteRowSource:
 
     def _count(self, ns: list[int], failure: BaseException | None, t0: float) -> None:
         n = sum(ns)
-        with self._lock:  # the connection lock: counters have no lock of their own
-            c = self._c
+        with self._slock:  # never the connection lock: a call past its deadline must not wait
+            c = self._side
             c["lookups"] += len(ns)
             c["rows"] += n
             c["latency_sum_s"] += _perf() - t0
@@ -407,13 +498,20 @@ class RemoteRowSource:
 
     def counters(self) -> dict:
         """Counters: lookups, rows, fallbacks, transport_errors, refusals, reconnects,
-        latency_sum_s, latency_count (+ remote_rows, connect_failures, connected, source, url).
+        latency_sum_s, latency_count (+ remote_rows, connect_failures, deadline_exceeded
+        (calls whose deadline passed; each is also a fallback), connected, source, url,
+        deadline_ms, and fault_delay_ms when a fault delay is set).
 
         Read without a lock (a dict copy is one step under the GIL), so a snapshot never waits
         for a request in flight; one taken while a lookup is being counted may show that lookup
         partly counted."""
         c = dict(self._c)
-        c.update(source=self.endpoint.scheme, url=self.url, connected=self._client is not None)
+        for k, v in dict(self._side).items():
+            c[k] += v
+        c.update(source=self.endpoint.scheme, url=self.url, connected=self._client is not None,
+                 deadline_ms=None if self.deadline_s is None else self.deadline_s * 1e3)
+        if self.fault_delay_s:
+            c["fault_delay_ms"] = self.fault_delay_s * 1e3
         return c
 
     def close(self) -> None:
@@ -426,5 +524,6 @@ class RemoteRowSource:
                 self._client = None
         if self._thread is not None:
             self._thread.join(timeout=5)
+        self._close_retired()
         if self.local is not None and hasattr(self.local, "close"):
             self.local.close()

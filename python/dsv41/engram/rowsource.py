@@ -152,9 +152,13 @@ def from_env(manifest: Any, data_dir: str | os.PathLike | None, rank: int, tp: i
     environment).
 
     ``DSV41_ENGRAM_REMOTE`` unset/empty -> :class:`LocalRowSource` over a LocalRowReader of
-    ``data_dir``.  Otherwise ``dsv41.engram.client.RemoteRowSource(urls, manifest, rank, tp,
-    timeout_ms, required, local=reader)`` with ``urls`` the validated URL strings (one per
-    rank) and ``reader`` the local exact fallback (None when ``data_dir`` is None).
+    ``data_dir`` (wrapped by ``fault.DelayedRowSource`` under ``DSV41_ENGRAM_FAULT_DELAY_MS``).
+    Otherwise ``dsv41.engram.client.RemoteRowSource(urls, manifest, rank, tp, timeout_ms,
+    required, local=reader, deadline_ms=DSV41_ENGRAM_LOOKUP_DEADLINE_MS,
+    fault_delay_ms=DSV41_ENGRAM_FAULT_DELAY_MS)`` with ``urls`` the validated URL strings (one
+    per rank) and ``reader`` the local exact fallback (None when ``data_dir`` is None): the
+    engine's lookup deadline and the drill's delay live inside the remote source (no wrapper,
+    no helper thread per lookup).
     ``manifest``: Manifest or path.  ConfigError on bad settings, rank/tp, or a missing client.
     """
     from dsv41.engram import fault
@@ -181,5 +185,6 @@ def from_env(manifest: Any, data_dir: str | os.PathLike | None, rank: int, tp: i
             raise ConfigError("DSV41_ENGRAM_REMOTE is set but dsv41.engram.client is not installed") from None
         raise
     reader = LocalRowReader(m, Path(data_dir), threads=threads) if data_dir is not None else None
-    return fault.wrap(client.RemoteRowSource([str(u) for u in urls], m, rank, tp, timeout_ms, required, local=reader),
-                      settings.engram_fault_delay_ms)
+    return client.RemoteRowSource([str(u) for u in urls], m, rank, tp, timeout_ms, required, local=reader,
+                                  deadline_ms=settings.engram_lookup_deadline_ms,
+                                  fault_delay_ms=settings.engram_fault_delay_ms)

@@ -61,7 +61,7 @@ def serve_cmd(
             raise Dsv41Error(f"--master must be ADDR:PORT, got {master!r}")
     if rank == 0 and not 0 < port < 65536:
         raise Dsv41Error(f"--port must be in [1, 65535], got {port}")
-    from dsv41.engine.deadline import deadlines_from_settings, guard_row_source
+    from dsv41.engine.deadline import deadlines_from_settings
     from dsv41.engine.model import TargetModel
     from dsv41.engine.model_config import load_config
     from dsv41.engine.weights import load_weights, target_identity
@@ -70,7 +70,7 @@ def serve_cmd(
     w = load_weights(cfg, weights)
     identity = target_identity(config, weights)
     deadlines = deadlines_from_settings(settings)
-    rows = guard_row_source(row_source(manifest, data, rank, tp, settings), deadlines.engram_lookup_s)
+    rows = row_source(manifest, data, rank, tp, settings)  # remote: its lookup deadline inside
     drain = {"flag": False}
     if tp > 1:
         from dsv41.engine.tp import DistComm

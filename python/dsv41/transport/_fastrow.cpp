@@ -448,12 +448,13 @@ py::tuple client_lookup(int fd, uint64_t gen, py::bytes ident, py::array_t<uint6
 
 // Pipelined lookup of many rows: requests of `chunk` rows, up to `window` in flight, replies
 // received in order straight into `out` (uint8[N,264]).  Each reply must arrive within
-// `timeout_ns` of the previous one (the same budget a sequential request would get).
+// `timeout_ns` of the previous one (the same budget a sequential request would get), and every
+// reply by `end_ns` (absolute CLOCK_MONOTONIC ns, the caller's whole-call deadline; 0 = none).
 // Generations gen0, gen0+1, ... Returns (code, status, chunk_index) with the codes of
 // client_lookup; on any code != 0 the caller must close the socket (requests may be in flight).
 py::tuple client_lookup_many(int fd, uint64_t gen0, py::bytes ident, py::array_t<uint64_t, py::array::c_style> rows,
                              py::array_t<uint8_t, py::array::c_style> out, uint32_t chunk, uint32_t window,
-                             int64_t timeout_ns, int64_t spin_ns) {
+                             int64_t timeout_ns, int64_t spin_ns, int64_t end_ns) {
   std::string id = ident;
   if (id.size() != 32) throw std::invalid_argument("identity must be 32 bytes");
   if (chunk == 0 || chunk > kMaxRows || window == 0) throw std::invalid_argument("bad chunk/window");
@@ -480,7 +481,8 @@ py::tuple client_lookup_many(int fd, uint64_t gen0, py::bytes ident, py::array_t
     uint8_t rep[kRep];
     size_t rgot = 0;          // bytes of the current reply (header then rows) received
     bool in_payload = false;
-    int64_t deadline = now_ns() + timeout_ns;
+    auto budget = [&]() { int64_t d = now_ns() + timeout_ns; return end_ns > 0 && end_ns < d ? end_ns : d; };
+    int64_t deadline = budget();
     int64_t spin_until = now_ns() + spin_ns;
     while (recv_idx < nchunks && code == 0) {
       bool progressed = false;
@@ -538,7 +540,7 @@ py::tuple client_lookup_many(int fd, uint64_t gen0, py::bytes ident, py::array_t
           in_payload = false;
           rgot = 0;
           recv_idx++;
-          deadline = now_ns() + timeout_ns;  // next reply gets its own full budget
+          deadline = budget();  // next reply: its own full budget, within the whole-call deadline
           if (recv_idx == nchunks) break;
           if (send_idx < nchunks && send_idx - recv_idx < window) break;  // go send the next request
         }
@@ -655,6 +657,9 @@ PYBIND11_MODULE(_fastrow, m) {
       .def("run", &Connection::run)
       .def("reply", &Connection::reply);
   m.def("client_lookup", &client_lookup);
-  m.def("client_lookup_many", &client_lookup_many);
+  // end_ns defaults to 0 (no whole-call deadline), so callers of the 9-argument form keep working
+  m.def("client_lookup_many", &client_lookup_many, py::arg("fd"), py::arg("gen0"), py::arg("ident"), py::arg("rows"),
+        py::arg("out"), py::arg("chunk"), py::arg("window"), py::arg("timeout_ns"), py::arg("spin_ns"),
+        py::arg("end_ns") = 0);
   m.def("client_lookup_segs", &client_lookup_segs);
 }

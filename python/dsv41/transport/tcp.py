@@ -326,12 +326,14 @@ class TcpClient:
         return 0, total, 0
 
     def lookup_many(self, identity: bytes, rows: np.ndarray, out: np.ndarray, timeout_s: float,
-                    chunk_rows: int = 16384, window: int = 4) -> None:
+                    chunk_rows: int = 16384, window: int = 4, end: float | None = None) -> None:
         """Fetch any number of rows into ``out`` (C-contiguous uint8 ``[N, 264]``) as requests of
         ``chunk_rows`` rows; on the C++ path up to ``window`` requests are in flight at once
         (the server gathers the next piece while this client receives the previous one).
-        Each reply must arrive within ``timeout_s`` of the previous one.  Raises like
-        ``lookup_into``; after any error the connection is closed.
+        Each reply must arrive within ``timeout_s`` of the previous one, and all of them by
+        ``end`` (a ``time.monotonic()`` instant: the caller's whole-call deadline; None: no such
+        bound).  Raises like ``lookup_into`` (``TransportTimeout`` once either bound passes);
+        after any error the connection is closed.
         """
         if self.sock is None:
             raise TransportError(f"not connected to {self.endpoint}")
@@ -346,7 +348,10 @@ class TcpClient:
         if not self.native:
             try:
                 for s in range(0, n, chunk_rows):
-                    self.lookup_into(identity, rows[s : s + chunk_rows], [out[s : s + chunk_rows]], timeout_s)
+                    t = timeout_s if end is None else min(timeout_s, end - time.monotonic())
+                    if t <= 0:
+                        raise self._fail(TransportTimeout(f"request to {self.endpoint} missed the lookup deadline"))
+                    self.lookup_into(identity, rows[s : s + chunk_rows], [out[s : s + chunk_rows]], t)
             except Refused:
                 self.close()  # same contract as the pipelined path
                 raise
@@ -355,7 +360,8 @@ class TcpClient:
         gen0 = next(self._gen)
         self._gen = itertools.count(gen0 + nchunks)
         code, status, _ = _native._fastrow.client_lookup_many(
-            self.sock.fileno(), gen0, identity, rows, out, chunk_rows, window, int(timeout_s * 1e9), int(self.spin_s * 1e9)
+            self.sock.fileno(), gen0, identity, rows, out, chunk_rows, window, int(timeout_s * 1e9), int(self.spin_s * 1e9),
+            0 if end is None else max(1, int(end * 1e9)),  # time.monotonic() is CLOCK_MONOTONIC, as the C++ now_ns()
         )
         if code == 0:
             return
