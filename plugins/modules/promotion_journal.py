@@ -40,6 +40,7 @@ attributes:
     description: V(append) writes nothing in check mode (a check run changes nothing).
   diff_mode:
     support: none
+    description: A journal line is a log entry, not a change to show.
 requirements:
   - the dsv41 Python package on the controller
 author:

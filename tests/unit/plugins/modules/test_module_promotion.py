@@ -31,7 +31,7 @@ def test_record_check_mode_writes_nothing_then_records_idempotently(tmp_path, ru
 
 
 def test_read_verify_plan_and_tamper(tmp_path, run_module):
-    _, rec = _record(run_module, tmp_path)
+    rec = _record(run_module, tmp_path)[1]
     pid = rec["id"]
     kind, res = run_module(promotion_package, {"action": "plan", "root": str(tmp_path), "id": pid[:10],
                                                "hosts": {"sparkhead": {"/etc/dsv41/a.env": "0" * 64, "/etc/dsv41/x.env": "1" * 64}}})
