@@ -11,7 +11,8 @@ import json
 
 import pytest
 from labutil import needs_lab, play
-from test_promotion_lab import CANDIDATE, JOURNAL, PACKAGES, assert_verified_production, dsv41, run_until_step
+from test_promotion_lab import (CANDIDATE, JOURNAL, PACKAGES, assert_verified_production, dsv41, listing, production,
+                                recap_changed, run_until_step)
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab]
 
@@ -33,6 +34,21 @@ def test_kill_promote_then_rerun(deployed_lab, step):
     r = play("playbooks/rollback.yml", "-e", "to=" + p0)
     assert r.returncode == 0, r.stdout[-5000:]
     assert assert_verified_production() == p0
+
+
+def test_check_mode_and_idempotent_promote(deployed_lab):
+    p0 = assert_verified_production()
+    before = listing()
+    r = play("promote.yml", *CANDIDATE, "--check", "--diff")
+    assert r.returncode == 0, r.stdout[-5000:]
+    assert production() == p0 and listing() == before
+    r = play("promote.yml", *CANDIDATE)
+    assert r.returncode == 0, r.stdout[-5000:]
+    r = play("promote.yml", *CANDIDATE)
+    assert r.returncode == 0 and set(recap_changed(r.stdout).values()) == {0}, recap_changed(r.stdout)
+    r = play("playbooks/rollback.yml", "-e", "to=" + p0)
+    assert r.returncode == 0, r.stdout[-5000:]
+    assert assert_verified_production() == p0 and listing() == before
 
 
 @pytest.mark.parametrize("step", ["begin", "held", "verified"])
