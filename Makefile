@@ -8,7 +8,7 @@ PIP := $(BIN)/python -m pip
 CONSTRAINTS := constraints.txt
 NIXL_PIN := nixl-cu12==1.5.1
 
-.PHONY: venv test unit lint sanity deploy lab-down bench fuzz drill window-drills clean rollback-components
+.PHONY: venv test unit lint sanity deploy lab-down promotion-kill bench fuzz drill window-drills clean rollback-components
 
 venv: $(VENV)/.stamp
 
@@ -38,6 +38,10 @@ deploy: venv
 
 lab-down: venv
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/ansible-playbook playbooks/lab_down.yml
+
+# SIGKILL of promote.yml / rollback.yml at every journal step, then a converging re-run (docs/promotion.md)
+promotion-kill: venv
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -p no:cacheprovider tests/integration/kill_promotion_matrix.py
 
 bench: venv
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -s -p no:cacheprovider tests/perf

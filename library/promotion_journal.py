@@ -1,0 +1,1 @@
+../plugins/modules/promotion_journal.py

@@ -1,0 +1,1 @@
+../plugins/modules/promotion_package.py

@@ -1,0 +1,197 @@
+"""Promotion packages on the lab: promote (forced), verify, roll back exactly (sha256 listing before ==
+after), promote again (same id), bad input refused before anything changes, and a SIGKILL of
+ansible-playbook at journal points followed by a re-run that converges to a verified package.
+
+Uses the shared ``deployed_lab`` (deploy.yml recorded the initial package). Leaves the lab on the
+initial package (production). Heavier kill matrices: tests/perf/test_promotion_kill.py.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import yaml
+from labutil import BIN, ROOT, env, inside, needs_lab, play
+
+pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab]
+
+HOSTS = ("x86host", "sparkworker", "sparkhead")
+PACKAGES = ROOT / "packages"
+JOURNAL = PACKAGES / "journal.jsonl"
+CANDIDATE = ["-e", "candidate=sync-drafter", "-e", "force=true", "-e", "reason=lab-promotion-test"]
+
+
+def pointer(host: str) -> str:
+    """The package id ``host`` runs (/opt/dsv41/packages/current)."""
+    return inside(host, "cat", "/opt/dsv41/packages/current").stdout.strip()
+
+
+def production() -> str:
+    """The one package every host points at (asserts they agree)."""
+    ids = {h: pointer(h) for h in HOSTS}
+    assert len(set(ids.values())) == 1, ids
+    return ids["sparkhead"]
+
+
+def listing() -> dict[str, dict[str, str]]:
+    """``{host: {path: sha256}}`` of every managed file, by the same paths and patterns as
+    roles/dsv41 (dsv41_managed_paths), read inside each simulated host."""
+    spec = yaml.safe_load((ROOT / "roles/dsv41/defaults/main.yml").read_text())["dsv41_managed_paths"]
+    out = {}
+    for h in HOSTS:
+        r = inside(h, "sh", "-c", "find " + " ".join(s["path"] for s in spec)
+                   + " -type f -exec sha256sum {} + 2>/dev/null", check=False)
+        files = {}
+        for line in r.stdout.splitlines():
+            sha, path = line.split(None, 1)
+            for s in spec:
+                if path.startswith(s["path"] + "/") and any(fnmatch.fnmatch(os.path.basename(path), p) for p in s["patterns"]):
+                    files[path] = sha
+        out[h] = files
+    return out
+
+
+def package_listing(pid: str) -> dict[str, dict[str, str]]:
+    doc = json.loads((PACKAGES / pid / "package.json").read_text())
+    return {h: {p: f["sha256"] for p, f in doc["hosts"][h]["files"].items()} for h in HOSTS}
+
+
+def dsv41(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "dsv41"), *args], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+
+
+def recap_changed(out: str) -> dict[str, int]:
+    """``{host: changed}`` from the PLAY RECAP of an ansible-playbook run."""
+    tail = out[out.rindex("PLAY RECAP"):]
+    return {line.split()[0]: int(line.split("changed=")[1].split()[0]) for line in tail.splitlines() if "changed=" in line}
+
+
+def assert_verified_production() -> str:
+    """Every host points at one package, the package verifies, and every managed file equals it."""
+    pid = production()
+    r = dsv41("package", "verify", pid, "--root", str(PACKAGES))
+    assert r.returncode == 0, r.stderr
+    assert listing() == package_listing(pid)
+    return pid
+
+
+def test_promote_verify_rollback_exact_promote_again(deployed_lab):
+    p0 = assert_verified_production()
+    before = listing()
+    history0 = inside("sparkhead", "cat", "/opt/dsv41/packages/history").stdout
+    # deploy.yml's record step again: same id, nothing changed
+    r = play("playbooks/promotion_record.yml")
+    assert r.returncode == 0 and set(recap_changed(r.stdout).values()) == {0}, r.stdout[-3000:]
+    assert production() == p0
+
+    # bad input: one clear error, nothing changed
+    r = play("promote.yml", "-e", "candidate=sync-drafter")
+    assert r.returncode != 0 and "promotion needs window=ID" in r.stdout
+    wdir = ROOT / "windows" / "promotion-test-nochange"
+    wdir.mkdir(parents=True, exist_ok=True)
+    (wdir / "decision.json").write_text(json.dumps({"verdict": "NO-CHANGE"}))
+    try:
+        r = play("promote.yml", "-e", "candidate=sync-drafter", "-e", "window=promotion-test-nochange")
+        assert r.returncode != 0 and "decided 'NO-CHANGE', not WIN" in r.stdout
+    finally:
+        (wdir / "decision.json").unlink()
+        wdir.rmdir()
+    r = play("playbooks/rollback.yml", "-e", "to=" + "f" * 64)
+    assert r.returncode != 0 and "unknown package" in r.stdout
+    assert production() == p0 and listing() == before
+
+    # promote (forced), verified
+    r = play("promote.yml", *CANDIDATE)
+    assert r.returncode == 0, r.stdout[-5000:]
+    p1 = assert_verified_production()
+    assert p1 != p0
+    d = json.loads(dsv41("package", "diff", p0, p1, "--root", str(PACKAGES), "--json").stdout)
+    assert set(d["hosts"]) <= {"sparkhead", "sparkworker"} and d["hosts"], d
+    assert d["provenance"]["reason"] == [None, "lab-promotion-test"]
+    assert "promote sync-drafter" in inside("sparkhead", "cat", "/opt/dsv41/packages/history").stdout
+
+    # a tampered package is refused before anything changes
+    blob = next((PACKAGES / p0 / "files" / "sparkhead").rglob("*.env"))
+    good = blob.read_bytes()
+    blob.write_bytes(good + b"# tampered\n")
+    try:
+        r = play("playbooks/rollback.yml")
+        assert r.returncode != 0 and "tampered" in r.stdout
+        assert production() == p1
+    finally:
+        blob.write_bytes(good)
+
+    # exact rollback: sha256 listing identical to before the promotion
+    r = play("playbooks/rollback.yml")
+    assert r.returncode == 0, r.stdout[-5000:]
+    assert assert_verified_production() == p0
+    assert listing() == before
+    assert "MISMATCH" not in r.stdout
+    # idempotent: a second rollback changes nothing
+    r = play("playbooks/rollback.yml")
+    assert r.returncode == 0, r.stdout[-5000:]
+    assert production() == p0 and set(recap_changed(r.stdout).values()) == {0}, recap_changed(r.stdout)
+
+    # promote again: the same production gets the same id
+    r = play("promote.yml", *CANDIDATE)
+    assert r.returncode == 0, r.stdout[-5000:]
+    assert assert_verified_production() == p1
+
+    # leave the lab as deploy.yml made it
+    r = play("playbooks/rollback.yml", "-e", "to=" + p0[:12])
+    assert r.returncode == 0, r.stdout[-5000:]
+    assert assert_verified_production() == p0 and listing() == before
+    assert inside("sparkhead", "cat", "/opt/dsv41/packages/history").stdout.startswith(history0)
+
+
+def run_until_step(playbook_args: list[str], step: str, timeout: float = 600) -> dict:
+    """Start ``ansible-playbook ARGS``, SIGKILL its whole process group as soon as a journal entry
+    of a new operation with ``step`` appears, and return that entry."""
+    n0 = len(JOURNAL.read_text().splitlines()) if JOURNAL.exists() else 0
+    proc = subprocess.Popen([str(BIN / "ansible-playbook"), *playbook_args], cwd=ROOT, env=env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            lines = JOURNAL.read_text().splitlines()[n0:] if JOURNAL.exists() else []
+            for line in lines:
+                e = json.loads(line)
+                if e["step"] == step:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(30)
+                    return e
+            assert proc.poll() is None, f"{playbook_args} ended (rc {proc.returncode}) before journal step {step}"
+            time.sleep(0.2)
+        raise AssertionError(f"no journal step {step} within {timeout} s")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def test_sigkill_then_rerun_converges(deployed_lab):
+    p0 = assert_verified_production()
+    before = listing()
+    # killed after the candidate was applied to x86host and while the Sparks change: a re-run
+    # reverts to p0 (nothing verified yet), then promotes
+    run_until_step(["promote.yml", *CANDIDATE], "applied")
+    d = json.loads(dsv41("package", "journal", "--path", str(JOURNAL), "--json").stdout)
+    assert d["action"] == "revert" and d["package"] == p0, d
+    r = play("promote.yml", *CANDIDATE)
+    assert r.returncode == 0, r.stdout[-5000:]
+    assert "reverting to" in r.stdout
+    p1 = assert_verified_production()
+    assert p1 != p0
+    # killed after the HOLD of a rollback: the re-run finishes the rollback
+    run_until_step(["playbooks/rollback.yml"], "held")
+    d = json.loads(dsv41("package", "journal", "--path", str(JOURNAL), "--json").stdout)
+    assert d["action"] == "finish" and d["package"] == p0, d
+    r = play("playbooks/rollback.yml")
+    assert r.returncode == 0, r.stdout[-5000:]
+    assert assert_verified_production() == p0 and listing() == before
