@@ -48,7 +48,7 @@ def _args(serving, **kw):
 
 
 def test_check_mode_sends_no_traffic(serving, run_module):
-    s, _ = serving
+    s = serving[0]
     calls = len(s.calls)
     kind, res = run_module(component_check, dict(_args(serving), _ansible_check_mode=True))
     assert kind == "exit" and not res["changed"] and "checks" not in res
