@@ -19,9 +19,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
+# Failed in the 2026-12-01 combined CI run after the lab fixture was shared (cause not yet
+# diagnosed): under make lab-long until it is.
 pytestmark = [
     pytest.mark.lab,
     pytest.mark.slow,
+    pytest.mark.lab_long,
     pytest.mark.skipif(os.geteuid() != 0 or not all(shutil.which(c) for c in ("ip", "nsenter", "unshare")),
                        reason="needs root, iproute2 and util-linux for the lab's network namespaces"),
 ]
