@@ -5,9 +5,13 @@ in the same run on the same machine:
    process) vs a bare C TCP ping-pong (``tcp_pingpong.c``, compiled here with gcc) moving the
    same request/reply byte counts on the same loopback: the bare transport call and
    ``RemoteRowSource.lookup`` into a caller buffer (targets p50 <= 1.2x, p99 <= 1.3x the floor),
-   and both layers in one ``lookup_layers`` request; 40 interleaved rounds with the arms'
-   order rotating, the scheduler's placement and then client/server pinned to two CPUs; load
-   averages and per-round ratios recorded.
+   each with busy-polling on (``DSV41_TRANSPORT_CLIENT_SPIN_US`` / ``_SERVER_SPIN_US`` defaults:
+   client and server spin before they sleep) and off (both 0: a second server process), all
+   against the same blocking C floor in the same rounds; calls after 1 ms idle (the decode
+   cadence: the server thread has gone to sleep) for both settings; both layers in one
+   ``lookup_layers`` request; 40 interleaved rounds with the arms' order rotating, the
+   scheduler's placement and then client/server pinned to two CPUs; load averages and
+   per-round ratios recorded.
 2. prefill-size lookup (786,432 rows = 32K tokens x 12 columns x 2 layers, one TP2 rank) through
    ``RemoteRowSource`` vs the local reader with the page cache evicted; target remote >= 20x.
 3. server table load (parallel O_DIRECT + overlapped sha256 + verify) vs a raw O_DIRECT
@@ -39,6 +43,7 @@ os.environ.setdefault("UCX_TLS", "tcp")
 
 from benchutil import evict, machine  # noqa: E402
 
+from dsv41 import envs  # noqa: E402
 from dsv41.engram import reader  # noqa: E402
 from dsv41.engram import synthetic  # noqa: E402
 from dsv41.engram.client import RemoteRowSource  # noqa: E402
@@ -52,6 +57,12 @@ LAB = REPO / "python/dsv41/data/lab_model.json"
 ROWS = int(os.environ.get("DSV41_BENCH_ROWS", "2000000"))
 ENV = {**os.environ, "UCX_TLS": os.environ.get("UCX_TLS", "tcp"), "OMP_NUM_THREADS": "1"}
 RESULTS: list[dict] = []
+#: Busy-poll budgets (us) of the "spin on" arms: the shipped defaults (envs.ENV_VARS).
+SPIN_CLIENT_US = envs.ENV_VARS["DSV41_TRANSPORT_CLIENT_SPIN_US"].default
+SPIN_SERVER_US = envs.ENV_VARS["DSV41_TRANSPORT_SERVER_SPIN_US"].default
+#: Idle time (s) before each call of the gap arms: a decode step's spacing order of magnitude,
+#: far past both spin budgets, so the server thread is asleep when the request arrives.
+GAP_S = 0.001
 
 
 def record(name: str, **kv) -> None:
@@ -79,9 +90,11 @@ def shards(tmp_path_factory):
 
 
 class Served:
-    def __init__(self, man: Path, tmp: Path, pure: bool = False):
+    def __init__(self, man: Path, tmp: Path, pure: bool = False, server_spin_us: int = SPIN_SERVER_US):
         self.ready = tmp / f"ready-{os.getpid()}-{time.monotonic_ns()}.json"
-        env = {**ENV, "DSV41_TRANSPORT_PURE": "1"} if pure else ENV
+        env = {**ENV, "DSV41_TRANSPORT_SERVER_SPIN_US": str(server_spin_us)}
+        if pure:
+            env["DSV41_TRANSPORT_PURE"] = "1"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dsv41.engram.remote_cli", "serve", "--manifest", str(man),
              "--listen", "tcp://127.0.0.1:0", "--listen", "nixl://127.0.0.1:0", "--ready-file", str(self.ready)],
@@ -102,6 +115,15 @@ class Served:
 def server(shards, tmp_path_factory):
     m, d = shards
     s = Served(d / "manifest.json", tmp_path_factory.mktemp("srv"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def server_nospin(shards, tmp_path_factory):
+    """A second table server with busy-polling off (DSV41_TRANSPORT_SERVER_SPIN_US=0)."""
+    m, d = shards
+    s = Served(d / "manifest.json", tmp_path_factory.mktemp("srv0"), server_spin_us=0)
     yield s
     s.stop()
 
@@ -170,6 +192,18 @@ def timed_block(fn, n: int) -> list[float]:
     return ts
 
 
+def timed_gap_block(fn, n: int, gap_s: float = GAP_S) -> list[float]:
+    """n calls of ``fn()``, each after ``gap_s`` of sleep (not timed), in microseconds."""
+    ts = []
+    pc = time.perf_counter_ns
+    for _ in range(n):
+        time.sleep(gap_s)
+        t0 = pc()
+        fn()
+        ts.append((pc() - t0) / 1e3)
+    return ts
+
+
 def pin_process(pid: int, cpus: set[int] | None) -> dict[int, set[int]]:
     """Set the affinity of every thread of ``pid`` (threads it creates later inherit it); returns
     the previous affinities to restore with ``restore_affinity``."""
@@ -193,15 +227,17 @@ def restore_affinity(old: dict[int, set[int]]) -> None:
 
 
 #: Decode bench shape: ROUNDS rounds, each a block of BLOCK calls of every primary arm (C floor,
-#: bare tcp call, RemoteRowSource.lookup) in an order that rotates every round, so drift in the
+#: bare tcp call and RemoteRowSource.lookup with busy-polling on and off) in an order that rotates every round, so drift in the
 #: machine's load hits every arm alike; the first WARM_ROUNDS rounds are discarded.
 ROUNDS, BLOCK, WARM_ROUNDS = 40, 100, 2
 
 
-def decode_arms(m, server, pingpong, n: int, rng, cpus) -> dict:
+def decode_arms(m, server, server0, pingpong, n: int, rng, cpus) -> dict:
     """One interleaved measurement of every decode arm at ``n`` rows; ``cpus`` = (client cpu,
-    server cpu) that the bench thread, the table server's threads and the two ends of the C
-    ping-pong are pinned to, or None (the scheduler decides for all of them)."""
+    server cpu) that the bench thread, both table servers' threads and the two ends of the C
+    ping-pong are pinned to, or None (the scheduler decides for all of them).  ``server``
+    busy-polls for requests (SPIN_SERVER_US) and its clients for replies (SPIN_CLIENT_US);
+    ``server0`` and its clients never spin (the ``*_nospin`` arms)."""
     ident = P.identity_bytes(m.table(1).identity)
     rows = rng.integers(0, m.table(1).rows, n).astype(np.int64)
     rows2 = [rows, rng.integers(0, m.table(2).rows, n).astype(np.int64)]
@@ -210,23 +246,30 @@ def decode_arms(m, server, pingpong, n: int, rng, cpus) -> dict:
     req2, rep2 = P.REQ.size + 2 * P.SEG.size + 16 * n, P.REP.size + 2 * P.ROW_BYTES * n
     old_self = os.sched_getaffinity(0)
     old_srv = pin_process(server.proc.pid, None if cpus is None else {cpus[1]})
+    old_srv0 = pin_process(server0.proc.pid, None if cpus is None else {cpus[1]})
     if cpus is not None:
         os.sched_setaffinity(0, {cpus[0]})
     try:
-        c = open_client(server.tcp, [ident])
+        c = open_client(server.tcp, [ident], spin_us=SPIN_CLIENT_US)
+        c0 = open_client(server0.tcp, [ident], spin_us=0)
         xc = open_client(server.nixl, [ident])
-        src = RemoteRowSource(server.tcp, m, 0, 1, timeout_ms=100)
+        src = RemoteRowSource(server.tcp, m, 0, 1, timeout_ms=100, spin_us=SPIN_CLIENT_US)
+        src0 = RemoteRowSource(server0.tcp, m, 0, 1, timeout_ms=100, spin_us=0)
         assert src._client.multi_table  # the server speaks protocol version 2
+        assert src._client.spin_us == SPIN_CLIENT_US and src0._client.spin_us == 0
         fl = Floor(pingpong, req, rep, cpus or (-1, -1))
         fl2 = Floor(pingpong, req2, rep2, cpus or (-1, -1))
         buf = np.zeros((n, P.ROW_BYTES), np.uint8)
         outs = [np.zeros((n, P.ROW_BYTES), np.uint8) for _ in range(2)]
-        bare = c.lookup_into
-        look, layers = src.lookup, src.lookup_layers
+        buf0 = np.zeros((n, P.ROW_BYTES), np.uint8)
+        bare, bare0 = c.lookup_into, c0.lookup_into
+        look, layers, look0 = src.lookup, src.lookup_layers, src0.lookup
         arms = {
             "floor": lambda k: fl.block(k),
             "tcp": lambda k: timed_block(lambda: bare(ident, urows, [buf], 1.0), k),
             "rowsource": lambda k: timed_block(lambda: look(1, rows, buf), k),
+            "tcp_nospin": lambda k: timed_block(lambda: bare0(ident, urows, [buf0], 1.0), k),
+            "rowsource_nospin": lambda k: timed_block(lambda: look0(1, rows, buf0), k),
         }
         side = {  # secondary arms, once per round after the primary ones
             "general": (BLOCK, lambda k: timed_block(lambda: src._lookup_general(1, rows, buf, time.perf_counter()), k)),
@@ -234,6 +277,8 @@ def decode_arms(m, server, pingpong, n: int, rng, cpus) -> dict:
             "both": (BLOCK // 2, lambda k: timed_block(lambda: layers((1, 2), rows2, outs), k)),
             "two": (BLOCK // 2, lambda k: timed_block(lambda: (look(1, rows2[0], outs[0]), look(2, rows2[1], outs[1])), k)),
             "nixl": (20, lambda k: timed_block(lambda: xc.lookup_into(ident, urows, [buf], 1.0), k)),
+            "gap": (20, lambda k: timed_gap_block(lambda: look(1, rows, buf), k)),
+            "gap_nospin": (20, lambda k: timed_gap_block(lambda: look0(1, rows, buf0), k)),
         }
         got = {k: [] for k in [*arms, *side]}
         per_round = []  # per round: p50 of each primary arm
@@ -248,23 +293,33 @@ def decode_arms(m, server, pingpong, n: int, rng, cpus) -> dict:
                 got[k] += v
             per_round.append({k: pct(v, 50) for k, v in this.items()})
         ref = reader.LocalRowReader(m, m.path.parent, threads=4)
-        assert np.array_equal(buf, ref.read(1, rows))
+        assert np.array_equal(buf, ref.read(1, rows)) and np.array_equal(buf0, buf)
         assert all(np.array_equal(outs[k], ref.read(k + 1, rows2[k])) for k in range(2))
         ref.close()
         got["no_out"] = timed_block(lambda: look(1, rows), 1000)  # without a caller buffer: an allocation
-        cnt = src.counters()
-        assert cnt["fallbacks"] == 0 and cnt["remote_rows"] == cnt["rows"]
-        src.close()
+        for s_ in (src, src0):
+            cnt = s_.counters()
+            assert cnt["fallbacks"] == 0 and cnt["remote_rows"] == cnt["rows"]
+            s_.close()
         c.close()
+        c0.close()
         xc.close()
         fl.close()
         fl2.close()
     finally:
         os.sched_setaffinity(0, old_self)
         restore_affinity(old_srv)
+        restore_affinity(old_srv0)
     f50, f99 = pct(got["floor"], 50), pct(got["floor"], 99)
     rr = np.array([[pr["tcp"] / pr["floor"], pr["rowsource"] / pr["floor"]] for pr in per_round])
+
+    def arm(k: str) -> dict:  # p50/p99 of one arm and its ratios to this run's floor
+        a50, a99 = pct(got[k], 50), pct(got[k], 99)
+        return {f"{k}_p50_us": round(a50, 1), f"{k}_p99_us": round(a99, 1),
+                f"{k}_ratio_p50": round(a50 / f50, 2), f"{k}_ratio_p99": round(a99 / f99, 2)}
+
     res = {"pinned": None if cpus is None else {"client_cpu": cpus[0], "server_cpu": cpus[1]},
+           "spin_us": {"client": SPIN_CLIENT_US, "server": SPIN_SERVER_US},
            "samples_per_arm": len(got["floor"]),
            "floor_p50_us": round(f50, 1), "floor_p99_us": round(f99, 1),
            "tcp_p50_us": round(pct(got["tcp"], 50), 1), "tcp_p99_us": round(pct(got["tcp"], 99), 1),
@@ -286,11 +341,27 @@ def decode_arms(m, server, pingpong, n: int, rng, cpus) -> dict:
            "layers_one_request_p99_us": round(pct(got["both"], 99), 1),
            "layers_ratio_p50": round(pct(got["both"], 50) / pct(got["floor2"], 50), 2),
            "two_lookups_p50_us": round(pct(got["two"], 50), 1), "two_lookups_p99_us": round(pct(got["two"], 99), 1),
-           "nixl_p50_us": round(pct(got["nixl"], 50), 1), "nixl_p99_us": round(pct(got["nixl"], 99), 1)}
+           "nixl_p50_us": round(pct(got["nixl"], 50), 1), "nixl_p99_us": round(pct(got["nixl"], 99), 1),
+           # busy-polling off (client and server spin 0), same floor, same rounds
+           **arm("tcp_nospin"), **arm("rowsource_nospin"),
+           "rowsource_vs_tcp_nospin_p50": round(pct(got["rowsource_nospin"], 50) / pct(got["tcp_nospin"], 50), 2),
+           # calls after GAP_S idle (the server thread asleep), spin on / off; ratios to the floor
+           **arm("gap"), **arm("gap_nospin")}
     return res
 
 
-def test_decode_lookup_vs_c_floor(shards, server, pingpong, tmp_path):
+def summary(n: int, name: str, r: dict) -> str:
+    """One readable line per pass: every arm's p50/p99 ratio to the same floor."""
+    def pr(k: str) -> str:
+        return f"{r[k + '_ratio_p50']:.2f}/{r[k + '_ratio_p99']:.2f}"
+
+    return (f"[remote bench] {n:3d} rows {name:6s} floor {r['floor_p50_us']:.1f}/{r['floor_p99_us']:.1f} us | "
+            f"spin on: tcp {r['ratio_p50']:.2f}/{r['ratio_p99']:.2f} rowsource "
+            f"{r['rowsource_ratio_p50']:.2f}/{r['rowsource_ratio_p99']:.2f} | spin off: tcp {pr('tcp_nospin')} "
+            f"rowsource {pr('rowsource_nospin')} | after 1 ms idle: on {pr('gap')} off {pr('gap_nospin')}")
+
+
+def test_decode_lookup_vs_c_floor(shards, server, server_nospin, pingpong, tmp_path):
     """Decode-size lookups against the C ping-pong floor (issue 15 targets for
     ``RemoteRowSource.lookup`` into a caller buffer: p50 <= 1.2x, p99 <= 1.3x the floor).
 
@@ -300,20 +371,24 @@ def test_decode_lookup_vs_c_floor(shards, server, pingpong, tmp_path):
     same run. Two passes: the scheduler placing every thread (the issue's definition), then
     the bench thread and the C client on one CPU, the table server's threads and the C server
     on another (the production topology: the server is never on the client's core), when the
-    machine has two CPUs to spare. Then the pure-Python path against its own floor."""
+    machine has two CPUs to spare. Every arm runs with busy-polling on (the defaults) and off,
+    against the same floor. Then the pure-Python path against its own floor."""
     m, d = shards
     rng = np.random.default_rng(0)
     avail = sorted(os.sched_getaffinity(0))
     passes = [None] + ([(avail[0], avail[1])] if len(avail) >= 2 else [])
     for n in (24, 96):
         load0, t0 = os.getloadavg(), time.time()
-        res = {f"pass_{'free' if cpus is None else 'pinned'}": decode_arms(m, server, pingpong, n, rng, cpus)
+        res = {f"pass_{'free' if cpus is None else 'pinned'}": decode_arms(m, server, server_nospin, pingpong, n,
+                                                                            rng, cpus)
                for cpus in passes}
+        lines = [summary(n, k.removeprefix("pass_"), v) for k, v in res.items()]
         free = res.pop("pass_free")
         record(f"decode_{n}_rows", machine=machine(), implementation=native.implementation(),
                utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
                loadavg_before=[round(x, 2) for x in load0], loadavg_after=[round(x, 2) for x in os.getloadavg()],
                rounds=ROUNDS, block=BLOCK, **free, **res, target_rowsource_p50=1.2, target_rowsource_p99=1.3)
+        print("\n" + "\n".join(lines))
     pure = Served(d / "manifest.json", tmp_path, pure=True)  # pure-Python server and client
     assert pure.info["implementation"] == "python"
     from dsv41.transport.tcp import TcpClient

@@ -124,9 +124,10 @@ def test_remote_constructs_client(data: Path, monkeypatch) -> None:
 
     class Fake:
         def __init__(self, urls, manifest, rank, tp, timeout_ms, required, local=None, deadline_ms=None,
-                     fault_delay_ms=0.0):
+                     fault_delay_ms=0.0, spin_us=None):
             seen.update(urls=urls, manifest=manifest, rank=rank, tp=tp, timeout_ms=timeout_ms,
-                        required=required, local=local, deadline_ms=deadline_ms, fault_delay_ms=fault_delay_ms)
+                        required=required, local=local, deadline_ms=deadline_ms, fault_delay_ms=fault_delay_ms,
+                        spin_us=spin_us)
 
     mod = types.ModuleType("dsv41.engram.client")
     mod.RemoteRowSource = Fake
@@ -137,10 +138,12 @@ def test_remote_constructs_client(data: Path, monkeypatch) -> None:
     assert isinstance(src, Fake)  # not wrapped: the deadline lives in the remote source
     assert seen["urls"] == ["tcp://198.18.1.1:7000@198.18.1.2", "nixl://198.18.2.1:7000"]
     assert (seen["rank"], seen["tp"], seen["timeout_ms"], seen["required"]) == (1, 2, 50, True)
-    assert (seen["deadline_ms"], seen["fault_delay_ms"]) == (1000.0, 0.0)  # DSV41_ENGRAM_LOOKUP_DEADLINE_MS default
+    # defaults: DSV41_ENGRAM_LOOKUP_DEADLINE_MS 1000, no fault delay, DSV41_TRANSPORT_CLIENT_SPIN_US 50
+    assert (seen["deadline_ms"], seen["fault_delay_ms"], seen["spin_us"]) == (1000.0, 0.0, 50)
     from_env(load_manifest(data / "manifest.json"), data, 1, 2, settings=envs.parse(
-        {**env, "DSV41_ENGRAM_LOOKUP_DEADLINE_MS": "250", "DSV41_ENGRAM_FAULT_DELAY_MS": "20"}))
-    assert (seen["deadline_ms"], seen["fault_delay_ms"]) == (250.0, 20.0)
+        {**env, "DSV41_ENGRAM_LOOKUP_DEADLINE_MS": "250", "DSV41_ENGRAM_FAULT_DELAY_MS": "20",
+         "DSV41_TRANSPORT_CLIENT_SPIN_US": "0"}))
+    assert (seen["deadline_ms"], seen["fault_delay_ms"], seen["spin_us"]) == (250.0, 20.0, 0)
     seen["local"].close()
     assert isinstance(seen["local"], reader.LocalRowReader)
     seen["local"].close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from dsv41.engram.client import RemoteRowSource, RemoteUnavailable
 from dsv41.engram.layout import EngramLayout
 from dsv41.engram.manifest import load_manifest
 from dsv41.engram.rowsource import LocalRowSource
+from dsv41.engram.server import load_tables
 from dsv41.overlay import contract as C
 from dsv41.overlay import engram as E
 from dsv41.overlay import settings as S
@@ -357,3 +359,35 @@ def test_apply_declines_what_it_cannot_serve(tabs, runtime, breakable, required:
         assert (out == 7).all()
     msgs = [r.getMessage() for r in caplog.records]
     assert any("host-offloaded" in m for m in msgs) and any("rows, the manifest" in m for m in msgs)
+
+
+def test_source_takes_the_engine_deadline_and_spin(tabs, runtime) -> None:
+    """The overlay's RemoteRowSource gets DSV41_ENGRAM_LOOKUP_DEADLINE_MS and
+    DSV41_TRANSPORT_CLIENT_SPIN_US from the same settings the engine reads: against a hung server
+    with a 5 s request timeout a lookup returns the exact local rows at the 100 ms deadline,
+    counted; unset, both take their defaults (1000 ms, 50 us)."""
+    from serverutil import SilentServer
+
+    manifest, d, layout = tabs
+    tables, _ = load_tables(manifest, d)
+    hung = SilentServer(tables)
+    try:
+        settings = S.parse({"DSV41_ENGRAM_REMOTE": f"tcp://127.0.0.1:{hung.port}",
+                            "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "5000", "DSV41_ENGRAM_LOOKUP_DEADLINE_MS": "100",
+                            "DSV41_TRANSPORT_CLIENT_SPIN_US": "20", "DSV41_RUNTIME_ROOT": str(runtime)})
+        src, _ = E._source(settings, 1, 0)
+        assert src.deadline_s == 0.1 and src.spin_us == 20 and src._client.spin_us == 20
+        rows = np.random.default_rng(4).integers(0, layout.rows[1], 24)
+        t0 = time.monotonic()
+        got = src.lookup(14, rows)
+        assert time.monotonic() - t0 < 0.1 + 1.0  # the deadline, not the 5 s timeout (loaded host)
+        ref = reader.LocalRowReader(manifest, d)
+        np.testing.assert_array_equal(got, ref.read(14, rows))
+        ref.close()
+        c = src.counters()
+        assert c["deadline_exceeded"] == 1 and c["fallbacks"] == 1 and c["deadline_ms"] == 100
+    finally:
+        hung.close()
+    plain = S.parse({"DSV41_ENGRAM_REMOTE": "tcp://127.0.0.1:1", "DSV41_RUNTIME_ROOT": str(runtime)})
+    src2, _ = E._source(plain, 1, 0)
+    assert src2.deadline_s == 1.0 and src2.spin_us == 50

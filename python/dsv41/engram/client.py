@@ -29,6 +29,9 @@ RECONNECT_MIN_S = 0.05
 RECONNECT_MAX_S = 2.0
 #: Largest per-request timeout accepted (10 minutes; ms).
 MAX_TIMEOUT_MS = 600_000
+#: Largest busy-poll budget accepted (us): a spin never outlasts its request's timeout, so any
+#: budget up to the largest timeout is safe (DSV41_TRANSPORT_CLIENT_SPIN_US allows 0..10,000).
+MAX_SPIN_US = MAX_TIMEOUT_MS * 1000
 
 
 class RemoteUnavailable(Dsv41Error):
@@ -118,13 +121,16 @@ class RemoteRowSource:
     bounded by ``timeout_ms`` only. ``fault_delay_ms`` (``DSV41_ENGRAM_FAULT_DELAY_MS``, drills
     only): every layer's rows arrive that much later, as from a slow server (inside the deadline
     and the request timeout; a delay past either is a timeout).
+    ``spin_us``: the tcp client's busy-poll budget per reply (microseconds; the engine passes
+    ``DSV41_TRANSPORT_CLIENT_SPIN_US``; None: that variable; 0: sleep in poll at once); it never
+    runs past the request's timeout or the deadline.
     ``lookup`` raises ``RowRangeError`` for ids outside the table (like the local reader).
     Thread-safe; ``close()`` stops the reconnect thread.
     """
 
     def __init__(self, urls: Any, manifest: Any, rank: int, tp: int, timeout_ms: int = 100,
                  required: bool = False, local: Any = None, deadline_ms: float | None = None,
-                 fault_delay_ms: float = 0.0) -> None:
+                 fault_delay_ms: float = 0.0, spin_us: float | None = None) -> None:
         if isinstance(urls, str):
             urls = [u.strip() for u in urls.split(",") if u.strip()]
         urls = list(urls)
@@ -140,6 +146,9 @@ class RemoteRowSource:
             raise Dsv41Error(f"deadline_ms must be in (0, {MAX_TIMEOUT_MS}], got {deadline_ms}")
         if not 0 <= fault_delay_ms <= MAX_TIMEOUT_MS:  # also refuses NaN
             raise Dsv41Error(f"fault_delay_ms must be in [0, {MAX_TIMEOUT_MS}], got {fault_delay_ms}")
+        if spin_us is not None and not 0 <= spin_us <= MAX_SPIN_US:  # also refuses NaN
+            raise Dsv41Error(f"spin_us must be in [0, {MAX_SPIN_US}], got {spin_us}")
+        self.spin_us = spin_us
         self.url = urls[rank] if len(urls) == tp else urls[0]
         self.endpoint = parse_url(self.url)
         self.manifest = _manifest(manifest)
@@ -191,7 +200,7 @@ class RemoteRowSource:
 
     # -- connection management ---------------------------------------------------------------
     def _connect(self):
-        return open_client(self.endpoint, list(self._idents.values()), max(self.timeout_s, 0.5))
+        return open_client(self.endpoint, list(self._idents.values()), max(self.timeout_s, 0.5), spin_us=self.spin_us)
 
     def _fail_locked(self, client: Any, exc: BaseException, deadline_hit: bool) -> None:
         """Count a failed request and retire its connection (caller holds ``_lock``).

@@ -243,7 +243,10 @@ def check_compilation(vllm_config: Any) -> None:
 
 
 def _source(settings: S.OverlaySettings, tp: int, rank: int) -> tuple[Any, Any]:
-    """(RowSource, dsv41 EngramLayout) of this rank, one per process (shared by the layers)."""
+    """(RowSource, dsv41 EngramLayout) of this rank, one per process (shared by the layers):
+    a ``RemoteRowSource`` with ``DSV41_ENGRAM_REMOTE_TIMEOUT_MS`` per request, the engine's
+    whole-call deadline ``DSV41_ENGRAM_LOOKUP_DEADLINE_MS`` and busy-poll budget
+    ``DSV41_TRANSPORT_CLIENT_SPIN_US``, and the runtime root's tables as its exact fallback."""
     key = (settings.engram_urls, tp, rank)
     with _sources_lock:
         if key in _sources:
@@ -260,7 +263,11 @@ def _source(settings: S.OverlaySettings, tp: int, rank: int) -> tuple[Any, Any]:
         local = LocalRowReader(manifest, tables_dir) if tables_dir is not None else None
         if local is None:
             log.warning("dsv41 overlay rank %d: no local tables under the runtime root: no exact fallback", rank)
-        src = RemoteRowSource(url, manifest, rank, tp, settings.timeout_ms, settings.required, local=local)
+        # the engine's whole-call deadline and busy-poll budget, from the same settings
+        # (DSV41_ENGRAM_LOOKUP_DEADLINE_MS, DSV41_TRANSPORT_CLIENT_SPIN_US)
+        src = RemoteRowSource(url, manifest, rank, tp, settings.timeout_ms, settings.required, local=local,
+                              deadline_ms=settings.env.engram_lookup_deadline_ms,
+                              spin_us=settings.env.transport_client_spin_us)
         _sources[key] = (src, layout)
         return _sources[key]
 

@@ -28,14 +28,16 @@ __all__ = [
 ]
 
 
-def open_client(url: str | Endpoint, identities: list[bytes], timeout_s: float = 1.0):
+def open_client(url: str | Endpoint, identities: list[bytes], timeout_s: float = 1.0, spin_us: float | None = None):
     """Connect to a row server and check it serves every table in ``identities`` (raw 32 B).
 
     Returns a ``TcpClient`` or ``NixlClient``.  A tcp client asks HELLO in a protocol-version-2
     frame; a version-1 server refuses it (``bad_version``, connection closed), so the client
     reconnects and keeps to version-1 frames (``multi_table`` False).  Raises ``Refused`` (reason
     ``wrong_identity``) when a table is missing or differs, ``TransportError`` /
-    ``TransportTimeout`` otherwise.
+    ``TransportTimeout`` otherwise.  ``spin_us``: the tcp client's busy-poll budget per receive
+    (``TcpClient``; None: ``DSV41_TRANSPORT_CLIENT_SPIN_US``); a nixl client polls its transfers
+    itself and ignores it.
     """
     ep = parse_url(url) if isinstance(url, str) else url
     if ep.scheme == "nixl":
@@ -44,7 +46,7 @@ def open_client(url: str | Endpoint, identities: list[bytes], timeout_s: float =
         return NixlClient(ep, identities, timeout_s=timeout_s)
     from dsv41.transport.tcp import TcpClient
 
-    c = TcpClient(ep, connect_timeout_s=timeout_s)
+    c = TcpClient(ep, connect_timeout_s=timeout_s, spin_us=spin_us)
     try:
         try:
             tables = c.hello(timeout_s, version=protocol.MAX_VERSION)
@@ -52,7 +54,7 @@ def open_client(url: str | Endpoint, identities: list[bytes], timeout_s: float =
             if exc.status != protocol.ST_BAD_VERSION:
                 raise
             c.close()
-            c = TcpClient(ep, connect_timeout_s=timeout_s)  # a version-1 server
+            c = TcpClient(ep, connect_timeout_s=timeout_s, spin_us=c.spin_us)  # a version-1 server
             tables = c.hello(timeout_s)
         served = {bytes.fromhex(t["identity"]) for t in tables}
         missing = [i for i in identities if i not in served]

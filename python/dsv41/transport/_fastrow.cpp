@@ -1,7 +1,8 @@
 // C++ hot path of the dsv41 row transport (protocol: dsv41/transport/protocol.py, versions 1-2).
 //
 // ServerCore: the per-client request loop of the table server (lookup, hello, ping, refusals),
-// run with the GIL released; ops it does not handle itself (the NIXL handshake) are handed back
+// run with the GIL released, busy-polling for a bounded time for the next request before
+// blocking; ops it does not handle itself (the NIXL handshake) are handed back
 // to Python.  client_lookup: one lookup on a non-blocking client socket, busy-polling for a
 // bounded time before sleeping in ppoll, writing rows straight into caller buffers.
 // Built by setup.py (pybind11 setuptools helpers); dsv41/transport/tcp.py and server.py hold the
@@ -67,6 +68,31 @@ bool recv_all(int fd, uint8_t *p, size_t n) {
   return true;
 }
 
+int64_t now_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
+}
+
+// Full read that first busy-polls a non-blocking recv for up to spin_ns, then blocks (recv_all);
+// false on EOF or error.  The table server waits for a client's next request this way: a
+// request arriving inside the budget finds the thread running instead of paying a thread
+// wake-up (tens of us on a KVM guest, docs/benchmarks.md).  spin_ns <= 0: block at once.
+// A shutdown(SHUT_RD) by RowServer.stop ends the spin like the blocking read (recv returns 0).
+bool recv_spin(int fd, uint8_t *p, size_t n, int64_t spin_ns) {
+  if (spin_ns > 0) {
+    int64_t until = now_ns() + spin_ns;
+    while (n) {
+      ssize_t r = ::recv(fd, p, n, MSG_DONTWAIT);
+      if (r > 0) { p += r; n -= size_t(r); continue; }
+      if (r == 0) return false;
+      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return false;
+      if (now_ns() >= until) break;
+    }
+  }
+  return recv_all(fd, p, n);
+}
+
 bool send_all(int fd, const uint8_t *p, size_t n) {
   while (n) {
     ssize_t r = ::send(fd, p, n, MSG_NOSIGNAL);
@@ -96,6 +122,9 @@ class ServerCore {
   std::vector<py::object> keep;  // the numpy arrays backing the tables
   std::vector<uint8_t> hello;
   std::atomic<bool> stopping{false};
+  // Busy-poll budget of a client thread waiting for the next request header (ns; 0 = block at
+  // once): DSV41_TRANSPORT_SERVER_SPIN_US, set by RowServer before it accepts.
+  std::atomic<int64_t> spin_ns{0};
   std::atomic<uint64_t> requests{0}, rows_served{0}, lat_sum_ns{0};
   std::atomic<uint64_t> refusals[ST_COUNT];
   std::atomic<uint64_t> buckets[kNBuckets + 1];
@@ -216,7 +245,7 @@ class Connection {
 
   bool loop(uint16_t &op_out, uint64_t &rid_out, uint32_t &count_out) {
     for (;;) {
-      if (!recv_all(fd_, hdr_, kReq)) return false;
+      if (!recv_spin(fd_, hdr_, kReq, core_.spin_ns.load(std::memory_order_relaxed))) return false;
       auto t0 = std::chrono::steady_clock::now();
       uint32_t magic = rd<uint32_t>(hdr_);
       uint16_t ver = rd<uint16_t>(hdr_ + 4), op = rd<uint16_t>(hdr_ + 6);
@@ -340,12 +369,6 @@ class Connection {
     return true;
   }
 };
-
-int64_t now_ns() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return int64_t(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
-}
 
 // Non-blocking receive of exactly n bytes with spin-then-poll; 0 ok, -1 timeout, -2 error/EOF.
 int recv_deadline(int fd, uint8_t *p, size_t n, int64_t deadline, int64_t spin_ns) {
@@ -651,7 +674,11 @@ PYBIND11_MODULE(_fastrow, m) {
       .def(py::init<>())
       .def("add_table", &ServerCore::add_table)
       .def("stats", &ServerCore::stats)
-      .def("set_stopping", [](ServerCore &c, bool v) { c.stopping = v; });
+      .def("set_stopping", [](ServerCore &c, bool v) { c.stopping = v; })
+      .def("set_spin_ns", [](ServerCore &c, int64_t v) {
+        if (v < 0) throw std::invalid_argument("spin_ns must be >= 0");
+        c.spin_ns = v;
+      });
   py::class_<Connection>(m, "Connection")
       .def(py::init<ServerCore &, int, bool>(), py::keep_alive<1, 2>())
       .def("run", &Connection::run)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dsv41 import envs
 from dsv41.transport import native as _native
 from dsv41.transport import protocol as P
 from dsv41.transport.url import Endpoint
@@ -115,12 +116,24 @@ class RowServer:
     ``nixl_provider``: object with ``handshake(identities: list[bytes]) -> bytes`` (JSON reply),
     required when a ``nixl://`` endpoint is given (``dsv41.transport.nixl_backend.NixlExporter``).
     ``native``: use the C++ request loop (default: when built, see ``transport.native``).
-    Raises ``OSError`` from ``start`` when an address cannot be bound.
+    ``spin_us``: busy-poll budget (microseconds, int >= 0) of a client thread of the C++ loop
+    waiting for that client's next request before it blocks; None: ``DSV41_TRANSPORT_SERVER_SPIN_US``
+    (default 50).  A request that arrives inside the budget skips a thread wake-up; each request
+    may cost up to that much CPU (docs/remote-engram.md, "Busy-poll").  The pure-Python loop
+    always blocks (it is the fallback, not the latency path).
+    Raises ``OSError`` from ``start`` when an address cannot be bound, ``ValueError`` for a
+    negative ``spin_us``.
     """
 
     def __init__(
-        self, tables: list[RowTable], listens: list[Endpoint], nixl_provider=None, native: bool | None = None
+        self, tables: list[RowTable], listens: list[Endpoint], nixl_provider=None, native: bool | None = None,
+        spin_us: int | None = None,
     ) -> None:
+        if spin_us is None:
+            spin_us = envs.parse().transport_server_spin_us
+        if not spin_us >= 0:  # also refuses NaN
+            raise ValueError(f"spin_us must be >= 0, got {spin_us}")
+        self.spin_us = spin_us
         self.tables = {t.identity: t for t in tables}
         if len(self.tables) != len(tables):
             raise ValueError("two tables share one identity")
@@ -140,6 +153,7 @@ class RowServer:
         self._core = None
         if self.native:
             self._core = _native._fastrow.ServerCore()
+            self._core.set_spin_ns(int(spin_us * 1000))
             for t in tables:
                 self._core.add_table(t.identity, t.layer_id, t.weight, t.scale)
 

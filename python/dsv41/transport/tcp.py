@@ -1,8 +1,9 @@
 """TCP client of the row transport: rows land straight in caller-owned buffers.
 
 Latency design (docs/remote-engram.md): the socket is non-blocking; after sending, the client
-busy-polls ``recv_into`` for up to ``spin_us`` (a thread wake-up costs ~30 us on the target
-hosts) and then blocks in ``poll`` until the deadline.  A request that misses its deadline tears
+busy-polls ``recv_into`` for up to ``spin_us`` (``DSV41_TRANSPORT_CLIENT_SPIN_US``, default 50; a
+thread wake-up costs ~30 us on the target hosts) and then blocks in ``poll`` until the deadline;
+the deadline is checked on every spin iteration too.  A request that misses its deadline tears
 the connection down, so a late reply can never land in a buffer whose request already timed out;
 every reply must also echo the request's generation (``request id``), else the connection is
 dropped as a protocol error.
@@ -17,6 +18,7 @@ import time
 
 import numpy as np
 
+from dsv41 import envs
 from dsv41.transport import native as _native
 from dsv41.transport import protocol as P
 from dsv41.transport.errors import Refused, TransportError, TransportTimeout
@@ -50,18 +52,26 @@ def check_segments(segs: tuple) -> tuple[int, int, int]:
 class TcpClient:
     """One connection to a row server (``tcp://`` or a ``nixl://`` control channel).
 
-    ``connect_timeout_s``: bound on connect; ``spin_us``: busy-poll budget per receive before
-    blocking.  ``native``: C++ lookup path (default: when built, see ``transport.native``).
+    ``connect_timeout_s``: bound on connect; ``spin_us``: busy-poll budget (microseconds, >= 0)
+    of each receive before it sleeps in poll, never past the request's timeout; None:
+    ``DSV41_TRANSPORT_CLIENT_SPIN_US``; 0: sleep at once.  ``native``: C++ lookup path (default:
+    when built, see ``transport.native``).
     Not thread-safe: one in-flight request at a time (callers lock).
     Raises ``TransportError`` when the server cannot be reached.
     """
 
     def __init__(
-        self, endpoint: Endpoint, connect_timeout_s: float = 1.0, spin_us: int = 50, native: bool | None = None
+        self, endpoint: Endpoint, connect_timeout_s: float = 1.0, spin_us: float | None = None,
+        native: bool | None = None,
     ) -> None:
+        if spin_us is None:
+            spin_us = envs.parse().transport_client_spin_us
+        if not spin_us >= 0:  # also refuses NaN
+            raise ValueError(f"spin_us must be >= 0, got {spin_us}")
         self.endpoint = endpoint
         self.native = _native.use_native(native)
         self._fast = _native._fastrow.client_lookup_segs if self.native else None
+        self.spin_us = spin_us
         self.spin_s = spin_us / 1e6
         self._spin_ns = int(spin_us * 1000)
         #: Protocol version of the peer as far as this client knows (``negotiate`` raises it to 2).
