@@ -162,9 +162,9 @@ _ROWS = [
     EnvVar("DSV41_TRANSPORT_CLIENT_SPIN_US", int, 50, "Busy-poll budget of a tcp row client waiting for a "
            "reply before it sleeps in poll (0: sleep at once); spins the engine thread's core while its "
            "rows are in flight; the lookup deadline still applies.", "us", 0, 10_000),
-    EnvVar("DSV41_TRANSPORT_SERVER_SPIN_US", int, 50, "Busy-poll budget of a table-server client thread "
-           "waiting for that client's next request before it blocks (0: block at once); up to this much "
-           "CPU per request on the offload host.", "us", 0, 10_000),
+    EnvVar("DSV41_TRANSPORT_SERVER_SPIN_US", int, 0, "Busy-poll budget of a table-server client thread "
+           "waiting for that client's next request before it blocks (0, the default: block at once); up to "
+           "this much CPU per request; only for a server whose clients never share its cores.", "us", 0, 10_000),
     EnvVar("DSV41_NIXL_PROGRESS_DELAY_US", int, 1000, "Wait between polls of the NIXL server agent's "
            "progress thread (0: busy-spin, nixl_cu12's default).", "us", 0, 1_000_000),
     # ---- written by roles for restart-on-change and operators; the package does not act on them
@@ -222,7 +222,7 @@ class Settings:
     drafter_local_memory_tokens: int = 0
     transport_pure: bool = False
     transport_client_spin_us: int = 50
-    transport_server_spin_us: int = 50
+    transport_server_spin_us: int = 0
     nixl_progress_delay_us: int = 1000
     runtime_root: str = ""
     tables_manifest: str = ""

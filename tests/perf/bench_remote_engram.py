@@ -5,10 +5,10 @@ in the same run on the same machine:
    process) vs a bare C TCP ping-pong (``tcp_pingpong.c``, compiled here with gcc) moving the
    same request/reply byte counts on the same loopback: the bare transport call and
    ``RemoteRowSource.lookup`` into a caller buffer (targets p50 <= 1.2x, p99 <= 1.3x the floor),
-   each with busy-polling on (``DSV41_TRANSPORT_CLIENT_SPIN_US`` / ``_SERVER_SPIN_US`` defaults:
-   client and server spin before they sleep) and off (both 0: a second server process), all
-   against the same blocking C floor in the same rounds; calls after 1 ms idle (the decode
-   cadence: the server thread has gone to sleep) for both settings; both layers in one
+   in three busy-poll settings against the same blocking C floor in the same rounds: client and
+   server spin (the ``tcp``/``rowsource`` arms), client spin only (``*_client_spin``: the shipped
+   defaults) and neither (``*_nospin``: a second server process); calls after 1 ms idle (the
+   decode cadence: the server thread has gone to sleep) in each setting; both layers in one
    ``lookup_layers`` request; 40 interleaved rounds with the arms' order rotating, the
    scheduler's placement and then client/server pinned to two CPUs; load averages and
    per-round ratios recorded.
@@ -57,9 +57,12 @@ LAB = REPO / "python/dsv41/data/lab_model.json"
 ROWS = int(os.environ.get("DSV41_BENCH_ROWS", "2000000"))
 ENV = {**os.environ, "UCX_TLS": os.environ.get("UCX_TLS", "tcp"), "OMP_NUM_THREADS": "1"}
 RESULTS: list[dict] = []
-#: Busy-poll budgets (us) of the "spin on" arms: the shipped defaults (envs.ENV_VARS).
-SPIN_CLIENT_US = envs.ENV_VARS["DSV41_TRANSPORT_CLIENT_SPIN_US"].default
-SPIN_SERVER_US = envs.ENV_VARS["DSV41_TRANSPORT_SERVER_SPIN_US"].default
+#: Busy-poll budgets (us) of the spinning arms: DSV41_TRANSPORT_CLIENT_SPIN_US of this
+#: environment (default 50) for the clients; DSV41_TRANSPORT_SERVER_SPIN_US for the spinning
+#: server, 50 when it is unset or 0 (the shipped default: off), so that server always spins.
+_SETTINGS = envs.parse()
+SPIN_CLIENT_US = _SETTINGS.transport_client_spin_us
+SPIN_SERVER_US = _SETTINGS.transport_server_spin_us or 50
 #: Idle time (s) before each call of the gap arms: a decode step's spacing order of magnitude,
 #: far past both spin budgets, so the server thread is asleep when the request arrives.
 GAP_S = 0.001
@@ -237,7 +240,8 @@ def decode_arms(m, server, server0, pingpong, n: int, rng, cpus) -> dict:
     server cpu) that the bench thread, both table servers' threads and the two ends of the C
     ping-pong are pinned to, or None (the scheduler decides for all of them).  ``server``
     busy-polls for requests (SPIN_SERVER_US) and its clients for replies (SPIN_CLIENT_US);
-    ``server0`` and its clients never spin (the ``*_nospin`` arms)."""
+    ``server0`` never spins; its clients spin (SPIN_CLIENT_US, ``*_client_spin`` arms) or not
+    (``*_nospin``)."""
     ident = P.identity_bytes(m.table(1).identity)
     rows = rng.integers(0, m.table(1).rows, n).astype(np.int64)
     rows2 = [rows, rng.integers(0, m.table(2).rows, n).astype(np.int64)]
@@ -252,9 +256,11 @@ def decode_arms(m, server, server0, pingpong, n: int, rng, cpus) -> dict:
     try:
         c = open_client(server.tcp, [ident], spin_us=SPIN_CLIENT_US)
         c0 = open_client(server0.tcp, [ident], spin_us=0)
+        cc = open_client(server0.tcp, [ident], spin_us=SPIN_CLIENT_US)
         xc = open_client(server.nixl, [ident])
         src = RemoteRowSource(server.tcp, m, 0, 1, timeout_ms=100, spin_us=SPIN_CLIENT_US)
         src0 = RemoteRowSource(server0.tcp, m, 0, 1, timeout_ms=100, spin_us=0)
+        srcc = RemoteRowSource(server0.tcp, m, 0, 1, timeout_ms=100, spin_us=SPIN_CLIENT_US)
         assert src._client.multi_table  # the server speaks protocol version 2
         assert src._client.spin_us == SPIN_CLIENT_US and src0._client.spin_us == 0
         fl = Floor(pingpong, req, rep, cpus or (-1, -1))
@@ -262,14 +268,17 @@ def decode_arms(m, server, server0, pingpong, n: int, rng, cpus) -> dict:
         buf = np.zeros((n, P.ROW_BYTES), np.uint8)
         outs = [np.zeros((n, P.ROW_BYTES), np.uint8) for _ in range(2)]
         buf0 = np.zeros((n, P.ROW_BYTES), np.uint8)
-        bare, bare0 = c.lookup_into, c0.lookup_into
-        look, layers, look0 = src.lookup, src.lookup_layers, src0.lookup
+        bufc = np.zeros((n, P.ROW_BYTES), np.uint8)
+        bare, bare0, barec = c.lookup_into, c0.lookup_into, cc.lookup_into
+        look, layers, look0, lookc = src.lookup, src.lookup_layers, src0.lookup, srcc.lookup
         arms = {
             "floor": lambda k: fl.block(k),
             "tcp": lambda k: timed_block(lambda: bare(ident, urows, [buf], 1.0), k),
             "rowsource": lambda k: timed_block(lambda: look(1, rows, buf), k),
             "tcp_nospin": lambda k: timed_block(lambda: bare0(ident, urows, [buf0], 1.0), k),
             "rowsource_nospin": lambda k: timed_block(lambda: look0(1, rows, buf0), k),
+            "tcp_client_spin": lambda k: timed_block(lambda: barec(ident, urows, [bufc], 1.0), k),
+            "rowsource_client_spin": lambda k: timed_block(lambda: lookc(1, rows, bufc), k),
         }
         side = {  # secondary arms, once per round after the primary ones
             "general": (BLOCK, lambda k: timed_block(lambda: src._lookup_general(1, rows, buf, time.perf_counter()), k)),
@@ -279,6 +288,7 @@ def decode_arms(m, server, server0, pingpong, n: int, rng, cpus) -> dict:
             "nixl": (20, lambda k: timed_block(lambda: xc.lookup_into(ident, urows, [buf], 1.0), k)),
             "gap": (20, lambda k: timed_gap_block(lambda: look(1, rows, buf), k)),
             "gap_nospin": (20, lambda k: timed_gap_block(lambda: look0(1, rows, buf0), k)),
+            "gap_client_spin": (20, lambda k: timed_gap_block(lambda: lookc(1, rows, bufc), k)),
         }
         got = {k: [] for k in [*arms, *side]}
         per_round = []  # per round: p50 of each primary arm
@@ -293,16 +303,17 @@ def decode_arms(m, server, server0, pingpong, n: int, rng, cpus) -> dict:
                 got[k] += v
             per_round.append({k: pct(v, 50) for k, v in this.items()})
         ref = reader.LocalRowReader(m, m.path.parent, threads=4)
-        assert np.array_equal(buf, ref.read(1, rows)) and np.array_equal(buf0, buf)
+        assert np.array_equal(buf, ref.read(1, rows)) and np.array_equal(buf0, buf) and np.array_equal(bufc, buf)
         assert all(np.array_equal(outs[k], ref.read(k + 1, rows2[k])) for k in range(2))
         ref.close()
         got["no_out"] = timed_block(lambda: look(1, rows), 1000)  # without a caller buffer: an allocation
-        for s_ in (src, src0):
+        for s_ in (src, src0, srcc):
             cnt = s_.counters()
             assert cnt["fallbacks"] == 0 and cnt["remote_rows"] == cnt["rows"]
             s_.close()
         c.close()
         c0.close()
+        cc.close()
         xc.close()
         fl.close()
         fl2.close()
@@ -344,9 +355,11 @@ def decode_arms(m, server, server0, pingpong, n: int, rng, cpus) -> dict:
            "nixl_p50_us": round(pct(got["nixl"], 50), 1), "nixl_p99_us": round(pct(got["nixl"], 99), 1),
            # busy-polling off (client and server spin 0), same floor, same rounds
            **arm("tcp_nospin"), **arm("rowsource_nospin"),
+           # client spin only (server0), the shipped defaults
+           **arm("tcp_client_spin"), **arm("rowsource_client_spin"),
            "rowsource_vs_tcp_nospin_p50": round(pct(got["rowsource_nospin"], 50) / pct(got["tcp_nospin"], 50), 2),
            # calls after GAP_S idle (the server thread asleep), spin on / off; ratios to the floor
-           **arm("gap"), **arm("gap_nospin")}
+           **arm("gap"), **arm("gap_nospin"), **arm("gap_client_spin")}
     return res
 
 
@@ -356,9 +369,11 @@ def summary(n: int, name: str, r: dict) -> str:
         return f"{r[k + '_ratio_p50']:.2f}/{r[k + '_ratio_p99']:.2f}"
 
     return (f"[remote bench] {n:3d} rows {name:6s} floor {r['floor_p50_us']:.1f}/{r['floor_p99_us']:.1f} us | "
-            f"spin on: tcp {r['ratio_p50']:.2f}/{r['ratio_p99']:.2f} rowsource "
-            f"{r['rowsource_ratio_p50']:.2f}/{r['rowsource_ratio_p99']:.2f} | spin off: tcp {pr('tcp_nospin')} "
-            f"rowsource {pr('rowsource_nospin')} | after 1 ms idle: on {pr('gap')} off {pr('gap_nospin')}")
+            f"both spin: tcp {r['ratio_p50']:.2f}/{r['ratio_p99']:.2f} rowsource "
+            f"{r['rowsource_ratio_p50']:.2f}/{r['rowsource_ratio_p99']:.2f} | client spin: tcp {pr('tcp_client_spin')} "
+            f"rowsource {pr('rowsource_client_spin')} | no spin: tcp {pr('tcp_nospin')} "
+            f"rowsource {pr('rowsource_nospin')} | after 1 ms idle: both {pr('gap')} client {pr('gap_client_spin')} "
+            f"none {pr('gap_nospin')}")
 
 
 def test_decode_lookup_vs_c_floor(shards, server, server_nospin, pingpong, tmp_path):

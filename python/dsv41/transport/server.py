@@ -118,8 +118,9 @@ class RowServer:
     ``native``: use the C++ request loop (default: when built, see ``transport.native``).
     ``spin_us``: busy-poll budget (microseconds, int >= 0) of a client thread of the C++ loop
     waiting for that client's next request before it blocks; None: ``DSV41_TRANSPORT_SERVER_SPIN_US``
-    (default 50).  A request that arrives inside the budget skips a thread wake-up; each request
-    may cost up to that much CPU (docs/remote-engram.md, "Busy-poll").  The pure-Python loop
+    (default 0: off).  A request that arrives inside the budget skips a thread wake-up; each
+    request may cost up to that much CPU, and a client sharing the spinning thread's core waits
+    it out (measured: docs/benchmarks.md; docs/remote-engram.md, "Busy-poll").  The pure-Python loop
     always blocks (it is the fallback, not the latency path).
     Raises ``OSError`` from ``start`` when an address cannot be bound, ``ValueError`` for a
     negative ``spin_us``.
