@@ -155,8 +155,8 @@ def from_env(manifest: Any, data_dir: str | os.PathLike | None, rank: int, tp: i
     ``data_dir`` (wrapped by ``fault.DelayedRowSource`` under ``DSV41_ENGRAM_FAULT_DELAY_MS``).
     Otherwise ``dsv41.engram.client.RemoteRowSource(urls, manifest, rank, tp, timeout_ms,
     required, local=reader, deadline_ms=DSV41_ENGRAM_LOOKUP_DEADLINE_MS,
-    fault_delay_ms=DSV41_ENGRAM_FAULT_DELAY_MS, spin_us=DSV41_TRANSPORT_CLIENT_SPIN_US)`` with ``urls`` the validated URL strings (one
-    per rank) and ``reader`` the local exact fallback (None when ``data_dir`` is None): the
+    fault_delay_ms=DSV41_ENGRAM_FAULT_DELAY_MS, spin_us=DSV41_TRANSPORT_CLIENT_SPIN_US)`` with
+    ``urls`` the validated URL strings (one per rank) and ``reader`` the local exact fallback (None when ``data_dir`` is None): the
     engine's lookup deadline and the drill's delay live inside the remote source (no wrapper,
     no helper thread per lookup).
     ``manifest``: Manifest or path.  ConfigError on bad settings, rank/tp, or a missing client.

@@ -4,8 +4,9 @@ Engram: ``DSV41_ENGRAM_REMOTE`` (one URL per rank, comma-separated; unset/empty 
 ``DSV41_ENGRAM_REMOTE_TIMEOUT_MS`` (1..600000, default 100), ``DSV41_ENGRAM_REMOTE_REQUIRED``
 (0/1), ``DSV41_ENGRAM_LOOKUP_DEADLINE_MS`` (whole-call deadline of a lookup, default 1000, the
 same setting the lab engine uses) and ``DSV41_TRANSPORT_CLIENT_SPIN_US`` (busy-poll budget per
-reply, default 50; both read from ``env``), ``DSV41_RUNTIME_ROOT`` (the read-only runtime root staged by roles/engram_overlay:
-``manifest.json`` and ``overlay.json``, whose ``tables_dir`` holds the local exact fallback).
+reply, default 50; both read from ``env``), ``DSV41_RUNTIME_ROOT`` (the read-only runtime root
+staged by roles/engram_overlay: ``manifest.json`` and ``overlay.json``, whose ``tables_dir``
+holds the local exact fallback).
 The old ``VLLM_ENGRAM_REMOTE*`` names are refused with a message naming the new ones.
 Drafter: on when ``DSV41_DRAFTER_REMOTE`` is set; ``dsv41.drafter.factory.build_speculator``
 builds it from the same :class:`dsv41.envs.Settings` as the lab engine.  Every variable is read
