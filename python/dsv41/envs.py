@@ -176,11 +176,6 @@ _ROWS = [
            "(empty: the six shipped ones)."),
     EnvVar("DSV41_WINDOW_TOKEN", str, "", "Set by window.yml on the controller during a HOLD: the harness's "
            "requests carry it (header X-DSV41-Window) and the held engine admits only them (/pause?window=)."),
-    EnvVar("DSV41_ENGINE_HOLD_FILE", str, "/run/dsv41/window-hold", "Rank 0 of the lab engine starts HELD when "
-           "this file exists (written by window.yml for the window's duration; its first line is the window "
-           "token, admitted as by /pause?window=): an engine restarted inside a window never admits outside "
-           "traffic before the window re-takes the HOLD. An unreadable file or bad token: held with no token. "
-           "Empty: never start held."),
 ]
 
 #: The table: one row per variable, by name.
@@ -230,7 +225,6 @@ class Settings:
     bench_spec_file: str = ""
     greedy_prompts_file: str = ""
     window_token: str = ""
-    engine_hold_file: str = "/run/dsv41/window-hold"
 
 
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import re
 import sys
 import time
@@ -323,31 +322,6 @@ class ServerState:
         self.draining = False
         self.paused_since: float | None = None
         self.window_token: str | None = None
-
-
-def initial_state(hold_file: str) -> ServerState:
-    """The admission state rank 0 starts in (``DSV41_ENGINE_HOLD_FILE``).
-
-    ``hold_file`` absent (or ``""``): open. Present: paused since now, as if ``/pause?window=TOKEN``
-    had been sent before the first request, ``TOKEN`` being the file's first line; a token that is
-    not 1-128 of ``[A-Za-z0-9._-]``, or a file that cannot be read, still starts paused but with no
-    token (fail closed: only a later ``/pause?window=`` or ``/resume`` changes it). Never raises."""
-    st = ServerState()
-    if not hold_file or not os.path.lexists(hold_file):
-        return st
-    st.paused, st.paused_since = True, time.time()
-    try:
-        with open(hold_file, encoding="utf-8") as fh:
-            token = fh.readline().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        log.warning("hold file %s unreadable (%s): starting HELD with no window token", hold_file, exc)
-        return st
-    if _WINDOW_TOKEN_RE.fullmatch(token):
-        st.window_token = token
-        log.info("hold file %s: starting HELD for window %s", hold_file, token)
-    else:
-        log.warning("hold file %s has no valid window token: starting HELD with no window token", hold_file)
-    return st
 
 
 def create_app(engine, model_name: str, max_model_len: int, state: ServerState | None = None, metrics=None):

@@ -117,7 +117,7 @@ def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, h
     from dsv41.engine.engine import Engine
     from dsv41.engine.metrics import EngineMetrics
     from dsv41.engine.scheduler import Scheduler
-    from dsv41.engine.server import create_app, initial_state
+    from dsv41.engine.server import ServerState, create_app
 
     log = logging.getLogger("dsv41.engine")
     spec = build_speculator(settings, model_cfg=cfg.raw, target_identity=identity, device=device)
@@ -135,7 +135,7 @@ def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, h
     metrics.kv_extra_tokens.set(extra)
     engine = Engine(model, sched, comm, rows, spec, depth, metrics, deadlines=deadlines)
     holder["engine"] = engine
-    state = initial_state(settings.engine_hold_file)
+    state = ServerState()
     app = create_app(engine, name, min(cfg.max_position_embeddings, kv_cache_tokens), state, metrics)
     class _Server(uvicorn.Server):
         # uvicorn re-raises a captured SIGTERM after its graceful shutdown, which would kill the
