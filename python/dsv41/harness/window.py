@@ -116,40 +116,49 @@ def run_cells(plan: list[dict], endpoints: dict[str, str], model: str, sampler: 
     arm_now = None
     from dsv41.harness import http
 
-    with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False,
-                      headers=http.window_headers()) as client, \
-            open(out_path, "a", encoding="utf-8") as fh:
-        for c in plan:
-            rec = None
-            if c["arm"] != arm_now:
-                if switch is not None:
+    def new_client():
+        return httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False,
+                            headers=http.window_headers())
+
+    client = new_client()
+    try:
+        with open(out_path, "a", encoding="utf-8") as fh:
+            for c in plan:
+                rec = None
+                if c["arm"] != arm_now:
+                    if switch is not None:
+                        try:
+                            switch(c["arm"])
+                        except WindowError as exc:
+                            rec = failed_cell(c, f"arm switch failed: {exc}")
+                        # a switch may have restarted the engine: no pooled connection outlives it
+                        client.close()
+                        client = new_client()
+                    arm_now = c["arm"] if rec is None else None
+                urls = (metrics or {}).get(c["arm"]) or []
+                if rec is None:
                     try:
-                        switch(c["arm"])
-                    except WindowError as exc:
-                        rec = failed_cell(c, f"arm switch failed: {exc}")
-                arm_now = c["arm"] if rec is None else None
-            urls = (metrics or {}).get(c["arm"]) or []
-            if rec is None:
-                try:
-                    before = bench.snapshot_metrics(urls) if urls else None
-                except bench.BenchError as exc:
-                    rec = failed_cell(c, f"/metrics snapshot before the cell refused: {exc}")
-            if rec is None:
-                body = bench.request_body(model, c["prompt"], c["seed"], c["max_tokens"], sampler, c["salt"])
-                res = bench.stream_one(client, endpoints[c["arm"]], body, c["prompt_id"], c["category"])
-                rec = cell_record(c, res)
-                if before is not None:
-                    try:
-                        rec.update(counter_summary(bench.metrics_delta(before, bench.snapshot_metrics(urls))))
+                        before = bench.snapshot_metrics(urls) if urls else None
                     except bench.BenchError as exc:
-                        rec.update(ok=False, error=f"/metrics snapshot after the cell refused: {exc}")
-            fh.write(json.dumps(rec) + "\n")
-            fh.flush()
-            done.append(rec)
-            if progress:
-                progress(rec)
-            if not rec["ok"] and stop_on_failure:
-                break
+                        rec = failed_cell(c, f"/metrics snapshot before the cell refused: {exc}")
+                if rec is None:
+                    body = bench.request_body(model, c["prompt"], c["seed"], c["max_tokens"], sampler, c["salt"])
+                    res = bench.stream_one(client, endpoints[c["arm"]], body, c["prompt_id"], c["category"])
+                    rec = cell_record(c, res)
+                    if before is not None:
+                        try:
+                            rec.update(counter_summary(bench.metrics_delta(before, bench.snapshot_metrics(urls))))
+                        except bench.BenchError as exc:
+                            rec.update(ok=False, error=f"/metrics snapshot after the cell refused: {exc}")
+                fh.write(json.dumps(rec) + "\n")
+                fh.flush()
+                done.append(rec)
+                if progress:
+                    progress(rec)
+                if not rec["ok"] and stop_on_failure:
+                    break
+    finally:
+        client.close()
     return done
 
 
