@@ -101,3 +101,20 @@ def test_cli_run_writes_an_invalid_decision_when_metrics_are_refused(tmp_path, m
     assert [c["ok"] for c in cells] == [True, True, True, False]
     # an INVALID window does not count against the question's two-window cap
     assert win2.check_cap(str(tmp_path), "aa", "step_ms_p50") == 1
+
+
+def test_cli_run_stdout_is_the_decision_even_with_a_noisy_switch(tmp_path, monkeypatch, capfd):
+    """window.yml reads the verdict from the first line of `dsv41 window run`'s stdout (an INVALID
+    window must be seen): a switch command's own output (ansible-playbook's) goes to stderr."""
+    from dsv41.cli import main
+
+    monkeypatch.setattr(bench, "stream_one", _fake_stream)
+    monkeypatch.setattr(bench, "snapshot_metrics", _Metrics(ok_calls=6))
+    monkeypatch.setattr(bench, "served_model", lambda url, **kw: "dsv41-lab")
+    monkeypatch.setattr(bench, "smoke", lambda *a, **kw: {"canary": {"ok": True}, "greedy": {"ok": True}})
+    rc = main(["window", "run", "--control", "http://x", "--candidate", "http://x", "--spec", SPEC,
+               "--name", "aa", "--seed", "3", "--windows-dir", str(tmp_path), "--id", "w-noisy",
+               "--switch-cmd", "echo; echo PLAY switching to {arm}"])
+    out, err = capfd.readouterr()
+    assert rc == 0 and out.startswith("INVALID"), out
+    assert "PLAY switching to control" in err and "PLAY switching" not in out

@@ -184,6 +184,7 @@ def run_window(
     import os
     import shlex
     import subprocess
+    import sys
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -206,7 +207,10 @@ def run_window(
 
         def switch(arm: str) -> None:
             if switch_cmd:
-                rc = subprocess.run(switch_cmd.replace("{arm}", shlex.quote(arm)), shell=True, check=False).returncode
+                # the switch's own output goes to stderr: stdout is the decision alone (window.yml
+                # reads the verdict from its first line)
+                rc = subprocess.run(switch_cmd.replace("{arm}", shlex.quote(arm)), shell=True, check=False,
+                                    stdout=sys.stderr).returncode
                 if rc != 0:
                     raise window.WindowError(f"switching to the {arm} arm failed (exit {rc}): {switch_cmd}")
 
