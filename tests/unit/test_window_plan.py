@@ -29,7 +29,7 @@ BASE = "name: {n}\nquestion: q\nkind: plain\nprimary_metric: step_ms_p50\nmin_ef
 def test_shipped_plan_aa_has_no_switch(tmp_path):
     p = window_plan.plan(["aa"], root=CANDS, windows_dir=str(tmp_path))
     (w,) = p["windows"]
-    assert p["control"] == "production" and w["roles"] == [] and w["tags"] == []
+    assert p["control"] == "production" and w["roles"] == [] and w["switch_roles"] == []
     assert w["arms"] == {"control": {}, "candidate": {}} and w["window_number"] == 1
 
 
@@ -37,10 +37,11 @@ def test_plan_switch_reruns_the_union_of_both_arms_roles(tmp_path):
     p = window_plan.plan(["slow-rows", "aa"], control="sync-drafter", root=CANDS, windows_dir=str(tmp_path))
     slow, aa = p["windows"]
     assert slow["roles"] == ["serve", "spec_decode"] and aa["roles"] == ["spec_decode"]
-    assert "spec_decode_configure" in slow["tags"] and "serve_service" in slow["tags"]
+    assert slow["switch_roles"] == ["serve", "spec_decode"] and aa["switch_roles"] == ["serve", "spec_decode"]
     assert slow["arms"]["control"] == {"spec_decode_async": False}
     assert slow["arms"]["candidate"] == {"serve_extra_env": {"DSV41_ENGRAM_FAULT_DELAY_MS": "20"}}
-    assert "engram_server_service" not in slow["tags"]
+    only_serve = window_plan.plan(["slow-rows"], root=CANDS, windows_dir=str(tmp_path))["windows"][0]
+    assert only_serve["switch_roles"] == ["serve"]  # drafting is not re-applied when no arm changes it
 
 
 @pytest.mark.parametrize("names,control,msg", [

@@ -86,6 +86,15 @@ def counter_summary(delta: dict[str, dict[str, float]]) -> dict:
     return out
 
 
+def failed_cell(plan_cell: dict, error: str) -> dict:
+    """A ``cells.jsonl`` line for a cell that could not be measured (a refused ``/metrics``
+    snapshot, a failed arm switch): the plan fields, ``ok: false`` and ``error``, no metrics, so
+    the rule sees it as a failed cell (INVALID window) rather than the run dying without a verdict."""
+    rec = {k: v for k, v in plan_cell.items() if k not in ("prompt", "salt")}
+    rec.update(ok=False, error=error)
+    return rec
+
+
 def run_cells(plan: list[dict], endpoints: dict[str, str], model: str, sampler: dict, timeout_s: float,
               out_path: str, switch: Callable[[str], None] | None = None,
               progress: Callable[[dict], None] | None = None, stop_on_failure: bool = True,
@@ -95,37 +104,61 @@ def run_cells(plan: list[dict], endpoints: dict[str, str], model: str, sampler: 
     ``endpoints``: ``{"control": url, "candidate": url}`` (the same url twice when the arms
     share the nodes and ``switch(arm)`` reconfigures them). ``switch`` is called whenever the arm
     changes. ``metrics``: per arm, every rank's ``/metrics`` URL, snapshotted before and after
-    each cell (outside the timed request) into the cell's :func:`counter_summary`. A failed cell
-    stops the run (``stop_on_failure``) since the window is INVALID anyway. KeyboardInterrupt
-    propagates after the cell in flight is written."""
+    each cell (outside the timed request) into the cell's :func:`counter_summary`. A cell whose
+    switch fails (WindowError), whose request fails, or whose ``/metrics`` snapshot is refused
+    (BenchError: e.g. the engine was killed mid-window) is written as a failed cell
+    (:func:`failed_cell`) and, with ``stop_on_failure``, stops the run: the window is INVALID
+    anyway and its decision is still written. KeyboardInterrupt propagates after the cell in
+    flight is written."""
     import httpx
 
     done: list[dict] = []
     arm_now = None
     from dsv41.harness import http
 
-    with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False,
-                      headers=http.window_headers()) as client, \
-            open(out_path, "a", encoding="utf-8") as fh:
-        for c in plan:
-            if c["arm"] != arm_now:
-                if switch is not None:
-                    switch(c["arm"])
-                arm_now = c["arm"]
-            body = bench.request_body(model, c["prompt"], c["seed"], c["max_tokens"], sampler, c["salt"])
-            urls = (metrics or {}).get(c["arm"]) or []
-            before = bench.snapshot_metrics(urls) if urls else None
-            res = bench.stream_one(client, endpoints[c["arm"]], body, c["prompt_id"], c["category"])
-            rec = cell_record(c, res)
-            if before is not None:
-                rec.update(counter_summary(bench.metrics_delta(before, bench.snapshot_metrics(urls))))
-            fh.write(json.dumps(rec) + "\n")
-            fh.flush()
-            done.append(rec)
-            if progress:
-                progress(rec)
-            if not res.ok and stop_on_failure:
-                break
+    def new_client():
+        return httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False,
+                            headers=http.window_headers())
+
+    client = new_client()
+    try:
+        with open(out_path, "a", encoding="utf-8") as fh:
+            for c in plan:
+                rec = None
+                if c["arm"] != arm_now:
+                    if switch is not None:
+                        try:
+                            switch(c["arm"])
+                        except WindowError as exc:
+                            rec = failed_cell(c, f"arm switch failed: {exc}")
+                        # a switch may have restarted the engine: no pooled connection outlives it
+                        client.close()
+                        client = new_client()
+                    arm_now = c["arm"] if rec is None else None
+                urls = (metrics or {}).get(c["arm"]) or []
+                if rec is None:
+                    try:
+                        before = bench.snapshot_metrics(urls) if urls else None
+                    except bench.BenchError as exc:
+                        rec = failed_cell(c, f"/metrics snapshot before the cell refused: {exc}")
+                if rec is None:
+                    body = bench.request_body(model, c["prompt"], c["seed"], c["max_tokens"], sampler, c["salt"])
+                    res = bench.stream_one(client, endpoints[c["arm"]], body, c["prompt_id"], c["category"])
+                    rec = cell_record(c, res)
+                    if before is not None:
+                        try:
+                            rec.update(counter_summary(bench.metrics_delta(before, bench.snapshot_metrics(urls))))
+                        except bench.BenchError as exc:
+                            rec.update(ok=False, error=f"/metrics snapshot after the cell refused: {exc}")
+                fh.write(json.dumps(rec) + "\n")
+                fh.flush()
+                done.append(rec)
+                if progress:
+                    progress(rec)
+                if not rec["ok"] and stop_on_failure:
+                    break
+    finally:
+        client.close()
     return done
 
 

@@ -184,10 +184,12 @@ def run_window(
     import os
     import shlex
     import subprocess
+    import sys
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from dsv41.errors import Dsv41Error
     from dsv41.harness import bench, refs, window
 
     sp = bench.load_spec(spec or None)
@@ -205,7 +207,10 @@ def run_window(
 
         def switch(arm: str) -> None:
             if switch_cmd:
-                rc = subprocess.run(switch_cmd.replace("{arm}", shlex.quote(arm)), shell=True, check=False).returncode
+                # the switch's own output goes to stderr: stdout is the decision alone (window.yml
+                # reads the verdict from its first line)
+                rc = subprocess.run(switch_cmd.replace("{arm}", shlex.quote(arm)), shell=True, check=False,
+                                    stdout=sys.stderr).returncode
                 if rc != 0:
                     raise window.WindowError(f"switching to the {arm} arm failed (exit {rc}): {switch_cmd}")
 
@@ -246,15 +251,23 @@ def run_window(
             done = {(c["block"], c["pair"], c["arm"]) for c in cells}
             cells += [{k: c[k] for k in ("block", "pair", "arm", "prompt_id", "category", "seed")} | {"ok": False,
                       "error": "not run (window stopped)"} for c in plan if (c["block"], c["pair"], c["arm"]) not in done]
-        records = None
-        if drafting and not interrupted:
-            ids = {}
-            for arm in ("control", "candidate"):
-                switch(arm)
-                ids[arm] = {n: refs.generate(endpoints[arm], p, model, 32) for n, p in bench.greedy_prompts()}
-            greedy = {n: (ids["control"][n], ids["candidate"][n]) for n in ids["control"]}
-            records = window.gate_records(cells, greedy)
+        records, gate_error = None, None
+        if drafting and not interrupted and all(c.get("ok") for c in cells):
+            # the gate's greedy runs are more requests against the arms: if an arm fails here the
+            # window is INVALID (decision written, restore follows), not an aborted run
+            try:
+                ids = {}
+                for arm in ("control", "candidate"):
+                    switch(arm)
+                    ids[arm] = {n: refs.generate(endpoints[arm], p, model, 32) for n, p in bench.greedy_prompts()}
+                greedy = {n: (ids["control"][n], ids["candidate"][n]) for n in ids["control"]}
+                records = window.gate_records(cells, greedy)
+            except Dsv41Error as exc:
+                gate_error = f"distributional gate could not run: {exc}"
         d = win2.decide(cells, metric, min_effect, alpha, seed, gate_records=records, tolerance_nat=tolerance_nat)
+        if gate_error:
+            d.verdict = "INVALID"
+            d.reasons.append(gate_error)
         meta = {"window_id": wid, "candidate": name, "control": control_name, "question": question or f"{name}: {metric}",
                 "window_number": nth, "spec": {k: v for k, v in sp.items() if k != "prompts"},
                 "prompts": [p["id"] for p in sp["prompts"]], "endpoints": endpoints, "smoke": smoke,

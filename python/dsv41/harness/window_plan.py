@@ -4,7 +4,7 @@
 window's plan: every candidate (and the control) loaded and schema-checked, refused when its
 delta touches something the window cannot restore, its workload spec readable, its question
 under the two-window cap; per window the Ansible variables of each arm and the roles a switch
-re-runs (only those either arm changes). Any refusal is one :class:`WindowError` line, raised
+re-applies (only those either arm changes). Any refusal is one :class:`WindowError` line, raised
 before anything is held or written.
 
 :func:`wait_ready` is the last step of every arm switch: one short greedy request through the
@@ -21,13 +21,14 @@ from dsv41 import envs
 from dsv41.harness import bench, win2
 from dsv41.harness.window import WindowError, load_candidate, role_vars
 
-#: The roles a candidate setting re-runs on a switch, and the tags that run only the tasks that
-#: template that role's env file and restart/wait for its service (no install, no link checks).
-SWITCH_TAGS = {
-    "serve": ["serve_configure", "serve_service", "serve_verify"],
+#: The roles whose ``configure`` entry point a switch re-applies when a candidate sets that role's
+#: variables (playbooks/window_switch.yml): only env files are re-templated, and a service
+#: restarts (its role's restart-then-wait-healthy handlers) only when its files differ.
+SWITCH_ROLES = {
+    "serve": ["serve"],
     # drafter.env is an input of the engine: its change restarts both ranks through serve
-    "spec_decode": ["spec_decode_configure", "serve_configure", "serve_service", "serve_verify"],
-    "engram_server": ["engram_server_configure", "engram_server_service"],
+    "spec_decode": ["serve", "spec_decode"],
+    "engram_server": ["engram_server"],
 }
 #: Variables the roles derive from production's own files (digests, paths): a candidate that set
 #: them would change what production's inputs are said to be, not a setting; refused.
@@ -79,9 +80,9 @@ def plan(candidates: list[str], control: str = PRODUCTION, root: str = "candidat
          windows_dir: str = "windows", spec: str | None = None) -> dict:
     """The plan of one HOLD: ``{"control", "control_vars", "windows": [...]}``; one window per
     candidate, in order: ``{"candidate", "question", "kind", "metric", "min_effect", "spec",
-    "window_number", "arms": {"control": vars, "candidate": vars}, "roles", "tags"}``.
-    ``roles``/``tags``: what a switch between the two arms re-runs (empty: nothing differs, no
-    switch). ``spec``: the candidate's, else ``spec``, else the default chain of
+    "window_number", "arms": {"control": vars, "candidate": vars}, "roles", "switch_roles"}``.
+    ``roles``: the roles the two arms' settings differ in; ``switch_roles``: the roles whose
+    ``configure`` a switch re-applies (:data:`SWITCH_ROLES`; empty: nothing differs, no switch). ``spec``: the candidate's, else ``spec``, else the default chain of
     ``bench.load_spec``. Raises WindowError (or win2.Win2Error for the cap) before any HOLD."""
     if control != PRODUCTION and control in candidates:
         raise WindowError(f"{control!r} is both the control and a candidate")
@@ -96,11 +97,11 @@ def plan(candidates: list[str], control: str = PRODUCTION, root: str = "candidat
         nth = win2.check_cap(windows_dir, name, metric)  # a third window is refused here
         cand_vars = role_vars(doc)
         roles = sorted(set((control_doc or {}).get("roles", {})) | set(doc.get("roles", {})))
-        tags = sorted({t for r in roles for t in SWITCH_TAGS[r]})
+        switch_roles = sorted({t for r in roles for t in SWITCH_ROLES[r]})
         windows.append({"candidate": name, "question": doc["question"], "kind": doc["kind"], "metric": metric,
                         "min_effect": doc["min_effect"], "spec": doc.get("spec") or spec or "",
                         "window_number": nth, "arms": {"control": control_vars, "candidate": cand_vars},
-                        "roles": roles, "tags": tags})
+                        "roles": roles, "switch_roles": switch_roles})
     if spec is None:
         bench.load_spec(None)
     return {"control": control, "control_vars": control_vars, "windows": windows}
