@@ -74,12 +74,24 @@ def recap_changed(out: str) -> dict[str, int]:
 
 
 def assert_verified_production() -> str:
-    """Every host points at one package, the package verifies, and every managed file equals it."""
+    """Every host points at one package, the package verifies, and every managed file equals it.
+    Prints the id and the verify line (``-s`` shows them: the numbers docs/promotion.md records)."""
     pid = production()
     r = dsv41("package", "verify", pid, "--root", str(PACKAGES))
     assert r.returncode == 0, r.stderr
-    assert listing() == package_listing(pid)
+    files = listing()
+    assert files == package_listing(pid)
+    print(f"\n[promotion] production {pid}: {r.stdout.strip()}; sha256 listing equals the record "
+          f"({', '.join(f'{h} {len(files[h])} files' for h in HOSTS)})", flush=True)
     return pid
+
+
+def timed_play(*args: str) -> subprocess.CompletedProcess:
+    """``play(*args)``, printing its wall time."""
+    t0 = time.monotonic()
+    r = play(*args)
+    print(f"\n[promotion] ansible-playbook {' '.join(args)}: rc {r.returncode}, {time.monotonic() - t0:.1f} s", flush=True)
+    return r
 
 
 def test_promote_verify_rollback_exact_promote_again(deployed_lab):
@@ -87,28 +99,28 @@ def test_promote_verify_rollback_exact_promote_again(deployed_lab):
     before = listing()
     history0 = inside("sparkhead", "cat", "/opt/dsv41/packages/history").stdout
     # deploy.yml's record step again: same id, nothing changed
-    r = play("playbooks/promotion_record.yml")
+    r = timed_play("playbooks/promotion_record.yml")
     assert r.returncode == 0 and set(recap_changed(r.stdout).values()) == {0}, r.stdout[-3000:]
     assert production() == p0
 
     # bad input: one clear error, nothing changed
-    r = play("promote.yml", "-e", "candidate=sync-drafter")
+    r = timed_play("promote.yml", "-e", "candidate=sync-drafter")
     assert r.returncode != 0 and "promotion needs window=ID" in r.stdout
     wdir = ROOT / "windows" / "promotion-test-nochange"
     wdir.mkdir(parents=True, exist_ok=True)
     (wdir / "decision.json").write_text(json.dumps({"verdict": "NO-CHANGE"}))
     try:
-        r = play("promote.yml", "-e", "candidate=sync-drafter", "-e", "window=promotion-test-nochange")
+        r = timed_play("promote.yml", "-e", "candidate=sync-drafter", "-e", "window=promotion-test-nochange")
         assert r.returncode != 0 and "decided 'NO-CHANGE', not WIN" in r.stdout
     finally:
         (wdir / "decision.json").unlink()
         wdir.rmdir()
-    r = play("playbooks/rollback.yml", "-e", "to=" + "f" * 64)
+    r = timed_play("playbooks/rollback.yml", "-e", "to=" + "f" * 64)
     assert r.returncode != 0 and "unknown package" in r.stdout
     assert production() == p0 and listing() == before
 
     # promote (forced), verified
-    r = play("promote.yml", *CANDIDATE)
+    r = timed_play("promote.yml", *CANDIDATE)
     assert r.returncode == 0, r.stdout[-5000:]
     p1 = assert_verified_production()
     assert p1 != p0
@@ -122,30 +134,30 @@ def test_promote_verify_rollback_exact_promote_again(deployed_lab):
     good = blob.read_bytes()
     blob.write_bytes(good + b"# tampered\n")
     try:
-        r = play("playbooks/rollback.yml")
+        r = timed_play("playbooks/rollback.yml")
         assert r.returncode != 0 and "tampered" in r.stdout
         assert production() == p1
     finally:
         blob.write_bytes(good)
 
     # exact rollback: sha256 listing identical to before the promotion
-    r = play("playbooks/rollback.yml")
+    r = timed_play("playbooks/rollback.yml")
     assert r.returncode == 0, r.stdout[-5000:]
     assert assert_verified_production() == p0
     assert listing() == before
     assert "MISMATCH" not in r.stdout
     # idempotent: a second rollback changes nothing
-    r = play("playbooks/rollback.yml")
+    r = timed_play("playbooks/rollback.yml")
     assert r.returncode == 0, r.stdout[-5000:]
     assert production() == p0 and set(recap_changed(r.stdout).values()) == {0}, recap_changed(r.stdout)
 
     # promote again: the same production gets the same id
-    r = play("promote.yml", *CANDIDATE)
+    r = timed_play("promote.yml", *CANDIDATE)
     assert r.returncode == 0, r.stdout[-5000:]
     assert assert_verified_production() == p1
 
     # leave the lab as deploy.yml made it
-    r = play("playbooks/rollback.yml", "-e", "to=" + p0[:12])
+    r = timed_play("playbooks/rollback.yml", "-e", "to=" + p0[:12])
     assert r.returncode == 0, r.stdout[-5000:]
     assert assert_verified_production() == p0 and listing() == before
     assert inside("sparkhead", "cat", "/opt/dsv41/packages/history").stdout.startswith(history0)
@@ -155,6 +167,7 @@ def run_until_step(playbook_args: list[str], step: str, timeout: float = 600) ->
     """Start ``ansible-playbook ARGS``, SIGKILL its whole process group as soon as a journal entry
     of a new operation with ``step`` appears, and return that entry."""
     n0 = len(JOURNAL.read_text().splitlines()) if JOURNAL.exists() else 0
+    t0 = time.monotonic()
     proc = subprocess.Popen([str(BIN / "ansible-playbook"), *playbook_args], cwd=ROOT, env=env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + timeout
@@ -166,6 +179,8 @@ def run_until_step(playbook_args: list[str], step: str, timeout: float = 600) ->
                 if e["step"] == step:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait(30)
+                    print(f"\n[promotion] SIGKILL ansible-playbook {' '.join(playbook_args)} at journal step "
+                          f"{step} ({e['op']}) after {time.monotonic() - t0:.1f} s", flush=True)
                     return e
             assert proc.poll() is None, f"{playbook_args} ended (rc {proc.returncode}) before journal step {step}"
             time.sleep(0.2)
@@ -184,7 +199,7 @@ def test_sigkill_then_rerun_converges(deployed_lab):
     run_until_step(["promote.yml", *CANDIDATE], "applied")
     d = json.loads(dsv41("package", "journal", "--path", str(JOURNAL), "--json").stdout)
     assert d["action"] == "revert" and d["package"] == p0, d
-    r = play("promote.yml", *CANDIDATE)
+    r = timed_play("promote.yml", *CANDIDATE)
     assert r.returncode == 0, r.stdout[-5000:]
     assert "reverting to" in r.stdout
     p1 = assert_verified_production()
@@ -193,6 +208,6 @@ def test_sigkill_then_rerun_converges(deployed_lab):
     run_until_step(["playbooks/rollback.yml"], "held")
     d = json.loads(dsv41("package", "journal", "--path", str(JOURNAL), "--json").stdout)
     assert d["action"] == "finish" and d["package"] == p0, d
-    r = play("playbooks/rollback.yml")
+    r = timed_play("playbooks/rollback.yml")
     assert r.returncode == 0, r.stdout[-5000:]
     assert assert_verified_production() == p0 and listing() == before
