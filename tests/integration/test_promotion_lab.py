@@ -13,8 +13,10 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 
+import httpx
 import pytest
 import yaml
 from labutil import BIN, ROOT, env, inside, needs_lab, play
@@ -23,6 +25,7 @@ from labutil import BIN, ROOT, env, inside, needs_lab, play
 pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.lab_long, needs_lab]
 
 HOSTS = ("x86host", "sparkworker", "sparkhead")
+API = "http://198.18.0.11:8000"
 PACKAGES = ROOT / "packages"
 JOURNAL = PACKAGES / "journal.jsonl"
 CANDIDATE = ["-e", "candidate=sync-drafter", "-e", "force=true", "-e", "reason=lab-promotion-test"]
@@ -211,3 +214,83 @@ def test_sigkill_then_rerun_converges(deployed_lab):
     r = timed_play("playbooks/rollback.yml")
     assert r.returncode == 0, r.stdout[-5000:]
     assert assert_verified_production() == p0 and listing() == before
+
+
+class AdmissionProbe:
+    """A client that is not part of the operation: from a thread, one greedy 1-token completion
+    to rank 0 every ``period_s`` seconds, without the operation's token. ``samples``: list of
+    ``(sent, answered, outcome)``, Unix seconds and the HTTP status (int) or ``"down"`` (no
+    connection: the engine is restarting)."""
+
+    def __init__(self, period_s: float = 0.25) -> None:
+        self.period_s, self.samples, self._stop = period_s, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=30, trust_env=False) as c:
+            while not self._stop.is_set():
+                t0 = time.time()
+                try:
+                    out = c.post(API + "/v1/completions", json={"prompt": "probe", "max_tokens": 1, "temperature": 0}).status_code
+                except httpx.HTTPError:
+                    out = "down"
+                self.samples.append((t0, time.time(), out))
+                self._stop.wait(self.period_s)
+
+    def __enter__(self) -> "AdmissionProbe":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def between(self, t0: float, t1: float) -> list:
+        """The samples sent after ``t0`` and answered before ``t1``."""
+        return [s for s in self.samples if s[0] > t0 and s[1] < t1]
+
+
+def op_steps(n0: int) -> dict[str, float]:
+    """``{step: ts}`` of the first operation journaled after line ``n0`` (first occurrence of each step)."""
+    entries = [json.loads(x) for x in JOURNAL.read_text().splitlines()[n0:] if x.strip()]
+    op = entries[0]["op"]
+    out: dict[str, float] = {}
+    for e in entries:
+        if e["op"] == op:
+            out.setdefault(e["step"], e["ts"])
+    return out
+
+
+def assert_held_throughout(probe: AdmissionProbe, steps: dict[str, float], reopen_after: str, what: str) -> None:
+    """No outside request was admitted from the HOLD (journal ``held``) until the checks passed
+    (journal ``reopen_after``), although rank 0 restarted in between; admitted again after ``done``."""
+    during = probe.between(steps["held"], steps[reopen_after])
+    outcomes = [o for _, _, o in during]
+    admitted = [s for s in during if s[2] == 200]
+    down = [s for s in during if s[2] == "down"]
+    assert during and not admitted, f"{what}: {len(admitted)} outside requests admitted during the HOLD: {admitted[:3]}"
+    assert down, f"{what}: rank 0 did not restart during the HOLD ({sorted(set(outcomes))})"
+    after_restart = [o for t0, _, o in during if t0 > down[-1][1]]
+    assert after_restart and set(after_restart) == {503}, f"{what}: after the restart {after_restart[:10]}"
+    after = [o for t0, _, o in probe.samples if t0 > steps["done"]]
+    print(f"\n[promotion] {what}: {len(during)} outside requests during the HOLD "
+          f"({outcomes.count(503)} x 503, {len(down)} refused while rank 0 restarted, 0 admitted; "
+          f"{len(after_restart)} x 503 from the restarted rank 0 until the checks passed); "
+          f"after the reopen: {after}", flush=True)
+    assert after and set(after) == {200}, f"{what}: not admitted after the reopen: {after}"
+
+
+def test_admission_stays_held_through_restart_and_checks(deployed_lab):
+    """promote.yml and rollback.yml keep outside requests out from the HOLD until every check
+    passed, across the engine restart (the lab engine starts held: DSV41_ADMISSION_HOLD_FILE), and
+    admit them again afterwards."""
+    p0 = assert_verified_production()
+    for args, reopen_after, what in ((["promote.yml", *CANDIDATE], "pointer", "promote"),
+                                     (["playbooks/rollback.yml", "-e", "to=" + p0], "verified", "rollback")):
+        n0 = len(JOURNAL.read_text().splitlines()) if JOURNAL.exists() else 0
+        with AdmissionProbe() as probe:
+            r = timed_play(*args)
+            time.sleep(2)  # a few samples after the reopen
+        assert r.returncode == 0, r.stdout[-5000:]
+        assert_held_throughout(probe, op_steps(n0), reopen_after, what)
+    assert assert_verified_production() == p0

@@ -224,6 +224,22 @@ def test_admission_held_says_since_when(fake):
     assert reason.startswith(f"admission held since {stamp} (4") and reason.endswith(" s)")
 
 
+def test_hold_ok_makes_an_expected_hold_a_warning_only(fake):
+    fake.paused, fake.since = True, time.time() - 7
+    rep = st.evaluate(_hosts(), _probe(fake))
+    ok = st.allow_hold(rep)
+    assert not rep["healthy"] and rep["reasons"] == [rep["held_reason"]]  # the input is unchanged
+    assert ok["healthy"] and ok["reasons"] == [] and ok["warnings"][-1] == rep["held_reason"] + " (expected: --hold-ok)"
+    # every other reason still counts
+    fake.ready = False
+    bad = st.allow_hold(st.evaluate(_hosts(), _probe(fake)))
+    assert not bad["healthy"] and all("admission held" not in r for r in bad["reasons"]) and bad["reasons"]
+    # nothing held: nothing to move
+    fake.paused, fake.ready = False, True
+    rep = st.evaluate(_hosts(), _probe(fake))
+    assert rep["held_reason"] is None and st.allow_hold(rep) == rep
+
+
 def test_identity_mismatches(fake):
     fake.worker_ids["target"] = "e" * 64
     rep = st.evaluate(_hosts(spark_tables={"1": "a" * 64, "14": "c" * 64}), _probe(fake))
