@@ -195,6 +195,9 @@ def run_until_step(playbook_args: list[str], step: str, timeout: float = 600) ->
 
 
 def test_sigkill_then_rerun_converges(deployed_lab):
+    """SIGKILL ansible-playbook in a promote and in a rollback; each re-run converges to a verified
+    package. The re-runs also show admission held from their HOLD, across rank 0's restart, until
+    their checks passed (an outside client probes all along)."""
     p0 = assert_verified_production()
     before = listing()
     # killed after the candidate was applied to x86host and while the Sparks change: a re-run
@@ -202,18 +205,27 @@ def test_sigkill_then_rerun_converges(deployed_lab):
     run_until_step(["promote.yml", *CANDIDATE], "applied")
     d = json.loads(dsv41("package", "journal", "--path", str(JOURNAL), "--json").stdout)
     assert d["action"] == "revert" and d["package"] == p0, d
-    r = timed_play("promote.yml", *CANDIDATE)
+    n0 = len(JOURNAL.read_text().splitlines())
+    with AdmissionProbe() as probe:
+        r = timed_play("promote.yml", *CANDIDATE)
+        time.sleep(2)
     assert r.returncode == 0, r.stdout[-5000:]
     assert "reverting to" in r.stdout
     p1 = assert_verified_production()
     assert p1 != p0
-    # killed after the HOLD of a rollback: the re-run finishes the rollback
-    run_until_step(["playbooks/rollback.yml"], "held")
+    assert_held_throughout(probe, op_steps(n0), "pointer", "promote re-run")
+    # killed after the HOLD of a rollback: the re-run finishes the rollback (as the recovery of
+    # the killed operation, under the re-run's HOLD)
+    e = run_until_step(["playbooks/rollback.yml"], "held")
     d = json.loads(dsv41("package", "journal", "--path", str(JOURNAL), "--json").stdout)
     assert d["action"] == "finish" and d["package"] == p0, d
-    r = timed_play("playbooks/rollback.yml")
+    n0 = len(JOURNAL.read_text().splitlines())
+    with AdmissionProbe() as probe:
+        r = timed_play("playbooks/rollback.yml")
+        time.sleep(2)
     assert r.returncode == 0, r.stdout[-5000:]
     assert assert_verified_production() == p0 and listing() == before
+    assert_held_throughout(probe, op_steps(n0, e["op"]), "recovered", "rollback re-run (recovery)")
 
 
 class AdmissionProbe:
@@ -250,10 +262,11 @@ class AdmissionProbe:
         return [s for s in self.samples if s[0] > t0 and s[1] < t1]
 
 
-def op_steps(n0: int) -> dict[str, float]:
-    """``{step: ts}`` of the first operation journaled after line ``n0`` (first occurrence of each step)."""
+def op_steps(n0: int, op: str | None = None) -> dict[str, float]:
+    """``{step: ts}`` (first occurrence of each step) of operation ``op`` among the journal lines
+    after line ``n0``; ``op`` None: the first operation that began there."""
     entries = [json.loads(x) for x in JOURNAL.read_text().splitlines()[n0:] if x.strip()]
-    op = entries[0]["op"]
+    op = op or next(e["op"] for e in entries if e["step"] == "begin")
     out: dict[str, float] = {}
     for e in entries:
         if e["op"] == op:
