@@ -20,7 +20,7 @@ from test_promotion_lab import (API, CANDIDATE, JOURNAL, assert_verified_product
 pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.lab_long, needs_lab]
 
 # every step a promote journals before `done`, and every step a rollback does
-PAIRS = [("begin", "begin"), ("held", "held"), ("applied", "verified"), ("recorded", None), ("verified", None),
+PAIRS = [("verified", "verified"), ("held", "held"), ("begin", "begin"), ("applied", None), ("recorded", None),
          ("pointer", None)]
 
 
