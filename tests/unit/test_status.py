@@ -91,6 +91,12 @@ def test_last_window_is_the_newest_decision(tmp_path):
         p.write_text(json.dumps({"verdict": verdict}))
         os.utime(p, (1000 + i, 1000 + i))
     assert st.last_window(tmp_path) == {"id": "w2", "verdict": "WIN", "path": str(tmp_path / "w2" / "decision.json")}
+    # what `dsv41 window run` writes: the verdict inside "decision"
+    p = tmp_path / "w3" / "decision.json"
+    p.parent.mkdir()
+    p.write_text(json.dumps({"decision": {"verdict": "LOSS", "metric": "step_ms_p50"}, "candidate": "slow-rows"}))
+    os.utime(p, (2000, 2000))
+    assert st.last_window(tmp_path)["verdict"] == "LOSS"
 
 
 # ---- the endpoints (loopback fakes) ---------------------------------------------------------

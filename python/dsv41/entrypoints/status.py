@@ -288,6 +288,8 @@ def last_window(windows_dir: str | os.PathLike | None) -> dict | None:
     try:
         doc = json.loads(Path(path).read_text())
         verdict = doc.get("verdict", doc.get("decision")) if isinstance(doc, dict) else None
+        if isinstance(verdict, dict):  # what `dsv41 window run` writes: {"decision": {"verdict": ...}}
+            verdict = verdict.get("verdict")
     except (OSError, ValueError) as exc:
         verdict = f"unreadable: {exc}"
     return {"id": Path(path).parent.name, "verdict": str(verdict) if verdict is not None else "?", "path": path}
