@@ -37,7 +37,7 @@ def _converged(expect: str | None = None) -> str:
     return pid
 
 
-@pytest.mark.parametrize("promote_step,rollback_step", PAIRS, ids=[f"promote@{a}-rollback@{b or 'none'}" for a, b in PAIRS])
+@pytest.mark.parametrize("promote_step,rollback_step", PAIRS, ids=[f"promote_{a}-rollback_{b or 'none'}" for a, b in PAIRS])
 def test_kill_then_rerun_converges(deployed_lab, promote_step, rollback_step):
     p0 = _converged()
     before = listing()
