@@ -40,8 +40,10 @@ lab-down: venv
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/ansible-playbook playbooks/lab_down.yml
 
 # SIGKILL of promote.yml / rollback.yml at every journal step, then a converging re-run (docs/promotion.md)
+# The promotion kill matrix (docs/promotion.md "Tests"): hold the lab lock; PYTEST_ARGS="-k promote_held"
+# picks pairs of kill points to fit a hold.
 promotion-kill: venv
-	PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -p no:cacheprovider tests/integration/kill_promotion_matrix.py
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -s -p no:cacheprovider tests/integration/kill_promotion_matrix.py $(PYTEST_ARGS)
 
 bench: venv
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -s -p no:cacheprovider tests/perf

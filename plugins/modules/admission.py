@@ -21,6 +21,9 @@ options:
   state:
     description:
       - V(held) stops admitting new requests (HOLD), V(open) admits again, V(status) only reads.
+      - While E(DSV41_WINDOW_TOKEN) is set, V(held) always sends the HOLD with that token (the held
+        engine admits only requests carrying it), also when admission is held already; C(changed)
+        reports only a change of the admission state.
     type: str
     choices: [held, open, status]
     default: status
@@ -99,7 +102,10 @@ def main():
         before = dsv41_admission.status(p["endpoint"], p["timeout"])
         want = before if p["state"] == "status" else p["state"]
         changed = want != before
-        if changed and not module.check_mode:
+        # A HOLD is (re)sent while DSV41_WINDOW_TOKEN is set even when already held (set_state
+        # decides): it names the fenced operation the held engine admits, replacing an older one
+        # (a killed run's). Only a change of the admission state itself counts as changed.
+        if (changed or want == "held") and not module.check_mode:
             dsv41_admission.set_state(p["endpoint"], want, p["timeout"], p["settle"])
     result = dict(changed=changed, previous=before, state=want)
     if module._diff:

@@ -47,6 +47,9 @@ options:
   window:
     description: V(gate) - window id.
     type: str
+  candidate:
+    description: V(gate) - the candidate to promote; a window whose decision names another one is refused.
+    type: str
   force:
     description: V(gate) - promote without a WIN (needs O(reason)).
     type: bool
@@ -161,6 +164,7 @@ def main():
             refs_path=dict(type="path"),
             windows_dir=dict(type="path"),
             window=dict(type="str"),
+            candidate=dict(type="str"),
             force=dict(type="bool", default=False),
             reason=dict(type="str", no_log=False),
         ),
@@ -172,7 +176,8 @@ def main():
     p = module.params
     with dsv41_errors(module):
         if p["action"] == "gate":
-            module.exit_json(changed=False, gate=pkg.check_window(p["windows_dir"], p["window"], p["force"], p["reason"]))
+            module.exit_json(changed=False, gate=pkg.check_window(p["windows_dir"], p["window"], p["force"], p["reason"],
+                                                                  p["candidate"]))
         if p["action"] == "record":
             module.exit_json(**_record(module, p))
         pid = pkg.resolve(p["root"], p["id"])

@@ -117,6 +117,9 @@ _ROWS = [
     # ---- engine
     EnvVar("DSV41_ENGINE_THREADS", int, 1, "torch CPU threads per engine rank when --threads is not given "
            "(roles/serve writes it).", "threads", 1, 4096),
+    EnvVar("DSV41_ADMISSION_HOLD_FILE", str, "", "Rank 0 keeps a fenced HOLD (/pause?window=TOKEN: window, "
+           "promote, rollback) in this file, so an engine restarted under it starts held; /resume removes it "
+           "(roles/serve writes /run/dsv41/admission-hold on the lab; empty: memory only, as vLLM)."),
     # ---- liveness and step-path deadlines (docs/engine.md, "Liveness and deadlines")
     EnvVar("DSV41_TP_PEER_TIMEOUT_S", float, 5.0, "How long a TP collective waits for the other rank after "
            "the first command; past it the rank fails (/health 503) and exits for its supervisor.", "s", 2, 3600),
@@ -201,6 +204,7 @@ class Settings:
     :func:`parse` (tests/unit/test_envs.py keeps the fields and the table in step)."""
 
     engine_threads: int = 1
+    admission_hold_file: str = ""
     tp_peer_timeout_s: float = 5.0
     drafter_propose_deadline_ms: float = 1000.0
     engram_lookup_deadline_ms: float = 1000.0

@@ -1,63 +1,80 @@
-"""The heavy kill matrix (``make promotion-kill``; not part of ``make test``, whose lab module
-tests/integration/test_promotion_lab.py kills at two points): SIGKILL ansible-playbook at every
-journal step of promote.yml and of playbooks/rollback.yml, then a plain re-run must converge to a
-verified package (every host points at it, it verifies, every managed file equals its record) and
-the journal must have nothing left to finish. About 3-4 minutes per point on the idle 2-core machine.
-"""
+"""The kill matrix (``make promotion-kill``; not part of ``make test``): SIGKILL ansible-playbook at
+each journal step of promote.yml and of playbooks/rollback.yml, then a plain re-run must converge
+to a verified package (every host points at it, it verifies, every managed file's sha256 equals
+its record) with nothing left in the journal to finish, and admission open.
+
+One test per pair of kill points: a promote killed at ``promote_step`` and re-run (production p1),
+then a rollback killed at ``rollback_step`` (or a plain rollback) and re-run (production p0 again,
+sha256 listing identical to before). About 6-10 minutes per pair on the shared 2-core machine, so
+``-k`` picks pairs to fit a lab hold (docs/promotion.md records which ran)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from labutil import needs_lab, play
-from test_promotion_lab import (CANDIDATE, JOURNAL, PACKAGES, assert_verified_production, dsv41, listing, production,
-                                recap_changed, run_until_step)
+from labutil import needs_lab
+from test_promotion_lab import (API, CANDIDATE, JOURNAL, assert_verified_production, dsv41, listing, run_until_step,
+                                timed_play)
 
-pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab]
+pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.lab_long, needs_lab]
+
+# every step a promote journals before `done`, and every step a rollback does
+PAIRS = [("verified", "verified"), ("held", "held"), ("begin", "begin"), ("applied", None), ("recorded", None),
+         ("pointer", None)]
 
 
-def _journal_idle() -> None:
+def _converged(expect: str | None = None) -> str:
+    """Production verified, the journal idle, admission open; returns the package id."""
+    import httpx
+
+    pid = assert_verified_production()
     d = json.loads(dsv41("package", "journal", "--path", str(JOURNAL), "--json").stdout)
     assert d["action"] == "none", d
+    assert httpx.get(API + "/is_paused", timeout=10, trust_env=False).json()["is_paused"] is False
+    if expect is not None:
+        assert pid == expect
+    return pid
 
 
-@pytest.mark.parametrize("step", ["begin", "held", "applied", "recorded", "verified", "pointer"])
-def test_kill_promote_then_rerun(deployed_lab, step):
-    p0 = assert_verified_production()
-    run_until_step(["promote.yml", *CANDIDATE], step)
-    r = play("promote.yml", *CANDIDATE)
+@pytest.mark.parametrize("promote_step,rollback_step", PAIRS, ids=[f"promote_{a}-rollback_{b or 'none'}" for a, b in PAIRS])
+def test_kill_then_rerun_converges(deployed_lab, promote_step, rollback_step):
+    p0 = _converged()
+    before = listing()
+    e = run_until_step(["promote.yml", *CANDIDATE], promote_step)
+    d = json.loads(dsv41("package", "journal", "--path", str(JOURNAL), "--json").stdout)
+    print(f"\n[promotion] journal after the kill: {d['kind']} stopped after {d['last_step']}: "
+          f"re-run will {d['action']} to {d['package']}", flush=True)
+    assert d["op"] == e["op"] and d["action"] in ("finish", "revert")
+    r = timed_play("promote.yml", *CANDIDATE)
     assert r.returncode == 0, r.stdout[-5000:]
-    p1 = assert_verified_production()
-    assert p1 != p0 and (PACKAGES / p1 / "package.json").is_file()
-    _journal_idle()
-    r = play("playbooks/rollback.yml", "-e", "to=" + p0)
+    p1 = _converged()
+    assert p1 != p0
+    if rollback_step is not None:
+        e = run_until_step(["playbooks/rollback.yml"], rollback_step)
+        d = json.loads(dsv41("package", "journal", "--path", str(JOURNAL), "--json").stdout)
+        print(f"\n[promotion] journal after the kill: {d['kind']} stopped after {d['last_step']}: "
+              f"re-run will {d['action']} to {d['package']}", flush=True)
+        assert d["action"] == "finish" and d["package"] == p0, d
+    r = timed_play("playbooks/rollback.yml")
     assert r.returncode == 0, r.stdout[-5000:]
-    assert assert_verified_production() == p0
+    _converged(p0)
+    assert listing() == before
 
 
 def test_check_mode_and_idempotent_promote(deployed_lab):
-    p0 = assert_verified_production()
+    from test_promotion_lab import production, recap_changed
+
+    p0 = _converged()
     before = listing()
-    r = play("promote.yml", *CANDIDATE, "--check", "--diff")
+    r = timed_play("promote.yml", *CANDIDATE, "--check", "--diff")
     assert r.returncode == 0, r.stdout[-5000:]
     assert production() == p0 and listing() == before
-    r = play("promote.yml", *CANDIDATE)
+    r = timed_play("promote.yml", *CANDIDATE)
     assert r.returncode == 0, r.stdout[-5000:]
-    r = play("promote.yml", *CANDIDATE)
+    r = timed_play("promote.yml", *CANDIDATE)
     assert r.returncode == 0 and set(recap_changed(r.stdout).values()) == {0}, recap_changed(r.stdout)
-    r = play("playbooks/rollback.yml", "-e", "to=" + p0)
+    r = timed_play("playbooks/rollback.yml", "-e", "to=" + p0)
     assert r.returncode == 0, r.stdout[-5000:]
-    assert assert_verified_production() == p0 and listing() == before
-
-
-@pytest.mark.parametrize("step", ["begin", "held", "verified"])
-def test_kill_rollback_then_rerun(deployed_lab, step):
-    p0 = assert_verified_production()
-    r = play("promote.yml", *CANDIDATE)
-    assert r.returncode == 0, r.stdout[-5000:]
-    run_until_step(["playbooks/rollback.yml"], step)
-    r = play("playbooks/rollback.yml")
-    assert r.returncode == 0, r.stdout[-5000:]
-    assert assert_verified_production() == p0
-    _journal_idle()
+    _converged(p0)
+    assert listing() == before

@@ -13,8 +13,10 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 
+import httpx
 import pytest
 import yaml
 from labutil import BIN, ROOT, env, inside, needs_lab, play
@@ -23,6 +25,7 @@ from labutil import BIN, ROOT, env, inside, needs_lab, play
 pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.lab_long, needs_lab]
 
 HOSTS = ("x86host", "sparkworker", "sparkhead")
+API = "http://198.18.0.11:8000"
 PACKAGES = ROOT / "packages"
 JOURNAL = PACKAGES / "journal.jsonl"
 CANDIDATE = ["-e", "candidate=sync-drafter", "-e", "force=true", "-e", "reason=lab-promotion-test"]
@@ -74,12 +77,24 @@ def recap_changed(out: str) -> dict[str, int]:
 
 
 def assert_verified_production() -> str:
-    """Every host points at one package, the package verifies, and every managed file equals it."""
+    """Every host points at one package, the package verifies, and every managed file equals it.
+    Prints the id and the verify line (``-s`` shows them: the numbers docs/promotion.md records)."""
     pid = production()
     r = dsv41("package", "verify", pid, "--root", str(PACKAGES))
     assert r.returncode == 0, r.stderr
-    assert listing() == package_listing(pid)
+    files = listing()
+    assert files == package_listing(pid)
+    print(f"\n[promotion] production {pid}: {r.stdout.strip()}; sha256 listing equals the record "
+          f"({', '.join(f'{h} {len(files[h])} files' for h in HOSTS)})", flush=True)
     return pid
+
+
+def timed_play(*args: str) -> subprocess.CompletedProcess:
+    """``play(*args)``, printing its wall time."""
+    t0 = time.monotonic()
+    r = play(*args)
+    print(f"\n[promotion] ansible-playbook {' '.join(args)}: rc {r.returncode}, {time.monotonic() - t0:.1f} s", flush=True)
+    return r
 
 
 def test_promote_verify_rollback_exact_promote_again(deployed_lab):
@@ -87,28 +102,28 @@ def test_promote_verify_rollback_exact_promote_again(deployed_lab):
     before = listing()
     history0 = inside("sparkhead", "cat", "/opt/dsv41/packages/history").stdout
     # deploy.yml's record step again: same id, nothing changed
-    r = play("playbooks/promotion_record.yml")
+    r = timed_play("playbooks/promotion_record.yml")
     assert r.returncode == 0 and set(recap_changed(r.stdout).values()) == {0}, r.stdout[-3000:]
     assert production() == p0
 
     # bad input: one clear error, nothing changed
-    r = play("promote.yml", "-e", "candidate=sync-drafter")
+    r = timed_play("promote.yml", "-e", "candidate=sync-drafter")
     assert r.returncode != 0 and "promotion needs window=ID" in r.stdout
     wdir = ROOT / "windows" / "promotion-test-nochange"
     wdir.mkdir(parents=True, exist_ok=True)
     (wdir / "decision.json").write_text(json.dumps({"verdict": "NO-CHANGE"}))
     try:
-        r = play("promote.yml", "-e", "candidate=sync-drafter", "-e", "window=promotion-test-nochange")
+        r = timed_play("promote.yml", "-e", "candidate=sync-drafter", "-e", "window=promotion-test-nochange")
         assert r.returncode != 0 and "decided 'NO-CHANGE', not WIN" in r.stdout
     finally:
         (wdir / "decision.json").unlink()
         wdir.rmdir()
-    r = play("playbooks/rollback.yml", "-e", "to=" + "f" * 64)
+    r = timed_play("playbooks/rollback.yml", "-e", "to=" + "f" * 64)
     assert r.returncode != 0 and "unknown package" in r.stdout
     assert production() == p0 and listing() == before
 
     # promote (forced), verified
-    r = play("promote.yml", *CANDIDATE)
+    r = timed_play("promote.yml", *CANDIDATE)
     assert r.returncode == 0, r.stdout[-5000:]
     p1 = assert_verified_production()
     assert p1 != p0
@@ -122,30 +137,30 @@ def test_promote_verify_rollback_exact_promote_again(deployed_lab):
     good = blob.read_bytes()
     blob.write_bytes(good + b"# tampered\n")
     try:
-        r = play("playbooks/rollback.yml")
+        r = timed_play("playbooks/rollback.yml")
         assert r.returncode != 0 and "tampered" in r.stdout
         assert production() == p1
     finally:
         blob.write_bytes(good)
 
     # exact rollback: sha256 listing identical to before the promotion
-    r = play("playbooks/rollback.yml")
+    r = timed_play("playbooks/rollback.yml")
     assert r.returncode == 0, r.stdout[-5000:]
     assert assert_verified_production() == p0
     assert listing() == before
     assert "MISMATCH" not in r.stdout
     # idempotent: a second rollback changes nothing
-    r = play("playbooks/rollback.yml")
+    r = timed_play("playbooks/rollback.yml")
     assert r.returncode == 0, r.stdout[-5000:]
     assert production() == p0 and set(recap_changed(r.stdout).values()) == {0}, recap_changed(r.stdout)
 
     # promote again: the same production gets the same id
-    r = play("promote.yml", *CANDIDATE)
+    r = timed_play("promote.yml", *CANDIDATE)
     assert r.returncode == 0, r.stdout[-5000:]
     assert assert_verified_production() == p1
 
     # leave the lab as deploy.yml made it
-    r = play("playbooks/rollback.yml", "-e", "to=" + p0[:12])
+    r = timed_play("playbooks/rollback.yml", "-e", "to=" + p0[:12])
     assert r.returncode == 0, r.stdout[-5000:]
     assert assert_verified_production() == p0 and listing() == before
     assert inside("sparkhead", "cat", "/opt/dsv41/packages/history").stdout.startswith(history0)
@@ -155,6 +170,7 @@ def run_until_step(playbook_args: list[str], step: str, timeout: float = 600) ->
     """Start ``ansible-playbook ARGS``, SIGKILL its whole process group as soon as a journal entry
     of a new operation with ``step`` appears, and return that entry."""
     n0 = len(JOURNAL.read_text().splitlines()) if JOURNAL.exists() else 0
+    t0 = time.monotonic()
     proc = subprocess.Popen([str(BIN / "ansible-playbook"), *playbook_args], cwd=ROOT, env=env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + timeout
@@ -166,6 +182,8 @@ def run_until_step(playbook_args: list[str], step: str, timeout: float = 600) ->
                 if e["step"] == step:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait(30)
+                    print(f"\n[promotion] SIGKILL ansible-playbook {' '.join(playbook_args)} at journal step "
+                          f"{step} ({e['op']}) after {time.monotonic() - t0:.1f} s", flush=True)
                     return e
             assert proc.poll() is None, f"{playbook_args} ended (rc {proc.returncode}) before journal step {step}"
             time.sleep(0.2)
@@ -177,6 +195,9 @@ def run_until_step(playbook_args: list[str], step: str, timeout: float = 600) ->
 
 
 def test_sigkill_then_rerun_converges(deployed_lab):
+    """SIGKILL ansible-playbook in a promote and in a rollback; each re-run converges to a verified
+    package. The re-runs also show admission held from their HOLD, across rank 0's restart, until
+    their checks passed (an outside client probes all along)."""
     p0 = assert_verified_production()
     before = listing()
     # killed after the candidate was applied to x86host and while the Sparks change: a re-run
@@ -184,15 +205,105 @@ def test_sigkill_then_rerun_converges(deployed_lab):
     run_until_step(["promote.yml", *CANDIDATE], "applied")
     d = json.loads(dsv41("package", "journal", "--path", str(JOURNAL), "--json").stdout)
     assert d["action"] == "revert" and d["package"] == p0, d
-    r = play("promote.yml", *CANDIDATE)
+    n0 = len(JOURNAL.read_text().splitlines())
+    with AdmissionProbe() as probe:
+        r = timed_play("promote.yml", *CANDIDATE)
+        time.sleep(2)
     assert r.returncode == 0, r.stdout[-5000:]
     assert "reverting to" in r.stdout
     p1 = assert_verified_production()
     assert p1 != p0
-    # killed after the HOLD of a rollback: the re-run finishes the rollback
-    run_until_step(["playbooks/rollback.yml"], "held")
+    assert_held_throughout(probe, op_steps(n0), "pointer", "promote re-run")
+    # killed after the HOLD of a rollback: the re-run finishes the rollback (as the recovery of
+    # the killed operation, under the re-run's HOLD)
+    e = run_until_step(["playbooks/rollback.yml"], "held")
     d = json.loads(dsv41("package", "journal", "--path", str(JOURNAL), "--json").stdout)
     assert d["action"] == "finish" and d["package"] == p0, d
-    r = play("playbooks/rollback.yml")
+    n0 = len(JOURNAL.read_text().splitlines())
+    with AdmissionProbe() as probe:
+        r = timed_play("playbooks/rollback.yml")
+        time.sleep(2)
     assert r.returncode == 0, r.stdout[-5000:]
     assert assert_verified_production() == p0 and listing() == before
+    assert_held_throughout(probe, op_steps(n0, e["op"]), "recovered", "rollback re-run (recovery)")
+
+
+class AdmissionProbe:
+    """A client that is not part of the operation: from a thread, one greedy 1-token completion
+    to rank 0 every ``period_s`` seconds, without the operation's token. ``samples``: list of
+    ``(sent, answered, outcome)``, Unix seconds and the HTTP status (int) or ``"down"`` (no
+    connection: the engine is restarting)."""
+
+    def __init__(self, period_s: float = 0.25) -> None:
+        self.period_s, self.samples, self._stop = period_s, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=30, trust_env=False) as c:
+            while not self._stop.is_set():
+                t0 = time.time()
+                try:
+                    out = c.post(API + "/v1/completions", json={"prompt": "probe", "max_tokens": 1, "temperature": 0}).status_code
+                except httpx.HTTPError:
+                    out = "down"
+                self.samples.append((t0, time.time(), out))
+                self._stop.wait(self.period_s)
+
+    def __enter__(self) -> "AdmissionProbe":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def between(self, t0: float, t1: float) -> list:
+        """The samples sent after ``t0`` and answered before ``t1``."""
+        return [s for s in self.samples if s[0] > t0 and s[1] < t1]
+
+
+def op_steps(n0: int, op: str | None = None) -> dict[str, float]:
+    """``{step: ts}`` (first occurrence of each step) of operation ``op`` among the journal lines
+    after line ``n0``; ``op`` None: the first operation that began there."""
+    entries = [json.loads(x) for x in JOURNAL.read_text().splitlines()[n0:] if x.strip()]
+    op = op or next(e["op"] for e in entries if e["step"] == "begin")
+    out: dict[str, float] = {}
+    for e in entries:
+        if e["op"] == op:
+            out.setdefault(e["step"], e["ts"])
+    return out
+
+
+def assert_held_throughout(probe: AdmissionProbe, steps: dict[str, float], reopen_after: str, what: str) -> None:
+    """No outside request was admitted from the HOLD (journal ``held``) until the checks passed
+    (journal ``reopen_after``), although rank 0 restarted in between; admitted again after ``done``."""
+    during = probe.between(steps["held"], steps[reopen_after])
+    outcomes = [o for _, _, o in during]
+    admitted = [s for s in during if s[2] == 200]
+    down = [s for s in during if s[2] == "down"]
+    assert during and not admitted, f"{what}: {len(admitted)} outside requests admitted during the HOLD: {admitted[:3]}"
+    assert down, f"{what}: rank 0 did not restart during the HOLD ({sorted(set(outcomes))})"
+    after_restart = [o for t0, _, o in during if t0 > down[-1][1]]
+    assert after_restart and set(after_restart) == {503}, f"{what}: after the restart {after_restart[:10]}"
+    after = [o for t0, _, o in probe.samples if t0 > steps["done"]]
+    print(f"\n[promotion] {what}: {len(during)} outside requests during the HOLD "
+          f"({outcomes.count(503)} x 503, {len(down)} refused while rank 0 restarted, 0 admitted; "
+          f"{len(after_restart)} x 503 from the restarted rank 0 until the checks passed); "
+          f"after the reopen: {after}", flush=True)
+    assert after and set(after) == {200}, f"{what}: not admitted after the reopen: {after}"
+
+
+def test_admission_stays_held_through_restart_and_checks(deployed_lab):
+    """promote.yml and rollback.yml keep outside requests out from the HOLD until every check
+    passed, across the engine restart (the lab engine starts held: DSV41_ADMISSION_HOLD_FILE), and
+    admit them again afterwards."""
+    p0 = assert_verified_production()
+    for args, reopen_after, what in ((["promote.yml", *CANDIDATE], "pointer", "promote"),
+                                     (["playbooks/rollback.yml", "-e", "to=" + p0], "verified", "rollback")):
+        n0 = len(JOURNAL.read_text().splitlines()) if JOURNAL.exists() else 0
+        with AdmissionProbe() as probe:
+            r = timed_play(*args)
+            time.sleep(2)  # a few samples after the reopen
+        assert r.returncode == 0, r.stdout[-5000:]
+        assert_held_throughout(probe, op_steps(n0), reopen_after, what)
+    assert assert_verified_production() == p0

@@ -174,6 +174,22 @@ def test_window_gate(tmp_path):
     assert g == {"window": "w2", "verdict": "NO-CHANGE", "force": True, "reason": "lab drill"}
 
 
+def test_window_gate_reads_what_dsv41_window_run_writes(tmp_path):
+    # harness/window.py write_report: {"decision": {"verdict": ...}, "candidate": NAME, ...}
+    (tmp_path / "w3").mkdir()
+    (tmp_path / "w3" / "decision.json").write_text(json.dumps(
+        {"decision": {"verdict": "WIN", "metric": "step_ms_p50"}, "candidate": "async-drafter", "control": "production"}))
+    g = pkg.check_window(tmp_path, "w3", False, None, "async-drafter")
+    assert g == {"window": "w3", "verdict": "WIN", "force": False, "reason": None}
+    with pytest.raises(pkg.PackageError, match="window w3 measured candidate 'async-drafter', not 'sync-drafter'"):
+        pkg.check_window(tmp_path, "w3", False, None, "sync-drafter")
+    (tmp_path / "w4").mkdir()
+    (tmp_path / "w4" / "decision.json").write_text(json.dumps({"decision": {"verdict": "LOSS"}, "candidate": "x"}))
+    with pytest.raises(pkg.PackageError, match="decided 'LOSS', not WIN"):
+        pkg.check_window(tmp_path, "w4", False, None, "x")
+    assert pkg.window_verdict({"decision": "WIN"}) is None and pkg.window_verdict([]) is None
+
+
 # ---- journal ---------------------------------------------------------------------------------
 
 P0, P1, P2 = "a" * 64, "b" * 64, "c" * 64

@@ -91,6 +91,12 @@ def test_last_window_is_the_newest_decision(tmp_path):
         p.write_text(json.dumps({"verdict": verdict}))
         os.utime(p, (1000 + i, 1000 + i))
     assert st.last_window(tmp_path) == {"id": "w2", "verdict": "WIN", "path": str(tmp_path / "w2" / "decision.json")}
+    # what `dsv41 window run` writes: the verdict inside "decision"
+    p = tmp_path / "w3" / "decision.json"
+    p.parent.mkdir()
+    p.write_text(json.dumps({"decision": {"verdict": "LOSS", "metric": "step_ms_p50"}, "candidate": "slow-rows"}))
+    os.utime(p, (2000, 2000))
+    assert st.last_window(tmp_path)["verdict"] == "LOSS"
 
 
 # ---- the endpoints (loopback fakes) ---------------------------------------------------------
@@ -222,6 +228,22 @@ def test_admission_held_says_since_when(fake):
     (reason,) = rep["reasons"]
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(fake.since))
     assert reason.startswith(f"admission held since {stamp} (4") and reason.endswith(" s)")
+
+
+def test_hold_ok_makes_an_expected_hold_a_warning_only(fake):
+    fake.paused, fake.since = True, time.time() - 7
+    rep = st.evaluate(_hosts(), _probe(fake))
+    ok = st.allow_hold(rep)
+    assert not rep["healthy"] and rep["reasons"] == [rep["held_reason"]]  # the input is unchanged
+    assert ok["healthy"] and ok["reasons"] == [] and ok["warnings"][-1] == rep["held_reason"] + " (expected: --hold-ok)"
+    # every other reason still counts
+    fake.ready = False
+    bad = st.allow_hold(st.evaluate(_hosts(), _probe(fake)))
+    assert not bad["healthy"] and all("admission held" not in r for r in bad["reasons"]) and bad["reasons"]
+    # nothing held: nothing to move
+    fake.paused, fake.ready = False, True
+    rep = st.evaluate(_hosts(), _probe(fake))
+    assert rep["held_reason"] is None and st.allow_hold(rep) == rep
 
 
 def test_identity_mismatches(fake):

@@ -25,10 +25,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 import sys
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -315,13 +317,67 @@ _WINDOW_TOKEN_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 class ServerState:
     """Admission state shared by the handlers: ``paused``, ``draining``, ``paused_since``
     (Unix time in seconds when admission was last closed; None while open) and ``window_token``
-    (the fenced window admitted while paused; None when none)."""
+    (the fenced window admitted while paused; None when none).
 
-    def __init__(self) -> None:
+    ``hold_file`` (``DSV41_ADMISSION_HOLD_FILE``; None: memory only, as vLLM) keeps a *fenced*
+    HOLD (one taken with ``/pause?window=TOKEN``: window.yml, promote.yml, rollback.yml) across
+    engine restarts: :meth:`hold` writes ``{"since": s, "window": TOKEN}`` there (atomic rename),
+    :meth:`open` removes it, and a state built while the file holds a valid record starts held,
+    admitting only that token's requests. So a rank 0 restarted under such a HOLD comes up held
+    until its owner's checks pass and it reopens. A plain ``/pause`` is not kept (vLLM's
+    behaviour), and an unreadable or malformed file is ignored with a warning, never a crash.
+    Raises OSError from :meth:`hold`/:meth:`open` only when the file cannot be written/removed."""
+
+    def __init__(self, hold_file: str | os.PathLike | None = None) -> None:
         self.paused = False
         self.draining = False
         self.paused_since: float | None = None
         self.window_token: str | None = None
+        self.hold_file = Path(hold_file) if hold_file else None
+        if self.hold_file is not None:
+            self._load()
+
+    def _load(self) -> None:
+        try:
+            doc = json.loads(self.hold_file.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            log.warning("admission hold file %s unreadable (%s): starting open", self.hold_file, exc)
+            return
+        token = doc.get("window") if isinstance(doc, dict) else None
+        since = doc.get("since") if isinstance(doc, dict) else None
+        if not (isinstance(token, str) and _WINDOW_TOKEN_RE.fullmatch(token)
+                and isinstance(since, (int, float)) and not isinstance(since, bool)):
+            log.warning("admission hold file %s is not a fenced HOLD record: starting open", self.hold_file)
+            return
+        self.paused, self.paused_since, self.window_token = True, float(since), token
+        log.info("starting held: the fenced HOLD %s (since %.0f) outlived the restart", token, since)
+
+    def hold(self, window: str | None) -> None:
+        """Close admission (``window``: the fenced token still admitted, or None); a fenced HOLD
+        is written to ``hold_file``, a plain one removes a stale record."""
+        if not self.paused:
+            self.paused_since = time.time()
+        self.paused = True
+        self.window_token = window or None
+        if self.hold_file is None:
+            return
+        if self.window_token is None:
+            self.hold_file.unlink(missing_ok=True)
+            return
+        tmp = self.hold_file.with_name(self.hold_file.name + ".tmp")
+        self.hold_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"since": self.paused_since, "window": self.window_token}), encoding="utf-8")
+        os.replace(tmp, self.hold_file)
+
+    def open(self) -> None:
+        """Admit requests again; the kept HOLD record (if any) is removed."""
+        self.paused = False
+        self.window_token = None
+        self.paused_since = None
+        if self.hold_file is not None:
+            self.hold_file.unlink(missing_ok=True)
 
 
 def create_app(engine, model_name: str, max_model_len: int, state: ServerState | None = None, metrics=None):
@@ -575,10 +631,12 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
             raise ApiError(400, f"timeout_s must be a positive number of seconds, got {timeout_s}", param="timeout_s")
         if window is not None and not _WINDOW_TOKEN_RE.fullmatch(window):
             raise ApiError(400, "window must be 1-128 characters of [A-Za-z0-9._-]", param="window")
-        if not st.paused:
-            st.paused_since = time.time()
-        st.paused = True
-        st.window_token = window or None
+        try:
+            st.hold(window)
+        except OSError as exc:
+            # held in memory all the same (the safe side); the caller learns the restart guarantee is off
+            raise ApiError(500, f"admission is held, but the HOLD could not be kept in {st.hold_file}: {exc}",
+                           etype="InternalServerError") from None
         running, waiting = engine.sched.counts()
         in_flight = running + waiting
         if mode == "keep":
@@ -606,10 +664,15 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
     @app.post("/resume")
     async def resume():
         """Admit requests again and unfreeze a ``keep`` pause (idempotent)."""
-        st.paused = False
-        st.window_token = None
+        try:
+            st.open()
+            failed = None
+        except OSError as exc:
+            failed = exc
         engine.freeze(False)
-        st.paused_since = None
+        if failed is not None:
+            raise ApiError(500, f"admission is open, but the kept HOLD {st.hold_file} could not be removed: {failed}",
+                           etype="InternalServerError")
         return {"paused": False}
 
     @app.get("/is_paused")

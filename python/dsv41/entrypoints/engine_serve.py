@@ -135,7 +135,7 @@ def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, h
     metrics.kv_extra_tokens.set(extra)
     engine = Engine(model, sched, comm, rows, spec, depth, metrics, deadlines=deadlines)
     holder["engine"] = engine
-    state = ServerState()
+    state = ServerState(settings.admission_hold_file or None)
     app = create_app(engine, name, min(cfg.max_position_embeddings, kv_cache_tokens), state, metrics)
     class _Server(uvicorn.Server):
         # uvicorn re-raises a captured SIGTERM after its graceful shutdown, which would kill the

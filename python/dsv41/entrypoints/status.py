@@ -288,6 +288,8 @@ def last_window(windows_dir: str | os.PathLike | None) -> dict | None:
     try:
         doc = json.loads(Path(path).read_text())
         verdict = doc.get("verdict", doc.get("decision")) if isinstance(doc, dict) else None
+        if isinstance(verdict, dict):  # what `dsv41 window run` writes: {"decision": {"verdict": ...}}
+            verdict = verdict.get("verdict")
     except (OSError, ValueError) as exc:
         verdict = f"unreadable: {exc}"
     return {"id": Path(path).parent.name, "verdict": str(verdict) if verdict is not None else "?", "path": path}
@@ -350,8 +352,10 @@ def evaluate(hosts: dict, probed: dict, *, expected_image: str = "", window: dic
         reasons.append(f"rank 0 API {api['url']}: {api['error']}")
     elif api.get("health") != "ok":
         reasons.append(f"rank 0 API {api['url']}: {api['health']}")
+    held_reason = None
     if api.get("admission") == "held":
-        reasons.append(f"admission held {_fmt_since(api.get('since'), now)}")
+        held_reason = f"admission held {_fmt_since(api.get('since'), now)}"
+        reasons.append(held_reason)
     elif api.get("admission") not in (None, "open"):
         reasons.append(f"admission {api['admission']}")
 
@@ -400,7 +404,20 @@ def evaluate(hosts: dict, probed: dict, *, expected_image: str = "", window: dic
                 warnings.append(f"drafter worker {worker['url']}: no client connected")
     return {"time": now, "window_s": win, "healthy": not reasons, "reasons": reasons, "warnings": warnings,
             "hosts": hosts, "api": api, "engine": eng, "engram_server": server, "drafter_worker": worker,
-            "window": window}
+            "window": window, "held_reason": held_reason}
+
+
+def allow_hold(report: dict) -> dict:
+    """``report`` (as :func:`evaluate` returns it) judged with a HOLD expected: the checks of
+    promote.yml / rollback.yml run under their own fenced HOLD, so "admission held" moves from the
+    reasons to the warnings and ``healthy`` is recomputed; every other reason still counts.
+    Returns a new dict; ``report`` is not changed."""
+    held = report.get("held_reason")
+    if not held or held not in report["reasons"]:
+        return dict(report)
+    reasons = [r for r in report["reasons"] if r != held]
+    return {**report, "reasons": reasons, "healthy": not reasons,
+            "warnings": [*report["warnings"], f"{held} (expected: --hold-ok)"]}
 
 
 # ---- rendering -------------------------------------------------------------------------------

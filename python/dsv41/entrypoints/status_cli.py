@@ -26,6 +26,9 @@ def status(
     supervisorctl: str = typer.Option("", help="With --local: the supervisorctl command line (supervisor hosts)."),
     root: str = typer.Option("/opt/dsv41", help="With --local: install root (tables/, drafter/, packages/)."),
     container_runtime: str = typer.Option("/usr/bin/docker", help="With --local: runtime of the serving container."),
+    hold_ok: bool = typer.Option(False, "--hold-ok",
+                                 help="A HOLD is expected (promote/rollback checks run under their own fenced HOLD): "
+                                      "admission held is a warning, not a failure."),
 ) -> None:
     """Per host: services and state, package version, image digest, manifest and table identities,
     drafter and target identities, admission, Engram lookups and fallbacks per rank, drafter rounds,
@@ -38,6 +41,8 @@ def status(
         print(json.dumps(facts, indent=None if as_json else 1, sort_keys=True))
         return
     report = st.run_playbook(inventory or st.default_inventory(), window_s=window)
+    if hold_ok:
+        report = st.allow_hold(report)
     if as_json:
         print(json.dumps(report, sort_keys=True))
     elif sys.stdout.isatty():

@@ -297,12 +297,27 @@ def installed_diff(doc: dict, host: str, installed: dict[str, str]) -> dict:
     return {"write": write, "remove": remove, "same": len(files) - len(write)}
 
 
-def check_window(windows_dir: str | os.PathLike, window: str | None, force: bool, reason: str | None) -> dict:
-    """The promotion gate: ``windows/<window>/decision.json`` must say ``"verdict": "WIN"``.
+def window_verdict(doc: object) -> str | None:
+    """The verdict of a window's ``decision.json`` document: its top-level ``verdict``, else
+    ``decision.verdict`` (what ``dsv41 window run`` writes: ``{"decision": {"verdict": ...},
+    "candidate": ..., ...}``); None when it has neither."""
+    if not isinstance(doc, dict):
+        return None
+    if isinstance(doc.get("verdict"), str):
+        return doc["verdict"]
+    inner = doc.get("decision")
+    return inner.get("verdict") if isinstance(inner, dict) and isinstance(inner.get("verdict"), str) else None
+
+
+def check_window(windows_dir: str | os.PathLike, window: str | None, force: bool, reason: str | None,
+                 candidate: str | None = None) -> dict:
+    """The promotion gate: ``windows/<window>/decision.json`` must decide WIN (:func:`window_verdict`)
+    for ``candidate`` (when the decision names its ``candidate``, it must be this one).
 
     With ``force`` a ``reason`` (non-empty) is required and the verdict (or its absence) is only
     recorded. Returns ``{"window", "verdict", "force", "reason"}``; raises PackageError (one line)
-    when the window is missing or unreadable, did not WIN, or force comes without a reason."""
+    when the window is missing or unreadable, measured another candidate, did not WIN, or force
+    comes without a reason."""
     reason = (reason or "").strip() or None
     if force and not reason:
         raise PackageError("force=true needs reason=\"...\" (it is recorded in the package)")
@@ -312,7 +327,12 @@ def check_window(windows_dir: str | os.PathLike, window: str | None, force: bool
             raise PackageError(f"window id must be a plain name, got {window!r}")
         p = Path(windows_dir) / str(window) / "decision.json"
         try:
-            verdict = json.loads(p.read_text(encoding="utf-8")).get("verdict")
+            doc = json.loads(p.read_text(encoding="utf-8"))
+            verdict = window_verdict(doc)
+            measured = doc.get("candidate") if isinstance(doc, dict) else None
+            if candidate and isinstance(measured, str) and measured != candidate and not force:
+                raise PackageError(f"window {window} measured candidate {measured!r}, not {candidate!r}: "
+                                   "refusing to promote")
         except FileNotFoundError:
             if not force:
                 raise PackageError(f"window {window}: no decision ({p} is missing); promotion needs a WIN") from None

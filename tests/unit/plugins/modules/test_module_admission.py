@@ -46,3 +46,17 @@ def test_unreachable_endpoint_fails_with_one_line(run_module):
 def test_bad_state_rejected(run_module):
     kind, res = run_module(admission, {"endpoint": "http://x", "state": "closed"})
     assert kind == "fail" and "state" in res["msg"] and "closed" in res["msg"]
+
+
+def test_a_fenced_hold_is_resent_with_its_token_when_already_held(serving, run_module, monkeypatch):
+    # a killed run left the engine held for its token; the next run's HOLD must name its own
+    kind, res = run_module(admission, {"endpoint": serving.url, "state": "held"})
+    assert kind == "exit" and res["changed"]
+    monkeypatch.setenv("DSV41_WINDOW_TOKEN", "next-run-token")
+    kind, res = run_module(admission, {"endpoint": serving.url, "state": "held"})
+    assert kind == "exit" and not res["changed"] and res["previous"] == "held"
+    assert serving.calls[-2].startswith("POST /pause?mode=wait") and serving.pause_query.endswith("&window=next-run-token")
+    # check mode still sends nothing
+    n = len(serving.calls)
+    kind, res = run_module(admission, {"endpoint": serving.url, "state": "held", "_ansible_check_mode": True})
+    assert kind == "exit" and not any(c.startswith("POST") for c in serving.calls[n:])
