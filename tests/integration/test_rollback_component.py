@@ -111,7 +111,7 @@ def test_rollback_remote_engram_then_deploy_restores(deployed_lab, tmp_path):
     assert _env(ENV_FILE["remote_engram"]) == before
     # the tagged deploy records what now runs (promotion_record.yml under --tags): production's
     # package again, so every pointer is back where it was before the rollback
-    assert re.search(r"package [0-9a-f]{64} \(already recorded\)", dep.stdout), dep.stdout[-6000:]
+    assert re.search(r"package [0-9a-f]{64}\s+\(already\s+recorded\)", dep.stdout), dep.stdout[-6000:]
     assert {h: _pointer(h) for h in HOSTS} == pointer
     print(f"deploy.yml --tags engram_overlay,spec_decode,serve,verify: {time.monotonic() - t0:.1f} s")
 
