@@ -33,9 +33,9 @@ unit: venv
 # pytest's lab part shares one deployed lab (tests/integration/conftest.py: the shared-lab tests
 # run last, after the ones that bring their own lab up and down). Deploy's idempotence is proved
 # here: test_status_lab re-runs deploy.yml on the deployed lab and asserts changed=0 on every host;
-# test_rollback_component rolls remote_engram back and a tagged deploy.yml restores it (and, in
-# check mode, shows a pending change without writing it). Tests marked lab_long are deselected
-# (make lab-long runs them).
+# test_rollback_component rolls remote_engram back and a tagged deploy.yml restores it (pointer
+# included). Tests marked lab_long are deselected (make lab-long runs them: the full molecule
+# scenario, whose verify also runs a tagged deploy.yml in check mode).
 test: venv lint
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -p no:cacheprovider --durations=15 -m 'not lab_long' tests/unit tests/integration
 
