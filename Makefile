@@ -30,6 +30,12 @@ lint: venv
 unit: venv
 	$(BIN)/pytest -q tests/unit
 
+# pytest's lab part shares one deployed lab (tests/integration/conftest.py: the shared-lab tests
+# run last, after the ones that bring their own lab up and down). Deploy's idempotence is proved
+# here: test_status_lab re-runs deploy.yml on the deployed lab and asserts changed=0 on every host;
+# test_rollback_component rolls remote_engram back and a tagged deploy.yml restores it (pointer
+# included). Tests marked lab_long are deselected (make lab-long runs them: the full molecule
+# scenario, whose verify also runs a tagged deploy.yml in check mode).
 test: venv lint
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -p no:cacheprovider --durations=15 -m 'not lab_long' tests/unit tests/integration
 
@@ -70,7 +76,9 @@ window-drills: venv
 	flock /tmp/dsv41-lab.lock env PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -s -p no:cacheprovider tests/perf/bench_window_drills.py
 
 # Lab runs over make test's budget (marked lab_long): promote/rollback exact on the lab and the
-# SIGKILL-then-re-run test (docs/promotion.md). Hold the lab lock when checkouts share the machine.
+# SIGKILL-then-re-run test (docs/promotion.md), and the full molecule scenario (its own lab up,
+# converge, idempotence, verify with the table-server fault and a redeploy, lab down; ~6-7 min).
+# Hold the lab lock when checkouts share the machine.
 lab-long: venv
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -s -p no:cacheprovider -m lab_long tests/integration
 

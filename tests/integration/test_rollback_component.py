@@ -22,7 +22,7 @@ import re
 import time
 
 import pytest
-from labutil import inside, needs_lab, play
+from labutil import HOSTS, inside, needs_lab, play
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab]
 
@@ -61,6 +61,11 @@ def _env(path: str) -> str:
     return inside("sparkhead", "cat", path).stdout
 
 
+def _pointer(host: str) -> str:
+    """The host's promotion pointer (/opt/dsv41/packages/current: the production package id)."""
+    return inside(host, "cat", "/opt/dsv41/packages/current").stdout.strip()
+
+
 def _check_mode_shows_and_changes_nothing(component: str) -> None:
     before = _env(ENV_FILE[component])
     chk = play(PLAYBOOK, "-e", f"component={component}", "--check", "--diff")
@@ -91,10 +96,10 @@ def _rollback(component: str, report) -> dict:
 
 
 @pytest.mark.skipif(ALL, reason="make rollback-components runs the full chain instead")
-@pytest.mark.lab_long  # failed in the 2026-12-01 combined CI run (undiagnosed): make lab-long
 def test_rollback_remote_engram_then_deploy_restores(deployed_lab, tmp_path):
     before = _env(ENV_FILE["remote_engram"])
     assert PRODUCTION_LINE["remote_engram"] in before
+    pointer = {h: _pointer(h) for h in HOSTS}
     _check_mode_shows_and_changes_nothing("remote_engram")
     checks = _rollback("remote_engram", tmp_path / "report.json")
     assert re.fullmatch(r"table server requests \+0, rows \+0", checks["remote lookups still"]["detail"])
@@ -104,6 +109,10 @@ def test_rollback_remote_engram_then_deploy_restores(deployed_lab, tmp_path):
     assert dep.returncode == 0, dep.stdout[-6000:]
     assert "greedy references: 6/6 identical" in dep.stdout
     assert _env(ENV_FILE["remote_engram"]) == before
+    # the tagged deploy records what now runs (promotion_record.yml under --tags): production's
+    # package again, so every pointer is back where it was before the rollback
+    assert re.search(r"package [0-9a-f]{64}\s+\(already\s+recorded\)", dep.stdout), dep.stdout[-6000:]
+    assert {h: _pointer(h) for h in HOSTS} == pointer
     print(f"deploy.yml --tags engram_overlay,spec_decode,serve,verify: {time.monotonic() - t0:.1f} s")
 
 
