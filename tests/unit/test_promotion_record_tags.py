@@ -70,3 +70,15 @@ def test_skip_tags_promotion_skips_every_step():
         assert not _selected(tags, set(), {"promotion"}), name
         if applied is not None:
             assert not _selected(applied, set(), {"promotion"}), name
+
+
+@pytest.mark.parametrize("playbook", sorted(p.name for p in (REPO / "playbooks").glob("promotion_*.yml")))
+def test_an_always_include_applies_always_to_what_it_includes(playbook):
+    """promotion_current.yml read each host's managed files through the same kind of include:
+    under promote.yml/rollback.yml --tags its included tasks would have been skipped too."""
+    plays = yaml.safe_load((REPO / "playbooks" / playbook).read_text())
+    for play in plays:
+        for task, tags in _tasks(play.get("tasks", []), play.get("tags", [])):
+            applied = task.get("ansible.builtin.include_role", {}).get("apply", {}).get("tags")
+            if "always" in tags and applied is not None:
+                assert "always" in applied, f"{playbook}: {task['name']}"
