@@ -42,6 +42,7 @@ be in 198.18.0.0/15 and the lab's holder pid files must exist.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import datetime as _dt
 import ipaddress
@@ -247,7 +248,7 @@ def proxy_pid(children: Iterable[tuple[int, list[str]]], engine_pid: int) -> int
 
 # ---- faults ------------------------------------------------------------------------------------
 
-class Fault:
+class Fault(abc.ABC):
     """One fault: ``inject`` and ``clear`` return a JSON-able record of what was done; ``clear``
     is idempotent (it is also the playbook's ``always``: ``dsv41 drill clear``)."""
 
@@ -257,11 +258,13 @@ class Fault:
     def __init__(self, hosts: LabHosts, topo: Topology) -> None:
         self.hosts, self.topo = hosts, topo
 
+    @abc.abstractmethod
     def inject(self) -> dict:
-        raise NotImplementedError
+        """Start the fault; the record of what was done."""
 
+    @abc.abstractmethod
     def clear(self) -> dict:
-        raise NotImplementedError
+        """End the fault (idempotent); the record of what was done."""
 
 
 class _ProgramStop(Fault):
