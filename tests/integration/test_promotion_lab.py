@@ -15,6 +15,7 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -164,6 +165,68 @@ def test_promote_verify_rollback_exact_promote_again(deployed_lab):
     assert r.returncode == 0, r.stdout[-5000:]
     assert assert_verified_production() == p0 and listing() == before
     assert inside("sparkhead", "cat", "/opt/dsv41/packages/history").stdout.startswith(history0)
+
+
+def window_win(wdir: Path, candidate: str) -> tuple[str, dict]:
+    """``(window id, decision)`` of the window in ``wdir`` that measured ``candidate``."""
+    (p,) = wdir.glob(f"*-{candidate}/decision.json")
+    return p.parent.name, json.loads(p.read_text())["decision"]
+
+
+def test_promote_a_window_win_rollback_exact_promote_again(deployed_lab):
+    """Promotion from a real WIN (issue 12): production made synchronous by ``rollback.yml -e
+    component=async_handoff`` (recorded as a package); a window of ``async-drafter`` against
+    ``sync-drafter`` (production's own state, step_ms p50, candidates/specs/lab-window.json); if it
+    decided WIN, ``promote.yml -e window=ID`` (no force), verify, ``rollback.yml`` exactly (sha256
+    listing identical to before the promotion), promote again (same id). Leaves the lab on the
+    deploy's package. ``DSV41_PROMOTE_WINDOWS_DIR`` names a windows directory that already holds
+    such a window (e.g. ``make window-drills``' async window), which is then used instead of
+    running one here (about 14 min on the 2-core box)."""
+    p0 = production()
+    r = timed_play("rollback.yml", "-e", "component=async_handoff")
+    assert r.returncode == 0, r.stdout[-5000:]
+    p_sync = assert_verified_production()
+    assert p_sync != p0
+    assert "DSV41_DRAFTER_ASYNC=0" in inside("sparkhead", "cat", "/etc/dsv41/drafter.env").stdout
+    before = listing()
+
+    wdir = Path(os.environ.get("DSV41_PROMOTE_WINDOWS_DIR") or ROOT / "windows" / "promotion-win")
+    if not list(wdir.glob("*-async-drafter/decision.json")):
+        r = timed_play("window.yml", "-e", "candidate=async-drafter", "-e", "control=sync-drafter",
+                       "-e", f"window_spec={ROOT / 'candidates' / 'specs' / 'lab-window.json'}",
+                       "-e", f"windows_dir={wdir}")
+        assert r.returncode == 0, r.stdout[-5000:]
+        assert production() == p_sync and listing() == before  # the window restored production exactly
+    wid, d = window_win(wdir, "async-drafter")
+    print(f"\n[promotion] window {wid}: {d['verdict']} effect {d['effect']:+.4f} CI {d['ci']} "
+          f"({d['n_pairs']} pairs, {d['metric']})", flush=True)
+    assert d["verdict"] == "WIN", f"the window decided {d['verdict']}: nothing to promote"
+
+    r = timed_play("promote.yml", "-e", "candidate=async-drafter", "-e", f"window={wid}",
+                   "-e", f"promotion_windows_dir={wdir}")
+    assert r.returncode == 0, r.stdout[-5000:]
+    p1 = assert_verified_production()
+    assert p1 != p_sync
+    assert "DSV41_DRAFTER_ASYNC=1" in inside("sparkhead", "cat", "/etc/dsv41/drafter.env").stdout
+    prov = json.loads((PACKAGES / p1 / "package.json").read_text())["provenance"]
+    assert (prov["op"], prov["candidate"], prov["window"], prov["verdict"], prov["parent"]) == \
+        ("promote", "async-drafter", wid, "WIN", p_sync), prov
+    assert not prov.get("force")
+
+    r = timed_play("rollback.yml")
+    assert r.returncode == 0, r.stdout[-5000:]
+    assert assert_verified_production() == p_sync
+    assert listing() == before  # byte-identical to before the promotion
+    print("[promotion] rollback: sha256 listing identical to before the promotion", flush=True)
+
+    r = timed_play("promote.yml", "-e", "candidate=async-drafter", "-e", f"window={wid}",
+                   "-e", f"promotion_windows_dir={wdir}")
+    assert r.returncode == 0, r.stdout[-5000:]
+    assert assert_verified_production() == p1
+
+    r = timed_play("rollback.yml", "-e", "to=" + p0[:12])
+    assert r.returncode == 0, r.stdout[-5000:]
+    assert assert_verified_production() == p0
 
 
 def run_until_step(playbook_args: list[str], step: str, timeout: float = 600) -> dict:

@@ -140,3 +140,15 @@ def test_async_vs_sync_drafter():
     assert r.returncode == 0, r.stdout[-4000:]
     verdict(WDIR / "async", "async-drafter")
     restored(WDIR / "async")
+
+
+def test_chain_one_hold_one_restore():
+    """Chain mode: two candidates in one HOLD (the A/A and the delayed rows, each against
+    production), one snapshot and one restore at the end, a decision per candidate."""
+    r, dt = window("chain", "-e", "candidates=aa,slow-rows", "-e", f"window_spec={DRILL}")
+    assert r.returncode == 0, r.stdout[-4000:]
+    wdir = WDIR / "chain"
+    assert len(list(wdir.glob("*/snapshot.json"))) == 1
+    for cand in ("aa", "slow-rows"):
+        assert verdict(wdir, cand)["verdict"] in {"NO-CHANGE", "UNRESOLVED", "WIN", "LOSS"}
+    restored(wdir)
