@@ -201,6 +201,83 @@ class FaultTrigger:
         Path(self.trigger_path).unlink(missing_ok=True)
 
 
+#: Name of the file in ``windows/<id>/`` that names the ``dsv41 window run`` process measuring it.
+RUN_PID_NAME = "run.pid"
+
+
+def write_run_pid(wdir: str | os.PathLike) -> Path:
+    """Record this process as the run of window directory ``wdir``: ``run.pid`` holds
+    ``{"pid", "create_time"}`` (psutil's process creation time, seconds since the epoch), so that a
+    later ``stop_runs`` signals this process and never another that reused the pid. Returns the
+    file's path; the run removes it when it ends (``clear_run_pid``)."""
+    import psutil
+
+    me = psutil.Process()
+    path = Path(wdir) / RUN_PID_NAME
+    path.write_text(json.dumps({"pid": me.pid, "create_time": me.create_time()}) + "\n")
+    return path
+
+
+def clear_run_pid(wdir: str | os.PathLike) -> None:
+    """Remove ``wdir``'s ``run.pid`` if it names this process (a run that ends normally)."""
+    path = Path(wdir) / RUN_PID_NAME
+    try:
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def stop_runs(windows_dir: str | os.PathLike, window_id: str, timeout_s: float = 30.0) -> list[int]:
+    """Stop every ``dsv41 window run`` of window ``window_id`` that is still running.
+
+    window.yml runs one ``dsv41 window run`` per candidate (``windows/<window_id>-<candidate>/``).
+    When ``ansible-playbook`` is killed, that run is not in its process group and keeps going: it
+    would switch arms (re-templating production's files) and send requests while the next
+    window.yml restores. The restore therefore stops it first: SIGTERM (the run stops its cells,
+    writes an INVALID decision and exits), SIGKILL after ``timeout_s`` seconds, then SIGKILL to any
+    of its descendants still alive (a switch or fault playbook it had started). Only a process
+    whose pid and creation time match ``run.pid`` is signalled.
+
+    Returns the pids stopped (empty when nothing was running). Raises ``WindowError`` when a
+    ``run.pid`` cannot be read (the caller keeps admission held)."""
+    import psutil
+
+    stopped = []
+    for path in sorted(Path(windows_dir).glob(f"{window_id}-*/{RUN_PID_NAME}")):
+        try:
+            doc = json.loads(path.read_text())
+            pid, created = int(doc["pid"]), float(doc["create_time"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise WindowError(f"{path}: not a run pid file ({exc})") from None
+        try:
+            proc = psutil.Process(pid)
+            alive = abs(proc.create_time() - created) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            alive = False
+        if alive:
+            try:
+                kids = proc.children(recursive=True)
+                proc.terminate()
+                try:
+                    proc.wait(timeout_s)
+                except psutil.TimeoutExpired:
+                    kids += proc.children(recursive=True)
+                    proc.kill()
+                    proc.wait(10)
+            except psutil.NoSuchProcess:
+                pass
+            for kid in kids:
+                try:
+                    kid.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            psutil.wait_procs(kids, timeout=10)
+            stopped.append(pid)
+        path.unlink(missing_ok=True)
+    return stopped
+
+
 def gate_records(cells: list[dict], greedy: dict[str, tuple[list[int], list[int]]]) -> list[dict]:
     """Input of ``win2.distributional_gate`` for a drafting candidate.
 

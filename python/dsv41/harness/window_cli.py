@@ -202,84 +202,103 @@ def run_window(
         if os.path.exists(os.path.join(wdir, "cells.jsonl")):
             raise window.WindowError(f"window {wid} already has cells in {wdir}; choose another --id")
         os.makedirs(wdir, exist_ok=True)
-        refs_doc = refs.load_refs(refs_file) if refs_file else None
-        endpoints = {"control": control, "candidate": candidate}
+        window.write_run_pid(wdir)  # a killed window.yml's next run stops this process by it
+        try:
+            refs_doc = refs.load_refs(refs_file) if refs_file else None
+            endpoints = {"control": control, "candidate": candidate}
 
-        def switch(arm: str) -> None:
-            if switch_cmd:
-                # the switch's own output goes to stderr: stdout is the decision alone (window.yml
-                # reads the verdict from its first line)
-                rc = subprocess.run(switch_cmd.replace("{arm}", shlex.quote(arm)), shell=True, check=False,
-                                    stdout=sys.stderr).returncode
-                if rc != 0:
-                    raise window.WindowError(f"switching to the {arm} arm failed (exit {rc}): {switch_cmd}")
+            def switch(arm: str) -> None:
+                if switch_cmd:
+                    # the switch's own output goes to stderr: stdout is the decision alone (window.yml
+                    # reads the verdict from its first line)
+                    rc = subprocess.run(switch_cmd.replace("{arm}", shlex.quote(arm)), shell=True, check=False,
+                                        stdout=sys.stderr).returncode
+                    if rc != 0:
+                        raise window.WindowError(f"switching to the {arm} arm failed (exit {rc}): {switch_cmd}")
 
-        model = sp["model"] or bench.served_model(control)
-        smoke = {}
-        for arm in ("control", "candidate"):
-            switch(arm)
-            smoke[arm] = bench.smoke(endpoints[arm], model, refs_doc, sp["timeout_s"])
-        murls = None if no_metrics else {arm: list(metrics) or [url.rstrip("/") + "/metrics"]
-                                         for arm, url in endpoints.items()}
-        plan = window.plan_cells(sp, seed)
-        cells_path = os.path.join(wdir, "cells.jsonl")
-        interrupted = False
-        cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        fault = None
-        if fault_cmd and fault_after_cells:
-            fault = window.FaultTrigger(fault_after_cells, fault_cmd, os.path.join(os.path.abspath(wdir), "fault.trigger"))
-            fault.start()
-        with Progress(*cols, console=Console(stderr=True), transient=True) as bar:
-            task = bar.add_task(f"window {wid}", total=len(plan))
+            model = sp["model"] or bench.served_model(control)
+            smoke = {}
+            for arm in ("control", "candidate"):
+                switch(arm)
+                smoke[arm] = bench.smoke(endpoints[arm], model, refs_doc, sp["timeout_s"])
+            murls = None if no_metrics else {arm: list(metrics) or [url.rstrip("/") + "/metrics"]
+                                             for arm, url in endpoints.items()}
+            plan = window.plan_cells(sp, seed)
+            cells_path = os.path.join(wdir, "cells.jsonl")
+            interrupted = False
+            cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+            fault = None
+            if fault_cmd and fault_after_cells:
+                fault = window.FaultTrigger(fault_after_cells, fault_cmd, os.path.join(os.path.abspath(wdir), "fault.trigger"))
+                fault.start()
+            with Progress(*cols, console=Console(stderr=True), transient=True) as bar:
+                task = bar.add_task(f"window {wid}", total=len(plan))
 
-            def progress(rec: dict) -> None:
-                bar.advance(task)
-                if fault is not None:
-                    fault.cell_done()
+                def progress(rec: dict) -> None:
+                    bar.advance(task)
+                    if fault is not None:
+                        fault.cell_done()
 
-            try:
-                window.run_cells(plan, endpoints, model, sp["sampler"], sp["timeout_s"], cells_path, switch,
-                                 progress=progress, metrics=murls)
-            except KeyboardInterrupt:
-                interrupted = True
-            finally:
-                if fault is not None:
-                    fault.join()
-        cells = win2.load_cells(cells_path) if os.path.getsize(cells_path) else []
-        if len(cells) < len(plan):
-            # The rule must see the missing cells as incomplete pairs: decide on what was planned.
-            done = {(c["block"], c["pair"], c["arm"]) for c in cells}
-            cells += [{k: c[k] for k in ("block", "pair", "arm", "prompt_id", "category", "seed")} | {"ok": False,
-                      "error": "not run (window stopped)"} for c in plan if (c["block"], c["pair"], c["arm"]) not in done]
-        records, gate_error = None, None
-        if drafting and not interrupted and all(c.get("ok") for c in cells):
-            # the gate's greedy runs are more requests against the arms: if an arm fails here the
-            # window is INVALID (decision written, restore follows), not an aborted run
-            try:
-                ids = {}
-                for arm in ("control", "candidate"):
-                    switch(arm)
-                    ids[arm] = {n: refs.generate(endpoints[arm], p, model, 32) for n, p in bench.greedy_prompts()}
-                greedy = {n: (ids["control"][n], ids["candidate"][n]) for n in ids["control"]}
-                records = window.gate_records(cells, greedy)
-            except Dsv41Error as exc:
-                gate_error = f"distributional gate could not run: {exc}"
-        d = win2.decide(cells, metric, min_effect, alpha, seed, gate_records=records, tolerance_nat=tolerance_nat)
-        if gate_error:
-            d.verdict = "INVALID"
-            d.reasons.append(gate_error)
-        meta = {"window_id": wid, "candidate": name, "control": control_name, "question": question or f"{name}: {metric}",
-                "window_number": nth, "spec": {k: v for k, v in sp.items() if k != "prompts"},
-                "prompts": [p["id"] for p in sp["prompts"]], "endpoints": endpoints, "smoke": smoke,
-                "versions": window.stack_version(), "interrupted": interrupted}
-        window.write_report(wdir, d, cells, meta)
-        if not no_cap:
-            win2.record_window(windows_dir, name, metric, wid, d.verdict)
-        _print_decision(d, as_json)
-        if not as_json:
-            print(f"report: {os.path.join(wdir, 'summary.md')}")
-        if interrupted:
-            raise win2.Win2Error(f"window {wid} interrupted; cells so far in {cells_path}", exit_code=130)
+                try:
+                    window.run_cells(plan, endpoints, model, sp["sampler"], sp["timeout_s"], cells_path, switch,
+                                     progress=progress, metrics=murls)
+                except KeyboardInterrupt:
+                    interrupted = True
+                finally:
+                    if fault is not None:
+                        fault.join()
+            cells = win2.load_cells(cells_path) if os.path.getsize(cells_path) else []
+            if len(cells) < len(plan):
+                # The rule must see the missing cells as incomplete pairs: decide on what was planned.
+                done = {(c["block"], c["pair"], c["arm"]) for c in cells}
+                cells += [{k: c[k] for k in ("block", "pair", "arm", "prompt_id", "category", "seed")} | {"ok": False,
+                          "error": "not run (window stopped)"} for c in plan if (c["block"], c["pair"], c["arm"]) not in done]
+            records, gate_error = None, None
+            if drafting and not interrupted and all(c.get("ok") for c in cells):
+                # the gate's greedy runs are more requests against the arms: if an arm fails here the
+                # window is INVALID (decision written, restore follows), not an aborted run
+                try:
+                    ids = {}
+                    for arm in ("control", "candidate"):
+                        switch(arm)
+                        ids[arm] = {n: refs.generate(endpoints[arm], p, model, 32) for n, p in bench.greedy_prompts()}
+                    greedy = {n: (ids["control"][n], ids["candidate"][n]) for n in ids["control"]}
+                    records = window.gate_records(cells, greedy)
+                except Dsv41Error as exc:
+                    gate_error = f"distributional gate could not run: {exc}"
+            d = win2.decide(cells, metric, min_effect, alpha, seed, gate_records=records, tolerance_nat=tolerance_nat)
+            if gate_error:
+                d.verdict = "INVALID"
+                d.reasons.append(gate_error)
+            meta = {"window_id": wid, "candidate": name, "control": control_name, "question": question or f"{name}: {metric}",
+                    "window_number": nth, "spec": {k: v for k, v in sp.items() if k != "prompts"},
+                    "prompts": [p["id"] for p in sp["prompts"]], "endpoints": endpoints, "smoke": smoke,
+                    "versions": window.stack_version(), "interrupted": interrupted}
+            window.write_report(wdir, d, cells, meta)
+            if not no_cap:
+                win2.record_window(windows_dir, name, metric, wid, d.verdict)
+            _print_decision(d, as_json)
+            if not as_json:
+                print(f"report: {os.path.join(wdir, 'summary.md')}")
+            if interrupted:
+                raise win2.Win2Error(f"window {wid} interrupted; cells so far in {cells_path}", exit_code=130)
+        finally:
+            window.clear_run_pid(wdir)
+
+
+@app.command("stop-run")
+def stop_run_cmd(
+    window_id: str = typer.Option(..., "--window", help="Window id (windows/<id>/snapshot.json's directory)."),
+    windows_dir: str = typer.Option("windows", help="Where windows/<id>/ lives."),
+    timeout: float = typer.Option(30.0, help="Seconds to wait after SIGTERM before SIGKILL."),
+) -> None:
+    """Stop a ``dsv41 window run`` of WINDOW still running (left behind by a killed window.yml), by
+    the pid and creation time in its ``run.pid``; prints ``stopped PID ...`` or ``no run left``."""
+    from dsv41.harness import window
+
+    pids = window.stop_runs(windows_dir, window_id, timeout)
+    print(f"stopped {' '.join(map(str, pids))} (the killed run of window {window_id})" if pids
+          else f"no run left of window {window_id}")
 
 
 @app.command("plan")

@@ -1,0 +1,165 @@
+"""A killed window.yml leaves its ``dsv41 window run`` running; the next run's restore stops it.
+
+Found on the lab (2026-12-01, ``make window-drills`` killed run): after SIGKILL to
+ansible-playbook's process group, the window's run was still alive (it is not in that group), ran
+its next arm switch while the following window.yml restored production, and wrote a failed cell
+17 s after the kill. ``run.pid`` (pid + creation time) names the run; ``dsv41 window stop-run``
+(the restore's first step) stops it and whatever it started, and never signals another process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from dsv41.harness import bench, window
+
+SPEC = os.path.join(os.path.dirname(__file__), "..", "..", "candidates", "specs", "drill.json")
+
+# A stand-in run: records itself like `dsv41 window run`, starts a child (like an arm switch's
+# ansible-playbook) and waits; IGNORE_TERM makes it ignore SIGTERM.
+RUN = """
+import signal, subprocess, sys, time
+from dsv41.harness import window
+if sys.argv[2] == "1":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+window.write_run_pid(sys.argv[1])
+print(child.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def _start_run(wdir, ignore_term=False):
+    wdir.mkdir(parents=True)
+    p = subprocess.Popen([sys.executable, "-c", RUN, str(wdir), "1" if ignore_term else "0"],
+                         stdout=subprocess.PIPE, text=True)
+    child = int(p.stdout.readline())
+    deadline = time.monotonic() + 30
+    while not (wdir / window.RUN_PID_NAME).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return p, child
+
+
+def _gone(pid):
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_stop_runs_terminates_the_run_and_its_children(tmp_path):
+    p, child = _start_run(tmp_path / "W1-slow-rows")
+    try:
+        assert window.stop_runs(tmp_path, "W1") == [p.pid]
+        p.wait(10)
+        assert _gone(p.pid) and _gone(child)
+        assert not (tmp_path / "W1-slow-rows" / window.RUN_PID_NAME).exists()
+        assert window.stop_runs(tmp_path, "W1") == []  # nothing left: a no-op
+    finally:
+        p.kill()
+
+
+def test_a_run_that_ignores_sigterm_is_killed_after_the_timeout(tmp_path):
+    p, child = _start_run(tmp_path / "W2-aa", ignore_term=True)
+    try:
+        t0 = time.monotonic()
+        assert window.stop_runs(tmp_path, "W2", timeout_s=1.0) == [p.pid]
+        # it ignores SIGTERM: only the SIGKILL after the 1 s timeout ends it (stop_runs reaps it)
+        p.wait(10)
+        assert time.monotonic() - t0 >= 1.0 and _gone(p.pid) and _gone(child)
+    finally:
+        p.kill()
+
+
+def test_only_the_named_window_is_stopped(tmp_path):
+    p, _ = _start_run(tmp_path / "W3-aa")
+    try:
+        assert window.stop_runs(tmp_path, "W4") == []
+        assert p.poll() is None and (tmp_path / "W3-aa" / window.RUN_PID_NAME).exists()
+    finally:
+        window.stop_runs(tmp_path, "W3")
+        p.kill()
+
+
+def test_a_reused_pid_is_never_signalled(tmp_path):
+    """run.pid names this test's own pid with another creation time (the run died, the pid came back)."""
+    d = tmp_path / "W5-aa"
+    d.mkdir()
+    (d / window.RUN_PID_NAME).write_text(json.dumps({"pid": os.getpid(), "create_time": 1.0}))
+    assert window.stop_runs(tmp_path, "W5") == []
+    assert not (d / window.RUN_PID_NAME).exists()
+
+
+def test_a_dead_run_leaves_a_stale_file_that_is_removed(tmp_path):
+    d = tmp_path / "W6-aa"
+    d.mkdir()
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    created = psutil.Process(p.pid).create_time()
+    p.wait()
+    (d / window.RUN_PID_NAME).write_text(json.dumps({"pid": p.pid, "create_time": created}))
+    assert window.stop_runs(tmp_path, "W6") == []
+    assert not (d / window.RUN_PID_NAME).exists()
+
+
+def test_an_unreadable_pid_file_is_one_clear_error(tmp_path, capsys):
+    from dsv41.cli import main
+
+    d = tmp_path / "W7-aa"
+    d.mkdir()
+    (d / window.RUN_PID_NAME).write_text("not json")
+    with pytest.raises(window.WindowError, match="not a run pid file"):
+        window.stop_runs(tmp_path, "W7")
+    rc = main(["window", "stop-run", "--window", "W7", "--windows-dir", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1 and "not a run pid file" in err[0] and "Traceback" not in err[0]
+    assert (d / window.RUN_PID_NAME).exists()  # kept: the restore stops with admission held
+
+
+def test_cli_stop_run_says_what_it_did(tmp_path, capsys):
+    from dsv41.cli import main
+
+    assert main(["window", "stop-run", "--window", "W8", "--windows-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == "no run left of window W8"
+    p, _ = _start_run(tmp_path / "W8-aa")
+    try:
+        assert main(["window", "stop-run", "--window", "W8", "--windows-dir", str(tmp_path)]) == 0
+        assert capsys.readouterr().out.strip() == f"stopped {p.pid} (the killed run of window W8)"
+    finally:
+        p.kill()
+
+
+def test_clear_run_pid_removes_only_its_own_file(tmp_path):
+    (tmp_path / window.RUN_PID_NAME).write_text(json.dumps({"pid": os.getpid() + 1, "create_time": 1.0}))
+    window.clear_run_pid(tmp_path)
+    assert (tmp_path / window.RUN_PID_NAME).exists()
+    window.write_run_pid(tmp_path)
+    window.clear_run_pid(tmp_path)
+    assert not (tmp_path / window.RUN_PID_NAME).exists()
+
+
+def test_window_run_names_itself_while_it_runs_and_clears_at_the_end(tmp_path, monkeypatch):
+    from dsv41.cli import main
+
+    seen = []
+
+    def stream(client, url, body, prompt_id, category):
+        seen.append(json.loads((tmp_path / "w-pid" / window.RUN_PID_NAME).read_text())["pid"])
+        return bench.RequestResult(prompt_id, category, body.get("seed", 0), 8, ok=True, ttft_ms=50.0,
+                                   step_ms_p50=20.0, tok_s=50.0, tokens_per_step=1.0, steps=8, step_ms=[20.0] * 7,
+                                   finish_reason="length", completion_tokens=8)
+
+    monkeypatch.setattr(bench, "stream_one", stream)
+    monkeypatch.setattr(bench, "snapshot_metrics", lambda urls, timeout_s=10.0: {u: {} for u in urls})
+    monkeypatch.setattr(bench, "served_model", lambda url, **kw: "dsv41-lab")
+    monkeypatch.setattr(bench, "smoke", lambda *a, **kw: {"canary": {"ok": True}, "greedy": {"ok": True}})
+    rc = main(["window", "run", "--control", "http://x", "--candidate", "http://x", "--spec", SPEC,
+               "--name", "aa", "--seed", "3", "--windows-dir", str(tmp_path), "--id", "w-pid", "--no-metrics"])
+    assert rc == 0 and seen and set(seen) == {os.getpid()}
+    assert not (tmp_path / "w-pid" / window.RUN_PID_NAME).exists()
