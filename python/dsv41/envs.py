@@ -119,7 +119,8 @@ _ROWS = [
            "(roles/serve writes it).", "threads", 1, 4096),
     EnvVar("DSV41_ADMISSION_HOLD_FILE", str, "", "Rank 0 keeps a fenced HOLD (/pause?window=TOKEN: window, "
            "promote, rollback) in this file, so an engine restarted under it starts held; /resume removes it "
-           "(roles/serve writes /run/dsv41/admission-hold on the lab; empty: memory only, as vLLM)."),
+           "(roles/serve writes /run/dsv41/admission-hold on rank 0: the lab engine, or vLLM's admission fence "
+           "dsv41.overlay.fence, which re-reads it on every request; empty: memory only)."),
     # ---- liveness and step-path deadlines (docs/engine.md, "Liveness and deadlines")
     EnvVar("DSV41_TP_PEER_TIMEOUT_S", float, 5.0, "How long a TP collective waits for the other rank after "
            "the first command; past it the rank fails (/health 503) and exits for its supervisor.", "s", 2, 3600),

@@ -1,5 +1,6 @@
 """roles/serve under vLLM: the overlay's mount, plugin and flags appear only when something is
-remote (rollback = both off = vLLM's own launch), rendered by ansible-playbook itself."""
+remote or rank 0 runs the admission fence (rollback = all off = vLLM's own launch), rendered by
+ansible-playbook itself."""
 
 from __future__ import annotations
 
@@ -47,10 +48,27 @@ def tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("role")
 
 
-def test_nothing_remote_is_vllms_own_launch(tmp) -> None:
-    cmd = render(tmp, serve_engram_remote=False, serve_drafter_remote=False)
+def test_nothing_remote_and_no_fence_is_vllms_own_launch(tmp) -> None:
+    cmd = render(tmp, serve_engram_remote=False, serve_drafter_remote=False, serve_admission_fence=False)
     assert "vllm serve /model" in cmd
-    for absent in ("VLLM_PLUGINS", "PYTHONPATH", "overlay-site", "--compilation-config", "--speculative-config"):
+    for absent in ("VLLM_PLUGINS", "PYTHONPATH", "overlay-site", "--compilation-config", "--speculative-config",
+                   "--middleware", "/run/dsv41"):
+        assert absent not in cmd
+
+
+def test_rank0_runs_the_admission_fence_by_default(tmp) -> None:
+    cmd = render(tmp, serve_engram_remote=False, serve_drafter_remote=False)
+    assert " --middleware dsv41.overlay.fence.AdmissionFence" in cmd
+    assert "-v /opt/dsv41/overlay/site-0123456789abcdef:/opt/dsv41/overlay-site:ro" in cmd
+    assert "-e PYTHONPATH=/opt/dsv41/overlay-site" in cmd and "VLLM_PLUGINS" not in cmd  # the fence is no plugin
+    assert "-v /run/dsv41:/run/dsv41 " in cmd  # the hold file outlives the container
+    assert cmd.index("/run/dsv41:/run/dsv41") < cmd.index("vllm/vllm-openai@") < cmd.index("--middleware")
+
+
+def test_rank1_has_no_fence(tmp) -> None:
+    cmd = render(tmp, serve_engram_remote=False, serve_drafter_remote=False, dsv41_rank=1)
+    assert "--headless" in cmd
+    for absent in ("--middleware", "/run/dsv41", "overlay-site"):
         assert absent not in cmd
 
 

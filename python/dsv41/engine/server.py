@@ -26,7 +26,6 @@ import asyncio
 import json
 import logging
 import os
-import re
 import sys
 import time
 import uuid
@@ -38,6 +37,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from dsv41.engine.hold import (WINDOW_HEADER, WINDOW_TOKEN_RE, HoldFileError, HoldRecord, read_hold, remove_hold,
+                               write_hold)
 from dsv41.engine.sampler import SamplingParams
 from dsv41.engine.scheduler import RequestError
 from dsv41.errors import Dsv41Error
@@ -308,10 +309,9 @@ def parse_prompt(body: dict, tok: ByteTokenizer, max_len: int | None = None) -> 
     return ids
 
 
-#: A fenced window's requests carry this header; a HOLD taken with ``/pause?window=TOKEN`` still
-#: admits requests whose header equals TOKEN (the window's cells and its restore checks).
-WINDOW_HEADER = "x-dsv41-window"
-_WINDOW_TOKEN_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+# A fenced window's requests carry WINDOW_HEADER; a HOLD taken with ``/pause?window=TOKEN`` still
+# admits requests whose header equals TOKEN (the window's cells and its restore checks). The
+# record format is shared with the vLLM admission fence (engine/hold.py).
 
 
 class ServerState:
@@ -339,20 +339,14 @@ class ServerState:
 
     def _load(self) -> None:
         try:
-            doc = json.loads(self.hold_file.read_text(encoding="utf-8"))
-        except FileNotFoundError:
+            rec = read_hold(self.hold_file)
+        except HoldFileError as exc:
+            log.warning("%s: starting open", exc)
             return
-        except (OSError, ValueError) as exc:
-            log.warning("admission hold file %s unreadable (%s): starting open", self.hold_file, exc)
+        if rec is None:
             return
-        token = doc.get("window") if isinstance(doc, dict) else None
-        since = doc.get("since") if isinstance(doc, dict) else None
-        if not (isinstance(token, str) and _WINDOW_TOKEN_RE.fullmatch(token)
-                and isinstance(since, (int, float)) and not isinstance(since, bool)):
-            log.warning("admission hold file %s is not a fenced HOLD record: starting open", self.hold_file)
-            return
-        self.paused, self.paused_since, self.window_token = True, float(since), token
-        log.info("starting held: the fenced HOLD %s (since %.0f) outlived the restart", token, since)
+        self.paused, self.paused_since, self.window_token = True, rec.since, rec.window
+        log.info("starting held: the fenced HOLD %s (since %.0f) outlived the restart", rec.window, rec.since)
 
     def hold(self, window: str | None) -> None:
         """Close admission (``window``: the fenced token still admitted, or None); a fenced HOLD
@@ -364,12 +358,9 @@ class ServerState:
         if self.hold_file is None:
             return
         if self.window_token is None:
-            self.hold_file.unlink(missing_ok=True)
+            remove_hold(self.hold_file)
             return
-        tmp = self.hold_file.with_name(self.hold_file.name + ".tmp")
-        self.hold_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"since": self.paused_since, "window": self.window_token}), encoding="utf-8")
-        os.replace(tmp, self.hold_file)
+        write_hold(self.hold_file, HoldRecord(self.paused_since, self.window_token))
 
     def open(self) -> None:
         """Admit requests again; the kept HOLD record (if any) is removed."""
@@ -377,7 +368,7 @@ class ServerState:
         self.window_token = None
         self.paused_since = None
         if self.hold_file is not None:
-            self.hold_file.unlink(missing_ok=True)
+            remove_hold(self.hold_file)
 
 
 def create_app(engine, model_name: str, max_model_len: int, state: ServerState | None = None, metrics=None):
@@ -629,7 +620,7 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
             raise ApiError(400, f"mode must be 'abort', 'wait' or 'keep', got {mode!r}", param="mode")
         if not 0 < timeout_s < float("inf"):  # NaN fails too
             raise ApiError(400, f"timeout_s must be a positive number of seconds, got {timeout_s}", param="timeout_s")
-        if window is not None and not _WINDOW_TOKEN_RE.fullmatch(window):
+        if window is not None and not WINDOW_TOKEN_RE.fullmatch(window):
             raise ApiError(400, "window must be 1-128 characters of [A-Za-z0-9._-]", param="window")
         try:
             st.hold(window)
