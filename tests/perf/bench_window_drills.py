@@ -20,7 +20,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from labutil import BIN, ROOT, env, inside, needs_lab, play  # noqa: E402
 
-from dsv41.harness.window import RUN_PID_NAME  # noqa: E402
+from dsv41.harness.window import RUN_PID_NAME, run_process  # noqa: E402
 
 pytestmark = [needs_lab]
 API = "http://198.18.0.11:8000"
@@ -32,17 +32,6 @@ WDIR = Path(os.environ.get("WINDOW_DRILLS_DIR", "/tmp/dsv41-window-drills"))
 def flat(out: str) -> str:
     """Ansible's YAML callback wraps long messages and doubles quotes: one line, plain quotes."""
     return " ".join(out.split()).replace("''", "'")
-
-
-def alive(run: dict) -> bool:
-    """Whether the process a ``run.pid`` names (pid and creation time) is still running."""
-    import psutil
-
-    try:
-        proc = psutil.Process(run["pid"])
-        return abs(proc.create_time() - run["create_time"]) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def status_ok() -> bool:
@@ -132,10 +121,10 @@ def test_killed_run_is_restored_by_the_next():
     # the window's `dsv41 window run` is not in that group: it survives the kill (run.pid names it)
     (pidfile,) = wdir.glob(f"*-slow-rows/{RUN_PID_NAME}")
     orphan = json.loads(pidfile.read_text())
-    print(f"   orphaned run after the kill: pid {orphan['pid']} alive {alive(orphan)}")
+    print(f"   orphaned run after the kill: pid {orphan['pid']} alive {run_process(orphan) is not None}")
     r, _ = window("killed", "-e", "candidate=aa", "-e", f"window_spec={DRILL}")
     assert "Window | restore" in r.stdout and r.returncode == 0, r.stdout[-4000:]
-    assert not alive(orphan)  # the restore stopped it first (dsv41 window stop-run)
+    assert run_process(orphan) is None  # the restore stopped it first (dsv41 window stop-run)
     restored(wdir)
 
 

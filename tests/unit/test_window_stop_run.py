@@ -49,7 +49,7 @@ def _start_run(wdir, ignore_term=False):
 
 def _gone(pid):
     try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        return window.run_process({"pid": pid, "create_time": psutil.Process(pid).create_time()}) is None
     except psutil.NoSuchProcess:
         return True
 

@@ -228,6 +228,22 @@ def clear_run_pid(wdir: str | os.PathLike) -> None:
         pass
 
 
+def run_process(record: dict):
+    """The live process a ``run.pid`` record (``{"pid", "create_time"}``) names, as a
+    ``psutil.Process``; None when it has ended (or is a zombie) or the pid now names another
+    process (creation time differs). Raises KeyError/TypeError/ValueError on a malformed record."""
+    import psutil
+
+    pid, created = int(record["pid"]), float(record["create_time"])
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - created) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE:
+            return proc
+    except psutil.NoSuchProcess:
+        pass
+    return None
+
+
 def stop_runs(windows_dir: str | os.PathLike, window_id: str, timeout_s: float = 30.0) -> list[int]:
     """Stop every ``dsv41 window run`` of window ``window_id`` that is still running.
 
@@ -236,8 +252,8 @@ def stop_runs(windows_dir: str | os.PathLike, window_id: str, timeout_s: float =
     would switch arms (re-templating production's files) and send requests while the next
     window.yml restores. The restore therefore stops it first: SIGTERM (the run stops its cells,
     writes an INVALID decision and exits), SIGKILL after ``timeout_s`` seconds, then SIGKILL to any
-    of its descendants still alive (a switch or fault playbook it had started). Only a process
-    whose pid and creation time match ``run.pid`` is signalled.
+    of its descendants still alive (a switch or fault playbook it had started). Only the process
+    that ``run.pid`` names (``run_process``) is signalled.
 
     Returns the pids stopped (empty when nothing was running). Raises ``WindowError`` when a
     ``run.pid`` cannot be read (the caller keeps admission held)."""
@@ -246,25 +262,17 @@ def stop_runs(windows_dir: str | os.PathLike, window_id: str, timeout_s: float =
     stopped = []
     for path in sorted(Path(windows_dir).glob(f"{window_id}-*/{RUN_PID_NAME}")):
         try:
-            doc = json.loads(path.read_text())
-            pid, created = int(doc["pid"]), float(doc["create_time"])
+            proc = run_process(json.loads(path.read_text()))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise WindowError(f"{path}: not a run pid file ({exc})") from None
-        try:
-            proc = psutil.Process(pid)
-            alive = abs(proc.create_time() - created) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            alive = False
-        if alive:
+        if proc is not None:
             try:
                 kids = proc.children(recursive=True)
                 proc.terminate()
-                try:
-                    proc.wait(timeout_s)
-                except psutil.TimeoutExpired:
+                if psutil.wait_procs([proc], timeout=timeout_s)[1]:
                     kids += proc.children(recursive=True)
                     proc.kill()
-                    proc.wait(10)
+                    psutil.wait_procs([proc], timeout=10)
             except psutil.NoSuchProcess:
                 pass
             for kid in kids:
@@ -273,7 +281,7 @@ def stop_runs(windows_dir: str | os.PathLike, window_id: str, timeout_s: float =
                 except psutil.NoSuchProcess:
                     pass
             psutil.wait_procs(kids, timeout=10)
-            stopped.append(pid)
+            stopped.append(proc.pid)
         path.unlink(missing_ok=True)
     return stopped
 
