@@ -230,9 +230,15 @@ def restore_affinity(old: dict[int, set[int]]) -> None:
 
 
 #: Decode bench shape: ROUNDS rounds, each a block of BLOCK calls of every primary arm (C floor,
-#: bare tcp call and RemoteRowSource.lookup with busy-polling on and off) in an order that rotates every round, so drift in the
-#: machine's load hits every arm alike; the first WARM_ROUNDS rounds are discarded.
-ROUNDS, BLOCK, WARM_ROUNDS = 40, 100, 2
+#: bare tcp call and RemoteRowSource.lookup with busy-polling on and off) in an order that rotates
+#: every round, so drift in the machine's load hits every arm alike; the first WARM_ROUNDS rounds
+#: are discarded, and so is the first call of every block (each arm's first call after another
+#: arm ran wakes its peer: a cold call every arm pays alike, not part of the steady state).
+#: Short blocks (20 calls, ~0.5 ms) spread a millisecond-scale stall of the guest over all arms
+#: instead of one arm's block: with blocks of 100 calls a single stall could put one arm's p99
+#: 1.5x above another's in the same run (docs/benchmarks.md, issue 15). The secondary arms run
+#: every SIDE_EVERY rounds; the drift check pools SIDE_EVERY rounds (100 calls per arm).
+ROUNDS, BLOCK, WARM_ROUNDS, SIDE_EVERY, SIDE_BLOCK = 200, 20, 10, 5, 100
 
 
 def decode_arms(m, server, server0, pingpong, n: int, rng, cpus) -> dict:
@@ -281,27 +287,32 @@ def decode_arms(m, server, server0, pingpong, n: int, rng, cpus) -> dict:
             "rowsource_client_spin": lambda k: timed_block(lambda: lookc(1, rows, bufc), k),
         }
         side = {  # secondary arms, once per round after the primary ones
-            "general": (BLOCK, lambda k: timed_block(lambda: src._lookup_general(1, rows, buf, time.perf_counter()), k)),
-            "floor2": (BLOCK // 2, lambda k: fl2.block(k)),
-            "both": (BLOCK // 2, lambda k: timed_block(lambda: layers((1, 2), rows2, outs), k)),
-            "two": (BLOCK // 2, lambda k: timed_block(lambda: (look(1, rows2[0], outs[0]), look(2, rows2[1], outs[1])), k)),
+            "general": (SIDE_BLOCK, lambda k: timed_block(lambda: src._lookup_general(1, rows, buf, time.perf_counter()), k)),
+            "floor2": (SIDE_BLOCK // 2, lambda k: fl2.block(k)),
+            "both": (SIDE_BLOCK // 2, lambda k: timed_block(lambda: layers((1, 2), rows2, outs), k)),
+            "two": (SIDE_BLOCK // 2, lambda k: timed_block(lambda: (look(1, rows2[0], outs[0]), look(2, rows2[1], outs[1])), k)),
             "nixl": (20, lambda k: timed_block(lambda: xc.lookup_into(ident, urows, [buf], 1.0), k)),
             "gap": (20, lambda k: timed_gap_block(lambda: look(1, rows, buf), k)),
             "gap_nospin": (20, lambda k: timed_gap_block(lambda: look0(1, rows, buf0), k)),
             "gap_client_spin": (20, lambda k: timed_gap_block(lambda: lookc(1, rows, bufc), k)),
         }
         got = {k: [] for k in [*arms, *side]}
-        per_round = []  # per round: p50 of each primary arm
+        per_round = []  # per SIDE_EVERY rounds: p50 of each primary arm
         names = list(arms)
+        group = {k: [] for k in names}
         for r in range(WARM_ROUNDS + ROUNDS):
             order = names[r % len(names):] + names[:r % len(names)]
-            this = {k: arms[k](BLOCK) for k in order}
-            extra = {k: f(b) for k, (b, f) in side.items()}
+            this = {k: arms[k](BLOCK + 1)[1:] for k in order}  # the block's cold first call dropped
+            extra = {k: f(b) for k, (b, f) in side.items()} if r % SIDE_EVERY == 0 else {}
             if r < WARM_ROUNDS:
                 continue
             for k, v in [*this.items(), *extra.items()]:
                 got[k] += v
-            per_round.append({k: pct(v, 50) for k, v in this.items()})
+            for k, v in this.items():
+                group[k] += v
+            if (r + 1) % SIDE_EVERY == 0:
+                per_round.append({k: pct(v, 50) for k, v in group.items()})
+                group = {k: [] for k in names}
         ref = reader.LocalRowReader(m, m.path.parent, threads=4)
         assert np.array_equal(buf, ref.read(1, rows)) and np.array_equal(buf0, buf) and np.array_equal(bufc, buf)
         assert all(np.array_equal(outs[k], ref.read(k + 1, rows2[k])) for k in range(2))
@@ -380,8 +391,9 @@ def test_decode_lookup_vs_c_floor(shards, server, server_nospin, pingpong, tmp_p
     """Decode-size lookups against the C ping-pong floor (issue 15 targets for
     ``RemoteRowSource.lookup`` into a caller buffer: p50 <= 1.2x, p99 <= 1.3x the floor).
 
-    Every arm is measured in ``ROUNDS`` interleaved rounds (blocks of ``BLOCK`` calls, order
-    rotating per round; the floor is one long-lived C ping-pong process fed block by block), so
+    Every arm is measured in ``ROUNDS`` interleaved rounds (blocks of ``BLOCK`` calls after one
+    discarded cold call, order rotating per round; the floor is one long-lived C ping-pong process
+    fed block by block), so
     the machine's drift hits every arm alike; p50/p99 of each arm and the ratios come from the
     same run. Two passes: the scheduler placing every thread (the issue's definition), then
     the bench thread and the C client on one CPU, the table server's threads and the C server
@@ -488,6 +500,92 @@ def raw_direct_read(m, d: Path, fresh: bool) -> float:
     dt = time.perf_counter() - t0
     keep.clear()  # the mappings go with their last views when this frame returns
     return dt
+
+
+#: Rows of the huge-page bench's table (8,000,000 x 264 B = 2.1 GB; two copies are resident).
+THP_ROWS = int(os.environ.get("DSV41_BENCH_THP_ROWS", "8000000"))
+
+
+def anon_huge_kb(addr: int) -> int:
+    """AnonHugePages (kB) of the mapping of this process holding ``addr`` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_gather_table_pages_private_vs_shared(tmp_path):
+    """The table server's gather from a table in the load path's memory (``load_region``: a
+    private anonymous mapping with MADV_HUGEPAGE, so THP backs it with 2 MiB pages) against the
+    same bytes in a shared anonymous mapping (the load path before this change: Python's
+    ``mmap(-1, n)`` default is MAP_SHARED, i.e. shmem, where MADV_HUGEPAGE does nothing while
+    shmem THP is off, so 4 KiB pages).  Two in-process C++ ``RowServer``s, one per mapping, one
+    client each; 30 interleaved rounds of prefill-size (16,384 random rows) and decode-size (96)
+    lookups; ratios private / shared of the p50s (< 1: the private mapping is faster)."""
+    import mmap
+
+    from dsv41.engram.server import load_region
+    from dsv41.transport.server import RowServer, RowTable
+    from dsv41.transport.tcp import TcpClient
+    from dsv41.transport.url import parse_url
+
+    nw, ns = THP_ROWS * 256, THP_ROWS * 8
+    f = tmp_path / "table.bin"
+    with open(f, "wb") as fh:  # sparse: the bytes are zeros, the gather's cost is in the pages
+        fh.truncate(nw + ns)
+    t0 = time.perf_counter()
+    w, s_ = load_region(f, 0, nw), load_region(f, nw, ns)
+    load_s = time.perf_counter() - t0
+    shared = mmap.mmap(-1, nw + ns)  # the old load path's mapping
+    np.frombuffer(shared, np.uint8)[:] = 0  # fault every page in, as the old load's reads did
+    sv = np.frombuffer(shared, np.uint8)
+    ident = bytes(range(32))
+    tabs = {"private": RowTable(ident, 1, w.view.reshape(THP_ROWS, 256), s_.view.reshape(THP_ROWS, 8)),
+            "shared": RowTable(ident, 1, sv[:nw].reshape(THP_ROWS, 256), sv[nw:].reshape(THP_ROWS, 8))}
+    huge_kb = {"private": anon_huge_kb(w.view.ctypes.data), "shared": anon_huge_kb(sv.ctypes.data)}
+    servers, clients = {}, {}
+    for k, t in tabs.items():
+        servers[k] = RowServer([t], [parse_url("tcp://127.0.0.1:0")], native=True)
+        clients[k] = TcpClient(servers[k].start()[0], native=True)
+    rng = np.random.default_rng(7)
+    got = {(k, n): [] for k in tabs for n in (16384, 96)}
+    try:
+        for r in range(32):
+            for n in (16384, 96):
+                reps = 5 if n > 1000 else 200
+                out = np.empty((n, P.ROW_BYTES), np.uint8)
+                for k in (["private", "shared"] if r % 2 else ["shared", "private"]):
+                    ids = [rng.integers(0, THP_ROWS, n).astype(np.uint64) for _ in range(reps)]
+                    ts = []
+                    for x in ids:
+                        t1 = time.perf_counter_ns()
+                        clients[k].lookup_into(ident, x, [out], 10.0)
+                        ts.append((time.perf_counter_ns() - t1) / 1e3)
+                    if r >= 2:
+                        got[(k, n)] += ts
+    finally:
+        for c in clients.values():
+            c.close()
+        for sv_ in servers.values():
+            sv_.stop(2)
+    res = {"table_rows": THP_ROWS, "table_gb": round((nw + ns) / 1e9, 2), "load_s": round(load_s, 2),
+           "anon_huge_pages_kb": huge_kb,
+           "thp_enabled": Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+           if Path("/sys/kernel/mm/transparent_hugepage/enabled").exists() else None}
+    for n in (16384, 96):
+        p, q = pct(got[("private", n)], 50), pct(got[("shared", n)], 50)
+        res[f"rows_{n}"] = {"private_p50_us": round(p, 1), "shared_p50_us": round(q, 1),
+                            "private_p99_us": round(pct(got[("private", n)], 99), 1),
+                            "shared_p99_us": round(pct(got[("shared", n)], 99), 1),
+                            "ratio_p50": round(p / q, 2), "samples": len(got[("private", n)])}
+    record("gather_table_pages_private_vs_shared", machine=machine(), **res)
+    assert res["rows_96"]["samples"] == 30 * 200 and res["rows_16384"]["samples"] == 30 * 5
+    assert not out.any()  # the sparse table's rows are zeros in both mappings
 
 
 def test_server_load_vs_raw_direct_read(shards):

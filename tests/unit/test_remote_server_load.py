@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 import urllib.request
 
 import numpy as np
@@ -46,6 +47,37 @@ def test_load_region_exact(tmp_path, offset, length):
         assert r.sha256 == hashlib.sha256(data[offset : offset + length]).hexdigest()
         assert r.buf is not None
     assert prog.done == 2 * length
+
+
+def _smaps_entry(addr: int) -> tuple[str, dict]:
+    """The /proc/self/smaps header line of the mapping holding ``addr`` and its fields."""
+    head, fields = None, {}
+    for line in open("/proc/self/smaps"):
+        parts = line.split()
+        if "-" in parts[0] and ":" not in parts[0]:
+            if head is not None:
+                break
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= addr < hi:
+                head = line
+        elif head is not None and parts[0].endswith(":"):
+            fields[parts[0][:-1]] = parts[1:]
+    assert head is not None, "mapping not found"
+    return head, fields
+
+
+def test_load_region_private_and_huge_page_eligible(tmp_path):
+    """The table lands in a private anonymous mapping (a shared one is shmem, where
+    MADV_HUGEPAGE does nothing with shmem THP off) that THP may back with 2 MiB pages."""
+    p = tmp_path / "f.bin"
+    p.write_bytes(bytes(5 << 20))
+    r = load_region(p, 0, 5 << 20)
+    head, fields = _smaps_entry(r.view.ctypes.data)
+    assert head.split()[1].endswith("p"), head  # rw-p: private
+    assert "hg" in fields["VmFlags"] and "dc" in fields["VmFlags"]  # MADV_HUGEPAGE, MADV_DONTFORK
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and ("[madvise]" in thp.read_text() or "[always]" in thp.read_text()):
+        assert fields["THPeligible"] == ["1"], fields
 
 
 def test_load_region_errors(tmp_path):

@@ -278,6 +278,91 @@ def test_malformed_reply_and_short_reply(impl):
         c.lookup_into(bytes(32), np.arange(2, dtype=np.uint64), [np.zeros((2, 264), np.uint8)], 2.0)
 
 
+@pytest.mark.parametrize("rows", [4, 24])  # replies shorter / longer than the client's 4 KiB scratch
+@pytest.mark.parametrize("plen", [300, 4096])
+def test_refusal_payload_never_reaches_buffer(impl, rows, plen):
+    """A refusal carrying a payload (no dsv41 server sends one, the wire format allows up to
+    4,096 B) is discarded: no destination byte written, connection kept, the next reply exact."""
+    n_calls = []
+
+    def behaviour(rid, count):
+        n_calls.append(rid)
+        if len(n_calls) == 1:
+            return P.REP.pack(P.MAGIC, P.VERSION, P.ST_OUT_OF_RANGE, rid, 0, plen) + b"\xee" * plen
+        return ok_reply(rid, count, 0x42)
+
+    fake = FakeServer(behaviour)
+    c = TcpClient(fake.ep, native=impl)
+    out = np.zeros((rows, 264), np.uint8)
+    with pytest.raises(Refused, match="out_of_range"):
+        c.lookup_into(bytes(32), np.arange(rows, dtype=np.uint64), [out], 1.0)
+    assert not out.any() and c.connected
+    halves = [np.zeros((rows // 2, 264), np.uint8), np.zeros((rows - rows // 2, 264), np.uint8)]
+    code, total, _ = c.lookup_segs(((bytes(32), np.arange(rows, dtype=np.int64), 10**6, out),), 1.0)
+    assert (code, total) == (0, rows) and (out == 0x42).all()
+    c.lookup_into(bytes(32), np.arange(rows, dtype=np.uint64), halves, 1.0)  # rows split over two ranges
+    assert all((h == 0x42).all() for h in halves)
+    c.close()
+    fake.close()
+
+
+def test_refusal_payload_over_4k_closes(impl):
+    fake = FakeServer(lambda rid, count: P.REP.pack(P.MAGIC, P.VERSION, P.ST_OUT_OF_RANGE, rid, 0, 5000) + bytes(5000))
+    c = TcpClient(fake.ep, native=impl)
+    out = np.zeros((24, 264), np.uint8)
+    with pytest.raises((Refused, TransportError)):
+        c.lookup_into(bytes(32), np.arange(24, dtype=np.uint64), [out], 1.0)
+    assert not out.any() and not c.connected
+    fake.close()
+
+
+def test_bytes_past_a_reply_fail_the_connection(impl):
+    """A peer that sends more than the reply it declares (here 50 bytes after each reply, in the
+    same send) fails the connection by the next request at the latest; rows written before are
+    the declared reply's only."""
+    fake = FakeServer(lambda rid, count: ok_reply(rid, count, 0x33) + b"\x99" * 50)
+    c = TcpClient(fake.ep, native=impl)
+    out = np.zeros((4, 264), np.uint8)
+    with pytest.raises(TransportError):
+        for _ in range(2):
+            c.lookup_into(bytes(32), np.arange(4, dtype=np.uint64), [out], 1.0)
+            assert (out == 0x33).all()
+    assert not c.connected
+    fake.close()
+
+
+def test_server_frames_split_and_coalesced(served):
+    """The server's receive buffer: two requests in one send, a request trickled a few bytes at
+    a time, and a payload larger than the buffer (10,000 ids = 80 KB) all get exact replies."""
+    srv, ep, tables, impl = served
+    t = tables[0]
+    s = raw_conn(ep)
+    r1, r2 = np.array([3, 1, 4], np.uint64), np.array([ROWS - 1], np.uint64)
+    s.sendall(req(rid=1, ident=t.identity, count=3, payload=r1.tobytes())
+              + req(rid=2, ident=t.identity, count=1, payload=r2.tobytes()))
+    for rid, rows in ((1, r1), (2, r2)):
+        status, got_rid, count, data = reply(s)
+        assert (status, got_rid, count) == (P.ST_OK, rid, len(rows))
+        assert np.array_equal(np.frombuffer(data, np.uint8).reshape(-1, 264), expected(t, rows))
+    frame = req(rid=3, ident=t.identity, count=5, payload=np.arange(5, dtype=np.uint64).tobytes())
+    for i in range(0, len(frame), 7):
+        s.sendall(frame[i:i + 7])
+        time.sleep(0.002)
+    status, got_rid, count, data = reply(s)
+    assert (status, got_rid, count) == (P.ST_OK, 3, 5)
+    assert np.array_equal(np.frombuffer(data, np.uint8).reshape(-1, 264), expected(t, range(5)))
+    big = np.random.default_rng(3).integers(0, ROWS, 10_000).astype(np.uint64)
+    frame = req(rid=4, ident=t.identity, count=len(big), payload=big.tobytes())
+    s.sendall(frame[:1000])
+    time.sleep(0.01)
+    s.sendall(frame[1000:] + req(op=P.OP_PING, rid=5))
+    status, got_rid, count, data = reply(s)
+    assert (status, got_rid, count) == (P.ST_OK, 4, len(big))
+    assert np.array_equal(np.frombuffer(data, np.uint8).reshape(-1, 264), expected(t, big))
+    assert reply(s)[:2] == (P.ST_OK, 5)
+    s.close()
+
+
 def test_connect_failures():
     ls = socket.socket()
     ls.bind(("127.0.0.1", 0))

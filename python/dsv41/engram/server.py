@@ -6,8 +6,9 @@ only then listen on each ``--listen`` address -> ``--ready-file`` written, ``/re
 SIGTERM: stop accepting, drain in-flight requests, remove the ready file, exit 0.
 
 Loading: one reader thread per region (weights and scales of each table) reads the
-page-aligned span around the region with O_DIRECT in 8 MiB requests straight into an anonymous
-mmap (transparent huge pages advised); a hasher thread per region runs sha256 over the chunks
+page-aligned span around the region with O_DIRECT in 8 MiB requests straight into a private
+anonymous mmap (transparent huge pages advised: private, because a shared anonymous mapping is
+shmem, where the advice does nothing unless shmem THP is on); a hasher thread per region runs sha256 over the chunks
 the reader has finished (hashlib releases the GIL), so hashing overlaps reading.  Where O_DIRECT
 is refused (EINVAL, e.g. tmpfs) the same reads go through the page cache.
 """
@@ -82,12 +83,17 @@ def load_region(path: str | os.PathLike, offset: int, length: int, direct: bool 
     a0 = offset - offset % PAGE
     a1 = -(-(offset + length) // PAGE) * PAGE
     span = max(a1 - a0, PAGE)
-    buf = mmap.mmap(-1, span)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass  # THP disabled on this kernel: only slower TLB behaviour
+    # MAP_PRIVATE: Python's default for mmap(-1, n) is MAP_SHARED, i.e. shmem, and shmem ignores
+    # MADV_HUGEPAGE while /sys/kernel/mm/transparent_hugepage/shmem_enabled is "never" (the usual
+    # default): measured, 0 kB AnonHugePages and 4 KiB pages for the whole table
+    # (docs/benchmarks.md, "Huge pages"). MADV_DONTFORK: a forked child never copies the table.
+    buf = mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    for advice in ("MADV_HUGEPAGE", "MADV_DONTFORK"):
+        if hasattr(mmap, advice):
+            try:
+                buf.madvise(getattr(mmap, advice))
+            except OSError:
+                pass  # THP disabled on this kernel: only slower TLB behaviour
     mv = memoryview(buf)
     try:
         fd, is_direct = _open(path, direct)

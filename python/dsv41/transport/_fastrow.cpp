@@ -12,6 +12,7 @@
 #include <pybind11/pybind11.h>
 
 #include <poll.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -72,25 +73,6 @@ int64_t now_ns() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return int64_t(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
-}
-
-// Full read that first busy-polls a non-blocking recv for up to spin_ns, then blocks (recv_all);
-// false on EOF or error.  The table server waits for a client's next request this way: a
-// request arriving inside the budget finds the thread running instead of paying a thread
-// wake-up (tens of us on a KVM guest, docs/benchmarks.md).  spin_ns <= 0: block at once.
-// A shutdown(SHUT_RD) by RowServer.stop ends the spin like the blocking read (recv returns 0).
-bool recv_spin(int fd, uint8_t *p, size_t n, int64_t spin_ns) {
-  if (spin_ns > 0) {
-    int64_t until = now_ns() + spin_ns;
-    while (n) {
-      ssize_t r = ::recv(fd, p, n, MSG_DONTWAIT);
-      if (r > 0) { p += r; n -= size_t(r); continue; }
-      if (r == 0) return false;
-      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return false;
-      if (now_ns() >= until) break;
-    }
-  }
-  return recv_all(fd, p, n);
 }
 
 bool send_all(int fd, const uint8_t *p, size_t n) {
@@ -205,7 +187,7 @@ class Connection {
       handoff = loop(op, rid, count);
     }
     if (!handoff) return py::none();
-    return py::make_tuple(op, rid, count, py::bytes(reinterpret_cast<const char *>(payload_.data()), plen_));
+    return py::make_tuple(op, rid, count, py::bytes(reinterpret_cast<const char *>(pp_), plen_));
   }
 
   // Send a reply prepared by Python (the NIXL handshake) in the handed-off request's version;
@@ -231,8 +213,59 @@ class Connection {
   bool nixl_;
   uint16_t ver_ = kVersion;  // version of the request being answered (replies echo it)
   uint8_t hdr_[kReq];
-  std::vector<uint8_t> payload_;
+  std::vector<uint8_t> payload_;  // a payload larger than rbuf_
+  const uint8_t *pp_ = nullptr;   // the current request's payload (in rbuf_ or payload_)
   size_t plen_ = 0;
+  // Receive buffer: one recv takes a request's header and its payload together (and whatever
+  // the client pipelined after them), so a decode request costs one recv, not two.
+  static constexpr size_t kRbuf = 64 * 1024;
+  std::vector<uint8_t> rbuf_ = std::vector<uint8_t>(kRbuf);
+  size_t rpos_ = 0, rend_ = 0;  // unread bytes: rbuf_[rpos_, rend_)
+
+  // At least `need` (<= kRbuf) unread bytes in rbuf_; false on EOF or error.  It first
+  // busy-polls a non-blocking recv for up to spin_ns, then blocks: a request arriving inside the
+  // budget finds the thread running instead of paying a thread wake-up (tens of us on a KVM
+  // guest, docs/benchmarks.md).  Every failed try yields the CPU (sched_yield): when the
+  // client's thread is runnable on this CPU it runs at once instead of waiting out the spin
+  // (the same-vCPU case of a 2-vCPU host); alone on its CPU the yield returns at once.  A
+  // shutdown(SHUT_RD) by RowServer.stop ends the spin like the blocking read (recv returns 0).
+  bool fill(size_t need, int64_t spin_ns) {
+    if (rend_ - rpos_ >= need) return true;
+    if (rpos_ == rend_) rpos_ = rend_ = 0;
+    if (rpos_ + need > kRbuf) {  // make room at the end
+      std::memmove(rbuf_.data(), rbuf_.data() + rpos_, rend_ - rpos_);
+      rend_ -= rpos_;
+      rpos_ = 0;
+    }
+    int64_t until = spin_ns > 0 ? now_ns() + spin_ns : 0;
+    while (rend_ - rpos_ < need) {
+      bool spinning = until && now_ns() < until;
+      ssize_t r = ::recv(fd_, rbuf_.data() + rend_, kRbuf - rend_, spinning ? MSG_DONTWAIT : 0);
+      if (r > 0) { rend_ += size_t(r); continue; }
+      if (r == 0) return false;
+      if (errno == EINTR) continue;
+      if (spinning && (errno == EAGAIN || errno == EWOULDBLOCK)) { ::sched_yield(); continue; }
+      return false;
+    }
+    return true;
+  }
+
+  // The current request's payload of plen bytes: in rbuf_ when it fits, else in payload_ (what
+  // rbuf_ holds of it, then the rest read straight into payload_).  Sets pp_; false on EOF/error.
+  bool take_payload(size_t plen) {
+    if (plen <= kRbuf) {
+      if (!fill(plen, 0)) return false;
+      pp_ = rbuf_.data() + rpos_;
+      rpos_ += plen;
+      return true;
+    }
+    if (payload_.size() < plen) payload_.resize(plen);
+    size_t have = rend_ - rpos_;  // < plen: every buffered byte belongs to this payload
+    std::memcpy(payload_.data(), rbuf_.data() + rpos_, have);
+    rpos_ = rend_ = 0;
+    pp_ = payload_.data();
+    return recv_all(fd_, payload_.data() + have, plen - have);
+  }
   std::vector<uint8_t> gather_;
   std::vector<Seg> segs_;
 
@@ -245,7 +278,9 @@ class Connection {
 
   bool loop(uint16_t &op_out, uint64_t &rid_out, uint32_t &count_out) {
     for (;;) {
-      if (!recv_spin(fd_, hdr_, kReq, core_.spin_ns.load(std::memory_order_relaxed))) return false;
+      if (!fill(kReq, core_.spin_ns.load(std::memory_order_relaxed))) return false;
+      std::memcpy(hdr_, rbuf_.data() + rpos_, kReq);
+      rpos_ += kReq;
       auto t0 = std::chrono::steady_clock::now();
       uint32_t magic = rd<uint32_t>(hdr_);
       uint16_t ver = rd<uint16_t>(hdr_ + 4), op = rd<uint16_t>(hdr_ + 6);
@@ -258,9 +293,8 @@ class Connection {
       if (ver < kVersion || ver > kMaxVersion) { ver_ = kMaxVersion; refuse(ST_BAD_VERSION, rid); return false; }
       ver_ = ver;
       if (plen > kMaxPayload) { refuse(ST_OVERSIZE, rid); return false; }
-      if (payload_.size() < plen) payload_.resize(plen);
       plen_ = plen;
-      if (!recv_all(fd_, payload_.data(), plen)) return false;
+      if (!take_payload(plen)) return false;
       if (core_.stopping.load()) { if (!refuse(ST_SHUTTING_DOWN, rid)) return false; continue; }
       bool ok = true;
       switch (op) {
@@ -301,7 +335,7 @@ class Connection {
     const Table *t = core_.find(ident);
     if (!t) return refuse(ST_WRONG_IDENTITY, rid);
     if (uint64_t(count) * 8 != plen_) return refuse(ST_BAD_FRAME, rid);
-    segs_.assign(1, Seg{t, payload_.data(), count});
+    segs_.assign(1, Seg{t, pp_, count});
     if (!in_range(segs_[0])) return refuse(ST_OUT_OF_RANGE, rid);
     return serve(rid, count, t0);
   }
@@ -309,7 +343,7 @@ class Connection {
   // Version 2: `nseg` segment headers (identity, count, reserved 0), then every segment's ids.
   bool lookup_multi(uint64_t rid, uint32_t nseg, std::chrono::steady_clock::time_point t0) {
     if (nseg == 0 || nseg > kMaxSegs || plen_ < size_t(nseg) * kSeg) return refuse(ST_BAD_FRAME, rid);
-    const uint8_t *p = payload_.data();
+    const uint8_t *p = pp_;
     uint64_t total = 0;
     for (uint32_t k = 0; k < nseg; k++) {
       if (rd<uint32_t>(p + k * kSeg + 36) != 0) return refuse(ST_BAD_FRAME, rid);
@@ -370,25 +404,6 @@ class Connection {
   }
 };
 
-// Non-blocking receive of exactly n bytes with spin-then-poll; 0 ok, -1 timeout, -2 error/EOF.
-int recv_deadline(int fd, uint8_t *p, size_t n, int64_t deadline, int64_t spin_ns) {
-  int64_t spin_until = now_ns() + spin_ns;
-  while (n) {
-    ssize_t r = ::recv(fd, p, n, MSG_DONTWAIT);
-    if (r > 0) { p += r; n -= size_t(r); continue; }
-    if (r == 0) return -2;
-    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return -2;
-    int64_t t = now_ns();
-    if (t >= deadline) return -1;
-    if (t < spin_until) continue;
-    pollfd pf{fd, POLLIN, 0};
-    int64_t rem = deadline - t;
-    timespec ts{time_t(rem / 1000000000LL), long(rem % 1000000000LL)};
-    ::ppoll(&pf, 1, &ts, nullptr);
-  }
-  return 0;
-}
-
 int send_deadline(int fd, iovec *iov, int niov, int64_t deadline) {
   while (niov) {
     ssize_t r = ::writev(fd, iov, niov);
@@ -409,29 +424,90 @@ int send_deadline(int fd, iovec *iov, int niov, int64_t deadline) {
   return 0;
 }
 
-// Reply header of request `gen` sent in a `ver` frame; a refusal's payload is discarded.  0: an
-// OK reply of exactly `rows` rows follows (its payload still to read); 1: refused (the status in
-// rcount); else the negative codes of client_lookup.  A bad_version refusal may carry another
-// version (the server's newest).
-int recv_reply_header(int fd, uint64_t gen, uint16_t ver, uint64_t rows, int64_t deadline, int64_t spin_ns,
-                      uint32_t &rcount, uint32_t &rplen) {
+// A destination range of a lookup's rows: bytes in request order.
+struct Dest {
+  uint8_t *p;
+  size_t n;
+};
+constexpr size_t kMaxDests = 16;  // tcp.py MAX_DEST_RANGES, kMaxSegs
+constexpr size_t kScratch = 4096;  // a refusal's payload limit (tcp.py _refusal)
+
+// The reply of request `gen` (sent in a `ver` frame) that should carry `rows` rows into the
+// destinations d[0..nd) (sum of n = rows * 264), received with as few recv calls as the data
+// allows: each recvmsg scatters over the reply header, a 4 KiB stack scratch for the first
+// bytes of the rows, then the destinations from there on, so a decode reply arriving whole
+// costs one call.  The scratch keeps a refusal's payload (at most 4,096 B) out of the
+// destinations ("a refusal never writes row bytes"); an OK reply's first bytes are copied from
+// it (<= 4 KiB).  Returns 0 (rows written), 1 (refused: status in rcount, payload discarded) or
+// the negative codes of client_lookup; -4 also for a reply longer than its header says.
+// Failed tries spin (yielding, as in Connection::fill) for spin_ns, then sleep in ppoll.
+int recv_reply_rows(int fd, uint64_t gen, uint16_t ver, uint64_t rows, const Dest *d, size_t nd,
+                    int64_t deadline, int64_t spin_ns, uint32_t &rcount) {
   uint8_t rep[kRep];
-  int code = recv_deadline(fd, rep, kRep, deadline, spin_ns);
-  if (code) return code;
-  uint16_t status = rd<uint16_t>(rep + 6);
-  rcount = rd<uint32_t>(rep + 16);
-  rplen = rd<uint32_t>(rep + 20);
-  if (rd<uint32_t>(rep) != kMagic || (rd<uint16_t>(rep + 4) != ver && status != ST_BAD_VERSION)) return -4;
-  if (rd<uint64_t>(rep + 8) != gen) return -3;
-  if (status != ST_OK) {
-    if (rplen > 4096) return -4;
-    uint8_t junk[4096];
-    code = recv_deadline(fd, junk, rplen, deadline, spin_ns);
-    if (code) return code;
-    rcount = status;
-    return 1;
+  uint8_t scratch[kScratch];
+  size_t body = size_t(rows) * kRow, head = std::min(body, kScratch);
+  iovec all[2 + kMaxDests];
+  size_t na = 0;
+  all[na++] = {rep, kRep};
+  all[na++] = {scratch, kScratch};
+  size_t skip = head;  // destination bytes that go to the scratch
+  for (size_t j = 0; j < nd; j++) {
+    if (skip >= d[j].n) { skip -= d[j].n; continue; }
+    all[na++] = {d[j].p + skip, d[j].n - skip};
+    skip = 0;
   }
-  if (rcount != rows || uint64_t(rplen) != rows * kRow) return -4;
+  size_t got = 0, need = kRep;  // need: the whole reply once its header is in
+  bool parsed = false;
+  uint16_t status = ST_OK;
+  int64_t spin_until = now_ns() + spin_ns;
+  for (;;) {
+    if (!parsed && got >= kRep) {
+      parsed = true;
+      status = rd<uint16_t>(rep + 6);
+      uint32_t rc = rd<uint32_t>(rep + 16), rplen = rd<uint32_t>(rep + 20);
+      if (rd<uint32_t>(rep) != kMagic || (rd<uint16_t>(rep + 4) != ver && status != ST_BAD_VERSION)) return -4;
+      if (rd<uint64_t>(rep + 8) != gen) return -3;
+      if (status != ST_OK) {
+        if (rplen > kScratch) return -4;
+        rcount = status;
+      } else {
+        if (rc != rows || uint64_t(rplen) != uint64_t(body)) return -4;
+        rcount = rc;
+      }
+      need = kRep + rplen;
+    }
+    if (got > need) return -4;  // bytes past the reply: no request of ours asked for them
+    if (parsed && got == need) break;
+    iovec iov[2 + kMaxDests];  // the part of `all` not yet filled
+    size_t ni = 0, off = got;
+    for (size_t j = 0; j < na; j++) {
+      if (off >= all[j].iov_len) { off -= all[j].iov_len; continue; }
+      iov[ni++] = {static_cast<uint8_t *>(all[j].iov_base) + off, all[j].iov_len - off};
+      off = 0;
+    }
+    msghdr mh{};
+    mh.msg_iov = iov;
+    mh.msg_iovlen = ni;
+    ssize_t r = ::recvmsg(fd, &mh, MSG_DONTWAIT);
+    if (r > 0) { got += size_t(r); continue; }
+    if (r == 0) return -2;
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return -2;
+    int64_t t = now_ns();
+    if (t >= deadline) return -1;
+    if (t < spin_until) { ::sched_yield(); continue; }  // yield as in Connection::fill
+    pollfd pf{fd, POLLIN, 0};
+    int64_t rem = deadline - t;
+    timespec ts{time_t(rem / 1000000000LL), long(rem % 1000000000LL)};
+    ::ppoll(&pf, 1, &ts, nullptr);
+  }
+  if (status != ST_OK) return 1;
+  uint8_t *src = scratch;
+  for (size_t j = 0; j < nd && head; j++) {  // the rows' first bytes, from the scratch
+    size_t c = std::min(head, d[j].n);
+    std::memcpy(d[j].p, src, c);
+    src += c;
+    head -= c;
+  }
   return 0;
 }
 
@@ -444,10 +520,12 @@ py::tuple client_lookup(int fd, uint64_t gen, py::bytes ident, py::array_t<uint6
   std::string id = ident;
   if (id.size() != 32) throw std::invalid_argument("identity must be 32 bytes");
   uint32_t n = uint32_t(rows.shape(0));
-  std::vector<std::pair<uint8_t *, size_t>> out;
+  if (dests.size() > kMaxDests) throw std::invalid_argument("at most 16 destination ranges");
+  Dest out[kMaxDests];
+  size_t nd = 0;
   for (auto h : dests) {
     auto a = py::reinterpret_borrow<py::array_t<uint8_t, py::array::c_style>>(h);
-    out.emplace_back(a.mutable_data(), size_t(a.nbytes()));
+    out[nd++] = Dest{a.mutable_data(), size_t(a.nbytes())};
   }
   const uint8_t *rp = reinterpret_cast<const uint8_t *>(rows.data());
   int code = 0;
@@ -461,10 +539,8 @@ py::tuple client_lookup(int fd, uint64_t gen, py::bytes ident, py::array_t<uint6
     wr<uint32_t>(h + 48, n); wr<uint32_t>(h + 52, n * 8);
     iovec iov[2] = {{h, kReq}, {const_cast<uint8_t *>(rp), size_t(n) * 8}};
     code = send_deadline(fd, iov, n ? 2 : 1, deadline);
-    if (code == 0) code = recv_reply_header(fd, gen, kVersion, n, deadline, spin_ns, rcount, rplen);
-    if (code == 0)
-      for (auto &d : out)
-        if (d.second && (code = recv_deadline(fd, d.first, d.second, deadline, spin_ns)) != 0) break;
+    if (code == 0) code = recv_reply_rows(fd, gen, kVersion, n, out, nd, deadline, spin_ns, rcount);
+    if (code == 0) rplen = uint32_t(size_t(n) * kRow);
   }
   return py::make_tuple(code, rcount, rplen);
 }
@@ -572,7 +648,7 @@ py::tuple client_lookup_many(int fd, uint64_t gen0, py::bytes ident, py::array_t
       if (progressed) { spin_until = now_ns() + spin_ns; continue; }
       int64_t t = now_ns();
       if (t >= deadline) { code = -1; break; }
-      if (t < spin_until) continue;
+      if (t < spin_until) { ::sched_yield(); continue; }  // yield as in Connection::fill
       pollfd pf{fd, short(POLLIN | (send_idx < nchunks && send_idx - recv_idx < window ? POLLOUT : 0)), 0};
       int64_t rem = deadline - t;
       timespec ts{time_t(rem / 1000000000LL), long(rem % 1000000000LL)};
@@ -657,11 +733,9 @@ py::tuple client_lookup_segs(int fd, uint64_t gen, uint16_t version, py::tuple s
     for (size_t j = 0; j < k; j++)
       if (cs[j].n) iov[niov++] = {const_cast<uint8_t *>(cs[j].ids), cs[j].n * 8};
     code = send_deadline(fd, iov, niov, deadline);
-    uint32_t rplen = 0;
-    if (code == 0) code = recv_reply_header(fd, gen, ver, total, deadline, spin_ns, rcount, rplen);
-    if (code == 0)
-      for (size_t j = 0; j < k; j++)
-        if (cs[j].n && (code = recv_deadline(fd, cs[j].out, cs[j].n * kRow, deadline, spin_ns)) != 0) break;
+    Dest out[kMaxSegs];
+    for (size_t j = 0; j < k; j++) out[j] = Dest{cs[j].out, cs[j].n * kRow};
+    if (code == 0) code = recv_reply_rows(fd, gen, ver, total, out, k, deadline, spin_ns, rcount);
   }
   return py::make_tuple(code, rcount, 0);
 }
