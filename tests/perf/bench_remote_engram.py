@@ -9,7 +9,7 @@ in the same run on the same machine:
    server spin (the ``tcp``/``rowsource`` arms), client spin only (``*_client_spin``: the shipped
    defaults) and neither (``*_nospin``: a second server process); calls after 1 ms idle (the
    decode cadence: the server thread has gone to sleep) in each setting; both layers in one
-   ``lookup_layers`` request; 40 interleaved rounds with the arms' order rotating, the
+   ``lookup_layers`` request; 600 interleaved rounds of 20 calls (12,000 per arm) with the arms' order rotating, the
    scheduler's placement and then client/server pinned to two CPUs; load averages and
    per-round ratios recorded.
 2. prefill-size lookup (786,432 rows = 32K tokens x 12 columns x 2 layers, one TP2 rank) through
@@ -235,10 +235,12 @@ def restore_affinity(old: dict[int, set[int]]) -> None:
 #: are discarded, and so is the first call of every block (each arm's first call after another
 #: arm ran wakes its peer: a cold call every arm pays alike, not part of the steady state).
 #: Short blocks (20 calls, ~0.5 ms) spread a millisecond-scale stall of the guest over all arms
-#: instead of one arm's block: with blocks of 100 calls a single stall could put one arm's p99
-#: 1.5x above another's in the same run (docs/benchmarks.md, issue 15). The secondary arms run
-#: every SIDE_EVERY rounds; the drift check pools SIDE_EVERY rounds (100 calls per arm).
-ROUNDS, BLOCK, WARM_ROUNDS, SIDE_EVERY, SIDE_BLOCK = 200, 20, 10, 5, 100
+#: instead of one arm's block, and 12,000 samples per arm and pass keep the p99 estimate's
+#: spread below the targets' margin: with 40 blocks of 100 calls (4,000 samples) the bare call
+#: and RemoteRowSource.lookup, the same C++ path, differed by up to 0.5x the floor's p99 in one
+#: run (docs/benchmarks.md, issue 15). The secondary arms run every SIDE_EVERY rounds (40 times,
+#: as before); the drift check pools SIDE_EVERY rounds (300 calls per arm).
+ROUNDS, BLOCK, WARM_ROUNDS, SIDE_EVERY, SIDE_BLOCK = 600, 20, 15, 15, 100
 
 
 def decode_arms(m, server, server0, pingpong, n: int, rng, cpus) -> dict:
@@ -438,12 +440,12 @@ def test_prefill_lookup_vs_cold_local(shards, server, pingpong):
     per_layer = 32768 * 12  # 32K tokens x this rank's 12 columns, per layer
     rng = np.random.default_rng(1)
     ids = {L: rng.integers(0, m.table(L).rows, per_layer) for L in (1, 2)}
-    reader = reader.LocalRowReader(m, d, threads=16)
+    cold = reader.LocalRowReader(m, d, threads=16)
     evict([d / t.file for t in m.tables])
     t0 = time.perf_counter()
-    local = {L: reader.read(L, ids[L]) for L in (1, 2)}
+    local = {L: cold.read(L, ids[L]) for L in (1, 2)}
     t_local = time.perf_counter() - t0
-    reader.close()
+    cold.close()
     res = {}
     bufs = {L: np.empty((per_layer, 264), np.uint8) for L in (1, 2)}
     for L in (1, 2):
@@ -628,14 +630,14 @@ def test_sparse_prefill_lookup_vs_cold_local(shards, server):
     per_layer = 2048 * 12
     rng = np.random.default_rng(2)
     ids = {L: rng.integers(0, m.table(L).rows, per_layer) for L in (1, 2)}
-    reader = reader.LocalRowReader(m, d, threads=16)
+    cold = reader.LocalRowReader(m, d, threads=16)
     t_local = []
     for _ in range(3):
         evict([d / t.file for t in m.tables])
         t0 = time.perf_counter()
-        local = {L: reader.read(L, ids[L]) for L in (1, 2)}
+        local = {L: cold.read(L, ids[L]) for L in (1, 2)}
         t_local.append(time.perf_counter() - t0)
-    reader.close()
+    cold.close()
     src = RemoteRowSource(server.tcp, m, 0, 1, timeout_ms=5000)
     t_tcp = []
     for _ in range(5):
