@@ -90,10 +90,10 @@ def assert_verified_production() -> str:
     return pid
 
 
-def timed_play(*args: str) -> subprocess.CompletedProcess:
-    """``play(*args)``, printing its wall time."""
+def timed_play(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``play(*args, timeout=timeout)``, printing its wall time."""
     t0 = time.monotonic()
-    r = play(*args)
+    r = play(*args, timeout=timeout)
     print(f"\n[promotion] ansible-playbook {' '.join(args)}: rc {r.returncode}, {time.monotonic() - t0:.1f} s", flush=True)
     return r
 
@@ -192,9 +192,12 @@ def test_promote_a_window_win_rollback_exact_promote_again(deployed_lab):
 
     wdir = Path(os.environ.get("DSV41_PROMOTE_WINDOWS_DIR") or ROOT / "windows" / "promotion-win")
     if not list(wdir.glob("*-async-drafter/decision.json")):
+        # 8 restarting blocks: 6-14 min on the 2-core boxes (10 min on the Intel one, 2026-12-01,
+        # where play()'s 600 s default killed ansible-playbook after the 32nd cell and left its
+        # setsid worker running the window)
         r = timed_play("window.yml", "-e", "candidate=async-drafter", "-e", "control=sync-drafter",
                        "-e", f"window_spec={ROOT / 'candidates' / 'specs' / 'lab-window.json'}",
-                       "-e", f"windows_dir={wdir}")
+                       "-e", f"windows_dir={wdir}", timeout=1800)
         assert r.returncode == 0, r.stdout[-5000:]
         assert production() == p_sync and listing() == before  # the window restored production exactly
     wid, d = window_win(wdir, "async-drafter")
