@@ -7,9 +7,9 @@ SIGTERM: stop accepting, drain in-flight requests, remove the ready file, exit 0
 
 Loading: one reader thread per region (weights and scales of each table) reads the
 page-aligned span around the region with O_DIRECT in 8 MiB requests straight into a private
-anonymous mmap (transparent huge pages advised: private, because a shared anonymous mapping is
-shmem, where the advice does nothing unless shmem THP is on); a hasher thread per region runs sha256 over the chunks
-the reader has finished (hashlib releases the GIL), so hashing overlaps reading.  Where O_DIRECT
+anonymous mmap (transparent huge pages advised: a shared anonymous mapping is shmem, where the
+advice does nothing unless shmem THP is on); a hasher thread per region runs sha256 over the
+chunks the reader has finished (hashlib releases the GIL), so hashing overlaps reading.  Where O_DIRECT
 is refused (EINVAL, e.g. tmpfs) the same reads go through the page cache.
 """
 
@@ -93,7 +93,7 @@ def load_region(path: str | os.PathLike, offset: int, length: int, direct: bool 
             try:
                 buf.madvise(getattr(mmap, advice))
             except OSError:
-                pass  # THP disabled on this kernel: only slower TLB behaviour
+                pass  # advice the kernel lacks (THP compiled out): only slower TLB behaviour
     mv = memoryview(buf)
     try:
         fd, is_direct = _open(path, direct)
