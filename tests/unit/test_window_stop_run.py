@@ -3,7 +3,7 @@
 Found on the lab (2026-12-01, ``make window-drills`` killed run): after SIGKILL to
 ansible-playbook's process group, the window's run was still alive (it is not in that group), ran
 its next arm switch while the following window.yml restored production, and wrote a failed cell
-17 s after the kill. ``run.pid`` (pid + creation time) names the run; ``dsv41 window stop-run``
+17 s after the kill. ``run.pid`` (pid + kernel start ticks + boot id) names the run; ``dsv41 window stop-run``
 (the restore's first step) stops it and whatever it started, and never signals another process.
 """
 
@@ -18,7 +18,8 @@ import time
 import psutil
 import pytest
 
-from dsv41.harness import bench, window
+from dsv41.harness import bench, procident, window
+from dsv41.harness.procident import ProcessGone, ProcessIdentity
 
 SPEC = os.path.join(os.path.dirname(__file__), "..", "..", "candidates", "specs", "drill.json")
 
@@ -49,8 +50,8 @@ def _start_run(wdir, ignore_term=False):
 
 def _gone(pid):
     try:
-        return window.run_process({"pid": pid, "create_time": psutil.Process(pid).create_time()}) is None
-    except psutil.NoSuchProcess:
+        return window.run_process(ProcessIdentity.of(pid).as_record()) is None
+    except ProcessGone:
         return True
 
 
@@ -163,3 +164,110 @@ def test_window_run_names_itself_while_it_runs_and_clears_at_the_end(tmp_path, m
                "--name", "aa", "--seed", "3", "--windows-dir", str(tmp_path), "--id", "w-pid", "--no-metrics"])
     assert rc == 0 and seen and set(seen) == {os.getpid()}
     assert not (tmp_path / "w-pid" / window.RUN_PID_NAME).exists()
+
+
+# ---------------------------------------------------------------- issue 25 item 8: clock steps
+
+
+def _sleeper(comm=None):
+    code = "import sys, time\n"
+    if comm:
+        code += f"open('/proc/self/comm', 'w').write({comm!r})\n"
+    code += "print('up', flush=True); time.sleep(300)"
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "up"
+    return p
+
+
+@pytest.mark.parametrize("comm", ["plain", "a b", "x) (y", ")) S 1 2 (", "("])
+def test_start_ticks_parse_a_comm_with_spaces_and_parentheses(comm):
+    """Field 22 after the last ')' equals psutil's own monotonic start (ticks / CLK_TCK)."""
+    p = _sleeper(comm)
+    try:
+        with open(f"/proc/{p.pid}/stat") as f:
+            assert f.read().startswith(f"{p.pid} ({comm[:15]})")
+        ticks = procident.start_ticks(p.pid)
+        hz = os.sysconf("SC_CLK_TCK")
+        assert round(psutil.Process(p.pid)._proc.create_time(monotonic=True) * hz) == ticks
+    finally:
+        p.kill()
+        p.wait()
+
+
+@pytest.mark.parametrize("line", ["", "123", "123 (x", "123 (x) S 1 2", "123 x) S" + " 0" * 30])
+def test_malformed_stat_lines_are_refused(line):
+    with pytest.raises(ValueError):
+        procident.parse_start_ticks(line)
+
+
+@pytest.mark.parametrize("step_s", [1.0, -1.0, 3600.0])
+def test_a_clock_step_still_matches_the_live_orphan(tmp_path, monkeypatch, step_s):
+    """run.pid was written before the clock stepped; psutil's wall-clock creation time of the
+    same process now differs by ``step_s``, yet stop-run still finds and stops the orphan."""
+    p, child = _start_run(tmp_path / "W9-aa")
+    try:
+        rec = json.loads((tmp_path / "W9-aa" / window.RUN_PID_NAME).read_text())
+        assert rec["pid"] == p.pid and rec["start_ticks"] == procident.start_ticks(p.pid)
+        real = psutil.Process.create_time
+        monkeypatch.setattr(psutil.Process, "create_time", lambda self: real(self) + step_s)
+        monkeypatch.setattr(psutil, "boot_time", lambda: psutil._psplatform.boot_time() + step_s)
+        # the old rule (pid + create_time within 0.01 s) would skip it: the test has teeth
+        legacy = {"pid": rec["pid"], "create_time": rec["create_time"]}
+        assert window.run_process(legacy) is None
+        assert window.run_process(rec) is not None
+        assert window.stop_runs(tmp_path, "W9") == [p.pid]
+        p.wait(10)
+        assert _gone(child)
+    finally:
+        p.kill()
+
+
+def test_a_reused_pid_is_never_signalled_whatever_the_clock(tmp_path, monkeypatch):
+    """The pid is live but started at another tick, or in another boot: never signalled, even
+    with wall-clock creation times that would match."""
+    victim = _sleeper()
+    try:
+        me = ProcessIdentity.of(victim.pid)
+        real = psutil.Process.create_time
+        monkeypatch.setattr(psutil.Process, "create_time", lambda self: real(self) + 1.0)
+        for i, rec in enumerate([dict(me.as_record(), start_ticks=me.start_ticks - 1),
+                                 dict(me.as_record(), start_ticks=me.start_ticks + 100),
+                                 dict(me.as_record(), boot_id="00000000-0000-0000-0000-000000000000")]):
+            d = tmp_path / f"W10-{i}"
+            d.mkdir()
+            (d / window.RUN_PID_NAME).write_text(json.dumps(dict(rec, create_time=real(psutil.Process(victim.pid)))))
+            assert window.run_process(rec) is None
+        assert window.stop_runs(tmp_path, "W10") == []
+        assert victim.poll() is None  # still alive: nothing was signalled
+        assert not list(tmp_path.glob("W10-*/" + window.RUN_PID_NAME))  # stale records removed
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_a_legacy_record_of_a_live_run_is_still_read(tmp_path):
+    """run.pid of an older dsv41 window run (pid + create_time only) is matched by the old rule."""
+    victim = _sleeper()
+    try:
+        d = tmp_path / "W11-aa"
+        d.mkdir()
+        (d / window.RUN_PID_NAME).write_text(json.dumps({"pid": victim.pid,
+                                                         "create_time": psutil.Process(victim.pid).create_time()}))
+        assert window.stop_runs(tmp_path, "W11", timeout_s=5) == [victim.pid]
+        victim.wait(10)  # psutil reaped it already (we are its parent): returncode 0 or -15
+        assert _gone(victim.pid)
+    finally:
+        victim.kill()
+
+
+@pytest.mark.parametrize("rec", [{"pid": 5, "start_ticks": "x", "boot_id": "b"}, {"pid": 5, "start_ticks": 1},
+                                 {"pid": True, "start_ticks": 1, "boot_id": "b"},
+                                 {"pid": -1, "start_ticks": 1, "boot_id": "b"},
+                                 {"pid": 5, "start_ticks": 1, "boot_id": 7}])
+def test_a_malformed_identity_record_is_one_clear_error(tmp_path, rec):
+    d = tmp_path / "W12-aa"
+    d.mkdir()
+    (d / window.RUN_PID_NAME).write_text(json.dumps(rec))
+    with pytest.raises(window.WindowError, match="not a run pid file"):
+        window.stop_runs(tmp_path, "W12")
+    assert (d / window.RUN_PID_NAME).exists()

@@ -207,14 +207,19 @@ RUN_PID_NAME = "run.pid"
 
 def write_run_pid(wdir: str | os.PathLike) -> Path:
     """Record this process as the run of window directory ``wdir``: ``run.pid`` holds
-    ``{"pid", "create_time"}`` (psutil's process creation time, seconds since the epoch), so that a
-    later ``stop_runs`` signals this process and never another that reused the pid. Returns the
-    file's path; the run removes it when it ends (``clear_run_pid``)."""
+    ``{"pid", "start_ticks", "boot_id", "create_time"}``: the kernel's start time in clock ticks
+    after boot and this boot's id (``dsv41.harness.procident``), which no clock step moves, so
+    that a later ``stop_runs`` signals this process and never another that reused the pid.
+    ``create_time`` (psutil, seconds since the epoch) is informational and for older readers.
+    Returns the file's path; the run removes it when it ends (``clear_run_pid``)."""
     import psutil
 
-    me = psutil.Process()
+    from dsv41.harness.procident import ProcessIdentity
+
+    rec = ProcessIdentity.of().as_record()
+    rec["create_time"] = psutil.Process().create_time()
     path = Path(wdir) / RUN_PID_NAME
-    path.write_text(json.dumps({"pid": me.pid, "create_time": me.create_time()}) + "\n")
+    path.write_text(json.dumps(rec) + "\n")
     return path
 
 
@@ -228,16 +233,37 @@ def clear_run_pid(wdir: str | os.PathLike) -> None:
         pass
 
 
+#: Tolerance of the legacy rule (records with only ``create_time``, written before start ticks).
+LEGACY_CREATE_TIME_TOLERANCE_S = 0.01
+
+
 def run_process(record: dict):
-    """The live process a ``run.pid`` record (``{"pid", "create_time"}``) names, as a
-    ``psutil.Process``; None when it has ended (or is a zombie) or the pid now names another
-    process (creation time differs). Raises KeyError/TypeError/ValueError on a malformed record."""
+    """The live process a ``run.pid`` record names, as a ``psutil.Process``; None when it has
+    ended (or is a zombie) or the pid now names another process.
+
+    A record with ``start_ticks`` and ``boot_id`` (``write_run_pid``) matches by the kernel's
+    start time, independent of the wall clock. A legacy record (``{"pid", "create_time"}`` only,
+    written by an older ``dsv41 window run``) matches by psutil's creation time within
+    ``LEGACY_CREATE_TIME_TOLERANCE_S``: it cannot be re-anchored without the clock it was read by,
+    and a wider tolerance would accept a reused pid. Signals sent through the returned process
+    are guarded again by psutil, whose identity on Linux is its monotonic (tick) start time.
+    Raises KeyError/TypeError/ValueError on a malformed record."""
     import psutil
 
+    from dsv41.harness.procident import ProcessIdentity
+
+    if "start_ticks" in record or "boot_id" in record:
+        ident = ProcessIdentity.from_record(record)
+        try:
+            proc = psutil.Process(ident.pid)
+        except psutil.NoSuchProcess:
+            return None
+        # Checked after psutil captured the process: a pid reused in between fails the check.
+        return proc if ident.alive() else None
     pid, created = int(record["pid"]), float(record["create_time"])
     try:
         proc = psutil.Process(pid)
-        if abs(proc.create_time() - created) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE:
+        if abs(proc.create_time() - created) < LEGACY_CREATE_TIME_TOLERANCE_S and proc.status() != psutil.STATUS_ZOMBIE:
             return proc
     except psutil.NoSuchProcess:
         pass
@@ -253,7 +279,7 @@ def stop_runs(windows_dir: str | os.PathLike, window_id: str, timeout_s: float =
     window.yml restores. The restore therefore stops it first: SIGTERM (the run stops its cells,
     writes an INVALID decision and exits), SIGKILL after ``timeout_s`` seconds, then SIGKILL to any
     of its descendants still alive (a switch or fault playbook it had started). Only the process
-    that ``run.pid`` names (``run_process``) is signalled.
+    that ``run.pid`` names (``run_process``: pid + kernel start ticks + boot id) is signalled.
 
     Returns the pids stopped (empty when nothing was running). Raises ``WindowError`` when a
     ``run.pid`` cannot be read (the caller keeps admission held)."""
@@ -413,10 +439,19 @@ def write_report(wdir: str, decision: win2.Decision, cells: list[dict], meta: di
              f"- {d.n_pairs} pairs; cells: `cells.jsonl`; plots: pairs.png, cdf.png, acceptance.png",
              f"- harness {ver.get('package')} at {ver.get('commit') or 'unknown commit'}"
              + (" **(dirty tree)**" if ver.get("dirty") else ""), "", "## Reasons", ""]
-    lines += [f"- {r}" for r in d.reasons] + ["", "## Categories", "", "| category | verdict | effect | CI | pairs |",
-                                             "|---|---|---:|---|---:|"]
+    lines += [f"- {r}" for r in d.reasons] + [
+        "", "## Categories", "",
+        f"Verdicts corrected for multiplicity across the {len(d.categories)} categories (Holm, family "
+        f"alpha {d.alpha:g}); each CI is at its Holm-adjusted level. The unadjusted "
+        f"{1 - d.alpha:.0%} CI is descriptive only (no verdict is drawn from it; the non-inferiority "
+        "guard uses it because it fails safe).", "",
+        "| category | verdict (Holm) | effect | CI (Holm level) | adjusted alpha | descriptive CI (unadjusted) | pairs |",
+        "|---|---|---:|---|---:|---|---:|"]
     for cat, e in d.categories.items():
-        lines.append(f"| {cat} | {e['verdict']} | {e['effect']:+.2%} | [{e['ci'][0]:+.2%}, {e['ci'][1]:+.2%}] | {e['n_pairs']} |")
+        desc = e.get("descriptive") or {"ci": e["ci"]}
+        lines.append(f"| {cat} | {e['verdict']} | {e['effect']:+.2%} | [{e['ci'][0]:+.2%}, {e['ci'][1]:+.2%}] | "
+                     f"{e.get('alpha_adjusted', d.alpha):.4g} | [{desc['ci'][0]:+.2%}, {desc['ci'][1]:+.2%}] | "
+                     f"{e['n_pairs']} |")
     with open(os.path.join(wdir, "summary.md"), "w", encoding="utf-8") as fh:
         fh.write("\n".join(lines) + "\n")
     files.append("summary.md")

@@ -20,9 +20,11 @@ def _print_decision(d: win2.Decision, as_json: bool) -> None:
     print(f"{d.verdict}: {d.metric} effect {eff} CI {ci}, {d.n_pairs} pairs, min effect {d.min_effect:.1%}")
     for r in d.reasons:
         print(f"  {r}")
+    if d.categories:
+        print(f"  per category (Holm-adjusted across {len(d.categories)}, family alpha {d.alpha:g}):")
     for cat, e in d.categories.items():
         print(f"  {cat}: {e['verdict']} effect {e['effect']:+.2%} CI [{e['ci'][0]:+.2%}, {e['ci'][1]:+.2%}] "
-              f"({e['n_pairs']} pairs)")
+              f"at alpha {e['alpha_adjusted']:.4g} ({e['n_pairs']} pairs)")
 
 
 @app.command()
@@ -293,7 +295,7 @@ def stop_run_cmd(
     timeout: float = typer.Option(30.0, help="Seconds to wait after SIGTERM before SIGKILL."),
 ) -> None:
     """Stop a ``dsv41 window run`` of WINDOW still running (left behind by a killed window.yml), by
-    the pid and creation time in its ``run.pid``; prints ``stopped PID ...`` or ``no run left``."""
+    the pid and kernel start time (clock ticks after boot) in its ``run.pid``; prints ``stopped PID ...`` or ``no run left``."""
     from dsv41.harness import window
 
     pids = window.stop_runs(windows_dir, window_id, timeout)
