@@ -272,3 +272,90 @@ def test_cli_simulate_errors(capsys):
     assert "multiple of" in capsys.readouterr().err
     assert main(["window", "simulate", "--sigma", "0.05", "--pairs", "a,b"]) == 1
     assert "comma-separated" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- issue 25 item 9: multiplicity
+
+
+def _aa_by_cat(rng, k: int, prompts: int = 2, blocks: int = 8, sigma: float = 0.05) -> dict[str, list[dict]]:
+    """A/A pairs (``pair_log_ratios`` shape) of ``k`` categories: every log-ratio is pure noise."""
+    by_cat = {}
+    b = 0
+    for c in range(k):
+        pairs = []
+        for p in range(prompts):
+            for _ in range(blocks):
+                b += 1
+                for pair in (0, 1):
+                    pairs.append({"block": b, "pair": pair, "prompt_id": f"c{c}-p{p}", "category": f"c{c}",
+                                  "seed": 1000 * b + pair, "r": float(rng.normal(0, sigma) - rng.normal(0, sigma))})
+        by_cat[f"c{c}"] = pairs
+    return by_cat
+
+
+def test_holm_keeps_aa_per_category_false_claims_at_the_family_alpha():
+    """A/A windows over 8 categories (2 prompts x 16 blocks each), min effect 0 (every WIN or
+    LOSS is false): without the correction some category "wins" or "loses" in about
+    1 - 0.95^8 = 34 % of windows; with Holm in at most the family alpha of 5 %: the 95 %
+    Clopper-Pearson interval of the Holm rate reaches down to alpha, the unadjusted one lies
+    wholly above it. 4,999 resamples: a Holm level of alpha/8 puts 0.3 % in each tail, which a
+    few hundred resamples cannot place (with 199 the Holm rate was 22 %)."""
+    from scipy import stats
+
+    rng = np.random.default_rng(25)
+    n, k, alpha, nr = 80, 8, 0.05, 4999
+    raw_hits = holm_hits = 0
+    for w in range(n):
+        by_cat = _aa_by_cat(rng, k, blocks=16)
+        raw = {c: win2.estimate(v, 0.0, alpha, w, n_resamples=nr) for c, v in by_cat.items()}
+        adj = win2.holm_categories(by_cat, 0.0, alpha, w, n_resamples=nr, unadjusted=raw)
+        raw_hits += any(e.verdict in ("WIN", "LOSS") for e in raw.values())
+        holm_hits += any(e.verdict in ("WIN", "LOSS") for e, _ in adj.values())
+    raw_ci = stats.binomtest(raw_hits, n).proportion_ci(0.95, method="exact")
+    holm_ci = stats.binomtest(holm_hits, n).proportion_ci(0.95, method="exact")
+    print(f"A/A, {k} categories, {n} windows: family-wise false WIN/LOSS unadjusted {raw_hits}/{n}, Holm {holm_hits}/{n}")
+    assert raw_ci.low > alpha, (raw_hits, n)  # the uncorrected rule exceeds the family alpha: teeth
+    assert holm_ci.low <= alpha, (holm_hits, n)
+    assert holm_hits < raw_hits / 3, (holm_hits, raw_hits)
+
+
+def test_holm_step_down_levels_and_what_decide_reports():
+    """Two clear categories resolve at alpha/3; the third, weaker one is then tested at alpha/1."""
+    cells = make_cells({"a": 0.30, "b": -0.30, "c": 0.035}, n_prompts_per_cat=2, blocks=8, noise=0.01)
+    d = win2.decide(cells, min_effect=0.02, n_resamples=NR)
+    cats = d.categories
+    assert cats["a"]["verdict"] == "WIN" and cats["b"]["verdict"] == "LOSS"
+    assert cats["a"]["alpha_adjusted"] == pytest.approx(0.05 / 3) == cats["b"]["alpha_adjusted"]
+    assert cats["c"]["alpha_adjusted"] in (pytest.approx(0.05 / 3), pytest.approx(0.05))
+    for e in cats.values():
+        assert e["correction"] == "holm" and e["descriptive"]["alpha"] == 0.05
+        lo, hi = e["ci"]
+        dlo, dhi = e["descriptive"]["ci"]
+        assert lo <= dlo + 1e-12 and hi >= dhi - 1e-12  # the adjusted CI is never narrower
+    assert d.to_dict()["category_correction"] == {"method": "holm", "family_alpha": 0.05, "n_categories": 3}
+
+
+def test_a_category_unresolved_after_holm_is_labelled_with_its_unadjusted_verdict():
+    """A category that 'wins' unadjusted but not at the Holm level: UNRESOLVED, the unadjusted
+    verdict kept under descriptive (the lab's ``code: WIN`` in an A/A window, as a class)."""
+    rng = np.random.default_rng(3)
+    for seed in range(200):
+        by_cat = _aa_by_cat(rng, 6)
+        raw = {c: win2.estimate(v, 0.0, 0.05, seed, n_resamples=199) for c, v in by_cat.items()}
+        adj = win2.holm_categories(by_cat, 0.0, 0.05, seed, n_resamples=199, unadjusted=raw)
+        flipped = [c for c in raw if raw[c].verdict == "WIN" and adj[c][0].verdict == "UNRESOLVED"]
+        if flipped:
+            break
+    else:
+        pytest.fail("no A/A window with an unadjusted per-category WIN in 200")
+    cells = []
+    for c in by_cat:
+        for p in by_cat[c]:
+            base = 30.0
+            cells += [{"block": p["block"], "pair": p["pair"], "arm": "control", "prompt_id": p["prompt_id"],
+                       "category": c, "seed": p["seed"], "ok": True, "step_ms_p50": base * math.exp(p["r"])},
+                      {"block": p["block"], "pair": p["pair"], "arm": "candidate", "prompt_id": p["prompt_id"],
+                       "category": c, "seed": p["seed"], "ok": True, "step_ms_p50": base}]
+    d = win2.decide(cells, min_effect=0.0, seed=seed, n_resamples=199)
+    e = d.categories[flipped[0]]
+    assert e["verdict"] == "UNRESOLVED" and e["descriptive"]["verdict_unadjusted"] == "WIN", e

@@ -20,7 +20,17 @@ The rule (docs/windows.md; method: docs/system.md "WIN2 R3"):
    if ``hi < -m``, ``NO-CHANGE`` if ``-m <= lo`` and ``hi <= +m``, otherwise ``UNRESOLVED``;
    ``INVALID`` when a cell failed, a pair is incomplete or inconsistent, or a metric is missing.
 6. Per-category non-inferiority: a ``WIN`` becomes ``UNRESOLVED`` when any category's CI lies
-   wholly below ``-m`` (a regression hidden by the overall win).
+   wholly below ``-m`` (a regression hidden by the overall win). This guard uses the unadjusted
+   ``1 - alpha`` CIs on purpose: more LOSSes only ever withhold a WIN (it fails safe).
+7. Per-category verdicts are corrected for multiplicity across the K categories (Holm 1979,
+   "A simple sequentially rejective multiple test procedure", Scand. J. Statist. 6:65-70), by
+   inverting the CIs: with R categories still open, each is estimated at ``1 - alpha / R``;
+   those whose CI resolves (any verdict but UNRESOLVED) keep that verdict and CI, the others
+   stay open with R reduced by the number just resolved; stop when none resolves. Because a
+   category's CIs at different levels come from the same seeded resamples they are nested, so
+   "resolved at level a" defines a p-value and this batch step-down is exactly Holm's: the
+   probability that any category gets a false WIN/LOSS/NO-CHANGE is at most ``alpha``.
+   Each category also carries its unadjusted estimate under ``descriptive`` (not a verdict).
 
 All-identical block values make BCa degenerate (zero-variance jackknife, scipy returns NaN): the
 CI is then the point itself and the reasons say so. Should BCa still give a non-finite bound
@@ -104,11 +114,14 @@ class Decision:
     categories: dict[str, dict] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)
     gate: dict | None = None
+    #: ``{"method": "holm", "family_alpha", "n_categories"}`` once categories were estimated.
+    category_correction: dict | None = None
 
     def to_dict(self) -> dict:
         return {"verdict": self.verdict, "metric": self.metric, "min_effect": self.min_effect, "alpha": self.alpha,
                 "seed": self.seed, "effect": self.effect, "ci": list(self.ci) if self.ci else None,
-                "n_pairs": self.n_pairs, "categories": self.categories, "reasons": list(self.reasons),
+                "n_pairs": self.n_pairs, "categories": self.categories,
+                "category_correction": self.category_correction, "reasons": list(self.reasons),
                 "gate": self.gate, "rule": "WIN2-R3"}
 
 
@@ -347,12 +360,19 @@ def decide(cells: list[dict], metric: str = "step_ms_p50", min_effect: float = D
     by_cat: dict[str, list[dict]] = defaultdict(list)
     for p in pairs:
         by_cat[p["category"]].append(p)
+    raw = {cat: estimate(by_cat[cat], min_effect, alpha, seed, n_resamples) for cat in sorted(by_cat)}
+    adjusted = holm_categories(by_cat, min_effect, alpha, seed, n_resamples, raw)
     regressed = []
     for cat in sorted(by_cat):
-        e = estimate(by_cat[cat], min_effect, alpha, seed, n_resamples)
-        d.categories[cat] = e.to_dict()
-        if e.verdict == "LOSS":  # CI wholly below -min_effect, from enough blocks
+        e, level = adjusted[cat]
+        doc = e.to_dict()
+        doc["alpha_adjusted"] = level
+        doc["correction"] = "holm"
+        doc["descriptive"] = {"verdict_unadjusted": raw[cat].verdict, "ci": list(raw[cat].ci), "alpha": alpha}
+        d.categories[cat] = doc
+        if raw[cat].verdict == "LOSS":  # unadjusted CI wholly below -min_effect: fails safe
             regressed.append(cat)
+    d.category_correction = {"method": "holm", "family_alpha": alpha, "n_categories": len(by_cat)}
     if d.verdict == "WIN" and regressed:
         d.verdict = "UNRESOLVED"
         d.reasons.append(f"non-inferiority failed: category {', '.join(regressed)} lies wholly below "
@@ -363,6 +383,30 @@ def decide(cells: list[dict], metric: str = "step_ms_p50", min_effect: float = D
             d.verdict = "INVALID"
             d.reasons.append("distributional gate failed: " + "; ".join(d.gate["reasons"]))
     return d
+
+
+def holm_categories(by_cat: dict[str, list[dict]], min_effect: float, alpha: float, seed: int,
+                    n_resamples: int = DEFAULT_RESAMPLES,
+                    unadjusted: dict[str, Estimate] | None = None) -> dict[str, tuple[Estimate, float]]:
+    """Holm step-down over the categories' verdicts (module doc, rule 7).
+
+    ``by_cat``: category -> its pairs (``pair_log_ratios`` output). Returns category ->
+    (``Estimate`` at the level where it resolved or, if it never did, at the last level tried;
+    that level's alpha). The family-wise error of the verdicts is at most ``alpha``.
+    ``unadjusted``: estimates already made at ``alpha`` (reused when one category is left)."""
+    open_cats = sorted(by_cat)
+    out: dict[str, tuple[Estimate, float]] = {}
+    while open_cats:
+        level = alpha / len(open_cats)
+        ests = {c: (unadjusted[c] if unadjusted and c in unadjusted and level == alpha
+                    else estimate(by_cat[c], min_effect, level, seed, n_resamples)) for c in open_cats}
+        resolved = [c for c in open_cats if ests[c].verdict != "UNRESOLVED"]
+        for c in (resolved or open_cats):
+            out[c] = (ests[c], level)
+        if not resolved:
+            break
+        open_cats = [c for c in open_cats if c not in resolved]
+    return out
 
 
 # ---- two-window cap ---------------------------------------------------------------------------
