@@ -75,9 +75,10 @@ def serve_cmd(
     if tp > 1:
         from dsv41.engine.tp import DistComm
 
-        logging.getLogger("dsv41.engine").info("rank %d joining the TP%d group at %s", rank, tp, master)
-        comm = DistComm.init(rank, tp, master, device, timeout_s=rendezvous_timeout,
-                             peer_timeout_s=deadlines.tp_peer_timeout_s)
+        # Not joined yet: everything slow (the model, rank 0's speculator and server) is built
+        # first, so that once the group forms no rank waits on the other past the peer timeout.
+        comm = DistComm(rank, tp, master, device, timeout_s=rendezvous_timeout,
+                        peer_timeout_s=deadlines.tp_peer_timeout_s)
     else:
         from dsv41.engine.tp import LocalComm
 
@@ -91,6 +92,7 @@ def serve_cmd(
             # process (nothing to drain; the C++ rendezvous would not run a Python handler).
             signal.signal(signal.SIGTERM, lambda *_: drain.__setitem__("flag", True))
 
+            _join(comm)
             logging.getLogger("dsv41.engine").info("rank %d ready (identity %s)", rank, identity[:12])
             worker_loop(model, comm, rows, lambda: drain["flag"])
             return
@@ -102,6 +104,14 @@ def serve_cmd(
         finally:
             if tp > 1:
                 comm.close()
+
+
+def _join(comm) -> None:
+    """Join the TP group now (TP1's ``LocalComm`` has nothing to join)."""
+    if hasattr(comm, "join"):
+        logging.getLogger("dsv41.engine").info("rank %d joining the TP%d group at %s", comm.rank, comm.tp,
+                                               comm.master)
+        comm.join()
 
 
 # Seconds a failed rank 0 keeps answering /health 503 (with the reason) before it exits.
@@ -175,6 +185,7 @@ def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, h
         await server.serve()
         t.cancel()
 
+    _join(comm)  # last: the engine thread's pings start right after the handshake
     engine.start()
     try:
         asyncio.run(main())
