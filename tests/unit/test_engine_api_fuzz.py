@@ -46,12 +46,22 @@ def bodies(draw):
         return draw(st.binary(max_size=200))
     if kind == "any":
         return json.dumps(draw(json_values)).encode()
-    keys = draw(st.lists(st.sampled_from(FIELDS) | st.text(max_size=6), max_size=8, unique=True))
+    keys = draw(st.lists(st.sampled_from(FIELDS), max_size=6, unique=True))
+    # A field of neither schema is refused by name (issue 25): one now and then, not in most
+    # bodies, so that enough of them still reach the engine.
+    if draw(st.integers(0, 3)) == 0:
+        keys.append(draw(st.text(max_size=6)))
     body = {}
     for k in keys:
         gen = plausible.get(k)
         body[k] = draw(gen | json_values if gen is not None else json_values)
-    if draw(st.booleans()):
+    # Completions take a prompt, chat takes messages; each refuses the other's field by name.
+    flavour = draw(st.sampled_from(["completion", "chat", "both", "none"]))
+    if flavour == "completion":
+        body.setdefault("prompt", "ab")
+    elif flavour == "chat":
+        body.setdefault("messages", [{"role": "user", "content": "ab"}])
+    elif flavour == "both":
         body.setdefault("prompt", "ab")
         body.setdefault("messages", [{"role": "user", "content": "ab"}])
     raw = json.dumps(body)

@@ -125,7 +125,7 @@ def test_unsupported_features_refused_even_when_falsy(field, value, chat):
 
 def test_values_that_ask_for_nothing_still_pass():
     chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "logprobs": False, "echo": False,
-            "tools": [], "logit_bias": {}, "stop": [], "best_of": 1, "top_logprobs": None}
+            "tools": [], "logit_bias": {}, "stop": [], "top_logprobs": None}  # best_of: not a chat field (400)
     assert _post(chat, "/v1/chat/completions").status_code == 200
     r = _post({"prompt": "x", "max_tokens": 1, "logprobs": False})  # completions' logprobs is an integer
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"

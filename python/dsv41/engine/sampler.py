@@ -1,5 +1,7 @@
 """Sampling rules of the engine: per-request :class:`SamplingParams`, logits processing, the
-target distribution p (temperature, nucleus top_p) and one seeded draw.
+target distribution p (temperature, then min_p, top_k and nucleus top_p in vLLM's v1 sampler
+order: ``vllm/v1/sample/sampler.py`` applies temperature, min_p, then top-k/top-p) and one
+seeded draw. The speculative verifier uses the same p, so drafts never change the distribution.
 
 Greedy below ``SAMPLING_EPS``; every draw uses the request's own ``torch.Generator`` (seeded per
 request), so a seeded request gives the same tokens whatever its batch.
@@ -28,11 +30,16 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     ignore_eos: bool = False
+    #: Keep the ``top_k`` most likely tokens; 0 (or vLLM's -1) = all (vLLM's convention).
+    top_k: int = 0
+    #: Keep tokens whose probability is at least ``min_p`` times the largest; 0 = all.
+    min_p: float = 0.0
 
     @property
     def greedy(self) -> bool:
-        """True when decoding is argmax (``temperature < SAMPLING_EPS``)."""
-        return self.temperature < SAMPLING_EPS
+        """True when decoding is argmax: ``temperature < SAMPLING_EPS``, or ``top_k == 1`` (the
+        distribution keeps one token: the argmax, as vLLM's top-k sampling does)."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
 
 def process_logits(logits, params: SamplingParams, n_generated: int, eos_id: int):
@@ -47,12 +54,21 @@ def process_logits(logits, params: SamplingParams, n_generated: int, eos_id: int
 
 
 def probs_of(logits, params: SamplingParams):
-    """Target distribution p (float64 ``[V]``): softmax(logits / temperature), then nucleus
-    (top_p) truncation (Holtzman et al. 2019) keeping the smallest prefix of the sorted
-    distribution whose mass reaches top_p, renormalised."""
+    """Target distribution p (float64 ``[V]``): softmax(logits / temperature); min_p keeps the
+    tokens with ``p >= min_p * max(p)`` (Nguyen et al. 2024, vLLM's ``apply_min_p``); top_k the
+    ``top_k`` largest (ties at the k-th value kept, as vLLM's mask by threshold does); then
+    nucleus (top_p) truncation (Holtzman et al. 2019) keeping the smallest prefix of the sorted
+    distribution whose mass reaches top_p; renormalised after each cut."""
     import torch
 
     p = torch.softmax(logits.to(torch.float64) / params.temperature, -1)
+    if params.min_p > 0.0:
+        p = torch.where(p >= params.min_p * p.max(), p, torch.zeros_like(p))
+        p = p / p.sum()
+    if 0 < params.top_k < p.numel():
+        kth = torch.topk(p, params.top_k).values[-1]
+        p = torch.where(p >= kth, p, torch.zeros_like(p))
+        p = p / p.sum()
     if params.top_p < 1.0:
         sp, idx = torch.sort(p, descending=True)
         cum = torch.cumsum(sp, 0)

@@ -3,7 +3,9 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming: one chunk per
 engine step that produced tokens; ``stream_options.include_usage`` and
 ``stream_options.continuous_usage_stats``; ``return_token_ids``; ``seed``, ``max_tokens``
-(``max_completion_tokens`` for chat), ``min_tokens``, ``temperature``, ``top_p``, ``ignore_eos``),
+(``max_completion_tokens`` for chat), ``min_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``,
+``ignore_eos``, ``cache_salt``; every other field of the OpenAI/vLLM request schemas is refused
+with a 400 naming it unless it asks for nothing: ``dsv41.engine.request_fields``),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``POST /pause?mode=abort|wait|keep``,
 ``POST /resume``, ``GET /is_paused``.
 
@@ -39,6 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dsv41.engine.hold import (WINDOW_HEADER, WINDOW_TOKEN_RE, HoldFileError, HoldRecord, read_hold, remove_hold,
                                write_hold)
+from dsv41.engine import request_fields
 from dsv41.engine.sampler import SamplingParams
 from dsv41.engine.scheduler import RequestError
 from dsv41.errors import Dsv41Error
@@ -254,16 +257,15 @@ def parse_sampling(body: dict, default_max_tokens: int, chat: bool) -> SamplingP
         raise ApiError(400, "n must be 1 (the lab engine returns one choice)", param="n")
     if _int(body, "best_of", 1) != 1:
         raise ApiError(400, "best_of is not supported", param="best_of")
-    # Features the lab engine does not implement: every non-null value asks for them and is
-    # refused (0 too: ``logprobs: 0`` asks for the sampled token's logprob), except the values
-    # that ask for nothing, compared by type so a falsy 0 never passes as false.
-    asks_nothing = {"logprobs": [False] if chat else [], "top_logprobs": [], "echo": [False], "suffix": [],
-                    "tools": [[]], "logit_bias": [{}], "stop": [[], ""]}
-    for key, nothing in asks_nothing.items():
-        v = body.get(key)
-        if v is None or any(type(v) is type(o) and v == o for o in nothing):
-            continue
-        raise ApiError(400, f"{key} is not supported by the lab engine (got {_show(v)})", param=key)
+    # Every field of the OpenAI/vLLM schemas is implemented, metadata, or refused unless it asks
+    # for nothing (engine/request_fields.py; docs/engine.md "Request fields"): none is ignored.
+    refused = request_fields.check(body, chat, _show)
+    if refused is not None:
+        raise ApiError(400, refused[1], param=refused[0])
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not 1 <= len(salt) <= 1024):
+        raise ApiError(400, f"cache_salt must be a string of 1 to 1024 characters, got {_show(salt)}",
+                       param="cache_salt")
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, key, default_max_tokens, lo=0)
     min_tokens = _int(body, "min_tokens", 0, lo=0)
@@ -271,9 +273,11 @@ def parse_sampling(body: dict, default_max_tokens: int, chat: bool) -> SamplingP
         raise ApiError(400, f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})", param="min_tokens")
     seed = _int(body, "seed", None)
     ignore_eos = _bool(body, "ignore_eos")
+    top_k = _int(body, "top_k", 0, lo=-1, hi=VOCAB_SIZE)  # vLLM: 0 or -1 disables top-k
     return SamplingParams(temperature=_float(body, "temperature", 1.0, 0.0, 100.0),
                           top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=seed,
-                          max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos)
+                          max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos,
+                          top_k=max(0, top_k), min_p=_float(body, "min_p", 0.0, 0.0, 1.0))
 
 
 def parse_prompt(body: dict, tok: ByteTokenizer, max_len: int | None = None) -> list[int]:
