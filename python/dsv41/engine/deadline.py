@@ -93,8 +93,8 @@ class DeadlineCaller:
 
 @dataclass(frozen=True)
 class Deadlines:
-    """``tp_peer_timeout_s``: how long a TP collective waits for the other rank after the first
-    command; ``propose_s``: deadline of one ``Speculator.propose``. Both seconds. (The remote
+    """``tp_peer_timeout_s``: how long a rank waits for the other once the TP group has formed;
+    ``propose_s``: deadline of one ``Speculator.propose``. Both seconds. (The remote
     Engram lookup's deadline is ``RemoteRowSource``'s own ``deadline_ms``.)"""
 
     tp_peer_timeout_s: float = 5.0
