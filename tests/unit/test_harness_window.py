@@ -57,6 +57,12 @@ def test_report_files(tmp_path):
     assert json.loads((tmp_path / "w1" / "decision.json").read_text())["decision"]["verdict"] == d.verdict
     md = (tmp_path / "w1" / "summary.md").read_text()
     assert md.startswith(f"# Window w1: **{d.verdict}**") and "| category |" in md
+    # per-category verdicts are Holm-corrected and the unadjusted CI is labelled descriptive (issue 25)
+    assert "Holm" in md and "descriptive CI (unadjusted)" in md and "adjusted alpha" in md
+    doc = json.loads((tmp_path / "w1" / "decision.json").read_text())["decision"]
+    assert doc["category_correction"] == {"method": "holm", "family_alpha": d.alpha, "n_categories": len(d.categories)}
+    for e in doc["categories"].values():
+        assert e["correction"] == "holm" and "verdict_unadjusted" in e["descriptive"]
     assert "prompt" not in cells[0] and "salt" not in cells[0]
 
 

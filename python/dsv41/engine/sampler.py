@@ -22,7 +22,7 @@ SAMPLING_EPS = 1e-5
 class SamplingParams:
     """Per-request sampling: ``temperature`` (< ``SAMPLING_EPS`` = greedy), ``top_p`` in (0, 1],
     ``seed`` (None: a random seed), ``max_tokens`` >= 0, ``min_tokens`` (EOS suppressed before),
-    ``ignore_eos``."""
+    ``ignore_eos``, ``top_k`` >= 0 (0 = off), ``min_p`` in [0, 1] (0 = off)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
