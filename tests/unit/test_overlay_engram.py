@@ -167,7 +167,7 @@ def test_too_many_tokens_and_empty_batches(tabs) -> None:
     out = torch.full((2, 24, 256), 1.0, dtype=torch.bfloat16)
     rr.lookup(ids, out)
     assert (out == 0).all() and src.counters()["lookups"] == 0
-    assert rr.host_bytes == 2 * 24 * 4 + 2 * 24 * (4 + 264)
+    assert rr.host_bytes == 2 * 24 * 8 + 2 * 24 * (4 + 264)  # int64 ids, selectors + rows
 
 
 def _vcfg(mode: str, extra: dict | None = None):
