@@ -197,7 +197,8 @@ class EngramWorker:
     kernel on the layer's stream, records its done event and hands it off. Exceptions of a job
     (``RemoteUnavailable`` in required mode, CUDA errors) are handed off with the job and raised
     by ``RemoteRows.join`` on the launching thread. Counters: ``jobs``, ``requests``,
-    ``multi_layer_requests``, ``errors``.
+    ``multi_layer_requests``, ``errors``, ``fetch_s`` (seconds inside the row source) and
+    ``host_s`` (the rest of the worker's busy time: ids wait excluded, plan, H2D/kernel launches).
     """
 
     def __init__(self, source: Any, rank: int, ops: Any) -> None:
@@ -210,7 +211,8 @@ class EngramWorker:
         self._cond = threading.Condition()
         self._queue: collections.deque = collections.deque()
         self.retired = False
-        self.counters = {"jobs": 0, "requests": 0, "multi_layer_requests": 0, "errors": 0}
+        self.counters = {"jobs": 0, "requests": 0, "multi_layer_requests": 0, "errors": 0,
+                         "fetch_s": 0.0, "host_s": 0.0}
         self.thread = threading.Thread(target=self._run, name=f"dsv41-engram-worker-{rank}", daemon=True)
         self.thread.start()
 
@@ -247,6 +249,14 @@ class EngramWorker:
             self._serve(batch)
 
     def _serve(self, batch: list) -> None:
+        t0 = time.perf_counter()
+        fetch0 = self.counters["fetch_s"]
+        try:
+            self._serve_batch(batch)
+        finally:  # host work = the batch's time minus the row source's
+            self.counters["host_s"] += time.perf_counter() - t0 - (self.counters["fetch_s"] - fetch0)
+
+    def _serve_batch(self, batch: list) -> None:
         jobs = []
         for rows, gen in batch:
             try:
@@ -259,8 +269,12 @@ class EngramWorker:
         fetched = [j for j in jobs if j[2]]
         if self.multi and len(fetched) > 1 and sum(j[2] for j in fetched) <= self.chunk_rows:
             try:
-                self.source.lookup_layers([r.layer_id for r, _, _ in fetched], [r._fetch[:n] for r, _, n in fetched],
-                                          [r._packed(n) for r, _, n in fetched])
+                f0 = time.perf_counter()
+                try:
+                    self.source.lookup_layers([r.layer_id for r, _, _ in fetched], [r._fetch[:n] for r, _, n in fetched],
+                                              [r._packed(n) for r, _, n in fetched])
+                finally:
+                    self.counters["fetch_s"] += time.perf_counter() - f0
                 self.counters["requests"] += 1
                 self.counters["multi_layer_requests"] += 1
             except Exception as exc:  # noqa: BLE001 - every layer of the request gets the cause
@@ -274,7 +288,11 @@ class EngramWorker:
         for rows, gen, n in jobs:
             try:
                 if n:
-                    rows._fetch_rows(n)
+                    f0 = time.perf_counter()
+                    try:
+                        rows._fetch_rows(n)
+                    finally:
+                        self.counters["fetch_s"] += time.perf_counter() - f0
                     self.counters["requests"] += 1
             except Exception as exc:  # noqa: BLE001
                 self.counters["errors"] += 1
