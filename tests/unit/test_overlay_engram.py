@@ -766,3 +766,19 @@ def test_the_plan_is_vectorised_into_the_callers_buffers(tabs) -> None:
         else:
             assert s == -1
     assert E._plan_into(ids[:0], 10, 40, sel[:0], fetch, own[:0], tmp[:0]) == 0
+
+
+def test_a_large_lookup_goes_piece_by_piece_exactly(tabs, workers, monkeypatch) -> None:
+    """Pieces of PIECE_ROWS rows (plan, fetch, H2D, kernel each; the done event after the last):
+    rows exact across every piece boundary, one fetch per piece with owned rows."""
+    monkeypatch.setattr(E, "PIECE_ROWS", 50)
+    src = Gate(tabs)
+    ops = StepOps()
+    rr = _rows(tabs, src, 14, ops=ops)
+    ids = _ids(tabs, rr, 60, 13)  # 720 rows: 15 pieces
+    out = _poisoned(60, rr.part)
+    rr.lookup(torch.from_numpy(ids), out)
+    assert _exact(tabs, rr, ids, out)
+    assert [c[:2] for c in src.calls] == [("lookup", (14,))] * 15
+    done = [a for _, w, a in ops.log if w == "record" and a.startswith(rr.done.name + "@")]
+    assert len(done) == 1  # one done event, after the last piece

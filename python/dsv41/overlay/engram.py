@@ -80,6 +80,9 @@ class OverlayRefused(Dsv41Error):
 HANDOFF_TIMEOUT_S = 30.0
 #: Seconds between two checks, while waiting for a hand-off, that the worker thread is alive.
 ALIVE_POLL_S = 0.05
+#: Rows of one piece of a lookup (plan, fetch, H2D, kernel): a decode step is one piece; a 32K
+#: prefill chunk at TP2 (393,216 rows) six, whose copies and kernels overlap the next fetch.
+PIECE_ROWS = 65536
 #: Optional ``() -> bool``: vLLM's ``BreakableCUDAGraphCapture.is_active`` (set by ``apply``).
 _capture_active: Callable[[], bool] | None = None
 _workers: dict[int, "EngramWorker"] = {}
@@ -257,57 +260,65 @@ class EngramWorker:
             self.counters["host_s"] += time.perf_counter() - t0 - (self.counters["fetch_s"] - fetch0)
 
     def _serve_batch(self, batch: list) -> None:
-        jobs = []
+        c = self.counters
+        ready = []
         for rows, gen in batch:
             try:
                 rows._wait_ids()
-                jobs.append((rows, gen, rows._plan()))
+                ready.append((rows, gen))
             except Exception as exc:  # noqa: BLE001 - handed to the launching thread
-                self.counters["errors"] += 1
+                c["errors"] += 1
                 rows._handoff(gen, exc)
-        self.counters["jobs"] += len(jobs)
-        fetched = [j for j in jobs if j[2]]
-        if self.multi and len(fetched) > 1 and sum(j[2] for j in fetched) <= self.chunk_rows:
+        c["jobs"] += len(ready)
+        if self.multi and len(ready) > 1 and sum(r._rows for r, _ in ready) <= self.chunk_rows:
+            self._serve_together(ready)
+            return
+        for rows, gen in ready:  # one layer after the other: layer 1 is handed off first
             try:
-                f0 = time.perf_counter()
-                try:
-                    self.source.lookup_layers([r.layer_id for r, _, _ in fetched], [r._fetch[:n] for r, _, n in fetched],
-                                              [r._packed(n) for r, _, n in fetched])
-                finally:
-                    self.counters["fetch_s"] += time.perf_counter() - f0
-                self.counters["requests"] += 1
-                self.counters["multi_layer_requests"] += 1
+                if rows._serve(gen, c):
+                    rows._handoff(gen, None)
+            except Exception as exc:  # noqa: BLE001
+                c["errors"] += 1
+                rows._handoff(gen, exc)
+            rows._maybe_report()
+
+    def _serve_together(self, ready: list) -> None:
+        """Every layer of ``ready`` (each one piece) in one ``lookup_layers`` request."""
+        c = self.counters
+        jobs = []
+        for rows, gen in ready:
+            try:
+                jobs.append((rows, gen, rows._plan(0, rows._rows, 0)))
+            except Exception as exc:  # noqa: BLE001
+                c["errors"] += 1
+                rows._handoff(gen, exc)
+        fetched = [j for j in jobs if j[2]]
+        if fetched:
+            f0 = time.perf_counter()
+            try:
+                if len(fetched) > 1:
+                    self.source.lookup_layers([r.layer_id for r, _, _ in fetched],
+                                              [r._fetch[:n] for r, _, n in fetched],
+                                              [r._packed(0, n) for r, _, n in fetched])
+                    c["multi_layer_requests"] += 1
+                else:
+                    fetched[0][0]._fetch_rows(0, fetched[0][2])
+                c["requests"] += 1
             except Exception as exc:  # noqa: BLE001 - every layer of the request gets the cause
-                self.counters["errors"] += 1
+                c["errors"] += 1
                 for rows, gen, _ in fetched:
                     rows._handoff(gen, exc)
                 jobs = [j for j in jobs if not j[2]]
-            for rows, gen, n in jobs:
-                self._launch(rows, gen, n)
-            return
+            finally:
+                c["fetch_s"] += time.perf_counter() - f0
         for rows, gen, n in jobs:
             try:
-                if n:
-                    f0 = time.perf_counter()
-                    try:
-                        rows._fetch_rows(n)
-                    finally:
-                        self.counters["fetch_s"] += time.perf_counter() - f0
-                    self.counters["requests"] += 1
+                if rows._launch(0, rows._rows, 0, n, gen, last=True):
+                    rows._handoff(gen, None)
             except Exception as exc:  # noqa: BLE001
-                self.counters["errors"] += 1
+                c["errors"] += 1
                 rows._handoff(gen, exc)
-                continue
-            self._launch(rows, gen, n)
-
-    def _launch(self, rows: "RemoteRows", gen: int, n: int) -> None:
-        try:
-            if rows._launch(n, gen):
-                rows._handoff(gen, None)
-        except Exception as exc:  # noqa: BLE001
-            self.counters["errors"] += 1
-            rows._handoff(gen, exc)
-        rows._maybe_report()
+            rows._maybe_report()
 
 
 def _worker_for(source: Any, rank: int, ops: Any) -> tuple[EngramWorker, bool]:
@@ -525,52 +536,76 @@ class RemoteRows:
     def _serve_inline(self) -> None:
         """The whole job on the calling thread (capture time, a refused hand-off)."""
         self._wait_ids()
-        n = self._plan()
-        if n:
-            self._fetch_rows(n)
-        self._launch(n, None)
+        self._serve(None, self.counters)
 
     # -- the worker thread ----------------------------------------------------------------------
     def _wait_ids(self) -> None:
         self.ids_ready.synchronize()
 
-    def _plan(self) -> int:
-        r = self._rows
-        sel = self._hb[: r * 4].view(np.int32)
-        return _plan_into(self._hids[:r], self.vocab_start, self.vocab_end, sel, self._fetch, self._own[:r],
-                          self._tmp[:r])
+    def _serve(self, gen: int | None, counters: dict) -> bool:
+        """Plan, fetch and launch the job piece by piece (``PIECE_ROWS`` rows each): the H2D
+        copy and kernel of one piece run on the GPU while the next piece is fetched, so of a
+        prefill chunk only the last piece's copy and kernel follow the fetch. False when the
+        job's hand-off was refused meanwhile (nothing more launched)."""
+        rows, f0 = self._rows, 0
+        for r0 in range(0, rows, PIECE_ROWS):
+            r1 = min(r0 + PIECE_ROWS, rows)
+            n = self._plan(r0, r1, f0)
+            if n:
+                t0 = time.perf_counter()
+                try:
+                    self._fetch_rows(f0, n)
+                finally:
+                    counters["fetch_s"] = counters.get("fetch_s", 0.0) + time.perf_counter() - t0
+                counters["requests"] = counters.get("requests", 0) + 1
+            if not self._launch(r0, r1, f0, n, gen, last=r1 == rows):
+                return False
+            f0 += n
+        return True
 
-    def _packed(self, n: int) -> np.ndarray:
-        off = self._rows * 4
+    def _plan(self, r0: int, r1: int, f0: int) -> int:
+        """Mask and plan rows ``[r0, r1)`` of the job: selectors (relative to the piece's first
+        fetched row ``f0``) into the pinned buffer, owned ids into ``_fetch[f0:]``."""
+        sel = self._hb[r0 * 4: r1 * 4].view(np.int32)
+        return _plan_into(self._hids[r0:r1], self.vocab_start, self.vocab_end, sel, self._fetch[f0:],
+                          self._own[r0:r1], self._tmp[r0:r1])
+
+    def _packed(self, f0: int, n: int) -> np.ndarray:
+        off = self._rows * 4 + f0 * ROW_BYTES
         return self._hb[off: off + n * ROW_BYTES].reshape(n, ROW_BYTES)
 
-    def _fetch_rows(self, n: int) -> None:
-        packed = self._packed(n)
+    def _fetch_rows(self, f0: int, n: int) -> None:
+        packed = self._packed(f0, n)
         if self._fills:
-            self.source.lookup(self.layer_id, self._fetch[:n], out=packed)
+            self.source.lookup(self.layer_id, self._fetch[f0: f0 + n], out=packed)
         else:
-            packed[...] = self.source.lookup(self.layer_id, self._fetch[:n])
+            packed[...] = self.source.lookup(self.layer_id, self._fetch[f0: f0 + n])
 
-    def _launch(self, n: int, gen: int | None) -> bool:
-        """H2D of selectors + rows, split, vLLM's kernel on the job's stream, done event; False
-        (nothing launched) when the job's hand-off was refused meanwhile."""
+    def _launch(self, r0: int, r1: int, f0: int, n: int, gen: int | None, last: bool) -> bool:
+        """H2D of the piece's selectors + rows, split, vLLM's kernel on the job's stream (and
+        the done event after the ``last`` piece); False (nothing launched) when the job's
+        hand-off was refused meanwhile."""
         import torch
 
         if gen is not None:
             with self._lock:
                 if gen == self._abandoned:
                     return False
-        rows, off = self._rows, self._rows * 4
-        nb = off + n * ROW_BYTES
+        nb = self._cuda  # async from pinned memory on CUDA; in program order on the CPU
+        a, b = self._rows * 4 + f0 * ROW_BYTES, self._rows * 4 + (f0 + n) * ROW_BYTES
         with self.ops.stream(self._stream):
-            d = self.d_buf[:nb]
-            d.copy_(self.h_buf[:nb], non_blocking=self._cuda)  # the one H2D copy
-            d_rows = d[off:].view(n, ROW_BYTES)
+            d_sel = self.d_buf[r0 * 4: r1 * 4]
+            d_sel.copy_(self.h_buf[r0 * 4: r1 * 4], non_blocking=nb)
             if n:
-                self.d_w[:n].copy_(d_rows[:, : self.dim])
-                self.d_s[:n].copy_(d_rows[:, self.dim:])
-            self.dequant(self.d_w, self.d_s, d[:off].view(torch.int32), self.d_dst, self._out, n, rows)
-            self.done.record(self._stream)
+                d = self.d_buf[a:b]
+                d.copy_(self.h_buf[a:b], non_blocking=nb)
+                d_rows = d.view(n, ROW_BYTES)
+                self.d_w[f0: f0 + n].copy_(d_rows[:, : self.dim])
+                self.d_s[f0: f0 + n].copy_(d_rows[:, self.dim:])
+            self.dequant(self.d_w[f0:], self.d_s[f0:], d_sel.view(torch.int32), self.d_dst[r0:r1], self._out, n,
+                         r1 - r0)
+            if last:
+                self.done.record(self._stream)
         return True
 
     def _handoff(self, gen: int, error: BaseException | None) -> None:
