@@ -192,10 +192,15 @@ def main() -> int:
     ap.add_argument("--prefill-steps", type=int, default=3)
     ap.add_argument("--kill-server", action="store_true", help="end with a table server killed mid-run")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--switch-interval-us", type=float, default=0.0,
+                    help="sys.setswitchinterval for this run (0: Python's default, 5 ms); the worker "
+                         "thread waits for the GIL while the launching thread runs Python")
     args = ap.parse_args()
     import logging
 
     logging.basicConfig(level=logging.WARNING)
+    if args.switch_interval_us:
+        sys.setswitchinterval(args.switch_interval_us / 1e6)
     import torch
     import triton
 
@@ -207,7 +212,8 @@ def main() -> int:
 
     res: dict = {"tag": args.tag, "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                  "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                 "cpus": os.cpu_count(), "vllm": "0.33.0 (wheel Python source)"}
+                 "cpus": os.cpu_count(), "vllm": "0.33.0 (wheel Python source)",
+                 "switch_interval_s": sys.getswitchinterval()}
     try:
         import subprocess as sp
 
@@ -370,12 +376,15 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
             "fetch_ms_per_request": round((w.get("fetch_s", 0) - wk0.get("fetch_s", 0)) * 1e3
                                           / max(1, w.get("requests", 0) - wk0.get("requests", 0)), 3),
             "host_ms_per_job": round((w.get("host_s", 0) - wk0.get("host_s", 0)) * 1e3 / jobs, 3),
+            "fetch_ms_per_job": round((w.get("fetch_s", 0) - wk0.get("fetch_s", 0)) * 1e3 / jobs, 3),
+            "wake_ms_per_job": round((w.get("wake_s", 0) - wk0.get("wake_s", 0)) * 1e3 / jobs, 3),
+            "coalesce_waits": w.get("coalesce_waits", 0) - wk0.get("coalesce_waits", 0),
             "launching_thread_wait_ms_per_step": round(  # both layers' hand-off waits (timed + warm steps)
                 (wait1 - wait0) * 1e3 / max(1, len(times["overlay"]) + rounds), 3),
             "inline_lookups": rr.counters["inline_lookups"], "worker_refusals": rr.counters["worker_refusals"],
             "handoff_timeouts": rr.counters["handoff_timeouts"]}
         if prefill:
-            fetch = row["overlay_worker"]["fetch_ms_per_request"]  # one request per layer here
+            fetch = row["overlay_worker"]["fetch_ms_per_job"]  # a job = one layer's pieces
             row["prefill_check"] = {
                 "layer14_stall_ms": row["overlay"]["stall_ms_median"]["14"],
                 "layer1_stall_ms": row["overlay"]["stall_ms_median"]["1"],

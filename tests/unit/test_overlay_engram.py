@@ -782,3 +782,44 @@ def test_a_large_lookup_goes_piece_by_piece_exactly(tabs, workers, monkeypatch) 
     assert [c[:2] for c in src.calls] == [("lookup", (14,))] * 15
     done = [a for _, w, a in ops.log if w == "record" and a.startswith(rr.done.name + "@")]
     assert len(done) == 1  # one done event, after the last piece
+
+
+def test_the_worker_waits_briefly_for_the_steps_other_layer(tabs, workers, monkeypatch) -> None:
+    """After a step that started two layers, the worker holds the first one (at most COALESCE_S)
+    for the second: one request; a step with one layer only costs that bound once, then the
+    worker expects one again."""
+    import threading
+
+    monkeypatch.setattr(E, "COALESCE_S", 5.0)
+    src = Gate(tabs)
+    r1, r14 = _rows(tabs, src, 1), _rows(tabs, src, 14)
+    for step in range(2):
+        ids1, ids14 = _ids(tabs, r1, 10, 30 + step), _ids(tabs, r14, 10, 40 + step)
+        o1, o14 = _poisoned(10, r1.part), _poisoned(10, r14.part)
+        r1.start(torch.from_numpy(ids1), o1)
+        time.sleep(0.2)  # the worker has taken layer 1's job by now
+        r14.start(torch.from_numpy(ids14), o14)
+        r1.join()
+        r14.join()
+        assert _exact(tabs, r1, ids1, o1) and _exact(tabs, r14, ids14, o14)
+    w = r1._worker
+    assert w.expect == 2 and [c[:2] for c in src.calls][-1] == ("lookup_layers", (1, 14))  # step 2: one request
+    assert w.counters["coalesce_waits"] >= 1
+    ids = _ids(tabs, r1, 4, 50)
+    out = _poisoned(4, r1.part)
+    t0 = time.monotonic()
+    r1.lookup(torch.from_numpy(ids), out)  # one layer, joined at once: the join ends the wait
+    assert time.monotonic() - t0 < 2.5 and _exact(tabs, r1, ids, out) and w.expect == 1
+    r14.lookup(torch.from_numpy(_ids(tabs, r14, 4, 51)), _poisoned(4, r14.part))
+    r1.start(torch.from_numpy(ids), out)  # two layers last step, one now and no join yet:
+    r14.start(torch.from_numpy(_ids(tabs, r14, 4, 52)), _poisoned(4, r14.part))
+    r1.join()
+    r14.join()
+    assert w.expect == 2
+    monkeypatch.setattr(E, "COALESCE_S", 0.3)
+    out.fill_(float("nan"))
+    t0 = time.monotonic()
+    r1.start(torch.from_numpy(ids), out)
+    assert r1._handed.wait(5) and 0.25 < time.monotonic() - t0  # ... the bound, then alone
+    r1.join()
+    assert _exact(tabs, r1, ids, out) and threading.active_count() >= 1

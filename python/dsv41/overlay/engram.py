@@ -83,6 +83,10 @@ ALIVE_POLL_S = 0.05
 #: Rows of one piece of a lookup (plan, fetch, H2D, kernel): a decode step is one piece; a 32K
 #: prefill chunk at TP2 (393,216 rows) six, whose copies and kernels overlap the next fetch.
 PIECE_ROWS = 65536
+#: Seconds the worker waits, once the first layer's ids are down, for the step's other Engram
+#: layer when the last step had two (both in one request saves a round trip, ~0.1-0.3 ms on
+#: loopback tcp; the other layer's start follows the first by tens of microseconds).
+COALESCE_S = 0.0005
 #: Optional ``() -> bool``: vLLM's ``BreakableCUDAGraphCapture.is_active`` (set by ``apply``).
 _capture_active: Callable[[], bool] | None = None
 _workers: dict[int, "EngramWorker"] = {}
@@ -200,7 +204,7 @@ class EngramWorker:
     kernel on the layer's stream, records its done event and hands it off. Exceptions of a job
     (``RemoteUnavailable`` in required mode, CUDA errors) are handed off with the job and raised
     by ``RemoteRows.join`` on the launching thread. Counters: ``jobs``, ``requests``,
-    ``multi_layer_requests``, ``errors``, ``fetch_s`` (seconds inside the row source) and
+    ``multi_layer_requests``, ``errors``, ``wake_s`` (submit to dequeue), ``coalesce_waits``, ``fetch_s`` (seconds inside the row source) and
     ``host_s`` (the rest of the worker's busy time: ids wait excluded, plan, H2D/kernel launches).
     """
 
@@ -214,7 +218,11 @@ class EngramWorker:
         self._cond = threading.Condition()
         self._queue: collections.deque = collections.deque()
         self.retired = False
-        self.counters = {"jobs": 0, "requests": 0, "multi_layer_requests": 0, "errors": 0,
+        # Layers started and not yet joined (launching thread); the largest such count of the
+        # last step is how many jobs a step brings: both Engram layers start before either joins.
+        self._open = self._burst = self._joins = 0
+        self.expect = 1
+        self.counters = {"wake_s": 0.0, "coalesce_waits": 0, "jobs": 0, "requests": 0, "multi_layer_requests": 0, "errors": 0,
                          "fetch_s": 0.0, "host_s": 0.0}
         self.thread = threading.Thread(target=self._run, name=f"dsv41-engram-worker-{rank}", daemon=True)
         self.thread.start()
@@ -224,9 +232,23 @@ class EngramWorker:
         return not self.retired and self.thread.is_alive()
 
     def submit(self, rows: "RemoteRows", gen: int) -> None:
-        """Queue one layer's job (``gen``: the job's generation, see ``RemoteRows.start``)."""
+        """Queue one layer's job (``gen``: the job's generation, see ``RemoteRows.start``).
+        Launching thread only (as ``joined``)."""
+        self._open += 1
+        self._burst = max(self._burst, self._open)
         with self._cond:
-            self._queue.append((rows, gen))
+            self._queue.append((rows, gen, time.perf_counter()))
+            self._cond.notify()
+
+    def joined(self) -> None:
+        """One started layer was joined; when none is open, the step's number of layers becomes
+        the number the worker waits for (at most ``COALESCE_S``, and never past a join: the
+        launching thread has then left the step's starts) before it fetches."""
+        self._open -= 1
+        if self._open <= 0:
+            self._open, self.expect, self._burst = 0, self._burst, 0
+        with self._cond:  # a join means no more layers of this step are coming: stop waiting
+            self._joins += 1
             self._cond.notify()
 
     def retire(self) -> None:
@@ -244,11 +266,23 @@ class EngramWorker:
                     cond.wait()
                 if self.retired:
                     return
-                batch = [q.popleft()]
-            batch[0][0]._wait_ids()
-            with cond:  # what else was queued while the ids came down (the step's other layer)
+                rows, gen, t_sub = q.popleft()
+            self.counters["wake_s"] += time.perf_counter() - t_sub
+            batch = [(rows, gen)]
+            rows._wait_ids()
+            with cond:  # the step's other layers: queued meanwhile, or due within COALESCE_S
+                if len(q) + 1 < self.expect and rows._rows <= self.chunk_rows:
+                    self.counters["coalesce_waits"] += 1
+                    end = time.perf_counter() + COALESCE_S
+                    joins = self._joins
+                    while len(q) + 1 < self.expect and not self.retired and self._joins == joins:
+                        left = end - time.perf_counter()
+                        if left <= 0:
+                            break
+                        cond.wait(left)
                 while q:
-                    batch.append(q.popleft())
+                    r, g, _ = q.popleft()
+                    batch.append((r, g))
             self._serve(batch)
 
     def _serve(self, batch: list) -> None:
@@ -407,6 +441,7 @@ class RemoteRows:
         self._gen = 0
         self._abandoned = -1  # generation of a job whose hand-off was refused (never launched)
         self._inflight = False
+        self._submitted = False  # the in-flight job went to a worker (not inline)
         self._error: BaseException | None = None
         self._t = self._rows = 0
         self._out: Any = None
@@ -477,6 +512,7 @@ class RemoteRows:
             w, started = _worker_for(self.source, self.rank, ops)
             self._worker = w
             self.counters["worker_starts"] += int(started)
+        self._submitted = True
         w.submit(self, self._gen)
 
     def join(self) -> None:
@@ -488,6 +524,9 @@ class RemoteRows:
         if not self._inflight:
             return
         self._inflight = False
+        if self._worker is not None and self._submitted:
+            self._worker.joined()
+        self._submitted = False
         handed = self._handed
         if not handed.is_set():
             t0 = time.monotonic()
@@ -595,11 +634,14 @@ class RemoteRows:
         a, b = self._rows * 4 + f0 * ROW_BYTES, self._rows * 4 + (f0 + n) * ROW_BYTES
         with self.ops.stream(self._stream):
             d_sel = self.d_buf[r0 * 4: r1 * 4]
-            d_sel.copy_(self.h_buf[r0 * 4: r1 * 4], non_blocking=nb)
+            if r0 == 0 and last:  # one piece: selectors and rows in one H2D copy
+                self.d_buf[:b].copy_(self.h_buf[:b], non_blocking=nb)
+            else:
+                d_sel.copy_(self.h_buf[r0 * 4: r1 * 4], non_blocking=nb)
+                if n:
+                    self.d_buf[a:b].copy_(self.h_buf[a:b], non_blocking=nb)
             if n:
-                d = self.d_buf[a:b]
-                d.copy_(self.h_buf[a:b], non_blocking=nb)
-                d_rows = d.view(n, ROW_BYTES)
+                d_rows = self.d_buf[a:b].view(n, ROW_BYTES)
                 self.d_w[f0: f0 + n].copy_(d_rows[:, : self.dim])
                 self.d_s[f0: f0 + n].copy_(d_rows[:, self.dim:])
             self.dequant(self.d_w[f0:], self.d_s[f0:], d_sel.view(torch.int32), self.d_dst[r0:r1], self._out, n,
