@@ -379,6 +379,8 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
             "fetch_ms_per_job": round((w.get("fetch_s", 0) - wk0.get("fetch_s", 0)) * 1e3 / jobs, 3),
             "wake_ms_per_job": round((w.get("wake_s", 0) - wk0.get("wake_s", 0)) * 1e3 / jobs, 3),
             "coalesce_waits": w.get("coalesce_waits", 0) - wk0.get("coalesce_waits", 0),
+            **{f"{k}_ms_per_job": round((w.get(f"{k}_s", 0) - wk0.get(f"{k}_s", 0)) * 1e3 / jobs, 4)
+               for k in ("ids_wait", "coalesce", "plan", "launch")},
             "launching_thread_wait_ms_per_step": round(  # both layers' hand-off waits (timed + warm steps)
                 (wait1 - wait0) * 1e3 / max(1, len(times["overlay"]) + rounds), 3),
             "inline_lookups": rr.counters["inline_lookups"], "worker_refusals": rr.counters["worker_refusals"],

@@ -204,7 +204,8 @@ class EngramWorker:
     kernel on the layer's stream, records its done event and hands it off. Exceptions of a job
     (``RemoteUnavailable`` in required mode, CUDA errors) are handed off with the job and raised
     by ``RemoteRows.join`` on the launching thread. Counters: ``jobs``, ``requests``,
-    ``multi_layer_requests``, ``errors``, ``wake_s`` (submit to dequeue), ``coalesce_waits``, ``fetch_s`` (seconds inside the row source) and
+    ``multi_layer_requests``, ``errors``, ``wake_s`` (submit to dequeue), ``ids_wait_s``, ``coalesce_waits``, ``coalesce_s``,
+    ``plan_s`` and ``launch_s`` (one-request steps), ``fetch_s`` (seconds inside the row source) and
     ``host_s`` (the rest of the worker's busy time: ids wait excluded, plan, H2D/kernel launches).
     """
 
@@ -222,7 +223,8 @@ class EngramWorker:
         # last step is how many jobs a step brings: both Engram layers start before either joins.
         self._open = self._burst = self._joins = 0
         self.expect = 1
-        self.counters = {"wake_s": 0.0, "coalesce_waits": 0, "jobs": 0, "requests": 0, "multi_layer_requests": 0, "errors": 0,
+        self.counters = {"wake_s": 0.0, "ids_wait_s": 0.0, "coalesce_waits": 0, "coalesce_s": 0.0,
+                         "plan_s": 0.0, "launch_s": 0.0, "jobs": 0, "requests": 0, "multi_layer_requests": 0, "errors": 0,
                          "fetch_s": 0.0, "host_s": 0.0}
         self.thread = threading.Thread(target=self._run, name=f"dsv41-engram-worker-{rank}", daemon=True)
         self.thread.start()
@@ -269,7 +271,10 @@ class EngramWorker:
                 rows, gen, t_sub = q.popleft()
             self.counters["wake_s"] += time.perf_counter() - t_sub
             batch = [(rows, gen)]
+            t0 = time.perf_counter()
             rows._wait_ids()
+            t1 = time.perf_counter()
+            self.counters["ids_wait_s"] += t1 - t0
             with cond:  # the step's other layers: queued meanwhile, or due within COALESCE_S
                 if len(q) + 1 < self.expect and rows._rows <= self.chunk_rows:
                     self.counters["coalesce_waits"] += 1
@@ -283,6 +288,7 @@ class EngramWorker:
                 while q:
                     r, g, _ = q.popleft()
                     batch.append((r, g))
+            self.counters["coalesce_s"] += time.perf_counter() - t1
             self._serve(batch)
 
     def _serve(self, batch: list) -> None:
@@ -320,6 +326,7 @@ class EngramWorker:
         """Every layer of ``ready`` (each one piece) in one ``lookup_layers`` request."""
         c = self.counters
         jobs = []
+        t0 = time.perf_counter()
         for rows, gen in ready:
             try:
                 jobs.append((rows, gen, rows._plan(0, rows._rows, 0)))
@@ -327,6 +334,7 @@ class EngramWorker:
                 c["errors"] += 1
                 rows._handoff(gen, exc)
         fetched = [j for j in jobs if j[2]]
+        c["plan_s"] += time.perf_counter() - t0
         if fetched:
             f0 = time.perf_counter()
             try:
@@ -347,7 +355,10 @@ class EngramWorker:
                 c["fetch_s"] += time.perf_counter() - f0
         for rows, gen, n in jobs:
             try:
-                if rows._launch(0, rows._rows, 0, n, gen, last=True):
+                t0 = time.perf_counter()
+                launched = rows._launch(0, rows._rows, 0, n, gen, last=True)
+                c["launch_s"] += time.perf_counter() - t0
+                if launched:
                     rows._handoff(gen, None)
             except Exception as exc:  # noqa: BLE001
                 c["errors"] += 1
