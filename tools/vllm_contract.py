@@ -43,13 +43,15 @@ SYMBOLS: dict[str, list[str]] = {
         "ParallelEngramEmbedding.__init__", "ParallelEngramEmbedding._allocate_weights",
         "ParallelEngramEmbedding.lookup", "ParallelEngramEmbedding._weight_loader",
         "_engram_lookup_kernel", "Engram._create_embedding", "Engram._init_staging",
-        "Engram.prepare_embeddings", "Engram._start_prefetch", "EngramBatch.create",
+        "Engram.prepare_embeddings", "Engram._start_prefetch", "Engram._finish_prefetch", "Engram._ready_rows",
+        "EngramBatch.create",
     ],
     C.SPEC_INIT_FILE: ["init_speculator"],
     C.SPECULATOR_FILE: ["BaseSpeculator.init_cudagraph_manager", "BaseSpeculator.capture",
                         "BaseSpeculator.propose"],
     C.MODEL_RUNNER_FILE: [],
-    C.BREAKABLE_FILE: ["eager_break_during_capture"],
+    C.BREAKABLE_FILE: ["eager_break_during_capture", "BreakableCUDAGraphCapture.is_active",
+                       "BreakableCUDAGraphCapture.add_eager", "BreakableCUDAGraphCapture._begin_segment"],
     C.PLUGINS_FILE: ["load_general_plugins", "load_plugins_by_group"],
     C.ENGRAM_CONFIG_FILE: [],
 }
@@ -105,6 +107,23 @@ def _facts(sources: dict[str, str], trees: dict[str, ast.Module]) -> dict[str, o
     start = _find(trees[C.ENGRAM_FILE], "Engram._start_prefetch")
     need("Engram._start_prefetch is decorated eager_break_during_capture",
          start is not None and any(ast.unparse(d) == "eager_break_during_capture" for d in start.decorator_list))
+    fin = _find(trees[C.ENGRAM_FILE], "Engram._finish_prefetch")
+    need("Engram._finish_prefetch is decorated eager_break_during_capture (re-runs at every PIECEWISE replay)",
+         fin is not None and any(ast.unparse(d) == "eager_break_during_capture" for d in fin.decorator_list))
+    need("_start_prefetch orders the prefetch stream after the current stream, then records _prefetch_done "
+         "right after lookup returns (the overlay's worker rows come later: _finish_prefetch joins them)",
+         "stream.wait_stream(current)" in eng
+         and "self.embed_tokens.lookup(hash_ids, rows, background=True)\n        assert self._prefetch_done is not None"
+             "\n        self._prefetch_done.record(stream)" in eng)
+    need("_ready_rows calls _finish_prefetch(_prefetch_done) before it reads staged_rows",
+         "self._finish_prefetch(self._prefetch_done)" in eng)
+    brk = sources[C.BREAKABLE_FILE]
+    need("an eager break ends the capture segment before the function runs and begins the next after it",
+         "self._end_segment()\n        result = fn()\n        self.segments.append(fn)" in brk
+         and "self._begin_segment()\n        return result" in brk)
+    need("breakable capture segments use CUDAGraph.capture_begin's default (global) capture error mode; "
+         "the capture context is thread-local (BreakableCUDAGraphCapture.is_active)",
+         "g.capture_begin()" in brk and "capture_error_mode" not in brk and "_tls = threading.local()" in brk)
     need("lookup runs on the prefetch stream with background=True",
          "self.embed_tokens.lookup(hash_ids, rows, background=True)" in eng)
     need("kernel masks ids outside [vocab_start, vocab_end) and padded heads to zero",

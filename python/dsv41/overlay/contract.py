@@ -29,7 +29,9 @@ BREAKABLE_FILE = "vllm/compilation/breakable_cudagraph.py"
 PLUGINS_FILE = "vllm/plugins/__init__.py"
 ENGRAM_CONFIG_FILE = "vllm/config/engram.py"
 #: Files whose objects the overlay replaces (Engram: ParallelEngramEmbedding._allocate_weights,
-#: .lookup, Engram._create_embedding; drafter: init_speculator in both modules).
+#: .lookup, Engram._create_embedding, Engram._finish_prefetch; drafter: init_speculator in both
+#: modules). BREAKABLE_FILE is relied on: eager breaks, and BreakableCUDAGraphCapture.is_active
+#: (the lookup runs on the launching thread while a capture is open).
 PATCHED_FILES = (ENGRAM_FILE, SPEC_INIT_FILE, MODEL_RUNNER_FILE)
 #: Files whose behaviour the overlay relies on without patching them.
 RELIED_FILES = (SPECULATOR_FILE, BREAKABLE_FILE, PLUGINS_FILE, ENGRAM_CONFIG_FILE)

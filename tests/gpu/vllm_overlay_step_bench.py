@@ -1,0 +1,544 @@
+#!/usr/bin/env python3
+"""Step-level benchmark of remote Engram rows inside a stand-in of vLLM's DeepSeek-V4.1 step
+(issue 23; docs/gpu.md "The step benchmark", results in docs/benchmarks.md).
+
+vLLM's real ``Engram`` modules for layers 1 and 14 (from the wheel's Python source, as in
+``vllm_overlay_qualify.py``) sit inside a stand-in forward shaped like
+``DeepseekV4Model.forward``: the step's hash ids are copied into a static buffer, then
+``prepare_embeddings`` for both Engram layers (-> ``_start_prefetch``, sharing one prefetch
+stream as the model does), then ``--layers`` decoder layers of ``--decode-layer-ms`` /
+``--prefill-layer-ms`` GPU time (chained bf16 matmuls, calibrated on the device); the Engram
+layers call ``_ready_rows`` (-> ``_finish_prefetch``) and read every staged row before their
+matmuls. Decode sizes run as PIECEWISE graphs: every decoder layer is a captured CUDA graph and
+the Engram functions run eagerly between them, captured once through the same sequence as
+vLLM's breakable capture (eager functions run between segments with the capture flag up, so
+the overlay takes its capture-time path) and then replayed. The 32K prefill chunk runs eagerly.
+
+Arms, interleaved round by round: ``uva`` (vLLM's own path, its pinned UVA table), ``overlay``
+(the dsv41 overlay, rows from ``dsv41 engram serve`` on loopback), ``none`` (no Engram at all).
+Per arm and size: medians and p10/p90 of the host step time (synchronize, step, synchronize)
+and of the GPU time (events on the main stream), the main stream's stall at each Engram layer
+(event before and after ``_finish_prefetch``), and the overlay's added time over ``uva``. Rows
+are compared bit for bit against vLLM's path for every id set of every size, before and after
+the timed rounds. Then the drafter seam's per-step host cost (rank 0's hidden-state copy and the
+drafts' broadcast over a one-rank NCCL group) and, with ``--kill-server``, a table server killed
+mid-run (exact local rows, no hang, the step times around the kill).
+
+Default per-layer times: decode 1.0 ms (the issue's one decoder layer); prefill
+``2 * (13e9 / 43) * 32768 / 2 / 790e12`` s = 12.5 ms: DeepSeek-V4-Flash's 13 B active parameters
+over its 43 layers, two FLOPs per parameter and token, the 32,768-token chunk split over TP2,
+at the 790 TFLOP/s bf16 rate measured on this workplace's H200 (/work/.library/device/KINDS.md);
+attention is left out, so the real layer is longer and the fetch easier to hide.
+
+    python3 tests/gpu/vllm_overlay_step_bench.py --vllm-src DIR --work DIR --out step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import vllm_overlay_qualify as Q  # noqa: E402
+
+ACTIVE_PARAMS = 13e9
+MODEL_LAYERS = 43
+BF16_TFLOPS = 790.0
+PREFILL_TOKENS = 32768
+PREFILL_LAYER_MS = 2 * (ACTIVE_PARAMS / MODEL_LAYERS) * PREFILL_TOKENS / 2 / (BF16_TFLOPS * 1e12) * 1e3
+
+
+def pct(xs, q):
+    return float(np.percentile(np.asarray(xs), q)) if len(xs) else float("nan")
+
+
+class Layer:
+    """One stand-in decoder layer: ``n`` chained bf16 [M, K] x [K, K] matmuls (ping-pong buffers)."""
+
+    def __init__(self, torch, n: int, m: int = 4096, k: int = 4096) -> None:
+        self.n = n
+        g = torch.Generator(device="cuda").manual_seed(1)
+        self.w = (torch.randn((k, k), device="cuda", dtype=torch.bfloat16, generator=g) / k ** 0.5)
+        self.a = torch.randn((m, k), device="cuda", dtype=torch.bfloat16, generator=g)
+        self.b = torch.empty_like(self.a)
+        self.torch = torch
+
+    def __call__(self) -> None:
+        mm = self.torch.matmul
+        a, b = self.a, self.b
+        for _ in range(self.n):
+            mm(a, self.w, out=b)
+            a, b = b, a
+
+
+def calibrate(torch, target_ms: float) -> tuple[int, float]:
+    """Matmuls per layer for ``target_ms`` of GPU time, and the measured ms of one matmul."""
+    lay = Layer(torch, 20)
+    for _ in range(3):
+        lay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(5):
+        lay()
+    e1.record()
+    torch.cuda.synchronize()
+    one = e0.elapsed_time(e1) / 100
+    return max(1, round(target_ms / one)), one
+
+
+class Forward:
+    """The stand-in forward of one arm at one T (see the module docstring)."""
+
+    def __init__(self, torch, engrams, hash_buf, t: int, layers: list, engram_at: dict, graphs: bool) -> None:
+        self.torch, self.engrams, self.hash_buf, self.t = torch, engrams, hash_buf, t
+        self.layers, self.engram_at, self.graphs = layers, engram_at, graphs
+        self.sink = torch.zeros((), device="cuda", dtype=torch.float32)
+        self.stall = {li: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for li in engram_at}
+        self.segments: list = []  # ("graph", CUDAGraph) | ("eager", fn)
+        self.captured = False
+
+    def _prepare(self) -> None:
+        for e in self.engrams:
+            e.prepare_embeddings(self.hash_buf[: self.t, e.layer_hash_index])
+
+    def _finish(self, li: int) -> None:
+        e = self.engram_at[li]
+        a, b = self.stall[li]
+        a.record()
+        e._ready_rows(self.t)
+        b.record()
+
+    def _layer(self, li: int) -> None:
+        e = self.engram_at.get(li)
+        if e is not None:  # the Engram layer reads every staged row (vLLM: wkv over them)
+            self.sink.add_(e.staged_rows[: self.t].float().sum())
+        self.layers[li]()
+
+    def plan(self) -> list:
+        seq = []
+        if self.engrams:
+            seq.append(("eager", self._prepare))
+        for li in range(len(self.layers)):
+            if li in self.engram_at:
+                seq.append(("eager", lambda li=li: self._finish(li)))
+            seq.append(("layer", lambda li=li: self._layer(li)))
+        return seq
+
+    def capture(self, capture_flag: dict) -> None:
+        """vLLM's breakable capture, as its eager breaks do it: graph segments captured, the
+        eager functions run between them with the capture flag up."""
+        torch = self.torch
+        for kind, fn in self.plan():  # warm-up (cuBLAS handles, Triton) outside any capture
+            fn()
+        torch.cuda.synchronize()
+        capture_flag["on"] = True
+        try:
+            for kind, fn in self.plan():
+                if kind == "layer":
+                    g = torch.cuda.CUDAGraph()
+                    g.capture_begin()
+                    fn()
+                    g.capture_end()
+                    self.segments.append(("graph", g))
+                else:
+                    fn()
+                    self.segments.append(("eager", fn))
+        finally:
+            capture_flag["on"] = False
+        torch.cuda.synchronize()
+        self.captured = True
+
+    def __call__(self) -> None:
+        if self.graphs:
+            for kind, x in self.segments:
+                x.replay() if kind == "graph" else x()
+        else:
+            for _, fn in self.plan():
+                fn()
+
+
+def build_engrams(eng, vl, mcfg, torch, stream):
+    cfg = Q.ns(hidden_size=64, hc_mult=4, rms_norm_eps=1e-6, **vars(mcfg))
+    with torch.device("cuda"):
+        return [eng.Engram(cfg, None, vl, li, False, f"model.layers.{vl.layer_ids[li]}.engram",
+                           prefetch_stream=stream) for li in range(len(vl.layer_ids))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--vllm-src", type=Path, required=True)
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--vocab", type=int, default=400_000)
+    ap.add_argument("--reuse-tables", action="store_true")
+    ap.add_argument("--layers", type=int, default=16, help="stand-in decoder layers (Engram at 1 and 14)")
+    ap.add_argument("--decode-layer-ms", type=float, default=1.0)
+    ap.add_argument("--prefill-layer-ms", type=float, default=round(PREFILL_LAYER_MS, 2))
+    ap.add_argument("--tokens", default="24,48,96", help="decode sizes")
+    ap.add_argument("--prefill", type=int, default=PREFILL_TOKENS, help="prefill chunk tokens (0: none)")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=15, help="timed decode steps per arm and round")
+    ap.add_argument("--prefill-rounds", type=int, default=3)
+    ap.add_argument("--prefill-steps", type=int, default=3)
+    ap.add_argument("--kill-server", action="store_true", help="end with a table server killed mid-run")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--switch-interval-us", type=float, default=0.0,
+                    help="sys.setswitchinterval for this run (0: Python's default, 5 ms); the worker "
+                         "thread waits for the GIL while the launching thread runs Python")
+    args = ap.parse_args()
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    if args.switch_interval_us:
+        sys.setswitchinterval(args.switch_interval_us / 1e6)
+    import torch
+    import triton
+
+    from dsv41.engram.layout import EngramLayout
+    from dsv41.engram.manifest import load_manifest
+    from dsv41.overlay import contract as C
+    from dsv41.overlay import engram as E
+    from dsv41.overlay import settings as S
+
+    res: dict = {"tag": args.tag, "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                 "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                 "cpus": os.cpu_count(), "vllm": "0.33.0 (wheel Python source)",
+                 "switch_interval_s": sys.getswitchinterval()}
+    try:
+        import subprocess as sp
+
+        res["driver"] = sp.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+    except Exception as exc:  # noqa: BLE001
+        res["driver"] = f"unknown ({exc})"
+    eng = Q.load_vllm_engram(args.vllm_src)
+    cfgd = Q.small_config(args.vocab)
+    args.work.mkdir(parents=True, exist_ok=True)
+    mpath, res["tables_write_s"], res["tables_reused"] = Q.synthetic_tables(cfgd, args.work, args.reuse_tables)
+    manifest = load_manifest(mpath)
+    layout = EngramLayout.from_config(cfgd)
+    runtime = args.work / "runtime"
+    runtime.mkdir(exist_ok=True)
+    (runtime / "manifest.json").write_text(Path(mpath).read_text())
+    (runtime / "overlay.json").write_text(json.dumps({"tables_dir": str(args.work / "tables")}))
+    env = dict(os.environ, PYTHONPATH=f"{Q.REPO / 'python'}:{os.environ.get('PYTHONPATH', '')}")
+    res["transport_impl"] = Q.transport_impl(env)
+    dsv41 = [sys.executable, "-c", "import sys; from dsv41.cli import main; sys.exit(main())"]
+    ready = args.work / f"step-srv{os.getpid()}.ready"
+    srv, url = Q.start(dsv41 + ["engram", "serve", "--manifest", str(mpath), "--listen", "tcp://127.0.0.1:0",
+                                "--ready-file", str(ready)], ready, env)
+    res["engram_server"] = url
+    try:
+        res.update(run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C))
+    except Exception as exc:  # noqa: BLE001 - keep what was measured
+        import traceback
+
+        res["error"] = f"{type(exc).__name__}: {exc}"
+        res["traceback"] = traceback.format_exc()[-3000:]
+    finally:
+        if srv.poll() is None:
+            srv.terminate()
+            srv.wait(timeout=10)
+    res["stubs"] = Q.STUBS
+    args.out.write_text(json.dumps(res, indent=1, default=str))
+    print(json.dumps({k: v for k, v in res.items() if k not in ("stubs", "traceback")}, indent=1, default=str))
+    if "traceback" in res:
+        print(res["traceback"], file=sys.stderr)
+    ok = "error" not in res and res.get("all_bit_exact") and res.get("kill", {}).get("ok", True)
+    return 0 if ok else 1
+
+
+def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
+    out: dict = {}
+    vl, mcfg = Q.vllm_layout(eng, layout)
+    data = args.work / "tables"
+    Q.SIM.update(tp=2, rank=0)
+    main_stream = torch.cuda.Stream()
+    torch.cuda.set_stream(main_stream)  # graphs cannot be captured on the legacy stream
+    orig = (eng.ParallelEngramEmbedding._allocate_weights, eng.ParallelEngramEmbedding.lookup,
+            eng.Engram._create_embedding)
+    Q.ORIG["alloc"] = orig[0]
+    own = build_engrams(eng, vl, mcfg, torch, torch.cuda.Stream())
+    for li, lid in enumerate(layout.layer_ids):
+        Q.load_vllm_tables(own[li].embed_tokens, manifest, data, lid)
+    E._sources.clear()
+    settings = S.parse({"DSV41_ENGRAM_REMOTE": ",".join([url] * 2), "DSV41_RUNTIME_ROOT": str(runtime)})
+    E.apply(eng, settings, C.load())
+    capture = {"on": False}
+    E._capture_active = lambda: capture["on"]  # what apply() binds to vLLM's BreakableCUDAGraphCapture
+    ovl = build_engrams(eng, vl, mcfg, torch, torch.cuda.Stream())
+    assert all(o.embed_tokens._dsv41 is not None for o in ovl), "the overlay did not take the tables"
+    src = E._sources[next(iter(E._sources))][0]
+    a = own[0].embed_tokens
+    out["rank"] = "TP2 rank 0 (12 of 24 columns)"
+    out["stand_in"] = {"layers": args.layers, "engram_layers": {"1": 1, "14": 14}, "model_layers": MODEL_LAYERS,
+                       "prefill_layer_ms_formula": "2 * (13e9/43) * 32768 / 2 / 790e12 s"}
+    n_dec, one_mm = calibrate(torch, args.decode_layer_ms)
+    n_pre, _ = calibrate(torch, args.prefill_layer_ms)
+    out["matmul_ms"] = round(one_mm, 4)
+    out["matmuls_per_layer"] = {"decode": n_dec, "prefill": n_pre}
+    dec_layers = [Layer(torch, n_dec) for _ in range(args.layers)]
+    pre_layers = [Layer(torch, n_pre) for _ in range(args.layers)]
+    rng = np.random.default_rng(99)
+    n_layers = len(layout.layer_ids)
+    sizes = [int(x) for x in args.tokens.split(",") if x] + ([args.prefill] if args.prefill else [])
+    tmax = max(sizes)
+    hash_buf = torch.empty((tmax, n_layers, a.n_hash_cols), dtype=torch.int32, device="cuda")
+    results, exact = [], True
+    c0 = {k: v for k, v in src.counters().items() if isinstance(v, (int, float))}
+    for t in sizes:
+        prefill = t >= 1024
+        nsets = 3 if prefill else 6
+        sets = [step_ids(torch, rng, t, layout, own) for _ in range(nsets)]
+        layers = pre_layers if prefill else dec_layers
+        fw = {}
+        for arm, engs in (("uva", own), ("overlay", ovl), ("none", [])):
+            at = {1: engs[0], 14: engs[1]} if engs else {}
+            fw[arm] = Forward(torch, engs, hash_buf, t, layers, at, graphs=not prefill)
+            hash_buf[:t].copy_(sets[0])
+            if prefill:
+                for _ in range(2):
+                    fw[arm]()
+                torch.cuda.synchronize()
+            else:
+                fw[arm].capture(capture)
+        ex = check_rows(torch, fw, sets, hash_buf, t, own, ovl)
+        exact &= ex["bit_exact"]
+        times = {arm: [] for arm in fw}
+        gpu = {arm: [] for arm in fw}
+        stalls = {arm: {1: [], 14: []} for arm in fw}
+        rounds, steps = (args.prefill_rounds, args.prefill_steps) if prefill else (args.rounds, args.steps)
+        arms = list(fw)
+        wait0 = sum(o.embed_tokens._dsv41.counters["handoff_wait_s"] for o in ovl)
+        wk0 = dict(ovl[0].embed_tokens._dsv41._worker.counters) if ovl[0].embed_tokens._dsv41._worker else {}
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        k = 0
+        for r in range(rounds):
+            order = arms[r % 3:] + arms[: r % 3]
+            for arm in order:
+                f = fw[arm]
+                for s in range(steps + 1):
+                    hash_buf[:t].copy_(sets[k % nsets])
+                    k += 1
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    e0.record()
+                    f()
+                    e1.record()
+                    torch.cuda.synchronize()
+                    dt = time.perf_counter() - t0
+                    if s == 0:
+                        continue  # the first step after switching arms warms caches
+                    times[arm].append(dt * 1e3)
+                    gpu[arm].append(e0.elapsed_time(e1))
+                    for li in f.stall:
+                        stalls[arm][li].append(f.stall[li][0].elapsed_time(f.stall[li][1]))
+        wait1 = sum(o.embed_tokens._dsv41.counters["handoff_wait_s"] for o in ovl)
+        ex2 = check_rows(torch, fw, sets, hash_buf, t, own, ovl)
+        exact &= ex2["bit_exact"]
+        rr = ovl[0].embed_tokens._dsv41
+        w = rr._worker.counters if rr._worker else {}
+        row = {"case": "prefill" if prefill else "decode", "tokens": t, "rows_per_layer": t * a.part_n_hash_cols,
+               "steps_per_arm": len(times["uva"]), "layer_ms_target": args.prefill_layer_ms if prefill
+               else args.decode_layer_ms, "graphs": "none (eager)" if prefill else "PIECEWISE stand-in",
+               "rows_bit_exact_before_after": [ex["bit_exact"], ex2["bit_exact"]], "rows_compared": ex["rows"] + ex2["rows"]}
+        for arm in arms:
+            row[arm] = {"step_ms_median": round(float(np.median(times[arm])), 3),
+                        "step_ms_p10": round(pct(times[arm], 10), 3), "step_ms_p90": round(pct(times[arm], 90), 3),
+                        "gpu_ms_median": round(float(np.median(gpu[arm])), 3)}
+            if arm != "none":
+                row[arm]["stall_ms_median"] = {str(li): round(float(np.median(v)), 3) for li, v in stalls[arm].items()}
+        med = {arm: np.median(times[arm]) for arm in arms}
+        row["overlay_minus_uva_ms"] = round(float(med["overlay"] - med["uva"]), 3)
+        row["uva_minus_none_ms"] = round(float(med["uva"] - med["none"]), 3)
+        row["overlay_minus_none_ms"] = round(float(med["overlay"] - med["none"]), 3)
+        # paired per-round differences: a spread for the added time
+        per_round = []
+        for r in range(rounds):
+            sl = slice(r * steps, (r + 1) * steps)
+            per_round.append(float(np.median(times["overlay"][sl]) - np.median(times["uva"][sl])))
+        row["overlay_minus_uva_per_round_ms"] = [round(x, 3) for x in per_round]
+        jobs = max(1, w.get("jobs", 0) - wk0.get("jobs", 0))
+        row["overlay_worker"] = {
+            "jobs": w.get("jobs", 0) - wk0.get("jobs", 0),
+            "requests": w.get("requests", 0) - wk0.get("requests", 0),
+            "multi_layer_requests": w.get("multi_layer_requests", 0) - wk0.get("multi_layer_requests", 0),
+            "fetch_ms_per_request": round((w.get("fetch_s", 0) - wk0.get("fetch_s", 0)) * 1e3
+                                          / max(1, w.get("requests", 0) - wk0.get("requests", 0)), 3),
+            "host_ms_per_job": round((w.get("host_s", 0) - wk0.get("host_s", 0)) * 1e3 / jobs, 3),
+            "fetch_ms_per_job": round((w.get("fetch_s", 0) - wk0.get("fetch_s", 0)) * 1e3 / jobs, 3),
+            "wake_ms_per_job": round((w.get("wake_s", 0) - wk0.get("wake_s", 0)) * 1e3 / jobs, 3),
+            "coalesce_waits": w.get("coalesce_waits", 0) - wk0.get("coalesce_waits", 0),
+            **{f"{k}_ms_per_job": round((w.get(f"{k}_s", 0) - wk0.get(f"{k}_s", 0)) * 1e3 / jobs, 4)
+               for k in ("ids_wait", "coalesce", "plan", "launch")},
+            "launching_thread_wait_ms_per_step": round(  # both layers' hand-off waits (timed + warm steps)
+                (wait1 - wait0) * 1e3 / max(1, len(times["overlay"]) + rounds), 3),
+            "inline_lookups": rr.counters["inline_lookups"], "worker_refusals": rr.counters["worker_refusals"],
+            "handoff_timeouts": rr.counters["handoff_timeouts"]}
+        if prefill:
+            fetch = row["overlay_worker"]["fetch_ms_per_job"]  # a job = one layer's pieces
+            row["prefill_check"] = {
+                "layer14_stall_ms": row["overlay"]["stall_ms_median"]["14"],
+                "layer1_stall_ms": row["overlay"]["stall_ms_median"]["1"],
+                "fetch_ms_per_layer": fetch, "layer0_ms": args.prefill_layer_ms,
+                "layer1_bound_ms": round(fetch - args.prefill_layer_ms, 3),
+                "layer1_within_bound": row["overlay"]["stall_ms_median"]["1"] <= fetch - args.prefill_layer_ms,
+                "exposed_total_ms": row["overlay_minus_none_ms"]}
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        del fw
+    c1 = {k: v for k, v in src.counters().items() if isinstance(v, (int, float))}
+    out["row_source_counters"] = {k: c1[k] - c0.get(k, 0) for k in
+                                  ("lookups", "rows", "remote_rows", "fallbacks", "transport_errors",
+                                   "deadline_exceeded", "refusals", "reconnects")}
+    out["results"] = results
+    out["all_bit_exact"] = exact
+    out["drafter_seam"] = drafter_seam(torch)
+    if args.kill_server:
+        out["kill"] = kill_server(torch, srv, own, ovl, hash_buf, layout, a, rng, dec_layers, capture, src)
+    return out
+
+
+def step_ids(torch, rng, t: int, layout, own):
+    """int32 [t, n_layers, 24] on the GPU: each Engram layer's ids drawn around its own rank range."""
+    per = [Q.random_ids(rng, t, layout, li, e.embed_tokens.n_hash_cols, e.embed_tokens.vocab_start_idx,
+                        e.embed_tokens.vocab_end_idx) for li, e in enumerate(own)]
+    return torch.from_numpy(np.stack(per, axis=1)).cuda()
+
+
+def check_rows(torch, fw, sets, hash_buf, t, own, ovl) -> dict:
+    """Every id set through the uva and overlay forwards (the timed path); staged rows of both
+    Engram layers compared bit for bit."""
+    ok, rows = True, 0
+    for s in sets:
+        got = {}
+        for arm in ("uva", "overlay"):
+            hash_buf[:t].copy_(s)
+            fw[arm]()
+            torch.cuda.synchronize()
+            engs = own if arm == "uva" else ovl
+            got[arm] = [e.staged_rows[:t].clone() for e in engs]
+        for x, y in zip(got["uva"], got["overlay"]):
+            ok &= bool(torch.equal(x.view(torch.int16), y.view(torch.int16)))
+            rows += x.shape[0] * x.shape[1]
+    return {"bit_exact": ok, "rows": rows}
+
+
+def kill_server(torch, srv, own, ovl, hash_buf, layout, a, rng, layers, capture, src) -> dict:
+    """48-token decode steps through the overlay's PIECEWISE stand-in; the table server is
+    SIGKILLed after step 10 of 40; every step's rows are compared with vLLM's path."""
+    t = 48
+    f_o = Forward(torch, ovl, hash_buf, t, layers, {1: ovl[0], 14: ovl[1]}, graphs=True)
+    f_u = Forward(torch, own, hash_buf, t, layers, {1: own[0], 14: own[1]}, graphs=True)
+    hash_buf[:t].copy_(step_ids(torch, rng, t, layout, own))
+    f_o.capture(capture)
+    f_u.capture(capture)
+    c0 = {k: v for k, v in src.counters().items() if isinstance(v, (int, float))}
+    ok, times, killed_at = True, [], None
+    for step in range(40):
+        if step == 10:
+            srv.send_signal(signal.SIGKILL)
+            srv.wait(timeout=10)
+            killed_at = step
+        hash_buf[:t].copy_(step_ids(torch, rng, t, layout, own))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        f_o()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+        ro = [e.staged_rows[:t].clone() for e in ovl]
+        f_u()
+        torch.cuda.synchronize()
+        for x, e in zip(ro, own):
+            ok &= bool(torch.equal(x.view(torch.int16), e.staged_rows[:t].view(torch.int16)))
+    c1 = {k: v for k, v in src.counters().items() if isinstance(v, (int, float))}
+    rr = ovl[0].embed_tokens._dsv41
+    return {"ok": ok, "killed_after_step": killed_at, "steps": 40, "rows_bit_exact": ok,
+            "step_ms_before_kill_median": round(float(np.median(times[:10])), 3),
+            "step_ms_kill_step": round(times[10], 3), "step_ms_after_median": round(float(np.median(times[11:])), 3),
+            "step_ms_max": round(max(times), 3),
+            "counters": {k: c1[k] - c0.get(k, 0) for k in ("fallbacks", "transport_errors", "remote_rows",
+                                                             "deadline_exceeded", "lookups")},
+            "worker_refusals": rr.counters["worker_refusals"], "handoff_timeouts": rr.counters["handoff_timeouts"]}
+
+
+def drafter_seam(torch) -> dict:
+    """Per-step host cost of the drafter seam on rank 0 with an instant drafter: the hidden-state
+    copy (``OverlaySpeculator._rank0_drafts``: rows + tails + counts to the host) and the
+    drafts' broadcast (one-rank NCCL group: the collective's launch, no peer)."""
+    import abc
+
+    import torch.distributed as dist
+
+    from dsv41.overlay import drafter as D
+
+    res: dict = {}
+    try:
+        if not dist.is_initialized():
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+            dist.init_process_group("nccl", rank=0, world_size=1)
+        tpg = Q.ns(rank_in_group=0, world_size=1, broadcast=lambda t, src=0: dist.broadcast(t, src=src))
+        res["broadcast"] = "torch.distributed NCCL, world_size 1"
+    except Exception as exc:  # noqa: BLE001
+        tpg = Q.ns(rank_in_group=0, world_size=1, broadcast=lambda t, src=0: t)
+        res["broadcast"] = f"none (NCCL group failed: {type(exc).__name__}: {str(exc)[:120]})"
+
+    class Base(abc.ABC):
+        pass
+
+    class Instant:
+        def propose(self, items):
+            return [Q.ns(tokens=[1, 2, 3, 4, 5]) for _ in items]
+
+        def counters(self):
+            return {}
+
+    k, H, V, n_reqs, max_len = 5, 4096, 129280, 8, 4096
+    cls = D.speculator_class(Base)
+    rs = Q.ns(total_len=Q.ns(gpu=torch.randint(100, max_len, (n_reqs,), dtype=torch.int32, device="cuda")),
+              all_token_ids=Q.ns(gpu=torch.randint(0, V, (n_reqs, max_len), dtype=torch.int32, device="cuda")))
+    vcfg = Q.ns(speculative_config=Q.ns(num_speculative_tokens=k, draft_model_config=Q.ns(
+        hf_config=Q.ns(dspark_target_layer_ids=[2, 3]))), scheduler_config=Q.ns(max_num_seqs=16))
+    spec = cls(vcfg, torch.device("cuda"), rs, tp_group=tpg, make_spec=lambda c: (Instant(), 3, 4))
+    q = np.arange(0, 6 * (n_reqs + 1), 6)
+    batch = Q.ns(num_reqs=n_reqs, query_start_loc_np=q, idx_mapping=torch.arange(n_reqs, device="cuda"),
+                 req_ids=[f"r{i}" for i in range(n_reqs)])
+    T = int(q[-1])
+    aux = [torch.randn(T, H, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    ns_ = torch.full((n_reqs,), 6, device="cuda")
+    nr = torch.zeros(n_reqs, dtype=torch.int64, device="cuda")
+    for _ in range(5):
+        spec.propose(batch, None, None, None, aux, ns_, nr, None, None, None, None)
+    torch.cuda.synchronize()
+    whole, bcast = [], []
+    out = spec.draft_tokens[:n_reqs]
+    for _ in range(200):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        spec.propose(batch, None, None, None, aux, ns_, nr, None, None, None, None)
+        t1 = time.perf_counter()
+        tpg.broadcast(out, src=0)
+        t2 = time.perf_counter()
+        whole.append((t1 - t0) * 1e3)
+        bcast.append((t2 - t1) * 1e3)
+    torch.cuda.synchronize()
+    res.update(requests=n_reqs, k=k, hidden=H, propose_host_ms_median=round(float(np.median(whole)), 4),
+               propose_host_ms_p90=round(pct(whole, 90), 4), broadcast_host_ms_median=round(float(np.median(bcast)), 4),
+               note="propose = rank 0's hidden-state + tails copy to the host, the DraftInputs, an instant "
+                    "drafter, the drafts' H2D and broadcast; the broadcast alone timed apart")
+    return res
+
+
+if __name__ == "__main__":
+    sys.exit(main())
