@@ -332,6 +332,67 @@ def atomic_path(path: PathLike, what: str | None = None, *, follow_symlinks: boo
     staged.commit()
 
 
+def append(path: PathLike, data: bytes | str, what: str | None = None, *, fsync: bool = True,
+           error: ErrorType = None) -> None:
+    """Append ``data`` to a log-like file (a journal, ``cells.jsonl``), creating it (mode
+    ``0o644 & ~umask``) when absent; all of it or nothing.
+
+    Only a regular file or an absent path (never a symlink, FIFO, device or directory:
+    ``O_NOFOLLOW | O_NONBLOCK``, then ``fstat``). A failed or short write (ENOSPC...) truncates the
+    file back to its size before the call, so no torn record is left. Raises :class:`FileError`.
+    """
+    label = _label(path, what)
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    check_output(path, what, follow_symlinks=False, error=error)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as exc:
+        raise (error or FileError)(f"cannot write {label}: {_reason(exc)}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise (error or FileError)(f"cannot write {label}: it is {kind(st.st_mode)}, not a regular file")
+        size = st.st_size
+        try:
+            view = memoryview(raw)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            if fsync:
+                os.fsync(fd)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise (error or FileError)(f"cannot write {label}: {_reason(exc)}; nothing was appended") from None
+    finally:
+        os.close(fd)
+
+
+class Appender:
+    """A file-like ``write``/``flush`` over :func:`append`: each ``write`` is one whole record
+    (all or nothing); for a loop that appends records as they come (``cells.jsonl``)."""
+
+    def __init__(self, path: PathLike, what: str | None = None, *, fsync: bool = False,
+                 error: ErrorType = None) -> None:
+        check_output(path, what, follow_symlinks=False, error=error)
+        self.path, self.what, self.fsync, self.error = path, what, fsync, error
+
+    def write(self, data: bytes | str) -> int:
+        """Append ``data`` whole; returns its length. Raises :class:`FileError`."""
+        append(self.path, data, self.what, fsync=self.fsync, error=self.error)
+        return len(data)
+
+    def flush(self) -> None:
+        """Nothing to do: every ``write`` is already in the file."""
+
+    def __enter__(self) -> Appender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 # ---- stdout ---------------------------------------------------------------------------------------
 
 def write_stdout(text: str, *, end: str = "\n") -> None:

@@ -122,7 +122,9 @@ def run_cells(plan: list[dict], endpoints: dict[str, str], model: str, sampler: 
 
     client = new_client()
     try:
-        with open(out_path, "a", encoding="utf-8") as fh:
+        from dsv41 import fileio
+
+        with fileio.Appender(out_path, "cells file", error=WindowError) as fh:  # a cell is kept whole or not at all
             for c in plan:
                 rec = None
                 if c["arm"] != arm_now:
