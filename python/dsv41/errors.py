@@ -212,9 +212,18 @@ def run_app(app, argv: list[str] | None = None) -> int:
 
     cmd = get_command(app)
     guard_arguments(cmd)
+    out0, err0 = sys.stdout, sys.stderr
     try:
         rv = cmd.main(args=argv, prog_name="dsv41", standalone_mode=False)
         sys.stdout.flush()  # a full disk or a closed pipe on stdout is reported here, not at exit
+    except SystemExit:
+        if sys.stdout is out0:
+            raise
+        # typer met EPIPE on stdout: it swapped in flush-pacifying wrappers and exits 1 silently
+        sys.stdout, sys.stderr = out0, err0
+        _say("dsv41: error: cannot write to stdout: the reader closed the pipe")
+        _silence_stdout()
+        return 1
     except typer.Exit as exc:
         return int(exc.exit_code)
     except click_exc.NoArgsIsHelpError as exc:
