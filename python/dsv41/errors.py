@@ -195,7 +195,7 @@ def guard_arguments(cmd) -> None:
         p._dsv41_guarded = True
 
 
-def run_app(app, argv: list[str] | None = None) -> int:
+def run_app(app, argv: list[str] | None = None, *, command=None) -> int:
     """Run a typer ``app`` and return its exit code, turning expected failures into one line.
 
     Every parameter value first goes through :func:`check_argument` (:func:`guard_arguments`):
@@ -210,7 +210,7 @@ def run_app(app, argv: list[str] | None = None) -> int:
 
     from typer.main import get_command
 
-    cmd = get_command(app)
+    cmd = command if command is not None else get_command(app)  # ``command``: prebuilt (tests running many)
     guard_arguments(cmd)
     out0, err0 = sys.stdout, sys.stderr
     try:
