@@ -81,7 +81,8 @@ def check_input(path: PathLike, what: str | None = None, *, error: ErrorType = N
         st = os.stat(path)
     except FileNotFoundError:
         dangling = os.path.lexists(path)
-        raise (error or FileError)(f"cannot read {_label(path, what)}: does not exist" + (" (dangling symlink)" if dangling else "")) from None
+        raise (error or FileError)(f"cannot read {_label(path, what)}: does not exist"
+                                   + (" (dangling symlink)" if dangling else "")) from None
     except OSError as exc:
         raise (error or FileError)(f"cannot read {_label(path, what)}: {_reason(exc)}") from None
     if not stat.S_ISREG(st.st_mode):
@@ -110,7 +111,8 @@ def open_input(path: PathLike, what: str | None = None, *, error: ErrorType = No
     try:
         opened = os.fstat(fd)
         if not stat.S_ISREG(opened.st_mode) or not _same(before, opened):
-            raise (error or FileError)(f"cannot read {_label(path, what)}: it was replaced while it was opened; try again")
+            raise (error or FileError)(f"cannot read {_label(path, what)}: it was replaced while it was opened; "
+                                       "try again")
         os.set_blocking(fd, True)
         f = os.fdopen(fd, "rb")
     except BaseException:
@@ -151,7 +153,8 @@ def read_text(path: PathLike, what: str | None = None, *, encoding: str = "utf-8
     try:
         return raw.decode(encoding)
     except UnicodeDecodeError as exc:
-        raise (error or FileError)(f"cannot read {_label(path, what)}: not {encoding.upper()} text (byte {exc.start})") from None
+        raise (error or FileError)(f"cannot read {_label(path, what)}: not {encoding.upper()} text "
+                                   f"(byte {exc.start})") from None
 
 
 def read_json(path: PathLike, what: str | None = None, *, max_bytes: int | None = None,
@@ -161,7 +164,7 @@ def read_json(path: PathLike, what: str | None = None, *, max_bytes: int | None 
     try:
         return json.loads(text)
     except ValueError as exc:
-        raise (error or FileError)(f"{_label(path, what)} is not valid JSON: {exc}") from None
+        raise (error or FileError)(f"{_label(path, what)} is not JSON (not valid JSON: {exc})") from None
 
 
 # ---- outputs --------------------------------------------------------------------------------------
@@ -181,18 +184,18 @@ def check_output(path: PathLike, what: str | None = None, *, follow_symlinks: bo
     except FileNotFoundError:
         st = None
     except OSError as exc:
-        raise (error or FileError)(f"{_label(path, what)}: cannot stat it: {_reason(exc)}") from None
+        raise (error or FileError)(f"cannot write {_label(path, what)}: {_reason(exc)}") from None
     if st is not None and stat.S_ISLNK(st.st_mode):
         if not follow_symlinks:
-            raise (error or FileError)(f"{_label(path, what)}: is a symlink; refusing to replace it (remove it, or give the "
-                            "real path)")
+            raise (error or FileError)(f"cannot write {_label(path, what)}: it is a symlink; refusing to replace it "
+                                       "(remove it, give the real path, or dsv41 --follow-symlinks)")
         return check_output(p.resolve(), what, follow_symlinks=False, error=error)
     if st is not None and not stat.S_ISREG(st.st_mode):
-        raise (error or FileError)(f"{_label(path, what)}: is {kind(st.st_mode)}; refusing to write over it (only a regular "
-                        "file or an absent path is replaced)")
+        raise (error or FileError)(f"cannot write {_label(path, what)}: it is {kind(st.st_mode)}; refusing to write "
+                                   "over it (only a regular file or an absent path is replaced)")
     parent = p.parent
     if not parent.is_dir():
-        raise (error or FileError)(f"{_label(path, what)}: its directory {parent} does not exist")
+        raise (error or FileError)(f"cannot write {_label(path, what)}: its directory {parent} does not exist")
     return p
 
 
@@ -228,7 +231,7 @@ class Staged:
             raise
         except OSError as exc:
             self.discard()
-            raise (error or FileError)(f"{self.label}: cannot write it: {_reason(exc)}") from None
+            raise (error or FileError)(f"cannot write {self.label}: {_reason(exc)}") from None
         self.done = True
         _fsync_dir(self.target.parent)
         return self.target
@@ -263,7 +266,7 @@ def stage(path: PathLike, fill: Callable[[BinaryIO], None] | bytes | str, what: 
     try:
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name[:64]}.", suffix=".tmp")
     except OSError as exc:
-        raise (error or FileError)(f"{label}: cannot write it: {_reason(exc)}") from None
+        raise (error or FileError)(f"cannot write {label}: {_reason(exc)}") from None
     staged = Staged(target, tmp, label, error)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -276,7 +279,7 @@ def stage(path: PathLike, fill: Callable[[BinaryIO], None] | bytes | str, what: 
         os.chmod(tmp, _mode_for(target) if mode is None else mode)
     except OSError as exc:
         staged.discard()
-        raise (error or FileError)(f"{label}: cannot write it: {_reason(exc)}; nothing was written") from None
+        raise (error or FileError)(f"cannot write {label}: {_reason(exc)}; nothing was written") from None
     except BaseException:
         staged.discard()
         raise
@@ -313,7 +316,7 @@ def atomic_path(path: PathLike, what: str | None = None, *, follow_symlinks: boo
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name[:64]}.", suffix=".tmp")
         os.close(fd)
     except OSError as exc:
-        raise (error or FileError)(f"{label}: cannot write it: {_reason(exc)}") from None
+        raise (error or FileError)(f"cannot write {label}: {_reason(exc)}") from None
     staged = Staged(target, tmp, label, error)
     try:
         yield Path(tmp)
@@ -325,7 +328,7 @@ def atomic_path(path: PathLike, what: str | None = None, *, follow_symlinks: boo
         os.chmod(tmp, _mode_for(target) if mode is None else mode)
     except OSError as exc:
         staged.discard()
-        raise (error or FileError)(f"{label}: cannot write it: {_reason(exc)}; nothing was written") from None
+        raise (error or FileError)(f"cannot write {label}: {_reason(exc)}; nothing was written") from None
     except BaseException:
         staged.discard()
         raise

@@ -41,7 +41,7 @@ def test_spec_from_env_and_defaults(tmp_path):
 
 
 @pytest.mark.parametrize("doc,msg", [
-    ("{bad", "is not valid JSON"),
+    ("{bad", "is not JSON"),
     ({**GOOD, "format": "x"}, "schema at format"),
     ({**GOOD, "prompts": []}, "schema at prompts"),
     ({**GOOD, "prompts": [{"id": "a", "category": "s"}]}, "schema at prompts/0"),

@@ -140,7 +140,7 @@ def test_unreachable_endpoint():
 
 
 @pytest.mark.parametrize("content,match", [
-    ("{", "not valid JSON"),
+    ("{", "not JSON"),
     ('{"format": "other"}', "is not a"),
     ('{"format": "dsv41-greedy-refs/1", "prompts": []}', "no valid prompts"),
     ('{"format": "dsv41-greedy-refs/1", "prompts": [{"name": "a", "prompt": "b", "token_ids": []}]}',
