@@ -200,17 +200,18 @@ def run_app(app, argv: list[str] | None = None, *, command=None) -> int:
 
     Every parameter value first goes through :func:`check_argument` (:func:`guard_arguments`):
     a malformed one exits 2 naming the option. Usage errors, bad option values and
-    :class:`Dsv41Error` print ``dsv41: error: <message>`` to
-    stderr and return 1 (or the error's ``exit_code``); an ``OSError`` (a closed pipe or a full
-    disk on stdout, a file the command could not write) prints one line and returns 1; no traceback.  Shared by the ``dsv41``
-    command and the standalone, torch-free proxy entry (``python -m dsv41.drafter.proxy_cli``).
+    :class:`Dsv41Error` print ``dsv41: error: <message>`` to stderr and return 1 (or the error's
+    ``exit_code``); an ``OSError`` (a closed pipe or a full disk on stdout, a file the command could
+    not write) prints one line and returns 1; no traceback. ``command``: the click command tree
+    of ``app``, when the caller built it already (tests that run many command lines). Shared by the
+    ``dsv41`` command, the standalone torch-free proxy entry (``python -m dsv41.drafter.proxy_cli``)
+    and ``python -m dsv41.engram.remote_cli``.
     """
     import typer
     from typer._click import exceptions as click_exc  # typer vendors click
-
     from typer.main import get_command
 
-    cmd = command if command is not None else get_command(app)  # ``command``: prebuilt (tests running many)
+    cmd = command if command is not None else get_command(app)
     guard_arguments(cmd)
     out0, err0 = sys.stdout, sys.stderr
     try:
@@ -239,8 +240,10 @@ def run_app(app, argv: list[str] | None = None, *, command=None) -> int:
         _say(f"dsv41: error: {exc}")
         return exc.exit_code
     except OSError as exc:  # stdout (EPIPE, ENOSPC) or any file the command did not wrap itself
-        _say(f"dsv41: error: {os_error_line(exc)}")
-        _silence_stdout()
+        line = os_error_line(exc)
+        _say(f"dsv41: error: {line}")
+        if line.startswith("cannot write to stdout"):
+            _silence_stdout()
         return 1
     except KeyboardInterrupt:
         print("dsv41: error: interrupted", file=sys.stderr)

@@ -18,8 +18,8 @@ Rules (docs/operations.md "Input and output files"):
   is left behind and the previous file, if any, is untouched. The new file keeps the old file's
   permission bits (``0o666 & ~umask`` when there was none), as ``open(path, "w")`` would, unless
   the caller gives ``mode``.
-* **stdout**: :func:`write_stdout` turns EPIPE (the reader went away) and ENOSPC (stdout is a
-  full disk or ``/dev/full``) into one :class:`FileError` line instead of a traceback.
+* **stdout** is handled where every command ends, in :func:`dsv41.errors.run_app`: EPIPE (the
+  reader went away) and ENOSPC (stdout is a full disk or ``/dev/full``) give one line, exit 1.
 
 Every failure raises :class:`FileError` (a :class:`~dsv41.errors.Dsv41Error`, exit 1) whose
 message names the path and what it is, e.g. ``--manifest /tmp/p: is a FIFO, not a regular file``.
@@ -31,13 +31,12 @@ import contextlib
 import json
 import os
 import stat
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from dsv41.errors import Dsv41Error, _silence_stdout, os_reason
+from dsv41.errors import Dsv41Error, os_reason
 
 PathLike = str | os.PathLike
 
@@ -394,21 +393,3 @@ class Appender:
 
     def __exit__(self, *exc: object) -> None:
         return None
-
-
-# ---- stdout ---------------------------------------------------------------------------------------
-
-def write_stdout(text: str, *, end: str = "\n") -> None:
-    """Print ``text`` to stdout and flush; EPIPE / ENOSPC / EIO become one :class:`FileError` line."""
-    try:
-        sys.stdout.write(text + end)
-        sys.stdout.flush()
-    except OSError as exc:
-        raise stdout_error(exc) from None
-
-
-def stdout_error(exc: OSError) -> FileError:
-    """The :class:`FileError` for a failed write to stdout; afterwards stdout is pointed at
-    /dev/null so the interpreter's exit-time flush does not print a second error."""
-    _silence_stdout()
-    return FileError(f"cannot write to stdout: {_reason(exc)}")

@@ -166,4 +166,4 @@ def test_subprocess_exit_code_and_one_line(tmp_path: Path) -> None:
     p = subprocess.run([sys.executable, "-m", "dsv41.cli", "engram", "verify", "--manifest", str(tmp_path / "m.json")],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and p.stdout == ""
-    assert p.stderr == f"dsv41: error: cannot read manifest {tmp_path / 'm.json'}: does not exist\n"
+    assert p.stderr == f"dsv41: error: manifest {tmp_path / 'm.json'} does not exist\n"

@@ -196,6 +196,8 @@ def load_manifest(path: str | os.PathLike) -> Manifest:
     from dsv41 import fileio
 
     p = Path(path)
+    if not os.path.lexists(p):
+        raise VerificationError(f"manifest {p} does not exist")
     doc = fileio.read_json(p, "manifest", error=VerificationError)
     m = manifest_from_dict(doc, f"manifest {p}")
     m.path = p

@@ -16,7 +16,6 @@ The refs file (JSON): ``{"format": "dsv41-greedy-refs/1", "model": str, "max_tok
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import time
 from dataclasses import dataclass, field

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextvars
 import inspect
-import json
 import logging
 import os
 import tempfile
