@@ -384,7 +384,8 @@ ALLOWED = {
     ("drafter.model", "load_model"): "safetensors.load_file after fileio.check_input",
     ("engine.weights", "load_weights"): "safetensors.load_file after fileio.check_input",
 }
-OPENERS = {"open", "read_text", "read_bytes", "write_text", "write_bytes", "load_file", "save_file", "fdopen"}
+OPENERS = {"open", "read_text", "read_bytes", "write_text", "write_bytes", "load_file", "save_file", "fdopen", "savefig",
+           "tofile", "fromfile"}
 SCHEMAS = ("SCHEMA", "CANDIDATE_SCHEMA", "SCHEMA_PATH", "CONTRACT_PATH")
 
 
@@ -393,9 +394,14 @@ def test_no_module_opens_files_except_through_fileio() -> None:
     for path in sorted(PKG.rglob("*.py")):
         mod = ".".join(path.relative_to(PKG).with_suffix("").parts)
         tree = ast.parse(path.read_text(), str(path))
+        # calls inside a function handed to fileio (``atomic_write(p, lambda f: fig.savefig(f, ...))``) write
+        # to the file object fileio opened
+        inside = {id(n) for c in ast.walk(tree) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+                  and isinstance(c.func.value, ast.Name) and c.func.value.id == "fileio"
+                  for a in c.args if isinstance(a, ast.Lambda) for n in ast.walk(a)}
         for fn in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
             for node in ast.walk(fn):
-                if not isinstance(node, ast.Call):
+                if not isinstance(node, ast.Call) or id(node) in inside:
                     continue
                 f = node.func
                 name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None

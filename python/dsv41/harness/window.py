@@ -393,7 +393,8 @@ def write_report(wdir: str, decision: win2.Decision, cells: list[dict], meta: di
     ax.set_title(f"{meta.get('window_id', '')}: {decision.verdict}")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(wdir, "pairs.png"), dpi=100)
+    fileio.atomic_write(os.path.join(wdir, "pairs.png"), lambda f: fig.savefig(f, format="png", dpi=100),
+                        "window plot")
     plt.close(fig)
     files.append("pairs.png")
     fig, axs = plt.subplots(1, 2, figsize=(9, 3.5))
@@ -407,7 +408,8 @@ def write_report(wdir: str, decision: win2.Decision, cells: list[dict], meta: di
         a.set_ylabel("CDF")
         a.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(wdir, "cdf.png"), dpi=100)
+    fileio.atomic_write(os.path.join(wdir, "cdf.png"), lambda f: fig.savefig(f, format="png", dpi=100),
+                        "window plot")
     plt.close(fig)
     files.append("cdf.png")
     prompts = sorted({c["prompt_id"] for c in cells})
@@ -426,7 +428,8 @@ def write_report(wdir: str, decision: win2.Decision, cells: list[dict], meta: di
     ax.set_ylabel("tokens per step (1 + accepted drafts)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(wdir, "acceptance.png"), dpi=100)
+    fileio.atomic_write(os.path.join(wdir, "acceptance.png"), lambda f: fig.savefig(f, format="png", dpi=100),
+                        "window plot")
     plt.close(fig)
     files.append("acceptance.png")
     d = decision
