@@ -3,7 +3,7 @@
 Ground floor (stdlib and :mod:`dsv41.errors` only), so the table server, the engine, the harness
 and the Ansible modules (which call the package) share it.
 
-Rules (docs/operations.md "Input and output files"):
+Rules (docs/operations.md "Command-line values, input files and output files"):
 
 * **Inputs** must be regular files (a symlink to one is fine). A FIFO, socket, character or block
   device or a directory is refused with one line *before* it is opened, and the open itself is
@@ -12,8 +12,8 @@ Rules (docs/operations.md "Input and output files"):
   check before and after the read) is refused: its contents are no one version of the file.
 * **Outputs** are written atomically (a temporary file in the same directory, fsync, rename) and
   only over a regular file or an absent path. A symlink is refused unless the caller says
-  ``follow_symlinks=True`` (then its target, which must itself be regular or absent, is
-  replaced); a FIFO, socket, device or directory at the path is refused, and left as it was.
+  ``follow_symlinks=True`` (or ``dsv41 --follow-symlinks`` set :data:`FOLLOW_SYMLINKS`; then its
+  target, which must itself be regular or absent, is replaced); a FIFO, socket, device or directory at the path is refused, and left as it was.
   A failed write (ENOSPC, EDQUOT, EIO, ...) removes the temporary file: no partial or empty file
   is left behind and the previous file, if any, is untouched. The new file keeps the old file's
   permission bits (``0o666 & ~umask`` when there was none), as ``open(path, "w")`` would, unless
@@ -21,8 +21,10 @@ Rules (docs/operations.md "Input and output files"):
 * **stdout** is handled where every command ends, in :func:`dsv41.errors.run_app`: EPIPE (the
   reader went away) and ENOSPC (stdout is a full disk or ``/dev/full``) give one line, exit 1.
 
-Every failure raises :class:`FileError` (a :class:`~dsv41.errors.Dsv41Error`, exit 1) whose
-message names the path and what it is, e.g. ``--manifest /tmp/p: is a FIFO, not a regular file``.
+Every failure raises :class:`FileError` (a :class:`~dsv41.errors.Dsv41Error`, exit 1), or the
+caller's own ``error`` class (a Dsv41Error subclass, so callers keep their exception types), whose
+message names what and where, e.g. ``cannot read manifest /tmp/p: it is a FIFO, not a regular
+file``.
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ from dsv41.errors import Dsv41Error, os_reason
 
 PathLike = str | os.PathLike
 
+
 class FileError(Dsv41Error):
     """An input or output path is not usable: wrong file type, changed while read, or a write failed."""
 
 
-ErrorType = "type[Dsv41Error] | None"
+ErrorType = "type[Dsv41Error] | None"  # the exception class to raise (default FileError)
 
 # Set by ``dsv41 --follow-symlinks`` (cli.py): outputs named by a symlink replace its target.
 FOLLOW_SYMLINKS = False
@@ -198,13 +201,25 @@ def check_output(path: PathLike, what: str | None = None, *, follow_symlinks: bo
     return p
 
 
+def _umask() -> int:
+    # /proc first: os.umask() can only be read by setting it, which races other threads' creates
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
 def _mode_for(target: Path) -> int:
     try:
         return stat.S_IMODE(os.stat(target).st_mode)
     except OSError:
-        umask = os.umask(0)
-        os.umask(umask)
-        return 0o666 & ~umask
+        return 0o666 & ~_umask()
 
 
 class Staged:
@@ -256,6 +271,10 @@ def stage(path: PathLike, fill: Callable[[BinaryIO], None] | bytes | str, what: 
           follow_symlinks: bool | None = None, error: ErrorType = None, mode: int | None = None) -> Staged:
     """Write ``fill`` (bytes, str as UTF-8, or a callable given the binary file) to a temporary file
     beside ``path`` and fsync it; returns the :class:`Staged` file (not in place yet).
+
+    ``follow_symlinks``: None takes :data:`FOLLOW_SYMLINKS`; ``error``: the Dsv41Error subclass to
+    raise; ``mode``: permission bits of the new file (default: the old file's, else
+    ``0o666 & ~umask``).
 
     Raises :class:`FileError` with the temporary file removed when the path is not writable
     (rules of :func:`check_output`) or the write fails (ENOSPC...).
