@@ -374,6 +374,7 @@ ALLOWED = {
     ("engram.server", "_is_ready_file"): "called only after p.is_file()",
     ("engram.manifest", "_load_schema"): "the package's own schema file",
     ("engine.server", "*"): "item 1/6 owners; the hold file goes through engine.hold",
+    ("harness.procident", "*"): "the kernel's process identity: /proc/<pid>/stat and /proc/sys/kernel/random/boot_id",
     ("promotion.package", "_tarball"): "files of a package directory the package itself wrote",
     ("promotion.package", "write"): "blobs into its own fresh temporary directory (mkdtemp), renamed whole",
     ("promotion.journal", "append"): "os.open of the journal's directory, to fsync it",
@@ -386,7 +387,8 @@ ALLOWED = {
 }
 OPENERS = {"open", "read_text", "read_bytes", "write_text", "write_bytes", "load_file", "save_file", "fdopen", "savefig",
            "tofile", "fromfile"}
-SCHEMAS = ("SCHEMA", "CANDIDATE_SCHEMA", "SCHEMA_PATH", "CONTRACT_PATH")
+# the package's own data files (python/dsv41/schemas, python/dsv41/data), read by constant name
+SCHEMAS = ("SCHEMA", "CANDIDATE_SCHEMA", "SCHEMA_PATH", "CONTRACT_PATH", "VLLM_FIELDS_FILE")
 
 
 def test_no_module_opens_files_except_through_fileio() -> None:
