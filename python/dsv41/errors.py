@@ -32,24 +32,199 @@ class VerificationError(Dsv41Error):
     """Data on disk or on the wire does not match what a manifest or reference says."""
 
 
+def os_reason(exc: OSError) -> str:
+    """An ``OSError`` in words (``no space left on the device``, ``the reader closed the pipe``...)."""
+    import errno
+
+    words = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+             errno.EPIPE: "the reader closed the pipe", errno.EIO: "I/O error",
+             errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+             errno.EPERM: "operation not permitted", errno.EFBIG: "file too large",
+             errno.ENAMETOOLONG: "file name too long", errno.ENOENT: "does not exist",
+             errno.ENOTDIR: "a component of the path is not a directory", errno.EISDIR: "is a directory",
+             errno.ELOOP: "too many levels of symlinks", errno.ENXIO: "no such device or address"}
+    return words.get(exc.errno or 0) or exc.strerror or type(exc).__name__
+
+
+def os_error_line(exc: OSError) -> str:
+    """One line for an ``OSError`` that reached :func:`run_app`: the file (or stdout) and the reason."""
+    import errno
+
+    name = exc.filename
+    if name is None and (isinstance(exc, BrokenPipeError) or exc.errno in (errno.EPIPE, errno.ENOSPC, errno.EIO)):
+        return f"cannot write to stdout: {os_reason(exc)}"
+    where = f"{name if isinstance(name, str) else repr(name)}: " if name is not None else ""
+    return f"{where}{os_reason(exc)}"
+
+
+def _silence_stdout() -> None:
+    """Point fd 1 at /dev/null after a failed write to it, so the interpreter's exit-time flush
+    of what is still buffered cannot print a second error (``Exception ignored ... BrokenPipe``)."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+class ArgumentError(Dsv41Error):
+    """A command-line value is malformed before any command sees it: not UTF-8, empty, too long,
+    or a path naming something no command reads or writes (FIFO, socket, device, dangling
+    symlink). Exit 2, the usage-error code of argparse and click."""
+
+    exit_code = 2
+
+
+# Longest value accepted (bytes, UTF-8): PATH_MAX (4096, with its NUL) for paths; 64 KiB for any
+# other string, half the kernel's MAX_ARG_STRLEN (131072) - a longer value is a file's job.
+MAX_PATH_BYTES = 4095
+MAX_VALUE_BYTES = 65536
+
+_CONTROL = {c: f"\\x{c:02x}" for c in range(32) if c != 9} | {0x7F: "\\x7f"}
+
+
+def one_line(text: str) -> str:
+    """``text`` as one printable line: surrogate-escaped argument bytes and control characters
+    (newlines included) become backslash escapes, so an error naming a value stays one line."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8").translate(_CONTROL)
+
+
 def _say(line: str) -> None:
-    """Print ``line`` to stderr; argument bytes that are not UTF-8 (surrogate-escaped in
-    ``sys.argv``) are shown as backslash escapes whatever the stream's error handler is."""
-    print(line.encode("utf-8", "backslashreplace").decode("utf-8"), file=sys.stderr)
+    """Print ``line`` to stderr as one line (:func:`one_line`) whatever the stream's error handler."""
+    try:
+        print(one_line(line), file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # stderr itself is gone: nothing left to tell
+        pass
 
 
-def run_app(app, argv: list[str] | None = None) -> int:
+def _show(value: str, limit: int = 48) -> str:
+    shown = one_line(value[:limit])
+    return repr(shown) + ("..." if len(value) > limit else "")
+
+
+def check_argument(value: str, option: str, *, is_path: bool) -> None:
+    """Refuse one command-line value; raises :class:`ArgumentError` naming ``option``.
+
+    Every string value (options and positional arguments, any command) must be UTF-8 (Python
+    decodes other argv bytes to lone surrogates, PEP 383), non-empty, free of NUL, and at most
+    :data:`MAX_VALUE_BYTES` (:data:`MAX_PATH_BYTES` for a path). A path value must not name a
+    FIFO, socket or device (reading one blocks or never ends; writing one is never meant) nor a
+    dangling symlink; this looks with ``lstat``/``stat`` only, never opens the path.
+    """
+    import os
+    import stat
+
+    try:
+        raw = value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        shown = value.encode("utf-8", "surrogateescape")
+        raise ArgumentError(f"{option}: value is not valid UTF-8 at byte {len(value[:exc.start].encode('utf-8'))}: "
+                            f"{shown[:48]!r}{'...' if len(shown) > 48 else ''}") from None
+    if not raw:
+        raise ArgumentError(f"{option}: empty value; give a value or leave the option out")
+    if "\x00" in value:
+        raise ArgumentError(f"{option}: value contains a NUL byte: {_show(value)}")
+    limit = MAX_PATH_BYTES if is_path else MAX_VALUE_BYTES
+    if len(raw) > limit:
+        raise ArgumentError(f"{option}: value is {len(raw)} bytes, longer than the {limit} accepted: {_show(value)}")
+    if not is_path or value == "-":
+        return
+    try:
+        lst = os.lstat(value)
+    except OSError:
+        return  # absent (or unreachable): the command says what it needs
+    try:
+        st = os.stat(value)
+    except OSError:
+        if stat.S_ISLNK(lst.st_mode):
+            raise ArgumentError(f"{option}: {_show(value, 200)} is a dangling symlink") from None
+        return
+    for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(st.st_mode):
+            raise ArgumentError(f"{option}: {_show(value, 200)} is {what}, not a regular file or directory")
+
+
+def _walk(cmd, path):
+    yield path, cmd
+    for name, sub in sorted(getattr(cmd, "commands", {}).items()):
+        yield from _walk(sub, (*path, name))
+
+
+def iter_parameters(cmd):
+    """Every ``(command path, parameter)`` of a click command tree (typer's ``get_command``),
+    groups included; the parameter's ``type_descriptor`` says its annotation and whether it is a
+    path. What :func:`guard_arguments` wraps and what tests/unit/test_cli_arguments.py feeds."""
+    for path, c in _walk(cmd, ()):
+        for p in c.params:
+            yield path, p
+
+
+def option_name(param) -> str:
+    """How the command line spells ``param``: its longest ``--option`` or its ``METAVAR``."""
+    opts = [o for o in getattr(param, "opts", ()) if o.startswith("-")]
+    if opts:
+        return max(opts, key=len)
+    return (param.metavar or param.name or "ARGUMENT").upper()
+
+
+def guard_arguments(cmd) -> None:
+    """Route every value of every parameter of ``cmd`` (a click command tree) through
+    :func:`check_argument` before typer converts it; defaults are not checked (they are code)."""
+    from typer._click.core import ParameterSource
+
+    for path, p in iter_parameters(cmd):
+        if getattr(p, "_dsv41_guarded", False):
+            continue
+        original = p.process_value
+        is_path = bool(getattr(getattr(p, "type_descriptor", None), "is_path", False))
+        where = " ".join(path)
+        name = f"{where} {option_name(p)}".strip()
+
+        def process_value(ctx, value, _p=p, _original=original, _is_path=is_path, _name=name):
+            if ctx.get_parameter_source(_p.name) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP):
+                for v in (value if isinstance(value, (list, tuple)) else (value,)):
+                    if isinstance(v, str):
+                        check_argument(v, _name, is_path=_is_path)
+            return _original(ctx, value)
+
+        p.process_value = process_value
+        p._dsv41_guarded = True
+
+
+def run_app(app, argv: list[str] | None = None, *, command=None) -> int:
     """Run a typer ``app`` and return its exit code, turning expected failures into one line.
 
-    Usage errors, bad option values and :class:`Dsv41Error` print ``dsv41: error: <message>`` to
-    stderr and return 1 (or the error's ``exit_code``); no traceback.  Shared by the ``dsv41``
-    command and the standalone, torch-free proxy entry (``python -m dsv41.drafter.proxy_cli``).
+    Every parameter value first goes through :func:`check_argument` (:func:`guard_arguments`):
+    a malformed one exits 2 naming the option. Usage errors, bad option values and
+    :class:`Dsv41Error` print ``dsv41: error: <message>`` to stderr and return 1 (or the error's
+    ``exit_code``); an ``OSError`` (a closed pipe or a full disk on stdout, a file the command could
+    not write) prints one line and returns 1; no traceback. ``command``: the click command tree
+    of ``app``, when the caller built it already (tests that run many command lines). Shared by the
+    ``dsv41`` command, the standalone torch-free proxy entry (``python -m dsv41.drafter.proxy_cli``)
+    and ``python -m dsv41.engram.remote_cli``.
     """
     import typer
     from typer._click import exceptions as click_exc  # typer vendors click
+    from typer.main import get_command
 
+    cmd = command if command is not None else get_command(app)
+    guard_arguments(cmd)
+    out0, err0 = sys.stdout, sys.stderr
     try:
-        rv = app(args=argv, standalone_mode=False)
+        rv = cmd.main(args=argv, prog_name="dsv41", standalone_mode=False)
+        sys.stdout.flush()  # a full disk or a closed pipe on stdout is reported here, not at exit
+    except SystemExit:
+        if sys.stdout is out0:
+            raise
+        # typer met EPIPE on stdout: it swapped in flush-pacifying wrappers and exits 1 silently
+        sys.stdout, sys.stderr = out0, err0
+        _say("dsv41: error: cannot write to stdout: the reader closed the pipe")
+        _silence_stdout()
+        return 1
     except typer.Exit as exc:
         return int(exc.exit_code)
     except click_exc.NoArgsIsHelpError as exc:
@@ -64,8 +239,12 @@ def run_app(app, argv: list[str] | None = None) -> int:
     except Dsv41Error as exc:
         _say(f"dsv41: error: {exc}")
         return exc.exit_code
-    except BrokenPipeError:
-        return 0
+    except OSError as exc:  # stdout (EPIPE, ENOSPC) or any file the command did not wrap itself
+        line = os_error_line(exc)
+        _say(f"dsv41: error: {line}")
+        if line.startswith("cannot write to stdout"):
+            _silence_stdout()
+        return 1
     except KeyboardInterrupt:
         print("dsv41: error: interrupted", file=sys.stderr)
         return 130

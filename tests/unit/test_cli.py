@@ -99,7 +99,7 @@ def test_env_check_bad_paths(tmp_path: Path, capsys) -> None:
     _one_error(capsys, ["env", "check", tmp_path / "nope.env"], "does not exist")
     _one_error(capsys, ["env", "check", tmp_path], "is a directory")
     (tmp_path / "bin.env").write_bytes(b"\xff\xfe\x00junk")
-    _one_error(capsys, ["env", "check", tmp_path / "bin.env"], "cannot read it")
+    _one_error(capsys, ["env", "check", tmp_path / "bin.env"], "not UTF-8 text")
     _one_error(capsys, ["env", "check", "--tp", "0", tmp_path / "x"], "--tp")
 
 

@@ -144,7 +144,7 @@ def test_manifest_command_bad_files_and_out(capsys, tdir: Path, tmp_path: Path) 
     one_error(rc, err, "cannot write manifest")
     (tmp_path / "adir").mkdir()
     rc, _, err = run(capsys, *base, "--out", tmp_path / "adir")
-    one_error(rc, err, "Is a directory")
+    one_error(rc, err, "it is a directory")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir"]  # no temp file left behind
 
 

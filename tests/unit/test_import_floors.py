@@ -2,7 +2,8 @@
 
 Floors, bottom to top (a module may import its own floor and the floors below, never above):
 
-0. ground: ``errors``, ``envs``, ``tokenizer``, the ``dsv41`` package itself (version);
+0. ground: ``errors``, ``envs``, ``fileio`` (every file read and write), ``tokenizer``, the
+   ``dsv41`` package itself (version);
 1. ``transport`` (row wire protocol, TCP/NIXL);
 2. ``version`` (reports the install, including the native transport extension);
 3. ``engram`` (tables, manifest, row sources, table server);
@@ -26,7 +27,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[2] / "python" / "dsv41"
 
 FLOORS: list[tuple[str, ...]] = [
-    ("errors", "envs", "tokenizer", "__init__"),
+    ("errors", "envs", "fileio", "tokenizer", "__init__"),
     ("transport",),
     ("version",),
     ("engram",),

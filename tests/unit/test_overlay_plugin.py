@@ -162,7 +162,7 @@ def test_bad_contract_files(tmp_path: Path, text: str, msg: str) -> None:
     p.write_text(text)
     with pytest.raises(ConfigError, match=msg):
         C.load(p)
-    with pytest.raises(ConfigError, match="No such file"):
+    with pytest.raises(ConfigError, match="does not exist"):
         C.load(tmp_path / "absent.json")
 
 

@@ -360,7 +360,7 @@ def test_local_facts_json(tmp_path):
     _manifest(tmp_path / "tables" / "manifest.json")
     ctl = _fake_supervisorctl(tmp_path, "dsv41-serve RUNNING pid 1")
     r = _dsv41("status", "--local", "--json", "--service-manager", "supervisor", "--supervisorctl", ctl,
-               "--root", str(tmp_path), "--container-runtime", "")
+               "--root", str(tmp_path), "--container-runtime", str(tmp_path / "no-docker"))
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["services"] == {"dsv41-serve": "RUNNING"}
 

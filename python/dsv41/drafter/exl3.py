@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from dsv41 import fileio
 from dsv41.engine.spec_decode import TOP_K
 from dsv41.errors import ConfigError, Dsv41Error
 
@@ -54,7 +56,7 @@ def exl3_identities(model_dir: str | Path) -> dict:
     h = hashlib.sha256(b"dsv41-exl3/1")
     for p in files:
         fh = hashlib.sha256()
-        with open(p, "rb") as f:
+        with fileio.open_input(p, "exl3 drafter file", error=ConfigError) as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 fh.update(chunk)
         h.update(p.name.encode() + b"\0" + fh.digest())
@@ -64,11 +66,11 @@ def exl3_identities(model_dir: str | Path) -> dict:
 
 
 def _sidecar(d: Path) -> dict:
+    if not os.path.lexists(d / SIDECAR):
+        raise ConfigError(f"exl3 drafter: {d / SIDECAR} not found (write it next to the EXL3 model)")
     try:
-        side = json.loads((d / SIDECAR).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"exl3 drafter: {d / SIDECAR} not found (write it next to the EXL3 model)") from None
-    except (OSError, ValueError) as exc:
+        side = json.loads(fileio.read_text(d / SIDECAR, "exl3 drafter sidecar", error=ConfigError))
+    except ValueError as exc:
         raise ConfigError(f"exl3 drafter: cannot read {d / SIDECAR}: {exc}") from None
     if not isinstance(side, dict) or side.get("format") != FORMAT:
         raise ConfigError(f"exl3 drafter: {d / SIDECAR} is not a {FORMAT} file")

@@ -263,43 +263,44 @@ def save_drafter(model, cfg: DrafterConfig, out_dir: str | os.PathLike) -> dict:
     """Write ``drafter.json`` + ``drafter.safetensors`` into ``out_dir``; returns identities."""
     from safetensors.torch import save_file
 
+    from dsv41 import fileio
+
     out = Path(out_dir)
     tensors = {k: v.detach().to("cpu", dtype=_torch().float32).contiguous() for k, v in model.state_dict().items()}
     try:
         out.mkdir(parents=True, exist_ok=True)
-        tmp_w = out / (WEIGHTS_NAME + ".tmp")
-        save_file(tensors, str(tmp_w), metadata={"format": FORMAT})
-        os.replace(tmp_w, out / WEIGHTS_NAME)
-        tmp_c = out / (CONFIG_NAME + ".tmp")
-        tmp_c.write_text(cfg.to_json() + "\n")
-        os.replace(tmp_c, out / CONFIG_NAME)
     except OSError as exc:
         raise Dsv41Error(f"drafter: cannot write {out}: {exc}") from None
+    # both staged before either is renamed: a full disk leaves the old pair, never a mixed one
+    with fileio.atomic_path(out / WEIGHTS_NAME, "drafter weights") as tmp_w:
+        save_file(tensors, str(tmp_w), metadata={"format": FORMAT})
+        staged_cfg = fileio.stage(out / CONFIG_NAME, cfg.to_json() + "\n", "drafter config")
+    staged_cfg.commit()
     return identities(out)
 
 
 def load_config(drafter_dir: str | os.PathLike) -> DrafterConfig:
     """Read and validate ``DIR/drafter.json``; :class:`ConfigError` when missing or invalid."""
+    from dsv41 import fileio
+
     p = Path(drafter_dir) / CONFIG_NAME
-    try:
-        d = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"drafter: {p} not found (expected a directory made by `dsv41 drafter train`)") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"drafter: cannot read {p}: {exc}") from None
+    if not os.path.lexists(p):
+        raise ConfigError(f"drafter: {p} not found (expected a directory made by `dsv41 drafter train`)")
+    d = fileio.read_json(p, "drafter config", error=ConfigError)
     if not isinstance(d, dict):
         raise ConfigError(f"drafter: {p} is not a JSON object")
     return DrafterConfig.from_dict(d)
 
 
 def _file_sha(path: Path) -> bytes:
+    from dsv41 import fileio
+
     h = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    except FileNotFoundError:
-        raise ConfigError(f"drafter: {path} not found") from None
+    if not os.path.lexists(path):
+        raise ConfigError(f"drafter: {path} not found")
+    with fileio.open_input(path, "drafter file", error=ConfigError) as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
     return h.digest()
 
 
@@ -311,7 +312,11 @@ def identities(drafter_dir: str | os.PathLike) -> dict:
     """
     d = Path(drafter_dir)
     cfg = load_config(d)
-    canon = json.dumps(json.loads((d / CONFIG_NAME).read_text()), sort_keys=True, separators=(",", ":")).encode()
+    from dsv41 import fileio
+
+    canon = json.dumps(fileio.read_json(d / CONFIG_NAME, "drafter config", error=ConfigError), sort_keys=True,
+                       separators=(",", ":")).encode()
+    fileio.check_input(d / WEIGHTS_NAME, "drafter weights", error=ConfigError)
     drafter = hashlib.sha256(b"dsv41-drafter/1" + _sha(canon) + _file_sha(d / WEIGHTS_NAME)).hexdigest()
     from safetensors.numpy import load_file
 
@@ -332,8 +337,12 @@ def load_model(drafter_dir: str | os.PathLike, device: str = "cpu"):
     """Load (config, model in eval mode on ``device``); :class:`ConfigError` on bad files."""
     from safetensors.torch import load_file
 
+    from dsv41 import fileio
+
     cfg = load_config(drafter_dir)
     model = DrafterModel(cfg)
+    if os.path.lexists(Path(drafter_dir) / WEIGHTS_NAME):
+        fileio.check_input(Path(drafter_dir) / WEIGHTS_NAME, "drafter weights", error=ConfigError)
     try:
         sd = load_file(str(Path(drafter_dir) / WEIGHTS_NAME))
     except FileNotFoundError:

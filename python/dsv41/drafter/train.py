@@ -77,9 +77,11 @@ def make_row_source(config_path: str, manifest: str | None, data: str | None, ta
         from dsv41.engram.reader import LocalRowReader
 
         return LocalRowSource(LocalRowReader(load_manifest(manifest), data))
+    from dsv41 import fileio
+
     try:
-        cfg = json.loads(Path(config_path).read_text())
-    except (OSError, ValueError) as exc:
+        cfg = json.loads(fileio.read_text(config_path, "model config", error=ConfigError))
+    except ValueError as exc:
         raise ConfigError(f"cannot read model config {config_path}: {exc}") from None
     return SyntheticRowSource(cfg, tables_seed)
 

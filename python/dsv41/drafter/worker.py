@@ -306,12 +306,13 @@ def serve(drafter_dir: str, listen: str, *, target_identity: str = "", device: s
         except ValueError:  # not the main thread (tests): the stop event is enough
             pass
     if ready_file:
+        from dsv41 import fileio
+
         try:
-            with open(ready_file, "w") as f:
-                f.write(f"tcp://{worker.address[0]}:{worker.address[1]}\n")
-        except OSError as exc:
+            fileio.atomic_write(ready_file, f"tcp://{worker.address[0]}:{worker.address[1]}\n", "drafter serve --ready-file")
+        except Dsv41Error:
             worker.stop()
-            raise Dsv41Error(f"drafter serve: cannot write --ready-file {ready_file}: {exc}") from None
+            raise
     print(f"drafter worker ready on tcp://{worker.address[0]}:{worker.address[1]} "
           f"drafter={worker.hello.drafter_identity} markov={worker.hello.markov_identity} "
           f"target={worker.hello.target_identity}", flush=True)

@@ -31,6 +31,10 @@ class HoldFileError(Dsv41Error):
     """The hold file exists but cannot be read or is not a fenced HOLD record."""
 
 
+class HoldWriteError(HoldFileError, OSError):
+    """The hold file could not be written (an ``OSError``, as the callers that keep the HOLD expect)."""
+
+
 @dataclass(frozen=True)
 class HoldRecord:
     """One fenced HOLD: ``since`` (Unix time, seconds) and ``window`` (the admitted token)."""
@@ -47,12 +51,18 @@ def read_hold(path: str | os.PathLike) -> HoldRecord | None:
     JSON, or is not ``{"since": number, "window": token}`` with a token matching
     :data:`WINDOW_TOKEN_RE`.
     """
+    from dsv41 import fileio
+
     p = Path(path)
     try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
+        os.stat(p)
     except (FileNotFoundError, NotADirectoryError):  # no record can exist there
         return None
-    except (OSError, ValueError) as exc:
+    except OSError:
+        pass  # fileio says why
+    try:
+        doc = json.loads(fileio.read_text(p, "admission hold file", max_bytes=1 << 16, error=HoldFileError))
+    except ValueError as exc:
         raise HoldFileError(f"admission hold file {p} unreadable ({exc})") from None
     token = doc.get("window") if isinstance(doc, dict) else None
     since = doc.get("since") if isinstance(doc, dict) else None
@@ -63,13 +73,15 @@ def read_hold(path: str | os.PathLike) -> HoldRecord | None:
 
 
 def write_hold(path: str | os.PathLike, record: HoldRecord) -> None:
-    """Keep ``record`` in ``path`` atomically (temporary file, then rename; parents created).
-    Raises OSError when it cannot be written."""
+    """Keep ``record`` in ``path`` atomically (:func:`dsv41.fileio.atomic_write`; parents created).
+    Raises OSError (:class:`HoldWriteError`) when it cannot be written, ``path`` included when it is
+    not a regular file (a FIFO, a directory, a symlink)."""
+    from dsv41 import fileio
+
     p = Path(path)
-    tmp = p.with_name(p.name + ".tmp")
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp.write_text(json.dumps({"since": record.since, "window": record.window}), encoding="utf-8")
-    os.replace(tmp, p)
+    fileio.atomic_write(p, json.dumps({"since": record.since, "window": record.window}), "admission hold file",
+                        error=HoldWriteError)
 
 
 def remove_hold(path: str | os.PathLike) -> None:

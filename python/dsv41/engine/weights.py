@@ -154,15 +154,16 @@ def save_weights(cfg: ModelConfig, weights: dict, meta: dict, out: str | os.Path
     """Write ``weights`` to safetensors at ``out`` (atomic rename). Raises ``Dsv41Error`` on I/O."""
     from safetensors.torch import save_file
 
+    from dsv41 import fileio
+
     out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
     md = {"format": "dsv41-lab-target-v1", "seed": str(cfg.seed), **meta}
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: weights[k] for k in weight_names(cfg)}, str(tmp), metadata=md)
-        os.replace(tmp, out)
     except OSError as exc:
         raise Dsv41Error(f"cannot write weights to {out}: {exc}") from None
+    with fileio.atomic_path(out, "weights") as tmp:
+        save_file({k: weights[k] for k in weight_names(cfg)}, str(tmp), metadata=md)
 
 
 def load_weights(cfg: ModelConfig, path: str | os.PathLike) -> dict:
@@ -173,9 +174,12 @@ def load_weights(cfg: ModelConfig, path: str | os.PathLike) -> dict:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    from dsv41 import fileio
+
     p = Path(path)
-    if not p.is_file():
+    if not os.path.lexists(p):
         raise Dsv41Error(f"weights file {p} does not exist (run `dsv41 engine init-weights`)")
+    fileio.check_input(p, "weights file")
     try:
         w = load_file(str(p))
     except (SafetensorError, OSError, ValueError) as exc:
@@ -219,11 +223,10 @@ def target_identity(config_path: str | os.PathLike, weights_path: str | os.PathL
     cannot be read.
     """
     h = hashlib.sha256()
+    from dsv41 import fileio
+
     for p in (config_path, weights_path):
-        try:
-            with open(p, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    h.update(chunk)
-        except OSError as exc:
-            raise Dsv41Error(f"cannot read {p}: {exc}") from None
+        with fileio.open_input(p) as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
     return h.hexdigest()

@@ -61,12 +61,9 @@ def load_model_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> di
     else:
         p = Path(path_or_dict)
         where = str(p)
-        try:
-            text = p.read_text()
-        except FileNotFoundError:
-            raise ConfigError(f"model config {p} does not exist") from None
-        except OSError as exc:
-            raise ConfigError(f"cannot read model config {p}: {exc.strerror or exc}") from None
+        from dsv41 import fileio
+
+        text = fileio.read_text(p, "model config", error=ConfigError)
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as exc:

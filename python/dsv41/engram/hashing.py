@@ -50,17 +50,21 @@ def check_token_map(token_map: np.ndarray, expected: str = REAL_TOKEN_MAP_SHA256
 def load_token_map(path: str | os.PathLike) -> np.ndarray:
     """Load a token map: JSON list of ints, JSON object with key ``token_map``, ``.npy``, or raw
     little-endian int32 (``.bin``).  Returns int32[V].  ConfigError on anything else."""
+    from dsv41 import fileio
+
     p = Path(path)
     try:
         if p.suffix == ".npy":
-            arr = np.load(p)
+            import io
+
+            arr = np.load(io.BytesIO(fileio.read_bytes(p, "token map", error=ConfigError)))
         elif p.suffix == ".bin":
-            raw = p.read_bytes()
+            raw = fileio.read_bytes(p, "token map", error=ConfigError)
             if len(raw) % 4:
                 raise ConfigError(f"token map {p}: size {len(raw)} is not a multiple of 4 (int32)")
             arr = np.frombuffer(raw, dtype="<i4")
         else:
-            data = json.loads(p.read_text())
+            data = json.loads(fileio.read_text(p, "token map", error=ConfigError))
             if isinstance(data, dict):
                 if "token_map" not in data:
                     raise ConfigError(f"token map {p}: JSON object has no key 'token_map'")

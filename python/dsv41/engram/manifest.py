@@ -118,18 +118,13 @@ class Manifest:
                 "files": self.files, "tables": [t.to_dict() for t in self.tables]}
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write atomically (temp file + rename) as indented JSON; VerificationError (a
-        Dsv41Error) when ``path`` cannot be written (no temp file is left behind)."""
+        """Write atomically as indented JSON (:func:`dsv41.fileio.atomic_write`: only over a regular
+        file or an absent path); VerificationError (a Dsv41Error) when ``path`` cannot be written
+        (no temp file is left behind, the old file is untouched)."""
+        from dsv41 import fileio
+
         p = Path(path)
-        tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
-        try:
-            if p.is_dir():
-                raise IsADirectoryError(21, "Is a directory")
-            tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-            os.replace(tmp, p)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise VerificationError(f"cannot write manifest {p}: {exc.strerror or exc}") from None
+        fileio.atomic_write_json(p, self.to_dict(), "manifest", error=VerificationError)
         self.path = p
 
 
@@ -198,17 +193,12 @@ def manifest_from_dict(doc: Any, where: str = "manifest") -> Manifest:
 def load_manifest(path: str | os.PathLike) -> Manifest:
     """Read and validate a manifest file.  VerificationError when it is missing, not JSON, fails
     the schema, or is inconsistent (see :func:`manifest_from_dict`)."""
+    from dsv41 import fileio
+
     p = Path(path)
-    try:
-        doc = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise VerificationError(f"manifest {p} does not exist") from None
-    except IsADirectoryError:
-        raise VerificationError(f"manifest {p} is a directory") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise VerificationError(f"cannot read manifest {p}: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise VerificationError(f"manifest {p} is not valid JSON: {exc}") from None
+    if not os.path.lexists(p):
+        raise VerificationError(f"manifest {p} does not exist")
+    doc = fileio.read_json(p, "manifest", error=VerificationError)
     m = manifest_from_dict(doc, f"manifest {p}")
     m.path = p
     return m
@@ -302,9 +292,11 @@ def manifest_digest(m: Manifest) -> str:
 def _load_cache(path: Path, digest: str) -> dict[str, Any]:
     """Cached ``{file: key}`` for this manifest; empty when absent, unreadable, another format
     or another manifest (never an error: a bad cache only costs a re-hash)."""
+    from dsv41 import fileio
+
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
+        doc = fileio.read_json(path)
+    except fileio.FileError:
         return {}
     if not isinstance(doc, dict) or doc.get("format") != CACHE_FORMAT or doc.get("manifest_sha256") != digest:
         return {}
@@ -315,20 +307,14 @@ def _load_cache(path: Path, digest: str) -> dict[str, Any]:
 def _save_cache(path: Path, digest: str, files: dict[str, Any]) -> None:
     """Write the cache atomically (temp file, mode 0600, + rename); VerificationError if it
     cannot be written (the verification result itself stands)."""
-    import tempfile
+    from dsv41 import fileio
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".verify-cache.")
     except OSError as exc:
         raise VerificationError(f"cannot write verify cache {path}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"format": CACHE_FORMAT, "manifest_sha256": digest, "files": files}, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise VerificationError(f"cannot write verify cache {path}: {exc.strerror or exc}") from None
+    fileio.atomic_write_json(path, {"format": CACHE_FORMAT, "manifest_sha256": digest, "files": files},
+                             "verify cache", sort_keys=True, error=VerificationError, mode=0o600)
 
 
 def verify(manifest: Manifest | str | os.PathLike, data_dir: str | os.PathLike | None = None,

@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dsv41.errors import Dsv41Error
+from dsv41.errors import Dsv41Error, run_app
 
 
 class _Terminated(BaseException):
@@ -128,17 +128,8 @@ def register(app: typer.Typer) -> None:
 def _standalone() -> int:
     app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
     register(app)
-    from typer._click import exceptions as click_exc
 
-    try:
-        app(args=sys.argv[1:], standalone_mode=False)
-    except click_exc.ClickException as exc:
-        print(f"dsv41: error: {exc.format_message()}", file=sys.stderr)
-        return 1
-    except Dsv41Error as exc:
-        print(f"dsv41: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    return 0
+    return run_app(app, sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -430,11 +430,6 @@ def clear_stale_ready_file(path: str | os.PathLike) -> None:
 
 def write_ready_file(path: str | os.PathLike, info: dict) -> None:
     """Write ``info`` as JSON atomically (temp + rename) so a watcher never reads half a file."""
-    p = Path(path)
-    tmp = p.with_name(p.name + f".tmp{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(info, indent=1) + "\n")
-        os.replace(tmp, p)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise Dsv41Error(f"cannot write ready file {p}: {exc.strerror or exc}") from None
+    from dsv41 import fileio
+
+    fileio.atomic_write_json(path, info, "ready file")

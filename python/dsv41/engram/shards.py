@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
+from dsv41 import fileio
 from dsv41.errors import Dsv41Error, VerificationError
 
 __all__ = [
@@ -163,7 +164,7 @@ def read_safetensors_header(path: str | os.PathLike, *, validate: bool = True) -
     no duplicate key); :func:`validate_header` then does the rest."""
     p = Path(path)
     try:
-        with open(p, "rb") as f:
+        with fileio.open_input(p, error=VerificationError) as f:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode):
                 raise VerificationError(f"{p}: not a regular file")

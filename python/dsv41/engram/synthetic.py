@@ -186,6 +186,8 @@ def _is_synthetic_shard(path: Path) -> bool:
 def _check_replaceable(out: Path, names: list[str]) -> None:
     """Refuse (Dsv41Error) when writing ``names`` + manifest.json into ``out`` would replace a
     file that is not earlier make-tables output (e.g. a real checkpoint shard)."""
+    from dsv41 import fileio
+
     for name in names:
         p = out / name
         if os.path.lexists(p) and not (p.is_file() and _is_synthetic_shard(p)):
@@ -193,8 +195,8 @@ def _check_replaceable(out: Path, names: list[str]) -> None:
     mp = out / "manifest.json"
     if os.path.lexists(mp):
         try:
-            doc = json.loads(mp.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            doc = fileio.read_json(mp)
+        except fileio.FileError:
             doc = None
         files = doc.get("files") if isinstance(doc, dict) and doc.get("format") == "dsv41-engram-manifest" else None
         if not isinstance(files, list):
@@ -238,6 +240,10 @@ def write_synthetic_tables(cfg: Any, out_dir: str | os.PathLike, seed: int = 0, 
     except OSError as exc:
         raise Dsv41Error(f"cannot create output directory {out}: {exc.strerror or exc}") from None
     names = shard_names(n_layers)
+    from dsv41 import fileio
+
+    for name in [*names, "manifest.json"]:
+        fileio.check_output(out / name, "make-tables --out")  # never a FIFO, device, dir or symlink, even with --force
     if not force:
         _check_replaceable(out, names)
     rows_of = [layout.rows[li] if rows_override is None else rows_override[li] for li in range(n_layers)]

@@ -29,16 +29,9 @@ MAX_BYTES = 1 << 20  # an env file is a few hundred bytes; refuse to slurp a wro
 def read_env_file(path: Path) -> dict[str, str]:
     """``KEY=VALUE`` pairs of ``path`` in file order. Raises :class:`Dsv41Error` naming the file
     and line of the first malformed line or repeated key, or an unreadable file."""
-    try:
-        if path.stat().st_size > MAX_BYTES:
-            raise Dsv41Error(f"env file {path}: larger than {MAX_BYTES} bytes; not an env file")
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise Dsv41Error(f"env file {path} does not exist") from None
-    except IsADirectoryError:
-        raise Dsv41Error(f"env file {path} is a directory") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise Dsv41Error(f"env file {path}: cannot read it: {exc}") from None
+    from dsv41 import fileio
+
+    text = fileio.read_text(path, "env file", max_bytes=MAX_BYTES)
     return envs.parse_env_text(text, str(path))
 
 

@@ -97,12 +97,14 @@ def manifest_facts(path: str | os.PathLike) -> dict | None:
     p = Path(path)
     if not p.exists():
         return None
+    from dsv41 import fileio
+
     try:
-        raw = p.read_bytes()
+        raw = fileio.read_bytes(p, "manifest")
         doc = json.loads(raw)
         return {"revision": str(doc.get("revision", "?")), "sha256": hashlib.sha256(raw).hexdigest(),
                 "tables": {str(t["layer_id"]): str(t["identity"]) for t in doc.get("tables", [])}}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (fileio.FileError, OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return {"error": f"{p}: {exc}"[:300]}
 
 
@@ -128,8 +130,10 @@ def promotion_facts(packages_dir: str | os.PathLike) -> str | None:
         if cur.is_symlink():
             return Path(os.readlink(cur)).name
         if cur.is_file():
-            return cur.read_text().strip() or None
-    except OSError as exc:
+            from dsv41 import fileio
+
+            return fileio.read_text(cur, max_bytes=4096).strip() or None
+    except (OSError, Dsv41Error) as exc:
         return f"unreadable: {exc}"
     return None
 
@@ -286,7 +290,9 @@ def last_window(windows_dir: str | os.PathLike | None) -> dict | None:
         return None
     path = files[-1]
     try:
-        doc = json.loads(Path(path).read_text())
+        from dsv41 import fileio
+
+        doc = fileio.read_json(path, "window decision")
         verdict = doc.get("verdict", doc.get("decision")) if isinstance(doc, dict) else None
         if isinstance(verdict, dict):  # what `dsv41 window run` writes: {"decision": {"verdict": ...}}
             verdict = verdict.get("verdict")

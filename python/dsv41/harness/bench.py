@@ -70,13 +70,9 @@ def _env_greedy_prompts_file(env: Mapping[str, str] | None = None) -> str | None
 
 
 def _read_json(path: str | os.PathLike, what: str) -> Any:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except OSError as exc:
-        raise BenchError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BenchError(f"{what} {path} is not JSON: {exc}") from None
+    from dsv41 import fileio
+
+    return fileio.read_json(path, what, error=BenchError)
 
 
 def load_spec(path: str | None = None, env: Mapping[str, str] | None = None) -> dict:

@@ -60,9 +60,9 @@ def run(
                 interrupted = True
         after = bench.snapshot_metrics(urls) if urls and not interrupted else {}
         if out:
-            with open(out, "w", encoding="utf-8") as fh:
-                for r in results:
-                    fh.write(json.dumps(r.to_dict()) + "\n")
+            from dsv41 import fileio
+
+            fileio.atomic_write(out, "".join(json.dumps(r.to_dict()) + "\n" for r in results), "bench run --out")
         summary = {"spec": sp["name"], "spec_source": sp["source"], "endpoint": endpoint, "model": model,
                    "smoke": smoke, "summary": bench.summarize(results), "interrupted": interrupted,
                    "metrics_delta": bench.metrics_delta(before, after) if after else {}}

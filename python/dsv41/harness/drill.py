@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 from urllib.parse import urlsplit
 
+from dsv41 import fileio
 from dsv41.errors import Dsv41Error
 
 FORMAT = "dsv41-drill-report/1"
@@ -729,7 +730,7 @@ def plot_timeline(report: dict, path: str | Path) -> None:
         fig = plt.figure(figsize=(6, 1.5))
         fig.text(0.5, 0.5, f"drill {report['id']}: no fault ran ({report.get('error') or 'nothing requested'})",
                  ha="center", va="center", fontsize=8)
-        fig.savefig(path, dpi=90)
+        fileio.atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=90), "drill timeline")
         plt.close(fig)
         return
     fig, axes = plt.subplots(len(faults), 1, figsize=(10, 2.6 * max(1, len(faults))), squeeze=False)
@@ -752,7 +753,7 @@ def plot_timeline(report: dict, path: str | Path) -> None:
         ax.legend(h1 + h2, l1 + l2, loc="upper left", fontsize=7)
     axes[-1, 0].set_xlabel("seconds since the drill started")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fileio.atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=90), "drill timeline")
     plt.close(fig)
 
 
@@ -762,8 +763,10 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, str]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"report": out / "report.json", "summary": out / "summary.md", "timeline": out / "timeline.png"}
-    paths["report"].write_text(json.dumps(report, indent=1) + "\n")
-    paths["summary"].write_text(summary_markdown(report))
+    from dsv41 import fileio
+
+    fileio.atomic_write_json(paths["report"], report, "drill report")
+    fileio.atomic_write(paths["summary"], summary_markdown(report), "drill summary")
     plot_timeline(report, paths["timeline"])
     return {k: str(v) for k, v in paths.items()}
 

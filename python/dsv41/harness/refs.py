@@ -16,9 +16,7 @@ The refs file (JSON): ``{"format": "dsv41-greedy-refs/1", "model": str, "max_tok
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -144,13 +142,9 @@ def run_prompts(endpoint: str, model: str | None = None, max_tokens: int = DEFAU
 
 def load_refs(path: str | os.PathLike) -> dict:
     """Read and check a refs file; RefsError naming the file on any problem."""
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except OSError as exc:
-        raise RefsError(f"cannot read refs {path}: {exc.strerror}") from exc
-    except ValueError as exc:
-        raise RefsError(f"refs {path} is not JSON: {exc}") from exc
+    from dsv41 import fileio
+
+    doc = fileio.read_json(path, "refs", error=RefsError)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise RefsError(f"refs {path} is not a {FORMAT} file")
     prompts = doc.get("prompts")
@@ -165,20 +159,17 @@ def load_refs(path: str | os.PathLike) -> dict:
 
 
 def save_refs(doc: dict, path: str | os.PathLike) -> None:
-    """Write atomically (temp file + rename in the same directory)."""
+    """Write atomically (:func:`dsv41.fileio.atomic_write`: only over a regular file or an absent
+    path; parents created); RefsError when it cannot be written (the old file is kept)."""
+    from dsv41 import fileio
+
     path = os.fspath(path)
     d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".refs.")
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        os.makedirs(d, exist_ok=True)
+    except OSError as exc:
+        raise RefsError(f"cannot create the directory of refs {path}: {exc.strerror or exc}") from None
+    fileio.atomic_write_json(path, doc, "refs", error=RefsError)
 
 
 def compare(recorded: dict, current: dict) -> Comparison:

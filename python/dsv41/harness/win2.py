@@ -47,7 +47,6 @@ import datetime as _dt
 import json
 import math
 import os
-import tempfile
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -138,11 +137,9 @@ def classify(lo: float, hi: float, min_effect: float) -> str:
 
 def load_cells(path: str) -> list[dict]:
     """Read a cells JSON-lines file; ``Win2Error`` naming the file and line on anything unreadable."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            lines = fh.readlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise Win2Error(f"cannot read cells file {path}: {exc}") from None
+    from dsv41 import fileio
+
+    lines = fileio.read_text(path, "cells file", error=Win2Error).splitlines()
     cells = []
     for i, line in enumerate(lines, 1):
         if not line.strip():
@@ -424,14 +421,12 @@ def question_key(candidate: str, metric: str) -> str:
 
 
 def _load_questions(state_dir: str) -> dict:
+    from dsv41 import fileio
+
     path = os.path.join(state_dir, QUESTIONS_FILE)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            doc = json.load(fh)
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return {}
-    except (OSError, ValueError) as exc:
-        raise Win2Error(f"cannot read the window cap state {path}: {exc}") from None
+    doc = fileio.read_json(path, "the window cap state", error=Win2Error)
     if not isinstance(doc, dict) or not all(isinstance(v, list) for v in doc.values()):
         raise Win2Error(f"{path}: expected an object of question -> list of windows")
     return doc
@@ -456,18 +451,31 @@ def check_cap(state_dir: str, candidate: str, metric: str) -> int:
 
 
 def record_window(state_dir: str, candidate: str, metric: str, window_id: str, verdict: str) -> None:
-    """Append a finished window to the cap state (atomic replace of ``questions.json``)."""
+    """Append a finished window to the cap state (:func:`dsv41.fileio.atomic_write` of
+    ``questions.json``: a failed write leaves the old state, the window not counted).
+    Raises Win2Error."""
+    stage_window(state_dir, candidate, metric, window_id, verdict).commit()
+
+
+def stage_window(state_dir: str, candidate: str, metric: str, window_id: str, verdict: str):
+    """The cap state with this window appended, written beside ``questions.json`` but not yet in
+    place (a :class:`dsv41.fileio.Staged`: ``commit()`` counts the window, ``discard()`` drops it).
+    ``dsv41 window run`` stages the cap and the decision, then commits both, so neither is kept
+    without the other. Raises Win2Error."""
+    from dsv41 import fileio
+
     if verdict not in VERDICTS:
         raise Win2Error(f"unknown verdict {verdict!r}")
-    os.makedirs(state_dir, exist_ok=True)
+    try:
+        os.makedirs(state_dir, exist_ok=True)
+    except OSError as exc:
+        raise Win2Error(f"cannot create the window cap state directory {state_dir}: {exc.strerror or exc}") from None
     doc = _load_questions(state_dir)
     doc.setdefault(question_key(candidate, metric), []).append(
         {"window": window_id, "verdict": verdict,
          "at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")})
-    fd, tmp = tempfile.mkstemp(dir=state_dir, prefix=".questions.")
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, indent=1, sort_keys=True)
-    os.replace(tmp, os.path.join(state_dir, QUESTIONS_FILE))
+    return fileio.stage(os.path.join(state_dir, QUESTIONS_FILE), json.dumps(doc, indent=1, sort_keys=True),
+                        "the window cap state", error=Win2Error)
 
 
 # ---- calibration: simulated windows -------------------------------------------------------------

@@ -122,7 +122,9 @@ def run_cells(plan: list[dict], endpoints: dict[str, str], model: str, sampler: 
 
     client = new_client()
     try:
-        with open(out_path, "a", encoding="utf-8") as fh:
+        from dsv41 import fileio
+
+        with fileio.Appender(out_path, "cells file", error=WindowError) as fh:  # a cell is kept whole or not at all
             for c in plan:
                 rec = None
                 if c["arm"] != arm_now:
@@ -361,8 +363,14 @@ def _ecdf(ax, values, label):
         ax.step(v, [(i + 1) / len(v) for i in range(len(v))], where="post", label=label)
 
 
-def write_report(wdir: str, decision: win2.Decision, cells: list[dict], meta: dict) -> list[str]:
+def write_report(wdir: str, decision: win2.Decision, cells: list[dict], meta: dict, cap=None) -> list[str]:
     """Write ``decision.json``, ``summary.md`` and the PNG plots into ``wdir``; returns the files.
+
+    ``cap``: a callable returning the staged two-window cap update (:func:`win2.stage_window`).
+    The decision is staged first (a full disk fails here, nothing kept, the window not counted),
+    then the cap; both are renamed into place together, and if the cap cannot be put in place the
+    decision is removed again: a decision is kept exactly when its window is counted.
+    Raises Dsv41Error (``fileio.FileError`` / ``Win2Error``).
 
     Plots (matplotlib, Agg): per-pair log-ratios as fractions with the CI and the +-min_effect
     band (``pairs.png``), CDFs of per-request step_ms p50 and TTFT per arm (``cdf.png``), and
@@ -372,11 +380,30 @@ def write_report(wdir: str, decision: win2.Decision, cells: list[dict], meta: di
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from dsv41 import fileio
+
     os.makedirs(wdir, exist_ok=True)
     files = []
     doc = {"decision": decision.to_dict(), **meta}
-    with open(os.path.join(wdir, "decision.json"), "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, indent=1)
+    decision_path = os.path.join(wdir, "decision.json")
+    staged = fileio.stage(decision_path, json.dumps(doc, indent=1) + "\n", "window decision")
+    try:
+        staged_cap = cap() if cap is not None else None
+    except BaseException:
+        staged.discard()
+        raise
+    try:
+        staged.commit()
+    except BaseException:
+        if staged_cap is not None:
+            staged_cap.discard()
+        raise
+    if staged_cap is not None:
+        try:
+            staged_cap.commit()
+        except BaseException:
+            os.unlink(decision_path)  # not counted, so not decided: the window can be run again
+            raise
     files.append("decision.json")
     pairs, _ = win2.pair_log_ratios([c for c in cells if c.get("ok")], decision.metric)
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -392,7 +419,8 @@ def write_report(wdir: str, decision: win2.Decision, cells: list[dict], meta: di
     ax.set_title(f"{meta.get('window_id', '')}: {decision.verdict}")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(wdir, "pairs.png"), dpi=100)
+    fileio.atomic_write(os.path.join(wdir, "pairs.png"), lambda f: fig.savefig(f, format="png", dpi=100),
+                        "window plot")
     plt.close(fig)
     files.append("pairs.png")
     fig, axs = plt.subplots(1, 2, figsize=(9, 3.5))
@@ -406,7 +434,8 @@ def write_report(wdir: str, decision: win2.Decision, cells: list[dict], meta: di
         a.set_ylabel("CDF")
         a.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(wdir, "cdf.png"), dpi=100)
+    fileio.atomic_write(os.path.join(wdir, "cdf.png"), lambda f: fig.savefig(f, format="png", dpi=100),
+                        "window plot")
     plt.close(fig)
     files.append("cdf.png")
     prompts = sorted({c["prompt_id"] for c in cells})
@@ -425,7 +454,8 @@ def write_report(wdir: str, decision: win2.Decision, cells: list[dict], meta: di
     ax.set_ylabel("tokens per step (1 + accepted drafts)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(wdir, "acceptance.png"), dpi=100)
+    fileio.atomic_write(os.path.join(wdir, "acceptance.png"), lambda f: fig.savefig(f, format="png", dpi=100),
+                        "window plot")
     plt.close(fig)
     files.append("acceptance.png")
     d = decision
@@ -452,8 +482,7 @@ def write_report(wdir: str, decision: win2.Decision, cells: list[dict], meta: di
         lines.append(f"| {cat} | {e['verdict']} | {e['effect']:+.2%} | [{e['ci'][0]:+.2%}, {e['ci'][1]:+.2%}] | "
                      f"{e.get('alpha_adjusted', d.alpha):.4g} | [{desc['ci'][0]:+.2%}, {desc['ci'][1]:+.2%}] | "
                      f"{e['n_pairs']} |")
-    with open(os.path.join(wdir, "summary.md"), "w", encoding="utf-8") as fh:
-        fh.write("\n".join(lines) + "\n")
+    fileio.atomic_write(os.path.join(wdir, "summary.md"), "\n".join(lines) + "\n", "window summary")
     files.append("summary.md")
     return files
 
@@ -483,9 +512,11 @@ def load_candidate(name: str, root: str | os.PathLike = "candidates") -> dict:
     if not path.is_file():
         known = sorted(p.stem for p in Path(root).glob("*.yml")) if Path(root).is_dir() else []
         raise WindowError(f"unknown candidate {name!r} (no {path}); known: {', '.join(known) or 'none'}")
+    from dsv41 import fileio
+
     try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        doc = yaml.safe_load(fileio.read_text(path, "candidate", error=WindowError))
+    except yaml.YAMLError as exc:
         raise WindowError(f"candidate {path} is not readable YAML: {str(exc).splitlines()[0]}") from None
     schema = json.loads(CANDIDATE_SCHEMA.read_text())
     err = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(doc))

@@ -41,11 +41,9 @@ def decide(
     """Decide a window by WIN2 R3; exit 0 whatever the verdict (the verdict is the output)."""
     gate_records = None
     if gate:
-        try:
-            with open(gate, encoding="utf-8") as fh:
-                gate_records = json.load(fh)
-        except (OSError, ValueError) as exc:
-            raise win2.Win2Error(f"cannot read gate records {gate}: {exc}") from None
+        from dsv41 import fileio
+
+        gate_records = fileio.read_json(gate, "gate records", error=win2.Win2Error)
         if not isinstance(gate_records, list):
             raise win2.Win2Error(f"{gate}: expected a JSON list of per-prompt records")
     d = win2.decide(win2.load_cells(cells), metric=metric, min_effect=min_effect, alpha=alpha, seed=seed,
@@ -118,8 +116,9 @@ def simulate(
         res = win2.simulate(noise, counts, windows, prompts, metric, min_effect, alpha, seed, resamples,
                             progress=lambda n: bar.advance(task, n))
     if out:
-        with open(out, "w", encoding="utf-8") as fh:
-            json.dump(res, fh, indent=1)
+        from dsv41 import fileio
+
+        fileio.atomic_write_json(out, res, "window simulate --out", error=win2.Win2Error)
     if as_json:
         print(json.dumps(res, indent=1))
         return
@@ -143,8 +142,9 @@ def candidate(
     doc = window.load_candidate(name, root)
     rv = window.role_vars(doc)
     if vars_out:
-        with open(vars_out, "w", encoding="utf-8") as fh:
-            json.dump(rv, fh, indent=1)
+        from dsv41 import fileio
+
+        fileio.atomic_write_json(vars_out, rv, "window candidate --vars-out", error=win2.Win2Error)
     print(json.dumps({"candidate": doc, "role_vars": rv}, indent=1))
 
 
@@ -276,9 +276,9 @@ def run_window(
                     "window_number": nth, "spec": {k: v for k, v in sp.items() if k != "prompts"},
                     "prompts": [p["id"] for p in sp["prompts"]], "endpoints": endpoints, "smoke": smoke,
                     "versions": window.stack_version(), "interrupted": interrupted}
-            window.write_report(wdir, d, cells, meta)
-            if not no_cap:
-                win2.record_window(windows_dir, name, metric, wid, d.verdict)
+            # decision and cap are kept together or not at all (write_report's cap)
+            window.write_report(wdir, d, cells, meta, cap=None if no_cap else
+                                lambda: win2.stage_window(windows_dir, name, metric, wid, d.verdict))
             _print_decision(d, as_json)
             if not as_json:
                 print(f"report: {os.path.join(wdir, 'summary.md')}")

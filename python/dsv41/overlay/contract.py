@@ -11,6 +11,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +71,10 @@ class ContractMismatch(Dsv41Error):
 def load(path: str | Path | None = None) -> dict[str, Any]:
     """The contract dict; ConfigError when missing, not JSON or not this format."""
     p = Path(path) if path is not None else CONTRACT_PATH
+    from dsv41 import fileio
+
     try:
-        c = json.loads(p.read_text())
-    except OSError as exc:
-        raise ConfigError(f"vLLM contract {p}: {exc.strerror or exc}") from None
+        c = json.loads(fileio.read_text(p, "vLLM contract", error=ConfigError))
     except json.JSONDecodeError as exc:
         raise ConfigError(f"vLLM contract {p}: not JSON ({exc})") from None
     if not isinstance(c, dict) or c.get("format") != FORMAT or c.get("version") != VERSION:
@@ -109,10 +110,12 @@ def check_files(contract: dict[str, Any], root: str | Path, version: str | None)
         problems.append(f"vLLM version {version} != contract {contract['vllm_version']}")
     for rel, rec in sorted(contract["files"].items()):
         p = Path(root) / rel
+        from dsv41 import fileio
+
         try:
-            digest = hashlib.sha256(p.read_bytes()).hexdigest()
-        except OSError:
-            problems.append(f"{rel} is missing")
+            digest = hashlib.sha256(fileio.read_bytes(p)).hexdigest()
+        except fileio.FileError as exc:
+            problems.append(f"{rel} is missing" if not os.path.lexists(p) else str(exc))
             continue
         if digest != rec["sha256"]:
             problems.append(f"{rel} sha256 {digest[:12]} != contract {rec['sha256'][:12]}")

@@ -42,7 +42,6 @@ import collections
 import contextlib
 import contextvars
 import inspect
-import json
 import logging
 import os
 import tempfile
@@ -693,12 +692,12 @@ def report_counters(source: Any, rank: int, overlay: dict | None = None) -> dict
     log.info("dsv41 overlay rank %d engram counters: %s", rank,
              " ".join(f"{k}={v}" for k, v in sorted(c.items()) if not isinstance(v, float)))
     path = os.path.join(tempfile.gettempdir(), f"dsv41-overlay-rank{rank}.json")
+    from dsv41 import fileio
+    from dsv41.errors import Dsv41Error
+
     try:
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"rank": rank, "time": time.time(), "counters": c}, f, default=str)
-        os.replace(tmp, path)
-    except OSError as exc:  # a full /tmp must not break serving
+        fileio.atomic_write_json(path, {"rank": rank, "time": time.time(), "counters": c}, indent=None, default=str)
+    except Dsv41Error as exc:  # a full /tmp must not break serving
         log.warning("dsv41 overlay: cannot write %s: %s", path, exc)
     return c
 

@@ -88,10 +88,11 @@ def runtime_files(settings: OverlaySettings) -> tuple[Path, Path | None]:
     manifest = root / "manifest.json"
     if not manifest.is_file():
         raise ConfigError(f"DSV41_RUNTIME_ROOT {root}: no manifest.json (run roles/engram_overlay)")
+    from dsv41 import fileio
+
     try:
-        desc = json.loads((root / "overlay.json").read_text())
-    except OSError as exc:
-        raise ConfigError(f"DSV41_RUNTIME_ROOT {root}: overlay.json: {exc.strerror or exc}") from None
+        desc = json.loads(fileio.read_text(root / "overlay.json", f"DSV41_RUNTIME_ROOT {root}: overlay.json",
+                                           error=ConfigError))
     except json.JSONDecodeError as exc:
         raise ConfigError(f"DSV41_RUNTIME_ROOT {root}: overlay.json is not JSON ({exc})") from None
     tables = desc.get("tables_dir") if isinstance(desc, dict) else None

@@ -50,16 +50,13 @@ def append(path: str | os.PathLike, op_id: str, step: str, **fields) -> dict:
         raise JournalError(f"unknown journal step {step!r} (one of {', '.join(STEPS)})")
     entry = {"ts": round(time.time(), 3), "op": op_id, "step": step, **fields}
     line = (json.dumps(entry, sort_keys=True, separators=(",", ":")) + "\n").encode("utf-8")
+    from dsv41 import fileio
+
     p = Path(path)
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
         new = not p.exists()
-        fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fileio.append(p, line, "the promotion journal", error=JournalError)
         if new:
             dfd = os.open(p.parent, os.O_RDONLY)
             try:
@@ -74,11 +71,13 @@ def append(path: str | os.PathLike, op_id: str, step: str, **fields) -> dict:
 def read(path: str | os.PathLike) -> list[dict]:
     """All complete entries of the journal (a missing journal is empty; torn or non-JSON lines,
     which only a kill inside a write leaves, are skipped)."""
+    from dsv41 import fileio
+
     p = Path(path)
-    if not p.is_file():
+    if not os.path.lexists(p):
         return []
     out = []
-    for raw in p.read_bytes().split(b"\n"):
+    for raw in fileio.read_bytes(p, "the promotion journal", error=JournalError).split(b"\n"):
         try:
             e = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):

@@ -28,6 +28,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from dsv41 import fileio
 from dsv41.errors import Dsv41Error, VerificationError
 
 SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "package.schema.json"
@@ -145,10 +146,11 @@ def _tarball(pdir: Path, out: Path) -> None:
                     tar.addfile(info, fh)
             else:
                 tar.addfile(info)
-    tmp = out.with_suffix(".tmp")
-    with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz:
-        gz.write(buf.getvalue())
-    os.replace(tmp, out)
+    def fill(raw) -> None:
+        with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz:
+            gz.write(buf.getvalue())
+
+    fileio.atomic_write(out, fill, "package tarball", error=PackageError)
 
 
 def write(root: str | os.PathLike, doc: dict, blobs: dict[str, bytes]) -> tuple[str, bool]:
@@ -195,8 +197,8 @@ def load(root: str | os.PathLike, pkg_id: str) -> dict:
         raise PackageError(f"unknown package {pkg_id} (no {pdir}/package.json); known: "
                            f"{', '.join(k[:12] for k in known) or 'none'}")
     try:
-        doc = json.loads((pdir / "package.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        doc = json.loads(fileio.read_text(pdir / "package.json", f"package {pkg_id}: package.json", error=PackageError))
+    except json.JSONDecodeError as exc:
         raise PackageError(f"package {pkg_id}: package.json is not readable JSON: {exc}") from None
     validate(doc)
     return doc
@@ -245,7 +247,7 @@ def verify(root: str | os.PathLike, pkg_id: str) -> dict:
         p = pdir / rel
         if not p.is_file():
             raise VerificationError(f"package {pkg_id} is tampered: {path} of {host} is missing ({rel})")
-        data = p.read_bytes()
+        data = fileio.read_bytes(p, f"package {pkg_id}: {rel}", error=VerificationError)
         if sha256_bytes(data) != sha:
             raise VerificationError(f"package {pkg_id} is tampered: {path} of {host} has sha256 "
                                     f"{sha256_bytes(data)}, the record says {sha}")
@@ -327,7 +329,9 @@ def check_window(windows_dir: str | os.PathLike, window: str | None, force: bool
             raise PackageError(f"window id must be a plain name, got {window!r}")
         p = Path(windows_dir) / str(window) / "decision.json"
         try:
-            doc = json.loads(p.read_text(encoding="utf-8"))
+            if not os.path.lexists(p):
+                raise FileNotFoundError(p)
+            doc = json.loads(fileio.read_text(p, f"window {window}'s decision", error=PackageError))
             verdict = window_verdict(doc)
             measured = doc.get("candidate") if isinstance(doc, dict) else None
             if candidate and isinstance(measured, str) and measured != candidate and not force:
