@@ -167,6 +167,11 @@ class DrainBook:
         """Shutdown began: every pending ``wait`` drain ends ``shutdown``."""
         self._end_waits(SHUTDOWN)
 
+    def end_waits(self, outcome: str) -> None:
+        """End every pending ``wait`` drain with ``outcome`` (e.g. ``superseded`` when a HOLD the
+        book does not see, such as vLLM's own ``/pause``, replaces it)."""
+        self._end_waits(outcome)
+
     def _end_waits(self, outcome: str) -> None:
         for d in self.pending:
             if d.mode == "wait" and d.outcome is None:
