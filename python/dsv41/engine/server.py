@@ -691,7 +691,8 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
         except OSError as exc:
             kept_err = exc  # held in memory all the same (the safe side); answered 500 below
         d = st.book.begin(mode, window or None)
-        engine.freeze(mode == "keep")
+        if mode == "keep" or getattr(engine, "frozen", False):  # frozen exactly while the latest pause is keep
+            engine.freeze(mode == "keep")
         try:
             if mode == "abort":
                 _abort_scope(d)
