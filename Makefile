@@ -54,7 +54,9 @@ promotion-kill: venv
 bench: venv
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -s -p no:cacheprovider tests/perf
 
-# The long fuzz campaign (issue 10): FUZZ_FRAMES malformed frames per protocol (default 100000).
+# The long fuzz campaign (issue 10): FUZZ_FRAMES malformed frames per protocol (default 100000),
+# and PAUSE_FUZZ_EXAMPLES random pause/resume/request sequences per state machine (issue 25, the
+# lab engine's API and the vLLM fence; default 2000).
 fuzz: venv
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -s -p no:cacheprovider tests/fuzz
 

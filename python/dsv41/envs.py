@@ -121,6 +121,21 @@ _ROWS = [
            "promote, rollback) in this file, so an engine restarted under it starts held; /resume removes it "
            "(roles/serve writes /run/dsv41/admission-hold on rank 0: the lab engine, or vLLM's admission fence "
            "dsv41.overlay.fence, which re-reads it on every request; empty: memory only)."),
+    EnvVar("DSV41_ENGINE_DRAIN_TIMEOUT_S", float, 30.0, "SIGTERM on the lab engine's rank 0: seconds the "
+           "requests in flight get to finish before they are aborted (a keep-frozen engine's at once); the process "
+           "exits at most ABORT_SETTLE_S (5 s) later.", "s", 0.1, 3600),
+    # ---- HTTP servers: slow and idle clients (docs/operations.md, "HTTP servers and slow clients")
+    EnvVar("DSV41_HTTP_HEADER_TIMEOUT_S", float, 10.0, "Every dsv41 HTTP server (engine API, table-server and "
+           "drafter /metrics): a request's head must arrive complete within this many seconds of the connection "
+           "opening or of the previous response, else the connection is closed (idle and trickling clients).",
+           "s", 0.05, 3600),
+    EnvVar("DSV41_HTTP_KEEPALIVE_TIMEOUT_S", float, 5.0, "The engine API closes a keep-alive connection idle this "
+           "long between requests (uvicorn timeout_keep_alive; vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, also 5).",
+           "s", 0.05, 3600),
+    EnvVar("DSV41_HTTP_MAX_CONNECTIONS", int, 512, "The engine API answers 503 to requests while this many "
+           "connections or requests are open (uvicorn limit_concurrency).", "connections", 2, 1_000_000),
+    EnvVar("DSV41_METRICS_MAX_CONNECTIONS", int, 16, "Table-server and drafter-worker /metrics: connections past "
+           "this many open ones are closed unanswered.", "connections", 1, 4096),
     # ---- liveness and step-path deadlines (docs/engine.md, "Liveness and deadlines")
     EnvVar("DSV41_TP_PEER_TIMEOUT_S", float, 5.0, "How long a rank waits for the other once the TP group has "
            "formed (groups, handshake, every collective); past it the rank fails (/health 503) and exits for "
@@ -207,6 +222,11 @@ class Settings:
 
     engine_threads: int = 1
     admission_hold_file: str = ""
+    engine_drain_timeout_s: float = 30.0
+    http_header_timeout_s: float = 10.0
+    http_keepalive_timeout_s: float = 5.0
+    http_max_connections: int = 512
+    metrics_max_connections: int = 16
     tp_peer_timeout_s: float = 5.0
     drafter_propose_deadline_ms: float = 1000.0
     engram_lookup_deadline_ms: float = 1000.0

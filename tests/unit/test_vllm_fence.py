@@ -82,8 +82,9 @@ def test_a_fenced_hold_admits_only_its_token_health_and_metrics(tmp_path):
         async with client(fence) as c:
             r = await c.post(f"/pause?mode=wait&timeout_s=5&window={TOKEN}")
             assert r.status_code == 200
-            assert r.json() == {"paused": True, "mode": "wait", "window": TOKEN, "in_flight_at_pause": 0,
-                                "aborted": 0, "aborted_after_timeout": 0, "outlived_drain": 0}
+            assert r.json() == {"paused": True, "mode": "wait", "window": TOKEN, "drain": "drained",
+                                "in_flight_at_pause": 0, "aborted": 0, "aborted_after_timeout": 0,
+                                "outlived_drain": 0, "still_running": 0}
             assert "/pause" not in app.served  # never forwarded: vLLM's engine keeps running
             for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/invocations"):
                 r = await c.post(path, json=REQ)

@@ -287,16 +287,17 @@ def serve(drafter_dir: str, listen: str, *, target_identity: str = "", device: s
                          f"not --target-identity {target_identity[:12]}; refusing to serve it")
     worker = DrafterWorker(be, host, port, target_identity=target_identity, delay_ms=delay_ms)
     worker.start()
+    metrics_http = None
     if metrics:
-        from prometheus_client import start_http_server
+        from dsv41.httpd import serve_metrics
 
         mh, _, mp = metrics.rpartition(":")
         if not mp.isdigit():
             worker.stop()
             raise Dsv41Error(f"--metrics {metrics!r}: expected HOST:PORT")
         try:
-            start_http_server(int(mp), addr=mh or "127.0.0.1", registry=worker.metrics.registry)
-        except OSError as exc:
+            metrics_http = serve_metrics(mh or "127.0.0.1", int(mp), worker.metrics.registry)
+        except (OSError, OverflowError) as exc:
             worker.stop()
             raise Dsv41Error(f"--metrics {metrics}: cannot listen: {exc}") from None
     stop = stop_event or threading.Event()
@@ -321,3 +322,6 @@ def serve(drafter_dir: str, listen: str, *, target_identity: str = "", device: s
             pass
     finally:
         worker.stop()
+        if metrics_http is not None:
+            metrics_http.shutdown()
+            metrics_http.server_close()

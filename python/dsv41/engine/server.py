@@ -39,6 +39,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from dsv41.engine import drain as dr
+from dsv41.engine.drain import DrainBook
 from dsv41.engine.hold import (WINDOW_HEADER, WINDOW_TOKEN_RE, HoldFileError, HoldRecord, read_hold, remove_hold,
                                write_hold)
 from dsv41.engine import request_fields
@@ -54,6 +56,9 @@ DISCONNECT_POLL_S = 0.5
 # Largest request body accepted (bytes): the longest useful prompt is max_position_embeddings
 # tokens (a few KiB here); parsing and tokenizing runs on the event loop, so bound it (413 above).
 MAX_BODY_BYTES = 4 << 20
+# Seconds a pause (or the shutdown) waits for the aborts it issued to land (the engine applies
+# them at its next step, milliseconds; more only when the step thread hangs).
+ABORT_SETTLE_S = 5.0
 
 
 class ApiError(Exception):
@@ -338,6 +343,8 @@ class ServerState:
         self.paused_since: float | None = None
         self.window_token: str | None = None
         self.hold_file = Path(hold_file) if hold_file else None
+        self.book = DrainBook()  # admitted requests and pending pause drains (engine/drain.py)
+        self.shutdown_report: dict | None = None
         if self.hold_file is not None:
             self._load()
 
@@ -373,6 +380,35 @@ class ServerState:
         self.paused_since = None
         if self.hold_file is not None:
             remove_hold(self.hold_file)
+
+
+async def shutdown_drain(engine, st: ServerState, timeout_s: float) -> dict:
+    """The shutdown drain (SIGTERM, a draining TP peer): stop admitting (``st.draining``; new
+    requests and ``/pause`` get 503), end every pending ``wait`` drain (``drain``: ``shutdown``),
+    then give the requests in flight ``timeout_s`` seconds (``DSV41_ENGINE_DRAIN_TIMEOUT_S``) to
+    finish and abort the rest. A frozen engine (the latest pause was ``keep``) cannot finish
+    anything, so its requests are aborted at once. Returns (and keeps in ``st.shutdown_report``)
+    ``{"in_flight": n, "aborted": n, "still_running": n, "seconds": s}``; ``still_running`` is
+    non-zero only when aborts did not land within ``ABORT_SETTLE_S`` (a hung step thread). Ends
+    within ``timeout_s + ABORT_SETTLE_S`` seconds in every state."""
+    t0 = time.monotonic()
+    st.draining = True
+    st.book.shutdown()
+    in_flight = len(st.book.entries)
+    if not getattr(engine, "frozen", False):
+        await st.book.idle(timeout_s)
+    keys = list(st.book.entries)
+    for key in keys:
+        rid = st.book.ask_abort(key, dr.BY_SHUTDOWN)
+        if rid is not None:
+            engine.abort(rid)
+    if keys:
+        log.warning("shutdown: aborting %d requests still in flight after the %g s drain%s", len(keys), timeout_s,
+                    " (the engine is frozen by a keep pause)" if getattr(engine, "frozen", False) else "")
+        await st.book.idle(ABORT_SETTLE_S)
+    st.shutdown_report = {"in_flight": in_flight, "aborted": st.book.shutdown_aborted,
+                          "still_running": len(st.book.entries), "seconds": round(time.monotonic() - t0, 3)}
+    return st.shutdown_report
 
 
 def create_app(engine, model_name: str, max_model_len: int, state: ServerState | None = None, metrics=None):
@@ -462,16 +498,27 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
         _admission(body, request)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
+        # Entered in the drain book with no await before the submit: a /pause sees it or not at all.
+        key = st.book.admit(request.headers.get(WINDOW_HEADER))
 
         def sink(ev: dict) -> None:
+            if ev["type"] == "finish":
+                loop.call_soon_threadsafe(st.book.finished, key, ev["reason"])
             loop.call_soon_threadsafe(q.put_nowait, ev)
 
         try:
             req = engine.submit(ids, params, sink)
         except RequestError as exc:
+            st.book.forget(key)
             raise ApiError(400, str(exc), param="max_tokens") from None
         except Dsv41Error as exc:
+            st.book.forget(key)
             raise ApiError(503, str(exc), etype="ServiceUnavailableError") from None
+        st.book.bind(key, req.request_id)
+
+        def client_gone() -> None:
+            st.book.ask_abort(key, dr.BY_CLIENT)
+            engine.abort(req.request_id)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
@@ -493,6 +540,8 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
                         if await request.is_disconnected():
                             # Nobody will read the answer: free the engine slot now (vLLM aborts too).
                             log.info("client of %s went away; aborting it", req.request_id)
+                            client_gone()
+                            finished = True
                             return Response(status_code=499)
                     try:
                         ev = await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
@@ -504,8 +553,8 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
                     finished = True
                     break
             finally:
-                if not finished:  # disconnect, or the handler was cancelled (shutdown)
-                    engine.abort(req.request_id)
+                if not finished:  # the handler was cancelled (its connection was lost)
+                    client_gone()
             if ev["reason"] == "error":
                 if engine.fatal:
                     raise ApiError(503, ev.get("error", "engine failed"), etype="ServiceUnavailableError")
@@ -568,7 +617,7 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
                 yield "data: [DONE]\n\n"
             finally:
                 if not finished:  # client went away: free the engine's slot
-                    engine.abort(req.request_id)
+                    client_gone()
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
@@ -605,13 +654,24 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
     @app.post("/pause")
     async def pause(request: Request, mode: str | None = None, timeout_s: float = 600.0, window: str | None = None):
         """vLLM 0.33.0's ``/pause``: stop admitting (new requests get 503), then by ``mode`` (query,
-        or a JSON body ``{"mode": ...}``): ``abort`` (the default, as in vLLM) aborts in-flight
-        requests; ``wait`` lets them finish for at most ``timeout_s`` seconds, then aborts what is
-        left (``aborted_after_timeout``, also counted in ``dsv41_engine_pause_drain_aborts_total``);
-        ``keep`` freezes them where they are until ``/resume``. Idempotent. ``window`` (dsv41's
-        fenced window, not in vLLM): while paused, requests whose ``X-DSV41-Window`` header equals
-        it are still admitted (the window's own cells and checks); a later ``/pause`` replaces it,
-        ``/resume`` clears it."""
+        or a JSON body ``{"mode": ...}``): ``abort`` (the default, as in vLLM) aborts the requests
+        in flight; ``wait`` lets them finish for at most ``timeout_s`` seconds, then aborts what
+        is left of them (``aborted_after_timeout``, also counted in
+        ``dsv41_engine_pause_drain_aborts_total``); ``keep`` freezes the engine until ``/resume``.
+        ``window`` (dsv41's fenced window, not in vLLM): while paused, requests whose
+        ``X-DSV41-Window`` header equals it are still admitted; a later ``/pause`` replaces it,
+        ``/resume`` clears it.
+
+        The drain covers only the requests in flight at this pause that its HOLD refuses (the
+        epoch scope of ``engine/drain.py``): a ``/resume`` or a later ``/pause`` ends a pending
+        ``wait`` drain at once without aborting anything (``drain``: ``resumed``/``superseded``),
+        so a request admitted after a resume is never aborted by an earlier pause. The engine is
+        frozen exactly while the latest pause is ``keep``. Reply: ``paused`` (the state now),
+        ``mode``, ``drain`` (``drained``, ``timed_out``, ``resumed``, ``superseded``,
+        ``shutdown`` or ``frozen``), ``in_flight_at_pause`` (the drain's scope), ``aborted`` and
+        ``aborted_after_timeout`` (requests of the scope this pause aborted that ended ``abort``:
+        exact), ``still_running`` (of the scope, still in flight at the reply). 503 while the
+        server shuts down. Full table: docs/engine.md, "Pause, resume and drains"."""
         if mode is None:
             raw = await request.body()
             if raw.strip():
@@ -626,44 +686,59 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
             raise ApiError(400, f"timeout_s must be a positive number of seconds, got {timeout_s}", param="timeout_s")
         if window is not None and not WINDOW_TOKEN_RE.fullmatch(window):
             raise ApiError(400, "window must be 1-128 characters of [A-Za-z0-9._-]", param="window")
+        if st.draining:
+            raise ApiError(503, "the server is shutting down (draining); nothing to pause",
+                           etype="ServiceUnavailableError")
+        kept_err = None
         try:
             st.hold(window)
         except OSError as exc:
-            # held in memory all the same (the safe side); the caller learns the restart guarantee is off
-            raise ApiError(500, f"admission is held, but the HOLD could not be kept in {st.hold_file}: {exc}",
-                           etype="InternalServerError") from None
-        running, waiting = engine.sched.counts()
-        in_flight = running + waiting
-        if mode == "keep":
-            engine.freeze(True)
-            return {"paused": st.paused, "mode": mode, "in_flight_at_pause": in_flight, "aborted": 0,
-                    "aborted_after_timeout": 0}
-        if mode == "abort":
-            engine.abort(None)
-        late = 0
-        deadline = time.monotonic() + timeout_s
-        while not engine.idle():
-            if time.monotonic() > deadline and not late:
-                run_now, wait_now = engine.sched.counts()
-                late = run_now + wait_now
-                log.warning("pause: %d in-flight requests outlived the %g s drain; aborting them", late, timeout_s)
-                if metrics is not None and mode == "wait":
-                    metrics.pause_drain_aborts.inc(late)
-                engine.abort(None)
-            await asyncio.sleep(0.02)
-        # `paused` is the state now: a /resume that raced this wait reopened admission.
-        return {"paused": st.paused, "mode": mode, "in_flight_at_pause": in_flight,
-                "aborted": in_flight if mode == "abort" else late,
-                "aborted_after_timeout": late if mode == "wait" else 0}
+            kept_err = exc  # held in memory all the same (the safe side); answered 500 below
+        d = st.book.begin(mode, window or None)
+        if mode == "keep" or getattr(engine, "frozen", False):  # frozen exactly while the latest pause is keep
+            engine.freeze(mode == "keep")
+        try:
+            if mode == "abort":
+                _abort_scope(d)
+            if kept_err is not None:
+                raise ApiError(500, f"admission is held, but the HOLD could not be kept in {st.hold_file}: {kept_err}",
+                               etype="InternalServerError")
+            if mode == "keep":
+                d.outcome = dr.FROZEN
+            elif mode == "abort":
+                d.outcome = dr.DRAINED if await st.book.settle(d, timeout_s) else dr.TIMED_OUT
+            elif await st.book.wait(d, timeout_s) == dr.TIMED_OUT:
+                n = _abort_scope(d)
+                log.warning("pause: %d in-flight requests outlived the %g s drain; aborting them", n, timeout_s)
+                await st.book.settle(d, ABORT_SETTLE_S)
+                if metrics is not None and d.aborted:
+                    metrics.pause_drain_aborts.inc(d.aborted)
+        finally:
+            st.book.end(d)
+        return {"paused": st.paused, "mode": mode, "drain": d.outcome, "in_flight_at_pause": d.in_flight_at_pause,
+                "aborted": d.aborted, "aborted_after_timeout": d.aborted if mode == "wait" else 0,
+                "still_running": d.still_running}
+
+    def _abort_scope(d) -> int:
+        """Abort every request of ``d``'s scope nobody asked to abort yet; returns how many."""
+        n = 0
+        for key in sorted(d.scope):
+            rid = st.book.ask_abort(key, d)
+            if rid is not None and key in d.asked:
+                engine.abort(rid)
+                n += 1
+        return n
 
     @app.post("/resume")
     async def resume():
-        """Admit requests again and unfreeze a ``keep`` pause (idempotent)."""
+        """Admit requests again, end every pending ``wait`` drain (``resumed``: nothing more is
+        aborted) and unfreeze a ``keep`` pause (idempotent)."""
         try:
             st.open()
             failed = None
         except OSError as exc:
             failed = exc
+        st.book.resume()
         engine.freeze(False)
         if failed is not None:
             raise ApiError(500, f"admission is open, but the kept HOLD {st.hold_file} could not be removed: {failed}",

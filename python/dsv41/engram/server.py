@@ -21,7 +21,6 @@ import json
 import mmap
 import os
 import queue
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -324,7 +323,10 @@ class EngramServer:
         """Serve ``/metrics`` (Prometheus text) and ``/ready`` (200 once ready, else 503)."""
         if self.metrics_addr is None:
             return
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from http.server import BaseHTTPRequestHandler
+
+        from dsv41 import envs
+        from dsv41.httpd import BoundedHTTPServer, bounded_handler
 
         from prometheus_client import CollectorRegistry, generate_latest
         from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -352,14 +354,12 @@ class EngramServer:
                 pass
 
         host, port = self.metrics_addr
-        class Server(ThreadingHTTPServer):
-            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-
+        limits = envs.parse()
         try:
-            self._http = Server((host, port), Handler)
+            self._http = BoundedHTTPServer((host, port), bounded_handler(Handler), limits.http_header_timeout_s,
+                                           limits.metrics_max_connections)
         except OSError as exc:
             raise Dsv41Error(f"cannot listen for metrics on {host}:{port}: {exc.strerror or exc}") from None
-        self._http.daemon_threads = True
         self.metrics_bound = self._http.server_address[:2]
         threading.Thread(target=self._http.serve_forever, name="metrics", daemon=True).start()
 

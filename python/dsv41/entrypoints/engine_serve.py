@@ -127,7 +127,8 @@ def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, h
     from dsv41.engine.engine import Engine
     from dsv41.engine.metrics import EngineMetrics
     from dsv41.engine.scheduler import Scheduler
-    from dsv41.engine.server import ServerState, create_app
+    from dsv41.engine.server import ABORT_SETTLE_S, ServerState, create_app, shutdown_drain
+    from dsv41.httpd import uvicorn_limits
 
     log = logging.getLogger("dsv41.engine")
     spec = build_speculator(settings, model_cfg=cfg.raw, target_identity=identity, device=device)
@@ -158,8 +159,12 @@ def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, h
                 state.draining = True
                 self.should_exit = True
 
+    drain_s = settings.engine_drain_timeout_s
+    # The shutdown drain (server.shutdown_drain) bounds the requests; uvicorn's graceful shutdown
+    # is the backstop for connections that outlive it (a handler that ignores its abort).
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=None, lifespan="off"))
+                                    timeout_graceful_shutdown=int(drain_s + ABORT_SETTLE_S) + 1, lifespan="off",
+                                    **uvicorn_limits(settings)))
 
     async def watch():
         # Drain triggers besides our own SIGTERM: rank 1 draining, the engine failing. A failed
@@ -176,14 +181,18 @@ def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, h
             if server.should_exit:
                 break
             await asyncio.sleep(0.1)
-        state.draining = True
+        report = await shutdown_drain(engine, state, 0.0 if engine.fatal else drain_s)
+        log.info("shutdown drain: %s", report)
 
     async def main():
         t = asyncio.create_task(watch())
         log.info("rank 0 serving %s on http://%s:%d (tp %d, identity %s, speculation %s)", name, host, port,
                  comm.tp, identity[:12], f"k={depth}" if spec is not None else "off")
-        await server.serve()
-        t.cancel()
+        try:
+            await server.serve()
+        finally:
+            server.should_exit = True  # serve() also returns when it could not bind
+            await t
 
     _join(comm)  # last: the engine thread's pings start right after the handshake
     engine.start()

@@ -6,6 +6,11 @@ lets in-flight ones finish (bounded by ``S``; the lab engine then aborts and cou
 ``POST /resume`` admits again, ``GET /is_paused`` returns ``{"is_paused": bool}``. The mode is sent
 explicitly: vLLM's default (``abort``) would kill in-flight requests. States here: ``held``
 (paused) and ``open``.
+
+A drain covers only the requests in flight at its pause (docs/engine.md, "Pause, resume and
+drains"): a ``/resume`` (or another HOLD) sent while a HOLD's drain runs ends that drain without
+aborting anything, so releasing a HOLD early never kills the traffic admitted after it; the
+held :func:`set_state` then fails its settle check (the state is ``open``), which is the truth.
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ from pathlib import Path
 from urllib.parse import parse_qs
 
 from dsv41 import envs
+from dsv41.engine import drain as dr
 from dsv41.engine.hold import (WINDOW_HEADER, WINDOW_TOKEN_RE, HoldFileError, HoldRecord, read_hold, remove_hold,
                                write_hold)
 
@@ -110,7 +111,7 @@ class AdmissionFence:
         path = hold_file if hold_file is not None else envs.parse().admission_hold_file
         self.hold_file = Path(path) if path else None
         self.dev_routes = _vllm_dev_routes() if dev_routes is None else dev_routes
-        self.in_flight = 0
+        self.book = dr.DrainBook()  # requests in flight through the fence, pending drains
         self.refused_total = 0
         self.drain_outlived_total = 0
         self._key: tuple | None = None
@@ -122,6 +123,11 @@ class AdmissionFence:
             if isinstance(state, HoldRecord):
                 log.info("starting held: the fenced HOLD %s (since %.0f) outlived the restart",
                          state.window, state.since)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests being served through the fence that a HOLD could refuse."""
+        return len(self.book.entries)
 
     def hold(self) -> HoldRecord | object | None:
         """The HOLD in force: a :class:`HoldRecord`, None (open), or the unreadable marker (held,
@@ -175,19 +181,19 @@ class AdmissionFence:
         if path in ALWAYS_ADMITTED or path in CONTROL_ROUTES:
             return await self.app(scope, receive, send)
         state = self.hold()
+        token = next((v.decode("latin-1") for k, v in scope.get("headers", ())
+                      if k.decode("latin-1").lower() == WINDOW_HEADER), None)
         if state is not None:
-            token = next((v.decode("latin-1") for k, v in scope.get("headers", ())
-                          if k.decode("latin-1").lower() == WINDOW_HEADER), None)
             if not (isinstance(state, HoldRecord) and token == state.window):
                 self.refused_total += 1
                 return await _error(503, "the server is paused (a fenced HOLD is in force; POST /resume to admit "
                                          "requests again)", "ServiceUnavailableError",
                                     headers=[(b"retry-after", str(RETRY_AFTER_S).encode())])(scope, receive, send)
-        self.in_flight += 1
+        key = self.book.admit(token)  # no await since the check above: a /pause sees it or not
         try:
             return await self.app(scope, receive, send)
         finally:
-            self.in_flight -= 1
+            self.book.finished(key, "done")
 
     def _fenced_pause(self, query: dict[str, list[str]]):
         """The ASGI app answering ``POST /pause?window=...`` (validation, record, drain)."""
@@ -210,29 +216,48 @@ class AdmissionFence:
                           "InternalServerError")
         state = self.hold()
         since = state.since if isinstance(state, HoldRecord) else time.time()
+        record = HoldRecord(since, window)
         try:
-            write_hold(self.hold_file, HoldRecord(since, window))
+            write_hold(self.hold_file, record)
         except OSError as exc:
             return _error(500, f"admission is NOT held: the fenced HOLD could not be written to {self.hold_file}: {exc}",
                           "InternalServerError")
-        log.info("fenced HOLD %s taken; draining %d in-flight requests (at most %g s)", window, self.in_flight, timeout_s)
+        self.hold()  # cache the record just written
+        d = self.book.begin("wait", window)  # supersedes a pending drain of this process
+        log.info("fenced HOLD %s taken; draining %d in-flight requests (at most %g s)", window, d.in_flight_at_pause,
+                 timeout_s)
 
         async def app(scope, receive, send):
-            in_flight = self.in_flight
-            late = await self.drain(timeout_s)
-            await _json_response(200, {"paused": self.held(), "mode": "wait", "window": window,
-                                       "in_flight_at_pause": in_flight, "aborted": 0, "aborted_after_timeout": 0,
-                                       "outlived_drain": late})(scope, receive, send)
+            try:
+                late = await self.drain(d, record, timeout_s)
+            finally:
+                self.book.end(d)
+            await _json_response(200, {"paused": self.held(), "mode": "wait", "window": window, "drain": d.outcome,
+                                       "in_flight_at_pause": d.in_flight_at_pause, "aborted": 0,
+                                       "aborted_after_timeout": 0, "outlived_drain": late,
+                                       "still_running": d.still_running})(scope, receive, send)
         return app
 
-    async def drain(self, timeout_s: float) -> int:
-        """Wait until no request is in flight through the fence, at most ``timeout_s`` seconds.
-        Returns how many were still in flight at the deadline (0 when drained); those keep running
-        (the fence cannot abort inside vLLM), are logged and added to :attr:`drain_outlived_total`."""
+    async def drain(self, d: dr.Drain, record: HoldRecord, timeout_s: float) -> int:
+        """Wait until the requests of ``d``'s scope (in flight through the fence at its pause and
+        refused by its HOLD) have finished, at most ``timeout_s`` seconds. Ends early, counting
+        nothing, when the HOLD it took is gone: a ``/resume`` (``resumed``) or another pause
+        (``superseded``), in this process or another one sharing the hold file. Returns how many
+        of its scope were still in flight at the deadline (0 otherwise); those keep running (the
+        fence cannot abort inside vLLM), are logged and added to :attr:`drain_outlived_total`.
+        Requests admitted after the pause, a resume, or with the token, are never counted."""
         deadline = time.monotonic() + timeout_s
-        while self.in_flight > 0:
+        while d.outcome is None:
+            if not d.scope:
+                d.outcome = dr.DRAINED
+                break
+            now = self.hold()
+            if now != record:  # removed, replaced, or unreadable: this HOLD's drain is over
+                self.book.end_waits(dr.RESUMED if now is None else dr.SUPERSEDED)
+                break
             if time.monotonic() >= deadline:
-                late = self.in_flight
+                d.outcome = dr.TIMED_OUT
+                late = len(d.scope)
                 self.drain_outlived_total += late
                 log.warning("fenced HOLD: %d in-flight requests outlived the %g s drain; they run to completion",
                             late, timeout_s)
@@ -243,6 +268,8 @@ class AdmissionFence:
     async def _plain_pause(self, scope, receive, send):
         """Forward vLLM's own ``/pause``; a 2xx answer replaces the fenced HOLD (record removed)."""
         async def watched(msg):
+            if msg["type"] == "http.response.start" and 200 <= msg["status"] < 300:
+                self.book.end_waits(dr.SUPERSEDED)
             if msg["type"] == "http.response.start" and 200 <= msg["status"] < 300 and self.hold_file is not None:
                 try:
                     remove_hold(self.hold_file)
@@ -259,6 +286,7 @@ class AdmissionFence:
             except OSError as exc:
                 return await _error(500, f"admission is still HELD: the fenced HOLD {self.hold_file} could not be "
                                          f"removed: {exc}", "InternalServerError")(scope, receive, send)
+        self.book.resume()
         if self.dev_routes:
             return await self.app(scope, receive, send)
         return await _json_response(200, {"paused": False})(scope, receive, send)
