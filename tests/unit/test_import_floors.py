@@ -2,7 +2,8 @@
 
 Floors, bottom to top (a module may import its own floor and the floors below, never above):
 
-0. ground: ``errors``, ``envs``, ``fileio`` (every file read and write), ``tokenizer``, the
+0. ground: ``errors``, ``envs``, ``fileio`` (every file read and write), ``httpd`` (limits on
+   slow and idle HTTP clients), ``tokenizer``, the
    ``dsv41`` package itself (version);
 1. ``transport`` (row wire protocol, TCP/NIXL);
 2. ``version`` (reports the install, including the native transport extension);
@@ -27,7 +28,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[2] / "python" / "dsv41"
 
 FLOORS: list[tuple[str, ...]] = [
-    ("errors", "envs", "fileio", "tokenizer", "__init__"),
+    ("errors", "envs", "fileio", "httpd", "tokenizer", "__init__"),
     ("transport",),
     ("version",),
     ("engram",),
