@@ -123,8 +123,8 @@ def from_links(host: str, result: dict) -> list[dict]:
     for c in checks:
         src = c.get("rdma_source")
         reason = c.get("reason") or ""
-        if c["check"].startswith(("rdma", "roce")) and src:
-            reason = (reason + f" (read through {src})").strip() if reason else f"read through {src}"
+        if c["check"].startswith(("rdma", "roce")) and src and src not in reason:
+            reason = f"{reason} (read through {src})" if reason else f"read through {src}"
         r = record("links", c["check"], host, c["ok"], c.get("value"), c.get("expected"),
                    unit=units.get(c["check"], ""), reason=reason, subject=c["link"])
         out.append(r)
@@ -482,10 +482,12 @@ def probe_serving(api_url: str, refs_path: str, *, host: str, ranks: list[str], 
             out.append(record("serving", "counters", host, False, None, "growing, 0 fallbacks", subject=f"rank {r}",
                               reason=f"rank {r}: no Engram counters on {api_url}/metrics"))
             continue
-        d = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in ("lookups", "rows", "remote_rows", "fallbacks", "transport_errors", "refusals")}
+        # remote_rows is reported by the vLLM overlay's counters; the lab engine's /metrics has no such series
+        keys = [k for k in ("lookups", "rows", "remote_rows", "fallbacks", "transport_errors", "refusals")
+                if k in a or k != "remote_rows"]
+        d = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in keys}
         grow = [k for k in ("lookups", "rows") if d[k] <= 0]
-        # remote_rows is reported by the vLLM overlay; the lab engine's /metrics has no such series
-        if "remote_rows" in a and d["remote_rows"] <= 0:
+        if "remote_rows" in d and d["remote_rows"] <= 0:
             grow.append("remote_rows")
         bad = [k for k in ("fallbacks", "transport_errors", "refusals") if d[k] != 0]
         ok = not grow and not bad and sent > 0

@@ -193,8 +193,10 @@ def check_link(link: dict, *, sysfs: str = "/sys", require_verbs: bool = True, v
         ports = verbs_ports_sysfs(sysfs, name)
     src = info["rdma_source"]
     if not ports:
-        info["rdma"] = "no RDMA device" + (f" ({verr})" if verr else "")
-        reason = f"{name}: no RDMA device bound to the interface ({src}{': ' + verr if verr else ''})"
+        info["rdma"] = "no RDMA device"
+        if verr:
+            info["rdma_error"] = verr
+        reason = f"{name}: no RDMA device bound to the interface ({verr or src})"
         for check in ("rdma_port", "rdma_active_mtu", "roce_v2_gid"):
             add(check, False if require_verbs else None, None, None, reason)
         return info, checks
