@@ -95,12 +95,12 @@ def test_change_me_and_an_unwritable_report_dir_are_refused_before_any_host_step
     r = play("qualify.yml", "-i", "inventories/production", "-e", f"qualify_dir={tmp_path}", timeout=300)
     assert r.returncode != 0 and not list(tmp_path.iterdir())
     assert "dsv41: error: inventory still has CHANGE_ME in" in r.stdout and "sparkhead.ansible_host" in r.stdout
-    assert "Qualify | links" not in r.stdout  # no host play started
+    assert "TASK [Reach the host" not in r.stdout  # no host was touched
     f = tmp_path / "file"
     f.write_text("x")
     r = play("qualify.yml", "-e", f"qualify_dir={f}", timeout=300)
     assert r.returncode != 0 and f"dsv41: error: report directory {f}/" in r.stdout and "cannot be written" in r.stdout
-    assert "Qualify | links" not in r.stdout
+    assert "TASK [Reach the host" not in r.stdout
 
 
 def _extra_inventory(tmp_path, hosts: dict) -> str:

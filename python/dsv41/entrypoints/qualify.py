@@ -636,7 +636,7 @@ def records_from_step(host: str, step: dict) -> list[dict]:
     group, subject = step["group"], step.get("subject", "")
     names = step.get("checks") or [step.get("name", "step")]
     if res.get("skipped") or not res:
-        reason = step.get("skip_reason") or "step did not run"
+        reason = step.get("skip_reason") or "not run in this play (--tags / --skip-tags left it out)"
         return skipped(group, names, host, reason, subject=subject)
     if step.get("kind") == "rdma_link":
         return from_links(host, res)
