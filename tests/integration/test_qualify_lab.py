@@ -145,14 +145,19 @@ def test_broken_lab_fails_the_right_checks_and_only_those(deployed_lab, tmp_path
     assert r.returncode == 0 and rep["result"] == "PASS", r.stdout[-4000:]
     assert {h: v for h, v in _recap(r.stdout).items() if h != "localhost"} == {"sparkhead": 0, "sparkworker": 0, "x86host": 0}
 
-    # MTU 1500 on one end of one link
-    inside("x86host", "ip", "link", "set", "dev", "ofl-head", "mtu", "1500")
+    # MTU 1500 on the link x86host <-> sparkhead (both ends: one end alone also breaks TCP segments
+    # sized for 9000, which the counters would rightly report too)
+    ends = (("x86host", "ofl-head"), ("sparkhead", "ofl0"))
+    for host, dev in ends:
+        inside(host, "ip", "link", "set", "dev", dev, "mtu", "1500")
     try:
         r, rep = _qualify(tmp_path / "mtu")
     finally:
-        inside("x86host", "ip", "link", "set", "dev", "ofl-head", "mtu", "9000")
-    assert r.returncode != 0 and _failed(rep) == {"links.mtu[ofl-head]@x86host"}, rep["reasons"]
+        for host, dev in ends:
+            inside(host, "ip", "link", "set", "dev", dev, "mtu", "9000")
+    assert r.returncode != 0 and _failed(rep) == {"links.mtu[ofl-head]@x86host", "links.mtu[ofl0]@sparkhead"}, rep["reasons"]
     assert "links.mtu[ofl-head]@x86host" in r.stdout
+    assert "ofl-head: MTU 1500, expected 9000" in rep["reasons"]
 
     # the table server stopped: transport and exactness on both ranks, the counters (fallbacks),
     # and the reconnect (the probe does not start a stopped server); the references still match
