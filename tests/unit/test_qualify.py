@@ -423,3 +423,31 @@ def test_vllm_tiny_is_skipped_without_vllm(monkeypatch):
 def test_every_probe_error_is_a_dsv41_error():
     assert issubclass(Q.QualifyError, Dsv41Error)
     assert np is not None
+
+
+def test_transport_probe_over_nixl(served):
+    """The production backend where RDMA exists (here UCX over TCP on loopback): the same checks,
+    the late READ guarded by a quarantined staging slot on the same client."""
+    pytest.importorskip("nixl_cu12")
+    os.environ.setdefault("UCX_TLS", "tcp")
+    from dsv41.engram.manifest import load_manifest
+    from dsv41.engram.server import load_tables
+    from dsv41.transport import parse_url
+    from dsv41.transport.nixl_backend import NixlExporter
+    from dsv41.transport.server import RowServer
+
+    d, _, _ = served
+    tables, _ = load_tables(load_manifest(d / "manifest.json"), d)
+    ex = NixlExporter(tables)
+    srv = RowServer(tables, [parse_url("nixl://127.0.0.1:0")], nixl_provider=ex)
+    ep = srv.start()[0]
+    try:
+        recs = Q.probe_transport("sparkhead", "ofl0", f"nixl://127.0.0.1:{ep.port}", str(d / "manifest.json"), 0, 2,
+                                 backend="nixl", p50_max_us=1e6, p99_max_us=1e6, gbps_min=0.001, iters=30,
+                                 bw_bytes=1 << 20, bw_repeats=2)
+    finally:
+        srv.stop(2)
+        ex.close()
+    by = {r["check"]: r for r in recs}
+    assert all(r["status"] == "pass" for r in recs), [(r["check"], r["reason"]) for r in recs if r["status"] != "pass"]
+    assert by["late_reply_dropped"]["value"]["slot_quarantined"] is True and by["backend"]["value"] == "nixl"

@@ -207,9 +207,9 @@ def probe_transport(host: str, link: str, url: str, manifest: str, rank: int, tp
       ``bw_repeats``, against ``gbps_min``; the measurement starts at epoch ``start_at`` when given
       (both ranks together: the two links at once); ``value`` also carries start and end times;
     - ``refused_identity``: a HELLO naming a table the server does not hold is refused (``wrong_identity``);
-    - ``late_reply_dropped``: a request timed out on purpose (1 M rows in 10 us) closes its
-      connection, so its late reply can never land in a later request's buffer; the next lookups
-      (new connection) return rows byte-identical to the local shards.
+    - ``late_reply_dropped``: a request timed out on purpose (1 M rows in 10 us): over tcp its
+      connection is closed (its late reply is never read), over nixl its staging slot is
+      quarantined; the next request returns rows byte-identical to the local shards.
     """
     import numpy as np
 
@@ -276,29 +276,37 @@ def probe_transport(host: str, link: str, url: str, manifest: str, rank: int, tp
                            "start": round(t_start, 3), "end": round(t_end, 3)}, f">= {gbps_min}", unit="Gb/s",
                           subject=link, reason="" if gbps >= gbps_min else
                           f"{link}: {gbps:.2f} Gb/s for {n * layout.row_bytes} B transfers, floor {gbps_min}"))
-        # late reply: time one request out on purpose, then prove the next rows exact
+        # late reply: time one request out on purpose, then prove the next rows exact. tcp closes
+        # the connection at a timeout (its late bytes are never read); nixl keeps the connection
+        # and quarantines the staging slot the late READ may still write (nixl_backend).
         ident = bytes.fromhex(m.table(layers[0]).identity)
         big = min(P.MAX_ROWS, 1 << 20)
+        check_ids = rng.integers(lo, hi, 4096, dtype=np.int64)
         c = open_client(ep, [ident], timeout_s=timeout_ms / 1e3)
         try:
             rows = rng.integers(lo, hi, big, dtype=np.int64).astype(np.uint64)
             dest = np.empty((big, layout.row_bytes), dtype=np.uint8)
             try:
                 c.lookup_into(ident, rows, [dest], 1e-5)
-                timed_out, closed = False, not getattr(c, "connected", True)
+                timed_out = False
             except TransportTimeout:
-                timed_out, closed = True, not getattr(c, "connected", True)
+                timed_out = True
+            if ep.scheme == "nixl":
+                guard, guarded = "slot_quarantined", bool(getattr(c, "_quarantine", None))
+                got = np.empty((check_ids.size, layout.row_bytes), dtype=np.uint8)
+                c.lookup_into(ident, check_ids.astype(np.uint64), [got], timeout_ms / 1e3)  # same client, next request
+            else:
+                guard, guarded = "connection_closed", not c.connected
+                got = src.lookup(layers[0], check_ids)  # the next request, on a new connection
         finally:
             c.close()
-        check_ids = rng.integers(lo, hi, 4096, dtype=np.int64)
-        got = src.lookup(layers[0], check_ids)
         bad = int(np.count_nonzero((got != reader.read(layers[0], check_ids)).any(axis=1)))
-        ok = timed_out and closed and bad == 0
+        ok = timed_out and guarded and bad == 0
         out.append(record("transport", "late_reply_dropped", host, ok,
-                          {"timed_out": timed_out, "connection_closed": closed, "bad_rows_after": bad, "rows_after": 4096},
-                          {"timed_out": True, "connection_closed": True, "bad_rows_after": 0}, subject=link,
+                          {"timed_out": timed_out, guard: guarded, "bad_rows_after": bad, "rows_after": int(check_ids.size)},
+                          {"timed_out": True, guard: True, "bad_rows_after": 0}, subject=link,
                           reason="" if ok else f"{link}: timed-out request: timed_out={timed_out} "
-                          f"connection_closed={closed}, {bad} bad rows after it"))
+                          f"{guard}={guarded}, {bad} bad rows after it"))
     except (Dsv41Error, TransportError) as exc:
         done = {r["check"] for r in out}
         out += [record("transport", nm, host, False, reason=f"{link}: {url}: {exc}", subject=link)
