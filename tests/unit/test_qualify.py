@@ -451,3 +451,21 @@ def test_transport_probe_over_nixl(served):
     by = {r["check"]: r for r in recs}
     assert all(r["status"] == "pass" for r in recs), [(r["check"], r["reason"]) for r in recs if r["status"] != "pass"]
     assert by["late_reply_dropped"]["value"]["slot_quarantined"] is True and by["backend"]["value"] == "nixl"
+
+
+def test_controller_probes_with_rank0_unreachable_fail_every_check_they_owe(tmp_path):
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    api = f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+    refs = tmp_path / "refs.json"
+    recs = Q.probe_serving(api, str(refs), host="localhost", ranks=["0", "1"], interval_s=0.1)
+    assert [(r["id"], r["status"]) for r in recs] == [("serving.counters[rank 0]", "fail"), ("serving.counters[rank 1]", "fail"),
+                                                      ("serving.greedy_refs", "fail")]
+    assert all(r["reason"].startswith(api) for r in recs)
+    recs = Q.probe_reconnect(api, host="localhost", ranks=["0", "1"], wait_s=0.1)
+    assert [(r["id"], r["status"]) for r in recs] == [("transport.reconnect[rank 0]", "fail"), ("transport.reconnect[rank 1]", "fail")]
+    (r,) = Q.probe_fail_closed(api, str(refs), host="localhost")
+    assert r["id"] == "drafter.fail_closed" and r["status"] == "fail"
