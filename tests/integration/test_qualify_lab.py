@@ -78,7 +78,7 @@ def test_qualify_passes_on_the_lab_and_changes_nothing(deployed_lab, tmp_path):
     assert {h: changed[h] for h in ("sparkhead", "sparkworker", "x86host")} == {"sparkhead": 0, "sparkworker": 0, "x86host": 0}
     summary = next((tmp_path / "a").glob("*/summary.md")).read_text()
     assert summary.startswith(f"# Qualification {rep['id']}: PASS") and "| transport.latency_p99[ofl0] | sparkhead | pass |" in summary
-    assert "qualification PASS" not in r.stdout or "FAIL" not in r.stdout.split("TASK [Summary]")[-1]
+    assert f"# Qualification {rep['id']}: PASS" in r.stdout.split("TASK [Summary]")[-1]  # printed by the playbook too
 
     chk, crep = _qualify(tmp_path / "c", "--check")
     assert chk.returncode == 0, chk.stdout[-5000:]
