@@ -104,9 +104,14 @@ def test_change_me_and_an_unwritable_report_dir_are_refused_before_any_host_step
 
 
 def _extra_inventory(tmp_path, hosts: dict) -> str:
-    p = tmp_path / "extra.yml"
-    p.write_text(json.dumps({"all": {"hosts": hosts}}))
-    return str(p)
+    """A second inventory source naming the same hosts, its variables in host_vars/ (inventory
+    host_vars of a later source override inventories/sim's, which inline host vars would not)."""
+    d = tmp_path / "extra"
+    (d / "host_vars").mkdir(parents=True)
+    (d / "hosts.yml").write_text(json.dumps({"all": {"hosts": {h: None for h in hosts}}}))
+    for h, v in hosts.items():
+        (d / "host_vars" / f"{h}.yml").write_text(json.dumps(v))
+    return str(d)
 
 
 def test_unreachable_host_and_a_missing_link_fail_with_one_line_each(deployed_lab, tmp_path):
