@@ -469,3 +469,10 @@ def test_controller_probes_with_rank0_unreachable_fail_every_check_they_owe(tmp_
     assert [(r["id"], r["status"]) for r in recs] == [("transport.reconnect[rank 0]", "fail"), ("transport.reconnect[rank 1]", "fail")]
     (r,) = Q.probe_fail_closed(api, str(refs), host="localhost")
     assert r["id"] == "drafter.fail_closed" and r["status"] == "fail"
+
+
+def test_sweep_probe_with_an_unreadable_manifest_is_one_failure(tmp_path):
+    bad = tmp_path / "manifest.json"
+    bad.write_text("{not json")
+    (r,) = Q.probe_sweep("sparkworker", "tcp://127.0.0.1:1", str(bad), 1, 2, lookups=10)
+    assert r["id"] == "exactness.bad_rows[rank 1]" and r["status"] == "fail" and r["reason"].startswith(f"rank 1: manifest {bad}: ")

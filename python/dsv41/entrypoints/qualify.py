@@ -340,7 +340,11 @@ def probe_sweep(host: str, url: str, manifest: str, rank: int, tp: int, lookups:
     from dsv41.engram.manifest import load_manifest
     from dsv41.engram.sweep import run_sweep
 
-    m = load_manifest(manifest)
+    try:
+        m = load_manifest(manifest)
+    except Dsv41Error as exc:
+        return [record("exactness", "bad_rows", host, False, None, 0, reason=f"rank {rank}: manifest {manifest}: {exc}",
+                       subject=f"rank {rank}")]
     layers = [t.layer_id for t in m.tables]
     try:
         rep = run_sweep(m, None, url, tp, rank, lookups=lookups, seed=seed, timeout_ms=timeout_ms, required=True)
