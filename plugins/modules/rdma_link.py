@@ -1,7 +1,8 @@
 #!/usr/bin/python
 # -*- coding: utf-8 -*-
 # Apache License 2.0
-"""Ansible module: check the direct links (netdev MTU, up, address; verbs MTU and RoCE v2 GID)."""
+"""Ansible module: check the direct links (netdev MTU, up, address; RDMA port state, verbs MTU and RoCE v2
+GID through pyverbs or sysfs). The logic is ``dsv41.harness.links``."""
 from __future__ import annotations
 
 DOCUMENTATION = r"""
@@ -11,9 +12,12 @@ short_description: Check the direct offload links of a dsv41 host (netdev and RD
 description:
   - For each link interface, checks that it exists, is up, has the expected Ethernet MTU and
     carries the expected IPv4 address.
-  - Where an RDMA device is bound to the interface (C(/sys/class/infiniband/*/ports/*/gid_attrs/ndevs)),
-    also checks the active verbs MTU of that port and that a RoCE v2 GID exists for the
-    interface (the one matching the address when there is one).
+  - Where an RDMA device is bound to the interface, also checks that its port is ACTIVE, the
+    active verbs MTU of that port and that a RoCE v2 GID exists for the interface (the one
+    matching the address when there is one).
+  - The verbs facts come from rdma-core's Python binding pyverbs (C(ibv_query_port),
+    C(ibv_query_gid_table)) when it can be imported by the module's interpreter, else from sysfs
+    (C(/sys/class/infiniband/*/ports/*)); the result says which (C(rdma_source)).
   - Check-only; never changes anything. Mismatches fail naming the interface and both values.
 options:
   links:
@@ -62,6 +66,13 @@ options:
     description: Root of sysfs (tests point it at a fake tree).
     type: path
     default: /sys
+  rdma_source:
+    description:
+      - Where the verbs facts come from. V(auto) uses pyverbs when it can be imported, sysfs
+        otherwise; V(pyverbs) fails when pyverbs cannot be imported; V(sysfs) never imports it.
+    type: str
+    choices: [auto, pyverbs, sysfs]
+    default: auto
 attributes:
   check_mode:
     support: full
@@ -88,103 +99,50 @@ links:
   type: list
   elements: dict
   sample:
-    - {name: ofl0, mtu: 9000, up: true, addresses: [198.18.1.2], rdma: "no RDMA device"}
-    - {name: enp1s0f1np1, mtu: 9000, up: true, addresses: [10.77.0.2], rdma: {device: mlx5_1, port: 1,
-       active_mtu: 4096, gid_index: 3, gid: "0000:0000:0000:0000:0000:ffff:0a4d:0002"}}
+    - {name: ofl0, exists: true, mtu: 9000, up: true, operstate: up, addresses: [198.18.1.2],
+       rdma_source: pyverbs, rdma: "no RDMA device"}
+    - {name: enp1s0f1np1, exists: true, mtu: 9000, up: true, operstate: up, addresses: [10.77.0.2],
+       rdma_source: pyverbs, rdma: {device: mlx5_1, port: 1, state: ACTIVE, active_mtu: 4096, gid_index: 3,
+       gid: "0000:0000:0000:0000:0000:ffff:0a4d:0002"}}
+checks:
+  description: One entry per link and check (netdev, up, mtu, address, rdma_port, rdma_active_mtu,
+    roce_v2_gid) with the value read, the expected value, C(ok) (true, false, or null when skipped)
+    and the reason; what C(dsv41 qualify) puts in its report.
+  returned: always
+  type: list
+  elements: dict
+rdma_source:
+  description: Where the verbs facts came from, C(pyverbs) or C(sysfs).
+  returned: always
+  type: str
+  sample: pyverbs
 """
 
-import glob
-import json
-import os
+from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
-from ansible.module_utils.basic import AnsibleModule
+try:
+    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import import_dsv41, require_dsv41
+except ImportError:  # run from library/ (ansible.cfg: module_utils = plugins/module_utils)
+    from ansible.module_utils.dsv41_common import import_dsv41, require_dsv41
 
-IFF_UP = 0x1
-
-
-def _read(path):
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
+links_mod = import_dsv41("dsv41.harness.links")
 
 
-def _addresses(module, name):
-    """IPv4 addresses of ``name`` via ``ip -j -4 addr show dev NAME``."""
-    rc, out, err = module.run_command(["ip", "-j", "-4", "addr", "show", "dev", name])
-    if rc != 0:
-        return []
-    try:
-        data = json.loads(out or "[]")
-    except ValueError:
-        return []
-    return [a.get("local") for d in data for a in d.get("addr_info", []) if a.get("family") == "inet"]
+def _addresses(module):
+    """IPv4 addresses of an interface through ``module.run_command`` (``ip -j -4 addr``)."""
+    import json
 
+    def read(name):
+        rc, out, dummy = module.run_command(["ip", "-j", "-4", "addr", "show", "dev", name])
+        if rc != 0:
+            return []
+        try:
+            data = json.loads(out or "[]")
+        except ValueError:
+            return []
+        return [a.get("local") for d in data for a in d.get("addr_info", []) if a.get("family") == "inet"]
 
-def _gid_for_ipv4(addr):
-    """RoCE v2 GID text of an IPv4 address (IPv4-mapped IPv6, sysfs formatting)."""
-    parts = [int(x) for x in addr.split(".")]
-    return "0000:0000:0000:0000:0000:ffff:%02x%02x:%02x%02x" % tuple(parts)
-
-
-def _rdma_port(sysfs, name):
-    """(device, port, [gid indices]) whose gid_attrs/ndevs name ``name``, or None."""
-    for ndev in sorted(glob.glob(os.path.join(sysfs, "class/infiniband/*/ports/*/gid_attrs/ndevs/*"))):
-        if _read(ndev) == name:
-            port_dir = os.path.dirname(os.path.dirname(os.path.dirname(ndev)))
-            dev = os.path.basename(os.path.dirname(os.path.dirname(port_dir)))
-            idx = [os.path.basename(p) for p in glob.glob(os.path.join(port_dir, "gid_attrs/ndevs/*"))
-                   if _read(p) == name]
-            return dev, os.path.basename(port_dir), port_dir, sorted(idx, key=int)
-    return None
-
-
-def check_link(module, link, sysfs, require_verbs, verbs_mtu):
-    """Return (info dict, list of error strings) for one link."""
-    name = link["name"]
-    errors = []
-    net = os.path.join(sysfs, "class/net", name)
-    if not os.path.isdir(net):
-        return {"name": name}, ["%s: no such interface" % name]
-    mtu = int(_read(os.path.join(net, "mtu")) or 0)
-    flags = int(_read(os.path.join(net, "flags")) or "0", 16)
-    up = bool(flags & IFF_UP) and _read(os.path.join(net, "operstate")) in ("up", "unknown")
-    addrs = _addresses(module, name)
-    info = {"name": name, "mtu": mtu, "up": up, "addresses": addrs}
-    if mtu != link["mtu"]:
-        errors.append("%s: MTU %d, expected %d" % (name, mtu, link["mtu"]))
-    if not up:
-        errors.append("%s: link is down" % name)
-    if link.get("address") and link["address"] not in addrs:
-        errors.append("%s: address %s missing (has %s)" % (name, link["address"], ", ".join(addrs) or "none"))
-    port = _rdma_port(sysfs, name)
-    if port is None:
-        info["rdma"] = "no RDMA device"
-        if require_verbs:
-            errors.append("%s: no RDMA device bound to the interface" % name)
-        return info, errors
-    dev, pnum, port_dir, indices = port
-    active = _read(os.path.join(port_dir, "active_mtu")) or ""
-    active_mtu = int(active.split()[0]) if active.split() and active.split()[0].isdigit() else 0
-    rdma = {"device": dev, "port": int(pnum), "active_mtu": active_mtu}
-    if active_mtu != verbs_mtu:
-        errors.append("%s: %s port %s active verbs MTU %d, expected %d" % (name, dev, pnum, active_mtu, verbs_mtu))
-    v2 = [i for i in indices if (_read(os.path.join(port_dir, "gid_attrs/types", i)) or "").lower() == "roce v2"]
-    want_gid = _gid_for_ipv4(link["address"]) if link.get("address") else None
-    chosen = None
-    for i in v2:
-        gid = _read(os.path.join(port_dir, "gids", i))
-        if want_gid is None or gid == want_gid:
-            chosen = (i, gid)
-            break
-    if chosen is None:
-        errors.append("%s: %s port %s has no RoCE v2 GID%s" % (
-            name, dev, pnum, " for %s" % link["address"] if want_gid else ""))
-    else:
-        rdma.update(gid_index=int(chosen[0]), gid=chosen[1])
-    info["rdma"] = rdma
-    return info, errors
+    return read
 
 
 def main():
@@ -204,18 +162,27 @@ def main():
             require_verbs=dict(type="bool", default=True),
             verbs_mtu=dict(type="int", default=4096),
             sysfs=dict(type="path", default="/sys"),
+            rdma_source=dict(type="str", default="auto", choices=["auto", "pyverbs", "sysfs"]),
         ),
         supports_check_mode=True,
     )
+    require_dsv41(module)
     p = module.params
-    infos, errors = [], []
-    for link in p["links"]:
-        info, errs = check_link(module, link, p["sysfs"], p["require_verbs"], p["verbs_mtu"])
-        infos.append(info)
-        errors.extend(errs)
+    verbs = "auto"
+    if p["rdma_source"] == "sysfs":
+        verbs = None
+    elif p["rdma_source"] == "pyverbs":
+        verbs = links_mod.load_pyverbs()
+        if verbs is None:
+            module.fail_json(msg=missing_required_lib("pyverbs"))
+    infos, checks, errors = links_mod.check_links(
+        p["links"], sysfs=p["sysfs"], require_verbs=p["require_verbs"], verbs_mtu=p["verbs_mtu"],
+        pyverbs=verbs, addresses=_addresses(module))
+    source = next((i["rdma_source"] for i in infos if i.get("rdma_source")),
+                  "sysfs" if verbs is None else "pyverbs" if links_mod.load_pyverbs() else "sysfs")
     if errors:
-        module.fail_json(msg="; ".join(errors), links=infos)
-    module.exit_json(changed=False, links=infos)
+        module.fail_json(msg="; ".join(errors), links=infos, checks=checks, rdma_source=source)
+    module.exit_json(changed=False, links=infos, checks=checks, rdma_source=source)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ GROUPS = [
     ("metrics", "dsv41.harness.metrics_cli", "Read a Prometheus /metrics endpoint as JSON."),
     ("package", "dsv41.promotion.cli", "Promotion packages: show, diff, verify (exact production records)."),
     ("status", "dsv41.entrypoints.status_cli", "Is production healthy, and what is it running? (exit 1 with reasons)"),
+    ("qualify", "dsv41.entrypoints.qualify_cli", "Hardware qualification probes and report (qualify.yml)."),
 ]
 
 

@@ -109,7 +109,8 @@ def token_source(layout: Any, token_map_path: str | None):
 def run_sweep(manifest: Any, data_dir: str | Path | None, remote: str, tp: int, rank: int,
               lookups: int = 839040, seed: int = 0, timeout_ms: int = 1000, required: bool = False,
               token_map: str | None = None, max_prefill_tokens: int = 1024, decode_steps: int = 32) -> dict:
-    """Run the sweep; returns the JSON-able report (``bad_rows`` must be 0).
+    """Run the sweep; returns the JSON-able report (``bad_rows`` must be 0; ``per_layer``:
+    ``{"<layer id>": {"lookups", "bad_rows"}}``).
 
     ``manifest``: Manifest or path; ``data_dir``: local shards (default: the manifest's
     directory); ``remote``: ``tcp://`` / ``nixl://`` URL of this rank's server.  Raises
@@ -146,6 +147,8 @@ def run_sweep(manifest: Any, data_dir: str | Path | None, remote: str, tp: int, 
     t0 = time.perf_counter()
     lo_hi = [layout.row_range(li, tp, rank) for li in range(len(layout.layer_ids))]
 
+    per_layer = {str(L): {"lookups": 0, "bad_rows": 0} for L in layout.layer_ids}
+
     def check() -> int:
         nbad = 0
         for L, items in pending.items():
@@ -154,7 +157,10 @@ def run_sweep(manifest: Any, data_dir: str | Path | None, remote: str, tp: int, 
             ids = np.concatenate([i for i, _ in items])
             got = np.concatenate([g for _, g in items])
             want = reader.read(L, ids)
-            nbad += int(np.count_nonzero((got != want).any(axis=1)))
+            b = int(np.count_nonzero((got != want).any(axis=1)))
+            per_layer[str(L)]["lookups"] += int(ids.size)
+            per_layer[str(L)]["bad_rows"] += b
+            nbad += b
             items.clear()
         return nbad
 
@@ -204,6 +210,7 @@ def run_sweep(manifest: Any, data_dir: str | Path | None, remote: str, tp: int, 
         "rank": rank,
         "columns": [c0, c1],
         "layers": layout.layer_ids,
+        "per_layer": per_layer,
         "tokens": desc,
         "seconds": round(time.perf_counter() - t0, 3),
     }

@@ -1,0 +1,1 @@
+../plugins/modules/qualify_report.py
