@@ -85,3 +85,21 @@ def dashboard(
         out.write_text(text)
     except OSError as exc:
         raise Dsv41Error(f"cannot write {out}: {exc.strerror or exc}") from None
+
+
+@app.command()
+def render(
+    prometheus: str = typer.Option(..., help="Prometheus base URL, e.g. http://198.18.0.13:9090."),
+    minutes: float = typer.Option(30.0, min=1, max=10080, help="The last N minutes."),
+    out: Path = typer.Option(Path("dashboard.png"), help="PNG to write."),
+    step: float = typer.Option(5.0, min=1, help="Seconds between points."),
+    rate_interval: str = typer.Option("1m", help="What $__rate_interval becomes."),
+) -> None:
+    """The dashboard's panels drawn with matplotlib from a Prometheus (no Grafana needed)."""
+    import time
+
+    from dsv41.monitoring import render as R
+
+    end = time.time()
+    drawn = R.render(prometheus, end - minutes * 60, end, str(out), step_s=step, rate_interval=rate_interval)
+    print(json.dumps({"out": str(out), "series": drawn}, sort_keys=True))
