@@ -9,6 +9,7 @@ Prometheus holds its data under /opt/dsv41/monitoring/data on x86host; lab_down 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import threading
@@ -67,12 +68,42 @@ class Traffic:
         self.t.join(90)
 
 
-@pytest.fixture(scope="module")
-def monitored(request):
-    request.getfixturevalue("deployed_lab")
-    r = play("monitoring.yml", timeout=900)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
-    return r.stdout
+_STATE: dict = {}
+
+
+def _prometheus_ready() -> bool:
+    try:
+        return httpx.get(f"{PROM}/-/ready", timeout=5, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture
+def monitored(deployed_lab):
+    """The deployed lab with monitoring.yml applied (once per session, again when Prometheus is gone)."""
+    if "out" not in _STATE or not _prometheus_ready():
+        r = play("monitoring.yml", timeout=900)
+        assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+        _STATE["out"] = r.stdout
+        _STATE.setdefault("t0", time.time())
+    return _STATE["out"]
+
+
+def _marks() -> list:
+    return _STATE.setdefault("marks", [])
+
+
+def _render_docs_png() -> None:
+    """DSV41_MONITORING_PNG=path: the dashboard's queries over this session, drawn with matplotlib."""
+    out = os.environ.get("DSV41_MONITORING_PNG")
+    if not out:
+        return
+    from dsv41.monitoring import render as R
+
+    drawn = R.render(PROM, _STATE["t0"], time.time(), out, step_s=5, rate_interval=D.LAB_RATE_INTERVAL,
+                     marks=_marks(), title="dsv41-offload dashboard queries on the lab (x86host Prometheus); "
+                                           "red: dsv41 alerts firing")
+    print(f"rendered {out}: {json.dumps(drawn)}")
 
 
 @pytest.mark.lab_long
@@ -115,6 +146,7 @@ def test_table_server_stopped_fires_and_resolves(monitored):
     seen: dict[str, float] = {}
     with Traffic():
         inside("x86host", *CTL, "stop", "dsv41-engram-server")
+        _marks().append((time.time(), "table server stopped"))
         t0 = time.monotonic()
         try:
             while set(limit) - set(seen) and time.monotonic() - t0 < 2 * max(limit.values()):
@@ -126,6 +158,7 @@ def test_table_server_stopped_fires_and_resolves(monitored):
                                 env=env(), capture_output=True, text=True, timeout=300)
         finally:
             inside("x86host", *CTL, "start", "dsv41-engram-server", check=False)
+            _marks().append((time.time(), "table server started"))
         t1 = time.monotonic()
         resolved = None
         while time.monotonic() - t1 < 180:
@@ -141,12 +174,17 @@ def test_table_server_stopped_fires_and_resolves(monitored):
     assert re.search(r"^alerts \(http://198\.18\.0\.13:9090\): \d+ firing: .*Dsv41TableServerDown", st.stdout, re.M), st.stdout
     assert "unhealthy: alert firing: Dsv41TableServerDown" in st.stdout
     assert resolved is not None, firing()
+    _render_docs_png()
 
 
 @pytest.mark.lab_long
 def test_a_window_run_shows_no_false_hold_alert(monitored):
     t0 = time.time()
-    r = play("window.yml", "-e", "candidate=aa", timeout=1800)
+    _marks().append((t0, "window.yml -e candidate=aa"))
+    with Traffic():
+        r = play("window.yml", "-e", "candidate=aa", timeout=1800)
+    _marks().append((time.time(), "window done"))
+    _render_docs_png()
     assert r.returncode == 0, r.stdout[-6000:]
     span = int(time.time() - t0) + 30
     held = query(f'max_over_time(dsv41_admission_held{{job="dsv41-ops"}}[{span}s])')
