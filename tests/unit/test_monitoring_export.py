@@ -77,3 +77,15 @@ def test_promtool_check_config_on_the_exported_files(exported, tmp_path):
     r = subprocess.run([promtool, "check", "config", str(f)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "SUCCESS" in r.stdout
+
+
+def test_every_role_variable_has_an_argument_spec():
+    role = ROOT / "roles" / "monitoring"
+    defaults = set(yaml.safe_load((role / "defaults" / "main.yml").read_text()))
+    specs = yaml.safe_load((role / "meta" / "argument_specs.yml").read_text())["argument_specs"]
+    for entry in ("main", "export"):
+        opts = set(specs[entry]["options"])
+        assert defaults - opts == set(), (entry, sorted(defaults - opts))
+        assert opts - defaults == set(), (entry, sorted(opts - defaults))
+    alerts = yaml.safe_load((role / "defaults" / "main.yml").read_text())["monitoring_alerts"]
+    assert all("for" in v for v in alerts.values()), "every alert's for: is a variable"
