@@ -32,6 +32,7 @@ class Fake:
     def __init__(self):
         self.paused, self.since = False, None
         self.alerts_code, self.alerts_body = 200, {"status": "success", "data": {"alerts": []}}
+        self.range_queries = 0
 
 
 @pytest.fixture
@@ -55,6 +56,10 @@ def fake():
                 return self._send(200, {"is_paused": f.paused, "paused_since": f.since})
             if self.path == "/api/v1/alerts":
                 return self._send(f.alerts_code, f.alerts_body)
+            if self.path.startswith("/api/v1/query_range"):
+                f.range_queries += 1
+                return self._send(200, {"status": "success", "data": {"resultType": "matrix", "result": [
+                    {"metric": {"rank": "0"}, "values": [[100 + 5 * i, str(i % 3)] for i in range(20)]}]}})
             return self._send(404, {})
 
     srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
@@ -225,3 +230,20 @@ def test_monitor_rules_prints_the_checked_in_file():
     r = subprocess.run([str(Path(sys.executable).parent / "dsv41"), "monitor", "rules"], capture_output=True, text=True,
                        timeout=60, cwd=ROOT)
     assert r.returncode == 0 and r.stdout == (ROOT / "monitoring" / "prometheus" / "dsv41.rules.yml").read_text()
+
+
+def test_render_draws_every_panel(fake, tmp_path):
+    from dsv41.monitoring import render as R
+
+    out = tmp_path / "d.png"
+    drawn = R.render(fake.url, 100, 200, str(out), step_s=5, marks=[(150, "fault")])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(drawn) == {p[0] for _r, ps in D.PANELS for p in ps} and all(n >= 1 for n in drawn.values())
+    assert fake.range_queries == len(D.expressions()) + 1  # + the ALERTS spans
+
+
+def test_render_unreachable_prometheus_is_one_error(tmp_path):
+    from dsv41.monitoring import render as R
+
+    with pytest.raises(R.Dsv41Error, match="query_range failed"):
+        R.render("http://127.0.0.1:9", 0, 60, str(tmp_path / "x.png"))

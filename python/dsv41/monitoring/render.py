@@ -57,7 +57,7 @@ def render(prometheus_url: str, start: float, end: float, out: str, step_s: floa
                 xs = [(t - start) / 60 for t, v in values if math.isfinite(v)]
                 ys = [v for _t, v in values if math.isfinite(v)]
                 if xs:
-                    ax.plot(xs, ys, label=_legend(fmt, labels)[:40], linewidth=1)
+                    ax.plot(xs, ys, label=(_legend(fmt, labels).strip() or "value")[:40], linewidth=1)
                     n += 1
         for labels, values in alerts:
             for t, _v in values:
