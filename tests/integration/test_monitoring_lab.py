@@ -112,6 +112,10 @@ def test_monitoring_play_is_idempotent(monitored):
     assert r.returncode == 0, r.stdout[-4000:]
     for host in ("sparkhead", "sparkworker", "x86host"):
         assert re.search(rf"^{host}\s+: ok=\d+\s+changed=0 ", r.stdout, re.M), r.stdout[-3000:]
+    r = play("monitoring.yml", "--check", "--diff", timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:]
+    for host in ("sparkhead", "sparkworker", "x86host"):
+        assert re.search(rf"^{host}\s+: ok=\d+\s+changed=0 ", r.stdout, re.M), r.stdout[-3000:]
 
 
 def test_every_target_is_up_and_every_panel_returns_data(monitored):
