@@ -132,11 +132,16 @@ def test_every_target_is_up_and_every_panel_returns_data(monitored):
         assert jobs == {"prometheus", "dsv41-api", "dsv41-table-server", "dsv41-drafter-worker", "dsv41-ops", "node"}, jobs
         assert all(float(s["value"][1]) == 1 for s in query("up")), query("up")
         time.sleep(70)  # a full rate interval (1m) of samples under traffic
+        # healthy lab: every dsv41 alert silent (neither pending nor firing), and both ranks' counters
+        quiet = query('ALERTS{alertname=~"Dsv41.*"}')
+        ranks = sorted(s["metric"].get("rank") for s in query('dsv41_engram_lookups_total{job="dsv41-api"}'))
         empty = []
         for title, expr in D.expressions():
             if not query(expr.replace("$__rate_interval", D.LAB_RATE_INTERVAL)):
                 empty.append((title, expr))
     assert tr.sent > 0
+    assert quiet == [], [s["metric"] for s in quiet]
+    assert ranks == ["0", "1"], ranks
     assert not empty, empty
 
 

@@ -18,23 +18,23 @@ TITLE = "dsv41-offload: serving, Engram, drafting, operations"
 # $__rate_interval is Grafana's; evaluated outside Grafana (tests, the docs' rendering) it becomes this.
 LAB_RATE_INTERVAL = "1m"
 
-_Q = 'histogram_quantile({q}, sum by (le, rank) (rate({m}_bucket{{job="dsv41-api"}}[$__rate_interval])))'
+_Q = 'histogram_quantile({q}, sum by (le) (rate({m}_bucket{{job="dsv41-api"}}[$__rate_interval])))'
 
 
 def _quantiles(metric: str) -> list[tuple[str, str]]:
-    return [(_Q.format(q=q, m=metric), f"rank {{{{rank}}}} p{int(q * 100)}") for q in (0.5, 0.9, 0.99)]
+    return [(_Q.format(q=q, m=metric), f"p{int(q * 100)}") for q in (0.5, 0.9, 0.99)]
 
 
 # (row title, [(panel title, kind, unit, [(expr, legend)], description)])
 PANELS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]], str]]]] = [
-    ("Serving (rank 0's API; one request spans both TP ranks)", [
+    ("Serving (rank 0's API; every request and step spans both TP ranks)", [
         ("TTFT quantiles", "timeseries", "s", _quantiles("vllm:time_to_first_token_seconds"),
          "vllm:time_to_first_token_seconds histogram"),
         ("Step time quantiles", "timeseries", "s", _quantiles("vllm:inter_token_latency_seconds"),
          "vllm:inter_token_latency_seconds: one observation per engine step that emits tokens"),
         ("Tokens/s", "timeseries", "short", [
-            ('sum by (rank) (rate(vllm:generation_tokens_total{job="dsv41-api"}[$__rate_interval]))', "generated, rank {{rank}}"),
-            ('sum by (rank) (rate(vllm:prompt_tokens_total{job="dsv41-api"}[$__rate_interval]))', "prompt, rank {{rank}}"),
+            ('sum(rate(vllm:generation_tokens_total{job="dsv41-api"}[$__rate_interval]))', "generated"),
+            ('sum(rate(vllm:prompt_tokens_total{job="dsv41-api"}[$__rate_interval]))', "prompt"),
         ], "vllm:generation_tokens_total and vllm:prompt_tokens_total"),
         ("Requests", "timeseries", "short", [
             ('sum(vllm:num_requests_running{job="dsv41-api"})', "running"),
