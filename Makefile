@@ -8,7 +8,7 @@ PIP := $(BIN)/python -m pip
 CONSTRAINTS := constraints.txt
 NIXL_PIN := nixl-cu12==1.5.1
 
-.PHONY: venv test unit lint sanity deploy lab-down promotion-kill bench fuzz drill window-drills clean rollback-components lab-long
+.PHONY: venv monitoring-tools test unit lint sanity deploy lab-down promotion-kill bench fuzz drill window-drills clean rollback-components lab-long
 
 venv: $(VENV)/.stamp
 
@@ -36,7 +36,12 @@ unit: venv
 # test_rollback_component rolls remote_engram back and a tagged deploy.yml restores it (pointer
 # included). Tests marked lab_long are deselected (make lab-long runs them: the full molecule
 # scenario, whose verify also runs a tagged deploy.yml in check mode).
-test: venv lint
+# promtool (Debian's prometheus package) for the monitoring tests; the lab's Prometheus, Alertmanager
+# and node exporter come with it (tools/install_prometheus.sh: installed without starting services).
+monitoring-tools:
+	@command -v promtool >/dev/null && command -v prometheus-node-exporter >/dev/null || bash tools/install_prometheus.sh
+
+test: venv monitoring-tools lint
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -p no:cacheprovider --durations=15 -m 'not lab_long' tests/unit tests/integration
 
 deploy: venv

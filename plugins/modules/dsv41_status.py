@@ -45,6 +45,12 @@ options:
     description: Directory of fenced windows (C(<id>/decision.json)); the newest verdict is reported.
     type: str
     default: ""
+  prometheus_url:
+    description:
+      - Base URL of a Prometheus with the dsv41 rules (roles/monitoring); its firing alerts join the report
+        (critical ones as reasons, others as warnings). Empty to skip.
+    type: str
+    default: ""
   timeout:
     description: Seconds per HTTP request.
     type: float
@@ -115,6 +121,7 @@ def main():
             expected_image=dict(type="str", default=""),
             windows_dir=dict(type="str", default=""),
             timeout=dict(type="float", default=5.0),
+            prometheus_url=dict(type="str", default=""),
         ),
         supports_check_mode=True,
     )
@@ -123,7 +130,8 @@ def main():
     with dsv41_errors(module):
         report = dsv41_status.summarize(
             p["hosts"], p["api_url"], p["engram_url"] or None, p["drafter_url"] or None, window_s=p["window"],
-            expected_image=p["expected_image"], windows_dir=p["windows_dir"] or None, timeout_s=p["timeout"])
+            expected_image=p["expected_image"], windows_dir=p["windows_dir"] or None, timeout_s=p["timeout"],
+            prometheus_url=p["prometheus_url"] or None)
     module.exit_json(changed=False, healthy=report["healthy"], reasons=report["reasons"],
                      lines=dsv41_status.render_lines(report), report=report)
 

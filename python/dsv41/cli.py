@@ -38,6 +38,7 @@ GROUPS = [
     ("drill", "dsv41.harness.drill_cli", "Fault drills under load on the lab: run, clear, check."),
     ("metrics", "dsv41.harness.metrics_cli", "Read a Prometheus /metrics endpoint as JSON."),
     ("package", "dsv41.promotion.cli", "Promotion packages: show, diff, verify (exact production records)."),
+    ("monitor", "dsv41.monitoring.cli", "Monitoring: the operations exporter, alert rules, Grafana dashboard."),
     ("status", "dsv41.entrypoints.status_cli", "Is production healthy, and what is it running? (exit 1 with reasons)"),
     ("qualify", "dsv41.entrypoints.qualify_cli", "Hardware qualification probes and report (qualify.yml)."),
 ]

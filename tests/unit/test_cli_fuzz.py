@@ -25,10 +25,12 @@ COMMANDS = [[], ["engram"], ["engine"], ["drafter"], ["proxy"], ["refs"], ["vers
             ["engram", "read-rows"], ["engine", "init-weights"], ["engine", "identity"], ["engine", "generate"],
             ["engine", "serve"], ["drafter", "serve"], ["drafter", "identity"], ["drafter", "train"],
             ["proxy", "run"], ["proxy", "self-test"], ["refs", "record"], ["refs", "verify"], ["env"], ["env", "check"],
-            ["drafter", "status"], ["metrics"], ["metrics", "get"], ["nope"]]
+            ["drafter", "status"], ["metrics"], ["metrics", "get"], ["monitor"], ["monitor", "exporter"],
+            ["monitor", "rules"], ["monitor", "dashboard"], ["monitor", "render"], ["nope"]]
 OPTIONS = ["--help", "--config", "--out", "--weights", "--manifest", "--data", "--rank", "--tp", "--port",
            "--max-tokens", "--device", "--json", "--seed", "--timeout-ms", "--endpoint", "--refs", "--remote",
-           "--layer", "--rows", "--threads", "--quiet", "--force", "--shm", "--master", "-x", "--"]
+           "--layer", "--rows", "--threads", "--quiet", "--force", "--shm", "--master", "--listen", "--overrides",
+           "--ranks", "--prometheus", "--minutes", "-x", "--"]
 
 arg_bytes = st.binary(max_size=24).map(os.fsdecode)  # what sys.argv holds for arbitrary bytes
 words = st.one_of(st.text(max_size=24), arg_bytes, st.sampled_from(OPTIONS),

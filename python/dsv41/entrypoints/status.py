@@ -23,7 +23,14 @@ Report shape (JSON, what ``--json`` prints)::
                       "services": {name: state}, "dsv41": str, "image": str|None,
                       "manifest": {"revision": str, "sha256": str, "tables": {layer: identity}}|None,
                       "drafter": {"drafter", "markov", "target"}|None, "promotion": str|None}},
-     "api": {...}, "engram": {...}, "drafter": {...}, "window": {...}|None}
+     "api": {...}, "engram": {...}, "drafter": {...}, "window": {...}|None,
+     "alerts": {"url": str, "firing": [{"name", "severity", "labels", "summary", "active_at"}],
+                "error": str|None}|None}
+
+With a Prometheus URL (``--prometheus``, ``status_prometheus_url``), :func:`add_alerts` reads the
+dsv41 alerts it has firing (roles/monitoring's rules): a firing ``critical`` alert is a reason,
+any other a warning, and a Prometheus that does not answer is a warning (status still judges from
+the endpoints).
 """
 
 from __future__ import annotations
@@ -413,6 +420,28 @@ def evaluate(hosts: dict, probed: dict, *, expected_image: str = "", window: dic
             "window": window, "held_reason": held_reason}
 
 
+def add_alerts(report: dict, prometheus_url: str | None, timeout_s: float = 5.0, fetch=None) -> dict:
+    """``report`` with ``alerts`` from the Prometheus at ``prometheus_url`` (None or "": none
+    configured, ``alerts`` None). Firing ``critical`` alerts join the reasons (``healthy``
+    recomputed), others the warnings; an unreachable Prometheus is a warning. ``fetch``: the
+    reader (default :func:`dsv41.monitoring.alerts.firing`). Returns a new dict."""
+    if not prometheus_url:
+        return {**report, "alerts": None}
+    from dsv41.monitoring import alerts as A
+
+    fetch = fetch or A.firing
+    reasons, warnings = list(report["reasons"]), list(report["warnings"])
+    out = {"url": prometheus_url, "firing": [], "error": None}
+    try:
+        out["firing"] = fetch(prometheus_url, timeout_s=timeout_s)
+    except A.AlertsError as exc:
+        out["error"] = str(exc)
+        warnings.append(f"alerts not read: {exc}")
+    for a in out["firing"]:
+        (reasons if a.get("severity") == "critical" else warnings).append(f"alert firing: {A.describe(a)}")
+    return {**report, "alerts": out, "reasons": reasons, "warnings": warnings, "healthy": not reasons}
+
+
 def allow_hold(report: dict) -> dict:
     """``report`` (as :func:`evaluate` returns it) judged with a HOLD expected: the checks of
     promote.yml / rollback.yml run under their own fenced HOLD, so "admission held" moves from the
@@ -481,6 +510,16 @@ def _admission_line(report: dict) -> str:
     return adm
 
 
+def _alerts_line(report: dict) -> str | None:
+    al = report.get("alerts")
+    if not al:
+        return None
+    if al.get("error"):
+        return f"alerts ({al['url']}): not read"
+    names = sorted({a["name"] for a in al["firing"]})
+    return f"alerts ({al['url']}): " + (f"{len(al['firing'])} firing: {', '.join(names)}" if names else "none firing")
+
+
 def _window_line(report: dict) -> str:
     w = report.get("window")
     return "none" if not w else f"{w['id']}: {w['verdict']}"
@@ -506,6 +545,8 @@ def render_lines(report: dict) -> list[str]:
                      f"{fb} fallbacks ({dfb} in {report['window_s']:g} s)")
     lines.append(_drafting_line(report))
     lines.append(f"last window: {_window_line(report)}")
+    if _alerts_line(report):
+        lines.append(_alerts_line(report))
     lines += [f"warning: {w}" for w in report.get("warnings", [])]
     lines += [f"unhealthy: {r}" for r in report["reasons"]]
     return lines
@@ -536,6 +577,8 @@ def render_tables(report: dict, console) -> None:
     console.print(e)
     console.print(_drafting_line(report), highlight=False)
     console.print(f"last window: {_window_line(report)}", highlight=False)
+    if _alerts_line(report):
+        console.print(_alerts_line(report), highlight=False)
     for w in report.get("warnings", []):
         console.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
     if report["healthy"]:
@@ -572,12 +615,14 @@ def host_entry(raw: dict) -> dict:
 
 def summarize(hosts: dict, api_url: str, engram_url: str | None = None, drafter_url: str | None = None,
               window_s: float = 5.0, expected_image: str = "", windows_dir: str | None = None,
-              timeout_s: float = 5.0) -> dict:
+              timeout_s: float = 5.0, prometheus_url: str | None = None) -> dict:
     """Probe the endpoints and judge: ``hosts`` as :func:`host_entry` takes them (``{name: raw}``);
-    the rest as :func:`probe` and :func:`evaluate`. Returns the report."""
+    the rest as :func:`probe` and :func:`evaluate`; ``prometheus_url``: :func:`add_alerts`.
+    Returns the report."""
     entries = {name: host_entry(raw) for name, raw in hosts.items()}
     probed = probe(api_url, engram_url, drafter_url, window_s=window_s, timeout_s=timeout_s)
-    return evaluate(entries, probed, expected_image=expected_image, window=last_window(windows_dir))
+    rep = evaluate(entries, probed, expected_image=expected_image, window=last_window(windows_dir))
+    return add_alerts(rep, prometheus_url, timeout_s=timeout_s)
 
 
 def find_project(inventory: str | os.PathLike) -> Path:
@@ -627,9 +672,10 @@ def inventory_hosts(inventory: str) -> dict[str, list[str]]:
     return groups
 
 
-def run_playbook(inventory: str, window_s: float = 5.0, timeout_s: float = 300.0) -> dict:
+def run_playbook(inventory: str, window_s: float = 5.0, timeout_s: float = 300.0, prometheus_url: str = "") -> dict:
     """Run ``playbooks/status.yml`` through ``inventory`` with ansible-runner (fresh private data
-    dir) and return the report its summary task computed. StatusError when the run produced none
+    dir) and return the report its summary task computed; ``prometheus_url`` (optional) becomes
+    ``status_prometheus_url`` (firing alerts, :func:`add_alerts`). StatusError when the run produced none
     (the line says why)."""
     import tempfile
 
@@ -654,7 +700,8 @@ def run_playbook(inventory: str, window_s: float = 5.0, timeout_s: float = 300.0
     with tempfile.TemporaryDirectory(prefix="dsv41-status-") as pdd:
         r = ansible_runner.run(
             private_data_dir=pdd, project_dir=str(project), playbook=str(project / "playbooks" / "status.yml"),
-            inventory=str(Path(inventory).resolve()), extravars={"status_window_s": float(window_s)},
+            inventory=str(Path(inventory).resolve()), extravars={"status_window_s": float(window_s),
+                       **({"status_prometheus_url": prometheus_url} if prometheus_url else {})},
             quiet=True, event_handler=on_event, timeout=int(timeout_s),
             envvars={"ANSIBLE_CONFIG": str(project / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1", "PATH": path})
         if "report" in found:

@@ -26,6 +26,9 @@ def status(
     supervisorctl: str = typer.Option("", help="With --local: the supervisorctl command line (supervisor hosts)."),
     root: str = typer.Option("/opt/dsv41", help="With --local: install root (tables/, drafter/, packages/)."),
     container_runtime: str = typer.Option("/usr/bin/docker", help="With --local: runtime of the serving container."),
+    prometheus: str = typer.Option("", "--prometheus",
+                                   help="Prometheus base URL whose firing dsv41 alerts the summary reports "
+                                        "(default: the inventory's dsv41_prometheus_url, if any)."),
     hold_ok: bool = typer.Option(False, "--hold-ok",
                                  help="A HOLD is expected (promote/rollback checks run under their own fenced HOLD): "
                                       "admission held is a warning, not a failure."),
@@ -40,7 +43,7 @@ def status(
                               container_runtime=container_runtime)
         print(json.dumps(facts, indent=None if as_json else 1, sort_keys=True))
         return
-    report = st.run_playbook(inventory or st.default_inventory(), window_s=window)
+    report = st.run_playbook(inventory or st.default_inventory(), window_s=window, prometheus_url=prometheus)
     if hold_ok:
         report = st.allow_hold(report)
     if as_json:
