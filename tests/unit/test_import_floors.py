@@ -9,7 +9,8 @@ Floors, bottom to top (a module may import its own floor and the floors below, n
 2. ``version`` (reports the install, including the native transport extension);
 3. ``engram`` (tables, manifest, row sources, table server);
 4. ``engine`` (the lab target; ``engine.spec_decode`` is the hook the drafter implements);
-5. ``harness`` (greedy references, admission, measurement clients), ``promotion`` (promotion
+5. ``harness`` (greedy references, admission, measurement clients), ``monitoring`` (rules,
+   dashboard, operations exporter, alerts reader), ``promotion`` (promotion
    packages and their journal; docs/architecture.md puts both on floor 5);
 6. ``drafter`` (speculators, worker, proxy; trains against the engine);
 7. ``entrypoints``, ``overlay`` (composition roots: the only code that knows engine and drafter;
@@ -33,7 +34,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("version",),
     ("engram",),
     ("engine",),
-    ("harness", "promotion"),
+    ("harness", "promotion", "monitoring"),
     ("drafter",),
     ("entrypoints", "overlay"),
     ("cli",),
