@@ -269,7 +269,7 @@ def test_serving_host_lab_runtime_skips_what_needs_vllm(tmp_path):
 
 def test_serving_host_vllm_reads_docker_and_systemd(tmp_path):
     env = tmp_path / "e.env"
-    env.write_text("DSV41_ENGRAM_REMOTE_REQUIRED=1\n")
+    env.write_text("DSV41_ENGRAM_REMOTE=tcp://198.18.1.1:7441@198.18.1.2\nDSV41_ENGRAM_REMOTE_REQUIRED=1\n")
     image = "registry/vllm-dsv41@sha256:" + "a" * 64
     answers = {
         "inspect": (0, image + "\n"), "exec": (0, "[]\n"),

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from dsv41 import envs, fileio
 from dsv41.errors import Dsv41Error
 
 GROUPS = ("links", "transport", "exactness", "serving", "drafter")
@@ -89,7 +90,7 @@ def prepare_report_dir(out_dir: str | os.PathLike) -> Path:
     try:
         p.mkdir(parents=True, exist_ok=True)
         probe = p / ".write-test"
-        probe.write_text("ok\n")
+        fileio.atomic_write(probe, "ok\n", "the report directory's write test", error=QualifyError)
         probe.unlink()
     except OSError as exc:
         raise QualifyError(f"report directory {p} cannot be written: {exc.strerror or exc}") from None
@@ -164,23 +165,17 @@ def probe_peers(host: str, links: list[dict], count: int = 3, interval_s: float 
 # --- transport -------------------------------------------------------------------------------------
 
 def read_env_file(path: str | os.PathLike) -> dict[str, str]:
-    """``KEY=VALUE`` lines of an env file (comments and blanks skipped); {} when absent."""
-    out: dict[str, str] = {}
-    try:
-        text = Path(path).read_text()
-    except OSError:
-        return out
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#") and "=" in line:
-            k, v = line.split("=", 1)
-            out[k.strip()] = v.strip()
-    return out
+    """``KEY=VALUE`` pairs of a service's env file (:func:`dsv41.envs.parse_env_text`: comments and
+    blanks skipped); {} when absent. Dsv41Error (one line) when it is not a regular file or malformed."""
+    if not os.path.lexists(path):
+        return {}
+    return envs.parse_env_text(fileio.read_text(path, "the env file"), str(path))
 
 
 def rank_url(env: dict[str, str], rank: int) -> str | None:
-    """This rank's ``DSV41_ENGRAM_REMOTE`` URL (one URL per rank, or one for all); None when unset."""
-    urls = [u.strip() for u in env.get("DSV41_ENGRAM_REMOTE", "").split(",") if u.strip()]
+    """This rank's ``DSV41_ENGRAM_REMOTE`` URL (one URL per rank, or one for all); None when unset.
+    :class:`dsv41.envs.ConfigError` (one line) when ``env`` holds a value the services would refuse."""
+    urls = [u.strip() for u in envs.parse(env).engram_remote.split(",") if u.strip()]
     if not urls:
         return None
     return urls[rank] if len(urls) > rank else urls[0]
@@ -368,7 +363,7 @@ def probe_sweep(host: str, url: str, manifest: str, rank: int, tp: int, lookups:
 def meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
     """``/proc/meminfo`` as ``{key: bytes}`` (kB values times 1024)."""
     out = {}
-    for line in Path(path).read_text().splitlines():
+    for line in fileio.read_text(path, "the kernel's meminfo").splitlines():
         m = re.match(r"^(\w+):\s+(\d+)(?:\s+kB)?$", line.strip())
         if m:
             out[m.group(1)] = int(m.group(2)) * (1024 if line.strip().endswith("kB") else 1)
@@ -395,7 +390,10 @@ def probe_serving_host(host: str, rank: int, *, runtime: str, env_file: str, req
     run = run or (lambda argv: subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False))
     out = []
     env = read_env_file(env_file)
-    val = env.get("DSV41_ENGRAM_REMOTE_REQUIRED")
+    try:
+        val = "1" if envs.parse(env).engram_remote_required else "0"
+    except envs.ConfigError as exc:
+        val = f"invalid ({exc})"
     want = "1" if required else "0"
     out.append(record("serving", "required_mode", host, val == want, val, want, subject=f"rank {rank}",
                       reason="" if val == want else f"rank {rank}: {env_file} DSV41_ENGRAM_REMOTE_REQUIRED={val}, expected {want}"))
@@ -748,10 +746,9 @@ def write_report(report: dict, out_dir: str | os.PathLike) -> dict:
     p = Path(out_dir)
     try:
         p.mkdir(parents=True, exist_ok=True)
-        tmp = p / "report.json.tmp"
-        tmp.write_text(json.dumps(report, indent=1, sort_keys=False) + "\n")
-        os.replace(tmp, p / "report.json")
-        (p / "summary.md").write_text(render_summary(report) + "\n")
+        fileio.atomic_write_json(p / "report.json", report, "the qualification report", error=QualifyError)
+        fileio.atomic_write(p / "summary.md", render_summary(report) + "\n", "the qualification summary",
+                            error=QualifyError)
     except OSError as exc:
         raise QualifyError(f"report directory {p} cannot be written: {exc.strerror or exc}") from None
     return {"report": str(p / "report.json"), "summary": str(p / "summary.md")}

@@ -23,6 +23,8 @@ import socket
 import subprocess
 from typing import Any, Callable
 
+from dsv41 import fileio
+
 IFF_UP = 0x1
 #: enum ibv_port_state (infiniband/verbs.h): IBV_PORT_ACTIVE.
 IBV_PORT_ACTIVE = 4
@@ -33,10 +35,10 @@ _PORT_STATES = {0: "NOP", 1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACT
 
 
 def _read(path: str) -> str | None:
+    """A sysfs attribute's text, stripped; None when it is absent or unreadable."""
     try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
+        return fileio.read_text(path, "a sysfs attribute").strip()
+    except (OSError, fileio.FileError):
         return None
 
 

@@ -34,10 +34,9 @@ def exporter(
         return
     server, _thread = ex.serve(listen, col)
     if ready_file is not None:
-        try:
-            ready_file.write_text(f"{listen}\n")
-        except OSError as exc:
-            raise Dsv41Error(f"cannot write the ready file {ready_file}: {exc.strerror or exc}") from None
+        from dsv41 import fileio
+
+        fileio.atomic_write(ready_file, f"{listen}\n", "the ready file")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -81,10 +80,9 @@ def dashboard(
     if out is None:
         typer.echo(text, nl=False)
         return
-    try:
-        out.write_text(text)
-    except OSError as exc:
-        raise Dsv41Error(f"cannot write {out}: {exc.strerror or exc}") from None
+    from dsv41 import fileio
+
+    fileio.atomic_write(out, text, "the dashboard")
 
 
 @app.command()

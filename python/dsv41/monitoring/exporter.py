@@ -25,6 +25,7 @@ import os
 import threading
 from pathlib import Path
 
+from dsv41 import fileio
 from dsv41.errors import Dsv41Error
 
 
@@ -58,8 +59,8 @@ class OpsCollector:
         marker = self.windows_dir / "ACTIVE"
         try:
             st = marker.stat()
-            wid = marker.read_text(errors="replace").strip()[:200]
-        except OSError:
+            wid = fileio.read_bytes(marker, "the window marker", max_bytes=4096).decode(errors="replace").strip()[:200]
+        except (OSError, fileio.FileError):
             return 0, 0.0, ""
         return 1, st.st_mtime, wid
 

@@ -76,10 +76,10 @@ def render(prometheus_url: str, start: float, end: float, out: str, step_s: floa
         ax.axis("off")
     fig.suptitle(title or f"dsv41-offload dashboard queries ({prometheus_url}); red: dsv41 alerts firing", fontsize=11)
     fig.tight_layout()
+    from dsv41 import fileio
+
     try:
-        fig.savefig(out, dpi=90)
-    except OSError as exc:
-        raise Dsv41Error(f"cannot write {out}: {exc.strerror or exc}") from None
+        fileio.atomic_write(out, lambda f: fig.savefig(f, dpi=90, format="png"), "the rendering")
     finally:
         plt.close(fig)
     return drawn

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from dsv41 import fileio
+
 HEADER = "Generated from roles/monitoring/templates/dsv41.rules.yml.j2; edit the role, not this file."
 
 
@@ -34,9 +36,9 @@ def render(project: str | Path, overrides: dict | None = None, ranks: list[int] 
     import jinja2
 
     rd = role_dir(project)
-    defaults = yaml.safe_load((rd / "defaults" / "main.yml").read_text())
+    defaults = yaml.safe_load(fileio.read_text(rd / "defaults" / "main.yml", "the monitoring role's defaults"))
     env = jinja2.Environment(trim_blocks=True, undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-    tpl = env.from_string((rd / "templates" / "dsv41.rules.yml.j2").read_text())
+    tpl = env.from_string(fileio.read_text(rd / "templates" / "dsv41.rules.yml.j2", "the rules template"))
     return tpl.render(monitoring_alerts_effective=merge(defaults["monitoring_alerts"], overrides or {}),
                       monitoring_ranks=list(ranks if ranks is not None else [0, 1]),
                       monitoring_rules_header=HEADER)
