@@ -13,9 +13,13 @@ protocol. The standard library's ``http.server`` (the table server's and drafter
 
 from __future__ import annotations
 
+import logging
 import socket
+import sys
 import threading
 from http.server import ThreadingHTTPServer
+
+log = logging.getLogger(__name__)
 
 #: Per-request bound on h11's buffered incomplete head (bytes): uvicorn's default, stated.
 H11_MAX_INCOMPLETE_EVENT_SIZE = 16 * 1024
@@ -130,6 +134,16 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self._done()
+
+    def handle_error(self, request, client_address) -> None:
+        """One log line instead of socketserver's traceback on stderr (the service's journal): a
+        client that went away mid-answer (EPIPE, ECONNRESET) or was cut by the socket timeout is
+        routine and logged at debug level; anything else is a warning naming the client and error."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.debug("http client %s went away: %s", client_address, exc)
+        else:
+            log.warning("http request from %s failed: %s: %s", client_address, type(exc).__name__, exc)
 
     def _done(self) -> None:
         with self._count:

@@ -241,3 +241,29 @@ def test_metrics_refuses_connections_over_the_limit_and_still_serves(metrics_url
     time.sleep(0.2)
     r = httpx.get(url, timeout=5)
     assert r.status_code == 200 and srv.open_connections <= 1
+
+
+@pytest.mark.parametrize("exc, level", [(BrokenPipeError(32, "Broken pipe"), "DEBUG"),
+                                        (ConnectionResetError(104, "Connection reset by peer"), "DEBUG"),
+                                        (TimeoutError("timed out"), "DEBUG"),
+                                        (RuntimeError("handler bug"), "WARNING")])
+def test_metrics_server_errors_are_one_log_line_never_a_traceback(exc, level, capfd, caplog) -> None:
+    """socketserver prints a traceback to stderr (the service's journal) for every failed request,
+    e.g. a scraper that went away mid-answer; BoundedHTTPServer logs one line instead."""
+    from http.server import BaseHTTPRequestHandler
+
+    from dsv41.httpd import BoundedHTTPServer, bounded_handler
+
+    srv = BoundedHTTPServer(("127.0.0.1", 0), bounded_handler(BaseHTTPRequestHandler), 1.0, 2)
+    try:
+        caplog.set_level("DEBUG", logger="dsv41.httpd")
+        try:
+            raise exc
+        except Exception:
+            srv.handle_error(None, ("127.0.0.1", 1))
+    finally:
+        srv.server_close()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception occurred" not in err
+    recs = [r for r in caplog.records if r.name == "dsv41.httpd"]
+    assert len(recs) == 1 and recs[0].levelname == level and str(exc) in recs[0].getMessage()
