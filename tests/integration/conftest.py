@@ -24,8 +24,15 @@ _STATE: dict = {"deploy_out": None, "used": False}
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Move the shared-lab tests to the end, keeping the order within both groups."""
-    items.sort(key=lambda item: "deployed_lab" in getattr(item, "fixturenames", ()))
+    """Move the shared-lab tests to the end, keeping the order within each group, and the ones
+    that add monitoring to the shared lab (``monitored``: Prometheus and exporters as programs on
+    x86host, so in its managed files and service list) after every other shared-lab test, which
+    compare the lab with the package and the service set that deploy.yml alone gives."""
+    def key(item) -> tuple[bool, bool]:
+        names = getattr(item, "fixturenames", ())
+        return "deployed_lab" in names, "monitored" in names
+
+    items.sort(key=key)
 
 
 def lab_is_production() -> bool:

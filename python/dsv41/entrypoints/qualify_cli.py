@@ -187,8 +187,10 @@ def fail_closed_cmd(
 
 @app.command("drafter-identity")
 def drafter_identity_cmd(
-    worker: Annotated[str, typer.Option("--worker", help="JSON of `dsv41 drafter status --json`.")],
-    expected: Annotated[str, typer.Option("--expected", help="JSON of `dsv41 drafter identity DIR` on rank 0.")],
+    worker: Annotated[str, typer.Option("--worker", help="JSON of `dsv41 drafter status --json` (left out: the "
+                                                         "worker's status could not be read).")] = "",
+    expected: Annotated[str, typer.Option("--expected", help="JSON of `dsv41 drafter identity DIR` on rank 0 (left "
+                                                             "out: rank 0's identities could not be read).")] = "",
 ) -> None:
     """drafter.worker_identity: the worker's identities equal rank 0's drafter files."""
     from dsv41.entrypoints import qualify as Q
