@@ -167,9 +167,11 @@ def probe_peers(host: str, links: list[dict], count: int = 3, interval_s: float 
 def read_env_file(path: str | os.PathLike) -> dict[str, str]:
     """``KEY=VALUE`` pairs of a service's env file (:func:`dsv41.envs.parse_env_text`: comments and
     blanks skipped); {} when absent. Dsv41Error (one line) when it is not a regular file or malformed."""
+    from dsv41.entrypoints.env_cli import read_env_file as read_pairs
+
     if not os.path.lexists(path):
         return {}
-    return envs.parse_env_text(fileio.read_text(path, "the env file"), str(path))
+    return read_pairs(Path(path))
 
 
 def rank_url(env: dict[str, str], rank: int) -> str | None:
