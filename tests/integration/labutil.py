@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -38,7 +39,35 @@ def play(playbook: str, *args: str, env_extra: dict | None = None, user: int | N
         # capability of the initial namespace is gone, while files owned by the caller stay
         # readable, so the check runs from a checkout in a 0700 directory too.
         cmd = ["unshare", "--user", "--", *cmd]
-    return subprocess.run(cmd, cwd=ROOT, env=env(env_extra), capture_output=True, text=True, timeout=timeout)
+    # Its own session, so a timeout ends ansible-playbook's whole process group (its forks and the
+    # commands they run), not only the main process: a forked worker left behind would go on
+    # changing the lab under the next test.
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(env_extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _end_group(proc)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a process outside the group still holds our pipes
+            out, err = "", ""
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _end_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM the process group ``proc`` leads (the pid we started), SIGKILL it after ``grace_s``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def inside(host: str, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
