@@ -26,6 +26,8 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
+from dsv41.engine.spec_decode import LEVEL_KEYS
+
 ENGRAM_KEYS = ("lookups", "rows", "fallbacks", "transport_errors", "refusals", "reconnects", "deadline_exceeded")
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                  7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -65,7 +67,8 @@ class _EngramCollector:
 class _DrafterCollector:
     """``Speculator.counters()`` as Prometheus types: ``latency_sum_s`` + ``latency_count`` ->
     summary ``dsv41_drafter_propose_latency_seconds`` (seconds); a key naming a maximum
-    (``*max*``, e.g. ``parity_max_prob_diff``) -> gauge ``dsv41_drafter_<key>``; every other
+    (``*max*``, e.g. ``parity_max_prob_diff``) or a level (:data:`~dsv41.engine.spec_decode.LEVEL_KEYS`:
+    ``proxy_up``, ``proxy_state``) -> gauge ``dsv41_drafter_<key>``; every other
     numeric key (monotonic since start, the Speculator contract) -> counter
     ``dsv41_drafter_<key>_total``."""
 
@@ -85,7 +88,7 @@ class _DrafterCollector:
             yield lat
         for k, v in sorted(num.items()):
             name = "".join(ch if ch.isalnum() else "_" for ch in k)
-            if "max" in k.split("_"):
+            if k in LEVEL_KEYS or "max" in k.split("_"):
                 yield GaugeMetricFamily(f"dsv41_drafter_{name}", f"Speculator {k}", value=v)
             else:
                 yield CounterMetricFamily(f"dsv41_drafter_{name}", f"Speculator counter {k}", value=v)

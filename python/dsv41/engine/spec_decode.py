@@ -54,6 +54,13 @@ class DraftProposal:
     top_probs: np.ndarray
 
 
+#: ``Speculator.counters()`` keys that are levels, not counts: they can go down (the proxy process
+#: is up 1/0; the ring's proxy state, an enum value, -1 when unreadable), so ``/metrics`` exports
+#: them as gauges ``dsv41_drafter_<key>``; a counter that went down would read as a reset to
+#: Prometheus' ``rate``/``increase``. Every other key is monotonic since start.
+LEVEL_KEYS = frozenset({"proxy_up", "proxy_state"})
+
+
 class Speculator(Protocol):
     """What the engine holds when speculation is on (implemented in ``dsv41.drafter``)."""
 
@@ -64,7 +71,8 @@ class Speculator(Protocol):
 
     def counters(self) -> dict:
         """Numeric counters shown in ``/metrics`` as ``dsv41_drafter_<key>`` (read at scrape,
-        from the HTTP thread: must not block on the drafter)."""
+        from the HTTP thread: must not block on the drafter). Monotonic since start, except the
+        levels named in :data:`LEVEL_KEYS` and maxima (``*max*``)."""
         ...
 
     def close(self) -> None:
