@@ -267,6 +267,34 @@ def _fsync_dir(d: Path) -> None:
             os.close(fd)
 
 
+def _temp_beside(path: PathLike, what: str | None, follow_symlinks: bool | None,
+                 error: ErrorType) -> tuple[Staged, int]:
+    """A new temporary file beside ``path`` (checked by :func:`check_output`): its :class:`Staged`
+    and open fd. Raises :class:`FileError` (or ``error``) when it cannot be created."""
+    label = _label(path, what)
+    target = check_output(path, what, follow_symlinks=follow_symlinks, error=error)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name[:64]}.", suffix=".tmp")
+    except OSError as exc:
+        raise (error or FileError)(f"cannot write {label}: {_reason(exc)}") from None
+    return Staged(target, tmp, label, error), fd
+
+
+@contextlib.contextmanager
+def _filled(staged: Staged, mode: int | None) -> Iterator[None]:
+    """Around filling ``staged``: then set its mode (``mode``, else the old file's, else
+    ``0o666 & ~umask``); on any failure remove it, an OSError raised as one FileError line."""
+    try:
+        yield
+        os.chmod(staged.tmp, _mode_for(staged.target) if mode is None else mode)
+    except OSError as exc:
+        staged.discard()
+        raise (staged.error or FileError)(f"cannot write {staged.label}: {_reason(exc)}; nothing was written") from None
+    except BaseException:
+        staged.discard()
+        raise
+
+
 def stage(path: PathLike, fill: Callable[[BinaryIO], None] | bytes | str, what: str | None = None, *,
           follow_symlinks: bool | None = None, error: ErrorType = None, mode: int | None = None) -> Staged:
     """Write ``fill`` (bytes, str as UTF-8, or a callable given the binary file) to a temporary file
@@ -279,14 +307,8 @@ def stage(path: PathLike, fill: Callable[[BinaryIO], None] | bytes | str, what: 
     Raises :class:`FileError` with the temporary file removed when the path is not writable
     (rules of :func:`check_output`) or the write fails (ENOSPC...).
     """
-    label = _label(path, what)
-    target = check_output(path, what, follow_symlinks=follow_symlinks, error=error)
-    try:
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name[:64]}.", suffix=".tmp")
-    except OSError as exc:
-        raise (error or FileError)(f"cannot write {label}: {_reason(exc)}") from None
-    staged = Staged(target, tmp, label, error)
-    try:
+    staged, fd = _temp_beside(path, what, follow_symlinks, error)
+    with _filled(staged, mode):
         with os.fdopen(fd, "wb") as f:
             if callable(fill):
                 fill(f)
@@ -294,13 +316,6 @@ def stage(path: PathLike, fill: Callable[[BinaryIO], None] | bytes | str, what: 
                 f.write(fill.encode("utf-8") if isinstance(fill, str) else fill)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, _mode_for(target) if mode is None else mode)
-    except OSError as exc:
-        staged.discard()
-        raise (error or FileError)(f"cannot write {label}: {_reason(exc)}; nothing was written") from None
-    except BaseException:
-        staged.discard()
-        raise
     return staged
 
 
@@ -328,28 +343,15 @@ def atomic_path(path: PathLike, what: str | None = None, *, follow_symlinks: boo
     """For writers that need a file name (``safetensors.save_file``, tar): yields a temporary path
     beside ``path``; on a normal exit it is fsynced and renamed over ``path``, on an exception (or a
     write error) removed. Raises :class:`FileError`."""
-    label = _label(path, what)
-    target = check_output(path, what, follow_symlinks=follow_symlinks, error=error)
-    try:
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name[:64]}.", suffix=".tmp")
-        os.close(fd)
-    except OSError as exc:
-        raise (error or FileError)(f"cannot write {label}: {_reason(exc)}") from None
-    staged = Staged(target, tmp, label, error)
-    try:
-        yield Path(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
+    staged, fd = _temp_beside(path, what, follow_symlinks, error)
+    os.close(fd)
+    with _filled(staged, mode):
+        yield Path(staged.tmp)
+        fd = os.open(staged.tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.chmod(tmp, _mode_for(target) if mode is None else mode)
-    except OSError as exc:
-        staged.discard()
-        raise (error or FileError)(f"cannot write {label}: {_reason(exc)}; nothing was written") from None
-    except BaseException:
-        staged.discard()
-        raise
     staged.commit()
 
 
