@@ -121,3 +121,22 @@ def test_every_window_run_option_reaches_a_params_field_with_its_default():
         assert got == want, f"--{p.name}: CLI default {p.default!r}, WindowParams {want!r}"
         covered.add(name)
     assert set(fields) - covered == {"spec"}
+
+
+def test_run_window_starts_the_fault_command_and_triggers_it_after_n_cells(tmp_path, fake_arms, monkeypatch):
+    """The mid-cell drill's wiring: --fault-cmd starts before the cells and waits for {trigger},
+    which appears once --fault-after-cells cells are written; the trigger file is gone after."""
+    calls = {"n": 0}
+    marks = tmp_path / "marks"
+
+    def stream(*a, **kw):
+        calls["n"] += 1
+        marks.open("a").write(f"cell {calls['n']}\n")
+        return _fake_stream(*a, **kw)
+
+    monkeypatch.setattr(bench, "stream_one", stream)
+    cmd = f"while [ ! -e {{trigger}} ]; do sleep 0.02; done; echo struck >> {marks}"
+    res = window_run.run_window(_params(tmp_path, window_id="wf", cap=False, fault_after_cells=2, fault_cmd=cmd))
+    lines = marks.read_text().splitlines()
+    assert "struck" in lines and lines.index("struck") >= 2  # not before the second cell was written
+    assert not (Path(res.dir) / "fault.trigger").exists()
