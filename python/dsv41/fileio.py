@@ -227,7 +227,7 @@ class Staged:
 
     ``commit()`` renames it over the path (re-checking the path first); ``discard()`` removes it.
     Used where other state must change together with the file (a window's decision and its
-    two-window cap, python/dsv41/harness/window_cli.py).
+    two-window cap, python/dsv41/harness/window_run.py).
     """
 
     def __init__(self, target: Path, tmp: str, label: str, error: ErrorType = None) -> None:

@@ -11,40 +11,41 @@ import subprocess
 import pytest
 
 from dsv41.cli import main
-from dsv41.harness import drill
-from dsv41.harness.drill import DrillError, Sample
+from dsv41.harness import drill_faults, drill_measure, drill_report
+from dsv41.harness.drill_faults import DrillError
+from dsv41.harness.drill_measure import Sample
 
 
 # ---- validation -----------------------------------------------------------------------------------
 
 def test_parse_faults_order_all_and_errors() -> None:
-    assert drill.parse_faults("all") == list(drill.FAULTS)
-    assert drill.parse_faults("netem, engram_server") == ["netem", "engram_server"]
-    assert drill.parse_faults(["async_proxy"]) == ["async_proxy"]
+    assert drill_faults.parse_faults("all") == list(drill_faults.FAULTS)
+    assert drill_faults.parse_faults("netem, engram_server") == ["netem", "engram_server"]
+    assert drill_faults.parse_faults(["async_proxy"]) == ["async_proxy"]
     with pytest.raises(DrillError, match=r"unknown fault 'tablez' \(known: engram_server, drafter_worker"):
-        drill.parse_faults("engram_server,tablez")
+        drill_faults.parse_faults("engram_server,tablez")
     with pytest.raises(DrillError, match="no fault named"):
-        drill.parse_faults(" , ")
+        drill_faults.parse_faults(" , ")
     with pytest.raises(DrillError, match="'netem' named twice"):
-        drill.parse_faults("netem,netem")
+        drill_faults.parse_faults("netem,netem")
 
 
 def test_lab_only_urls_links_and_netem() -> None:
-    assert drill.check_lab_url("http://198.18.0.11:8000", "x") == "http://198.18.0.11:8000"
-    assert drill.check_lab_url("http://198.19.255.1/metrics", "x")
+    assert drill_faults.check_lab_url("http://198.18.0.11:8000", "x") == "http://198.18.0.11:8000"
+    assert drill_faults.check_lab_url("http://198.19.255.1/metrics", "x")
     for bad in ("http://10.0.0.1:8000", "http://localhost:8000", "http://198.20.0.1", "nonsense"):
         with pytest.raises(DrillError, match="not a lab address"):
-            drill.check_lab_url(bad, "--endpoint")
-    assert drill.parse_link("sparkworker:ofl0") == ("sparkworker", "ofl0")
+            drill_faults.check_lab_url(bad, "--endpoint")
+    assert drill_faults.parse_link("sparkworker:ofl0") == ("sparkworker", "ofl0")
     for bad in ("sparkhead", "sparkhead:", "spark head:ofl0", "sparkhead:ofl0;reboot", "h:" + "x" * 16):
         with pytest.raises(DrillError, match="HOST:IFACE"):
-            drill.parse_link(bad)
-    assert drill.parse_netem("delay 60ms 20ms loss 5%") == ["delay", "60ms", "20ms", "loss", "5%"]
+            drill_faults.parse_link(bad)
+    assert drill_faults.parse_netem("delay 60ms 20ms loss 5%") == ["delay", "60ms", "20ms", "loss", "5%"]
     for bad in ("", "delay 10ms; rm -rf /", "rate 1mbit"):
         with pytest.raises(DrillError):
-            drill.parse_netem(bad)
+            drill_faults.parse_netem(bad)
     with pytest.raises(DrillError, match="bad interface"):
-        drill.Topology(link_iface="a/b").validate()
+        drill_faults.Topology(link_iface="a/b").validate()
 
 
 def test_proxy_pid_is_the_engines_proxy_child() -> None:
@@ -52,10 +53,10 @@ def test_proxy_pid_is_the_engines_proxy_child() -> None:
             (41, ["/opt/dsv41/venv/bin/dsv41", "proxy", "run", "--shm", "r", "--parent-pid", "99"]),
             (42, ["/opt/dsv41/venv/bin/dsv41", "proxy", "run", "--shm", "r", "--parent-pid", "7"]),
             (43, ["/opt/dsv41/venv/bin/python", "-m", "dsv41.drafter.proxy_cli", "run", "--parent-pid", "9"])]
-    assert drill.proxy_pid(kids, 7) == 42
-    assert drill.proxy_pid(kids, 9) == 43
-    assert drill.proxy_pid(kids, 8) is None
-    assert drill.proxy_pid([(5, ["proxy", "self-test", "--parent-pid", "7"])], 7) is None
+    assert drill_faults.proxy_pid(kids, 7) == 42
+    assert drill_faults.proxy_pid(kids, 9) == 43
+    assert drill_faults.proxy_pid(kids, 8) is None
+    assert drill_faults.proxy_pid([(5, ["proxy", "self-test", "--parent-pid", "7"])], 7) is None
 
 
 # ---- computations ---------------------------------------------------------------------------------
@@ -85,30 +86,30 @@ def _samples(fallback_until: float, t_end: float = 30.0, dt: float = 1.0, fail_c
 def test_recovery_time_from_the_first_stable_healthy_run() -> None:
     s = _samples(fallback_until=13.0)
     # Fallbacks grow through the interval ending at t=13; healthy from 13 on, cleared at 10.
-    assert drill.recovery_time(s, 10.0, ["0", "1"], stable_s=3.0) == pytest.approx(3.0)
-    assert drill.recovery_time(_samples(fallback_until=5.0), 10.0, ["0", "1"]) == 0.0
-    assert drill.recovery_time(_samples(fallback_until=40.0), 10.0, ["0", "1"]) is None
+    assert drill_measure.recovery_time(s, 10.0, ["0", "1"], stable_s=3.0) == pytest.approx(3.0)
+    assert drill_measure.recovery_time(_samples(fallback_until=5.0), 10.0, ["0", "1"]) == 0.0
+    assert drill_measure.recovery_time(_samples(fallback_until=40.0), 10.0, ["0", "1"]) is None
     # Fail-closed rounds count as not recovered when the drafter is required.
     s = _samples(fallback_until=0.0, fail_closed_until=16.0)
-    assert drill.recovery_time(s, 10.0, ["0", "1"], drafter=True) == pytest.approx(6.0)
-    assert drill.recovery_time(s, 10.0, ["0", "1"], drafter=False) == 0.0
+    assert drill_measure.recovery_time(s, 10.0, ["0", "1"], drafter=True) == pytest.approx(6.0)
+    assert drill_measure.recovery_time(s, 10.0, ["0", "1"], drafter=False) == 0.0
     # An unreadable sample breaks a healthy run; a run shorter than stable_s does not count.
     s = _samples(fallback_until=11.0, gap=(13.0, 13.0))
-    assert drill.recovery_time(s, 10.0, ["0", "1"], stable_s=3.0) == pytest.approx(4.0)
+    assert drill_measure.recovery_time(s, 10.0, ["0", "1"], stable_s=3.0) == pytest.approx(4.0)
     # A rank missing from the counters is never healthy.
     s = _samples(fallback_until=0.0)
     for x in s:
         x.engram.pop("1")
-    assert drill.recovery_time(s, 0.0, ["0", "1"]) is None
+    assert drill_measure.recovery_time(s, 0.0, ["0", "1"]) is None
 
 
 def test_healthy_interval_needs_lookups_and_rounds() -> None:
     a = Sample(0.0, engram={"0": {"lookups": 5, "fallbacks": 0}}, drafter={"rounds": 3, "fail_closed_rounds": 0})
     idle = Sample(1.0, engram={"0": {"lookups": 5, "fallbacks": 0}}, drafter={"rounds": 4, "fail_closed_rounds": 0})
     busy = Sample(1.0, engram={"0": {"lookups": 9, "fallbacks": 0}}, drafter={"rounds": 3, "fail_closed_rounds": 0})
-    assert not drill.healthy_interval(a, idle, ["0"], drafter=False)
-    assert drill.healthy_interval(a, busy, ["0"], drafter=False)
-    assert not drill.healthy_interval(a, busy, ["0"], drafter=True)
+    assert not drill_measure.healthy_interval(a, idle, ["0"], drafter=False)
+    assert drill_measure.healthy_interval(a, busy, ["0"], drafter=False)
+    assert not drill_measure.healthy_interval(a, busy, ["0"], drafter=True)
 
 
 def test_throughput_recovery_time() -> None:
@@ -116,23 +117,23 @@ def test_throughput_recovery_time() -> None:
     for x in s:  # 10 tok/s, except 1 tok/s from t=5 to t=16
         x.gen_tokens = 10 * min(x.t, 5) + 1 * max(0.0, min(x.t, 16) - 5) + 10 * max(0.0, x.t - 16)
     # Cleared at 10: the first interval from which 3 s average >= 5 tok/s starts at 14 (midpoint 14.5).
-    assert drill.throughput_recovery_time(s, 5.0, 10.0) == pytest.approx(4.5)
-    assert drill.throughput_recovery_time(s, 5.0, 10.0, frac=0.05) == pytest.approx(0.5)
-    assert drill.throughput_recovery_time(s, 0.0, 10.0) is None  # no baseline
-    assert drill.throughput_recovery_time(s[:14], 5.0, 10.0) is None  # never back within the samples
+    assert drill_measure.throughput_recovery_time(s, 5.0, 10.0) == pytest.approx(4.5)
+    assert drill_measure.throughput_recovery_time(s, 5.0, 10.0, frac=0.05) == pytest.approx(0.5)
+    assert drill_measure.throughput_recovery_time(s, 0.0, 10.0) is None  # no baseline
+    assert drill_measure.throughput_recovery_time(s[:14], 5.0, 10.0) is None  # never back within the samples
 
 
 def test_timeline_rates_and_counter_deltas() -> None:
     s = _samples(fallback_until=12.0, t_end=20.0, dt=2.0, gap=(6.0, 6.0))
-    rates = drill.timeline(s)
+    rates = drill_measure.timeline(s)
     assert rates[0] == {"t": 1.0, "tok_s": 10.0, "fallbacks_s": 7.0, "lookups_s": 200.0, "fail_closed_s": 0.0}
     # The unreadable sample at 6 is skipped: one 4 s interval 4 -> 8.
     assert [r["t"] for r in rates][:3] == [1.0, 3.0, 6.0]
     assert rates[-1]["fallbacks_s"] == 0.0
-    d = drill.counter_deltas(s)
+    d = drill_measure.counter_deltas(s)
     assert d["engram"]["0"]["fallbacks"] == 84.0 and d["engram"]["1"]["fallbacks"] == 0.0
     assert d["drafter"]["proxy_respawns"] == 1.0 and d["gen_tokens"] == 200.0 and d["seconds"] == 20.0
-    assert drill.counter_deltas(s, 3.0, 5.0)["engram"] == {}  # fewer than two samples inside
+    assert drill_measure.counter_deltas(s, 3.0, 5.0)["engram"] == {}  # fewer than two samples inside
 
 
 def _result(failed: int = 0, fallback_until: float = 13.0, refs_ok: bool = True) -> dict:
@@ -140,7 +141,7 @@ def _result(failed: int = 0, fallback_until: float = 13.0, refs_ok: bool = True)
     reqs = [{"prompt_id": f"p{i}", "ok": i >= failed, "error": None if i >= failed else "HTTP 500: boom",
              "t_start": 2.0 * i, "t_end": 2.0 * i + 3} for i in range(12)]
     refs = {"ok": refs_ok, "summary": "6/6 identical" if refs_ok else "5/6 identical"}
-    return drill.fault_result("engram_server", s, reqs, 5.0, 10.0, ["0", "1"], 3.0,
+    return drill_report.fault_result("engram_server", s, reqs, 5.0, 10.0, ["0", "1"], 3.0,
                               {"host": "x86host", "action": "supervisorctl stop dsv41-engram-server"},
                               {"host": "x86host", "action": "supervisorctl start dsv41-engram-server"}, refs)
 
@@ -159,17 +160,17 @@ def test_fault_result_counts_and_verdict() -> None:
 
 
 def test_report_summary_and_timeline(tmp_path) -> None:
-    rep = drill.build_report("t1", [_result(), _result(failed=1)], {"streams": 4, "spec": "s", "max_tokens": 48,
+    rep = drill_report.build_report("t1", [_result(), _result(failed=1)], {"streams": 4, "spec": "s", "max_tokens": 48,
                                                                      "baseline_s": 8, "duration_s": 20,
                                                                      "recover_timeout_s": 60, "stable_s": 3},
                              "2026-12-01T03:00:00+00:00", "2026-12-01T03:05:00+00:00", "box (2 CPUs)")
-    assert rep["format"] == drill.FORMAT and rep["ok"] is False
-    assert drill.build_report("t2", [_result()], {}, "a", "b", "m")["ok"] is True
-    assert drill.build_report("t3", [], {}, "a", "b", "m")["ok"] is False
-    md = drill.summary_markdown(rep)
+    assert rep["format"] == drill_report.FORMAT and rep["ok"] is False
+    assert drill_report.build_report("t2", [_result()], {}, "a", "b", "m")["ok"] is True
+    assert drill_report.build_report("t3", [], {}, "a", "b", "m")["ok"] is False
+    md = drill_report.summary_markdown(rep)
     assert "| engram_server | 12 | 0 | r0 91, r1 0 | 0 | 1 | 3.0 | 10.0 / 10.0 | 0.5 | 6/6 identical | yes |" in md
     assert "Verdict: FAIL" in md and "failed request p0: HTTP 500: boom" in md
-    paths = drill.write_report(rep, tmp_path / "t1")
+    paths = drill_report.write_report(rep, tmp_path / "t1")
     assert json.loads(open(paths["report"]).read())["id"] == "t1"
     png = open(paths["timeline"], "rb").read()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
@@ -186,7 +187,7 @@ class FakeLab:
         for h in ("x86host", "sparkhead", "sparkworker"):
             (tmp_path / f"{h}.pid").write_text(f"{os.getpid()}\n")
         self.replies, self.calls, self.replies_err = replies, [], ""
-        self.hosts = drill.LabHosts(tmp_path, ["supervisorctl", "-c", "/etc/dsv41/supervisord.conf"], self)
+        self.hosts = drill_faults.LabHosts(tmp_path, ["supervisorctl", "-c", "/etc/dsv41/supervisord.conf"], self)
 
     def __call__(self, cmd, **kw):
         argv = tuple(cmd[cmd.index("--") + 1:])
@@ -202,13 +203,13 @@ SUP = ("supervisorctl", "-c", "/etc/dsv41/supervisord.conf")
 
 def test_program_stop_and_idempotent_clear(tmp_path) -> None:
     lab = FakeLab(tmp_path, {(*SUP, "status", "dsv41-engram-server"): (3, "dsv41-engram-server STOPPED Dec 01\n")})
-    f = drill.EngramServerStop(lab.hosts, drill.Topology())
+    f = drill_faults.EngramServerStop(lab.hosts, drill_faults.Topology())
     assert f.inject()["action"] == "supervisorctl stop dsv41-engram-server"
     assert f.clear()["action"] == "supervisorctl start dsv41-engram-server"
     assert lab.calls == [(*SUP, "stop", "dsv41-engram-server"), (*SUP, "status", "dsv41-engram-server"),
                          (*SUP, "start", "dsv41-engram-server")]
     lab = FakeLab(tmp_path, {(*SUP, "status", "dsv41-drafter"): (0, "dsv41-drafter RUNNING pid 9, uptime 0:01\n")})
-    assert drill.DrafterWorkerStop(lab.hosts, drill.Topology()).clear()["action"] == "none"
+    assert drill_faults.DrafterWorkerStop(lab.hosts, drill_faults.Topology()).clear()["action"] == "none"
     assert all("start" not in c for c in lab.calls)
 
 
@@ -217,23 +218,23 @@ def test_link_and_netem_clear_only_what_is_set(tmp_path) -> None:
     up = "7: ofl0@if6: <BROADCAST,MULTICAST,UP,LOWER_UP> mtu 9000 state UP\n"
     lab = FakeLab(tmp_path, {("ip", "-o", "link", "show", "dev", "ofl0"): (0, down),
                              ("tc", "qdisc", "show", "dev", "ofl0", "root"): (0, "qdisc netem 8001: root limit 1000\n")})
-    topo = drill.Topology(link_host="sparkworker")
-    assert drill.LinkDown(lab.hosts, topo).clear()["action"] == "ip link set dev ofl0 up"
-    assert drill.Netem(lab.hosts, topo).clear()["action"] == "tc qdisc del dev ofl0 root (netem)"
-    assert drill.Netem(lab.hosts, topo).inject()["action"] == "tc qdisc replace dev ofl0 root netem delay 60ms 20ms loss 5%"
+    topo = drill_faults.Topology(link_host="sparkworker")
+    assert drill_faults.LinkDown(lab.hosts, topo).clear()["action"] == "ip link set dev ofl0 up"
+    assert drill_faults.Netem(lab.hosts, topo).clear()["action"] == "tc qdisc del dev ofl0 root (netem)"
+    assert drill_faults.Netem(lab.hosts, topo).inject()["action"] == "tc qdisc replace dev ofl0 root netem delay 60ms 20ms loss 5%"
     # A kernel without sch_netem: tbf instead, said in the record, and cleared the same way.
     lab = FakeLab(tmp_path, {("netem", "delay", "60ms", "20ms", "loss", "5%"):
                              (2, ""), ("tc", "qdisc", "show", "dev", "ofl0", "root"): (0, "qdisc tbf 8002: root refcnt 2\n")})
     lab.replies_err = "Error: Specified qdisc kind is unknown."
-    rec = drill.Netem(lab.hosts, topo).inject()
+    rec = drill_faults.Netem(lab.hosts, topo).inject()
     assert rec["qdisc"] == "tbf" and rec["action"].startswith("tc qdisc replace dev ofl0 root tbf rate 4mbit")
-    assert drill.Netem(lab.hosts, topo).clear()["action"] == "tc qdisc del dev ofl0 root (tbf)"
+    assert drill_faults.Netem(lab.hosts, topo).clear()["action"] == "tc qdisc del dev ofl0 root (tbf)"
     lab.replies_err = "Error: Cannot find device"
     with pytest.raises(DrillError, match="Cannot find device"):
-        drill.Netem(lab.hosts, topo).inject()
+        drill_faults.Netem(lab.hosts, topo).inject()
     lab = FakeLab(tmp_path, {("ip", "-o", "link", "show", "dev", "ofl0"): (0, up),
                              ("tc", "qdisc", "show", "dev", "ofl0", "root"): (0, "qdisc noqueue 0: root\n")})
-    out = drill.clear_all(lab.hosts, topo, ["offload_link", "netem"])
+    out = drill_faults.clear_all(lab.hosts, topo, ["offload_link", "netem"])
     assert out == {"offload_link": {"host": "sparkworker", "action": "none", "iface": "ofl0"},
                    "netem": {"host": "sparkworker", "action": "none", "iface": "ofl0"}}
 
@@ -242,26 +243,26 @@ def test_async_proxy_kill_by_pid_and_errors(tmp_path) -> None:
     kids = json.dumps([[29, ["python3", "-c", "x\ny"]],
                        [30, ["/opt/dsv41/venv/bin/dsv41", "proxy", "run", "--parent-pid", "12"]]])
     lab = FakeLab(tmp_path, {(*SUP, "pid", "dsv41-serve"): (0, "12\n"), ("12",): (0, kids)})
-    f = drill.AsyncProxyKill(lab.hosts, drill.Topology())
+    f = drill_faults.AsyncProxyKill(lab.hosts, drill_faults.Topology())
     rec = f.inject()
     assert rec["proxy_pid"] == 30 and rec["engine_pid"] == 12 and ("kill", "-KILL", "30") in lab.calls
     assert f.clear()["respawned"] is False  # the fake still lists pid 30
     lab = FakeLab(tmp_path, {(*SUP, "pid", "dsv41-serve"): (0, "12\n"), ("12",): (0, "[]")})
     with pytest.raises(DrillError, match="no async proxy process"):
-        drill.AsyncProxyKill(lab.hosts, drill.Topology()).inject()
+        drill_faults.AsyncProxyKill(lab.hosts, drill_faults.Topology()).inject()
     lab = FakeLab(tmp_path, {(*SUP, "pid", "dsv41-serve"): (0, "0\n")})
     with pytest.raises(DrillError, match="dsv41-serve on sparkhead is not running"):
-        drill.AsyncProxyKill(lab.hosts, drill.Topology()).inject()
+        drill_faults.AsyncProxyKill(lab.hosts, drill_faults.Topology()).inject()
     # A failing command is one line with its stderr's last line; clear_all keeps going.
     lab = FakeLab(tmp_path, {(*SUP, "status", "dsv41-engram-server"): (3, "dsv41-engram-server STOPPED\n"),
                              (*SUP, "start", "dsv41-engram-server"): (7, ""),
                              (*SUP, "status", "dsv41-drafter"): (0, "dsv41-drafter RUNNING pid 9\n")})
-    out = drill.clear_all(lab.hosts, drill.Topology(), ["engram_server", "drafter_worker"])
+    out = drill_faults.clear_all(lab.hosts, drill_faults.Topology(), ["engram_server", "drafter_worker"])
     assert "failed (exit 7)" in out["engram_server"]["error"] and out["drafter_worker"]["action"] == "none"
 
 
 def test_lab_not_up(tmp_path) -> None:
-    hosts = drill.LabHosts(tmp_path, ["supervisorctl"])
+    hosts = drill_faults.LabHosts(tmp_path, ["supervisorctl"])
     with pytest.raises(DrillError, match="the lab is not up"):
         hosts.run("x86host", ["true"])
 

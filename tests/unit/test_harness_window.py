@@ -71,58 +71,6 @@ def test_stack_version_outside_git(tmp_path):
     assert v["package"] and v["commit"] is None
 
 
-REPO_CANDIDATES = os.path.join(os.path.dirname(__file__), "..", "..", "candidates")
-
-
-def test_shipped_candidates_validate():
-    import pytest
-
-    names = sorted(f[:-4] for f in os.listdir(REPO_CANDIDATES) if f.endswith(".yml"))
-    assert {"aa", "slow-rows", "async-drafter", "sync-drafter"} <= set(names)
-    for n in names:
-        assert window.load_candidate(n, REPO_CANDIDATES)["name"] == n
-    assert window.role_vars(window.load_candidate("aa", REPO_CANDIDATES)) == {}
-    assert window.role_vars(window.load_candidate("slow-rows", REPO_CANDIDATES)) == {
-        "serve_extra_env": {"DSV41_ENGRAM_FAULT_DELAY_MS": "20"}}
-    assert window.role_vars(window.load_candidate("async-drafter", REPO_CANDIDATES)) == {"spec_decode_async": True}
-    with pytest.raises(window.WindowError, match="known: aa, async-drafter"):
-        window.load_candidate("nope", REPO_CANDIDATES)
-
-
-def test_candidate_refusals(tmp_path):
-    import pytest
-
-    def cand(name, text):
-        (tmp_path / f"{name}.yml").write_text(text)
-
-    base = "name: {n}\nquestion: q\nkind: plain\nprimary_metric: step_ms_p50\nmin_effect: 0.05\n"
-    cand("badenv", base.format(n="badenv") + "roles:\n  serve:\n    env:\n      PATH: /tmp\n")
-    cand("norestore", base.format(n="norestore") + "roles:\n  serve:\n    flags: ['--x']\n")
-    cand("unknownrole", base.format(n="unknownrole") + "roles:\n  kernel: {}\n")
-    cand("badmetric", base.format(n="badmetric").replace("step_ms_p50", "p99") + "roles: {}\n")
-    cand("renamed", base.format(n="other") + "roles: {}\n")
-    cand("broken", "name: [unclosed\n")
-    cand("newline", base.format(n="newline") + 'roles:\n  serve:\n    env:\n      DSV41_X: "a\\nb"\n')
-    for name, msg in [("badenv", "schema at roles/serve/env"), ("norestore", "schema at roles/serve"),
-                      ("unknownrole", "schema at roles"), ("badmetric", "schema at primary_metric"),
-                      ("renamed", "named 'other'"), ("broken", "not readable YAML"),
-                      ("newline", "schema at roles/serve/env/DSV41_X"), ("../etc", "plain name")]:
-        with pytest.raises(window.WindowError, match=msg):
-            window.load_candidate(name, tmp_path)
-
-
-def test_cli_candidate(tmp_path, capsys):
-    from dsv41.cli import main
-
-    out = tmp_path / "vars.json"
-    assert main(["window", "candidate", "slow-rows", "--root", REPO_CANDIDATES, "--vars-out", str(out)]) == 0
-    assert json.loads(out.read_text()) == {"serve_extra_env": {"DSV41_ENGRAM_FAULT_DELAY_MS": "20"}}
-    capsys.readouterr()
-    assert main(["window", "candidate", "nope", "--root", REPO_CANDIDATES]) == 1
-    err = capsys.readouterr().err
-    assert "unknown candidate" in err and len(err.strip().splitlines()) == 1
-
-
 def test_gate_records_from_cells_and_greedy():
     cells = [{"prompt_id": "a", "arm": "control", "ok": True, "completion_tokens": 32, "accepted_per_round": 2.0},
              {"prompt_id": "a", "arm": "candidate", "ok": True, "completion_tokens": 32, "accepted_per_round": 3.0},

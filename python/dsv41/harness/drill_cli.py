@@ -1,4 +1,5 @@
-"""``dsv41 drill run|clear|check``: fault drills under load on the lab (dsv41.harness.drill)."""
+"""``dsv41 drill run|clear|check``: fault drills under load on the lab (dsv41.harness.drill and its
+``drill_faults``, ``drill_report``)."""
 
 from __future__ import annotations
 
@@ -25,37 +26,37 @@ SupOpt = typer.Option(_SUPERVISORCTL, "--supervisorctl", help="supervisorctl com
 
 
 def _topology(link: str, netem: str):
-    from dsv41.harness import drill
+    from dsv41.harness import drill_faults
 
-    host, iface = drill.parse_link(link)
-    return drill.Topology(link_host=host, link_iface=iface, netem=netem).validate()
+    host, iface = drill_faults.parse_link(link)
+    return drill_faults.Topology(link_host=host, link_iface=iface, netem=netem).validate()
 
 
 @app.command()
 def check(faults: str = FaultsOpt) -> None:
     """Validate a fault list (one error line naming an unknown fault); prints the faults in order."""
-    from dsv41.harness import drill
+    from dsv41.harness import drill_faults
 
-    print(",".join(drill.parse_faults(faults)))
+    print(",".join(drill_faults.parse_faults(faults)))
 
 
 @app.command()
 def clear(faults: str = FaultsOpt, link: str = LinkOpt, lab_dir: str = LabDirOpt, supervisorctl: str = SupOpt) -> None:
     """Clear faults (idempotent): programs started if not RUNNING, the link set up, the netem
     qdisc removed. Exit 1 naming any fault that could not be cleared."""
-    from dsv41.harness import drill
+    from dsv41.harness import drill_faults
 
-    names = drill.parse_faults(faults)
-    topo = _topology(link, drill.DEFAULT_NETEM)
-    hosts = drill.LabHosts(lab_dir, drill.supervisorctl_argv(supervisorctl))
+    names = drill_faults.parse_faults(faults)
+    topo = _topology(link, drill_faults.DEFAULT_NETEM)
+    hosts = drill_faults.LabHosts(lab_dir, drill_faults.supervisorctl_argv(supervisorctl))
     for h in {topo.offload_host, topo.head_host, topo.link_host}:
         hosts.holder(h)
-    out = drill.clear_all(hosts, topo, names)
+    out = drill_faults.clear_all(hosts, topo, names)
     for name, rec in out.items():
         print(f"{name}: {rec.get('error') or rec.get('action')}")
     bad = [n for n, r in out.items() if "error" in r]
     if bad:
-        raise drill.DrillError(f"drill: could not clear {', '.join(bad)}")
+        raise drill_faults.DrillError(f"drill: could not clear {', '.join(bad)}")
 
 
 @app.command()
@@ -84,31 +85,31 @@ def run(
     timeline.png under OUT_DIR/<id>/. Exit 1 unless every fault had zero failed requests,
     recovered and left the greedy references 6/6."""
     from dsv41.errors import Dsv41Error
-    from dsv41.harness import bench, drill
+    from dsv41.harness import bench, drill, drill_faults, drill_report
 
     # Everything is checked before the lab is touched.
-    names = drill.parse_faults(faults)
+    names = drill_faults.parse_faults(faults)
     topo = _topology(link, netem)
     for v, what in ((duration, "--duration"), (baseline, "--baseline"), (recover_timeout, "--recover-timeout"),
                     (stable, "--stable")):
         if not v >= 0 or v > 3600:
-            raise drill.DrillError(f"drill: {what} must be between 0 and 3600 s, not {v:g}")
+            raise drill_faults.DrillError(f"drill: {what} must be between 0 and 3600 s, not {v:g}")
     if not 1 <= streams <= 64:
-        raise drill.DrillError(f"drill: --streams must be between 1 and 64, not {streams}")
-    drill.check_lab_url(endpoint, "--endpoint")
+        raise drill_faults.DrillError(f"drill: --streams must be between 1 and 64, not {streams}")
+    drill_faults.check_lab_url(endpoint, "--endpoint")
     for url, what in ((server_metrics, "--server-metrics"), (worker_metrics, "--worker-metrics")):
         if url:
-            drill.check_lab_url(url, what)
+            drill_faults.check_lab_url(url, what)
     if not os.path.isfile(refs_file):
-        raise drill.DrillError(f"drill: no greedy references at {refs_file} (deploy records them)")
+        raise drill_faults.DrillError(f"drill: no greedy references at {refs_file} (deploy records them)")
     sp = bench.load_spec(spec or None)
     did = drill_id or drill.new_id()
     if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}", did):
-        raise drill.DrillError(f"drill: --id {did!r} must be letters, digits, '_', '-', '.' (at most 64)")
+        raise drill_faults.DrillError(f"drill: --id {did!r} must be letters, digits, '_', '-', '.' (at most 64)")
     out = Path(out_dir) / did
     if out.exists():
-        raise drill.DrillError(f"drill: {out} exists; pick another --id")
-    hosts = drill.LabHosts(lab_dir, drill.supervisorctl_argv(supervisorctl))
+        raise drill_faults.DrillError(f"drill: {out} exists; pick another --id")
+    hosts = drill_faults.LabHosts(lab_dir, drill_faults.supervisorctl_argv(supervisorctl))
     for h in {topo.offload_host, topo.head_host, topo.link_host}:
         hosts.holder(h)
 
@@ -129,13 +130,13 @@ def run(
         except Dsv41Error as exc:
             error = str(exc)
         finally:
-            cleared = drill.clear_all(hosts, topo)
+            cleared = drill_faults.clear_all(hosts, topo)
     finished = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    report = drill.build_report(did, results, pdoc, started, finished, machine)
+    report = drill_report.build_report(did, results, pdoc, started, finished, machine)
     report["cleared"] = cleared
     if error:
         report.update(ok=False, error=error)
-    paths = drill.write_report(report, out)
+    paths = drill_report.write_report(report, out)
     print(f"drill {did}: {'PASS' if report['ok'] else 'FAIL'}; report {paths['report']}, summary {paths['summary']}, "
           f"timeline {paths['timeline']}")
     not_cleared = [n for n, r in cleared.items() if "error" in r]
@@ -145,4 +146,4 @@ def run(
                                   f"{'recovered' if f['recovered'] else 'not recovered'}, refs "
                                   f"{(f['refs'] or {}).get('summary') or (f['refs'] or {}).get('error')}"
                                   for f in results if not f["ok"]) or "no fault ran")
-        raise drill.DrillError(f"drill {did} failed: {why} (see {paths['summary']})")
+        raise drill_faults.DrillError(f"drill {did} failed: {why} (see {paths['summary']})")

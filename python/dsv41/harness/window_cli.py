@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import typer
@@ -137,10 +138,10 @@ def candidate(
     vars_out: str = typer.Option("", help="Write the arm's Ansible extra variables (JSON) here."),
 ) -> None:
     """Validate a candidate and print it with its role variables as JSON; exit 1 when refused."""
-    from dsv41.harness import window
+    from dsv41.harness import candidates
 
-    doc = window.load_candidate(name, root)
-    rv = window.role_vars(doc)
+    doc = candidates.load_candidate(name, root)
+    rv = candidates.role_vars(doc)
     if vars_out:
         from dsv41 import fileio
 
@@ -149,7 +150,7 @@ def candidate(
 
 
 @app.command("run")
-def run_window(
+def run_cmd(
     control: str = typer.Option(..., help="Control arm base URL."),
     candidate: str = typer.Option(..., help="Candidate arm base URL (the same URL with --switch-cmd, or "
                                             "for an A/A window)."),
@@ -182,110 +183,34 @@ def run_window(
 
     Takes no HOLD itself: `window.yml` holds admission around it. Exit 0 with a verdict; exit 1
     when the smoke start fails, 130 on Ctrl-C (cells so far kept, decision INVALID)."""
-    import datetime as dt
-    import os
-    import shlex
-    import subprocess
-    import sys
+    from dsv41.harness import bench, window_run
 
+    sp = bench.load_spec(spec or None)
+    params = window_run.WindowParams(
+        control=control, candidate=candidate, spec=sp, name=name, control_name=control_name, question=question,
+        metric=metric, min_effect=min_effect, alpha=alpha, seed=seed, windows_dir=windows_dir, window_id=window_id,
+        switch_cmd=switch_cmd, refs_path=refs_file, cap=not no_cap, metrics=list(metrics),
+        snapshot_metrics=not no_metrics, drafting=drafting, tolerance_nat=tolerance_nat,
+        fault_after_cells=fault_after_cells, fault_cmd=fault_cmd)
+    with bench.sigterm_as_interrupt():
+        res = window_run.run_window(params, progress=_progress_bar)
+        _print_decision(res.decision, as_json)
+        if not as_json:
+            print(f"report: {res.summary_path}")
+        if res.interrupted:
+            raise win2.Win2Error(f"window {res.window_id} interrupted; cells so far in {res.cells_path}", exit_code=130)
+
+
+@contextlib.contextmanager
+def _progress_bar(window_id: str, total: int):
+    """The cells' progress bar on stderr (transient); yields the per-cell callback."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from dsv41.errors import Dsv41Error
-    from dsv41.harness import bench, refs, window
-
-    sp = bench.load_spec(spec or None)
-    with bench.sigterm_as_interrupt():
-        if metric not in win2.METRICS:
-            raise win2.Win2Error(f"unknown metric {metric!r}; one of {', '.join(win2.METRICS)}")
-        nth = 0 if no_cap else win2.check_cap(windows_dir, name, metric)
-        wid = window_id or dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + f"-{name}"
-        wdir = os.path.join(windows_dir, wid)
-        if os.path.exists(os.path.join(wdir, "cells.jsonl")):
-            raise window.WindowError(f"window {wid} already has cells in {wdir}; choose another --id")
-        os.makedirs(wdir, exist_ok=True)
-        window.write_run_pid(wdir)  # a killed window.yml's next run stops this process by it
-        try:
-            refs_doc = refs.load_refs(refs_file) if refs_file else None
-            endpoints = {"control": control, "candidate": candidate}
-
-            def switch(arm: str) -> None:
-                if switch_cmd:
-                    # the switch's own output goes to stderr: stdout is the decision alone (window.yml
-                    # reads the verdict from its first line)
-                    rc = subprocess.run(switch_cmd.replace("{arm}", shlex.quote(arm)), shell=True, check=False,
-                                        stdout=sys.stderr).returncode
-                    if rc != 0:
-                        raise window.WindowError(f"switching to the {arm} arm failed (exit {rc}): {switch_cmd}")
-
-            model = sp["model"] or bench.served_model(control)
-            smoke = {}
-            for arm in ("control", "candidate"):
-                switch(arm)
-                smoke[arm] = bench.smoke(endpoints[arm], model, refs_doc, sp["timeout_s"])
-            murls = None if no_metrics else {arm: list(metrics) or [url.rstrip("/") + "/metrics"]
-                                             for arm, url in endpoints.items()}
-            plan = window.plan_cells(sp, seed)
-            cells_path = os.path.join(wdir, "cells.jsonl")
-            interrupted = False
-            cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-            fault = None
-            if fault_cmd and fault_after_cells:
-                fault = window.FaultTrigger(fault_after_cells, fault_cmd, os.path.join(os.path.abspath(wdir), "fault.trigger"))
-                fault.start()
-            with Progress(*cols, console=Console(stderr=True), transient=True) as bar:
-                task = bar.add_task(f"window {wid}", total=len(plan))
-
-                def progress(rec: dict) -> None:
-                    bar.advance(task)
-                    if fault is not None:
-                        fault.cell_done()
-
-                try:
-                    window.run_cells(plan, endpoints, model, sp["sampler"], sp["timeout_s"], cells_path, switch,
-                                     progress=progress, metrics=murls)
-                except KeyboardInterrupt:
-                    interrupted = True
-                finally:
-                    if fault is not None:
-                        fault.join()
-            cells = win2.load_cells(cells_path) if os.path.getsize(cells_path) else []
-            if len(cells) < len(plan):
-                # The rule must see the missing cells as incomplete pairs: decide on what was planned.
-                done = {(c["block"], c["pair"], c["arm"]) for c in cells}
-                cells += [{k: c[k] for k in ("block", "pair", "arm", "prompt_id", "category", "seed")} | {"ok": False,
-                          "error": "not run (window stopped)"} for c in plan if (c["block"], c["pair"], c["arm"]) not in done]
-            records, gate_error = None, None
-            if drafting and not interrupted and all(c.get("ok") for c in cells):
-                # the gate's greedy runs are more requests against the arms: if an arm fails here the
-                # window is INVALID (decision written, restore follows), not an aborted run
-                try:
-                    ids = {}
-                    for arm in ("control", "candidate"):
-                        switch(arm)
-                        ids[arm] = {n: refs.generate(endpoints[arm], p, model, 32) for n, p in bench.greedy_prompts()}
-                    greedy = {n: (ids["control"][n], ids["candidate"][n]) for n in ids["control"]}
-                    records = window.gate_records(cells, greedy)
-                except Dsv41Error as exc:
-                    gate_error = f"distributional gate could not run: {exc}"
-            d = win2.decide(cells, metric, min_effect, alpha, seed, gate_records=records, tolerance_nat=tolerance_nat)
-            if gate_error:
-                d.verdict = "INVALID"
-                d.reasons.append(gate_error)
-            meta = {"window_id": wid, "candidate": name, "control": control_name, "question": question or f"{name}: {metric}",
-                    "window_number": nth, "spec": {k: v for k, v in sp.items() if k != "prompts"},
-                    "prompts": [p["id"] for p in sp["prompts"]], "endpoints": endpoints, "smoke": smoke,
-                    "versions": window.stack_version(), "interrupted": interrupted}
-            # decision and cap are kept together or not at all (write_report's cap)
-            window.write_report(wdir, d, cells, meta, cap=None if no_cap else
-                                lambda: win2.stage_window(windows_dir, name, metric, wid, d.verdict))
-            _print_decision(d, as_json)
-            if not as_json:
-                print(f"report: {os.path.join(wdir, 'summary.md')}")
-            if interrupted:
-                raise win2.Win2Error(f"window {wid} interrupted; cells so far in {cells_path}", exit_code=130)
-        finally:
-            window.clear_run_pid(wdir)
+    cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*cols, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(f"window {window_id}", total=total)
+        yield lambda rec: bar.advance(task)
 
 
 @app.command("stop-run")

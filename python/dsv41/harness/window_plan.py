@@ -2,9 +2,9 @@
 
 :func:`plan` turns ``-e candidate=NAME`` / ``-e candidates=a,b`` and ``-e control=NAME`` into the
 window's plan: every candidate (and the control) loaded and schema-checked, refused when its
-delta touches something the window cannot restore, its workload spec readable, its question
-under the two-window cap; per window the Ansible variables of each arm and the roles a switch
-re-applies (only those either arm changes). Any refusal is one :class:`WindowError` line, raised
+delta touches something the window cannot restore, its workload spec readable (all three:
+``harness.candidates.load_checked``), its question under the two-window cap; per window the
+Ansible variables of each arm and the roles a switch re-applies (only those either arm changes). Any refusal is one :class:`WindowError` line, raised
 before anything is held or written.
 
 :func:`wait_ready` is the last step of every arm switch: one short greedy request through the
@@ -15,11 +15,10 @@ rank with zero fallbacks (``harness.refs``).
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
-from dsv41 import envs
 from dsv41.harness import bench, win2
-from dsv41.harness.window import WindowError, load_candidate, role_vars
+from dsv41.harness.candidates import load_checked, role_vars
+from dsv41.harness.window import WindowError
 
 #: The roles whose ``configure`` entry point a switch re-applies when a candidate sets that role's
 #: variables (playbooks/window_switch.yml): only env files are re-templated, and a service
@@ -30,39 +29,7 @@ SWITCH_ROLES = {
     "spec_decode": ["serve", "spec_decode"],
     "engram_server": ["engram_server"],
 }
-#: Variables the roles derive from production's own files (digests, paths): a candidate that set
-#: them would change what production's inputs are said to be, not a setting; refused.
-DERIVED_ENV = frozenset({"DSV41_SERVE_INPUTS_SHA256", "DSV41_TABLES_MANIFEST", "DSV41_TABLES_MANIFEST_SHA256",
-                         "DSV41_DRAFTER_FILES_SHA256", "DSV41_WINDOW_TOKEN"})
 PRODUCTION = "production"
-
-
-def check_restorable(doc: dict) -> None:
-    """Raise WindowError when a candidate's delta touches something the window cannot restore
-    or judge: an env variable unknown to ``dsv41.envs`` (no role would template it back, and
-    the engine refuses unknown names) or one the roles derive from production files
-    (:data:`DERIVED_ENV`). Settings outside the roles' env files cannot be expressed at all
-    (``schemas/candidate.schema.json``)."""
-    for role, settings in doc.get("roles", {}).items():
-        for name in sorted((settings.get("env") or {})):
-            if name not in envs.ENV_VARS:
-                raise WindowError(f"candidate {doc['name']!r}: {role} env {name} is not a dsv41 variable "
-                                  f"(python/dsv41/envs.py); the window cannot restore what no role templates")
-            if name in DERIVED_ENV:
-                raise WindowError(f"candidate {doc['name']!r}: {role} env {name} is derived by the role from "
-                                  f"production's files; a window may not set it")
-
-
-def _load(name: str, root: str) -> dict:
-    doc = load_candidate(name, root)
-    check_restorable(doc)
-    if doc.get("spec"):
-        spec_path = Path(doc["spec"])
-        if not spec_path.is_absolute():
-            spec_path = Path(root).resolve().parent / spec_path
-        doc["spec"] = str(spec_path)
-        bench.load_spec(doc["spec"])  # malformed spec: refused now, not after the HOLD
-    return doc
 
 
 def split_names(text: str) -> list[str]:
@@ -86,13 +53,13 @@ def plan(candidates: list[str], control: str = PRODUCTION, root: str = "candidat
     ``bench.load_spec``. Raises WindowError (or win2.Win2Error for the cap) before any HOLD."""
     if control != PRODUCTION and control in candidates:
         raise WindowError(f"{control!r} is both the control and a candidate")
-    control_doc = None if control == PRODUCTION else _load(control, root)
+    control_doc = None if control == PRODUCTION else load_checked(control, root)
     control_vars = role_vars(control_doc) if control_doc else {}
     if spec:
         bench.load_spec(spec)
     windows = []
     for name in candidates:
-        doc = _load(name, root)
+        doc = load_checked(name, root)
         metric = doc["primary_metric"]
         nth = win2.check_cap(windows_dir, name, metric)  # a third window is refused here
         cand_vars = role_vars(doc)

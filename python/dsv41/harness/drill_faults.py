@@ -1,0 +1,387 @@
+"""The faults of a drill (:mod:`dsv41.harness.drill`) and the lab hosts they are injected into.
+
+Faults (what is done, on which simulated host; everything by supervisor program, pid or
+interface, never by process name):
+
+=================  =======================================================================
+``engram_server``  ``supervisorctl stop dsv41-engram-server`` on x86host; cleared by ``start``
+``drafter_worker`` ``supervisorctl stop dsv41-drafter`` on x86host; cleared by ``start``
+``async_proxy``    SIGKILL of the async drafting proxy on sparkhead: the child of the
+                   ``dsv41-serve`` program's pid whose argv is ``python -m
+                   dsv41.drafter.proxy_cli run ... --parent-pid <that pid>``; nothing to clear (the engine's watchdog respawns it within its
+                   budget), the respawn is checked (a new proxy pid)
+``offload_link``   ``ip link set dev ofl0 down`` inside sparkhead; cleared by ``up``
+``netem``          ``tc qdisc replace dev ofl0 root netem <spec>`` inside sparkhead (default
+                   ``delay 60ms 20ms loss 5%``: RTT above the 100 ms lookup and round
+                   deadlines part of the time; a kernel without sch_netem gets a ``tbf``
+                   rate limit whose queue delays and drops instead, see :class:`Netem`);
+                   cleared by ``tc qdisc del dev ofl0 root``
+=================  =======================================================================
+
+Also the checks of a drill request made before the lab is touched (fault names, netem words,
+lab-only URLs, host / interface / program names). Lab only: every URL must be in
+198.18.0.0/15 and the lab's holder pid files must exist.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import ipaddress
+import json
+import re
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+from urllib.parse import urlsplit
+
+from dsv41.errors import Dsv41Error
+
+LAB_NET = ipaddress.ip_network("198.18.0.0/15")
+
+FAULTS: dict[str, str] = {
+    "engram_server": "table server stopped (x86host dsv41-engram-server)",
+    "drafter_worker": "drafter worker stopped (x86host dsv41-drafter)",
+    "async_proxy": "async drafting proxy SIGKILLed (sparkhead, child of dsv41-serve)",
+    "offload_link": "offload link down (ip link set down inside the Spark's namespace)",
+    "netem": "delay and loss on the offload link (tc netem inside the Spark's namespace)",
+}
+DEFAULT_NETEM = "delay 60ms 20ms loss 5%"
+# Where sch_netem is missing: 4 Mbit/s with at most 150 ms of queue (longer waits are dropped).
+FALLBACK_TBF = "rate 4mbit burst 32kb latency 150ms"
+_IFACE = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
+_HOST = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# tc netem words the drill passes on (anything else is refused before the lab is touched).
+_NETEM_WORD = re.compile(r"^(delay|loss|duplicate|corrupt|reorder|distribution|normal|pareto|"
+                         r"\d+(\.\d+)?(us|ms|s|%)?)$")
+
+
+class DrillError(Dsv41Error):
+    """Bad drill input, a lab that is not there, or an injection / clearing that failed."""
+
+
+# ---- request validation ------------------------------------------------------------------------
+
+def parse_faults(text: str | Sequence[str]) -> list[str]:
+    """``"a,b"`` (or a list) -> the fault names in order, ``all`` = every fault in :data:`FAULTS`.
+
+    Raises DrillError naming the first unknown name and the known ones (before anything changes),
+    or when the list is empty or names a fault twice."""
+    parts = [p.strip() for p in (text.split(",") if isinstance(text, str) else text) if p.strip()]
+    if parts == ["all"]:
+        return list(FAULTS)
+    if not parts:
+        raise DrillError(f"drill: no fault named (known: {', '.join(FAULTS)}, or all)")
+    for p in parts:
+        if p not in FAULTS:
+            raise DrillError(f"drill: unknown fault {p!r} (known: {', '.join(FAULTS)}, or all)")
+    dup = sorted({p for p in parts if parts.count(p) > 1})
+    if dup:
+        raise DrillError(f"drill: fault {dup[0]!r} named twice")
+    return parts
+
+
+def parse_netem(spec: str) -> list[str]:
+    """A ``tc netem`` argument string -> its words; DrillError on words outside delay / loss /
+    duplicate / corrupt / reorder / distribution and numbers with us/ms/s/% units."""
+    words = spec.split()
+    if not words:
+        raise DrillError("drill: --netem is empty")
+    for w in words:
+        if not _NETEM_WORD.match(w):
+            raise DrillError(f"drill: --netem word {w!r} is not a delay/loss setting (e.g. {DEFAULT_NETEM!r})")
+    return words
+
+
+def check_lab_url(url: str, what: str) -> str:
+    """``url`` unchanged when its host is an address in 198.18.0.0/15; DrillError otherwise (the
+    drill injects faults and must never be pointed at anything but the lab)."""
+    host = urlsplit(url).hostname or ""
+    try:
+        ok = ipaddress.ip_address(host) in LAB_NET
+    except ValueError:
+        ok = False
+    if not ok:
+        raise DrillError(f"drill: {what} {url} is not a lab address (198.18.0.0/15); the drill runs on the lab only")
+    return url
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Where each fault is injected: the simulated hosts, their supervisor programs and the
+    offload link (``link_host``'s interface ``link_iface``) that ``offload_link`` and ``netem``
+    act on. Defaults are the lab inventory's (inventories/sim)."""
+
+    offload_host: str = "x86host"
+    engram_program: str = "dsv41-engram-server"
+    drafter_program: str = "dsv41-drafter"
+    head_host: str = "sparkhead"
+    serve_program: str = "dsv41-serve"
+    link_host: str = "sparkhead"
+    link_iface: str = "ofl0"
+    netem: str = DEFAULT_NETEM
+
+    def validate(self) -> "Topology":
+        for h in (self.offload_host, self.head_host, self.link_host):
+            if not _HOST.match(h):
+                raise DrillError(f"drill: bad host name {h!r}")
+        for p in (self.engram_program, self.drafter_program, self.serve_program):
+            if not _HOST.match(p):
+                raise DrillError(f"drill: bad supervisor program name {p!r}")
+        if not _IFACE.match(self.link_iface):
+            raise DrillError(f"drill: bad interface name {self.link_iface!r}")
+        parse_netem(self.netem)
+        return self
+
+
+def parse_link(text: str) -> tuple[str, str]:
+    """``HOST:IFACE`` -> ``(host, iface)``; DrillError otherwise."""
+    host, sep, iface = text.partition(":")
+    if not sep or not _HOST.match(host) or not _IFACE.match(iface):
+        raise DrillError(f"drill: --link must be HOST:IFACE (e.g. sparkhead:ofl0), not {text!r}")
+    return host, iface
+
+
+# ---- the simulated hosts --------------------------------------------------------------------------
+
+class LabHosts:
+    """Runs commands inside the lab's simulated hosts: ``nsenter`` into the holder process named by
+    ``<lab_dir>/<host>.pid`` (its mount, net, uts and pid namespaces; the same entry as the lab
+    connection plugin). ``supervisorctl`` is the argv prefix of the hosts' supervisorctl."""
+
+    def __init__(self, lab_dir: str | Path, supervisorctl: Sequence[str],
+                 runner: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> None:
+        self.lab_dir = Path(lab_dir)
+        self.supervisorctl = list(supervisorctl)
+        self._run = runner
+
+    def holder(self, host: str) -> str:
+        """The holder pid of ``host``; DrillError when the lab is not up."""
+        p = self.lab_dir / f"{host}.pid"
+        try:
+            pid = p.read_text().strip()
+        except OSError:
+            raise DrillError(f"drill: the lab is not up (no {p})") from None
+        if not pid.isdigit() or not Path(f"/proc/{pid}").exists():
+            raise DrillError(f"drill: the lab is not up ({p} names no running process)")
+        return pid
+
+    def run(self, host: str, argv: Sequence[str], check: bool = True, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
+        """``argv`` inside ``host``; DrillError with its stderr when ``check`` and it fails."""
+        cmd = ["nsenter", "--target", self.holder(host), "--mount", "--net", "--uts", "--pid", "--", *argv]
+        try:
+            r = self._run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            raise DrillError(f"drill: {' '.join(argv)} on {host}: no answer within {timeout_s:g} s") from None
+        if check and r.returncode != 0:
+            why = (r.stderr or r.stdout or "").strip().splitlines()
+            raise DrillError(f"drill: {' '.join(argv)} on {host} failed (exit {r.returncode})"
+                             + (f": {why[-1]}" if why else ""))
+        return r
+
+    def program_state(self, host: str, program: str) -> str:
+        """The supervisor state word of ``program`` on ``host`` (RUNNING, STOPPED, ...)."""
+        r = self.run(host, [*self.supervisorctl, "status", program], check=False)
+        words = r.stdout.split()
+        return words[1] if len(words) > 1 and words[0] == program else "UNKNOWN"
+
+    def program_pid(self, host: str, program: str) -> int:
+        """The pid (in ``host``'s pid namespace) of a RUNNING supervisor program."""
+        r = self.run(host, [*self.supervisorctl, "pid", program], check=False)
+        out = r.stdout.strip()
+        if not out.isdigit() or int(out) <= 1:
+            raise DrillError(f"drill: {program} on {host} is not running ({out or r.stderr.strip()})")
+        return int(out)
+
+    def children(self, host: str, pid: int) -> list[tuple[int, list[str]]]:
+        """``[(child pid, argv)]`` of ``pid`` inside ``host`` (``/proc/PID/task/*/children``)."""
+        script = ("import json,os,sys;p=sys.argv[1];o=set();r=[]\n"
+                  "for t in os.listdir(f'/proc/{p}/task'):\n"
+                  " o.update(open(f'/proc/{p}/task/{t}/children').read().split())\n"
+                  "for c in sorted(o,key=int):\n"
+                  " try:a=open(f'/proc/{c}/cmdline','rb').read().split(b'\\0')\n"
+                  " except OSError:continue\n"
+                  " r.append([int(c),[x.decode('utf-8','replace') for x in a if x]])\n"
+                  "print(json.dumps(r))")
+        r = self.run(host, ["python3", "-c", script, str(pid)])
+        try:
+            return [(int(c), list(argv)) for c, argv in json.loads(r.stdout)]
+        except (ValueError, TypeError) as exc:
+            raise DrillError(f"drill: cannot read the children of pid {pid} on {host}: {exc}") from None
+
+
+def proxy_pid(children: Iterable[tuple[int, list[str]]], engine_pid: int) -> int | None:
+    """The async proxy among the engine's ``children``: how ``AsyncSpeculator._spawn`` starts it,
+    ``python -m dsv41.drafter.proxy_cli run ... --parent-pid <engine_pid>`` (or ``dsv41 proxy
+    run ...`` with a custom ``proxy_cmd``); None if absent."""
+    for pid, argv in children:
+        pairs = list(zip(argv, argv[1:]))
+        if ("--parent-pid", str(engine_pid)) in pairs and (
+                ("-m", "dsv41.drafter.proxy_cli") in pairs or ("proxy", "run") in pairs) and "run" in argv:
+            return pid
+    return None
+
+
+# ---- faults ------------------------------------------------------------------------------------
+
+class Fault(abc.ABC):
+    """One fault: ``inject`` and ``clear`` return a JSON-able record of what was done; ``clear``
+    is idempotent (it is also the playbook's ``always``: ``dsv41 drill clear``)."""
+
+    name = ""
+    host = ""
+
+    def __init__(self, hosts: LabHosts, topo: Topology) -> None:
+        self.hosts, self.topo = hosts, topo
+
+    @abc.abstractmethod
+    def inject(self) -> dict:
+        """Start the fault; the record of what was done."""
+
+    @abc.abstractmethod
+    def clear(self) -> dict:
+        """End the fault (idempotent); the record of what was done."""
+
+
+class _ProgramStop(Fault):
+    program = ""
+
+    def inject(self) -> dict:
+        self.hosts.run(self.host, [*self.hosts.supervisorctl, "stop", self.program])
+        return {"host": self.host, "action": f"supervisorctl stop {self.program}"}
+
+    def clear(self) -> dict:
+        state = self.hosts.program_state(self.host, self.program)
+        if state == "RUNNING":
+            return {"host": self.host, "action": "none", "state": state}
+        self.hosts.run(self.host, [*self.hosts.supervisorctl, "start", self.program], timeout_s=180)
+        return {"host": self.host, "action": f"supervisorctl start {self.program}", "was": state}
+
+
+class EngramServerStop(_ProgramStop):
+    name = "engram_server"
+
+    def __init__(self, hosts, topo):
+        super().__init__(hosts, topo)
+        self.host, self.program = topo.offload_host, topo.engram_program
+
+
+class DrafterWorkerStop(_ProgramStop):
+    name = "drafter_worker"
+
+    def __init__(self, hosts, topo):
+        super().__init__(hosts, topo)
+        self.host, self.program = topo.offload_host, topo.drafter_program
+
+
+class AsyncProxyKill(Fault):
+    """SIGKILL of the proxy process by pid; the engine's watchdog must respawn it."""
+
+    name = "async_proxy"
+
+    def __init__(self, hosts, topo):
+        super().__init__(hosts, topo)
+        self.host = topo.head_host
+        self.killed: int | None = None
+
+    def _find(self) -> tuple[int, int | None]:
+        engine = self.hosts.program_pid(self.host, self.topo.serve_program)
+        return engine, proxy_pid(self.hosts.children(self.host, engine), engine)
+
+    def inject(self) -> dict:
+        engine, pid = self._find()
+        if pid is None:
+            raise DrillError(f"drill: no async proxy process under {self.topo.serve_program} (pid {engine}) on "
+                             f"{self.host}: is DSV41_DRAFTER_ASYNC=1 in production?")
+        self.hosts.run(self.host, ["kill", "-KILL", str(pid)])
+        self.killed = pid
+        return {"host": self.host, "action": f"kill -KILL {pid} (async proxy, child of engine pid {engine})",
+                "engine_pid": engine, "proxy_pid": pid}
+
+    def clear(self) -> dict:
+        engine, pid = self._find()
+        return {"host": self.host, "action": "none (the engine's watchdog respawns the proxy)",
+                "proxy_pid": pid, "respawned": pid is not None and pid != self.killed}
+
+
+class LinkDown(Fault):
+    name = "offload_link"
+
+    def __init__(self, hosts, topo):
+        super().__init__(hosts, topo)
+        self.host, self.iface = topo.link_host, topo.link_iface
+
+    def _up(self) -> bool:
+        r = self.hosts.run(self.host, ["ip", "-o", "link", "show", "dev", self.iface])
+        flags = re.search(r"<([^>]*)>", r.stdout)
+        return bool(flags and "UP" in flags.group(1).split(","))
+
+    def inject(self) -> dict:
+        self.hosts.run(self.host, ["ip", "link", "set", "dev", self.iface, "down"])
+        return {"host": self.host, "action": f"ip link set dev {self.iface} down"}
+
+    def clear(self) -> dict:
+        if self._up():
+            return {"host": self.host, "action": "none", "iface": self.iface}
+        self.hosts.run(self.host, ["ip", "link", "set", "dev", self.iface, "up"])
+        return {"host": self.host, "action": f"ip link set dev {self.iface} up"}
+
+
+class Netem(Fault):
+    """Delay and loss on the link: ``tc netem``. A kernel built without sch_netem (tc answers
+    "Specified qdisc kind is unknown"; this machine's lab kernel is one) gets the closest thing
+    tc still has, a token-bucket filter (:data:`FALLBACK_TBF`): packets queue behind the rate
+    (delay) and those that would wait longer than its ``latency`` are dropped (loss). The record
+    says which qdisc was used."""
+
+    name = "netem"
+
+    def __init__(self, hosts, topo):
+        super().__init__(hosts, topo)
+        self.host, self.iface, self.words = topo.link_host, topo.link_iface, parse_netem(topo.netem)
+
+    def inject(self) -> dict:
+        base = ["tc", "qdisc", "replace", "dev", self.iface, "root"]
+        r = self.hosts.run(self.host, [*base, "netem", *self.words], check=False)
+        if r.returncode == 0:
+            return {"host": self.host, "qdisc": "netem",
+                    "action": f"tc qdisc replace dev {self.iface} root netem {' '.join(self.words)}"}
+        if "unknown" not in (r.stderr or "").lower():
+            self.hosts.run(self.host, [*base, "netem", *self.words])  # the same failure, as one line
+        self.hosts.run(self.host, [*base, "tbf", *FALLBACK_TBF.split()])
+        return {"host": self.host, "qdisc": "tbf",
+                "action": f"tc qdisc replace dev {self.iface} root tbf {FALLBACK_TBF} (the kernel has no sch_netem)"}
+
+    def clear(self) -> dict:
+        r = self.hosts.run(self.host, ["tc", "qdisc", "show", "dev", self.iface, "root"])
+        kinds = r.stdout.split()[1:2]
+        if kinds not in (["netem"], ["tbf"]):
+            return {"host": self.host, "action": "none", "iface": self.iface}
+        self.hosts.run(self.host, ["tc", "qdisc", "del", "dev", self.iface, "root"])
+        return {"host": self.host, "action": f"tc qdisc del dev {self.iface} root ({kinds[0]})"}
+
+
+FAULT_CLASSES: dict[str, type[Fault]] = {c.name: c for c in (EngramServerStop, DrafterWorkerStop, AsyncProxyKill,
+                                                              LinkDown, Netem)}
+
+
+def clear_all(hosts: LabHosts, topo: Topology, names: Iterable[str] | None = None) -> dict[str, dict]:
+    """Clear every fault (or ``names``), each attempted even when another fails; ``{name: record}``
+    (``{"error": line}`` for one that could not be cleared)."""
+    out = {}
+    for n in names or FAULTS:
+        try:
+            out[n] = FAULT_CLASSES[n](hosts, topo).clear()
+        except Dsv41Error as exc:
+            out[n] = {"error": str(exc)}
+    return out
+
+
+
+def supervisorctl_argv(text: str) -> list[str]:
+    """``--supervisorctl`` text (e.g. the inventory's ``dsv41_supervisorctl``) -> argv."""
+    argv = shlex.split(text)
+    if not argv:
+        raise DrillError("drill: --supervisorctl is empty")
+    return argv
