@@ -116,6 +116,27 @@ def test_fault_trigger_strikes_after_n_cells(tmp_path):
     assert mark.read_text() == "x\n" and t.rc == 0 and not trig.exists()
 
 
+def test_fault_trigger_waits_for_a_slow_strike_before_the_next_cell(tmp_path):
+    """The fault lands inside the window: the cell after the trigger does not end the wait
+    for a command still striking (bounded by strike_wait_s)."""
+    trig, mark = tmp_path / "t", tmp_path / "fired"
+    cmd = f"while [ ! -e {{trigger}} ]; do sleep 0.05; done; sleep 1; echo x >> {mark}"
+    t = window.FaultTrigger(1, cmd, str(trig), strike_wait_s=30)
+    t.start()
+    t.cell_done()  # trigger created
+    t.cell_done()  # the following cell ended: waits for the strike
+    assert mark.read_text() == "x\n"
+    t.join(30)
+    # bounded: a command that never strikes delays the window by strike_wait_s only
+    t = window.FaultTrigger(1, "sleep 60", str(tmp_path / "t2"), strike_wait_s=0.5)
+    t.start()
+    t.cell_done()
+    t0 = time.monotonic()
+    t.cell_done()
+    assert 0.4 <= time.monotonic() - t0 < 10
+    t.join(0.5)
+
+
 def test_fault_trigger_join_kills_a_command_that_never_ends(tmp_path):
     t = window.FaultTrigger(5, "sleep 60", str(tmp_path / "t"))
     t.start()

@@ -169,13 +169,16 @@ class FaultTrigger:
     engine while cells run). ``cmd`` is a shell command started at once in the background (an
     ansible-playbook takes seconds to start; started early it is ready when needed), with
     ``{trigger}`` replaced by a file path it must wait for before it strikes; the file is created
-    once ``after_cells`` cells have finished, so the fault lands during the following cells.
-    ``join`` waits for the command (``rc`` is its exit status) and removes the file."""
+    once ``after_cells`` cells have finished, so the fault lands during the following cell. When
+    that cell ends and the command has not finished striking (a loaded controller: ansible polls
+    the file every second and then starts a task), the run waits for it, at most ``strike_wait_s``
+    seconds, before the next cell: the fault always lands inside the window, never after its
+    last cell. ``join`` waits for the command (``rc`` is its exit status) and removes the file."""
 
-    def __init__(self, after_cells: int, cmd: str, trigger_path: str) -> None:
+    def __init__(self, after_cells: int, cmd: str, trigger_path: str, strike_wait_s: float = 120.0) -> None:
         import shlex
 
-        self.after_cells, self.trigger_path = after_cells, trigger_path
+        self.after_cells, self.trigger_path, self.strike_wait_s = after_cells, trigger_path, strike_wait_s
         self.cmd = cmd.replace("{trigger}", shlex.quote(trigger_path))
         self.done = 0
         self.rc: int | None = None
@@ -191,6 +194,11 @@ class FaultTrigger:
         self.done += 1
         if self.done == self.after_cells:
             Path(self.trigger_path).write_text("fault\n")
+        elif self.done == self.after_cells + 1 and self._proc is not None:
+            try:
+                self._proc.wait(self.strike_wait_s)
+            except subprocess.TimeoutExpired:
+                pass  # join() bounds and ends it; the window goes on
 
     def join(self, timeout_s: float = 300.0) -> None:
         """Wait for the command (killed after ``timeout_s`` seconds) and remove the trigger file."""
