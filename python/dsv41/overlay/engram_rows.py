@@ -294,7 +294,7 @@ class RemoteRows:
         with self.ops.stream(self._stream):
             if r0 == 0 and last and gen is not None and self.graphs.enabled:
                 # one piece on the worker: one graph launch (captured after the first eager one)
-                if not self.graphs.replay(r1, self._out):
+                if not self.graphs.replay(r1, self._out, self._stream):
                     self._launch_one(r1, self._out)
                     if self.graphs.wanted(r1, self._out):
                         self._capture = (r1, self._out)
