@@ -910,3 +910,19 @@ def test_launch_graphs_replay_per_token_count_exactly_and_a_failed_capture_stays
         assert _exact(tabs, rr, ids, buf[:t])
     c = rr.overlay_counters()
     assert c["layer14_graph_failures"] == 1 and not rr.graphs.enabled and rec.replays == 4
+
+
+def test_a_refused_graph_launch_turns_the_graphs_off_and_the_caller_launches_eagerly() -> None:
+    """``cuGraphLaunch`` returning a CUDA error: ``replay`` is False (the caller's eager launch
+    serves the step), the graphs are dropped and off, one failure counted; with no graph of a
+    size, ``replay`` is False and ``wanted`` True."""
+    out = torch.empty((4, 2, 256), dtype=torch.bfloat16)
+    launched = []
+    lg = O.LaunchGraphs("cpu", lambda rows, o: launched.append(rows), True, record=lambda rows, o: object())
+    assert not lg.replay(8, out) and lg.wanted(8, out)
+    lg._graphs[lg.key(8, out)] = (object(), 0x1234)
+    calls = []
+    lg._driver = lambda exec_ptr, stream: calls.append((exec_ptr, stream)) or 700  # CUDA_ERROR_LAUNCH_FAILED
+    assert not lg.replay(8, out, types.SimpleNamespace(cuda_stream=99))
+    assert calls == [(0x1234, 99)] and not lg.enabled and not lg._graphs and lg.counters["failures"] == 1
+    assert not lg.wanted(8, out) and launched == []
