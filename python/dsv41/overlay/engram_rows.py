@@ -37,7 +37,8 @@ class RemoteRows:
     by the rank's ``EngramWorker`` off the launching thread.
 
     ``source``: RowSource with ``lookup(layer_id, rows, out=None)`` and ``lookup_layers(layer_ids,
-    rows, outs=None)`` (one request per step), both filling the caller's buffers; ``layer_id``: model layer; ranges as in vLLM's
+    rows, outs=None)`` (one request per step), both filling the caller's buffers; ``layer_id``:
+    model layer; ranges as in vLLM's
     ``ParallelEngramEmbedding`` (``head_start``, ``part`` = ``part_n_hash_cols``, ``n_hash_cols``,
     ``vocab_start``, ``vocab_end``); ``dim`` (256) and ``block`` (32); ``max_tokens``: largest T
     (``max_num_batched_tokens``); ``device``: where ``out`` lives; ``dequant(w, s, sel, dst, out,
@@ -77,7 +78,8 @@ class RemoteRows:
         self.max_rows = max_tokens * part
         self.device = torch.device(device)
         self.dequant = dequant
-        self.required = bool(getattr(source, "required", False) if required is None else required)  # a LocalRowSource has none
+        # a LocalRowSource has no ``required`` (it never falls back)
+        self.required = bool(getattr(source, "required", False) if required is None else required)
         self.handoff_timeout_s = float(handoff_timeout_s)
         self.ops = ops if ops is not None else (CudaOps(self.device) if self.device.type == "cuda" else HostOps())
         self._cuda = self.device.type == "cuda"
