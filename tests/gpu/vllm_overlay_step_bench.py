@@ -259,6 +259,8 @@ def main() -> int:
 
 
 def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
+    from dsv41.overlay import engram_ops as O
+
     out: dict = {}
     vl, mcfg = Q.vllm_layout(eng, layout)
     data = args.work / "tables"
@@ -275,7 +277,7 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
     settings = S.parse({"DSV41_ENGRAM_REMOTE": ",".join([url] * 2), "DSV41_RUNTIME_ROOT": str(runtime)})
     E.apply(eng, settings, C.load())
     capture = {"on": False}
-    E._capture_active = lambda: capture["on"]  # what apply() binds to vLLM's BreakableCUDAGraphCapture
+    O._capture_active = lambda: capture["on"]  # what apply() binds to vLLM's BreakableCUDAGraphCapture
     ovl = build_engrams(eng, vl, mcfg, torch, torch.cuda.Stream())
     assert all(o.embed_tokens._dsv41 is not None for o in ovl), "the overlay did not take the tables"
     src = E._sources[next(iter(E._sources))][0]
@@ -321,6 +323,7 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
         arms = list(fw)
         wait0 = sum(o.embed_tokens._dsv41.counters["handoff_wait_s"] for o in ovl)
         wk0 = dict(ovl[0].embed_tokens._dsv41._worker.counters) if ovl[0].embed_tokens._dsv41._worker else {}
+        g0 = [dict(o.embed_tokens._dsv41.graphs.counters) for o in ovl]
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         k = 0
         for r in range(rounds):
@@ -384,7 +387,10 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
             "launching_thread_wait_ms_per_step": round(  # both layers' hand-off waits (timed + warm steps)
                 (wait1 - wait0) * 1e3 / max(1, len(times["overlay"]) + rounds), 3),
             "inline_lookups": rr.counters["inline_lookups"], "worker_refusals": rr.counters["worker_refusals"],
-            "handoff_timeouts": rr.counters["handoff_timeouts"]}
+            "handoff_timeouts": rr.counters["handoff_timeouts"],
+            # the launch graphs of both layers in the timed rounds (replays = graph launches)
+            "launch_graphs": {k: round(sum(o.embed_tokens._dsv41.graphs.counters[k] - g[k] for o, g in zip(ovl, g0)), 4)
+                              for k in ("replays", "captures", "failures", "capture_s")}}
         if prefill:
             fetch = row["overlay_worker"]["fetch_ms_per_job"]  # a job = one layer's pieces
             row["prefill_check"] = {

@@ -25,7 +25,12 @@ from dsv41.engram.manifest import load_manifest
 from dsv41.engram.rowsource import LocalRowSource
 from dsv41.engram.server import load_tables
 from dsv41.overlay import contract as C
+from dsv41.errors import Dsv41Error
 from dsv41.overlay import engram as E
+from dsv41.overlay import engram_ops as O
+from dsv41.overlay import engram_rows as ER
+from dsv41.overlay import engram_worker as EW
+from dsv41.transport import native
 from dsv41.overlay import settings as S
 
 CFG = {"engram_layer_ids": [1, 14], "engram_max_ngram_size": 4, "engram_vocab_size": 500,
@@ -161,7 +166,7 @@ def test_too_many_tokens_and_empty_batches(tabs) -> None:
     rr = E.RemoteRows(src, 1, head_start=0, part=24, n_hash_cols=24, vocab_start=0, vocab_end=layout.rows[0],
                       dim=256, block=32, max_tokens=2, device="cpu", dequant=kernel_on_cpu)
     rr.lookup(torch.zeros((0, 24), dtype=torch.int32), torch.empty((0, 24, 256), dtype=torch.bfloat16))
-    with pytest.raises(E.Dsv41Error, match="3 tokens > staging for 2"):
+    with pytest.raises(Dsv41Error, match="3 tokens > staging for 2"):
         rr.lookup(torch.zeros((3, 24), dtype=torch.int32), torch.empty((3, 24, 256), dtype=torch.bfloat16))
     ids = torch.full((2, 24), -1, dtype=torch.int32)  # nothing owned: zero rows, no fetch
     out = torch.full((2, 24, 256), 1.0, dtype=torch.bfloat16)
@@ -368,7 +373,7 @@ def test_apply_declines_what_it_cannot_serve(tabs, runtime, breakable, required:
     if required:
         with pytest.raises(E.OverlayRefused, match="host-offloaded.*REQUIRED=1"):
             gpu_tables.Engram(_vlayout(layout), 0)
-        with pytest.raises((E.OverlayRefused, E.Dsv41Error), match="required|rows"):
+        with pytest.raises((E.OverlayRefused, Dsv41Error), match="required|rows"):
             wrong_rows.Engram(bad, 0)
         return
     with caplog.at_level("ERROR", logger="dsv41.overlay"):
@@ -529,6 +534,7 @@ class StepOps:
         self.go = threading.Event()
         self.go.set()
         self.capture = False
+        self.graphs = False  # no CUDA graphs (tests that want them pass graph_record)
         ops = self
 
         class Ev:
@@ -755,7 +761,7 @@ def test_the_plan_is_vectorised_into_the_callers_buffers(tabs) -> None:
     ids = rng.integers(-3, 50, 1000).astype(np.int64)
     sel, fetch = np.empty(1000, np.int32), np.empty(1000, np.int64)
     own, tmp = np.empty(1000, bool), np.empty(1000, bool)
-    n = E._plan_into(ids, 10, 40, sel, fetch, own, tmp)
+    n = O.plan_into_numpy(ids, 10, 40, sel, fetch, own, tmp)
     want = [i for i in ids if 10 <= i < 40]
     assert n == len(want) and fetch[:n].tolist() == want
     k = 0
@@ -765,13 +771,13 @@ def test_the_plan_is_vectorised_into_the_callers_buffers(tabs) -> None:
             k += 1
         else:
             assert s == -1
-    assert E._plan_into(ids[:0], 10, 40, sel[:0], fetch, own[:0], tmp[:0]) == 0
+    assert O.plan_into_numpy(ids[:0], 10, 40, sel[:0], fetch, own[:0], tmp[:0]) == 0
 
 
 def test_a_large_lookup_goes_piece_by_piece_exactly(tabs, workers, monkeypatch) -> None:
     """Pieces of PIECE_ROWS rows (plan, fetch, H2D, kernel each; the done event after the last):
     rows exact across every piece boundary, one fetch per piece with owned rows."""
-    monkeypatch.setattr(E, "PIECE_ROWS", 50)
+    monkeypatch.setattr(ER, "PIECE_ROWS", 50)
     src = Gate(tabs)
     ops = StepOps()
     rr = _rows(tabs, src, 14, ops=ops)
@@ -790,7 +796,7 @@ def test_the_worker_waits_briefly_for_the_steps_other_layer(tabs, workers, monke
     worker expects one again."""
     import threading
 
-    monkeypatch.setattr(E, "COALESCE_S", 5.0)
+    monkeypatch.setattr(EW, "COALESCE_S", 5.0)
     src = Gate(tabs)
     r1, r14 = _rows(tabs, src, 1), _rows(tabs, src, 14)
     for step in range(2):
@@ -816,10 +822,107 @@ def test_the_worker_waits_briefly_for_the_steps_other_layer(tabs, workers, monke
     r1.join()
     r14.join()
     assert w.expect == 2
-    monkeypatch.setattr(E, "COALESCE_S", 0.3)
+    monkeypatch.setattr(EW, "COALESCE_S", 0.3)
     out.fill_(float("nan"))
     t0 = time.monotonic()
     r1.start(torch.from_numpy(ids), out)
     assert r1._handed.wait(5) and 0.25 < time.monotonic() - t0  # ... the bound, then alone
     r1.join()
     assert _exact(tabs, r1, ids, out) and threading.active_count() >= 1
+
+
+@pytest.mark.skipif(native._fastrow is None, reason="the C++ extension is not built")
+def test_the_native_plan_equals_the_numpy_plan_and_refuses_a_converted_buffer() -> None:
+    """``_fastrow.plan_rows`` (no GIL) gives the numpy plan's selectors and fetch list for every
+    id class (owned, -1, below and past the range) and sizes 0..N; a wrong dtype is a TypeError,
+    never a plan into a temporary copy."""
+    rng = np.random.default_rng(7)
+    for r in (0, 1, 2, 15, 16, 17, 1000, 65536):
+        ids = rng.integers(-3, 60, r).astype(np.int64)
+        s1, s2 = np.full(r, 7, np.int32), np.full(r, 9, np.int32)
+        f1, f2 = np.zeros(r, np.int64), np.ones(r, np.int64)
+        n1 = O.plan_into_numpy(ids, 10, 40, s1, f1, np.empty(r, bool), np.empty(r, bool))
+        n2 = O.plan_into(ids, 10, 40, s2, f2, None, None, native._fastrow.plan_rows)
+        assert n1 == n2 and np.array_equal(s1, s2) and np.array_equal(f1[:n1], f2[:n2])
+    buf = np.empty(8, np.int32)
+    for bad in ({"ids": np.zeros(8, np.int32)}, {"sel": np.zeros(8, np.int64)}, {"fetch": np.zeros(8, np.int32)},
+                {"sel": np.zeros(16, np.int32)[::2]}):
+        args = {"ids": np.zeros(8, np.int64), "sel": buf, "fetch": np.zeros(8, np.int64), **bad}
+        with pytest.raises(TypeError):
+            native._fastrow.plan_rows(args["ids"], 0, 1, args["sel"], args["fetch"])
+    with pytest.raises(ValueError, match="need ids.size"):
+        native._fastrow.plan_rows(np.zeros(8, np.int64), 0, 1, np.zeros(4, np.int32), np.zeros(8, np.int64))
+
+
+class Recorder:
+    """``graph_record`` for the CPU: a 'graph' whose replay runs the recorded launch again (what a
+    CUDA graph of it does), counting records and replays; ``fail`` makes the next record raise."""
+
+    def __init__(self) -> None:
+        self.rr = None
+        self.records: list[int] = []
+        self.replays = 0
+        self.fail = False
+
+    def __call__(self, rows, out):
+        import threading
+
+        assert threading.current_thread().name.startswith("dsv41-engram-worker")  # after the hand-off
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.records.append(rows)
+        rec = self
+
+        class Graph:
+            def replay(self) -> None:
+                rec.replays += 1
+                rec.rr._launch_one(rows, out)
+
+        return Graph()
+
+
+def test_launch_graphs_replay_per_token_count_exactly_and_a_failed_capture_stays_eager(tabs, workers) -> None:
+    """One-piece worker jobs: the first job of a token count launches eagerly and its graph is
+    recorded after the hand-off; later jobs of that count replay it; rows stay exact as T changes
+    and as the number of owned rows changes under the same graph; a failed record disables the
+    graphs (eager from then on, still exact); new host buffers drop the graphs."""
+    src = Gate(tabs)
+    rec = Recorder()
+    rr = _rows(tabs, src, 14, ops=StepOps(), graph_record=rec)
+    rec.rr = rr
+    buf = _poisoned(64, rr.part)  # vLLM's staged_rows: one graph-stable buffer, out = staged_rows[:T]
+    for step, t in enumerate((24, 24, 7, 24, 7, 48, 24)):
+        ids = _ids(tabs, rr, t, 100 + step)
+        if step == 3:
+            ids[:] = -1  # nothing owned: the graph of 24 still writes zero rows exactly
+        buf.fill_(float("nan"))
+        rr.lookup(torch.from_numpy(ids), buf[:t])
+        assert _exact(tabs, rr, ids, buf[:t]), step
+    c = rr.overlay_counters()
+    assert rec.records == [24 * rr.part, 7 * rr.part, 48 * rr.part]
+    assert rec.replays == c["layer14_graph_replays"] == 4 and c["layer14_graph_captures"] == 3
+    rr._new_host_buffers()
+    rec.fail = True
+    for step, t in enumerate((24, 24)):
+        ids = _ids(tabs, rr, t, 200 + step)
+        buf.fill_(float("nan"))
+        rr.lookup(torch.from_numpy(ids), buf[:t])
+        assert _exact(tabs, rr, ids, buf[:t])
+    c = rr.overlay_counters()
+    assert c["layer14_graph_failures"] == 1 and not rr.graphs.enabled and rec.replays == 4
+
+
+def test_a_refused_graph_launch_turns_the_graphs_off_and_the_caller_launches_eagerly() -> None:
+    """``cuGraphLaunch`` returning a CUDA error: ``replay`` is False (the caller's eager launch
+    serves the step), the graphs are dropped and off, one failure counted; with no graph of a
+    size, ``replay`` is False and ``wanted`` True."""
+    out = torch.empty((4, 2, 256), dtype=torch.bfloat16)
+    launched = []
+    lg = O.LaunchGraphs("cpu", lambda rows, o: launched.append(rows), True, record=lambda rows, o: object())
+    assert not lg.replay(8, out) and lg.wanted(8, out)
+    lg._graphs[lg.key(8, out)] = (object(), 0x1234)
+    calls = []
+    lg._driver = lambda exec_ptr, stream: calls.append((exec_ptr, stream)) or 700  # CUDA_ERROR_LAUNCH_FAILED
+    assert not lg.replay(8, out, types.SimpleNamespace(cuda_stream=99))
+    assert calls == [(0x1234, 99)] and not lg.enabled and not lg._graphs and lg.counters["failures"] == 1
+    assert not lg.wanted(8, out) and launched == []

@@ -1,4 +1,5 @@
-// C++ hot path of the dsv41 row transport (protocol: dsv41/transport/protocol.py, versions 1-2).
+// C++ hot path of the dsv41 row transport (protocol: dsv41/transport/protocol.py, versions 1-2)
+// and of the vLLM overlay's id plan (plan_rows).
 //
 // ServerCore: the per-client request loop of the table server (lookup, hello, ping, refusals),
 // run with the GIL released, busy-polling for a bounded time for the next request before
@@ -23,6 +24,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -740,6 +742,39 @@ py::tuple client_lookup_segs(int fd, uint64_t gen, uint16_t version, py::tuple s
   return py::make_tuple(code, rcount, 0);
 }
 
+// The vLLM overlay's mask + plan of one rank's ids (dsv41/overlay/engram_ops.py plan_into, which
+// holds the numpy equivalent, tested to give identical selectors and fetch lists): an id in
+// [lo, hi) gets sel = its position in the fetch list and is appended to it, any other id
+// (-1, padded heads, other ranks' rows) sel = -1, a zero row in vLLM's kernel. Runs without the
+// GIL for large inputs, so the overlay's worker does not hold up the launching thread there.
+constexpr ssize_t kPlanNoGil = 16384;
+int64_t plan_rows(py::array_t<int64_t, py::array::c_style> ids, int64_t lo, int64_t hi,
+                  py::array_t<int32_t, py::array::c_style> sel, py::array_t<int64_t, py::array::c_style> fetch) {
+  const ssize_t r = ids.size();
+  if (sel.size() < r || fetch.size() < r) throw std::invalid_argument("plan_rows: sel and fetch need ids.size() entries");
+  if (r > INT32_MAX) throw std::invalid_argument("plan_rows: more than 2^31 ids");
+  const int64_t *p = ids.data();
+  int32_t *s = sel.mutable_data();
+  int64_t *f = fetch.mutable_data();
+  int64_t n = 0;
+  {
+    // a decode step's ids (about a thousand) take microseconds: releasing the GIL would only add a
+    // re-acquisition, which can wait for the launching thread's next release
+    std::optional<py::gil_scoped_release> nogil;
+    if (r >= kPlanNoGil) nogil.emplace();
+    for (ssize_t i = 0; i < r; i++) {
+      const int64_t v = p[i];
+      if (v >= lo && v < hi) {
+        s[i] = int32_t(n);
+        f[n++] = v;
+      } else {
+        s[i] = -1;
+      }
+    }
+  }
+  return n;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_fastrow, m) {
@@ -763,4 +798,7 @@ PYBIND11_MODULE(_fastrow, m) {
         py::arg("out"), py::arg("chunk"), py::arg("window"), py::arg("timeout_ns"), py::arg("spin_ns"),
         py::arg("end_ns") = 0);
   m.def("client_lookup_segs", &client_lookup_segs);
+  // noconvert: a dtype or layout mismatch must fail, never plan into a temporary copy
+  m.def("plan_rows", &plan_rows, py::arg("ids").noconvert(), py::arg("lo"), py::arg("hi"), py::arg("sel").noconvert(),
+        py::arg("fetch").noconvert());
 }

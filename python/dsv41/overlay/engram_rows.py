@@ -1,0 +1,369 @@
+"""One Engram table's rank-local rows staged for vLLM's kernel (``RemoteRows``): the launching
+thread's ``start``/``join`` and the per-job plan, fetch and launch the worker runs
+(``dsv41.overlay.engram`` for the whole; ``engram_worker`` for the thread).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from dsv41.errors import ConfigError, Dsv41Error
+from dsv41.overlay.engram_ops import (ROW_BYTES, CudaOps, HostOps, LaunchGraphs, OverlayRefused, _native_plan,
+                                      log, plan_into, report_counters)
+from dsv41.overlay.engram_worker import EngramWorker, _worker_for
+
+#: Seconds between two counter reports (log line + JSON file) of one rank.
+REPORT_EVERY_S = 60.0
+#: Seconds ``_finish_prefetch`` waits for the worker's hand-off of one layer before it counts a
+#: refusal and serves that layer's exact rows on the launching thread. The worker's fetch is
+#: bounded by the row source's own deadline (``DSV41_ENGRAM_LOOKUP_DEADLINE_MS``, local fallback
+#: inside it), so only a hung worker (a CUDA call that never returns, a fallback read stuck on a
+#: dead disk) reaches this bound; a dead worker thread is noticed within ``ALIVE_POLL_S``.
+HANDOFF_TIMEOUT_S = 30.0
+#: Seconds between two checks, while waiting for a hand-off, that the worker thread is alive.
+ALIVE_POLL_S = 0.05
+#: Rows of one piece of a lookup (plan, fetch, H2D, kernel): a decode step is one piece; a 32K
+#: prefill chunk at TP2 (393,216 rows) six, whose copies and kernels overlap the next fetch.
+PIECE_ROWS = 65536
+
+
+class RemoteRows:
+    """One Engram table's rank-local rows through a RowSource, staged for vLLM's kernel, fetched
+    by the rank's ``EngramWorker`` off the launching thread.
+
+    ``source``: RowSource with ``lookup(layer_id, rows, out=None)`` and ``lookup_layers(layer_ids,
+    rows, outs=None)`` (one request per step), both filling the caller's buffers; ``layer_id``:
+    model layer; ranges as in vLLM's
+    ``ParallelEngramEmbedding`` (``head_start``, ``part`` = ``part_n_hash_cols``, ``n_hash_cols``,
+    ``vocab_start``, ``vocab_end``); ``dim`` (256) and ``block`` (32); ``max_tokens``: largest T
+    (``max_num_batched_tokens``); ``device``: where ``out`` lives; ``dequant(w, s, sel, dst, out,
+    n, rows)``: the kernel launch (vLLM's ``_engram_lookup_kernel`` in SORTED mode on CUDA; tests
+    pass an emulation on CPU); ``required``: a refused hand-off raises instead of serving the
+    rows inline (default: the source's ``required``); ``handoff_timeout_s``: see
+    ``HANDOFF_TIMEOUT_S``; ``ops``: stream/event operations (``CudaOps``/``HostOps`` by device;
+    tests pass fakes); ``graphs``: replay a one-piece job's launch as a CUDA graph per token count
+    (``LaunchGraphs``; CUDA, or ``graph_record`` in tests).
+
+    Buffers, allocated once (graph-stable; ``staged_rows`` is vLLM's): device int64 ids
+    ``[max_tokens, part]`` and their pinned host copy, pinned host ``[rows*4 + rows*264]`` bytes
+    (int32 row selectors + packed rows) and the same on the device, the split weight
+    ``[rows, dim]`` and scale ``[rows, dim/block]`` tables the kernel reads, and host scratch
+    for the plan (bool ``[rows]`` x2, int64 ``[rows]``).
+
+    Per step: ``start`` (launching thread, inside vLLM's ``_start_prefetch`` on the prefetch
+    stream) queues the ids' D2H copy + an event and hands the job to the worker; ``join``
+    (launching thread, inside ``_finish_prefetch``) waits on the host for the worker's hand-off
+    only, then makes the current stream wait on the layer's done event.
+    """
+
+    def __init__(self, source: Any, layer_id: int, *, head_start: int, part: int, n_hash_cols: int,
+                 vocab_start: int, vocab_end: int, dim: int, block: int, max_tokens: int, device: Any,
+                 dequant: Callable[..., None], rank: int = 0, required: bool | None = None,
+                 handoff_timeout_s: float = HANDOFF_TIMEOUT_S, ops: Any = None, graphs: bool = True,
+                 graph_record: Callable[[int, Any], Any] | None = None) -> None:
+        import torch
+
+        if dim + dim // block != ROW_BYTES:
+            raise ConfigError(f"Engram row of {dim} values + {dim // block} scales is not {ROW_BYTES} bytes")
+        self.source, self.layer_id, self.rank = source, layer_id, rank
+        self.head_start, self.part, self.n_hash_cols = head_start, part, n_hash_cols
+        self.vocab_start, self.vocab_end = vocab_start, vocab_end
+        self.dim, self.block = dim, block
+        self.max_tokens = max_tokens
+        self.max_rows = max_tokens * part
+        self.device = torch.device(device)
+        self.dequant = dequant
+        # a LocalRowSource has no ``required`` (it never falls back)
+        self.required = bool(getattr(source, "required", False) if required is None else required)
+        self.handoff_timeout_s = float(handoff_timeout_s)
+        self.ops = ops if ops is not None else (CudaOps(self.device) if self.device.type == "cuda" else HostOps())
+        self._cuda = self.device.type == "cuda"
+        he = min(head_start + part, n_hash_cols)
+        self._width = max(he - head_start, 0)
+        self.d_ids = torch.empty((max_tokens, part), dtype=torch.int64, device=self.device)
+        self.h_ids = torch.empty((max_tokens, part), dtype=torch.int64, device="cpu", pin_memory=self._cuda)
+        self._native_plan = _native_plan()  # C++ without the GIL where the extension is built
+        self.graphs = LaunchGraphs(self.device, self._launch_one,
+                                   bool(graphs and (self.ops.graphs or graph_record is not None)), graph_record)
+        self._capture: tuple[int, Any] | None = None  # (rows, out) to capture after the hand-off
+        self._new_host_buffers()
+        nbytes = self.max_rows * (4 + ROW_BYTES)
+        self.d_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.d_w = torch.empty((self.max_rows, dim), dtype=torch.uint8, device=self.device)
+        self.d_s = torch.empty((self.max_rows, dim // block), dtype=torch.uint8, device=self.device)
+        self.d_dst = torch.arange(self.max_rows, dtype=torch.int32, device=self.device)
+        self._hids = self.h_ids.numpy().reshape(-1)
+        self.ids_ready = self.ops.event()
+        self.done = self.ops.event()
+        self._handed = threading.Event()
+        self._lock = threading.Lock()
+        self._gen = 0
+        self._abandoned = -1  # generation of a job whose hand-off was refused (never launched)
+        self._inflight = False
+        self._submitted = False  # the in-flight job went to a worker (not inline)
+        self._error: BaseException | None = None
+        self._t = self._rows = 0
+        self._out: Any = None
+        self._stream: Any = None
+        self._worker: EngramWorker | None = None
+        self.counters = {"starts": 0, "handoffs": 0, "handoff_wait_s": 0.0, "worker_starts": 0,
+                         "worker_refusals": 0, "handoff_timeouts": 0, "inline_lookups": 0, "refused_inline": 0}
+        self._last_report = time.monotonic()
+
+    def _new_host_buffers(self) -> None:
+        """(Re)allocate what the worker writes on the host: the pinned selectors + rows and the
+        plan scratch (again only after a hung worker, which may still write into the old ones)."""
+        import torch
+
+        nbytes = self.max_rows * (4 + ROW_BYTES)
+        self.h_buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self._cuda)
+        self._hb = self.h_buf.numpy()
+        self._fetch = np.empty(self.max_rows, np.int64)
+        self._own = np.empty(self.max_rows, bool)
+        self._tmp = np.empty(self.max_rows, bool)
+        self.graphs.clear()  # they copy from the old buffer
+
+    @property
+    def host_bytes(self) -> int:
+        """Pinned host bytes this table's staging holds."""
+        return self.h_ids.numel() * 8 + self.h_buf.numel()
+
+    # -- the launching thread -------------------------------------------------------------------
+    def lookup(self, indices: Any, out: Any) -> None:
+        """``start`` + ``join``: ``out`` is filled (CPU) or ordered before the current stream's
+        next work (CUDA). For callers that need the rows at once (tests, the isolated bench)."""
+        self.start(indices, out)
+        self.join()
+
+    def start(self, indices: Any, out: Any) -> None:
+        """Queue the lookup of ``indices`` (int ``[T, n_hash_cols]`` global row ids on
+        ``device``) into ``out`` (bf16 ``[T, part, dim]``, vLLM's ``staged_rows[:T]``) on the
+        current stream; returns without waiting for the GPU or the fetch. Raises Dsv41Error for T
+        above ``max_tokens``. Inside a CUDA-graph capture the lookup runs here, synchronously."""
+        t = int(indices.shape[0])
+        if self._inflight:  # a start without its finish: the previous job must leave the buffers
+            self.join()
+        rows = t * self.part
+        if rows == 0:
+            return
+        if t > self.max_tokens:
+            raise Dsv41Error(f"Engram overlay: {t} tokens > staging for {self.max_tokens}")
+        ops = self.ops
+        stream = ops.current_stream()
+        if self._width:
+            self.d_ids[:t, : self._width].copy_(indices[:, self.head_start: self.head_start + self._width])
+        if self._width < self.part:
+            self.d_ids[:t, self._width:].fill_(-1)  # padded heads: zero rows, as in the kernel
+        self.h_ids[:t].copy_(self.d_ids[:t], non_blocking=self._cuda)
+        self.ids_ready.record(stream)
+        self._t, self._rows, self._out, self._stream = t, rows, out, stream
+        self._gen += 1
+        self._error = None
+        self._handed.clear()
+        self._inflight = True
+        self.counters["starts"] += 1
+        if ops.capturing():  # no second thread may call CUDA while a capture is open
+            self.counters["inline_lookups"] += 1
+            self._serve_inline()
+            self._handed.set()
+            return
+        w = self._worker
+        if w is None or not w.alive():
+            w, started = _worker_for(self.source, self.rank, ops)
+            self._worker = w
+            self.counters["worker_starts"] += int(started)
+        self._submitted = True
+        w.submit(self, self._gen)
+
+    def join(self) -> None:
+        """Wait on the host for the worker's hand-off of the started lookup, then make the
+        current stream wait for its rows (no host wait on any stream). Raises the job's error
+        (``RemoteUnavailable`` in required mode, with its cause); a dead worker, or none within
+        ``handoff_timeout_s``, is a counted refusal: ``OverlayRefused`` in required mode, else
+        the exact rows are served here (remote, or the row source's local fallback)."""
+        if not self._inflight:
+            return
+        self._inflight = False
+        if self._worker is not None and self._submitted:
+            self._worker.joined()
+        self._submitted = False
+        handed = self._handed
+        if not handed.is_set():
+            t0 = time.monotonic()
+            end = t0 + self.handoff_timeout_s
+            w = self._worker
+            while not handed.wait(min(ALIVE_POLL_S, max(end - time.monotonic(), 0.0))):
+                if w is None or not w.thread.is_alive() or time.monotonic() >= end:
+                    break
+            self.counters["handoff_wait_s"] += time.monotonic() - t0
+            if not handed.is_set():
+                self._refuse(w)
+                return
+        self.counters["handoffs"] += 1
+        err = self._error
+        if err is not None:
+            self._error = None
+            raise err
+        cur = self.ops.current_stream()
+        if cur is not None:
+            cur.wait_event(self.done)
+
+    def _refuse(self, w: EngramWorker | None) -> None:
+        dead = w is None or not w.thread.is_alive()
+        with self._lock:  # the worker checks this before it launches or hands off
+            self._abandoned = self._gen
+        if dead:
+            self.counters["worker_refusals"] += 1
+            cause = "the rank's Engram worker thread died"
+        else:
+            self.counters["handoff_timeouts"] += 1
+            cause = f"the rank's Engram worker handed nothing off within {self.handoff_timeout_s:g} s"
+            w.retire()
+            self._new_host_buffers()  # the hung call may still write into the old ones
+        self._worker = None
+        if self.required:
+            raise OverlayRefused(f"dsv41 overlay rank {self.rank} layer {self.layer_id}: {cause}; "
+                                 f"DSV41_ENGRAM_REMOTE_REQUIRED=1")
+        log.error("dsv41 overlay rank %d layer %d: %s; serving this step's rows on the launching thread "
+                  "(a new worker takes the next step)", self.rank, self.layer_id, cause)
+        self.counters["refused_inline"] += 1
+        self._serve_inline()
+        cur = self.ops.current_stream()
+        if cur is not None:
+            cur.wait_event(self.done)
+
+    def _serve_inline(self) -> None:
+        """The whole job on the calling thread (capture time, a refused hand-off)."""
+        self._wait_ids()
+        self._serve(None, self.counters)
+
+    # -- the worker thread ----------------------------------------------------------------------
+    def _wait_ids(self) -> None:
+        self.ids_ready.synchronize()
+
+    def _serve(self, gen: int | None, counters: dict) -> bool:
+        """Plan, fetch and launch the job piece by piece (``PIECE_ROWS`` rows each): the H2D
+        copy and kernel of one piece run on the GPU while the next piece is fetched, so of a
+        prefill chunk only the last piece's copy and kernel follow the fetch. False when the
+        job's hand-off was refused meanwhile (nothing more launched)."""
+        rows, f0 = self._rows, 0
+        for r0 in range(0, rows, PIECE_ROWS):
+            r1 = min(r0 + PIECE_ROWS, rows)
+            n = self._plan(r0, r1, f0)
+            if n:
+                t0 = time.perf_counter()
+                try:
+                    self._fetch_rows(f0, n)
+                finally:
+                    counters["fetch_s"] = counters.get("fetch_s", 0.0) + time.perf_counter() - t0
+                counters["requests"] = counters.get("requests", 0) + 1
+            if not self._launch(r0, r1, f0, n, gen, last=r1 == rows):
+                return False
+            f0 += n
+        return True
+
+    def _plan(self, r0: int, r1: int, f0: int) -> int:
+        """Mask and plan rows ``[r0, r1)`` of the job: selectors (relative to the piece's first
+        fetched row ``f0``) into the pinned buffer, owned ids into ``_fetch[f0:]``."""
+        sel = self._hb[r0 * 4: r1 * 4].view(np.int32)
+        return plan_into(self._hids[r0:r1], self.vocab_start, self.vocab_end, sel, self._fetch[f0:],
+                         self._own[r0:r1], self._tmp[r0:r1], self._native_plan)
+
+    def _packed(self, f0: int, n: int) -> np.ndarray:
+        off = self._rows * 4 + f0 * ROW_BYTES
+        return self._hb[off: off + n * ROW_BYTES].reshape(n, ROW_BYTES)
+
+    def _fetch_rows(self, f0: int, n: int) -> None:
+        self.source.lookup(self.layer_id, self._fetch[f0: f0 + n], out=self._packed(f0, n))
+
+    def _launch(self, r0: int, r1: int, f0: int, n: int, gen: int | None, last: bool) -> bool:
+        """H2D of the piece's selectors + rows, split, vLLM's kernel on the job's stream (and
+        the done event after the ``last`` piece); False (nothing launched) when the job's
+        hand-off was refused meanwhile."""
+        import torch
+
+        if gen is not None:
+            with self._lock:
+                if gen == self._abandoned:
+                    return False
+        nb = self._cuda  # async from pinned memory on CUDA; in program order on the CPU
+        a, b = self._rows * 4 + f0 * ROW_BYTES, self._rows * 4 + (f0 + n) * ROW_BYTES
+        with self.ops.stream(self._stream):
+            if r0 == 0 and last and gen is not None and self.graphs.enabled:
+                # one piece on the worker: one graph launch (captured after the first eager one)
+                if not self.graphs.replay(r1, self._out, self._stream):
+                    self._launch_one(r1, self._out)
+                    if self.graphs.wanted(r1, self._out):
+                        self._capture = (r1, self._out)
+                self.done.record(self._stream)
+                return True
+            d_sel = self.d_buf[r0 * 4: r1 * 4]
+            if r0 == 0 and last:  # one piece: selectors and rows in one H2D copy
+                self.d_buf[:b].copy_(self.h_buf[:b], non_blocking=nb)
+            else:
+                d_sel.copy_(self.h_buf[r0 * 4: r1 * 4], non_blocking=nb)
+                if n:
+                    self.d_buf[a:b].copy_(self.h_buf[a:b], non_blocking=nb)
+            if n:
+                d_rows = self.d_buf[a:b].view(n, ROW_BYTES)
+                self.d_w[f0: f0 + n].copy_(d_rows[:, : self.dim])
+                self.d_s[f0: f0 + n].copy_(d_rows[:, self.dim:])
+            self.dequant(self.d_w[f0:], self.d_s[f0:], d_sel.view(torch.int32), self.d_dst[r0:r1], self._out, n,
+                         r1 - r0)
+            if last:
+                self.done.record(self._stream)
+        return True
+
+    def _launch_one(self, rows: int, out: Any) -> None:
+        """The launch of a one-piece job of ``rows`` selectors into ``out`` on the current
+        stream, independent of how many rows were fetched (every row slot is copied and split;
+        the kernel's bound is ``rows``, and every owned selector is below the fetch count): the
+        sequence ``LaunchGraphs`` captures."""
+        import torch
+
+        b = rows * (4 + ROW_BYTES)
+        self.d_buf[:b].copy_(self.h_buf[:b], non_blocking=self._cuda)
+        d_rows = self.d_buf[rows * 4: b].view(rows, ROW_BYTES)
+        self.d_w[:rows].copy_(d_rows[:, : self.dim])
+        self.d_s[:rows].copy_(d_rows[:, self.dim:])
+        self.dequant(self.d_w, self.d_s, self.d_buf[: rows * 4].view(torch.int32), self.d_dst[:rows], out, rows, rows)
+
+    def _capture_pending(self) -> None:
+        """Worker thread, after a hand-off: capture the launch graph of a size first seen in
+        this job (never while a CUDA-graph capture of vLLM is open)."""
+        pending, self._capture = self._capture, None
+        if pending is not None and not self.ops.capturing():
+            buf = self.h_buf
+            self.graphs.capture(*pending)
+            if self.h_buf is not buf:  # replaced meanwhile (a hung worker retired): it read the old one
+                self.graphs.clear()
+
+    def _handoff(self, gen: int, error: BaseException | None) -> None:
+        with self._lock:
+            if gen != self._gen or gen == self._abandoned:
+                return
+            self._error = error
+            self._handed.set()
+
+    def _maybe_report(self) -> None:
+        now = time.monotonic()
+        if now - self._last_report < REPORT_EVERY_S:
+            return
+        self._last_report = now
+        report_counters(self.source, self.rank, self.overlay_counters())
+
+    def overlay_counters(self) -> dict:
+        """This layer's pipeline counters (``starts``, ``handoffs``, ``handoff_wait_s``,
+        ``worker_starts``, ``worker_refusals`` (dead worker), ``handoff_timeouts``,
+        ``inline_lookups`` (capture time), ``refused_inline``), its launch graphs' (``graph_*``,
+        ``LaunchGraphs``) and its worker's."""
+        c = {f"layer{self.layer_id}_{k}": v for k, v in self.counters.items()}
+        c.update({f"layer{self.layer_id}_graph_{k}": v for k, v in self.graphs.counters.items()})
+        if self._worker is not None:
+            c.update({f"worker_{k}": v for k, v in self._worker.counters.items()})
+        return c

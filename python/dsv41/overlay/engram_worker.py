@@ -1,0 +1,219 @@
+"""The rank's Engram row-fetch thread (issue 23): takes ``RemoteRows`` jobs off the launching
+thread, fetches both Engram layers of a step in one request, launches the H2D copy and vLLM's
+kernel on the layer's stream and hands each layer off (``dsv41.overlay.engram`` for the whole).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any
+
+#: Seconds the worker waits, once the first layer's ids are down, for the step's other Engram
+#: layer when the last step had two (both in one request saves a round trip, ~0.1-0.3 ms on
+#: loopback tcp; the other layer's start follows the first by tens of microseconds).
+COALESCE_S = 0.0005
+_workers: dict[int, "EngramWorker"] = {}
+_workers_lock = threading.Lock()
+
+
+class EngramWorker:
+    """The rank's row-fetch thread (one per RowSource, shared by the rank's Engram layers).
+
+    Takes ``RemoteRows`` jobs in submission order. For the first job it waits on the job's
+    ids event (the D2H copy of the ids into pinned memory), then takes every other job queued by
+    then (both Engram layers of a decode step), plans and masks each, fetches them through the
+    RowSource (one ``lookup_layers`` request when more than one layer has rows and the total fits
+    one request of ``CHUNK_ROWS``, else one ``lookup`` per layer in order, so layer 1 of a prefill
+    chunk is handed off before layer 14 is fetched), launches each layer's H2D copy + vLLM's
+    kernel on the layer's stream, records its done event and hands it off. Exceptions of a job
+    (``RemoteUnavailable`` in required mode, CUDA errors) are handed off with the job and raised
+    by ``RemoteRows.join`` on the launching thread. Counters: ``jobs``, ``requests``,
+    ``multi_layer_requests``, ``errors``, ``wake_s`` (submit to dequeue), ``ids_wait_s``, ``coalesce_waits``, ``coalesce_s``,
+    ``plan_s`` and ``launch_s`` (one-request steps), ``fetch_s`` (seconds inside the row source) and
+    ``host_s`` (the rest of the worker's busy time: ids wait excluded, plan, H2D/kernel launches).
+    """
+
+    def __init__(self, source: Any, rank: int, ops: Any) -> None:
+        from dsv41.engram.client import CHUNK_ROWS
+
+        self.source, self.rank, self.ops = source, rank, ops
+        self.chunk_rows = CHUNK_ROWS
+        self._cond = threading.Condition()
+        self._queue: collections.deque = collections.deque()
+        self.retired = False
+        # Layers started and not yet joined (launching thread); the largest such count of the
+        # last step is how many jobs a step brings: both Engram layers start before either joins.
+        self._open = self._burst = self._joins = 0
+        self.expect = 1
+        self.counters = {"wake_s": 0.0, "ids_wait_s": 0.0, "coalesce_waits": 0, "coalesce_s": 0.0,
+                         "plan_s": 0.0, "launch_s": 0.0, "jobs": 0, "requests": 0, "multi_layer_requests": 0, "errors": 0,
+                         "fetch_s": 0.0, "host_s": 0.0}
+        self.thread = threading.Thread(target=self._run, name=f"dsv41-engram-worker-{rank}", daemon=True)
+        self.thread.start()
+
+    def alive(self) -> bool:
+        """Whether the thread runs and was not retired."""
+        return not self.retired and self.thread.is_alive()
+
+    def submit(self, rows: Any, gen: int) -> None:
+        """Queue one layer's job (``gen``: the job's generation, see ``RemoteRows.start``).
+        Launching thread only (as ``joined``)."""
+        self._open += 1
+        self._burst = max(self._burst, self._open)
+        with self._cond:
+            self._queue.append((rows, gen, time.perf_counter()))
+            self._cond.notify()
+
+    def joined(self) -> None:
+        """One started layer was joined; when none is open, the step's number of layers becomes
+        the number the worker waits for (at most ``COALESCE_S``, and never past a join: the
+        launching thread has then left the step's starts) before it fetches."""
+        self._open -= 1
+        if self._open <= 0:
+            self._open, self.expect, self._burst = 0, self._burst, 0
+        with self._cond:  # a join means no more layers of this step are coming: stop waiting
+            self._joins += 1
+            self._cond.notify()
+
+    def retire(self) -> None:
+        """Stop taking jobs (a hung worker is replaced; it exits once its call returns)."""
+        with self._cond:
+            self.retired = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        self.ops.bind_thread()
+        q, cond = self._queue, self._cond
+        while True:
+            with cond:
+                while not q and not self.retired:
+                    cond.wait()
+                if self.retired:
+                    return
+                rows, gen, t_sub = q.popleft()
+            self.counters["wake_s"] += time.perf_counter() - t_sub
+            batch = [(rows, gen)]
+            t0 = time.perf_counter()
+            rows._wait_ids()
+            t1 = time.perf_counter()
+            self.counters["ids_wait_s"] += t1 - t0
+            with cond:  # the step's other layers: queued meanwhile, or due within COALESCE_S
+                if len(q) + 1 < self.expect and rows._rows <= self.chunk_rows:
+                    self.counters["coalesce_waits"] += 1
+                    end = time.perf_counter() + COALESCE_S
+                    joins = self._joins
+                    while len(q) + 1 < self.expect and not self.retired and self._joins == joins:
+                        left = end - time.perf_counter()
+                        if left <= 0:
+                            break
+                        cond.wait(left)
+                while q:
+                    r, g, _ = q.popleft()
+                    batch.append((r, g))
+            self.counters["coalesce_s"] += time.perf_counter() - t1
+            self._serve(batch)
+
+    def _serve(self, batch: list) -> None:
+        t0 = time.perf_counter()
+        fetch0 = self.counters["fetch_s"]
+        try:
+            self._serve_batch(batch)
+        finally:  # host work = the batch's time minus the row source's
+            self.counters["host_s"] += time.perf_counter() - t0 - (self.counters["fetch_s"] - fetch0)
+
+    def _serve_batch(self, batch: list) -> None:
+        c = self.counters
+        ready = []
+        for rows, gen in batch:
+            try:
+                rows._wait_ids()
+                ready.append((rows, gen))
+            except Exception as exc:  # noqa: BLE001 - handed to the launching thread
+                c["errors"] += 1
+                rows._handoff(gen, exc)
+        c["jobs"] += len(ready)
+        if len(ready) > 1 and sum(r._rows for r, _ in ready) <= self.chunk_rows:
+            self._serve_together(ready)
+            return
+        for rows, gen in ready:  # one layer after the other: layer 1 is handed off first
+            try:
+                if rows._serve(gen, c):
+                    rows._handoff(gen, None)
+            except Exception as exc:  # noqa: BLE001
+                c["errors"] += 1
+                rows._handoff(gen, exc)
+            rows._maybe_report()
+        self._capture(r for r, _ in ready)
+
+    def _serve_together(self, ready: list) -> None:
+        """Every layer of ``ready`` (each one piece) in one ``lookup_layers`` request."""
+        c = self.counters
+        jobs = []
+        t0 = time.perf_counter()
+        for rows, gen in ready:
+            try:
+                jobs.append((rows, gen, rows._plan(0, rows._rows, 0)))
+            except Exception as exc:  # noqa: BLE001
+                c["errors"] += 1
+                rows._handoff(gen, exc)
+        fetched = [j for j in jobs if j[2]]
+        c["plan_s"] += time.perf_counter() - t0
+        if fetched:
+            f0 = time.perf_counter()
+            try:
+                if len(fetched) > 1:
+                    self.source.lookup_layers([r.layer_id for r, _, _ in fetched],
+                                              [r._fetch[:n] for r, _, n in fetched],
+                                              [r._packed(0, n) for r, _, n in fetched])
+                    c["multi_layer_requests"] += 1
+                else:
+                    fetched[0][0]._fetch_rows(0, fetched[0][2])
+                c["requests"] += 1
+            except Exception as exc:  # noqa: BLE001 - every layer of the request gets the cause
+                c["errors"] += 1
+                for rows, gen, _ in fetched:
+                    rows._handoff(gen, exc)
+                jobs = [j for j in jobs if not j[2]]
+            finally:
+                c["fetch_s"] += time.perf_counter() - f0
+        for rows, gen, n in jobs:
+            try:
+                t0 = time.perf_counter()
+                launched = rows._launch(0, rows._rows, 0, n, gen, last=True)
+                c["launch_s"] += time.perf_counter() - t0
+                if launched:
+                    rows._handoff(gen, None)
+            except Exception as exc:  # noqa: BLE001
+                c["errors"] += 1
+                rows._handoff(gen, exc)
+            rows._maybe_report()
+        self._capture(r for r, _, _ in jobs)
+
+    def _capture(self, tables: Any) -> None:
+        """Launch graphs of sizes first seen in this batch, once every layer is handed off."""
+        for rows in tables:
+            try:
+                rows._capture_pending()
+            except Exception:  # noqa: BLE001 - a capture never fails a step (LaunchGraphs logs)
+                self.counters["errors"] += 1
+
+
+def _worker_for(source: Any, rank: int, ops: Any) -> tuple[EngramWorker, bool]:
+    """The rank's live worker for ``source`` (a new one when there is none or it died/retired);
+    returns ``(worker, started)``."""
+    with _workers_lock:
+        w = _workers.get(id(source))
+        if w is not None and w.source is source and w.alive():
+            return w, False
+        w = _workers[id(source)] = EngramWorker(source, rank, ops)
+        return w, True
+
+
+def stop_workers() -> None:
+    """Retire every worker (tests; a process exit needs nothing: the threads are daemons)."""
+    with _workers_lock:
+        for w in _workers.values():
+            w.retire()
+        _workers.clear()
