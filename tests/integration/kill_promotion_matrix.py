@@ -14,8 +14,8 @@ import json
 
 import pytest
 from labutil import needs_lab
-from test_promotion_lab import (API, CANDIDATE, JOURNAL, assert_verified_production, dsv41, listing, run_until_step,
-                                timed_play)
+from promotionutil import (API, CANDIDATE, JOURNAL, assert_verified_production, dsv41, listing, production,
+                           recap_changed, run_until_step, timed_play)
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.lab_long, needs_lab]
 
@@ -63,8 +63,6 @@ def test_kill_then_rerun_converges(deployed_lab, promote_step, rollback_step):
 
 
 def test_check_mode_and_idempotent_promote(deployed_lab):
-    from test_promotion_lab import production, recap_changed
-
     p0 = _converged()
     before = listing()
     r = timed_play("promote.yml", *CANDIDATE, "--check", "--diff")
