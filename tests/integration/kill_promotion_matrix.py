@@ -6,7 +6,7 @@ its record) with nothing left in the journal to finish, and admission open.
 One test per pair of kill points: a promote killed at ``promote_step`` and re-run (production p1),
 then a rollback killed at ``rollback_step`` (or a plain rollback) and re-run (production p0 again,
 sha256 listing identical to before). About 6-10 minutes per pair on the shared 2-core machine, so
-``-k`` picks pairs to fit a lab hold (docs/promotion.md records which ran)."""
+``-k`` picks pairs to fit a lab hold (docs/records.md records which ran)."""
 
 from __future__ import annotations
 

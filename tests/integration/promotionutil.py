@@ -71,7 +71,7 @@ def recap_changed(out: str) -> dict[str, int]:
 
 def assert_verified_production() -> str:
     """Every host points at one package, the package verifies, and every managed file equals it.
-    Prints the id and the verify line (``-s`` shows them: the numbers docs/promotion.md records)."""
+    Prints the id and the verify line (``-s`` shows them: the numbers docs/records.md records)."""
     pid = production()
     r = dsv41("package", "verify", pid, "--root", str(PACKAGES))
     assert r.returncode == 0, r.stderr
