@@ -105,7 +105,7 @@ class SilentServer:
     def run(self):
         while True:
             try:
-                c, _ = self.ls.accept()
+                c = self.ls.accept()[0]
             except OSError:
                 return
             self.conns.append(c)
@@ -120,7 +120,7 @@ class SilentServer:
                     if not k:
                         return
                     h += k
-                _, ver, op, rid, ident, count, plen = P.REQ.unpack(h)
+                ver, op, rid, ident, count, plen = P.REQ.unpack(h)[1:]
                 payload = b""
                 while len(payload) < plen:
                     k = c.recv(plen - len(payload))
@@ -160,7 +160,6 @@ class SlowServer(SilentServer):
         c.sendall(P.REP.pack(P.MAGIC, ver, 0, rid, count, count * P.ROW_BYTES) + rows.tobytes())
 
 
-
 class V1Server:
     """A version-1 row server as released before version 2 (HELLO and LOOKUP; any other
     version is refused with bad_version and the connection closed)."""
@@ -178,7 +177,7 @@ class V1Server:
     def accept(self):
         while True:
             try:
-                c, _ = self.ls.accept()
+                c = self.ls.accept()[0]
             except OSError:
                 return
             self.conns.append(c)
