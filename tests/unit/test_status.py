@@ -252,22 +252,9 @@ def test_is_paused_reports_paused_since():
     from fastapi.testclient import TestClient
 
     from dsv41.engine.server import create_app
+    from engineutil import FakeEngine
 
-    class Eng:
-        fatal = None
-
-        class sched:  # noqa: N801
-            @staticmethod
-            def counts():
-                return 0, 0
-
-        def idle(self):
-            return True
-
-        def abort(self, rid=None):
-            pass
-
-    c = TestClient(create_app(Eng(), "m", 64))
+    c = TestClient(create_app(FakeEngine(), "m", 64))
     assert c.get("/is_paused").json() == {"is_paused": False, "paused_since": None}
     t0 = time.time()
     assert c.post("/pause").status_code == 200
