@@ -27,8 +27,8 @@ mkdir -p "$c/tests/unit"
 cp -rL "$here"/galaxy.yml "$here"/README.md "$here"/meta "$here"/plugins "$c/"
 cp -rL "$here"/tests/sanity "$c/tests/"
 cp -rL "$here"/tests/unit/plugins "$c/tests/unit/"
-# shared fakes the module tests import (FakeServing)
-cp "$here"/tests/unit/test_harness_refs.py "$c/tests/unit/"
+# the helper module the module tests import (serverutil.FakeServing): a helper, never a test file
+cp "$here"/tests/unit/serverutil.py "$c/tests/unit/"
 find "$c" -name __pycache__ -prune -exec rm -rf {} +
 pyver=$(python -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 cd "$c"

@@ -22,7 +22,7 @@ def main() -> None:
     kind = sys.argv[1]
     if kind in ("tcp", "tcp-python", "nixl"):
         os.environ.setdefault("UCX_TLS", "tcp")
-        from test_transport_fuzz import TABLE
+        from framefuzz import TABLE
 
         from dsv41.transport import parse_url
         from dsv41.transport.server import RowServer

@@ -8,7 +8,7 @@ every checkpoint), 0 wrong rows (every OK row reply compared with the table) and
 memory (the server's RSS, sampled every checkpoint, grows by less than ``RSS_BOUND_MIB`` after
 warm-up). Each test prints one ``FUZZ {json}`` line with the counts for docs/benchmarks.md.
 
-The frame generators are the CI fuzzers' (``tests/unit/test_transport_fuzz.py``,
+The frame generators are the CI fuzzers' (``tests/unit/framefuzz.py``, used by ``test_transport_fuzz.py``;
 ``tests/unit/test_drafter_worker.py``, ``tests/unit/test_engine_api_fuzz.py``), drawn with a
 seeded ``random.Random`` (``FUZZ_SEED``) instead of hypothesis, which is too slow for 10^5.
 """
@@ -33,7 +33,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "unit"))
-from test_transport_fuzz import ROWS, TABLE, _read_replies, build_frames, random_frame  # noqa: E402
+from framefuzz import ROWS, TABLE, build_frames, random_frame, read_replies  # noqa: E402
 
 from dsv41.transport import protocol as P  # noqa: E402
 
@@ -157,7 +157,7 @@ def _row_campaign(kind: str, tmp: Path) -> dict:
                 s.shutdown(socket.SHUT_WR)
             except OSError:
                 pass  # closed on a fatal frame before reading everything
-            t.rows_compared += _read_replies(s, sent_rows)
+            t.rows_compared += read_replies(s, sent_rows)
             s.close()
             t.connections += 1
             if t.malformed >= next_check:
@@ -271,7 +271,7 @@ def test_drafter_protocol_campaign(tmp_path):
 def test_http_api_campaign(tmp_path, tmp_path_factory):
     import httpx
 
-    from test_engine_common import engine_env, free_port, lab_assets, serve_cmd, start, stop, wait_ready
+    from engineutil import engine_env, free_port, lab_assets, serve_cmd, start, stop, wait_ready
 
     assets = lab_assets(tmp_path_factory)
     port = free_port()

@@ -6,7 +6,7 @@ its record) with nothing left in the journal to finish, and admission open.
 One test per pair of kill points: a promote killed at ``promote_step`` and re-run (production p1),
 then a rollback killed at ``rollback_step`` (or a plain rollback) and re-run (production p0 again,
 sha256 listing identical to before). About 6-10 minutes per pair on the shared 2-core machine, so
-``-k`` picks pairs to fit a lab hold (docs/promotion.md records which ran)."""
+``-k`` picks pairs to fit a lab hold (docs/records.md records which ran)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import json
 
 import pytest
 from labutil import needs_lab
-from test_promotion_lab import (API, CANDIDATE, JOURNAL, assert_verified_production, dsv41, listing, run_until_step,
-                                timed_play)
+from promotionutil import (API, CANDIDATE, JOURNAL, assert_verified_production, dsv41, listing, production,
+                           recap_changed, run_until_step, timed_play)
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.lab_long, needs_lab]
 
@@ -63,8 +63,6 @@ def test_kill_then_rerun_converges(deployed_lab, promote_step, rollback_step):
 
 
 def test_check_mode_and_idempotent_promote(deployed_lab):
-    from test_promotion_lab import production, recap_changed
-
     p0 = _converged()
     before = listing()
     r = timed_play("promote.yml", *CANDIDATE, "--check", "--diff")

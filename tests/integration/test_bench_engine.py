@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_engine_common import engine_env, free_port, lab_assets, serve_cmd, start, stop, wait_ready  # noqa: E402
+from engineutil import engine_env, free_port, lab_assets, serve_cmd, start, stop, wait_ready  # noqa: E402
 
 from dsv41.cli import main  # noqa: E402
 from dsv41.harness import bench  # noqa: E402

@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_engine_common import lab_assets, local_rows  # noqa: E402
+from engineutil import lab_assets, local_rows, start_worker  # noqa: E402
 
 from dsv41 import envs  # noqa: E402
 from dsv41.drafter.factory import build_speculator  # noqa: E402
@@ -100,25 +98,6 @@ def run_engine(target, spec, prompts, max_tokens=24, temperature=0.0, seed=None,
     drafted = metrics.spec_draft_tokens._value.get()
     rounds = metrics.spec_drafts._value.get()
     return outs, {"accepted": acc, "drafted": drafted, "rounds": rounds}
-
-
-def start_worker(drafter_dir, target_identity, log: Path, extra=()):
-    """`dsv41 drafter serve` as a real process on an ephemeral port; returns (proc, url)."""
-    ready = log.with_suffix(".ready")
-    if ready.exists():
-        ready.unlink()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_DRAFTER")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "dsv41.cli", "drafter", "serve", "--listen", "tcp://127.0.0.1:0",
-                             "--drafter", drafter_dir, "--target-identity", target_identity, "--ready-file", str(ready),
-                             *extra], env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=str(REPO))
-    t0 = time.monotonic()
-    while not ready.exists() or not ready.read_text().strip():
-        if proc.poll() is not None or time.monotonic() - t0 > 60:
-            proc.kill()
-            raise AssertionError(f"worker did not start: {log.read_text()[-2000:]}")
-        time.sleep(0.05)
-    return proc, ready.read_text().strip()
 
 
 @pytest.fixture(scope="module")

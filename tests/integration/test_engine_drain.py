@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_engine_common import engine_env, free_port, lab_assets, serve_cmd, start, stop, wait_ready  # noqa: E402
+from engineutil import engine_env, free_port, lab_assets, serve_cmd, start, stop, wait_ready  # noqa: E402
 
 DRAIN_S = 2.0
 SETTLE_S = 5.0  # server.ABORT_SETTLE_S

@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_engine_common import engine_env, free_ports, lab_assets, serve_cmd, start, stop  # noqa: E402
+from engineutil import engine_env, free_ports, lab_assets, serve_cmd, start, stop  # noqa: E402
 
 from dsv41.engine.tp import JOIN_GRACE_S  # noqa: E402
 

@@ -19,9 +19,8 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_engine_common import engine_env, free_port, lab_assets, serve_cmd, start, stop, wait_ready  # noqa: E402
-from test_engine_tp2 import start_pair  # noqa: E402
+from engineutil import engine_env, free_port, lab_assets, serve_cmd, start, start_pair, stop, wait_ready  # noqa: E402
+from engineutil import FakeEngine  # noqa: E402
 
 PEER_TIMEOUT_S = 3.0
 
@@ -196,7 +195,6 @@ def test_pooled_client_survives_a_500(tmp_path):
     import uvicorn
 
     from dsv41.engine.server import create_app
-    from test_engine_server_app import FakeEngine
 
     app = create_app(FakeEngine(boom=RuntimeError("bug")), "m", 64)
     port = free_port()

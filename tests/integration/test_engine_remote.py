@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_engine_common import (PY, REPO, engine_env, free_ports, lab_assets, local_rows, serve_cmd,  # noqa: E402
+from engineutil import (PY, REPO, engine_env, free_ports, lab_assets, local_rows, serve_cmd,  # noqa: E402
                                 start, stop, wait_ready)
 
 pytest.importorskip("dsv41.engram.client", reason="remote row source (dsv41.engram.client) not installed")

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_engine_common import (engine_env, free_port, lab_assets, local_rows, serve_cmd, start,  # noqa: E402
+from engineutil import (engine_env, free_port, lab_assets, local_rows, serve_cmd, start,  # noqa: E402
                                 stop, wait_ready)
 
 from dsv41.engine.runner import LocalRunner  # noqa: E402

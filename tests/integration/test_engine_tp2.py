@@ -7,15 +7,13 @@ import json
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_engine_common import (engine_env, free_ports, lab_assets, local_rows, serve_cmd, start,  # noqa: E402
-                                stop, wait_ready)
+from engineutil import lab_assets, local_rows, start_pair, stop  # noqa: E402
 
 from dsv41.engine.runner import LocalRunner  # noqa: E402
 from dsv41.tokenizer import ByteTokenizer  # noqa: E402
@@ -26,23 +24,6 @@ TOK = ByteTokenizer()
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     return lab_assets(tmp_path_factory)
-
-
-def start_pair(assets, logdir: Path, extra=(), env=None):
-    port, mport = free_ports(2)
-    master = f"127.0.0.1:{mport}"
-    env = engine_env(**(env or {}))
-    r1 = start(serve_cmd(assets, rank=1, tp=2, master=master, extra=extra), env, logdir / "rank1.log")
-    time.sleep(0.5)  # the worker really is first; it waits for rank 0's rendezvous store
-    r0 = start(serve_cmd(assets, rank=0, tp=2, port=port, master=master, extra=extra), env,
-               logdir / "rank0.log")
-    try:
-        wait_ready(port, r0, logdir / "rank0.log")
-    except AssertionError:
-        stop(r1, signal.SIGKILL)
-        stop(r0, signal.SIGKILL)
-        raise
-    return {"url": f"http://127.0.0.1:{port}", "r0": r0, "r1": r1, "dir": logdir}
 
 
 @pytest.fixture(scope="module")

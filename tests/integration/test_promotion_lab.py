@@ -8,94 +8,20 @@ initial package (production). Heavier kill matrices: tests/perf/test_promotion_k
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
-import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-import yaml
-from labutil import BIN, ROOT, env, inside, needs_lab, play
+from labutil import ROOT, inside, needs_lab
+from promotionutil import (API, CANDIDATE, JOURNAL, PACKAGES, assert_verified_production, dsv41, listing, production,
+                           recap_changed, run_until_step, timed_play)
 
 # About 9.5 min after the deploy on the 2-core CI box: over make test's budget, so `make lab-long`.
 pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.lab_long, needs_lab]
-
-HOSTS = ("x86host", "sparkworker", "sparkhead")
-API = "http://198.18.0.11:8000"
-PACKAGES = ROOT / "packages"
-JOURNAL = PACKAGES / "journal.jsonl"
-CANDIDATE = ["-e", "candidate=sync-drafter", "-e", "force=true", "-e", "reason=lab-promotion-test"]
-
-
-def pointer(host: str) -> str:
-    """The package id ``host`` runs (/opt/dsv41/packages/current)."""
-    return inside(host, "cat", "/opt/dsv41/packages/current").stdout.strip()
-
-
-def production() -> str:
-    """The one package every host points at (asserts they agree)."""
-    ids = {h: pointer(h) for h in HOSTS}
-    assert len(set(ids.values())) == 1, ids
-    return ids["sparkhead"]
-
-
-def listing() -> dict[str, dict[str, str]]:
-    """``{host: {path: sha256}}`` of every managed file, by the same paths and patterns as
-    roles/dsv41 (dsv41_managed_paths), read inside each simulated host."""
-    spec = yaml.safe_load((ROOT / "roles/dsv41/defaults/main.yml").read_text())["dsv41_managed_paths"]
-    out = {}
-    for h in HOSTS:
-        r = inside(h, "sh", "-c", "find " + " ".join(s["path"] for s in spec)
-                   + " -type f -exec sha256sum {} + 2>/dev/null", check=False)
-        files = {}
-        for line in r.stdout.splitlines():
-            sha, path = line.split(None, 1)
-            for s in spec:
-                if path.startswith(s["path"] + "/") and any(fnmatch.fnmatch(os.path.basename(path), p) for p in s["patterns"]):
-                    files[path] = sha
-        out[h] = files
-    return out
-
-
-def package_listing(pid: str) -> dict[str, dict[str, str]]:
-    doc = json.loads((PACKAGES / pid / "package.json").read_text())
-    return {h: {p: f["sha256"] for p, f in doc["hosts"][h]["files"].items()} for h in HOSTS}
-
-
-def dsv41(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "dsv41"), *args], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
-
-
-def recap_changed(out: str) -> dict[str, int]:
-    """``{host: changed}`` from the PLAY RECAP of an ansible-playbook run."""
-    tail = out[out.rindex("PLAY RECAP"):]
-    return {line.split()[0]: int(line.split("changed=")[1].split()[0]) for line in tail.splitlines() if "changed=" in line}
-
-
-def assert_verified_production() -> str:
-    """Every host points at one package, the package verifies, and every managed file equals it.
-    Prints the id and the verify line (``-s`` shows them: the numbers docs/promotion.md records)."""
-    pid = production()
-    r = dsv41("package", "verify", pid, "--root", str(PACKAGES))
-    assert r.returncode == 0, r.stderr
-    files = listing()
-    assert files == package_listing(pid)
-    print(f"\n[promotion] production {pid}: {r.stdout.strip()}; sha256 listing equals the record "
-          f"({', '.join(f'{h} {len(files[h])} files' for h in HOSTS)})", flush=True)
-    return pid
-
-
-def timed_play(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """``play(*args, timeout=timeout)``, printing its wall time."""
-    t0 = time.monotonic()
-    r = play(*args, timeout=timeout)
-    print(f"\n[promotion] ansible-playbook {' '.join(args)}: rc {r.returncode}, {time.monotonic() - t0:.1f} s", flush=True)
-    return r
 
 
 def test_promote_verify_rollback_exact_promote_again(deployed_lab):
@@ -230,34 +156,6 @@ def test_promote_a_window_win_rollback_exact_promote_again(deployed_lab):
     r = timed_play("rollback.yml", "-e", "to=" + p0[:12])
     assert r.returncode == 0, r.stdout[-5000:]
     assert assert_verified_production() == p0
-
-
-def run_until_step(playbook_args: list[str], step: str, timeout: float = 600) -> dict:
-    """Start ``ansible-playbook ARGS``, SIGKILL its whole process group as soon as a journal entry
-    of a new operation with ``step`` appears, and return that entry."""
-    n0 = len(JOURNAL.read_text().splitlines()) if JOURNAL.exists() else 0
-    t0 = time.monotonic()
-    proc = subprocess.Popen([str(BIN / "ansible-playbook"), *playbook_args], cwd=ROOT, env=env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            lines = JOURNAL.read_text().splitlines()[n0:] if JOURNAL.exists() else []
-            for line in lines:
-                e = json.loads(line)
-                if e["step"] == step:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(30)
-                    print(f"\n[promotion] SIGKILL ansible-playbook {' '.join(playbook_args)} at journal step "
-                          f"{step} ({e['op']}) after {time.monotonic() - t0:.1f} s", flush=True)
-                    return e
-            assert proc.poll() is None, f"{playbook_args} ended (rc {proc.returncode}) before journal step {step}"
-            time.sleep(0.2)
-        raise AssertionError(f"no journal step {step} within {timeout} s")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
 
 
 def test_sigkill_then_rerun_converges(deployed_lab):

@@ -76,7 +76,7 @@ def _check_mode_shows_and_changes_nothing(component: str) -> None:
 
 def _rollback(component: str, report) -> dict:
     """Run the rollback; assert it took the HOLD, passed every check, left the files rolled back and
-    admission open; return the checks by name (and print them: docs/promotion.md records them)."""
+    admission open; return the checks by name (and print them: docs/records.md records them)."""
     t0 = time.monotonic()
     r = play(PLAYBOOK, "-e", f"component={component}", "-e", f"rollback_component_report={report}", timeout=900)
     took = time.monotonic() - t0

@@ -24,9 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from test_drafter_engine import start_worker  # noqa: E402
-from test_engine_common import lab_assets, local_rows  # noqa: E402
+from engineutil import lab_assets, local_rows, start_worker  # noqa: E402
 
 from dsv41 import envs  # noqa: E402
 from dsv41.drafter.factory import build_speculator  # noqa: E402

@@ -26,7 +26,7 @@ import httpx
 from benchutil import evict, machine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_engine_common import (PY, REPO, engine_env, free_ports, lab_assets, serve_cmd, start, stop,  # noqa: E402
+from engineutil import (PY, REPO, engine_env, free_ports, lab_assets, serve_cmd, start, stop,  # noqa: E402
                                 wait_ready)
 
 PROMPT_TOKENS = int(os.environ.get("DSV41_BENCH_PROMPT_TOKENS", "3072"))

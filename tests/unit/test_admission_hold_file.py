@@ -15,37 +15,10 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from dsv41 import envs  # noqa: E402
 from dsv41.engine.server import ServerState, create_app  # noqa: E402
+from engineutil import FakeEngine  # noqa: E402
 
 TOKEN = "20261201T054000-abcdef01"
 REQ = {"prompt": "x", "max_tokens": 1}
-
-
-class FakeEngine:
-    """Finishes every request at once with one token; the admission routes' engine calls are no-ops."""
-
-    fatal = None
-
-    class sched:  # noqa: N801 - the engine's attribute name
-        @staticmethod
-        def counts():
-            return 0, 0
-
-    def submit(self, ids, params, sink):
-        sink({"type": "tokens", "ids": [5], "prompt_tokens": len(ids), "completion_tokens": 1})
-        sink({"type": "finish", "reason": "length", "prompt_tokens": len(ids), "completion_tokens": 1})
-
-        class R:
-            request_id = "req-x"
-        return R()
-
-    def abort(self, rid=None):
-        pass
-
-    def idle(self):
-        return True
-
-    def freeze(self, on):
-        pass
 
 
 def engine(hold_file) -> TestClient:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from test_engine_common import lab_assets, local_rows  # noqa: E402
+from engineutil import lab_assets, local_rows  # noqa: E402
 
 FIELDS = ["prompt", "messages", "model", "max_tokens", "max_completion_tokens", "min_tokens", "temperature",
           "top_p", "seed", "n", "best_of", "stream", "stream_options", "return_token_ids", "ignore_eos",

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from test_engine_common import lab_assets, local_rows
+from engineutil import lab_assets, local_rows
 
 from dsv41.engine.deadline import CallTimeout, DeadlineCaller, Deadlines, deadlines_from_env
 from dsv41.envs import ConfigError

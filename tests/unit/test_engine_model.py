@@ -16,7 +16,7 @@ from dsv41.engine.tp import LocalComm, ordered_sum
 from dsv41.engine.weights import init_weights, load_weights, save_weights, target_identity, train_forward
 from dsv41.errors import ConfigError, Dsv41Error
 from dsv41.tokenizer import ByteTokenizer
-from test_engine_common import LAB_CONFIG, lab_assets, local_rows
+from engineutil import LAB_CONFIG, lab_assets, local_rows
 
 TOK = ByteTokenizer()
 

@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from dsv41.engine import request_fields  # noqa: E402
 from dsv41.engine.sampler import SamplingParams, probs_of, sample  # noqa: E402
 from dsv41.engine.server import create_app  # noqa: E402
+from engineutil import FakeEngine  # noqa: E402
 
 
 def openai_fields(chat: bool) -> set[str]:
@@ -40,34 +41,8 @@ def schema_fields(chat: bool) -> set[str]:
     return openai_fields(chat) | set(request_fields.vllm_fields()["chat" if chat else "completion"])
 
 
-class RecordingEngine:
-    """Finishes every request at once with token 5 and records its ``SamplingParams``."""
-
-    fatal = None
-
-    def __init__(self):
-        self.params: list[SamplingParams] = []
-        self.prompts: list[list[int]] = []
-
-    def submit(self, ids, params, sink):
-        self.params.append(params)
-        self.prompts.append(list(ids))
-        sink({"type": "tokens", "ids": [5], "prompt_tokens": len(ids), "completion_tokens": 1})
-        sink({"type": "finish", "reason": "length", "prompt_tokens": len(ids), "completion_tokens": 1})
-
-        class R:
-            request_id = "req-x"
-        return R()
-
-    def abort(self, rid=None):
-        pass
-
-    def idle(self):
-        return True
-
-
 def _call(body: dict, chat: bool):
-    eng = RecordingEngine()
+    eng = FakeEngine()
     c = TestClient(create_app(eng, "m", 64), raise_server_exceptions=False)
     base = {"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"}
     base["max_tokens"] = 1

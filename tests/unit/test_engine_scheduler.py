@@ -16,7 +16,7 @@ import pytest
 from dsv41.engine.sampler import SamplingParams
 from dsv41.engine.scheduler import Request, RequestError, Scheduler
 from dsv41.errors import Dsv41Error
-from test_engine_common import LAB_CONFIG, PY, REPO, lab_assets
+from engineutil import LAB_CONFIG, PY, REPO, lab_assets
 
 
 def req(n_prompt, max_tokens=4):

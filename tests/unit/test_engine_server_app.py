@@ -9,33 +9,7 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from dsv41.engine.server import create_app  # noqa: E402
-
-
-class FakeEngine:
-    """``submit`` either raises ``boom`` or finishes at once with ``reason`` (engine-thread-like
-    sink call); ``fatal`` as the real engine's."""
-
-    def __init__(self, boom: Exception | None = None, reason: str = "length", fatal: str | None = None):
-        self.boom, self.reason, self.fatal, self.aborted = boom, reason, fatal, []
-
-    def submit(self, ids, params, sink):
-        if self.boom is not None:
-            raise self.boom
-        sink({"type": "tokens", "ids": [5], "prompt_tokens": len(ids), "completion_tokens": 1})
-        ev = {"type": "finish", "reason": self.reason, "prompt_tokens": len(ids), "completion_tokens": 1}
-        if self.reason == "error":
-            ev["error"] = "request failed: Dsv41Error: sampling distribution is not finite"
-        sink(ev)
-
-        class R:
-            request_id = "req-x"
-        return R()
-
-    def abort(self, rid=None):
-        self.aborted.append(rid)
-
-    def idle(self):
-        return True
+from engineutil import FakeEngine  # noqa: E402
 
 
 def client(engine):

@@ -22,7 +22,7 @@ from dsv41.engine.tp import LocalComm
 from dsv41.engine.weights import load_weights
 from dsv41.errors import Dsv41Error
 from dsv41.tokenizer import EOS, ByteTokenizer
-from test_engine_common import lab_assets, local_rows
+from engineutil import lab_assets, local_rows
 
 TOK = ByteTokenizer()
 PROMPTS = ["The quick dog ", "count 7 8 9", "A model builds"]

@@ -10,7 +10,7 @@ import pytest
 
 from dsv41.harness import components as C
 from dsv41.harness import refs
-from test_harness_refs import FakeServing
+from serverutil import FakeServing
 
 PROD_DRAFTER = ("# managed\nDSV41_DRAFTER_REMOTE=tcp://198.18.1.1:7451\nDSV41_DRAFTER_DIR=/opt/dsv41/drafter\n"
                 "DSV41_DRAFTER_ASYNC=1\nDSV41_DRAFTER_K=5\n")

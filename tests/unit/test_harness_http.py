@@ -13,7 +13,7 @@ import pytest
 
 from dsv41.cli import main
 from dsv41.harness import http, refs
-from test_harness_refs import FakeServing  # noqa: E402
+from serverutil import FakeServing  # noqa: E402
 
 
 class _Odd:

@@ -2,95 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pytest
+from serverutil import FakeServing
 
 from dsv41.harness import admission, refs
-
-
-class FakeServing:
-    """A stand-in rank 0 HTTP endpoint: greedy ids are a function of the prompt bytes (so they are
-    deterministic), ``shift`` perturbs the id at position ``shift_at`` of prompts named in
-    ``shift_names``; counters grow by one lookup per completion on each rank."""
-
-    def __init__(self) -> None:
-        self.paused = False
-        self.model = "dsv41-lab"
-        self.shift_names: set[str] = set()
-        self.shift_at = 3
-        self.no_token_ids = False
-        self.fallbacks = 0
-        self.lookups = 0
-        self.fallbacks_per_call = 0
-        self.drafter_rounds_per_call = 2
-        self.rounds = 0
-        self.calls: list[str] = []
-        fake = self
-
-        class H(BaseHTTPRequestHandler):
-            def _send(self, code, body, ctype="application/json"):
-                data = body if isinstance(body, bytes) else json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                fake.calls.append("GET " + self.path)
-                if self.path == "/is_paused":
-                    return self._send(200, {"is_paused": fake.paused})
-                if self.path == "/v1/models":
-                    return self._send(200, {"data": [{"id": fake.model}]})
-                if self.path == "/metrics":
-                    text = "# HELP x\n"
-                    for r in ("0", "1"):
-                        text += f'dsv41_engram_lookups_total{{rank="{r}"}} {fake.lookups}\n'
-                        text += f'dsv41_engram_fallbacks_total{{rank="{r}"}} {fake.fallbacks}\n'
-                    text += 'vllm:num_requests_running{model_name="x"} 0\n'
-                    text += f"dsv41_drafter_rounds {fake.rounds}\ndsv41_drafter_identity_refusals 0\n"
-                    return self._send(200, text.encode(), "text/plain")
-                return self._send(404, {})
-
-            def do_POST(self):
-                fake.calls.append("POST " + self.path)
-                n = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(n) or b"{}")
-                if self.path.split("?")[0] == "/pause":
-                    fake.pause_query = self.path.partition("?")[2]
-                    fake.paused = True
-                    return self._send(200, {})
-                if self.path == "/resume":
-                    fake.paused = False
-                    return self._send(200, {})
-                if self.path == "/v1/completions":
-                    assert body["temperature"] == 0 and body["return_token_ids"] is True
-                    prompt = body["prompt"].encode()
-                    ids = [(prompt[i % len(prompt)] * 7 + i) % 260 for i in range(body["max_tokens"])]
-                    name = {p: n for n, p in refs.PROMPTS}.get(body["prompt"])
-                    if name in fake.shift_names and len(ids) > fake.shift_at:
-                        ids[fake.shift_at] = (ids[fake.shift_at] + 1) % 260
-                    fake.lookups += 1
-                    fake.fallbacks += fake.fallbacks_per_call
-                    fake.rounds += fake.drafter_rounds_per_call
-                    choice = {"text": "x"} if fake.no_token_ids else {"text": "x", "token_ids": ids}
-                    return self._send(200, {"choices": [choice]})
-                return self._send(404, {})
-
-            def log_message(self, *a):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 @pytest.fixture

@@ -9,12 +9,11 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
+from serverutil import FakeStack
 import yaml
 
 from dsv41.entrypoints import status as st
@@ -26,48 +25,11 @@ from dsv41.promotion import journal as J
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class Fake:
-    """Rank 0's /is_paused and a Prometheus /api/v1/alerts on one loopback server."""
-
-    def __init__(self):
-        self.paused, self.since = False, None
-        self.alerts_code, self.alerts_body = 200, {"status": "success", "data": {"alerts": []}}
-        self.range_queries = 0
-
-
 @pytest.fixture
 def fake():
-    f = Fake()
-
-    class H(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
-        def _send(self, code, body):
-            data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):  # noqa: N802
-            if self.path == "/is_paused":
-                return self._send(200, {"is_paused": f.paused, "paused_since": f.since})
-            if self.path == "/api/v1/alerts":
-                return self._send(f.alerts_code, f.alerts_body)
-            if self.path.startswith("/api/v1/query_range"):
-                f.range_queries += 1
-                return self._send(200, {"status": "success", "data": {"resultType": "matrix", "result": [
-                    {"metric": {"rank": "0"}, "values": [[100 + 5 * i, str(i % 3)] for i in range(20)]}]}})
-            return self._send(404, {})
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    f.url = f"http://127.0.0.1:{srv.server_address[1]}"
+    f = FakeStack()
     yield f
-    srv.shutdown()
-    srv.server_close()
+    f.close()
 
 
 def _alert(name, state="firing", severity="critical", **labels):

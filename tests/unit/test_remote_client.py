@@ -347,7 +347,7 @@ def test_lookup_layers_one_request_exact(tabs):
 
 def test_lookup_layers_against_version1_server(tabs):
     """A version-1 server (before OP_LOOKUP_MULTI): one request per layer, exact rows."""
-    from test_transport_multi import V1Server
+    from serverutil import V1Server
 
     d, m, tables = tabs
     old = V1Server(tables)

@@ -9,13 +9,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from io import StringIO
 from pathlib import Path
 
 import pytest
+from serverutil import FakeStack
 
 from dsv41.entrypoints import status as st
 
@@ -101,66 +100,11 @@ def test_last_window_is_the_newest_decision(tmp_path):
 
 # ---- the endpoints (loopback fakes) ---------------------------------------------------------
 
-class Fake:
-    """Rank 0, the table server and the drafter worker on one loopback HTTP server."""
-
-    def __init__(self):
-        self.paused, self.since, self.lookups, self.fallbacks = False, None, [100, 90], [0, 0]
-        self.ready = True
-        self.worker_ids = {"drafter": "d" * 64, "markov": "m" * 64, "target": "t" * 64}
-
-    def engine_metrics(self) -> str:
-        out = ['vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 40.0',
-               'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 50.0',
-               "dsv41_drafter_rounds 12.0", "dsv41_drafter_fail_closed_rounds 1.0", "dsv41_drafter_proxy_respawns 2.0"]
-        for r in (0, 1):
-            out += [f'dsv41_engram_lookups_total{{rank="{r}"}} {self.lookups[r]}',
-                    f'dsv41_engram_fallbacks_total{{rank="{r}"}} {self.fallbacks[r]}']
-        return "\n".join(out) + "\n"
-
-    def worker_metrics(self) -> str:
-        labels = ",".join(f'{k}="{v}"' for k, v in {**self.worker_ids, "backend": "torch"}.items())
-        return f"dsv41_drafter_connections 1.0\ndsv41_drafter_rounds_total 12.0\ndsv41_drafter_info{{{labels}}} 1.0\n"
-
-
 @pytest.fixture
 def fake():
-    f = Fake()
-
-    class H(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
-        def _send(self, code, body, ctype="application/json"):
-            data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):  # noqa: N802
-            p = self.path
-            if p == "/health":
-                return self._send(200, {"status": "ok"})
-            if p == "/is_paused":
-                return self._send(200, {"is_paused": f.paused, "paused_since": f.since})
-            if p == "/v1/models":
-                return self._send(200, {"data": [{"id": "dsv41-lab"}]})
-            if p == "/metrics":
-                return self._send(200, f.engine_metrics(), "text/plain")
-            if p == "/ready":
-                return self._send(200 if f.ready else 503, "ready" if f.ready else "loading", "text/plain")
-            if p == "/w/metrics":
-                return self._send(200, f.worker_metrics(), "text/plain")
-            return self._send(404, {})
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    f.url = f"http://127.0.0.1:{srv.server_address[1]}"
+    f = FakeStack()
     yield f
-    srv.shutdown()
-    srv.server_close()
+    f.close()
 
 
 def _hosts(spark_tables=T, x86_tables=T, drafter=None, reachable=True):
@@ -308,22 +252,9 @@ def test_is_paused_reports_paused_since():
     from fastapi.testclient import TestClient
 
     from dsv41.engine.server import create_app
+    from engineutil import FakeEngine
 
-    class Eng:
-        fatal = None
-
-        class sched:  # noqa: N801
-            @staticmethod
-            def counts():
-                return 0, 0
-
-        def idle(self):
-            return True
-
-        def abort(self, rid=None):
-            pass
-
-    c = TestClient(create_app(Eng(), "m", 64))
+    c = TestClient(create_app(FakeEngine(), "m", 64))
     assert c.get("/is_paused").json() == {"is_paused": False, "paused_since": None}
     t0 = time.time()
     assert c.post("/pause").status_code == 200

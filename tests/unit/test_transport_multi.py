@@ -3,15 +3,13 @@ version-1 peer; every server/client test runs on both implementations (C++ and p
 
 from __future__ import annotations
 
-import socket
 import struct
-import threading
 
 import numpy as np
 import pytest
 
-from serverutil import settled_snapshot
-from test_transport_tcp import expected, impl, make_table, raw_conn, recv_exact  # noqa: F401 - impl: fixture
+from serverutil import impl  # noqa: F401 - the fixture
+from serverutil import V1Server, expected, make_table, raw_conn, recv_exact, settled_snapshot
 
 from dsv41.transport import Refused, open_client, parse_url
 from dsv41.transport import protocol as P
@@ -154,57 +152,6 @@ def test_raw_v2_frames(served):
     assert reply(s)[:3] == (P.MAX_VERSION, P.ST_BAD_VERSION, 12)  # tells the newest version spoken
     assert s.recv(1) == b""
     s.close()
-
-
-class V1Server:
-    """A version-1 row server as released before version 2 (HELLO and LOOKUP; any other
-    version is refused with bad_version and the connection closed)."""
-
-    def __init__(self, tables):
-        self.tables = {t.identity: t for t in tables}
-        self.ls = socket.socket()
-        self.ls.bind(("127.0.0.1", 0))
-        self.ls.listen(8)
-        self.ep = parse_url(f"tcp://127.0.0.1:{self.ls.getsockname()[1]}")
-        self.refused = 0
-        self.conns = []
-        threading.Thread(target=self.accept, daemon=True).start()
-
-    def accept(self):
-        while True:
-            try:
-                c, _ = self.ls.accept()
-            except OSError:
-                return
-            self.conns.append(c)
-            threading.Thread(target=self.serve, args=(c,), daemon=True).start()
-
-    def serve(self, c):
-        try:
-            while True:
-                magic, ver, op, rid, ident, count, plen = P.REQ.unpack(recv_exact(c, P.REQ.size))
-                payload = recv_exact(c, plen) if plen else b""
-                if ver != 1:
-                    self.refused += 1
-                    c.sendall(P.REP.pack(P.MAGIC, 1, P.ST_BAD_VERSION, rid, 0, 0))
-                    c.close()
-                    return
-                if op == P.OP_HELLO:
-                    body = b"".join(P.TABLE_ENTRY.pack(t.identity, t.layer_id, t.rows, 264) for t in self.tables.values())
-                    c.sendall(P.REP.pack(P.MAGIC, 1, 0, rid, len(self.tables), len(body)) + body)
-                elif op == P.OP_LOOKUP:
-                    rows = np.frombuffer(payload, "<u8").astype(np.int64)
-                    body = expected(self.tables[ident], rows).tobytes()
-                    c.sendall(P.REP.pack(P.MAGIC, 1, 0, rid, count, len(body)) + body)
-                else:
-                    c.sendall(P.REP.pack(P.MAGIC, 1, P.ST_UNKNOWN_OP, rid, 0, 0))
-        except (OSError, ConnectionError):
-            pass
-
-    def close(self):
-        self.ls.close()
-        for c in self.conns:
-            c.close()
 
 
 def test_v2_client_meets_v1_server(impl):

@@ -12,37 +12,13 @@ import time
 import numpy as np
 import pytest
 
-from serverutil import settled_snapshot
+from serverutil import impl  # noqa: F401 - the fixture
+from serverutil import ROWS, expected, make_table, raw_conn, recv_exact, settled_snapshot
 
 from dsv41.transport import Refused, TransportError, TransportTimeout, native, open_client, parse_url
 from dsv41.transport import protocol as P
-from dsv41.transport.server import RowServer, RowTable
+from dsv41.transport.server import RowServer
 from dsv41.transport.tcp import TcpClient
-
-IMPLS = [pytest.param(True, id="cpp"), pytest.param(False, id="python")]
-ROWS = 5000
-
-
-def make_table(seed: int, layer: int, rows: int = ROWS) -> RowTable:
-    rng = np.random.default_rng(seed)
-    return RowTable(
-        identity=hashlib.sha256(f"table-{seed}".encode()).digest(),
-        layer_id=layer,
-        weight=rng.integers(0, 256, (rows, 256), dtype=np.uint8),
-        scale=rng.integers(0, 256, (rows, 8), dtype=np.uint8),
-    )
-
-
-def expected(t: RowTable, rows) -> np.ndarray:
-    r = np.asarray(rows, dtype=np.int64)
-    return np.concatenate([t.weight[r], t.scale[r]], axis=1)
-
-
-@pytest.fixture(params=IMPLS)
-def impl(request):
-    if request.param and native._fastrow is None:
-        pytest.fail("C++ extension not built: run pip install -e .")
-    return request.param
 
 
 @pytest.fixture
@@ -52,22 +28,6 @@ def served(impl):
     ep = srv.start()[0]
     yield srv, ep, tables, impl
     srv.stop(2)
-
-
-def raw_conn(ep) -> socket.socket:
-    s = socket.create_connection((ep.host, ep.port), timeout=5)
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return s
-
-
-def recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed")
-        buf += chunk
-    return buf
 
 
 def req(op=P.OP_LOOKUP, rid=7, ident=bytes(32), count=0, payload=b"", magic=P.MAGIC, version=P.VERSION, plen=None):

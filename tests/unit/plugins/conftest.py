@@ -38,7 +38,7 @@ def _collection_on_path() -> None:
 
 _collection_on_path()
 if UNIT not in sys.path:
-    sys.path.insert(0, UNIT)  # shared fakes (test_harness_refs.FakeServing)
+    sys.path.insert(0, UNIT)  # shared fakes (serverutil.FakeServing)
 
 
 class _Exit(Exception):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ansible_collections.dsv41.offload.plugins.modules import admission  # noqa: E402
-from test_harness_refs import FakeServing  # noqa: E402
+from serverutil import FakeServing  # noqa: E402
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import pytest
 
 from ansible_collections.dsv41.offload.plugins.modules import component_check  # noqa: E402
 from dsv41.harness import refs
-from test_harness_refs import FakeServing  # noqa: E402
+from serverutil import FakeServing  # noqa: E402
 
 
 def test_validate_known_names(run_module):

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ansible_collections.dsv41.offload.plugins.modules import greedy_refs  # noqa: E402
-from test_harness_refs import FakeServing  # noqa: E402
+from serverutil import FakeServing  # noqa: E402
 
 
 @pytest.fixture
