@@ -82,9 +82,6 @@ def test_serve_refuses_bad_arguments(ddir, capsys):
                                                 ddir, "--metrics", f"127.0.0.1:{port}"])
 
 
-@pytest.mark.xfail(strict=True, reason="dsv41.drafter.worker.serve starts the worker (and logs its INFO 'listening' "
-                   "line) before it binds --metrics, so the process prints that line before its error; "
-                   "binding --metrics first (or logging once both listen) fixes it")
 def test_serve_metrics_busy_stderr_of_the_process(ddir):
     """`dsv41 drafter serve --metrics BUSY` as a real process: one line on stderr, exit 1."""
     with socket.socket() as busy:

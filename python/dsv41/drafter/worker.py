@@ -286,20 +286,26 @@ def serve(drafter_dir: str, listen: str, *, target_identity: str = "", device: s
         raise Dsv41Error(f"drafter {drafter_dir} was distilled for target {recorded[:12]}, "
                          f"not --target-identity {target_identity[:12]}; refusing to serve it")
     worker = DrafterWorker(be, host, port, target_identity=target_identity, delay_ms=delay_ms)
-    worker.start()
+    # --metrics is bound before the worker starts (and logs that it listens): a busy or bad
+    # --metrics is then the process's one error line
     metrics_http = None
     if metrics:
         from dsv41.httpd import serve_metrics
 
         mh, _, mp = metrics.rpartition(":")
         if not mp.isdigit():
-            worker.stop()
             raise Dsv41Error(f"--metrics {metrics!r}: expected HOST:PORT")
         try:
             metrics_http = serve_metrics(mh or "127.0.0.1", int(mp), worker.metrics.registry)
         except (OSError, OverflowError) as exc:
-            worker.stop()
             raise Dsv41Error(f"--metrics {metrics}: cannot listen: {exc}") from None
+    try:
+        worker.start()
+    except BaseException:
+        if metrics_http is not None:
+            metrics_http.shutdown()
+            metrics_http.server_close()
+        raise
     stop = stop_event or threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
