@@ -37,7 +37,7 @@ PRODUCTION_LINE = {"async_handoff": "DSV41_DRAFTER_ASYNC=1", "remote_drafter": "
                    "remote_engram": "DSV41_ENGRAM_REMOTE=tcp://"}
 ROLLED_BACK_LINE = {"async_handoff": "DSV41_DRAFTER_ASYNC=0", "remote_drafter": "DSV41_DRAFTER_LOCAL=/opt/dsv41/drafter",
                     "remote_engram": "# Remote Engram off"}
-HOLD = re.compile(r"RUNNING HANDLER \[serve : HOLD admission before the restart.*\n(changed|ok): \[spark")
+HOLD = re.compile(r"TASK \[admission : Set admission to held \(before the TP restart\)\].*\n(changed|ok): \[spark")
 
 
 def _recap_changed(stdout: str) -> dict[str, int]:
