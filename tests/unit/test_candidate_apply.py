@@ -179,11 +179,16 @@ def test_the_settable_variables_are_the_candidate_role_map_and_the_fault_drill()
     assert set(settable) == set(W._ROLE_VARS.values()) | set(fault)
 
 
-def test_no_set_fact_restates_a_candidate_variable_in_the_playbooks():
-    """Only roles/dsv41/tasks/candidate.yml sets a candidate's variables (a set_fact of one
-    elsewhere would outrank its role default; rollback_component.yml's settings are rollbacks,
-    not candidates, and name other variables)."""
-    settable = set(yaml.safe_load((REPO / "roles/dsv41/vars/main.yml").read_text())["dsv41_candidate_settable"])
+def test_no_set_fact_restates_a_role_default():
+    """A set_fact outranks role defaults: one that sets a role-default variable to its default (or
+    to itself with a ``default(...)`` fallback, the old arm switch's way) stops it following the
+    role the day the default changes. Every playbook and role task file, blocks included; a
+    set_fact that changes a default on purpose (a component rollback's setting) is allowed."""
+    defaults = {}
+    for path in sorted((REPO / "roles").glob("*/defaults/main.yml")):
+        defaults.update(yaml.safe_load(path.read_text()) or {})
+    assert {"serve_health_retries", "spec_decode_async", "spec_decode_k", "spec_decode_timeout_ms",
+            "engram_overlay_remote", "serve_extra_env"} <= set(defaults)
 
     def walk(tasks):
         for t in tasks or []:
@@ -191,13 +196,22 @@ def test_no_set_fact_restates_a_candidate_variable_in_the_playbooks():
             for key in ("block", "rescue", "always"):
                 yield from walk(t.get(key))
 
+    files = [(p, yaml.safe_load(p.read_text())) for p in sorted((REPO / "playbooks").glob("*.yml"))]
+    tasks = [(p, t) for p, plays in files for play in plays or []
+             for t in walk((play.get("pre_tasks") or []) + (play.get("tasks") or []) + (play.get("post_tasks") or []))]
+    tasks += [(p, t) for p in sorted((REPO / "roles").glob("*/tasks/*.yml")) for t in walk(yaml.safe_load(p.read_text()))]
+    assert len(tasks) > 200
     found = []
-    for path in sorted((REPO / "playbooks").glob("*.yml")):
-        for play in yaml.safe_load(path.read_text()) or []:
-            for t in walk((play.get("pre_tasks") or []) + (play.get("tasks") or [])):
-                fact = t.get("ansible.builtin.set_fact") or {}
-                found += [f"{path.name}: {k}" for k in fact if k in settable]
-    assert found == []
+    for path, t in tasks:
+        for k, v in (t.get("ansible.builtin.set_fact") or {}).items():
+            if k in defaults and (v == defaults[k] or (isinstance(v, str) and f"{k} | default(" in v)):
+                found.append(f"{path.relative_to(REPO)}: {k}: {v!r}")
+    # the remote_drafter rollback means "no capacity mode", also where the inventory turned it on
+    # (test_rollback_component_roles' remote_drafter_from_capacity): a setting, not a restatement
+    assert found == ["playbooks/rollback_component.yml: spec_decode_capacity_mode: False"]
+    # and the window switch uses | default() on no role default either
+    text = SWITCH.read_text()
+    assert [k for k in defaults if f"{k} | default(" in text] == []
 
 
 def test_a_name_outside_the_settable_ones_is_refused(tmp_path):
