@@ -101,6 +101,25 @@ def _switch_plays() -> list[dict]:
     return plays
 
 
+def _promote_plays() -> list[dict]:
+    """promote.yml's Spark apply play: its roles (tasks skipped), the imports of its apply block
+    (tasks skipped) and its candidate task as written (promote_role_vars from the controller)."""
+    for play in yaml.safe_load((REPO / "playbooks" / "promote.yml").read_text()):
+        block = next((t for t in play.get("tasks", []) if t.get("name") == "Apply the candidate"), None)
+        if play.get("hosts") == "spark" and block:
+            tasks = [_skip(t) if "ansible.builtin.import_role" in t else t for t in block["block"]
+                     if "ansible.builtin.import_role" in t
+                     or (t.get("ansible.builtin.include_role") or {}) == CANDIDATE_TASK]
+            assert [t for t in tasks if "ansible.builtin.include_role" in t], "promote.yml: no candidate task"
+            return [{"name": "controller", "hosts": "localhost", "gather_facts": False,
+                     "tasks": [{"name": "The candidate's role variables",
+                                "ansible.builtin.set_fact": {"promote_role_vars": "{{ promote_arm }}"}}]},
+                    {"name": play["name"], "hosts": "spark", "gather_facts": False,
+                     "roles": [_skip(r) for r in play["roles"]] + [{"role": "dsv41_service", "when": False}],
+                     "tasks": tasks + _service_renders("spark")}]
+    raise AssertionError("promote.yml: no Spark apply play")
+
+
 ARMS = {"control": {},  # production's control arm: `dsv41 window plan` gives it no variable
         "slow-rows": W.role_vars(W.load_candidate("slow-rows", REPO / "candidates")),
         "k3": {"spec_decode_k": 3, "spec_decode_timeout_ms": 50}}
@@ -132,6 +151,27 @@ def rendered(request, tmp_path_factory) -> tuple[str, dict[str, dict[str, str]]]
                         {"window_arm": arm_vars, "window_switch_roles": ["engram_server", "serve", "spec_decode"],
                          "window_token": "wtest"})
     return inv, got
+
+
+@pytest.fixture(scope="module")
+def promoted(tmp_path_factory) -> dict[str, dict[str, str]]:
+    """Production's Spark files (deploy.yml) and promote.yml's for no candidate and for slow-rows,
+    on the production inventory (vLLM: the launch line reads other roles' defaults)."""
+    tmp = tmp_path_factory.mktemp("promote")
+    spark = [p for p in _production_plays() if p["hosts"] == "spark"]
+    got = {"production": _run(tmp, "production", "production", spark, {})}
+    for arm in ("control", "slow-rows"):
+        got[arm] = _run(tmp, "production", arm, _promote_plays(), {"promote_arm": ARMS[arm]})
+    return got
+
+
+def test_promote_without_a_delta_renders_production(promoted):
+    assert _differing(promoted["production"], promoted["control"]) == []
+
+
+def test_promote_applies_exactly_the_candidate(promoted):
+    assert _differing(promoted["production"], promoted["slow-rows"]) == ["sparkhead.service.env",
+                                                                         "sparkworker.service.env"]
 
 
 def _differing(a: dict[str, str], b: dict[str, str]) -> list[str]:
