@@ -37,7 +37,7 @@ options:
     default: 10.0
   window_token:
     description:
-      - The fenced operation's token (window, promote, rollback): while a HOLD carries it, the held
+      - The fenced operation's token (window, promote, rollback). While a HOLD carries it, the held
         engine admits only requests with it, and V(held) sends it with the HOLD.
       - Falls back to E(DSV41_WINDOW_TOKEN) (what a play's C(environment:) sets); V("") sends none.
     type: str

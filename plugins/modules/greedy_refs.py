@@ -69,8 +69,8 @@ options:
     default: 2.0
   window_token:
     description:
-      - The fenced operation's token (window, promote, rollback): while a HOLD carries it, the held
-        engine admits only requests with it, and V(held) sends it with the HOLD.
+      - The fenced operation's token (window, promote, rollback). While a HOLD carries it, the held
+        engine admits only requests with it; this module's requests carry it.
       - Falls back to E(DSV41_WINDOW_TOKEN) (what a play's C(environment:) sets); V("") sends none.
     type: str
     default: ""
