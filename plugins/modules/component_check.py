@@ -66,6 +66,13 @@ options:
     description: Seconds per completion.
     type: float
     default: 120.0
+  window_token:
+    description:
+      - The fenced operation's token (window, promote, rollback). While a HOLD carries it, the held
+        engine admits only requests with it; this module's requests carry it.
+      - Falls back to E(DSV41_WINDOW_TOKEN) (what a play's C(environment:) sets); V("") sends none.
+    type: str
+    default: ""
 attributes:
   check_mode:
     support: full
@@ -124,7 +131,7 @@ seconds:
   type: float
 """
 
-from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.basic import AnsibleModule, env_fallback
 
 try:
     from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import dsv41_errors, import_dsv41, require_dsv41
@@ -132,6 +139,7 @@ except ImportError:  # run from library/ (ansible.cfg: module_utils = plugins/mo
     from ansible.module_utils.dsv41_common import dsv41_errors, import_dsv41, require_dsv41
 
 dsv41_components = import_dsv41("dsv41.harness.components")
+dsv41_http = import_dsv41("dsv41.harness.http")
 
 
 def main():
@@ -150,13 +158,14 @@ def main():
             burst=dict(type="int", default=8),
             max_tokens=dict(type="int", default=16, no_log=False),  # a token count, not a secret
             timeout=dict(type="float", default=120.0),
+            window_token=dict(type="str", default="", no_log=False, fallback=(env_fallback, ["DSV41_WINDOW_TOKEN"])),
         ),
         required_if=[("stage", "check", ("endpoint", "refs_path", "worker_metrics_url", "server_metrics_url"))],
         supports_check_mode=True,
     )
     require_dsv41(module)
     p = module.params
-    with dsv41_errors(module, component=p["component"]):
+    with dsv41_errors(module, component=p["component"]), dsv41_http.window_token(p["window_token"]):
         name = dsv41_components.component(p["component"])
         behaviour = dsv41_components.COMPONENTS[name]
         if p["stage"] == "validate" or module.check_mode:

@@ -67,6 +67,13 @@ options:
     description: Seconds between attempts.
     type: float
     default: 2.0
+  window_token:
+    description:
+      - The fenced operation's token (window, promote, rollback). While a HOLD carries it, the held
+        engine admits only requests with it; this module's requests carry it.
+      - Falls back to E(DSV41_WINDOW_TOKEN) (what a play's C(environment:) sets); V("") sends none.
+    type: str
+    default: ""
 attributes:
   check_mode:
     support: full
@@ -125,7 +132,7 @@ summary:
   type: str
 """
 
-from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.basic import AnsibleModule, env_fallback
 
 try:
     from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import Dsv41Error, import_dsv41, require_dsv41
@@ -133,6 +140,7 @@ except ImportError:  # run from library/ (ansible.cfg: module_utils = plugins/mo
     from ansible.module_utils.dsv41_common import Dsv41Error, import_dsv41, require_dsv41
 
 dsv41_refs = import_dsv41("dsv41.harness.refs")
+dsv41_http = import_dsv41("dsv41.harness.http")
 
 
 def main():
@@ -149,6 +157,7 @@ def main():
             require_drafter=dict(type="bool", default=False),
             attempts=dict(type="int", default=1),
             delay=dict(type="float", default=2.0),
+            window_token=dict(type="str", default="", no_log=False, fallback=(env_fallback, ["DSV41_WINDOW_TOKEN"])),
         ),
         required_if=[("require_drafter", True, ("metrics_url",))],
         supports_check_mode=True,
@@ -156,11 +165,12 @@ def main():
     require_dsv41(module)
     p = module.params
     try:
-        res = dsv41_refs.check(p["endpoint"], p["path"], mode=p["mode"], max_tokens=p["max_tokens"],
-                               timeout_s=p["timeout"], metrics_url=p["metrics_url"],
-                               metrics_prefix=p["metrics_prefix"], require_ranks=p["require_ranks"],
-                               require_drafter=p["require_drafter"], attempts=p["attempts"],
-                               delay_s=p["delay"], write=not module.check_mode)
+        with dsv41_http.window_token(p["window_token"]):
+            res = dsv41_refs.check(p["endpoint"], p["path"], mode=p["mode"], max_tokens=p["max_tokens"],
+                                   timeout_s=p["timeout"], metrics_url=p["metrics_url"],
+                                   metrics_prefix=p["metrics_prefix"], require_ranks=p["require_ranks"],
+                                   require_drafter=p["require_drafter"], attempts=p["attempts"],
+                                   delay_s=p["delay"], write=not module.check_mode)
     except Dsv41Error as exc:
         module.fail_json(msg=str(exc), endpoint=p["endpoint"], path=p["path"])
     result = dict(changed=res.action == "recorded", **res.to_dict())

@@ -51,12 +51,12 @@ def test_kill_then_rerun_converges(deployed_lab, promote_step, rollback_step):
     p1 = _converged()
     assert p1 != p0
     if rollback_step is not None:
-        e = run_until_step(["playbooks/rollback.yml"], rollback_step)
+        e = run_until_step(["playbooks/rollback.yml", "-e", "rollback_confirmation=yes"], rollback_step)
         d = json.loads(dsv41("package", "journal", "--path", str(JOURNAL), "--json").stdout)
         print(f"\n[promotion] journal after the kill: {d['kind']} stopped after {d['last_step']}: "
               f"re-run will {d['action']} to {d['package']}", flush=True)
         assert d["action"] == "finish" and d["package"] == p0, d
-    r = timed_play("playbooks/rollback.yml")
+    r = timed_play("playbooks/rollback.yml", "-e", "rollback_confirmation=yes")
     assert r.returncode == 0, r.stdout[-5000:]
     _converged(p0)
     assert listing() == before
@@ -72,7 +72,7 @@ def test_check_mode_and_idempotent_promote(deployed_lab):
     assert r.returncode == 0, r.stdout[-5000:]
     r = timed_play("promote.yml", *CANDIDATE)
     assert r.returncode == 0 and set(recap_changed(r.stdout).values()) == {0}, recap_changed(r.stdout)
-    r = timed_play("playbooks/rollback.yml", "-e", "to=" + p0)
+    r = timed_play("playbooks/rollback.yml", "-e", "rollback_confirmation=yes", "-e", "to=" + p0)
     assert r.returncode == 0, r.stdout[-5000:]
     _converged(p0)
     assert listing() == before

@@ -45,7 +45,7 @@ def test_promote_verify_rollback_exact_promote_again(deployed_lab):
     finally:
         (wdir / "decision.json").unlink()
         wdir.rmdir()
-    r = timed_play("playbooks/rollback.yml", "-e", "to=" + "f" * 64)
+    r = timed_play("playbooks/rollback.yml", "-e", "rollback_confirmation=yes", "-e", "to=" + "f" * 64)
     assert r.returncode != 0 and "unknown package" in r.stdout
     assert production() == p0 and listing() == before
 
@@ -64,20 +64,20 @@ def test_promote_verify_rollback_exact_promote_again(deployed_lab):
     good = blob.read_bytes()
     blob.write_bytes(good + b"# tampered\n")
     try:
-        r = timed_play("playbooks/rollback.yml")
+        r = timed_play("playbooks/rollback.yml", "-e", "rollback_confirmation=yes")
         assert r.returncode != 0 and "tampered" in r.stdout
         assert production() == p1
     finally:
         blob.write_bytes(good)
 
     # exact rollback: sha256 listing identical to before the promotion
-    r = timed_play("playbooks/rollback.yml")
+    r = timed_play("playbooks/rollback.yml", "-e", "rollback_confirmation=yes")
     assert r.returncode == 0, r.stdout[-5000:]
     assert assert_verified_production() == p0
     assert listing() == before
     assert "MISMATCH" not in r.stdout
     # idempotent: a second rollback changes nothing
-    r = timed_play("playbooks/rollback.yml")
+    r = timed_play("playbooks/rollback.yml", "-e", "rollback_confirmation=yes")
     assert r.returncode == 0, r.stdout[-5000:]
     assert production() == p0 and set(recap_changed(r.stdout).values()) == {0}, recap_changed(r.stdout)
 
@@ -87,7 +87,7 @@ def test_promote_verify_rollback_exact_promote_again(deployed_lab):
     assert assert_verified_production() == p1
 
     # leave the lab as deploy.yml made it
-    r = timed_play("playbooks/rollback.yml", "-e", "to=" + p0[:12])
+    r = timed_play("playbooks/rollback.yml", "-e", "rollback_confirmation=yes", "-e", "to=" + p0[:12])
     assert r.returncode == 0, r.stdout[-5000:]
     assert assert_verified_production() == p0 and listing() == before
     assert inside("sparkhead", "cat", "/opt/dsv41/packages/history").stdout.startswith(history0)
@@ -109,7 +109,7 @@ def test_promote_a_window_win_rollback_exact_promote_again(deployed_lab):
     such a window (e.g. ``make window-drills``' async window), which is then used instead of
     running one here (about 14 min on the 2-core box)."""
     p0 = production()
-    r = timed_play("rollback.yml", "-e", "component=async_handoff")
+    r = timed_play("rollback.yml", "-e", "rollback_confirmation=yes", "-e", "component=async_handoff")
     assert r.returncode == 0, r.stdout[-5000:]
     p_sync = assert_verified_production()
     assert p_sync != p0
@@ -142,7 +142,7 @@ def test_promote_a_window_win_rollback_exact_promote_again(deployed_lab):
         ("promote", "async-drafter", wid, "WIN", p_sync), prov
     assert not prov.get("force")
 
-    r = timed_play("rollback.yml")
+    r = timed_play("rollback.yml", "-e", "rollback_confirmation=yes")
     assert r.returncode == 0, r.stdout[-5000:]
     assert assert_verified_production() == p_sync
     assert listing() == before  # byte-identical to before the promotion
@@ -153,7 +153,7 @@ def test_promote_a_window_win_rollback_exact_promote_again(deployed_lab):
     assert r.returncode == 0, r.stdout[-5000:]
     assert assert_verified_production() == p1
 
-    r = timed_play("rollback.yml", "-e", "to=" + p0[:12])
+    r = timed_play("rollback.yml", "-e", "rollback_confirmation=yes", "-e", "to=" + p0[:12])
     assert r.returncode == 0, r.stdout[-5000:]
     assert assert_verified_production() == p0
 
@@ -180,12 +180,12 @@ def test_sigkill_then_rerun_converges(deployed_lab):
     assert_held_throughout(probe, op_steps(n0), "pointer", "promote re-run")
     # killed after the HOLD of a rollback: the re-run finishes the rollback (as the recovery of
     # the killed operation, under the re-run's HOLD)
-    e = run_until_step(["playbooks/rollback.yml"], "held")
+    e = run_until_step(["playbooks/rollback.yml", "-e", "rollback_confirmation=yes"], "held")
     d = json.loads(dsv41("package", "journal", "--path", str(JOURNAL), "--json").stdout)
     assert d["action"] == "finish" and d["package"] == p0, d
     n0 = len(JOURNAL.read_text().splitlines())
     with AdmissionProbe() as probe:
-        r = timed_play("playbooks/rollback.yml")
+        r = timed_play("playbooks/rollback.yml", "-e", "rollback_confirmation=yes")
         time.sleep(2)
     assert r.returncode == 0, r.stdout[-5000:]
     assert assert_verified_production() == p0 and listing() == before
@@ -263,7 +263,7 @@ def test_admission_stays_held_through_restart_and_checks(deployed_lab):
     admit them again afterwards."""
     p0 = assert_verified_production()
     for args, reopen_after, what in ((["promote.yml", *CANDIDATE], "pointer", "promote"),
-                                     (["playbooks/rollback.yml", "-e", "to=" + p0], "verified", "rollback")):
+                                     (["playbooks/rollback.yml", "-e", "rollback_confirmation=yes", "-e", "to=" + p0], "verified", "rollback")):
         n0 = len(JOURNAL.read_text().splitlines()) if JOURNAL.exists() else 0
         with AdmissionProbe() as probe:
             r = timed_play(*args)

@@ -68,7 +68,7 @@ def _pointer(host: str) -> str:
 
 def _check_mode_shows_and_changes_nothing(component: str) -> None:
     before = _env(ENV_FILE[component])
-    chk = play(PLAYBOOK, "-e", f"component={component}", "--check", "--diff")
+    chk = play(PLAYBOOK, "-e", "rollback_confirmation=yes", "-e", f"component={component}", "--check", "--diff")
     assert chk.returncode == 0, chk.stdout[-6000:]
     assert f"+{ROLLED_BACK_LINE[component]}" in chk.stdout and f"-{PRODUCTION_LINE[component]}" in chk.stdout
     assert _env(ENV_FILE[component]) == before and not _paused()
@@ -78,7 +78,7 @@ def _rollback(component: str, report) -> dict:
     """Run the rollback; assert it took the HOLD, passed every check, left the files rolled back and
     admission open; return the checks by name (and print them: docs/records.md records them)."""
     t0 = time.monotonic()
-    r = play(PLAYBOOK, "-e", f"component={component}", "-e", f"rollback_component_report={report}", timeout=900)
+    r = play(PLAYBOOK, "-e", "rollback_confirmation=yes", "-e", f"component={component}", "-e", f"rollback_component_report={report}", timeout=900)
     took = time.monotonic() - t0
     assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-2000:]
     assert HOLD.search(r.stdout), r.stdout[-6000:]
@@ -127,7 +127,7 @@ def test_rollback_every_component_then_plain_deploy_restores(deployed_lab, tmp_p
             # one component at a time: the one rolled back before is production again
             assert PRODUCTION_LINE[previous] in _env(ENV_FILE[previous])
         t0 = time.monotonic()
-        again = play(PLAYBOOK, "-e", f"component={component}", "-e", f"rollback_component_report={tmp_path / 'r.json'}",
+        again = play(PLAYBOOK, "-e", "rollback_confirmation=yes", "-e", f"component={component}", "-e", f"rollback_component_report={tmp_path / 'r.json'}",
                      timeout=900)
         assert again.returncode == 0, again.stdout[-6000:]
         assert set(_recap_changed(again.stdout).values()) == {0}, again.stdout.split("PLAY RECAP")[-1]

@@ -9,6 +9,9 @@ being done (``what``) and says why, e.g. ``cannot list models at http://h:8000: 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 from dsv41.errors import Dsv41Error
@@ -35,13 +38,31 @@ def _reason(exc: Exception, method: str, url: str, timeout_s: float) -> str:
 WINDOW_HEADER = "X-DSV41-Window"
 
 
+_WINDOW_TOKEN: contextvars.ContextVar[str | None] = contextvars.ContextVar("dsv41_window_token", default=None)
+
+
+@contextlib.contextmanager
+def window_token(token: str | None) -> Iterator[None]:
+    """Inside the block, requests carry ``token`` (``""``: none) instead of ``DSV41_WINDOW_TOKEN``:
+    an Ansible module passes its ``window_token`` option (itself falling back to that variable)
+    explicitly. ``None`` changes nothing."""
+    mark = _WINDOW_TOKEN.set(token)
+    try:
+        yield
+    finally:
+        _WINDOW_TOKEN.reset(mark)
+
+
 def window_headers(env=None) -> dict[str, str]:
-    """``{"X-DSV41-Window": token}`` while ``DSV41_WINDOW_TOKEN`` is set (window.yml sets it on the
-    controller during a HOLD: the held engine admits only requests carrying it), else ``{}``.
+    """``{"X-DSV41-Window": token}`` while a token is given (:func:`window_token`) or, without
+    one, while ``DSV41_WINDOW_TOKEN`` is set (window.yml sets it on the controller during a HOLD:
+    the held engine admits only requests carrying it), else ``{}``.
     ``env``: a mapping to read instead of the process environment (tests)."""
     from dsv41 import envs
 
-    tok = envs.parse(env).window_token
+    tok = _WINDOW_TOKEN.get()
+    if tok is None:
+        tok = envs.parse(env).window_token
     return {WINDOW_HEADER: tok} if tok else {}
 
 

@@ -60,3 +60,27 @@ def test_a_fenced_hold_is_resent_with_its_token_when_already_held(serving, run_m
     n = len(serving.calls)
     kind, res = run_module(admission, {"endpoint": serving.url, "state": "held", "_ansible_check_mode": True})
     assert kind == "exit" and not any(c.startswith("POST") for c in serving.calls[n:])
+
+
+def test_the_window_token_option_wins_over_the_environment(serving, run_module, monkeypatch):
+    monkeypatch.setenv("DSV41_WINDOW_TOKEN", "from-env")
+    kind, res = run_module(admission, {"endpoint": serving.url, "state": "held", "window_token": "explicit"})
+    assert kind == "exit" and serving.pause_query.endswith("&window=explicit")
+    # "" sends no token even while the environment has one
+    kind, res = run_module(admission, {"endpoint": serving.url, "state": "open"})
+    kind, res = run_module(admission, {"endpoint": serving.url, "state": "held", "window_token": ""})
+    assert kind == "exit" and "window=" not in serving.pause_query
+
+
+def test_the_window_token_falls_back_to_the_environment(serving, run_module, monkeypatch):
+    monkeypatch.setenv("DSV41_WINDOW_TOKEN", "from-env")
+    kind, res = run_module(admission, {"endpoint": serving.url, "state": "held"})
+    assert kind == "exit" and serving.pause_query.endswith("&window=from-env")
+
+
+def test_the_token_does_not_outlive_the_module_call(serving, run_module, monkeypatch):
+    from dsv41.harness import http
+
+    monkeypatch.delenv("DSV41_WINDOW_TOKEN", raising=False)
+    run_module(admission, {"endpoint": serving.url, "state": "held", "window_token": "once"})
+    assert http.window_headers() == {}
