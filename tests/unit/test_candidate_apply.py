@@ -25,14 +25,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-try:  # the candidate-file code's own module (issue 24's harness split), else its old home
-    from dsv41.harness import candidates as W
+from dsv41.harness import candidates as W
 
-    ROLE_VARS = W.ROLE_VARS
-except ImportError:
-    from dsv41.harness import window as W
-
-    ROLE_VARS = W._ROLE_VARS
+ROLE_VARS = W.ROLE_VARS
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
