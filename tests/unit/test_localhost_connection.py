@@ -1,0 +1,57 @@
+"""The controller's connection lives in each inventory's host_vars/localhost.yml (issue 24): no
+task or play on localhost (or delegated to it) restates `ansible_connection: local`; only plays on
+the managed hosts that must run on the controller (the lab's bring-up and removal, before the
+hosts exist) set it. Enumerated from every YAML file under roles/, playbooks/, molecule/ and the
+root playbooks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _yaml_files():
+    for d in ("roles", "playbooks", "molecule"):
+        yield from sorted((REPO / d).rglob("*.yml"))
+    yield from sorted(REPO.glob("*.yml"))
+
+
+def _items(node, play: dict | None = None):
+    """(item, enclosing play) for every mapping in a list of plays or tasks."""
+    if isinstance(node, list):
+        for x in node:
+            yield from _items(x, play)
+    elif isinstance(node, dict):
+        here = node if "hosts" in node else play
+        yield node, here
+        for k in ("tasks", "pre_tasks", "post_tasks", "handlers", "block", "rescue", "always"):
+            yield from _items(node.get(k), here)
+
+
+def test_every_inventory_names_the_controller_connection():
+    invs = sorted(p.parent for p in (REPO / "inventories").glob("*/hosts.yml"))
+    assert invs, "no inventories found"
+    for inv in invs:
+        doc = yaml.safe_load((inv / "host_vars" / "localhost.yml").read_text())
+        assert doc["ansible_connection"] == "local", inv
+        assert doc["ansible_python_interpreter"] == "{{ ansible_playbook_python }}", inv
+
+
+def test_no_task_or_localhost_play_restates_the_connection():
+    offenders = []
+    for path in _yaml_files():
+        try:
+            doc = yaml.safe_load(path.read_text())
+        except yaml.YAMLError:
+            continue
+        for item, play in _items(doc):
+            if (item.get("vars") or {}).get("ansible_connection") != "local" if isinstance(item.get("vars"), dict) else True:
+                continue
+            if "hosts" in item and item["hosts"] != "localhost":
+                continue  # a play on the managed hosts that runs on the controller (the lab's bring-up)
+            offenders.append(f"{path.relative_to(REPO)}: {item.get('name', '?')}")
+    assert not offenders, "restated ansible_connection: local (inventories/*/host_vars/localhost.yml has it):\n" + \
+        "\n".join(offenders)
