@@ -135,8 +135,10 @@ cmd_poweroff() { # MACHINE NS LEADER_PIDFILE NSPAWN_PIDFILE CGROUP TIMEOUT_S : t
     act "poweroff $m (systemctl poweroff in the host)" nsenter -t "$(cat "$lpf")" -a systemctl poweroff
   fi
   (( CHECK )) && return 0
+  local t0=$SECONDS
   for i in $(seq $((t * 10))); do nspawn_alive "$npf" "$cg" || break; sleep 0.1; done
   if nspawn_alive "$npf" "$cg"; then die "$m: systemd-nspawn $(cat "$npf") still running ${t} s after poweroff"; fi
+  echo "$m: powered off in $((SECONDS - t0)) s"
   rm -f "$lpf"
 }
 
@@ -169,7 +171,8 @@ cmd_down() { # MACHINE NS HOSTDIR LEADER_PIDFILE NSPAWN_PIDFILE CGROUP TIMEOUT_S
     done < <(findmnt -rn -o TARGET | grep -E "^$hd(/|$)" | sort -r || true)
   fi
   if [[ -d /run/systemd/nspawn/propagate/$m ]]; then act "/run/systemd/nspawn/propagate/$m" rm -rf "/run/systemd/nspawn/propagate/$m"; fi
-  rmdir /run/systemd/nspawn/propagate /run/systemd/nspawn 2>/dev/null || true
+  # nspawn's own empty run-time directories (rmdir: never one another machine still uses).
+  rmdir /run/systemd/nspawn/propagate /run/systemd/nspawn/locks /run/systemd/nspawn 2>/dev/null || true
   for p in "$lpf" "$npf"; do if [[ -f $p ]]; then act "pidfile $p" rm -f "$p"; fi; done
 }
 
