@@ -107,6 +107,12 @@ def test_nspawn_hosts_production_connection_docker_reboot_and_nothing_left():
     again = play("playbooks/lab_up.yml", "-i", INV)
     assert again.returncode == 0 and _changed(again.stdout) == 0, again.stdout[-4000:]
 
+    # One lab per machine: the netns backend refuses to come up over it, in one line, changing nothing.
+    other = play("playbooks/lab_up.yml")
+    assert other.returncode != 0
+    assert "dsv41 lab: the lab on this machine is up with lab_host_backend=nspawn" in other.stdout, other.stdout[-3000:]
+    assert _per_host(_ansible("all", "ansible.builtin.command", "hostname", "-o").stdout) == {h: h for h in HOSTS}
+
     # The production connection: ssh as ops, become root through sudo.
     who = _per_host(_ansible("all", "ansible.builtin.command", "whoami", "-b", "-o").stdout)
     assert who == {h: "root" for h in HOSTS}, who
