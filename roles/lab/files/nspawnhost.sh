@@ -173,7 +173,9 @@ cmd_down() { # MACHINE NS HOSTDIR LEADER_PIDFILE NSPAWN_PIDFILE CGROUP TIMEOUT_S
   if [[ -d /run/systemd/nspawn/propagate/$m ]]; then act "/run/systemd/nspawn/propagate/$m" rm -rf "/run/systemd/nspawn/propagate/$m"; fi
   # nspawn's own empty run-time directories (rmdir: never one another machine still uses).
   rmdir /run/systemd/nspawn/propagate /run/systemd/nspawn/locks /run/systemd/nspawn 2>/dev/null || true
-  for p in "$lpf" "$npf"; do if [[ -f $p ]]; then act "pidfile $p" rm -f "$p"; fi; done
+  # The leader pid file is this backend's only when nspawn's is there (the netns backend's holder
+  # uses the same name; labnet.sh down removes that one).
+  if [[ -f $npf ]]; then act "pidfiles $lpf $npf" rm -f "$lpf" "$npf"; fi
 }
 
 sub=${1:?usage: nspawnhost.sh [--check] rootfs|base|overlay|boot|poweroff|down ARGS}
