@@ -9,13 +9,15 @@ import pytest
 
 from dsv41 import envs
 from dsv41.engram import fault
+from dsv41.engram.rowsource import RowSource
 
 
-class Rows:
+class Rows(RowSource):
     def __init__(self):
         self.calls = 0
+        self.closed = False
 
-    def lookup(self, layer_id, rows):
+    def lookup(self, layer_id, rows, out=None):
         self.calls += 1
         return np.asarray(rows) * 2
 
@@ -23,7 +25,7 @@ class Rows:
         return {"lookups": self.calls}
 
     def close(self):
-        return "closed"
+        self.closed = True
 
 
 def test_off_by_default_and_delay_applied():
@@ -36,7 +38,10 @@ def test_off_by_default_and_delay_applied():
     assert time.perf_counter() - t >= 0.029
     assert out.tolist() == [2, 4]  # rows unchanged: only time is added
     assert w.counters() == {"lookups": 1, "fault_delay_ms": 30.0}
-    assert w.close() == "closed"
+    assert w.lookup_layers([1, 2], [[1], [3]])[1].tolist() == [6]  # the delay is per layer
+    assert time.perf_counter() - t >= 0.089
+    w.close()
+    assert inner.closed
 
 
 @pytest.mark.parametrize("raw", ["abc", "-1", "nan", "inf", "20000"])

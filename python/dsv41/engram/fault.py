@@ -14,31 +14,38 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 
-class DelayedRowSource:
-    """A RowSource that sleeps ``delay_ms`` before each lookup of ``inner`` (same rows, same
-    counters, plus ``fault_delay_ms``)."""
+from dsv41.engram.rowsource import RowSource
 
-    def __init__(self, inner, delay_ms: float) -> None:
+
+class DelayedRowSource(RowSource):
+    """A RowSource that sleeps ``delay_ms`` (milliseconds) before each lookup of ``inner`` (a
+    RowSource: same rows, same counters, plus ``fault_delay_ms``). Other attributes (a
+    layout, ``wait_connected``...) are the inner source's."""
+
+    def __init__(self, inner: RowSource, delay_ms: float) -> None:
         self.inner, self.delay_s = inner, delay_ms / 1e3
 
-    def lookup(self, layer_id, rows, out=None):
-        """``inner.lookup`` (uint8 ``[N, 264]``) after ``delay_ms``; ``out`` passed on when given."""
+    def lookup(self, layer_id: int, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """``inner.lookup`` (uint8 ``[N, 264]``, ``out`` passed on) after ``delay_ms``."""
         time.sleep(self.delay_s)
-        return self.inner.lookup(layer_id, rows) if out is None else self.inner.lookup(layer_id, rows, out)
+        return self.inner.lookup(layer_id, rows, out=out)
 
-    def lookup_layers(self, layer_ids, rows, outs=None):
-        """Every layer through ``lookup`` (``delay_ms`` each: the delay is per layer, as when
-        the engine looks each layer up on its own); one uint8 ``[N_i, 264]`` array per layer."""
-        outs = [None] * len(layer_ids) if outs is None else outs
-        return [self.lookup(lid, r, o) for lid, r, o in zip(layer_ids, rows, outs)]
+    # lookup_layers: the protocol's default, one delayed lookup per layer (``delay_ms`` each, as
+    # when the engine looks each layer up on its own).
 
     def counters(self) -> dict:
+        """The inner source's counters plus ``fault_delay_ms``."""
         c = dict(self.inner.counters())
         c["fault_delay_ms"] = self.delay_s * 1e3
         return c
 
-    def __getattr__(self, name):  # close(), layouts and the rest: the inner source's
+    def close(self) -> None:
+        """Close the inner source."""
+        self.inner.close()
+
+    def __getattr__(self, name):  # layouts and the rest: the inner source's
         return getattr(self.inner, name)
 
 

@@ -8,7 +8,8 @@ import importlib
 import os
 import threading
 import time
-from collections.abc import Mapping
+from abc import abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -29,22 +30,54 @@ DEFAULT_TIMEOUT_MS = 100
 
 @runtime_checkable
 class RowSource(Protocol):
-    """Where packed Engram rows come from (local shards or the remote table server)."""
+    """Where packed Engram rows come from (local shards, the remote table server, a drill's
+    delay wrapper, the drafter's in-memory synthetic tables): the whole contract.
 
-    def lookup(self, layer_id: int, rows: np.ndarray) -> np.ndarray:
-        """Packed rows uint8[N, 264] for global row ids int64[N] of ``layer_id``, request order."""
-        ...
+    Every row source in the package subclasses this protocol explicitly, so a missing method is
+    a ``TypeError`` at construction (``lookup``, ``counters`` and ``close`` are abstract) and
+    callers never probe for a method or a parameter: every source takes ``out`` and has
+    ``lookup_layers`` (by default one :meth:`lookup` per layer; the remote source overrides it
+    with one round trip). Rows: ``uint8[N, 264]`` each, 256 fp8 e4m3 weight bytes then 8 ue8m0
+    scale bytes (engram-spec.md section 4); row ids are global ids of the layer's table.
+    """
 
+    @abstractmethod
+    def lookup(self, layer_id: int, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Packed rows ``uint8[N, 264]`` for global row ids ``rows`` (int ``[N]``) of
+        ``layer_id``'s table, in request order (duplicates allowed).
+
+        ``out``: None, or a caller-owned writable C-contiguous ``uint8[N, 264]`` buffer that
+        is filled and returned (no allocation per call). Raises ``RowRangeError`` for ids
+        outside the table or an unknown layer, ``Dsv41Error`` for a bad ``out`` (and, for the
+        remote source, ``RemoteUnavailable`` when it may not fall back).
+        """
+
+    def lookup_layers(self, layer_ids: Sequence[int], rows: Sequence[np.ndarray],
+                      outs: Sequence[np.ndarray | None] | None = None) -> list[np.ndarray]:
+        """Rows of several layers (e.g. both Engram layers of a step): one ``uint8[N_i, 264]``
+        array per layer, as :meth:`lookup` of ``(layer_ids[i], rows[i], outs[i])``.
+
+        ``outs``: None or one buffer (or None) per layer. Same errors as :meth:`lookup`, plus
+        ``Dsv41Error`` when ``rows`` or ``outs`` do not give one entry per layer. This default
+        makes one :meth:`lookup` per layer (locally there is no round trip to save).
+        """
+        layer_ids = list(layer_ids)
+        if len(rows) != len(layer_ids) or (outs is not None and len(outs) != len(layer_ids)):
+            raise Dsv41Error("lookup_layers needs one row array (and one out, if given) per layer")
+        outs = [None] * len(layer_ids) if outs is None else outs
+        return [self.lookup(L, r, out=o) for L, r, o in zip(layer_ids, rows, outs)]
+
+    @abstractmethod
     def counters(self) -> dict:
-        """Counters with at least :data:`COUNTER_KEYS`."""
-        ...
+        """Snapshot of the counters: at least :data:`COUNTER_KEYS` (counts, and
+        ``latency_sum_s`` in seconds over ``latency_count`` calls)."""
 
+    @abstractmethod
     def close(self) -> None:
         """Release files, sockets and threads."""
-        ...
 
 
-class LocalRowSource:
+class LocalRowSource(RowSource):
     """RowSource over a :class:`~dsv41.engram.reader.LocalRowReader` (the exact local path).
 
     Counts lookups, rows and latency; fallbacks/transport_errors/refusals/reconnects stay 0.
@@ -58,10 +91,10 @@ class LocalRowSource:
         self._c["latency_sum_s"] = 0.0
 
     def lookup(self, layer_id: int, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """See :meth:`RowSource.lookup`; ``out``: optional caller-owned uint8[N, 264] buffer
-        (as the reader's ``read``).  RowRangeError for out-of-range ids."""
+        """See :meth:`RowSource.lookup` (the reader's ``read``). RowRangeError for out-of-range
+        ids, Dsv41Error for a bad ``out``."""
         t0 = time.perf_counter()
-        out = self.reader.read(layer_id, rows) if out is None else self.reader.read(layer_id, rows, out=out)
+        out = self.reader.read(layer_id, rows, out=out)
         dt = time.perf_counter() - t0
         with self._lock:
             self._c["lookups"] += 1
@@ -69,12 +102,6 @@ class LocalRowSource:
             self._c["latency_sum_s"] += dt
             self._c["latency_count"] += 1
         return out
-
-    def lookup_layers(self, layer_ids, rows, outs=None) -> list[np.ndarray]:
-        """Rows of several layers (``RemoteRowSource.lookup_layers``' contract): one
-        ``lookup`` per layer, locally there is no round trip to save."""
-        outs = [None] * len(rows) if outs is None else outs
-        return [self.lookup(L, r, out=o) for L, r, o in zip(layer_ids, rows, outs)]
 
     def counters(self) -> dict:
         """Snapshot of the counters (plus ``source: "local"``)."""

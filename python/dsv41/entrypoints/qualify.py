@@ -213,7 +213,7 @@ def probe_transport(host: str, link: str, url: str, manifest: str, rank: int, tp
     from dsv41.engram.client import RemoteRowSource
     from dsv41.engram.manifest import load_manifest
     from dsv41.engram.reader import LocalRowReader
-    from dsv41.engram.sweep import layout_from_manifest
+    from dsv41.engram.layout import layout_from_manifest
     from dsv41.transport import Refused, TransportError, TransportTimeout, open_client, parse_url
     from dsv41.transport import protocol as P
 
