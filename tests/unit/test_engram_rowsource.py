@@ -195,8 +195,8 @@ def _params(fn) -> list[tuple[str, object, object]]:
 
 def test_the_enumeration_finds_the_row_sources() -> None:
     names = {c for _, c in _row_source_classes()}
-    # a lower bound only (the enumeration reads the code): the local, remote, drill and drafter sources
-    assert {"LocalRowSource", "RemoteRowSource", "DelayedRowSource", "SyntheticRowSource"} <= names
+    # a lower bound only (the enumeration reads the code): the local, remote and drafter sources
+    assert {"LocalRowSource", "RemoteRowSource", "SyntheticRowSource"} <= names
     assert "RowSource" in names
 
 

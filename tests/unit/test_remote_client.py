@@ -489,7 +489,7 @@ def test_fault_delay_is_a_slow_server_inside_the_deadline(tabs):
     (rows exact, counted as remote); a delay past the deadline is a deadline miss answered by
     the local reader. rowsource.from_env wires both variables into RemoteRowSource (no wrapper)."""
     from dsv41 import envs
-    from dsv41.engram import fault, rowsource
+    from dsv41.engram import rowsource
 
     d, m, tables = tabs
     srv, ep = serve(tables)
@@ -498,7 +498,7 @@ def test_fault_delay_is_a_slow_server_inside_the_deadline(tabs):
     s = envs.parse({"DSV41_ENGRAM_REMOTE": str(ep), "DSV41_ENGRAM_FAULT_DELAY_MS": "30",
                     "DSV41_ENGRAM_LOOKUP_DEADLINE_MS": "1000", "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "1000"})
     src = rowsource.from_env(m, d, 0, 1, settings=s)
-    assert isinstance(src, RemoteRowSource) and not isinstance(src, fault.DelayedRowSource)
+    assert isinstance(src, RemoteRowSource)  # the delay lives inside the remote source
     assert src.deadline_s == 1.0 and src.fault_delay_s == 0.03
     got, dt = _timed(src.lookup, 2, rows, out=np.zeros((24, 264), np.uint8))
     np.testing.assert_array_equal(got, ref.read(2, rows))

@@ -80,19 +80,33 @@ class RowSource(Protocol):
 class LocalRowSource(RowSource):
     """RowSource over a :class:`~dsv41.engram.reader.LocalRowReader` (the exact local path).
 
-    Counts lookups, rows and latency; fallbacks/transport_errors/refusals/reconnects stay 0.
-    Thread-safe.
+    Counts lookups, rows and latency (seconds); fallbacks/transport_errors/refusals/reconnects
+    stay 0. Thread-safe.
+
+    ``fault_delay_ms`` (``DSV41_ENGRAM_FAULT_DELAY_MS``, fenced-window drills only; 0 = off):
+    every layer's ``lookup`` sleeps that many milliseconds before reading, whether the layers are
+    looked up one by one or through ``lookup_layers`` (about ``2 x delay`` per engine step on the
+    lab model). Rows stay exact; only time is added, outside the latency counters, and
+    ``counters()`` then carries ``fault_delay_ms``. The remote source applies the same delay
+    itself, inside its lookup deadline (``RemoteRowSource(fault_delay_ms=...)``). The shipped
+    candidate ``slow-rows`` uses it as the window's known LOSS (docs/windows.md). Never set in
+    production. Dsv41Error for a negative or non-finite delay.
     """
 
-    def __init__(self, reader: Any) -> None:
+    def __init__(self, reader: Any, fault_delay_ms: float = 0.0) -> None:
+        if not 0 <= fault_delay_ms < float("inf"):  # also refuses NaN
+            raise Dsv41Error(f"fault_delay_ms must be a finite number >= 0, got {fault_delay_ms}")
         self.reader = reader
+        self.fault_delay_s = fault_delay_ms / 1e3
         self._lock = threading.Lock()
         self._c: dict[str, float | int] = {k: 0 for k in COUNTER_KEYS}
         self._c["latency_sum_s"] = 0.0
 
     def lookup(self, layer_id: int, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """See :meth:`RowSource.lookup` (the reader's ``read``). RowRangeError for out-of-range
-        ids, Dsv41Error for a bad ``out``."""
+        """See :meth:`RowSource.lookup` (the reader's ``read``, after ``fault_delay_ms``).
+        RowRangeError for out-of-range ids, Dsv41Error for a bad ``out``."""
+        if self.fault_delay_s:
+            time.sleep(self.fault_delay_s)
         t0 = time.perf_counter()
         out = self.reader.read(layer_id, rows, out=out)
         dt = time.perf_counter() - t0
@@ -104,9 +118,12 @@ class LocalRowSource(RowSource):
         return out
 
     def counters(self) -> dict:
-        """Snapshot of the counters (plus ``source: "local"``)."""
+        """Snapshot of the counters (plus ``source: "local"``, and ``fault_delay_ms`` when set)."""
         with self._lock:
-            return {"source": "local", **self._c}
+            c = {"source": "local", **self._c}
+        if self.fault_delay_s:
+            c["fault_delay_ms"] = self.fault_delay_s * 1e3
+        return c
 
     def close(self) -> None:
         """Close the reader."""
@@ -179,7 +196,7 @@ def from_env(manifest: Any, data_dir: str | os.PathLike | None, rank: int, tp: i
     environment).
 
     ``DSV41_ENGRAM_REMOTE`` unset/empty -> :class:`LocalRowSource` over a LocalRowReader of
-    ``data_dir`` (wrapped by ``fault.DelayedRowSource`` under ``DSV41_ENGRAM_FAULT_DELAY_MS``).
+    ``data_dir``, with ``fault_delay_ms=DSV41_ENGRAM_FAULT_DELAY_MS``.
     Otherwise ``dsv41.engram.client.RemoteRowSource(urls, manifest, rank, tp, timeout_ms,
     required, local=reader, deadline_ms=DSV41_ENGRAM_LOOKUP_DEADLINE_MS,
     fault_delay_ms=DSV41_ENGRAM_FAULT_DELAY_MS, spin_us=DSV41_TRANSPORT_CLIENT_SPIN_US)`` with
@@ -188,7 +205,6 @@ def from_env(manifest: Any, data_dir: str | os.PathLike | None, rank: int, tp: i
     no helper thread per lookup).
     ``manifest``: Manifest or path.  ConfigError on bad settings, rank/tp, or a missing client.
     """
-    from dsv41.engram import fault
     from dsv41.engram.manifest import Manifest, load_manifest
     from dsv41.engram.reader import LocalRowReader
 
@@ -202,8 +218,7 @@ def from_env(manifest: Any, data_dir: str | os.PathLike | None, rank: int, tp: i
     if remote is None:
         if data_dir is None:
             raise ConfigError("no data directory for the local Engram reader (and DSV41_ENGRAM_REMOTE is unset)")
-        return fault.wrap(LocalRowSource(LocalRowReader(m, Path(data_dir), threads=threads)),
-                          settings.engram_fault_delay_ms)
+        return LocalRowSource(LocalRowReader(m, Path(data_dir), threads=threads), settings.engram_fault_delay_ms)
     urls, timeout_ms, required = remote
     try:
         client = importlib.import_module("dsv41.engram.client")
