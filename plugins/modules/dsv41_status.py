@@ -108,6 +108,7 @@ except ImportError:  # run from library/ (ansible.cfg: module_utils = plugins/mo
     from ansible.module_utils.dsv41_common import dsv41_errors, import_dsv41, require_dsv41
 
 dsv41_status = import_dsv41("dsv41.entrypoints.status")
+dsv41_status_render = import_dsv41("dsv41.entrypoints.status_render")
 
 
 def main():
@@ -133,7 +134,7 @@ def main():
             expected_image=p["expected_image"], windows_dir=p["windows_dir"] or None, timeout_s=p["timeout"],
             prometheus_url=p["prometheus_url"] or None)
     module.exit_json(changed=False, healthy=report["healthy"], reasons=report["reasons"],
-                     lines=dsv41_status.render_lines(report), report=report)
+                     lines=dsv41_status_render.render_lines(report), report=report)
 
 
 if __name__ == "__main__":
