@@ -60,16 +60,16 @@ def test_bad_values_name_the_variable(raw):
 
 
 def test_row_source_from_env_carries_the_delay(tmp_path):
-    from dsv41.engram import rowsource
+    from dsv41.engram import sources
     from dsv41.engram.synthetic import write_synthetic_tables
 
     cfg = str(Path(__file__).resolve().parents[2] / "python" / "dsv41" / "data" / "lab_model.json")
     write_synthetic_tables(cfg, tmp_path, 5)
     s = envs.parse({"DSV41_ENGRAM_FAULT_DELAY_MS": "1"})
-    src = rowsource.from_env(str(tmp_path / "manifest.json"), tmp_path, 0, 1, settings=s)
+    src = sources.from_env(str(tmp_path / "manifest.json"), tmp_path, 0, 1, settings=s)
     assert isinstance(src, LocalRowSource) and src.counters()["fault_delay_ms"] == 1.0
     src.close()
-    src = rowsource.from_env(str(tmp_path / "manifest.json"), tmp_path, 0, 1, settings=envs.parse({}))
+    src = sources.from_env(str(tmp_path / "manifest.json"), tmp_path, 0, 1, settings=envs.parse({}))
     assert src.fault_delay_s == 0 and "fault_delay_ms" not in src.counters()
     src.close()
 

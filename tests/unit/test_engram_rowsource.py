@@ -1,4 +1,5 @@
-"""RowSource: local source counters, environment parsing, remote construction."""
+"""RowSource: the whole contract of every row source, local source counters, environment parsing,
+remote construction (``sources.from_env``)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ from dsv41.engram.rowsource import (
     LocalRowSource,
     RemoteURL,
     RowSource,
-    from_env,
     parse_remote_env,
     parse_remote_url,
 )
+from dsv41.engram.sources import from_env
 from dsv41.errors import ConfigError, Dsv41Error
 
 REPO = Path(__file__).resolve().parents[2]
