@@ -116,6 +116,7 @@ except ImportError:  # run from library/ (ansible.cfg: module_utils = plugins/mo
 
 dsv41_status = import_dsv41("dsv41.entrypoints.status")
 dsv41_http = import_dsv41("dsv41.harness.http")
+dsv41_status_render = import_dsv41("dsv41.entrypoints.status_render")
 
 
 def main():
@@ -142,7 +143,7 @@ def main():
             expected_image=p["expected_image"], windows_dir=p["windows_dir"] or None, timeout_s=p["timeout"],
             prometheus_url=p["prometheus_url"] or None)
     module.exit_json(changed=False, healthy=report["healthy"], reasons=report["reasons"],
-                     lines=dsv41_status.render_lines(report), report=report)
+                     lines=dsv41_status_render.render_lines(report), report=report)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ pytest.importorskip("dsv41.engram.server", reason="table server (dsv41.engram.se
 
 from dsv41 import envs  # noqa: E402
 from dsv41.engine.runner import LocalRunner  # noqa: E402
-from dsv41.engram import rowsource  # noqa: E402
+from dsv41.engram import sources  # noqa: E402
 from dsv41.tokenizer import ByteTokenizer  # noqa: E402
 
 TOK = ByteTokenizer()
@@ -78,7 +78,7 @@ def test_local_tcp_nixl_greedy_identical(assets, reference, tmp_path):
         for url in urls:
             env = {"DSV41_ENGRAM_REMOTE": url, "DSV41_ENGRAM_REMOTE_REQUIRED": "1",
                    "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "5000"}
-            rs = rowsource.from_env(str(assets.manifest), str(assets.data), 0, 1, settings=envs.parse(env))
+            rs = sources.from_env(str(assets.manifest), str(assets.data), 0, 1, settings=envs.parse(env))
             try:
                 run = LocalRunner(assets.config, assets.weights, rs)
                 for p, ref in reference.items():

@@ -53,10 +53,10 @@ def lab_assets(tmp_path_factory, train_steps: int = 40, table_seed: int = 5) -> 
 
 
 def local_rows(ns):
-    """The local row source (``rowsource.from_env`` with no remote set)."""
-    from dsv41.engram import rowsource
+    """The local row source (``sources.from_env`` with no remote set)."""
+    from dsv41.engram import sources
 
-    return rowsource.from_env(str(ns.manifest), str(ns.data), 0, 1, settings=envs.parse({}))
+    return sources.from_env(str(ns.manifest), str(ns.data), 0, 1, settings=envs.parse({}))
 
 
 def free_port() -> int:

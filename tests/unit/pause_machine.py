@@ -32,7 +32,8 @@ import httpx
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from dsv41.engine.server import ServerState, create_app, shutdown_drain
+from dsv41.engine.server import create_app
+from dsv41.engine.server_state import ServerState, shutdown_drain
 
 TOKEN = "win-1"
 SHORT_S, LONG_S = 0.01, 300.0  # a drain deadline that expires at once / never within a test

@@ -1,4 +1,4 @@
-"""A fenced HOLD outlives an engine restart (DSV41_ADMISSION_HOLD_FILE, engine/server.py ServerState):
+"""A fenced HOLD outlives an engine restart (DSV41_ADMISSION_HOLD_FILE, engine/server_state.py ServerState):
 ``/pause?window=T`` keeps ``{"since", "window"}`` in the file, a rank 0 started while it is there
 starts held (admitting only T's requests), ``/resume`` removes it; a plain ``/pause`` is memory only
 (vLLM's behaviour); a malformed file never stops the engine from starting."""
@@ -14,7 +14,8 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from dsv41 import envs  # noqa: E402
-from dsv41.engine.server import ServerState, create_app  # noqa: E402
+from dsv41.engine.server import create_app  # noqa: E402
+from dsv41.engine.server_state import ServerState  # noqa: E402
 from engineutil import FakeEngine  # noqa: E402
 
 TOKEN = "20261201T054000-abcdef01"

@@ -112,7 +112,7 @@ def test_frozen_remote_engram_server_costs_a_local_read_within_the_deadline(asse
     from serverutil import SilentServer
 
     from dsv41 import envs
-    from dsv41.engram import rowsource
+    from dsv41.engram import sources
     from dsv41.engram.manifest import load_manifest
     from dsv41.engram.server import load_tables
 
@@ -121,7 +121,7 @@ def test_frozen_remote_engram_server_costs_a_local_read_within_the_deadline(asse
     hung = SilentServer(tables)
     s = envs.parse({"DSV41_ENGRAM_REMOTE": f"tcp://127.0.0.1:{hung.port}", "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "5000",
                     "DSV41_ENGRAM_LOOKUP_DEADLINE_MS": "100"})
-    rows = rowsource.from_env(str(assets.manifest), str(assets.data), 0, 1, settings=s)
+    rows = sources.from_env(str(assets.manifest), str(assets.data), 0, 1, settings=s)
     assert rows.connected and rows.deadline_s == 0.1
     t0 = time.monotonic()
     got, _, _, _ = run(target, rows)

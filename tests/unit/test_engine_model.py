@@ -14,6 +14,7 @@ from dsv41.engine.model_config import ENGRAM_COLUMNS, load_config
 from dsv41.engine.runner import LocalRunner
 from dsv41.engine.tp import LocalComm, ordered_sum
 from dsv41.engine.weights import init_weights, load_weights, save_weights, target_identity, train_forward
+from dsv41.engram.rowsource import RowSource
 from dsv41.errors import ConfigError, Dsv41Error
 from dsv41.tokenizer import ByteTokenizer
 from engineutil import LAB_CONFIG, lab_assets, local_rows
@@ -37,15 +38,23 @@ def weights(assets, cfg):
     return load_weights(cfg, assets.weights)
 
 
-class ZeroRows:
+def _filled(out, rows):
+    """``rows`` written into the caller's ``out`` buffer when given (RowSource.lookup's contract)."""
+    if out is None:
+        return rows
+    out[...] = rows
+    return out
+
+
+class ZeroRows(RowSource):
     """Test double: every row is 264 zero bytes (dequantizes to exact zeros)."""
 
     def __init__(self):
         self.n = 0
 
-    def lookup(self, layer_id, rows):
+    def lookup(self, layer_id, rows, out=None):
         self.n += len(rows)
-        return np.zeros((len(rows), 264), dtype=np.uint8)
+        return _filled(out, np.zeros((len(rows), 264), dtype=np.uint8))
 
     def counters(self):
         return {"lookups": 0}
@@ -168,12 +177,12 @@ def test_engram_rows_change_the_output(cfg, weights, assets):
 
 def test_nonfinite_rows_are_zeroed_and_counted(cfg, weights):
     class NanRows(ZeroRows):
-        def lookup(self, layer_id, rows):
+        def lookup(self, layer_id, rows, out=None):
             r = np.zeros((len(rows), 264), dtype=np.uint8)
             r[:, :256] = 0x38  # e4m3 1.0
             r[:, 256:] = 127  # scale 2^0
             r[0, 256] = 255  # reference convention: NaN for this block
-            return r
+            return _filled(out, r)
 
     m = TargetModel(cfg, weights, LocalComm(), NanRows())
     out = m.forward([(m.new_cache(16), TOK.encode("abc"))], [[2]])
@@ -261,27 +270,37 @@ def test_local_runner_generate(assets, cfg):
 
 
 def test_both_layers_fetched_together_equal_per_layer(cfg, weights, assets):
-    """A row source with ``lookup_layers`` is asked once per step for both Engram layers; the
-    output equals the per-layer ``lookup`` path bit for bit."""
+    """The engine asks its row source once per step for both Engram layers (``lookup_layers``);
+    a source with only the protocol's default (one ``lookup`` per layer) gives the same output
+    bit for bit as one that fetches the layers together."""
 
-    class PerLayer:  # only the RowSource protocol: the engine looks each layer up itself
+    per_layer, together = [], []
+
+    class PerLayer(RowSource):  # lookup_layers: the protocol's default
         def __init__(self, inner):
             self.inner = inner
 
-        def lookup(self, layer_id, rows):
-            return self.inner.lookup(layer_id, rows)
+        def lookup(self, layer_id, rows, out=None):
+            per_layer.append(layer_id)
+            return self.inner.lookup(layer_id, rows, out=out)
 
-    calls = []
+        def counters(self):
+            return self.inner.counters()
+
+        def close(self):
+            self.inner.close()
 
     class Together(PerLayer):
         def lookup_layers(self, layer_ids, rows, outs=None):
-            calls.append(list(layer_ids))
+            together.append(list(layer_ids))
             return self.inner.lookup_layers(layer_ids, rows, outs)
 
     ids = TOK.encode("Every tiny tree opens this cold cat. count 3 4")
     a = TargetModel(cfg, weights, LocalComm(), PerLayer(local_rows(assets)))
     b = TargetModel(cfg, weights, LocalComm(), Together(local_rows(assets)))
     la = a.forward([(a.new_cache(64), ids)], [list(range(len(ids)))]).logits[0]
+    assert per_layer == list(cfg.engram_layer_ids)
+    per_layer.clear()
     lb = b.forward([(b.new_cache(64), ids)], [list(range(len(ids)))]).logits[0]
     assert torch.equal(la, lb)
-    assert calls == [list(cfg.engram_layer_ids)]
+    assert together == [list(cfg.engram_layer_ids)] and per_layer == []

@@ -188,3 +188,31 @@ def test_tp_bound() -> None:
     with pytest.raises(ConfigError, match="tp must be"):
         lay.columns_for_rank(True, 0)
     assert lay.columns_for_rank(1024, 1023) == (24, 24)
+
+
+def test_layout_from_manifest_round_trip_and_foreign_hash(tmp_path: Path) -> None:
+    """The layout a manifest was written for; a table hashed for another layout is refused."""
+    import dataclasses
+    import types
+
+    from dsv41.engram import synthetic
+    from dsv41.engram.layout import layout_from_manifest
+    from dsv41.engram.manifest import load_manifest
+    from dsv41.errors import VerificationError
+
+    synthetic.write_synthetic_tables(LAB, tmp_path, seed=5, rows_override=[900, 300], chunk_size=1 << 20)
+    m = load_manifest(tmp_path / "manifest.json")
+    got = layout_from_manifest(m)
+    want = EngramLayout.from_config(load_model_config(LAB))
+    assert (got.layer_ids, got.primes, got.offsets, got.multipliers) == (
+        want.layer_ids, want.primes, want.offsets, want.multipliers)
+    first = m.tables[0].layer_id
+
+    def table(layer_id: int):
+        t = m.table(layer_id)
+        if layer_id != first:
+            return t
+        return dataclasses.replace(t, hash={**t.hash, "multipliers": [3] + list(t.hash["multipliers"][1:])})
+
+    with pytest.raises(VerificationError, match=f"layer {first}: hash parameters differ"):
+        layout_from_manifest(types.SimpleNamespace(layout=m.layout, table=table))

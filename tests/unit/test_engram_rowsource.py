@@ -1,4 +1,5 @@
-"""RowSource: local source counters, environment parsing, remote construction."""
+"""RowSource: the whole contract of every row source, local source counters, environment parsing,
+remote construction (``sources.from_env``)."""
 
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ from dsv41.engram.rowsource import (
     LocalRowSource,
     RemoteURL,
     RowSource,
-    from_env,
     parse_remote_env,
     parse_remote_url,
 )
-from dsv41.errors import ConfigError
+from dsv41.engram.sources import from_env
+from dsv41.errors import ConfigError, Dsv41Error
 
 REPO = Path(__file__).resolve().parents[2]
 LAB = REPO / "python/dsv41/data/lab_model.json"
@@ -155,3 +156,123 @@ def test_remote_without_client(data: Path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "dsv41.engram.client", None)
     with pytest.raises(ConfigError, match="dsv41.engram.client is not installed"):
         from_env(data / "manifest.json", data, 0, 1, settings=envs.parse({"DSV41_ENGRAM_REMOTE": "tcp://a:1"}))
+
+
+# ---- every row source states the whole contract ----------------------------------------------
+
+PKG = REPO / "python" / "dsv41"
+CONTRACT = ("lookup", "lookup_layers", "counters", "close")
+
+
+def _row_source_classes() -> list[tuple[str, str]]:
+    """``(module, class)`` of every row source defined in ``python/dsv41``, read from the code
+    (ast): a class that names ``RowSource`` (or another row source) as a base, or that defines
+    ``lookup(self, layer_id, ...)`` (the RowSource signature, whatever its bases say)."""
+    import ast
+
+    classes: dict[tuple[str, str], tuple[set[str], bool]] = {}
+    for path in sorted(PKG.rglob("*.py")):
+        mod = ".".join(("dsv41", *path.relative_to(PKG).with_suffix("").parts)).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases = {ast.unparse(b).rpartition(".")[2] for b in node.bases}
+            looks = any(isinstance(f, ast.FunctionDef) and f.name == "lookup" and len(f.args.args) > 1
+                        and f.args.args[1].arg == "layer_id" for f in node.body)
+            classes[(mod, node.name)] = (bases, looks)
+    found = {k for k, (bases, looks) in classes.items() if looks or "RowSource" in bases}
+    while True:  # subclasses of a row source are row sources
+        more = {k for k, (bases, _) in classes.items() if k not in found and bases & {n for _, n in found}}
+        if not more:
+            return sorted(found)
+        found |= more
+
+
+def _params(fn) -> list[tuple[str, object, object]]:
+    import inspect
+
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+def test_the_enumeration_finds_the_row_sources() -> None:
+    names = {c for _, c in _row_source_classes()}
+    # a lower bound only (the enumeration reads the code): the local, remote and drafter sources
+    assert {"LocalRowSource", "RemoteRowSource", "SyntheticRowSource"} <= names
+    assert "RowSource" in names
+
+
+@pytest.mark.parametrize("mod, name", _row_source_classes())
+def test_every_row_source_implements_the_whole_contract(mod: str, name: str) -> None:
+    """Subclasses RowSource (so the protocol's default ``lookup_layers`` is there and a missing
+    method fails at construction), is concrete, and takes every method with the protocol's
+    parameters: ``lookup(layer_id, rows, out=None)``, ``lookup_layers(layer_ids, rows,
+    outs=None)``, ``counters()``, ``close()``. Callers rely on it instead of probing."""
+    import importlib
+    import inspect
+
+    cls = getattr(importlib.import_module(mod), name)
+    if cls is RowSource:
+        return
+    assert issubclass(cls, RowSource), f"{mod}.{name} defines lookup(layer_id, ...) but is not a RowSource"
+    assert not inspect.isabstract(cls), f"{mod}.{name} leaves {sorted(cls.__abstractmethods__)} abstract"
+    for meth in CONTRACT:
+        assert _params(getattr(cls, meth)) == _params(getattr(RowSource, meth)), (mod, name, meth)
+
+
+def test_default_lookup_layers_one_lookup_per_layer_into_outs(data: Path) -> None:
+    src = LocalRowSource(reader.LocalRowReader(load_manifest(data / "manifest.json"), data, threads=1))
+    ids = [np.asarray([0, 5, 2999]), np.asarray([7])]
+    want = [synthetic.synthetic_rows(2, 1, 3000, ids[0]), synthetic.synthetic_rows(2, 2, 2000, ids[1])]
+    got = src.lookup_layers([1, 2], ids)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    outs = [np.empty((3, 264), np.uint8), None]
+    got = src.lookup_layers([1, 2], ids, outs)
+    assert got[0] is outs[0]
+    np.testing.assert_array_equal(outs[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    assert src.counters()["lookups"] == 4
+    with pytest.raises(Dsv41Error, match="one row array"):
+        src.lookup_layers([1, 2], ids[:1])
+    with pytest.raises(Dsv41Error, match="one out"):
+        src.lookup_layers([1, 2], ids, outs[:1])
+    src.close()
+
+
+def test_a_source_missing_a_method_fails_at_construction() -> None:
+    class NoClose(RowSource):
+        def lookup(self, layer_id, rows, out=None):
+            return np.zeros((len(rows), 264), np.uint8)
+
+        def counters(self):
+            return {}
+
+    with pytest.raises(TypeError, match="close"):
+        NoClose()
+
+
+def test_drafter_synthetic_source_rows_outs_counters() -> None:
+    """The drafter's in-memory tables give ``make-tables --seed``'s rows through the contract."""
+    import json
+
+    from dsv41.drafter.train import SyntheticRowSource
+    from dsv41.engram.shards import RowRangeError
+
+    src = SyntheticRowSource(json.loads(LAB.read_text()), seed=3)
+    L0, L1 = src.layout.layer_ids
+    n0 = int(src.layout.rows[0])
+    ids = np.asarray([0, 17, n0 - 1])
+    want = synthetic.synthetic_rows(3, L0, n0, ids)
+    np.testing.assert_array_equal(src.lookup(L0, ids), want)
+    out = np.empty((3, 264), np.uint8)
+    got = src.lookup_layers([L0, L1], [ids, np.asarray([4])], [out, None])
+    assert got[0] is out
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(got[1], synthetic.synthetic_rows(3, L1, int(src.layout.rows[1]), [4]))
+    c = src.counters()
+    assert set(COUNTER_KEYS) <= set(c) and (c["lookups"], c["rows"], c["fallbacks"]) == (3, 7, 0)
+    with pytest.raises(RowRangeError):
+        src.lookup(L0, np.asarray([n0]))
+    with pytest.raises(RowRangeError, match="no Engram table for layer 999"):
+        src.lookup(999, ids)
+    src.close()

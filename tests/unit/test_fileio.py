@@ -373,7 +373,7 @@ ALLOWED = {
     ("harness.drill_faults", "holder"): "the lab's holder pid files (the lab role writes them)",
     ("engram.server", "_is_ready_file"): "called only after p.is_file()",
     ("engram.manifest", "_load_schema"): "the package's own schema file",
-    ("engine.server", "*"): "item 1/6 owners; the hold file goes through engine.hold",
+    ("engine.api_router", "resume"): "st.open() is ServerState.open (admission opens), no file; the hold file goes through engine.hold",
     ("harness.procident", "*"): "the kernel's process identity: /proc/<pid>/stat and /proc/sys/kernel/random/boot_id",
     ("promotion.package", "_tarball"): "files of a package directory the package itself wrote",
     ("promotion.package", "write"): "blobs into its own fresh temporary directory (mkdtemp), renamed whole",

@@ -17,6 +17,7 @@ from serverutil import FakeStack
 import yaml
 
 from dsv41.entrypoints import status as st
+from dsv41.entrypoints import status_render
 from dsv41.monitoring import alerts as A
 from dsv41.monitoring import dashboard as D
 from dsv41.monitoring import exporter as E
@@ -123,21 +124,21 @@ def test_status_says_which_alerts_fire(fake):
     assert not rep["healthy"]
     assert rep["reasons"] == ["alert firing: Dsv41TableServerDown (critical): Dsv41TableServerDown says"]
     assert rep["warnings"] == ["alert firing: Dsv41ProxyRespawning (warning): Dsv41ProxyRespawning says"]
-    lines = st.render_lines(rep)
+    lines = status_render.render_lines(rep)
     assert f"alerts ({fake.url}): 2 firing: Dsv41ProxyRespawning, Dsv41TableServerDown" in lines
 
 
 def test_status_none_firing_and_none_configured(fake):
     rep = st.add_alerts(_report(), fake.url)
-    assert rep["healthy"] and f"alerts ({fake.url}): none firing" in st.render_lines(rep)
+    assert rep["healthy"] and f"alerts ({fake.url}): none firing" in status_render.render_lines(rep)
     rep = st.add_alerts(_report(), "")
-    assert rep["alerts"] is None and not any(ln.startswith("alerts") for ln in st.render_lines(rep))
+    assert rep["alerts"] is None and not any(ln.startswith("alerts") for ln in status_render.render_lines(rep))
 
 
 def test_status_prometheus_unreachable_is_a_warning():
     rep = st.add_alerts(_report(), "http://127.0.0.1:9", timeout_s=0.5)
     assert rep["healthy"] and rep["warnings"][0].startswith("alerts not read: Prometheus http://127.0.0.1:9")
-    assert "alerts (http://127.0.0.1:9): not read" in st.render_lines(rep)
+    assert "alerts (http://127.0.0.1:9): not read" in status_render.render_lines(rep)
 
 
 # ---- the dashboard ---------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""dsv41.entrypoints.qualify (what qualify.yml runs): records, bad input refused before any step, the
-report's assembly (unreachable hosts, failed and skipped steps, both links at once), summary.md,
-and the host probes against a real local table server (transport, sweep) and fakes (ping, docker).
+"""dsv41.entrypoints.qualify, qualify_host and qualify_controller (what qualify.yml runs): records,
+bad input refused before any step, the report's assembly (unreachable hosts, failed and skipped
+steps, both links at once), summary.md, and the host probes against a real local table server
+(transport, sweep) and fakes (ping, docker).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import numpy as np
 import pytest
 
 from dsv41.entrypoints import qualify as Q
+from dsv41.entrypoints import qualify_controller as C
+from dsv41.entrypoints import qualify_host as H
 from dsv41.errors import Dsv41Error
 
 
@@ -228,7 +231,7 @@ def test_peers_through_icmplib_fake():
     links = [{"name": "ofl0", "address": "198.18.1.2", "peer_address": "198.18.1.1"},
              {"name": "fab0", "address": "198.18.3.1", "peer_address": "198.18.3.2"},
              {"name": "x"}]
-    recs = Q.probe_peers("sparkhead", links, ping=ping)
+    recs = H.probe_peers("sparkhead", links, ping=ping)
     assert [r["status"] for r in recs] == ["pass", "fail", "skipped"]
     assert calls == [("198.18.1.1", "198.18.1.2", True), ("198.18.3.2", "198.18.3.1", True)]
     assert recs[1]["reason"] == "fab0: 198.18.3.2 did not answer 3 echo requests from 198.18.3.1"
@@ -240,7 +243,7 @@ def test_peers_ping_error_is_a_failure():
     def ping(addr, **kw):
         raise SocketPermissionError(True)
 
-    (r,) = Q.probe_peers("h", [{"name": "ofl0", "address": "a", "peer_address": "b"}], ping=ping)
+    (r,) = H.probe_peers("h", [{"name": "ofl0", "address": "a", "peer_address": "b"}], ping=ping)
     assert r["status"] == "fail" and r["reason"].startswith("ofl0: ping b: ")
 
 
@@ -253,14 +256,14 @@ def _meminfo(tmp_path, mlocked_kb=1000):
 def test_serving_host_lab_runtime_skips_what_needs_vllm(tmp_path):
     env = tmp_path / "e.env"
     env.write_text("DSV41_ENGRAM_REMOTE=tcp://198.18.1.1:7441@198.18.1.2\nDSV41_ENGRAM_REMOTE_REQUIRED=0\n")
-    recs = Q.probe_serving_host("sparkhead", 0, runtime="lab", env_file=str(env), required=False,
+    recs = H.probe_serving_host("sparkhead", 0, runtime="lab", env_file=str(env), required=False,
                                 pinned_max_bytes=1 << 30, meminfo_path=_meminfo(tmp_path))
     by = {r["check"]: r for r in recs}
     assert by["required_mode"]["status"] == "pass" and by["host_memory"]["status"] == "pass"
     assert by["host_memory"]["value"] == {"mlocked": 1000 * 1024, "unevictable": 1010 * 1024}
     for k in ("image_digest", "overlay_contract", "piecewise"):
         assert by[k]["status"] == "skipped" and by[k]["reason"] == "serve_runtime lab: no vLLM container on this host"
-    recs = Q.probe_serving_host("sparkhead", 0, runtime="lab", env_file=str(env), required=True,
+    recs = H.probe_serving_host("sparkhead", 0, runtime="lab", env_file=str(env), required=True,
                                 pinned_max_bytes=1 << 19, meminfo_path=_meminfo(tmp_path))
     by = {r["check"]: r for r in recs}
     assert by["required_mode"]["status"] == "fail" and "DSV41_ENGRAM_REMOTE_REQUIRED=0, expected 1" in by["required_mode"]["reason"]
@@ -281,13 +284,13 @@ def test_serving_host_vllm_reads_docker_and_systemd(tmp_path):
         rc, out = answers[argv[1]]
         return types.SimpleNamespace(returncode=rc, stdout=out, stderr="")
 
-    recs = Q.probe_serving_host("sparkhead", 0, runtime="vllm", env_file=str(env), required=True, pinned_max_bytes=1 << 30,
+    recs = H.probe_serving_host("sparkhead", 0, runtime="vllm", env_file=str(env), required=True, pinned_max_bytes=1 << 30,
                                 image=image, meminfo_path=_meminfo(tmp_path), run=run)
     assert {r["check"]: r["status"] for r in recs} == {"required_mode": "pass", "host_memory": "pass", "image_digest": "pass",
                                                        "overlay_contract": "pass", "piecewise": "pass", "overlay_active": "pass"}
     answers.update(inspect=(0, "registry/vllm-dsv41:latest\n"), exec=(0, '["vllm/x.py"]\n'),
                    cat=(0, '{"cudagraph_mode": "FULL_AND_PIECEWISE"}'), logs=(0, ""))
-    recs = Q.probe_serving_host("sparkhead", 0, runtime="vllm", env_file=str(env), required=True, pinned_max_bytes=1 << 30,
+    recs = H.probe_serving_host("sparkhead", 0, runtime="vllm", env_file=str(env), required=True, pinned_max_bytes=1 << 30,
                                 image=image, meminfo_path=_meminfo(tmp_path), run=run)
     st = {r["check"]: r["status"] for r in recs}
     assert [st[k] for k in ("image_digest", "overlay_contract", "piecewise", "overlay_active")] == ["fail"] * 4
@@ -295,20 +298,20 @@ def test_serving_host_vllm_reads_docker_and_systemd(tmp_path):
 
 def test_drafter_identity():
     ids = {"drafter": "d", "markov": "m", "target": "t"}
-    (r,) = Q.probe_drafter_identity({"connections": 1, "identities": ids}, ids, host="localhost")
+    (r,) = C.probe_drafter_identity({"connections": 1, "identities": ids}, ids, host="localhost")
     assert r["status"] == "pass"
-    (r,) = Q.probe_drafter_identity({"identities": {**ids, "target": "x"}}, ids, host="localhost")
+    (r,) = C.probe_drafter_identity({"identities": {**ids, "target": "x"}}, ids, host="localhost")
     assert r["status"] == "fail" and r["reason"].endswith(": target")
-    (r,) = Q.probe_drafter_identity(None, ids, host="localhost")
+    (r,) = C.probe_drafter_identity(None, ids, host="localhost")
     assert r["status"] == "fail"
 
 
 def test_rank_url_and_env_file(tmp_path):
     p = tmp_path / "x.env"
     p.write_text("# c\nDSV41_ENGRAM_REMOTE=tcp://a:1@b, tcp://c:1@d\n\nX=1\n")
-    env = Q.read_env_file(p)
-    assert Q.rank_url(env, 0) == "tcp://a:1@b" and Q.rank_url(env, 1) == "tcp://c:1@d"
-    assert Q.rank_url({}, 0) is None and Q.read_env_file(tmp_path / "none") == {}
+    env = H.read_env_file(p)
+    assert H.rank_url(env, 0) == "tcp://a:1@b" and H.rank_url(env, 1) == "tcp://c:1@d"
+    assert H.rank_url({}, 0) is None and H.read_env_file(tmp_path / "none") == {}
 
 
 # --- transport and exactness against a real table server ------------------------------------------
@@ -335,7 +338,7 @@ def served(tmp_path_factory):
 
 def test_transport_probe_on_a_real_server(served):
     d, url, _ = served
-    recs = Q.probe_transport("sparkhead", "ofl0", url, str(d / "manifest.json"), 0, 2, backend="tcp", p50_max_us=1e6,
+    recs = H.probe_transport("sparkhead", "ofl0", url, str(d / "manifest.json"), 0, 2, backend="tcp", p50_max_us=1e6,
                              p99_max_us=1e6, gbps_min=0.001, iters=50, bw_bytes=1 << 20, bw_repeats=2)
     by = {r["check"]: r for r in recs}
     assert set(by) == {"backend", "latency_p50", "latency_p99", "bandwidth", "late_reply_dropped", "refused_identity"}
@@ -348,7 +351,7 @@ def test_transport_probe_on_a_real_server(served):
 
 def test_transport_probe_floors_and_backend_fail(served):
     d, url, _ = served
-    recs = Q.probe_transport("sparkhead", "ofl0", url, str(d / "manifest.json"), 1, 2, backend="nixl", p50_max_us=0.001,
+    recs = H.probe_transport("sparkhead", "ofl0", url, str(d / "manifest.json"), 1, 2, backend="nixl", p50_max_us=0.001,
                              p99_max_us=0.001, gbps_min=1e6, iters=20, bw_bytes=1 << 18, bw_repeats=1)
     st = {r["check"]: r["status"] for r in recs}
     assert st == {"backend": "fail", "latency_p50": "fail", "latency_p99": "fail", "bandwidth": "fail",
@@ -363,7 +366,7 @@ def test_transport_probe_server_down_fails_every_check(served):
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    recs = Q.probe_transport("sparkhead", "ofl0", f"tcp://127.0.0.1:{port}", str(d / "manifest.json"), 0, 2, backend="tcp",
+    recs = H.probe_transport("sparkhead", "ofl0", f"tcp://127.0.0.1:{port}", str(d / "manifest.json"), 0, 2, backend="tcp",
                              p50_max_us=1e6, p99_max_us=1e6, gbps_min=0.0, iters=10, bw_bytes=1 << 16)
     st = {r["check"]: r["status"] for r in recs}
     assert st["backend"] == "pass" and [v for k, v in st.items() if k != "backend"] == ["fail"] * 5
@@ -371,7 +374,7 @@ def test_transport_probe_server_down_fails_every_check(served):
 
 def test_sweep_probe_per_layer(served):
     d, url, _ = served
-    recs = Q.probe_sweep("sparkhead", url, str(d / "manifest.json"), 0, 2, lookups=60000)
+    recs = H.probe_sweep("sparkhead", url, str(d / "manifest.json"), 0, 2, lookups=60000)
     from dsv41.engram.manifest import load_manifest
 
     layers = [t.layer_id for t in load_manifest(d / "manifest.json").tables]
@@ -388,7 +391,7 @@ def test_sweep_probe_against_a_server_with_other_rows_fails_with_bad_rows(served
     cfg = json.load(open("python/dsv41/data/lab_model.json"))
     cfg["engram_vocab_size"] = 300
     write_synthetic_tables(cfg, tmp_path, seed=10)  # same layout, other rows: other identities
-    recs = Q.probe_sweep("sparkhead", url, str(tmp_path / "manifest.json"), 0, 2, lookups=500)
+    recs = H.probe_sweep("sparkhead", url, str(tmp_path / "manifest.json"), 0, 2, lookups=500)
     assert all(r["status"] == "fail" for r in recs)
     assert "does not serve table" in recs[0]["reason"] and recs[0]["reason"].startswith("rank 0: sweep over tcp://")
 
@@ -416,7 +419,7 @@ def test_vllm_tiny_is_skipped_without_vllm(monkeypatch):
     import shutil
 
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    r = Q.run_vllm_tiny("tools/qualify_vllm_tiny.sh", "/nope.json")
+    r = H.run_vllm_tiny("tools/qualify_vllm_tiny.sh", "/nope.json")
     assert r["status"] == "skipped" and r["reason"] == "no vllm on PATH on this host"
 
 
@@ -442,7 +445,7 @@ def test_transport_probe_over_nixl(served):
     srv = RowServer(tables, [parse_url("nixl://127.0.0.1:0")], nixl_provider=ex)
     ep = srv.start()[0]
     try:
-        recs = Q.probe_transport("sparkhead", "ofl0", f"nixl://127.0.0.1:{ep.port}", str(d / "manifest.json"), 0, 2,
+        recs = H.probe_transport("sparkhead", "ofl0", f"nixl://127.0.0.1:{ep.port}", str(d / "manifest.json"), 0, 2,
                                  backend="nixl", p50_max_us=1e6, p99_max_us=1e6, gbps_min=0.001, iters=30,
                                  bw_bytes=1 << 20, bw_repeats=2)
     finally:
@@ -461,18 +464,18 @@ def test_controller_probes_with_rank0_unreachable_fail_every_check_they_owe(tmp_
     api = f"http://127.0.0.1:{s.getsockname()[1]}"
     s.close()
     refs = tmp_path / "refs.json"
-    recs = Q.probe_serving(api, str(refs), host="localhost", ranks=["0", "1"], interval_s=0.1)
+    recs = C.probe_serving(api, str(refs), host="localhost", ranks=["0", "1"], interval_s=0.1)
     assert [(r["id"], r["status"]) for r in recs] == [("serving.counters[rank 0]", "fail"), ("serving.counters[rank 1]", "fail"),
                                                       ("serving.greedy_refs", "fail")]
     assert all(r["reason"].startswith(api) for r in recs)
-    recs = Q.probe_reconnect(api, host="localhost", ranks=["0", "1"], wait_s=0.1)
+    recs = C.probe_reconnect(api, host="localhost", ranks=["0", "1"], wait_s=0.1)
     assert [(r["id"], r["status"]) for r in recs] == [("transport.reconnect[rank 0]", "fail"), ("transport.reconnect[rank 1]", "fail")]
-    (r,) = Q.probe_fail_closed(api, str(refs), host="localhost")
+    (r,) = C.probe_fail_closed(api, str(refs), host="localhost")
     assert r["id"] == "drafter.fail_closed" and r["status"] == "fail"
 
 
 def test_sweep_probe_with_an_unreadable_manifest_is_one_failure(tmp_path):
     bad = tmp_path / "manifest.json"
     bad.write_text("{not json")
-    (r,) = Q.probe_sweep("sparkworker", "tcp://127.0.0.1:1", str(bad), 1, 2, lookups=10)
+    (r,) = H.probe_sweep("sparkworker", "tcp://127.0.0.1:1", str(bad), 1, 2, lookups=10)
     assert r["id"] == "exactness.bad_rows[rank 1]" and r["status"] == "fail" and r["reason"].startswith(f"rank 1: manifest {bad}: ")

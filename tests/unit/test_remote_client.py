@@ -487,9 +487,9 @@ def test_deadline_cuts_a_slow_pipelined_lookup_short(tabs):
 def test_fault_delay_is_a_slow_server_inside_the_deadline(tabs):
     """DSV41_ENGRAM_FAULT_DELAY_MS on a remote source: every layer's rows arrive that much later
     (rows exact, counted as remote); a delay past the deadline is a deadline miss answered by
-    the local reader. rowsource.from_env wires both variables into RemoteRowSource (no wrapper)."""
+    the local reader. sources.from_env wires both variables into RemoteRowSource (no wrapper)."""
     from dsv41 import envs
-    from dsv41.engram import fault, rowsource
+    from dsv41.engram import sources
 
     d, m, tables = tabs
     srv, ep = serve(tables)
@@ -497,8 +497,8 @@ def test_fault_delay_is_a_slow_server_inside_the_deadline(tabs):
     rows = rand_rows(m, 2, 24, 6)
     s = envs.parse({"DSV41_ENGRAM_REMOTE": str(ep), "DSV41_ENGRAM_FAULT_DELAY_MS": "30",
                     "DSV41_ENGRAM_LOOKUP_DEADLINE_MS": "1000", "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "1000"})
-    src = rowsource.from_env(m, d, 0, 1, settings=s)
-    assert isinstance(src, RemoteRowSource) and not isinstance(src, fault.DelayedRowSource)
+    src = sources.from_env(m, d, 0, 1, settings=s)
+    assert isinstance(src, RemoteRowSource)  # the delay lives inside the remote source
     assert src.deadline_s == 1.0 and src.fault_delay_s == 0.03
     got, dt = _timed(src.lookup, 2, rows, out=np.zeros((24, 264), np.uint8))
     np.testing.assert_array_equal(got, ref.read(2, rows))

@@ -17,6 +17,7 @@ import pytest
 from serverutil import FakeStack
 
 from dsv41.entrypoints import status as st
+from dsv41.entrypoints import status_render
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -137,7 +138,7 @@ def test_healthy_stack(fake):
     assert rep["engine"]["engram"]["1"] == {"lookups": 90.0, "fallbacks": 0.0}
     assert rep["engine"]["spec"] == {"accepted_tokens": 40.0, "draft_tokens": 50.0}
     assert rep["engine"]["drafter"]["proxy_respawns"] == 2.0
-    lines = st.render_lines(rep)
+    lines = status_render.render_lines(rep)
     assert lines[0] == "status: HEALTHY"
     assert any(ln.startswith(f"API: {fake.url} (model dsv41-lab; health ok)") and "admission open" in ln for ln in lines)
     assert "Engram rank 1: 90 lookups (+0 in 2 s), 0 fallbacks (+0 in 2 s)" in lines
@@ -156,7 +157,7 @@ def test_fallbacks_growing_on_both_ranks_are_named(fake):
     assert "rank 0: Engram fallbacks growing (+7 in 2 s, 7 since start)" in rep["reasons"]
     assert "rank 1: Engram fallbacks growing (+5 in 2 s, 5 since start)" in rep["reasons"]
     assert any(r.startswith(f"Engram table server {fake.url}: /ready HTTP 503") for r in rep["reasons"])
-    assert "Engram rank 0: 130 lookups (+30 in 2 s), 7 fallbacks (+7 in 2 s)" in st.render_lines(rep)
+    assert "Engram rank 0: 130 lookups (+30 in 2 s), 7 fallbacks (+7 in 2 s)" in status_render.render_lines(rep)
 
 
 def test_old_fallbacks_are_a_warning_not_a_failure(fake):
@@ -239,7 +240,7 @@ def test_rich_tables_render(fake):
     fake.paused, fake.since = True, time.time() - 5
     rep = st.evaluate(_hosts(), _probe(fake))
     buf = StringIO()
-    st.render_tables(rep, Console(file=buf, width=200, color_system=None))
+    status_render.render_tables(rep, Console(file=buf, width=200, color_system=None))
     out = buf.getvalue()
     assert "dsv41 hosts" in out and "sparkworker" in out and "Engram per rank" in out
     assert "admission held since" in out and "unhealthy: admission held since" in out

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from dsv41.engine.hold import HoldRecord, read_hold
-from dsv41.engine.server import ServerState
+from dsv41.engine.server_state import ServerState
 from dsv41.overlay.fence import AdmissionFence
 
 TOKEN = "20261201T100000-vllmfence"

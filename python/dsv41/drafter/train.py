@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from dsv41.drafter.model import DrafterConfig, DrafterModel, identities, save_drafter
+from dsv41.engram.rowsource import COUNTER_KEYS, RowSource
 from dsv41.errors import ConfigError
 
 log = logging.getLogger("dsv41.drafter.train")
@@ -33,36 +34,53 @@ DEFAULTS = {"n_prompts": 24, "prompt_chars": 48, "gen_tokens": 48, "steps": 300,
             "d_model": 96, "n_layers": 3, "n_ctx": 4, "markov_rank": 32, "max_k": 7, "eval_tokens": 32, "eval_k": 5}
 
 
-class SyntheticRowSource:
+class SyntheticRowSource(RowSource):
     """A ``RowSource`` serving the synthetic Engram tables of ``make-tables --seed`` from memory
     (``dsv41.engram.synthetic.synthetic_rows``, materialised once per layer: 264 B x rows, ~50 MB
-    for the lab model), so training needs no table files."""
+    for the lab model), so training needs no table files. ``model_cfg``: the model config dict
+    (its ``engram_*`` keys); ``seed``: the tables' seed. Counters: lookups, rows and latency
+    (seconds); the failure counters stay 0."""
 
     def __init__(self, model_cfg: dict, seed: int) -> None:
         from dsv41.engram.layout import EngramLayout
 
         self.layout = EngramLayout.from_config(model_cfg)
         self.seed = seed
-        self.n = 0
+        self._c: dict[str, float | int] = {k: 0 for k in COUNTER_KEYS}
         self._tables: dict[int, np.ndarray] = {}
 
-    def lookup(self, layer_id: int, rows: np.ndarray) -> np.ndarray:
+    def lookup(self, layer_id: int, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``uint8[N, 264]`` of global ids ``rows`` (int ``[N]``) of ``layer_id``, written
+        into ``out`` when given (``RowSource.lookup``). RowRangeError for an unknown layer or
+        an id outside the table."""
+        from dsv41.engram.shards import RowRangeError, check_row_ids
         from dsv41.engram.synthetic import synthetic_rows
 
+        t0 = time.perf_counter()
         t = self._tables.get(layer_id)
         if t is None:
-            li = list(self.layout.layer_ids).index(layer_id)
-            total = int(self.layout.rows[li])
+            if layer_id not in self.layout.layer_ids:
+                raise RowRangeError(f"no Engram table for layer {layer_id} (layers: {list(self.layout.layer_ids)})")
+            total = int(self.layout.rows[self.layout.layer_index(layer_id)])
             t = self._tables[layer_id] = synthetic_rows(self.seed, layer_id, total, np.arange(total))
-        rows = np.asarray(rows, dtype=np.int64)
-        self.n += int(rows.size)
-        return t[rows]
+        ids = check_row_ids(rows, t.shape[0], layer_id)
+        if out is None:
+            out = t[ids]
+        else:
+            np.take(t, ids, axis=0, out=out)
+        self._c["lookups"] += 1
+        self._c["rows"] += int(ids.size)
+        self._c["latency_sum_s"] += time.perf_counter() - t0
+        self._c["latency_count"] += 1
+        return out
 
     def counters(self) -> dict:
-        return {"lookups": self.n}
+        """Snapshot of the counters (:data:`dsv41.engram.rowsource.COUNTER_KEYS`, ``source: "synthetic"``)."""
+        return {"source": "synthetic", **self._c}
 
     def close(self) -> None:
-        return None
+        """Drop the materialised tables."""
+        self._tables.clear()
 
 
 def make_row_source(config_path: str, manifest: str | None, data: str | None, tables_seed: int):

@@ -65,13 +65,13 @@ def identity_cmd(
 def row_source(manifest: Path, data: Optional[Path], rank: int, tp: int, settings: Settings | None = None):
     """The rank's RowSource (``DSV41_ENGRAM_REMOTE*`` in ``settings``); one-line errors for
     a missing manifest or data directory."""
-    from dsv41.engram import rowsource
+    from dsv41.engram import sources
 
     if not manifest.is_file():
         raise Dsv41Error(f"manifest {manifest} does not exist (run `dsv41 engram make-tables`)")
     if data is not None and not data.is_dir():
         raise Dsv41Error(f"--data {data} is not a directory (the table shards from `dsv41 engram make-tables`)")
-    return rowsource.from_env(str(manifest), str(data) if data else None, rank, tp, settings=settings)
+    return sources.from_env(str(manifest), str(data) if data else None, rank, tp, settings=settings)
 
 
 @app.command("generate")

@@ -12,7 +12,7 @@ So the engine runs each propose on a helper thread and waits at most a deadline:
 The remote Engram lookup needs no helper thread: its deadline
 (``DSV41_ENGRAM_LOOKUP_DEADLINE_MS``) lives in ``dsv41.engram.client.RemoteRowSource``
 (``deadline_ms``), which bounds its lock wait and every request on the calling thread and
-answers from the exact local reader past it (built by ``dsv41.engram.rowsource.from_env``).
+answers from the exact local reader past it (built by ``dsv41.engram.sources.from_env``).
 
 The variables (rows of ``dsv41.envs``; see docs/engine.md, "Liveness and deadlines"):
 ``DSV41_TP_PEER_TIMEOUT_S`` (default 5 s) and ``DSV41_DRAFTER_PROPOSE_DEADLINE_MS`` (default

@@ -1,5 +1,5 @@
 """The fenced HOLD record (``DSV41_ADMISSION_HOLD_FILE``) and the window token: one definition
-for both servers that keep it, the lab engine (``engine.server.ServerState``) and the vLLM
+for both servers that keep it, the lab engine (``engine.server_state.ServerState``) and the vLLM
 admission fence (``overlay.fence.AdmissionFence``). Standard library only (the fence runs inside
 vLLM's API server process).
 

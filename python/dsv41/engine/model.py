@@ -183,29 +183,29 @@ class TargetModel:
         return np.concatenate(out, 0)
 
     def _engram_prefetch(self, rows_np) -> list | None:
-        """Packed rows of every Engram layer of this step, fetched together where the row
-        source can (``lookup_layers``: one request for both layers over tcp protocol v2 or one
-        NIXL READ); None when it cannot (``_engram`` then looks each layer up itself)."""
-        both = getattr(self.rows, "lookup_layers", None)
-        if both is None or rows_np is None:
+        """Packed rows ``uint8[N, 264]`` of every Engram layer of this step, in one
+        ``RowSource.lookup_layers`` call (one request for both layers over tcp protocol v2 or
+        one NIXL READ; one lookup per layer locally); None when the model has no Engram layers."""
+        if rows_np is None:
             return None
         lids = list(self.cfg.engram_layer_ids)
         ids = [np.ascontiguousarray(rows_np[:, li, self.col0:self.col1].reshape(-1), dtype=np.int64)
                for li in range(len(lids))]
         n = ids[0].shape[0]
         if n > ENGRAM_BUF_ROWS:  # a large prefill chunk: fresh arrays, nothing that size kept
-            return both(lids, ids)
+            return self.rows.lookup_layers(lids, ids)
         if len(self._engram_bufs) != len(lids) or self._engram_bufs[0].shape[0] < n:
             # The rows are dequantized into new arrays before the next step, so one buffer per
             # layer is reused: no allocation per step, and the row source's buffer path.
             self._engram_bufs = [np.empty((max(n, 1024), 264), np.uint8) for _ in lids]
-        return both(lids, ids, [b[:n] for b in self._engram_bufs])
+        return self.rows.lookup_layers(lids, ids, [b[:n] for b in self._engram_bufs])
 
-    def _engram(self, li: int, L: dict, x, rows_np, raw=None):
+    def _engram(self, li: int, L: dict, x, raw):
         """The spec's gate (engram-spec.md section 7) on x ``[N, hc, H]`` float64.
 
-        Looks up this rank's columns ``[col0, col1)`` of ``rows_np[:, li]`` through the row
-        source, dequantizes (reference convention), all-gathers the columns, then
+        ``raw``: this rank's columns ``[col0, col1)`` of Engram layer ``li``'s rows, packed
+        ``uint8[N * (col1 - col0), 264]`` (:meth:`_engram_prefetch`); dequantizes them
+        (reference convention), all-gathers the columns, then
         ``kv = wkv(emb)``: 4 keys + 1 value; ``gate_c = sigmoid(sign(dot)*sqrt(max(|dot|,1e-6)))``.
         """
         import torch
@@ -214,10 +214,6 @@ class TargetModel:
 
         N = x.shape[0]
         H, hc = self.cfg.hidden_size, self.cfg.hc_mult
-        lid = self.cfg.engram_layer_ids[li]
-        if raw is None:
-            ids = np.ascontiguousarray(rows_np[:, li, self.col0:self.col1].reshape(-1), dtype=np.int64)
-            raw = self.rows.lookup(lid, ids)
         with np.errstate(over="ignore", invalid="ignore"):  # scale byte 255 -> NaN by convention
             vals, counts = dequantize(np.asarray(raw), convention="reference")
         self._count_scales(counts)
@@ -284,7 +280,7 @@ class TargetModel:
         for i, L in enumerate(self.layers):
             if "wkv" in L:
                 li = cfg.engram_layer_ids.index(i)
-                x = self._engram(li, L, x, rows_np, None if raws is None else raws[li])
+                x = self._engram(li, L, x, raws[li])
             h = (x * L["hc_attn_pre"][None, :, None]).sum(1)
             hn = rms_norm(h, L["attn_norm.weight"], cfg.rms_norm_eps)
             parts = []

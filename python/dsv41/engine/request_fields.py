@@ -4,7 +4,7 @@ No field is silently ignored: each field of ``/v1/completions`` and ``/v1/chat/c
 (OpenAI's ``CompletionCreateParams`` of the pinned ``openai`` package, vLLM's
 ``CompletionRequest``/``ChatCompletionRequest``: ``dsv41/data/vllm_request_fields.json``) is
 
-- ``implemented``: parsed and honoured by the server (``dsv41.engine.server``) or the sampler;
+- ``implemented``: parsed and honoured by the server (``dsv41.engine.protocol``) or the sampler;
 - ``metadata``: accepted (type-checked), with no effect on the output by the field's own
   definition (an end-user id, a routing/session hint);
 - otherwise ``refused``: a 400 naming the field for any value other than the ones that ask for

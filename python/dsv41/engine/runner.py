@@ -32,7 +32,7 @@ class GenerateResult:
 class LocalRunner:
     """The lab target in this process (TP1), greedy.
 
-    ``row_source``: a ``dsv41.engram.rowsource.RowSource`` (e.g. ``rowsource.from_env(...)``).
+    ``row_source``: a ``dsv41.engram.rowsource.RowSource`` (e.g. ``dsv41.engram.sources.from_env(...)``).
     Raises ``Dsv41Error``/``ConfigError`` for a bad config or weights file.
     """
 

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from dsv41.engram.reader import LocalRowReader
+from dsv41.engram.rowsource import LocalRowSource, RowSource
 from dsv41.errors import Dsv41Error
 from dsv41.transport import Refused, TransportError, TransportTimeout, open_client, parse_url
 from dsv41.transport import protocol as P
@@ -106,14 +108,14 @@ def read_rows_remote(url: str, manifest: Any, layer_id: int, rows: Any, timeout_
     return out
 
 
-class RemoteRowSource:
+class RemoteRowSource(RowSource):
     """RowSource reading rows from the rank's table server with exact local fallback.
 
     ``urls``: one URL per rank (list, or a comma-separated string), ``tcp://H:P[@LOCAL]`` or
     ``nixl://H:P[@LOCAL]``; this rank uses ``urls[rank]`` (a single URL serves every rank).
     ``manifest``: Manifest or path; ``timeout_ms``: per request of up to ``CHUNK_ROWS`` rows;
-    ``required``: raise ``RemoteUnavailable`` instead of falling back; ``local``: a RowSource
-    (``lookup``) or LocalRowReader (``read``) giving the exact rows on fallback.
+    ``required``: raise ``RemoteUnavailable`` instead of falling back; ``local``: a RowSource, or
+    a LocalRowReader (wrapped in ``LocalRowSource``), giving the exact rows on fallback.
     ``deadline_ms``: the whole-call deadline of one ``lookup``/``lookup_layers`` (the engine's
     ``DSV41_ENGRAM_LOOKUP_DEADLINE_MS``): it bounds the wait for the connection lock and every
     request of the call (each request gets ``min(timeout_ms, what is left)``); past it the rows
@@ -164,7 +166,7 @@ class RemoteRowSource:
         self._req_cut = self._budget < self.timeout_s  # its timeout is the deadline itself
         self.fault_delay_s = fault_delay_ms / 1000
         self.required = bool(required)
-        self.local = local
+        self.local: RowSource | None = LocalRowSource(local) if isinstance(local, LocalRowReader) else local
         self._entries = {t.layer_id: t for t in self.manifest.tables}
         self._idents = {t.layer_id: P.identity_bytes(t.identity) for t in self.manifest.tables}
         # The hot path's tables; empty under a fault delay, so drills take the general path
@@ -487,10 +489,7 @@ class RemoteRowSource:
         if self.local is None:
             raise RemoteUnavailable(f"remote Engram {self.url} failed and there is no local reader: {failure}") from None
         for layer_id, r, out in parts:
-            if hasattr(self.local, "lookup"):
-                out[...] = self.local.lookup(layer_id, r)
-            else:
-                self.local.read(layer_id, r, out=out)
+            self.local.lookup(layer_id, r, out=out)
 
     def _count(self, ns: list[int], failure: BaseException | None, t0: float) -> None:
         n = sum(ns)
@@ -534,5 +533,5 @@ class RemoteRowSource:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._close_retired()
-        if self.local is not None and hasattr(self.local, "close"):
+        if self.local is not None:
             self.local.close()

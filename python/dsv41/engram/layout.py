@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from dsv41.engram.config import SCALE_BLOCK, load_model_config
-from dsv41.errors import ConfigError
+from dsv41.errors import ConfigError, VerificationError
 
 #: Multipliers published for the released layers (engram-spec.md section 3), valid for
 #: ``engram_compressed_vocab_size`` 99092 and ``engram_max_ngram_size`` 4.
@@ -235,3 +235,31 @@ class EngramLayout:
             "params": self.params,
             "layers": layers,
         }
+
+
+def layout_from_manifest(manifest: Any) -> EngramLayout:
+    """The :class:`EngramLayout` a manifest was written for.
+
+    ``manifest``: a :class:`dsv41.engram.manifest.Manifest` (its ``layout`` parameters and each
+    table's ``hash`` block: ``primes``, ``offsets``, ``multipliers``). Raises ConfigError when the
+    layout parameters are not a valid Engram configuration, VerificationError when a table's
+    primes, offsets or multipliers disagree with the layout those parameters give (a manifest
+    whose tables were hashed for another layout, engram-spec.md section 3).
+    """
+    p = manifest.layout
+    layout = EngramLayout.from_config({
+        "engram_layer_ids": p["layer_ids"],
+        "engram_max_ngram_size": p["max_ngram_size"],
+        "engram_n_heads": p["n_heads"],
+        "engram_head_dim": p["head_dim"],
+        "engram_vocab_size": p["vocab_sizes"][0],
+        "engram_vocab_sizes": p["vocab_sizes"],
+        "engram_compressed_vocab_size": p["compressed_vocab_size"],
+        "engram_pad_token_id": p["pad_token_id"],
+    })
+    for li, layer in enumerate(layout.layer_ids):
+        h = manifest.table(layer).hash
+        if (list(h["primes"]), list(h["offsets"]), list(h["multipliers"])) != (
+                list(layout.primes[li]), list(layout.offsets[li]), list(layout.multipliers[li])):
+            raise VerificationError(f"manifest table of layer {layer}: hash parameters differ from its layout")
+    return layout

@@ -1,16 +1,16 @@
-"""The one interface the engine reads Engram rows through, and its construction from the
-environment (``DSV41_ENGRAM_REMOTE*``, docs/interfaces.md section engram).
+"""The one interface the engine reads Engram rows through (:class:`RowSource`, its whole
+contract), the exact local source, and the remote settings (``DSV41_ENGRAM_REMOTE*``:
+:func:`remote_config`, docs/interfaces.md section engram). Which source a rank gets from the
+environment: ``dsv41.engram.sources.from_env`` (above every implementation).
 """
 
 from __future__ import annotations
 
-import importlib
-import os
 import threading
 import time
-from collections.abc import Mapping
+from abc import abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -29,39 +29,85 @@ DEFAULT_TIMEOUT_MS = 100
 
 @runtime_checkable
 class RowSource(Protocol):
-    """Where packed Engram rows come from (local shards or the remote table server)."""
+    """Where packed Engram rows come from (local shards, the remote table server, a drill's
+    delay wrapper, the drafter's in-memory synthetic tables): the whole contract.
 
-    def lookup(self, layer_id: int, rows: np.ndarray) -> np.ndarray:
-        """Packed rows uint8[N, 264] for global row ids int64[N] of ``layer_id``, request order."""
-        ...
-
-    def counters(self) -> dict:
-        """Counters with at least :data:`COUNTER_KEYS`."""
-        ...
-
-    def close(self) -> None:
-        """Release files, sockets and threads."""
-        ...
-
-
-class LocalRowSource:
-    """RowSource over a :class:`~dsv41.engram.reader.LocalRowReader` (the exact local path).
-
-    Counts lookups, rows and latency; fallbacks/transport_errors/refusals/reconnects stay 0.
-    Thread-safe.
+    Every row source in the package subclasses this protocol explicitly, so a missing method is
+    a ``TypeError`` at construction (``lookup``, ``counters`` and ``close`` are abstract) and
+    callers never probe for a method or a parameter: every source takes ``out`` and has
+    ``lookup_layers`` (by default one :meth:`lookup` per layer; the remote source overrides it
+    with one round trip). Rows: ``uint8[N, 264]`` each, 256 fp8 e4m3 weight bytes then 8 ue8m0
+    scale bytes (engram-spec.md section 4); row ids are global ids of the layer's table.
     """
 
-    def __init__(self, reader: Any) -> None:
+    @abstractmethod
+    def lookup(self, layer_id: int, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Packed rows ``uint8[N, 264]`` for global row ids ``rows`` (int ``[N]``) of
+        ``layer_id``'s table, in request order (duplicates allowed).
+
+        ``out``: None, or a caller-owned writable C-contiguous ``uint8[N, 264]`` buffer that
+        is filled and returned (no allocation per call). Raises ``RowRangeError`` for ids
+        outside the table or an unknown layer, ``Dsv41Error`` for a bad ``out`` (and, for the
+        remote source, ``RemoteUnavailable`` when it may not fall back).
+        """
+
+    def lookup_layers(self, layer_ids: Sequence[int], rows: Sequence[np.ndarray],
+                      outs: Sequence[np.ndarray | None] | None = None) -> list[np.ndarray]:
+        """Rows of several layers (e.g. both Engram layers of a step): one ``uint8[N_i, 264]``
+        array per layer, as :meth:`lookup` of ``(layer_ids[i], rows[i], outs[i])``.
+
+        ``outs``: None or one buffer (or None) per layer. Same errors as :meth:`lookup`, plus
+        ``Dsv41Error`` when ``rows`` or ``outs`` do not give one entry per layer. This default
+        makes one :meth:`lookup` per layer (locally there is no round trip to save).
+        """
+        layer_ids = list(layer_ids)
+        if len(rows) != len(layer_ids) or (outs is not None and len(outs) != len(layer_ids)):
+            raise Dsv41Error("lookup_layers needs one row array (and one out, if given) per layer")
+        outs = [None] * len(layer_ids) if outs is None else outs
+        return [self.lookup(L, r, out=o) for L, r, o in zip(layer_ids, rows, outs)]
+
+    @abstractmethod
+    def counters(self) -> dict:
+        """Snapshot of the counters: at least :data:`COUNTER_KEYS` (counts, and
+        ``latency_sum_s`` in seconds over ``latency_count`` calls)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release files, sockets and threads."""
+
+
+class LocalRowSource(RowSource):
+    """RowSource over a :class:`~dsv41.engram.reader.LocalRowReader` (the exact local path).
+
+    Counts lookups, rows and latency (seconds); fallbacks/transport_errors/refusals/reconnects
+    stay 0. Thread-safe.
+
+    ``fault_delay_ms`` (``DSV41_ENGRAM_FAULT_DELAY_MS``, fenced-window drills only; 0 = off):
+    every layer's ``lookup`` sleeps that many milliseconds before reading, whether the layers are
+    looked up one by one or through ``lookup_layers`` (about ``2 x delay`` per engine step on the
+    lab model). Rows stay exact; only time is added, outside the latency counters, and
+    ``counters()`` then carries ``fault_delay_ms``. The remote source applies the same delay
+    itself, inside its lookup deadline (``RemoteRowSource(fault_delay_ms=...)``). The shipped
+    candidate ``slow-rows`` uses it as the window's known LOSS (docs/windows.md). Never set in
+    production. Dsv41Error for a negative or non-finite delay.
+    """
+
+    def __init__(self, reader: Any, fault_delay_ms: float = 0.0) -> None:
+        if not 0 <= fault_delay_ms < float("inf"):  # also refuses NaN
+            raise Dsv41Error(f"fault_delay_ms must be a finite number >= 0, got {fault_delay_ms}")
         self.reader = reader
+        self.fault_delay_s = fault_delay_ms / 1e3
         self._lock = threading.Lock()
         self._c: dict[str, float | int] = {k: 0 for k in COUNTER_KEYS}
         self._c["latency_sum_s"] = 0.0
 
     def lookup(self, layer_id: int, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """See :meth:`RowSource.lookup`; ``out``: optional caller-owned uint8[N, 264] buffer
-        (as the reader's ``read``).  RowRangeError for out-of-range ids."""
+        """See :meth:`RowSource.lookup` (the reader's ``read``, after ``fault_delay_ms``).
+        RowRangeError for out-of-range ids, Dsv41Error for a bad ``out``."""
+        if self.fault_delay_s:
+            time.sleep(self.fault_delay_s)
         t0 = time.perf_counter()
-        out = self.reader.read(layer_id, rows) if out is None else self.reader.read(layer_id, rows, out=out)
+        out = self.reader.read(layer_id, rows, out=out)
         dt = time.perf_counter() - t0
         with self._lock:
             self._c["lookups"] += 1
@@ -70,16 +116,13 @@ class LocalRowSource:
             self._c["latency_count"] += 1
         return out
 
-    def lookup_layers(self, layer_ids, rows, outs=None) -> list[np.ndarray]:
-        """Rows of several layers (``RemoteRowSource.lookup_layers``' contract): one
-        ``lookup`` per layer, locally there is no round trip to save."""
-        outs = [None] * len(rows) if outs is None else outs
-        return [self.lookup(L, r, out=o) for L, r, o in zip(layer_ids, rows, outs)]
-
     def counters(self) -> dict:
-        """Snapshot of the counters (plus ``source: "local"``)."""
+        """Snapshot of the counters (plus ``source: "local"``, and ``fault_delay_ms`` when set)."""
         with self._lock:
-            return {"source": "local", **self._c}
+            c = {"source": "local", **self._c}
+        if self.fault_delay_s:
+            c["fault_delay_ms"] = self.fault_delay_s * 1e3
+        return c
 
     def close(self) -> None:
         """Close the reader."""
@@ -144,48 +187,3 @@ def parse_remote_env(env: Mapping[str, str], tp: int) -> tuple[list[RemoteURL], 
     """:func:`remote_config` of ``envs.parse(env)``: None when remote is off, else (urls,
     timeout_ms, required). :class:`dsv41.envs.ConfigError` on any bad value."""
     return remote_config(envs.parse(env), tp)
-
-
-def from_env(manifest: Any, data_dir: str | os.PathLike | None, rank: int, tp: int,
-             settings: Settings | None = None, threads: int = 16) -> RowSource:
-    """Build the engine's RowSource from ``settings`` (default: ``envs.parse()`` of the
-    environment).
-
-    ``DSV41_ENGRAM_REMOTE`` unset/empty -> :class:`LocalRowSource` over a LocalRowReader of
-    ``data_dir`` (wrapped by ``fault.DelayedRowSource`` under ``DSV41_ENGRAM_FAULT_DELAY_MS``).
-    Otherwise ``dsv41.engram.client.RemoteRowSource(urls, manifest, rank, tp, timeout_ms,
-    required, local=reader, deadline_ms=DSV41_ENGRAM_LOOKUP_DEADLINE_MS,
-    fault_delay_ms=DSV41_ENGRAM_FAULT_DELAY_MS, spin_us=DSV41_TRANSPORT_CLIENT_SPIN_US)`` with
-    ``urls`` the validated URL strings (one per rank) and ``reader`` the local exact fallback (None when ``data_dir`` is None): the
-    engine's lookup deadline and the drill's delay live inside the remote source (no wrapper,
-    no helper thread per lookup).
-    ``manifest``: Manifest or path.  ConfigError on bad settings, rank/tp, or a missing client.
-    """
-    from dsv41.engram import fault
-    from dsv41.engram.manifest import Manifest, load_manifest
-    from dsv41.engram.reader import LocalRowReader
-
-    settings = envs.parse() if settings is None else settings
-    if not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"tp must be an int >= 1, got {tp!r}")
-    if not isinstance(rank, int) or not 0 <= rank < tp:
-        raise ConfigError(f"rank must be in [0, {tp}), got {rank!r}")
-    remote = remote_config(settings, tp)
-    m = manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
-    if remote is None:
-        if data_dir is None:
-            raise ConfigError("no data directory for the local Engram reader (and DSV41_ENGRAM_REMOTE is unset)")
-        return fault.wrap(LocalRowSource(LocalRowReader(m, Path(data_dir), threads=threads)),
-                          settings.engram_fault_delay_ms)
-    urls, timeout_ms, required = remote
-    try:
-        client = importlib.import_module("dsv41.engram.client")
-    except ModuleNotFoundError as exc:
-        if exc.name in ("dsv41.engram.client",):
-            raise ConfigError("DSV41_ENGRAM_REMOTE is set but dsv41.engram.client is not installed") from None
-        raise
-    reader = LocalRowReader(m, Path(data_dir), threads=threads) if data_dir is not None else None
-    return client.RemoteRowSource([str(u) for u in urls], m, rank, tp, timeout_ms, required, local=reader,
-                                  deadline_ms=settings.engram_lookup_deadline_ms,
-                                  fault_delay_ms=settings.engram_fault_delay_ms,
-                                  spin_us=settings.transport_client_spin_us)

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from dsv41.engram.layout import layout_from_manifest
 from dsv41.errors import Dsv41Error, VerificationError
 
 _WORDS = (
@@ -28,31 +29,6 @@ _WORDS = (
     "DeepSeek V4.1 Flash GB10 RoCE 40Gb/s MTU=9000 x86 EPYC fp8 e4m3 ue8m0 bf16 sigmoid gate "
     "Über naïve café résumé 東京 данные λ"
 ).split()
-
-
-def layout_from_manifest(manifest: Any):
-    """The ``EngramLayout`` a manifest was written for; ``VerificationError`` if its tables'
-    primes, offsets or multipliers disagree with the layout parameters."""
-    from dsv41.engram.layout import EngramLayout
-
-    p = manifest.layout
-    cfg = {
-        "engram_layer_ids": p["layer_ids"],
-        "engram_max_ngram_size": p["max_ngram_size"],
-        "engram_n_heads": p["n_heads"],
-        "engram_head_dim": p["head_dim"],
-        "engram_vocab_size": p["vocab_sizes"][0],
-        "engram_vocab_sizes": p["vocab_sizes"],
-        "engram_compressed_vocab_size": p["compressed_vocab_size"],
-        "engram_pad_token_id": p["pad_token_id"],
-    }
-    layout = EngramLayout.from_config(cfg)
-    for li, layer in enumerate(layout.layer_ids):
-        h = manifest.table(layer).hash
-        if (list(h["primes"]), list(h["offsets"]), list(h["multipliers"])) != (
-            list(layout.primes[li]), list(layout.offsets[li]), list(layout.multipliers[li])):
-            raise VerificationError(f"manifest table of layer {layer}: hash parameters differ from its layout")
-    return layout
 
 
 def _text(rng: np.random.Generator, n_bytes: int) -> bytes:

@@ -127,7 +127,8 @@ def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, h
     from dsv41.engine.engine import Engine
     from dsv41.engine.metrics import EngineMetrics
     from dsv41.engine.scheduler import Scheduler
-    from dsv41.engine.server import ABORT_SETTLE_S, ServerState, create_app, shutdown_drain
+    from dsv41.engine.server import create_app
+    from dsv41.engine.server_state import ABORT_SETTLE_S, ServerState, shutdown_drain
     from dsv41.httpd import uvicorn_limits
 
     log = logging.getLogger("dsv41.engine")
@@ -160,7 +161,7 @@ def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, h
                 self.should_exit = True
 
     drain_s = settings.engine_drain_timeout_s
-    # The shutdown drain (server.shutdown_drain) bounds the requests; uvicorn's graceful shutdown
+    # The shutdown drain (server_state.shutdown_drain) bounds the requests; uvicorn's graceful shutdown
     # is the backstop for connections that outlive it (a handler that ignores its abort).
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                     timeout_graceful_shutdown=int(drain_s + ABORT_SETTLE_S) + 1, lifespan="off",

@@ -1,4 +1,5 @@
-"""``dsv41 qualify ...``: the probes of ``ansible-playbook qualify.yml`` (dsv41.entrypoints.qualify).
+"""``dsv41 qualify ...``: the probes of ``ansible-playbook qualify.yml`` (dsv41.entrypoints.qualify_host,
+qualify_controller; records and preflight: dsv41.entrypoints.qualify).
 
 Each probe prints one JSON list of check records on its last stdout line and exits 0 whatever the
 checks found (the records say pass / fail / skipped); bad input is one ``dsv41: error:`` line and
@@ -52,20 +53,20 @@ def peers_cmd(
     count: Annotated[int, typer.Option("--count", help="Echo requests per peer.")] = 3,
 ) -> None:
     """links.peer_reachable per link: ICMP echo to the peer's link address from this end's."""
-    from dsv41.entrypoints import qualify as Q
+    from dsv41.entrypoints import qualify_host as H
 
     doc = _json_arg(links, "--links")
     if not isinstance(doc, list) or not all(isinstance(x, dict) and "name" in x for x in doc):
         raise ConfigError("--links: expected a JSON list of {name, address, peer_address}")
     if count < 1:
         raise ConfigError(f"--count must be >= 1, got {count}")
-    _emit(Q.probe_peers(host, doc, count=count))
+    _emit(H.probe_peers(host, doc, count=count))
 
 
 def _url(env_file: Path, rank: int) -> str | None:
-    from dsv41.entrypoints import qualify as Q
+    from dsv41.entrypoints import qualify_host as H
 
-    return Q.rank_url(Q.read_env_file(env_file), rank)
+    return H.rank_url(H.read_env_file(env_file), rank)
 
 
 @app.command("transport")
@@ -87,6 +88,7 @@ def transport_cmd(
     """transport.* of this rank over its own link, on the URL its serving engine uses
     (DSV41_ENGRAM_REMOTE of the Engram env file)."""
     from dsv41.entrypoints import qualify as Q
+    from dsv41.entrypoints import qualify_host as H
 
     if backend not in ("nixl", "tcp"):
         raise ConfigError(f"--backend must be nixl or tcp, not {backend!r}")
@@ -98,7 +100,7 @@ def transport_cmd(
                                       "refused_identity"), host,
                         f"remote Engram is off on rank {rank} ({env_file} has no DSV41_ENGRAM_REMOTE)", subject=link))
         return
-    _emit(Q.probe_transport(host, link, url, str(manifest), rank, tp, backend=backend, p50_max_us=p50_max_us,
+    _emit(H.probe_transport(host, link, url, str(manifest), rank, tp, backend=backend, p50_max_us=p50_max_us,
                             p99_max_us=p99_max_us, gbps_min=gbps_min, iters=iters, bw_bytes=bw_mib << 20,
                             start_at=start_at))
 
@@ -114,6 +116,7 @@ def sweep_cmd(
 ) -> None:
     """exactness.bad_rows per layer: the sweep of this rank over its production URL vs the local shards."""
     from dsv41.entrypoints import qualify as Q
+    from dsv41.entrypoints import qualify_host as H
 
     if lookups < 1:
         raise ConfigError(f"--lookups must be >= 1, got {lookups}")
@@ -122,7 +125,7 @@ def sweep_cmd(
         _emit([Q.record("exactness", "bad_rows", host, None, reason=f"remote Engram is off on rank {rank}",
                         subject=f"rank {rank}")])
         return
-    _emit(Q.probe_sweep(host, url, str(manifest), rank, tp, lookups))
+    _emit(H.probe_sweep(host, url, str(manifest), rank, tp, lookups))
 
 
 @app.command("serving-host")
@@ -138,11 +141,11 @@ def serving_host_cmd(
 ) -> None:
     """serving.* that read only this Spark: required mode, host memory; image, overlay contract,
     PIECEWISE and the overlay's start line with vLLM."""
-    from dsv41.entrypoints import qualify as Q
+    from dsv41.entrypoints import qualify_host as H
 
     if runtime not in ("lab", "vllm"):
         raise ConfigError(f"--runtime must be lab or vllm, not {runtime!r}")
-    _emit(Q.probe_serving_host(host, rank, runtime=runtime, env_file=str(env_file), required=required,
+    _emit(H.probe_serving_host(host, rank, runtime=runtime, env_file=str(env_file), required=required,
                                pinned_max_bytes=pinned_max_bytes, image=image, container_runtime=container_runtime))
 
 
@@ -154,11 +157,11 @@ def serving_cmd(
     interval: Annotated[float, typer.Option("--interval", help="Seconds of traffic between the two counter reads.")] = 10.0,
 ) -> None:
     """serving.counters per rank over a measured interval of traffic, serving.greedy_refs 6/6."""
-    from dsv41.entrypoints import qualify as Q
+    from dsv41.entrypoints import qualify_controller as C
 
     if not interval > 0:
         raise ConfigError(f"--interval must be > 0, got {interval}")
-    _emit(Q.probe_serving(api, str(refs), host="localhost", ranks=[r.strip() for r in ranks.split(",") if r.strip()],
+    _emit(C.probe_serving(api, str(refs), host="localhost", ranks=[r.strip() for r in ranks.split(",") if r.strip()],
                           interval_s=interval))
 
 
@@ -169,9 +172,9 @@ def reconnect_cmd(
     wait: Annotated[float, typer.Option("--wait", help="Seconds allowed for the ranks to serve remote rows again.")] = 30.0,
 ) -> None:
     """transport.reconnect per rank, right after the table server was restarted."""
-    from dsv41.entrypoints import qualify as Q
+    from dsv41.entrypoints import qualify_controller as C
 
-    _emit(Q.probe_reconnect(api, host="localhost", ranks=[r.strip() for r in ranks.split(",") if r.strip()], wait_s=wait))
+    _emit(C.probe_reconnect(api, host="localhost", ranks=[r.strip() for r in ranks.split(",") if r.strip()], wait_s=wait))
 
 
 @app.command("fail-closed")
@@ -180,9 +183,9 @@ def fail_closed_cmd(
     refs: Annotated[Path, typer.Option("--refs")],
 ) -> None:
     """drafter.fail_closed, with the drafter worker stopped."""
-    from dsv41.entrypoints import qualify as Q
+    from dsv41.entrypoints import qualify_controller as C
 
-    _emit(Q.probe_fail_closed(api, str(refs), host="localhost"))
+    _emit(C.probe_fail_closed(api, str(refs), host="localhost"))
 
 
 @app.command("drafter-identity")
@@ -193,9 +196,9 @@ def drafter_identity_cmd(
                                                              "out: rank 0's identities could not be read).")] = "",
 ) -> None:
     """drafter.worker_identity: the worker's identities equal rank 0's drafter files."""
-    from dsv41.entrypoints import qualify as Q
+    from dsv41.entrypoints import qualify_controller as C
 
-    _emit(Q.probe_drafter_identity(_json_arg(worker, "--worker") if worker else None,
+    _emit(C.probe_drafter_identity(_json_arg(worker, "--worker") if worker else None,
                                    _json_arg(expected, "--expected") if expected else None, host="localhost"))
 
 
@@ -212,6 +215,6 @@ def vllm_tiny_cmd(
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds allowed for the four serves.")] = 3600.0,
 ) -> None:
     """serving.vllm_tiny: run the tiny-model ``vllm serve`` qualification script on this CUDA host."""
-    from dsv41.entrypoints import qualify as Q
+    from dsv41.entrypoints import qualify_host as H
 
-    _emit([Q.run_vllm_tiny(str(script), str(config), timeout_s=timeout)])
+    _emit([H.run_vllm_tiny(str(script), str(config), timeout_s=timeout)])

@@ -14,7 +14,11 @@ Three steps, each usable on its own:
    ``/metrics`` is read twice, ``window_s`` seconds apart, for the "over the last N seconds" deltas.
 3. :func:`evaluate` turns hosts + probe into a report: healthy, or the reasons it is not
    (unreachable host or rank, a service not running, fallbacks growing, admission held, identity
-   mismatch, table server not ready). :func:`render_lines` / :func:`render_tables` print it.
+   mismatch, table server not ready). ``dsv41.entrypoints.status_render`` prints it.
+
+:func:`summarize` is the whole judgement from what ``playbooks/status.yml`` gathered (its summary
+task, the ``dsv41_status`` module, calls it); ``dsv41 status`` runs that playbook through
+ansible-runner (``dsv41.entrypoints.status_cli``).
 
 Report shape (JSON, what ``--json`` prints)::
 
@@ -49,11 +53,13 @@ from dsv41.errors import Dsv41Error
 
 # Healthy service states: supervisord's RUNNING, systemd's "active".
 _UP = {"RUNNING", "active"}
-_SERVICE_PREFIX = "dsv41-"
+#: Every dsv41 service name starts with it.
+SERVICE_PREFIX = "dsv41-"
 
 
 class StatusError(Dsv41Error):
-    """Status could not be gathered at all (bad inventory, no project, Ansible failed to start)."""
+    """Status could not be gathered at all (bad inventory, no project, Ansible failed to start,
+    a bad argument)."""
 
 
 # ---- 1. on each host -------------------------------------------------------------------------
@@ -65,7 +71,7 @@ def _run(argv: list[str], timeout_s: float = 20.0) -> subprocess.CompletedProces
         return None
 
 
-def service_states(service_manager: str, supervisorctl: str = "", prefix: str = _SERVICE_PREFIX) -> dict[str, str]:
+def service_states(service_manager: str, supervisorctl: str = "", prefix: str = SERVICE_PREFIX) -> dict[str, str]:
     """``{service: state}`` of the ``dsv41-*`` services this host's service manager knows.
 
     ``service_manager``: ``supervisor`` (states as ``supervisorctl status`` prints them, e.g.
@@ -310,7 +316,8 @@ def last_window(windows_dir: str | os.PathLike | None) -> dict | None:
 
 # ---- 3. judge --------------------------------------------------------------------------------
 
-def _fmt_since(since: float | None, now: float) -> str:
+def fmt_since(since: float | None, now: float) -> str:
+    """``since <UTC stamp> (<seconds> s)`` of a HOLD taken at Unix time ``since`` (s), seen at ``now``."""
     if not since:
         return "since an unknown time"
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since))
@@ -367,7 +374,7 @@ def evaluate(hosts: dict, probed: dict, *, expected_image: str = "", window: dic
         reasons.append(f"rank 0 API {api['url']}: {api['health']}")
     held_reason = None
     if api.get("admission") == "held":
-        held_reason = f"admission held {_fmt_since(api.get('since'), now)}"
+        held_reason = f"admission held {fmt_since(api.get('since'), now)}"
         reasons.append(held_reason)
     elif api.get("admission") not in (None, "open"):
         reasons.append(f"admission {api['admission']}")
@@ -455,139 +462,7 @@ def allow_hold(report: dict) -> dict:
             "warnings": [*report["warnings"], f"{held} (expected: --hold-ok)"]}
 
 
-# ---- rendering -------------------------------------------------------------------------------
-
-def _short(x: str | None, n: int = 12) -> str:
-    return (x or "-")[:n]
-
-
-def _host_cells(name: str, h: dict) -> list[str]:
-    role = f"rank {h['rank']}" if h.get("rank") is not None else ",".join(h.get("groups") or []) or "-"
-    if not h.get("reachable"):
-        return [name, role, f"unreachable: {h.get('error') or ''}"[:80], "-", "-", "-", "-", "-"]
-    svcs = ", ".join(f"{s.removeprefix(_SERVICE_PREFIX)} {st}" for s, st in sorted((h.get("services") or {}).items())) or "none"
-    man = h.get("manifest")
-    tables = ("-" if man is None else man.get("error", "")[:40] if "error" in man
-              else f"{man['revision']} " + " ".join(f"L{k}:{_short(v, 8)}" for k, v in sorted(man["tables"].items())))
-    dr = h.get("drafter")
-    drafter = "-" if dr is None else dr.get("error", "")[:40] if "error" in dr else (
-        f"drafter {_short(dr.get('drafter'), 8)} target {_short(dr.get('target'), 8)}")
-    image = h.get("image") or "none (no container)"
-    return [name, role, svcs, h.get("dsv41") or "-", image, tables, drafter, h.get("promotion") or "none"]
-
-
-def _rank_rows(report: dict) -> list[list[str]]:
-    eng = report["engine"]
-    rows = []
-    for r, c in sorted(eng.get("engram", {}).items()):
-        d = eng.get("window", {}).get("engram", {}).get(r, {})
-        rows.append([r, f"{int(c.get('lookups', 0))}", f"+{int(d.get('lookups', 0))}",
-                     f"{int(c.get('fallbacks', 0))}", f"+{int(d.get('fallbacks', 0))}"])
-    return rows
-
-
-def _drafting_line(report: dict) -> str:
-    eng = report["engine"]
-    dr, spec, w = eng.get("drafter", {}), eng.get("spec", {}), eng.get("window", {})
-    wd, ws = w.get("drafter", {}), w.get("spec", {})
-    line = (f"drafter rounds {int(dr.get('rounds', 0))} (+{int(wd.get('rounds', 0))}), accepted tokens "
-            f"{int(spec.get('accepted_tokens', 0))}/{int(spec.get('draft_tokens', 0))} (+{int(ws.get('accepted_tokens', 0))}), "
-            f"fail-closed {int(dr.get('fail_closed_rounds', 0))} (+{int(wd.get('fail_closed_rounds', 0))}), "
-            f"proxy respawns {int(dr.get('proxy_respawns', 0))}")
-    worker = report["drafter_worker"]
-    if worker.get("url") and not worker.get("error"):
-        ids = worker.get("identities") or {}
-        line += (f"; worker {worker['url']} connections {int(worker.get('connections', 0))}, "
-                 f"drafter {_short(ids.get('drafter'))} target {_short(ids.get('target'))}")
-    return line
-
-
-def _admission_line(report: dict) -> str:
-    api = report["api"]
-    adm = api.get("admission") or "unknown"
-    if adm == "held":
-        adm += " " + _fmt_since(api.get("since"), report["time"])
-    return adm
-
-
-def _alerts_line(report: dict) -> str | None:
-    al = report.get("alerts")
-    if not al:
-        return None
-    if al.get("error"):
-        return f"alerts ({al['url']}): not read"
-    names = sorted({a["name"] for a in al["firing"]})
-    return f"alerts ({al['url']}): " + (f"{len(al['firing'])} firing: {', '.join(names)}" if names else "none firing")
-
-
-def _window_line(report: dict) -> str:
-    w = report.get("window")
-    return "none" if not w else f"{w['id']}: {w['verdict']}"
-
-
-def render_lines(report: dict) -> list[str]:
-    """The report as plain lines (the playbook's summary; also ``dsv41 status`` without a tty)."""
-    api = report["api"]
-    lines = [f"status: {'HEALTHY' if report['healthy'] else 'UNHEALTHY'}",
-             f"API: {api['url']} (model {api.get('model') or '?'}; health {api.get('health') or api.get('error')}); "
-             f"metrics {api['url']}/metrics; admission {_admission_line(report)}"]
-    for name, h in sorted(report["hosts"].items()):
-        c = _host_cells(name, h)
-        if not h.get("reachable"):
-            lines.append(f"{c[0]} ({c[1]}): unreachable")
-            continue
-        lines.append(f"{c[0]} ({c[1]}): {c[2]}; dsv41 {c[3]}; image {c[4]}; tables {c[5]}; {c[6]}; promotion {c[7]}")
-    srv = report["engram_server"]
-    if srv.get("url"):
-        lines.append(f"Engram table server {srv['url']}/metrics: {'ready' if srv.get('ready') else srv.get('error')}")
-    for r, look, dlook, fb, dfb in _rank_rows(report):
-        lines.append(f"Engram rank {r}: {look} lookups ({dlook} in {report['window_s']:g} s), "
-                     f"{fb} fallbacks ({dfb} in {report['window_s']:g} s)")
-    lines.append(_drafting_line(report))
-    lines.append(f"last window: {_window_line(report)}")
-    if _alerts_line(report):
-        lines.append(_alerts_line(report))
-    lines += [f"warning: {w}" for w in report.get("warnings", [])]
-    lines += [f"unhealthy: {r}" for r in report["reasons"]]
-    return lines
-
-
-def render_tables(report: dict, console) -> None:
-    """Print the report with rich tables on ``console`` (a ``rich.console.Console``)."""
-    from rich.table import Table
-
-    api = report["api"]
-    t = Table(title="dsv41 hosts", title_justify="left")
-    for col in ("host", "role", "services", "dsv41", "image", "tables (revision, identities)", "drafter", "promotion"):
-        t.add_column(col, overflow="fold")
-    for name, h in sorted(report["hosts"].items()):
-        t.add_row(*_host_cells(name, h))
-    console.print(t)
-    console.print(f"API {api['url']}  model {api.get('model') or '?'}  health {api.get('health') or api.get('error')}"
-                  f"  admission [bold]{_admission_line(report)}[/bold]", markup=True, highlight=False)
-    srv = report["engram_server"]
-    if srv.get("url"):
-        console.print(f"Engram table server {srv['url']}: {'ready' if srv.get('ready') else srv.get('error')}",
-                      highlight=False)
-    e = Table(title=f"Engram per rank (since start / last {report['window_s']:g} s)", title_justify="left")
-    for col in ("rank", "lookups", "Δ lookups", "fallbacks", "Δ fallbacks"):
-        e.add_column(col, justify="right")
-    for row in _rank_rows(report):
-        e.add_row(*row)
-    console.print(e)
-    console.print(_drafting_line(report), highlight=False)
-    console.print(f"last window: {_window_line(report)}", highlight=False)
-    if _alerts_line(report):
-        console.print(_alerts_line(report), highlight=False)
-    for w in report.get("warnings", []):
-        console.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
-    if report["healthy"]:
-        console.print("[green]healthy[/green]")
-    for r in report["reasons"]:
-        console.print(f"[red]unhealthy:[/red] {r}", highlight=False)
-
-
-# ---- the whole run (what the playbook's summary task and `dsv41 status` call) -----------------
+# ---- the whole judgement (what the playbook's summary task calls) -----------------------------
 
 def host_entry(raw: dict) -> dict:
     """One host's entry from what ``playbooks/status.yml`` registered for it: ``groups``, ``rank``
@@ -623,92 +498,3 @@ def summarize(hosts: dict, api_url: str, engram_url: str | None = None, drafter_
     probed = probe(api_url, engram_url, drafter_url, window_s=window_s, timeout_s=timeout_s)
     rep = evaluate(entries, probed, expected_image=expected_image, window=last_window(windows_dir))
     return add_alerts(rep, prometheus_url, timeout_s=timeout_s)
-
-
-def find_project(inventory: str | os.PathLike) -> Path:
-    """The project checkout that holds ``playbooks/status.yml``: the first directory above the
-    inventory, else above the current directory; StatusError when there is none."""
-    for start in (Path(inventory).resolve(), Path.cwd().resolve()):
-        for d in (start, *start.parents):
-            if (d / "playbooks" / "status.yml").is_file() and (d / "ansible.cfg").is_file():
-                return d
-    raise StatusError(f"cannot find playbooks/status.yml above {inventory} or the current directory "
-                      "(run dsv41 status from the dsv41-offload checkout)")
-
-
-def default_inventory() -> str:
-    """The inventory ansible.cfg names (the embedded default: the lab), as Ansible resolves it."""
-    from ansible import constants as C
-
-    hl = C.DEFAULT_HOST_LIST
-    return hl[0] if isinstance(hl, (list, tuple)) and hl else str(hl)
-
-
-def inventory_hosts(inventory: str) -> dict[str, list[str]]:
-    """``{group: [host, ...]}`` of the ``spark`` and ``offload`` groups, parsed by Ansible's own
-    inventory API. StatusError (one line) for a missing inventory or one without those hosts."""
-    if not os.path.exists(inventory):
-        raise StatusError(f"inventory {inventory}: no such file or directory")
-    import contextlib
-    import io
-
-    from ansible.inventory.manager import InventoryManager
-    from ansible.parsing.dataloader import DataLoader
-    from ansible.plugins.loader import init_plugin_loader
-
-    init_plugin_loader()
-    noise = io.StringIO()  # Ansible's warnings about the source: folded into the one error line
-    try:
-        with contextlib.redirect_stderr(noise), contextlib.redirect_stdout(noise):
-            inv = InventoryManager(loader=DataLoader(), sources=[inventory])
-    except Exception as exc:  # noqa: BLE001 - Ansible raises its own error types for bad sources
-        raise StatusError(f"inventory {inventory}: {' '.join(str(exc).split())[:300]}") from None
-    groups = {g: [h.name for h in inv.groups[g].get_hosts()] for g in ("spark", "offload") if g in inv.groups}
-    if not groups.get("spark") or not groups.get("offload"):
-        why = [ln.split(" plugin: ", 1)[-1].strip() for ln in noise.getvalue().splitlines()
-               if ln.startswith("[WARNING]: Failed to parse")]
-        raise StatusError(f"inventory {inventory}: no hosts in the 'spark' and 'offload' groups"
-                          + (f" (it did not parse: {why[0][:200]})" if why else " (not a dsv41 inventory)"))
-    return groups
-
-
-def run_playbook(inventory: str, window_s: float = 5.0, timeout_s: float = 300.0, prometheus_url: str = "") -> dict:
-    """Run ``playbooks/status.yml`` through ``inventory`` with ansible-runner (fresh private data
-    dir) and return the report its summary task computed; ``prometheus_url`` (optional) becomes
-    ``status_prometheus_url`` (firing alerts, :func:`add_alerts`). StatusError when the run produced none
-    (the line says why)."""
-    import tempfile
-
-    import ansible_runner
-
-    inventory_hosts(inventory)
-    project = find_project(inventory)
-    # ansible-playbook from the venv running this command, even when that venv is not on PATH
-    path = os.pathsep.join([str(Path(os.sys.executable).parent), os.environ.get("PATH", "")])
-    found: dict = {}
-    failures: list[str] = []
-
-    def on_event(ev: dict) -> bool:
-        data = ev.get("event_data") or {}
-        res = data.get("res") or {}
-        if ev.get("event") == "runner_on_ok" and isinstance(res.get("report"), dict):
-            found["report"] = res["report"]
-        elif ev.get("event") in ("runner_on_failed", "runner_on_unreachable") and not data.get("ignore_errors"):
-            failures.append(f"{data.get('host', '?')}: {' '.join(str(res.get('msg', '')).split())[:300]}")
-        return False
-
-    with tempfile.TemporaryDirectory(prefix="dsv41-status-") as pdd:
-        r = ansible_runner.run(
-            private_data_dir=pdd, project_dir=str(project), playbook=str(project / "playbooks" / "status.yml"),
-            inventory=str(Path(inventory).resolve()), extravars={"status_window_s": float(window_s),
-                       **({"status_prometheus_url": prometheus_url} if prometheus_url else {})},
-            quiet=True, event_handler=on_event, timeout=int(timeout_s),
-            envvars={"ANSIBLE_CONFIG": str(project / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1", "PATH": path})
-        if "report" in found:
-            return found["report"]
-        out = ""
-        if r.stdout is not None:
-            out = r.stdout.read()
-    tail = [ln for ln in out.splitlines() if ln.strip().startswith(("ERROR!", "[ERROR]", "fatal:"))]
-    why = failures[0] if failures else (tail[-1].strip() if tail else f"ansible-playbook {r.status}, rc {r.rc}")
-    raise StatusError(f"status via {inventory}: {why}")

@@ -1,14 +1,21 @@
 """``dsv41 status``: is production healthy, and what is it running? (dsv41.entrypoints.status)
 
-Exit 0 when healthy, 1 with the reasons when not, so it serves as a probe.
+Exit 0 when healthy, 1 with the reasons when not, so it serves as a probe. Without ``--local``
+it runs ``playbooks/status.yml`` through the inventory with ansible-runner (:func:`run_playbook`:
+the hosts' facts gathered through their own connections, the report from the playbook's
+summary task) and prints the report (``dsv41.entrypoints.status_render``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+from pathlib import Path
 
 import typer
+
+from dsv41.entrypoints.status import StatusError
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -37,13 +44,14 @@ def status(
     drafter and target identities, admission, Engram lookups and fallbacks per rank, drafter rounds,
     accepted tokens, fail-closed rounds, proxy respawns, promotion package and last window verdict."""
     from dsv41.entrypoints import status as st
+    from dsv41.entrypoints import status_render
 
     if local:
         facts = st.host_facts(service_manager=service_manager, supervisorctl=supervisorctl, root=root,
                               container_runtime=container_runtime)
         print(json.dumps(facts, indent=None if as_json else 1, sort_keys=True))
         return
-    report = st.run_playbook(inventory or st.default_inventory(), window_s=window, prometheus_url=prometheus)
+    report = run_playbook(inventory or default_inventory(), window_s=window, prometheus_url=prometheus)
     if hold_ok:
         report = st.allow_hold(report)
     if as_json:
@@ -51,8 +59,98 @@ def status(
     elif sys.stdout.isatty():
         from rich.console import Console
 
-        st.render_tables(report, Console())
+        status_render.render_tables(report, Console())
     else:
-        print("\n".join(st.render_lines(report)))
+        print("\n".join(status_render.render_lines(report)))
     if not report["healthy"]:
         raise typer.Exit(1)
+
+
+def find_project(inventory: str | os.PathLike) -> Path:
+    """The project checkout that holds ``playbooks/status.yml``: the first directory above the
+    inventory, else above the current directory; StatusError when there is none."""
+    for start in (Path(inventory).resolve(), Path.cwd().resolve()):
+        for d in (start, *start.parents):
+            if (d / "playbooks" / "status.yml").is_file() and (d / "ansible.cfg").is_file():
+                return d
+    raise StatusError(f"cannot find playbooks/status.yml above {inventory} or the current directory "
+                      "(run dsv41 status from the dsv41-offload checkout)")
+
+
+def default_inventory() -> str:
+    """The inventory ansible.cfg names (the embedded default: the lab), as Ansible resolves it."""
+    from ansible import constants as C
+
+    hl = C.DEFAULT_HOST_LIST
+    return hl[0] if isinstance(hl, (list, tuple)) and hl else str(hl)
+
+
+def inventory_hosts(inventory: str) -> dict[str, list[str]]:
+    """``{group: [host, ...]}`` of the ``spark`` and ``offload`` groups, parsed by Ansible's own
+    inventory API. StatusError (one line) for a missing inventory or one without those hosts."""
+    if not os.path.exists(inventory):
+        raise StatusError(f"inventory {inventory}: no such file or directory")
+    import contextlib
+    import io
+
+    from ansible.inventory.manager import InventoryManager
+    from ansible.parsing.dataloader import DataLoader
+    from ansible.plugins.loader import init_plugin_loader
+
+    init_plugin_loader()
+    noise = io.StringIO()  # Ansible's warnings about the source: folded into the one error line
+    try:
+        with contextlib.redirect_stderr(noise), contextlib.redirect_stdout(noise):
+            inv = InventoryManager(loader=DataLoader(), sources=[inventory])
+    except Exception as exc:  # noqa: BLE001 - Ansible raises its own error types for bad sources
+        raise StatusError(f"inventory {inventory}: {' '.join(str(exc).split())[:300]}") from None
+    groups = {g: [h.name for h in inv.groups[g].get_hosts()] for g in ("spark", "offload") if g in inv.groups}
+    if not groups.get("spark") or not groups.get("offload"):
+        why = [ln.split(" plugin: ", 1)[-1].strip() for ln in noise.getvalue().splitlines()
+               if ln.startswith("[WARNING]: Failed to parse")]
+        raise StatusError(f"inventory {inventory}: no hosts in the 'spark' and 'offload' groups"
+                          + (f" (it did not parse: {why[0][:200]})" if why else " (not a dsv41 inventory)"))
+    return groups
+
+
+def run_playbook(inventory: str, window_s: float = 5.0, timeout_s: float = 300.0, prometheus_url: str = "") -> dict:
+    """Run ``playbooks/status.yml`` through ``inventory`` with ansible-runner (fresh private data
+    dir) and return the report its summary task computed (``status.summarize``); ``window_s``
+    (s) becomes ``status_window_s``, ``timeout_s`` (s) bounds the whole run, ``prometheus_url``
+    (optional) becomes ``status_prometheus_url`` (firing alerts, ``status.add_alerts``).
+    StatusError when the run produced none (the line says why)."""
+    import tempfile
+
+    import ansible_runner
+
+    inventory_hosts(inventory)
+    project = find_project(inventory)
+    # ansible-playbook from the venv running this command, even when that venv is not on PATH
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    found: dict = {}
+    failures: list[str] = []
+
+    def on_event(ev: dict) -> bool:
+        data = ev.get("event_data") or {}
+        res = data.get("res") or {}
+        if ev.get("event") == "runner_on_ok" and isinstance(res.get("report"), dict):
+            found["report"] = res["report"]
+        elif ev.get("event") in ("runner_on_failed", "runner_on_unreachable") and not data.get("ignore_errors"):
+            failures.append(f"{data.get('host', '?')}: {' '.join(str(res.get('msg', '')).split())[:300]}")
+        return False
+
+    with tempfile.TemporaryDirectory(prefix="dsv41-status-") as pdd:
+        r = ansible_runner.run(
+            private_data_dir=pdd, project_dir=str(project), playbook=str(project / "playbooks" / "status.yml"),
+            inventory=str(Path(inventory).resolve()), extravars={"status_window_s": float(window_s),
+                       **({"status_prometheus_url": prometheus_url} if prometheus_url else {})},
+            quiet=True, event_handler=on_event, timeout=int(timeout_s),
+            envvars={"ANSIBLE_CONFIG": str(project / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1", "PATH": path})
+        if "report" in found:
+            return found["report"]
+        out = ""
+        if r.stdout is not None:
+            out = r.stdout.read()
+    tail = [ln for ln in out.splitlines() if ln.strip().startswith(("ERROR!", "[ERROR]", "fatal:"))]
+    why = failures[0] if failures else (tail[-1].strip() if tail else f"ansible-playbook {r.status}, rc {r.rc}")
+    raise StatusError(f"status via {inventory}: {why}")

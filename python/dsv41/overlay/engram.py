@@ -113,7 +113,7 @@ def _source(settings: S.OverlaySettings, tp: int, rank: int) -> tuple[Any, Any]:
             return _sources[key]
         from dsv41.engram.client import RemoteRowSource
         from dsv41.engram.manifest import load_manifest
-        from dsv41.engram.sweep import layout_from_manifest
+        from dsv41.engram.layout import layout_from_manifest
         from dsv41.engram.reader import LocalRowReader
 
         url = S.rank_url(settings, tp, rank)

@@ -1,0 +1,357 @@
+"""Host-side qualification probes (``dsv41 qualify peers|transport|sweep|serving-host|vllm-tiny``):
+each runs on the host being qualified, through the inventory's own connection, and returns the
+check records (``dsv41.entrypoints.qualify.record``) of its group: links (peer reachability),
+transport (backend, latency, bandwidth, refused identity, late replies), exactness (the sweep),
+serving (required mode, pinned memory, the container's image, overlay and graph mode; the tiny
+vLLM run). A check that needs what the host lacks is ``skipped`` with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+from dsv41 import envs, fileio
+from dsv41.entrypoints.qualify import QualifyError, record, skipped
+from dsv41.errors import Dsv41Error
+
+#: 64 MiB: the published link probe's transfer size (README "Qualify on hardware").
+BANDWIDTH_BYTES = 64 << 20
+
+
+# --- links -----------------------------------------------------------------------------------------
+
+def probe_peers(host: str, links: list[dict], count: int = 3, interval_s: float = 0.2, timeout_s: float = 1.0,
+                ping: Callable | None = None) -> list[dict]:
+    """``links.peer_reachable[<link>]``: ICMP echo to each link's ``peer_address`` from its own
+    ``address`` (icmplib, raw socket: needs root/CAP_NET_RAW). Value: average RTT in ms and
+    packets received of ``count``."""
+    if ping is None:
+        from icmplib import ping  # noqa: PLC0415
+    from icmplib.exceptions import ICMPLibError  # noqa: PLC0415
+
+    out = []
+    for link in links:
+        name, peer = link["name"], link.get("peer_address")
+        if not peer:
+            out.append(record("links", "peer_reachable", host, None, reason="no peer_address in the inventory",
+                              subject=name))
+            continue
+        try:
+            h = ping(peer, count=count, interval=interval_s, timeout=timeout_s, source=link.get("address"),
+                     privileged=True)
+            ok = h.packets_received > 0
+            out.append(record("links", "peer_reachable", host, ok,
+                              {"rtt_avg_ms": round(h.avg_rtt, 3), "received": h.packets_received, "sent": h.packets_sent},
+                              f"{peer} answers", reason="" if ok else f"{name}: {peer} did not answer "
+                              f"{h.packets_sent} echo requests from {link.get('address')}", subject=name))
+        except (ICMPLibError, OSError) as exc:
+            out.append(record("links", "peer_reachable", host, False, None, f"{peer} answers",
+                              reason=f"{name}: ping {peer}: {exc}", subject=name))
+    return out
+
+
+# --- transport -------------------------------------------------------------------------------------
+
+def read_env_file(path: str | os.PathLike) -> dict[str, str]:
+    """``KEY=VALUE`` pairs of a service's env file (:func:`dsv41.envs.parse_env_text`: comments and
+    blanks skipped); {} when absent. Dsv41Error (one line) when it is not a regular file or malformed."""
+    from dsv41.entrypoints.env_cli import read_env_file as read_pairs
+
+    if not os.path.lexists(path):
+        return {}
+    return read_pairs(Path(path))
+
+
+def rank_url(env: dict[str, str], rank: int) -> str | None:
+    """This rank's ``DSV41_ENGRAM_REMOTE`` URL (one URL per rank, or one for all); None when unset.
+    :class:`dsv41.envs.ConfigError` (one line) when ``env`` holds a value the services would refuse."""
+    urls = [u.strip() for u in envs.parse(env).engram_remote.split(",") if u.strip()]
+    if not urls:
+        return None
+    return urls[rank] if len(urls) > rank else urls[0]
+
+
+def _pct(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]) of a non-empty list."""
+    s = sorted(xs)
+    k = max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))
+    return s[k]
+
+
+def probe_transport(host: str, link: str, url: str, manifest: str, rank: int, tp: int, *, backend: str,
+                    p50_max_us: float, p99_max_us: float, gbps_min: float, iters: int = 2000,
+                    bw_bytes: int = BANDWIDTH_BYTES, bw_repeats: int = 5, start_at: float | None = None,
+                    timeout_ms: int = 1000, seed: int = 0, sleep=time.sleep) -> list[dict]:
+    """Transport checks of one rank over its own link, with the project's client
+    (``dsv41.engram.client.RemoteRowSource``, required mode: no local fallback can hide a failure):
+
+    - ``backend``: the URL's scheme is the production backend ``backend`` (nixl over RDMA, else tcp);
+    - ``latency_p50`` / ``latency_p99`` (us): ``iters`` decode-size lookups (one token: this
+      rank's columns of every Engram layer, in one ``lookup_layers`` call) against ceilings;
+    - ``bandwidth`` (Gb/s): ``bw_bytes`` (64 MiB) of rows of one layer per transfer, median of
+      ``bw_repeats``, against ``gbps_min``; the measurement starts at epoch ``start_at`` when given
+      (both ranks together: the two links at once); ``value`` also carries start and end times;
+    - ``refused_identity``: a HELLO naming a table the server does not hold is refused (``wrong_identity``);
+    - ``late_reply_dropped``: a request timed out on purpose (1 M rows in 10 us): over tcp its
+      connection is closed (its late reply is never read), over nixl its staging slot is
+      quarantined; the next request returns rows byte-identical to the local shards.
+    """
+    import numpy as np
+
+    from dsv41.engram.client import RemoteRowSource
+    from dsv41.engram.manifest import load_manifest
+    from dsv41.engram.reader import LocalRowReader
+    from dsv41.engram.layout import layout_from_manifest
+    from dsv41.transport import Refused, TransportError, TransportTimeout, open_client, parse_url
+    from dsv41.transport import protocol as P
+
+    out: list[dict] = []
+    ep = parse_url(url)
+    out.append(record("transport", "backend", host, ep.scheme == backend, ep.scheme, backend,
+                      reason="" if ep.scheme == backend else f"{link}: {url} uses {ep.scheme}, production backend is {backend}",
+                      subject=link))
+    m = load_manifest(manifest)
+    layout = layout_from_manifest(m)
+    layers = list(layout.layer_ids)
+    c0, c1 = layout.columns_for_rank(tp, rank)
+    rng = np.random.default_rng([seed, rank])
+    ranges = [layout.row_range(li, tp, rank) for li in range(len(layers))]
+    reader = LocalRowReader(m, Path(manifest).parent)
+    names = ("latency_p50", "latency_p99", "bandwidth", "late_reply_dropped")
+    try:
+        src = RemoteRowSource([url], m, 0, 1, timeout_ms=timeout_ms, required=True, local=reader)
+    except Dsv41Error as exc:
+        return out + [record("transport", n, host, False, reason=f"{link}: {url}: {exc}", subject=link) for n in names] + \
+            [record("transport", "refused_identity", host, False, reason=f"{link}: {url}: {exc}", subject=link)]
+    try:
+        if not src.wait_connected(10.0):
+            raise Dsv41Error("not connected within 10 s")
+        # latency: decode-size lookups (one token's columns per layer)
+        ncol = c1 - c0
+        lat = []
+        for _ in range(iters):
+            rows = [rng.integers(lo, hi, ncol, dtype=np.int64) for lo, hi in ranges]
+            t0 = time.perf_counter()
+            src.lookup_layers(layers, rows)
+            lat.append((time.perf_counter() - t0) * 1e6)
+        p50, p99 = _pct(lat, 50), _pct(lat, 99)
+        out.append(record("transport", "latency_p50", host, p50 <= p50_max_us, round(p50, 1), f"<= {p50_max_us}",
+                          unit="us", subject=link, reason="" if p50 <= p50_max_us else
+                          f"{link}: p50 {p50:.1f} us of {iters} decode lookups ({ncol} rows x {len(layers)} layers) over {p50_max_us} us"))
+        out.append(record("transport", "latency_p99", host, p99 <= p99_max_us, round(p99, 1), f"<= {p99_max_us}",
+                          unit="us", subject=link, reason="" if p99 <= p99_max_us else
+                          f"{link}: p99 {p99:.1f} us of {iters} decode lookups over {p99_max_us} us"))
+        # bandwidth: 64 MiB of one layer's rows per transfer
+        n = max(1, bw_bytes // layout.row_bytes)
+        lo, hi = ranges[0]
+        ids = rng.integers(lo, hi, n, dtype=np.int64)
+        buf = np.empty((n, layout.row_bytes), dtype=np.uint8)
+        src.lookup(layers[0], ids[:1024])  # warm
+        if start_at is not None:
+            sleep(max(0.0, start_at - time.time()))
+        t_start, secs = time.time(), []
+        for _ in range(bw_repeats):
+            t0 = time.perf_counter()
+            src.lookup(layers[0], ids, out=buf)
+            secs.append(time.perf_counter() - t0)
+        t_end = time.time()
+        gbps = n * layout.row_bytes * 8 / statistics.median(secs) / 1e9
+        out.append(record("transport", "bandwidth", host, gbps >= gbps_min,
+                          {"gbps": round(gbps, 2), "bytes": int(n * layout.row_bytes), "repeats": bw_repeats,
+                           "start": round(t_start, 3), "end": round(t_end, 3)}, f">= {gbps_min}", unit="Gb/s",
+                          subject=link, reason="" if gbps >= gbps_min else
+                          f"{link}: {gbps:.2f} Gb/s for {n * layout.row_bytes} B transfers, floor {gbps_min}"))
+        # late reply: time one request out on purpose, then prove the next rows exact. tcp closes
+        # the connection at a timeout (its late bytes are never read); nixl keeps the connection
+        # and quarantines the staging slot the late READ may still write (nixl_backend).
+        ident = bytes.fromhex(m.table(layers[0]).identity)
+        big = min(P.MAX_ROWS, 1 << 20)
+        check_ids = rng.integers(lo, hi, 4096, dtype=np.int64)
+        c = open_client(ep, [ident], timeout_s=timeout_ms / 1e3)
+        try:
+            rows = rng.integers(lo, hi, big, dtype=np.int64).astype(np.uint64)
+            dest = np.empty((big, layout.row_bytes), dtype=np.uint8)
+            try:
+                c.lookup_into(ident, rows, [dest], 1e-5)
+                timed_out = False
+            except TransportTimeout:
+                timed_out = True
+            if ep.scheme == "nixl":
+                guard, guarded = "slot_quarantined", bool(getattr(c, "_quarantine", None))
+                got = np.empty((check_ids.size, layout.row_bytes), dtype=np.uint8)
+                c.lookup_into(ident, check_ids.astype(np.uint64), [got], timeout_ms / 1e3)  # same client, next request
+            else:
+                guard, guarded = "connection_closed", not c.connected
+                got = src.lookup(layers[0], check_ids)  # the next request, on a new connection
+        finally:
+            c.close()
+        bad = int(np.count_nonzero((got != reader.read(layers[0], check_ids)).any(axis=1)))
+        ok = timed_out and guarded and bad == 0
+        out.append(record("transport", "late_reply_dropped", host, ok,
+                          {"timed_out": timed_out, guard: guarded, "bad_rows_after": bad, "rows_after": int(check_ids.size)},
+                          {"timed_out": True, guard: True, "bad_rows_after": 0}, subject=link,
+                          reason="" if ok else f"{link}: timed-out request: timed_out={timed_out} "
+                          f"{guard}={guarded}, {bad} bad rows after it"))
+    except (Dsv41Error, TransportError) as exc:
+        done = {r["check"] for r in out}
+        out += [record("transport", nm, host, False, reason=f"{link}: {url}: {exc}", subject=link)
+                for nm in names if nm not in done]
+    finally:
+        src.close()
+    # refused identity: a table the server does not hold
+    try:
+        c = open_client(ep, [os.urandom(32)], timeout_s=timeout_ms / 1e3)
+        c.close()
+        out.append(record("transport", "refused_identity", host, False, "accepted", "refused: wrong_identity",
+                          reason=f"{link}: {url} accepted a HELLO for a table it does not hold", subject=link))
+    except Refused as exc:
+        ok = exc.status == P.ST_WRONG_IDENTITY
+        out.append(record("transport", "refused_identity", host, ok, f"refused: {exc.reason}", "refused: wrong_identity",
+                          reason="" if ok else f"{link}: refused with {exc.reason}", subject=link))
+    except TransportError as exc:
+        out.append(record("transport", "refused_identity", host, False, None, "refused: wrong_identity",
+                          reason=f"{link}: {url}: {exc}", subject=link))
+    return out
+
+
+# --- exactness -------------------------------------------------------------------------------------
+
+def probe_sweep(host: str, url: str, manifest: str, rank: int, tp: int, lookups: int, timeout_ms: int = 1000,
+                seed: int = 0) -> list[dict]:
+    """``exactness.bad_rows[layer L]``: ``dsv41 engram sweep`` (``dsv41.engram.sweep.run_sweep``)
+    of this rank over the production URL against the local shards, required mode (a row that
+    did not come from the server fails instead of falling back). 0 bad rows and 0 fallbacks per
+    layer, and every lookup answered remotely."""
+    from dsv41.engram.manifest import load_manifest
+    from dsv41.engram.sweep import run_sweep
+
+    try:
+        m = load_manifest(manifest)
+    except Dsv41Error as exc:
+        return [record("exactness", "bad_rows", host, False, None, 0, reason=f"rank {rank}: manifest {manifest}: {exc}",
+                       subject=f"rank {rank}")]
+    layers = [t.layer_id for t in m.tables]
+    try:
+        rep = run_sweep(m, None, url, tp, rank, lookups=lookups, seed=seed, timeout_ms=timeout_ms, required=True)
+    except Dsv41Error as exc:
+        return [record("exactness", "bad_rows", host, False, None, 0, reason=f"rank {rank}: sweep over {url}: {exc}",
+                       subject=f"rank {rank} layer {L}") for L in layers]
+    out = []
+    for L in layers:
+        pl = rep["per_layer"][str(L)]
+        ok = pl["bad_rows"] == 0 and pl["lookups"] > 0 and rep["fallbacks"] == 0
+        out.append(record("exactness", "bad_rows", host, ok,
+                          {"bad_rows": pl["bad_rows"], "lookups": pl["lookups"], "fallbacks": rep["fallbacks"],
+                           "remote": url, "seconds": rep["seconds"]}, 0, unit="rows", subject=f"rank {rank} layer {L}",
+                          reason="" if ok else f"rank {rank} layer {L}: {pl['bad_rows']} bad rows of {pl['lookups']}, "
+                          f"{rep['fallbacks']} fallbacks"))
+    return out
+
+
+# --- serving ---------------------------------------------------------------------------------------
+
+def meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
+    """``/proc/meminfo`` as ``{key: bytes}`` (kB values times 1024)."""
+    out = {}
+    for line in fileio.read_text(path, "the kernel's meminfo").splitlines():
+        m = re.match(r"^(\w+):\s+(\d+)(?:\s+kB)?$", line.strip())
+        if m:
+            out[m.group(1)] = int(m.group(2)) * (1024 if line.strip().endswith("kB") else 1)
+    return out
+
+
+def probe_serving_host(host: str, rank: int, *, runtime: str, env_file: str, required: bool, pinned_max_bytes: int,
+                       image: str = "", container: str = "dsv41-serve", container_runtime: str = "docker",
+                       unit: str = "dsv41-serve", meminfo_path: str = "/proc/meminfo",
+                       run: Callable | None = None) -> list[dict]:
+    """Serving checks of one Spark that read only this host:
+
+    - ``required_mode``: ``DSV41_ENGRAM_REMOTE_REQUIRED`` of the Engram env file is ``required``;
+      with vLLM also ``dsv41 overlay active`` in the container's log;
+    - ``host_memory``: ``Mlocked`` + ``Unevictable`` (bytes) at most ``pinned_max_bytes`` (the
+      overlay's staging, far below the ~94 GiB per rank vLLM pins without it);
+    - with ``runtime == 'vllm'``: ``image_digest`` (the running container's image is ``image``,
+      pinned by ``@sha256:``), ``overlay_contract`` (plugin importable and ``contract.check_files``
+      returns ``[]`` inside the container), ``piecewise`` (the unit carries
+      ``"cudagraph_mode": "PIECEWISE"``); with the lab runtime these are skipped with the reason.
+    """
+    import subprocess
+
+    run = run or (lambda argv: subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False))
+    out = []
+    env = read_env_file(env_file)
+    try:
+        val = "1" if envs.parse(env).engram_remote_required else "0"
+    except envs.ConfigError as exc:
+        val = f"invalid ({exc})"
+    want = "1" if required else "0"
+    out.append(record("serving", "required_mode", host, val == want, val, want, subject=f"rank {rank}",
+                      reason="" if val == want else f"rank {rank}: {env_file} DSV41_ENGRAM_REMOTE_REQUIRED={val}, expected {want}"))
+    mi = meminfo(meminfo_path)
+    pinned = max(mi.get("Mlocked", 0), mi.get("Unevictable", 0))
+    ok = pinned <= pinned_max_bytes
+    out.append(record("serving", "host_memory", host, ok, {"mlocked": mi.get("Mlocked"), "unevictable": mi.get("Unevictable")},
+                      f"<= {pinned_max_bytes}", unit="bytes", subject=f"rank {rank}",
+                      reason=("lab: the simulated hosts share one kernel, so this is the machine's figure" if runtime == "lab" and ok
+                              else "" if ok else f"rank {rank}: {pinned} B pinned, more than {pinned_max_bytes} B")))
+    names = ("image_digest", "overlay_contract", "piecewise")
+    if runtime != "vllm":
+        return out + skipped("serving", names, host, f"serve_runtime {runtime}: no vLLM container on this host",
+                             subject=f"rank {rank}")
+    r = run([container_runtime, "inspect", "--format", "{{.Config.Image}}", container])
+    running = r.stdout.strip() if r.returncode == 0 else None
+    ok = running == image and "@sha256:" in image
+    out.append(record("serving", "image_digest", host, ok, running, image, subject=f"rank {rank}",
+                      reason="" if ok else f"rank {rank}: container {container} runs {running or 'nothing'}, expected {image} (pinned by digest)"))
+    code = ("from dsv41.overlay import contract as C; import json; "
+            "print(json.dumps(C.check_files(C.load(), C.installed_vllm_root(), C.installed_version())))")
+    r = run([container_runtime, "exec", container, "python3", "-c", code])
+    try:
+        bad = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
+    except (ValueError, IndexError):
+        bad = None
+    ok = bad == []
+    out.append(record("serving", "overlay_contract", host, ok, bad if bad is not None else (r.stderr or "").strip()[-200:], [],
+                      subject=f"rank {rank}", reason="" if ok else f"rank {rank}: overlay contract inside {container}: {bad}"))
+    r = run(["systemctl", "cat", unit])
+    modes = re.findall(r'"cudagraph_mode"\s*:\s*"([A-Z_]+)"', r.stdout or "")
+    ok = modes == ["PIECEWISE"] or (bool(modes) and set(modes) == {"PIECEWISE"})
+    out.append(record("serving", "piecewise", host, ok, modes, ["PIECEWISE"], subject=f"rank {rank}",
+                      reason="" if ok else f"rank {rank}: {unit} cudagraph_mode {modes or 'absent'}"))
+    r = run([container_runtime, "logs", "--tail", "2000", container])
+    active = "dsv41 overlay active" in (r.stdout or "") + (r.stderr or "")
+    out.append(record("serving", "overlay_active", host, active, active, True, subject=f"rank {rank}",
+                      reason="" if active else f"rank {rank}: no 'dsv41 overlay active' in {container}'s log"))
+    return out
+
+
+
+def run_vllm_tiny(script: str, config: str, timeout_s: float = 3600.0, host: str = "localhost") -> dict:
+    """``serving.vllm_tiny``: ``tools/qualify_vllm_tiny.sh`` (four ``vllm serve`` runs of a tiny
+    DeepSeek-V4.1-shaped model: overlay inert, FULL graphs refused, remote rows, exact local
+    fallback with identical greedy text). Skipped without ``vllm`` on PATH or without a CUDA GPU
+    (``nvidia-smi -L`` lists none); the record keeps the script's last lines."""
+    import shutil
+    import subprocess
+
+    if shutil.which("vllm") is None:
+        return record("serving", "vllm_tiny", host, None, reason="no vllm on PATH on this host")
+    gpus = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False) if shutil.which("nvidia-smi") else None
+    if gpus is None or gpus.returncode != 0 or "GPU" not in gpus.stdout:
+        return record("serving", "vllm_tiny", host, None, reason="no CUDA GPU on this host (nvidia-smi -L)")
+    if not Path(config).is_file():
+        raise QualifyError(f"--config {config}: no such file")
+    try:
+        r = subprocess.run(["bash", script], env={**os.environ, "REAL_CONFIG": config}, capture_output=True, text=True,
+                           timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return record("serving", "vllm_tiny", host, False, None, "exit 0", reason=f"{script} ran past {timeout_s:.0f} s")
+    tail = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()][-8:]
+    return record("serving", "vllm_tiny", host, r.returncode == 0, tail, "exit 0, identical greedy text: True",
+                  reason="" if r.returncode == 0 else f"{script} exit {r.returncode}: {tail[-1] if tail else ''}")
