@@ -126,8 +126,8 @@ _ROWS = [
            "exits at most ABORT_SETTLE_S (5 s) later.", "s", 0.1, 3600),
     # ---- HTTP servers: slow and idle clients (docs/operations.md, "HTTP servers and slow clients")
     EnvVar("DSV41_HTTP_HEADER_TIMEOUT_S", float, 10.0, "Every dsv41 HTTP server (engine API, table-server and "
-           "drafter /metrics): a request's head must arrive complete within this many seconds of the connection "
-           "opening or of the previous response, else the connection is closed (idle and trickling clients).",
+           "drafter /metrics): a request's head (on the engine API, its head and body) must arrive complete "
+           "within this many seconds of the connection opening or of the previous response, else the connection is closed (idle and trickling clients).",
            "s", 0.05, 3600),
     EnvVar("DSV41_HTTP_KEEPALIVE_TIMEOUT_S", float, 5.0, "The engine API closes a keep-alive connection idle this "
            "long between requests (uvicorn timeout_keep_alive; vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, also 5).",

@@ -6,8 +6,8 @@ connection that sends nothing, or trickles its request head a byte at a time, is
 (350 such connections held 350 file descriptors on the lab engine). The library settings cover
 the rest and are used as they are: uvicorn's ``timeout_keep_alive`` (idle between requests),
 ``limit_concurrency`` (503 over the limit) and h11's incomplete-event size bound; what they lack
-is a deadline on the request head, which :func:`uvicorn_protocol` adds to uvicorn's own h11
-protocol. The standard library's ``http.server`` (the table server's and drafter worker's
+is a deadline on the request head (and, on the engine API, on its body, which h11 bounds only in
+size), which :func:`uvicorn_protocol` adds to uvicorn's own h11 protocol. The standard library's ``http.server`` (the table server's and drafter worker's
 ``/metrics``) gets the same head deadline and a connection cap from :class:`BoundedHTTPServer`.
 """
 
@@ -26,15 +26,19 @@ H11_MAX_INCOMPLETE_EVENT_SIZE = 16 * 1024
 
 
 def uvicorn_protocol(header_timeout_s: float):
-    """uvicorn's h11 protocol class with a request-head deadline: the head of each request must
-    arrive complete within ``header_timeout_s`` seconds of the connection opening or of the
-    previous response ending, else the connection is closed unanswered. Once a head is in, the
-    request and its response (a long SSE stream too) are not timed. Pass the class as
-    ``uvicorn.Config(http=...)``. Raises ValueError for a non-positive timeout."""
+    """uvicorn's h11 protocol class with a request deadline: the head and the body of each
+    request must arrive complete within ``header_timeout_s`` seconds of the connection opening or
+    of the previous response ending, else the connection is closed (a body that trickles in is
+    bounded in time, not only in size; the application sees the client disconnect). Once the
+    whole request is in, its handling and response (a long SSE stream too) are not timed. Pass
+    the class as ``uvicorn.Config(http=...)``. Raises ValueError for a non-positive timeout."""
     if not header_timeout_s > 0:
         raise ValueError(f"header_timeout_s must be > 0, got {header_timeout_s}")
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    # the client is still sending its request: nothing yet (IDLE) or the body (SEND_BODY)
+    _INCOMPLETE = (h11.IDLE, h11.SEND_BODY)
 
     class HeadDeadlineH11Protocol(H11Protocol):
         """uvicorn's H11Protocol plus the head deadline (module docstring, uvicorn#1192)."""
@@ -53,7 +57,7 @@ def uvicorn_protocol(header_timeout_s: float):
 
         def _head_expired(self) -> None:
             self._head_timer = None
-            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+            if not self.transport.is_closing() and self.conn.their_state in _INCOMPLETE:
                 self.transport.close()
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -62,7 +66,7 @@ def uvicorn_protocol(header_timeout_s: float):
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self.conn.their_state is not h11.IDLE:  # a whole head is in
+            if self.conn.their_state not in _INCOMPLETE:  # the whole request (head and body) is in
                 self._cancel_head()
 
         def on_response_complete(self) -> None:

@@ -1,8 +1,8 @@
 """Issue 25 item 6 (field report uvicorn#1192): slow and idle clients on every HTTP server dsv41
 runs, with short limits. For each server (the engine API on uvicorn with ``httpd.uvicorn_limits``,
 the table server's ``/metrics`` and the drafter worker's ``/metrics`` on ``BoundedHTTPServer``):
-a connection that sends nothing is closed after the head timeout, a trickled request head is
-closed at the head deadline (not per byte), connections over the limit are refused as
+a connection that sends nothing is closed after the head timeout, a trickled request head (and,
+on the engine, a trickled body) is closed at the request deadline (not per byte), connections over the limit are refused as
 documented (engine: 503; /metrics: closed unanswered), while keep-alive requests and, on the
 engine, a stream longer than every timeout are unaffected. Servers listen on 127.0.0.1 only."""
 
@@ -172,6 +172,39 @@ def test_engine_closes_a_trickled_head_and_after_a_response_too(engine_url):
                 closed = True
                 break
         assert closed and time.monotonic() - t0 <= HEAD_S + SLACK_S
+
+
+def test_engine_closes_a_trickled_body_at_the_deadline_without_a_traceback(engine_url, caplog):
+    """A complete head, then a body a byte every 0.1 s: the request deadline closes it (the body
+    is bounded in time, not only in size) and the API logs no traceback for the disconnect."""
+    body = json.dumps({"prompt": "x" * 200, "max_tokens": 4}).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    caplog.set_level("ERROR")
+    with socket.create_connection(engine_url, timeout=5) as s:
+        s.sendall(head)
+        t0 = time.monotonic()
+        closed, answer = False, b""
+        for b in body:
+            try:
+                s.sendall(bytes([b]))
+                s.settimeout(0.1)
+                got = s.recv(65536)
+                answer += got
+                if got == b"":
+                    closed = True
+                    break
+            except socket.timeout:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+        took = time.monotonic() - t0
+    assert closed, "the whole trickled body was accepted"
+    assert took <= HEAD_S + SLACK_S
+    assert b"200 OK" not in answer
+    time.sleep(0.3)  # the application's view of the disconnect is logged from uvicorn's thread
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
 
 
 def test_engine_keep_alive_and_a_stream_longer_than_every_timeout(engine_url):

@@ -31,6 +31,7 @@ import logging
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from starlette.requests import ClientDisconnect
 
 from dsv41.engine.api_router import ApiContext, router
 from dsv41.engine.protocol import ApiError, error_response
@@ -105,6 +106,11 @@ class CatchAll:
 
         try:
             await self.app(scope, receive, tracked)
+        except ClientDisconnect:
+            # the client went away before its whole body arrived (or the request deadline closed
+            # it: dsv41.httpd.uvicorn_protocol): nobody to answer, not a bug
+            log.info("%s %s: the client disconnected before its request body arrived",
+                     scope.get("method", ""), scope.get("path", ""))
         except Exception as exc:  # noqa: BLE001 - see class doc
             log.error("unhandled error in a request handler", exc_info=exc)
             if started:
