@@ -39,8 +39,10 @@ def _option(path: Path):
     return None
 
 
-# Modules whose package module can send HTTP, but whose calls into it send none.
-NO_REQUESTS = {"qualify_report": "qualify.assemble/write_report build the report from gathered facts"}
+# Modules whose package module can send HTTP, but whose calls into it send none (none today:
+# qualify_report's dsv41.entrypoints.qualify no longer holds the HTTP probes, which moved to
+# qualify_controller; an entry that stops being found fails test_the_class_is_found).
+NO_REQUESTS: dict[str, str] = {}
 FOUND = [p for p in MODULES if any(_sends_http(m) for m in _package_modules(p) if m != "dsv41.harness.http")]
 SENDERS = [p for p in FOUND if p.stem not in NO_REQUESTS]
 
