@@ -10,7 +10,10 @@ NIXL_PIN := nixl-cu12==1.5.1
 
 .PHONY: venv monitoring-tools test unit lint sanity deploy lab-down promotion-kill bench fuzz drill window-drills clean rollback-components lab-long
 
-venv: $(VENV)/.stamp
+NATIVE_SRC := python/dsv41/transport/_fastrow.cpp setup.py
+NATIVE_STAMP := $(VENV)/.native-stamp
+
+venv: $(VENV)/.stamp $(NATIVE_STAMP)
 
 $(VENV)/.stamp: pyproject.toml $(CONSTRAINTS)
 	$(PY) -m venv $(VENV)
@@ -18,6 +21,13 @@ $(VENV)/.stamp: pyproject.toml $(CONSTRAINTS)
 	$(PIP) install -q -c $(CONSTRAINTS) -e '.[torch,dev]'
 	# NIXL's wheel declares torch and CUDA deps it does not need for host-memory UCX transfers.
 	$(PIP) install -q --no-deps $(NIXL_PIN)
+	touch $@
+	touch $(NATIVE_STAMP)
+
+# The editable install built the native transport once: a changed _fastrow.cpp (a pull, a merge)
+# rebuilds it in place, offline, without reinstalling the dependencies.
+$(NATIVE_STAMP): $(VENV)/.stamp $(NATIVE_SRC)
+	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 
 # ansible-lint (production profile), then ansible-test sanity and units on the collection
