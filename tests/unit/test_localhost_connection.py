@@ -19,16 +19,15 @@ def _yaml_files():
     yield from sorted(REPO.glob("*.yml"))
 
 
-def _items(node, play: dict | None = None):
-    """(item, enclosing play) for every mapping in a list of plays or tasks."""
+def _items(node):
+    """Every mapping in a list of plays or tasks, blocks and handlers included."""
     if isinstance(node, list):
         for x in node:
-            yield from _items(x, play)
+            yield from _items(x)
     elif isinstance(node, dict):
-        here = node if "hosts" in node else play
-        yield node, here
+        yield node
         for k in ("tasks", "pre_tasks", "post_tasks", "handlers", "block", "rescue", "always"):
-            yield from _items(node.get(k), here)
+            yield from _items(node.get(k))
 
 
 def test_every_inventory_names_the_controller_connection():
@@ -47,8 +46,9 @@ def test_no_task_or_localhost_play_restates_the_connection():
             doc = yaml.safe_load(path.read_text())
         except yaml.YAMLError:
             continue
-        for item, play in _items(doc):
-            if (item.get("vars") or {}).get("ansible_connection") != "local" if isinstance(item.get("vars"), dict) else True:
+        for item in _items(doc):
+            item_vars = item.get("vars")
+            if not isinstance(item_vars, dict) or item_vars.get("ansible_connection") != "local":
                 continue
             if "hosts" in item and item["hosts"] != "localhost":
                 continue  # a play on the managed hosts that runs on the controller (the lab's bring-up)

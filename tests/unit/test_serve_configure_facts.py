@@ -58,8 +58,7 @@ def test_configure_sets_every_fact_its_service_definition_reads():
     set_outside = set().union(*(_facts(f) for f in files if f not in inside)) - set_inside
     read_text = "\n".join((ROLE / "tasks" / f).read_text() for f in sorted(inside))
     read_text += "\n".join(p.read_text() for d in ("vars", "defaults") for p in sorted((ROLE / d).glob("*.yml")))
-    read_text += "\n".join(p.read_text() for p in sorted((ROLE / "templates").glob("*")) if p.is_file()) \
-        if (ROLE / "templates").is_dir() else ""
+    read_text += "\n".join(p.read_text() for p in sorted((ROLE / "templates").glob("*")) if p.is_file())
     missing = sorted(v for v in set_outside if re.search(rf"\b{re.escape(v)}\b", read_text))
     assert not missing, f"read by configure's service definition but set only outside its closure: {missing}"
 
