@@ -171,9 +171,30 @@ def option_name(param) -> str:
     return (param.metavar or param.name or "ARGUMENT").upper()
 
 
+def check_finite(value: str, option: str) -> None:
+    """Refuse a value of a ``float`` option that reads as NaN or an infinity (``nan``, ``inf``,
+    ``-Infinity``, ``1e999``); raises :class:`ArgumentError` naming ``option``.
+
+    Python's ``float()`` accepts them and every comparison with NaN is false, so a NaN slips past
+    any ``x < low`` / ``x > high`` check and an infinity past a one-sided one (``--sigma inf`` once
+    printed a table of zeros and exited 0). No option of the command means "no limit" by an
+    infinity: a limit left out is its ``None`` default. Values that are not numbers at all are left
+    to typer's own conversion error.
+    """
+    import math
+
+    try:
+        number = float(value)
+    except (ValueError, OverflowError):
+        return
+    if not math.isfinite(number):
+        raise ArgumentError(f"{option}: {_show(value)} is not a finite number")
+
+
 def guard_arguments(cmd) -> None:
     """Route every value of every parameter of ``cmd`` (a click command tree) through
-    :func:`check_argument` before typer converts it; defaults are not checked (they are code)."""
+    :func:`check_argument` before typer converts it, and every value of a ``float`` parameter
+    through :func:`check_finite`; defaults are not checked (they are code)."""
     from typer._click.core import ParameterSource
 
     for path, p in iter_parameters(cmd):
@@ -181,14 +202,17 @@ def guard_arguments(cmd) -> None:
             continue
         original = p.process_value
         is_path = bool(getattr(getattr(p, "type_descriptor", None), "is_path", False))
+        is_float = getattr(getattr(p, "type_descriptor", None), "annotation", None) is float
         where = " ".join(path)
         name = f"{where} {option_name(p)}".strip()
 
-        def process_value(ctx, value, _p=p, _original=original, _is_path=is_path, _name=name):
+        def process_value(ctx, value, _p=p, _original=original, _is_path=is_path, _is_float=is_float, _name=name):
             if ctx.get_parameter_source(_p.name) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP):
                 for v in (value if isinstance(value, (list, tuple)) else (value,)):
                     if isinstance(v, str):
                         check_argument(v, _name, is_path=_is_path)
+                        if _is_float:
+                            check_finite(v, _name)
             return _original(ctx, value)
 
         p.process_value = process_value
