@@ -269,6 +269,9 @@ def run_app(app, argv: list[str] | None = None, *, command=None) -> int:
         if line.startswith("cannot write to stdout"):
             _silence_stdout()
         return 1
+    except RecursionError:  # an input nested past Python's recursion limit that a parser did not wrap
+        _say("dsv41: error: an input is nested too deeply (Python's recursion limit)")
+        return 1
     except KeyboardInterrupt:
         print("dsv41: error: interrupted", file=sys.stderr)
         return 130

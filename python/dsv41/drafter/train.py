@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dsv41 import fileio
 from dsv41.drafter.model import DrafterConfig, DrafterModel, identities, save_drafter
 from dsv41.engram.rowsource import COUNTER_KEYS, RowSource
 from dsv41.errors import ConfigError
@@ -98,7 +99,7 @@ def make_row_source(config_path: str, manifest: str | None, data: str | None, ta
     from dsv41 import fileio
 
     try:
-        cfg = json.loads(fileio.read_text(config_path, "model config", error=ConfigError))
+        cfg = fileio.loads_json(fileio.read_text(config_path, "model config", error=ConfigError))
     except ValueError as exc:
         raise ConfigError(f"cannot read model config {config_path}: {exc}") from None
     return SyntheticRowSource(cfg, tables_seed)

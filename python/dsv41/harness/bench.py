@@ -28,7 +28,6 @@ The six greedy reference prompts come from ``DSV41_GREEDY_PROMPTS_FILE`` when se
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import random
@@ -39,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+from dsv41 import fileio
 from dsv41 import envs
 from dsv41.harness import http
 from dsv41.errors import Dsv41Error
@@ -87,7 +87,7 @@ def load_spec(path: str | None = None, env: Mapping[str, str] | None = None) -> 
 
     src = path or _env_spec_file(env) or str(DEFAULT_SPEC)
     doc = _read_json(src, "bench spec")
-    schema = json.loads(SCHEMA_PATH.read_text())
+    schema = fileio.loads_json(SCHEMA_PATH.read_text())
     err = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(doc))
     if err is not None:
         loc = "/".join(str(x) for x in err.absolute_path) or "(top)"
@@ -223,7 +223,7 @@ def stream_one(client, endpoint: str, body: dict, prompt_id: str, category: str,
             if r.status_code != 200:
                 text = r.read().decode("utf-8", "replace")
                 try:
-                    text = json.loads(text)["error"]["message"]
+                    text = fileio.loads_json(text)["error"]["message"]
                 except (ValueError, KeyError, TypeError):
                     pass
                 res.error = f"HTTP {r.status_code}: {str(text)[:300]}"
@@ -236,7 +236,7 @@ def stream_one(client, endpoint: str, body: dict, prompt_id: str, category: str,
                 if data == "[DONE]":
                     break
                 try:
-                    ev = json.loads(data)
+                    ev = fileio.loads_json(data)
                 except ValueError:
                     res.error = f"bad SSE data: {data[:120]}"
                     return res
