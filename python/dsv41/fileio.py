@@ -178,7 +178,7 @@ def _refused(message: str) -> json.JSONDecodeError:
     return exc
 
 
-def loads_json(text: str | bytes) -> Any:
+def loads_json(text: str | bytes, *, finite: bool = True) -> Any:
     """``json.loads`` for what the project reads from files, subprocesses and peers, strict.
 
     Refused, each as :class:`json.JSONDecodeError` (a ``ValueError``, what every caller of
@@ -187,9 +187,11 @@ def loads_json(text: str | bytes) -> Any:
     object (RFC 8259 section 4: names "SHOULD be unique"; Python keeps the last silently, so two
     readers of one file could disagree), and nesting deep enough to hit Python's recursion limit
     (``RecursionError`` is no ``ValueError`` and printed a traceback). The parsed value otherwise.
+    ``finite=False`` reads ``NaN``/``Infinity`` as floats: only for records the package itself
+    wrote with ``json.dumps`` defaults (a window decision's open CI is ``[-Infinity, Infinity]``).
     """
     try:
-        return json.loads(text, parse_constant=_constant, object_pairs_hook=_pairs)
+        return json.loads(text, object_pairs_hook=_pairs, **({"parse_constant": _constant} if finite else {}))
     except json.JSONDecodeError:
         raise
     except RecursionError:

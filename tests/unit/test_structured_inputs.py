@@ -138,3 +138,15 @@ def test_a_hostile_candidate_is_refused_in_one_line(case: str, tmp_path: Path, c
     assert rc == 1 and len(err.splitlines()) == 1 and "x.yml is not readable YAML" in err and why in err, (rc, err[-500:])
     (tmp_path / "x.yml").write_text(GOOD_CANDIDATE)
     assert _run(["window", "candidate", "--root", str(tmp_path), "x"], capsys)[0] == 0
+
+
+def test_finite_false_reads_the_package_s_own_open_ci_and_stays_strict_otherwise() -> None:
+    """A window decision whose CI win2 could not bound (``[-inf, inf]``, method ``none``) as
+    ``json.dumps`` writes it is still read by promotion; duplicates and depth are still refused."""
+    doc = {"verdict": "UNRESOLVED", "ci": [-float("inf"), float("inf")]}
+    assert fileio.loads_json(json.dumps(doc), finite=False) == doc
+    with pytest.raises(json.JSONDecodeError, match="Infinity is not a JSON number"):
+        fileio.loads_json(json.dumps(doc))
+    for case in ("duplicate key", "deep array"):
+        with pytest.raises(json.JSONDecodeError):
+            fileio.loads_json(HOSTILE_JSON[case][0], finite=False)

@@ -19,6 +19,7 @@ Engram rows come from ``--manifest/--data`` when given, otherwise from the synth
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -215,7 +216,7 @@ def train_drafter(config: str, weights: str, out: str, *, steps: int | None = No
     finally:
         torch.set_num_threads(threads)
     cfg.train = {"method": "greedy distillation, teacher forcing", "steps": hp["steps"], "examples": int(n),
-                 "final_loss": round(loss_v, 4), "seed": seed, "settings": hp}
+                 "final_loss": round(loss_v, 4) if math.isfinite(loss_v) else None, "seed": seed, "settings": hp}
     save_drafter(model, cfg, out)
     # held-out acceptance on the default prompts
     drafter = TorchDrafter(out)
@@ -227,7 +228,8 @@ def train_drafter(config: str, weights: str, out: str, *, steps: int | None = No
         a, d, r = simulate_acceptance(drafter, ids + res.tokens, len(ids), res.hidden_tap, hp["eval_k"])
         per_prompt[name] = {"accepted": a, "drafted": d, "rounds": r, "accepted_per_round": round(a / max(r, 1), 3)}
         tot_a, tot_d = tot_a + a, tot_d + d
-    rep = {"identities": identities(out), "final_loss": loss_v, "examples": int(n), "generate_s": round(t_gen, 2),
+    rep = {"identities": identities(out), "final_loss": loss_v if math.isfinite(loss_v) else None,  # no step: no loss
+           "examples": int(n), "generate_s": round(t_gen, 2),
            "seconds": round(time.monotonic() - t0, 2), "heldout_acceptance": tot_a / max(tot_d, 1),
            "per_prompt": per_prompt}
     log.info("drafter distilled: loss %.3f, acceptance %.2f", loss_v, rep["heldout_acceptance"])

@@ -331,7 +331,9 @@ def check_window(windows_dir: str | os.PathLike, window: str | None, force: bool
         try:
             if not os.path.lexists(p):
                 raise FileNotFoundError(p)
-            doc = fileio.loads_json(fileio.read_text(p, f"window {window}'s decision", error=PackageError))
+            # finite=False: win2 writes a CI it could not bound as [-Infinity, Infinity]
+            doc = fileio.loads_json(fileio.read_text(p, f"window {window}'s decision", error=PackageError),
+                                    finite=False)
             verdict = window_verdict(doc)
             measured = doc.get("candidate") if isinstance(doc, dict) else None
             if candidate and isinstance(measured, str) and measured != candidate and not force:
