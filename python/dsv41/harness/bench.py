@@ -38,8 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from dsv41 import fileio
-from dsv41 import envs
+from dsv41 import envs, fileio
 from dsv41.harness import http
 from dsv41.errors import Dsv41Error
 
@@ -175,8 +174,11 @@ class RequestResult:
         return d
 
 
-def _client(timeout_s: float):
+def _client(timeout_s: float, endpoint: str):
+    """An ``httpx.Client`` for requests to ``endpoint``, checked first (``http.check_url``)."""
     import httpx
+
+    http.check_url(endpoint, what=f"endpoint {endpoint}", error=BenchError)
 
     return httpx.Client(timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)), trust_env=False,
                         headers=http.window_headers())
@@ -347,7 +349,7 @@ def smoke(endpoint: str, model: str, refs_doc: dict | None = None, timeout_s: fl
     """
     from dsv41.harness.refs import first_diff
 
-    with _client(timeout_s) as c:
+    with _client(timeout_s, endpoint) as c:
         canary = stream_one(c, endpoint, request_body(model, "The canary sings", 1, 8, {"temperature": 1.0},
                                                       uuid.uuid4().hex), "canary", "smoke")
     if not canary.ok or not canary.token_ids or not all(
@@ -361,7 +363,7 @@ def smoke(endpoint: str, model: str, refs_doc: dict | None = None, timeout_s: fl
         want, n = None, 16
     runs = []
     for _ in range(1 if want is not None else 2):
-        with _client(timeout_s) as c:
+        with _client(timeout_s, endpoint) as c:
             g = stream_one(c, endpoint, request_body(model, prompt, 0, n, {"temperature": 0.0}, uuid.uuid4().hex),
                            name, "smoke")
         if not g.ok:
@@ -428,7 +430,7 @@ def run_requests(endpoint: str, model: str, items: list[dict], sampler: dict, co
     from concurrent.futures import ThreadPoolExecutor
 
     results: list[RequestResult | None] = [None] * len(items)
-    with _client(timeout_s) as c:
+    with _client(timeout_s, endpoint) as c:
         def one(k: int) -> None:
             it = items[k]
             body = request_body(model, it["prompt"], it["seed"], it["max_tokens"], sampler, it["salt"])

@@ -117,6 +117,9 @@ def run_cells(plan: list[dict], endpoints: dict[str, str], model: str, sampler: 
     arm_now = None
     from dsv41.harness import http
 
+    for arm, url in sorted(endpoints.items()):
+        http.check_url(url, what=f"{arm} endpoint", error=WindowError)
+
     def new_client():
         return httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False,
                             headers=http.window_headers())

@@ -20,8 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsv41 import fileio
-from dsv41 import envs
+from dsv41 import envs, fileio
 from dsv41.errors import ConfigError
 
 DEFAULT_RUNTIME_ROOT = "/opt/dsv41/runtime"
