@@ -6,6 +6,7 @@ should read as a sentence, never as a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 
@@ -219,6 +220,38 @@ def guard_arguments(cmd) -> None:
         p._dsv41_guarded = True
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM turned into an exception (:func:`sigterm_unwinds`): a KeyboardInterrupt, so every
+    ``finally`` and ``except KeyboardInterrupt`` runs as for Ctrl-C (temporary files removed,
+    partial results kept); :func:`run_app` reports it and exits 143 (128 + SIGTERM)."""
+
+
+@contextlib.contextmanager
+def sigterm_unwinds():
+    """Within the block, SIGTERM raises :class:`Terminated` in the main thread, where its handler
+    is still the default one. Python's default SIGTERM ends the process without unwinding, so an
+    interrupted write left its temporary file behind (``engram make-tables`` killed by a playbook
+    timeout: a 51 MB ``.model-00047-of-00048.safetensors.tmpN``). A handler someone installed
+    (a server's drain, bench's own) is left alone; the default is restored after."""
+    import signal
+    import threading
+
+    fired = {"sigterm": False}  # yielded: typer swallows the exception into a return value of 130
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield fired
+        return
+
+    def _raise(signum, frame):
+        fired["sigterm"] = True
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield fired
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def run_app(app, argv: list[str] | None = None, *, command=None) -> int:
     """Run a typer ``app`` and return its exit code, turning expected failures into one line.
 
@@ -239,7 +272,11 @@ def run_app(app, argv: list[str] | None = None, *, command=None) -> int:
     guard_arguments(cmd)
     out0, err0 = sys.stdout, sys.stderr
     try:
-        rv = cmd.main(args=argv, prog_name="dsv41", standalone_mode=False)
+        with sigterm_unwinds() as fired:
+            rv = cmd.main(args=argv, prog_name="dsv41", standalone_mode=False)
+        if rv == 130:  # typer's silent Exit(130) for a KeyboardInterrupt (Ctrl-C, or SIGTERM here)
+            _say("dsv41: error: terminated (SIGTERM)" if fired["sigterm"] else "dsv41: error: interrupted")
+            return 143 if fired["sigterm"] else 130
         sys.stdout.flush()  # a full disk or a closed pipe on stdout is reported here, not at exit
     except SystemExit:
         if sys.stdout is out0:
@@ -272,6 +309,9 @@ def run_app(app, argv: list[str] | None = None, *, command=None) -> int:
     except RecursionError:  # an input nested past Python's recursion limit that a parser did not wrap
         _say("dsv41: error: an input is nested too deeply (Python's recursion limit)")
         return 1
+    except Terminated:
+        _say("dsv41: error: terminated (SIGTERM)")
+        return 143
     except KeyboardInterrupt:
         print("dsv41: error: interrupted", file=sys.stderr)
         return 130
