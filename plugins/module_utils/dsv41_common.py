@@ -1,7 +1,8 @@
 # -*- coding: utf-8 -*-
 # Apache License 2.0
-"""Shared by the dsv41 modules: the guarded import of the dsv41 package and the mapping of its
-errors onto ``fail_json``.
+"""Shared by the dsv41 modules: the guarded import of the dsv41 package, the mapping of its
+errors onto ``fail_json`` and the ``window_token`` option (spec here, documentation in the
+doc fragment ``dsv41.offload.window_token``).
 
 Modules reach this file as ``ansible.module_utils.dsv41_common`` when they run from ``library/``
 (``ansible.cfg``: ``module_utils = plugins/module_utils``) and as
@@ -14,7 +15,7 @@ import contextlib
 import importlib
 import traceback
 
-from ansible.module_utils.basic import missing_required_lib
+from ansible.module_utils.basic import env_fallback, missing_required_lib
 
 # The first failed import's traceback; require_dsv41() reports it.
 DSV41_IMPORT_ERROR = None
@@ -111,3 +112,19 @@ def dsv41_errors(module, **details):
         yield
     except Dsv41Error as exc:
         module.fail_json(msg=str(exc), **details)
+
+
+# The argument spec of the window_token option (documented by plugins/doc_fragments/window_token.py):
+# every module whose requests go through dsv41.harness.http merges it into its argument_spec.
+# no_log=False: the token names a fenced run (it is in the journal and the logs), it is no secret.
+WINDOW_TOKEN_SPEC = dict(
+    window_token=dict(type="str", default="", no_log=False, fallback=(env_fallback, ["DSV41_WINDOW_TOKEN"])),
+)
+
+
+def window_token(module):
+    """Context manager: the module's requests (through ``dsv41.harness.http``) carry
+    ``module.params["window_token"]`` (``""``: none) until it exits; ``http.window_token``
+    restores what was set before. Call it after require_dsv41()."""
+    http = import_dsv41("dsv41.harness.http")
+    return http.window_token(module.params["window_token"])

@@ -35,13 +35,6 @@ options:
     description: Seconds to wait for the endpoint to report the new state.
     type: float
     default: 10.0
-  window_token:
-    description:
-      - The fenced operation's token (window, promote, rollback). While a HOLD carries it, the held
-        engine admits only requests with it, and V(held) sends it with the HOLD.
-      - Falls back to E(DSV41_WINDOW_TOKEN) (what a play's C(environment:) sets); V("") sends none.
-    type: str
-    default: ""
 attributes:
   check_mode:
     support: full
@@ -51,6 +44,8 @@ attributes:
     description: Shows the admission state before and after.
 requirements:
   - the dsv41 Python package and httpx on the host that runs the module
+extends_documentation_fragment:
+  - dsv41.offload.window_token
 author:
   - dsv41-offload (@dsv41)
 """
@@ -83,15 +78,14 @@ state:
 """
 
 
-from ansible.module_utils.basic import AnsibleModule, env_fallback
+from ansible.module_utils.basic import AnsibleModule
 
 try:
-    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import dsv41_errors, import_dsv41, require_dsv41
+    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import WINDOW_TOKEN_SPEC, dsv41_errors, import_dsv41, require_dsv41, window_token
 except ImportError:  # run from library/ (ansible.cfg: module_utils = plugins/module_utils)
-    from ansible.module_utils.dsv41_common import dsv41_errors, import_dsv41, require_dsv41
+    from ansible.module_utils.dsv41_common import WINDOW_TOKEN_SPEC, dsv41_errors, import_dsv41, require_dsv41, window_token
 
 dsv41_admission = import_dsv41("dsv41.harness.admission")
-dsv41_http = import_dsv41("dsv41.harness.http")
 
 
 def main():
@@ -101,13 +95,13 @@ def main():
             state=dict(type="str", default="status", choices=["held", "open", "status"]),
             timeout=dict(type="float", default=10.0),
             settle=dict(type="float", default=10.0),
-            window_token=dict(type="str", default="", no_log=False, fallback=(env_fallback, ["DSV41_WINDOW_TOKEN"])),
+            **WINDOW_TOKEN_SPEC,
         ),
         supports_check_mode=True,
     )
     require_dsv41(module)
     p = module.params
-    with dsv41_errors(module, endpoint=p["endpoint"]), dsv41_http.window_token(p["window_token"]):
+    with dsv41_errors(module, endpoint=p["endpoint"]), window_token(module):
         before = dsv41_admission.status(p["endpoint"], p["timeout"])
         want = before if p["state"] == "status" else p["state"]
         changed = want != before

@@ -66,13 +66,6 @@ options:
     description: Seconds per completion.
     type: float
     default: 120.0
-  window_token:
-    description:
-      - The fenced operation's token (window, promote, rollback). While a HOLD carries it, the held
-        engine admits only requests with it; this module's requests carry it.
-      - Falls back to E(DSV41_WINDOW_TOKEN) (what a play's C(environment:) sets); V("") sends none.
-    type: str
-    default: ""
 attributes:
   check_mode:
     support: full
@@ -82,6 +75,8 @@ attributes:
     description: Nothing on a host is changed by this module, so there is no diff.
 requirements:
   - the dsv41 Python package and httpx on the host that runs the module
+extends_documentation_fragment:
+  - dsv41.offload.window_token
 author:
   - dsv41-offload (@dsv41)
 """
@@ -131,15 +126,14 @@ seconds:
   type: float
 """
 
-from ansible.module_utils.basic import AnsibleModule, env_fallback
+from ansible.module_utils.basic import AnsibleModule
 
 try:
-    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import dsv41_errors, import_dsv41, require_dsv41
+    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import WINDOW_TOKEN_SPEC, dsv41_errors, import_dsv41, require_dsv41, window_token
 except ImportError:  # run from library/ (ansible.cfg: module_utils = plugins/module_utils)
-    from ansible.module_utils.dsv41_common import dsv41_errors, import_dsv41, require_dsv41
+    from ansible.module_utils.dsv41_common import WINDOW_TOKEN_SPEC, dsv41_errors, import_dsv41, require_dsv41, window_token
 
 dsv41_components = import_dsv41("dsv41.harness.components")
-dsv41_http = import_dsv41("dsv41.harness.http")
 
 
 def main():
@@ -158,14 +152,14 @@ def main():
             burst=dict(type="int", default=8),
             max_tokens=dict(type="int", default=16, no_log=False),  # a token count, not a secret
             timeout=dict(type="float", default=120.0),
-            window_token=dict(type="str", default="", no_log=False, fallback=(env_fallback, ["DSV41_WINDOW_TOKEN"])),
+            **WINDOW_TOKEN_SPEC,
         ),
         required_if=[("stage", "check", ("endpoint", "refs_path", "worker_metrics_url", "server_metrics_url"))],
         supports_check_mode=True,
     )
     require_dsv41(module)
     p = module.params
-    with dsv41_errors(module, component=p["component"]), dsv41_http.window_token(p["window_token"]):
+    with dsv41_errors(module, component=p["component"]), window_token(module):
         name = dsv41_components.component(p["component"])
         behaviour = dsv41_components.COMPONENTS[name]
         if p["stage"] == "validate" or module.check_mode:

@@ -55,13 +55,6 @@ options:
     description: Seconds per HTTP request.
     type: float
     default: 5.0
-  window_token:
-    description:
-      - The fenced operation's token (window, promote, rollback). While a HOLD carries it, the held
-        engine admits only requests with it; this module's requests carry it.
-      - Falls back to E(DSV41_WINDOW_TOKEN) (what a play's C(environment:) sets); V("") sends none.
-    type: str
-    default: ""
 attributes:
   check_mode:
     support: full
@@ -71,6 +64,8 @@ attributes:
     description: Nothing changes, so there is no diff.
 requirements:
   - the dsv41 Python package and httpx on the host that runs the module (the controller)
+extends_documentation_fragment:
+  - dsv41.offload.window_token
 author:
   - dsv41-offload (@dsv41)
 """
@@ -107,15 +102,14 @@ report:
   type: dict
 """
 
-from ansible.module_utils.basic import AnsibleModule, env_fallback
+from ansible.module_utils.basic import AnsibleModule
 
 try:
-    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import dsv41_errors, import_dsv41, require_dsv41
+    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import WINDOW_TOKEN_SPEC, dsv41_errors, import_dsv41, require_dsv41, window_token
 except ImportError:  # run from library/ (ansible.cfg: module_utils = plugins/module_utils)
-    from ansible.module_utils.dsv41_common import dsv41_errors, import_dsv41, require_dsv41
+    from ansible.module_utils.dsv41_common import WINDOW_TOKEN_SPEC, dsv41_errors, import_dsv41, require_dsv41, window_token
 
 dsv41_status = import_dsv41("dsv41.entrypoints.status")
-dsv41_http = import_dsv41("dsv41.harness.http")
 dsv41_status_render = import_dsv41("dsv41.entrypoints.status_render")
 
 
@@ -131,13 +125,13 @@ def main():
             windows_dir=dict(type="str", default=""),
             timeout=dict(type="float", default=5.0),
             prometheus_url=dict(type="str", default=""),
-            window_token=dict(type="str", default="", no_log=False, fallback=(env_fallback, ["DSV41_WINDOW_TOKEN"])),
+            **WINDOW_TOKEN_SPEC,
         ),
         supports_check_mode=True,
     )
     require_dsv41(module)
     p = module.params
-    with dsv41_errors(module), dsv41_http.window_token(p["window_token"]):
+    with dsv41_errors(module), window_token(module):
         report = dsv41_status.summarize(
             p["hosts"], p["api_url"], p["engram_url"] or None, p["drafter_url"] or None, window_s=p["window"],
             expected_image=p["expected_image"], windows_dir=p["windows_dir"] or None, timeout_s=p["timeout"],

@@ -67,13 +67,6 @@ options:
     description: Seconds between attempts.
     type: float
     default: 2.0
-  window_token:
-    description:
-      - The fenced operation's token (window, promote, rollback). While a HOLD carries it, the held
-        engine admits only requests with it; this module's requests carry it.
-      - Falls back to E(DSV41_WINDOW_TOKEN) (what a play's C(environment:) sets); V("") sends none.
-    type: str
-    default: ""
 attributes:
   check_mode:
     support: full
@@ -83,6 +76,8 @@ attributes:
     description: Not supported; the result lists the first differing position per prompt.
 requirements:
   - the dsv41 Python package and httpx on the host that runs the module
+extends_documentation_fragment:
+  - dsv41.offload.window_token
 author:
   - dsv41-offload (@dsv41)
 """
@@ -132,15 +127,14 @@ summary:
   type: str
 """
 
-from ansible.module_utils.basic import AnsibleModule, env_fallback
+from ansible.module_utils.basic import AnsibleModule
 
 try:
-    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import Dsv41Error, import_dsv41, require_dsv41
+    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import WINDOW_TOKEN_SPEC, Dsv41Error, import_dsv41, require_dsv41, window_token
 except ImportError:  # run from library/ (ansible.cfg: module_utils = plugins/module_utils)
-    from ansible.module_utils.dsv41_common import Dsv41Error, import_dsv41, require_dsv41
+    from ansible.module_utils.dsv41_common import WINDOW_TOKEN_SPEC, Dsv41Error, import_dsv41, require_dsv41, window_token
 
 dsv41_refs = import_dsv41("dsv41.harness.refs")
-dsv41_http = import_dsv41("dsv41.harness.http")
 
 
 def main():
@@ -157,7 +151,7 @@ def main():
             require_drafter=dict(type="bool", default=False),
             attempts=dict(type="int", default=1),
             delay=dict(type="float", default=2.0),
-            window_token=dict(type="str", default="", no_log=False, fallback=(env_fallback, ["DSV41_WINDOW_TOKEN"])),
+            **WINDOW_TOKEN_SPEC,
         ),
         required_if=[("require_drafter", True, ("metrics_url",))],
         supports_check_mode=True,
@@ -165,7 +159,7 @@ def main():
     require_dsv41(module)
     p = module.params
     try:
-        with dsv41_http.window_token(p["window_token"]):
+        with window_token(module):
             res = dsv41_refs.check(p["endpoint"], p["path"], mode=p["mode"], max_tokens=p["max_tokens"],
                                    timeout_s=p["timeout"], metrics_url=p["metrics_url"],
                                    metrics_prefix=p["metrics_prefix"], require_ranks=p["require_ranks"],

@@ -3,7 +3,7 @@
 (issue 23; docs/gpu.md "The step benchmark", results in docs/benchmarks.md).
 
 vLLM's real ``Engram`` modules for layers 1 and 14 (from the wheel's Python source, as in
-``vllm_overlay_qualify.py``) sit inside a stand-in forward shaped like
+``vllm_overlay_qualify.py``, through ``vllm_overlay_util.py``) sit inside a stand-in forward shaped like
 ``DeepseekV4Model.forward``: the step's hash ids are copied into a static buffer, then
 ``prepare_embeddings`` for both Engram layers (-> ``_start_prefetch``, sharing one prefetch
 stream as the model does), then ``--layers`` decoder layers of ``--decode-layer-ms`` /
@@ -47,7 +47,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import vllm_overlay_qualify as Q  # noqa: E402
+import vllm_overlay_util as Q  # noqa: E402
 
 ACTIVE_PARAMS = 13e9
 MODEL_LAYERS = 43

@@ -1,6 +1,8 @@
 """Every Ansible module whose package code sends HTTP through dsv41.harness.http (and so carries
 the window header) takes the window token as an explicit option, ``window_token``, falling back to
-DSV41_WINDOW_TOKEN (Ansible's env_fallback), and passes it to the package (http.window_token)."""
+DSV41_WINDOW_TOKEN (Ansible's env_fallback), and passes it to the package (http.window_token).
+The option is declared once: its spec is dsv41_common.WINDOW_TOKEN_SPEC, its documentation the
+doc fragment dsv41.offload.window_token, its use dsv41_common.window_token(module)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 MODULES = sorted((REPO / "plugins" / "modules").glob("*.py"))
@@ -31,12 +34,17 @@ def _sends_http(name: str) -> bool:
     return loaded == "True" or any(s in src for s in ("from dsv41.harness import http", "from dsv41.harness import refs"))
 
 
-def _option(path: Path):
-    """The window_token entry of the module's argument_spec (an ast.Call of dict) or None."""
+def _merges_the_shared_spec(path: Path) -> bool:
+    """The module's AnsibleModule(argument_spec=dict(..., **WINDOW_TOKEN_SPEC)) call."""
     for n in ast.walk(ast.parse(path.read_text())):
-        if isinstance(n, ast.keyword) and n.arg == "window_token" and isinstance(n.value, ast.Call):
-            return n.value
-    return None
+        if isinstance(n, ast.keyword) and n.arg == "argument_spec" and isinstance(n.value, ast.Call):
+            return any(k.arg is None and getattr(k.value, "id", "") == "WINDOW_TOKEN_SPEC" for k in n.value.keywords)
+    return False
+
+
+def _doc(path: Path) -> dict:
+    src = path.read_text()
+    return yaml.safe_load(ast.literal_eval(src[src.index("DOCUMENTATION = ") + len("DOCUMENTATION = "):src.index("EXAMPLES")].strip()))
 
 
 # Modules whose package module can send HTTP, but whose calls into it send none (none today:
@@ -55,16 +63,34 @@ def test_the_class_is_found():
         assert "window_token" not in src and "http" not in src.split("def main")[1]
 
 
+def test_the_shared_spec_and_fragment():
+    sys.path.insert(0, str(REPO / "plugins" / "module_utils"))
+    try:
+        import dsv41_common
+        from ansible.module_utils.basic import env_fallback
+    finally:
+        sys.path.pop(0)
+    assert dsv41_common.WINDOW_TOKEN_SPEC == {"window_token": dict(type="str", default="", no_log=False,
+                                                                    fallback=(env_fallback, ["DSV41_WINDOW_TOKEN"]))}
+    ns: dict = {}
+    exec((REPO / "plugins" / "doc_fragments" / "window_token.py").read_text(), ns)
+    opt = yaml.safe_load(ns["ModuleDocFragment"].DOCUMENTATION)["options"]["window_token"]
+    assert opt["type"] == "str" and opt["default"] == "" and "E(DSV41_WINDOW_TOKEN)" in " ".join(opt["description"])
+
+
 @pytest.mark.parametrize("path", SENDERS, ids=lambda p: p.stem)
-def test_window_token_is_an_option_with_env_fallback(path):
-    opt = _option(path)
-    assert opt is not None, f"{path.name}: no window_token option"
-    kw = {k.arg: k.value for k in opt.keywords}
-    assert ast.literal_eval(kw["type"]) == "str" and ast.literal_eval(kw["default"]) == ""
-    fb = kw["fallback"]
-    assert isinstance(fb, ast.Tuple) and fb.elts[0].id == "env_fallback"
-    assert ast.literal_eval(fb.elts[1]) == ["DSV41_WINDOW_TOKEN"]
+def test_window_token_is_the_shared_option(path):
+    assert _merges_the_shared_spec(path), f"{path.name}: argument_spec does not merge **WINDOW_TOKEN_SPEC"
     src = path.read_text()
-    assert 'window_token(p["window_token"])' in src, f"{path.name}: the option does not reach the package"
-    doc = src[src.index("DOCUMENTATION"):src.index("EXAMPLES")]
-    assert "  window_token:\n" in doc, f"{path.name}: window_token is not documented"
+    assert "window_token(module)" in src.split("def main")[1], f"{path.name}: the option does not reach the package"
+    doc = _doc(path)
+    assert "dsv41.offload.window_token" in doc.get("extends_documentation_fragment", []), \
+        f"{path.name}: window_token is not documented (extends_documentation_fragment)"
+    assert "window_token" not in doc["options"], f"{path.name}: restates the fragment's window_token"
+    assert "env_fallback" not in src and "DSV41_WINDOW_TOKEN\"]" not in src, f"{path.name}: a second window_token spec"
+
+
+@pytest.mark.parametrize("path", [p for p in MODULES if p not in SENDERS], ids=lambda p: p.stem)
+def test_no_other_module_takes_the_option(path):
+    assert not _merges_the_shared_spec(path)
+    assert "dsv41.offload.window_token" not in _doc(path).get("extends_documentation_fragment", [])

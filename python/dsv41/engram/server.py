@@ -233,38 +233,29 @@ class _Collector:
         self.es = es
 
     def collect(self):
+        # an unlabelled family takes its one sample as value= (prometheus_client.core)
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         es = self.es
         with es.progress.lock:
             done, total = es.progress.done, es.progress.total
-        g = GaugeMetricFamily("dsv41_engram_load_bytes", "Table bytes loaded into RAM so far")
-        g.add_metric([], done)
-        yield g
-        g = GaugeMetricFamily("dsv41_engram_load_total_bytes", "Table bytes to load")
-        g.add_metric([], total)
-        yield g
-        g = GaugeMetricFamily("dsv41_engram_ready", "1 once loaded, verified and listening")
-        g.add_metric([], 1 if es.ready.is_set() else 0)
-        yield g
+        yield GaugeMetricFamily("dsv41_engram_load_bytes", "Table bytes loaded into RAM so far", value=done)
+        yield GaugeMetricFamily("dsv41_engram_load_total_bytes", "Table bytes to load", value=total)
+        yield GaugeMetricFamily("dsv41_engram_ready", "1 once loaded, verified and listening",
+                                value=1 if es.ready.is_set() else 0)
         srv = es.rowserver
         snap = srv.snapshot() if srv is not None else None
-        c = CounterMetricFamily("dsv41_engram_requests", "Lookup requests served")
-        c.add_metric([], snap["requests"] if snap else 0)
-        yield c
-        c = CounterMetricFamily("dsv41_engram_rows_served", "Rows served")
-        c.add_metric([], snap["rows"] if snap else 0)
-        yield c
+        yield CounterMetricFamily("dsv41_engram_requests", "Lookup requests served",
+                                  value=snap["requests"] if snap else 0)
+        yield CounterMetricFamily("dsv41_engram_rows_served", "Rows served", value=snap["rows"] if snap else 0)
         c = CounterMetricFamily("dsv41_engram_refusals", "Requests refused, by reason", labels=["reason"])
         for reason, n in sorted((snap or {}).get("refusals", {}).items()):
             c.add_metric([reason], n)
         yield c
-        c = CounterMetricFamily("dsv41_engram_nixl_handshakes", "NIXL handshakes answered")
-        c.add_metric([], snap["nixl_handshakes"] if snap else 0)
-        yield c
-        g = GaugeMetricFamily("dsv41_engram_connections", "Open client connections")
-        g.add_metric([], snap["connections"] if snap else 0)
-        yield g
+        yield CounterMetricFamily("dsv41_engram_nixl_handshakes", "NIXL handshakes answered",
+                                  value=snap["nixl_handshakes"] if snap else 0)
+        yield GaugeMetricFamily("dsv41_engram_connections", "Open client connections",
+                                value=snap["connections"] if snap else 0)
         h = HistogramMetricFamily("dsv41_engram_request_seconds", "Server-side lookup handling time")
         counts = snap["latency_buckets"] if snap else [0] * (len(LATENCY_BUCKETS) + 1)
         acc, buckets = 0, []

@@ -375,6 +375,19 @@ def _ecdf(ax, values, label):
         ax.step(v, [(i + 1) / len(v) for i in range(len(v))], where="post", label=label)
 
 
+def _save_plot(fig, wdir: str, name: str) -> str:
+    """Lay out ``fig`` (a matplotlib Figure), write it atomically as ``wdir/name`` (PNG, 100 dpi;
+    fileio errors as for any window file), close it and return ``name``."""
+    import matplotlib.pyplot as plt
+
+    from dsv41 import fileio
+
+    fig.tight_layout()
+    fileio.atomic_write(os.path.join(wdir, name), lambda f: fig.savefig(f, format="png", dpi=100), "window plot")
+    plt.close(fig)
+    return name
+
+
 def write_report(wdir: str, decision: win2.Decision, cells: list[dict], meta: dict, cap=None) -> list[str]:
     """Write ``decision.json``, ``summary.md`` and the PNG plots into ``wdir``; returns the files.
 
@@ -430,11 +443,7 @@ def write_report(wdir: str, decision: win2.Decision, cells: list[dict], meta: di
     ax.set_ylabel(f"{decision.metric} ratio - 1")
     ax.set_title(f"{meta.get('window_id', '')}: {decision.verdict}")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fileio.atomic_write(os.path.join(wdir, "pairs.png"), lambda f: fig.savefig(f, format="png", dpi=100),
-                        "window plot")
-    plt.close(fig)
-    files.append("pairs.png")
+    files.append(_save_plot(fig, wdir, "pairs.png"))
     fig, axs = plt.subplots(1, 2, figsize=(9, 3.5))
     for arm in ("control", "candidate"):
         ok = [c for c in cells if c.get("ok") and c["arm"] == arm]
@@ -445,11 +454,7 @@ def write_report(wdir: str, decision: win2.Decision, cells: list[dict], meta: di
     for a in axs:
         a.set_ylabel("CDF")
         a.legend(fontsize=7)
-    fig.tight_layout()
-    fileio.atomic_write(os.path.join(wdir, "cdf.png"), lambda f: fig.savefig(f, format="png", dpi=100),
-                        "window plot")
-    plt.close(fig)
-    files.append("cdf.png")
+    files.append(_save_plot(fig, wdir, "cdf.png"))
     prompts = sorted({c["prompt_id"] for c in cells})
     fig, ax = plt.subplots(figsize=(8, 3.5))
     width = 0.4
@@ -465,11 +470,7 @@ def write_report(wdir: str, decision: win2.Decision, cells: list[dict], meta: di
     ax.set_xticklabels(prompts, rotation=30, fontsize=7)
     ax.set_ylabel("tokens per step (1 + accepted drafts)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fileio.atomic_write(os.path.join(wdir, "acceptance.png"), lambda f: fig.savefig(f, format="png", dpi=100),
-                        "window plot")
-    plt.close(fig)
-    files.append("acceptance.png")
+    files.append(_save_plot(fig, wdir, "acceptance.png"))
     d = decision
     ver = meta.get("versions", {})
     lines = [f"# Window {meta.get('window_id', '')}: **{d.verdict}**", "",
