@@ -44,11 +44,61 @@ def import_dsv41(name):
         return None
 
 
+# Integers a module option may hold: a signed 64-bit range. Ansible's ``int`` type converts any
+# digit string, and one past 4300 digits cannot even be printed (``repr``/``json.dumps`` raise
+# ValueError, sys.get_int_max_str_digits()), so the module's own result would be a traceback.
+INT_LIMIT = 2 ** 63
+
+
+def _nul(value):
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, (list, tuple)):
+        return any(_nul(v) for v in value)
+    if isinstance(value, dict):
+        return any(_nul(k) or _nul(v) for k, v in value.items())
+    return False
+
+
+def option_problem(kind, value):
+    """Why ``value`` (already converted by Ansible to option type ``kind``) is unusable, or None.
+
+    ``int``: outside [-2^63, 2^63); ``float``: NaN or an infinity (Ansible's ``float`` type takes
+    ``"nan"`` and ``"inf"``; NaN passes every range check after it); any string, also inside a
+    list or dict: a NUL byte (no path, URL, argv or header can hold one: ``open`` and ``os.stat``
+    raise ValueError).
+    """
+    import math
+
+    if value is None:
+        return None
+    if kind == "int" and isinstance(value, int) and not isinstance(value, bool) and not -INT_LIMIT <= value < INT_LIMIT:
+        return f"{value.bit_length()}-bit integer, outside the 64-bit range"
+    if kind == "float" and isinstance(value, float) and not math.isfinite(value):
+        return f"{value!r} is not a finite number"
+    if _nul(value):
+        return "contains a NUL byte"
+    return None
+
+
+def check_options(module):
+    """Fail ``module`` naming the first option of its ``argument_spec`` whose value
+    :func:`option_problem` refuses; the value itself is replaced in ``module.params`` first, so the
+    failure's ``invocation`` can be serialised."""
+    for name, spec in module.argument_spec.items():
+        problem = option_problem(spec.get("type", "str"), module.params.get(name))
+        if problem is not None:
+            module.params[name] = f"<refused: {problem}>"
+            module.fail_json(msg=f"option {name}: {problem}")
+
+
 def require_dsv41(module):
     """Fail ``module`` (an AnsibleModule) with Ansible's standard "requires dsv41" message and the
-    import traceback as ``exception`` when an import_dsv41() failed; return otherwise."""
+    import traceback as ``exception`` when an import_dsv41() failed, or naming an option whose
+    value no module can use (:func:`check_options`); return otherwise."""
     if DSV41_IMPORT_ERROR is not None:
         module.fail_json(msg=missing_required_lib("dsv41"), exception=DSV41_IMPORT_ERROR)
+    check_options(module)
 
 
 @contextlib.contextmanager

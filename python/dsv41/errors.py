@@ -6,6 +6,7 @@ should read as a sentence, never as a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 
@@ -171,9 +172,30 @@ def option_name(param) -> str:
     return (param.metavar or param.name or "ARGUMENT").upper()
 
 
+def check_finite(value: str, option: str) -> None:
+    """Refuse a value of a ``float`` option that reads as NaN or an infinity (``nan``, ``inf``,
+    ``-Infinity``, ``1e999``); raises :class:`ArgumentError` naming ``option``.
+
+    Python's ``float()`` accepts them and every comparison with NaN is false, so a NaN slips past
+    any ``x < low`` / ``x > high`` check and an infinity past a one-sided one (``--sigma inf`` once
+    printed a table of zeros and exited 0). No option of the command means "no limit" by an
+    infinity: a limit left out is its ``None`` default. Values that are not numbers at all are left
+    to typer's own conversion error.
+    """
+    import math
+
+    try:
+        number = float(value)
+    except (ValueError, OverflowError):
+        return
+    if not math.isfinite(number):
+        raise ArgumentError(f"{option}: {_show(value)} is not a finite number")
+
+
 def guard_arguments(cmd) -> None:
     """Route every value of every parameter of ``cmd`` (a click command tree) through
-    :func:`check_argument` before typer converts it; defaults are not checked (they are code)."""
+    :func:`check_argument` before typer converts it, and every value of a ``float`` parameter
+    through :func:`check_finite`; defaults are not checked (they are code)."""
     from typer._click.core import ParameterSource
 
     for path, p in iter_parameters(cmd):
@@ -181,18 +203,53 @@ def guard_arguments(cmd) -> None:
             continue
         original = p.process_value
         is_path = bool(getattr(getattr(p, "type_descriptor", None), "is_path", False))
+        is_float = getattr(getattr(p, "type_descriptor", None), "annotation", None) is float
         where = " ".join(path)
         name = f"{where} {option_name(p)}".strip()
 
-        def process_value(ctx, value, _p=p, _original=original, _is_path=is_path, _name=name):
+        def process_value(ctx, value, _p=p, _original=original, _is_path=is_path, _is_float=is_float, _name=name):
             if ctx.get_parameter_source(_p.name) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP):
                 for v in (value if isinstance(value, (list, tuple)) else (value,)):
                     if isinstance(v, str):
                         check_argument(v, _name, is_path=_is_path)
+                        if _is_float:
+                            check_finite(v, _name)
             return _original(ctx, value)
 
         p.process_value = process_value
         p._dsv41_guarded = True
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM turned into an exception (:func:`sigterm_unwinds`): a KeyboardInterrupt, so every
+    ``finally`` and ``except KeyboardInterrupt`` runs as for Ctrl-C (temporary files removed,
+    partial results kept); :func:`run_app` reports it and exits 143 (128 + SIGTERM)."""
+
+
+@contextlib.contextmanager
+def sigterm_unwinds():
+    """Within the block, SIGTERM raises :class:`Terminated` in the main thread, where its handler
+    is still the default one. Python's default SIGTERM ends the process without unwinding, so an
+    interrupted write left its temporary file behind (``engram make-tables`` killed by a playbook
+    timeout: a 51 MB ``.model-00047-of-00048.safetensors.tmpN``). A handler someone installed
+    (a server's drain, bench's own) is left alone; the default is restored after."""
+    import signal
+    import threading
+
+    fired = {"sigterm": False}  # yielded: typer swallows the exception into a return value of 130
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield fired
+        return
+
+    def _raise(signum, frame):
+        fired["sigterm"] = True
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield fired
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def run_app(app, argv: list[str] | None = None, *, command=None) -> int:
@@ -215,7 +272,11 @@ def run_app(app, argv: list[str] | None = None, *, command=None) -> int:
     guard_arguments(cmd)
     out0, err0 = sys.stdout, sys.stderr
     try:
-        rv = cmd.main(args=argv, prog_name="dsv41", standalone_mode=False)
+        with sigterm_unwinds() as fired:
+            rv = cmd.main(args=argv, prog_name="dsv41", standalone_mode=False)
+        if rv == 130:  # typer's silent Exit(130) for a KeyboardInterrupt (Ctrl-C, or SIGTERM here)
+            _say("dsv41: error: terminated (SIGTERM)" if fired["sigterm"] else "dsv41: error: interrupted")
+            return 143 if fired["sigterm"] else 130
         sys.stdout.flush()  # a full disk or a closed pipe on stdout is reported here, not at exit
     except SystemExit:
         if sys.stdout is out0:
@@ -245,6 +306,12 @@ def run_app(app, argv: list[str] | None = None, *, command=None) -> int:
         if line.startswith("cannot write to stdout"):
             _silence_stdout()
         return 1
+    except RecursionError:  # an input nested past Python's recursion limit that a parser did not wrap
+        _say("dsv41: error: an input is nested too deeply (Python's recursion limit)")
+        return 1
+    except Terminated:
+        _say("dsv41: error: terminated (SIGTERM)")
+        return 143
     except KeyboardInterrupt:
         print("dsv41: error: interrupted", file=sys.stderr)
         return 130

@@ -159,12 +159,99 @@ def read_text(path: PathLike, what: str | None = None, *, encoding: str = "utf-8
                                    f"(byte {exc.start})") from None
 
 
+def _constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number (RFC 8259 section 6 has no NaN or infinities)")
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"key {k!r} appears twice in one object")
+        out[k] = v
+    return out
+
+
+def _refused(message: str) -> json.JSONDecodeError:
+    exc = json.JSONDecodeError(message, "", 0)
+    exc.args = (message,)  # no "line 1 column 1": the position is not known
+    return exc
+
+
+def loads_json(text: str | bytes, *, finite: bool = True) -> Any:
+    """``json.loads`` for what the project reads from files, subprocesses and peers, strict.
+
+    Refused, each as :class:`json.JSONDecodeError` (a ``ValueError``, what every caller of
+    ``json.loads`` already catches): ``NaN``/``Infinity``/``-Infinity`` (Python's extension; not
+    JSON, RFC 8259 section 6; a NaN passes every range check after it), a key given twice in one
+    object (RFC 8259 section 4: names "SHOULD be unique"; Python keeps the last silently, so two
+    readers of one file could disagree), and nesting deep enough to hit Python's recursion limit
+    (``RecursionError`` is no ``ValueError`` and printed a traceback). The parsed value otherwise.
+    ``finite=False`` reads ``NaN``/``Infinity`` as floats: only for records the package itself
+    wrote with ``json.dumps`` defaults (a window decision's open CI is ``[-Infinity, Infinity]``).
+    """
+    try:
+        return json.loads(text, object_pairs_hook=_pairs, **({"parse_constant": _constant} if finite else {}))
+    except json.JSONDecodeError:
+        raise
+    except RecursionError:
+        raise _refused("nested too deeply (Python's recursion limit)") from None
+    except ValueError as exc:  # _constant, _pairs, an integer past sys.get_int_max_str_digits()
+        raise _refused(str(exc)) from None
+
+
+def loads_yaml(text: str) -> Any:
+    """``yaml.safe_load`` for what the project reads (candidates, role defaults), strict like
+    :func:`loads_json`.
+
+    Refused, each as ``yaml.YAMLError`` (what callers of ``safe_load`` already catch), with the
+    line: a key given twice in one mapping (YAML 1.2 section 3.2.1.1: keys are unique; PyYAML
+    keeps the last silently, so ``min_effect: 0.05`` then ``min_effect: 0.5`` judged with 0.5),
+    ``.nan``/``.inf`` floats (JSON Schema's ``minimum``/``maximum`` pass a NaN: a candidate with
+    ``min_effect: .nan`` validated and printed ``NaN``, which is not JSON), and nesting past
+    Python's recursion limit. Aliases construct shared objects (no expansion), as in safe_load.
+    """
+    import math
+
+    import yaml
+
+    class _Strict(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen: set = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    dup = key in seen
+                except TypeError:  # unhashable: SafeLoader's own error names it
+                    break
+                if dup:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"found key {key!r} twice in one mapping", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+        def construct_yaml_float(self, node):
+            value = super().construct_yaml_float(node)
+            if not math.isfinite(value):
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{node.value!r} is not a finite number", node.start_mark)
+            return value
+
+    _Strict.add_constructor("tag:yaml.org,2002:float", _Strict.construct_yaml_float)
+    try:
+        return yaml.load(text, Loader=_Strict)  # noqa: S506 - _Strict is a SafeLoader
+    except RecursionError:
+        raise yaml.YAMLError("nested too deeply (Python's recursion limit)") from None
+
+
 def read_json(path: PathLike, what: str | None = None, *, max_bytes: int | None = None,
               error: ErrorType = None) -> Any:
-    """A regular file parsed as JSON; bad JSON raises :class:`FileError` naming line and column."""
+    """A regular file parsed as JSON (:func:`loads_json`, strict); bad JSON raises
+    :class:`FileError` naming line and column, or what was refused."""
     text = read_text(path, what, max_bytes=max_bytes, error=error)
     try:
-        return json.loads(text)
+        return loads_json(text)
     except ValueError as exc:
         raise (error or FileError)(f"{_label(path, what)} is not JSON (not valid JSON: {exc})") from None
 

@@ -131,3 +131,35 @@ def test_raw_argv_bytes_in_a_real_process(argv, tmp_path) -> None:
     assert len(lines) == 1 and lines[0].startswith(b"dsv41: error: ") and b"not valid UTF-8" in lines[0], r.stderr
     assert argv[-2] in lines[0] or argv[1] in lines[0]
     assert b"Traceback" not in r.stderr and r.stdout == b""
+
+
+FLOATS = [(path, p) for path, p in PARAMS if p.type_descriptor.annotation is float]
+
+
+@pytest.mark.parametrize("value", ["nan", "-NaN", "inf", "-Infinity", "1e999"])
+def test_every_float_parameter_refuses_non_finite_values(value: str, capsys) -> None:
+    """NaN passes every ``<``/``>`` range check and an infinity every one-sided one
+    (``window simulate --sigma inf`` printed a table of zeros and exited 0): every ``float``
+    parameter of the tree refuses them before its command runs, one line, exit 2."""
+    assert len(FLOATS) > 30, len(FLOATS)
+    failures = []
+    for path, p in FLOATS:
+        argv = _argv(path, p, value)
+        rc = run_app(cli.app, argv, command=COMMAND)
+        out = capsys.readouterr()
+        name = f"{' '.join(path)} {errors.option_name(p)}".strip()
+        lines = out.err.splitlines()
+        if not (rc == 2 and len(lines) == 1 and lines[0] == f"dsv41: error: {name}: {value!r} is not a finite number"
+                and out.out == ""):
+            failures.append((argv, rc, out.err[-300:]))
+    assert not failures, f"{len(failures)} of {len(FLOATS)} float parameters: {failures[:5]}"
+
+
+def test_finite_floats_and_non_numbers_are_left_to_the_command(capsys) -> None:
+    """Only non-finite numbers are refused here: ``1e308`` passes the guard, ``abc`` gets typer's
+    own conversion error (exit 1, one line)."""
+    errors.check_finite("1e308", "--x")
+    errors.check_finite("abc", "--x")
+    assert run_app(cli.app, ["status", "--window", "abc"], command=COMMAND) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "--window" in err and "Traceback" not in err, err

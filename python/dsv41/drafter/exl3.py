@@ -19,7 +19,6 @@ sidecar.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +68,7 @@ def _sidecar(d: Path) -> dict:
     if not os.path.lexists(d / SIDECAR):
         raise ConfigError(f"exl3 drafter: {d / SIDECAR} not found (write it next to the EXL3 model)")
     try:
-        side = json.loads(fileio.read_text(d / SIDECAR, "exl3 drafter sidecar", error=ConfigError))
+        side = fileio.loads_json(fileio.read_text(d / SIDECAR, "exl3 drafter sidecar", error=ConfigError))
     except ValueError as exc:
         raise ConfigError(f"exl3 drafter: cannot read {d / SIDECAR}: {exc}") from None
     if not isinstance(side, dict) or side.get("format") != FORMAT:

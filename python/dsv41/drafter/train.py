@@ -19,11 +19,13 @@ Engram rows come from ``--manifest/--data`` when given, otherwise from the synth
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 
 import numpy as np
 
+from dsv41 import fileio
 from dsv41.drafter.model import DrafterConfig, DrafterModel, identities, save_drafter
 from dsv41.engram.rowsource import COUNTER_KEYS, RowSource
 from dsv41.errors import ConfigError
@@ -98,7 +100,7 @@ def make_row_source(config_path: str, manifest: str | None, data: str | None, ta
     from dsv41 import fileio
 
     try:
-        cfg = json.loads(fileio.read_text(config_path, "model config", error=ConfigError))
+        cfg = fileio.loads_json(fileio.read_text(config_path, "model config", error=ConfigError))
     except ValueError as exc:
         raise ConfigError(f"cannot read model config {config_path}: {exc}") from None
     return SyntheticRowSource(cfg, tables_seed)
@@ -214,7 +216,7 @@ def train_drafter(config: str, weights: str, out: str, *, steps: int | None = No
     finally:
         torch.set_num_threads(threads)
     cfg.train = {"method": "greedy distillation, teacher forcing", "steps": hp["steps"], "examples": int(n),
-                 "final_loss": round(loss_v, 4), "seed": seed, "settings": hp}
+                 "final_loss": round(loss_v, 4) if math.isfinite(loss_v) else None, "seed": seed, "settings": hp}
     save_drafter(model, cfg, out)
     # held-out acceptance on the default prompts
     drafter = TorchDrafter(out)
@@ -226,7 +228,8 @@ def train_drafter(config: str, weights: str, out: str, *, steps: int | None = No
         a, d, r = simulate_acceptance(drafter, ids + res.tokens, len(ids), res.hidden_tap, hp["eval_k"])
         per_prompt[name] = {"accepted": a, "drafted": d, "rounds": r, "accepted_per_round": round(a / max(r, 1), 3)}
         tot_a, tot_d = tot_a + a, tot_d + d
-    rep = {"identities": identities(out), "final_loss": loss_v, "examples": int(n), "generate_s": round(t_gen, 2),
+    rep = {"identities": identities(out), "final_loss": loss_v if math.isfinite(loss_v) else None,  # no step: no loss
+           "examples": int(n), "generate_s": round(t_gen, 2),
            "seconds": round(time.monotonic() - t0, 2), "heldout_acceptance": tot_a / max(tot_d, 1),
            "per_prompt": per_prompt}
     log.info("drafter distilled: loss %.3f, acceptance %.2f", loss_v, rep["heldout_acceptance"])

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsv41 import fileio
 from dsv41.errors import Dsv41Error
 
 #: A fenced window's requests carry this header (ASGI spelling: lower case); a HOLD taken with
@@ -61,7 +62,7 @@ def read_hold(path: str | os.PathLike) -> HoldRecord | None:
     except OSError:
         pass  # fileio says why
     try:
-        doc = json.loads(fileio.read_text(p, "admission hold file", max_bytes=1 << 16, error=HoldFileError))
+        doc = fileio.loads_json(fileio.read_text(p, "admission hold file", max_bytes=1 << 16, error=HoldFileError))
     except ValueError as exc:
         raise HoldFileError(f"admission hold file {p} unreadable ({exc})") from None
     token = doc.get("window") if isinstance(doc, dict) else None

@@ -17,10 +17,11 @@ A field in neither schema is refused too (vLLM only logs such fields and drops t
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from dsv41 import fileio
 
 VLLM_FIELDS_FILE = Path(__file__).resolve().parent.parent / "data" / "vllm_request_fields.json"
 
@@ -158,7 +159,7 @@ def table(chat: bool) -> dict[str, Field]:
 
 def vllm_fields() -> dict:
     """The stored vLLM field lists (``{"completion": [...], "chat": [...], "source": {...}}``)."""
-    return json.loads(VLLM_FIELDS_FILE.read_text(encoding="utf-8"))
+    return fileio.loads_json(VLLM_FIELDS_FILE.read_text(encoding="utf-8"))
 
 
 def _same(v: Any, o: Any) -> bool:

@@ -65,7 +65,7 @@ def load_model_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> di
 
         text = fileio.read_text(p, "model config", error=ConfigError)
         try:
-            raw = json.loads(text)
+            raw = fileio.loads_json(text)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"model config {p} is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dsv41 import fileio
 from dsv41.engram.layout import EngramLayout
 from dsv41.errors import ConfigError, Dsv41Error, VerificationError
 
@@ -64,7 +65,7 @@ def load_token_map(path: str | os.PathLike) -> np.ndarray:
                 raise ConfigError(f"token map {p}: size {len(raw)} is not a multiple of 4 (int32)")
             arr = np.frombuffer(raw, dtype="<i4")
         else:
-            data = json.loads(fileio.read_text(p, "token map", error=ConfigError))
+            data = fileio.loads_json(fileio.read_text(p, "token map", error=ConfigError))
             if isinstance(data, dict):
                 if "token_map" not in data:
                     raise ConfigError(f"token map {p}: JSON object has no key 'token_map'")

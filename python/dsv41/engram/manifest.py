@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsv41 import fileio
 from dsv41.engram.layout import EngramLayout
 from dsv41.engram.shards import RowRangeError, scale_name, shard_names, table_regions, weight_name
 from dsv41.errors import VerificationError
@@ -134,7 +135,7 @@ _schema_cache: dict[str, Any] = {}
 def schema() -> dict[str, Any]:
     """The manifest JSON Schema (parsed once)."""
     if "s" not in _schema_cache:
-        _schema_cache["s"] = json.loads(SCHEMA_PATH.read_text())
+        _schema_cache["s"] = fileio.loads_json(SCHEMA_PATH.read_text())
     return _schema_cache["s"]
 
 

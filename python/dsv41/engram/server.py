@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import mmap
 import os
 import queue
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dsv41 import fileio
 from dsv41.errors import Dsv41Error, VerificationError
 from dsv41.transport import protocol as P
 from dsv41.transport.server import LATENCY_BUCKETS, RowServer, RowTable
@@ -397,7 +397,7 @@ class EngramServer:
 
 def _is_ready_file(p: Path) -> bool:
     try:
-        doc = json.loads(p.read_text())
+        doc = fileio.loads_json(p.read_text())
     except (OSError, UnicodeDecodeError, ValueError):
         return False
     return isinstance(doc, dict) and {"pid", "listen"} <= set(doc)

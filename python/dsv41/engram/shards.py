@@ -21,7 +21,6 @@ This module imports nothing else of ``dsv41.engram``.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import stat
@@ -94,14 +93,6 @@ def _uints(v: Any, n: int | None = None) -> bool:
     """Whether ``v`` is a list of non-negative ints (bools excluded), of length ``n`` if given."""
     return (isinstance(v, list) and (n is None or len(v) == n)
             and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v))
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
-        dup = next(k for k in keys if keys.count(k) > 1)
-        raise ValueError(f"key {dup!r} appears twice")
-    return dict(pairs)
 
 
 def _check_tensors(p: Path, header: dict[str, Any], data_bytes: int) -> None:
@@ -187,7 +178,7 @@ def read_safetensors_header(path: str | os.PathLike, *, validate: bool = True) -
     if len(raw) < n:
         raise VerificationError(f"{p}: header truncated ({len(raw)} of {n} bytes)")
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        header = fileio.loads_json(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise VerificationError(f"{p}: safetensors header is not valid JSON: {exc}") from None
     if not isinstance(header, dict):

@@ -175,7 +175,7 @@ def records_from_step(host: str, step: dict) -> list[dict]:
                 for n in names]
     if res.get("rc") == 0:
         try:
-            recs = json.loads((res.get("stdout") or "").strip().splitlines()[-1])
+            recs = fileio.loads_json((res.get("stdout") or "").strip().splitlines()[-1])
             if isinstance(recs, list) and all(isinstance(r, dict) and "status" in r for r in recs):
                 return recs
         except (ValueError, IndexError):
@@ -207,7 +207,7 @@ def assemble(hosts: dict[str, Any], *, controller: list[dict] | None = None, met
             checks.append(record("links", "reachable", h, False, None, "reachable", reason=f"{h}: unreachable: {msg}"))
             continue
         try:
-            versions[h] = json.loads(v.get("stdout") or "{}")
+            versions[h] = fileio.loads_json(v.get("stdout") or "{}")
         except ValueError:
             versions[h] = {"error": (v.get("stderr") or "")[-200:]}
         for step in raw.get("steps") or []:

@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from dsv41 import fileio
 from dsv41.errors import ConfigError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -22,7 +23,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
 
 def _json_arg(text: str, what: str):
     try:
-        return json.loads(text)
+        return fileio.loads_json(text)
     except ValueError as exc:
         raise ConfigError(f"{what}: not JSON ({exc})") from None
 

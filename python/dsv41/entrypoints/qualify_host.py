@@ -8,7 +8,6 @@ vLLM run). A check that needs what the host lacks is ``skipped`` with the reason
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import statistics
@@ -313,7 +312,7 @@ def probe_serving_host(host: str, rank: int, *, runtime: str, env_file: str, req
             "print(json.dumps(C.check_files(C.load(), C.installed_vllm_root(), C.installed_version())))")
     r = run([container_runtime, "exec", container, "python3", "-c", code])
     try:
-        bad = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
+        bad = fileio.loads_json(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
     except (ValueError, IndexError):
         bad = None
     ok = bad == []

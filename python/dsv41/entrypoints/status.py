@@ -49,6 +49,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from dsv41 import fileio
 from dsv41.errors import Dsv41Error
 
 # Healthy service states: supervisord's RUNNING, systemd's "active".
@@ -114,7 +115,7 @@ def manifest_facts(path: str | os.PathLike) -> dict | None:
 
     try:
         raw = fileio.read_bytes(p, "manifest")
-        doc = json.loads(raw)
+        doc = fileio.loads_json(raw)
         return {"revision": str(doc.get("revision", "?")), "sha256": hashlib.sha256(raw).hexdigest(),
                 "tables": {str(t["layer_id"]): str(t["identity"]) for t in doc.get("tables", [])}}
     except (fileio.FileError, OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -238,14 +239,14 @@ def probe(api_url: str, engram_url: str | None, drafter_url: str | None, window_
         api["health"] = "ok" if code == 200 else f"HTTP {code}: {body[:200]}"
         code, body = _get(api_url.rstrip("/") + "/is_paused", timeout_s)
         try:
-            doc = json.loads(body) if code == 200 else {}
+            doc = fileio.loads_json(body) if code == 200 else {}
             api["admission"] = "held" if doc["is_paused"] else "open"
             api["since"] = doc.get("paused_since")
         except (ValueError, KeyError, TypeError):
             api["admission"] = f"unknown (/is_paused: {code} {str(body)[:100]})"
         code, body = _get(api_url.rstrip("/") + "/v1/models", timeout_s)
         try:
-            api["model"] = json.loads(body)["data"][0]["id"] if code == 200 else None
+            api["model"] = fileio.loads_json(body)["data"][0]["id"] if code == 200 else None
         except (ValueError, KeyError, IndexError, TypeError):
             pass
 
@@ -479,7 +480,7 @@ def host_entry(raw: dict) -> dict:
         entry["error"] = f"dsv41 status --local failed: {err[-1] if err else 'rc ' + str(raw.get('rc'))}"[:300]
         return entry
     try:
-        facts = json.loads(raw.get("stdout") or "")
+        facts = fileio.loads_json(raw.get("stdout") or "")
     except ValueError:
         entry["error"] = "dsv41 status --local printed no JSON"
         return entry

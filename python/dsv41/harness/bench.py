@@ -28,7 +28,6 @@ The six greedy reference prompts come from ``DSV41_GREEDY_PROMPTS_FILE`` when se
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import random
@@ -39,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from dsv41 import envs
+from dsv41 import envs, fileio
 from dsv41.harness import http
 from dsv41.errors import Dsv41Error
 
@@ -87,7 +86,7 @@ def load_spec(path: str | None = None, env: Mapping[str, str] | None = None) -> 
 
     src = path or _env_spec_file(env) or str(DEFAULT_SPEC)
     doc = _read_json(src, "bench spec")
-    schema = json.loads(SCHEMA_PATH.read_text())
+    schema = fileio.loads_json(SCHEMA_PATH.read_text())
     err = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(doc))
     if err is not None:
         loc = "/".join(str(x) for x in err.absolute_path) or "(top)"
@@ -175,8 +174,11 @@ class RequestResult:
         return d
 
 
-def _client(timeout_s: float):
+def _client(timeout_s: float, endpoint: str):
+    """An ``httpx.Client`` for requests to ``endpoint``, checked first (``http.check_url``)."""
     import httpx
+
+    http.check_url(endpoint, what=f"endpoint {endpoint}", error=BenchError)
 
     return httpx.Client(timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)), trust_env=False,
                         headers=http.window_headers())
@@ -223,7 +225,7 @@ def stream_one(client, endpoint: str, body: dict, prompt_id: str, category: str,
             if r.status_code != 200:
                 text = r.read().decode("utf-8", "replace")
                 try:
-                    text = json.loads(text)["error"]["message"]
+                    text = fileio.loads_json(text)["error"]["message"]
                 except (ValueError, KeyError, TypeError):
                     pass
                 res.error = f"HTTP {r.status_code}: {str(text)[:300]}"
@@ -236,7 +238,7 @@ def stream_one(client, endpoint: str, body: dict, prompt_id: str, category: str,
                 if data == "[DONE]":
                     break
                 try:
-                    ev = json.loads(data)
+                    ev = fileio.loads_json(data)
                 except ValueError:
                     res.error = f"bad SSE data: {data[:120]}"
                     return res
@@ -347,7 +349,7 @@ def smoke(endpoint: str, model: str, refs_doc: dict | None = None, timeout_s: fl
     """
     from dsv41.harness.refs import first_diff
 
-    with _client(timeout_s) as c:
+    with _client(timeout_s, endpoint) as c:
         canary = stream_one(c, endpoint, request_body(model, "The canary sings", 1, 8, {"temperature": 1.0},
                                                       uuid.uuid4().hex), "canary", "smoke")
     if not canary.ok or not canary.token_ids or not all(
@@ -361,7 +363,7 @@ def smoke(endpoint: str, model: str, refs_doc: dict | None = None, timeout_s: fl
         want, n = None, 16
     runs = []
     for _ in range(1 if want is not None else 2):
-        with _client(timeout_s) as c:
+        with _client(timeout_s, endpoint) as c:
             g = stream_one(c, endpoint, request_body(model, prompt, 0, n, {"temperature": 0.0}, uuid.uuid4().hex),
                            name, "smoke")
         if not g.ok:
@@ -428,7 +430,7 @@ def run_requests(endpoint: str, model: str, items: list[dict], sampler: dict, co
     from concurrent.futures import ThreadPoolExecutor
 
     results: list[RequestResult | None] = [None] * len(items)
-    with _client(timeout_s) as c:
+    with _client(timeout_s, endpoint) as c:
         def one(k: int) -> None:
             it = items[k]
             body = request_body(model, it["prompt"], it["seed"], it["max_tokens"], sampler, it["salt"])

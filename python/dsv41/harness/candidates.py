@@ -13,7 +13,6 @@ raised before anything is held or written.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -56,10 +55,12 @@ def load_candidate(name: str, root: str | os.PathLike = "candidates") -> dict:
         known = sorted(p.stem for p in Path(root).glob("*.yml")) if Path(root).is_dir() else []
         raise CandidateError(f"unknown candidate {name!r} (no {path}); known: {', '.join(known) or 'none'}")
     try:
-        doc = yaml.safe_load(fileio.read_text(path, "candidate", error=CandidateError))
+        doc = fileio.loads_yaml(fileio.read_text(path, "candidate", error=CandidateError))
     except yaml.YAMLError as exc:
-        raise CandidateError(f"candidate {path} is not readable YAML: {str(exc).splitlines()[0]}") from None
-    schema = json.loads(CANDIDATE_SCHEMA.read_text())
+        problem, mark = getattr(exc, "problem", None), getattr(exc, "problem_mark", None)
+        why = f"{problem} (line {mark.line + 1})" if problem and mark else str(exc).splitlines()[0]
+        raise CandidateError(f"candidate {path} is not readable YAML: {why}") from None
+    schema = fileio.loads_json(CANDIDATE_SCHEMA.read_text())
     err = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(doc))
     if err is not None:
         loc = "/".join(str(x) for x in err.absolute_path) or "(top)"

@@ -28,7 +28,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import ipaddress
-import json
 import re
 import shlex
 import subprocess
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 from urllib.parse import urlsplit
 
+from dsv41 import fileio
 from dsv41.errors import Dsv41Error
 
 LAB_NET = ipaddress.ip_network("198.18.0.0/15")
@@ -206,7 +206,7 @@ class LabHosts:
                   "print(json.dumps(r))")
         r = self.run(host, ["python3", "-c", script, str(pid)])
         try:
-            return [(int(c), list(argv)) for c, argv in json.loads(r.stdout)]
+            return [(int(c), list(argv)) for c, argv in fileio.loads_json(r.stdout)]
         except (ValueError, TypeError) as exc:
             raise DrillError(f"drill: cannot read the children of pid {pid} on {host}: {exc}") from None
 

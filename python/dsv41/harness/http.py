@@ -66,6 +66,27 @@ def window_headers(env=None) -> dict[str, str]:
     return {WINDOW_HEADER: tok} if tok else {}
 
 
+def check_url(url: str, *, what: str, error: type[Dsv41Error] = HttpError) -> str:
+    """``url`` when an HTTP client can use it: scheme ``http`` or ``https``, a host, a port (if
+    given) in 1-65535 (RFC 6335 section 6; 0 is "any port", never a server's); ``error(what: ...)``
+    naming the URL otherwise. httpx raises ``httpx.InvalidURL`` (no ``httpx.HTTPError``, so
+    ``http://[::1/metrics`` printed a traceback) and sends ``:99999`` or ``:-1`` to the resolver."""
+    import httpx
+
+    try:
+        u = httpx.URL(url)
+        port = u.port
+    except (httpx.InvalidURL, ValueError, TypeError) as exc:
+        raise error(f"{what}: {url!r} is not a URL: {exc}") from None
+    if u.scheme not in ("http", "https"):
+        raise error(f"{what}: {url!r} is not an http:// or https:// URL")
+    if not u.host:
+        raise error(f"{what}: {url!r} names no host")
+    if port is not None and not 1 <= port <= 65535:
+        raise error(f"{what}: {url!r} has port {port}, outside 1-65535")
+    return url
+
+
 def request(method: str, url: str, *, what: str, timeout_s: float = 10.0, json: Any = None,
             error: type[Dsv41Error] = HttpError) -> Any:
     """Send one request and return the ``httpx.Response`` (status 2xx).
@@ -77,6 +98,7 @@ def request(method: str, url: str, *, what: str, timeout_s: float = 10.0, json: 
     """
     import httpx
 
+    check_url(url, what=what, error=error)
     try:
         with httpx.Client(timeout=timeout_s, trust_env=False, headers=window_headers()) as c:
             r = c.request(method, url, json=json)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import glob
 import ipaddress
-import json
 import os
 import socket
 import subprocess
@@ -60,7 +59,7 @@ def ipv4_addresses(name: str, run: Callable[..., Any] = subprocess.run) -> list[
     if r.returncode != 0:
         return []
     try:
-        data = json.loads(r.stdout or "[]")
+        data = fileio.loads_json(r.stdout or "[]")
     except ValueError:
         return []
     return [a.get("local") for d in data for a in d.get("addr_info", []) if a.get("family") == "inet"]

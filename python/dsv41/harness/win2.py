@@ -54,6 +54,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from dsv41 import fileio
 from dsv41.errors import Dsv41Error
 
 METRICS = {"ttft_ms": "lower", "step_ms_p50": "lower", "tok_s": "higher"}
@@ -145,7 +146,7 @@ def load_cells(path: str) -> list[dict]:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = fileio.loads_json(line)
         except json.JSONDecodeError as exc:
             raise Win2Error(f"{path}:{i}: not a JSON object ({exc.msg})") from None
         if not isinstance(obj, dict):

@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
+from dsv41 import fileio
 from dsv41.errors import Dsv41Error
 from dsv41.harness import bench, win2
 
@@ -115,6 +116,9 @@ def run_cells(plan: list[dict], endpoints: dict[str, str], model: str, sampler: 
     done: list[dict] = []
     arm_now = None
     from dsv41.harness import http
+
+    for arm, url in sorted(endpoints.items()):
+        http.check_url(url, what=f"{arm} endpoint", error=WindowError)
 
     def new_client():
         return httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False,
@@ -237,7 +241,7 @@ def clear_run_pid(wdir: str | os.PathLike) -> None:
     """Remove ``wdir``'s ``run.pid`` if it names this process (a run that ends normally)."""
     path = Path(wdir) / RUN_PID_NAME
     try:
-        if json.loads(path.read_text()).get("pid") == os.getpid():
+        if fileio.loads_json(path.read_text()).get("pid") == os.getpid():
             path.unlink()
     except (OSError, ValueError, AttributeError):
         pass
@@ -298,7 +302,7 @@ def stop_runs(windows_dir: str | os.PathLike, window_id: str, timeout_s: float =
     stopped = []
     for path in sorted(Path(windows_dir).glob(f"{window_id}-*/{RUN_PID_NAME}")):
         try:
-            proc = run_process(json.loads(path.read_text()))
+            proc = run_process(fileio.loads_json(path.read_text()))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise WindowError(f"{path}: not a run pid file ({exc})") from None
         if proc is not None:

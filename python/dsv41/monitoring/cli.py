@@ -10,6 +10,7 @@ from pathlib import Path
 
 import typer
 
+from dsv41 import fileio
 from dsv41.errors import Dsv41Error
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -56,7 +57,7 @@ def rules(
     if not (R.role_dir(project) / "templates" / "dsv41.rules.yml.j2").is_file():
         raise Dsv41Error(f"--project {project}: no roles/monitoring/templates/dsv41.rules.yml.j2 there")
     try:
-        over = json.loads(overrides)
+        over = fileio.loads_json(overrides)
         rk = [int(x) for x in ranks.split(",") if x.strip()]
     except ValueError as exc:
         raise Dsv41Error(f"--overrides must be a JSON object and --ranks comma-separated integers ({exc})") from None

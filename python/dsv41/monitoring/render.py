@@ -14,7 +14,10 @@ def query_range(prometheus_url: str, expr: str, start: float, end: float, step_s
     """``[(legend labels dict, [(t, value)])]`` of ``/api/v1/query_range``; Dsv41Error (one line)."""
     import httpx
 
-    url = prometheus_url.rstrip("/") + "/api/v1/query_range"
+    from dsv41.harness.http import check_url
+
+    url = check_url(prometheus_url.rstrip("/") + "/api/v1/query_range", what=f"Prometheus {prometheus_url}",
+                    error=Dsv41Error)
     try:
         r = httpx.get(url, params={"query": expr, "start": start, "end": end, "step": step_s}, timeout=timeout_s,
                       trust_env=False)

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dsv41 import fileio
 from dsv41.envs import RENAMED
 from dsv41.errors import ConfigError, Dsv41Error
 
@@ -74,7 +75,7 @@ def load(path: str | Path | None = None) -> dict[str, Any]:
     from dsv41 import fileio
 
     try:
-        c = json.loads(fileio.read_text(p, "vLLM contract", error=ConfigError))
+        c = fileio.loads_json(fileio.read_text(p, "vLLM contract", error=ConfigError))
     except json.JSONDecodeError as exc:
         raise ConfigError(f"vLLM contract {p}: not JSON ({exc})") from None
     if not isinstance(c, dict) or c.get("format") != FORMAT or c.get("version") != VERSION:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsv41 import envs
+from dsv41 import envs, fileio
 from dsv41.errors import ConfigError
 
 DEFAULT_RUNTIME_ROOT = "/opt/dsv41/runtime"
@@ -91,7 +91,7 @@ def runtime_files(settings: OverlaySettings) -> tuple[Path, Path | None]:
     from dsv41 import fileio
 
     try:
-        desc = json.loads(fileio.read_text(root / "overlay.json", f"DSV41_RUNTIME_ROOT {root}: overlay.json",
+        desc = fileio.loads_json(fileio.read_text(root / "overlay.json", f"DSV41_RUNTIME_ROOT {root}: overlay.json",
                                            error=ConfigError))
     except json.JSONDecodeError as exc:
         raise ConfigError(f"DSV41_RUNTIME_ROOT {root}: overlay.json is not JSON ({exc})") from None

@@ -26,6 +26,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsv41 import fileio
 from dsv41.errors import Dsv41Error
 
 STEPS = ("begin", "held", "applied", "verified", "recorded", "pointer", "reopened", "rolled_back", "recovered",
@@ -79,7 +80,7 @@ def read(path: str | os.PathLike) -> list[dict]:
     out = []
     for raw in fileio.read_bytes(p, "the promotion journal", error=JournalError).split(b"\n"):
         try:
-            e = json.loads(raw)
+            e = fileio.loads_json(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             continue
         if isinstance(e, dict) and "op" in e and "step" in e:

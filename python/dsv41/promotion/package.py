@@ -60,7 +60,7 @@ def validate(doc) -> None:
     Raises PackageError naming the JSON path of the best-matching error."""
     import jsonschema
 
-    schema = json.loads(SCHEMA.read_text())
+    schema = fileio.loads_json(SCHEMA.read_text())
     err = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(doc))
     if err is not None:
         loc = "/".join(str(x) for x in err.absolute_path) or "(top)"
@@ -197,7 +197,7 @@ def load(root: str | os.PathLike, pkg_id: str) -> dict:
         raise PackageError(f"unknown package {pkg_id} (no {pdir}/package.json); known: "
                            f"{', '.join(k[:12] for k in known) or 'none'}")
     try:
-        doc = json.loads(fileio.read_text(pdir / "package.json", f"package {pkg_id}: package.json", error=PackageError))
+        doc = fileio.loads_json(fileio.read_text(pdir / "package.json", f"package {pkg_id}: package.json", error=PackageError))
     except json.JSONDecodeError as exc:
         raise PackageError(f"package {pkg_id}: package.json is not readable JSON: {exc}") from None
     validate(doc)
@@ -331,7 +331,9 @@ def check_window(windows_dir: str | os.PathLike, window: str | None, force: bool
         try:
             if not os.path.lexists(p):
                 raise FileNotFoundError(p)
-            doc = json.loads(fileio.read_text(p, f"window {window}'s decision", error=PackageError))
+            # finite=False: win2 writes a CI it could not bound as [-Infinity, Infinity]
+            doc = fileio.loads_json(fileio.read_text(p, f"window {window}'s decision", error=PackageError),
+                                    finite=False)
             verdict = window_verdict(doc)
             measured = doc.get("candidate") if isinstance(doc, dict) else None
             if candidate and isinstance(measured, str) and measured != candidate and not force:

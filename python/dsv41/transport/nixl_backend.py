@@ -29,7 +29,7 @@ import uuid
 
 import numpy as np
 
-from dsv41 import envs
+from dsv41 import envs, fileio
 from dsv41.transport import protocol as P
 from dsv41.transport.errors import Refused, TransportError, TransportTimeout
 from dsv41.transport.tcp import TcpClient, check_segments
@@ -175,7 +175,7 @@ class NixlClient:
             ids = [P.identity_bytes(i) for i in identities]
             count, body = self.ctrl.request(P.OP_NIXL_HELLO, bytes(32), len(ids), b"".join(ids), timeout_s)
             try:
-                info = json.loads(body)
+                info = fileio.loads_json(body)
                 md = base64.b64decode(info["metadata"])
                 tables = info["tables"]
             except (ValueError, KeyError, TypeError):
