@@ -38,13 +38,7 @@ class RowSource(Protocol):
     ``lookup_layers`` (by default one :meth:`lookup` per layer; the remote source overrides it
     with one round trip). Rows: ``uint8[N, 264]`` each, 256 fp8 e4m3 weight bytes then 8 ue8m0
     scale bytes (engram-spec.md section 4); row ids are global ids of the layer's table.
-
-    ``required``: whether a failed read raises (``RemoteUnavailable``) instead of serving exact
-    local rows; False for every source that never falls back (local shards, in-memory tables),
-    the remote source sets it from its ``required`` argument.
     """
-
-    required: bool = False
 
     @abstractmethod
     def lookup(self, layer_id: int, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -71,6 +65,12 @@ class RowSource(Protocol):
             raise Dsv41Error("lookup_layers needs one row array (and one out, if given) per layer")
         outs = [None] * len(layer_ids) if outs is None else outs
         return [self.lookup(L, r, out=o) for L, r, o in zip(layer_ids, rows, outs)]
+
+    def is_required(self) -> bool:
+        """Whether a failed read raises (``RemoteUnavailable``) instead of serving exact local
+        rows: False for every source that never falls back (local shards, in-memory tables);
+        the remote source answers its ``required`` setting."""
+        return False
 
     @abstractmethod
     def counters(self) -> dict:

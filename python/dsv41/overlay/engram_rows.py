@@ -44,7 +44,7 @@ class RemoteRows:
     (``max_num_batched_tokens``); ``device``: where ``out`` lives; ``dequant(w, s, sel, dst, out,
     n, rows)``: the kernel launch (vLLM's ``_engram_lookup_kernel`` in SORTED mode on CUDA; tests
     pass an emulation on CPU); ``required``: a refused hand-off raises instead of serving the
-    rows inline (default: the source's ``required``); ``handoff_timeout_s``: see
+    rows inline (default: the source's ``is_required()``); ``handoff_timeout_s``: see
     ``HANDOFF_TIMEOUT_S``; ``ops``: stream/event operations (``CudaOps``/``HostOps`` by device;
     tests pass fakes); ``graphs``: replay a one-piece job's launch as a CUDA graph per token count
     (``LaunchGraphs``; CUDA, or ``graph_record`` in tests).
@@ -78,7 +78,7 @@ class RemoteRows:
         self.max_rows = max_tokens * part
         self.device = torch.device(device)
         self.dequant = dequant
-        self.required = bool(source.required if required is None else required)
+        self.required = bool(source.is_required() if required is None else required)
         self.handoff_timeout_s = float(handoff_timeout_s)
         self.ops = ops if ops is not None else (CudaOps(self.device) if self.device.type == "cuda" else HostOps())
         self._cuda = self.device.type == "cuda"
