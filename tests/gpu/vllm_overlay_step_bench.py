@@ -45,6 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dsv41.harness.paired import decide, median_interval
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import vllm_overlay_util as Q  # noqa: E402
@@ -186,8 +188,10 @@ def main() -> int:
     ap.add_argument("--prefill-layer-ms", type=float, default=round(PREFILL_LAYER_MS, 2))
     ap.add_argument("--tokens", default="24,48,96", help="decode sizes")
     ap.add_argument("--prefill", type=int, default=PREFILL_TOKENS, help="prefill chunk tokens (0: none)")
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--steps", type=int, default=15, help="timed decode steps per arm and round")
+    ap.add_argument("--rounds", type=int, default=40, help="decode rounds (each: every arm, order rotated)")
+    ap.add_argument("--steps", type=int, default=5, help="timed decode steps per arm and round")
+    ap.add_argument("--target-ms", type=float, default=0.1,
+                    help="issue 23's decode target: overlay minus UVA, ms per step (both Engram layers)")
     ap.add_argument("--prefill-rounds", type=int, default=3)
     ap.add_argument("--prefill-steps", type=int, default=3)
     ap.add_argument("--kill-server", action="store_true", help="end with a table server killed mid-run")
@@ -371,6 +375,13 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
             sl = slice(r * steps, (r + 1) * steps)
             per_round.append(float(np.median(times["overlay"][sl]) - np.median(times["uva"][sl])))
         row["overlay_minus_uva_per_round_ms"] = [round(x, 3) for x in per_round]
+        # the decision: median of the paired per-round differences and its 95 % interval
+        paired = median_interval(per_round)
+        row["overlay_minus_uva_paired"] = {
+            "median_ms": round(paired["median"], 4), "rounds": paired["n"],
+            "order_ci95_ms": [round(v, 4) for v in paired["order_ci"]] if paired["order_ci"] else None,
+            "bootstrap_ci95_ms": [round(v, 4) for v in paired["bootstrap_ci"]] if paired["bootstrap_ci"] else None,
+            "target_ms": args.target_ms, "decision": decide(paired, args.target_ms)}
         jobs = max(1, w.get("jobs", 0) - wk0.get("jobs", 0))
         row["overlay_worker"] = {
             "jobs": w.get("jobs", 0) - wk0.get("jobs", 0),
@@ -384,6 +395,10 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
             "coalesce_waits": w.get("coalesce_waits", 0) - wk0.get("coalesce_waits", 0),
             **{f"{k}_ms_per_job": round((w.get(f"{k}_s", 0) - wk0.get(f"{k}_s", 0)) * 1e3 / jobs, 4)
                for k in ("ids_wait", "coalesce", "plan", "launch")},
+            # host work outside plan and launch: the batch's Python hops, hand-offs, GIL re-takes
+            "other_host_ms_per_job": round((w.get("host_s", 0) - wk0.get("host_s", 0) - w.get("plan_s", 0)
+                                            + wk0.get("plan_s", 0) - w.get("launch_s", 0) + wk0.get("launch_s", 0))
+                                           * 1e3 / jobs, 4),
             "launching_thread_wait_ms_per_step": round(  # both layers' hand-off waits (timed + warm steps)
                 (wait1 - wait0) * 1e3 / max(1, len(times["overlay"]) + rounds), 3),
             "inline_lookups": rr.counters["inline_lookups"], "worker_refusals": rr.counters["worker_refusals"],

@@ -276,3 +276,17 @@ def test_drafter_synthetic_source_rows_outs_counters() -> None:
     with pytest.raises(RowRangeError, match="no Engram table for layer 999"):
         src.lookup(999, ids)
     src.close()
+
+
+def test_required_is_part_of_the_protocol_for_every_source_class() -> None:
+    # callers (the vLLM overlay) ask ``source.is_required()`` without probing: every RowSource has it
+    import dsv41.drafter.train as train
+    import dsv41.engram.client as client
+    import dsv41.engram.rowsource as rowsource
+
+    classes = [c for m in (rowsource, client, train) for c in vars(m).values()
+               if isinstance(c, type) and issubclass(c, rowsource.RowSource)]
+    assert {c.__name__ for c in classes} >= {"RowSource", "LocalRowSource", "RemoteRowSource", "SyntheticRowSource"}
+    for c in classes:
+        assert callable(c.is_required), c
+    assert rowsource.RowSource.is_required(None) is False and rowsource.LocalRowSource.is_required(None) is False

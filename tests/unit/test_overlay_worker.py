@@ -14,7 +14,7 @@ import torch
 
 from dsv41.engram import reader
 from dsv41.engram.client import RemoteRowSource, RemoteUnavailable
-from dsv41.engram.rowsource import LocalRowSource
+from dsv41.engram.rowsource import LocalRowSource, RowSource
 from dsv41.overlay import engram as E
 from dsv41.overlay import engram_ops as O
 from dsv41.overlay import engram_rows as ER
@@ -27,7 +27,7 @@ from overlayutil import tabs, kernel_on_cpu, reference, same_bits  # noqa: F401 
 # ------------------------------------------------- the worker pipeline (issue 23), on the CPU
 
 
-class Gate:
+class Gate(RowSource):
     """A RowSource over the exact local reader whose calls can be held (``hold``) and that records
     each call with its thread's name: the worker's calls vs the launching thread's."""
 
@@ -65,6 +65,12 @@ class Gate:
 
     def counters(self):
         return self.inner.counters()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def is_required(self) -> bool:
+        return self.required
 
 
 def _rows(tabs_, src, layer_id: int, tp: int = 2, rank: int = 0, max_tokens: int = 64, **kw):

@@ -130,6 +130,10 @@ class RemoteRowSource(RowSource):
     Thread-safe; ``close()`` stops the reconnect thread.
     """
 
+    def is_required(self) -> bool:
+        """``required`` (the protocol's question: no fallback, a failed read raises)."""
+        return self.required
+
     def __init__(self, urls: Any, manifest: Any, rank: int, tp: int, timeout_ms: int = 100,
                  required: bool = False, local: Any = None, deadline_ms: float | None = None,
                  fault_delay_ms: float = 0.0, spin_us: float | None = None) -> None:

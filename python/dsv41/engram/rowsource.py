@@ -66,6 +66,12 @@ class RowSource(Protocol):
         outs = [None] * len(layer_ids) if outs is None else outs
         return [self.lookup(L, r, out=o) for L, r, o in zip(layer_ids, rows, outs)]
 
+    def is_required(self) -> bool:
+        """Whether a failed read raises (``RemoteUnavailable``) instead of serving exact local
+        rows: False for every source that never falls back (local shards, in-memory tables);
+        the remote source answers its ``required`` setting."""
+        return False
+
     @abstractmethod
     def counters(self) -> dict:
         """Snapshot of the counters: at least :data:`COUNTER_KEYS` (counts, and

@@ -227,6 +227,11 @@ class LaunchGraphs:
                 self.counters["failures"] += 1
                 log.error("dsv41 overlay: cuGraphLaunch returned CUDA error %d; eager launches from now on", rc)
                 return False
+        elif stream is not None:  # torch's replay launches on the current stream
+            import torch
+
+            with torch.cuda.stream(stream):
+                graph.replay()
         else:
             graph.replay()
         self.counters["replays"] += 1

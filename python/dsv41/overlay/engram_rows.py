@@ -44,7 +44,7 @@ class RemoteRows:
     (``max_num_batched_tokens``); ``device``: where ``out`` lives; ``dequant(w, s, sel, dst, out,
     n, rows)``: the kernel launch (vLLM's ``_engram_lookup_kernel`` in SORTED mode on CUDA; tests
     pass an emulation on CPU); ``required``: a refused hand-off raises instead of serving the
-    rows inline (default: the source's ``required``); ``handoff_timeout_s``: see
+    rows inline (default: the source's ``is_required()``); ``handoff_timeout_s``: see
     ``HANDOFF_TIMEOUT_S``; ``ops``: stream/event operations (``CudaOps``/``HostOps`` by device;
     tests pass fakes); ``graphs``: replay a one-piece job's launch as a CUDA graph per token count
     (``LaunchGraphs``; CUDA, or ``graph_record`` in tests).
@@ -78,8 +78,7 @@ class RemoteRows:
         self.max_rows = max_tokens * part
         self.device = torch.device(device)
         self.dequant = dequant
-        # a LocalRowSource has no ``required`` (it never falls back)
-        self.required = bool(getattr(source, "required", False) if required is None else required)
+        self.required = bool(source.is_required() if required is None else required)
         self.handoff_timeout_s = float(handoff_timeout_s)
         self.ops = ops if ops is not None else (CudaOps(self.device) if self.device.type == "cuda" else HostOps())
         self._cuda = self.device.type == "cuda"
@@ -291,17 +290,19 @@ class RemoteRows:
             with self._lock:
                 if gen == self._abandoned:
                     return False
+        if r0 == 0 and last and gen is not None and self.graphs.enabled:
+            # one piece on the worker: one graph launch (captured after the first eager one) on
+            # the job's stream by its handle: no stream context (two set_stream calls) around it
+            if not self.graphs.replay(r1, self._out, self._stream):
+                with self.ops.stream(self._stream):
+                    self._launch_one(r1, self._out)
+                if self.graphs.wanted(r1, self._out):
+                    self._capture = (r1, self._out)
+            self.done.record(self._stream)
+            return True
         nb = self._cuda  # async from pinned memory on CUDA; in program order on the CPU
         a, b = self._rows * 4 + f0 * ROW_BYTES, self._rows * 4 + (f0 + n) * ROW_BYTES
         with self.ops.stream(self._stream):
-            if r0 == 0 and last and gen is not None and self.graphs.enabled:
-                # one piece on the worker: one graph launch (captured after the first eager one)
-                if not self.graphs.replay(r1, self._out, self._stream):
-                    self._launch_one(r1, self._out)
-                    if self.graphs.wanted(r1, self._out):
-                        self._capture = (r1, self._out)
-                self.done.record(self._stream)
-                return True
             d_sel = self.d_buf[r0 * 4: r1 * 4]
             if r0 == 0 and last:  # one piece: selectors and rows in one H2D copy
                 self.d_buf[:b].copy_(self.h_buf[:b], non_blocking=nb)
