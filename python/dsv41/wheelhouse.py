@@ -172,8 +172,22 @@ def _pip_download(pip: list[str], dest: Path, constraints: Path, target: Target,
     argv += [*index_args, *(["--no-deps"] if no_deps else []), *reqs]
     proc = subprocess.run(argv, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        errs = [ln for ln in proc.stderr.splitlines() if ln.startswith("ERROR")] or proc.stderr.splitlines()[-1:]
-        raise Dsv41Error(f"wheelhouse: pip download failed: {' '.join(errs).strip() or 'rc ' + str(proc.returncode)}")
+        raise Dsv41Error(f"wheelhouse: pip download failed: {pip_failure(proc.stdout + proc.stderr) or 'rc ' + str(proc.returncode)}")
+
+
+def pip_failure(stderr: str) -> str:
+    """One line from pip's stderr naming what failed: the requirement no wheel satisfies, else the
+    pins in conflict (pip's "The user requested (constraint) X" lines), else its last ERROR line."""
+    lines = [ln.strip() for ln in stderr.splitlines()]
+    for ln in lines:
+        if ln.startswith("ERROR: No matching distribution found for"):
+            return ln.removeprefix("ERROR: ")
+    pins = [ln.removeprefix("The user requested (constraint) ") for ln in lines
+            if ln.startswith("The user requested (constraint)")]
+    if pins:
+        return "no wheel satisfies the pinned " + ", ".join(pins) + " (conflicting dependencies)"
+    errs = [ln for ln in lines if ln.startswith("ERROR")] or lines[-1:]
+    return errs[-1].removeprefix("ERROR: ") if errs else ""
 
 
 def build(project_dir: Path, cache_dir: Path, target: Target, extras: list[str], *,
