@@ -191,14 +191,14 @@ def pip_failure(stderr: str) -> str:
 
 
 def build(project_dir: Path, cache_dir: Path, target: Target, extras: list[str], *,
-          drop_pins: tuple[str, ...] = (), no_deps: list[str] | None = None,
+          drop_pins: tuple[str, ...] = (), add: list[str] | None = None, no_deps: list[str] | None = None,
           index_args: list[str] | None = None, pip: list[str] | None = None,
           log=print) -> tuple[Path, bool]:
     """Build (or reuse) the wheelhouse for ``target`` under ``cache_dir/<key>``.
 
     ``extras``: host extras (:func:`host_requirements`); ``drop_pins``: canonical names whose pin is
-    left out of the host constraints (and whose requirement is not downloaded: the host takes it
-    elsewhere); ``no_deps``: extra requirements downloaded without their dependencies (nixl-cu12);
+    left out of the host constraints and the requirement set; ``add``: requirements downloaded in
+    their place (``torch==2.13.0``: PyPI's CUDA build instead of the pinned ``+cpu``); ``no_deps``: extra requirements downloaded without their dependencies (nixl-cu12);
     ``index_args``: pip index options (default: pip's own configuration). Prints one progress line
     per step through ``log``. Returns ``(path, reused)``. Raises ConfigError/Dsv41Error with one line.
     """
@@ -207,7 +207,7 @@ def build(project_dir: Path, cache_dir: Path, target: Target, extras: list[str],
     version = pyproject["project"]["version"]
     constraints = fileio.read_text(project_dir / "constraints.txt", "constraints.txt")
     reqs = [r for r in host_requirements(pyproject, extras) + build_requirements(pyproject)
-            if canonical(_NAME.match(r).group(1)) not in drop_pins]
+            if canonical(_NAME.match(r).group(1)) not in drop_pins] + list(add or [])
     source = source_tarball(project_dir, version)
     key = cache_key(constraints, version, source, target, reqs + sorted(no_deps or []) + sorted(drop_pins))
     final = cache_dir / key
@@ -274,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--glibc", required=True)
     b.add_argument("--extra", action="append", default=[])
     b.add_argument("--drop-pin", action="append", default=[])
+    b.add_argument("--add", action="append", default=[])
     b.add_argument("--no-deps", action="append", default=[])
     c = sub.add_parser("check")
     c.add_argument("path", type=Path)
@@ -285,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         target = Target.for_host(args.machine, args.python_version, args.glibc)
         path, reused = build(args.project_dir, args.cache_dir, target, args.extra,
-                             drop_pins=tuple(canonical(n) for n in args.drop_pin), no_deps=args.no_deps,
+                             drop_pins=tuple(canonical(n) for n in args.drop_pin), add=args.add,
+                             no_deps=args.no_deps,
                              log=lambda s: print(s, file=sys.stderr, flush=True))
         m = fileio.read_json(path / "manifest.json", "wheelhouse manifest")
         print(json.dumps({"path": str(path), "reused": reused, "key": m["key"], "source": m["source"],

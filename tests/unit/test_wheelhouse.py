@@ -203,3 +203,12 @@ def test_pip_failure_names_the_requirement_in_each_form_pip_reports():
         "no wheel satisfies the pinned g==2 (conflicting dependencies)"
     assert wh.pip_failure("ERROR: something else\n") == "something else"
     assert wh.pip_failure("") == ""
+
+
+def test_a_dropped_pin_is_replaced_by_the_added_requirement(lab):
+    proj, links, cache = lab
+    _wheel(links, "gamma", "3.0")
+    path, _, _ = _build(proj, links, cache, drop_pins=("gamma",), add=["gamma==3.0"])
+    assert "gamma==" not in (path / "constraints-host.txt").read_text()
+    assert (path / "gamma-3.0-py3-none-any.whl").exists() and not (path / "gamma-2.0-py3-none-any.whl").exists()
+    assert "gamma==3.0" in wh.check(path)["requirements"]
