@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 import tarfile
@@ -212,3 +213,15 @@ def test_a_dropped_pin_is_replaced_by_the_added_requirement(lab):
     assert "gamma==" not in (path / "constraints-host.txt").read_text()
     assert (path / "gamma-3.0-py3-none-any.whl").exists() and not (path / "gamma-2.0-py3-none-any.whl").exists()
     assert "gamma==3.0" in wh.check(path)["requirements"]
+
+
+def test_every_option_the_role_passes_is_one_the_cli_takes(capsys):
+    tasks = (REPO / "roles" / "dsv41_package" / "tasks" / "wheelhouse.yml").read_text()
+    used = set(re.findall(r"'(--[a-z-]+)[=']", tasks))
+    assert {"--project-dir", "--cache-dir", "--machine", "--python-version", "--glibc", "--extra", "--drop-pin",
+            "--add", "--no-deps"} == used
+    for opt in sorted(used):
+        with pytest.raises(SystemExit) as e:
+            wh.main(["build", opt + "=x", "--help"])
+        assert e.value.code == 0, opt
+    capsys.readouterr()
