@@ -20,6 +20,7 @@ reuses it without running pip. Run as ``python -m dsv41.wheelhouse build|check .
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import io
 import json
@@ -131,7 +132,6 @@ def source_tarball(project_dir: Path, version: str) -> bytes:
     """A reproducible ``dsv41-<version>.tar.gz`` of :func:`source_files` (top dir ``dsv41-<version>``)."""
     buf = io.BytesIO()
     # gzip mtime 0 and member mtimes fixed: the same tree gives the same bytes.
-    import gzip
     with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
         for rel in source_files(project_dir):
             data = fileio.read_bytes(project_dir / rel, "project source")
