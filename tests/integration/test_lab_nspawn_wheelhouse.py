@@ -65,7 +65,8 @@ def _install(pb: Path, *args: str):
 
 
 def _failed_lines(out: str) -> list[str]:
-    return [ln for ln in out.splitlines() if '"msg":' in ln or ln.strip().startswith("msg:")]
+    """Ansible's one-line task failures (``[ERROR]: Task failed: Action failed: <msg>``)."""
+    return [ln for ln in out.splitlines() if ln.startswith("[ERROR]: Task failed")]
 
 
 def test_hosts_install_offline_from_the_wheelhouse(tmp_path):
