@@ -27,7 +27,7 @@ app = typer.Typer(
 # (group name, module path, help). Every module exists (tests/unit/test_cli_groups.py); a helper
 # adding a group adds its module in the same change.
 GROUPS = [
-    ("env", "dsv41.entrypoints.env_cli", "Check an env file against the DSV41_* contract (dsv41.envs)."),
+    ("env", "dsv41.entrypoints.env_cli", "Check what the roles write for a service: env files (dsv41.envs), systemd units."),
     ("engram", "dsv41.engram.cli", "Engram layout, hashing, tables, manifest, rows, server."),
     ("engine", "dsv41.entrypoints.engine_serve", "The local stand-in serving engine (TP over torch.distributed)."),
     ("drafter", "dsv41.drafter.cli", "Remote drafter worker and tools."),

@@ -70,3 +70,15 @@ def check_cmd(
                           "other": sorted(k for k in values if k not in envs.ENV_VARS)}, sort_keys=True))
     else:
         print(f"{file}: ok ({len(mine)} dsv41 variable(s), {len(values) - len(mine)} other)")
+
+
+@app.command("unit")
+def unit_cmd(
+    file: Annotated[Path, typer.Argument(help="Rendered systemd unit (Ansible's validate passes it as %s).")],
+    name: Annotated[str, typer.Option("--name", help="The unit's name on the host, NAME.service.")],
+) -> None:
+    """Verify a systemd unit with systemd-analyze: exit 0 only when it reports nothing at all."""
+    from dsv41.entrypoints.unit_check import check_unit_file
+
+    lines = check_unit_file(file, name)
+    print(f"{file}: ok (unit {name}, {lines} lines, systemd-analyze verify reported nothing)")
