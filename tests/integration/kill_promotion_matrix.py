@@ -84,30 +84,34 @@ def test_check_mode_and_idempotent_promote(deployed_lab):
     assert listing() == before
 
 
-WINDOW = ["window.yml", "-e", "candidate=slow-rows", "-e", f"window_spec={ROOT / 'candidates' / 'specs' / 'drill.json'}"]
+DRILL = ROOT / "candidates" / "specs" / "drill.json"
+WINDOW = ["window.yml", "-e", "candidate=slow-rows", "-e", f"window_spec={DRILL}", "-e", "windows_dir={wdir}"]
 ROLLBACK_TO = ["playbooks/rollback.yml", "-e", "rollback_confirmation=yes", "-e", "to={p0}"]
-# kill point -> the next run (window.yml replays on its own; promote.yml and rollback.yml replay first)
-WINDOW_KILLS = [("begin", ["window.yml", "-e", "restore_only=true"]), ("held", ROLLBACK_TO),
-                ("switch", ["promote.yml", *CANDIDATE]), ("applied", ["window.yml", "-e", "candidate=aa", "-e",
-                                                                      f"window_spec={ROOT / 'candidates' / 'specs' / 'drill.json'}"])]
+# kill point -> the next run (window.yml replays on its own; promote.yml and rollback.yml replay
+# first, finding the killed window's run.pid through the windows_dir its journal `begin` names)
+WINDOW_KILLS = [("begin", ["window.yml", "-e", "restore_only=true", "-e", "windows_dir={wdir}"]), ("held", ROLLBACK_TO),
+                ("switch", ["promote.yml", *CANDIDATE]),
+                ("applied", ["window.yml", "-e", "candidate=aa", "-e", f"window_spec={DRILL}", "-e", "windows_dir={wdir}"])]
 
 
 @pytest.mark.parametrize("kill_step,next_run", WINDOW_KILLS, ids=[f"window_killed_{k}-then_{n[0].split('/')[-1]}" for k, n in WINDOW_KILLS])
-def test_window_killed_then_next_run_restores(deployed_lab, kill_step, next_run):
+def test_window_killed_then_next_run_restores(deployed_lab, tmp_path, kill_step, next_run):
     p0 = _converged()
     before = listing()
-    e = run_until_step(WINDOW, kill_step, timeout=900)
+    fill = {"p0": p0, "wdir": tmp_path / "windows"}  # a fresh windows dir: the two-window cap is per dir
+    e = run_until_step([a.format(**fill) for a in WINDOW], kill_step, timeout=900)
     d = json.loads(dsv41("package", "journal", "--path", str(JOURNAL), "--json").stdout)
     print(f"\n[promotion] journal after the kill: {d['kind']} stopped after {d['last_step']}: "
           f"re-run will {d['action']} to {d['package']}", flush=True)
     # the window's package is production's own (undrifted): every kill point restores to it
     assert d["op"] == e["op"] and d["kind"] == "window" and (d["action"], d["package"]) == ("finish", p0), d
-    r = timed_play(*[a.format(p0=p0) for a in next_run], timeout=900)
+    assert d["windows_dir"] == str(fill["wdir"])
+    r = timed_play(*[a.format(**fill) for a in next_run], timeout=900)
     assert r.returncode == 0, r.stdout[-5000:]
     assert f"window {e['op']} stopped after" in " ".join(r.stdout.split()), r.stdout[-5000:]  # replayed first
     if next_run[0] == "promote.yml":
         assert _converged() != p0
-        r = timed_play(*[a.format(p0=p0) for a in ROLLBACK_TO], timeout=900)
+        r = timed_play(*[a.format(**fill) for a in ROLLBACK_TO], timeout=900)
         assert r.returncode == 0, r.stdout[-5000:]
     _converged(p0)
     assert listing() == before

@@ -278,7 +278,16 @@ def test_cli_journal_decision(tmp_path, capsys):
     _run(j, "op1", [("begin", {"kind": "promote", "prev": P0}), ("held", {})])
     assert main(["package", "journal", "--path", str(j), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"action": "revert", "package": P0, "op": "op1",
-                                                   "kind": "promote", "last_step": "held", "result_package": None}
+                                                   "kind": "promote", "last_step": "held", "result_package": None,
+                                                   "windows_dir": None}
+
+
+def test_journal_window_names_its_windows_dir(tmp_path):
+    j = tmp_path / "journal.jsonl"
+    _run(j, "w1", [("begin", {"kind": "window", "prev": P0, "target": P0, "windows_dir": "/tmp/w"}), ("held", {})])
+    d = journal.decide(journal.read(j))
+    assert (d.action, d.package, d.kind, d.windows_dir) == ("finish", P0, "window", "/tmp/w")
+    assert d.as_dict()["windows_dir"] == "/tmp/w"
 
 
 def test_journal_last_finished_operation_names_its_package(tmp_path):
