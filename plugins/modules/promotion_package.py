@@ -12,7 +12,8 @@ description:
   - V(gate) checks that a window decided WIN (or that force comes with a reason).
   - V(record) builds a package from what the hosts run (managed files with their bytes, facts)
     and stores it immutably under O(root)/<id> (and <id>.tar.gz). The id is the sha256 of the
-    canonical package.json; recording the same production again changes nothing.
+    canonical package.json; recording the same production again changes nothing. With provenance
+    op V(window) (a window's snapshot), a production equal to its V(parent) package gives that id.
   - V(read) returns a package's record after verifying it; V(verify) only verifies it.
   - V(plan) compares each host's installed managed files (sha256) with a package record.
   - The work is done by C(dsv41.promotion.package); this module maps it onto Ansible.
@@ -126,6 +127,10 @@ def _record(module, p):
         with open(p["refs_path"], "rb") as fh:
             refs = fh.read()
     doc, blobs = pkg.build(hosts, p["provenance"] or {}, refs)
+    # a window's snapshot of an undrifted production is production's package (no new one appears)
+    same = pkg.same_production(p["root"], doc) if doc["provenance"]["op"] == "window" else None
+    if same is not None:
+        return dict(changed=False, id=same, package=pkg.load(p["root"], same), verified=pkg.verify(p["root"], same))
     pid = pkg.package_id(doc)
     exists = os.path.isdir(os.path.join(p["root"], pid))
     verified = None

@@ -6,7 +6,13 @@ its record) with nothing left in the journal to finish, and admission open.
 One test per pair of kill points: a promote killed at ``promote_step`` and re-run (production p1),
 then a rollback killed at ``rollback_step`` (or a plain rollback) and re-run (production p0 again,
 sha256 listing identical to before). About 6-10 minutes per pair on the shared 2-core machine, so
-``-k`` picks pairs to fit a lab hold (docs/records.md records which ran)."""
+``-k`` picks pairs to fit a lab hold (docs/records.md records which ran).
+
+The window's steps (``-k window_killed``): window.yml (candidate slow-rows, whose arm switch
+re-applies roles) SIGKILLed after its snapshot (journal ``begin``), after the HOLD (``held``), in an
+arm switch (playbooks/window_switch.yml running) and in its restore (``applied``); the next run of
+window.yml, promote.yml or rollback.yml replays the window first (production restored to the
+window's package, which is production's own) and ends with production exact and admission open."""
 
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ import json
 
 import pytest
 from labutil import needs_lab
-from promotionutil import (API, CANDIDATE, JOURNAL, assert_verified_production, dsv41, listing, production,
+from promotionutil import (API, CANDIDATE, JOURNAL, ROOT, assert_verified_production, dsv41, listing, production,
                            recap_changed, run_until_step, timed_play)
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.lab_long, needs_lab]
@@ -74,5 +80,38 @@ def test_check_mode_and_idempotent_promote(deployed_lab):
     assert r.returncode == 0 and set(recap_changed(r.stdout).values()) == {0}, recap_changed(r.stdout)
     r = timed_play("playbooks/rollback.yml", "-e", "rollback_confirmation=yes", "-e", "to=" + p0)
     assert r.returncode == 0, r.stdout[-5000:]
+    _converged(p0)
+    assert listing() == before
+
+
+DRILL = ROOT / "candidates" / "specs" / "drill.json"
+WINDOW = ["window.yml", "-e", "candidate=slow-rows", "-e", f"window_spec={DRILL}", "-e", "windows_dir={wdir}"]
+ROLLBACK_TO = ["playbooks/rollback.yml", "-e", "rollback_confirmation=yes", "-e", "to={p0}"]
+# kill point -> the next run (window.yml replays on its own; promote.yml and rollback.yml replay
+# first, finding the killed window's run.pid through the windows_dir its journal `begin` names)
+WINDOW_KILLS = [("begin", ["window.yml", "-e", "restore_only=true", "-e", "windows_dir={wdir}"]), ("held", ROLLBACK_TO),
+                ("switch", ["promote.yml", *CANDIDATE]),
+                ("applied", ["window.yml", "-e", "candidate=aa", "-e", f"window_spec={DRILL}", "-e", "windows_dir={wdir}"])]
+
+
+@pytest.mark.parametrize("kill_step,next_run", WINDOW_KILLS, ids=[f"window_killed_{k}-then_{n[0].split('/')[-1]}" for k, n in WINDOW_KILLS])
+def test_window_killed_then_next_run_restores(deployed_lab, tmp_path, kill_step, next_run):
+    p0 = _converged()
+    before = listing()
+    fill = {"p0": p0, "wdir": tmp_path / "windows"}  # a fresh windows dir: the two-window cap is per dir
+    e = run_until_step([a.format(**fill) for a in WINDOW], kill_step, timeout=900)
+    d = json.loads(dsv41("package", "journal", "--path", str(JOURNAL), "--json").stdout)
+    print(f"\n[promotion] journal after the kill: {d['kind']} stopped after {d['last_step']}: "
+          f"re-run will {d['action']} to {d['package']}", flush=True)
+    # the window's package is production's own (undrifted): every kill point restores to it
+    assert d["op"] == e["op"] and d["kind"] == "window" and (d["action"], d["package"]) == ("finish", p0), d
+    assert d["windows_dir"] == str(fill["wdir"])
+    r = timed_play(*[a.format(**fill) for a in next_run], timeout=900)
+    assert r.returncode == 0, r.stdout[-5000:]
+    assert f"window {e['op']} stopped after" in " ".join(r.stdout.split()), r.stdout[-5000:]  # replayed first
+    if next_run[0] == "promote.yml":
+        assert _converged() != p0
+        r = timed_play(*[a.format(**fill) for a in ROLLBACK_TO], timeout=900)
+        assert r.returncode == 0, r.stdout[-5000:]
     _converged(p0)
     assert listing() == before

@@ -90,9 +90,21 @@ def timed_play(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return r
 
 
+def switch_running() -> dict | None:
+    """``{"step": "switch", "pid": N}`` while a window's arm switch (playbooks/window_switch.yml,
+    started by ``dsv41 window run``) is running on this machine, else None."""
+    import psutil
+
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if any("window_switch.yml" in a for a in (p.info["cmdline"] or [])):
+            return {"step": "switch", "pid": p.info["pid"]}
+    return None
+
+
 def run_until_step(playbook_args: list[str], step: str, timeout: float = 600) -> dict:
     """Start ``ansible-playbook ARGS``, SIGKILL its whole process group as soon as a journal entry
-    of a new operation with ``step`` appears, and return that entry."""
+    of a new operation with ``step`` appears (``step="switch"``: as soon as a window's arm switch
+    is running, see :func:`switch_running`), and return that entry."""
     n0 = len(JOURNAL.read_text().splitlines()) if JOURNAL.exists() else 0
     t0 = time.monotonic()
     proc = subprocess.Popen([str(BIN / "ansible-playbook"), *playbook_args], cwd=ROOT, env=env(),
@@ -101,8 +113,11 @@ def run_until_step(playbook_args: list[str], step: str, timeout: float = 600) ->
     try:
         while time.monotonic() < deadline:
             lines = JOURNAL.read_text().splitlines()[n0:] if JOURNAL.exists() else []
-            for line in lines:
-                e = json.loads(line)
+            hits = [json.loads(line) for line in lines]
+            if step == "switch":
+                sw = switch_running()
+                hits = [dict(sw, op=hits[0]["op"])] if sw and hits else []
+            for e in hits:
                 if e["step"] == step:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait(30)

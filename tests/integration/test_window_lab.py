@@ -62,7 +62,7 @@ def test_bad_input_and_check_mode_never_hold(deployed_lab, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:]
     assert "what would run" in r.stdout and "Snapshot |" not in r.stdout
     assert admission_state() == "open"
-    assert not (wdir / "ACTIVE").exists() and not any(wdir.glob("*/snapshot.json"))
+    assert not any(wdir.glob("*/package"))
 
 
 class OutsidePoller(threading.Thread):
@@ -108,15 +108,19 @@ def test_mid_cell_fault_ends_restored_and_open(deployed_lab, tmp_path):
     cells = [json.loads(x) for x in (dec_path.parent / "cells.jsonl").read_text().splitlines()]
     assert not cells[-1]["ok"] and cells[-1]["error"], cells[-1]
     assert "Restore | reopen admission" in out and "files equal to the snapshot" in out
-    (snap_path,) = wdir.glob("*/snapshot.json")
-    snap = json.loads(snap_path.read_text())
-    for host, doc in snap.items():
-        now = host_sha256(host, sorted(doc["files"]))
-        assert now == doc["files"], host
-        for path, digest in doc["files"].items():  # the controller's backup holds the same bytes
-            data = (snap_path.parent / "backup" / host / path.lstrip("/")).read_bytes()
+    # the snapshot is a promotion package: an undrifted production keeps its id (production's own)
+    (pkg_path,) = wdir.glob("*/package")
+    pid = pkg_path.read_text().strip()
+    assert pid == inside("sparkhead", "cat", "/opt/dsv41/packages/current").stdout.strip()
+    doc = json.loads((ROOT / "packages" / pid / "package.json").read_text())
+    for host, h in doc["hosts"].items():
+        want = {p: f["sha256"] for p, f in h["files"].items()}
+        assert host_sha256(host, sorted(want)) == want, host
+        for path, digest in want.items():  # the stored package holds the same bytes
+            data = (ROOT / "packages" / pid / "files" / host / path.lstrip("/")).read_bytes()
             assert hashlib.sha256(data).hexdigest() == digest
-    assert not (wdir / "ACTIVE").exists()
+    journal = [json.loads(x) for x in (ROOT / "packages" / "journal.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in journal if e["op"] == pkg_path.parent.name][-1] == "done"
     assert admission_state() == "open"
     runs = [k for k, _ in itertools.groupby(poller.statuses)]
     assert runs[:2] == [200, 503] and runs[-1] == 200, poller.statuses

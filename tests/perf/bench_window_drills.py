@@ -53,12 +53,25 @@ def window(name: str, *args: str, timeout: int = 1800) -> tuple[subprocess.Compl
     return r, dt
 
 
+def window_open() -> bool:
+    """The promotion journal's last operation is a window that owes its restore."""
+    r = subprocess.run([str(BIN / "dsv41"), "package", "journal", "--path", str(ROOT / "packages" / "journal.jsonl"),
+                        "--json"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120, check=True)
+    d = json.loads(r.stdout)
+    return d["kind"] == "window" and d["action"] != "none"
+
+
 def restored(wdir: Path) -> None:
-    (snap_path,) = sorted(wdir.glob("*/snapshot.json"))[-1:]
-    for host, doc in json.loads(snap_path.read_text()).items():
-        out = inside(host, "sha256sum", *sorted(doc["files"])).stdout
-        assert {ln.split()[1]: ln.split()[0] for ln in out.splitlines()} == doc["files"], host
-    assert not (wdir / "ACTIVE").exists() and not paused() and status_ok()
+    """Every host's managed files equal the window's package (its snapshot), the journal has
+    nothing owed, admission is open and status is healthy."""
+    (pkg_path,) = sorted(wdir.glob("*/package"))[-1:]
+    pid = pkg_path.read_text().strip()
+    doc = json.loads((ROOT / "packages" / pid / "package.json").read_text())
+    for host, h in doc["hosts"].items():
+        want = {p: f["sha256"] for p, f in h["files"].items()}
+        out = inside(host, "sha256sum", *sorted(want)).stdout
+        assert {ln.split()[1]: ln.split()[0] for ln in out.splitlines()} == want, host
+    assert not window_open() and not paused() and status_ok()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -95,8 +108,9 @@ def test_mid_cell_fault():
 def test_restore_fault_holds_then_restore_only_reopens():
     r, _ = window("restorefault", "-e", "candidate=aa", "-e", f"window_spec={DRILL}", "-e", "window_fault=restore")
     assert r.returncode != 0
-    assert "restore check FAILED on sparkworker: /etc/dsv41/serve.env differ" in flat(r.stdout)
-    assert paused() and (WDIR / "restorefault" / "ACTIVE").exists()
+    assert "sparkworker: 1 managed file(s) differ from package" in flat(r.stdout), r.stdout[-4000:]
+    assert "/etc/dsv41/serve.env; restore check FAILED, admission stays HELD" in flat(r.stdout)
+    assert paused() and window_open()
     r, dt = window("restorefault", "-e", "restore_only=true")
     assert r.returncode == 0, r.stdout[-4000:]
     restored(WDIR / "restorefault")
@@ -112,18 +126,19 @@ def test_killed_run_is_restored_by_the_next():
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         cells = list(wdir.glob("*-slow-rows/cells.jsonl"))
-        if (wdir / "ACTIVE").exists() and cells and len(cells[0].read_text().splitlines()) >= 2:
+        if window_open() and cells and len(cells[0].read_text().splitlines()) >= 2:
             break
         time.sleep(0.5)
     os.killpg(p.pid, signal.SIGKILL)  # the playbook and its workers: the group we started
     p.wait()
-    assert (wdir / "ACTIVE").exists() and paused()
+    assert window_open() and paused()
     # the window's `dsv41 window run` is not in that group: it survives the kill (run.pid names it)
     (pidfile,) = wdir.glob(f"*-slow-rows/{RUN_PID_NAME}")
     orphan = json.loads(pidfile.read_text())
     print(f"   orphaned run after the kill: pid {orphan['pid']} alive {run_process(orphan) is not None}")
     r, _ = window("killed", "-e", "candidate=aa", "-e", f"window_spec={DRILL}")
-    assert "Window | restore" in r.stdout and r.returncode == 0, r.stdout[-4000:]
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert "stopped after" in flat(r.stdout) and "finishing it: production becomes" in flat(r.stdout)
     assert run_process(orphan) is None  # the restore stopped it first (dsv41 window stop-run)
     restored(wdir)
 
@@ -155,7 +170,7 @@ def test_chain_one_hold_one_restore():
     r, dt = window("chain", "-e", "candidates=aa,slow-rows", "-e", f"window_spec={DRILL}")
     assert r.returncode == 0, r.stdout[-4000:]
     wdir = WDIR / "chain"
-    assert len(list(wdir.glob("*/snapshot.json"))) == 1
+    assert len(list(wdir.glob("*/package"))) == 1
     for cand in ("aa", "slow-rows"):
         assert verdict(wdir, cand)["verdict"] in {"NO-CHANGE", "UNRESOLVED", "WIN", "LOSS"}
     restored(wdir)

@@ -41,7 +41,7 @@ def _alert(name, state="firing", severity="critical", **labels):
 # ---- the operations exporter ---------------------------------------------------------------
 
 def test_exporter_idle(fake, tmp_path):
-    col = E.OpsCollector(fake.url, tmp_path / "windows", tmp_path / "packages" / "journal.jsonl")
+    col = E.OpsCollector(fake.url, tmp_path / "packages" / "journal.jsonl")
     v = E.describe(col)
     assert v == {"dsv41_admission_up": 1.0, "dsv41_admission_held": 0.0, "dsv41_admission_held_since_seconds": 0.0,
                  "dsv41_window_active": 0.0, "dsv41_window_active_since_seconds": 0.0,
@@ -51,32 +51,33 @@ def test_exporter_idle(fake, tmp_path):
 
 def test_exporter_window_hold_and_open_journal(fake, tmp_path):
     fake.paused, fake.since = True, 1234.5
-    (tmp_path / "windows").mkdir()
-    (tmp_path / "windows" / "ACTIVE").write_text("20261202T000000-aa\n")
-    os.utime(tmp_path / "windows" / "ACTIVE", (1000, 1000))
     jp = tmp_path / "packages" / "journal.jsonl"
     J.append(jp, "op1", "begin", kind="promote")
     J.append(jp, "op1", "done", package="p1")
-    J.append(jp, "op2", "begin", kind="rollback")
-    J.append(jp, "op2", "held")
+    began = J.append(jp, "20261202T000000-aa", "begin", kind="window", prev="p1", target="p1")
+    J.append(jp, "20261202T000000-aa", "held")
     (tmp_path / "packages" / "current").symlink_to("p1")
-    v = E.describe(E.OpsCollector(fake.url, tmp_path / "windows", jp))
+    v = E.describe(E.OpsCollector(fake.url, jp))
     assert v["dsv41_admission_held"] == 1 and v["dsv41_admission_held_since_seconds"] == 1234.5
-    assert v["dsv41_window_active"] == 1 and v["dsv41_window_active_since_seconds"] == 1000
+    assert v["dsv41_window_active"] == 1 and v["dsv41_window_active_since_seconds"] == began["ts"]
     assert v['dsv41_window_info{"id": "20261202T000000-aa"}'] == 1
     assert v["dsv41_promotion_journal_open"] == 1 and v["dsv41_promotion_journal_last_step_seconds"] > 0
     assert v["dsv41_promotion_current_since_seconds"] > 0
-    J.append(jp, "op2", "done", package="p1")
-    assert E.describe(E.OpsCollector(fake.url, tmp_path / "windows", jp))["dsv41_promotion_journal_open"] == 0
+    J.append(jp, "20261202T000000-aa", "done", package="p1")
+    v = E.describe(E.OpsCollector(fake.url, jp))
+    assert v["dsv41_promotion_journal_open"] == 0 and v["dsv41_window_active"] == 0
+    J.append(jp, "op2", "begin", kind="rollback")
+    v = E.describe(E.OpsCollector(fake.url, jp))  # an open rollback is not a window
+    assert v["dsv41_promotion_journal_open"] == 1 and v["dsv41_window_active"] == 0
 
 
 def test_exporter_rank0_unreachable_or_foreign(tmp_path):
-    v = E.describe(E.OpsCollector("http://127.0.0.1:9", tmp_path, tmp_path / "j.jsonl", timeout_s=0.5))
+    v = E.describe(E.OpsCollector("http://127.0.0.1:9", tmp_path / "j.jsonl", timeout_s=0.5))
     assert v["dsv41_admission_up"] == 0 and v["dsv41_admission_held"] == 0
 
 
 def test_exporter_serves_prometheus_text(fake, tmp_path):
-    server, _t = E.serve("127.0.0.1:0", E.OpsCollector(fake.url, tmp_path, tmp_path / "j.jsonl"))
+    server, _t = E.serve("127.0.0.1:0", E.OpsCollector(fake.url, tmp_path / "j.jsonl"))
     try:
         body = httpx.get(f"http://127.0.0.1:{server.server_address[1]}/metrics", trust_env=False).text
     finally:
@@ -87,7 +88,7 @@ def test_exporter_serves_prometheus_text(fake, tmp_path):
 @pytest.mark.parametrize("listen", ["nohost", "127.0.0.1:99999", "http://127.0.0.1:1"])
 def test_exporter_bad_listen_is_one_error(listen, tmp_path):
     with pytest.raises(E.Dsv41Error):
-        E.serve(listen, E.OpsCollector("", tmp_path, tmp_path / "j.jsonl"))
+        E.serve(listen, E.OpsCollector("", tmp_path / "j.jsonl"))
 
 
 # ---- the alerts reader and dsv41 status ------------------------------------------------------

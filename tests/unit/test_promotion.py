@@ -60,6 +60,20 @@ def test_write_is_immutable_and_idempotent(stored):
     assert f"{pid}/files/sparkhead/etc/dsv41/serve.env" in names and f"{pid}/package.json" in names
 
 
+def test_window_snapshot_of_an_undrifted_production_is_its_package(stored):
+    root, pid, _ = stored
+    refs = b'{"refs": []}\n'
+    same, _ = pkg.build(_hosts(), {"op": "window", "parent": pid, "window": "w1"}, refs)
+    assert pkg.package_id(same) != pid  # provenance differs, the production does not
+    assert pkg.same_production(root, same) == pid
+    for drifted in (pkg.build(_hosts(b"DSV41_DRAFTER_ASYNC=1\n"), {"op": "window", "parent": pid}, refs)[0],
+                    pkg.build(_hosts(), {"op": "window", "parent": pid}, b"other refs")[0]):
+        assert pkg.same_production(root, drifted) is None
+    assert pkg.same_production(root, pkg.build(_hosts(), {"op": "window", "parent": None}, refs)[0]) is None
+    with pytest.raises(pkg.PackageError, match="unknown package"):
+        pkg.same_production(root, pkg.build(_hosts(), {"op": "window", "parent": "ab" * 32}, refs)[0])
+
+
 def test_tarball_is_reproducible(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     pa, _ = pkg.write(a, *pkg.build(_hosts(), PROV, None))
@@ -224,6 +238,15 @@ def test_journal_append_read_and_torn_line(tmp_path):
     ([("begin", {"kind": "promote", "prev": P0}), ("verified", {"package": P1}), ("done", {})], ("none", None)),
     ([("begin", {"kind": "rollback", "prev": P1, "target": P0}), ("held", {})], ("finish", P0)),
     ([("begin", {"kind": "deploy", "prev": None})], ("none", None)),
+    # a window journals its package as prev and target: every kill point restores production to it
+    ([("begin", {"kind": "window", "prev": P0, "target": P0})], ("finish", P0)),
+    ([("begin", {"kind": "window", "prev": P0, "target": P0}), ("held", {})], ("finish", P0)),
+    ([("begin", {"kind": "window", "prev": P0, "target": P0}), ("held", {}), ("applied", {"package": P0})],
+     ("finish", P0)),
+    ([("begin", {"kind": "window", "prev": P0, "target": P0}), ("held", {}), ("applied", {"package": P0}),
+      ("verified", {"package": P0})], ("finish", P0)),
+    ([("begin", {"kind": "window", "prev": P0, "target": P0}), ("verified", {"package": P0}), ("done", {})],
+     ("none", None)),
 ])
 def test_journal_replay_decision(tmp_path, steps, want):
     j = tmp_path / "journal.jsonl"
@@ -255,7 +278,16 @@ def test_cli_journal_decision(tmp_path, capsys):
     _run(j, "op1", [("begin", {"kind": "promote", "prev": P0}), ("held", {})])
     assert main(["package", "journal", "--path", str(j), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"action": "revert", "package": P0, "op": "op1",
-                                                   "kind": "promote", "last_step": "held", "result_package": None}
+                                                   "kind": "promote", "last_step": "held", "result_package": None,
+                                                   "windows_dir": None}
+
+
+def test_journal_window_names_its_windows_dir(tmp_path):
+    j = tmp_path / "journal.jsonl"
+    _run(j, "w1", [("begin", {"kind": "window", "prev": P0, "target": P0, "windows_dir": "/tmp/w"}), ("held", {})])
+    d = journal.decide(journal.read(j))
+    assert (d.action, d.package, d.kind, d.windows_dir) == ("finish", P0, "window", "/tmp/w")
+    assert d.as_dict()["windows_dir"] == "/tmp/w"
 
 
 def test_journal_last_finished_operation_names_its_package(tmp_path):

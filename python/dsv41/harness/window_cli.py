@@ -215,7 +215,7 @@ def _progress_bar(window_id: str, total: int):
 
 @app.command("stop-run")
 def stop_run_cmd(
-    window_id: str = typer.Option(..., "--window", help="Window id (windows/<id>/snapshot.json's directory)."),
+    window_id: str = typer.Option(..., "--window", help="Window id (windows/<id>/package's directory; the journal's op id)."),
     windows_dir: str = typer.Option("windows", help="Where windows/<id>/ lives."),
     timeout: float = typer.Option(30.0, help="Seconds to wait after SIGTERM before SIGKILL."),
 ) -> None:

@@ -20,8 +20,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
 def exporter(
     listen: str = typer.Option("127.0.0.1:9461", help="HOST:PORT of /metrics (a management or loopback address)."),
     api_url: str = typer.Option("", help="Rank 0's base URL, e.g. http://198.18.0.11:8000 (admission gauges; empty: none)."),
-    windows_dir: Path = typer.Option(Path("windows"), help="The controller's windows directory (its ACTIVE marker)."),
-    journal: Path = typer.Option(Path("packages/journal.jsonl"), help="The controller's promotion journal."),
+    journal: Path = typer.Option(Path("packages/journal.jsonl"), help="The controller's promotion journal (windows too)."),
     once: bool = typer.Option(False, "--once", help="Print the current values as JSON and exit (no server)."),
     ready_file: Path = typer.Option(None, help="Written once listening."),
 ) -> None:
@@ -29,7 +28,7 @@ def exporter(
     (dsv41.monitoring.exporter), read at each scrape."""
     from dsv41.monitoring import exporter as ex
 
-    col = ex.OpsCollector(api_url, windows_dir, journal)
+    col = ex.OpsCollector(api_url, journal)
     if once:
         print(json.dumps(ex.describe(col), sort_keys=True))
         return

@@ -4,10 +4,10 @@ services themselves, as gauges on ``/metrics``, read at scrape time.
 * ``dsv41_admission_held`` (1 while rank 0 holds admission, from its ``GET /is_paused``; the lab
   engine and vLLM's admission fence answer it), ``dsv41_admission_held_since_seconds`` (Unix s,
   0 while open), ``dsv41_admission_up`` (1 when ``/is_paused`` answered in JSON);
-* ``dsv41_window_active`` (1 while the controller's ``windows/ACTIVE`` marker exists: window.yml
-  writes it before its first change and removes it after the restore is verified) and
-  ``dsv41_window_active_since_seconds`` (the marker's mtime, Unix s; 0 when none), label-free
-  ``dsv41_window_info{id}`` naming the window;
+* ``dsv41_window_active`` (1 while the promotion journal's last operation is a window without
+  ``done``: window.yml journals ``begin`` right after its snapshot and ``done`` after the restore is
+  verified) and ``dsv41_window_active_since_seconds`` (its ``begin`` entry's time, Unix s; 0 when
+  none), label-free ``dsv41_window_info{id}`` naming the window;
 * ``dsv41_promotion_journal_open`` (1 when the last operation of the promotion journal has no
   ``done`` step: a promote or rollback is running or stopped part way), with
   ``dsv41_promotion_journal_last_step_seconds`` (Unix s of its last entry) and
@@ -25,19 +25,15 @@ import os
 import threading
 from pathlib import Path
 
-from dsv41 import fileio
 from dsv41.errors import Dsv41Error
 
 
 class OpsCollector:
     """Prometheus collector of the operations state. ``api_url``: rank 0's base URL (or "" to skip
-    the admission gauges); ``windows_dir``: the controller's windows directory (holds ``ACTIVE``);
-    ``journal``: the promotion journal (JSONL); ``timeout_s``: the ``/is_paused`` request timeout."""
+    the admission gauges); ``journal``: the promotion journal (JSONL; windows journal there too); ``timeout_s``: the ``/is_paused`` request timeout."""
 
-    def __init__(self, api_url: str, windows_dir: str | os.PathLike, journal: str | os.PathLike,
-                 timeout_s: float = 3.0) -> None:
+    def __init__(self, api_url: str, journal: str | os.PathLike, timeout_s: float = 3.0) -> None:
         self.api_url = api_url.rstrip("/")
-        self.windows_dir = Path(windows_dir)
         self.journal = Path(journal)
         self.timeout_s = timeout_s
 
@@ -55,14 +51,19 @@ class OpsCollector:
             return 0, 0, 0.0
 
     def window(self) -> tuple[int, float, str]:
-        """(active, since, id) from ``windows/ACTIVE``."""
-        marker = self.windows_dir / "ACTIVE"
-        try:
-            st = marker.stat()
-            wid = fileio.read_bytes(marker, "the window marker", max_bytes=4096).decode(errors="replace").strip()[:200]
-        except (OSError, fileio.FileError):
+        """(active, since, id): the journal's last operation when it is a window without ``done``
+        (since: its ``begin`` entry's ``ts``); (0, 0.0, "") otherwise."""
+        from dsv41.promotion import journal as J
+
+        entries = J.read(self.journal)
+        if not entries:
             return 0, 0.0, ""
-        return 1, st.st_mtime, wid
+        op = entries[-1].get("op")
+        steps = [e for e in entries if e.get("op") == op]
+        begin = next((e for e in steps if e.get("step") == "begin"), {})
+        if begin.get("kind") != "window" or any(e.get("step") == "done" for e in steps):
+            return 0, 0.0, ""
+        return 1, float(begin.get("ts") or 0.0), str(op)[:200]
 
     def promotion(self) -> tuple[int, float, float]:
         """(journal open, Unix s of its last entry, mtime of ``packages/current`` or 0)."""
@@ -95,7 +96,7 @@ class OpsCollector:
             yield gauge("dsv41_admission_held", "1 while rank 0 holds admission (HOLD)", held)
             yield gauge("dsv41_admission_held_since_seconds", "Unix time admission was closed (0 while open)", since)
         active, wsince, wid = self.window()
-        yield gauge("dsv41_window_active", "1 while a window holds production (windows/ACTIVE exists)", active)
+        yield gauge("dsv41_window_active", "1 while a window holds production (its journal operation has no done)", active)
         yield gauge("dsv41_window_active_since_seconds", "Unix time the active window started (0 when none)", wsince)
         if active:
             yield gauge("dsv41_window_info", "The active window (value 1)", 1, {"id": wid})

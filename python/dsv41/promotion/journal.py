@@ -94,7 +94,8 @@ class Decision:
     none), ``"finish"`` or ``"revert"``; ``package``: the id to bring production to (None for
     ``none``); ``op``/``kind``: the interrupted operation's id and kind; ``last_step``: its last
     step written; ``result_package``: for a finished last operation, the package it left as
-    production (its ``done`` entry's ``package``)."""
+    production (its ``done`` entry's ``package``); ``windows_dir``: for a window, the controller
+    directory its ``begin`` names (where its ``dsv41 window run`` left ``run.pid``), else None."""
 
     action: str
     package: str | None = None
@@ -102,11 +103,12 @@ class Decision:
     kind: str | None = None
     last_step: str | None = None
     result_package: str | None = None
+    windows_dir: str | None = None
 
     def as_dict(self) -> dict:
         """The decision as a JSON-able dict."""
         return {"action": self.action, "package": self.package, "op": self.op, "kind": self.kind,
-                "last_step": self.last_step, "result_package": self.result_package}
+                "last_step": self.last_step, "result_package": self.result_package, "windows_dir": self.windows_dir}
 
 
 def decide(entries: list[dict]) -> Decision:
@@ -129,8 +131,9 @@ def decide(entries: list[dict]) -> Decision:
     if verified and "rolled_back" not in names:
         return Decision("finish", verified[-1]["package"], op, kind, names[-1])
     if begin.get("target"):
-        # a rollback knows its target from the start: re-applying it exactly is idempotent
-        return Decision("finish", begin["target"], op, kind, names[-1])
+        # a rollback (or a window: its snapshot's package) knows its target from the start:
+        # re-applying it exactly is idempotent
+        return Decision("finish", begin["target"], op, kind, names[-1], windows_dir=begin.get("windows_dir"))
     prev = begin.get("prev")
     if not prev:
         return Decision("none", op=op, kind=kind, last_step=names[-1])

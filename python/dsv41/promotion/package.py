@@ -134,6 +134,23 @@ def build(hosts: dict, provenance: dict, refs: bytes | None) -> tuple[dict, dict
     return doc, blobs
 
 
+def same_production(root: str | os.PathLike, doc: dict) -> str | None:
+    """The id of the stored package ``doc["provenance"]["parent"]`` when it records exactly what
+    ``doc`` does (every host's files with sha256, size and mode, facts and services, and the greedy
+    references); None when there is no parent or it differs.
+
+    A window's snapshot (provenance op ``window``) of an undrifted production is production's own
+    package: recording it must not create a second package that differs only in provenance.
+    Raises PackageError when the parent is named but unknown or malformed."""
+    parent = (doc.get("provenance") or {}).get("parent")
+    if not parent:
+        return None
+    have = load(root, parent)
+    if have["hosts"] == doc["hosts"] and have.get("greedy_refs") == doc.get("greedy_refs"):
+        return parent
+    return None
+
+
 def _tarball(pdir: Path, out: Path) -> None:
     """A reproducible ``.tar.gz`` of ``pdir`` (sorted names, mtime 0, root-owned, gzip mtime 0)."""
     buf = io.BytesIO()
