@@ -65,7 +65,8 @@ def _filled(spec: dict, kw: dict, skip: str) -> dict:
         return v["choices"][0] if v.get("choices") else FILL[v.get("type", "str")]
 
     args = {k: fill(k) for k, v in spec.items() if k != skip and v.get("required")}
-    for key, val, needs, *_ in kw.get("required_if", []):
+    for rule in kw.get("required_if", []):
+        key, val, needs = rule[0], rule[1], rule[2]
         if args.get(key) == val:
             args.update({k: fill(k) for k in needs if k != skip})
     return args
