@@ -54,7 +54,7 @@ def _ops(tmp_path) -> bytes:
     from dsv41.monitoring.exporter import OpsCollector
 
     reg = CollectorRegistry()
-    reg.register(OpsCollector("http://127.0.0.1:9", tmp_path, tmp_path / "journal.jsonl", timeout_s=0.3))
+    reg.register(OpsCollector("http://127.0.0.1:9", tmp_path / "journal.jsonl", timeout_s=0.3))
     return generate_latest(reg)
 
 

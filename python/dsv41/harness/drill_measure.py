@@ -119,7 +119,7 @@ class Load:
         from dsv41.harness import bench
 
         # The bench's own client settings (timeouts, no proxy variables).
-        with bench._client(self.spec["timeout_s"]) as c:
+        with bench._client(self.spec["timeout_s"], self.endpoint) as c:
             while not self._stop.is_set():
                 with self._lock:
                     k = self._next
