@@ -23,7 +23,6 @@ sha256(weights file)); Markov head = sha256(b"dsv41-markov/1" + vocab/rank + mar
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import re
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dsv41 import fileio
 from dsv41.engine.spec_decode import TOP_K
 from dsv41.errors import ConfigError, Dsv41Error
 
@@ -87,7 +87,7 @@ class DrafterConfig:
     def to_json(self) -> str:
         """Canonical JSON text (sorted keys; what the drafter identity hashes)."""
         d = {"format": FORMAT, "version": 1, **asdict(self)}
-        return json.dumps(d, sort_keys=True, indent=1)
+        return fileio.dumps_json(d, sort_keys=True, indent=1)
 
     @classmethod
     def from_dict(cls, d: dict) -> DrafterConfig:
@@ -314,7 +314,7 @@ def identities(drafter_dir: str | os.PathLike) -> dict:
     cfg = load_config(d)
     from dsv41 import fileio
 
-    canon = json.dumps(fileio.read_json(d / CONFIG_NAME, "drafter config", error=ConfigError), sort_keys=True,
+    canon = fileio.dumps_json(fileio.read_json(d / CONFIG_NAME, "drafter config", error=ConfigError), sort_keys=True,
                        separators=(",", ":")).encode()
     fileio.check_input(d / WEIGHTS_NAME, "drafter weights", error=ConfigError)
     drafter = hashlib.sha256(b"dsv41-drafter/1" + _sha(canon) + _file_sha(d / WEIGHTS_NAME)).hexdigest()

@@ -12,7 +12,6 @@ held).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -81,7 +80,7 @@ def write_hold(path: str | os.PathLike, record: HoldRecord) -> None:
 
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    fileio.atomic_write(p, json.dumps({"since": record.since, "window": record.window}), "admission hold file",
+    fileio.atomic_write(p, fileio.dumps_json({"since": record.since, "window": record.window}), "admission hold file",
                         error=HoldWriteError)
 
 

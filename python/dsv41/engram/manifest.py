@@ -10,7 +10,6 @@ It names table *content*: the same table packed at other file offsets has the sa
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import stat
 import sys
@@ -69,7 +68,7 @@ def table_identity(layout: dict[str, Any], entry: dict[str, Any] | TableEntry) -
                              "weight_name", "scale_name", "weight_sha256", "scale_sha256")},
         "hash": e["hash"],
     }
-    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return hashlib.sha256(fileio.dumps_json(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def make_table_entry(layout: EngramLayout, li: int, file: str, rows: int, weight_offset: int,
@@ -287,7 +286,7 @@ def file_key(path: str | os.PathLike) -> list[int] | None:
 def manifest_digest(m: Manifest) -> str:
     """sha256 of the manifest's canonical JSON (sorted keys, compact): the cache is valid for
     this manifest content only."""
-    return hashlib.sha256(json.dumps(m.to_dict(), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return hashlib.sha256(fileio.dumps_json(m.to_dict(), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _load_cache(path: Path, digest: str) -> dict[str, Any]:

@@ -8,7 +8,6 @@ from its own seed sequence ``[seed, layer_id, block, 0|1]`` (weight|scale).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import struct
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from dsv41 import fileio
 from dsv41.engram.layout import EngramLayout
 from dsv41.engram import manifest as mf
 from dsv41.engram.shards import PAGE, RowRangeError, read_safetensors_header, scale_name, shard_names, weight_name
@@ -129,7 +129,7 @@ def table_header_bytes(layer_id: int, rows: int, wb: int, sb: int, weight_start:
         weight_name(layer_id): {"dtype": "F8_E4M3", "shape": [rows, wb], "data_offsets": [0, rows * wb]},
         scale_name(layer_id): {"dtype": "F8_E8M0", "shape": [rows, sb], "data_offsets": [rows * wb, rows * (wb + sb)]},
     }
-    js = json.dumps(hdr, separators=(",", ":")).encode()
+    js = fileio.dumps_json(hdr, separators=(",", ":")).encode()
     target = weight_start
     while target - 8 < len(js):
         target += PAGE

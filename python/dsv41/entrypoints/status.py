@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
 import shlex
 import shutil
@@ -357,7 +356,7 @@ def evaluate(hosts: dict, probed: dict, *, expected_image: str = "", window: dic
     up = {n: h for n, h in hosts.items() if h.get("reachable")}
     # identity: every host that holds tables holds the same ones (x86host serves, the Sparks fall back)
     tables = {n: h["manifest"]["tables"] for n, h in up.items() if isinstance(h.get("manifest"), dict) and "tables" in h["manifest"]}
-    if len({json.dumps(t, sort_keys=True) for t in tables.values()}) > 1:
+    if len({fileio.dumps_json(t, sort_keys=True) for t in tables.values()}) > 1:
         ref_name = next(iter(sorted(n for n in tables if "offload" in hosts[n].get("groups", []))), sorted(tables)[0])
         for n, t in sorted(tables.items()):
             if t != tables[ref_name]:

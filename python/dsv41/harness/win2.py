@@ -475,7 +475,7 @@ def stage_window(state_dir: str, candidate: str, metric: str, window_id: str, ve
     doc.setdefault(question_key(candidate, metric), []).append(
         {"window": window_id, "verdict": verdict,
          "at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")})
-    return fileio.stage(os.path.join(state_dir, QUESTIONS_FILE), json.dumps(doc, indent=1, sort_keys=True),
+    return fileio.stage(os.path.join(state_dir, QUESTIONS_FILE), fileio.dumps_json(doc, indent=1, sort_keys=True),
                         "the window cap state", error=Win2Error)
 
 

@@ -50,7 +50,7 @@ def append(path: str | os.PathLike, op_id: str, step: str, **fields) -> dict:
     if step not in STEPS:
         raise JournalError(f"unknown journal step {step!r} (one of {', '.join(STEPS)})")
     entry = {"ts": round(time.time(), 3), "op": op_id, "step": step, **fields}
-    line = (json.dumps(entry, sort_keys=True, separators=(",", ":")) + "\n").encode("utf-8")
+    line = (fileio.dumps_json(entry, sort_keys=True, separators=(",", ":")) + "\n").encode("utf-8")
     from dsv41 import fileio
 
     p = Path(path)
