@@ -54,7 +54,6 @@ def _root(follow_symlinks: bool = typer.Option(
         False, "--follow-symlinks",
         help="An output path that is a symlink replaces the file it points to (refused by default).")) -> None:
     """dsv41-offload command line."""
-    from dsv41 import fileio
 
     fileio.FOLLOW_SYMLINKS = follow_symlinks  # set on every run: in-process callers run many
 

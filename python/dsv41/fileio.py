@@ -269,7 +269,8 @@ def dumps_json(obj: Any, *, nonfinite: str = "refuse", indent: int | str | None 
     doc = _finite_copy(obj, (), found) if nonfinite == "null" else obj
     if found:
         if not isinstance(doc, dict) or NONFINITE_KEY in doc:
-            where = "it is not a JSON object" if not isinstance(doc, dict) else f"it already has a {NONFINITE_KEY!r} key"
+            where = ("it is not a JSON object" if not isinstance(doc, dict)
+                     else f"it already has a {NONFINITE_KEY!r} key")
             raise EncodeError(f"{label}: {', '.join(f'{p} is {v}' for p, v in found.items())}, not a JSON number, "
                               f"and the reason cannot be recorded ({where})")
         doc = {**doc, NONFINITE_KEY: found}

@@ -289,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
                              no_deps=args.no_deps,
                              log=lambda s: print(s, file=sys.stderr, flush=True))
         m = fileio.read_json(path / "manifest.json", "wheelhouse manifest")
+        digest = hashlib.sha256(fileio.dumps_json(m["files"], sort_keys=True).encode()).hexdigest()
         print(fileio.dumps_json({"path": str(path), "reused": reused, "key": m["key"], "source": m["source"],
-                          "digest": hashlib.sha256(fileio.dumps_json(m["files"], sort_keys=True).encode()).hexdigest()}))
+                                 "digest": digest}))
         return 0
     except Dsv41Error as exc:
         print(f"error: {exc}", file=sys.stderr)

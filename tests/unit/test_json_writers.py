@@ -61,9 +61,11 @@ def test_every_json_writer_goes_through_dumps_json() -> None:
     assert len(uses) > 50, len(uses)
     # each writer's choice is deliberate and readable at the call: absent (refuse) or a literal
     vague = [(f, line) for f, line, node in uses for kw in node.keywords
-             if kw.arg == "nonfinite" and not (isinstance(kw.value, ast.Constant) and kw.value.value in ("refuse", "null"))]
+             if kw.arg == "nonfinite"
+             and not (isinstance(kw.value, ast.Constant) and kw.value.value in ("refuse", "null"))]
     assert not vague, f"nonfinite= must be the literal 'refuse' or 'null': {vague}"
-    assert not any(kw.arg is None for _f, _l, node in uses for kw in node.keywords), "no **kwargs: the choice is read here"
+    assert not any(kw.arg is None for _f, _l, node in uses for kw in node.keywords), \
+        "no **kwargs: the choice is read at the call"
 
 
 def _nulls() -> set[str]:

@@ -263,8 +263,6 @@ def save_drafter(model, cfg: DrafterConfig, out_dir: str | os.PathLike) -> dict:
     """Write ``drafter.json`` + ``drafter.safetensors`` into ``out_dir``; returns identities."""
     from safetensors.torch import save_file
 
-    from dsv41 import fileio
-
     out = Path(out_dir)
     tensors = {k: v.detach().to("cpu", dtype=_torch().float32).contiguous() for k, v in model.state_dict().items()}
     try:
@@ -281,7 +279,6 @@ def save_drafter(model, cfg: DrafterConfig, out_dir: str | os.PathLike) -> dict:
 
 def load_config(drafter_dir: str | os.PathLike) -> DrafterConfig:
     """Read and validate ``DIR/drafter.json``; :class:`ConfigError` when missing or invalid."""
-    from dsv41 import fileio
 
     p = Path(drafter_dir) / CONFIG_NAME
     if not os.path.lexists(p):
@@ -293,7 +290,6 @@ def load_config(drafter_dir: str | os.PathLike) -> DrafterConfig:
 
 
 def _file_sha(path: Path) -> bytes:
-    from dsv41 import fileio
 
     h = hashlib.sha256()
     if not os.path.lexists(path):
@@ -312,7 +308,6 @@ def identities(drafter_dir: str | os.PathLike) -> dict:
     """
     d = Path(drafter_dir)
     cfg = load_config(d)
-    from dsv41 import fileio
 
     canon = fileio.dumps_json(fileio.read_json(d / CONFIG_NAME, "drafter config", error=ConfigError), sort_keys=True,
                        separators=(",", ":")).encode()
@@ -336,8 +331,6 @@ def identities(drafter_dir: str | os.PathLike) -> dict:
 def load_model(drafter_dir: str | os.PathLike, device: str = "cpu"):
     """Load (config, model in eval mode on ``device``); :class:`ConfigError` on bad files."""
     from safetensors.torch import load_file
-
-    from dsv41 import fileio
 
     cfg = load_config(drafter_dir)
     model = DrafterModel(cfg)

@@ -121,7 +121,6 @@ class Manifest:
         """Write atomically as indented JSON (:func:`dsv41.fileio.atomic_write`: only over a regular
         file or an absent path); VerificationError (a Dsv41Error) when ``path`` cannot be written
         (no temp file is left behind, the old file is untouched)."""
-        from dsv41 import fileio
 
         p = Path(path)
         fileio.atomic_write_json(p, self.to_dict(), "manifest", error=VerificationError)
@@ -193,7 +192,6 @@ def manifest_from_dict(doc: Any, where: str = "manifest") -> Manifest:
 def load_manifest(path: str | os.PathLike) -> Manifest:
     """Read and validate a manifest file.  VerificationError when it is missing, not JSON, fails
     the schema, or is inconsistent (see :func:`manifest_from_dict`)."""
-    from dsv41 import fileio
 
     p = Path(path)
     if not os.path.lexists(p):
@@ -292,7 +290,6 @@ def manifest_digest(m: Manifest) -> str:
 def _load_cache(path: Path, digest: str) -> dict[str, Any]:
     """Cached ``{file: key}`` for this manifest; empty when absent, unreadable, another format
     or another manifest (never an error: a bad cache only costs a re-hash)."""
-    from dsv41 import fileio
 
     try:
         doc = fileio.read_json(path)
@@ -307,7 +304,6 @@ def _load_cache(path: Path, digest: str) -> dict[str, Any]:
 def _save_cache(path: Path, digest: str, files: dict[str, Any]) -> None:
     """Write the cache atomically (temp file, mode 0600, + rename); VerificationError if it
     cannot be written (the verification result itself stands)."""
-    from dsv41 import fileio
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -186,7 +186,6 @@ def _is_synthetic_shard(path: Path) -> bool:
 def _check_replaceable(out: Path, names: list[str]) -> None:
     """Refuse (Dsv41Error) when writing ``names`` + manifest.json into ``out`` would replace a
     file that is not earlier make-tables output (e.g. a real checkpoint shard)."""
-    from dsv41 import fileio
 
     for name in names:
         p = out / name
@@ -240,7 +239,6 @@ def write_synthetic_tables(cfg: Any, out_dir: str | os.PathLike, seed: int = 0, 
     except OSError as exc:
         raise Dsv41Error(f"cannot create output directory {out}: {exc.strerror or exc}") from None
     names = shard_names(n_layers)
-    from dsv41 import fileio
 
     for name in [*names, "manifest.json"]:
         fileio.check_output(out / name, "make-tables --out")  # never a FIFO, device, dir or symlink, even with --force

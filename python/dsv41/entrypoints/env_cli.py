@@ -28,7 +28,6 @@ MAX_BYTES = 1 << 20  # an env file is a few hundred bytes; refuse to slurp a wro
 def read_env_file(path: Path) -> dict[str, str]:
     """``KEY=VALUE`` pairs of ``path`` in file order. Raises :class:`Dsv41Error` naming the file
     and line of the first malformed line or repeated key, or an unreadable file."""
-    from dsv41 import fileio
 
     text = fileio.read_text(path, "env file", max_bytes=MAX_BYTES)
     return envs.parse_env_text(text, str(path))

@@ -110,7 +110,6 @@ def manifest_facts(path: str | os.PathLike) -> dict | None:
     p = Path(path)
     if not p.exists():
         return None
-    from dsv41 import fileio
 
     try:
         raw = fileio.read_bytes(p, "manifest")
@@ -143,7 +142,6 @@ def promotion_facts(packages_dir: str | os.PathLike) -> str | None:
         if cur.is_symlink():
             return Path(os.readlink(cur)).name
         if cur.is_file():
-            from dsv41 import fileio
 
             return fileio.read_text(cur, max_bytes=4096).strip() or None
     except (OSError, Dsv41Error) as exc:
@@ -303,8 +301,6 @@ def last_window(windows_dir: str | os.PathLike | None) -> dict | None:
         return None
     path = files[-1]
     try:
-        from dsv41 import fileio
-
         doc = fileio.read_json(path, "window decision")
         verdict = doc.get("verdict", doc.get("decision")) if isinstance(doc, dict) else None
         if isinstance(verdict, dict):  # what `dsv41 window run` writes: {"decision": {"verdict": ...}}

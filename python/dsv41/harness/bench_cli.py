@@ -61,9 +61,9 @@ def run(
                 interrupted = True
         after = bench.snapshot_metrics(urls) if urls and not interrupted else {}
         if out:
-            from dsv41 import fileio
 
-            fileio.atomic_write(out, "".join(fileio.dumps_json(r.to_dict(), nonfinite="null") + "\n" for r in results), "bench run --out")
+            fileio.atomic_write(out, "".join(fileio.dumps_json(r.to_dict(), nonfinite="null") + "\n" for r in results),
+                                "bench run --out")
         summary = {"spec": sp["name"], "spec_source": sp["source"], "endpoint": endpoint, "model": model,
                    "smoke": smoke, "summary": bench.summarize(results), "interrupted": interrupted,
                    "metrics_delta": bench.metrics_delta(before, after) if after else {}}

@@ -125,8 +125,6 @@ def run_cells(plan: list[dict], endpoints: dict[str, str], model: str, sampler: 
 
     client = new_client()
     try:
-        from dsv41 import fileio
-
         with fileio.Appender(out_path, "cells file", error=WindowError) as fh:  # a cell is kept whole or not at all
             for c in plan:
                 rec = None
@@ -379,8 +377,6 @@ def _save_plot(fig, wdir: str, name: str) -> str:
     fileio errors as for any window file), close it and return ``name``."""
     import matplotlib.pyplot as plt
 
-    from dsv41 import fileio
-
     fig.tight_layout()
     fileio.atomic_write(os.path.join(wdir, name), lambda f: fig.savefig(f, format="png", dpi=100), "window plot")
     plt.close(fig)
@@ -403,8 +399,6 @@ def write_report(wdir: str, decision: win2.Decision, cells: list[dict], meta: di
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from dsv41 import fileio
 
     os.makedirs(wdir, exist_ok=True)
     files = []

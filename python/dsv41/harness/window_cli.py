@@ -42,7 +42,6 @@ def decide(
     """Decide a window by WIN2 R3; exit 0 whatever the verdict (the verdict is the output)."""
     gate_records = None
     if gate:
-        from dsv41 import fileio
 
         gate_records = fileio.read_json(gate, "gate records", error=win2.Win2Error)
         if not isinstance(gate_records, list):
@@ -117,7 +116,6 @@ def simulate(
         res = win2.simulate(noise, counts, windows, prompts, metric, min_effect, alpha, seed, resamples,
                             progress=lambda n: bar.advance(task, n))
     if out:
-        from dsv41 import fileio
 
         fileio.atomic_write_json(out, res, "window simulate --out", error=win2.Win2Error,
                                  nonfinite="null")
@@ -144,7 +142,6 @@ def candidate(
     doc = candidates.load_candidate(name, root)
     rv = candidates.role_vars(doc)
     if vars_out:
-        from dsv41 import fileio
 
         fileio.atomic_write_json(vars_out, rv, "window candidate --vars-out", error=win2.Win2Error)
     print(fileio.dumps_json({"candidate": doc, "role_vars": rv}, indent=1))

@@ -33,7 +33,6 @@ def exporter(
         return
     server, _thread = ex.serve(listen, col)
     if ready_file is not None:
-        from dsv41 import fileio
 
         fileio.atomic_write(ready_file, f"{listen}\n", "the ready file")
     stop = threading.Event()
@@ -79,7 +78,6 @@ def dashboard(
     if out is None:
         typer.echo(text, nl=False)
         return
-    from dsv41 import fileio
 
     fileio.atomic_write(out, text, "the dashboard")
 
