@@ -509,9 +509,15 @@ def atomic_write_json(path: PathLike, doc: Any, what: str | None = None, *, inde
                       sort_keys: bool = False, follow_symlinks: bool | None = None, default: Any = None,
                       error: ErrorType = None, mode: int | None = None, nonfinite: str = "refuse") -> Path:
     """:func:`atomic_write` of :func:`dumps_json` of ``doc`` plus a newline (serialised before
-    anything is opened; ``nonfinite`` as there, so a refused value leaves the old file as it was)."""
-    text = dumps_json(doc, indent=indent, sort_keys=sort_keys, default=default, nonfinite=nonfinite,
-                      what=_label(path, what)) + "\n"
+    anything is opened; ``nonfinite`` as there, so a refused value leaves the old file as it was).
+    A refused value raises the caller's ``error`` class when given, else :class:`EncodeError`."""
+    try:
+        text = dumps_json(doc, indent=indent, sort_keys=sort_keys, default=default, nonfinite=nonfinite,
+                          what=_label(path, what)) + "\n"
+    except EncodeError as exc:
+        if error is None:
+            raise
+        raise error(str(exc)) from None
     return atomic_write(path, text, what, follow_symlinks=follow_symlinks, error=error, mode=mode)
 
 

@@ -128,6 +128,11 @@ def test_atomic_write_json_refuses_before_anything_is_replaced(tmp_path: Path) -
     with pytest.raises(fileio.EncodeError, match=r"cannot write report .*r\.json: /x is nan"):
         fileio.atomic_write_json(p, {"x": math.nan}, "report")
     assert p.read_text() == '{"old": 1}\n' and sorted(tmp_path.iterdir()) == [p]
+    from dsv41.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="/x is nan"):  # the caller's own error class
+        fileio.atomic_write_json(p, {"x": math.nan}, "report", error=ConfigError)
+    assert p.read_text() == '{"old": 1}\n'
     fileio.atomic_write_json(p, {"x": math.nan}, "report", nonfinite="null")
     assert fileio.read_json(p) == {"x": None, "nonfinite": {"/x": "nan"}}
 
