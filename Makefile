@@ -32,7 +32,11 @@ $(NATIVE_STAMP): $(VENV)/.stamp $(NATIVE_SRC)
 
 # ansible-lint (production profile), then ansible-test sanity and units on the collection
 # (galaxy.yml: dsv41.offload), run offline on a temporary ansible_collections copy by tools/sanity.sh.
+# First the call-signature check (pinned pylint, tools/pylintrc-calls: E1120, E1121, E1123, E1124 and
+# E0602 only) over the package, the plugins (library/ links to plugins/modules) and tools/*.py.
+LINT_CALLS_SRC := python/dsv41 plugins $(wildcard tools/*.py)
 lint: venv
+	$(BIN)/pylint --rcfile=tools/pylintrc-calls $(LINT_CALLS_SRC)
 	$(BIN)/ansible-lint
 	PATH=$(abspath $(BIN)):$$PATH bash tools/sanity.sh sanity
 	PATH=$(abspath $(BIN)):$$PATH bash tools/sanity.sh units

@@ -9,11 +9,11 @@ heavy dependencies (torch, NIXL) inside the commands, so ``dsv41 --help`` stays 
 from __future__ import annotations
 
 import importlib
-import json
 import sys
 
 import typer
 
+from dsv41 import fileio
 from dsv41.errors import run_app
 
 app = typer.Typer(
@@ -54,7 +54,6 @@ def _root(follow_symlinks: bool = typer.Option(
         False, "--follow-symlinks",
         help="An output path that is a symlink replaces the file it points to (refused by default).")) -> None:
     """dsv41-offload command line."""
-    from dsv41 import fileio
 
     fileio.FOLLOW_SYMLINKS = follow_symlinks  # set on every run: in-process callers run many
 
@@ -65,7 +64,7 @@ def version(as_json: bool = typer.Option(False, "--json", help="Also the Python 
     from dsv41.version import version_info
 
     info = version_info()
-    print(json.dumps(info) if as_json else info["dsv41"])
+    print(fileio.dumps_json(info) if as_json else info["dsv41"])
 
 
 _register()

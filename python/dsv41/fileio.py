@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import stat
 import tempfile
@@ -187,8 +188,9 @@ def loads_json(text: str | bytes, *, finite: bool = True) -> Any:
     object (RFC 8259 section 4: names "SHOULD be unique"; Python keeps the last silently, so two
     readers of one file could disagree), and nesting deep enough to hit Python's recursion limit
     (``RecursionError`` is no ``ValueError`` and printed a traceback). The parsed value otherwise.
-    ``finite=False`` reads ``NaN``/``Infinity`` as floats: only for records the package itself
-    wrote with ``json.dumps`` defaults (a window decision's open CI is ``[-Infinity, Infinity]``).
+    ``finite=False`` reads ``NaN``/``Infinity`` as floats: only for records the package wrote
+    before :func:`dumps_json` (a window decision's open CI was ``[-1.0, Infinity]``; it is
+    now ``[-1.0, null]`` with the reason under ``nonfinite``).
     """
     try:
         return json.loads(text, object_pairs_hook=_pairs, **({"parse_constant": _constant} if finite else {}))
@@ -198,6 +200,93 @@ def loads_json(text: str | bytes, *, finite: bool = True) -> Any:
         raise _refused("nested too deeply (Python's recursion limit)") from None
     except ValueError as exc:  # _constant, _pairs, an integer past sys.get_int_max_str_digits()
         raise _refused(str(exc)) from None
+
+
+class EncodeError(Dsv41Error, ValueError):
+    """A value cannot be written as JSON: a non-finite float where the writer refuses them, or an
+    object ``json`` cannot encode. A ``ValueError`` too (what ``json.dumps`` raised before)."""
+
+
+#: The key under which ``dumps_json(..., nonfinite="null")`` records what each ``null`` stood for.
+NONFINITE_KEY = "nonfinite"
+
+
+def _pointer(path: tuple) -> str:
+    # RFC 6901 JSON Pointer: "~" -> "~0", "/" -> "~1"
+    return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in path) or "/"
+
+
+def _nonfinite_name(x: float) -> str:
+    return "nan" if x != x else ("inf" if x > 0 else "-inf")
+
+
+def _finite_copy(obj: Any, path: tuple, found: dict[str, str]) -> Any:
+    """``obj`` with every non-finite float (``float`` and its subclasses, numpy's float64) in dicts,
+    lists and tuples replaced by None, each recorded in ``found`` as ``{pointer: "nan"|"inf"|"-inf"}``."""
+    if isinstance(obj, float):
+        if math.isfinite(obj):
+            return obj
+        found[_pointer(path)] = _nonfinite_name(obj)
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite_copy(v, (*path, k), found) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_copy(v, (*path, i), found) for i, v in enumerate(obj)]
+    return obj
+
+
+def dumps_json(obj: Any, *, nonfinite: str = "refuse", indent: int | str | None = None, sort_keys: bool = False,
+               separators: tuple[str, str] | None = None, ensure_ascii: bool = True, default: Any = None,
+               cls: type[json.JSONEncoder] | None = None, what: str | None = None) -> str:
+    """``json.dumps`` for everything the project writes (files, stdout, peers, digests), never with
+    ``NaN``/``Infinity`` in it (``allow_nan=False`` always).
+
+    Python's ``json.dumps`` writes ``NaN``, ``Infinity`` and ``-Infinity`` by default: not JSON
+    (RFC 8259 section 6), refused by :func:`loads_json`, by ``jq`` and by most other readers, so a
+    record holding one could not be read back. What a non-finite value becomes is the writer's
+    choice, given as ``nonfinite``:
+
+    * ``"refuse"`` (default): raise :class:`EncodeError` naming the value's JSON Pointer (RFC 6901),
+      e.g. ``cannot write window decision: /ci/0 is -inf, not a JSON number``. For canonical bytes
+      and digests (manifests, promotion packages, the journal), requests to peers, and documents
+      that cannot hold one.
+    * ``"null"``: for measurement records (a window's decision, bench and drill reports, status
+      facts, scraped metrics), where a measurement that has no finite value (a CI nothing bounds, a
+      ratio over zero, a scraped ``NaN``) must not cost the record: each such float is written as
+      ``null`` and the reason is recorded in the document, under :data:`NONFINITE_KEY` of the top
+      object: ``{"nonfinite": {"/decision/ci/0": "-inf", ...}}`` (the pointers into the document as
+      written; a document that already has that key is refused rather than overwritten). A document
+      that is not a JSON object has no place for the reason and is refused as with ``"refuse"``.
+
+    The other arguments are ``json.dumps``'s. Raises :class:`EncodeError` (also for an object
+    ``json`` cannot encode: ``TypeError`` in ``json.dumps``) and ``ValueError`` for an unknown
+    ``nonfinite``. Non-finite floats produced by ``default``/``cls`` are refused in either mode.
+    """
+    if nonfinite not in ("refuse", "null"):
+        raise ValueError(f"nonfinite must be 'refuse' or 'null', got {nonfinite!r}")
+    label = f"cannot write {what}" if what else "cannot write JSON"
+    found: dict[str, str] = {}
+    doc = _finite_copy(obj, (), found) if nonfinite == "null" else obj
+    if found:
+        if not isinstance(doc, dict) or NONFINITE_KEY in doc:
+            where = ("it is not a JSON object" if not isinstance(doc, dict)
+                     else f"it already has a {NONFINITE_KEY!r} key")
+            raise EncodeError(f"{label}: {', '.join(f'{p} is {v}' for p, v in found.items())}, not a JSON number, "
+                              f"and the reason cannot be recorded ({where})")
+        doc = {**doc, NONFINITE_KEY: found}
+    try:
+        return json.dumps(doc, indent=indent, sort_keys=sort_keys, separators=separators, ensure_ascii=ensure_ascii,
+                          default=default, cls=cls, allow_nan=False)
+    except ValueError as exc:  # a non-finite float (allow_nan=False) or a circular reference
+        bad: dict[str, str] = {}
+        with contextlib.suppress(RecursionError):
+            _finite_copy(doc, (), bad)
+        if not bad:  # made by default/cls, or a circular reference: json's own words
+            raise EncodeError(f"{label}: {exc}") from None
+        raise EncodeError(f"{label}: {', '.join(f'{p} is {v}' for p, v in bad.items())}, not a JSON number "
+                          "(RFC 8259 section 6)") from None
+    except (TypeError, RecursionError) as exc:
+        raise EncodeError(f"{label}: {exc}") from None
 
 
 def loads_yaml(text: str) -> Any:
@@ -418,9 +507,17 @@ def atomic_write(path: PathLike, fill: Callable[[BinaryIO], None] | bytes | str,
 
 def atomic_write_json(path: PathLike, doc: Any, what: str | None = None, *, indent: int | None = 1,
                       sort_keys: bool = False, follow_symlinks: bool | None = None, default: Any = None,
-                      error: ErrorType = None, mode: int | None = None) -> Path:
-    """:func:`atomic_write` of ``json.dumps(doc)`` plus a newline (serialised before anything is opened)."""
-    text = json.dumps(doc, indent=indent, sort_keys=sort_keys, default=default) + "\n"
+                      error: ErrorType = None, mode: int | None = None, nonfinite: str = "refuse") -> Path:
+    """:func:`atomic_write` of :func:`dumps_json` of ``doc`` plus a newline (serialised before
+    anything is opened; ``nonfinite`` as there, so a refused value leaves the old file as it was).
+    A refused value raises the caller's ``error`` class when given, else :class:`EncodeError`."""
+    try:
+        text = dumps_json(doc, indent=indent, sort_keys=sort_keys, default=default, nonfinite=nonfinite,
+                          what=_label(path, what)) + "\n"
+    except EncodeError as exc:
+        if error is None:
+            raise
+        raise error(str(exc)) from None
     return atomic_write(path, text, what, follow_symlinks=follow_symlinks, error=error, mode=mode)
 
 

@@ -23,7 +23,6 @@ import argparse
 import gzip
 import hashlib
 import io
-import json
 import re
 import shutil
 import subprocess
@@ -144,8 +143,8 @@ def source_tarball(project_dir: Path, version: str) -> bytes:
 def cache_key(constraints: str, version: str, source: bytes, target: Target, requirements: list[str]) -> str:
     """16 hex chars of sha256 over every input that changes the wheelhouse's content."""
     h = hashlib.sha256()
-    for part in (constraints, version, hashlib.sha256(source).hexdigest(), json.dumps(target.platforms),
-                 target.python_version, target.implementation, json.dumps(sorted(requirements))):
+    for part in (constraints, version, hashlib.sha256(source).hexdigest(), fileio.dumps_json(target.platforms),
+                 target.python_version, target.implementation, fileio.dumps_json(sorted(requirements))):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
 
@@ -282,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "check":
             m = check(args.path)
-            print(json.dumps({"path": str(args.path), "key": m["key"], "files": len(m["files"])}))
+            print(fileio.dumps_json({"path": str(args.path), "key": m["key"], "files": len(m["files"])}))
             return 0
         target = Target.for_host(args.machine, args.python_version, args.glibc)
         path, reused = build(args.project_dir, args.cache_dir, target, args.extra,
@@ -290,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
                              no_deps=args.no_deps,
                              log=lambda s: print(s, file=sys.stderr, flush=True))
         m = fileio.read_json(path / "manifest.json", "wheelhouse manifest")
-        print(json.dumps({"path": str(path), "reused": reused, "key": m["key"], "source": m["source"],
-                          "digest": hashlib.sha256(json.dumps(m["files"], sort_keys=True).encode()).hexdigest()}))
+        digest = hashlib.sha256(fileio.dumps_json(m["files"], sort_keys=True).encode()).hexdigest()
+        print(fileio.dumps_json({"path": str(path), "reused": reused, "key": m["key"], "source": m["source"],
+                                 "digest": digest}))
         return 0
     except Dsv41Error as exc:
         print(f"error: {exc}", file=sys.stderr)

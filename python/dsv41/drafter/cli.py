@@ -3,11 +3,12 @@ identity (print the identities a worker will report)."""
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Optional
 
 import typer
+
+from dsv41 import fileio
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Remote drafter worker and tools.")
@@ -46,7 +47,7 @@ def identity_cmd(drafter: str = typer.Argument(..., help="Drafter directory.")) 
     """Print the drafter, Markov head and recorded target identities as JSON."""
     from dsv41.drafter.model import identities
 
-    print(json.dumps(identities(drafter), indent=1))
+    print(fileio.dumps_json(identities(drafter), indent=1))
 
 
 @app.command("status")
@@ -60,7 +61,7 @@ def status_cmd(
 
     st = fetch_status(metrics, timeout)
     if as_json:
-        print(json.dumps(st, indent=1))
+        print(fileio.dumps_json(st, indent=1, nonfinite="null"))
     else:
         ids = st["identities"]
         print(f"connections {st['connections']}; drafter {ids['drafter'][:16]} markov {ids['markov'][:16]} "
@@ -89,7 +90,7 @@ def train_cmd(
     rep = train_drafter(config, weights, out, steps=steps or None, seed=seed, manifest=manifest or None,
                         data=data or None, tables_seed=tables_seed)
     if as_json:
-        print(json.dumps(rep, indent=1))
+        print(fileio.dumps_json(rep, indent=1, nonfinite="null"))
     else:
         print(f"drafter written to {out}: drafter {rep['identities']['drafter'][:12]} markov "
               f"{rep['identities']['markov'][:12]} target {rep['identities']['target'][:12]}; "

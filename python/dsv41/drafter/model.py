@@ -23,7 +23,6 @@ sha256(weights file)); Markov head = sha256(b"dsv41-markov/1" + vocab/rank + mar
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import re
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dsv41 import fileio
 from dsv41.engine.spec_decode import TOP_K
 from dsv41.errors import ConfigError, Dsv41Error
 
@@ -87,7 +87,7 @@ class DrafterConfig:
     def to_json(self) -> str:
         """Canonical JSON text (sorted keys; what the drafter identity hashes)."""
         d = {"format": FORMAT, "version": 1, **asdict(self)}
-        return json.dumps(d, sort_keys=True, indent=1)
+        return fileio.dumps_json(d, sort_keys=True, indent=1)
 
     @classmethod
     def from_dict(cls, d: dict) -> DrafterConfig:
@@ -263,8 +263,6 @@ def save_drafter(model, cfg: DrafterConfig, out_dir: str | os.PathLike) -> dict:
     """Write ``drafter.json`` + ``drafter.safetensors`` into ``out_dir``; returns identities."""
     from safetensors.torch import save_file
 
-    from dsv41 import fileio
-
     out = Path(out_dir)
     tensors = {k: v.detach().to("cpu", dtype=_torch().float32).contiguous() for k, v in model.state_dict().items()}
     try:
@@ -281,7 +279,6 @@ def save_drafter(model, cfg: DrafterConfig, out_dir: str | os.PathLike) -> dict:
 
 def load_config(drafter_dir: str | os.PathLike) -> DrafterConfig:
     """Read and validate ``DIR/drafter.json``; :class:`ConfigError` when missing or invalid."""
-    from dsv41 import fileio
 
     p = Path(drafter_dir) / CONFIG_NAME
     if not os.path.lexists(p):
@@ -293,7 +290,6 @@ def load_config(drafter_dir: str | os.PathLike) -> DrafterConfig:
 
 
 def _file_sha(path: Path) -> bytes:
-    from dsv41 import fileio
 
     h = hashlib.sha256()
     if not os.path.lexists(path):
@@ -312,9 +308,8 @@ def identities(drafter_dir: str | os.PathLike) -> dict:
     """
     d = Path(drafter_dir)
     cfg = load_config(d)
-    from dsv41 import fileio
 
-    canon = json.dumps(fileio.read_json(d / CONFIG_NAME, "drafter config", error=ConfigError), sort_keys=True,
+    canon = fileio.dumps_json(fileio.read_json(d / CONFIG_NAME, "drafter config", error=ConfigError), sort_keys=True,
                        separators=(",", ":")).encode()
     fileio.check_input(d / WEIGHTS_NAME, "drafter weights", error=ConfigError)
     drafter = hashlib.sha256(b"dsv41-drafter/1" + _sha(canon) + _file_sha(d / WEIGHTS_NAME)).hexdigest()
@@ -336,8 +331,6 @@ def identities(drafter_dir: str | os.PathLike) -> dict:
 def load_model(drafter_dir: str | os.PathLike, device: str = "cpu"):
     """Load (config, model in eval mode on ``device``); :class:`ConfigError` on bad files."""
     from safetensors.torch import load_file
-
-    from dsv41 import fileio
 
     cfg = load_config(drafter_dir)
     model = DrafterModel(cfg)

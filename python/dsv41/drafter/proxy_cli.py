@@ -7,12 +7,12 @@ groups import torch).
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 
 import typer
 
+from dsv41 import fileio
 from dsv41.errors import Dsv41Error, run_app
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -59,7 +59,7 @@ def self_test_cmd(as_json: bool = typer.Option(False, "--json", help="Print the 
     from dsv41.drafter.proxy import self_test
 
     rep = self_test()
-    print(json.dumps(rep) if as_json else "proxy self-test: ok (ring, host flags, torch-free)")
+    print(fileio.dumps_json(rep, nonfinite="null") if as_json else "proxy self-test: ok (ring, host flags, torch-free)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dsv41 import envs
+from dsv41 import envs, fileio
 from dsv41.envs import Settings
 from dsv41.errors import Dsv41Error
 
@@ -87,7 +87,6 @@ def generate_cmd(
 ) -> None:
     """Greedy-generate from one prompt at TP1 (row source from DSV41_ENGRAM_REMOTE*); prints the
     token ids and the text."""
-    import json
 
     from dsv41.engine.runner import LocalRunner
     from dsv41.tokenizer import ByteTokenizer
@@ -102,7 +101,7 @@ def generate_cmd(
     finally:
         rows.close()
     if as_json:
-        print(json.dumps({"tokens": res.tokens, "text": tok.decode(res.tokens), "counters": rows.counters()}))
+        print(fileio.dumps_json({"tokens": res.tokens, "text": tok.decode(res.tokens), "counters": rows.counters()}))
     else:
         print(",".join(map(str, res.tokens)))
         print(tok.decode(res.tokens))

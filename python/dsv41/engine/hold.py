@@ -12,7 +12,6 @@ held).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -52,7 +51,6 @@ def read_hold(path: str | os.PathLike) -> HoldRecord | None:
     JSON, or is not ``{"since": number, "window": token}`` with a token matching
     :data:`WINDOW_TOKEN_RE`.
     """
-    from dsv41 import fileio
 
     p = Path(path)
     try:
@@ -77,11 +75,10 @@ def write_hold(path: str | os.PathLike, record: HoldRecord) -> None:
     """Keep ``record`` in ``path`` atomically (:func:`dsv41.fileio.atomic_write`; parents created).
     Raises OSError (:class:`HoldWriteError`) when it cannot be written, ``path`` included when it is
     not a regular file (a FIFO, a directory, a symlink)."""
-    from dsv41 import fileio
 
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    fileio.atomic_write(p, json.dumps({"since": record.since, "window": record.window}), "admission hold file",
+    fileio.atomic_write(p, fileio.dumps_json({"since": record.since, "window": record.window}), "admission hold file",
                         error=HoldWriteError)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from dsv41 import fileio
 from dsv41.engine import request_fields
 from dsv41.engine.sampler import SamplingParams
 from dsv41.errors import Dsv41Error
@@ -286,7 +287,7 @@ def usage(ev: dict) -> dict:
 
 def sse(d: dict) -> str:
     """One server-sent event carrying ``d`` as JSON."""
-    return f"data: {json.dumps(d)}\n\n"
+    return f"data: {fileio.dumps_json(d)}\n\n"
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,12 @@ when present.  Heavy imports happen inside commands so ``dsv41 --help`` stays fa
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from dsv41 import fileio
 from dsv41.errors import ConfigError, Dsv41Error
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -49,7 +49,7 @@ def layout(
     """Print primes, offsets, multipliers, rows and per-rank columns/row ranges as JSON."""
     from dsv41.engram.layout import EngramLayout
 
-    print(json.dumps(EngramLayout.from_config(config).to_json(tp)))
+    print(fileio.dumps_json(EngramLayout.from_config(config).to_json(tp)))
 
 
 @app.command("hash")
@@ -76,7 +76,7 @@ def hash_cmd(
         m = np.asarray(mv, dtype=bool)
     h = NgramHasher(EngramLayout.from_config(config), load_token_map(token_map))
     rows, _ = h.hash(np.asarray(toks, dtype=np.int64), m)
-    print(json.dumps({"rows": rows.tolist()}))
+    print(fileio.dumps_json({"rows": rows.tolist()}))
 
 
 @app.command("make-tables")
@@ -145,7 +145,7 @@ def verify(
     m = load_manifest(manifest)
     rep = do_verify(m, data, workers=workers, progress=progress, cache=cache, mode="full" if full else "cached")
     total = sum(f["size"] for f in m.files)
-    print(json.dumps({"verified": True, "files": len(m.files), "bytes": total, "hashed": rep.verified,
+    print(fileio.dumps_json({"verified": True, "files": len(m.files), "bytes": total, "hashed": rep.verified,
                       "cached": rep.cached, "tables": {str(t.layer_id): t.identity for t in m.tables}}))
 
 

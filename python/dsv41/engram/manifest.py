@@ -10,7 +10,6 @@ It names table *content*: the same table packed at other file offsets has the sa
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import stat
 import sys
@@ -69,7 +68,7 @@ def table_identity(layout: dict[str, Any], entry: dict[str, Any] | TableEntry) -
                              "weight_name", "scale_name", "weight_sha256", "scale_sha256")},
         "hash": e["hash"],
     }
-    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return hashlib.sha256(fileio.dumps_json(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def make_table_entry(layout: EngramLayout, li: int, file: str, rows: int, weight_offset: int,
@@ -122,7 +121,6 @@ class Manifest:
         """Write atomically as indented JSON (:func:`dsv41.fileio.atomic_write`: only over a regular
         file or an absent path); VerificationError (a Dsv41Error) when ``path`` cannot be written
         (no temp file is left behind, the old file is untouched)."""
-        from dsv41 import fileio
 
         p = Path(path)
         fileio.atomic_write_json(p, self.to_dict(), "manifest", error=VerificationError)
@@ -194,7 +192,6 @@ def manifest_from_dict(doc: Any, where: str = "manifest") -> Manifest:
 def load_manifest(path: str | os.PathLike) -> Manifest:
     """Read and validate a manifest file.  VerificationError when it is missing, not JSON, fails
     the schema, or is inconsistent (see :func:`manifest_from_dict`)."""
-    from dsv41 import fileio
 
     p = Path(path)
     if not os.path.lexists(p):
@@ -287,13 +284,12 @@ def file_key(path: str | os.PathLike) -> list[int] | None:
 def manifest_digest(m: Manifest) -> str:
     """sha256 of the manifest's canonical JSON (sorted keys, compact): the cache is valid for
     this manifest content only."""
-    return hashlib.sha256(json.dumps(m.to_dict(), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return hashlib.sha256(fileio.dumps_json(m.to_dict(), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _load_cache(path: Path, digest: str) -> dict[str, Any]:
     """Cached ``{file: key}`` for this manifest; empty when absent, unreadable, another format
     or another manifest (never an error: a bad cache only costs a re-hash)."""
-    from dsv41 import fileio
 
     try:
         doc = fileio.read_json(path)
@@ -308,7 +304,6 @@ def _load_cache(path: Path, digest: str) -> dict[str, Any]:
 def _save_cache(path: Path, digest: str, files: dict[str, Any]) -> None:
     """Write the cache atomically (temp file, mode 0600, + rename); VerificationError if it
     cannot be written (the verification result itself stands)."""
-    from dsv41 import fileio
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,6 @@ the server as a separate process.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -16,6 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from dsv41 import fileio
 from dsv41.errors import Dsv41Error, run_app
 
 
@@ -68,13 +68,13 @@ def serve(
         if ready_file is not None:
             write_ready_file(ready_file, info)
             wrote_ready = True
-        print(json.dumps({"event": "listening", "listen": [str(a) for a in addrs],
+        print(fileio.dumps_json({"event": "listening", "listen": [str(a) for a in addrs],
                           "load_seconds": round(report["seconds"], 3), "implementation": info["implementation"]}),
               flush=True)
         while not stop.wait(0.5):
             pass
         es.stop(drain_timeout)
-        print(json.dumps({"event": "stopped", **es.rowserver.snapshot()}), flush=True)
+        print(fileio.dumps_json({"event": "stopped", **es.rowserver.snapshot()}, nonfinite="null"), flush=True)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -111,7 +111,7 @@ def sweep(
     m = load_manifest(manifest)
     report = run_sweep(m, data, remote, tp, rank, lookups=lookups, seed=seed, timeout_ms=timeout_ms,
                        required=required, token_map=str(token_map) if token_map else None)
-    print(json.dumps(report))
+    print(fileio.dumps_json(report, nonfinite="null"))
     if report["bad_rows"]:
         raise Dsv41Error(f"sweep found {report['bad_rows']} bad rows")
     if report["remote_rows"] == 0:

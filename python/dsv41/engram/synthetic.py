@@ -8,7 +8,6 @@ from its own seed sequence ``[seed, layer_id, block, 0|1]`` (weight|scale).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import struct
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from dsv41 import fileio
 from dsv41.engram.layout import EngramLayout
 from dsv41.engram import manifest as mf
 from dsv41.engram.shards import PAGE, RowRangeError, read_safetensors_header, scale_name, shard_names, weight_name
@@ -129,7 +129,7 @@ def table_header_bytes(layer_id: int, rows: int, wb: int, sb: int, weight_start:
         weight_name(layer_id): {"dtype": "F8_E4M3", "shape": [rows, wb], "data_offsets": [0, rows * wb]},
         scale_name(layer_id): {"dtype": "F8_E8M0", "shape": [rows, sb], "data_offsets": [rows * wb, rows * (wb + sb)]},
     }
-    js = json.dumps(hdr, separators=(",", ":")).encode()
+    js = fileio.dumps_json(hdr, separators=(",", ":")).encode()
     target = weight_start
     while target - 8 < len(js):
         target += PAGE
@@ -186,7 +186,6 @@ def _is_synthetic_shard(path: Path) -> bool:
 def _check_replaceable(out: Path, names: list[str]) -> None:
     """Refuse (Dsv41Error) when writing ``names`` + manifest.json into ``out`` would replace a
     file that is not earlier make-tables output (e.g. a real checkpoint shard)."""
-    from dsv41 import fileio
 
     for name in names:
         p = out / name
@@ -240,7 +239,6 @@ def write_synthetic_tables(cfg: Any, out_dir: str | os.PathLike, seed: int = 0, 
     except OSError as exc:
         raise Dsv41Error(f"cannot create output directory {out}: {exc.strerror or exc}") from None
     names = shard_names(n_layers)
-    from dsv41 import fileio
 
     for name in [*names, "manifest.json"]:
         fileio.check_output(out / name, "make-tables --out")  # never a FIFO, device, dir or symlink, even with --force

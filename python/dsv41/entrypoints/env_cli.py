@@ -11,14 +11,13 @@ URL per rank. Names outside ``DSV41_*`` (``UCX_TLS``, ``OMP_NUM_THREADS``...) pa
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from dsv41 import envs
+from dsv41 import envs, fileio
 from dsv41.errors import Dsv41Error
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -29,7 +28,6 @@ MAX_BYTES = 1 << 20  # an env file is a few hundred bytes; refuse to slurp a wro
 def read_env_file(path: Path) -> dict[str, str]:
     """``KEY=VALUE`` pairs of ``path`` in file order. Raises :class:`Dsv41Error` naming the file
     and line of the first malformed line or repeated key, or an unreadable file."""
-    from dsv41 import fileio
 
     text = fileio.read_text(path, "env file", max_bytes=MAX_BYTES)
     return envs.parse_env_text(text, str(path))
@@ -66,7 +64,7 @@ def check_cmd(
     parsed = asdict(settings)
     mine = {name: parsed[v.field] for name, v in envs.ENV_VARS.items() if name in values}
     if as_json:
-        print(json.dumps({"file": str(file), "ok": True, "variables": mine,
+        print(fileio.dumps_json({"file": str(file), "ok": True, "variables": mine,
                           "other": sorted(k for k in values if k not in envs.ENV_VARS)}, sort_keys=True))
     else:
         print(f"{file}: ok ({len(mine)} dsv41 variable(s), {len(values) - len(mine)} other)")

@@ -21,7 +21,6 @@ never passed; a host that could not be reached fails every check it owed.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -231,7 +230,10 @@ def _fmt(v: Any) -> str:
     if v is None:
         return ""
     if isinstance(v, (dict, list)):
-        return json.dumps(v, separators=(", ", ": "))
+        try:
+            return fileio.dumps_json(v, separators=(", ", ": "))
+        except fileio.EncodeError:  # a table cell for a reader: Python's inf/nan say what was measured
+            return str(v)
     return str(v)
 
 
@@ -266,7 +268,8 @@ def write_report(report: dict, out_dir: str | os.PathLike) -> dict:
     p = Path(out_dir)
     try:
         p.mkdir(parents=True, exist_ok=True)
-        fileio.atomic_write_json(p / "report.json", report, "the qualification report", error=QualifyError)
+        fileio.atomic_write_json(p / "report.json", report, "the qualification report", error=QualifyError,
+                                 nonfinite="null")
         fileio.atomic_write(p / "summary.md", render_summary(report) + "\n", "the qualification summary",
                             error=QualifyError)
     except OSError as exc:

@@ -8,7 +8,6 @@ exit 1. ``preflight`` refuses a qualification (exit 1) before any host step runs
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -29,7 +28,7 @@ def _json_arg(text: str, what: str):
 
 
 def _emit(records: list[dict]) -> None:
-    print(json.dumps(records))
+    print(fileio.dumps_json(records, nonfinite="null"))
 
 
 @app.command("preflight")

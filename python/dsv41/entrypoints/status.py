@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
 import shlex
 import shutil
@@ -111,7 +110,6 @@ def manifest_facts(path: str | os.PathLike) -> dict | None:
     p = Path(path)
     if not p.exists():
         return None
-    from dsv41 import fileio
 
     try:
         raw = fileio.read_bytes(p, "manifest")
@@ -144,7 +142,6 @@ def promotion_facts(packages_dir: str | os.PathLike) -> str | None:
         if cur.is_symlink():
             return Path(os.readlink(cur)).name
         if cur.is_file():
-            from dsv41 import fileio
 
             return fileio.read_text(cur, max_bytes=4096).strip() or None
     except (OSError, Dsv41Error) as exc:
@@ -304,8 +301,6 @@ def last_window(windows_dir: str | os.PathLike | None) -> dict | None:
         return None
     path = files[-1]
     try:
-        from dsv41 import fileio
-
         doc = fileio.read_json(path, "window decision")
         verdict = doc.get("verdict", doc.get("decision")) if isinstance(doc, dict) else None
         if isinstance(verdict, dict):  # what `dsv41 window run` writes: {"decision": {"verdict": ...}}
@@ -357,7 +352,7 @@ def evaluate(hosts: dict, probed: dict, *, expected_image: str = "", window: dic
     up = {n: h for n, h in hosts.items() if h.get("reachable")}
     # identity: every host that holds tables holds the same ones (x86host serves, the Sparks fall back)
     tables = {n: h["manifest"]["tables"] for n, h in up.items() if isinstance(h.get("manifest"), dict) and "tables" in h["manifest"]}
-    if len({json.dumps(t, sort_keys=True) for t in tables.values()}) > 1:
+    if len({fileio.dumps_json(t, sort_keys=True) for t in tables.values()}) > 1:
         ref_name = next(iter(sorted(n for n in tables if "offload" in hosts[n].get("groups", []))), sorted(tables)[0])
         for n, t in sorted(tables.items()):
             if t != tables[ref_name]:

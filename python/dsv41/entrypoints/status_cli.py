@@ -8,13 +8,13 @@ summary task) and prints the report (``dsv41.entrypoints.status_render``).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
 import typer
 
+from dsv41 import fileio
 from dsv41.entrypoints.status import StatusError
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
@@ -49,13 +49,13 @@ def status(
     if local:
         facts = st.host_facts(service_manager=service_manager, supervisorctl=supervisorctl, root=root,
                               container_runtime=container_runtime)
-        print(json.dumps(facts, indent=None if as_json else 1, sort_keys=True))
+        print(fileio.dumps_json(facts, indent=None if as_json else 1, sort_keys=True, nonfinite="null"))
         return
     report = run_playbook(inventory or default_inventory(), window_s=window, prometheus_url=prometheus)
     if hold_ok:
         report = st.allow_hold(report)
     if as_json:
-        print(json.dumps(report, sort_keys=True))
+        print(fileio.dumps_json(report, sort_keys=True, nonfinite="null"))
     elif sys.stdout.isatty():
         from rich.console import Console
 

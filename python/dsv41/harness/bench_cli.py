@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 import uuid
 
 import typer
+
+from dsv41 import fileio
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
@@ -60,14 +61,14 @@ def run(
                 interrupted = True
         after = bench.snapshot_metrics(urls) if urls and not interrupted else {}
         if out:
-            from dsv41 import fileio
 
-            fileio.atomic_write(out, "".join(json.dumps(r.to_dict()) + "\n" for r in results), "bench run --out")
+            fileio.atomic_write(out, "".join(fileio.dumps_json(r.to_dict(), nonfinite="null") + "\n" for r in results),
+                                "bench run --out")
         summary = {"spec": sp["name"], "spec_source": sp["source"], "endpoint": endpoint, "model": model,
                    "smoke": smoke, "summary": bench.summarize(results), "interrupted": interrupted,
                    "metrics_delta": bench.metrics_delta(before, after) if after else {}}
         if as_json:
-            print(json.dumps(summary, indent=1))
+            print(fileio.dumps_json(summary, indent=1, nonfinite="null"))
         else:
             print(f"bench {sp['name']} against {endpoint} ({model}); smoke ok")
             for cat, s in summary["summary"].items():

@@ -77,9 +77,10 @@ def run_drill(params: DrillParams, hosts: LabHosts, topo: Topology, log: Callabl
     results = [] if results is None else results
     for name in params.faults:
         fault = FAULT_CLASSES[name](hosts, topo)
+        load = Load(params.endpoint, model, params.spec, params.streams, clock)  # raises before any thread runs
         sampler = Sampler(lambda: read_sample(clock(), api_metrics, params.server_metrics, params.worker_metrics),
                           params.interval_s).start()
-        load = Load(params.endpoint, model, params.spec, params.streams, clock).start()
+        load.start()
         inject: dict = {}
         t_inject = 0.0
         try:

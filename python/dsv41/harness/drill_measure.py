@@ -96,11 +96,23 @@ class Sampler:
         return self.samples
 
 
+#: Seconds a load stream waits after a failed request before its next one: a refused or failing
+#: endpoint (a fault the drill injected) is retried at this pace, not in a busy loop that starves
+#: the sampler on a 2-core controller and floods the report with identical failures.
+FAILED_PAUSE_S = 0.2
+
+
 class Load:
     """The bench client's requests (``bench.request_body`` / ``bench.stream_one``) on ``streams``
     threads, cycling through the spec's prompts with a fresh seed and cache salt per request,
     until :meth:`stop`. Each result: ``bench.RequestResult.to_dict()`` plus ``t_start`` /
-    ``t_end`` (seconds on ``clock``, the drill's timeline)."""
+    ``t_end`` (seconds on ``clock``, the drill's timeline); a failed request (refused, HTTP
+    error, timeout) is a result with ``ok`` False and ``error`` saying why, and the stream pauses
+    :data:`FAILED_PAUSE_S` before its next request.
+
+    The clients are made here, in the caller's thread: a malformed ``endpoint`` raises
+    ``bench.BenchError`` (one line) from the constructor instead of killing each load thread.
+    """
 
     def __init__(self, endpoint: str, model: str, spec: dict, streams: int, clock: Callable[[], float]) -> None:
         from dsv41.harness import bench
@@ -112,14 +124,15 @@ class Load:
         self._next = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._worker, name=f"drill-load-{i}", daemon=True)
-                         for i in range(streams)]
+        # The bench's own client settings (timeouts, no proxy variables, the endpoint checked).
+        self._clients = [bench._client(spec["timeout_s"], endpoint) for _ in range(streams)]
+        self._threads = [threading.Thread(target=self._worker, args=(c,), name=f"drill-load-{i}", daemon=True)
+                         for i, c in enumerate(self._clients)]
 
-    def _worker(self) -> None:
+    def _worker(self, client) -> None:
         from dsv41.harness import bench
 
-        # The bench's own client settings (timeouts, no proxy variables).
-        with bench._client(self.spec["timeout_s"], self.endpoint) as c:
+        with client as c:
             while not self._stop.is_set():
                 with self._lock:
                     k = self._next
@@ -131,6 +144,8 @@ class Load:
                 t0 = self.clock()
                 r = bench.stream_one(c, self.endpoint, body, it["prompt_id"], it["category"])
                 self.results.append({**r.to_dict(keep_steps=False), "t_start": t0, "t_end": self.clock()})
+                if not r.ok:
+                    self._stop.wait(FAILED_PAUSE_S)
 
     def start(self) -> "Load":
         for t in self._threads:

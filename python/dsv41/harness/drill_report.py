@@ -144,7 +144,7 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, str]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"report": out / "report.json", "summary": out / "summary.md", "timeline": out / "timeline.png"}
-    fileio.atomic_write_json(paths["report"], report, "drill report")
+    fileio.atomic_write_json(paths["report"], report, "drill report", nonfinite="null")
     fileio.atomic_write(paths["summary"], summary_markdown(report), "drill summary")
     plot_timeline(report, paths["timeline"])
     return {k: str(v) for k, v in paths.items()}

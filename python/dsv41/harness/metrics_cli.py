@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 
 import typer
+
+from dsv41 import fileio
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
@@ -24,4 +25,4 @@ def get(
     for name, labels, value in http.get_metrics(url, timeout_s=timeout):
         if name.startswith(prefix):
             out.setdefault(name, []).append({"labels": labels, "value": value})
-    print(json.dumps({"url": url, "metrics": out}, sort_keys=True))
+    print(fileio.dumps_json({"url": url, "metrics": out}, sort_keys=True, nonfinite="null"))

@@ -169,7 +169,7 @@ def save_refs(doc: dict, path: str | os.PathLike) -> None:
         os.makedirs(d, exist_ok=True)
     except OSError as exc:
         raise RefsError(f"cannot create the directory of refs {path}: {exc.strerror or exc}") from None
-    fileio.atomic_write_json(path, doc, "refs", error=RefsError)
+    fileio.atomic_write_json(path, doc, "refs", error=RefsError, nonfinite="null")
 
 
 def compare(recorded: dict, current: dict) -> Comparison:

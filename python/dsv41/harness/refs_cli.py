@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import typer
 
+from dsv41 import fileio
 from dsv41.errors import VerificationError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -54,7 +54,7 @@ def verify(
     res = refs.check(endpoint, refs_file, mode="verify", metrics_url=url,
                      require_ranks=require_rank if counters else [], require_drafter=counters and require_drafter,
                      attempts=attempts, delay_s=delay)
-    print(json.dumps(res.to_dict()) if as_json else res.comparison.summary())
+    print(fileio.dumps_json(res.to_dict(), nonfinite="null") if as_json else res.comparison.summary())
     msg = res.message()
     if msg:
         raise VerificationError(msg)

@@ -138,7 +138,6 @@ def classify(lo: float, hi: float, min_effect: float) -> str:
 
 def load_cells(path: str) -> list[dict]:
     """Read a cells JSON-lines file; ``Win2Error`` naming the file and line on anything unreadable."""
-    from dsv41 import fileio
 
     lines = fileio.read_text(path, "cells file", error=Win2Error).splitlines()
     cells = []
@@ -422,7 +421,6 @@ def question_key(candidate: str, metric: str) -> str:
 
 
 def _load_questions(state_dir: str) -> dict:
-    from dsv41 import fileio
 
     path = os.path.join(state_dir, QUESTIONS_FILE)
     if not os.path.lexists(path):
@@ -463,7 +461,6 @@ def stage_window(state_dir: str, candidate: str, metric: str, window_id: str, ve
     place (a :class:`dsv41.fileio.Staged`: ``commit()`` counts the window, ``discard()`` drops it).
     ``dsv41 window run`` stages the cap and the decision, then commits both, so neither is kept
     without the other. Raises Win2Error."""
-    from dsv41 import fileio
 
     if verdict not in VERDICTS:
         raise Win2Error(f"unknown verdict {verdict!r}")
@@ -475,7 +472,7 @@ def stage_window(state_dir: str, candidate: str, metric: str, window_id: str, ve
     doc.setdefault(question_key(candidate, metric), []).append(
         {"window": window_id, "verdict": verdict,
          "at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")})
-    return fileio.stage(os.path.join(state_dir, QUESTIONS_FILE), json.dumps(doc, indent=1, sort_keys=True),
+    return fileio.stage(os.path.join(state_dir, QUESTIONS_FILE), fileio.dumps_json(doc, indent=1, sort_keys=True),
                         "the window cap state", error=Win2Error)
 
 

@@ -14,7 +14,6 @@ finish, so a killed run keeps what it measured.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -126,8 +125,6 @@ def run_cells(plan: list[dict], endpoints: dict[str, str], model: str, sampler: 
 
     client = new_client()
     try:
-        from dsv41 import fileio
-
         with fileio.Appender(out_path, "cells file", error=WindowError) as fh:  # a cell is kept whole or not at all
             for c in plan:
                 rec = None
@@ -156,7 +153,7 @@ def run_cells(plan: list[dict], endpoints: dict[str, str], model: str, sampler: 
                             rec.update(counter_summary(bench.metrics_delta(before, bench.snapshot_metrics(urls))))
                         except bench.BenchError as exc:
                             rec.update(ok=False, error=f"/metrics snapshot after the cell refused: {exc}")
-                fh.write(json.dumps(rec) + "\n")
+                fh.write(fileio.dumps_json(rec, nonfinite="null") + "\n")
                 fh.flush()
                 done.append(rec)
                 if progress:
@@ -233,7 +230,7 @@ def write_run_pid(wdir: str | os.PathLike) -> Path:
     rec = ProcessIdentity.of().as_record()
     rec["create_time"] = psutil.Process().create_time()
     path = Path(wdir) / RUN_PID_NAME
-    path.write_text(json.dumps(rec) + "\n")
+    path.write_text(fileio.dumps_json(rec) + "\n")
     return path
 
 
@@ -380,8 +377,6 @@ def _save_plot(fig, wdir: str, name: str) -> str:
     fileio errors as for any window file), close it and return ``name``."""
     import matplotlib.pyplot as plt
 
-    from dsv41 import fileio
-
     fig.tight_layout()
     fileio.atomic_write(os.path.join(wdir, name), lambda f: fig.savefig(f, format="png", dpi=100), "window plot")
     plt.close(fig)
@@ -405,13 +400,11 @@ def write_report(wdir: str, decision: win2.Decision, cells: list[dict], meta: di
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from dsv41 import fileio
-
     os.makedirs(wdir, exist_ok=True)
     files = []
     doc = {"decision": decision.to_dict(), **meta}
     decision_path = os.path.join(wdir, "decision.json")
-    staged = fileio.stage(decision_path, json.dumps(doc, indent=1) + "\n", "window decision")
+    staged = fileio.stage(decision_path, fileio.dumps_json(doc, indent=1, nonfinite="null") + "\n", "window decision")
     try:
         staged_cap = cap() if cap is not None else None
     except BaseException:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import json
 
 import typer
 
+from dsv41 import fileio
 from dsv41.harness import win2
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -14,7 +14,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
 
 def _print_decision(d: win2.Decision, as_json: bool) -> None:
     if as_json:
-        print(json.dumps(d.to_dict(), indent=1))
+        print(fileio.dumps_json(d.to_dict(), indent=1, nonfinite="null"))
         return
     ci = f"[{d.ci[0]:+.2%}, {d.ci[1]:+.2%}]" if d.ci else "-"
     eff = f"{d.effect:+.2%}" if d.effect is not None else "-"
@@ -42,7 +42,6 @@ def decide(
     """Decide a window by WIN2 R3; exit 0 whatever the verdict (the verdict is the output)."""
     gate_records = None
     if gate:
-        from dsv41 import fileio
 
         gate_records = fileio.read_json(gate, "gate records", error=win2.Win2Error)
         if not isinstance(gate_records, list):
@@ -117,11 +116,11 @@ def simulate(
         res = win2.simulate(noise, counts, windows, prompts, metric, min_effect, alpha, seed, resamples,
                             progress=lambda n: bar.advance(task, n))
     if out:
-        from dsv41 import fileio
 
-        fileio.atomic_write_json(out, res, "window simulate --out", error=win2.Win2Error)
+        fileio.atomic_write_json(out, res, "window simulate --out", error=win2.Win2Error,
+                                 nonfinite="null")
     if as_json:
-        print(json.dumps(res, indent=1))
+        print(fileio.dumps_json(res, indent=1, nonfinite="null"))
         return
     print(f"noise sigma {noise.sigma:.4f} ({noise.source}); {windows} A/A windows per row, alpha {alpha}, "
           f"min effect {min_effect}")
@@ -143,10 +142,9 @@ def candidate(
     doc = candidates.load_candidate(name, root)
     rv = candidates.role_vars(doc)
     if vars_out:
-        from dsv41 import fileio
 
         fileio.atomic_write_json(vars_out, rv, "window candidate --vars-out", error=win2.Win2Error)
-    print(json.dumps({"candidate": doc, "role_vars": rv}, indent=1))
+    print(fileio.dumps_json({"candidate": doc, "role_vars": rv}, indent=1))
 
 
 @app.command("run")
@@ -242,7 +240,7 @@ def plan_cmd(
 
     doc = window_plan.plan(window_plan.split_names(candidates), control or "production", root, windows_dir,
                            spec or None)
-    print(json.dumps(doc))
+    print(fileio.dumps_json(doc))
 
 
 @app.command("ready")
@@ -257,4 +255,4 @@ def ready_cmd(
     from dsv41.harness import window_plan
 
     res = window_plan.wait_ready(api, [r.strip() for r in ranks.split(",") if r.strip()], timeout)
-    print(json.dumps(res))
+    print(fileio.dumps_json(res, nonfinite="null"))

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 from pathlib import Path
@@ -30,11 +29,10 @@ def exporter(
 
     col = ex.OpsCollector(api_url, journal)
     if once:
-        print(json.dumps(ex.describe(col), sort_keys=True))
+        print(fileio.dumps_json(ex.describe(col), sort_keys=True, nonfinite="null"))
         return
     server, _thread = ex.serve(listen, col)
     if ready_file is not None:
-        from dsv41 import fileio
 
         fileio.atomic_write(ready_file, f"{listen}\n", "the ready file")
     stop = threading.Event()
@@ -80,7 +78,6 @@ def dashboard(
     if out is None:
         typer.echo(text, nl=False)
         return
-    from dsv41 import fileio
 
     fileio.atomic_write(out, text, "the dashboard")
 
@@ -100,4 +97,4 @@ def render(
 
     end = time.time()
     drawn = R.render(prometheus, end - minutes * 60, end, str(out), step_s=step, rate_interval=rate_interval)
-    print(json.dumps({"out": str(out), "series": drawn}, sort_keys=True))
+    print(fileio.dumps_json({"out": str(out), "series": drawn}, sort_keys=True))

@@ -11,7 +11,7 @@ taken/released and production's package changing (the operations exporter's gaug
 
 from __future__ import annotations
 
-import json
+from dsv41 import fileio
 
 UID = "dsv41-offload"
 TITLE = "dsv41-offload: serving, Engram, drafting, operations"
@@ -146,4 +146,4 @@ def render() -> str:
     """The dashboard JSON (sorted keys, 2-space indent, trailing newline): what Grafana imports."""
     from grafana_foundation_sdk.cog.encoder import JSONEncoder
 
-    return json.dumps(build(), cls=JSONEncoder, sort_keys=True, indent=2) + "\n"
+    return fileio.dumps_json(build(), cls=JSONEncoder, sort_keys=True, indent=2) + "\n"

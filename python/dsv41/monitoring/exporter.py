@@ -20,11 +20,11 @@ filesystem; in production: the controller).
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from pathlib import Path
 
+from dsv41 import fileio
 from dsv41.errors import Dsv41Error
 
 
@@ -128,6 +128,6 @@ def describe(collector: OpsCollector) -> dict:
     out = {}
     for fam in collector.collect():
         for s in fam.samples:
-            key = s.name + (json.dumps(s.labels, sort_keys=True) if s.labels else "")
+            key = s.name + (fileio.dumps_json(s.labels, sort_keys=True) if s.labels else "")
             out[key] = s.value
     return out

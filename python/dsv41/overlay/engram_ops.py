@@ -295,7 +295,8 @@ def report_counters(source: Any, rank: int, overlay: dict | None = None) -> dict
     from dsv41 import fileio
 
     try:
-        fileio.atomic_write_json(path, {"rank": rank, "time": time.time(), "counters": c}, indent=None, default=str)
+        fileio.atomic_write_json(path, {"rank": rank, "time": time.time(), "counters": c}, indent=None, default=str,
+                                 nonfinite="null")
     except Dsv41Error as exc:  # a full /tmp must not break serving
         log.warning("dsv41 overlay: cannot write %s: %s", path, exc)
     return c

@@ -37,7 +37,6 @@ Behaviour (docs/windows.md "The fence on vLLM"):
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import os
@@ -45,7 +44,7 @@ import time
 from pathlib import Path
 from urllib.parse import parse_qs
 
-from dsv41 import envs
+from dsv41 import envs, fileio
 from dsv41.engine import drain as dr
 from dsv41.engine.hold import (WINDOW_HEADER, WINDOW_TOKEN_RE, HoldFileError, HoldRecord, read_hold, remove_hold,
                                write_hold)
@@ -79,7 +78,7 @@ def _vllm_dev_routes(env=None) -> bool:
 
 def _json_response(status: int, doc: dict, headers: list[tuple[bytes, bytes]] | None = None):
     """An ASGI app answering ``doc`` as JSON with ``status``."""
-    body = json.dumps(doc).encode()
+    body = fileio.dumps_json(doc).encode()
 
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": status,

@@ -6,11 +6,11 @@ one line on bad input (unknown id, malformed record) and on a tampered package.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 
+from dsv41 import fileio
 from dsv41.promotion import journal as journal_mod
 from dsv41.promotion import package as pkg
 
@@ -20,7 +20,7 @@ ROOT_OPT = typer.Option("packages", "--root", help="Directory holding the packag
 
 
 def _short(x) -> str:
-    return json.dumps(x, sort_keys=True) if isinstance(x, (dict, list)) else str(x)
+    return fileio.dumps_json(x, sort_keys=True) if isinstance(x, (dict, list)) else str(x)
 
 
 @app.command()
@@ -30,7 +30,7 @@ def show(ref: str = typer.Argument(..., help="Package id (or unique prefix)."), 
     pid = pkg.resolve(root, ref)
     doc = pkg.load(root, pid)
     if as_json:
-        print(json.dumps({"id": pid, **doc}, sort_keys=True, indent=1))
+        print(fileio.dumps_json({"id": pid, **doc}, sort_keys=True, indent=1))
         return
     p = doc["provenance"]
     print(f"package {pid}")
@@ -52,7 +52,7 @@ def diff_cmd(a: str = typer.Argument(..., help="From package id."), b: str = typ
     ida, idb = pkg.resolve(root, a), pkg.resolve(root, b)
     d = pkg.diff(pkg.load(root, ida), pkg.load(root, idb))
     if as_json:
-        print(json.dumps({"from": ida, "to": idb, **d}, sort_keys=True, indent=1))
+        print(fileio.dumps_json({"from": ida, "to": idb, **d}, sort_keys=True, indent=1))
         return
     print(f"{ida[:12]} -> {idb[:12]}: " + (f"{len(d['hosts'])} host(s) change" if d["hosts"] else "same production"))
     for k, (va, vb) in d["provenance"].items():
@@ -74,7 +74,7 @@ def verify(ref: str = typer.Argument(..., help="Package id (or unique prefix).")
     """Recompute the package id and every file's sha256; exit 1 naming the first mismatch."""
     r = pkg.verify(root, pkg.resolve(root, ref))
     if as_json:
-        print(json.dumps({"ok": True, **r}, sort_keys=True))
+        print(fileio.dumps_json({"ok": True, **r}, sort_keys=True))
     else:
         print(f"package {r['id']} verified: {r['files']} files, {r['bytes']} bytes, "
               + ", ".join(f"{h} {n}" for h, n in r["hosts"].items()))
@@ -95,7 +95,7 @@ def journal(path: Path = typer.Option(Path("packages/journal.jsonl"), "--path", 
     """What a re-run would do first after an interruption (finish, revert or nothing)."""
     d = journal_mod.decide(journal_mod.read(path))
     if as_json:
-        print(json.dumps(d.as_dict(), sort_keys=True))
+        print(fileio.dumps_json(d.as_dict(), sort_keys=True))
     elif d.action == "none":
         print(f"journal {path}: nothing interrupted" + (f" (last operation {d.op} {d.kind})" if d.op else ""))
     else:

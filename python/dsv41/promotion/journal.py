@@ -50,8 +50,7 @@ def append(path: str | os.PathLike, op_id: str, step: str, **fields) -> dict:
     if step not in STEPS:
         raise JournalError(f"unknown journal step {step!r} (one of {', '.join(STEPS)})")
     entry = {"ts": round(time.time(), 3), "op": op_id, "step": step, **fields}
-    line = (json.dumps(entry, sort_keys=True, separators=(",", ":")) + "\n").encode("utf-8")
-    from dsv41 import fileio
+    line = (fileio.dumps_json(entry, sort_keys=True, separators=(",", ":")) + "\n").encode("utf-8")
 
     p = Path(path)
     try:
@@ -72,7 +71,6 @@ def append(path: str | os.PathLike, op_id: str, step: str, **fields) -> dict:
 def read(path: str | os.PathLike) -> list[dict]:
     """All complete entries of the journal (a missing journal is empty; torn or non-JSON lines,
     which only a kill inside a write leaves, are skipped)."""
-    from dsv41 import fileio
 
     p = Path(path)
     if not os.path.lexists(p):

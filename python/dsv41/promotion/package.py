@@ -41,7 +41,7 @@ class PackageError(Dsv41Error):
 
 def canonical(doc: dict) -> bytes:
     """The canonical bytes of a package record (the id is their sha256)."""
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return fileio.dumps_json(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
 def package_id(doc: dict) -> str:
@@ -348,7 +348,7 @@ def check_window(windows_dir: str | os.PathLike, window: str | None, force: bool
         try:
             if not os.path.lexists(p):
                 raise FileNotFoundError(p)
-            # finite=False: win2 writes a CI it could not bound as [-Infinity, Infinity]
+            # finite=False: decisions written before fileio.dumps_json hold an open CI as Infinity
             doc = fileio.loads_json(fileio.read_text(p, f"window {window}'s decision", error=PackageError),
                                     finite=False)
             verdict = window_verdict(doc)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import itertools
-import json
 import mmap
 import os
 import threading
@@ -136,7 +135,8 @@ class NixlExporter:
                     "scale": [t.scale.ctypes.data, P.SCALE_BYTES, 0, P.SCALE_BYTES, t.rows],
                 }
             )
-        return json.dumps({"version": P.VERSION, "agent": self.agent.name, "metadata": self._metadata, "tables": out}).encode()
+        return fileio.dumps_json({"version": P.VERSION, "agent": self.agent.name, "metadata": self._metadata,
+                                  "tables": out}).encode()
 
     def close(self) -> None:
         """Deregister the tables (call after the server stopped)."""
