@@ -99,6 +99,11 @@ def test_arm_start_fault():
 
 def test_mid_cell_fault():
     r, _ = window("midcell", "-e", "candidate=slow-rows", "-e", f"window_spec={DRILL}", "-e", "window_fault=mid_cell")
+    (dec,) = (WDIR / "midcell").glob("*-slow-rows/decision.json")
+    fault = json.loads(dec.read_text()).get("fault")
+    print(f"   fault drill: {fault}")
+    assert fault and fault["triggered"] and fault["rc"] == 0, (dec.with_name("fault.log").read_text()[-3000:]
+                                                            if dec.with_name("fault.log").exists() else fault)
     assert r.returncode != 0
     assert "a window was INVALID" in flat(r.stdout), r.stdout[-4000:]
     assert verdict(WDIR / "midcell", "slow-rows")["verdict"] == "INVALID"  # decision.json written

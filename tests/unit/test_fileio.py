@@ -370,6 +370,7 @@ ALLOWED = {
     ("harness.window", "clear_run_pid"): "run.pid (item 8)",
     ("harness.window", "stop_runs"): "run.pid (item 8)",
     ("harness.window", "cell_done"): "FaultTrigger's trigger file: a marker the fault playbook waits for",
+    ("harness.window", "start"): "FaultTrigger's fault.log: the drill command's stdout/stderr descriptor",
     ("harness.drill_faults", "holder"): "the lab's holder pid files (the lab role writes them)",
     ("engram.server", "_is_ready_file"): "called only after p.is_file()",
     ("engram.manifest", "_load_schema"): "the package's own schema file",

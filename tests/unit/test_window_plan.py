@@ -224,3 +224,29 @@ def test_engine_admits_only_the_window_while_held():
     assert c.post("/v1/completions", json=body).status_code == 200
     c.post("/pause?mode=wait")
     assert c.post("/v1/completions", json=body, headers={"X-DSV41-Window": "w-1"}).status_code == 503
+
+
+def test_fault_trigger_keeps_its_output_and_says_when_it_did_not_strike(tmp_path):
+    """A drill that did not do its job is named (never triggered, or its command failed), with
+    the command's own output in fault.log next to the trigger."""
+    ok = window.FaultTrigger(1, "while [ ! -e {trigger} ]; do sleep 0.02; done; echo struck", str(tmp_path / "t"))
+    ok.start()
+    ok.cell_done()
+    ok.join(30)
+    assert ok.failure() is None and (tmp_path / "fault.log").read_text() == "struck\n"
+    assert ok.record() == {"after_cells": 1, "triggered": True, "rc": 0, "log": "fault.log"}
+
+    bad = window.FaultTrigger(1, "while [ ! -e {trigger} ]; do sleep 0.02; done; echo no host >&2; exit 4",
+                              str(tmp_path / "t2"), log_path=str(tmp_path / "f2.log"))
+    bad.start()
+    bad.cell_done()
+    bad.join(30)
+    assert bad.failure() == f"fault drill command failed (rc 4); its output is in {tmp_path / 'f2.log'}"
+    assert (tmp_path / "f2.log").read_text() == "no host\n"
+
+    never = window.FaultTrigger(3, "sleep 60", str(tmp_path / "t3"))
+    never.start()
+    never.cell_done()
+    never.join(0.5)
+    assert never.failure() == "fault drill never triggered: the window ended after 1 cell(s), the fault was due after 3"
+    assert never.record()["triggered"] is False

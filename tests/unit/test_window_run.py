@@ -140,3 +140,18 @@ def test_run_window_starts_the_fault_command_and_triggers_it_after_n_cells(tmp_p
     lines = marks.read_text().splitlines()
     assert "struck" in lines and lines.index("struck") >= 2  # not before the second cell was written
     assert not (Path(res.dir) / "fault.trigger").exists()
+
+
+def test_a_fault_drill_that_failed_is_recorded_and_named(tmp_path, fake_arms):
+    """The mid-cell drill's command failed after its trigger: the decision is written with the
+    fault's record (rc, log) and the result names the failure (window run exits non-zero)."""
+    cmd = "while [ ! -e {trigger} ]; do sleep 0.02; done; echo unreachable >&2; exit 2"
+    res = window_run.run_window(_params(tmp_path, window_id="wbad", cap=False, fault_after_cells=1, fault_cmd=cmd))
+    doc = json.loads((Path(res.dir) / "decision.json").read_text())
+    assert doc["fault"] == {"after_cells": 1, "triggered": True, "rc": 2, "log": "fault.log"}
+    assert (Path(res.dir) / "fault.log").read_text() == "unreachable\n"
+    assert res.fault_failure.startswith("fault drill command failed (rc 2)")
+    ok = window_run.run_window(_params(tmp_path, window_id="wok", cap=False, fault_after_cells=1,
+                                       fault_cmd="while [ ! -e {trigger} ]; do sleep 0.02; done"))
+    assert ok.fault_failure is None
+    assert json.loads((Path(ok.dir) / "decision.json").read_text())["fault"]["rc"] == 0

@@ -174,27 +174,49 @@ class FaultTrigger:
     that cell ends and the command has not finished striking (a loaded controller: ansible polls
     the file every second and then starts a task), the run waits for it, at most ``strike_wait_s``
     seconds, before the next cell: the fault always lands inside the window, never after its
-    last cell. ``join`` waits for the command (``rc`` is its exit status) and removes the file."""
+    last cell. ``join`` waits for the command (``rc`` is its exit status) and removes the file.
+    The command's stdout and stderr go to ``log_path`` (default: ``fault.log`` next to the trigger)
+    so that a drill that did not strike says why; ``record()`` is what the window's report keeps."""
 
-    def __init__(self, after_cells: int, cmd: str, trigger_path: str, strike_wait_s: float = 120.0) -> None:
+    def __init__(self, after_cells: int, cmd: str, trigger_path: str, strike_wait_s: float = 120.0,
+                 log_path: str | None = None) -> None:
         import shlex
 
         self.after_cells, self.trigger_path, self.strike_wait_s = after_cells, trigger_path, strike_wait_s
+        self.log_path = log_path or str(Path(trigger_path).with_name("fault.log"))
         self.cmd = cmd.replace("{trigger}", shlex.quote(trigger_path))
         self.done = 0
         self.rc: int | None = None
+        self.triggered = False
         self._proc = None
 
     def start(self) -> None:
-        """Start the command (it waits for the trigger file)."""
+        """Start the command (it waits for the trigger file); its output goes to ``log_path``."""
         if self._proc is None:
-            self._proc = subprocess.Popen(self.cmd, shell=True, stdout=subprocess.DEVNULL)
+            with open(self.log_path, "wb") as log:  # the child keeps its own descriptor
+                self._proc = subprocess.Popen(self.cmd, shell=True, stdout=log, stderr=subprocess.STDOUT)
+
+    def record(self) -> dict:
+        """``{"after_cells", "triggered", "rc", "log"}`` (``log``: the file's name): after ``join``."""
+        return {"after_cells": self.after_cells, "triggered": self.triggered, "rc": self.rc,
+                "log": os.path.basename(self.log_path)}
+
+    def failure(self) -> str | None:
+        """One line when the drill did not do its job (never triggered, or its command failed),
+        else None: a fault drill that did not strike must not pass for one that did."""
+        if not self.triggered:
+            return (f"fault drill never triggered: the window ended after {self.done} cell(s), "
+                    f"the fault was due after {self.after_cells}")
+        if self.rc != 0:
+            return f"fault drill command failed (rc {self.rc}); its output is in {self.log_path}"
+        return None
 
     def cell_done(self) -> None:
         """Count one finished cell; create the trigger file after the ``after_cells``-th."""
         self.done += 1
         if self.done == self.after_cells:
             Path(self.trigger_path).write_text("fault\n")
+            self.triggered = True
         elif self.done == self.after_cells + 1 and self._proc is not None:
             try:
                 self._proc.wait(self.strike_wait_s)

@@ -197,6 +197,9 @@ def run_cmd(
             print(f"report: {res.summary_path}")
         if res.interrupted:
             raise win2.Win2Error(f"window {res.window_id} interrupted; cells so far in {res.cells_path}", exit_code=130)
+        if res.fault_failure:
+            # the decision is written; the drill itself did not do what it was asked
+            raise win2.Win2Error(f"window {res.window_id}: {res.fault_failure}")
 
 
 @contextlib.contextmanager

@@ -73,13 +73,15 @@ class WindowParams:
 class WindowResult:
     """A finished (or interrupted) window: its id, directory, ``cells.jsonl`` path, the decision
     written to ``decision.json``, and whether it was interrupted (Ctrl-C or SIGTERM during the
-    cells: the cells so far are kept and the decision is INVALID)."""
+    cells: the cells so far are kept and the decision is INVALID). ``fault_failure``: one line
+    when a fault drill (``fault_cmd``) never triggered or its command failed, else None."""
 
     window_id: str
     dir: str
     cells_path: str
     decision: win2.Decision
     interrupted: bool
+    fault_failure: str | None = None
 
     @property
     def summary_path(self) -> str:
@@ -190,9 +192,12 @@ def run_window(params: WindowParams, progress: ProgressFactory | None = None) ->
                 "window_number": nth, "spec": {k: v for k, v in sp.items() if k != "prompts"},
                 "prompts": [q["id"] for q in sp["prompts"]], "endpoints": endpoints, "smoke": smoke,
                 "versions": window.stack_version(), "interrupted": interrupted}
+        if fault is not None:
+            meta["fault"] = fault.record()
         # decision and cap are kept together or not at all (write_report's cap)
         window.write_report(wdir, d, cells, meta, cap=None if not p.cap else
                             lambda: win2.stage_window(p.windows_dir, p.name, p.metric, wid, d.verdict))
-        return WindowResult(wid, wdir, cells_path, d, interrupted)
+        return WindowResult(wid, wdir, cells_path, d, interrupted,
+                            None if fault is None or interrupted else fault.failure())
     finally:
         window.clear_run_pid(wdir)
