@@ -111,6 +111,7 @@ class RemoteRows:
         self._slot = TableSlot(self, _nat._fastrow.EngramSlot(id(self))) if _nat.use_native() else None
         self._ho = Handoff(None if self._slot is None else self._slot.native, JOIN_SPIN_NS)
         self._kept: list = []  # host buffers a retired (hung) worker's C++ core may still write
+        self._pool: Any = None  # the fetch thread of multi-piece jobs (_fetch_pool)
         self.h_buf: Any = None
         self._fetch: Any = None
         self.graphs = LaunchGraphs(self.device, self._launch_one,
@@ -278,23 +279,66 @@ class RemoteRows:
     def _serve(self, gen: int | None, counters: dict) -> bool:
         """Plan, fetch and launch the job piece by piece (``PIECE_ROWS`` rows each): the H2D
         copy and kernel of one piece run on the GPU while the next piece is fetched, so of a
-        prefill chunk only the last piece's copy and kernel follow the fetch. False when the
+        prefill chunk only the last piece's copy and kernel follow the fetch. On the worker
+        (``gen`` given) a job of several pieces is pipelined on the host too: the table's fetch
+        thread plans and fetches piece k+1 while the worker launches piece k (issue 23 pass F,
+        task 2: the launches' host work hides behind the fetch), into disjoint parts of the
+        staging buffers; the worker never leaves a fetch running behind the job. False when the
         job's hand-off was refused meanwhile (nothing more launched)."""
-        rows, f0 = self._rows, 0
-        for r0 in range(0, rows, PIECE_ROWS):
-            r1 = min(r0 + PIECE_ROWS, rows)
-            n = self._plan(r0, r1, f0)
-            if n:
-                t0 = time.perf_counter()
+        rows = self._rows
+        if gen is None or rows <= PIECE_ROWS:
+            f0 = 0
+            for r0 in range(0, rows, PIECE_ROWS):
+                r1 = min(r0 + PIECE_ROWS, rows)
+                n = self._plan_fetch(r0, r1, f0, counters)
+                if not self._launch(r0, r1, f0, n, gen, last=r1 == rows):
+                    return False
+                f0 += n
+            return True
+        pool = self._fetch_pool()
+        pieces = [(r0, min(r0 + PIECE_ROWS, rows)) for r0 in range(0, rows, PIECE_ROWS)]
+        fut = pool.submit(self._plan_fetch, pieces[0][0], pieces[0][1], 0, counters)
+        f0 = 0
+        try:
+            for k, (r0, r1) in enumerate(pieces):
+                n = fut.result()
+                fut = None
+                if self._ho.is_abandoned(gen):
+                    return False
+                if k + 1 < len(pieces):
+                    fut = pool.submit(self._plan_fetch, pieces[k + 1][0], pieces[k + 1][1], f0 + n, counters)
+                if not self._launch(r0, r1, f0, n, gen, last=r1 == rows):
+                    return False
+                f0 += n
+            return True
+        finally:
+            if fut is not None:  # an error or a refusal: the next piece's fetch ends before we return
                 try:
-                    self._fetch_rows(f0, n)
-                finally:
-                    counters["fetch_s"] = counters.get("fetch_s", 0.0) + time.perf_counter() - t0
-                counters["requests"] = counters.get("requests", 0) + 1
-            if not self._launch(r0, r1, f0, n, gen, last=r1 == rows):
-                return False
-            f0 += n
-        return True
+                    fut.result()
+                except Exception:  # noqa: BLE001 - the job's own error (if any) is already raised
+                    pass
+
+    def _fetch_pool(self) -> Any:
+        """The table's fetch thread (created at its first multi-piece job; named as the worker's,
+        whose calls the row source sees)."""
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"dsv41-engram-worker-{self.rank}-fetch")
+        return self._pool
+
+    def _plan_fetch(self, r0: int, r1: int, f0: int, counters: dict) -> int:
+        """Plan rows ``[r0, r1)`` and fetch the owned ones into the staging buffer from fetch row
+        ``f0`` on; returns how many were fetched."""
+        n = self._plan(r0, r1, f0)
+        if n:
+            t0 = time.perf_counter()
+            try:
+                self._fetch_rows(f0, n)
+            finally:
+                counters["fetch_s"] = counters.get("fetch_s", 0.0) + time.perf_counter() - t0
+            counters["requests"] = counters.get("requests", 0) + 1
+        return n
 
     def _plan(self, r0: int, r1: int, f0: int) -> int:
         """Mask and plan rows ``[r0, r1)`` of the job: selectors (relative to the piece's first

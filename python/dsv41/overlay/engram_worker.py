@@ -11,6 +11,8 @@ import time
 from time import perf_counter as _perf
 from typing import Any
 
+from dsv41.overlay.engram_ops import _NoEvent
+
 #: Seconds the worker waits, once the first layer's ids are down, for the step's other Engram
 #: layer when the last step had two (both in one request saves a round trip, ~0.1-0.3 ms on
 #: loopback tcp; the other layer's start follows the first by tens of microseconds).
@@ -106,8 +108,10 @@ class EngramWorker:
             ops = rows.ops
             ev = getattr(ops, "event_handle", _no_handle)  # ops without raw handles: no CUDA
             st = getattr(ops, "stream_handle", _no_handle)
+            # an ids event without a raw handle that may block (tests' stand-ins) is waited by Python
+            py_wait = not rows._cuda and not isinstance(rows.ids_ready, _NoEvent)
             self.core.submit(slot.native, gen, rows._rows, rows._out.data_ptr(), st(rows._stream),
-                             ev(rows.ids_ready), ev(rows.done), rows._cuda, self.expect, COALESCE_S)
+                             ev(rows.ids_ready), ev(rows.done), rows._cuda, py_wait, self.expect, COALESCE_S)
             return
         with self._cond:
             self._queue.append((rows, gen, time.perf_counter()))
@@ -121,7 +125,7 @@ class EngramWorker:
         if self._open <= 0:
             self._open, self.expect, self._burst = 0, self._burst, 0
         if self.core is not None:
-            self.core.joined()
+            self.core.joined(self.expect)
             return
         with self._cond:  # a join means no more layers of this step are coming: stop waiting
             self._joins += 1
@@ -166,7 +170,7 @@ class EngramWorker:
     def _run_native(self) -> None:
         """The C++ core's loop (see the class): Python only for what the core hands back."""
         from dsv41.overlay.engram_ops import (CORE_CUDA_FAILED, CORE_FAILED, CORE_FETCHED, CORE_PYTHON,
-                                              CORE_REPORT, CORE_RETIRED)
+                                              CORE_PYTHON_IDS, CORE_REPORT, CORE_RETIRED)
 
         self.ops.bind_thread()
         core, tables, c = self.core, self._tables, self._c
@@ -182,6 +186,15 @@ class EngramWorker:
                         rows._maybe_report()
                 elif status == CORE_PYTHON:
                     self._serve([(rows, gen) for rows, gen, _ in batch])
+                elif status == CORE_PYTHON_IDS:  # as the Python loop: ids wait, then the step's others
+                    rows, gen, _ = batch[0]
+                    t0 = _perf()
+                    rows._wait_ids()
+                    t1 = _perf()
+                    c["ids_wait_s"] += t1 - t0
+                    more = [(tables[key], g) for key, g, _ in core.coalesce(rows._rows)]
+                    c["coalesce_s"] += _perf() - t1
+                    self._serve([(rows, gen)] + more)
                 else:
                     t0 = _perf()
                     try:

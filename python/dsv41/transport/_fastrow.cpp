@@ -908,7 +908,8 @@ struct EngramJob {
   int64_t rows;
   uint64_t out;
   void *stream, *ids_event, *done_event;
-  bool cuda;  // the ids come by a D2H copy: never plan before ids_event (0: Python's path)
+  bool cuda;     // the ids come by a D2H copy: never plan before ids_event (0: Python's path)
+  bool py_wait;  // the ids event is a Python object (no raw handle): Python waits on it
   int64_t t_sub;
   int64_t n = 0;
 };
@@ -916,24 +917,25 @@ struct EngramJob {
 class EngramCore {
  public:
   // Statuses of next(): what Python does with the batch it returns.
-  enum { RETIRED = 0, PYTHON = 1, FETCHED = 2, FAILED = 3, CUDA_FAILED = 4, REPORT = 5 };
+  enum { RETIRED = 0, PYTHON = 1, FETCHED = 2, FAILED = 3, CUDA_FAILED = 4, REPORT = 5, PYTHON_IDS = 6 };
 
   EngramCore(int64_t chunk_rows, int64_t piece_rows, double report_s)
       : chunk_rows_(chunk_rows), piece_rows_(piece_rows), report_ns_(int64_t(report_s * 1e9)), last_return_(now_ns()) {}
 
   // Launching thread: queue one layer's job (handles are 0 where there is no CUDA).
   void submit(std::shared_ptr<EngramSlot> slot, uint64_t gen, int64_t rows, uint64_t out, uint64_t stream,
-              uint64_t ids_event, uint64_t done_event, bool cuda, int expect, double coalesce_s) {
+              uint64_t ids_event, uint64_t done_event, bool cuda, bool py_wait, int expect, double coalesce_s) {
     slot->begin(gen);
     std::lock_guard<std::mutex> g(m_);
     expect_ = expect;
     coalesce_ns_ = int64_t(coalesce_s * 1e9);
     q_.push_back(EngramJob{std::move(slot), gen, rows, out, reinterpret_cast<void *>(stream),
-                           reinterpret_cast<void *>(ids_event), reinterpret_cast<void *>(done_event), cuda, now_ns()});
+                           reinterpret_cast<void *>(ids_event), reinterpret_cast<void *>(done_event), cuda, py_wait, now_ns()});
     cv_.notify_one();
   }
-  void joined() {
+  void joined(int expect) {  // expect: the worker's new expectation (EngramWorker.joined)
     std::lock_guard<std::mutex> g(m_);
+    expect_ = expect;
     joins_++;
     cv_.notify_one();
   }
@@ -1010,13 +1012,20 @@ class EngramCore {
     int64_t t0 = now_ns();
     EngramJob &j0 = batch[0];
     add(c_wake, t0 - j0.t_sub);
+    if (j0.py_wait) return PYTHON_IDS;  // Python waits on its ids event, then calls coalesce()
     const CudaDriver &cu = cuda_driver();
     if (j0.cuda && (!j0.ids_event || !cu.ok || cu.event_sync(j0.ids_event) != 0))
       return PYTHON;  // Python's synchronize raises the cause
     int64_t t1 = now_ns();
     add(c_ids, t1 - t0);
-    l.lock();
-    if (int64_t(q_.size()) + 1 < expect_ && j0.rows <= chunk_rows_) {
+    gather(batch, j0.rows);
+    add(c_coal, now_ns() - t1);
+    return FETCHED;
+  }
+  // The step's other layers: those queued, or due within the coalescing bound (never past a join).
+  void gather(std::vector<EngramJob> &batch, int64_t first_rows) {
+    std::unique_lock<std::mutex> l(m_);
+    if (int64_t(q_.size()) + 1 < expect_ && first_rows <= chunk_rows_) {
       add(c_cwaits, 1);
       uint64_t joins = joins_;
       cv_.wait_for(l, std::chrono::nanoseconds(coalesce_ns_),
@@ -1026,10 +1035,22 @@ class EngramCore {
       batch.push_back(std::move(q_.front()));
       q_.pop_front();
     }
-    l.unlock();
-    add(c_coal, now_ns() - t1);
-    return FETCHED;
   }
+
+ public:
+  // Worker thread, after a PYTHON_IDS job's ids wait: the jobs to serve with it ([(key, gen, 0)]).
+  py::list coalesce(int64_t first_rows) {
+    std::vector<EngramJob> more;
+    {
+      py::gil_scoped_release nogil;
+      gather(more, first_rows);
+    }
+    py::list jobs;
+    for (auto &j : more) jobs.append(py::make_tuple(j.slot->key, j.gen, j.n));
+    return jobs;
+  }
+
+ private:
 
   int serve(std::vector<EngramJob> &batch, int &code, uint32_t &rcount) {
     int64_t t0 = now_ns(), fetch_ns = 0;
@@ -1184,7 +1205,8 @@ PYBIND11_MODULE(_fastrow, m) {
       .def("lent", &EngramCore::lent)
       .def("counters", &EngramCore::counters)
       .def("source_counters", &EngramCore::source_counters)
-      .def("next", &EngramCore::next);
+      .def("next", &EngramCore::next)
+      .def("coalesce", &EngramCore::coalesce);
   m.def("client_lookup", &client_lookup);
   // end_ns defaults to 0 (no whole-call deadline), so callers of the 9-argument form keep working
   m.def("client_lookup_many", &client_lookup_many, py::arg("fd"), py::arg("gen0"), py::arg("ident"), py::arg("rows"),
