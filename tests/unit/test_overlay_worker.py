@@ -544,7 +544,6 @@ def test_a_multi_piece_job_fetches_the_next_piece_while_the_worker_launches(tabs
     import threading
 
     monkeypatch.setattr(ER, "PIECE_ROWS", 100)
-    src = Gate(tabs)
     spans: list[tuple[str, float, float]] = []
 
     def slow_kernel(*a):  # the launch of a piece: slow enough that the next fetch overlaps it
