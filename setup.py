@@ -14,6 +14,7 @@ setup(
             ["python/dsv41/transport/_fastrow.cpp"],
             cxx_std=17,
             extra_compile_args=["-O2"],
+            libraries=["dl"],  # dlopen of libcuda.so.1 (the overlay worker core)
         )
     ],
     cmdclass={"build_ext": build_ext},

@@ -393,6 +393,9 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
             "fetch_ms_per_job": round((w.get("fetch_s", 0) - wk0.get("fetch_s", 0)) * 1e3 / jobs, 3),
             "wake_ms_per_job": round((w.get("wake_s", 0) - wk0.get("wake_s", 0)) * 1e3 / jobs, 3),
             "coalesce_waits": w.get("coalesce_waits", 0) - wk0.get("coalesce_waits", 0),
+            # the C++ core's share (issue 23 pass F): jobs it served, its own graph launches and
+            # requests (a job it hands back to Python is counted on Python's side)
+            **{k: w.get(k, 0) - wk0.get(k, 0) for k in ("native_jobs", "native_launches", "native_requests")},
             **{f"{k}_ms_per_job": round((w.get(f"{k}_s", 0) - wk0.get(f"{k}_s", 0)) * 1e3 / jobs, 4)
                for k in ("ids_wait", "coalesce", "plan", "launch")},
             # host work outside plan and launch: the batch's Python hops, hand-offs, GIL re-takes

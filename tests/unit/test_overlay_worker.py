@@ -536,3 +536,59 @@ def test_a_refused_graph_launch_turns_the_graphs_off_and_the_caller_launches_eag
     assert not lg.replay(8, out, types.SimpleNamespace(cuda_stream=99))
     assert calls == [(0x1234, 99)] and not lg.enabled and not lg._graphs and lg.counters["failures"] == 1
     assert not lg.wanted(8, out) and launched == []
+
+
+def test_a_multi_piece_job_fetches_the_next_piece_while_the_worker_launches(tabs, workers, monkeypatch) -> None:
+    """Issue 23 pass F, task 2: piece k+1's plan and fetch (the table's fetch thread) run while the
+    worker launches piece k, into disjoint staging; rows exact, and no fetch is left running."""
+    import threading
+
+    monkeypatch.setattr(ER, "PIECE_ROWS", 100)
+    spans: list[tuple[str, float, float]] = []
+
+    def slow_kernel(*a):  # the launch of a piece: slow enough that the next fetch overlaps it
+        t0 = time.perf_counter()
+        time.sleep(0.03)
+        kernel_on_cpu(*a)
+        spans.append(("launch", t0, time.perf_counter()))
+
+    class Timed(Gate):
+        def lookup(self, layer_id, rows, out=None):
+            t0 = time.perf_counter()
+            r = super().lookup(layer_id, rows, out)
+            spans.append(("fetch:" + threading.current_thread().name, t0, time.perf_counter()))
+            return r
+
+    src = Timed(tabs)
+    rr = _rows(tabs, src, 14)
+    rr.dequant = slow_kernel
+    ids = _ids(tabs, rr, 50, 17)  # 600 rows: 6 pieces
+    out = _poisoned(50, rr.part)
+    rr.lookup(torch.from_numpy(ids), out)
+    assert _exact(tabs, rr, ids, out)
+    fetches = [s for s in spans if s[0].startswith("fetch:")]
+    launches = [s for s in spans if s[0] == "launch"]
+    assert len(fetches) == 6 and len(launches) == 6
+    assert all("-fetch" in name for name, _, _ in fetches)  # on the table's fetch thread
+    # piece k+1's fetch began before piece k's launch ended (k = 0..4)
+    assert sum(fetches[k + 1][1] < launches[k][2] for k in range(5)) >= 4
+
+
+def test_a_failed_piece_fetch_is_raised_at_the_join_and_leaves_nothing_running(tabs, workers, monkeypatch) -> None:
+    monkeypatch.setattr(ER, "PIECE_ROWS", 100)
+    src = Gate(tabs, required=True)
+    rr = _rows(tabs, src, 14)
+    ids = _ids(tabs, rr, 50, 18)
+    rr.lookup(torch.from_numpy(ids), _poisoned(50, rr.part))  # warm: the fetch thread exists
+    calls = len(src.calls)
+    src.fail = RemoteUnavailable("remote Engram down (test)")
+    rr.start(torch.from_numpy(ids), _poisoned(50, rr.part))
+    with pytest.raises(RemoteUnavailable, match="down"):
+        rr.join()
+    time.sleep(0.1)
+    n_after = len(src.calls)
+    time.sleep(0.2)
+    assert len(src.calls) == n_after and n_after - calls <= 2  # nothing fetched after the failure
+    out = _poisoned(50, rr.part)
+    rr.lookup(torch.from_numpy(ids), out)  # the next job is exact
+    assert _exact(tabs, rr, ids, out)

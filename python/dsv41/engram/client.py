@@ -189,6 +189,7 @@ class RemoteRowSource(RowSource):
         self._side = {"lookups": 0, "rows": 0, "fallbacks": 0, "remote_rows": 0, "latency_sum_s": 0.0,
                       "latency_count": 0, "deadline_exceeded": 0}
         self.last_error: str | None = None
+        self._extra: list = []  # counters of requests on lent connections (add_counters)
         self._client = None
         self._retired: list = []  # failed clients, closed by the reconnect thread, never by a lookup
         self._ever_connected = False
@@ -508,6 +509,58 @@ class RemoteRowSource(RowSource):
             elif n:
                 c["remote_rows"] += n
 
+    # -- a lent connection (the vLLM overlay's C++ worker core, issue 23) ------------------------
+    def native_lease(self) -> dict | None:
+        """A connection of the caller's own to this source's server, for requests made in C++
+        without the GIL (``_fastrow.EngramCore``), or None where this source cannot lend one
+        (nixl, a fault delay, no C++ transport, the server unreachable now). Returns
+        ``{"client", "fd", "gen", "version", "spin_ns", "timeout_ns", "tables"}``: the TcpClient
+        (the caller closes it once it stopped using ``fd``), the request generation to start
+        from, the peer's protocol version, the busy-poll budget, the per-request timeout (this
+        source's ``min(timeout_ms, deadline_ms)``, as its hot path) and ``{layer_id: (identity
+        bytes, table rows)}``. A failed request on it goes to ``lease_failed``."""
+        if not self._tabs or self.endpoint.scheme != "tcp" or self._closed.is_set():
+            return None
+        try:
+            client = self._connect()
+        except TransportError as exc:
+            self._note_connect_failure(exc)
+            return None
+        lend = getattr(client, "lend", None)
+        if lend is None:
+            client.close()
+            return None
+        try:
+            fd, gen, version, spin_ns = lend()
+        except TransportError:
+            client.close()
+            return None
+        return {"client": client, "fd": fd, "gen": gen, "version": version, "spin_ns": spin_ns,
+                "timeout_ns": int(self._req_s * 1e9), "tables": dict(self._tabs)}
+
+    def lease_failed(self, client: Any, failure: BaseException, parts: list, t0: float) -> None:
+        """A request on a lent connection failed (``failure``: its ``TransportError``,
+        ``TransportTimeout`` or ``Refused``): counted as this source's own failures are (and in
+        ``fallbacks``), ``client`` closed, and every ``(layer_id, ids, out)`` of ``parts`` filled
+        from the local reader; raises ``RemoteUnavailable`` in required mode or without one."""
+        with self._lock:
+            c = self._c
+            if isinstance(failure, TransportTimeout) and self._req_cut:
+                c["deadline_exceeded"] += 1
+            if isinstance(failure, Refused):
+                c["refusals"] += 1
+            else:
+                c["transport_errors"] += 1
+        self.last_error = str(failure)
+        client.close()
+        self._fall_back(failure, parts)
+        self._count([p[1].shape[0] for p in parts], failure, t0)
+
+    def add_counters(self, fn: Any) -> None:
+        """Add ``fn()``'s counts (``lookups``, ``rows``, ``remote_rows``, ``latency_sum_s``,
+        ``latency_count``: requests made on a lent connection) to ``counters()``."""
+        self._extra.append(fn)
+
     def counters(self) -> dict:
         """Counters: lookups, rows, fallbacks, transport_errors, refusals, reconnects,
         latency_sum_s, latency_count (+ remote_rows, connect_failures, deadline_exceeded
@@ -520,6 +573,9 @@ class RemoteRowSource(RowSource):
         c = dict(self._c)
         for k, v in dict(self._side).items():
             c[k] += v
+        for fn in list(self._extra):
+            for k, v in fn().items():
+                c[k] += v
         c.update(source=self.endpoint.scheme, url=self.url, connected=self._client is not None,
                  deadline_ms=None if self.deadline_s is None else self.deadline_s * 1e3)
         if self.fault_delay_s:

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,11 @@ _capture_active: Callable[[], bool] | None = None
 #: Launch graphs kept per table (one per token count seen, least recently used dropped): vLLM
 #: pads decode batches to its capture sizes, so a served model sees a few dozen counts.
 MAX_GRAPHS = 64
+
+
+#: Statuses of ``_fastrow.EngramCore.next()`` (the enum of the C++ core): what the worker's Python
+#: does with the batch it hands back (``engram_worker.EngramWorker._run_native``).
+CORE_RETIRED, CORE_PYTHON, CORE_FETCHED, CORE_FAILED, CORE_CUDA_FAILED, CORE_REPORT, CORE_PYTHON_IDS = range(7)
 
 
 class OverlayRefused(Dsv41Error):
@@ -117,6 +123,14 @@ class HostOps:
     def bind_thread(self) -> None:
         return None
 
+    def event_handle(self, event: Any) -> int:
+        """The raw ``CUevent`` of ``event`` for the C++ core (0: none, no CUDA)."""
+        return 0
+
+    def stream_handle(self, stream: Any) -> int:
+        """The raw ``CUstream`` of ``stream`` for the C++ core (0: none, no CUDA)."""
+        return 0
+
 
 class CudaOps(HostOps):
     """Stream/event operations on a CUDA ``device`` (torch). ``capturing()`` is True inside a
@@ -152,6 +166,67 @@ class CudaOps(HostOps):
         import torch
 
         torch.cuda.set_device(self.device)  # the current device is per thread
+
+    def event_handle(self, event: Any) -> int:
+        return int(event.cuda_event)  # 0 until the event's first record creates it
+
+    def stream_handle(self, stream: Any) -> int:
+        return int(stream.cuda_stream)
+
+
+class Handoff:
+    """One table's hand-off from the worker to the launching thread, by job generation:
+    ``begin(gen)`` (launching thread, at start), ``handoff(gen)`` (worker: False when ``gen`` is
+    stale or was abandoned), ``abandon(gen)`` (a refused hand-off: the worker neither launches nor
+    hands it off), ``wait(timeout_s)`` / ``is_set()`` for the current generation. On the C++
+    extension's ``EngramSlot`` (``native``, shared with ``EngramCore``, which hands off the layers
+    it launches itself) where it is built, else a condition variable."""
+
+    def __init__(self, native: Any = None, spin_ns: int = 0) -> None:
+        self.native, self.spin_ns = native, spin_ns
+        self._cond = threading.Condition()
+        self._gen = self._handed = self._abandoned = 0
+
+    def begin(self, gen: int) -> None:
+        self._gen = gen
+        if self.native is not None:
+            self.native.begin(gen)
+
+    def handoff(self, gen: int) -> bool:
+        if self.native is not None:
+            return self.native.handoff(gen)
+        with self._cond:
+            if gen != self._gen or gen == self._abandoned:
+                return False
+            self._handed = gen
+            self._cond.notify_all()
+            return True
+
+    def abandon(self, gen: int) -> None:
+        if self.native is not None:
+            self.native.abandon(gen)
+            return
+        with self._cond:
+            self._abandoned = gen
+
+    def is_abandoned(self, gen: int) -> bool:
+        if self.native is not None:
+            return self.native.is_abandoned(gen)
+        return gen == self._abandoned
+
+    def is_set(self) -> bool:
+        """Whether the current generation was handed off."""
+        if self.native is not None:
+            return self.native.handed() == self._gen
+        return self._handed == self._gen
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the current generation's hand-off (C++: with the GIL
+        released, polling ``spin_ns`` first)."""
+        if self.native is not None:
+            return self.native.wait(self._gen, timeout_s, self.spin_ns)
+        with self._cond:
+            return self._cond.wait_for(lambda: self._handed == self._gen, timeout_s)
 
 
 _cuda_driver: Any = None
@@ -197,8 +272,10 @@ class LaunchGraphs:
     """
 
     def __init__(self, device: Any, launch: Callable[[int, Any], None], enabled: bool,
-                 record: Callable[[int, Any], Any] | None = None) -> None:
+                 record: Callable[[int, Any], Any] | None = None,
+                 on_change: Callable[[list], None] | None = None) -> None:
         self.device, self._launch, self.enabled = device, launch, enabled
+        self._on_change = on_change
         self._record = self.cuda_graph if record is None else record
         self._driver = _graph_launcher() if record is None and enabled else None
         self._graphs: collections.OrderedDict = collections.OrderedDict()
@@ -222,10 +299,7 @@ class LaunchGraphs:
         if exec_ptr is not None and stream is not None:
             rc = self._driver(exec_ptr, stream.cuda_stream)
             if rc != 0:
-                self.enabled = False
-                self._graphs.clear()
-                self.counters["failures"] += 1
-                log.error("dsv41 overlay: cuGraphLaunch returned CUDA error %d; eager launches from now on", rc)
+                self.disable(f"cuGraphLaunch returned CUDA error {rc}")
                 return False
         elif stream is not None:  # torch's replay launches on the current stream
             import torch
@@ -246,11 +320,7 @@ class LaunchGraphs:
         try:
             g = self._record(rows, out)
         except Exception as exc:  # noqa: BLE001 - the eager path stays; one log line
-            self.enabled = False
-            self._graphs.clear()
-            self.counters["failures"] += 1
-            log.error("dsv41 overlay: cannot capture the Engram launch as a CUDA graph (%s: %s); eager launches "
-                      "from now on", type(exc).__name__, exc)
+            self.disable(f"cannot capture the Engram launch as a CUDA graph ({type(exc).__name__}: {exc})")
             return
         finally:
             self.counters["capture_s"] += time.perf_counter() - t0
@@ -264,6 +334,7 @@ class LaunchGraphs:
         self.counters["captures"] += 1
         while len(self._graphs) > MAX_GRAPHS:
             self._graphs.popitem(last=False)
+        self._changed()
 
     def cuda_graph(self, rows: int, out: Any) -> Any:
         """The launch captured on a private stream (nothing runs; no other stream is captured)."""
@@ -282,6 +353,29 @@ class LaunchGraphs:
 
     def clear(self) -> None:
         self._graphs.clear()
+        self._changed()
+
+    def disable(self, why: str) -> None:
+        """Graphs off for this table (a failed capture or launch): counted, logged once, eager
+        launches from now on."""
+        self.enabled = False
+        self._graphs.clear()
+        self.counters["failures"] += 1
+        log.error("dsv41 overlay: %s; eager launches from now on", why)
+        self._changed()
+
+    def launchable(self) -> list[tuple[int, int, int]]:
+        """``(rows, staged_rows address, graph exec handle)`` of every graph the C++ core may
+        launch itself; a (rows, address) seen with two strides is left to Python's ``replay``."""
+        seen: dict[tuple[int, int], int] = {}
+        for (rows, ptr, _stride), (_g, exec_ptr) in self._graphs.items():
+            k = (rows, ptr)
+            seen[k] = 0 if k in seen else (exec_ptr or 0)
+        return [(r, p, e) for (r, p), e in seen.items() if e]
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change(self.launchable() if self.enabled else [])
 
 
 def report_counters(source: Any, rank: int, overlay: dict | None = None) -> dict:

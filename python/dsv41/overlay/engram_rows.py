@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 
 from dsv41.errors import ConfigError, Dsv41Error
-from dsv41.overlay.engram_ops import (ROW_BYTES, CudaOps, HostOps, LaunchGraphs, OverlayRefused, _native_plan,
-                                      log, plan_into, report_counters)
-from dsv41.overlay.engram_worker import EngramWorker, _worker_for
+from dsv41.overlay.engram_ops import (ROW_BYTES, CudaOps, Handoff, HostOps, LaunchGraphs, OverlayRefused,
+                                      _native_plan, log, plan_into, report_counters)
+from dsv41.overlay.engram_worker import JOIN_SPIN_NS, EngramWorker, _worker_for
 
 #: Seconds between two counter reports (log line + JSON file) of one rank.
 REPORT_EVERY_S = 60.0
@@ -30,6 +30,24 @@ ALIVE_POLL_S = 0.05
 #: Rows of one piece of a lookup (plan, fetch, H2D, kernel): a decode step is one piece; a 32K
 #: prefill chunk at TP2 (393,216 rows) six, whose copies and kernels overlap the next fetch.
 PIECE_ROWS = 65536
+
+
+class TableSlot:
+    """A table's ``_fastrow.EngramSlot`` (the C++ core's view of it): ``key`` (the worker's map
+    key), ``native`` and ``set_table(tables)`` (its identity and table rows from a lease's
+    ``{layer_id: (identity, rows)}``; a layer the lease does not name stays Python's)."""
+
+    def __init__(self, rows: "RemoteRows", native: Any) -> None:
+        self.rows, self.native, self.key = rows, native, id(rows)
+
+    def set_table(self, tables: dict) -> None:
+        t = tables.get(self.rows.layer_id)
+        if t is not None:
+            self.native.set_table(self.rows.vocab_start, self.rows.vocab_end, t[0], int(t[1]))
+
+    def set_buffers(self) -> None:
+        r = self.rows
+        self.native.set_buffers(r._hids.ctypes.data, r._hb.ctypes.data, r._fetch.ctypes.data, r.max_rows)
 
 
 class RemoteRows:
@@ -87,22 +105,31 @@ class RemoteRows:
         self.d_ids = torch.empty((max_tokens, part), dtype=torch.int64, device=self.device)
         self.h_ids = torch.empty((max_tokens, part), dtype=torch.int64, device="cpu", pin_memory=self._cuda)
         self._native_plan = _native_plan()  # C++ without the GIL where the extension is built
+        from dsv41.transport import native as _nat
+
+        # the C++ core's view of this table (hand-off, buffers, launch graphs), where it is built
+        self._slot = TableSlot(self, _nat._fastrow.EngramSlot(id(self))) if _nat.use_native() else None
+        self._ho = Handoff(None if self._slot is None else self._slot.native, JOIN_SPIN_NS)
+        self._kept: list = []  # host buffers a retired (hung) worker's C++ core may still write
+        self._pool: Any = None  # the fetch thread of multi-piece jobs (_fetch_pool)
+        self.h_buf: Any = None
+        self._fetch: Any = None
         self.graphs = LaunchGraphs(self.device, self._launch_one,
-                                   bool(graphs and (self.ops.graphs or graph_record is not None)), graph_record)
+                                   bool(graphs and (self.ops.graphs or graph_record is not None)), graph_record,
+                                   None if self._slot is None else self._slot.native.set_graphs)
         self._capture: tuple[int, Any] | None = None  # (rows, out) to capture after the hand-off
+        self._hids = self.h_ids.numpy().reshape(-1)
         self._new_host_buffers()
         nbytes = self.max_rows * (4 + ROW_BYTES)
         self.d_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self.d_w = torch.empty((self.max_rows, dim), dtype=torch.uint8, device=self.device)
         self.d_s = torch.empty((self.max_rows, dim // block), dtype=torch.uint8, device=self.device)
         self.d_dst = torch.arange(self.max_rows, dtype=torch.int32, device=self.device)
-        self._hids = self.h_ids.numpy().reshape(-1)
         self.ids_ready = self.ops.event()
         self.done = self.ops.event()
-        self._handed = threading.Event()
+        self._handed = self._ho  # is_set()/wait(): the current generation's hand-off
         self._lock = threading.Lock()
         self._gen = 0
-        self._abandoned = -1  # generation of a job whose hand-off was refused (never launched)
         self._inflight = False
         self._submitted = False  # the in-flight job went to a worker (not inline)
         self._error: BaseException | None = None
@@ -120,11 +147,15 @@ class RemoteRows:
         import torch
 
         nbytes = self.max_rows * (4 + ROW_BYTES)
+        if self._slot is not None and self.h_buf is not None:  # the C++ core holds raw pointers
+            self._kept.append((self.h_buf, self._fetch))
         self.h_buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self._cuda)
         self._hb = self.h_buf.numpy()
         self._fetch = np.empty(self.max_rows, np.int64)
         self._own = np.empty(self.max_rows, bool)
         self._tmp = np.empty(self.max_rows, bool)
+        if self._slot is not None:
+            self._slot.set_buffers()
         self.graphs.clear()  # they copy from the old buffer
 
     @property
@@ -163,13 +194,12 @@ class RemoteRows:
         self._t, self._rows, self._out, self._stream = t, rows, out, stream
         self._gen += 1
         self._error = None
-        self._handed.clear()
+        self._ho.begin(self._gen)
         self._inflight = True
         self.counters["starts"] += 1
         if ops.capturing():  # no second thread may call CUDA while a capture is open
             self.counters["inline_lookups"] += 1
-            self._serve_inline()
-            self._handed.set()
+            self._serve_inline()  # hands off
             return
         w = self._worker
         if w is None or not w.alive():
@@ -191,7 +221,7 @@ class RemoteRows:
         if self._worker is not None and self._submitted:
             self._worker.joined()
         self._submitted = False
-        handed = self._handed
+        handed = self._ho
         if not handed.is_set():
             t0 = time.monotonic()
             end = t0 + self.handoff_timeout_s
@@ -215,7 +245,7 @@ class RemoteRows:
     def _refuse(self, w: EngramWorker | None) -> None:
         dead = w is None or not w.thread.is_alive()
         with self._lock:  # the worker checks this before it launches or hands off
-            self._abandoned = self._gen
+            self._ho.abandon(self._gen)
         if dead:
             self.counters["worker_refusals"] += 1
             cause = "the rank's Engram worker thread died"
@@ -240,6 +270,7 @@ class RemoteRows:
         """The whole job on the calling thread (capture time, a refused hand-off)."""
         self._wait_ids()
         self._serve(None, self.counters)
+        self._ho.handoff(self._gen)
 
     # -- the worker thread ----------------------------------------------------------------------
     def _wait_ids(self) -> None:
@@ -248,23 +279,66 @@ class RemoteRows:
     def _serve(self, gen: int | None, counters: dict) -> bool:
         """Plan, fetch and launch the job piece by piece (``PIECE_ROWS`` rows each): the H2D
         copy and kernel of one piece run on the GPU while the next piece is fetched, so of a
-        prefill chunk only the last piece's copy and kernel follow the fetch. False when the
+        prefill chunk only the last piece's copy and kernel follow the fetch. On the worker
+        (``gen`` given) a job of several pieces is pipelined on the host too: the table's fetch
+        thread plans and fetches piece k+1 while the worker launches piece k (issue 23 pass F,
+        task 2: the launches' host work hides behind the fetch), into disjoint parts of the
+        staging buffers; the worker never leaves a fetch running behind the job. False when the
         job's hand-off was refused meanwhile (nothing more launched)."""
-        rows, f0 = self._rows, 0
-        for r0 in range(0, rows, PIECE_ROWS):
-            r1 = min(r0 + PIECE_ROWS, rows)
-            n = self._plan(r0, r1, f0)
-            if n:
-                t0 = time.perf_counter()
+        rows = self._rows
+        if gen is None or rows <= PIECE_ROWS:
+            f0 = 0
+            for r0 in range(0, rows, PIECE_ROWS):
+                r1 = min(r0 + PIECE_ROWS, rows)
+                n = self._plan_fetch(r0, r1, f0, counters)
+                if not self._launch(r0, r1, f0, n, gen, last=r1 == rows):
+                    return False
+                f0 += n
+            return True
+        pool = self._fetch_pool()
+        pieces = [(r0, min(r0 + PIECE_ROWS, rows)) for r0 in range(0, rows, PIECE_ROWS)]
+        fut = pool.submit(self._plan_fetch, pieces[0][0], pieces[0][1], 0, counters)
+        f0 = 0
+        try:
+            for k, (r0, r1) in enumerate(pieces):
+                n = fut.result()
+                fut = None
+                if self._ho.is_abandoned(gen):
+                    return False
+                if k + 1 < len(pieces):
+                    fut = pool.submit(self._plan_fetch, pieces[k + 1][0], pieces[k + 1][1], f0 + n, counters)
+                if not self._launch(r0, r1, f0, n, gen, last=r1 == rows):
+                    return False
+                f0 += n
+            return True
+        finally:
+            if fut is not None:  # an error or a refusal: the next piece's fetch ends before we return
                 try:
-                    self._fetch_rows(f0, n)
-                finally:
-                    counters["fetch_s"] = counters.get("fetch_s", 0.0) + time.perf_counter() - t0
-                counters["requests"] = counters.get("requests", 0) + 1
-            if not self._launch(r0, r1, f0, n, gen, last=r1 == rows):
-                return False
-            f0 += n
-        return True
+                    fut.result()
+                except Exception:  # noqa: BLE001 - the job's own error (if any) is already raised
+                    pass
+
+    def _fetch_pool(self) -> Any:
+        """The table's fetch thread (created at its first multi-piece job; named as the worker's,
+        whose calls the row source sees)."""
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"dsv41-engram-worker-{self.rank}-fetch")
+        return self._pool
+
+    def _plan_fetch(self, r0: int, r1: int, f0: int, counters: dict) -> int:
+        """Plan rows ``[r0, r1)`` and fetch the owned ones into the staging buffer from fetch row
+        ``f0`` on; returns how many were fetched."""
+        n = self._plan(r0, r1, f0)
+        if n:
+            t0 = time.perf_counter()
+            try:
+                self._fetch_rows(f0, n)
+            finally:
+                counters["fetch_s"] = counters.get("fetch_s", 0.0) + time.perf_counter() - t0
+            counters["requests"] = counters.get("requests", 0) + 1
+        return n
 
     def _plan(self, r0: int, r1: int, f0: int) -> int:
         """Mask and plan rows ``[r0, r1)`` of the job: selectors (relative to the piece's first
@@ -288,7 +362,7 @@ class RemoteRows:
 
         if gen is not None:
             with self._lock:
-                if gen == self._abandoned:
+                if self._ho.is_abandoned(gen):
                     return False
         if r0 == 0 and last and gen is not None and self.graphs.enabled:
             # one piece on the worker: one graph launch (captured after the first eager one) on
@@ -346,10 +420,10 @@ class RemoteRows:
 
     def _handoff(self, gen: int, error: BaseException | None) -> None:
         with self._lock:
-            if gen != self._gen or gen == self._abandoned:
+            if gen != self._gen or self._ho.is_abandoned(gen):
                 return
             self._error = error
-            self._handed.set()
+            self._ho.handoff(gen)
 
     def _maybe_report(self) -> None:
         now = time.monotonic()

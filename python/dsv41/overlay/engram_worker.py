@@ -8,12 +8,20 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from time import perf_counter as _perf
 from typing import Any
+
+from dsv41.overlay.engram_ops import _NoEvent
 
 #: Seconds the worker waits, once the first layer's ids are down, for the step's other Engram
 #: layer when the last step had two (both in one request saves a round trip, ~0.1-0.3 ms on
 #: loopback tcp; the other layer's start follows the first by tens of microseconds).
 COALESCE_S = 0.0005
+#: Seconds between two attempts to lease a connection for the C++ core after one failed.
+LEASE_RETRY_S = 1.0
+#: Nanoseconds ``RemoteRows.join`` polls the hand-off flag before it sleeps on the condition
+#: variable (``EngramSlot.wait``): a layer handed off by then costs no sleep and wake-up.
+JOIN_SPIN_NS = 20_000
 _workers: dict[int, "EngramWorker"] = {}
 _workers_lock = threading.Lock()
 
@@ -33,6 +41,17 @@ class EngramWorker:
     ``multi_layer_requests``, ``errors``, ``wake_s`` (submit to dequeue), ``ids_wait_s``, ``coalesce_waits``, ``coalesce_s``,
     ``plan_s`` and ``launch_s`` (one-request steps), ``fetch_s`` (seconds inside the row source) and
     ``host_s`` (the rest of the worker's busy time: ids wait excluded, plan, H2D/kernel launches).
+
+    With the C++ extension (``_fastrow.EngramCore``, issue 23 pass F) the thread runs the core's
+    ``next()`` with the GIL released: the wake-up, the ids wait, the coalescing, the plan, the
+    request on a connection the row source lends (``RemoteRowSource.native_lease``), the launch
+    graph and the hand-off of a captured size are C++; Python serves what the core hands back
+    (no lease, a launch without a graph yet, a failed request: ``lease_failed`` serves the exact
+    local rows or raises in required mode, a failed CUDA call: graphs off, eager launches) and
+    re-leases at most every ``LEASE_RETRY_S`` while it has none. ``counters`` then also carries
+    the core's ``native_*`` counts, and ``jobs``, ``requests``, ``wake_s``, ``ids_wait_s``,
+    ``plan_s``, ``launch_s``, ``fetch_s``, ``host_s`` are the sums of both paths. Without the
+    extension the thread is the Python loop above.
     """
 
     def __init__(self, source: Any, rank: int, ops: Any) -> None:
@@ -47,11 +66,31 @@ class EngramWorker:
         # last step is how many jobs a step brings: both Engram layers start before either joins.
         self._open = self._burst = self._joins = 0
         self.expect = 1
-        self.counters = {"wake_s": 0.0, "ids_wait_s": 0.0, "coalesce_waits": 0, "coalesce_s": 0.0,
+        self._c = {"wake_s": 0.0, "ids_wait_s": 0.0, "coalesce_waits": 0, "coalesce_s": 0.0,
                          "plan_s": 0.0, "launch_s": 0.0, "jobs": 0, "requests": 0, "multi_layer_requests": 0, "errors": 0,
                          "fetch_s": 0.0, "host_s": 0.0}
-        self.thread = threading.Thread(target=self._run, name=f"dsv41-engram-worker-{rank}", daemon=True)
+        self.core = _new_core(self.chunk_rows)
+        self._tables: dict[int, Any] = {}  # EngramSlot key -> RemoteRows (native path)
+        self._lease: dict | None = None
+        self._lease_t = float("-inf")
+        if self.core is not None and hasattr(source, "add_counters"):
+            source.add_counters(self.core.source_counters)
+        run = self._run if self.core is None else self._run_native
+        self.thread = threading.Thread(target=run, name=f"dsv41-engram-worker-{rank}", daemon=True)
         self.thread.start()
+
+    @property
+    def counters(self) -> dict:
+        """The worker's counters (see the class); with the C++ core, both paths summed."""
+        c = dict(self._c)
+        if self.core is not None:
+            n = self.core.counters()
+            c.update(n)
+            for k in ("jobs", "requests", "multi_layer_requests", "coalesce_waits"):
+                c[k] += n[f"native_{k}"]
+            for k in ("wake", "ids_wait", "coalesce", "plan", "launch", "fetch", "host"):
+                c[f"{k}_s"] += n[f"native_{k}_s"]
+        return c
 
     def alive(self) -> bool:
         """Whether the thread runs and was not retired."""
@@ -62,6 +101,18 @@ class EngramWorker:
         Launching thread only (as ``joined``)."""
         self._open += 1
         self._burst = max(self._burst, self._open)
+        if self.core is not None:
+            slot = rows._slot
+            if slot.key not in self._tables:
+                self._register(rows)
+            ops = rows.ops
+            ev = getattr(ops, "event_handle", _no_handle)  # ops without raw handles: no CUDA
+            st = getattr(ops, "stream_handle", _no_handle)
+            # an ids event without a raw handle that may block (tests' stand-ins) is waited by Python
+            py_wait = not rows._cuda and not isinstance(rows.ids_ready, _NoEvent)
+            self.core.submit(slot.native, gen, rows._rows, rows._out.data_ptr(), st(rows._stream),
+                             ev(rows.ids_ready), ev(rows.done), rows._cuda, py_wait, self.expect, COALESCE_S)
+            return
         with self._cond:
             self._queue.append((rows, gen, time.perf_counter()))
             self._cond.notify()
@@ -73,6 +124,9 @@ class EngramWorker:
         self._open -= 1
         if self._open <= 0:
             self._open, self.expect, self._burst = 0, self._burst, 0
+        if self.core is not None:
+            self.core.joined(self.expect)
+            return
         with self._cond:  # a join means no more layers of this step are coming: stop waiting
             self._joins += 1
             self._cond.notify()
@@ -82,6 +136,120 @@ class EngramWorker:
         with self._cond:
             self.retired = True
             self._cond.notify()
+        if self.core is not None:
+            self.core.retire()
+
+    def _register(self, rows: Any) -> None:
+        """A table first seen by this worker: its identity and range into its slot (once a
+        lease names them) and its key into the worker's map."""
+        self._tables[rows._slot.key] = rows
+        if self._lease is not None:
+            rows._slot.set_table(self._lease["tables"])
+
+    def _take_lease(self) -> None:
+        """Lease a connection for the core when it has none (at most every ``LEASE_RETRY_S``)."""
+        if self.core.lent() or _perf() - self._lease_t < LEASE_RETRY_S:
+            return
+        self._lease_t = _perf()
+        self._drop_lease()
+        lease_fn = getattr(self.source, "native_lease", None)
+        lease = lease_fn() if lease_fn is not None else None
+        if lease is None:
+            return
+        self._lease = lease
+        for rows in list(self._tables.values()):
+            rows._slot.set_table(lease["tables"])
+        self.core.lend(lease["fd"], lease["gen"], lease["version"], lease["timeout_ns"], lease["spin_ns"])
+
+    def _drop_lease(self) -> None:
+        self.core.revoke()
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease["client"].close()
+
+    def _run_native(self) -> None:
+        """The C++ core's loop (see the class): Python only for what the core hands back."""
+        from dsv41.overlay.engram_ops import (CORE_CUDA_FAILED, CORE_FAILED, CORE_FETCHED, CORE_PYTHON,
+                                              CORE_PYTHON_IDS, CORE_REPORT, CORE_RETIRED)
+
+        self.ops.bind_thread()
+        core, tables, c = self.core, self._tables, self._c
+        try:
+            while True:
+                self._take_lease()
+                status, jobs, code, rcount = core.next()
+                if status == CORE_RETIRED:
+                    return
+                batch = [(tables[key], gen, n) for key, gen, n in jobs]
+                if status == CORE_REPORT:
+                    for rows, _, _ in batch:
+                        rows._maybe_report()
+                elif status == CORE_PYTHON:
+                    self._serve([(rows, gen) for rows, gen, _ in batch])
+                elif status == CORE_PYTHON_IDS:  # as the Python loop: ids wait, then the step's others
+                    rows, gen, _ = batch[0]
+                    t0 = _perf()
+                    rows._wait_ids()
+                    t1 = _perf()
+                    c["ids_wait_s"] += t1 - t0
+                    more = [(tables[key], g) for key, g, _ in core.coalesce(rows._rows)]
+                    c["coalesce_s"] += _perf() - t1
+                    self._serve([(rows, gen)] + more)
+                else:
+                    t0 = _perf()
+                    try:
+                        if status == CORE_FAILED:
+                            batch = self._lease_failed(batch, code, rcount)
+                        elif status == CORE_CUDA_FAILED:
+                            c["errors"] += 1
+                            for rows, _, _ in batch:
+                                rows.graphs.disable("a graph launch or event record of the C++ core failed")
+                        else:
+                            assert status == CORE_FETCHED, status
+                        self._launch_fetched(batch)
+                    finally:
+                        c["host_s"] += _perf() - t0
+        finally:
+            if self._lease is not None:
+                self._drop_lease()
+
+    def _lease_failed(self, batch: list, code: int, rcount: int) -> list:
+        """The core's request failed: the exact local rows (the row source's fallback) for every
+        layer of the batch, or each layer's hand-off with the cause (required mode); returns the
+        layers still to launch."""
+        t0 = _perf()
+        lease, self._lease = self._lease, None
+        self._lease_t = t0  # the next lease waits LEASE_RETRY_S
+        client = lease["client"]
+        failure = client.native_failure(code, rcount)
+        parts = [(rows.layer_id, rows._fetch[:n], rows._packed(0, n)) for rows, _, n in batch if n]
+        try:
+            self.source.lease_failed(client, failure, parts, t0)
+        except Exception as exc:  # noqa: BLE001 - every layer of the request gets the cause
+            self._c["errors"] += 1
+            for rows, gen, _ in batch:
+                rows._handoff(gen, exc)
+            return []
+        finally:
+            self._c["fetch_s"] += _perf() - t0
+        return batch
+
+    def _launch_fetched(self, batch: list) -> None:
+        """Launch (eagerly or by graph, ``RemoteRows._launch``) and hand off every layer of a
+        batch the core planned and fetched, then capture the sizes first seen."""
+        c = self._c
+        for rows, gen, n in batch:
+            try:
+                t0 = _perf()
+                launched = rows._launch(0, rows._rows, 0, n, gen, last=True)
+                c["launch_s"] += _perf() - t0
+                if launched:
+                    rows._handoff(gen, None)
+            except Exception as exc:  # noqa: BLE001
+                c["errors"] += 1
+                rows._handoff(gen, exc)
+            rows._maybe_report()
+        self._capture(r for r, _, _ in batch)
 
     def _run(self) -> None:
         self.ops.bind_thread()
@@ -93,15 +261,15 @@ class EngramWorker:
                 if self.retired:
                     return
                 rows, gen, t_sub = q.popleft()
-            self.counters["wake_s"] += time.perf_counter() - t_sub
+            self._c["wake_s"] += time.perf_counter() - t_sub
             batch = [(rows, gen)]
             t0 = time.perf_counter()
             rows._wait_ids()
             t1 = time.perf_counter()
-            self.counters["ids_wait_s"] += t1 - t0
+            self._c["ids_wait_s"] += t1 - t0
             with cond:  # the step's other layers: queued meanwhile, or due within COALESCE_S
                 if len(q) + 1 < self.expect and rows._rows <= self.chunk_rows:
-                    self.counters["coalesce_waits"] += 1
+                    self._c["coalesce_waits"] += 1
                     end = time.perf_counter() + COALESCE_S
                     joins = self._joins
                     while len(q) + 1 < self.expect and not self.retired and self._joins == joins:
@@ -112,19 +280,19 @@ class EngramWorker:
                 while q:
                     r, g, _ = q.popleft()
                     batch.append((r, g))
-            self.counters["coalesce_s"] += time.perf_counter() - t1
+            self._c["coalesce_s"] += time.perf_counter() - t1
             self._serve(batch)
 
     def _serve(self, batch: list) -> None:
         t0 = time.perf_counter()
-        fetch0 = self.counters["fetch_s"]
+        fetch0 = self._c["fetch_s"]
         try:
             self._serve_batch(batch)
         finally:  # host work = the batch's time minus the row source's
-            self.counters["host_s"] += time.perf_counter() - t0 - (self.counters["fetch_s"] - fetch0)
+            self._c["host_s"] += time.perf_counter() - t0 - (self._c["fetch_s"] - fetch0)
 
     def _serve_batch(self, batch: list) -> None:
-        c = self.counters
+        c = self._c
         ready = []
         for rows, gen in batch:
             try:
@@ -149,7 +317,7 @@ class EngramWorker:
 
     def _serve_together(self, ready: list) -> None:
         """Every layer of ``ready`` (each one piece) in one ``lookup_layers`` request."""
-        c = self.counters
+        c = self._c
         jobs = []
         t0 = time.perf_counter()
         for rows, gen in ready:
@@ -197,7 +365,22 @@ class EngramWorker:
             try:
                 rows._capture_pending()
             except Exception:  # noqa: BLE001 - a capture never fails a step (LaunchGraphs logs)
-                self.counters["errors"] += 1
+                self._c["errors"] += 1
+
+
+def _no_handle(_obj: Any) -> int:
+    return 0
+
+
+def _new_core(chunk_rows: int) -> Any:
+    """The C++ core (``_fastrow.EngramCore``) where the extension is built, else None."""
+    from dsv41.transport import native
+
+    if not native.use_native():
+        return None
+    from dsv41.overlay.engram_rows import PIECE_ROWS, REPORT_EVERY_S
+
+    return native._fastrow.EngramCore(chunk_rows, PIECE_ROWS, REPORT_EVERY_S)
 
 
 def _worker_for(source: Any, rank: int, ops: Any) -> tuple[EngramWorker, bool]:

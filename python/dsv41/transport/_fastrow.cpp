@@ -11,7 +11,9 @@
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
+#include <dlfcn.h>
 #include <poll.h>
 #include <sched.h>
 #include <sys/socket.h>
@@ -22,6 +24,11 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -660,6 +667,44 @@ py::tuple client_lookup_many(int fd, uint64_t gen0, py::bytes ident, py::array_t
   return py::make_tuple(code, status, recv_idx);
 }
 
+// One lookup request of k segments (their ids checked by the caller) on a non-blocking
+// connected socket, without the GIL: the codes of client_lookup (0 rows written, 1 refused with
+// the status in rcount, negative: the caller must close the socket).
+struct CSeg { const char *ident; const uint8_t *ids; uint8_t *out; size_t n; };
+int lookup_segs_nogil(int fd, uint64_t gen, uint16_t version, const CSeg *cs, size_t k, size_t total,
+                      int64_t timeout_ns, int64_t spin_ns, uint32_t &rcount) {
+  int64_t deadline = now_ns() + timeout_ns;
+  uint8_t h[kReq + kMaxSegs * kSeg];
+  iovec iov[1 + kMaxSegs];
+  int niov = 0;
+  uint16_t ver = k == 1 ? kVersion : version;
+  size_t hlen = kReq;
+  wr<uint32_t>(h, kMagic); wr<uint16_t>(h + 4, ver); wr<uint64_t>(h + 8, gen);
+  if (k == 1) {
+    wr<uint16_t>(h + 6, OP_LOOKUP);
+    std::memcpy(h + 16, cs[0].ident, 32);
+    wr<uint32_t>(h + 48, uint32_t(total)); wr<uint32_t>(h + 52, uint32_t(total * 8));
+  } else {
+    wr<uint16_t>(h + 6, OP_LOOKUP_MULTI);
+    std::memset(h + 16, 0, 32);
+    wr<uint32_t>(h + 48, uint32_t(k)); wr<uint32_t>(h + 52, uint32_t(k * kSeg + total * 8));
+    for (size_t j = 0; j < k; j++) {
+      uint8_t *g = h + kReq + j * kSeg;
+      std::memcpy(g, cs[j].ident, 32);
+      wr<uint32_t>(g + 32, uint32_t(cs[j].n)); wr<uint32_t>(g + 36, 0);
+    }
+    hlen += k * kSeg;
+  }
+  iov[niov++] = {h, hlen};
+  for (size_t j = 0; j < k; j++)
+    if (cs[j].n) iov[niov++] = {const_cast<uint8_t *>(cs[j].ids), cs[j].n * 8};
+  int code = send_deadline(fd, iov, niov, deadline);
+  Dest out[kMaxSegs];
+  for (size_t j = 0; j < k; j++) out[j] = Dest{cs[j].out, cs[j].n * kRow};
+  if (code == 0) code = recv_reply_rows(fd, gen, ver, total, out, k, deadline, spin_ns, rcount);
+  return code;
+}
+
 // The engine's lookup: rows of one or more tables in one request, straight into caller buffers.
 // `segs`: a tuple of (identity bytes[32], rows, row_limit, out) with rows a 1-D C-contiguous
 // int64/uint64 array and out a writable C-contiguous uint8[len(rows), 264] array.  Checks run
@@ -674,7 +719,6 @@ py::tuple client_lookup_segs(int fd, uint64_t gen, uint16_t version, py::tuple s
   size_t k = segs.size();
   if (k == 0 || k > kMaxSegs) throw std::invalid_argument("1..16 segments");
   if (k > 1 && version < 2) throw std::invalid_argument("several tables per request need protocol version 2");
-  struct CSeg { const char *ident; const uint8_t *ids; uint8_t *out; size_t n; };
   CSeg cs[kMaxSegs];
   size_t total = 0;
   for (size_t j = 0; j < k; j++) {
@@ -709,35 +753,7 @@ py::tuple client_lookup_segs(int fd, uint64_t gen, uint16_t version, py::tuple s
   uint32_t rcount = 0;
   {
     py::gil_scoped_release nogil;
-    int64_t deadline = now_ns() + timeout_ns;
-    uint8_t h[kReq + kMaxSegs * kSeg];
-    iovec iov[1 + kMaxSegs];
-    int niov = 0;
-    uint16_t ver = k == 1 ? kVersion : version;
-    size_t hlen = kReq;
-    wr<uint32_t>(h, kMagic); wr<uint16_t>(h + 4, ver); wr<uint64_t>(h + 8, gen);
-    if (k == 1) {
-      wr<uint16_t>(h + 6, OP_LOOKUP);
-      std::memcpy(h + 16, cs[0].ident, 32);
-      wr<uint32_t>(h + 48, uint32_t(total)); wr<uint32_t>(h + 52, uint32_t(total * 8));
-    } else {
-      wr<uint16_t>(h + 6, OP_LOOKUP_MULTI);
-      std::memset(h + 16, 0, 32);
-      wr<uint32_t>(h + 48, uint32_t(k)); wr<uint32_t>(h + 52, uint32_t(k * kSeg + total * 8));
-      for (size_t j = 0; j < k; j++) {
-        uint8_t *g = h + kReq + j * kSeg;
-        std::memcpy(g, cs[j].ident, 32);
-        wr<uint32_t>(g + 32, uint32_t(cs[j].n)); wr<uint32_t>(g + 36, 0);
-      }
-      hlen += k * kSeg;
-    }
-    iov[niov++] = {h, hlen};
-    for (size_t j = 0; j < k; j++)
-      if (cs[j].n) iov[niov++] = {const_cast<uint8_t *>(cs[j].ids), cs[j].n * 8};
-    code = send_deadline(fd, iov, niov, deadline);
-    Dest out[kMaxSegs];
-    for (size_t j = 0; j < k; j++) out[j] = Dest{cs[j].out, cs[j].n * kRow};
-    if (code == 0) code = recv_reply_rows(fd, gen, ver, total, out, k, deadline, spin_ns, rcount);
+    code = lookup_segs_nogil(fd, gen, version, cs, k, total, timeout_ns, spin_ns, rcount);
   }
   return py::make_tuple(code, rcount, 0);
 }
@@ -775,6 +791,376 @@ int64_t plan_rows(py::array_t<int64_t, py::array::c_style> ids, int64_t lo, int6
   return n;
 }
 
+// ---- the vLLM overlay's Engram worker core (dsv41/overlay/engram_worker.py, issue 23 pass F) ----
+// The rank's worker thread runs EngramCore::next() with the GIL released: it waits for a job
+// (a condition variable; the launching thread's submit notifies it), waits on the job's ids event
+// (cuEventSynchronize), takes the step's other Engram layer when it is due (coalescing, as the
+// Python worker), plans and masks every layer (plan_rows' arithmetic), fetches them in one request
+// on the connection the row source lent (RemoteRowSource.native_lease), launches each layer's
+// captured launch graph (cuGraphLaunch) and records its done event (cuEventRecord) on the job's
+// stream, and hands each layer off (EngramSlot::handoff), all without Python. It returns to
+// Python only for what Python does: a job it may not serve (no lent connection, a piece larger
+// than one request, an id past the table), a launch without a graph (Python launches eagerly and
+// captures), a failed request (Python serves the exact local rows or raises in required mode), a
+// failed CUDA call, a report, a retire.
+
+// CUDA driver entry points from libcuda.so.1, loaded at first use (the extension links no CUDA
+// library; on a host without one the core never calls CUDA: every handle is 0 there).
+struct CudaDriver {
+  int (*event_sync)(void *) = nullptr;
+  int (*event_record)(void *, void *) = nullptr;
+  int (*graph_launch)(void *, void *) = nullptr;
+  bool ok = false;
+};
+const CudaDriver &cuda_driver() {
+  static const CudaDriver d = [] {
+    CudaDriver r;
+    void *h = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!h) return r;
+    r.event_sync = reinterpret_cast<int (*)(void *)>(::dlsym(h, "cuEventSynchronize"));
+    r.event_record = reinterpret_cast<int (*)(void *, void *)>(::dlsym(h, "cuEventRecord"));
+    r.graph_launch = reinterpret_cast<int (*)(void *, void *)>(::dlsym(h, "cuGraphLaunch"));
+    r.ok = r.event_sync && r.event_record && r.graph_launch;
+    return r;
+  }();
+  return d;
+}
+
+// One Engram table's hand-off state and staging (RemoteRows holds one): the generation handed
+// off, the one abandoned (a refused hand-off: never launched, never handed off), the buffers the
+// core plans and fetches into (owned and kept alive by Python), the table's identity and range,
+// and its launch graphs by (rows, staged_rows address).
+struct EngramSlot {
+  std::mutex m;
+  std::condition_variable cv;
+  std::atomic<uint64_t> handed{0};
+  uint64_t current = 0, abandoned = 0;
+  int64_t key = 0, lo = 0, hi = 0;
+  uint64_t limit = 0;
+  char ident[32] = {};
+  bool has_table = false;
+  const int64_t *ids = nullptr;
+  uint8_t *hbuf = nullptr;
+  int64_t *fetch = nullptr;
+  size_t max_rows = 0;
+  std::map<std::pair<int64_t, uint64_t>, void *> graphs;
+
+  void set_table(int64_t l, int64_t h, py::bytes id, uint64_t lim) {
+    std::string b = id;
+    if (b.size() != 32) throw std::invalid_argument("identity must be 32 bytes");
+    std::lock_guard<std::mutex> g(m);
+    lo = l; hi = h; limit = lim;
+    std::memcpy(ident, b.data(), 32);
+    has_table = true;
+  }
+  void set_buffers(uint64_t ids_p, uint64_t hbuf_p, uint64_t fetch_p, uint64_t rows) {
+    std::lock_guard<std::mutex> g(m);
+    ids = reinterpret_cast<const int64_t *>(ids_p);
+    hbuf = reinterpret_cast<uint8_t *>(hbuf_p);
+    fetch = reinterpret_cast<int64_t *>(fetch_p);
+    max_rows = rows;
+  }
+  void set_graphs(const std::vector<std::tuple<int64_t, uint64_t, uint64_t>> &gs) {
+    std::lock_guard<std::mutex> g(m);
+    graphs.clear();
+    for (auto &t : gs)
+      if (std::get<2>(t)) graphs[{std::get<0>(t), std::get<1>(t)}] = reinterpret_cast<void *>(std::get<2>(t));
+  }
+  void begin(uint64_t gen) {
+    std::lock_guard<std::mutex> g(m);
+    current = gen;
+  }
+  bool handoff_locked(uint64_t gen) {
+    if (gen != current || gen == abandoned) return false;
+    handed.store(gen, std::memory_order_release);
+    cv.notify_all();
+    return true;
+  }
+  bool handoff(uint64_t gen) {
+    std::lock_guard<std::mutex> g(m);
+    return handoff_locked(gen);
+  }
+  void abandon(uint64_t gen) {
+    std::lock_guard<std::mutex> g(m);
+    abandoned = gen;
+  }
+  bool is_abandoned(uint64_t gen) {
+    std::lock_guard<std::mutex> g(m);
+    return gen == abandoned;
+  }
+  // Launching thread: wait up to timeout_s for the hand-off of `gen` with the GIL released,
+  // polling the flag for spin_ns first (a hand-off that is already due costs no sleep/wake).
+  bool wait(uint64_t gen, double timeout_s, int64_t spin_ns) {
+    if (handed.load(std::memory_order_acquire) == gen) return true;
+    py::gil_scoped_release nogil;
+    int64_t t0 = now_ns(), spin_end = t0 + spin_ns;
+    while (now_ns() < spin_end)
+      if (handed.load(std::memory_order_acquire) == gen) return true;
+    std::unique_lock<std::mutex> l(m);
+    return cv.wait_for(l, std::chrono::duration<double>(std::max(timeout_s, 0.0)),
+                       [&] { return handed.load(std::memory_order_acquire) == gen; });
+  }
+};
+
+struct EngramJob {
+  std::shared_ptr<EngramSlot> slot;
+  uint64_t gen;
+  int64_t rows;
+  uint64_t out;
+  void *stream, *ids_event, *done_event;
+  bool cuda;     // the ids come by a D2H copy: never plan before ids_event (0: Python's path)
+  bool py_wait;  // the ids event is a Python object (no raw handle): Python waits on it
+  int64_t t_sub;
+  int64_t n = 0;
+};
+
+class EngramCore {
+ public:
+  // Statuses of next(): what Python does with the batch it returns.
+  enum { RETIRED = 0, PYTHON = 1, FETCHED = 2, FAILED = 3, CUDA_FAILED = 4, REPORT = 5, PYTHON_IDS = 6 };
+
+  EngramCore(int64_t chunk_rows, int64_t piece_rows, double report_s)
+      : chunk_rows_(chunk_rows), piece_rows_(piece_rows), report_ns_(int64_t(report_s * 1e9)), last_return_(now_ns()) {}
+
+  // Launching thread: queue one layer's job (handles are 0 where there is no CUDA).
+  void submit(std::shared_ptr<EngramSlot> slot, uint64_t gen, int64_t rows, uint64_t out, uint64_t stream,
+              uint64_t ids_event, uint64_t done_event, bool cuda, bool py_wait, int expect, double coalesce_s) {
+    slot->begin(gen);
+    std::lock_guard<std::mutex> g(m_);
+    expect_ = expect;
+    coalesce_ns_ = int64_t(coalesce_s * 1e9);
+    q_.push_back(EngramJob{std::move(slot), gen, rows, out, reinterpret_cast<void *>(stream),
+                           reinterpret_cast<void *>(ids_event), reinterpret_cast<void *>(done_event), cuda, py_wait, now_ns()});
+    cv_.notify_one();
+  }
+  void joined(int expect) {  // expect: the worker's new expectation (EngramWorker.joined)
+    std::lock_guard<std::mutex> g(m_);
+    expect_ = expect;
+    joins_++;
+    cv_.notify_one();
+  }
+  void retire() {
+    std::lock_guard<std::mutex> g(m_);
+    retired_ = true;
+    cv_.notify_all();
+  }
+  bool retired() {
+    std::lock_guard<std::mutex> g(m_);
+    return retired_;
+  }
+  // Worker thread only (as next()): the connection the core requests rows on.
+  void lend(int fd, uint64_t next_gen, uint16_t version, int64_t timeout_ns, int64_t spin_ns) {
+    if (fd < 0 || timeout_ns <= 0 || spin_ns < 0) throw std::invalid_argument("lend: bad fd, timeout or spin");
+    fd_ = fd; gen_ = next_gen; version_ = version; timeout_ns_ = timeout_ns; spin_ns_ = spin_ns;
+  }
+  void revoke() { fd_ = -1; }
+  bool lent() const { return fd_ >= 0; }
+
+  py::dict counters() {
+    std::lock_guard<std::mutex> g(cm_);
+    py::dict d;
+    d["native_batches"] = c_batches; d["native_jobs"] = c_jobs; d["native_requests"] = c_requests;
+    d["native_multi_layer_requests"] = c_multi; d["native_launches"] = c_launches;
+    d["native_coalesce_waits"] = c_cwaits; d["native_rows"] = c_rows;
+    d["native_wake_s"] = c_wake * 1e-9; d["native_ids_wait_s"] = c_ids * 1e-9; d["native_coalesce_s"] = c_coal * 1e-9;
+    d["native_plan_s"] = c_plan * 1e-9; d["native_fetch_s"] = c_fetch * 1e-9; d["native_launch_s"] = c_launch * 1e-9;
+    d["native_host_s"] = c_host * 1e-9;
+    return d;
+  }
+  // The row-source counters of the requests made here (RemoteRowSource.add_counters).
+  py::dict source_counters() {
+    std::lock_guard<std::mutex> g(cm_);
+    py::dict d;
+    d["lookups"] = c_lookups; d["rows"] = c_rows; d["remote_rows"] = c_rows;
+    d["latency_sum_s"] = c_fetch * 1e-9; d["latency_count"] = c_requests;
+    return d;
+  }
+
+  // Worker thread: serve jobs until one needs Python; returns (status, [(key, gen, n)...], code, rcount).
+  py::tuple next() {
+    std::vector<EngramJob> batch;
+    int status = RETIRED, code = 0;
+    uint32_t rcount = 0;
+    {
+      py::gil_scoped_release nogil;
+      for (;;) {
+        batch.clear();
+        status = take(batch);
+        if (status != FETCHED) break;  // RETIRED, or PYTHON (ids not awaited or not eligible)
+        status = serve(batch, code, rcount);
+        if (status != REPORT) break;
+        int64_t t = now_ns();
+        if (t - last_return_ >= report_ns_) break;
+      }
+      last_return_ = now_ns();
+    }
+    py::list jobs;
+    for (auto &j : batch) jobs.append(py::make_tuple(j.slot->key, j.gen, j.n));
+    return py::make_tuple(status, jobs, code, rcount);
+  }
+
+ private:
+  // Dequeue the batch (first job, ids awaited, the step's other layers coalesced); FETCHED means
+  // "go on serving", PYTHON that Python serves the batch as it is.
+  int take(std::vector<EngramJob> &batch) {
+    std::unique_lock<std::mutex> l(m_);
+    cv_.wait(l, [&] { return !q_.empty() || retired_; });
+    if (retired_) return RETIRED;
+    batch.push_back(std::move(q_.front()));
+    q_.pop_front();
+    l.unlock();
+    int64_t t0 = now_ns();
+    EngramJob &j0 = batch[0];
+    add(c_wake, t0 - j0.t_sub);
+    if (j0.py_wait) return PYTHON_IDS;  // Python waits on its ids event, then calls coalesce()
+    const CudaDriver &cu = cuda_driver();
+    if (j0.cuda && (!j0.ids_event || !cu.ok || cu.event_sync(j0.ids_event) != 0))
+      return PYTHON;  // Python's synchronize raises the cause
+    int64_t t1 = now_ns();
+    add(c_ids, t1 - t0);
+    gather(batch, j0.rows);
+    add(c_coal, now_ns() - t1);
+    return FETCHED;
+  }
+  // The step's other layers: those queued, or due within the coalescing bound (never past a join).
+  void gather(std::vector<EngramJob> &batch, int64_t first_rows) {
+    std::unique_lock<std::mutex> l(m_);
+    if (int64_t(q_.size()) + 1 < expect_ && first_rows <= chunk_rows_) {
+      add(c_cwaits, 1);
+      uint64_t joins = joins_;
+      cv_.wait_for(l, std::chrono::nanoseconds(coalesce_ns_),
+                   [&] { return int64_t(q_.size()) + 1 >= expect_ || retired_ || joins_ != joins; });
+    }
+    while (!q_.empty() && batch.size() < kMaxSegs) {
+      batch.push_back(std::move(q_.front()));
+      q_.pop_front();
+    }
+  }
+
+ public:
+  // Worker thread, after a PYTHON_IDS job's ids wait: the jobs to serve with it ([(key, gen, 0)]).
+  py::list coalesce(int64_t first_rows) {
+    std::vector<EngramJob> more;
+    {
+      py::gil_scoped_release nogil;
+      gather(more, first_rows);
+    }
+    py::list jobs;
+    for (auto &j : more) jobs.append(py::make_tuple(j.slot->key, j.gen, j.n));
+    return jobs;
+  }
+
+ private:
+
+  int serve(std::vector<EngramJob> &batch, int &code, uint32_t &rcount) {
+    int64_t t0 = now_ns(), fetch_ns = 0;
+    int st = serve_batch(batch, code, rcount, fetch_ns);
+    std::lock_guard<std::mutex> g(cm_);
+    c_host += now_ns() - t0 - fetch_ns;  // host work: the batch's time minus the request's
+    if (st != PYTHON) { c_batches++; c_jobs += int64_t(batch.size()); }
+    return st;
+  }
+  int serve_batch(std::vector<EngramJob> &batch, int &code, uint32_t &rcount, int64_t &fetch_ns) {
+    int64_t total_rows = 0;
+    bool ok = fd_ >= 0;
+    for (auto &j : batch) {
+      total_rows += j.rows;
+      ok = ok && j.slot->has_table && j.slot->ids && j.rows <= piece_rows_ && size_t(j.rows) <= j.slot->max_rows;
+    }
+    if (!ok || total_rows > chunk_rows_) return PYTHON;
+    const CudaDriver &cu = cuda_driver();
+    for (size_t k = 1; k < batch.size(); k++)
+      if (batch[k].cuda && (!batch[k].ids_event || !cu.ok || cu.event_sync(batch[k].ids_event) != 0)) return PYTHON;
+    int64_t tp = now_ns();
+    CSeg cs[kMaxSegs];
+    size_t ns = 0, total = 0;
+    for (auto &j : batch) {  // plan_rows' arithmetic, on the slot's buffers
+      EngramSlot &s = *j.slot;
+      int32_t *sel = reinterpret_cast<int32_t *>(s.hbuf);
+      int64_t n = 0;
+      for (int64_t i = 0; i < j.rows; i++) {
+        const int64_t v = s.ids[i];
+        if (v >= s.lo && v < s.hi) {
+          if (uint64_t(v) >= s.limit) return PYTHON;  // Python's path raises RowRangeError
+          sel[i] = int32_t(n);
+          s.fetch[n++] = v;
+        } else {
+          sel[i] = -1;
+        }
+      }
+      j.n = n;
+      if (n) cs[ns++] = CSeg{s.ident, reinterpret_cast<const uint8_t *>(s.fetch), s.hbuf + j.rows * 4, size_t(n)};
+      total += size_t(n);
+    }
+    int64_t tf = now_ns();
+    add(c_plan, tf - tp);
+    if (ns) {
+      if (ns > 1 && version_ < 2) return PYTHON;  // one request per layer: Python's path
+      code = lookup_segs_nogil(fd_, gen_++, version_, cs, ns, total, timeout_ns_, spin_ns_, rcount);
+      int64_t te = now_ns();
+      fetch_ns = te - tf;
+      {
+        std::lock_guard<std::mutex> g(cm_);
+        c_fetch += te - tf; c_requests++; c_multi += ns > 1;
+        if (code == 0) { c_rows += int64_t(total); c_lookups += int64_t(batch.size()); }
+      }
+      if (code != 0) {
+        fd_ = -1;  // the request failed: Python closes the connection and serves the rows locally
+        return FAILED;
+      }
+    }
+    int64_t tl = now_ns();
+    for (auto &j : batch)
+      if (!j.done_event || !j.stream || !cu.ok || !graph_of(j)) return FETCHED;  // Python launches (and captures)
+    size_t k = 0;
+    for (; k < batch.size(); k++) {
+      EngramJob &j = batch[k];
+      EngramSlot &s = *j.slot;
+      std::lock_guard<std::mutex> g(s.m);
+      if (j.gen == s.abandoned || j.gen != s.current) continue;  // refused meanwhile: never launched
+      void *exec = graph_of_locked(j);
+      if (!exec || cu.graph_launch(exec, j.stream) != 0 || cu.event_record(j.done_event, j.stream) != 0)
+        break;
+      s.handoff_locked(j.gen);
+      add(c_launches, 1);
+    }
+    add(c_launch, now_ns() - tl);
+    if (k < batch.size()) {  // a CUDA call failed: Python launches the rest eagerly (graphs off)
+      batch.erase(batch.begin(), batch.begin() + k);
+      return CUDA_FAILED;
+    }
+    return REPORT;
+  }
+  static void *graph_of_locked(const EngramJob &j) {
+    auto it = j.slot->graphs.find({j.rows, j.out});
+    return it == j.slot->graphs.end() ? nullptr : it->second;
+  }
+  static void *graph_of(const EngramJob &j) {
+    std::lock_guard<std::mutex> g(j.slot->m);
+    return graph_of_locked(j);
+  }
+  void add(int64_t &c, int64_t v) {
+    std::lock_guard<std::mutex> g(cm_);
+    c += v;
+  }
+
+  std::mutex m_, cm_;
+  std::condition_variable cv_;
+  std::deque<EngramJob> q_;
+  bool retired_ = false;
+  uint64_t joins_ = 0;
+  int64_t expect_ = 1;
+  int fd_ = -1;
+  uint64_t gen_ = 0;
+  uint16_t version_ = 1;
+  int64_t timeout_ns_ = 0, spin_ns_ = 0;
+  const int64_t chunk_rows_, piece_rows_, report_ns_;
+  int64_t coalesce_ns_ = 0;  // the last submit's COALESCE_S (read under m_)
+  int64_t last_return_;
+  int64_t c_batches = 0, c_jobs = 0, c_requests = 0, c_multi = 0, c_launches = 0, c_cwaits = 0, c_rows = 0,
+          c_lookups = 0, c_wake = 0, c_ids = 0, c_coal = 0, c_plan = 0, c_fetch = 0, c_launch = 0, c_host = 0;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_fastrow, m) {
@@ -792,6 +1178,35 @@ PYBIND11_MODULE(_fastrow, m) {
       .def(py::init<ServerCore &, int, bool>(), py::keep_alive<1, 2>())
       .def("run", &Connection::run)
       .def("reply", &Connection::reply);
+  py::class_<EngramSlot, std::shared_ptr<EngramSlot>>(m, "EngramSlot")
+      .def(py::init([](int64_t key) {
+             auto s = std::make_shared<EngramSlot>();
+             s->key = key;
+             return s;
+           }), py::arg("key"))
+      .def_property_readonly("key", [](EngramSlot &s) { return s.key; })
+      .def("set_table", &EngramSlot::set_table)
+      .def("set_buffers", &EngramSlot::set_buffers)
+      .def("set_graphs", &EngramSlot::set_graphs)
+      .def("begin", &EngramSlot::begin)
+      .def("handoff", &EngramSlot::handoff)
+      .def("abandon", &EngramSlot::abandon)
+      .def("is_abandoned", &EngramSlot::is_abandoned)
+      .def("handed", [](EngramSlot &s) { return s.handed.load(); })
+      .def("wait", &EngramSlot::wait, py::arg("gen"), py::arg("timeout_s"), py::arg("spin_ns") = 0);
+  py::class_<EngramCore>(m, "EngramCore")
+      .def(py::init<int64_t, int64_t, double>(), py::arg("chunk_rows"), py::arg("piece_rows"), py::arg("report_s"))
+      .def("submit", &EngramCore::submit)
+      .def("joined", &EngramCore::joined)
+      .def("retire", &EngramCore::retire)
+      .def("retired", &EngramCore::retired)
+      .def("lend", &EngramCore::lend)
+      .def("revoke", &EngramCore::revoke)
+      .def("lent", &EngramCore::lent)
+      .def("counters", &EngramCore::counters)
+      .def("source_counters", &EngramCore::source_counters)
+      .def("next", &EngramCore::next)
+      .def("coalesce", &EngramCore::coalesce);
   m.def("client_lookup", &client_lookup);
   // end_ns defaults to 0 (no whole-call deadline), so callers of the 9-argument form keep working
   m.def("client_lookup_many", &client_lookup_many, py::arg("fd"), py::arg("gen0"), py::arg("ident"), py::arg("rows"),

@@ -110,8 +110,10 @@ class TcpClient:
         return self.version >= 2
 
     def close(self) -> None:
-        """Close the connection (idempotent)."""
+        """Close the connection (idempotent; a lent one too: the borrower must be done with it)."""
         s, self.sock = self.sock, None
+        if s is None:
+            s, self._lent_sock = getattr(self, "_lent_sock", None), None
         if s is not None:
             try:
                 self._poll.unregister(s.fileno())
@@ -379,6 +381,32 @@ class TcpClient:
             # other pipelined requests may still be in flight: the stream cannot be reused
             raise self._fail(Refused(status, P.status_name(status)))
         self._native_error(code)
+
+    def lend(self) -> tuple[int, int, int, int]:
+        """Hand the connection's requests to a C++ caller (the vLLM overlay's worker core,
+        ``_fastrow.EngramCore``): returns ``(fd, next_generation, version, spin_ns)``; from then on
+        this client sends nothing (its lookups raise ``TransportError``) and only ``close`` is
+        called, after the caller stopped using the socket. Raises ``TransportError`` when the
+        client is closed or has no C++ path."""
+        if self.sock is None or self._fast is None:
+            raise TransportError(f"cannot lend the connection to {self.endpoint}: closed or no C++ path")
+        gen = next(self._gen)
+        fd = self.sock.fileno()
+        # the socket stays open (the borrower's fd) until close(); this object's own requests see
+        # no socket and raise "not connected"
+        self._lent_sock, self.sock = self.sock, None
+        return fd, gen, self.version, self._spin_ns
+
+    def native_failure(self, code: int, status: int) -> TransportError:
+        """The exception of a C++ request's code (``client_lookup_segs``' codes; 1: refused with
+        ``status``) made on a lent connection; closes this client unless refused."""
+        if code == 1:
+            return Refused(status, P.status_name(status))
+        try:
+            self._native_error(code)
+        except TransportError as exc:
+            return exc
+        return TransportError(f"connection to {self.endpoint} failed")  # not reached: _native_error raises
 
     def _native_error(self, code: int) -> None:
         if code == -1:

@@ -1,0 +1,219 @@
+"""The overlay worker's C++ core (issue 23 pass F) on the CPU, against a real table server on
+loopback: both layers of a step in one request on the connection the row source lends, exact
+rows; a killed server mid-run gives the exact local rows (counted fallbacks), a required source
+raises the cause at the join, the lease comes back once the server does; the lent client sends
+nothing itself and every C++ failure code maps to its transport exception. (The core's graph
+launches and event waits need CUDA: tests/gpu/vllm_overlay_step_bench.py.)"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from dsv41.engram import reader
+from dsv41.engram.client import RemoteRowSource, RemoteUnavailable
+from dsv41.engram.server import load_tables
+from dsv41.overlay import engram as E
+from dsv41.overlay import engram_ops as O
+from dsv41.overlay import engram_worker as EW
+from dsv41.transport import Refused, TransportError, TransportTimeout, native, parse_url
+from dsv41.transport.server import RowServer
+from dsv41.transport.tcp import TcpClient
+
+from overlayutil import tabs  # noqa: F401 - a fixture
+from test_overlay_worker import _exact, _ids, _poisoned, _rows
+
+pytestmark = pytest.mark.skipif(native._fastrow is None, reason="the C++ extension is not built")
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def _serve(tabs_, port: int) -> RowServer:
+    manifest, d, _ = tabs_
+    tables, _ = load_tables(manifest, d)
+    srv = RowServer(tables, [parse_url(f"tcp://127.0.0.1:{port}")])
+    srv.start()
+    return srv
+
+
+def _source(tabs_, port: int, required: bool = False) -> RemoteRowSource:
+    manifest, d, _ = tabs_
+    return RemoteRowSource(f"tcp://127.0.0.1:{port}", manifest, 0, 1, timeout_ms=500, required=required,
+                           local=None if required else reader.LocalRowReader(manifest, d))
+
+
+@pytest.fixture
+def workers():
+    yield
+    E.stop_workers()
+
+
+def _step(tabs_, r1, r14, t: int, seed: int) -> bool:
+    ids1, ids14 = _ids(tabs_, r1, t, seed), _ids(tabs_, r14, t, seed + 1000)
+    o1, o14 = _poisoned(t, r1.part), _poisoned(t, r14.part)
+    r1.start(torch.from_numpy(ids1), o1)
+    r14.start(torch.from_numpy(ids14), o14)
+    r1.join()
+    r14.join()
+    return _exact(tabs_, r1, ids1, o1) and _exact(tabs_, r14, ids14, o14)
+
+
+def test_both_layers_go_in_one_native_request_and_rows_are_exact(tabs, workers) -> None:
+    port = _free_port()
+    srv = _serve(tabs, port)
+    src = _source(tabs, port)
+    try:
+        r1, r14 = _rows(tabs, src, 1), _rows(tabs, src, 14)
+        for step in range(6):
+            assert _step(tabs, r1, r14, 8 + step, 10 + step)
+        w = r1._worker
+        assert w is r14._worker and w.core is not None and w.core.lent()
+        c = w.counters
+        assert c["native_requests"] >= 4 and c["native_multi_layer_requests"] >= 3 and c["errors"] == 0
+        assert c["native_rows"] > 0 and c["jobs"] == 12
+        sc = src.counters()
+        assert sc["fallbacks"] == 0 and sc["transport_errors"] == 0
+        assert sc["remote_rows"] >= c["native_rows"]  # the core's requests are the source's rows too
+    finally:
+        E.stop_workers()
+        src.close()
+        srv.stop()
+
+
+def test_a_killed_server_gives_exact_local_rows_and_the_lease_returns(tabs, workers, monkeypatch) -> None:
+    monkeypatch.setattr(EW, "LEASE_RETRY_S", 0.0)
+    port = _free_port()
+    srv = _serve(tabs, port)
+    src = _source(tabs, port)
+    try:
+        r1, r14 = _rows(tabs, src, 1), _rows(tabs, src, 14)
+        for step in range(3):
+            assert _step(tabs, r1, r14, 6, 20 + step)
+        w = r1._worker
+        assert w.core.lent()
+        srv.stop()  # mid-run: the lent connection's next request fails
+        t0 = time.monotonic()
+        for step in range(4):
+            assert _step(tabs, r1, r14, 6, 30 + step)  # exact local rows, no hang
+        assert time.monotonic() - t0 < 10
+        sc = src.counters()
+        assert sc["fallbacks"] >= 1 and sc["transport_errors"] >= 1
+        assert r1.counters["worker_refusals"] == 0 and r1.counters["handoff_timeouts"] == 0
+        srv = _serve(tabs, port)  # back: the source reconnects, the worker leases again
+        assert src.wait_connected(10)
+        before = w.counters["native_requests"]
+        deadline = time.monotonic() + 10
+        while w.counters["native_requests"] == before and time.monotonic() < deadline:
+            assert _step(tabs, r1, r14, 6, 40)
+        assert w.counters["native_requests"] > before and w.core.lent()
+    finally:
+        E.stop_workers()
+        src.close()
+        srv.stop()
+
+
+def test_required_mode_raises_the_native_failure_at_the_join(tabs, workers) -> None:
+    port = _free_port()
+    srv = _serve(tabs, port)
+    src = _source(tabs, port, required=True)
+    try:
+        r1 = _rows(tabs, src, 1)
+        ids = _ids(tabs, r1, 6, 50)
+        out = _poisoned(6, r1.part)
+        r1.lookup(torch.from_numpy(ids), out)
+        assert _exact(tabs, r1, ids, out) and r1._worker.core.lent()
+        srv.stop()
+        r1.start(torch.from_numpy(ids), _poisoned(6, r1.part))
+        with pytest.raises(RemoteUnavailable, match="required but failed"):
+            r1.join()
+        assert src.counters()["transport_errors"] >= 1
+    finally:
+        E.stop_workers()
+        src.close()
+        srv.stop()
+
+
+def test_a_source_without_a_lease_is_served_by_python_through_the_core(tabs, workers) -> None:
+    """A drill's fault delay (no hot path) lends nothing: every job goes back to Python, exact."""
+    port = _free_port()
+    srv = _serve(tabs, port)
+    manifest, d, _ = tabs
+    src = RemoteRowSource(f"tcp://127.0.0.1:{port}", manifest, 0, 1, timeout_ms=500, fault_delay_ms=1.0,
+                          local=reader.LocalRowReader(manifest, d))
+    try:
+        assert src.native_lease() is None
+        r1, r14 = _rows(tabs, src, 1), _rows(tabs, src, 14)
+        for step in range(3):
+            assert _step(tabs, r1, r14, 5, 60 + step)
+        w = r1._worker
+        assert not w.core.lent() and w.counters["native_requests"] == 0 and w.counters["jobs"] == 6
+        assert src.counters()["fallbacks"] == 0
+    finally:
+        E.stop_workers()
+        src.close()
+        srv.stop()
+
+
+def test_a_lent_client_sends_nothing_and_close_closes_the_socket(tabs) -> None:
+    port = _free_port()
+    srv = _serve(tabs, port)
+    try:
+        c = TcpClient(parse_url(f"tcp://127.0.0.1:{port}"))
+        fd, gen, version, spin_ns = c.lend()
+        assert fd >= 0 and gen >= 1 and version >= 1 and spin_ns >= 0
+        rows = np.zeros(1, np.int64)
+        out = np.zeros((1, 264), np.uint8)
+        with pytest.raises(TransportError, match="not connected"):
+            c.lookup_segs(((bytes(32), rows, 10, out),), 0.1)
+        with pytest.raises(TransportError, match="cannot lend"):
+            c.lend()
+        c.close()
+        with pytest.raises(OSError):
+            socket.socket(fileno=fd).getsockname()  # closed
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("code,exc", [(-1, TransportTimeout), (-2, TransportError), (-3, TransportError),
+                                      (-4, TransportError), (1, Refused)])
+def test_every_native_failure_code_maps_to_its_transport_exception(tabs, code, exc) -> None:
+    port = _free_port()
+    srv = _serve(tabs, port)
+    try:
+        c = TcpClient(parse_url(f"tcp://127.0.0.1:{port}"))
+        c.lend()
+        err = c.native_failure(code, 5)
+        assert isinstance(err, exc)
+        if code == 1:
+            assert err.status == 5
+        c.close()
+    finally:
+        srv.stop()
+
+
+def test_core_statuses_match_the_python_constants() -> None:
+    core = native._fastrow.EngramCore(16384, 65536, 60.0)
+    core.retire()
+    assert core.next()[0] == O.CORE_RETIRED and (O.CORE_PYTHON, O.CORE_REPORT) == (1, 5)
+
+
+def test_the_slot_hand_off_honours_generations_and_abandonment() -> None:
+    s = native._fastrow.EngramSlot(7)
+    assert s.key == 7
+    s.begin(3)
+    assert not s.wait(3, 0.01, 1000)
+    assert not s.handoff(2)  # stale
+    s.abandon(3)
+    assert not s.handoff(3) and s.is_abandoned(3)  # refused: never handed off
+    s.begin(4)
+    assert s.handoff(4) and s.wait(4, 0.0, 0) and s.handed() == 4
