@@ -11,6 +11,7 @@ import torch
 from dsv41.engram import dequant, synthetic
 from dsv41.engram.layout import EngramLayout
 from dsv41.engram.manifest import load_manifest
+from dsv41.overlay import engram as E
 
 
 CFG = {"engram_layer_ids": [1, 14], "engram_max_ngram_size": 4, "engram_vocab_size": 500,
@@ -54,3 +55,41 @@ def reference(tabs_, layer_id: int, ids: np.ndarray, lo: int, hi: int) -> np.nda
 def same_bits(got: np.ndarray, ref: np.ndarray) -> bool:
     nan = np.isnan(got) & np.isnan(ref)  # NaN payloads are not compared (0 * inf)
     return bool(np.array_equal(got[~nan].view(np.uint32), ref[~nan].view(np.uint32)))
+
+
+def remote_rows(tabs_, src, layer_id: int, tp: int = 2, rank: int = 0, max_tokens: int = 64, **kw):
+    """The overlay's ``RemoteRows`` for ``layer_id`` of rank ``rank`` at TP ``tp`` over ``src``, on CPU."""
+    manifest, d, layout = tabs_
+    li = layout.layer_index(layer_id)
+    c0, _ = layout.columns_for_rank(tp, rank)
+    lo, hi = layout.row_range(li, tp, rank)
+    return E.RemoteRows(src, layer_id, head_start=c0, part=-(-layout.n_columns // tp), n_hash_cols=layout.n_columns,
+                        vocab_start=lo, vocab_end=hi, dim=256, block=32, max_tokens=max_tokens, device="cpu",
+                        dequant=kernel_on_cpu, rank=rank, **kw)
+
+
+def lookup_ids(tabs_, rr, t: int, seed: int) -> np.ndarray:
+    """(t, n_columns) int32 hashed ids for ``rr``: own rows, -1 pads, out-of-range and other ranks' rows."""
+    layout = tabs_[2]
+    li = layout.layer_index(rr.layer_id)
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(rr.vocab_start, rr.vocab_end, size=(t, layout.n_columns)).astype(np.int32)
+    u = rng.random(ids.shape)
+    ids[u < 0.1] = -1
+    ids[u > 0.9] = layout.rows[li] + 3
+    ids[(u > 0.8) & (u <= 0.9)] = rng.integers(0, layout.rows[li])
+    return ids
+
+
+def exact_rows(tabs_, rr, ids: np.ndarray, out) -> bool:
+    """``out`` (t, part, 256) bf16 equals the reference rows of ``ids`` bit for bit."""
+    he = min(rr.head_start + rr.part, rr.n_hash_cols)
+    mine = np.full((ids.shape[0], rr.part), -1, np.int64)
+    mine[:, : he - rr.head_start] = ids[:, rr.head_start:he]
+    return same_bits(out.float().numpy().reshape(-1, 256), reference(tabs_, rr.layer_id, mine, rr.vocab_start,
+                                                                     rr.vocab_end))
+
+
+def poisoned(t: int, part: int):
+    """A (t, part, 256) bf16 output buffer of NaNs (a row left unwritten shows)."""
+    return torch.full((t, part, 256), float("nan"), dtype=torch.bfloat16)

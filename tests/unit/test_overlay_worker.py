@@ -21,7 +21,7 @@ from dsv41.overlay import engram_rows as ER
 from dsv41.overlay import engram_worker as EW
 from dsv41.transport import native
 
-from overlayutil import tabs, kernel_on_cpu, reference, same_bits  # noqa: F401 - tabs is a fixture
+from overlayutil import exact_rows as _exact, kernel_on_cpu, lookup_ids as _ids, poisoned as _poisoned, reference, remote_rows as _rows, same_bits, tabs  # noqa: F401 - tabs is a fixture
 
 
 # ------------------------------------------------- the worker pipeline (issue 23), on the CPU
@@ -71,40 +71,6 @@ class Gate(RowSource):
 
     def is_required(self) -> bool:
         return self.required
-
-
-def _rows(tabs_, src, layer_id: int, tp: int = 2, rank: int = 0, max_tokens: int = 64, **kw):
-    manifest, d, layout = tabs_
-    li = layout.layer_index(layer_id)
-    c0, _ = layout.columns_for_rank(tp, rank)
-    lo, hi = layout.row_range(li, tp, rank)
-    return E.RemoteRows(src, layer_id, head_start=c0, part=-(-layout.n_columns // tp), n_hash_cols=layout.n_columns,
-                        vocab_start=lo, vocab_end=hi, dim=256, block=32, max_tokens=max_tokens, device="cpu",
-                        dequant=kernel_on_cpu, rank=rank, **kw)
-
-
-def _ids(tabs_, rr, t: int, seed: int) -> np.ndarray:
-    layout = tabs_[2]
-    li = layout.layer_index(rr.layer_id)
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(rr.vocab_start, rr.vocab_end, size=(t, layout.n_columns)).astype(np.int32)
-    u = rng.random(ids.shape)
-    ids[u < 0.1] = -1
-    ids[u > 0.9] = layout.rows[li] + 3
-    ids[(u > 0.8) & (u <= 0.9)] = rng.integers(0, layout.rows[li])
-    return ids
-
-
-def _exact(tabs_, rr, ids: np.ndarray, out) -> bool:
-    he = min(rr.head_start + rr.part, rr.n_hash_cols)
-    mine = np.full((ids.shape[0], rr.part), -1, np.int64)
-    mine[:, : he - rr.head_start] = ids[:, rr.head_start:he]
-    return same_bits(out.float().numpy().reshape(-1, 256), reference(tabs_, rr.layer_id, mine, rr.vocab_start,
-                                                                     rr.vocab_end))
-
-
-def _poisoned(t: int, part: int):
-    return torch.full((t, part, 256), float("nan"), dtype=torch.bfloat16)
 
 
 @pytest.fixture

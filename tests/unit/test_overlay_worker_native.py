@@ -24,8 +24,7 @@ from dsv41.transport import Refused, TransportError, TransportTimeout, native, p
 from dsv41.transport.server import RowServer
 from dsv41.transport.tcp import TcpClient
 
-from overlayutil import tabs  # noqa: F401 - a fixture
-from test_overlay_worker import _exact, _ids, _poisoned, _rows
+from overlayutil import exact_rows as _exact, lookup_ids as _ids, poisoned as _poisoned, remote_rows as _rows, tabs  # noqa: F401 - tabs is a fixture
 
 pytestmark = pytest.mark.skipif(native._fastrow is None, reason="the C++ extension is not built")
 

@@ -15,10 +15,8 @@ import numpy as np
 from dsv41.errors import ConfigError, Dsv41Error
 from dsv41.overlay.engram_ops import (ROW_BYTES, CudaOps, Handoff, HostOps, LaunchGraphs, OverlayRefused,
                                       _native_plan, log, plan_into, report_counters)
-from dsv41.overlay.engram_worker import JOIN_SPIN_NS, EngramWorker, _worker_for
+from dsv41.overlay.engram_worker import JOIN_SPIN_NS, PIECE_ROWS, REPORT_EVERY_S, EngramWorker, _worker_for
 
-#: Seconds between two counter reports (log line + JSON file) of one rank.
-REPORT_EVERY_S = 60.0
 #: Seconds ``_finish_prefetch`` waits for the worker's hand-off of one layer before it counts a
 #: refusal and serves that layer's exact rows on the launching thread. The worker's fetch is
 #: bounded by the row source's own deadline (``DSV41_ENGRAM_LOOKUP_DEADLINE_MS``, local fallback
@@ -27,9 +25,6 @@ REPORT_EVERY_S = 60.0
 HANDOFF_TIMEOUT_S = 30.0
 #: Seconds between two checks, while waiting for a hand-off, that the worker thread is alive.
 ALIVE_POLL_S = 0.05
-#: Rows of one piece of a lookup (plan, fetch, H2D, kernel): a decode step is one piece; a 32K
-#: prefill chunk at TP2 (393,216 rows) six, whose copies and kernels overlap the next fetch.
-PIECE_ROWS = 65536
 
 
 class TableSlot:

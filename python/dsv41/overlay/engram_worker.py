@@ -22,6 +22,12 @@ LEASE_RETRY_S = 1.0
 #: Nanoseconds ``RemoteRows.join`` polls the hand-off flag before it sleeps on the condition
 #: variable (``EngramSlot.wait``): a layer handed off by then costs no sleep and wake-up.
 JOIN_SPIN_NS = 20_000
+#: Seconds between two counter reports (log line + JSON file) of one rank.
+REPORT_EVERY_S = 60.0
+#: Rows of one piece of a lookup (plan, fetch, H2D, kernel): a decode step is one piece; a 32K
+#: prefill chunk at TP2 (393,216 rows) six, whose copies and kernels overlap the next fetch.
+PIECE_ROWS = 65536
+
 _workers: dict[int, "EngramWorker"] = {}
 _workers_lock = threading.Lock()
 
@@ -378,8 +384,6 @@ def _new_core(chunk_rows: int) -> Any:
 
     if not native.use_native():
         return None
-    from dsv41.overlay.engram_rows import PIECE_ROWS, REPORT_EVERY_S
-
     return native._fastrow.EngramCore(chunk_rows, PIECE_ROWS, REPORT_EVERY_S)
 
 
