@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-MUTATING = ("start", "stop", "restart", "kill", "daemon-reload", "enable", "disable")
+MUTATING = ("start", "stop", "restart", "kill", "daemon-reload", "reset-failed", "enable", "disable")
 
 
 def _name(arg: str) -> str:
@@ -59,6 +59,9 @@ def main(argv: list[str]) -> int:
         units[names[0]]["ActiveState"] = "active"
     elif cmd == "stop":
         if names[0] in units:
+            units[names[0]]["ActiveState"] = "inactive"
+    elif cmd == "reset-failed":
+        if units.get(names[0], {}).get("ActiveState") == "failed":
             units[names[0]]["ActiveState"] = "inactive"
     elif cmd == "kill":
         # SIGKILL under Restart=on-failure: systemd schedules the restart (activating, auto-restart)

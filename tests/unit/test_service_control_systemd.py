@@ -5,7 +5,8 @@ shapes) - the modules (ansible.builtin.systemd_service) are the real ones.
 
 Every action of control's argument spec is exercised (checked against its ``choices``): the state
 facts are set after every action, kill included; systemd is reloaded only when a unit says
-NeedDaemonReload=yes; stopping a stopped unit and starting an active one change nothing; check mode
+NeedDaemonReload=yes; a start of a unit that exhausted its restart budget clears it first
+(reset-failed); stopping a stopped unit and starting an active one change nothing; check mode
 makes no mutating call; a probe reports no change. A readiness wait that fails names the host, the
 unit, its state and its last journal lines."""
 
@@ -40,6 +41,9 @@ CASES = {
                                            ["daemon-reload", "start a"]),
     "restart_reloads_once_for_two_units": ({"a": (A, "yes"), "b": (A, "yes")}, "restart", ["a", "b"], False,
                                            {"a": A, "b": A}, True, ["daemon-reload", "restart a", "restart b"]),
+    "start_failed_clears_the_start_limit_first": ({"a": ("failed", "no")}, "start", ["a"], False, {"a": A}, True,
+                                                  ["reset-failed -- a", "start a"]),
+    "stop_failed_keeps_it_failed": ({"a": ("failed", "no")}, "stop", ["a"], False, {"a": "failed"}, False, []),
     "restart_inactive_starts": ({"a": (I, "no")}, "restart", ["a"], False, {"a": A}, True, ["start a"]),
     "restart_probe_reports_no_change": ({"a": (A, "no")}, "restart", ["a"], True, {"a": A}, False, ["restart a"]),
     "kill_sets_the_states": ({"a": (A, "no")}, "kill", ["a"], False, {"a": "activating"}, True,
@@ -47,7 +51,7 @@ CASES = {
     "status_only_reads": ({"a": (A, "yes"), "b": (I, "no")}, "status", ["a", "b", "c"], False,
                           {"a": A, "b": I, "c": I}, False, []),
 }
-MUTATING = ("start", "stop", "restart", "kill", "daemon-reload", "enable", "disable")
+MUTATING = ("start", "stop", "restart", "kill", "daemon-reload", "reset-failed", "enable", "disable")
 
 PLAY = """
 - hosts: localhost
