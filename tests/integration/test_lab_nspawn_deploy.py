@@ -177,7 +177,7 @@ def test_c_systemctl_kill_of_the_table_server_is_restarted_by_systemd(deployed):
 @pytest.mark.parametrize("host", ["x86host", "sparkworker"])
 def test_d_reboot_brings_every_service_back_without_ansible(deployed, host):
     old = {u: unit(host, u)["MainPID"] for u in UNITS[host]}
-    poweroff(host)
+    poweroff(host, timeout_s=90)  # TimeoutStopSec of the units bounds it
     t0 = time.monotonic()
     back, _ = up()
     assert changed(back.stdout) == 1, back.stdout[-4000:]
