@@ -83,8 +83,10 @@ def deployed():
     """Nothing -> deploy.yml -> deploy.yml again; the lab comes down after the module."""
     down()
     res, t_cold = _deploy()
+    print(f"\nnspawn deploy.yml from nothing: rc {res.returncode}, {t_cold:.1f} s, {recap(res.stdout)}", flush=True)
     assert res.returncode == 0, res.stdout[-8000:] + res.stderr[-2000:]
     again, t_warm = _deploy()
+    print(f"nspawn deploy.yml again: rc {again.returncode}, {t_warm:.1f} s, {recap(again.stdout)}", flush=True)
     assert again.returncode == 0, again.stdout[-8000:] + again.stderr[-2000:]
     yield {"first": res, "t_first": t_cold, "again": again, "t_again": t_warm}
     down()
