@@ -128,6 +128,16 @@ except ImportError:  # run from library/ (ansible.cfg: module_utils = plugins/mo
 links_mod = import_dsv41("dsv41.harness.links")
 
 
+def _netdev(module):
+    """An interface's MTU, flags and operstate through ``module.run_command`` (``ip -j link``), for
+    a ``/sys`` of another network namespace (links.ip_link_facts parses it)."""
+    def read(name):
+        rc, out, dummy = module.run_command(["ip", "-j", "link", "show", "dev", name])
+        return links_mod.ip_link_facts(name, out) if rc == 0 else None
+
+    return read
+
+
 def _addresses(module):
     """IPv4 addresses of an interface through ``module.run_command`` (``ip -j -4 addr``)."""
     import json
@@ -177,7 +187,7 @@ def main():
             module.fail_json(msg=missing_required_lib("pyverbs"))
     infos, checks, errors = links_mod.check_links(
         p["links"], sysfs=p["sysfs"], require_verbs=p["require_verbs"], verbs_mtu=p["verbs_mtu"],
-        pyverbs=verbs, addresses=_addresses(module))
+        pyverbs=verbs, addresses=_addresses(module), netdev=_netdev(module))
     source = next((i["rdma_source"] for i in infos if i.get("rdma_source")),
                   "sysfs" if verbs is None else "pyverbs" if links_mod.load_pyverbs() else "sysfs")
     if errors:

@@ -17,61 +17,19 @@ import time
 from pathlib import Path
 
 import pytest
-from labutil import BIN, HOSTS, LAB, ROOT, env, needs_lab, play
+from labutil import HOSTS, LAB, needs_lab, play
+from nspawnutil import INV, MGMT, SPARKS, ansible, changed, down, enter, needs_hybrid_cgroups, per_host, pid
 
-pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.lab_long, needs_lab,
-              pytest.mark.skipif(not Path("/sys/fs/cgroup/unified/cgroup.procs").exists()
-                                 or not Path("/sys/fs/cgroup/systemd/cgroup.procs").exists(),
-                                 reason="the nspawn backend needs the hybrid cgroup layout of the CI machine kind")]
-
-INV = "inventories/sim-nspawn"
-SPARKS = ("sparkhead", "sparkworker")
-MGMT = {"sparkhead": "198.18.0.11", "sparkworker": "198.18.0.12", "x86host": "198.18.0.13"}
-
-
-def _changed(out: str) -> int:
-    return sum(int(m) for m in re.findall(r"changed=(\d+)", out.split("PLAY RECAP")[-1]))
-
-
-def _ansible(pattern: str, module: str, args: str | None = None, *extra: str,
-             timeout: int = 300) -> subprocess.CompletedProcess:
-    """``ansible PATTERN -i inventories/sim-nspawn -m MODULE [-a ARGS] EXTRA`` (over ssh)."""
-    cmd = [str(BIN / "ansible"), pattern, "-i", INV, "-m", module, *(["-a", args] if args else []), *extra]
-    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
-
-
-def _per_host(out: str) -> dict[str, str]:
-    """Ansible's one-line output (``-o``) by host: ``host | CHANGED | rc=0 | (stdout) text``."""
-    res = {}
-    for line in out.splitlines():
-        m = re.match(r"^(\S+) \| (\S+) \| rc=(\d+) \| \(stdout\) (.*)$", line)
-        if m:
-            res[m[1]] = m[4].replace("\\n", "\n") if m[3] == "0" else f"RC{m[3]}"
-    return res
-
-
-def _pid(host: str, kind: str = "") -> int:
-    return int((LAB / f"{host}{kind}.pid").read_text().strip())
-
-
-def _enter(host: str, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in every namespace of the host's systemd (its leader)."""
-    return subprocess.run(["nsenter", "-t", str(_pid(host)), "-a", "--", *cmd],
-                          capture_output=True, text=True, check=check, timeout=60)
+pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.lab_long, needs_lab, needs_hybrid_cgroups]
 
 
 def _up() -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
     up = play("playbooks/lab_up.yml", "-i", INV, timeout=1800)
     assert up.returncode == 0, up.stdout[-5000:] + up.stderr[-2000:]
-    ping = _ansible("all", "ansible.builtin.ping", None, "-b", "-o")
+    ping = ansible("all", "ansible.builtin.ping", None, "-b", "-o")
     assert ping.returncode == 0 and ping.stdout.count("SUCCESS") == 3, ping.stdout + ping.stderr
     return up, time.monotonic() - t0
-
-
-def _down() -> None:
-    down = play("playbooks/lab_down.yml", "-i", INV, timeout=600)
-    assert down.returncode == 0, down.stdout[-5000:] + down.stderr[-2000:]
 
 
 def _lab_processes(pids: list[int]) -> list[int]:
@@ -98,95 +56,95 @@ def _assert_nothing_left() -> None:
 
 def test_nspawn_hosts_production_connection_docker_reboot_and_nothing_left():
     # Take the lab over: whatever runs on this machine (either backend) goes down first.
-    _down()
+    down()
     cold = not list((LAB / "nspawn-cache").glob("rootfs-*.tar.zst"))
 
     up, t_first = _up()
     print(f"\nnspawn lab: nothing -> three hosts answering Ansible over ssh in {t_first:.1f} s "
           f"({'cold: rootfs built' if cold else 'rootfs from the cache'})")
     again = play("playbooks/lab_up.yml", "-i", INV)
-    assert again.returncode == 0 and _changed(again.stdout) == 0, again.stdout[-4000:]
+    assert again.returncode == 0 and changed(again.stdout) == 0, again.stdout[-4000:]
 
     # One lab per machine: the netns backend refuses to come up over it, in one line, changing nothing.
     other = play("playbooks/lab_up.yml")
     assert other.returncode != 0
     assert "dsv41 lab: the lab on this machine is up with lab_host_backend=nspawn" in other.stdout, other.stdout[-3000:]
-    assert _per_host(_ansible("all", "ansible.builtin.command", "hostname", "-o").stdout) == {h: h for h in HOSTS}
+    assert per_host(ansible("all", "ansible.builtin.command", "hostname", "-o").stdout) == {h: h for h in HOSTS}
 
     # The production connection: ssh as ops, become root through sudo.
-    who = _per_host(_ansible("all", "ansible.builtin.command", "whoami", "-b", "-o").stdout)
+    who = per_host(ansible("all", "ansible.builtin.command", "whoami", "-b", "-o").stdout)
     assert who == {h: "root" for h in HOSTS}, who
-    who = _per_host(_ansible("all", "ansible.builtin.command", "whoami", "-e", "ansible_become=false", "-o").stdout)
+    who = per_host(ansible("all", "ansible.builtin.command", "whoami", "-e", "ansible_become=false", "-o").stdout)
     assert who == {h: "ops" for h in HOSTS}, who
-    names = _per_host(_ansible("all", "ansible.builtin.command", "hostname", "-o").stdout)
+    names = per_host(ansible("all", "ansible.builtin.command", "hostname", "-o").stdout)
     assert names == {h: h for h in HOSTS}, names
 
     # systemd is PID 1 of each host, each host in its own cgroup, no host sees another's processes.
-    leaders = {h: _pid(h) for h in HOSTS}
-    lab_pids = list(leaders.values()) + [_pid(h, ".nspawn") for h in HOSTS]
+    leaders = {h: pid(h) for h in HOSTS}
+    lab_pids = list(leaders.values()) + [pid(h, ".nspawn") for h in HOSTS]
     assert len(set(leaders.values())) == 3
     for h in HOSTS:
-        assert _enter(h, "ps", "-p", "1", "-o", "comm=").stdout.strip() == "systemd"
+        assert enter(h, "ps", "-p", "1", "-o", "comm=").stdout.strip() == "systemd"
         cg = Path(f"/proc/{leaders[h]}/cgroup").read_text()
         assert re.search(rf"^0::/dsv41-{h}(/|$)", cg, re.M), cg
-        state = _enter(h, "systemctl", "is-system-running", check=False).stdout.strip()
-        assert state == "running", (h, state, _enter(h, "systemctl", "--failed", check=False).stdout)
-    probe = _ansible("x86host", "ansible.builtin.command", "systemd-run --unit dsv41-probe sleep 4242", "-b")
+        state = enter(h, "systemctl", "is-system-running", check=False).stdout.strip()
+        assert state == "running", (h, state, enter(h, "systemctl", "--failed", check=False).stdout)
+    probe = ansible("x86host", "ansible.builtin.command", "systemd-run --unit dsv41-probe sleep 4242", "-b")
     assert probe.returncode == 0, probe.stdout + probe.stderr
     for h in HOSTS:
-        seen = "sleep 4242" in _enter(h, "ps", "-e", "-o", "args=").stdout
+        seen = "sleep 4242" in enter(h, "ps", "-e", "-o", "args=").stdout
         assert seen == (h == "x86host"), h
 
     # Over the lab links: sparkhead reaches x86host's sshd on x86host's end of their direct link.
-    tcp = _ansible("sparkhead", "ansible.builtin.command",
+    tcp = ansible("sparkhead", "ansible.builtin.command",
                    "python3 -c \"import socket; s=socket.create_connection(('198.18.1.1', 22), 5); print(s.recv(64).decode().strip())\"",
                    "-o")
-    assert _per_host(tcp.stdout).get("sparkhead", "").startswith("SSH-2.0-OpenSSH"), tcp.stdout + tcp.stderr
-    route = _enter("sparkhead", "ip", "-o", "route", "get", "198.18.1.1").stdout
+    assert per_host(tcp.stdout).get("sparkhead", "").startswith("SSH-2.0-OpenSSH"), tcp.stdout + tcp.stderr
+    route = enter("sparkhead", "ip", "-o", "route", "get", "198.18.1.1").stdout
     assert " dev ofl0 " in route, route
-    assert " mtu 9000 " in _enter("sparkhead", "ip", "-o", "link", "show", "ofl0").stdout
+    assert " mtu 9000 " in enter("sparkhead", "ip", "-o", "link", "show", "ofl0").stdout
 
     # docker inside each Spark: an image made by `docker import` of a tiny tarball runs with the
     # host's network (its netns address and hostname).
     make_image = ("set -e; tar -ch -C / -f /tmp/probe.tar usr/bin/cat lib/x86_64-linux-gnu/libc.so.6 lib64/ld-linux-x86-64.so.2;"
                   " /usr/bin/docker import /tmp/probe.tar dsv41-lab-probe:1 >/dev/null;"
                   " /usr/bin/docker images --no-trunc -q dsv41-lab-probe:1")
-    made = _per_host(_ansible("spark", "ansible.builtin.shell", make_image, "-b", "-o", timeout=300).stdout)
+    made = per_host(ansible("spark", "ansible.builtin.shell", make_image, "-b", "-o", timeout=300).stdout)
     assert set(made) == set(SPARKS) and all(v.startswith("sha256:") for v in made.values()), made
     for h in SPARKS:
-        run = _ansible(h, "ansible.builtin.command",
+        run = ansible(h, "ansible.builtin.command",
                        f"/usr/bin/docker run --rm --network host {made[h]} /usr/bin/cat /proc/sys/kernel/hostname /proc/net/fib_trie",
                        "-b", timeout=300)
         assert run.returncode == 0, run.stdout + run.stderr
         assert f"\n{h}\n" in run.stdout and MGMT[h] in run.stdout, run.stdout
-    info = _ansible("sparkhead", "ansible.builtin.command", "/usr/bin/docker info", "-b")
+    info = ansible("sparkhead", "ansible.builtin.command", "/usr/bin/docker info", "-b")
     assert "Storage Driver: overlay2" in info.stdout and "Cgroup Driver: systemd" in info.stdout, info.stdout
 
     # A reboot: poweroff through the host's own systemd, then lab_up starts it again; sshd comes
     # back and /var/lib/docker (a bind-mounted directory) kept the image.
     old_leader = leaders["sparkworker"]
-    nspawn_pid = _pid("sparkworker", ".nspawn")
-    _enter("sparkworker", "systemctl", "poweroff")
+    nspawn_pid = pid("sparkworker", ".nspawn")
+    enter("sparkworker", "systemctl", "poweroff")
     deadline = time.monotonic() + 30
     while Path(f"/proc/{nspawn_pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not Path(f"/proc/{nspawn_pid}").exists(), "the machine did not power off within 30 s"
     t0 = time.monotonic()
     back = play("playbooks/lab_up.yml", "-i", INV)
-    assert back.returncode == 0 and _changed(back.stdout) == 1, back.stdout[-4000:]
-    ping = _ansible("sparkworker", "ansible.builtin.ping", None, "-b")
+    assert back.returncode == 0 and changed(back.stdout) == 1, back.stdout[-4000:]
+    ping = ansible("sparkworker", "ansible.builtin.ping", None, "-b")
     assert ping.returncode == 0, ping.stdout + ping.stderr
     print(f"nspawn lab: sparkworker powered off and started again, answering ssh after {time.monotonic() - t0:.1f} s")
-    assert _pid("sparkworker") != old_leader
-    lab_pids += [_pid("sparkworker"), _pid("sparkworker", ".nspawn")]
-    kept = _ansible("sparkworker", "ansible.builtin.command", f"/usr/bin/docker image inspect -f ok {made['sparkworker']}",
+    assert pid("sparkworker") != old_leader
+    lab_pids += [pid("sparkworker"), pid("sparkworker", ".nspawn")]
+    kept = ansible("sparkworker", "ansible.builtin.command", f"/usr/bin/docker image inspect -f ok {made['sparkworker']}",
                     "-b", "-o")
-    assert _per_host(kept.stdout).get("sparkworker") == "ok", kept.stdout
+    assert per_host(kept.stdout).get("sparkworker") == "ok", kept.stdout
 
     # lab_down: nothing left, and only lab processes ended (an outsider of the same shape lives).
     outsider = subprocess.Popen(["sleep", "4242"])
     try:
-        _down()
+        down()
         assert outsider.poll() is None, "lab_down killed a process outside the lab"
     finally:
         outsider.kill()
@@ -197,7 +155,7 @@ def test_nspawn_hosts_production_connection_docker_reboot_and_nothing_left():
     # From nothing again, with the cached rootfs.
     _up_cached, t_cached = _up()
     print(f"nspawn lab: nothing -> three hosts answering Ansible over ssh in {t_cached:.1f} s (rootfs from the cache)")
-    lab_pids = [_pid(h) for h in HOSTS] + [_pid(h, ".nspawn") for h in HOSTS]
-    _down()
+    lab_pids = [pid(h) for h in HOSTS] + [pid(h, ".nspawn") for h in HOSTS]
+    down()
     assert not _lab_processes(lab_pids)
     _assert_nothing_left()

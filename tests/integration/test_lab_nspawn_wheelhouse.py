@@ -13,18 +13,14 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from labutil import HOSTS, LAB, ROOT, needs_lab, play
+from nspawnutil import INV, changed, down, enter, needs_hybrid_cgroups, up
 
-INV = "inventories/sim-nspawn"
-
-pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.lab_long, needs_lab,
-              pytest.mark.skipif(not Path("/sys/fs/cgroup/unified/cgroup.procs").exists(),
-                                 reason="the nspawn backend needs the hybrid cgroup layout of the CI machine kind")]
+pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.lab_long, needs_lab, needs_hybrid_cgroups]
 
 CACHE = LAB / "artifacts" / "wheelhouse"
 PLAY = """---
@@ -35,27 +31,6 @@ PLAY = """---
   roles:
     - role: dsv41_package
 """
-
-
-def changed(out: str) -> int:
-    return sum(int(m) for m in re.findall(r"changed=(\d+)", out.split("PLAY RECAP")[-1]))
-
-
-def up() -> None:
-    res = play("playbooks/lab_up.yml", "-i", INV, timeout=1800)
-    assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-2000:]
-
-
-def down() -> None:
-    res = play("playbooks/lab_down.yml", "-i", INV, timeout=600)
-    assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-2000:]
-
-
-def enter(host: str, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in every namespace of the host's systemd (the pid the lab records)."""
-    pid = (LAB / f"{host}.pid").read_text().strip()
-    return subprocess.run(["nsenter", "-t", pid, "-a", "--", *cmd], capture_output=True, text=True,
-                          check=check, timeout=120)
 
 
 def _install(pb: Path, *args: str):

@@ -1,4 +1,5 @@
-"""The direct links of a host: netdev state from sysfs, RDMA port state through pyverbs or sysfs.
+"""The direct links of a host: netdev state from sysfs (netlink, ``ip -j link``, when ``/sys`` is
+another network namespace's), RDMA port state through pyverbs or sysfs.
 
 What ``rdma_link`` (plugins/modules) and ``dsv41 qualify`` read for each link of
 ``dsv41_links``: the interface exists, is up, has the expected Ethernet MTU and IPv4 address; where
@@ -63,6 +64,33 @@ def ipv4_addresses(name: str, run: Callable[..., Any] = subprocess.run) -> list[
     except ValueError:
         return []
     return [a.get("local") for d in data for a in d.get("addr_info", []) if a.get("family") == "inet"]
+
+
+def ip_link_facts(name: str, text: str) -> dict | None:
+    """``{"mtu": int, "flags": int (IFF_UP only), "operstate": str}`` of ``name`` from the JSON
+    ``ip -j link show dev NAME`` prints; None when it does not describe ``name``."""
+    try:
+        data = fileio.loads_json(text or "[]")
+    except ValueError:
+        return None
+    if not isinstance(data, list) or not data or not isinstance(data[0], dict) or data[0].get("ifname") != name:
+        return None
+    d = data[0]
+    return {"mtu": int(d.get("mtu") or 0), "flags": IFF_UP if "UP" in (d.get("flags") or []) else 0,
+            "operstate": str(d.get("operstate", "")).lower()}
+
+
+def ip_link(name: str, run: Callable[..., Any] = subprocess.run) -> dict | None:
+    """:func:`ip_link_facts` of interface ``name`` in this process's network namespace, over
+    netlink (``ip -j link show dev NAME``); None when there is no such interface or ``ip`` fails.
+    The fallback for a ``/sys`` that belongs to another network namespace: a container joined to a
+    network namespace while ``/sys`` stayed the host's (systemd-nspawn ``--network-namespace-path``
+    bind-mounts the host's ``/sys``; docs/lab.md)."""
+    try:
+        r = run(["ip", "-j", "link", "show", "dev", name], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return ip_link_facts(name, r.stdout) if r.returncode == 0 else None
 
 
 def load_pyverbs():
@@ -145,12 +173,14 @@ def verbs_ports_sysfs(sysfs: str, name: str) -> list[dict]:
 
 
 def check_link(link: dict, *, sysfs: str = "/sys", require_verbs: bool = True, verbs_mtu: int = 4096,
-               pyverbs: Any = "auto", addresses: Callable[[str], list[str]] = ipv4_addresses) -> tuple[dict, list[dict]]:
+               pyverbs: Any = "auto", addresses: Callable[[str], list[str]] = ipv4_addresses,
+               netdev: Callable[[str], dict | None] = ip_link) -> tuple[dict, list[dict]]:
     """Read one link and judge it.
 
     ``link``: an entry of ``dsv41_links`` (``name``, ``mtu`` (default 9000), optional ``address``).
     ``pyverbs``: the ``pyverbs.device`` module, None (read sysfs), or ``"auto"`` (import it when
-    possible). Returns ``(info, checks)``: ``info`` the values read (``rdma_source`` says which
+    possible). ``netdev``: the interface's facts when ``sysfs`` has no entry for it (:func:`ip_link`,
+    netlink: a ``/sys`` of another network namespace). Returns ``(info, checks)``: ``info`` the values read (``rdma_source`` says which
     source the verbs facts came from); ``checks`` one dict per check ``{"check", "ok" (True, False
     or None = skipped), "value", "expected", "reason"}`` with check names ``netdev``, ``up``,
     ``mtu``, ``address``, ``rdma_port``, ``rdma_active_mtu``, ``roce_v2_gid``.
@@ -163,13 +193,17 @@ def check_link(link: dict, *, sysfs: str = "/sys", require_verbs: bool = True, v
     def add(check, ok, value=None, expected=None, reason=""):
         checks.append({"check": check, "ok": ok, "value": value, "expected": expected, "reason": reason})
 
-    if not os.path.isdir(net):
-        add("netdev", False, "absent", "present", f"{name}: no such interface")
-        return {"name": name, "exists": False}, checks
+    if os.path.isdir(net):
+        mtu = int(_read(os.path.join(net, "mtu")) or 0)
+        flags = int(_read(os.path.join(net, "flags")) or "0", 16)
+        oper = _read(os.path.join(net, "operstate"))
+    else:
+        nl = netdev(name)
+        if nl is None:
+            add("netdev", False, "absent", "present", f"{name}: no such interface")
+            return {"name": name, "exists": False}, checks
+        mtu, flags, oper = nl["mtu"], nl["flags"], nl["operstate"]
     add("netdev", True, "present", "present")
-    mtu = int(_read(os.path.join(net, "mtu")) or 0)
-    flags = int(_read(os.path.join(net, "flags")) or "0", 16)
-    oper = _read(os.path.join(net, "operstate"))
     up = bool(flags & IFF_UP) and oper in ("up", "unknown")
     addrs = addresses(name)
     info: dict = {"name": name, "exists": True, "mtu": mtu, "up": up, "operstate": oper, "addresses": addrs}

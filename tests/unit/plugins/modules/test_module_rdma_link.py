@@ -261,3 +261,28 @@ def test_every_check_name_is_reported_for_every_link(tmp_path, ip_addrs, run_mod
         got.setdefault(c["link"], []).append(c["check"])
     assert got == {"a": names, "b": names, "gone": ["netdev"]}
     assert kind == "fail" and res["msg"] == "gone: no such interface"
+
+
+def test_a_sys_of_another_network_namespace_reads_the_interface_over_netlink(tmp_path, run_module, monkeypatch):
+    """systemd-nspawn --network-namespace-path keeps the host's /sys: the interface is not in
+    sysfs, `ip -j link` (netlink, this namespace) has it; a name neither has is still absent."""
+    from ansible.module_utils import basic
+
+    def run_command(self, args, **kw):
+        name = args[-1]
+        if name != "ofl0":
+            return 1, "", f'Device "{name}" does not exist.'
+        if args[2] == "link":
+            return 0, json.dumps([{"ifname": "ofl0", "mtu": 9000, "flags": ["BROADCAST", "UP", "LOWER_UP"],
+                                   "operstate": "UP"}]), ""
+        return 0, json.dumps([{"ifname": "ofl0", "addr_info": [{"family": "inet", "local": "198.18.1.2"}]}]), ""
+
+    monkeypatch.setattr(basic.AnsibleModule, "run_command", run_command)
+    kind, res = run_module(rdma_link, {"links": [{"name": "ofl0", "mtu": 9000, "address": "198.18.1.2"}],
+                                       "require_verbs": False, "sysfs": str(tmp_path), "rdma_source": "sysfs"})
+    assert kind == "exit", res
+    assert res["links"][0] | {"rdma": None} == {"name": "ofl0", "exists": True, "mtu": 9000, "up": True, "operstate": "up",
+                                                "addresses": ["198.18.1.2"], "rdma_source": "sysfs", "rdma": None}
+    kind, res = run_module(rdma_link, {"links": [{"name": "ofl9"}], "require_verbs": False, "sysfs": str(tmp_path),
+                                       "rdma_source": "sysfs"})
+    assert kind == "fail" and res["msg"] == "ofl9: no such interface"
