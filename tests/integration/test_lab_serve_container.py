@@ -77,7 +77,7 @@ def enter(host: str, *cmd: str, check: bool = True) -> subprocess.CompletedProce
                           check=check, timeout=120)
 
 
-def run(pb: Path, *args: str, timeout: int = 1500) -> tuple[subprocess.CompletedProcess, float]:
+def run(pb: Path, *args: str, timeout: int = 720) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
     res = play(str(pb), "-i", INV, *args, env_extra={"ANSIBLE_ROLES_PATH": str(ROOT / "roles")}, timeout=timeout)
     return res, time.monotonic() - t0
