@@ -48,12 +48,26 @@ PLAY = f"""---
       ansible.builtin.include_role:
         name: serve
         tasks_from: artifacts
-- name: Tables on the Sparks (the engine's local reader)
+- name: Tables on the Sparks (the engine's local reader; the controller's generated set, copied)
   hosts: spark
   gather_facts: false
   roles:
     - role: dsv41
-    - role: engram_tables
+  tasks:
+    - name: Generate the trusted tables once on the controller
+      ansible.builtin.command: >-
+        {{{{ ansible_playbook_python | dirname }}}}/dsv41 engram make-tables --config {{{{ dsv41_model_config }}}}
+        --out {{{{ dsv41_artifacts_dir }}}}/tables --seed {{{{ dsv41_tables_seed }}}}
+      args:
+        creates: "{{{{ dsv41_artifacts_dir }}}}/tables/manifest.json"
+      delegate_to: localhost
+      run_once: true
+    - name: Copy them to the Spark
+      ansible.builtin.copy:
+        src: "{{{{ dsv41_artifacts_dir }}}}/tables/"
+        dest: /opt/dsv41/tables/
+        mode: "0644"
+        directory_mode: "0755"
 - name: The serving image
   ansible.builtin.import_playbook: {ROOT}/playbooks/lab_serve_image.yml
 - name: Serve in containers
