@@ -158,10 +158,14 @@ def test_ranks_run_in_containers_from_the_lab_image_and_a_wrong_pin_refuses(tmp_
         # the warm path: the cached tarball loaded into a Spark that lacks the image
         serve_pb = tmp_path / "serve-only.yml"
         serve_pb.write_text("---\n" + PLAY[PLAY.index("- name: The serving image"):])
-        enter("sparkworker", "/usr/bin/docker", "rmi", "-f", pin, check=False)  # the running container keeps its layers
+        tag = enter("sparkworker", "/usr/bin/docker", "images", "--format", "{{.Repository}}:{{.Tag}}",
+                    "dsv41-serve").stdout.split()[0]
+        enter("sparkworker", "/usr/bin/docker", "rmi", "-f", tag)  # untagged; the running container keeps the image
         warm, t_warm = run(serve_pb)
         assert warm.returncode == 0, warm.stdout[-6000:]
-        print(f"image from the cache (load into sparkworker) + serve role, no restart: {t_warm:.1f} s")
+        assert "changed: [sparkworker]" in warm.stdout.split("load it into each Spark")[1].split("TASK")[0], warm.stdout[-6000:]
+        assert enter("sparkworker", "/usr/bin/docker", "image", "inspect", "--format", "{{.Id}}", tag).stdout.strip() == pin
+        print(f"image from the cache (docker load into sparkworker) + serve role, no restart: {t_warm:.1f} s")
 
         # a wrong pin (an ID the hosts lack; a repo digest): refused on both ranks, nothing stopped
         wrong_id = "sha256:" + "0" * 64
