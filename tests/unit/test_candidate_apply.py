@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from dsv41.harness import candidates as W
+from unitutil import SYSTEM_UNITS, stub_root
 
 ROLE_VARS = W.ROLE_VARS
 
@@ -264,29 +265,6 @@ def test_a_name_outside_the_settable_ones_is_refused(tmp_path):
     assert "serve_health_delay" in str(err.value) and "not settable by a candidate" in str(err.value)
 
 
-SYSTEM_UNITS = next((p for p in (Path("/usr/lib/systemd/system"), Path("/lib/systemd/system")) if p.is_dir()), None)
-
-
-def _stub_root(root: Path, units: list[str]) -> Path:
-    """A filesystem root for ``systemd-analyze verify --root``: this machine's own system units
-    (the targets a unit orders itself after; regular files only, since their absolute symlinks
-    would resolve outside the root) and an executable stand-in at every Exec*= path the units name
-    (they exist on a real host; here only the unit's own syntax and semantics are checked)."""
-    (root / "usr/lib/systemd/system").mkdir(parents=True, exist_ok=True)
-    for unit in SYSTEM_UNITS.iterdir():
-        if unit.is_file() and not unit.is_symlink():
-            (root / "usr/lib/systemd/system" / unit.name).write_bytes(unit.read_bytes())
-    for text in units:
-        for line in text.splitlines():
-            key, _, value = line.partition("=")
-            if key.startswith("Exec") and value.strip():
-                exe = root / value.lstrip("-@:+!").split()[0].lstrip("/")
-                exe.parent.mkdir(parents=True, exist_ok=True)
-                exe.write_text("#!/bin/sh\n")
-                exe.chmod(0o755)
-    return root
-
-
 @pytest.mark.skipif(SYSTEM_UNITS is None or not __import__("shutil").which("systemd-analyze"),
                     reason="needs systemd-analyze and the system's units (Debian package systemd)")
 def test_every_rendered_unit_passes_systemd_analyze_verify(rendered, tmp_path):
@@ -299,7 +277,7 @@ def test_every_rendered_unit_passes_systemd_analyze_verify(rendered, tmp_path):
     units = {f"{arm}/{name}": text for arm, files in got.items() for name, text in files.items()
              if name.endswith(".service.unit")}
     assert len(units) == 3 * len(got)
-    root = _stub_root(tmp_path / "root", list(units.values()))
+    root = stub_root(tmp_path / "root", list(units.values()))
     for key, text in sorted(units.items()):
         assert verify_unit(text, "dsv41-" + key.split("/")[1].split(".")[0] + ".service", root) == [], (inv, key)
     good = units["production/x86host.service.unit"]

@@ -74,9 +74,29 @@ def check_cmd(
 def unit_cmd(
     file: Annotated[Path, typer.Argument(help="Rendered systemd unit (Ansible's validate passes it as %s).")],
     name: Annotated[str, typer.Option("--name", help="The unit's name on the host, NAME.service.")],
+    root: Annotated[Optional[Path], typer.Option(
+        "--root", help="Verify against this filesystem root (its executables and system units) instead of this host.")] = None,
 ) -> None:
     """Verify a systemd unit with systemd-analyze: exit 0 only when it reports nothing at all."""
     from dsv41.entrypoints.unit_check import check_unit_file
 
-    lines = check_unit_file(file, name)
+    if root is not None and not root.is_dir():
+        raise Dsv41Error(f"--root {root}: not a directory")
+    lines = check_unit_file(file, name, root)
     print(f"{file}: ok (unit {name}, {lines} lines, systemd-analyze verify reported nothing)")
+
+
+@app.command("image")
+def image_cmd(
+    pin: Annotated[str, typer.Option("--pin", help="The pinned image: REPO@sha256:<hex> or an image ID sha256:<hex>.")],
+    host: Annotated[str, typer.Option("--host", help="The host's inventory name (named in the refusal).")],
+    docker: Annotated[str, typer.Option("--docker", help="The container CLI.")] = "/usr/bin/docker",
+    repository: Annotated[str, typer.Option(
+        "--repository", help="Repository whose images are named when the pin is absent (default: the pin's).")] = "",
+) -> None:
+    """Is the pinned serving image in this host's dockerd with exactly that ID/digest? Exit 0 and one
+    JSON line, else one line naming the host, the pin and what was found, exit 1."""
+    from dsv41 import serve_image
+
+    serve_image.parse_pin(pin)  # a bad pin is refused before dockerd is asked
+    print(json.dumps(serve_image.check(pin, serve_image.list_images(docker), host, repository), sort_keys=True))

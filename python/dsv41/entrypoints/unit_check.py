@@ -58,12 +58,13 @@ def verify_unit(text: str, name: str, root: Path | None = None) -> list[str]:
     return [line.replace(str(path), name) for line in lines]
 
 
-def check_unit_file(file: Path, name: str) -> int:
-    """Read ``file`` (a rendered unit, e.g. Ansible's validate ``%s``) and verify it as ``name``.
-    Returns the number of lines checked. Raises :class:`Dsv41Error` with every message joined on
-    one line when systemd-analyze reports anything."""
+def check_unit_file(file: Path, name: str, root: Path | None = None) -> int:
+    """Read ``file`` (a rendered unit, e.g. Ansible's validate ``%s``) and verify it as ``name``
+    (against ``root`` when given: :func:`verify_unit`). Returns the number of lines checked.
+    Raises :class:`Dsv41Error` with every message joined on one line when systemd-analyze
+    reports anything."""
     text = fileio.read_text(file, "systemd unit", max_bytes=MAX_BYTES)
-    messages = verify_unit(text, name)
+    messages = verify_unit(text, name, root)
     if messages:
         raise Dsv41Error(f"unit {name} ({file}): " + " | ".join(messages))
     return len(text.splitlines())
