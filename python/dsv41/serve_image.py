@@ -23,6 +23,7 @@ import re
 import subprocess
 from dataclasses import dataclass
 
+from dsv41 import fileio
 from dsv41.errors import ConfigError, Dsv41Error, VerificationError
 
 _HEX64 = r"[0-9a-f]{64}"
@@ -121,7 +122,7 @@ def list_images(docker: str) -> list[dict]:
         return []
     out = run([docker, "image", "inspect", *ids])
     try:
-        images = json.loads(out)
+        images = fileio.loads_json(out)
     except json.JSONDecodeError as exc:
         raise Dsv41Error(f"{docker} image inspect: not JSON ({exc.msg})") from None
     if not isinstance(images, list) or not all(isinstance(i, dict) for i in images):

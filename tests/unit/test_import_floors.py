@@ -31,7 +31,7 @@ PKG = Path(__file__).resolve().parents[2] / "python" / "dsv41"
 FLOORS: list[tuple[str, ...]] = [
     ("errors", "envs", "fileio", "httpd", "tokenizer", "__init__"),
     ("transport",),
-    ("version", "wheelhouse"),
+    ("version", "wheelhouse", "serve_image"),
     ("engram",),
     ("engine",),
     ("harness", "promotion", "monitoring"),

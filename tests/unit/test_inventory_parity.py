@@ -43,7 +43,6 @@ PRODUCTION_ONLY = {
                                           "the weights it generates"),
     "dsv41_trusted_manifest": ("artefact", "the real shards' trusted manifest; the lab generates tables from "
                                            "dsv41_tables_seed and writes their manifest"),
-    "serve_image": ("artefact", "the real vLLM serving image; the lab serves with the dsv41 lab engine, no image"),
     "serve_model_dir": ("path", "where the real checkpoint lies on each Spark; the lab's weights are an artefact "
                                 "under dsv41_artifacts_dir"),
     "serve_model_name": ("artefact", "the model id clients ask for (deepseek-v4.1-flash); the lab serves its "
@@ -54,6 +53,12 @@ PRODUCTION_ONLY = {
 
 # key -> (category, why[, only these hosts]); set in the lab only.
 LAB_ONLY = {
+    "serve_container": ("lab", "off on the nspawn lab until the container path has passed there with the whole "
+                               "stack (issue 22); production takes the role default (on for vLLM)"),
+    "serve_image_repository": ("artefact", "the lab's locally built serving image's repository, named in the "
+                                           "pin check's refusal; production's pin is a repo digest that names it"),
+    "dsv41_package_extras": ("lab", "torch on the Sparks: the lab engine runs as a plain process there; "
+                                    "production's Sparks use the serving image's"),
     "ansible_host": ("address", "the lab sets it once in group_vars (each machine's dsv41_mgmt_address), so the "
                                 "implicit localhost inherits it (unused there: ansible_connection local); "
                                 "production gives it per host in hosts.yml", {"localhost"}),

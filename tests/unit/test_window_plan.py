@@ -117,24 +117,41 @@ def test_fault_trigger_strikes_after_n_cells(tmp_path):
 
 
 def test_fault_trigger_waits_for_a_slow_strike_before_the_next_cell(tmp_path):
-    """The fault lands inside the window: the cell after the trigger does not end the wait
-    for a command still striking (bounded by strike_wait_s)."""
+    """The fault lands before the next cell starts: creating the trigger waits for a command
+    still striking (bounded by strike_wait_s), so a slow controller cannot let it land later."""
     trig, mark = tmp_path / "t", tmp_path / "fired"
     cmd = f"while [ ! -e {{trigger}} ]; do sleep 0.05; done; sleep 1; echo x >> {mark}"
     t = window.FaultTrigger(1, cmd, str(trig), strike_wait_s=30)
     t.start()
-    t.cell_done()  # trigger created
-    t.cell_done()  # the following cell ended: waits for the strike
+    t.cell_done()  # trigger created; waits for the strike
     assert mark.read_text() == "x\n"
     t.join(30)
     # bounded: a command that never strikes delays the window by strike_wait_s only
     t = window.FaultTrigger(1, "sleep 60", str(tmp_path / "t2"), strike_wait_s=0.5)
     t.start()
-    t.cell_done()
     t0 = time.monotonic()
     t.cell_done()
     assert 0.4 <= time.monotonic() - t0 < 10
     t.join(0.5)
+
+
+@pytest.mark.parametrize("arms,after,at", [
+    (["control", "candidate", "candidate", "control"], 2, 2),     # next cell same arm: as asked
+    (["control", "candidate", "candidate", "control"], 1, 2),     # 1 -> 2 is a switch: moved on
+    (["control", "candidate", "control", "control"], 1, 3),
+    (["control", "candidate", "control", "candidate"], 1, 1),     # no same-arm boundary: as asked
+    ([], 2, 2),
+])
+def test_fault_trigger_strikes_where_no_arm_switch_heals_it(tmp_path, arms, after, at):
+    """An arm switch restarts the TP pair: the trigger moves to the first boundary at or after
+    after_cells whose next cell is of the same arm (the plan's own arms)."""
+    t = window.FaultTrigger(after, "true", str(tmp_path / "t"), arms=arms or None)
+    assert t.at_cell == at
+    for _ in range(at - 1):
+        t.cell_done()
+    assert not (tmp_path / "t").exists()
+    t.cell_done()
+    assert (tmp_path / "t").exists() and t.record()["at_cell"] == at
 
 
 def test_fault_trigger_join_kills_a_command_that_never_ends(tmp_path):
@@ -234,7 +251,7 @@ def test_fault_trigger_keeps_its_output_and_says_when_it_did_not_strike(tmp_path
     ok.cell_done()
     ok.join(30)
     assert ok.failure() is None and (tmp_path / "fault.log").read_text() == "struck\n"
-    assert ok.record() == {"after_cells": 1, "triggered": True, "rc": 0, "log": "fault.log"}
+    assert ok.record() == {"after_cells": 1, "at_cell": 1, "triggered": True, "rc": 0, "log": "fault.log"}
 
     bad = window.FaultTrigger(1, "while [ ! -e {trigger} ]; do sleep 0.02; done; echo no host >&2; exit 4",
                               str(tmp_path / "t2"), log_path=str(tmp_path / "f2.log"))

@@ -148,7 +148,7 @@ def test_a_fault_drill_that_failed_is_recorded_and_named(tmp_path, fake_arms):
     cmd = "while [ ! -e {trigger} ]; do sleep 0.02; done; echo unreachable >&2; exit 2"
     res = window_run.run_window(_params(tmp_path, window_id="wbad", cap=False, fault_after_cells=1, fault_cmd=cmd))
     doc = json.loads((Path(res.dir) / "decision.json").read_text())
-    assert doc["fault"] == {"after_cells": 1, "triggered": True, "rc": 2, "log": "fault.log"}
+    assert doc["fault"]["triggered"] and doc["fault"]["rc"] == 2 and doc["fault"]["log"] == "fault.log"
     assert (Path(res.dir) / "fault.log").read_text() == "unreachable\n"
     assert res.fault_failure.startswith("fault drill command failed (rc 2)")
     ok = window_run.run_window(_params(tmp_path, window_id="wok", cap=False, fault_after_cells=1,

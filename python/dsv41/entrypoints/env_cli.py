@@ -99,4 +99,4 @@ def image_cmd(
     from dsv41 import serve_image
 
     serve_image.parse_pin(pin)  # a bad pin is refused before dockerd is asked
-    print(json.dumps(serve_image.check(pin, serve_image.list_images(docker), host, repository), sort_keys=True))
+    print(fileio.dumps_json(serve_image.check(pin, serve_image.list_images(docker), host, repository), sort_keys=True))

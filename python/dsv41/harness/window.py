@@ -169,22 +169,31 @@ class FaultTrigger:
     """A fault drill inside a window (window.yml's ``window_fault=mid_cell``: SIGKILL rank 0's
     engine while cells run). ``cmd`` is a shell command started at once in the background (an
     ansible-playbook takes seconds to start; started early it is ready when needed), with
-    ``{trigger}`` replaced by a file path it must wait for before it strikes; the file is created
-    once ``after_cells`` cells have finished, so the fault lands during the following cell. When
-    that cell ends and the command has not finished striking (a loaded controller: ansible polls
-    the file every second and then starts a task), the run waits for it, at most ``strike_wait_s``
-    seconds, before the next cell: the fault always lands inside the window, never after its
-    last cell. ``join`` waits for the command (``rc`` is its exit status) and removes the file.
-    The command's stdout and stderr go to ``log_path`` (default: ``fault.log`` next to the trigger)
-    so that a drill that did not strike says why; ``record()`` is what the window's report keeps."""
+    ``{trigger}`` replaced by a file path it must wait for before it strikes.
+
+    The file is created once ``after_cells`` cells have finished, or later: with ``arms`` (the
+    plan's arm per cell, in order) at the first cell boundary at or after ``after_cells`` whose
+    next cell is of the same arm, because an arm switch restarts the TP pair and would heal the
+    fault before any cell saw it. The run then waits for the command to strike (at most
+    ``strike_wait_s`` seconds) before the next cell, so the fault always lands between two cells of
+    one arm and the next cell meets the killed engine, however slowly the controller starts a task
+    (a strike raced against a running cell landed after it on a loaded 2-core controller, and the
+    next cell's switch healed it). ``join`` waits for the command (``rc`` is its exit status) and
+    removes the file. The command's stdout and stderr go to ``log_path`` (default: ``fault.log``
+    next to the trigger) so that a drill that did not strike says why; ``record()`` is what the
+    window's report keeps."""
 
     def __init__(self, after_cells: int, cmd: str, trigger_path: str, strike_wait_s: float = 120.0,
-                 log_path: str | None = None) -> None:
+                 log_path: str | None = None, arms: list[str] | None = None) -> None:
         import shlex
 
         self.after_cells, self.trigger_path, self.strike_wait_s = after_cells, trigger_path, strike_wait_s
         self.log_path = log_path or str(Path(trigger_path).with_name("fault.log"))
         self.cmd = cmd.replace("{trigger}", shlex.quote(trigger_path))
+        self.at_cell = after_cells
+        if arms:
+            same = [k for k in range(max(after_cells, 1), len(arms)) if arms[k] == arms[k - 1]]
+            self.at_cell = same[0] if same else after_cells
         self.done = 0
         self.rc: int | None = None
         self.triggered = False
@@ -197,31 +206,33 @@ class FaultTrigger:
                 self._proc = subprocess.Popen(self.cmd, shell=True, stdout=log, stderr=subprocess.STDOUT)
 
     def record(self) -> dict:
-        """``{"after_cells", "triggered", "rc", "log"}`` (``log``: the file's name): after ``join``."""
-        return {"after_cells": self.after_cells, "triggered": self.triggered, "rc": self.rc,
-                "log": os.path.basename(self.log_path)}
+        """``{"after_cells", "at_cell", "triggered", "rc", "log"}`` (``at_cell``: cells finished
+        when the trigger was created; ``log``: the file's name): after ``join``."""
+        return {"after_cells": self.after_cells, "at_cell": self.at_cell, "triggered": self.triggered,
+                "rc": self.rc, "log": os.path.basename(self.log_path)}
 
     def failure(self) -> str | None:
         """One line when the drill did not do its job (never triggered, or its command failed),
         else None: a fault drill that did not strike must not pass for one that did."""
         if not self.triggered:
             return (f"fault drill never triggered: the window ended after {self.done} cell(s), "
-                    f"the fault was due after {self.after_cells}")
+                    f"the fault was due after {self.at_cell}")
         if self.rc != 0:
             return f"fault drill command failed (rc {self.rc}); its output is in {self.log_path}"
         return None
 
     def cell_done(self) -> None:
-        """Count one finished cell; create the trigger file after the ``after_cells``-th."""
+        """Count one finished cell; after the ``at_cell``-th create the trigger file and wait
+        (at most ``strike_wait_s``) for the command to strike before the next cell."""
         self.done += 1
-        if self.done == self.after_cells:
+        if self.done == self.at_cell:
             Path(self.trigger_path).write_text("fault\n")
             self.triggered = True
-        elif self.done == self.after_cells + 1 and self._proc is not None:
-            try:
-                self._proc.wait(self.strike_wait_s)
-            except subprocess.TimeoutExpired:
-                pass  # join() bounds and ends it; the window goes on
+            if self._proc is not None:
+                try:
+                    self._proc.wait(self.strike_wait_s)
+                except subprocess.TimeoutExpired:
+                    pass  # join() bounds and ends it; the window goes on
 
     def join(self, timeout_s: float = 300.0) -> None:
         """Wait for the command (killed after ``timeout_s`` seconds) and remove the trigger file."""

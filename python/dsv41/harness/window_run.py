@@ -152,7 +152,8 @@ def run_window(params: WindowParams, progress: ProgressFactory | None = None) ->
         fault = None
         if p.fault_cmd and p.fault_after_cells:
             fault = window.FaultTrigger(p.fault_after_cells, p.fault_cmd,
-                                        os.path.join(os.path.abspath(wdir), "fault.trigger"))
+                                        os.path.join(os.path.abspath(wdir), "fault.trigger"),
+                                        arms=[c["arm"] for c in plan])
             fault.start()
         with (progress or _no_progress)(wid, len(plan)) as advance:
             def on_cell(rec: dict) -> None:
