@@ -352,18 +352,7 @@ class EngramWorker:
                 jobs = [j for j in jobs if not j[2]]
             finally:
                 c["fetch_s"] += time.perf_counter() - f0
-        for rows, gen, n in jobs:
-            try:
-                t0 = time.perf_counter()
-                launched = rows._launch(0, rows._rows, 0, n, gen, last=True)
-                c["launch_s"] += time.perf_counter() - t0
-                if launched:
-                    rows._handoff(gen, None)
-            except Exception as exc:  # noqa: BLE001
-                c["errors"] += 1
-                rows._handoff(gen, exc)
-            rows._maybe_report()
-        self._capture(r for r, _, _ in jobs)
+        self._launch_fetched(jobs)
 
     def _capture(self, tables: Any) -> None:
         """Launch graphs of sizes first seen in this batch, once every layer is handed off."""
