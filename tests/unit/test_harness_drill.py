@@ -14,6 +14,7 @@ from dsv41.cli import main
 from dsv41.harness import drill_faults, drill_measure, drill_report
 from dsv41.harness.drill_faults import DrillError
 from dsv41.harness.drill_measure import Sample
+from dsv41.service_control import for_manager
 
 
 # ---- validation -----------------------------------------------------------------------------------
@@ -187,7 +188,7 @@ class FakeLab:
         for h in ("x86host", "sparkhead", "sparkworker"):
             (tmp_path / f"{h}.pid").write_text(f"{os.getpid()}\n")
         self.replies, self.calls, self.replies_err = replies, [], ""
-        self.hosts = drill_faults.LabHosts(tmp_path, ["supervisorctl", "-c", "/etc/dsv41/supervisord.conf"], self)
+        self.hosts = drill_faults.LabHosts(tmp_path, for_manager("supervisor", list(SUP)), self)
 
     def __call__(self, cmd, **kw):
         argv = tuple(cmd[cmd.index("--") + 1:])
@@ -262,7 +263,7 @@ def test_async_proxy_kill_by_pid_and_errors(tmp_path) -> None:
 
 
 def test_lab_not_up(tmp_path) -> None:
-    hosts = drill_faults.LabHosts(tmp_path, ["supervisorctl"])
+    hosts = drill_faults.LabHosts(tmp_path, for_manager("supervisor"))
     with pytest.raises(DrillError, match="the lab is not up"):
         hosts.run("x86host", ["true"])
 

@@ -18,6 +18,7 @@ from serverutil import FakeStack
 
 from dsv41.entrypoints import status as st
 from dsv41.entrypoints import status_render
+from dsv41.service_control import ServiceControlError
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -71,7 +72,7 @@ def test_host_facts_missing_and_broken_things_are_reported_not_raised(tmp_path):
     assert f["promotion"] == "pkg-0002" and f["image"] is None
     assert st.host_facts(root=str(tmp_path / "none"), service_manager="supervisor",
                          supervisorctl=str(tmp_path / "x"))["manifest"] is None
-    with pytest.raises(st.StatusError, match="--service-manager"):
+    with pytest.raises(ServiceControlError, match=r"^--service-manager must be one of systemd, supervisor, not 'upstart'$"):
         st.service_states("upstart")
 
 

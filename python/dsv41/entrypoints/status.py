@@ -42,19 +42,18 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
-import shlex
 import shutil
 import subprocess
 import time
 from pathlib import Path
 
-from dsv41 import fileio
+from dsv41 import fileio, service_control
 from dsv41.errors import Dsv41Error
 
 # Healthy service states: supervisord's RUNNING, systemd's "active".
-_UP = {"RUNNING", "active"}
+_UP = frozenset().union(*(service_control.for_manager(m).up_states for m in service_control.MANAGERS))
 #: Every dsv41 service name starts with it.
-SERVICE_PREFIX = "dsv41-"
+SERVICE_PREFIX = service_control.SERVICE_PREFIX
 
 
 class StatusError(Dsv41Error):
@@ -72,36 +71,22 @@ def _run(argv: list[str], timeout_s: float = 20.0) -> subprocess.CompletedProces
 
 
 def service_states(service_manager: str, supervisorctl: str = "", prefix: str = SERVICE_PREFIX) -> dict[str, str]:
-    """``{service: state}`` of the ``dsv41-*`` services this host's service manager knows.
+    """``{service: state}`` of the ``dsv41-*`` services this host's service manager knows
+    (:mod:`dsv41.service_control`: ``list_services`` / ``parse_list``).
 
     ``service_manager``: ``supervisor`` (states as ``supervisorctl status`` prints them, e.g.
     ``RUNNING``, ``STOPPED``, ``FATAL``; ``supervisorctl`` is its command line, split with shlex) or
     ``systemd`` (``systemctl list-units``' ACTIVE column, e.g. ``active``, ``failed``).
-    ``{"<manager>": "unavailable: ..."}`` when the manager cannot be asked.
+    ``{"supervisord"|"systemd": "unavailable: ..."}`` when the manager cannot be asked.
+    ServiceControlError (a Dsv41Error) for an unknown manager or ``supervisorctl`` with systemd.
     """
-    if service_manager == "supervisor":
-        cmd = shlex.split(supervisorctl or "supervisorctl -c /etc/dsv41/supervisord.conf") + ["status"]
-        r = _run(cmd)
-        # supervisorctl exits 3 when some program is not running: the listing is still complete.
-        if r is None or (r.returncode not in (0, 3) and not r.stdout.strip()):
-            return {"supervisord": f"unavailable: {(r.stderr.strip() if r else 'cannot run ' + cmd[0])[:200]}"}
-        out = {}
-        for line in r.stdout.splitlines():
-            parts = line.split()
-            if len(parts) >= 2 and parts[0].startswith(prefix):
-                out[parts[0]] = parts[1]
-        return out
-    if service_manager == "systemd":
-        r = _run(["systemctl", "list-units", "--all", "--no-legend", "--plain", f"{prefix}*"])
-        if r is None or r.returncode != 0:
-            return {"systemd": f"unavailable: {(r.stderr.strip() if r else 'cannot run systemctl')[:200]}"}
-        out = {}
-        for line in r.stdout.splitlines():
-            parts = line.split()  # UNIT LOAD ACTIVE SUB DESCRIPTION...
-            if len(parts) >= 3 and parts[0].startswith(prefix):
-                out[parts[0].removesuffix(".service")] = parts[2]
-        return out
-    raise StatusError(f"--service-manager must be 'supervisor' or 'systemd', not {service_manager!r}")
+    ctl = service_control.for_manager(service_manager, supervisorctl)
+    cmd = ctl.list_services(prefix)
+    r = _run(cmd)
+    if r is None or not ctl.list_ok(r.returncode, r.stdout):
+        key = "supervisord" if ctl.manager == "supervisor" else "systemd"
+        return {key: f"unavailable: {(r.stderr.strip() if r else 'cannot run ' + cmd[0])[:200]}"}
+    return ctl.parse_list(r.stdout, prefix)
 
 
 def manifest_facts(path: str | os.PathLike) -> dict | None:

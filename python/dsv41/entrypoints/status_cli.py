@@ -29,8 +29,9 @@ def status(
                                  help="Seconds between the two reads of rank 0's /metrics (the 'last N s' deltas)."),
     local: bool = typer.Option(False, "--local",
                                help="Only this host, from its own files and service manager (what status.yml runs on each host)."),
-    service_manager: str = typer.Option("systemd", help="With --local: supervisor or systemd."),
-    supervisorctl: str = typer.Option("", help="With --local: the supervisorctl command line (supervisor hosts)."),
+    service_manager: str = typer.Option("systemd", help="With --local: systemd or supervisor."),
+    supervisorctl: str = typer.Option("", help="With --local and --service-manager supervisor: the supervisorctl "
+                                               "command line (default: supervisorctl -c /etc/dsv41/supervisord.conf)."),
     root: str = typer.Option("/opt/dsv41", help="With --local: install root (tables/, drafter/, packages/)."),
     container_runtime: str = typer.Option("/usr/bin/docker", help="With --local: runtime of the serving container."),
     prometheus: str = typer.Option("", "--prometheus",
@@ -43,9 +44,12 @@ def status(
     """Per host: services and state, package version, image digest, manifest and table identities,
     drafter and target identities, admission, Engram lookups and fallbacks per rank, drafter rounds,
     accepted tokens, fail-closed rounds, proxy respawns, promotion package and last window verdict."""
+    from dsv41 import service_control
     from dsv41.entrypoints import status as st
     from dsv41.entrypoints import status_render
 
+    # Checked with or without --local: a bad value is bad input either way.
+    service_control.for_manager(service_manager, supervisorctl)
     if local:
         facts = st.host_facts(service_manager=service_manager, supervisorctl=supervisorctl, root=root,
                               container_runtime=container_runtime)

@@ -22,7 +22,21 @@ FaultsOpt = typer.Option("all", "--faults", help="Comma-separated faults in orde
 LinkOpt = typer.Option("sparkhead:ofl0", "--link", help="HOST:IFACE that offload_link and netem act on.")
 NetemOpt = typer.Option("delay 60ms 20ms loss 5%", "--netem", help="tc netem arguments of the netem fault.")
 LabDirOpt = typer.Option(_LAB_DIR, "--lab-dir", help="The lab's state directory (holder pid files).")
-SupOpt = typer.Option(_SUPERVISORCTL, "--supervisorctl", help="supervisorctl command of the simulated hosts.")
+ManagerOpt = typer.Option("supervisor", "--service-manager",
+                          help="Service manager of the simulated hosts: systemd (nspawn lab) or supervisor (netns lab).")
+SupOpt = typer.Option("", "--supervisorctl",
+                      help=f"With --service-manager supervisor: the hosts' supervisorctl command (default: {_SUPERVISORCTL}).")
+
+
+def _lab_hosts(lab_dir: str, service_manager: str, supervisorctl: str):
+    """The lab hosts driven through ``service_manager``; ServiceControlError (one line) for an
+    unknown manager or ``--supervisorctl`` given with systemd."""
+    from dsv41 import service_control
+    from dsv41.harness import drill_faults
+
+    service_control.check_manager(service_manager)
+    default = _SUPERVISORCTL if service_manager == "supervisor" else ""
+    return drill_faults.LabHosts(lab_dir, service_control.for_manager(service_manager, supervisorctl or default))
 
 
 def _topology(link: str, netem: str):
@@ -41,14 +55,15 @@ def check(faults: str = FaultsOpt) -> None:
 
 
 @app.command()
-def clear(faults: str = FaultsOpt, link: str = LinkOpt, lab_dir: str = LabDirOpt, supervisorctl: str = SupOpt) -> None:
-    """Clear faults (idempotent): programs started if not RUNNING, the link set up, the netem
+def clear(faults: str = FaultsOpt, link: str = LinkOpt, lab_dir: str = LabDirOpt, service_manager: str = ManagerOpt,
+          supervisorctl: str = SupOpt) -> None:
+    """Clear faults (idempotent): services started if not running, the link set up, the netem
     qdisc removed. Exit 1 naming any fault that could not be cleared."""
     from dsv41.harness import drill_faults
 
     names = drill_faults.parse_faults(faults)
+    hosts = _lab_hosts(lab_dir, service_manager, supervisorctl)
     topo = _topology(link, drill_faults.DEFAULT_NETEM)
-    hosts = drill_faults.LabHosts(lab_dir, drill_faults.supervisorctl_argv(supervisorctl))
     for h in {topo.offload_host, topo.head_host, topo.link_host}:
         hosts.holder(h)
     out = drill_faults.clear_all(hosts, topo, names)
@@ -77,6 +92,7 @@ def run(
     link: str = LinkOpt,
     netem: str = NetemOpt,
     lab_dir: str = LabDirOpt,
+    service_manager: str = ManagerOpt,
     supervisorctl: str = SupOpt,
     out_dir: str = typer.Option("drills", "--out-dir", help="Reports go to OUT_DIR/<id>/."),
     drill_id: str = typer.Option("", "--id", help="Report id (default: UTC time)."),
@@ -89,6 +105,7 @@ def run(
 
     # Everything is checked before the lab is touched.
     names = drill_faults.parse_faults(faults)
+    hosts = _lab_hosts(lab_dir, service_manager, supervisorctl)
     topo = _topology(link, netem)
     for v, what in ((duration, "--duration"), (baseline, "--baseline"), (recover_timeout, "--recover-timeout"),
                     (stable, "--stable")):
@@ -109,7 +126,6 @@ def run(
     out = Path(out_dir) / did
     if out.exists():
         raise drill_faults.DrillError(f"drill: {out} exists; pick another --id")
-    hosts = drill_faults.LabHosts(lab_dir, drill_faults.supervisorctl_argv(supervisorctl))
     for h in {topo.offload_host, topo.head_host, topo.link_host}:
         hosts.holder(h)
 
@@ -117,7 +133,8 @@ def run(
                                streams, baseline, duration, recover_timeout, stable)
     pdoc = {"faults": names, "streams": streams, "spec": sp["name"], "max_tokens": sp["max_tokens"],
             "baseline_s": baseline, "duration_s": duration, "recover_timeout_s": recover_timeout, "stable_s": stable,
-            "interval_s": params.interval_s, "endpoint": endpoint, "link": link, "netem": topo.netem}
+            "interval_s": params.interval_s, "endpoint": endpoint, "link": link, "netem": topo.netem,
+            "service_manager": service_manager}
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     machine = f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()}, the three-host lab)"
     results: list[dict] = []

@@ -1,13 +1,16 @@
 """The faults of a drill (:mod:`dsv41.harness.drill`) and the lab hosts they are injected into.
 
-Faults (what is done, on which simulated host; everything by supervisor program, pid or
-interface, never by process name):
+Faults (what is done, on which simulated host; everything by service name, pid or interface,
+never by process name). Services are driven through the hosts' service manager
+(:mod:`dsv41.service_control`: ``systemctl`` on the nspawn lab, ``supervisorctl`` on the netns
+lab; the table shows the supervisor form):
 
 =================  =======================================================================
-``engram_server``  ``supervisorctl stop dsv41-engram-server`` on x86host; cleared by ``start``
+``engram_server``  ``supervisorctl stop dsv41-engram-server`` (``systemctl stop
+                   dsv41-engram-server.service``) on x86host; cleared by ``start``
 ``drafter_worker`` ``supervisorctl stop dsv41-drafter`` on x86host; cleared by ``start``
 ``async_proxy``    SIGKILL of the async drafting proxy on sparkhead: the child of the
-                   ``dsv41-serve`` program's pid whose argv is ``python -m
+                   ``dsv41-serve`` service's main pid whose argv is ``python -m
                    dsv41.drafter.proxy_cli run ... --parent-pid <that pid>``; nothing to clear (the engine's watchdog respawns it within its
                    budget), the respawn is checked (a new proxy pid)
 ``offload_link``   ``ip link set dev ofl0 down`` inside sparkhead; cleared by ``up``
@@ -29,7 +32,6 @@ import abc
 import dataclasses
 import ipaddress
 import re
-import shlex
 import subprocess
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -37,6 +39,7 @@ from urllib.parse import urlsplit
 
 from dsv41 import fileio
 from dsv41.errors import Dsv41Error
+from dsv41.service_control import ServiceControl
 
 LAB_NET = ipaddress.ip_network("198.18.0.0/15")
 
@@ -109,7 +112,7 @@ def check_lab_url(url: str, what: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-    """Where each fault is injected: the simulated hosts, their supervisor programs and the
+    """Where each fault is injected: the simulated hosts, their services and the
     offload link (``link_host``'s interface ``link_iface``) that ``offload_link`` and ``netem``
     act on. Defaults are the lab inventory's (inventories/sim)."""
 
@@ -128,7 +131,7 @@ class Topology:
                 raise DrillError(f"drill: bad host name {h!r}")
         for p in (self.engram_program, self.drafter_program, self.serve_program):
             if not _HOST.match(p):
-                raise DrillError(f"drill: bad supervisor program name {p!r}")
+                raise DrillError(f"drill: bad service name {p!r}")
         if not _IFACE.match(self.link_iface):
             raise DrillError(f"drill: bad interface name {self.link_iface!r}")
         parse_netem(self.netem)
@@ -145,15 +148,27 @@ def parse_link(text: str) -> tuple[str, str]:
 
 # ---- the simulated hosts --------------------------------------------------------------------------
 
-class LabHosts:
-    """Runs commands inside the lab's simulated hosts: ``nsenter`` into the holder process named by
-    ``<lab_dir>/<host>.pid`` (its mount, net, uts and pid namespaces; the same entry as the lab
-    connection plugin). ``supervisorctl`` is the argv prefix of the hosts' supervisorctl."""
+#: How ``nsenter`` enters a lab host, by the service manager of the lab backend that runs it
+#: (docs/lab.md): the netns backend's holder has its own mount, uts and pid namespaces under
+#: supervisord (the lab connection plugin's entry); an nspawn machine's ``<host>.pid`` is its
+#: systemd, entered with every namespace (``nsenter -t LEADER -a``, as roles/lab does).
+NSENTER_FLAGS: dict[str, tuple[str, ...]] = {
+    "supervisor": ("--mount", "--net", "--uts", "--pid"),
+    "systemd": ("--all",),
+}
 
-    def __init__(self, lab_dir: str | Path, supervisorctl: Sequence[str],
+
+class LabHosts:
+    """Runs commands inside the lab's simulated hosts: ``nsenter`` into the process named by
+    ``<lab_dir>/<host>.pid`` (the netns backend's holder, an nspawn machine's systemd) with the
+    namespaces of :data:`NSENTER_FLAGS`. ``ctl`` (:func:`dsv41.service_control.for_manager`)
+    builds the hosts' service-manager commands."""
+
+    def __init__(self, lab_dir: str | Path, ctl: ServiceControl,
                  runner: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> None:
         self.lab_dir = Path(lab_dir)
-        self.supervisorctl = list(supervisorctl)
+        self.ctl = ctl
+        self._enter = NSENTER_FLAGS[ctl.manager]
         self._run = runner
 
     def holder(self, host: str) -> str:
@@ -169,7 +184,7 @@ class LabHosts:
 
     def run(self, host: str, argv: Sequence[str], check: bool = True, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
         """``argv`` inside ``host``; DrillError with its stderr when ``check`` and it fails."""
-        cmd = ["nsenter", "--target", self.holder(host), "--mount", "--net", "--uts", "--pid", "--", *argv]
+        cmd = ["nsenter", "--target", self.holder(host), *self._enter, "--", *argv]
         try:
             r = self._run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired:
@@ -181,18 +196,20 @@ class LabHosts:
         return r
 
     def program_state(self, host: str, program: str) -> str:
-        """The supervisor state word of ``program`` on ``host`` (RUNNING, STOPPED, ...)."""
-        r = self.run(host, [*self.supervisorctl, "status", program], check=False)
-        words = r.stdout.split()
-        return words[1] if len(words) > 1 and words[0] == program else "UNKNOWN"
+        """The state word of service ``program`` on ``host`` as its manager says it (supervisor:
+        RUNNING, STOPPED, ...; systemd: active, inactive, failed, ...)."""
+        r = self.run(host, self.ctl.state(program), check=False)
+        return self.ctl.parse_state(program, r.stdout)
 
     def program_pid(self, host: str, program: str) -> int:
-        """The pid (in ``host``'s pid namespace) of a RUNNING supervisor program."""
-        r = self.run(host, [*self.supervisorctl, "pid", program], check=False)
-        out = r.stdout.strip()
-        if not out.isdigit() or int(out) <= 1:
+        """The main pid (in ``host``'s pid namespace) of running service ``program``; DrillError
+        when it runs no process."""
+        r = self.run(host, self.ctl.main_pid(program), check=False)
+        pid = self.ctl.parse_main_pid(r.stdout)
+        if pid is None:
+            out = r.stdout.strip()
             raise DrillError(f"drill: {program} on {host} is not running ({out or r.stderr.strip()})")
-        return int(out)
+        return pid
 
     def children(self, host: str, pid: int) -> list[tuple[int, list[str]]]:
         """``[(child pid, argv)]`` of ``pid`` inside ``host`` (``/proc/PID/task/*/children``)."""
@@ -248,15 +265,23 @@ class _ProgramStop(Fault):
     program = ""
 
     def inject(self) -> dict:
-        self.hosts.run(self.host, [*self.hosts.supervisorctl, "stop", self.program])
-        return {"host": self.host, "action": f"supervisorctl stop {self.program}"}
+        argv = self.hosts.ctl.stop(self.program)
+        self.hosts.run(self.host, argv)
+        return {"host": self.host, "action": self.hosts.ctl.describe(argv)}
 
     def clear(self) -> dict:
+        ctl = self.hosts.ctl
         state = self.hosts.program_state(self.host, self.program)
-        if state == "RUNNING":
+        if state in ctl.up_states:
             return {"host": self.host, "action": "none", "state": state}
-        self.hosts.run(self.host, [*self.hosts.supervisorctl, "start", self.program], timeout_s=180)
-        return {"host": self.host, "action": f"supervisorctl start {self.program}", "was": state}
+        # A unit that spent its restart budget refuses a start until its start limit is cleared
+        # (what control.yml does before an operator's start).
+        reset = ctl.reset_failed(self.program) if state == "failed" else None
+        if reset:
+            self.hosts.run(self.host, reset)
+        argv = ctl.start(self.program)
+        self.hosts.run(self.host, argv, timeout_s=180)
+        return {"host": self.host, "action": ctl.describe(argv), "was": state}
 
 
 class EngramServerStop(_ProgramStop):
@@ -376,12 +401,3 @@ def clear_all(hosts: LabHosts, topo: Topology, names: Iterable[str] | None = Non
         except Dsv41Error as exc:
             out[n] = {"error": str(exc)}
     return out
-
-
-
-def supervisorctl_argv(text: str) -> list[str]:
-    """``--supervisorctl`` text (e.g. the inventory's ``dsv41_supervisorctl``) -> argv."""
-    argv = shlex.split(text)
-    if not argv:
-        raise DrillError("drill: --supervisorctl is empty")
-    return argv
