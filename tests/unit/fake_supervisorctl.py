@@ -1,10 +1,12 @@
-"""A stand-in for ``supervisorctl`` (the subset roles/dsv41_service tasks/control.yml calls), with
-supervisor's own messages and exit codes, for the unit tests of the one service-control body.
+"""A stand-in for ``supervisorctl`` (the subset roles/dsv41_service tasks/control.yml calls, and
+``dsv41.service_control``'s: ``pid P``, ``status`` of every program), with supervisor's own
+messages and exit codes, for the unit tests of the one service-control body, the drills and status.
 
 Usage: ``fake_supervisorctl.py STATE_JSON HOST COMMAND [ARGS...]``. STATE_JSON holds
-``{"programs": {name: "RUNNING"|"STOPPED"}, "pending": {name: "added"|"updated"|"removed"}}``:
-``pending`` is what ``update`` finds after ``reread`` (a new, changed or removed definition). Every
-call is appended to ``STATE_JSON + '.log'`` as ``HOST COMMAND ARGS`` (one line)."""
+``{"programs": {name: "RUNNING"|"STOPPED"}, "pending": {name: "added"|"updated"|"removed"},
+"pids": {name: pid}}``: ``pending`` is what ``update`` finds after ``reread`` (a new, changed or
+removed definition); ``pids`` the pid of a RUNNING program (default 42). Every call is appended to
+``STATE_JSON + '.log'`` as ``HOST COMMAND ARGS`` (one line)."""
 
 from __future__ import annotations
 
@@ -35,15 +37,27 @@ def main(argv: list[str]) -> int:
             else:
                 progs[name] = "RUNNING"
                 print(f"{name}: added process group")
+    elif cmd == "status" and not args:
+        for name, state in sorted(progs.items()):
+            print(f"{name:33s}RUNNING   pid {st.get('pids', {}).get(name, 42)}, uptime 0:00:07" if state == "RUNNING"
+                  else f"{name:33s}{state:10s}Dec 02 06:00 AM")
+        rc = 0 if all(v == "RUNNING" for v in progs.values()) else 3
+    elif cmd == "pid":
+        name = args[0]
+        if name not in progs:
+            print(f"{name}: ERROR (no such process)")
+            rc = 1
+        else:
+            print(st.get("pids", {}).get(name, 42) if progs[name] == "RUNNING" else 0)
     elif cmd == "status":
         name = args[0]
         if name not in progs:
             print(f"{name}: ERROR (no such process)")
             rc = 4
         elif progs[name] == "RUNNING":
-            print(f"{name:33s}RUNNING   pid 42, uptime 0:00:07")
+            print(f"{name:33s}RUNNING   pid {st.get('pids', {}).get(name, 42)}, uptime 0:00:07")
         else:
-            print(f"{name:33s}STOPPED   Dec 02 06:00 AM")
+            print(f"{name:33s}{progs[name]:10s}Dec 02 06:00 AM")
             rc = 3
     elif cmd in ("stop", "start"):
         name = args[0]

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from servicectlutil import fake_bin
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-FAKE = Path(__file__).with_name("fake_systemd.py")
 SPEC = yaml.safe_load((REPO / "roles" / "dsv41_service" / "meta" / "argument_specs.yml").read_text())
 ACTIONS = SPEC["argument_specs"]["control"]["options"]["dsv41_service_control_action"]["choices"]
 
@@ -85,20 +85,9 @@ TASK = """
 """
 
 
-def _fake_bin(tmp: Path) -> Path:
-    """A directory with ``systemctl`` and ``journalctl`` running fake_systemd.py."""
-    d = tmp / "bin"
-    d.mkdir(exist_ok=True)
-    for tool in ("systemctl", "journalctl"):
-        p = d / tool
-        p.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE} {tool} "$@"\n')
-        p.chmod(0o755)
-    return d
-
-
 def _env(tmp: Path, state: Path) -> dict:
     return dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"),
-                PATH=f"{_fake_bin(tmp)}:{BIN}:{os.environ['PATH']}", FAKE_SYSTEMD_STATE=str(state),
+                PATH=f"{fake_bin(tmp)}:{BIN}:{os.environ['PATH']}", FAKE_SYSTEMD_STATE=str(state),
                 ANSIBLE_FORCE_COLOR="0", NO_COLOR="1")
 
 

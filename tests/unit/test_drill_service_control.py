@@ -1,0 +1,263 @@
+"""The drill's faults and ``dsv41 status`` drive services through whichever service manager the
+hosts run (:mod:`dsv41.service_control`), not supervisorctl only.
+
+Enumerated from the code's own definitions: every fault of ``drill_faults.FAULT_CLASSES`` under
+every manager of ``service_control.MANAGERS`` is injected and cleared against a fake lab whose
+service manager is a real process (fake_systemd.py / fake_supervisorctl.py, servicectlutil), and
+its effect checked on the fake's state; every command of the ``dsv41`` command tree that takes
+``--service-manager`` refuses a bad value with the one line, and ``--supervisorctl`` with systemd;
+every playbook and role that passes ``--supervisorctl`` passes it only for supervisor, next to
+``--service-manager``."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+from servicectlutil import STATES, FakeLab, FakeManager, fake_bin, spawn_engine
+from typer.main import get_command
+
+from dsv41 import cli, errors, service_control
+from dsv41.cli import main
+from dsv41.entrypoints import status as st
+from dsv41.harness import drill_faults
+from dsv41.service_control import MANAGERS, ServiceControlError
+
+ROOT = Path(__file__).resolve().parents[2]
+TOPO = drill_faults.Topology()
+SERVICES = (TOPO.engram_program, TOPO.drafter_program, TOPO.serve_program)
+
+
+@pytest.fixture
+def engine():
+    """A stand-in engine with an async-proxy child; both ended by pid afterwards."""
+    eng, proxy = spawn_engine()
+    yield eng, proxy
+    for pid in (proxy, eng.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    eng.wait(timeout=10)
+    eng.stdout.close()
+
+
+def _lab(tmp_path: Path, manager: str, engine_pid: int, states: dict[str, str] | None = None) -> FakeLab:
+    services = {n: "up" for n in SERVICES} | (states or {})
+    return FakeLab(tmp_path, FakeManager(tmp_path / "mgr", manager, services, {TOPO.serve_program: engine_pid}))
+
+
+def _proxy_alive(pid: int, settle_s: float = 5.0) -> bool:
+    """Whether ``pid`` still runs, allowing ``settle_s`` for a SIGKILL to be delivered (a zombie or
+    a reaped pid is dead)."""
+    import time
+
+    end = time.monotonic() + settle_s
+    while True:
+        try:
+            alive = Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] not in "ZX"
+        except (OSError, IndexError):
+            alive = False
+        if not alive or time.monotonic() > end:
+            return alive
+        time.sleep(0.02)
+
+
+# Per fault class: what its inject must have done to the fake lab, and what its clear must restore.
+# Keyed by class name so that a new fault class fails test_every_fault_class_has_an_effect until
+# its effect is written here.
+def _program_down(lab: FakeLab, f) -> bool:
+    return lab.mgr.states()[f.program] != "up"
+
+
+EFFECTS = {
+    "EngramServerStop": (_program_down, lambda lab, f: lab.mgr.states()[f.program] == "up"),
+    "DrafterWorkerStop": (_program_down, lambda lab, f: lab.mgr.states()[f.program] == "up"),
+    "AsyncProxyKill": (lambda lab, f: not _proxy_alive(f.killed), lambda lab, f: not _proxy_alive(f.killed)),
+    "LinkDown": (lambda lab, f: not lab.link_up, lambda lab, f: lab.link_up),
+    "Netem": (lambda lab, f: lab.qdisc in ("netem", "tbf"), lambda lab, f: lab.qdisc == "noqueue"),
+}
+
+
+def test_every_fault_class_has_an_effect() -> None:
+    assert {c.__name__ for c in drill_faults.FAULT_CLASSES.values()} == set(EFFECTS)
+    assert set(drill_faults.FAULT_CLASSES) == set(drill_faults.FAULTS)
+    assert set(drill_faults.NSENTER_FLAGS) == set(MANAGERS)
+
+
+@pytest.mark.parametrize("manager", MANAGERS)
+@pytest.mark.parametrize("fault", list(drill_faults.FAULT_CLASSES))
+def test_every_fault_under_every_manager(fault: str, manager: str, tmp_path: Path, engine) -> None:
+    eng, proxy = engine
+    lab = _lab(tmp_path, manager, eng.pid)
+    cls = drill_faults.FAULT_CLASSES[fault]
+    injected, cleared = EFFECTS[cls.__name__]
+    before = lab.mgr.states()
+    f = cls(lab.hosts, TOPO)
+    rec = f.inject()
+    assert injected(lab, f), (fault, manager, rec)
+    ctl = lab.mgr.ctl
+    if isinstance(f, drill_faults._ProgramStop):
+        # the record says what ran, in the manager's words; nothing else was touched
+        assert rec["action"] == ctl.describe(ctl.stop(f.program)) and rec["action"].startswith(ctl.tool + " stop ")
+        assert lab.mgr.calls() == [f"stop {f.program}"]
+    if isinstance(f, drill_faults.AsyncProxyKill):
+        assert rec["engine_pid"] == eng.pid and rec["proxy_pid"] == proxy
+    out = f.clear()
+    assert cleared(lab, f), (fault, manager, out)
+    assert lab.mgr.states() == before
+    again = drill_faults.FAULT_CLASSES[fault](lab.hosts, TOPO).clear()  # idempotent: nothing more to do
+    assert again["action"].startswith("none"), again
+    # the whole lab was entered the way its backend is entered, every time
+    assert set(lab.entries) == {drill_faults.NSENTER_FLAGS[manager]}
+    if isinstance(f, drill_faults._ProgramStop):
+        assert out["action"] == ctl.describe(ctl.start(f.program)) and out["was"] == STATES[manager]["down"]
+        assert lab.mgr.calls() == [f"stop {f.program}", f"start {f.program}"]
+
+
+@pytest.mark.parametrize("manager", MANAGERS)
+def test_clear_of_a_failed_service(manager: str, tmp_path: Path, engine) -> None:
+    """A failed unit gets its start limit cleared before the start (as control.yml does);
+    supervisord has none to clear."""
+    eng, _ = engine
+    lab = _lab(tmp_path, manager, eng.pid, {TOPO.engram_program: "failed"})
+    out = drill_faults.EngramServerStop(lab.hosts, TOPO).clear()
+    assert lab.mgr.states()[TOPO.engram_program] == "up"
+    want = ([f"reset-failed {TOPO.engram_program}"] if manager == "systemd" else []) + [f"start {TOPO.engram_program}"]
+    assert lab.mgr.calls() == want and out["was"] == {"systemd": "failed", "supervisor": "FATAL"}[manager]
+
+
+@pytest.mark.parametrize("manager", MANAGERS)
+def test_a_stopped_engine_is_named(manager: str, tmp_path: Path, engine) -> None:
+    eng, _ = engine
+    lab = _lab(tmp_path, manager, eng.pid, {TOPO.serve_program: "down"})
+    with pytest.raises(drill_faults.DrillError, match=f"{TOPO.serve_program} on sparkhead is not running"):
+        drill_faults.AsyncProxyKill(lab.hosts, TOPO).inject()
+
+
+@pytest.mark.parametrize("manager", MANAGERS)
+def test_builders_round_trip_through_the_fake(manager: str, tmp_path: Path) -> None:
+    """Every builder of ServiceControl, run against the manager's fake: the parsers read back what
+    the fake holds."""
+    mgr = FakeManager(tmp_path, manager, {"dsv41-a": "up", "dsv41-b": "down", "other": "up"}, {"dsv41-a": 777})
+    ctl = mgr.ctl
+    r = mgr.run(ctl.list_services())
+    assert ctl.list_ok(r.returncode, r.stdout)
+    assert ctl.parse_list(r.stdout) == {"dsv41-a": ctl.parse_state("dsv41-a", mgr.run(ctl.state("dsv41-a")).stdout),
+                                        "dsv41-b": ctl.parse_state("dsv41-b", mgr.run(ctl.state("dsv41-b")).stdout)}
+    assert ctl.parse_state("dsv41-a", mgr.run(ctl.state("dsv41-a")).stdout) in ctl.up_states
+    assert ctl.parse_state("dsv41-b", mgr.run(ctl.state("dsv41-b")).stdout) not in ctl.up_states
+    assert ctl.parse_main_pid(mgr.run(ctl.main_pid("dsv41-a")).stdout) == 777
+    assert ctl.parse_main_pid(mgr.run(ctl.main_pid("dsv41-b")).stdout) is None
+    assert mgr.run(ctl.start("dsv41-b")).returncode == 0 and mgr.states()["dsv41-b"] == "up"
+    assert mgr.run(ctl.stop("dsv41-a")).returncode == 0 and mgr.states()["dsv41-a"] == "down"
+    assert mgr.run(ctl.kill("dsv41-b")).returncode == 0 and mgr.states()["dsv41-b"] != "up"
+    verb = {"systemd": "kill --kill-whom=main --signal=KILL dsv41-b", "supervisor": "signal KILL dsv41-b"}[manager]
+    assert mgr.calls() == ["start dsv41-b", "stop dsv41-a", verb]
+
+
+@pytest.mark.parametrize("manager", MANAGERS)
+def test_status_reads_services_through_every_manager(manager: str, tmp_path: Path, monkeypatch) -> None:
+    """``dsv41 status --local``'s service listing under each manager's fake: the dsv41 services
+    and their states in the manager's words, nothing else."""
+    mgr = FakeManager(tmp_path, manager, {"dsv41-serve": "up", "dsv41-drafter": "failed", "other": "up"})
+    monkeypatch.setenv("PATH", f"{fake_bin(tmp_path)}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SYSTEMD_STATE", str(mgr.state))
+    ctl_text = " ".join(mgr.ctl.prefix) if manager == "supervisor" else ""
+    words = STATES[manager]
+    assert st.service_states(manager, ctl_text) == {"dsv41-serve": words["up"], "dsv41-drafter": words["failed"]}
+    facts = st.host_facts(service_manager=manager, supervisorctl=ctl_text, root=str(tmp_path / "opt"),
+                          container_runtime="")
+    assert facts["services"] == {"dsv41-serve": words["up"], "dsv41-drafter": words["failed"]}
+
+
+@pytest.mark.parametrize("manager", MANAGERS)
+def test_names_and_signals_are_checked(manager: str) -> None:
+    ctl = service_control.for_manager(manager)
+    for bad in ("-rf", "a b", "", "x;y", "ü"):
+        with pytest.raises(ServiceControlError, match="bad service name"):
+            ctl.stop(bad)
+    for bad in ("kill", "KILL; rm", "", "-9"):
+        with pytest.raises(ServiceControlError, match="bad signal"):
+            ctl.kill("dsv41-a", bad)
+    assert ctl.kill("dsv41-a", "SIGTERM")[-2:] == (["--signal=TERM", "dsv41-a.service"] if manager == "systemd"
+                                                  else ["TERM", "dsv41-a"])
+    assert all(isinstance(w, str) for w in ctl.main_pid("dsv41-a") + ctl.list_services() + ctl.state("dsv41-a"))
+
+
+def test_for_manager_refusals() -> None:
+    for bad in ("upstart", "", "Systemd", "supervisord"):
+        with pytest.raises(ServiceControlError) as e:
+            service_control.for_manager(bad)
+        assert str(e.value) == f"--service-manager must be one of systemd, supervisor, not {bad!r}"
+    with pytest.raises(ServiceControlError, match="--supervisorctl is for --service-manager supervisor only"):
+        service_control.for_manager("systemd", "supervisorctl -c x")
+    with pytest.raises(ServiceControlError, match="does not parse"):
+        service_control.for_manager("supervisor", "supervisorctl -c 'x")
+    assert service_control.for_manager("supervisor").prefix == service_control.DEFAULT_SUPERVISORCTL
+    assert service_control.for_manager("systemd").prefix == ("systemctl",)
+
+
+# ---- every CLI that takes --service-manager --------------------------------------------------------
+
+def _commands_with(option: str) -> dict[tuple[str, ...], set[str]]:
+    """``{command path: its options}`` of every command of the dsv41 tree that has ``option``."""
+    opts: dict[tuple[str, ...], set[str]] = {}
+    for path, p in errors.iter_parameters(get_command(cli.app)):
+        opts.setdefault(path, set()).update(getattr(p, "opts", ()))
+    return {path: o for path, o in opts.items() if option in o}
+
+
+SM_COMMANDS = _commands_with("--service-manager")
+
+
+def test_the_enumeration_finds_the_known_commands() -> None:
+    assert {("status",), ("drill", "run"), ("drill", "clear")} <= set(SM_COMMANDS), SM_COMMANDS
+
+
+@pytest.mark.parametrize("path", sorted(SM_COMMANDS), ids=" ".join)
+def test_bad_service_manager_is_one_line(path: tuple[str, ...], capsys, tmp_path: Path) -> None:
+    extra = ["--lab-dir", str(tmp_path)] if "--lab-dir" in SM_COMMANDS[path] else []
+    assert main([*path, "--service-manager", "upstart", *extra]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["dsv41: error: --service-manager must be one of systemd, supervisor, not 'upstart'"], err
+
+
+@pytest.mark.parametrize("path", sorted(p for p, o in SM_COMMANDS.items() if "--supervisorctl" in o), ids=" ".join)
+def test_supervisorctl_with_systemd_is_refused(path: tuple[str, ...], capsys, tmp_path: Path) -> None:
+    extra = ["--lab-dir", str(tmp_path)] if "--lab-dir" in SM_COMMANDS[path] else []
+    assert main([*path, "--service-manager", "systemd", "--supervisorctl", "supervisorctl -c x", *extra]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--supervisorctl is for --service-manager supervisor only" in err[0], err
+
+
+@pytest.mark.parametrize("manager", MANAGERS)
+def test_drill_clear_reaches_the_lab_check_with_every_manager(manager: str, capsys, tmp_path: Path) -> None:
+    """A good manager gets past the option checks to the lab (not up here): one line naming it."""
+    assert main(["drill", "clear", "--service-manager", manager, "--lab-dir", str(tmp_path / "nolab")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the lab is not up" in err[0], err
+
+
+# ---- the playbooks and roles pass the hosts' manager ----------------------------------------------
+
+def _yaml_files() -> list[Path]:
+    return sorted([*ROOT.glob("playbooks/*.yml"), *ROOT.glob("*.yml"), *ROOT.glob("roles/*/tasks/*.yml")])
+
+
+def test_supervisorctl_is_passed_only_with_supervisor() -> None:
+    """Every task passing ``--supervisorctl`` to a dsv41 command passes ``--service-manager`` too,
+    and ``--supervisorctl`` only under ``== 'supervisor'`` (dsv41 refuses it with systemd)."""
+    found = []
+    for p in _yaml_files():
+        text = p.read_text()
+        for m in re.finditer(r"'--supervisorctl'|- --supervisorctl", text):
+            line = text[text.rfind("\n", 0, m.start()) + 1:text.find("\n", m.end())]
+            found.append(p.relative_to(ROOT).as_posix())
+            assert "== 'supervisor'" in line, f"{p}: {line.strip()}"
+            task = text[text.rfind("- name:", 0, m.start()):m.start()]
+            assert "--service-manager" in task or "'--service-manager'" in text[:m.start()][-2000:], p
+    assert {"playbooks/drill.yml", "playbooks/status.yml", "roles/promotion/tasks/facts.yml"} <= set(found), found
