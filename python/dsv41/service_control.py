@@ -27,8 +27,9 @@ reset failed    ``systemctl reset-failed U.service``         none (supervisord h
                                                              clear)
 ==============  ===========================================  =========================================
 
-Sources: systemctl(1) of systemd 252 (Debian 12, the lab's rootfs; ``--kill-whom`` is the 252
-name of ``--kill-who``), supervisorctl's ``help`` of supervisor 4.
+Sources: systemctl(1) of systemd 252 (Debian 12, the lab's rootfs: its systemctl accepts
+``--kill-whom`` and the older spelling ``--kill-who``, checked on this machine; a systemd from
+before the rename knows only ``--kill-who``), supervisorctl's ``help`` of supervisor 4.
 """
 
 from __future__ import annotations
