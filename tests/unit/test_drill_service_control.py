@@ -7,16 +7,19 @@ service manager is a real process (fake_systemd.py / fake_supervisorctl.py, serv
 its effect checked on the fake's state; every command of the ``dsv41`` command tree that takes
 ``--service-manager`` refuses a bad value with the one line, and ``--supervisorctl`` with systemd;
 every playbook and role that passes ``--supervisorctl`` passes it only for supervisor, next to
-``--service-manager``."""
+``--service-manager``, and the argv that status.yml, the promotion facts and drill.yml render
+(Ansible's own Templar) for each manager are accepted by the commands they call."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 from pathlib import Path
 
 import pytest
+import yaml
 from servicectlutil import STATES, FakeLab, FakeManager, fake_bin, spawn_engine
 from typer.main import get_command
 
@@ -261,3 +264,53 @@ def test_supervisorctl_is_passed_only_with_supervisor() -> None:
             task = text[text.rfind("- name:", 0, m.start()):m.start()]
             assert "--service-manager" in task or "'--service-manager'" in text[:m.start()][-2000:], p
     assert {"playbooks/drill.yml", "playbooks/status.yml", "roles/promotion/tasks/facts.yml"} <= set(found), found
+
+
+def _rendered(path: str, where, variables: dict, play_vars: bool = False):
+    """The value at ``where`` (keys/indices) of YAML file ``path`` templated by Ansible's own
+    Templar with ``variables`` (loaded as Ansible loads a playbook: trusted as a template);
+    ``play_vars``: the play's own ``vars`` (``where[0]``) under ``variables``."""
+    from ansible.parsing.dataloader import DataLoader
+    from ansible.template import Templar
+
+    loader = DataLoader()
+    node = doc = loader.load_from_file(str(ROOT / path), trusted_as_template=True)
+    for k in where:
+        node = node[k]
+    if play_vars:
+        variables = {**doc[where[0]]["vars"], **variables}
+    return list(Templar(loader=loader, variables=variables).template(node))
+
+
+@pytest.mark.parametrize("manager", MANAGERS)
+@pytest.mark.parametrize("path, where", [("playbooks/status.yml", (1, "tasks", 0, "ansible.builtin.command", "argv")),
+                                         ("roles/promotion/tasks/facts.yml", (2, "ansible.builtin.command", "argv"))])
+def test_status_argv_of_the_playbooks_runs(path: str, where, manager: str, tmp_path: Path, monkeypatch, capsys) -> None:
+    """The argv status.yml and the promotion facts render for each manager is accepted by
+    ``dsv41 status --local`` and lists the services through that manager."""
+    mgr = FakeManager(tmp_path, manager, {"dsv41-serve": "up"})
+    monkeypatch.setenv("PATH", f"{fake_bin(tmp_path)}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SYSTEMD_STATE", str(mgr.state))
+    argv = _rendered(path, where, {"dsv41_venv": "/opt/dsv41/venv", "dsv41_service_manager": manager,
+                                   "dsv41_supervisorctl": " ".join(mgr.ctl.prefix)})
+    assert argv[:2] == ["/opt/dsv41/venv/bin/dsv41", "status"] and ("--supervisorctl" in argv) == (manager == "supervisor")
+    assert main([*argv[1:], "--root", str(tmp_path / "opt"), "--container-runtime", str(tmp_path / "no-docker")]) == 0, \
+        capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["services"] == {"dsv41-serve": STATES[manager]["up"]}
+
+
+@pytest.mark.parametrize("manager", MANAGERS)
+def test_drill_argv_of_the_playbook_is_accepted(manager: str, tmp_path: Path, capsys) -> None:
+    """drill.yml's common arguments for each manager get ``dsv41 drill clear`` past every option
+    check, to the lab (not up here)."""
+    plays = yaml.safe_load((ROOT / "playbooks" / "drill.yml").read_text())
+    at = next(i for i, p in enumerate(plays) if "drill_common_args" in p.get("vars", {}))
+    head = {"dsv41_lab_dir": str(tmp_path / "nolab"), "dsv41_service_manager": manager,
+            "dsv41_supervisorctl": "supervisorctl -c /etc/dsv41/supervisord.conf"}
+    args = _rendered("playbooks/drill.yml", (at, "vars", "drill_common_args"),
+                     {"hostvars": {"sparkhead": head}, "drill_head": "sparkhead", "drill_link": "sparkhead:ofl0"},
+                     play_vars=True)
+    assert args[args.index("--service-manager") + 1] == manager and ("--supervisorctl" in args) == (manager == "supervisor")
+    assert main(["drill", "clear", "--faults", "all", *args]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the lab is not up" in err[0], err
