@@ -128,8 +128,10 @@ class ServiceControl:
         return [*self.prefix, "pid", self._target(name)]
 
     def list_services(self, prefix: str = SERVICE_PREFIX) -> list[str]:
-        """argv that lists the services whose names start with ``prefix`` (:meth:`parse_list`)."""
-        _check_name(prefix.rstrip("-") or "x")
+        """argv that lists the services whose names start with ``prefix`` (:meth:`parse_list`);
+        ServiceControlError for a prefix that is not the start of a service name."""
+        if not _NAME.match(prefix):
+            raise ServiceControlError(f"bad service name prefix {prefix!r}")
         if self.manager == "systemd":
             return [*self.prefix, "list-units", "--all", "--no-legend", "--plain", "--type=service", f"{prefix}*"]
         return [*self.prefix, "status"]

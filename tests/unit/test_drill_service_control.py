@@ -314,3 +314,11 @@ def test_drill_argv_of_the_playbook_is_accepted(manager: str, tmp_path: Path, ca
     assert main(["drill", "clear", "--faults", "all", *args]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the lab is not up" in err[0], err
+
+
+@pytest.mark.parametrize("manager", MANAGERS)
+def test_list_prefix_is_checked(manager: str) -> None:
+    ctl = service_control.for_manager(manager)
+    assert ctl.list_services("dsv41-")[-1] == ("dsv41-*" if manager == "systemd" else "status")
+    with pytest.raises(ServiceControlError, match="bad service name prefix"):
+        ctl.list_services("-x")
