@@ -40,6 +40,10 @@ class TableSlot:
         if t is not None:
             self.native.set_table(self.rows.vocab_start, self.rows.vocab_end, t[0], int(t[1]))
 
+    def set_piece_graphs(self, graphs: list) -> None:
+        """``LaunchGraphs.launchable()`` of the table's piece graphs (keys ``(r0, rows)``) to the core."""
+        self.native.set_piece_graphs([(k[0], k[1], p, e) for k, p, e in graphs])
+
     def set_buffers(self) -> None:
         r = self.rows
         self.native.set_buffers(r._hids.ctypes.data, r._hb.ctypes.data, r._fetch.ctypes.data, r.max_rows)
@@ -112,6 +116,12 @@ class RemoteRows:
         self.graphs = LaunchGraphs(self.device, self._launch_one,
                                    bool(graphs and (self.ops.graphs or graph_record is not None)), graph_record,
                                    None if self._slot is None else self._slot.native.set_graphs)
+        # a multi-piece job's launches in the fixed piece layout, one graph per (first row, rows)
+        # piece, launched by the C++ core (issue 23 pass H): captured only where the core runs
+        self.pieces = LaunchGraphs(self.device, self._launch_piece,
+                                   bool(graphs and self.ops.graphs and self._slot is not None), None,
+                                   None if self._slot is None else self._slot.set_piece_graphs)
+        self._capture_pieces: tuple[int, Any] | None = None  # (rows, out) of a multi-piece job Python served
         self._capture: tuple[int, Any] | None = None  # (rows, out) to capture after the hand-off
         self._hids = self.h_ids.numpy().reshape(-1)
         self._new_host_buffers()
@@ -152,6 +162,8 @@ class RemoteRows:
         if self._slot is not None:
             self._slot.set_buffers()
         self.graphs.clear()  # they copy from the old buffer
+        if hasattr(self, "pieces"):
+            self.pieces.clear()
 
     @property
     def host_bytes(self) -> int:
@@ -305,6 +317,8 @@ class RemoteRows:
                 if not self._launch(r0, r1, f0, n, gen, last=r1 == rows):
                     return False
                 f0 += n
+            if self.pieces.enabled:
+                self._capture_pieces = (rows, self._out)
             return True
         finally:
             if fut is not None:  # an error or a refusal: the next piece's fetch ends before we return
@@ -405,13 +419,59 @@ class RemoteRows:
 
     def _capture_pending(self) -> None:
         """Worker thread, after a hand-off: capture the launch graph of a size first seen in
-        this job (never while a CUDA-graph capture of vLLM is open)."""
+        this job, or the piece graphs of a multi-piece job Python served (never while a
+        CUDA-graph capture of vLLM is open)."""
         pending, self._capture = self._capture, None
-        if pending is not None and not self.ops.capturing():
-            buf = self.h_buf
+        pieces, self._capture_pieces = self._capture_pieces, None
+        if self.ops.capturing():
+            return
+        buf = self.h_buf
+        if pending is not None:
             self.graphs.capture(*pending)
-            if self.h_buf is not buf:  # replaced meanwhile (a hung worker retired): it read the old one
-                self.graphs.clear()
+        if pieces is not None:
+            for key in self._piece_keys(pieces[0]):
+                if self.pieces.wanted(key, pieces[1]):
+                    self.pieces.capture(key, pieces[1])
+        if self.h_buf is not buf:  # replaced meanwhile (a hung worker retired): they read the old one
+            self.graphs.clear()
+            self.pieces.clear()
+
+    @staticmethod
+    def _piece_keys(rows: int) -> list[tuple[int, int]]:
+        """``(first row, rows)`` of each piece of a job of ``rows`` rows."""
+        return [(r0, min(PIECE_ROWS, rows - r0)) for r0 in range(0, rows, PIECE_ROWS)]
+
+    def _launch_piece(self, key: tuple[int, int], out: Any) -> None:
+        """One piece of a multi-piece job in the fixed piece layout the C++ core plans into
+        (``key`` = (first row r0, rows m)): selectors (relative to the piece) at row r0 of the
+        selector part, the piece's packed rows from ``max_rows*4 + r0*264`` (every row slot
+        copied, so the launch does not depend on how many were fetched), split, vLLM's kernel
+        into ``out`` rows r0..r0+m on the current stream: the sequence a piece graph captures."""
+        import torch
+
+        r0, m = key
+        a = self.max_rows * 4 + r0 * ROW_BYTES
+        b = a + m * ROW_BYTES
+        d_sel = self.d_buf[r0 * 4: (r0 + m) * 4]
+        d_sel.copy_(self.h_buf[r0 * 4: (r0 + m) * 4], non_blocking=self._cuda)
+        self.d_buf[a:b].copy_(self.h_buf[a:b], non_blocking=self._cuda)
+        d_rows = self.d_buf[a:b].view(m, ROW_BYTES)
+        self.d_w[r0: r0 + m].copy_(d_rows[:, : self.dim])
+        self.d_s[r0: r0 + m].copy_(d_rows[:, self.dim:])
+        self.dequant(self.d_w[r0:], self.d_s[r0:], d_sel.view(torch.int32), self.d_dst[r0: r0 + m], out, m, m)
+
+    def _launch_pieces(self, gen: int) -> bool:
+        """Launch every piece of a multi-piece job the C++ core planned and fetched in the fixed
+        piece layout (no graphs: the CPU) and the done event; False when the hand-off was refused
+        meanwhile (nothing more launched)."""
+        with self.ops.stream(self._stream):
+            for key in self._piece_keys(self._rows):
+                with self._lock:
+                    if self._ho.is_abandoned(gen):
+                        return False
+                self._launch_piece(key, self._out)
+            self.done.record(self._stream)
+        return True
 
     def _handoff(self, gen: int, error: BaseException | None) -> None:
         with self._lock:
