@@ -51,9 +51,13 @@ class EngramWorker:
     With the C++ extension (``_fastrow.EngramCore``, issue 23 pass F) the thread runs the core's
     ``next()`` with the GIL released: the wake-up, the ids wait, the coalescing, the plan, the
     request on a connection the row source lends (``RemoteRowSource.native_lease``), the launch
-    graph and the hand-off of a captured size are C++; Python serves what the core hands back
-    (no lease, a launch without a graph yet, a failed request: ``lease_failed`` serves the exact
-    local rows or raises in required mode, a failed CUDA call: graphs off, eager launches) and
+    graph and the hand-off of a captured size are C++, and so is a multi-piece (prefill) job whose
+    piece graphs exist (issue 23 pass H: plan in the fixed piece layout, one pipelined request and
+    one graph launch per piece); Python serves what the core hands back (no lease, a launch without
+    a graph yet, a multi-piece job without piece graphs (the pipeline above, then their capture) or
+    planned and fetched on the CPU (``_pieces_back``: Python launches the pieces), a failed request:
+    ``lease_failed`` serves the exact local rows or raises in required mode (a multi-piece job is
+    then served again whole), a failed CUDA call: graphs off, eager launches) and
     re-leases at most every ``LEASE_RETRY_S`` while it has none. ``counters`` then also carries
     the core's ``native_*`` counts, and ``jobs``, ``requests``, ``wake_s``, ``ids_wait_s``,
     ``plan_s``, ``launch_s``, ``fetch_s``, ``host_s`` are the sums of both paths. Without the

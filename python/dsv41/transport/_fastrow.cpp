@@ -817,7 +817,8 @@ int64_t plan_rows(py::array_t<int64_t, py::array::c_style> ids, int64_t lo, int6
 // Python only for what Python does: a job it may not serve (no lent connection, a piece larger
 // than one request, an id past the table), a launch without a graph (Python launches eagerly and
 // captures), a failed request (Python serves the exact local rows or raises in required mode), a
-// failed CUDA call, a report, a retire.
+// failed CUDA call, a report, a retire. A multi-piece (prefill) job is served alone, in order, by
+// serve_pieces (issue 23 pass H).
 
 // CUDA driver entry points from libcuda.so.1, loaded at first use (the extension links no CUDA
 // library; on a host without one the core never calls CUDA: every handle is 0 there).
