@@ -328,6 +328,7 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
         wait0 = sum(o.embed_tokens._dsv41.counters["handoff_wait_s"] for o in ovl)
         wk0 = dict(ovl[0].embed_tokens._dsv41._worker.counters) if ovl[0].embed_tokens._dsv41._worker else {}
         g0 = [dict(o.embed_tokens._dsv41.graphs.counters) for o in ovl]
+        p0 = [dict(o.embed_tokens._dsv41.pieces.counters) for o in ovl]
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         k = 0
         for r in range(rounds):
@@ -408,7 +409,12 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
             "handoff_timeouts": rr.counters["handoff_timeouts"],
             # the launch graphs of both layers in the timed rounds (replays = graph launches)
             "launch_graphs": {k: round(sum(o.embed_tokens._dsv41.graphs.counters[k] - g[k] for o, g in zip(ovl, g0)), 4)
-                              for k in ("replays", "captures", "failures", "capture_s")}}
+                              for k in ("replays", "captures", "failures", "capture_s")},
+            # a multi-piece job's piece graphs (issue 23 pass H): captured by Python after the first
+            # chunk of a size (warm-up), launched by the C++ core (native_launches), so replays stay 0
+            "piece_graphs": {k: round(sum(o.embed_tokens._dsv41.pieces.counters[k] - g[k] for o, g in zip(ovl, p0)), 4)
+                             for k in ("captures", "failures", "capture_s")},
+            "piece_graphs_held": sum(len(o.embed_tokens._dsv41.pieces._graphs) for o in ovl)}
         if prefill:
             fetch = row["overlay_worker"]["fetch_ms_per_job"]  # a job = one layer's pieces
             row["prefill_check"] = {

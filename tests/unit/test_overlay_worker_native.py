@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 import torch
 
+from dsv41.engram import client as C
 from dsv41.engram import reader
 from dsv41.engram.client import RemoteRowSource, RemoteUnavailable
 from dsv41.engram.server import load_tables
 from dsv41.overlay import engram as E
 from dsv41.overlay import engram_ops as O
+from dsv41.overlay import engram_rows as ER
 from dsv41.overlay import engram_worker as EW
 from dsv41.transport import Refused, TransportError, TransportTimeout, native, parse_url
 from dsv41.transport.server import RowServer
@@ -204,6 +206,7 @@ def test_core_statuses_match_the_python_constants() -> None:
     core = native._fastrow.EngramCore(16384, 65536, 60.0)
     core.retire()
     assert core.next()[0] == O.CORE_RETIRED and (O.CORE_PYTHON, O.CORE_REPORT) == (1, 5)
+    assert (O.CORE_PYTHON_IDS, O.CORE_PIECES_FETCHED, O.CORE_PIECES_FAILED) == (6, 7, 8)
 
 
 def test_the_slot_hand_off_honours_generations_and_abandonment() -> None:
@@ -216,3 +219,126 @@ def test_the_slot_hand_off_honours_generations_and_abandonment() -> None:
     assert not s.handoff(3) and s.is_abandoned(3)  # refused: never handed off
     s.begin(4)
     assert s.handoff(4) and s.wait(4, 0.0, 0) and s.handed() == 4
+
+
+# -- a multi-piece (prefill) job in the core (issue 23 pass H) --------------------------------------
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """Pieces of 100 rows (the core and the Python path agree) and requests of at most 64 rows,
+    so a 50-token job of 600 rows is 6 pieces, each fetched in pipelined requests."""
+    monkeypatch.setattr(EW, "PIECE_ROWS", 100)
+    monkeypatch.setattr(ER, "PIECE_ROWS", 100)
+    monkeypatch.setattr(C, "CHUNK_ROWS", 64)
+
+
+def test_a_multi_piece_job_is_planned_fetched_and_handed_off_by_the_core_exactly(tabs, workers, small_pieces) -> None:
+    """Prefill chunks of both layers (6 pieces each) between decode steps: the core plans every
+    piece in the fixed piece layout and fetches it on the lent connection (no Python fetch thread),
+    Python launches the pieces on the CPU (no graphs); rows exact, layer by layer, no fallback."""
+    port = _free_port()
+    srv = _serve(tabs, port)
+    src = _source(tabs, port)
+    try:
+        r1, r14 = _rows(tabs, src, 1), _rows(tabs, src, 14)
+        assert _step(tabs, r1, r14, 2, 70)  # a decode step leases the connection
+        w = r1._worker
+        assert w.core.lent()
+        before = w.core.counters()
+        for step in range(3):
+            assert _step(tabs, r1, r14, 50, 71 + step)  # 600 rows per layer
+            assert _step(tabs, r1, r14, 2, 80 + step)  # a decode step between: one piece, both layers
+        n = w.core.counters()
+        assert n["native_jobs"] - before["native_jobs"] == 12  # 6 prefill + 6 decode jobs, all in the core
+        assert n["native_requests"] - before["native_requests"] >= 6 * 6 + 3  # a request per piece at least
+        assert r1._pool is None and r14._pool is None  # the Python pipeline never ran
+        assert not r1.pieces.enabled  # no CUDA: no piece graphs, Python launches the core's pieces
+        sc = src.counters()
+        assert sc["fallbacks"] == 0 and sc["transport_errors"] == 0 and w.counters["errors"] == 0
+    finally:
+        E.stop_workers()
+        src.close()
+        srv.stop()
+
+
+def test_the_fixed_piece_layout_launch_equals_the_plan_of_each_piece(tabs, small_pieces) -> None:
+    """``_launch_piece`` (the sequence a piece graph captures) reads selectors relative to the
+    piece and its packed rows from ``max_rows*4 + r0*264``: fed the exact rows of a piece planned
+    there, it writes that piece's output rows and no other."""
+    manifest, d, _ = tabs
+    local = reader.LocalRowReader(manifest, d)
+    rr = _rows(tabs, local, 14, max_tokens=64, required=False)
+    t = 50
+    ids = _ids(tabs, rr, t, 90)
+    he = min(rr.head_start + rr.part, rr.n_hash_cols)
+    mine = np.full((t, rr.part), -1, np.int64)
+    mine[:, : he - rr.head_start] = ids[:, rr.head_start:he]
+    flat = mine.reshape(-1)
+    rr._hids[: flat.size] = flat
+    out = _poisoned(t, rr.part)
+    for r0, m in rr._piece_keys(flat.size):
+        sel = rr._hb[r0 * 4: (r0 + m) * 4].view(np.int32)
+        n = O.plan_into_numpy(flat[r0: r0 + m], rr.vocab_start, rr.vocab_end, sel, rr._fetch[r0:],
+                              rr._own[:m], rr._tmp[:m])
+        a = rr.max_rows * 4 + r0 * O.ROW_BYTES
+        local.read(14, rr._fetch[r0: r0 + n], out=rr._hb[a: a + n * O.ROW_BYTES].reshape(n, O.ROW_BYTES))
+        rr._launch_piece((r0, m), out)
+        done = out.view(-1, 256)[r0 + m:]
+        assert torch.isnan(done.float()).all()  # nothing past the piece written yet
+    assert len(rr._piece_keys(flat.size)) == 6 and _exact(tabs, rr, ids, out)
+    local.close()
+
+
+def test_a_killed_server_mid_prefill_gives_exact_local_rows(tabs, workers, small_pieces, monkeypatch) -> None:
+    """The core's request of a piece fails: counted as the source's failure, the whole job served
+    again by Python (the exact local fallback), no hang, no refusal; the lease comes back."""
+    monkeypatch.setattr(EW, "LEASE_RETRY_S", 0.0)
+    port = _free_port()
+    srv = _serve(tabs, port)
+    src = _source(tabs, port)
+    try:
+        r1, r14 = _rows(tabs, src, 1), _rows(tabs, src, 14)
+        assert _step(tabs, r1, r14, 50, 100)
+        assert r1._worker.core.lent()
+        srv.stop()
+        t0 = time.monotonic()
+        for step in range(2):
+            assert _step(tabs, r1, r14, 50, 101 + step)
+        assert time.monotonic() - t0 < 10
+        sc = src.counters()
+        assert sc["fallbacks"] >= 1 and sc["transport_errors"] >= 1
+        assert r1.counters["worker_refusals"] == 0 and r1.counters["handoff_timeouts"] == 0
+        w = r1._worker
+        assert w.counters["errors"] >= 1 and r1._pool is not None  # the core's failure, then Python's pipeline
+        srv = _serve(tabs, port)
+        assert src.wait_connected(10)
+        before = w.core.counters()["native_jobs"]
+        deadline = time.monotonic() + 10
+        while w.core.counters()["native_jobs"] == before and time.monotonic() < deadline:
+            assert _step(tabs, r1, r14, 50, 110)
+        assert w.core.counters()["native_jobs"] > before and w.core.lent()
+    finally:
+        E.stop_workers()
+        src.close()
+        srv.stop()
+
+
+def test_required_mode_raises_a_failed_piece_request_at_the_join(tabs, workers, small_pieces) -> None:
+    port = _free_port()
+    srv = _serve(tabs, port)
+    src = _source(tabs, port, required=True)
+    try:
+        r14 = _rows(tabs, src, 14)
+        ids = _ids(tabs, r14, 50, 120)
+        out = _poisoned(50, r14.part)
+        r14.lookup(torch.from_numpy(ids), out)
+        assert _exact(tabs, r14, ids, out) and r14._worker.core.lent()
+        srv.stop()
+        r14.start(torch.from_numpy(ids), _poisoned(50, r14.part))
+        with pytest.raises(RemoteUnavailable, match="required but failed"):
+            r14.join()
+        assert src.counters()["transport_errors"] >= 1 and r14._worker.counters["errors"] >= 1
+        assert r14.counters["worker_refusals"] == 0 and r14._pool is None  # raised at once, nothing re-served
+    finally:
+        E.stop_workers()
+        src.close()
+        srv.stop()

@@ -40,6 +40,10 @@ class TableSlot:
         if t is not None:
             self.native.set_table(self.rows.vocab_start, self.rows.vocab_end, t[0], int(t[1]))
 
+    def set_piece_graphs(self, graphs: list) -> None:
+        """``LaunchGraphs.launchable()`` of the table's piece graphs (keys ``(r0, rows)``) to the core."""
+        self.native.set_piece_graphs([(k[0], k[1], p, e) for k, p, e in graphs])
+
     def set_buffers(self) -> None:
         r = self.rows
         self.native.set_buffers(r._hids.ctypes.data, r._hb.ctypes.data, r._fetch.ctypes.data, r.max_rows)
@@ -112,6 +116,12 @@ class RemoteRows:
         self.graphs = LaunchGraphs(self.device, self._launch_one,
                                    bool(graphs and (self.ops.graphs or graph_record is not None)), graph_record,
                                    None if self._slot is None else self._slot.native.set_graphs)
+        # a multi-piece job's launches in the fixed piece layout, one graph per (first row, rows)
+        # piece, launched by the C++ core (issue 23 pass H): captured only where the core runs
+        self.pieces = LaunchGraphs(self.device, self._launch_piece,
+                                   bool(graphs and self.ops.graphs and self._slot is not None), None,
+                                   None if self._slot is None else self._slot.set_piece_graphs)
+        self._capture_pieces: tuple[int, Any] | None = None  # (rows, out) of a multi-piece job Python served
         self._capture: tuple[int, Any] | None = None  # (rows, out) to capture after the hand-off
         self._hids = self.h_ids.numpy().reshape(-1)
         self._new_host_buffers()
@@ -152,6 +162,8 @@ class RemoteRows:
         if self._slot is not None:
             self._slot.set_buffers()
         self.graphs.clear()  # they copy from the old buffer
+        if hasattr(self, "pieces"):
+            self.pieces.clear()
 
     @property
     def host_bytes(self) -> int:
@@ -272,39 +284,38 @@ class RemoteRows:
         self.ids_ready.synchronize()
 
     def _serve(self, gen: int | None, counters: dict) -> bool:
-        """Plan, fetch and launch the job piece by piece (``PIECE_ROWS`` rows each): the H2D
-        copy and kernel of one piece run on the GPU while the next piece is fetched, so of a
-        prefill chunk only the last piece's copy and kernel follow the fetch. On the worker
-        (``gen`` given) a job of several pieces is pipelined on the host too: the table's fetch
-        thread plans and fetches piece k+1 while the worker launches piece k (issue 23 pass F,
-        task 2: the launches' host work hides behind the fetch), into disjoint parts of the
-        staging buffers; the worker never leaves a fetch running behind the job. False when the
-        job's hand-off was refused meanwhile (nothing more launched)."""
+        """Plan, fetch and launch the job: one piece (a decode step) in one H2D copy, or piece by
+        piece (``PIECE_ROWS`` rows each) in the fixed piece layout (``_launch_piece``, the layout
+        the C++ core plans into and its piece graphs read): the H2D copy and kernel of one piece
+        run on the GPU while the next piece is fetched. On the worker (``gen`` given) a job of
+        several pieces is pipelined on the host too: the table's fetch thread plans and fetches
+        piece k+1 while the worker launches piece k, into disjoint parts of the staging buffers;
+        the worker never leaves a fetch running behind the job, and captures the piece graphs
+        after the hand-off. False when the job's hand-off was refused meanwhile (nothing more
+        launched)."""
         rows = self._rows
-        if gen is None or rows <= PIECE_ROWS:
-            f0 = 0
-            for r0 in range(0, rows, PIECE_ROWS):
-                r1 = min(r0 + PIECE_ROWS, rows)
-                n = self._plan_fetch(r0, r1, f0, counters)
-                if not self._launch(r0, r1, f0, n, gen, last=r1 == rows):
-                    return False
-                f0 += n
+        if rows <= PIECE_ROWS:
+            return self._launch(0, rows, 0, self._plan_fetch(0, rows, 0, counters), gen, last=True)
+        pieces = self._piece_keys(rows)
+        if gen is None:
+            for k, key in enumerate(pieces):
+                self._plan_fetch_piece(key, counters)
+                self._launch_fixed(key, None, last=k + 1 == len(pieces))
             return True
         pool = self._fetch_pool()
-        pieces = [(r0, min(r0 + PIECE_ROWS, rows)) for r0 in range(0, rows, PIECE_ROWS)]
-        fut = pool.submit(self._plan_fetch, pieces[0][0], pieces[0][1], 0, counters)
-        f0 = 0
+        fut = pool.submit(self._plan_fetch_piece, pieces[0], counters)
         try:
-            for k, (r0, r1) in enumerate(pieces):
-                n = fut.result()
+            for k, key in enumerate(pieces):
+                fut.result()
                 fut = None
                 if self._ho.is_abandoned(gen):
                     return False
                 if k + 1 < len(pieces):
-                    fut = pool.submit(self._plan_fetch, pieces[k + 1][0], pieces[k + 1][1], f0 + n, counters)
-                if not self._launch(r0, r1, f0, n, gen, last=r1 == rows):
+                    fut = pool.submit(self._plan_fetch_piece, pieces[k + 1], counters)
+                if not self._launch_fixed(key, gen, last=k + 1 == len(pieces)):
                     return False
-                f0 += n
+            if self.pieces.enabled:
+                self._capture_pieces = (rows, self._out)
             return True
         finally:
             if fut is not None:  # an error or a refusal: the next piece's fetch ends before we return
@@ -312,6 +323,36 @@ class RemoteRows:
                     fut.result()
                 except Exception:  # noqa: BLE001 - the job's own error (if any) is already raised
                     pass
+
+    def _plan_fetch_piece(self, key: tuple[int, int], counters: dict) -> int:
+        """Plan piece ``key`` = (first row r0, rows m) and fetch its owned rows into the fixed
+        piece layout (fetch list from ``_fetch[r0]``, packed rows from ``max_rows*4 + r0*264``);
+        returns how many were fetched."""
+        r0, m = key
+        n = self._plan(r0, r0 + m, r0)
+        if n:
+            a = self.max_rows * 4 + r0 * ROW_BYTES
+            t0 = time.perf_counter()
+            try:
+                self.source.lookup(self.layer_id, self._fetch[r0: r0 + n],
+                                   out=self._hb[a: a + n * ROW_BYTES].reshape(n, ROW_BYTES))
+            finally:
+                counters["fetch_s"] = counters.get("fetch_s", 0.0) + time.perf_counter() - t0
+            counters["requests"] = counters.get("requests", 0) + 1
+        return n
+
+    def _launch_fixed(self, key: tuple[int, int], gen: int | None, last: bool) -> bool:
+        """``_launch_piece`` of ``key`` on the job's stream (and the done event after the ``last``
+        piece); False (nothing launched) when the job's hand-off was refused meanwhile."""
+        if gen is not None:
+            with self._lock:
+                if self._ho.is_abandoned(gen):
+                    return False
+        with self.ops.stream(self._stream):
+            self._launch_piece(key, self._out)
+            if last:
+                self.done.record(self._stream)
+        return True
 
     def _fetch_pool(self) -> Any:
         """The table's fetch thread (created at its first multi-piece job; named as the worker's,
@@ -350,18 +391,20 @@ class RemoteRows:
         self.source.lookup(self.layer_id, self._fetch[f0: f0 + n], out=self._packed(f0, n))
 
     def _launch(self, r0: int, r1: int, f0: int, n: int, gen: int | None, last: bool) -> bool:
-        """H2D of the piece's selectors + rows, split, vLLM's kernel on the job's stream (and
-        the done event after the ``last`` piece); False (nothing launched) when the job's
-        hand-off was refused meanwhile."""
+        """A one-piece job's launch (``r0`` 0, ``r1`` its rows, ``f0`` 0, ``last``): H2D of the
+        selectors + the ``n`` fetched rows in one copy, split, vLLM's kernel on the job's stream,
+        the done event; on the worker the size's launch graph (captured after its first eager
+        launch). False (nothing launched) when the job's hand-off was refused meanwhile."""
         import torch
 
+        assert r0 == 0 and f0 == 0 and last, (r0, f0, last)  # several pieces: _launch_fixed
         if gen is not None:
             with self._lock:
                 if self._ho.is_abandoned(gen):
                     return False
-        if r0 == 0 and last and gen is not None and self.graphs.enabled:
-            # one piece on the worker: one graph launch (captured after the first eager one) on
-            # the job's stream by its handle: no stream context (two set_stream calls) around it
+        if gen is not None and self.graphs.enabled:
+            # one graph launch (captured after the first eager one) on the job's stream by its
+            # handle: no stream context (two set_stream calls) around it
             if not self.graphs.replay(r1, self._out, self._stream):
                 with self.ops.stream(self._stream):
                     self._launch_one(r1, self._out)
@@ -369,24 +412,16 @@ class RemoteRows:
                     self._capture = (r1, self._out)
             self.done.record(self._stream)
             return True
-        nb = self._cuda  # async from pinned memory on CUDA; in program order on the CPU
-        a, b = self._rows * 4 + f0 * ROW_BYTES, self._rows * 4 + (f0 + n) * ROW_BYTES
+        b = self._rows * 4 + n * ROW_BYTES
         with self.ops.stream(self._stream):
-            d_sel = self.d_buf[r0 * 4: r1 * 4]
-            if r0 == 0 and last:  # one piece: selectors and rows in one H2D copy
-                self.d_buf[:b].copy_(self.h_buf[:b], non_blocking=nb)
-            else:
-                d_sel.copy_(self.h_buf[r0 * 4: r1 * 4], non_blocking=nb)
-                if n:
-                    self.d_buf[a:b].copy_(self.h_buf[a:b], non_blocking=nb)
+            d_sel = self.d_buf[: r1 * 4]
+            self.d_buf[:b].copy_(self.h_buf[:b], non_blocking=self._cuda)  # selectors and rows in one copy
             if n:
-                d_rows = self.d_buf[a:b].view(n, ROW_BYTES)
-                self.d_w[f0: f0 + n].copy_(d_rows[:, : self.dim])
-                self.d_s[f0: f0 + n].copy_(d_rows[:, self.dim:])
-            self.dequant(self.d_w[f0:], self.d_s[f0:], d_sel.view(torch.int32), self.d_dst[r0:r1], self._out, n,
-                         r1 - r0)
-            if last:
-                self.done.record(self._stream)
+                d_rows = self.d_buf[r1 * 4: b].view(n, ROW_BYTES)
+                self.d_w[:n].copy_(d_rows[:, : self.dim])
+                self.d_s[:n].copy_(d_rows[:, self.dim:])
+            self.dequant(self.d_w, self.d_s, d_sel.view(torch.int32), self.d_dst[:r1], self._out, n, r1)
+            self.done.record(self._stream)
         return True
 
     def _launch_one(self, rows: int, out: Any) -> None:
@@ -405,13 +440,59 @@ class RemoteRows:
 
     def _capture_pending(self) -> None:
         """Worker thread, after a hand-off: capture the launch graph of a size first seen in
-        this job (never while a CUDA-graph capture of vLLM is open)."""
+        this job, or the piece graphs of a multi-piece job Python served (never while a
+        CUDA-graph capture of vLLM is open)."""
         pending, self._capture = self._capture, None
-        if pending is not None and not self.ops.capturing():
-            buf = self.h_buf
+        pieces, self._capture_pieces = self._capture_pieces, None
+        if self.ops.capturing():
+            return
+        buf = self.h_buf
+        if pending is not None:
             self.graphs.capture(*pending)
-            if self.h_buf is not buf:  # replaced meanwhile (a hung worker retired): it read the old one
-                self.graphs.clear()
+        if pieces is not None:
+            for key in self._piece_keys(pieces[0]):
+                if self.pieces.wanted(key, pieces[1]):
+                    self.pieces.capture(key, pieces[1])
+        if self.h_buf is not buf:  # replaced meanwhile (a hung worker retired): they read the old one
+            self.graphs.clear()
+            self.pieces.clear()
+
+    @staticmethod
+    def _piece_keys(rows: int) -> list[tuple[int, int]]:
+        """``(first row, rows)`` of each piece of a job of ``rows`` rows."""
+        return [(r0, min(PIECE_ROWS, rows - r0)) for r0 in range(0, rows, PIECE_ROWS)]
+
+    def _launch_piece(self, key: tuple[int, int], out: Any) -> None:
+        """One piece of a multi-piece job in the fixed piece layout the C++ core plans into
+        (``key`` = (first row r0, rows m)): selectors (relative to the piece) at row r0 of the
+        selector part, the piece's packed rows from ``max_rows*4 + r0*264`` (every row slot
+        copied, so the launch does not depend on how many were fetched), split, vLLM's kernel
+        into ``out`` rows r0..r0+m on the current stream: the sequence a piece graph captures."""
+        import torch
+
+        r0, m = key
+        a = self.max_rows * 4 + r0 * ROW_BYTES
+        b = a + m * ROW_BYTES
+        d_sel = self.d_buf[r0 * 4: (r0 + m) * 4]
+        d_sel.copy_(self.h_buf[r0 * 4: (r0 + m) * 4], non_blocking=self._cuda)
+        self.d_buf[a:b].copy_(self.h_buf[a:b], non_blocking=self._cuda)
+        d_rows = self.d_buf[a:b].view(m, ROW_BYTES)
+        self.d_w[r0: r0 + m].copy_(d_rows[:, : self.dim])
+        self.d_s[r0: r0 + m].copy_(d_rows[:, self.dim:])
+        self.dequant(self.d_w[r0:], self.d_s[r0:], d_sel.view(torch.int32), self.d_dst[r0: r0 + m], out, m, m)
+
+    def _launch_pieces(self, gen: int) -> bool:
+        """Launch every piece of a multi-piece job the C++ core planned and fetched in the fixed
+        piece layout (no graphs: the CPU) and the done event; False when the hand-off was refused
+        meanwhile (nothing more launched)."""
+        with self.ops.stream(self._stream):
+            for key in self._piece_keys(self._rows):
+                with self._lock:
+                    if self._ho.is_abandoned(gen):
+                        return False
+                self._launch_piece(key, self._out)
+            self.done.record(self._stream)
+        return True
 
     def _handoff(self, gen: int, error: BaseException | None) -> None:
         with self._lock:

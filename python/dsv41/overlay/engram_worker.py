@@ -51,9 +51,13 @@ class EngramWorker:
     With the C++ extension (``_fastrow.EngramCore``, issue 23 pass F) the thread runs the core's
     ``next()`` with the GIL released: the wake-up, the ids wait, the coalescing, the plan, the
     request on a connection the row source lends (``RemoteRowSource.native_lease``), the launch
-    graph and the hand-off of a captured size are C++; Python serves what the core hands back
-    (no lease, a launch without a graph yet, a failed request: ``lease_failed`` serves the exact
-    local rows or raises in required mode, a failed CUDA call: graphs off, eager launches) and
+    graph and the hand-off of a captured size are C++, and so is a multi-piece (prefill) job whose
+    piece graphs exist (issue 23 pass H: plan in the fixed piece layout, one pipelined request and
+    one graph launch per piece); Python serves what the core hands back (no lease, a launch without
+    a graph yet, a multi-piece job without piece graphs (the pipeline above, then their capture) or
+    planned and fetched on the CPU (``_pieces_back``: Python launches the pieces), a failed request:
+    ``lease_failed`` serves the exact local rows or raises in required mode (a multi-piece job is
+    then served again whole), a failed CUDA call: graphs off, eager launches) and
     re-leases at most every ``LEASE_RETRY_S`` while it has none. ``counters`` then also carries
     the core's ``native_*`` counts, and ``jobs``, ``requests``, ``wake_s``, ``ids_wait_s``,
     ``plan_s``, ``launch_s``, ``fetch_s``, ``host_s`` are the sums of both paths. Without the
@@ -175,8 +179,9 @@ class EngramWorker:
 
     def _run_native(self) -> None:
         """The C++ core's loop (see the class): Python only for what the core hands back."""
-        from dsv41.overlay.engram_ops import (CORE_CUDA_FAILED, CORE_FAILED, CORE_FETCHED, CORE_PYTHON,
-                                              CORE_PYTHON_IDS, CORE_REPORT, CORE_RETIRED)
+        from dsv41.overlay.engram_ops import (CORE_CUDA_FAILED, CORE_FAILED, CORE_FETCHED, CORE_PIECES_FAILED,
+                                              CORE_PIECES_FETCHED, CORE_PYTHON, CORE_PYTHON_IDS, CORE_REPORT,
+                                              CORE_RETIRED)
 
         self.ops.bind_thread()
         core, tables, c = self.core, self._tables, self._c
@@ -201,6 +206,8 @@ class EngramWorker:
                     more = [(tables[key], g) for key, g, _ in core.coalesce(rows._rows)]
                     c["coalesce_s"] += _perf() - t1
                     self._serve([(rows, gen)] + more)
+                elif status in (CORE_PIECES_FETCHED, CORE_PIECES_FAILED):
+                    self._pieces_back(status, batch[0], code, rcount)
                 else:
                     t0 = _perf()
                     try:
@@ -218,6 +225,44 @@ class EngramWorker:
         finally:
             if self._lease is not None:
                 self._drop_lease()
+
+    def _pieces_back(self, status: int, job: tuple, code: int, rcount: int) -> None:
+        """A multi-piece job the core handed back: planned and fetched in the fixed piece layout
+        (the CPU: Python launches the pieces and hands off), or failed (a request: counted as the
+        source's failure, the cause handed off in required mode; a CUDA call: piece graphs off),
+        then served again whole by Python (the row source's own connection, its exact local
+        fallback; the core already waited for the pieces it had launched)."""
+        from dsv41.overlay.engram_ops import CORE_PIECES_FETCHED
+
+        rows, gen, _ = job
+        c = self._c
+        t0 = _perf()
+        if status == CORE_PIECES_FETCHED:
+            try:
+                if rows._launch_pieces(gen):
+                    rows._handoff(gen, None)
+            except Exception as exc:  # noqa: BLE001 - handed to the launching thread
+                c["errors"] += 1
+                rows._handoff(gen, exc)
+            finally:
+                c["host_s"] += _perf() - t0
+            rows._maybe_report()
+            return
+        c["errors"] += 1
+        if code:
+            lease, self._lease = self._lease, None
+            self._lease_t = t0  # the next lease waits LEASE_RETRY_S
+            client = lease["client"]
+            try:
+                self.source.lease_failed(client, client.native_failure(code, rcount), [], t0)
+            except Exception as exc:  # noqa: BLE001 - required mode: the cause at the join
+                rows._handoff(gen, exc)
+                return
+            finally:
+                c["fetch_s"] += _perf() - t0
+        else:
+            rows.pieces.disable("a piece graph launch or event record of the C++ core failed")
+        self._serve([(rows, gen)])
 
     def _lease_failed(self, batch: list, code: int, rcount: int) -> list:
         """The core's request failed: the exact local rows (the row source's fallback) for every

@@ -554,35 +554,22 @@ py::tuple client_lookup(int fd, uint64_t gen, py::bytes ident, py::array_t<uint6
   return py::make_tuple(code, rcount, rplen);
 }
 
-// Pipelined lookup of many rows: requests of `chunk` rows, up to `window` in flight, replies
-// received in order straight into `out` (uint8[N,264]).  Each reply must arrive within
-// `timeout_ns` of the previous one (the same budget a sequential request would get), and every
-// reply by `end_ns` (absolute CLOCK_MONOTONIC ns, the caller's whole-call deadline; 0 = none).
-// Generations gen0, gen0+1, ... Returns (code, status, chunk_index) with the codes of
-// client_lookup; on any code != 0 the caller must close the socket (requests may be in flight).
-py::tuple client_lookup_many(int fd, uint64_t gen0, py::bytes ident, py::array_t<uint64_t, py::array::c_style> rows,
-                             py::array_t<uint8_t, py::array::c_style> out, uint32_t chunk, uint32_t window,
-                             int64_t timeout_ns, int64_t spin_ns, int64_t end_ns) {
-  std::string id = ident;
-  if (id.size() != 32) throw std::invalid_argument("identity must be 32 bytes");
-  if (chunk == 0 || chunk > kMaxRows || window == 0) throw std::invalid_argument("bad chunk/window");
-  size_t n = size_t(rows.shape(0));
-  if (out.ndim() != 2 || size_t(out.shape(0)) != n || out.shape(1) != (py::ssize_t)kRow)
-    throw std::invalid_argument("out must be uint8[N,264]");
-  const uint8_t *rp = reinterpret_cast<const uint8_t *>(rows.data());
-  uint8_t *op = out.mutable_data();
+// The body of client_lookup_many without the GIL (also the C++ worker core's prefill pieces):
+// returns the code, the refusal status in `status` and the reply index reached in `recv_idx`.
+int lookup_many_nogil(int fd, uint64_t gen0, const char *ident, const uint8_t *rp, size_t n, uint8_t *op,
+                      uint32_t chunk, uint32_t window, int64_t timeout_ns, int64_t spin_ns, int64_t end_ns,
+                      uint32_t &status, size_t &recv_idx) {
   size_t nchunks = (n + chunk - 1) / chunk;
   int code = 0;
-  uint32_t status = 0;
-  size_t recv_idx = 0;
+  status = 0;
+  recv_idx = 0;
   {
-    py::gil_scoped_release nogil;
     std::vector<uint8_t> hdrs(nchunks * kReq);
     for (size_t k = 0; k < nchunks; k++) {
       uint8_t *h = &hdrs[k * kReq];
       uint32_t c = uint32_t(std::min<size_t>(chunk, n - k * chunk));
       wr<uint32_t>(h, kMagic); wr<uint16_t>(h + 4, kVersion); wr<uint16_t>(h + 6, OP_LOOKUP);
-      wr<uint64_t>(h + 8, gen0 + k); std::memcpy(h + 16, id.data(), 32);
+      wr<uint64_t>(h + 8, gen0 + k); std::memcpy(h + 16, ident, 32);
       wr<uint32_t>(h + 48, c); wr<uint32_t>(h + 52, c * 8);
     }
     size_t send_idx = 0, send_off = 0;  // bytes of chunk send_idx already sent
@@ -663,6 +650,34 @@ py::tuple client_lookup_many(int fd, uint64_t gen0, py::bytes ident, py::array_t
       timespec ts{time_t(rem / 1000000000LL), long(rem % 1000000000LL)};
       ::ppoll(&pf, 1, &ts, nullptr);
     }
+  }
+  return code;
+}
+
+// Pipelined lookup of many rows: requests of `chunk` rows, up to `window` in flight, replies
+// received in order straight into `out` (uint8[N,264]).  Each reply must arrive within
+// `timeout_ns` of the previous one (the same budget a sequential request would get), and every
+// reply by `end_ns` (absolute CLOCK_MONOTONIC ns, the caller's whole-call deadline; 0 = none).
+// Generations gen0, gen0+1, ... Returns (code, status, chunk_index) with the codes of
+// client_lookup; on any code != 0 the caller must close the socket (requests may be in flight).
+py::tuple client_lookup_many(int fd, uint64_t gen0, py::bytes ident, py::array_t<uint64_t, py::array::c_style> rows,
+                             py::array_t<uint8_t, py::array::c_style> out, uint32_t chunk, uint32_t window,
+                             int64_t timeout_ns, int64_t spin_ns, int64_t end_ns) {
+  std::string id = ident;
+  if (id.size() != 32) throw std::invalid_argument("identity must be 32 bytes");
+  if (chunk == 0 || chunk > kMaxRows || window == 0) throw std::invalid_argument("bad chunk/window");
+  size_t n = size_t(rows.shape(0));
+  if (out.ndim() != 2 || size_t(out.shape(0)) != n || out.shape(1) != (py::ssize_t)kRow)
+    throw std::invalid_argument("out must be uint8[N,264]");
+  const uint8_t *rp = reinterpret_cast<const uint8_t *>(rows.data());
+  uint8_t *op = out.mutable_data();
+  int code = 0;
+  uint32_t status = 0;
+  size_t recv_idx = 0;
+  {
+    py::gil_scoped_release nogil;
+    code = lookup_many_nogil(fd, gen0, id.data(), rp, n, op, chunk, window, timeout_ns, spin_ns, end_ns, status,
+                             recv_idx);
   }
   return py::make_tuple(code, status, recv_idx);
 }
@@ -802,7 +817,8 @@ int64_t plan_rows(py::array_t<int64_t, py::array::c_style> ids, int64_t lo, int6
 // Python only for what Python does: a job it may not serve (no lent connection, a piece larger
 // than one request, an id past the table), a launch without a graph (Python launches eagerly and
 // captures), a failed request (Python serves the exact local rows or raises in required mode), a
-// failed CUDA call, a report, a retire.
+// failed CUDA call, a report, a retire. A multi-piece (prefill) job is served alone, in order, by
+// serve_pieces (issue 23 pass H).
 
 // CUDA driver entry points from libcuda.so.1, loaded at first use (the extension links no CUDA
 // library; on a host without one the core never calls CUDA: every handle is 0 there).
@@ -844,6 +860,9 @@ struct EngramSlot {
   int64_t *fetch = nullptr;
   size_t max_rows = 0;
   std::map<std::pair<int64_t, uint64_t>, void *> graphs;
+  // a multi-piece job's launch graphs by (first row, rows, staged_rows address): the fixed piece
+  // layout (RemoteRows._launch_piece: selectors at row r0, packed rows at max_rows*4 + r0*264)
+  std::map<std::tuple<int64_t, int64_t, uint64_t>, void *> piece_graphs;
 
   void set_table(int64_t l, int64_t h, py::bytes id, uint64_t lim) {
     std::string b = id;
@@ -865,6 +884,17 @@ struct EngramSlot {
     graphs.clear();
     for (auto &t : gs)
       if (std::get<2>(t)) graphs[{std::get<0>(t), std::get<1>(t)}] = reinterpret_cast<void *>(std::get<2>(t));
+  }
+  void set_piece_graphs(const std::vector<std::tuple<int64_t, int64_t, uint64_t, uint64_t>> &gs) {
+    std::lock_guard<std::mutex> g(m);
+    piece_graphs.clear();
+    for (auto &t : gs)
+      if (std::get<3>(t))
+        piece_graphs[{std::get<0>(t), std::get<1>(t), std::get<2>(t)}] = reinterpret_cast<void *>(std::get<3>(t));
+  }
+  void *piece_graph_locked(int64_t r0, int64_t len, uint64_t out) const {
+    auto it = piece_graphs.find({r0, len, out});
+    return it == piece_graphs.end() ? nullptr : it->second;
   }
   void begin(uint64_t gen) {
     std::lock_guard<std::mutex> g(m);
@@ -917,7 +947,10 @@ struct EngramJob {
 class EngramCore {
  public:
   // Statuses of next(): what Python does with the batch it returns.
-  enum { RETIRED = 0, PYTHON = 1, FETCHED = 2, FAILED = 3, CUDA_FAILED = 4, REPORT = 5, PYTHON_IDS = 6 };
+  enum { RETIRED = 0, PYTHON = 1, FETCHED = 2, FAILED = 3, CUDA_FAILED = 4, REPORT = 5, PYTHON_IDS = 6,
+         PIECES_FETCHED = 7, PIECES_FAILED = 8 };
+  // Requests in flight per piece of a multi-piece job (tcp.TcpClient.lookup_many's window).
+  static constexpr uint32_t kPieceWindow = 4;
 
   EngramCore(int64_t chunk_rows, int64_t piece_rows, double report_s)
       : chunk_rows_(chunk_rows), piece_rows_(piece_rows), report_ns_(int64_t(report_s * 1e9)), last_return_(now_ns()) {}
@@ -1057,10 +1090,24 @@ class EngramCore {
     int st = serve_batch(batch, code, rcount, fetch_ns);
     std::lock_guard<std::mutex> g(cm_);
     c_host += now_ns() - t0 - fetch_ns;  // host work: the batch's time minus the request's
-    if (st != PYTHON) { c_batches++; c_jobs += int64_t(batch.size()); }
+    if (st != PYTHON && st != PIECES_FAILED) { c_batches++; c_jobs += int64_t(batch.size()); }
     return st;
   }
   int serve_batch(std::vector<EngramJob> &batch, int &code, uint32_t &rcount, int64_t &fetch_ns) {
+    bool multi = false;
+    for (auto &j : batch) multi = multi || j.rows > piece_rows_;
+    if (multi) {  // one job at a time, in order (layer 1 of a prefill chunk is handed off first)
+      if (batch.size() > 1) {
+        std::lock_guard<std::mutex> g(m_);
+        int64_t t = now_ns();
+        for (size_t k = batch.size(); k-- > 1;) {
+          batch[k].t_sub = t;  // back to the queue's front: their wake-up is not counted twice
+          q_.push_front(std::move(batch[k]));
+        }
+        batch.resize(1);
+      }
+      if (batch[0].rows > piece_rows_) return serve_pieces(batch[0], code, rcount, fetch_ns);
+    }
     int64_t total_rows = 0;
     bool ok = fd_ >= 0;
     for (auto &j : batch) {
@@ -1131,6 +1178,113 @@ class EngramCore {
     }
     return REPORT;
   }
+  // A multi-piece (prefill) job in the fixed piece layout: every piece planned (plan_rows'
+  // arithmetic: sel relative to the piece, fetch list and packed rows from row r0), then piece
+  // by piece one pipelined request (lookup_many_nogil) and, on CUDA, its captured launch graph on
+  // the job's stream, so no Python runs between the pieces; the done event and the hand-off after
+  // the last. PYTHON (nothing done) when a piece graph is missing, an id is past the table or the
+  // job does not fit; PIECES_FETCHED on the CPU (no graphs: Python launches the pieces);
+  // PIECES_FAILED when a request (code != 0) or a CUDA call (code 0) failed: Python serves the
+  // whole job again (the work already queued on the stream is waited for first).
+  int serve_pieces(EngramJob &j, int &code, uint32_t &rcount, int64_t &fetch_ns) {
+    EngramSlot &s = *j.slot;
+    if (fd_ < 0 || !s.has_table || !s.ids || !s.hbuf || size_t(j.rows) > s.max_rows) return PYTHON;
+    const CudaDriver &cu = cuda_driver();
+    std::vector<std::pair<int64_t, void *>> pieces;  // (rows, graph) per piece
+    for (int64_t r0 = 0; r0 < j.rows; r0 += piece_rows_) pieces.push_back({std::min(piece_rows_, j.rows - r0), nullptr});
+    if (j.cuda) {
+      if (!j.done_event || !j.stream || !cu.ok) return PYTHON;
+      std::lock_guard<std::mutex> g(s.m);
+      for (size_t k = 0; k < pieces.size(); k++) {
+        pieces[k].second = s.piece_graph_locked(int64_t(k) * piece_rows_, pieces[k].first, j.out);
+        if (!pieces[k].second) return PYTHON;  // Python serves it and captures the pieces
+      }
+    }
+    int64_t tp = now_ns();
+    std::vector<int64_t> ns(pieces.size());
+    int32_t *sel = reinterpret_cast<int32_t *>(s.hbuf);
+    int64_t total = 0;
+    for (size_t k = 0; k < pieces.size(); k++) {
+      const int64_t r0 = int64_t(k) * piece_rows_, r1 = r0 + pieces[k].first;
+      int64_t n = 0;
+      for (int64_t i = r0; i < r1; i++) {
+        const int64_t v = s.ids[i];
+        if (v >= s.lo && v < s.hi) {
+          if (uint64_t(v) >= s.limit) return PYTHON;  // Python's path raises RowRangeError
+          sel[i] = int32_t(n);
+          s.fetch[r0 + n++] = v;
+        } else {
+          sel[i] = -1;
+        }
+      }
+      ns[k] = n;
+      total += n;
+    }
+    j.n = total;
+    add(c_plan, now_ns() - tp);
+    uint8_t *packed = s.hbuf + s.max_rows * 4;
+    size_t launched = 0;
+    int64_t launch_ns = 0;
+    for (size_t k = 0; k < pieces.size(); k++) {
+      const int64_t r0 = int64_t(k) * piece_rows_;
+      if (ns[k]) {
+        int64_t tf = now_ns();
+        uint32_t status = 0;
+        size_t ridx = 0;
+        size_t n = size_t(ns[k]);
+        code = lookup_many_nogil(fd_, gen_, s.ident, reinterpret_cast<const uint8_t *>(s.fetch + r0), n,
+                                 packed + size_t(r0) * kRow, uint32_t(chunk_rows_), kPieceWindow, timeout_ns_,
+                                 spin_ns_, 0, status, ridx);
+        gen_ += (n + size_t(chunk_rows_) - 1) / size_t(chunk_rows_);
+        int64_t te = now_ns();
+        fetch_ns += te - tf;
+        {
+          std::lock_guard<std::mutex> g(cm_);
+          c_fetch += te - tf; c_requests++;
+          if (code == 0) { c_rows += ns[k]; c_lookups++; }
+        }
+        if (code != 0) {
+          rcount = status;
+          fd_ = -1;  // the request failed: Python closes the connection and serves the job again
+          drain(j, launched);
+          return PIECES_FAILED;
+        }
+      }
+      if (!j.cuda) continue;
+      int64_t tl = now_ns();
+      std::lock_guard<std::mutex> g(s.m);
+      if (j.gen == s.abandoned || j.gen != s.current) {  // refused meanwhile: nothing more launched
+        add(c_launch, launch_ns + now_ns() - tl);
+        return REPORT;
+      }
+      if (cu.graph_launch(pieces[k].second, j.stream) != 0) {
+        code = 0;
+        drain(j, launched);
+        return PIECES_FAILED;
+      }
+      launched++;
+      launch_ns += now_ns() - tl;
+    }
+    if (!j.cuda) return PIECES_FETCHED;
+    int64_t tl = now_ns();
+    {
+      std::lock_guard<std::mutex> g(s.m);
+      if (cu.event_record(j.done_event, j.stream) != 0) {
+        code = 0;
+        drain(j, launched);
+        return PIECES_FAILED;
+      }
+      s.handoff_locked(j.gen);
+    }
+    add(c_launches, int64_t(launched));
+    add(c_launch, launch_ns + now_ns() - tl);
+    return REPORT;
+  }
+  // Before Python rewrites the staging of a job whose pieces were partly launched: wait for them.
+  void drain(EngramJob &j, size_t launched) {
+    const CudaDriver &cu = cuda_driver();
+    if (launched && cu.ok && cu.event_record(j.done_event, j.stream) == 0) cu.event_sync(j.done_event);
+  }
   static void *graph_of_locked(const EngramJob &j) {
     auto it = j.slot->graphs.find({j.rows, j.out});
     return it == j.slot->graphs.end() ? nullptr : it->second;
@@ -1188,6 +1342,7 @@ PYBIND11_MODULE(_fastrow, m) {
       .def("set_table", &EngramSlot::set_table)
       .def("set_buffers", &EngramSlot::set_buffers)
       .def("set_graphs", &EngramSlot::set_graphs)
+      .def("set_piece_graphs", &EngramSlot::set_piece_graphs)
       .def("begin", &EngramSlot::begin)
       .def("handoff", &EngramSlot::handoff)
       .def("abandon", &EngramSlot::abandon)
