@@ -221,7 +221,27 @@ def serve_http(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServ
     return httpd, f"http://127.0.0.1:{httpd.server_address[1]}", thread
 
 
-class FakeServing:
+class QuietHandler(BaseHTTPRequestHandler):
+    """A request handler that logs nothing (http.server logs every request to stderr)."""
+
+    def log_message(self, *a):
+        pass
+
+
+class HttpStandIn:
+    """Base of the HTTP stand-ins below: ``_serve(handler)`` starts it (:func:`serve_http`) and
+    sets ``httpd``, ``url`` and ``thread``; ``close()`` stops it."""
+
+    def _serve(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self.httpd, self.url, self.thread = serve_http(handler)
+
+    def close(self) -> None:
+        """Stop serving and close the socket."""
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class FakeServing(HttpStandIn):
     """A stand-in rank 0 HTTP endpoint: greedy ids are a function of the prompt bytes (so they are
     deterministic), ``shift`` perturbs the id at position ``shift_at`` of prompts named in
     ``shift_names``; counters grow by one lookup per completion on each rank."""
@@ -240,7 +260,7 @@ class FakeServing:
         self.calls: list[str] = []
         fake = self
 
-        class H(BaseHTTPRequestHandler):
+        class H(QuietHandler):
             def _send(self, code, body, ctype="application/json"):
                 data = body if isinstance(body, bytes) else json.dumps(body).encode()
                 self.send_response(code)
@@ -290,17 +310,10 @@ class FakeServing:
                     return self._send(200, {"choices": [choice]})
                 return self._send(404, {})
 
-            def log_message(self, *a):
-                pass
-
-        self.httpd, self.url, self.thread = serve_http(H)
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._serve(H)
 
 
-class FakeStack:
+class FakeStack(HttpStandIn):
     """Rank 0 (``/health``, ``/is_paused``, ``/v1/models``, ``/metrics``), the table server
     (``/ready``), the drafter worker (``/w/metrics``) and a Prometheus API (``/api/v1/alerts``,
     ``/api/v1/query_range``) on one loopback HTTP server at ``url``; every answer is read from the
@@ -315,10 +328,7 @@ class FakeStack:
         self.range_queries = 0
         f = self
 
-        class H(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
+        class H(QuietHandler):
             def _send(self, code, body, ctype="application/json"):
                 data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
                 self.send_response(code)
@@ -349,7 +359,7 @@ class FakeStack:
                         {"metric": {"rank": "0"}, "values": [[100 + 5 * i, str(i % 3)] for i in range(20)]}]}})
                 return self._send(404, {})
 
-        self.httpd, self.url, _thread = serve_http(H)
+        self._serve(H)
 
     def engine_metrics(self) -> str:
         """Rank 0's Prometheus text: speculation counters and both ranks' Engram counters."""
@@ -365,10 +375,6 @@ class FakeStack:
         """The drafter worker's Prometheus text, with its identities as ``dsv41_drafter_info`` labels."""
         labels = ",".join(f'{k}="{v}"' for k, v in {**self.worker_ids, "backend": "torch"}.items())
         return f"dsv41_drafter_connections 1.0\ndsv41_drafter_rounds_total 12.0\ndsv41_drafter_info{{{labels}}} 1.0\n"
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 # ---- streaming completions (vLLM's SSE), for the bench client and the drill's load ----------------
@@ -389,7 +395,7 @@ def sse(events: list) -> bytes:
     return "".join(f"data: {json.dumps(e) if not isinstance(e, str) else e}\n\n" for e in events).encode()
 
 
-class StreamingEndpoint:
+class StreamingEndpoint(HttpStandIn):
     """``POST /v1/completions`` on loopback answered as vLLM streams it: one SSE chunk per token
     (:func:`completion_chunk`, continuous usage, ``finish_reason`` ``length`` on the last), one
     every ``delay_s`` seconds, then ``[DONE]``; every request body is kept in ``bodies``; other
@@ -400,7 +406,7 @@ class StreamingEndpoint:
         self.lock = threading.Lock()
         fake = self
 
-        class H(BaseHTTPRequestHandler):
+        class H(QuietHandler):
             def do_POST(self):  # noqa: N802 - http.server's name
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
                 with fake.lock:
@@ -418,11 +424,4 @@ class StreamingEndpoint:
                     self.wfile.flush()
                 self.wfile.write(sse(["[DONE]"]))
 
-            def log_message(self, *a):
-                pass
-
-        self.httpd, self.url, self.thread = serve_http(H)
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._serve(H)
