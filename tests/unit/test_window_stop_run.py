@@ -278,3 +278,13 @@ def test_a_malformed_identity_record_is_one_clear_error(tmp_path, rec):
     with pytest.raises(window.WindowError, match="not a run pid file"):
         window.stop_runs(tmp_path, "W12")
     assert (d / window.RUN_PID_NAME).exists()
+
+
+def test_a_fifo_as_pid_file_is_refused_without_blocking_and_a_vanished_one_skipped(tmp_path):
+    d = tmp_path / "W13-aa"
+    d.mkdir()
+    os.mkfifo(d / window.RUN_PID_NAME)
+    with pytest.raises(window.WindowError, match="not a run pid file .*is a FIFO"):
+        window.stop_runs(tmp_path, "W13")
+    os.unlink(d / window.RUN_PID_NAME)
+    assert window.read_run_pid(d / window.RUN_PID_NAME) is None  # the run ended and removed it

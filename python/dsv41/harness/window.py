@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import stat
 import statistics
 import subprocess
 import uuid
@@ -274,16 +275,19 @@ def write_run_pid(wdir: str | os.PathLike) -> Path:
 RUN_PID_MAX_BYTES = 4096
 
 
-def read_run_pid(path: str | os.PathLike) -> dict:
+def read_run_pid(path: str | os.PathLike) -> dict | None:
     """The record of a ``run.pid`` file (``write_run_pid``), read by the strict reader
     (:func:`dsv41.fileio.read_json`: a regular file not changing while read, UTF-8, strict JSON,
-    at most ``RUN_PID_MAX_BYTES``). Raises ``WindowError`` (one line, ``<path>: not a run pid
-    file (<why>)``) for an empty, torn, undecodable or non-object file; its fields are checked by
-    ``run_process``."""
+    at most ``RUN_PID_MAX_BYTES``); None when there is no such file (the run ended and removed
+    it). Raises ``WindowError`` (one line, ``<path>: not a run pid file (<why>)``) for an empty,
+    torn, undecodable or non-object file; its fields are checked by ``run_process``."""
     try:
-        if os.path.isfile(path) and os.path.getsize(path) == 0:
+        st = os.stat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_size == 0:
             raise WindowError(f"{path}: not a run pid file (it is empty)")
         rec = fileio.read_json(path, max_bytes=RUN_PID_MAX_BYTES)
+    except FileNotFoundError:
+        return None
     except fileio.FileError as exc:
         raise WindowError(f"{path}: not a run pid file ({exc})") from None
     except OSError as exc:
@@ -297,7 +301,7 @@ def clear_run_pid(wdir: str | os.PathLike) -> None:
     """Remove ``wdir``'s ``run.pid`` if it names this process (a run that ends normally)."""
     path = Path(wdir) / RUN_PID_NAME
     try:
-        if read_run_pid(path).get("pid") == os.getpid():
+        if (read_run_pid(path) or {}).get("pid") == os.getpid():
             path.unlink()
     except (OSError, WindowError):
         pass
@@ -358,6 +362,8 @@ def stop_runs(windows_dir: str | os.PathLike, window_id: str, timeout_s: float =
     stopped = []
     for path in sorted(Path(windows_dir).glob(f"{window_id}-*/{RUN_PID_NAME}")):
         rec = read_run_pid(path)
+        if rec is None:
+            continue  # it ended (and removed its record) since the glob
         try:
             proc = run_process(rec)
         except (ValueError, KeyError, TypeError) as exc:
