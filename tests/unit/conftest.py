@@ -20,8 +20,16 @@ REPO = Path(__file__).resolve().parents[2]
 _BEFORE = repo_files(REPO)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_working_directory(tmp_path_factory):
+    """Module- and session-scoped fixtures run before a test's own directory exists: in this one."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path_factory.mktemp("cwd"))
+        yield
+
+
 @pytest.fixture(autouse=True)
-def _own_working_directory(tmp_path, monkeypatch):
+def _own_working_directory(_session_working_directory, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
