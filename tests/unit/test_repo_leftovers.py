@@ -38,4 +38,6 @@ def test_the_check_finds_what_a_run_left(tmp_path: Path) -> None:
     (tmp_path / "pkg" / "__pycache__" / "m.cpython-311.pyc").write_bytes(b"")
     (tmp_path / "kept.py").write_text("x = 2\n")  # a tracked file changed: not this check's business
     assert repo_leftovers(before, repo_files(tmp_path)) == ["['l']/report.json", "windows/"]
+    # a session with lab tests: playbooks' ignored outputs are theirs, untracked files are still found
+    assert repo_leftovers(before, repo_files(tmp_path), ignored=False) == ["['l']/report.json"]
     assert repo_files(tmp_path / "no-such-dir") is None

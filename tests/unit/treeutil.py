@@ -38,10 +38,14 @@ def repo_files(repo: Path) -> set[str] | None:
     return {e for e in r.stdout.decode(errors="surrogateescape").split("\0") if e[:3] in ("?? ", "!! ")}
 
 
-def repo_leftovers(before: set[str], after: set[str]) -> list[str]:
+def repo_leftovers(before: set[str], after: set[str], *, ignored: bool = True) -> list[str]:
     """What a run added to the tree (entries of :func:`repo_files` in ``after``, not in ``before``),
-    :data:`TOLERATED` paths left out: the paths, sorted."""
-    def tolerated(path: str) -> bool:
-        parts = path.rstrip("/").split("/")
+    :data:`TOLERATED` paths left out: the paths, sorted. ``ignored=False``: untracked paths only
+    (a session that ran lab tests too: playbooks write their outputs, ``windows/``, ``packages/``,
+    under the repository by default, ignored by git on purpose)."""
+    def tolerated(entry: str) -> bool:
+        if entry.startswith("!! ") and not ignored:
+            return True
+        parts = entry[3:].rstrip("/").split("/")
         return bool(set(parts) & set(TOLERATED)) or parts[-1].endswith(tuple(TOLERATED_SUFFIXES))
-    return sorted(e[3:] for e in after - before if not tolerated(e[3:]))
+    return sorted(e[3:] for e in after - before if not tolerated(e))
