@@ -81,10 +81,70 @@ def option_problem(kind, value):
     return None
 
 
+# Option types whose value must arrive as a string.
+STRING_TYPES = ("str", "path")
+
+
+def _short(value):
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def not_a_string(spec, raw, prefix=""):
+    """``(option name, value)`` of the first ``str``/``path`` option (also a ``list`` of them, and
+    in ``options`` of a dict or list of dicts) whose value in ``raw`` (the arguments as sent,
+    before Ansible's conversion) is not a string; None when there is none.
+
+    Why: Ansible's ``str`` and ``path`` types convert any value to its text (ansible-core 2.19
+    ``check_type_str`` always converts; the ``string_conversion_action`` setting that could make
+    this an error is gone), so a list given as ``out_dir`` became the directory ``['l']`` in the
+    caller's working directory. Numbers and booleans are refused too: YAML reads an unquoted
+    ``0755``, ``1e3`` or ``yes`` as a number or a boolean whose text is not what was written.
+    None (an unset option) passes."""
+    if not isinstance(raw, dict):
+        return None
+    for name, o in spec.items():
+        value = raw.get(name)
+        if value is None:
+            continue
+        kind, label = o.get("type", "str"), f"{prefix}{name}"
+        if kind in STRING_TYPES and not isinstance(value, str):
+            return label, value
+        if kind == "list" and o.get("elements") in STRING_TYPES and isinstance(value, list):
+            for i, v in enumerate(value):
+                if v is not None and not isinstance(v, str):
+                    return f"{label}[{i}]", v
+        if o.get("options"):
+            for i, item in enumerate(value if kind == "list" and isinstance(value, list) else [value]):
+                found = not_a_string(o["options"], item, f"{label}[{i}]." if kind == "list" else f"{label}.")
+                if found:
+                    return found
+    return None
+
+
+def _arguments_as_sent():
+    """The module's arguments as the controller sent them, before type conversion
+    (``ansible.module_utils.basic._load_params``, which ansible-core documents for modules that
+    must see the parameters as handed over); ``{}`` when they cannot be read again."""
+    try:
+        from ansible.module_utils.basic import _load_params
+
+        raw = _load_params()
+    except Exception:  # noqa: BLE001 - nothing to compare with: the checks on converted values still run
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
 def check_options(module):
-    """Fail ``module`` naming the first option of its ``argument_spec`` whose value
-    :func:`option_problem` refuses; the value itself is replaced in ``module.params`` first, so the
-    failure's ``invocation`` can be serialised."""
+    """Fail ``module`` naming the first option of its ``argument_spec`` whose value is unusable:
+    a ``str``/``path`` option given something that is not a string (:func:`not_a_string`), or a
+    value :func:`option_problem` refuses; the value itself is replaced in ``module.params`` first,
+    so the failure's ``invocation`` can be serialised."""
+    found = not_a_string(module.argument_spec, _arguments_as_sent())
+    if found:
+        name, value = found
+        module.fail_json(msg=f"option {name}: {type(value).__name__} {_short(value)} is not a string "
+                             f"(Ansible would use its text {_short(str(value))}; quote the value or fix the variable)")
     for name, spec in module.argument_spec.items():
         problem = option_problem(spec.get("type", "str"), module.params.get(name))
         if problem is not None:

@@ -252,6 +252,23 @@ def sigterm_unwinds():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def stacks_on_sigusr1() -> None:
+    """``kill -USR1 <pid>`` of a ``dsv41`` command prints every thread's stack to its stderr
+    (:func:`faulthandler.register`) and the command goes on: how a command that hangs (a test's
+    child, an operator's run) says where it is. Installed only from the main thread and only while
+    SIGUSR1 has its default disposition (which would end the process); a handler a command
+    installed stays. Never raises: without a real stderr (``sys.__stderr__`` None or no fd) nothing
+    is installed."""
+    import faulthandler
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGUSR1) != signal.SIG_DFL:
+        return
+    with contextlib.suppress(AttributeError, OSError, ValueError, RuntimeError):
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+
+
 def run_app(app, argv: list[str] | None = None, *, command=None) -> int:
     """Run a typer ``app`` and return its exit code, turning expected failures into one line.
 
@@ -262,7 +279,18 @@ def run_app(app, argv: list[str] | None = None, *, command=None) -> int:
     not write) prints one line and returns 1; no traceback. ``command``: the click command tree
     of ``app``, when the caller built it already (tests that run many command lines). Shared by the
     ``dsv41`` command, the standalone torch-free proxy entry (``python -m dsv41.drafter.proxy_cli``)
-    and ``python -m dsv41.engram.remote_cli``.
+    and ``python -m dsv41.engram.remote_cli``. SIGUSR1 prints every thread's stack
+    (:func:`stacks_on_sigusr1`).
+
+    Signals: SIGTERM unwinds (:func:`sigterm_unwinds`, exit 143); SIGINT raises KeyboardInterrupt
+    (exit 130) when the command was started with SIGINT at its default disposition, which is how
+    an interactive shell starts a foreground command, so an operator's Ctrl-C works. A SIGINT
+    *ignored* by the parent is deliberately kept ignored (Python keeps an inherited ``SIG_IGN``
+    and this does not restore it): POSIX shells start the background jobs of a script
+    (``dsv41 window run ... &``) with SIGINT and SIGQUIT ignored so that a Ctrl-C at the terminal
+    ends the script's foreground work and not its background runs, which share its process group;
+    supervisors and ``nohup``-style wrappers ignore it on purpose too. Restoring it would let one
+    Ctrl-C end every such run. SIGTERM is the way to stop them (``dsv41 window stop-run`` sends it).
     """
     import typer
     from typer._click import exceptions as click_exc  # typer vendors click
@@ -270,6 +298,7 @@ def run_app(app, argv: list[str] | None = None, *, command=None) -> int:
 
     cmd = command if command is not None else get_command(app)
     guard_arguments(cmd)
+    stacks_on_sigusr1()
     out0, err0 = sys.stdout, sys.stderr
     try:
         with sigterm_unwinds() as fired:

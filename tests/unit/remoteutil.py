@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,12 +17,15 @@ from dsv41.engram.synthetic import write_synthetic_tables
 from dsv41.transport import parse_url
 from dsv41.transport.server import RowServer
 
+#: The lab model's config (the package's data file), by absolute path: tests run in a tmp cwd.
+LAB_MODEL = Path(__file__).resolve().parents[2] / "python" / "dsv41" / "data" / "lab_model.json"
+
 
 
 @pytest.fixture(scope="module")
 def tabs(tmp_path_factory):
     d = tmp_path_factory.mktemp("t")
-    cfg = json.load(open("python/dsv41/data/lab_model.json"))
+    cfg = json.loads(LAB_MODEL.read_text())
     cfg["engram_vocab_size"] = 300
     write_synthetic_tables(cfg, d, seed=9)
     m = load_manifest(d / "manifest.json")

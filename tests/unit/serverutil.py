@@ -211,7 +211,37 @@ class V1Server:
             c.close()
 
 
-class FakeServing:
+def serve_http(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServer, str, threading.Thread]:
+    """``handler`` served on a free loopback port by a daemon thread: ``(server, "http://127.0.0.1:PORT",
+    thread)``; stop it with ``server.shutdown(); server.server_close()``."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+    thread.start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}", thread
+
+
+class QuietHandler(BaseHTTPRequestHandler):
+    """A request handler that logs nothing (http.server logs every request to stderr)."""
+
+    def log_message(self, *a):
+        pass
+
+
+class HttpStandIn:
+    """Base of the HTTP stand-ins below: ``_serve(handler)`` starts it (:func:`serve_http`) and
+    sets ``httpd``, ``url`` and ``thread``; ``close()`` stops it."""
+
+    def _serve(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self.httpd, self.url, self.thread = serve_http(handler)
+
+    def close(self) -> None:
+        """Stop serving and close the socket."""
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class FakeServing(HttpStandIn):
     """A stand-in rank 0 HTTP endpoint: greedy ids are a function of the prompt bytes (so they are
     deterministic), ``shift`` perturbs the id at position ``shift_at`` of prompts named in
     ``shift_names``; counters grow by one lookup per completion on each rank."""
@@ -230,7 +260,7 @@ class FakeServing:
         self.calls: list[str] = []
         fake = self
 
-        class H(BaseHTTPRequestHandler):
+        class H(QuietHandler):
             def _send(self, code, body, ctype="application/json"):
                 data = body if isinstance(body, bytes) else json.dumps(body).encode()
                 self.send_response(code)
@@ -280,20 +310,10 @@ class FakeServing:
                     return self._send(200, {"choices": [choice]})
                 return self._send(404, {})
 
-            def log_message(self, *a):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._serve(H)
 
 
-class FakeStack:
+class FakeStack(HttpStandIn):
     """Rank 0 (``/health``, ``/is_paused``, ``/v1/models``, ``/metrics``), the table server
     (``/ready``), the drafter worker (``/w/metrics``) and a Prometheus API (``/api/v1/alerts``,
     ``/api/v1/query_range``) on one loopback HTTP server at ``url``; every answer is read from the
@@ -308,10 +328,7 @@ class FakeStack:
         self.range_queries = 0
         f = self
 
-        class H(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
+        class H(QuietHandler):
             def _send(self, code, body, ctype="application/json"):
                 data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
                 self.send_response(code)
@@ -342,9 +359,7 @@ class FakeStack:
                         {"metric": {"rank": "0"}, "values": [[100 + 5 * i, str(i % 3)] for i in range(20)]}]}})
                 return self._send(404, {})
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self._serve(H)
 
     def engine_metrics(self) -> str:
         """Rank 0's Prometheus text: speculation counters and both ranks' Engram counters."""
@@ -361,6 +376,52 @@ class FakeStack:
         labels = ",".join(f'{k}="{v}"' for k, v in {**self.worker_ids, "backend": "torch"}.items())
         return f"dsv41_drafter_connections 1.0\ndsv41_drafter_rounds_total 12.0\ndsv41_drafter_info{{{labels}}} 1.0\n"
 
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+
+# ---- streaming completions (vLLM's SSE), for the bench client and the drill's load ----------------
+
+def completion_chunk(ids: list[int], finish: str | None = None, completion: int | None = None) -> dict:
+    """One streamed ``/v1/completions`` chunk as vLLM sends it: one choice with ``token_ids``
+    (``ids``), ``finish_reason`` ``finish``; with ``completion``, continuous usage
+    (``prompt_tokens`` 5, ``completion_tokens`` ``completion``)."""
+    d = {"choices": [{"index": 0, "text": "x" * len(ids), "token_ids": ids, "finish_reason": finish}]}
+    if completion is not None:
+        d["usage"] = {"prompt_tokens": 5, "completion_tokens": completion}
+    return d
+
+
+def sse(events: list) -> bytes:
+    """Server-sent events: ``data: <event>`` and a blank line per event (a dict as JSON, a str
+    such as ``"[DONE]"`` as it is)."""
+    return "".join(f"data: {json.dumps(e) if not isinstance(e, str) else e}\n\n" for e in events).encode()
+
+
+class StreamingEndpoint(HttpStandIn):
+    """``POST /v1/completions`` on loopback answered as vLLM streams it: one SSE chunk per token
+    (:func:`completion_chunk`, continuous usage, ``finish_reason`` ``length`` on the last), one
+    every ``delay_s`` seconds, then ``[DONE]``; every request body is kept in ``bodies``; other
+    paths are 404. ``close()`` stops it."""
+
+    def __init__(self, tokens: int = 4, delay_s: float = 0.005) -> None:
+        self.bodies: list[dict] = []
+        self.lock = threading.Lock()
+        fake = self
+
+        class H(QuietHandler):
+            def do_POST(self):  # noqa: N802 - http.server's name
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+                with fake.lock:
+                    fake.bodies.append(body)
+                if self.path != "/v1/completions":
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for i in range(tokens):
+                    time.sleep(delay_s)
+                    self.wfile.write(sse([completion_chunk([i + 1], "length" if i == tokens - 1 else None, i + 1)]))
+                    self.wfile.flush()
+                self.wfile.write(sse(["[DONE]"]))
+
+        self._serve(H)

@@ -8,60 +8,14 @@ signatures statically too: tests/unit/test_lint_calls.py).
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from dsv41.harness import bench, drill_measure
-
-
-class StreamingEndpoint:
-    """``POST /v1/completions`` answered as vLLM streams it (one SSE chunk per token with
-    ``token_ids`` and continuous usage, ``finish_reason`` on the last, then ``[DONE]``);
-    every request body is kept in ``bodies``."""
-
-    def __init__(self, tokens: int = 4, delay_s: float = 0.005) -> None:
-        self.bodies: list[dict] = []
-        self.lock = threading.Lock()
-        fake = self
-
-        class H(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server's name
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
-                with fake.lock:
-                    fake.bodies.append(body)
-                if self.path != "/v1/completions":
-                    self.send_response(404)
-                    self.end_headers()
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.end_headers()
-                for i in range(tokens):
-                    time.sleep(delay_s)
-                    ev = {"choices": [{"index": 0, "text": "x", "token_ids": [i + 1],
-                                       "finish_reason": "length" if i == tokens - 1 else None}],
-                          "usage": {"prompt_tokens": 3, "completion_tokens": i + 1}}
-                    self.wfile.write(f"data: {json.dumps(ev)}\n\n".encode())
-                    self.wfile.flush()
-                self.wfile.write(b"data: [DONE]\n\n")
-
-            def log_message(self, *a):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+from serverutil import StreamingEndpoint
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import pytest
 from dsv41.cli import main
 from dsv41.harness import bench
 from dsv41.harness.refs import PROMPTS
+from serverutil import completion_chunk, sse
 
 
 def test_default_spec_is_valid_and_public():
@@ -81,17 +82,6 @@ def test_greedy_prompts_file(tmp_path):
             bench.greedy_prompts(env={"DSV41_GREEDY_PROMPTS_FILE": str(p)})
 
 
-def _sse(events):
-    return "".join(f"data: {json.dumps(e) if not isinstance(e, str) else e}\n\n" for e in events).encode()
-
-
-def _chunk(ids, finish=None, completion=None):
-    d = {"choices": [{"index": 0, "text": "x" * len(ids), "token_ids": ids, "finish_reason": finish}]}
-    if completion is not None:
-        d["usage"] = {"prompt_tokens": 5, "completion_tokens": completion}
-    return d
-
-
 class FakeClock:
     """perf_counter stand-in: each call advances by the next step of ``steps`` (seconds)."""
 
@@ -110,15 +100,15 @@ def _client(body: bytes, status=200):
 
 def test_stream_timing_tokens_per_step_and_tok_s():
     # prefill chunk (1 token), then three verify steps of 3, 1, 4 tokens; final usage chunk.
-    events = [_chunk([1], completion=1), _chunk([2, 3, 4], completion=4), _chunk([5], completion=5),
-              _chunk([6, 7, 8, 9], "length", completion=9), {"choices": [], "usage": {"prompt_tokens": 5,
+    events = [completion_chunk([1], completion=1), completion_chunk([2, 3, 4], completion=4), completion_chunk([5], completion=5),
+              completion_chunk([6, 7, 8, 9], "length", completion=9), {"choices": [], "usage": {"prompt_tokens": 5,
                                                                                     "completion_tokens": 9}},
               "[DONE]"]
     # clock reads: t0, then one read per SSE line (events + blank separators), then t_end
     clock = FakeClock([0.0, 0.050] + [0.0] + [0.020, 0.0] * 2 + [0.030, 0.0] + [0.0] * 10)
     body = bench.request_body("m", "p", 7, 9, {"temperature": 1.0}, "salt")
     assert body["min_tokens"] == body["max_tokens"] == 9 and body["cache_salt"] == "salt" and body["seed"] == 7
-    with _client(_sse(events)) as c:
+    with _client(sse(events)) as c:
         r = bench.stream_one(c, "http://x", body, "a", "short", clock=clock)
     assert r.ok, r.error
     assert r.ttft_ms == pytest.approx(50.0)
@@ -135,16 +125,16 @@ def test_stream_usage_only_endpoint_counts_tokens_from_usage():
     events = [{"choices": [{"text": "a", "finish_reason": None}], "usage": {"completion_tokens": 1}},
               {"choices": [{"text": "bcd", "finish_reason": None}], "usage": {"completion_tokens": 4}},
               {"choices": [{"text": "e", "finish_reason": "length"}], "usage": {"completion_tokens": 5}}, "[DONE]"]
-    with _client(_sse(events)) as c:
+    with _client(sse(events)) as c:
         r = bench.stream_one(c, "http://x", bench.request_body("m", "p", 1, 5, {}, None), "a", "s")
     assert r.ok and r.steps == 3 and r.tokens_per_step == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("body,status,msg", [
     (json.dumps({"error": {"message": "paused"}}).encode(), 503, "HTTP 503: paused"),
-    (_sse([{"error": {"message": "engine failed"}}]), 200, "error event: engine failed"),
-    (_sse(["[DONE]"]), 200, "no tokens"),
-    (_sse([_chunk([1]), "[DONE]"]), 200, "without a finish_reason"),
+    (sse([{"error": {"message": "engine failed"}}]), 200, "error event: engine failed"),
+    (sse(["[DONE]"]), 200, "no tokens"),
+    (sse([completion_chunk([1]), "[DONE]"]), 200, "without a finish_reason"),
     (b"data: {oops\n\n", 200, "bad SSE data"),
 ])
 def test_stream_failures_are_results_not_exceptions(body, status, msg):

@@ -5,23 +5,21 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from dsv41.cli import main
 from dsv41.harness import http, refs
-from serverutil import FakeServing  # noqa: E402
+from serverutil import FakeServing, HttpStandIn, QuietHandler  # noqa: E402
 
 
-class _Odd:
+class _Odd(HttpStandIn):
     """127.0.0.1 server answering ``/slow`` after 2 s, ``/boom`` with 500, ``/text`` with non-JSON,
     ``/garbage`` with text that is not Prometheus exposition."""
 
     def __init__(self) -> None:
-        class H(BaseHTTPRequestHandler):
+        class H(QuietHandler):
             def do_GET(self):
                 if self.path == "/slow":
                     time.sleep(2)
@@ -35,16 +33,7 @@ class _Odd:
                 except OSError:
                     pass
 
-            def log_message(self, *a):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._serve(H)
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -325,7 +326,7 @@ def served(tmp_path_factory):
     from dsv41.transport.server import RowServer
 
     d = tmp_path_factory.mktemp("q")
-    cfg = json.load(open("python/dsv41/data/lab_model.json"))
+    cfg = json.loads((Path(__file__).resolve().parents[2] / "python/dsv41/data/lab_model.json").read_text())
     cfg["engram_vocab_size"] = 300
     write_synthetic_tables(cfg, d, seed=9)
     m = load_manifest(d / "manifest.json")
@@ -388,7 +389,7 @@ def test_sweep_probe_against_a_server_with_other_rows_fails_with_bad_rows(served
     from dsv41.engram.synthetic import write_synthetic_tables
 
     d, url, _ = served
-    cfg = json.load(open("python/dsv41/data/lab_model.json"))
+    cfg = json.loads((Path(__file__).resolve().parents[2] / "python/dsv41/data/lab_model.json").read_text())
     cfg["engram_vocab_size"] = 300
     write_synthetic_tables(cfg, tmp_path, seed=10)  # same layout, other rows: other identities
     recs = H.probe_sweep("sparkhead", url, str(tmp_path / "manifest.json"), 0, 2, lookups=500)

@@ -21,7 +21,7 @@ from dsv41.transport import protocol as P
 
 
 def small_cfg(vocab=300):
-    cfg = json.load(open("python/dsv41/data/lab_model.json"))
+    cfg = json.loads((Path(__file__).resolve().parents[2] / "python/dsv41/data/lab_model.json").read_text())
     cfg["engram_vocab_size"] = vocab
     return cfg
 

@@ -14,8 +14,6 @@ mode touches nothing."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,11 +22,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
+from serviceutil import ACTIONS, env, mutating_calls, play, run_playbook
+
 FAKE = Path(__file__).with_name("fake_supervisorctl.py")
-SPEC = yaml.safe_load((REPO / "roles" / "dsv41_service" / "meta" / "argument_specs.yml").read_text())
-ACTIONS = SPEC["argument_specs"]["control"]["options"]["dsv41_service_control_action"]["choices"]
 
 R, S = "RUNNING", "STOPPED"
 # name: (programs before, pending definitions, action, names, probe,
@@ -55,16 +51,6 @@ CASES = {
 }
 MUTATING = ("update", "stop", "start", "signal")
 
-PLAY = """
-- hosts: localhost
-  gather_facts: false
-  vars:
-    ansible_connection: local
-    ansible_python_interpreter: {py}
-    dsv41_service_manager: supervisor
-  tasks:
-{tasks}
-"""
 TASK = """
     - name: Control {case}
       ansible.builtin.include_role:
@@ -88,20 +74,13 @@ TASK = """
 """
 
 
-def _env() -> dict:
-    return dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), PATH=f"{BIN}:{os.environ['PATH']}",
-                ANSIBLE_FORCE_COLOR="0", NO_COLOR="1")
-
-
 def _write_state(path: Path, programs: dict, pending: dict) -> None:
     path.write_text(json.dumps({"programs": programs, "pending": pending}))
     (path.parent / (path.name + ".log")).write_text("")
 
 
 def _calls(state: Path, host: str | None = None) -> list[str]:
-    lines = (state.parent / (state.name + ".log")).read_text().splitlines()
-    return [line.split(None, 1)[1] for line in lines
-            if (host is None or line.split()[0] == host) and line.split()[1] in MUTATING]
+    return mutating_calls(state.parent / (state.name + ".log"), MUTATING, host)
 
 
 def _run_cases(tmp: Path, check: bool) -> dict:
@@ -111,11 +90,8 @@ def _run_cases(tmp: Path, check: bool) -> dict:
         _write_state(state, before, pending)
         tasks.append(TASK.format(case=case, py=sys.executable, fake=FAKE, state=state, names=json.dumps(names),
                                  action=action, probe=str(probe).lower(), out=tmp / f"{case}.out.json"))
-    play = tmp / "play.yml"
-    play.write_text(PLAY.format(py=sys.executable, tasks="".join(tasks)))
-    r = subprocess.run([str(BIN / "ansible-playbook"), "-i", "localhost,", str(play), *(["--check"] if check else [])],
-                       cwd=tmp, env=_env(), capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    (tmp / "play.yml").write_text(play("supervisor", "".join(tasks)))
+    run_playbook("localhost,", tmp / "play.yml", tmp, env(), check=check)
     return {case: json.loads((tmp / f"{case}.out.json").read_text()) for case in CASES}
 
 
@@ -206,12 +182,9 @@ def test_pair_restart_order(tmp_path, check):
     (tmp_path / "hosts.yml").write_text(yaml.safe_dump(inv))
     (tmp_path / "play.yml").write_text(PAIR_PLAY.format(port=srv.server_address[1]))
     try:
-        r = subprocess.run([str(BIN / "ansible-playbook"), "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "play.yml"),
-                            *(["--check"] if check else [])], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                           timeout=600)
+        run_playbook(tmp_path / "hosts.yml", tmp_path / "play.yml", tmp_path, env(), check=check)
     finally:
         srv.shutdown()
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     calls = [line for line in log.read_text().splitlines() if line.split()[1] in MUTATING]
     if check:
         assert calls == [] and _Health.seen == []

@@ -13,21 +13,13 @@ unit, its state and its last journal lines."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from servicectlutil import fake_bin
-
-REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
-SPEC = yaml.safe_load((REPO / "roles" / "dsv41_service" / "meta" / "argument_specs.yml").read_text())
-ACTIONS = SPEC["argument_specs"]["control"]["options"]["dsv41_service_control_action"]["choices"]
+from serviceutil import ACTIONS, env, mutating_calls, play, run_playbook
 
 A, I = "active", "inactive"
 # name: (units before {unit: (ActiveState, NeedDaemonReload)}, action, names, probe,
@@ -53,16 +45,6 @@ CASES = {
 }
 MUTATING = ("start", "stop", "restart", "kill", "daemon-reload", "reset-failed", "enable", "disable")
 
-PLAY = """
-- hosts: localhost
-  gather_facts: false
-  vars:
-    ansible_connection: local
-    ansible_python_interpreter: {py}
-    dsv41_service_manager: systemd
-  tasks:
-{tasks}
-"""
 TASK = """
     - name: Control {case}
       ansible.builtin.include_role:
@@ -86,14 +68,11 @@ TASK = """
 
 
 def _env(tmp: Path, state: Path) -> dict:
-    return dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"),
-                PATH=f"{fake_bin(tmp)}:{BIN}:{os.environ['PATH']}", FAKE_SYSTEMD_STATE=str(state),
-                ANSIBLE_FORCE_COLOR="0", NO_COLOR="1")
+    return env(fake_bin(tmp), FAKE_SYSTEMD_STATE=str(state))
 
 
 def _calls(state: Path) -> list[str]:
-    lines = Path(str(state) + ".log").read_text().splitlines()
-    return [line.split(None, 1)[1] for line in lines if line.split()[0] == "systemctl" and line.split()[1] in MUTATING]
+    return mutating_calls(Path(str(state) + ".log"), MUTATING, "systemctl")
 
 
 def _run_case(tmp: Path, case: str, check: bool) -> tuple[dict, list[str]]:
@@ -104,12 +83,9 @@ def _run_case(tmp: Path, case: str, check: bool) -> tuple[dict, list[str]]:
     state.write_text(json.dumps({"units": {n: {"ActiveState": s, "NeedDaemonReload": r} for n, (s, r) in before.items()}}))
     Path(str(state) + ".log").write_text("")
     out = d / "out.json"
-    (d / "play.yml").write_text(PLAY.format(py=sys.executable, tasks=TASK.format(
+    (d / "play.yml").write_text(play("systemd", TASK.format(
         case=case, names=json.dumps(names), action=action, probe=str(probe).lower(), out=out)))
-    r = subprocess.run([str(BIN / "ansible-playbook"), "-i", "localhost,", str(d / "play.yml"),
-                        *(["--check"] if check else [])], cwd=d, env=_env(d, state), capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    run_playbook("localhost,", d / "play.yml", d, _env(d, state), check=check)
     return json.loads(out.read_text()), _calls(state)
 
 
@@ -137,14 +113,7 @@ def test_check_mode_makes_no_mutating_call(tmp_path, case):
     assert res["states"] == {n: before.get(n, (I, "no"))[0] for n in CASES[case][2]}
 
 
-WAIT_PLAY = """
-- hosts: localhost
-  gather_facts: false
-  vars:
-    ansible_connection: local
-    ansible_python_interpreter: {py}
-    dsv41_service_manager: systemd
-  tasks:
+WAIT_TASKS = """
     - name: Readiness
       ansible.builtin.include_role:
         name: dsv41_service
@@ -170,9 +139,8 @@ def test_a_failed_readiness_wait_names_the_unit_and_its_last_journal_lines(tmp_p
     state.write_text(json.dumps({"units": {"dsv41-bad": {"ActiveState": "failed", "NeedDaemonReload": "no",
                                                          "NRestarts": 5, "Result": "exit-code", "journal": journal}}}))
     Path(str(state) + ".log").write_text("")
-    (tmp_path / "play.yml").write_text(WAIT_PLAY.format(py=sys.executable, port=port))
-    r = subprocess.run([str(BIN / "ansible-playbook"), "-i", "localhost,", str(tmp_path / "play.yml")], cwd=tmp_path,
-                       env=_env(tmp_path, state), capture_output=True, text=True, timeout=300)
+    (tmp_path / "play.yml").write_text(play("systemd", WAIT_TASKS.format(port=port)))
+    r = run_playbook("localhost,", tmp_path / "play.yml", tmp_path, _env(tmp_path, state), timeout=300, ok=False)
     assert r.returncode != 0
     fails = [ln for ln in r.stdout.splitlines() if ln.startswith("[ERROR]: Task failed") and "is not ready" in ln]
     assert len(fails) == 1, r.stdout[-4000:]

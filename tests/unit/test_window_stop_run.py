@@ -109,14 +109,21 @@ def test_a_dead_run_leaves_a_stale_file_that_is_removed(tmp_path):
     assert not (d / window.RUN_PID_NAME).exists()
 
 
-def test_an_unreadable_pid_file_is_one_clear_error(tmp_path, capsys):
+@pytest.mark.parametrize("content,why", [(b"not json", "not JSON"), (b"", "it is empty"),
+                                         (b'{"pid": 12, "start_ti', "not JSON"), (b"\xff\xfe{}", "not UTF-8"),
+                                         (b"[1, 2]", "a JSON list, not an object"), (b"x" * 5000, "larger than")])
+def test_an_unreadable_pid_file_is_one_clear_error(tmp_path, capsys, content, why):
+    """Empty (killed while writing, before fileio.atomic_write), torn, undecodable, not an object,
+    too long: one line from the strict reader, the file kept."""
     from dsv41.cli import main
 
     d = tmp_path / "W7-aa"
     d.mkdir()
-    (d / window.RUN_PID_NAME).write_text("not json")
-    with pytest.raises(window.WindowError, match="not a run pid file"):
+    (d / window.RUN_PID_NAME).write_bytes(content)
+    with pytest.raises(window.WindowError, match="not a run pid file") as e:
         window.stop_runs(tmp_path, "W7")
+    assert why in str(e.value) and "\n" not in str(e.value)
+    window.clear_run_pid(d)  # a run's own exit path ignores it
     rc = main(["window", "stop-run", "--window", "W7", "--windows-dir", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0 and len(err) == 1 and "not a run pid file" in err[0] and "Traceback" not in err[0]
@@ -271,3 +278,13 @@ def test_a_malformed_identity_record_is_one_clear_error(tmp_path, rec):
     with pytest.raises(window.WindowError, match="not a run pid file"):
         window.stop_runs(tmp_path, "W12")
     assert (d / window.RUN_PID_NAME).exists()
+
+
+def test_a_fifo_as_pid_file_is_refused_without_blocking_and_a_vanished_one_skipped(tmp_path):
+    d = tmp_path / "W13-aa"
+    d.mkdir()
+    os.mkfifo(d / window.RUN_PID_NAME)
+    with pytest.raises(window.WindowError, match="not a run pid file .*is a FIFO"):
+        window.stop_runs(tmp_path, "W13")
+    os.unlink(d / window.RUN_PID_NAME)
+    assert window.read_run_pid(d / window.RUN_PID_NAME) is None  # the run ended and removed it

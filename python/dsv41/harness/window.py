@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import stat
 import statistics
 import subprocess
 import uuid
@@ -226,7 +227,8 @@ class FaultTrigger:
         (at most ``strike_wait_s``) for the command to strike before the next cell."""
         self.done += 1
         if self.done == self.at_cell:
-            Path(self.trigger_path).write_text("fault\n")
+            # atomic: the fault command waits for the file and may read it the moment it appears
+            fileio.atomic_write(self.trigger_path, "fault\n", "fault trigger file", error=WindowError)
             self.triggered = True
             if self._proc is not None:
                 try:
@@ -263,17 +265,45 @@ def write_run_pid(wdir: str | os.PathLike) -> Path:
     rec = ProcessIdentity.of().as_record()
     rec["create_time"] = psutil.Process().create_time()
     path = Path(wdir) / RUN_PID_NAME
-    path.write_text(fileio.dumps_json(rec) + "\n")
+    # atomic: a window.yml restore may read it at any moment (stop_runs); a torn record would
+    # keep admission held for nothing
+    fileio.atomic_write(path, fileio.dumps_json(rec) + "\n", "window run pid file", error=WindowError)
     return path
+
+
+#: A run.pid record is one short JSON object; anything longer is not one.
+RUN_PID_MAX_BYTES = 4096
+
+
+def read_run_pid(path: str | os.PathLike) -> dict | None:
+    """The record of a ``run.pid`` file (``write_run_pid``), read by the strict reader
+    (:func:`dsv41.fileio.read_json`: a regular file not changing while read, UTF-8, strict JSON,
+    at most ``RUN_PID_MAX_BYTES``); None when there is no such file (the run ended and removed
+    it). Raises ``WindowError`` (one line, ``<path>: not a run pid file (<why>)``) for an empty,
+    torn, undecodable or non-object file; its fields are checked by ``run_process``."""
+    try:
+        st = os.stat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_size == 0:
+            raise WindowError(f"{path}: not a run pid file (it is empty)")
+        rec = fileio.read_json(path, max_bytes=RUN_PID_MAX_BYTES)
+    except FileNotFoundError:
+        return None
+    except fileio.FileError as exc:
+        raise WindowError(f"{path}: not a run pid file ({exc})") from None
+    except OSError as exc:
+        raise WindowError(f"{path}: not a run pid file ({exc.strerror or exc})") from None
+    if not isinstance(rec, dict):
+        raise WindowError(f"{path}: not a run pid file (a JSON {type(rec).__name__}, not an object)")
+    return rec
 
 
 def clear_run_pid(wdir: str | os.PathLike) -> None:
     """Remove ``wdir``'s ``run.pid`` if it names this process (a run that ends normally)."""
     path = Path(wdir) / RUN_PID_NAME
     try:
-        if fileio.loads_json(path.read_text()).get("pid") == os.getpid():
+        if (read_run_pid(path) or {}).get("pid") == os.getpid():
             path.unlink()
-    except (OSError, ValueError, AttributeError):
+    except (OSError, WindowError):
         pass
 
 
@@ -331,9 +361,12 @@ def stop_runs(windows_dir: str | os.PathLike, window_id: str, timeout_s: float =
 
     stopped = []
     for path in sorted(Path(windows_dir).glob(f"{window_id}-*/{RUN_PID_NAME}")):
+        rec = read_run_pid(path)
+        if rec is None:
+            continue  # it ended (and removed its record) since the glob
         try:
-            proc = run_process(fileio.loads_json(path.read_text()))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            proc = run_process(rec)
+        except (ValueError, KeyError, TypeError) as exc:
             raise WindowError(f"{path}: not a run pid file ({exc})") from None
         if proc is not None:
             try:

@@ -191,8 +191,11 @@ def write(root: str | os.PathLike, doc: dict, blobs: dict[str, bytes]) -> tuple[
         for rel, data in blobs.items():
             p = tmp / rel
             p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_bytes(data)
-        (tmp / "package.json").write_bytes(canonical(doc) + b"\n")
+            # fsynced before the directory is renamed into place: a crash cannot leave a package
+            # whose id is right and whose files are empty
+            fileio.atomic_write(p, data, f"package {pid[:12]} file {rel}", error=PackageError)
+        fileio.atomic_write(tmp / "package.json", canonical(doc) + b"\n", f"package {pid[:12]} record",
+                            error=PackageError)
         os.replace(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

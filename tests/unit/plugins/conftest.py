@@ -50,7 +50,7 @@ class _Fail(Exception):
 
 
 @pytest.fixture
-def run_module(monkeypatch):
+def run_module(monkeypatch, tmp_path):
     """Run a module's ``main()`` with ``args`` (ansible-core 2.19 ``patch_module_args``).
 
     Returns ``(kind, result)``: ``("exit", exit_json kwargs)`` or ``("fail", fail_json kwargs incl.
@@ -66,6 +66,9 @@ def run_module(monkeypatch):
         kw["msg"] = msg
         raise _Fail(kw)
 
+    # a relative path option (or one Ansible made of a list: "['l']") lands in the test's own
+    # directory, never in the repository
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(basic.AnsibleModule, "exit_json", _exit)
     monkeypatch.setattr(basic.AnsibleModule, "fail_json", _fail)
 

@@ -117,3 +117,59 @@ def test_usable_values_pass_the_check() -> None:
     for kind, value in [("int", 2 ** 63 - 1), ("int", -(2 ** 63)), ("float", 1e308), ("str", "a\nb"),
                         ("path", "/tmp/x"), ("list", ["a", 1]), ("dict", {"a": [1, "b"]}), ("bool", True)]:
         assert option_problem(kind, value) is None, (kind, value)
+
+
+# Values that are not strings; Ansible's str/path types turn each into its text (a list given as
+# qualify_report's out_dir became the directory "['l']" in the repository's working directory).
+NOT_STRINGS = [["l"], {"k": "v"}, 5, True, 1.5]
+
+
+def _string_options(spec: dict, prefix: str = "") -> list[tuple[str, list[str], dict]]:
+    """``(label, path of option names, spec)`` of every ``str``/``path`` option, also inside
+    ``options`` (sub-options of a dict or list of dicts), without ``choices``."""
+    out = []
+    for name, o in sorted(spec.items()):
+        if o.get("type", "str") in ("str", "path") and not o.get("choices"):
+            out.append((prefix + name, [name], o))
+        for label, path, sub in _string_options(o.get("options") or {}, f"{prefix}{name}."):
+            out.append((label, [name, *path], sub))
+    return out
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_every_string_option_refuses_a_value_that_is_not_a_string(name: str, run_module, monkeypatch,
+                                                                  tmp_path) -> None:
+    mod, spec, kw = _spec(name, monkeypatch)
+    options = _string_options(spec)
+    assert options, name
+    failures = []
+    for label, path, _o in options:
+        for value in NOT_STRINGS:
+            if len(path) == 1:
+                args = {**_filled(spec, kw, path[0]), path[0]: value}
+                want = f"option {label}: "
+            else:  # a sub-option: the parent holds one element with valid required sub-options
+                parent = spec[path[0]]
+                element = {**_filled(parent["options"], {}, path[1]), path[1]: value}
+                args = {**_filled(spec, kw, path[0]),
+                        path[0]: [element] if parent.get("type") == "list" else element}
+                want = f"option {path[0]}[0].{path[1]}: " if parent.get("type") == "list" else f"option {label}: "
+            kind, res = run_module(mod, args)
+            if kind != "fail" or not res["msg"].startswith(want) or "is not a string" not in res["msg"]:
+                failures.append((label, repr(value), kind, str(res.get("msg", res))[:160]))
+    assert not failures, f"{name}: {failures}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "a refused option still wrote something"
+
+
+def test_not_a_string_finds_nested_and_listed_values() -> None:
+    try:
+        from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import not_a_string
+    except ImportError:  # pragma: no cover - library/ layout
+        from ansible.module_utils.dsv41_common import not_a_string
+    spec = {"a": {"type": "path"}, "b": {"type": "list", "elements": "str"}, "c": {"type": "int"},
+            "d": {"type": "list", "elements": "dict", "options": {"x": {"type": "str"}}}}
+    assert not_a_string(spec, {"a": "p", "b": ["x", None], "c": 5, "d": [{"x": "s"}]}) is None
+    assert not_a_string(spec, {"a": ["l"]}) == ("a", ["l"])
+    assert not_a_string(spec, {"b": ["x", 7]}) == ("b[1]", 7)
+    assert not_a_string(spec, {"d": [{"x": "s"}, {"x": {"k": 1}}]}) == ("d[1].x", {"k": 1})
+    assert not_a_string(spec, {"a": None, "c": "5"}) is None  # unset, and types other than str/path
