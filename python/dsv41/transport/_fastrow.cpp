@@ -1251,7 +1251,8 @@ class EngramCore {
     return REPORT;
   }
   // A multi-piece (prefill) job in the fixed piece layout: every piece planned (plan_rows'
-  // arithmetic: sel relative to the piece, fetch list and packed rows from row r0), then piece
+  // arithmetic: sel relative to the piece, fetch list and packed rows from row r0; piece 0 here,
+  // pieces 1.. by a PiecePlan thread during the requests before them), then piece
   // by piece one pipelined request (lookup_many_nogil) and, on CUDA, its captured launch graph on
   // the job's stream, so no Python runs between the pieces; the done event and the hand-off after
   // the last. PYTHON (nothing done) when a piece graph is missing, an id is past the table or the
