@@ -399,6 +399,10 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
             **{k: w.get(k, 0) - wk0.get(k, 0) for k in ("native_jobs", "native_launches", "native_requests")},
             **{f"{k}_ms_per_job": round((w.get(f"{k}_s", 0) - wk0.get(f"{k}_s", 0)) * 1e3 / jobs, 4)
                for k in ("ids_wait", "coalesce", "plan", "launch")},
+            # a multi-piece job's plan of pieces 1.. on the core's planner thread, during the
+            # requests (not host work of the worker thread; `plan` is what that thread waited)
+            "plan_ahead_ms_per_job": round((w.get("native_plan_ahead_s", 0) - wk0.get("native_plan_ahead_s", 0))
+                                           * 1e3 / jobs, 4),
             # host work outside plan and launch: the batch's Python hops, hand-offs, GIL re-takes
             "other_host_ms_per_job": round((w.get("host_s", 0) - wk0.get("host_s", 0) - w.get("plan_s", 0)
                                             + wk0.get("plan_s", 0) - w.get("launch_s", 0) + wk0.get("launch_s", 0))

@@ -252,6 +252,7 @@ def test_a_multi_piece_job_is_planned_fetched_and_handed_off_by_the_core_exactly
         assert n["native_requests"] - before["native_requests"] >= 6 * 6 + 3  # a request per piece at least
         assert r1._pool is None and r14._pool is None  # the Python pipeline never ran
         assert not r1.pieces.enabled  # no CUDA: no piece graphs, Python launches the core's pieces
+        assert n["native_plan_ahead_s"] > before["native_plan_ahead_s"]  # pieces 1-5 by the planner thread
         sc = src.counters()
         assert sc["fallbacks"] == 0 and sc["transport_errors"] == 0 and w.counters["errors"] == 0
     finally:
@@ -342,3 +343,75 @@ def test_required_mode_raises_a_failed_piece_request_at_the_join(tabs, workers, 
         E.stop_workers()
         src.close()
         srv.stop()
+
+
+def _piece_reference(ids: np.ndarray, lo: int, hi: int, piece_rows: int) -> tuple[list, np.ndarray, list]:
+    """plan_rows' arithmetic per piece in numpy: owned ids per piece, the selectors (relative to
+    the piece) and each piece's fetch list."""
+    sel = np.full(ids.size, -1, np.int32)
+    ns, fetches = [], []
+    for r0 in range(0, ids.size, piece_rows):
+        v = ids[r0:r0 + piece_rows]
+        own = (v >= lo) & (v < hi)
+        sel[r0:r0 + v.size][own] = np.arange(int(own.sum()), dtype=np.int32)
+        ns.append(int(own.sum()))
+        fetches.append(v[own])
+    return ns, sel, fetches
+
+
+@pytest.mark.parametrize("rows,piece_rows,lo,hi,seed", [
+    (600, 100, 1000, 3000, 1),  # six full pieces, about half the ids owned
+    (655, 100, 1000, 3000, 2),  # a short last piece
+    (100, 100, 1000, 3000, 3),  # one piece: no planner thread
+    (1, 100, 1000, 3000, 4),
+    (0, 100, 1000, 3000, 5),  # no ids
+    (700, 64, 0, 10**12, 6),  # every id owned
+    (700, 64, 5000, 6000, 7),  # pieces with no owned id
+    (393216, 65536, 0, 1 << 20, 8),  # a 32K chunk of one layer in the production layout
+])
+def test_the_pipelined_piece_plan_equals_the_all_at_once_plan(rows, piece_rows, lo, hi, seed) -> None:
+    """The core's plan of a multi-piece job with the planner thread ahead of the requests (piece 0
+    first, pieces 1.. while the requests before are in flight) gives the same per-piece counts,
+    selectors and fetch lists as planning every piece before the first request, and both equal
+    plan_rows' arithmetic piece by piece; ids of other ranks, -1 padding, negative and huge ids
+    included."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 4000 if hi < 10**6 else 1 << 21, rows).astype(np.int64)
+    if rows:
+        ids[rng.random(rows) < 0.1] = -1
+        ids[rng.random(rows) < 0.01] = np.iinfo(np.int64).min
+        ids[rng.random(rows) < 0.01] = np.iinfo(np.int64).max
+    want_ns, want_sel, want_fetch = _piece_reference(ids, lo, hi, piece_rows)
+    got = {}
+    for ahead in (False, True):
+        sel = np.full(rows, 7, np.int32)
+        fetch = np.full(rows, -7, np.int64)
+        ns, bad = native._fastrow.plan_pieces(ids, lo, hi, 1 << 62, piece_rows, sel, fetch, ahead)
+        assert not bad
+        got[ahead] = (list(ns), sel, [fetch[r0:r0 + n] for r0, n in zip(range(0, rows, piece_rows), ns)])
+    for ahead in (False, True):
+        ns, sel, fetches = got[ahead]
+        assert ns == want_ns and np.array_equal(sel, want_sel)
+        assert len(fetches) == len(want_fetch) and all(np.array_equal(a, b) for a, b in zip(fetches, want_fetch))
+    if rows:
+        flat_sel = np.full(rows, 7, np.int32)
+        flat_fetch = np.empty(rows, np.int64)
+        n = native._fastrow.plan_rows(ids, lo, hi, flat_sel, flat_fetch)  # the same arithmetic, one piece
+        own = (ids >= lo) & (ids < hi)
+        assert n == int(own.sum()) and np.array_equal(flat_fetch[:n], ids[own])
+        assert np.array_equal(flat_sel[own], np.arange(n)) and (flat_sel[~own] == -1).all()
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_an_owned_id_past_the_table_is_flagged_in_either_plan_order(ahead) -> None:
+    """An owned id at or past the table's row count (or a negative one in a range that starts
+    below 0) sets the plan's flag, in either order; an id outside the range never does."""
+    ids = np.arange(0, 500, dtype=np.int64)
+    assert native._fastrow.plan_pieces(ids, 0, 1000, 1000, 100, np.empty(500, np.int32), np.empty(500, np.int64),
+                                       ahead)[1] is False
+    ids[437] = 1000  # owned ([0, 2000)), past a 1000-row table
+    assert native._fastrow.plan_pieces(ids, 0, 2000, 1000, 100, np.empty(500, np.int32), np.empty(500, np.int64),
+                                       ahead)[1] is True
+    ids[437] = -5  # owned by a range from -10, negative: past the table as an unsigned row
+    assert native._fastrow.plan_pieces(ids, -10, 1000, 1000, 100, np.empty(500, np.int32), np.empty(500, np.int64),
+                                       ahead)[1] is True

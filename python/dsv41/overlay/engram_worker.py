@@ -53,7 +53,8 @@ class EngramWorker:
     request on a connection the row source lends (``RemoteRowSource.native_lease``), the launch
     graph and the hand-off of a captured size are C++, and so is a multi-piece (prefill) job whose
     piece graphs exist (issue 23 pass H: plan in the fixed piece layout, one pipelined request and
-    one graph launch per piece); Python serves what the core hands back (no lease, a launch without
+    one graph launch per piece; since pass I pieces 1.. are planned by the core's planner thread
+    while the requests before them are in flight, ``native_plan_ahead_s``); Python serves what the core hands back (no lease, a launch without
     a graph yet, a multi-piece job without piece graphs (the pipeline above, then their capture) or
     planned and fetched on the CPU (``_pieces_back``: Python launches the pieces), a failed request:
     ``lease_failed`` serves the exact local rows or raises in required mode (a multi-piece job is
