@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from yamltree import REPO, items, yaml_files
 
-REPO = Path(__file__).resolve().parents[2]
 ASSERT = {"ansible.builtin.assert", "assert"}
 MESSAGE_KEYS = ("fail_msg", "success_msg", "msg")
 BARE = re.compile(r"^\s*\{\{(?P<expr>(?:(?!\}\}).)*)\}\}\s*$", re.S)
@@ -27,30 +27,15 @@ TEXT_FILTER = re.compile(r"\|\s*(to_json|to_nice_json|to_yaml|to_nice_yaml|strin
 TEXT_FIELD = re.compile(r"\.(stdout|stderr|msg)(\[[^\]]*\])?(\s*\|\s*default\(\s*'[^']*'\s*\))?\s*$", re.S)
 
 
-def _yaml_files():
-    for d in ("roles", "playbooks", "molecule"):
-        yield from sorted((REPO / d).rglob("*.yml"))
-    yield from sorted(REPO.glob("*.yml"))
-
-
-def _items(node):
-    """Every mapping in a list of plays or tasks, blocks and handlers included."""
-    if isinstance(node, list):
-        for x in node:
-            yield from _items(x)
-    elif isinstance(node, dict):
-        yield node
-        for k in ("tasks", "pre_tasks", "post_tasks", "handlers", "block", "rescue", "always"):
-            yield from _items(node.get(k))
 
 
 def _asserts():
-    for path in _yaml_files():
+    for path in yaml_files():
         try:
             doc = yaml.safe_load(path.read_text())
         except yaml.YAMLError:
             continue
-        for item in _items(doc):
+        for item in items(doc):
             for key in ASSERT & set(item):
                 if isinstance(item[key], dict):
                     yield path.relative_to(REPO), item.get("name", "?"), item[key]

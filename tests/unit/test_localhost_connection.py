@@ -9,25 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _yaml_files():
-    for d in ("roles", "playbooks", "molecule"):
-        yield from sorted((REPO / d).rglob("*.yml"))
-    yield from sorted(REPO.glob("*.yml"))
+from yamltree import REPO, items, yaml_files
 
 
-def _items(node):
-    """Every mapping in a list of plays or tasks, blocks and handlers included."""
-    if isinstance(node, list):
-        for x in node:
-            yield from _items(x)
-    elif isinstance(node, dict):
-        yield node
-        for k in ("tasks", "pre_tasks", "post_tasks", "handlers", "block", "rescue", "always"):
-            yield from _items(node.get(k))
+
 
 
 def test_every_inventory_names_the_controller_connection():
@@ -41,12 +26,12 @@ def test_every_inventory_names_the_controller_connection():
 
 def test_no_task_or_localhost_play_restates_the_connection():
     offenders = []
-    for path in _yaml_files():
+    for path in yaml_files():
         try:
             doc = yaml.safe_load(path.read_text())
         except yaml.YAMLError:
             continue
-        for item in _items(doc):
+        for item in items(doc):
             item_vars = item.get("vars")
             if not isinstance(item_vars, dict) or item_vars.get("ansible_connection") != "local":
                 continue
