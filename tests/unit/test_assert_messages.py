@@ -13,7 +13,6 @@ molecule/ and the root playbooks.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import yaml

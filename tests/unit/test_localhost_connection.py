@@ -6,7 +6,6 @@ root playbooks."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import yaml
 from yamltree import REPO, items, yaml_files
