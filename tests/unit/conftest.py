@@ -22,9 +22,12 @@ REPO = Path(__file__).resolve().parents[2]
 _BEFORE = repo_files(REPO)
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _session_working_directory(tmp_path_factory):
-    """Module- and session-scoped fixtures run before a test's own directory exists: in this one."""
+    """Module-scoped fixtures run before a test's own directory exists: in this one. Module scope,
+    not session: a session-scoped chdir lasted past tests/unit into the lab tests that ``make
+    test`` runs in the same session, which then ran outside the repository (CI's
+    test_monitoring_lab failed twice that way, in the full session only)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(tmp_path_factory.mktemp("cwd"))
         yield
