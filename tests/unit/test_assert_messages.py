@@ -15,8 +15,7 @@ from __future__ import annotations
 import re
 
 import pytest
-import yaml
-from yamltree import REPO, items, yaml_files
+from yamltree import REPO, items, parsed
 
 ASSERT = {"ansible.builtin.assert", "assert"}
 MESSAGE_KEYS = ("fail_msg", "success_msg", "msg")
@@ -29,11 +28,7 @@ TEXT_FIELD = re.compile(r"\.(stdout|stderr|msg)(\[[^\]]*\])?(\s*\|\s*default\(\s
 
 
 def _asserts():
-    for path in yaml_files():
-        try:
-            doc = yaml.safe_load(path.read_text())
-        except yaml.YAMLError:
-            continue
+    for path, doc in parsed():
         for item in items(doc):
             for key in ASSERT & set(item):
                 if isinstance(item[key], dict):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 
 import yaml
-from yamltree import REPO, items, yaml_files
+from yamltree import REPO, items, parsed
 
 
 
@@ -25,11 +25,7 @@ def test_every_inventory_names_the_controller_connection():
 
 def test_no_task_or_localhost_play_restates_the_connection():
     offenders = []
-    for path in yaml_files():
-        try:
-            doc = yaml.safe_load(path.read_text())
-        except yaml.YAMLError:
-            continue
+    for path, doc in parsed():
         for item in items(doc):
             item_vars = item.get("vars")
             if not isinstance(item_vars, dict) or item_vars.get("ansible_connection") != "local":
