@@ -8,7 +8,8 @@ b) status.yml passes on it; every service is an enabled, active unit;
 c) ``systemctl kill`` of the table server: systemd restarts it (Restart=on-failure), the ranks
    count fallbacks meanwhile, and rows are remote again afterwards;
 d) a host reboot (poweroff the nspawn machine through its systemd, then lab_up) of x86host and of
-   sparkworker: every enabled service comes back and the stack is healthy without Ansible;
+   sparkworker: every enabled service comes back and the stack is healthy without Ansible (a rank
+   that kept running may fall back on its first lookups, until it reconnects: bounded, counted);
 e) a unit that fails to start (a bad env value): the readiness wait fails naming the unit and its
    last journal lines; nothing else restarts; a normal deploy repairs it.
 
@@ -191,14 +192,30 @@ def test_d_reboot_brings_every_service_back_without_ansible(deployed, host):
     for u in UNITS[host]:
         st = unit(host, u)
         assert st["ActiveState"] == "active" and st["MainPID"] != old[u], (u, st)
-    eng = _engram()
-    c2 = dict(eng)
+    eng0 = _engram()
     with httpx.Client(timeout=60, trust_env=False) as c:
+        # A rank that kept running finds its connection to the old table server dead on first use:
+        # that lookup falls back (exact local rows) and the reconnect thread connects to the new
+        # server, so the first requests after an x86host reboot may count fallbacks; they must stop.
+        warm, deadline = 0, time.monotonic() + 60
+        while True:
+            before = _engram()
+            _complete(1000 + warm, c)
+            warm += 1
+            after = _engram()
+            if all(after[r]["lookups"] > before[r]["lookups"] and after[r]["fallbacks"] == before[r]["fallbacks"]
+                   for r in ("0", "1")):
+                break
+            assert time.monotonic() < deadline, ("rows never remote again after the reboot", eng0, after)
+        c2 = _engram()
         for i in range(3):
             _complete(2000 + i, c)
     eng = _engram()
-    assert all(eng[r]["lookups"] > c2[r]["lookups"] and eng[r]["fallbacks"] == c2[r]["fallbacks"] for r in ("0", "1"))
-    print(f"\n{host} rebooted: lab_up + healthy (no Ansible) {time.monotonic() - t0:.1f} s (healthy {t_ok:.1f} s after lab_up)")
+    assert all(eng[r]["lookups"] > c2[r]["lookups"] and eng[r]["fallbacks"] == c2[r]["fallbacks"] for r in ("0", "1")), \
+        (c2, eng)
+    cost = {r: c2[r]["fallbacks"] - eng0[r]["fallbacks"] for r in ("0", "1")}
+    print(f"\n{host} rebooted: lab_up + healthy (no Ansible) {time.monotonic() - t0:.1f} s (healthy {t_ok:.1f} s after "
+          f"lab_up); remote again after {warm} request(s), fallbacks on the way {cost}")
 
 
 def test_e_a_unit_that_fails_to_start_names_itself_and_restarts_nothing_else(deployed):
