@@ -243,7 +243,7 @@ class LabHosts:
             raise DrillError(f"drill: container {name} on {host} is not running")
         return int(words[1]), words[2] == "true"
 
-    def process(self, host: str, pid: int) -> tuple["Proc", list["Proc"]]:
+    def proc_tree(self, host: str, pid: int) -> tuple["Proc", list["Proc"]]:
         """``pid`` on ``host`` and its children (``/proc/PID/task/*/children``), each a
         :class:`Proc`; DrillError when ``pid`` is gone or the answer cannot be read."""
         script = ("import json,os,sys\n"
@@ -324,15 +324,15 @@ def find_engine(hosts: LabHosts, host: str, topo: Topology) -> Engine:
 
     Raises DrillError naming host and service / container when the engine is not running."""
     if not topo.serve_container:
-        proc, kids = hosts.process(host, hosts.program_pid(host, topo.serve_program))
+        proc, kids = hosts.proc_tree(host, hosts.program_pid(host, topo.serve_program))
         return Engine(proc, tuple(kids), f"{topo.serve_program} (pid {proc.pid})", None)
     name = topo.serve_program
     pid1, init = hosts.container_pid(host, topo.container_runtime, name)
-    proc, kids = hosts.process(host, pid1)
+    proc, kids = hosts.proc_tree(host, pid1)
     if init:
         if not kids:
             raise DrillError(f"drill: container {name} on {host}: its init (pid {pid1}) runs no engine")
-        proc, kids = hosts.process(host, min(kids, key=lambda k: k.ns_pid).pid)
+        proc, kids = hosts.proc_tree(host, min(kids, key=lambda k: k.ns_pid).pid)
     return Engine(proc, tuple(kids), f"container {name} (engine pid {proc.pid}, {proc.ns_pid} in the container)", name)
 
 
