@@ -15,6 +15,7 @@ defaults, and its argv is accepted by ``dsv41 drill clear``."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import subprocess
 from pathlib import Path
@@ -312,3 +313,56 @@ def test_bad_container_runtime_is_one_line(cmd: list[str], capsys) -> None:
     assert main(["drill", *cmd, "--serve-container", "--container-runtime", "docker; rm -rf /"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "bad container runtime" in err[0], err
+
+
+def test_a_real_pid_namespace(tmp_path: Path) -> None:
+    """The probe on a real /proc: an engine that is PID 1 of its own pid namespace (``unshare
+    --pid``, as a container without docker's init) spawns a proxy whose ``--parent-pid`` is 1;
+    the drill matches it by that pid and kills it by its host pid. Only processes this test
+    started are signalled."""
+    import os
+    import signal
+    import sys
+    import time
+
+    from servicectlutil import FakeLab
+
+    code = ("import os,subprocess,sys,time\n"
+            "p=subprocess.Popen([sys.executable,'-c','import time; time.sleep(120)','-m','dsv41.drafter.proxy_cli',"
+            "'run','--parent-pid',str(os.getpid())])\n"
+            "print(os.getpid(),flush=True)\n"
+            "time.sleep(120)\n")
+    ns = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", code],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = ns.stdout.readline().strip()
+        if first != "1":
+            pytest.skip(f"no pid namespace here (unshare: {ns.stderr.read().strip()[:200] or first})")
+        engine = int(Path(f"/proc/{ns.pid}/task/{ns.pid}/children").read_text().split()[0])
+        deadline = time.monotonic() + 10
+        while not (kids := Path(f"/proc/{engine}/task/{engine}/children").read_text().split()):
+            assert time.monotonic() < deadline, "the stand-in proxy did not start"
+            time.sleep(0.02)
+        proxy = int(kids[0])
+
+        class Inspect(FakeLab):
+            def __call__(self, cmd, **kw):
+                if cmd[cmd.index("--") + 1:][1:2] == ["inspect"]:
+                    return self._reply(cmd, out=f"true {engine} <nil>\n")
+                return super().__call__(cmd, **kw)
+
+        mgr = FakeManager(tmp_path / "mgr", "systemd", {TOPO.serve_program: "up"}, {TOPO.serve_program: ns.pid})
+        lab = Inspect(tmp_path, mgr)
+        rec = drill_faults.AsyncProxyKill(lab.hosts, CTOPO).inject()
+        assert (rec["engine_pid"], rec["proxy_pid"]) == (engine, proxy), rec
+        assert "1 in the container" in rec["action"] and ("kill", "-KILL", str(proxy)) in lab.argvs
+        deadline = time.monotonic() + 5
+        while Path(f"/proc/{proxy}/stat").exists() and Path(f"/proc/{proxy}/stat").read_text().split(") ")[1][0] not in "ZX":
+            assert time.monotonic() < deadline, "the proxy still runs"
+            time.sleep(0.02)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(ns.pid, signal.SIGKILL)
+        ns.wait(timeout=10)
+        ns.stdout.close()
+        ns.stderr.close()
