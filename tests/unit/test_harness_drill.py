@@ -241,14 +241,15 @@ def test_link_and_netem_clear_only_what_is_set(tmp_path) -> None:
 
 
 def test_async_proxy_kill_by_pid_and_errors(tmp_path) -> None:
-    kids = json.dumps([[29, ["python3", "-c", "x\ny"]],
-                       [30, ["/opt/dsv41/venv/bin/dsv41", "proxy", "run", "--parent-pid", "12"]]])
+    kids = json.dumps([[12, 12, ["dsv41", "engine", "serve"]],
+                       [[29, 29, ["python3", "-c", "x\ny"]],
+                        [30, 30, ["/opt/dsv41/venv/bin/dsv41", "proxy", "run", "--parent-pid", "12"]]]])
     lab = FakeLab(tmp_path, {(*SUP, "pid", "dsv41-serve"): (0, "12\n"), ("12",): (0, kids)})
     f = drill_faults.AsyncProxyKill(lab.hosts, drill_faults.Topology())
     rec = f.inject()
     assert rec["proxy_pid"] == 30 and rec["engine_pid"] == 12 and ("kill", "-KILL", "30") in lab.calls
     assert f.clear()["respawned"] is False  # the fake still lists pid 30
-    lab = FakeLab(tmp_path, {(*SUP, "pid", "dsv41-serve"): (0, "12\n"), ("12",): (0, "[]")})
+    lab = FakeLab(tmp_path, {(*SUP, "pid", "dsv41-serve"): (0, "12\n"), ("12",): (0, "[[12, 12, []], []]")})
     with pytest.raises(DrillError, match="no async proxy process"):
         drill_faults.AsyncProxyKill(lab.hosts, drill_faults.Topology()).inject()
     lab = FakeLab(tmp_path, {(*SUP, "pid", "dsv41-serve"): (0, "0\n")})

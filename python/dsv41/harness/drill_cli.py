@@ -24,6 +24,11 @@ NetemOpt = typer.Option("delay 60ms 20ms loss 5%", "--netem", help="tc netem arg
 LabDirOpt = typer.Option(_LAB_DIR, "--lab-dir", help="The lab's state directory (holder pid files).")
 ManagerOpt = typer.Option("supervisor", "--service-manager",
                           help="Service manager of the simulated hosts: systemd (nspawn lab) or supervisor (netns lab).")
+ContainerOpt = typer.Option(False, "--serve-container/--plain-engine",
+                            help="How rank 0's engine runs (roles/serve serve_container): in the container named "
+                                 "after its service (found through the container runtime) or as the service's main process.")
+RuntimeOpt = typer.Option("/usr/bin/docker", "--container-runtime",
+                          help="With --serve-container: the hosts' container runtime command (serve_container_runtime).")
 SupOpt = typer.Option("", "--supervisorctl",
                       help=f"With --service-manager supervisor: the hosts' supervisorctl command (default: {_SUPERVISORCTL}).")
 
@@ -39,11 +44,12 @@ def _lab_hosts(lab_dir: str, service_manager: str, supervisorctl: str):
     return drill_faults.LabHosts(lab_dir, service_control.for_manager(service_manager, supervisorctl or default))
 
 
-def _topology(link: str, netem: str):
+def _topology(link: str, netem: str, serve_container: bool, container_runtime: str):
     from dsv41.harness import drill_faults
 
     host, iface = drill_faults.parse_link(link)
-    return drill_faults.Topology(link_host=host, link_iface=iface, netem=netem).validate()
+    return drill_faults.Topology(link_host=host, link_iface=iface, netem=netem, serve_container=serve_container,
+                                 container_runtime=container_runtime).validate()
 
 
 @app.command()
@@ -56,14 +62,14 @@ def check(faults: str = FaultsOpt) -> None:
 
 @app.command()
 def clear(faults: str = FaultsOpt, link: str = LinkOpt, lab_dir: str = LabDirOpt, service_manager: str = ManagerOpt,
-          supervisorctl: str = SupOpt) -> None:
+          supervisorctl: str = SupOpt, serve_container: bool = ContainerOpt, container_runtime: str = RuntimeOpt) -> None:
     """Clear faults (idempotent): services started if not running, the link set up, the netem
     qdisc removed. Exit 1 naming any fault that could not be cleared."""
     from dsv41.harness import drill_faults
 
     names = drill_faults.parse_faults(faults)
     hosts = _lab_hosts(lab_dir, service_manager, supervisorctl)
-    topo = _topology(link, drill_faults.DEFAULT_NETEM)
+    topo = _topology(link, drill_faults.DEFAULT_NETEM, serve_container, container_runtime)
     for h in {topo.offload_host, topo.head_host, topo.link_host}:
         hosts.holder(h)
     out = drill_faults.clear_all(hosts, topo, names)
@@ -94,6 +100,8 @@ def run(
     lab_dir: str = LabDirOpt,
     service_manager: str = ManagerOpt,
     supervisorctl: str = SupOpt,
+    serve_container: bool = ContainerOpt,
+    container_runtime: str = RuntimeOpt,
     out_dir: str = typer.Option("drills", "--out-dir", help="Reports go to OUT_DIR/<id>/."),
     drill_id: str = typer.Option("", "--id", help="Report id (default: UTC time)."),
 ) -> None:
@@ -106,7 +114,7 @@ def run(
     # Everything is checked before the lab is touched.
     names = drill_faults.parse_faults(faults)
     hosts = _lab_hosts(lab_dir, service_manager, supervisorctl)
-    topo = _topology(link, netem)
+    topo = _topology(link, netem, serve_container, container_runtime)
     for v, what in ((duration, "--duration"), (baseline, "--baseline"), (recover_timeout, "--recover-timeout"),
                     (stable, "--stable")):
         if not v >= 0 or v > 3600:
@@ -134,7 +142,7 @@ def run(
     pdoc = {"faults": names, "streams": streams, "spec": sp["name"], "max_tokens": sp["max_tokens"],
             "baseline_s": baseline, "duration_s": duration, "recover_timeout_s": recover_timeout, "stable_s": stable,
             "interval_s": params.interval_s, "endpoint": endpoint, "link": link, "netem": topo.netem,
-            "service_manager": service_manager}
+            "service_manager": service_manager, "serve_container": serve_container}
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     machine = f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()}, the three-host lab)"
     results: list[dict] = []

@@ -9,10 +9,12 @@ lab; the table shows the supervisor form):
 ``engram_server``  ``supervisorctl stop dsv41-engram-server`` (``systemctl stop
                    dsv41-engram-server.service``) on x86host; cleared by ``start``
 ``drafter_worker`` ``supervisorctl stop dsv41-drafter`` on x86host; cleared by ``start``
-``async_proxy``    SIGKILL of the async drafting proxy on sparkhead: the child of the
-                   ``dsv41-serve`` service's main pid whose argv is ``python -m
-                   dsv41.drafter.proxy_cli run ... --parent-pid <that pid>``; nothing to clear (the engine's watchdog respawns it within its
-                   budget), the respawn is checked (a new proxy pid)
+``async_proxy``    SIGKILL (by host pid) of the async drafting proxy on sparkhead: the child of
+                   the engine (:func:`find_engine`: the ``dsv41-serve`` service's main pid, or
+                   in a container the engine under the container's init) whose argv is
+                   ``python -m dsv41.drafter.proxy_cli run ... --parent-pid <engine pid as the
+                   engine sees it>``; nothing to clear (the engine's watchdog respawns it
+                   within its budget), the respawn is checked (a new proxy pid)
 ``offload_link``   ``ip link set dev ofl0 down`` inside sparkhead; cleared by ``up``
 ``netem``          ``tc qdisc replace dev ofl0 root netem <spec>`` inside sparkhead (default
                    ``delay 60ms 20ms loss 5%``: RTT above the 100 ms lookup and round
@@ -46,7 +48,7 @@ LAB_NET = ipaddress.ip_network("198.18.0.0/15")
 FAULTS: dict[str, str] = {
     "engram_server": "table server stopped (x86host dsv41-engram-server)",
     "drafter_worker": "drafter worker stopped (x86host dsv41-drafter)",
-    "async_proxy": "async drafting proxy SIGKILLed (sparkhead, child of dsv41-serve)",
+    "async_proxy": "async drafting proxy SIGKILLed (sparkhead, child of dsv41-serve's engine)",
     "offload_link": "offload link down (ip link set down inside the Spark's namespace)",
     "netem": "delay and loss on the offload link (tc netem inside the Spark's namespace)",
 }
@@ -55,6 +57,12 @@ DEFAULT_NETEM = "delay 60ms 20ms loss 5%"
 FALLBACK_TBF = "rate 4mbit burst 32kb latency 150ms"
 _IFACE = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
 _HOST = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# A container runtime command: one word (a path or a name on the host's PATH).
+_RUNTIME = re.compile(r"^[A-Za-z0-9_./+-]{1,200}$")
+#: ``docker inspect --format`` of a serving container: running, its PID 1 in the host's pid
+#: namespace (0 when stopped), whether docker put its init (tini, ``--init``) in front of the
+#: command. Docker prints ``<nil>`` for an Init nobody set.
+CONTAINER_FORMAT = "{{.State.Running}} {{.State.Pid}} {{.HostConfig.Init}}"
 # tc netem words the drill passes on (anything else is refused before the lab is touched).
 _NETEM_WORD = re.compile(r"^(delay|loss|duplicate|corrupt|reorder|distribution|normal|pareto|"
                          r"\d+(\.\d+)?(us|ms|s|%)?)$")
@@ -124,6 +132,10 @@ class Topology:
     link_host: str = "sparkhead"
     link_iface: str = "ofl0"
     netem: str = DEFAULT_NETEM
+    # roles/serve's serve_container: the engine runs in the container named ``serve_program``
+    # (the role's ``docker run --name {{ serve_service }}``), started by ``container_runtime``.
+    serve_container: bool = False
+    container_runtime: str = "/usr/bin/docker"
 
     def validate(self) -> "Topology":
         for h in (self.offload_host, self.head_host, self.link_host):
@@ -134,6 +146,8 @@ class Topology:
                 raise DrillError(f"drill: bad service name {p!r}")
         if not _IFACE.match(self.link_iface):
             raise DrillError(f"drill: bad interface name {self.link_iface!r}")
+        if not _RUNTIME.match(self.container_runtime):
+            raise DrillError(f"drill: bad container runtime {self.container_runtime!r} (one command, e.g. /usr/bin/docker)")
         parse_netem(self.netem)
         return self
 
@@ -211,21 +225,115 @@ class LabHosts:
             raise DrillError(f"drill: {program} on {host} is not running ({out or r.stderr.strip()})")
         return pid
 
-    def children(self, host: str, pid: int) -> list[tuple[int, list[str]]]:
-        """``[(child pid, argv)]`` of ``pid`` inside ``host`` (``/proc/PID/task/*/children``)."""
-        script = ("import json,os,sys;p=sys.argv[1];o=set();r=[]\n"
-                  "for t in os.listdir(f'/proc/{p}/task'):\n"
-                  " o.update(open(f'/proc/{p}/task/{t}/children').read().split())\n"
+    def container_pid(self, host: str, runtime: str, name: str) -> tuple[int, bool]:
+        """``(pid, init)`` of running container ``name`` on ``host``: its PID 1 in ``host``'s pid
+        namespace (``docker inspect``, :data:`CONTAINER_FORMAT`; dockerd runs inside the host, so
+        the pid is one ``kill`` on the host takes) and whether that is docker's init (``--init``)
+        rather than the command. DrillError naming host and container when there is no such
+        container, it is not running, or the answer is not docker's."""
+        r = self.run(host, [runtime, "inspect", "--format", CONTAINER_FORMAT, name], check=False)
+        if r.returncode != 0:
+            why = (r.stderr or r.stdout or "").strip().splitlines()
+            raise DrillError(f"drill: no container {name} on {host} ({why[-1] if why else f'exit {r.returncode}'}); "
+                             "is the engine running in a container (serve_container)?")
+        words = r.stdout.split()
+        if len(words) != 3 or words[0] not in ("true", "false") or not words[1].isdigit():
+            raise DrillError(f"drill: container {name} on {host}: {runtime} inspect said {r.stdout.strip()[:200]!r}")
+        if words[0] != "true" or int(words[1]) <= 0:
+            raise DrillError(f"drill: container {name} on {host} is not running")
+        return int(words[1]), words[2] == "true"
+
+    def proc_tree(self, host: str, pid: int) -> tuple["Proc", list["Proc"]]:
+        """``pid`` on ``host`` and its children (``/proc/PID/task/*/children``), each a
+        :class:`Proc`; DrillError when ``pid`` is gone or the answer cannot be read."""
+        script = ("import json,os,sys\n"
+                  "def ns(p):\n"
+                  " for l in open(f'/proc/{p}/status'):\n"
+                  "  if l.startswith('NSpid:'):return int(l.split()[-1])\n"
+                  " return int(p)\n"
+                  "def one(p):\n"
+                  " a=open(f'/proc/{p}/cmdline','rb').read().split(b'\\0')\n"
+                  " return [int(p),ns(p),[x.decode('utf-8','replace') for x in a if x]]\n"
+                  "p=sys.argv[1];o=set();r=[]\n"
+                  "try:\n"
+                  " me=one(p)\n"
+                  " for t in os.listdir(f'/proc/{p}/task'):\n"
+                  "  o.update(open(f'/proc/{p}/task/{t}/children').read().split())\n"
+                  "except OSError:print('null');sys.exit()\n"
                   "for c in sorted(o,key=int):\n"
-                  " try:a=open(f'/proc/{c}/cmdline','rb').read().split(b'\\0')\n"
+                  " try:r.append(one(c))\n"
                   " except OSError:continue\n"
-                  " r.append([int(c),[x.decode('utf-8','replace') for x in a if x]])\n"
-                  "print(json.dumps(r))")
+                  "print(json.dumps([me,r]))")
         r = self.run(host, ["python3", "-c", script, str(pid)])
         try:
-            return [(int(c), list(argv)) for c, argv in fileio.loads_json(r.stdout)]
+            doc = fileio.loads_json(r.stdout)
+            if doc is None:
+                raise DrillError(f"drill: pid {pid} on {host} is gone")
+            me, kids = doc
+            return Proc.of(me), [Proc.of(k) for k in kids]
         except (ValueError, TypeError) as exc:
-            raise DrillError(f"drill: cannot read the children of pid {pid} on {host}: {exc}") from None
+            raise DrillError(f"drill: cannot read pid {pid} and its children on {host}: {exc}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Proc:
+    """One process on a lab host as that host's ``/proc`` shows it."""
+
+    pid: int  #: in the host's pid namespace: what ``kill`` on the host takes
+    ns_pid: int  #: in its own (innermost) pid namespace, ``NSpid``'s last field: in a container, its getpid()
+    argv: tuple[str, ...]
+
+    @classmethod
+    def of(cls, rec: Sequence) -> "Proc":
+        """``[pid, ns_pid, [argv...]]`` (the probe's JSON) -> Proc; TypeError/ValueError otherwise."""
+        pid, ns_pid, argv = rec
+        if not all(isinstance(a, str) for a in argv):
+            raise TypeError(f"argv of pid {pid} is not strings")
+        return cls(int(pid), int(ns_pid), tuple(argv))
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """Rank 0's engine process as :func:`find_engine` found it: ``proc``, its ``children``,
+    ``where`` (how it was found, for records and errors) and ``container`` (its name, None for
+    a plain process)."""
+
+    proc: Proc
+    children: tuple[Proc, ...]
+    where: str
+    container: str | None
+
+    def proxy(self) -> Proc | None:
+        """The async proxy among :attr:`children` (:func:`proxy_pid`: its ``--parent-pid`` is
+        the engine's own pid, the container's numbering inside a container), None if absent."""
+        pid = proxy_pid(((c.pid, list(c.argv)) for c in self.children), self.proc.ns_pid)
+        return next((c for c in self.children if c.pid == pid), None)
+
+
+def find_engine(hosts: LabHosts, host: str, topo: Topology) -> Engine:
+    """The serving engine on ``host``, for either runtime of roles/serve (``topo.serve_container``).
+    Every fault or probe that needs the engine's pid goes through here.
+
+    * plain process: the main pid of service ``topo.serve_program`` (its manager says it);
+    * container: the unit's main pid is the ``docker run`` client, and the engine lives under
+      containerd-shim -> docker-init -> engine. ``docker inspect`` of the container named
+      ``topo.serve_program`` gives its PID 1 in the host's pid namespace; with docker's init
+      (``--init``, the role's launch) the engine is that init's first child (the lowest pid in
+      the container: tini forks the command once, at start; a process orphaned later inside
+      the container is reparented to the init with a higher pid), else PID 1 itself.
+
+    Raises DrillError naming host and service / container when the engine is not running."""
+    if not topo.serve_container:
+        proc, kids = hosts.proc_tree(host, hosts.program_pid(host, topo.serve_program))
+        return Engine(proc, tuple(kids), f"{topo.serve_program} (pid {proc.pid})", None)
+    name = topo.serve_program
+    pid1, init = hosts.container_pid(host, topo.container_runtime, name)
+    proc, kids = hosts.proc_tree(host, pid1)
+    if init:
+        if not kids:
+            raise DrillError(f"drill: container {name} on {host}: its init (pid {pid1}) runs no engine")
+        proc, kids = hosts.proc_tree(host, min(kids, key=lambda k: k.ns_pid).pid)
+    return Engine(proc, tuple(kids), f"container {name} (engine pid {proc.pid}, {proc.ns_pid} in the container)", name)
 
 
 def proxy_pid(children: Iterable[tuple[int, list[str]]], engine_pid: int) -> int | None:
@@ -310,22 +418,20 @@ class AsyncProxyKill(Fault):
         self.host = topo.head_host
         self.killed: int | None = None
 
-    def _find(self) -> tuple[int, int | None]:
-        engine = self.hosts.program_pid(self.host, self.topo.serve_program)
-        return engine, proxy_pid(self.hosts.children(self.host, engine), engine)
-
     def inject(self) -> dict:
-        engine, pid = self._find()
-        if pid is None:
-            raise DrillError(f"drill: no async proxy process under {self.topo.serve_program} (pid {engine}) on "
-                             f"{self.host}: is DSV41_DRAFTER_ASYNC=1 in production?")
-        self.hosts.run(self.host, ["kill", "-KILL", str(pid)])
-        self.killed = pid
-        return {"host": self.host, "action": f"kill -KILL {pid} (async proxy, child of engine pid {engine})",
-                "engine_pid": engine, "proxy_pid": pid}
+        engine = find_engine(self.hosts, self.host, self.topo)
+        proxy = engine.proxy()
+        if proxy is None:
+            raise DrillError(f"drill: no async proxy process under {engine.where} on {self.host}: "
+                             "is DSV41_DRAFTER_ASYNC=1 in production?")
+        self.hosts.run(self.host, ["kill", "-KILL", str(proxy.pid)])
+        self.killed = proxy.pid
+        return {"host": self.host, "action": f"kill -KILL {proxy.pid} (async proxy, child of {engine.where})",
+                "engine_pid": engine.proc.pid, "proxy_pid": proxy.pid, "container": engine.container}
 
     def clear(self) -> dict:
-        engine, pid = self._find()
+        proxy = find_engine(self.hosts, self.host, self.topo).proxy()
+        pid = proxy.pid if proxy else None
         return {"host": self.host, "action": "none (the engine's watchdog respawns the proxy)",
                 "proxy_pid": pid, "respawned": pid is not None and pid != self.killed}
 
