@@ -47,27 +47,6 @@ def _native_plan() -> Callable[..., int] | None:
     return native._fastrow.plan_rows if native.use_native() else None
 
 
-def piece_layout(rows: int, piece_rows: int) -> list[tuple[int, int]]:
-    """``(first row, rows)`` of each piece of a job of ``rows`` rows (ints; issue 23 pass J).
-
-    At most ``piece_rows`` rows: one piece (none for 0). More: an edge piece of ``piece_rows // 4``
-    rows (at least 1) first and last, pieces of ``piece_rows`` rows between (the last of them
-    shorter); 393,216 rows at 65,536 are 16,384 + 5 x 65,536 + 32,768 + 16,384. The edges are
-    small because both are exposed: piece 0's plan precedes the first request and the last
-    piece's H2D copy and kernel follow the last reply, while the pieces between overlap the next
-    fetch. The twin of ``_fastrow.piece_layout`` (the C++ core plans and launches in it; tested
-    equal). Raises Dsv41Error when ``piece_rows`` < 1."""
-    if piece_rows < 1:
-        raise Dsv41Error(f"piece_layout: piece_rows must be >= 1, got {piece_rows}")
-    if rows <= 0:
-        return []
-    if rows <= piece_rows:
-        return [(0, rows)]
-    edge = max(1, piece_rows // 4)
-    end = rows - edge
-    return [(0, edge)] + [(r0, min(piece_rows, end - r0)) for r0 in range(edge, end, piece_rows)] + [(end, edge)]
-
-
 def plan_into_numpy(ids: np.ndarray, lo: int, hi: int, sel: np.ndarray, fetch: np.ndarray, own: np.ndarray,
                     tmp: np.ndarray) -> int:
     """Vectorised mask + plan into caller buffers (no allocation): ``ids`` int64 ``[R]``;

@@ -14,7 +14,7 @@ import numpy as np
 
 from dsv41.errors import ConfigError, Dsv41Error
 from dsv41.overlay.engram_ops import (ROW_BYTES, CudaOps, Handoff, HostOps, LaunchGraphs, OverlayRefused,
-                                      _native_plan, log, piece_layout, plan_into, report_counters)
+                                      _native_plan, log, plan_into, report_counters)
 from dsv41.overlay.engram_worker import JOIN_SPIN_NS, PIECE_ROWS, REPORT_EVERY_S, EngramWorker, _worker_for
 
 #: Seconds ``_finish_prefetch`` waits for the worker's hand-off of one layer before it counts a
@@ -285,9 +285,8 @@ class RemoteRows:
 
     def _serve(self, gen: int | None, counters: dict) -> bool:
         """Plan, fetch and launch the job: one piece (a decode step) in one H2D copy, or piece by
-        piece in the fixed piece layout (``piece_layout``: edge pieces of ``PIECE_ROWS // 4`` rows
-        first and last, ``PIECE_ROWS`` between; ``_launch_piece``, the layout the C++ core plans
-        into and its piece graphs read): the H2D copy and kernel of one piece
+        piece (``PIECE_ROWS`` rows each) in the fixed piece layout (``_launch_piece``, the layout
+        the C++ core plans into and its piece graphs read): the H2D copy and kernel of one piece
         run on the GPU while the next piece is fetched. On the worker (``gen`` given) a job of
         several pieces is pipelined on the host too: the table's fetch thread plans and fetches
         piece k+1 while the worker launches piece k, into disjoint parts of the staging buffers;
@@ -460,8 +459,8 @@ class RemoteRows:
 
     @staticmethod
     def _piece_keys(rows: int) -> list[tuple[int, int]]:
-        """``(first row, rows)`` of each piece of a job of ``rows`` rows (``piece_layout``)."""
-        return piece_layout(rows, PIECE_ROWS)
+        """``(first row, rows)`` of each piece of a job of ``rows`` rows."""
+        return [(r0, min(PIECE_ROWS, rows - r0)) for r0 in range(0, rows, PIECE_ROWS)]
 
     def _launch_piece(self, key: tuple[int, int], out: Any) -> None:
         """One piece of a multi-piece job in the fixed piece layout the C++ core plans into

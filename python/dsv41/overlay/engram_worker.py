@@ -25,8 +25,7 @@ JOIN_SPIN_NS = 20_000
 #: Seconds between two counter reports (log line + JSON file) of one rank.
 REPORT_EVERY_S = 60.0
 #: Rows of one piece of a lookup (plan, fetch, H2D, kernel): a decode step is one piece; a 32K
-#: prefill chunk at TP2 (393,216 rows) eight in ``engram_ops.piece_layout`` (16,384-row edge pieces
-#: first and last, 65,536 between), whose copies and kernels overlap the next fetch.
+#: prefill chunk at TP2 (393,216 rows) six, whose copies and kernels overlap the next fetch.
 PIECE_ROWS = 65536
 
 _workers: dict[int, "EngramWorker"] = {}

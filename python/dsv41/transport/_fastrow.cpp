@@ -954,38 +954,15 @@ struct EngramSlot {
   }
 };
 
-// The fixed piece layout of a multi-piece job of `rows` rows (issue 23 pass J): (first row, rows)
-// of each piece. A job of at most piece_rows rows is one piece (none for 0 rows); a larger one
-// starts and ends with an edge piece of piece_rows/4 rows (at least 1) with pieces of piece_rows
-// rows between (the last of them shorter). Small edges because both ends are exposed: piece 0's
-// plan precedes the first request, and the last piece's H2D copy and kernel follow the last
-// reply (pass I: 0.23-0.28 ms of plan and ~0.4 ms of GPU time for a 65,536-row piece), while the
-// pieces between overlap the next fetch. dsv41/overlay/engram_ops.py piece_layout is the Python
-// twin (tested equal); every piece graph and staging offset is keyed by the first row.
-std::vector<std::pair<int64_t, int64_t>> piece_layout(int64_t rows, int64_t piece_rows) {
-  if (piece_rows <= 0) throw std::invalid_argument("piece_layout: piece_rows must be > 0");
-  std::vector<std::pair<int64_t, int64_t>> v;
-  if (rows <= 0) return v;
-  if (rows <= piece_rows) {
-    v.push_back({0, rows});
-    return v;
-  }
-  const int64_t edge = std::max<int64_t>(1, piece_rows / 4), end = rows - edge;
-  v.push_back({0, edge});
-  for (int64_t r0 = edge; r0 < end; r0 += piece_rows) v.push_back({r0, std::min(piece_rows, end - r0)});
-  v.push_back({end, edge});
-  return v;
-}
-
 // The plan of a multi-piece job in the fixed piece layout (EngramCore::serve_pieces): piece k's
-// selectors (relative to the piece) at rows [r0_k, ...) of the slot's selector part, its fetch
-// list from fetch[r0_k]. plan(k) plans one piece; start_ahead() plans pieces 1..count-1 on a
-// planner thread (in order, publishing `planned`), so the worker thread waits (wait(k)) only
-// when a piece's plan is not done by the time its request is due. The destructor stops and
-// joins the planner: no early return leaves it writing into buffers Python reuses.
+// selectors (relative to the piece) at rows [k*piece_rows, ...) of the slot's selector part, its
+// fetch list from fetch[k*piece_rows]. plan(k) plans one piece; start_ahead() plans pieces
+// 1..count-1 on a planner thread (in order, publishing `planned`), so the worker thread waits
+// (wait(k)) only when a piece's plan is not done by the time its request is due. The destructor
+// stops and joins the planner: no early return leaves it writing into buffers Python reuses.
 struct PiecePlan {
   EngramSlot &s;
-  const std::vector<std::pair<int64_t, int64_t>> layout;  // (first row, rows) per piece
+  const int64_t rows, piece_rows;
   const size_t count;
   std::vector<int64_t> ns;  // owned ids per piece
   std::atomic<size_t> planned{0};
@@ -994,14 +971,13 @@ struct PiecePlan {
   int64_t ahead_ns = 0;  // the planner thread's time (valid after finish())
   std::thread th;
 
-  PiecePlan(EngramSlot &slot, std::vector<std::pair<int64_t, int64_t>> l)
-      : s(slot), layout(std::move(l)), count(layout.size()), ns(count, 0) {}
+  PiecePlan(EngramSlot &slot, int64_t r, int64_t pr, size_t c) : s(slot), rows(r), piece_rows(pr), count(c), ns(c, 0) {}
   ~PiecePlan() { join(); }
   PiecePlan(const PiecePlan &) = delete;
   PiecePlan &operator=(const PiecePlan &) = delete;
 
   void plan(size_t k) {
-    const int64_t r0 = layout[k].first, r1 = r0 + layout[k].second;
+    const int64_t r0 = int64_t(k) * piece_rows, r1 = std::min(r0 + piece_rows, rows);
     ns[k] = plan_span(s.ids, r0, r1, s.lo, s.hi, s.limit, reinterpret_cast<int32_t *>(s.hbuf), s.fetch + r0, bad);
     planned.store(k + 1, std::memory_order_release);
   }
@@ -1057,10 +1033,7 @@ class EngramCore {
   static constexpr uint32_t kPieceWindow = 4;
 
   EngramCore(int64_t chunk_rows, int64_t piece_rows, double report_s)
-      : chunk_rows_(chunk_rows), piece_rows_(piece_rows), report_ns_(int64_t(report_s * 1e9)), last_return_(now_ns()) {
-    // serve_pieces lays jobs out without the GIL (piece_layout): a bad size fails here instead
-    if (chunk_rows <= 0 || piece_rows <= 0) throw std::invalid_argument("EngramCore: chunk_rows and piece_rows must be > 0");
-  }
+      : chunk_rows_(chunk_rows), piece_rows_(piece_rows), report_ns_(int64_t(report_s * 1e9)), last_return_(now_ns()) {}
 
   // Launching thread: queue one layer's job (handles are 0 where there is no CUDA).
   void submit(std::shared_ptr<EngramSlot> slot, uint64_t gen, int64_t rows, uint64_t out, uint64_t stream,
@@ -1290,18 +1263,18 @@ class EngramCore {
     EngramSlot &s = *j.slot;
     if (fd_ < 0 || !s.has_table || !s.ids || !s.hbuf || size_t(j.rows) > s.max_rows) return PYTHON;
     const CudaDriver &cu = cuda_driver();
-    const std::vector<std::pair<int64_t, int64_t>> layout = piece_layout(j.rows, piece_rows_);
-    std::vector<void *> graphs(layout.size(), nullptr);  // per piece
+    std::vector<std::pair<int64_t, void *>> pieces;  // (rows, graph) per piece
+    for (int64_t r0 = 0; r0 < j.rows; r0 += piece_rows_) pieces.push_back({std::min(piece_rows_, j.rows - r0), nullptr});
     if (j.cuda) {
       if (!j.done_event || !j.stream || !cu.ok) return PYTHON;
       std::lock_guard<std::mutex> g(s.m);
-      for (size_t k = 0; k < layout.size(); k++) {
-        graphs[k] = s.piece_graph_locked(layout[k].first, layout[k].second, j.out);
-        if (!graphs[k]) return PYTHON;  // Python serves it and captures the pieces
+      for (size_t k = 0; k < pieces.size(); k++) {
+        pieces[k].second = s.piece_graph_locked(int64_t(k) * piece_rows_, pieces[k].first, j.out);
+        if (!pieces[k].second) return PYTHON;  // Python serves it and captures the pieces
       }
     }
     int64_t tp = now_ns();
-    PiecePlan plan(s, layout);
+    PiecePlan plan(s, j.rows, piece_rows_, pieces.size());
     if (s.lo < 0 || s.hi > int64_t(std::min<uint64_t>(s.limit, uint64_t(INT64_MAX)))) {
       // an owned id can be past the table (or negative): every piece planned (and checked) before any request,
       // so such a job sends nothing and Python's path raises RowRangeError
@@ -1317,8 +1290,8 @@ class EngramCore {
     uint8_t *packed = s.hbuf + s.max_rows * 4;
     size_t launched = 0;
     int64_t launch_ns = 0;
-    for (size_t k = 0; k < layout.size(); k++) {
-      const int64_t r0 = layout[k].first;
+    for (size_t k = 0; k < pieces.size(); k++) {
+      const int64_t r0 = int64_t(k) * piece_rows_;
       if (k) {
         int64_t tw = now_ns();
         plan.wait(k);  // normally long done: piece k was planned during piece k-1's request
@@ -1355,7 +1328,7 @@ class EngramCore {
         add(c_launch, launch_ns + now_ns() - tl);
         return REPORT;
       }
-      if (cu.graph_launch(graphs[k], j.stream) != 0) {
+      if (cu.graph_launch(pieces[k].second, j.stream) != 0) {
         code = 0;
         drain(j, launched);
         return PIECES_FAILED;
@@ -1433,12 +1406,12 @@ py::tuple plan_pieces(py::array_t<int64_t, py::array::c_style> ids, int64_t lo, 
   slot.hbuf = reinterpret_cast<uint8_t *>(sel.mutable_data());
   slot.fetch = fetch.mutable_data();
   slot.lo = lo; slot.hi = hi; slot.limit = limit;
+  const size_t count = size_t((r + piece_rows - 1) / piece_rows);
   std::vector<int64_t> ns;
   bool bad = false;
   {
     py::gil_scoped_release nogil;
-    PiecePlan plan(slot, piece_layout(r, piece_rows));
-    const size_t count = plan.count;
+    PiecePlan plan(slot, r, piece_rows, count);
     if (ahead && count) {
       plan.plan(0);
       plan.start_ahead();
@@ -1507,7 +1480,6 @@ PYBIND11_MODULE(_fastrow, m) {
   // noconvert: a dtype or layout mismatch must fail, never plan into a temporary copy
   m.def("plan_rows", &plan_rows, py::arg("ids").noconvert(), py::arg("lo"), py::arg("hi"), py::arg("sel").noconvert(),
         py::arg("fetch").noconvert());
-  m.def("piece_layout", &piece_layout, py::arg("rows"), py::arg("piece_rows"));
   m.def("plan_pieces", &plan_pieces, py::arg("ids").noconvert(), py::arg("lo"), py::arg("hi"), py::arg("limit"),
         py::arg("piece_rows"), py::arg("sel").noconvert(), py::arg("fetch").noconvert(), py::arg("ahead"));
 }
