@@ -190,6 +190,8 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=PREFILL_TOKENS, help="prefill chunk tokens (0: none)")
     ap.add_argument("--rounds", type=int, default=40, help="decode rounds (each: every arm, order rotated)")
     ap.add_argument("--steps", type=int, default=5, help="timed decode steps per arm and round")
+    ap.add_argument("--warmup-s", type=float, default=30.0,
+                    help="untimed interleaved decode rounds before the first timed one, seconds (0: none)")
     ap.add_argument("--target-ms", type=float, default=0.1,
                     help="issue 23's decode target: overlay minus UVA, ms per step (both Engram layers)")
     ap.add_argument("--prefill-rounds", type=int, default=3)
@@ -318,6 +320,9 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
                 torch.cuda.synchronize()
             else:
                 fw[arm].capture(capture)
+        if not prefill and "warmup" not in out:
+            out["warmup"] = Q.warmup(torch, fw, hash_buf, sets, t, args.warmup_s, args.steps)
+        started = time.strftime("%H:%M:%S UTC", time.gmtime())
         ex = check_rows(torch, fw, sets, hash_buf, t, own, ovl)
         exact &= ex["bit_exact"]
         times = {arm: [] for arm in fw}
@@ -356,7 +361,8 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
         exact &= ex2["bit_exact"]
         rr = ovl[0].embed_tokens._dsv41
         w = rr._worker.counters if rr._worker else {}
-        row = {"case": "prefill" if prefill else "decode", "tokens": t, "rows_per_layer": t * a.part_n_hash_cols,
+        row = {"case": "prefill" if prefill else "decode", "tokens": t, "started": started,
+               "rows_per_layer": t * a.part_n_hash_cols,
                "steps_per_arm": len(times["uva"]), "layer_ms_target": args.prefill_layer_ms if prefill
                else args.decode_layer_ms, "graphs": "none (eager)" if prefill else "PIECEWISE stand-in",
                "rows_bit_exact_before_after": [ex["bit_exact"], ex2["bit_exact"]], "rows_compared": ex["rows"] + ex2["rows"]}

@@ -273,3 +273,24 @@ def timed(fn, reps: int) -> float:
     return float(np.median(ts))
 
 
+def warmup(torch, fw, hash_buf, sets, t: int, seconds: float, steps: int) -> dict:
+    """Untimed interleaved rounds of every arm for ``seconds`` before the first timed decode round
+    (issue 23 pass J): in every earlier 80-round run the first 15-25 s of decode steps ran at
+    about 20 ms against 16.5 ms later, in every arm (24 tokens, the first size: step p10 16.2-16.6
+    ms, median 19.3-19.9 ms), which pairing by round does not remove. Returns the steps run and
+    the none arm's median step (ms) in the first and last tenth of them."""
+    arms, none_ms, n, end = list(fw), [], 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for arm in arms:
+            for _ in range(steps):
+                hash_buf[:t].copy_(sets[n % len(sets)])
+                n += 1
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fw[arm]()
+                torch.cuda.synchronize()
+                if arm == "none":
+                    none_ms.append((time.perf_counter() - t0) * 1e3)
+    d = max(1, len(none_ms) // 10)
+    return {"s": seconds, "tokens": t, "steps": n, "none_step_ms_first_tenth": round(float(np.median(none_ms[:d])), 3)
+            if none_ms else None, "none_step_ms_last_tenth": round(float(np.median(none_ms[-d:])), 3) if none_ms else None}

@@ -123,25 +123,34 @@ def test_a_killed_server_gives_exact_local_rows_and_the_lease_returns(tabs, work
         srv.stop()
 
 
-def test_required_mode_raises_the_native_failure_at_the_join(tabs, workers) -> None:
+def _required_failure_at_join(tabs_, layer: int, t: int, seed: int, check) -> None:
+    """A required source on a live server: one exact lookup of ``t`` tokens of ``layer`` through
+    the core (which leases the connection), then the server stopped: the next job's join raises
+    RemoteUnavailable with the cause and the transport error is counted; ``check(rows)`` runs
+    before everything is closed."""
     port = _free_port()
-    srv = _serve(tabs, port)
-    src = _source(tabs, port, required=True)
+    srv = _serve(tabs_, port)
+    src = _source(tabs_, port, required=True)
     try:
-        r1 = _rows(tabs, src, 1)
-        ids = _ids(tabs, r1, 6, 50)
-        out = _poisoned(6, r1.part)
-        r1.lookup(torch.from_numpy(ids), out)
-        assert _exact(tabs, r1, ids, out) and r1._worker.core.lent()
+        rr = _rows(tabs_, src, layer)
+        ids = _ids(tabs_, rr, t, seed)
+        out = _poisoned(t, rr.part)
+        rr.lookup(torch.from_numpy(ids), out)
+        assert _exact(tabs_, rr, ids, out) and rr._worker.core.lent()
         srv.stop()
-        r1.start(torch.from_numpy(ids), _poisoned(6, r1.part))
+        rr.start(torch.from_numpy(ids), _poisoned(t, rr.part))
         with pytest.raises(RemoteUnavailable, match="required but failed"):
-            r1.join()
+            rr.join()
         assert src.counters()["transport_errors"] >= 1
+        check(rr)
     finally:
         E.stop_workers()
         src.close()
         srv.stop()
+
+
+def test_required_mode_raises_the_native_failure_at_the_join(tabs, workers) -> None:
+    _required_failure_at_join(tabs, 1, 6, 50, lambda rr: None)
 
 
 def test_a_source_without_a_lease_is_served_by_python_through_the_core(tabs, workers) -> None:
@@ -324,25 +333,11 @@ def test_a_killed_server_mid_prefill_gives_exact_local_rows(tabs, workers, small
 
 
 def test_required_mode_raises_a_failed_piece_request_at_the_join(tabs, workers, small_pieces) -> None:
-    port = _free_port()
-    srv = _serve(tabs, port)
-    src = _source(tabs, port, required=True)
-    try:
-        r14 = _rows(tabs, src, 14)
-        ids = _ids(tabs, r14, 50, 120)
-        out = _poisoned(50, r14.part)
-        r14.lookup(torch.from_numpy(ids), out)
-        assert _exact(tabs, r14, ids, out) and r14._worker.core.lent()
-        srv.stop()
-        r14.start(torch.from_numpy(ids), _poisoned(50, r14.part))
-        with pytest.raises(RemoteUnavailable, match="required but failed"):
-            r14.join()
-        assert src.counters()["transport_errors"] >= 1 and r14._worker.counters["errors"] >= 1
-        assert r14.counters["worker_refusals"] == 0 and r14._pool is None  # raised at once, nothing re-served
-    finally:
-        E.stop_workers()
-        src.close()
-        srv.stop()
+    def check(rr) -> None:
+        assert rr._worker.counters["errors"] >= 1
+        assert rr.counters["worker_refusals"] == 0 and rr._pool is None  # raised at once, nothing re-served
+
+    _required_failure_at_join(tabs, 14, 50, 120, check)
 
 
 def _piece_reference(ids: np.ndarray, lo: int, hi: int, piece_rows: int) -> tuple[list, np.ndarray, list]:
