@@ -99,7 +99,7 @@ def window_win(wdir: Path, candidate: str) -> tuple[str, dict]:
     return p.parent.name, json.loads(p.read_text())["decision"]
 
 
-def test_promote_a_window_win_rollback_exact_promote_again(deployed_lab):
+def test_promote_a_window_win_rollback_exact_promote_again(deployed_lab, tmp_path):
     """Promotion from a real WIN (issue 12): production made synchronous by ``rollback.yml -e
     component=async_handoff`` (recorded as a package); a window of ``async-drafter`` against
     ``sync-drafter`` (production's own state, step_ms p50, candidates/specs/lab-window.json); if it
@@ -107,7 +107,8 @@ def test_promote_a_window_win_rollback_exact_promote_again(deployed_lab):
     listing identical to before the promotion), promote again (same id). Leaves the lab on the
     deploy's package. ``DSV41_PROMOTE_WINDOWS_DIR`` names a windows directory that already holds
     such a window (e.g. ``make window-drills``' async window), which is then used instead of
-    running one here (about 14 min on the 2-core box)."""
+    running one here (about 14 min on the 2-core box); without it the window is run into a fresh
+    directory, so a window left by an earlier run is never taken for this run's measurement."""
     p0 = production()
     r = timed_play("rollback.yml", "-e", "rollback_confirmation=yes", "-e", "component=async_handoff")
     assert r.returncode == 0, r.stdout[-5000:]
@@ -116,7 +117,7 @@ def test_promote_a_window_win_rollback_exact_promote_again(deployed_lab):
     assert "DSV41_DRAFTER_ASYNC=0" in inside("sparkhead", "cat", "/etc/dsv41/drafter.env").stdout
     before = listing()
 
-    wdir = Path(os.environ.get("DSV41_PROMOTE_WINDOWS_DIR") or ROOT / "windows" / "promotion-win")
+    wdir = Path(os.environ.get("DSV41_PROMOTE_WINDOWS_DIR") or tmp_path / "windows")
     if not list(wdir.glob("*-async-drafter/decision.json")):
         # 8 restarting blocks: 6-14 min on the 2-core boxes (10 min on the Intel one, 2026-12-01,
         # where play()'s 600 s default killed ansible-playbook after the 32nd cell and left its
