@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from labutil import BIN, LAB, ROOT, env, play
 
-INV = "inventories/sim-nspawn"
+INV = "inventories/sim"
 SPARKS = ("sparkhead", "sparkworker")
 MGMT = {"sparkhead": "198.18.0.11", "sparkworker": "198.18.0.12", "x86host": "198.18.0.13"}
 
@@ -38,7 +38,7 @@ def recap(out: str) -> dict[str, dict[str, int]]:
 
 def ansible(pattern: str, module: str, args: str | None = None, *extra: str,
             timeout: int = 300) -> subprocess.CompletedProcess:
-    """``ansible PATTERN -i inventories/sim-nspawn -m MODULE [-a ARGS] EXTRA`` (over ssh)."""
+    """``ansible PATTERN -i inventories/sim -m MODULE [-a ARGS] EXTRA`` (over ssh)."""
     cmd = [str(BIN / "ansible"), pattern, "-i", INV, "-m", module, *(["-a", args] if args else []), *extra]
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
 

@@ -34,7 +34,7 @@ def test_short_drill_zero_failed_requests_and_recovery(deployed_lab) -> None:
         srv, proxy = rep["faults"]
         # The table server down: both ranks fell back to their local readers, and counted it.
         assert srv["fallbacks"]["0"] > 0 and srv["fallbacks"]["1"] > 0
-        assert srv["inject"]["action"] == "supervisorctl stop dsv41-engram-server"
+        assert srv["inject"]["action"] == "systemctl stop dsv41-engram-server.service"
         # The proxy SIGKILLed by pid: the engine's watchdog respawned it (a new pid).
         assert proxy["proxy_respawns"] >= 1 and proxy["clear"]["respawned"] is True
         assert proxy["inject"]["proxy_pid"] != proxy["clear"]["proxy_pid"]

@@ -1,6 +1,6 @@
 """The lab's nspawn backend (roles/lab, lab_host_backend=nspawn; docs/lab.md): three production-
 shaped hosts (systemd as PID 1 in their own cgroups, sshd on the lab addresses, dockerd) reached
-through inventories/sim-nspawn exactly as real hosts are (ssh, the ops user, become via sudo,
+through inventories/sim exactly as real hosts are (ssh, the ops user, become via sudo,
 pipelining, the lab's known_hosts); a host reboot (poweroff + start) brings sshd back; lab_down
 leaves nothing behind (machines, cgroups, mounts, netns, processes) and ends only lab processes.
 

@@ -1,4 +1,4 @@
-"""deploy.yml on the nspawn lab (inventories/sim-nspawn, docs/lab.md): the engram server, the
+"""deploy.yml on the nspawn lab (inventories/sim, docs/lab.md): the engram server, the
 drafter worker and both engine ranks as systemd units (roles/dsv41_service), the package installed
 offline from the wheelhouse, over ssh + become. One module, in order, on one deployed lab:
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from labutil import LAB, ROOT, needs_lab, play
 
-INV = "inventories/sim-nspawn"
+INV = "inventories/sim"
 SPARKS = ("sparkhead", "sparkworker")
 API = "http://198.18.0.11:8000"
 

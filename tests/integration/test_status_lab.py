@@ -155,8 +155,8 @@ def test_admission_held_says_held_and_since_when(deployed):
 def test_table_server_stopped_names_the_fallbacks_on_both_ranks(deployed):
     import httpx
 
-    ctl = [str(BIN / "supervisorctl"), "-c", "/etc/dsv41/supervisord.conf"]
-    inside("x86host", *ctl, "stop", "dsv41-engram-server")
+    ctl = ["systemctl"]
+    inside("x86host", *ctl, "stop", "dsv41-engram-server.service")
     stop = threading.Event()
     sent = []
 
@@ -177,12 +177,13 @@ def test_table_server_stopped_names_the_fallbacks_on_both_ranks(deployed):
         stop.set()
         t.join(60)
         # production again for the next module (else its deployed_lab re-deploys, ~3 min)
-        inside("x86host", *ctl, "start", "dsv41-engram-server", check=False)
+        inside("x86host", *ctl, "start", "dsv41-engram-server.service", check=False)
     assert sent, "no request completed while the table server was stopped"
     assert r.returncode == 1, r.stdout
     out = r.stdout
     for rank in (0, 1):
         assert re.search(rf"^unhealthy: rank {rank}: Engram fallbacks growing \(\+[1-9]\d* in 5 s, [1-9]\d* since start\)$",
                          out, re.M), out
-    assert "unhealthy: x86host: dsv41-engram-server is STOPPED" in out
+    # systemctl list-units' ACTIVE column of a stopped unit
+    assert "unhealthy: x86host: dsv41-engram-server is inactive" in out, out
     assert "unhealthy: Engram table server http://198.18.0.13:9441: unreachable" in out

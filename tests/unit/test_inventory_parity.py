@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-INVENTORIES = {"production": ROOT / "inventories" / "production", "lab": ROOT / "inventories" / "sim-nspawn"}
+INVENTORIES = {"production": ROOT / "inventories" / "production", "lab": ROOT / "inventories" / "sim"}
 ANSIBLE_INVENTORY = Path(sys.executable).parent / "ansible-inventory"
 
 # What may differ, by category:
