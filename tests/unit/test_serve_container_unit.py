@@ -138,3 +138,30 @@ def test_env_unit_refuses_a_root_that_is_not_a_directory(tmp_path, capsys) -> No
     assert main(["env", "unit", str(f), "--name", "x.service", "--root", str(tmp_path / "nope")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--root" in err[0], err
+
+
+DRAFTER_MOUNT = "/opt/dsv41/drafter:/opt/dsv41/drafter:ro"
+#: Drafting on for each runtime (the lab engine drafts in-process; vLLM through the remote drafter),
+#: times the rank, times which ranks hold the drafter files (spec_decode_ranks).
+DRAFTER_CASES = {f"{rt}-rank{rank}-ranks{''.join(map(str, ranks))}":
+                 {"serve_runtime": rt, "serve_container": True, "serve_image": RUNTIMES[rt], "dsv41_rank": rank,
+                  "dsv41_gpus": 0, "spec_decode_enabled": True, "spec_decode_ranks": ranks,
+                  "serve_drafter_remote": rt == "vllm"}
+                 for rt in RUNTIMES for rank in (0, 1) for ranks in ([0], [0, 1])}
+
+
+@pytest.fixture(scope="module")
+def drafter_units(tmp_path_factory) -> dict[str, str]:
+    tmp = tmp_path_factory.mktemp("drafter-units")
+    return {name: render(tmp, name, **v) for name, v in DRAFTER_CASES.items()}
+
+
+@pytest.mark.parametrize("name", sorted(DRAFTER_CASES))
+def test_the_drafter_dir_is_mounted_only_on_the_ranks_that_hold_it(drafter_units, name) -> None:
+    # docker creates a missing bind source as an empty directory: mounted on a rank without the
+    # drafter files (rank 1 by default) it left /opt/dsv41/drafter empty there, and status failed
+    # the deploy with "drafter unreadable" (the nspawn lab's container deploy, 2026-12-03).
+    case = DRAFTER_CASES[name]
+    argv = shlex.split(_key(drafter_units[name], "ExecStart"))
+    mounts = [argv[i + 1] for i, a in enumerate(argv) if a == "-v"]
+    assert (DRAFTER_MOUNT in mounts) == (case["dsv41_rank"] in case["spec_decode_ranks"]), mounts
