@@ -4,9 +4,9 @@ through inventories/sim exactly as real hosts are (ssh, the ops user, become via
 pipelining, the lab's known_hosts); a host reboot (poweroff + start) brings sshd back; lab_down
 leaves nothing behind (machines, cgroups, mounts, netns, processes) and ends only lab processes.
 
-Takes over the lab on this machine (like test_lab_updown); marked lab_long (make lab-long runs
-it): the first run builds the rootfs (~70 s, cached under /var/lib/dsv41-lab/nspawn-cache). Prints
-the time from nothing to three hosts answering Ansible, for docs/lab.md.
+Takes over the lab on this machine, before the shared lab exists (tests/integration/conftest.py):
+the first run builds the rootfs (~70 s, cached under /var/lib/dsv41-lab/nspawn-cache). Prints the
+time from nothing to three hosts answering Ansible, for docs/lab.md.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 from labutil import HOSTS, LAB, needs_lab, play
 from nspawnutil import INV, MGMT, SPARKS, ansible, changed, down, enter, needs_hybrid_cgroups, per_host, pid
 
-pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.lab_long, needs_lab, needs_hybrid_cgroups]
+pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab, needs_hybrid_cgroups]
 
 
 def _up() -> tuple[subprocess.CompletedProcess, float]:
@@ -66,7 +66,7 @@ def test_nspawn_hosts_production_connection_docker_reboot_and_nothing_left():
     assert again.returncode == 0 and changed(again.stdout) == 0, again.stdout[-4000:]
 
     # One lab per machine: the netns backend refuses to come up over it, in one line, changing nothing.
-    other = play("playbooks/lab_up.yml")
+    other = play("playbooks/lab_up.yml", "-e", "dsv41_lab_host_backend=netns")
     assert other.returncode != 0
     assert "dsv41 lab: the lab on this machine is up with lab_host_backend=nspawn" in other.stdout, other.stdout[-3000:]
     assert per_host(ansible("all", "ansible.builtin.command", "hostname", "-o").stdout) == {h: h for h in HOSTS}

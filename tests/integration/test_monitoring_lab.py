@@ -25,7 +25,7 @@ from dsv41.monitoring import dashboard as D
 pytestmark = needs_lab
 PROM = "http://198.18.0.13:9090"
 API = "http://198.18.0.11:8000"
-CTL = [str(BIN / "supervisorctl"), "-c", "/etc/dsv41/supervisord.conf"]
+CTL = ["systemctl"]  # the lab hosts run systemd, as production
 LAB_VARS = yaml.safe_load((ROOT / "inventories" / "sim" / "group_vars" / "all.yml").read_text())
 
 

@@ -26,7 +26,7 @@ from labutil import BIN, LAB, ROOT, inside, needs_lab, play
 pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab]
 
 GROUPS = {"links", "transport", "exactness", "serving", "drafter"}
-CTL = [str(BIN / "supervisorctl"), "-c", "/etc/dsv41/supervisord.conf"]
+CTL = ["systemctl"]  # the lab hosts run systemd, as production
 
 
 def _recap(stdout: str) -> dict[str, int]:
@@ -120,7 +120,7 @@ def test_unreachable_host_and_a_missing_link_fail_with_one_line_each(deployed_la
     x86 = yaml.safe_load((ROOT / "inventories/sim/host_vars/x86host.yml").read_text())
     links = x86["dsv41_links"] + [{"name": "ofl9", "purpose": "offload", "address": "198.18.9.1", "prefix": 30, "mtu": 9000,
                                    "peer": "sparkhead", "peer_if": "ofl9", "peer_address": "198.18.9.2"}]
-    extra = _extra_inventory(tmp_path, {"sparkworker": {"ansible_dsv41_lab_pidfile": str(tmp_path / "gone.pid")},
+    extra = _extra_inventory(tmp_path, {"sparkworker": {"ansible_host": "198.18.0.99"},  # no such host: blackholed
                                         "x86host": {"dsv41_links": links}})
     r, rep = _qualify(tmp_path / "r", "-i", "inventories/sim", "-i", extra, "-e", f"dsv41_project_dir={ROOT}",
                       "--tags", "qualify_links")
