@@ -4,13 +4,15 @@ Plain process: the engine is the ``dsv41-serve`` service's main pid. Container: 
 is the ``docker run`` client and the engine lives under containerd-shim -> docker-init -> engine ->
 proxy, with the proxy's ``--parent-pid`` in the container's numbering. Enumerated from the code's
 own definitions: every fault of ``drill_faults.FAULTS`` (its name table) x both runtimes x every
-service manager is injected and cleared against a process-tree fake of the host (``TreeLab``: the
-manager is servicectlutil's real fake, ``/proc`` and ``docker inspect`` come from a table), and
-the pids it signals are checked; every lookup of the engine's pid or children anywhere in
-python/dsv41 goes through ``drill_faults.find_engine`` (an AST scan and a runtime guard); the
-failures (no container, stopped, no engine under the init, no proxy, a bad answer) are one
-DrillError line naming host and container; drill.yml's runtime fallback equals roles/serve's
-defaults, and its argv is accepted by ``dsv41 drill clear``."""
+service manager x the runtime said (``--serve-container/--plain-engine``) or asked of the host
+(auto: ``docker inspect dsv41-serve``) is injected and cleared against a process-tree fake of the
+host (``TreeLab``: the manager is servicectlutil's real fake, ``/proc`` and ``docker inspect``
+come from a table), and the pids it signals are checked; every lookup of the engine's pid or
+children anywhere in python/dsv41 goes through ``drill_faults.find_engine`` (an AST scan and a
+runtime guard); the failures (no container, stopped, no engine under the init, no proxy, a bad
+answer, a host that cannot say whether it has the container) are one DrillError line naming host
+and cause; ``dsv41 drill run`` asks once, before any fault; drill.yml passes no runtime unless
+``-e drill_serve_container`` says it, and its argv is accepted by ``dsv41 drill clear``."""
 
 from __future__ import annotations
 
@@ -30,8 +32,9 @@ from dsv41.harness.drill_faults import DrillError
 from dsv41.service_control import MANAGERS
 
 ROOT = Path(__file__).resolve().parents[2]
-TOPO = drill_faults.Topology()
+TOPO = drill_faults.Topology(serve_container=False)
 CTOPO = drill_faults.Topology(serve_container=True)
+ATOPO = drill_faults.Topology()  # auto: the head host is asked
 ENGINE = ["/opt/dsv41/venv/bin/dsv41", "engine", "serve", "--rank", "0"]
 
 
@@ -59,13 +62,17 @@ CONTAINER = {"main": 600, "engine": 702, "proxy": 703, "container": ("true", 701
     # a proxy orphaned by an earlier engine, reparented to the init: never the engine, never killed
     705: (701, 12, proxy_argv(3))}}
 RUNTIMES = {"plain": (PLAIN, TOPO), "container": (CONTAINER, CTOPO)}
+MODES = ("explicit", "auto")
 
 
 class TreeLab(FakeLab):
     """servicectlutil's fake lab (service manager, link, qdisc) whose host has the process table
     ``tree`` (PLAIN / CONTAINER shape): the probe of ``LabHosts.proc_tree`` and ``docker
     inspect`` answer from it, ``kill`` removes a pid, and killing the engine's proxy makes the
-    engine's watchdog respawn it with new pids (``kills``: the pids signalled)."""
+    engine's watchdog respawn it with new pids (``kills``: the pids signalled). ``inspect_reply``
+    ``(rc, stderr)``: every ``docker inspect`` answers that failure instead ("timeout": no answer)."""
+
+    inspect_reply: tuple[int, str] | str | None = None
 
     def __init__(self, d: Path, manager: str, tree: dict, states: dict[str, str] | None = None) -> None:
         services = {n: "up" for n in (TOPO.engram_program, TOPO.drafter_program, TOPO.serve_program)}
@@ -103,6 +110,10 @@ class TreeLab(FakeLab):
         if argv[1:2] == ["inspect"]:
             self.inspects.append(tuple(argv))
             assert argv[:4] == [CTOPO.container_runtime, "inspect", "--format", drill_faults.CONTAINER_FORMAT], argv
+            if self.inspect_reply == "timeout":
+                raise subprocess.TimeoutExpired(cmd, kw.get("timeout", 60))
+            if self.inspect_reply:
+                return self._reply(cmd, self.inspect_reply[0], "", self.inspect_reply[1] + "\n")
             if self.container is None or argv[4] != CTOPO.serve_program:
                 return self._reply(cmd, 1, "", f"Error: No such object: {argv[4]}\n")
             return self._reply(cmd, out=" ".join(map(str, self.container)) + "\n")
@@ -146,19 +157,22 @@ def guarded(monkeypatch) -> list[str]:
     return calls
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("manager", MANAGERS)
 @pytest.mark.parametrize("runtime", RUNTIMES)
 @pytest.mark.parametrize("fault", list(drill_faults.FAULTS))
-def test_every_fault_acts_on_the_right_pid(fault: str, runtime: str, manager: str, tmp_path: Path, guarded) -> None:
+def test_every_fault_acts_on_the_right_pid(fault: str, runtime: str, manager: str, mode: str, tmp_path: Path,
+                                           guarded) -> None:
     tree, topo = RUNTIMES[runtime]
+    topo = topo if mode == "explicit" else ATOPO
     lab = TreeLab(tmp_path, manager, tree)
     f = drill_faults.FAULT_CLASSES[fault](lab.hosts, topo)
     rec = f.inject()
     out = f.clear()
     needs = NEEDS_ENGINE[type(f).__name__]
     assert bool(guarded) == needs and set(guarded) <= {topo.head_host}, guarded
-    # docker is asked only to find the engine, and only when it runs in a container
-    assert bool(lab.inspects) == (needs and runtime == "container"), lab.inspects
+    # docker is asked only to find the engine: when it runs in a container, or to learn whether it does
+    assert bool(lab.inspects) == (needs and (runtime == "container" or mode == "auto")), lab.inspects
     if not needs:
         assert lab.kills == [], lab.kills
         return
@@ -213,6 +227,7 @@ def _tree(base: dict, **changes) -> dict:
     return {**base, **changes, "procs": procs}
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case, tree, expect", [
     ("no container", _tree(CONTAINER, container=None), "no container dsv41-serve on sparkhead (Error: No such object"),
     ("stopped", _tree(CONTAINER, container=("false", 0, "true")), "container dsv41-serve on sparkhead is not running"),
@@ -223,15 +238,19 @@ def _tree(base: dict, **changes) -> dict:
     ("bad answer", _tree(CONTAINER, container=("[]",)), "container dsv41-serve on sparkhead: /usr/bin/docker inspect said"),
     ("gone", _tree(CONTAINER, drop=(701,)), "pid 701 on sparkhead is gone"),
 ])
-def test_container_failures_are_one_line(case: str, tree: dict, expect: str, tmp_path: Path) -> None:
+def test_container_failures_are_one_line(case: str, tree: dict, expect: str, mode: str, tmp_path: Path) -> None:
+    topo = CTOPO if mode == "explicit" else ATOPO
+    if case == "no container" and mode == "auto":
+        # no container: the plain path, where the service's main pid is the docker client
+        expect, case = "no async proxy process under dsv41-serve (pid 600) on sparkhead", "no proxy"
     lab = TreeLab(tmp_path, "systemd", tree)
     with pytest.raises(DrillError) as exc:
-        drill_faults.AsyncProxyKill(lab.hosts, CTOPO).inject()
+        drill_faults.AsyncProxyKill(lab.hosts, topo).inject()
     assert expect in _one_line(exc, "sparkhead"), (case, str(exc.value))
     assert lab.kills == []
     # clear_all keeps going: the other faults clear, this one is its error line (an engine
     # without a proxy is not an error to clear: it is recorded as not respawned)
-    out = drill_faults.clear_all(lab.hosts, CTOPO)
+    out = drill_faults.clear_all(lab.hosts, topo)
     assert all("error" not in r for n, r in out.items() if n != "async_proxy"), out
     if case == "no proxy":
         assert out["async_proxy"]["proxy_pid"] is None and out["async_proxy"]["respawned"] is False
@@ -260,7 +279,103 @@ def test_container_without_init(tmp_path: Path) -> None:
     assert lab.kills == [703] and rec["engine_pid"] == 702 and "1 in the container" in rec["action"]
 
 
-# ---- how the drill learns the runtime: drill.yml, from the inventory, with the role's default --
+# ---- auto: how the drill learns the runtime from the head host ---------------------------------
+
+# What a host can answer to ``docker inspect dsv41-serve`` when it has no such container, or cannot
+# say: (rc, stderr) -> None (plain) or the words of the one error line.
+NO_CONTAINER = {
+    "runtime not installed": (127, "nsenter: failed to execute /usr/bin/docker: No such file or directory"),
+    "docker: no such object": (1, "Error: No such object: dsv41-serve"),
+    "podman: no such object": (125, 'Error: no such object: "dsv41-serve"'),
+}
+CANNOT_TELL = {
+    "daemon down": (1, "Cannot connect to the Docker daemon at unix:///var/run/docker.sock. "
+                       "Is the docker daemon running?"),
+    "permission denied": (1, "permission denied while trying to connect to the Docker daemon socket at "
+                             "unix:///var/run/docker.sock: Get \"http://%2Fvar%2Frun%2Fdocker.sock/v1.47/containers/json\""),
+    "runtime not executable": (126, "nsenter: failed to execute /usr/bin/docker: Permission denied"),
+    "no stderr": (2, ""),
+}
+
+
+@pytest.mark.parametrize("manager", MANAGERS)
+@pytest.mark.parametrize("case", NO_CONTAINER)
+def test_auto_without_the_container_is_the_plain_engine(case: str, manager: str, tmp_path: Path) -> None:
+    lab = TreeLab(tmp_path, manager, PLAIN)
+    lab.inspect_reply = NO_CONTAINER[case]
+    assert drill_faults.engine_in_container(lab.hosts, "sparkhead", ATOPO) is False
+    rec = drill_faults.AsyncProxyKill(lab.hosts, ATOPO).inject()
+    assert lab.kills == [PLAIN["proxy"]] and rec["engine_pid"] == PLAIN["engine"] and rec["container"] is None, rec
+
+
+@pytest.mark.parametrize("case", CANNOT_TELL)
+def test_auto_when_the_host_cannot_tell_is_one_line(case: str, tmp_path: Path) -> None:
+    """Any other inspect failure may hide a container: one line naming host and cause, nothing
+    signalled; clear_all still clears the other faults."""
+    rc, err = CANNOT_TELL[case]
+    lab = TreeLab(tmp_path, "systemd", CONTAINER)
+    lab.inspect_reply = (rc, err)
+    want = ["cannot tell how the engine runs on sparkhead", f"(exit {rc}", "--serve-container or --plain-engine",
+            *([err.splitlines()[-1]] if err else [])]
+    with pytest.raises(DrillError) as exc:
+        drill_faults.AsyncProxyKill(lab.hosts, ATOPO).inject()
+    _one_line(exc, *want)
+    assert lab.kills == []
+    out = drill_faults.clear_all(lab.hosts, ATOPO)
+    assert all("error" not in r for n, r in out.items() if n != "async_proxy"), out
+    assert "cannot tell how the engine runs on sparkhead" in out["async_proxy"]["error"], out
+    # said explicitly, nobody asks the host
+    lab.inspects.clear()
+    assert drill_faults.engine_in_container(lab.hosts, "sparkhead", TOPO) is False and lab.inspects == []
+
+
+def test_auto_when_the_host_does_not_answer_is_one_line(tmp_path: Path) -> None:
+    lab = TreeLab(tmp_path, "systemd", CONTAINER)
+    lab.inspect_reply = "timeout"
+    with pytest.raises(DrillError) as exc:
+        drill_faults.engine_in_container(lab.hosts, "sparkhead", ATOPO)
+    _one_line(exc, "inspect", "on sparkhead: no answer within")
+
+
+def _run_cli(lab: TreeLab, tmp_path: Path, monkeypatch, *args: str) -> tuple[int, list[str]]:
+    """``dsv41 drill run`` against ``lab`` (its hosts instead of the real nsenter); the drill
+    itself is replaced by recording the topology it was given."""
+    from dsv41.harness import drill, drill_cli
+
+    seen: list = []
+    monkeypatch.setattr(drill_cli, "_lab_hosts", lambda *a: lab.hosts)
+    monkeypatch.setattr(drill, "run_drill", lambda params, hosts, topo, **kw: seen.append(topo))
+    refs = tmp_path / "refs.json"
+    refs.write_text("{}")
+    rc = main(["drill", "run", "--faults", "async_proxy", "--refs", str(refs), "--out-dir", str(tmp_path / "d"),
+               "--id", "t", *args])
+    return rc, seen
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_run_asks_once_before_any_fault(runtime: str, mode: str, tmp_path: Path, monkeypatch, capsys) -> None:
+    """The drill is given the runtime decided (said or asked); the report records it and how."""
+    tree, topo = RUNTIMES[runtime]
+    lab = TreeLab(tmp_path, "systemd", tree)
+    flag = ({"plain": ["--plain-engine"], "container": ["--serve-container"]}[runtime] if mode == "explicit" else [])
+    rc, seen = _run_cli(lab, tmp_path, monkeypatch, *flag)
+    assert rc == 1 and "no fault ran" in capsys.readouterr().err  # the replaced drill ran no fault
+    assert [t.serve_container for t in seen] == [topo.serve_container]
+    params = json.loads((tmp_path / "d" / "t" / "report.json").read_text())["params"]
+    assert (params["serve_container"], params["serve_container_detected"]) == (topo.serve_container, mode == "auto")
+
+
+def test_run_refuses_a_host_that_cannot_tell_before_any_fault(tmp_path: Path, monkeypatch, capsys) -> None:
+    lab = TreeLab(tmp_path, "systemd", CONTAINER)
+    lab.inspect_reply = CANNOT_TELL["daemon down"]
+    rc, seen = _run_cli(lab, tmp_path, monkeypatch)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and "cannot tell how the engine runs on sparkhead" in err[0], err
+    assert seen == [] and lab.kills == [] and lab.mgr.calls() == [] and not (tmp_path / "d").exists()
+
+
+# ---- drill.yml passes no runtime of its own ------------------------------------------------------
 
 def _drill_vars() -> dict:
     plays = yaml.safe_load((ROOT / "playbooks" / "drill.yml").read_text())
@@ -280,32 +395,43 @@ def _template(expr, variables: dict, tmp_path: Path):
     return Templar(loader=loader, variables=doc).template(doc["x"])
 
 
-INVENTORIES = [{}, {"serve_runtime": "vllm"}, {"serve_runtime": "lab"}, {"serve_container": True},
-               {"serve_container": False, "serve_runtime": "vllm"}, {"serve_container": "true"},
-               {"serve_container_runtime": "/opt/bin/docker"}, {"dsv41_lab": False}]
+# The head Spark's variables the role would decide by: none of them changes what drill.yml passes.
+HEADS = [{}, {"serve_runtime": "vllm"}, {"serve_container": True}, {"serve_container": False, "serve_runtime": "vllm"},
+         {"serve_container_runtime": "/opt/bin/docker"}]
+OVERRIDES = {"unset": (None, []), "true": ("true", ["--serve-container"]), "false": ("false", ["--plain-engine"]),
+             "yaml true": (True, ["--serve-container"])}
 
 
-@pytest.mark.parametrize("inv", INVENTORIES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "defaults")
-def test_drill_runtime_fallback_is_the_roles_default(inv: dict, tmp_path: Path, capsys) -> None:
-    """drill.yml's drill_serve_container / drill_container_runtime equal what roles/serve resolves
-    for the head Spark (its defaults under the inventory's variables), and the argv it renders
-    gets ``dsv41 drill clear`` past every option check, to the lab (not up here)."""
-    defaults = yaml.safe_load((ROOT / "roles" / "serve" / "defaults" / "main.yml").read_text())
-    host = {"dsv41_lab": True, **inv}
-    role = {k: defaults[k] for k in ("serve_runtime", "serve_container", "serve_container_runtime")}
-    want_container = bool(yaml.safe_load(str(_template("{{ serve_container | bool }}", {**role, **host}, tmp_path))))
-    want_runtime = _template("{{ serve_container_runtime }}", {**role, **host}, tmp_path)
-    head = {**host, "dsv41_lab_dir": str(tmp_path / "nolab"), "dsv41_service_manager": "systemd"}
+@pytest.mark.parametrize("override", OVERRIDES)
+@pytest.mark.parametrize("inv", HEADS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "defaults")
+def test_drill_yml_passes_only_the_operators_runtime(inv: dict, override: str, tmp_path: Path, capsys) -> None:
+    """Without ``-e drill_serve_container`` the argv names no runtime (dsv41 drill asks the host),
+    whatever the head Spark's serve_* say; with it, the flag; ``--container-runtime`` only from an
+    inventory that sets it. The argv gets ``dsv41 drill clear`` past every option check."""
+    value, flag = OVERRIDES[override]
+    head = {"dsv41_lab": True, **inv, "dsv41_lab_dir": str(tmp_path / "nolab"), "dsv41_service_manager": "systemd"}
     play = {**_drill_vars(), "hostvars": {"sparkhead": head}, "drill_head": "sparkhead", "drill_link": "sparkhead:ofl0"}
-    got = _template("{{ drill_serve_container | bool }}", play, tmp_path)
-    assert bool(yaml.safe_load(str(got))) == want_container, (inv, got)
+    if value is not None:
+        play["drill_serve_container"] = value
     args = list(_template("{{ drill_common_args }}", play, tmp_path))
-    assert ("--serve-container" in args) == want_container, args
-    if want_container:
-        assert args[args.index("--container-runtime") + 1] == want_runtime
+    runtime = (["--container-runtime", inv["serve_container_runtime"]] if "serve_container_runtime" in inv else [])
+    assert args == ["--link", "sparkhead:ofl0", "--lab-dir", head["dsv41_lab_dir"], "--service-manager", "systemd",
+                    *runtime, *flag], args
     assert main(["drill", "clear", "--faults", "all", *args]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the lab is not up" in err[0], err
+
+
+@pytest.mark.parametrize("value, ok", [(None, True), ("true", True), ("false", True), (True, True), (False, True),
+                                       ("True", True), ("maybe", False), ("", False), ("yes", False)])
+def test_drill_yml_refuses_an_override_that_is_not_a_boolean(value, ok: bool, tmp_path: Path) -> None:
+    """The first play's check of ``-e drill_serve_container`` (before production is even read)."""
+    plays = yaml.safe_load((ROOT / "playbooks" / "drill.yml").read_text())
+    task = next(t for t in plays[0]["tasks"] if "drill_serve_container" in t["name"])
+    that = task["ansible.builtin.assert"]["that"]
+    assert len(that) == 1
+    got = _template("{{ " + that[0] + " }}", {} if value is None else {"drill_serve_container": value}, tmp_path)
+    assert bool(yaml.safe_load(str(got))) is ok, (value, got)
 
 
 @pytest.mark.parametrize("cmd", [["clear"], ["run", "--refs", "/nonexistent"]])

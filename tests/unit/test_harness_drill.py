@@ -200,6 +200,7 @@ class FakeLab:
 
 
 SUP = ("supervisorctl", "-c", "/etc/dsv41/supervisord.conf")
+PLAIN = drill_faults.Topology(serve_container=False)
 
 
 def test_program_stop_and_idempotent_clear(tmp_path) -> None:
@@ -241,20 +242,21 @@ def test_link_and_netem_clear_only_what_is_set(tmp_path) -> None:
 
 
 def test_async_proxy_kill_by_pid_and_errors(tmp_path) -> None:
+    # the plain-process path, said (auto would ask docker; test_drill_engine_pid.py covers that)
     kids = json.dumps([[12, 12, ["dsv41", "engine", "serve"]],
                        [[29, 29, ["python3", "-c", "x\ny"]],
                         [30, 30, ["/opt/dsv41/venv/bin/dsv41", "proxy", "run", "--parent-pid", "12"]]]])
     lab = FakeLab(tmp_path, {(*SUP, "pid", "dsv41-serve"): (0, "12\n"), ("12",): (0, kids)})
-    f = drill_faults.AsyncProxyKill(lab.hosts, drill_faults.Topology())
+    f = drill_faults.AsyncProxyKill(lab.hosts, PLAIN)
     rec = f.inject()
     assert rec["proxy_pid"] == 30 and rec["engine_pid"] == 12 and ("kill", "-KILL", "30") in lab.calls
     assert f.clear()["respawned"] is False  # the fake still lists pid 30
     lab = FakeLab(tmp_path, {(*SUP, "pid", "dsv41-serve"): (0, "12\n"), ("12",): (0, "[[12, 12, []], []]")})
     with pytest.raises(DrillError, match="no async proxy process"):
-        drill_faults.AsyncProxyKill(lab.hosts, drill_faults.Topology()).inject()
+        drill_faults.AsyncProxyKill(lab.hosts, PLAIN).inject()
     lab = FakeLab(tmp_path, {(*SUP, "pid", "dsv41-serve"): (0, "0\n")})
     with pytest.raises(DrillError, match="dsv41-serve on sparkhead is not running"):
-        drill_faults.AsyncProxyKill(lab.hosts, drill_faults.Topology()).inject()
+        drill_faults.AsyncProxyKill(lab.hosts, PLAIN).inject()
     # A failing command is one line with its stderr's last line; clear_all keeps going.
     lab = FakeLab(tmp_path, {(*SUP, "status", "dsv41-engram-server"): (3, "dsv41-engram-server STOPPED\n"),
                              (*SUP, "start", "dsv41-engram-server"): (7, ""),

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import os
 import platform
@@ -24,11 +25,13 @@ NetemOpt = typer.Option("delay 60ms 20ms loss 5%", "--netem", help="tc netem arg
 LabDirOpt = typer.Option(_LAB_DIR, "--lab-dir", help="The lab's state directory (holder pid files).")
 ManagerOpt = typer.Option("supervisor", "--service-manager",
                           help="Service manager of the simulated hosts: systemd (nspawn lab) or supervisor (netns lab).")
-ContainerOpt = typer.Option(False, "--serve-container/--plain-engine",
+ContainerOpt = typer.Option(None, "--serve-container/--plain-engine", show_default="auto",
                             help="How rank 0's engine runs (roles/serve serve_container): in the container named "
-                                 "after its service (found through the container runtime) or as the service's main process.")
+                                 "after its service (found through the container runtime) or as the service's main "
+                                 "process. Not given: in the container if the head host has one by that name.")
 RuntimeOpt = typer.Option("/usr/bin/docker", "--container-runtime",
-                          help="With --serve-container: the hosts' container runtime command (serve_container_runtime).")
+                          help="The hosts' container runtime command (serve_container_runtime); not on the host: "
+                               "no container.")
 SupOpt = typer.Option("", "--supervisorctl",
                       help=f"With --service-manager supervisor: the hosts' supervisorctl command (default: {_SUPERVISORCTL}).")
 
@@ -44,7 +47,7 @@ def _lab_hosts(lab_dir: str, service_manager: str, supervisorctl: str):
     return drill_faults.LabHosts(lab_dir, service_control.for_manager(service_manager, supervisorctl or default))
 
 
-def _topology(link: str, netem: str, serve_container: bool, container_runtime: str):
+def _topology(link: str, netem: str, serve_container: bool | None, container_runtime: str):
     from dsv41.harness import drill_faults
 
     host, iface = drill_faults.parse_link(link)
@@ -62,7 +65,8 @@ def check(faults: str = FaultsOpt) -> None:
 
 @app.command()
 def clear(faults: str = FaultsOpt, link: str = LinkOpt, lab_dir: str = LabDirOpt, service_manager: str = ManagerOpt,
-          supervisorctl: str = SupOpt, serve_container: bool = ContainerOpt, container_runtime: str = RuntimeOpt) -> None:
+          supervisorctl: str = SupOpt, serve_container: bool | None = ContainerOpt,
+          container_runtime: str = RuntimeOpt) -> None:
     """Clear faults (idempotent): services started if not running, the link set up, the netem
     qdisc removed. Exit 1 naming any fault that could not be cleared."""
     from dsv41.harness import drill_faults
@@ -100,7 +104,7 @@ def run(
     lab_dir: str = LabDirOpt,
     service_manager: str = ManagerOpt,
     supervisorctl: str = SupOpt,
-    serve_container: bool = ContainerOpt,
+    serve_container: bool | None = ContainerOpt,
     container_runtime: str = RuntimeOpt,
     out_dir: str = typer.Option("drills", "--out-dir", help="Reports go to OUT_DIR/<id>/."),
     drill_id: str = typer.Option("", "--id", help="Report id (default: UTC time)."),
@@ -136,13 +140,17 @@ def run(
         raise drill_faults.DrillError(f"drill: {out} exists; pick another --id")
     for h in {topo.offload_host, topo.head_host, topo.link_host}:
         hosts.holder(h)
+    # Asked once, before any fault: a host that cannot tell refuses the drill with nothing
+    # changed, and the report says which way the engine was found.
+    topo = dataclasses.replace(topo, serve_container=drill_faults.engine_in_container(hosts, topo.head_host, topo))
 
     params = drill.DrillParams(names, endpoint, refs_file, server_metrics or None, worker_metrics or None, sp,
                                streams, baseline, duration, recover_timeout, stable)
     pdoc = {"faults": names, "streams": streams, "spec": sp["name"], "max_tokens": sp["max_tokens"],
             "baseline_s": baseline, "duration_s": duration, "recover_timeout_s": recover_timeout, "stable_s": stable,
             "interval_s": params.interval_s, "endpoint": endpoint, "link": link, "netem": topo.netem,
-            "service_manager": service_manager, "serve_container": serve_container}
+            "service_manager": service_manager, "serve_container": topo.serve_container,
+            "serve_container_detected": serve_container is None}
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     machine = f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()}, the three-host lab)"
     results: list[dict] = []

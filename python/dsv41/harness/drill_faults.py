@@ -63,6 +63,10 @@ _RUNTIME = re.compile(r"^[A-Za-z0-9_./+-]{1,200}$")
 #: namespace (0 when stopped), whether docker put its init (tini, ``--init``) in front of the
 #: command. Docker prints ``<nil>`` for an Init nobody set.
 CONTAINER_FORMAT = "{{.State.Running}} {{.State.Pid}} {{.HostConfig.Init}}"
+# The runtime's answer for a name it does not know (docker: "Error: No such object: NAME", podman
+# likewise in lower case), and nsenter's exit when the runtime is not on the host (execvp ENOENT).
+_NO_SUCH_OBJECT = re.compile(r"no such (object|container)", re.IGNORECASE)
+EXEC_ENOENT = 127
 # tc netem words the drill passes on (anything else is refused before the lab is touched).
 _NETEM_WORD = re.compile(r"^(delay|loss|duplicate|corrupt|reorder|distribution|normal|pareto|"
                          r"\d+(\.\d+)?(us|ms|s|%)?)$")
@@ -134,7 +138,8 @@ class Topology:
     netem: str = DEFAULT_NETEM
     # roles/serve's serve_container: the engine runs in the container named ``serve_program``
     # (the role's ``docker run --name {{ serve_service }}``), started by ``container_runtime``.
-    serve_container: bool = False
+    # None: ask the head host (:func:`engine_in_container`), so no copy of the role's default.
+    serve_container: bool | None = None
     container_runtime: str = "/usr/bin/docker"
 
     def validate(self) -> "Topology":
@@ -225,6 +230,22 @@ class LabHosts:
             raise DrillError(f"drill: {program} on {host} is not running ({out or r.stderr.strip()})")
         return pid
 
+    def has_container(self, host: str, runtime: str, name: str) -> bool:
+        """Whether container ``name`` exists on ``host``, running or not (``runtime inspect``
+        answers; roles/serve runs it with ``--rm``, so it exists while its unit runs it). False
+        when ``runtime`` is not on the host (nsenter's exit 127) or it knows no such object.
+        DrillError naming host and cause for any other failure (daemon down, permission denied,
+        no answer): the engine may then run in a container nobody can see."""
+        r = self.run(host, [runtime, "inspect", "--format", CONTAINER_FORMAT, name], check=False)
+        if r.returncode == 0:
+            return True
+        if r.returncode == EXEC_ENOENT or _NO_SUCH_OBJECT.search(r.stderr or ""):
+            return False
+        why = (r.stderr or r.stdout or "").strip().splitlines()
+        raise DrillError(f"drill: cannot tell how the engine runs on {host}: {runtime} inspect {name} failed "
+                         f"(exit {r.returncode}{': ' + why[-1] if why else ''}); say it with --serve-container or "
+                         "--plain-engine (drill.yml: -e drill_serve_container=true|false)")
+
     def container_pid(self, host: str, runtime: str, name: str) -> tuple[int, bool]:
         """``(pid, init)`` of running container ``name`` on ``host``: its PID 1 in ``host``'s pid
         namespace (``docker inspect``, :data:`CONTAINER_FORMAT`; dockerd runs inside the host, so
@@ -310,9 +331,20 @@ class Engine:
         return next((c for c in self.children if c.pid == pid), None)
 
 
+def engine_in_container(hosts: LabHosts, host: str, topo: Topology) -> bool:
+    """Whether rank 0's engine on ``host`` runs in a container: ``topo.serve_container`` when set
+    (``--serve-container/--plain-engine``), else whether the host has the container named
+    ``topo.serve_program`` (:meth:`LabHosts.has_container` through ``topo.container_runtime``).
+    The host is asked because the drill does not run roles/serve, whose default decides it.
+    Raises DrillError (one line) when the host cannot tell."""
+    if topo.serve_container is not None:
+        return topo.serve_container
+    return hosts.has_container(host, topo.container_runtime, topo.serve_program)
+
+
 def find_engine(hosts: LabHosts, host: str, topo: Topology) -> Engine:
-    """The serving engine on ``host``, for either runtime of roles/serve (``topo.serve_container``).
-    Every fault or probe that needs the engine's pid goes through here.
+    """The serving engine on ``host``, for either runtime of roles/serve
+    (:func:`engine_in_container`). Every fault or probe that needs the engine's pid goes through here.
 
     * plain process: the main pid of service ``topo.serve_program`` (its manager says it);
     * container: the unit's main pid is the ``docker run`` client, and the engine lives under
@@ -322,8 +354,9 @@ def find_engine(hosts: LabHosts, host: str, topo: Topology) -> Engine:
       the container: tini forks the command once, at start; a process orphaned later inside
       the container is reparented to the init with a higher pid), else PID 1 itself.
 
-    Raises DrillError naming host and service / container when the engine is not running."""
-    if not topo.serve_container:
+    Raises DrillError naming host and service / container when the engine is not running, or
+    (with ``topo.serve_container`` None) the host cannot tell how it runs."""
+    if not engine_in_container(hosts, host, topo):
         proc, kids = hosts.proc_tree(host, hosts.program_pid(host, topo.serve_program))
         return Engine(proc, tuple(kids), f"{topo.serve_program} (pid {proc.pid})", None)
     name = topo.serve_program
