@@ -21,7 +21,7 @@ package_units() { # ROOT PKG
   local list
   list=$(compgen -G "$1/var/lib/dpkg/info/$2.list" || compgen -G "$1/var/lib/dpkg/info/$2:*.list" || true)
   [[ -n $list ]] || { echo "nspawn-rootfs-setup: package $2 is not in the rootfs (lab_nspawn_packages)" >&2; return 1; }
-  grep -hE '^/(usr/)?lib/systemd/system/[^/]+[.](service|socket|timer|path)$' $list | xargs -r -n1 basename | sort -u
+  { grep -hE '^/(usr/)?lib/systemd/system/[^/]+[.](service|socket|timer|path)$' $list || true; } | xargs -r -n1 basename | sort -u
 }
 
 # Disable every unit the packages ship (systemctl --root: the unit files and links of ROOT only,
