@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from labutil import HOSTS, LAB, needs_lab, play
+from labutil import HOSTS, LAB, ROOT, needs_lab, play
 from nspawnutil import INV, MGMT, SPARKS, ansible, changed, down, enter, needs_hybrid_cgroups, per_host, pid
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab, needs_hybrid_cgroups]
@@ -89,6 +89,15 @@ def test_nspawn_hosts_production_connection_docker_reboot_and_nothing_left():
         assert re.search(rf"^0::/dsv41-{h}(/|$)", cg, re.M), cg
         state = enter(h, "systemctl", "is-system-running", check=False).stdout.strip()
         assert state == "running", (h, state, enter(h, "systemctl", "--failed", check=False).stdout)
+        # Debian's postinst enabled these; the rootfs hook disabled them (not masked): no host runs
+        # them until roles/monitoring enables and starts them on the monitoring host.
+        mon = enter(h, "systemctl", "is-enabled", "prometheus", "prometheus-alertmanager", "prometheus-node-exporter",
+                    check=False).stdout.split()
+        assert mon == ["disabled"] * 3, (h, mon)
+        # The controller's promotion journal directory, read-only, on the monitoring host only.
+        seen = enter(h, "test", "-d", str(ROOT / "packages"), check=False).returncode == 0
+        assert seen == (h == "x86host"), h
+    assert enter("x86host", "touch", str(ROOT / "packages" / ".dsv41-probe"), check=False).returncode != 0
     probe = ansible("x86host", "ansible.builtin.command", "systemd-run --unit dsv41-probe sleep 4242", "-b")
     assert probe.returncode == 0, probe.stdout + probe.stderr
     for h in HOSTS:

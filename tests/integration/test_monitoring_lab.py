@@ -18,7 +18,8 @@ import time
 import httpx
 import pytest
 import yaml
-from labutil import BIN, ROOT, env, inside, needs_lab, play
+from labutil import BIN, LAB, ROOT, env, inside, needs_lab, play
+from nspawnutil import enter
 
 from dsv41.monitoring import dashboard as D
 
@@ -27,6 +28,15 @@ PROM = "http://198.18.0.13:9090"
 API = "http://198.18.0.11:8000"
 CTL = ["systemctl"]  # the lab hosts run systemd, as production
 LAB_VARS = yaml.safe_load((ROOT / "inventories" / "sim" / "group_vars" / "all.yml").read_text())
+
+
+def _table_server(action: str, check: bool = True) -> subprocess.CompletedProcess:
+    """``action`` (stop, start) the table server on x86host through the host's own service manager:
+    supervisorctl on the netns backend, systemctl on the nspawn backend (the lab records which)."""
+    backend = (LAB / "backend").read_text().strip() if (LAB / "backend").exists() else "netns"
+    if backend == "nspawn":
+        return enter("x86host", "systemctl", action, "dsv41-engram-server.service", check=check)
+    return inside("x86host", *CTL, action, "dsv41-engram-server", check=check)
 
 
 def _dur(text: str) -> float:
@@ -154,7 +164,7 @@ def test_table_server_stopped_fires_and_resolves(monitored):
     assert not firing() & set(limit), firing()
     seen: dict[str, float] = {}
     with Traffic():
-        inside("x86host", *CTL, "stop", "dsv41-engram-server")
+        _table_server("stop")
         _marks().append((time.time(), "table server stopped"))
         t0 = time.monotonic()
         try:
@@ -166,7 +176,7 @@ def test_table_server_stopped_fires_and_resolves(monitored):
             st = subprocess.run([str(BIN / "dsv41"), "status", "--window", "2", "--prometheus", PROM], cwd=ROOT,
                                 env=env(), capture_output=True, text=True, timeout=300)
         finally:
-            inside("x86host", *CTL, "start", "dsv41-engram-server", check=False)
+            _table_server("start", check=False)
             _marks().append((time.time(), "table server started"))
         t1 = time.monotonic()
         resolved = None

@@ -82,13 +82,22 @@ leader_alive() { # LEADER_PIDFILE NS NSPAWN_PIDFILE CG
   [[ $(stat -L -c %i "/proc/$pid/ns/net" 2>/dev/null) == $(stat -L -c %i "/run/netns/$2" 2>/dev/null) ]]
 }
 
-cmd_boot() { # MACHINE NS HOSTDIR LEADER_PIDFILE NSPAWN_PIDFILE CGROUP IMAGES LOG
-  local m=$1 ns=$2 hd=$3 lpf=$4 npf=$5 cg=$6 images=$7 log=$8 i leader=""
+cmd_boot() { # MACHINE NS HOSTDIR LEADER_PIDFILE NSPAWN_PIDFILE CGROUP IMAGES LOG [DIR...]
+  # DIR...: controller directories bound read-only at the same path in the machine (lab_nspawn_binds_ro);
+  # they live in the machine's mount namespace only, so they go with it (nothing to unmount on down).
+  local m=$1 ns=$2 hd=$3 lpf=$4 npf=$5 cg=$6 images=$7 log=$8 i leader="" d binds=()
+  shift 8
+  for d in "$@"; do
+    # nspawn's --bind-ro=SRC[:DST[:OPTIONS]]: a ':' would be read as the separator.
+    [[ $d == /* && $d != *:* ]] || die "$m: bind $d: not an absolute path without ':'"
+    binds+=("--bind-ro=$d")
+  done
   if leader_alive "$lpf" "$ns" "$npf" "$cg"; then return 0; fi
-  say "boot $m (systemd-nspawn in $ns, cgroup $cg)"
+  say "boot $m (systemd-nspawn in $ns, cgroup $cg${binds[*]:+; ${binds[*]}})"
   (( CHECK )) && return 0
   [[ -e /run/netns/$ns ]] || die "network namespace $ns missing (labnet.sh host first)"
   mountpoint -q "$hd/root" || die "$hd/root is not mounted (overlay first)"
+  for d in "$@"; do [[ -d $d ]] || die "$m: bind $d: no such directory on this machine"; done
   if nspawn_alive "$npf" "$cg"; then die "$m: systemd-nspawn $(cat "$npf") runs without a live host systemd; lab_down first"; fi
   mkdir -p "$CG_UNIFIED/$cg" "$CG_SYSTEMD/$cg" "$images"
   # Its own cgroup directories (both hierarchies) before exec: otherwise every machine's payload
@@ -99,8 +108,8 @@ cmd_boot() { # MACHINE NS HOSTDIR LEADER_PIDFILE NSPAWN_PIDFILE CGROUP IMAGES LO
     SYSTEMD_NSPAWN_UNIFIED_HIERARCHY=1 exec systemd-nspawn -D "$3/root" -b -M "$4" --register=no --keep-unit \
       --network-namespace-path="/run/netns/$5" \
       --capability=CAP_NET_ADMIN,CAP_BPF --system-call-filter="add_key keyctl request_key bpf" \
-      --bind="$3/docker:/var/lib/docker" --bind-ro="$6:/srv/dsv41-lab-images" --console=passive
-  ' nspawn "$CG_UNIFIED/$cg" "$CG_SYSTEMD/$cg" "$hd" "$m" "$ns" "$images" </dev/null >"$log" 2>&1 &
+      --bind="$3/docker:/var/lib/docker" --bind-ro="$6:/srv/dsv41-lab-images" "${@:7}" --console=passive
+  ' nspawn "$CG_UNIFIED/$cg" "$CG_SYSTEMD/$cg" "$hd" "$m" "$ns" "$images" "${binds[@]}" </dev/null >"$log" 2>&1 &
   local npid=$!
   echo "$npid" >"$npf"
   # The leader (the host's systemd, pid 1 of the machine) is a child of the nspawn process.
