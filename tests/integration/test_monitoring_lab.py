@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 import yaml
-from labutil import BIN, LAB, ROOT, env, inside, needs_lab, play
+from labutil import BIN, ROOT, env, needs_lab, play
 from nspawnutil import enter
 
 from dsv41.monitoring import dashboard as D
@@ -31,12 +31,8 @@ LAB_VARS = yaml.safe_load((ROOT / "inventories" / "sim" / "group_vars" / "all.ym
 
 
 def _table_server(action: str, check: bool = True) -> subprocess.CompletedProcess:
-    """``action`` (stop, start) the table server on x86host through the host's own service manager:
-    supervisorctl on the netns backend, systemctl on the nspawn backend (the lab records which)."""
-    backend = (LAB / "backend").read_text().strip() if (LAB / "backend").exists() else "netns"
-    if backend == "nspawn":
-        return enter("x86host", "systemctl", action, "dsv41-engram-server.service", check=check)
-    return inside("x86host", *CTL, action, "dsv41-engram-server", check=check)
+    """``action`` (stop, start) the table server on x86host through the host's systemd."""
+    return enter("x86host", *CTL, action, "dsv41-engram-server.service", check=check)
 
 
 def _dur(text: str) -> float:

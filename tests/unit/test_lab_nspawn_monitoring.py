@@ -6,7 +6,7 @@
   leave one (dpkg file lists, unit files, ``*.wants`` links), with this machine's
   ``systemctl --root``.
 * The controller's promotion journal directory is bound read-only into the monitoring host only
-  (lab_nspawn_binds_ro, read through Ansible on inventories/sim-nspawn), the directory
+  (lab_nspawn_binds_ro, read through Ansible on inventories/sim), the directory
   roles/monitoring's operations exporter reads, and ``nspawnhost.sh boot`` passes it to nspawn.
 """
 
@@ -104,7 +104,7 @@ def test_a_package_missing_from_the_rootfs_fails_the_build(tmp_path):
 
 
 def _lab_vars(with_monitoring_defaults: bool, tmp_path: Path) -> dict[str, dict]:
-    """Per host of inventories/sim-nspawn: lab_nspawn_binds_ro and lab_nspawn_monitoring_host as
+    """Per host of inventories/sim: lab_nspawn_binds_ro and lab_nspawn_monitoring_host as
     roles/lab's defaults compute them (lab_up's play: roles/monitoring's defaults not loaded), or
     with roles/monitoring's defaults loaded too (then also its monitoring_host and journal)."""
     files = [ROOT / "roles/lab/defaults/main.yml"]
@@ -124,7 +124,7 @@ def _lab_vars(with_monitoring_defaults: bool, tmp_path: Path) -> dict[str, dict]
     env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
                PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
     # run here, as this user: the values only (no host is reached)
-    r = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "inventories/sim-nspawn", str(pb),
+    r = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "inventories/sim", str(pb),
                         "-e", "ansible_connection=local", "-e", "ansible_become=false",
                         "-e", f"ansible_python_interpreter={sys.executable}"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
