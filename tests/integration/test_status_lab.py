@@ -81,8 +81,8 @@ def test_healthy_after_deploy_and_the_deploy_summary_is_status(deploy_again):
     assert rep["healthy"] and rep["reasons"] == []
     hosts = rep["hosts"]
     assert all(h["reachable"] for h in hosts.values())
-    assert hosts["sparkhead"]["services"] == {"dsv41-serve": "RUNNING"}
-    assert hosts["x86host"]["services"] == {"dsv41-drafter": "RUNNING", "dsv41-engram-server": "RUNNING"}
+    assert hosts["sparkhead"]["services"] == {"dsv41-serve": "active"}
+    assert hosts["x86host"]["services"] == {"dsv41-drafter": "active", "dsv41-engram-server": "active"}
     tables = {json.dumps(h["manifest"]["tables"], sort_keys=True) for h in hosts.values()}
     assert len(tables) == 1 and len(json.loads(tables.pop())) == 2  # layers 1 and 14, same everywhere
     assert rep["drafter_worker"]["identities"]["target"] == hosts["sparkhead"]["drafter"]["target"] != ""
