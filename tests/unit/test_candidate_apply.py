@@ -184,7 +184,7 @@ def test_every_file_is_rendered(rendered):
     _, got = rendered
     hosts = [h for hs in HOSTS.values() for h in hs]
     assert {f.split(".")[0] for f in got["production"]} == set(hosts)
-    assert len(got["production"]) == 4 * 2 + 3  # Sparks: drafter.env + 3 service files; x86host: 3
+    assert len(got["production"]) == 3 * 2 + 2  # Sparks: drafter.env + env file and unit; x86host: 2
     assert all(text.strip() for text in got["production"].values())
 
 
