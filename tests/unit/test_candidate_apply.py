@@ -207,8 +207,7 @@ def test_k_candidate_reaches_drafter_env_and_vllm_speculative_config(rendered):
     inv, got = rendered
     # the lab drafts on rank 0 only; vLLM's launch line on both ranks carries
     # num_speculative_tokens (serve's serve_spec_tokens reads spec_decode_k)
-    expect = ["sparkhead.drafter.env"] + ([f"{h}.service.{k}" for h in HOSTS["spark"] for k in ("conf", "unit")]
-                                          if inv == "production" else [])
+    expect = ["sparkhead.drafter.env"] + ([f"{h}.service.unit" for h in HOSTS["spark"]] if inv == "production" else [])
     assert _differing(got["production"], got["k3"]) == expect
     assert "DSV41_DRAFTER_K=3" in got["k3"]["sparkhead.drafter.env"].replace('"', "")
 
