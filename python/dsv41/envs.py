@@ -139,7 +139,7 @@ _ROWS = [
     # ---- liveness and step-path deadlines (docs/engine.md, "Liveness and deadlines")
     EnvVar("DSV41_TP_PEER_TIMEOUT_S", float, 5.0, "How long a rank waits for the other once the TP group has "
            "formed (groups, handshake, every collective); past it the rank fails (/health 503) and exits for "
-           "its supervisor.", "s", 2, 3600),
+           "its service manager (systemd) to restart.", "s", 2, 3600),
     EnvVar("DSV41_DRAFTER_PROPOSE_DEADLINE_MS", float, 1000.0, "Deadline the engine enforces on one "
            "Speculator.propose; past it the round decodes without drafts.", "ms", 1, 4000),
     EnvVar("DSV41_ENGRAM_LOOKUP_DEADLINE_MS", float, 1000.0, "Whole-call deadline of one remote Engram lookup "

@@ -289,7 +289,7 @@ def run_app(app, argv: list[str] | None = None, *, command=None) -> int:
     and this does not restore it): POSIX shells start the background jobs of a script
     (``dsv41 window run ... &``) with SIGINT and SIGQUIT ignored so that a Ctrl-C at the terminal
     ends the script's foreground work and not its background runs, which share its process group;
-    supervisors and ``nohup``-style wrappers ignore it on purpose too. Restoring it would let one
+    service managers and ``nohup``-style wrappers ignore it on purpose too. Restoring it would let one
     Ctrl-C end every such run. SIGTERM is the way to stop them (``dsv41 window stop-run`` sends it).
     """
     import typer

@@ -1,4 +1,4 @@
-"""The lab's nspawn backend (roles/lab, lab_host_backend=nspawn; docs/lab.md): three production-
+"""The lab's nspawn machines (roles/lab, tasks/nspawn.yml; docs/lab.md): three production-
 shaped hosts (systemd as PID 1 in their own cgroups, sshd on the lab addresses, dockerd) reached
 through inventories/sim exactly as real hosts are (ssh, the ops user, become via sudo,
 pipelining, the lab's known_hosts); a host reboot (poweroff + start) brings sshd back; lab_down
@@ -55,7 +55,7 @@ def _assert_nothing_left() -> None:
 
 
 def test_nspawn_hosts_production_connection_docker_reboot_and_nothing_left():
-    # Take the lab over: whatever runs on this machine (either backend) goes down first.
+    # Take the lab over: whatever runs on this machine goes down first.
     down()
     cold = not list((LAB / "nspawn-cache").glob("rootfs-*.tar.zst"))
 
@@ -65,11 +65,6 @@ def test_nspawn_hosts_production_connection_docker_reboot_and_nothing_left():
     again = play("playbooks/lab_up.yml", "-i", INV)
     assert again.returncode == 0 and changed(again.stdout) == 0, again.stdout[-4000:]
 
-    # One lab per machine: the netns backend refuses to come up over it, in one line, changing nothing.
-    other = play("playbooks/lab_up.yml", "-e", "dsv41_lab_host_backend=netns")
-    assert other.returncode != 0
-    assert "dsv41 lab: the lab on this machine is up with lab_host_backend=nspawn" in other.stdout, other.stdout[-3000:]
-    assert per_host(ansible("all", "ansible.builtin.command", "hostname", "-o").stdout) == {h: h for h in HOSTS}
 
     # The production connection: ssh as ops, become root through sudo.
     who = per_host(ansible("all", "ansible.builtin.command", "whoami", "-b", "-o").stdout)

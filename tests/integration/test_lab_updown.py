@@ -28,6 +28,6 @@ def test_not_root_is_one_clear_line():
         r = _play("playbooks/lab_up.yml", env={"HOME": str(home), "ANSIBLE_LOCAL_TEMP": str(home / "tmp")}, user=65534)
         out = r.stdout + r.stderr
         assert r.returncode != 0
-        assert "dsv41 lab: needs root (network namespaces, bind mounts)" in out, out[-3000:]
+        assert "dsv41 lab: needs root (network namespaces, nspawn machines)" in out, out[-3000:]
     finally:
         shutil.rmtree(home, ignore_errors=True)

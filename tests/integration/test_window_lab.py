@@ -126,7 +126,7 @@ def test_mid_cell_fault_ends_restored_and_open(deployed_lab, tmp_path):
     assert runs[:2] == [200, 503] and runs[-1] == 200, poller.statuses
     if "DSV41_ADMISSION_HOLD_FILE" in envs.ENV_VARS:
         # with the engine's kept fenced HOLD (the promote branch's DSV41_ADMISSION_HOLD_FILE), the
-        # rank 0 restarted inside the window (supervisord after the kill, then the restore) comes
+        # rank 0 restarted inside the window (systemd after the kill, then the restore) comes
         # up held: outside traffic is never admitted between two refusals
         assert runs == [200, 503, 200], poller.statuses
     st = status_ok()

@@ -10,7 +10,8 @@ Usage: ``fake_systemd.py systemctl|journalctl ARGS...``; the state is the JSON f
 "yes"|"no", "NRestarts": N, "MainPID": pid, "journal": [lines]}}}`` (names without ``.service``; a
 unit absent from it is ``LoadState=not-found``; ``MainPID`` is 0 unless active, 4242 when a start
 finds none). Every call is appended to ``$FAKE_SYSTEMD_STATE.log`` as ``COMMAND ARGS`` (one line;
-unit names without ``.service``)."""
+unit names without ``.service``), or as ``HOST ARGS`` when ``$FAKE_SYSTEMD_HOST`` is set (several
+simulated hosts sharing one log)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def main(argv: list[str]) -> int:
         elif a != "--" and not a.startswith("-"):
             plain.append(a)
     with open(str(path) + ".log", "a", encoding="utf-8") as log:
-        log.write(" ".join([tool, *[_name(a) if not a.startswith("-") else a for a in args]]) + "\n")
+        who = os.environ.get("FAKE_SYSTEMD_HOST") or tool
+        log.write(" ".join([who, *[_name(a) if not a.startswith("-") else a for a in args]]) + "\n")
     if tool == "journalctl":
         name = next(_name(a.split("=", 1)[1]) for a in args if a.startswith("--unit="))
         lines = int(next((a.split("=", 1)[1] for a in args if a.startswith("--lines=")), "10"))

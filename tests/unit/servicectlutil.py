@@ -1,7 +1,7 @@
 """Fake service managers and a fake lab for the unit tests that drive dsv41 services (the drill
-faults, ``dsv41 status --local``, the roles' control body): the stand-ins ``fake_systemd.py``
-(systemctl, journalctl) and ``fake_supervisorctl.py`` run as real processes with their state in a
-JSON file, so the argv that :mod:`dsv41.service_control` builds are executed, not compared.
+faults, ``dsv41 status --local``, the roles' control body): the stand-in ``fake_systemd.py``
+(systemctl, journalctl) runs as a real process with its state in a JSON file, so the argv that
+:mod:`dsv41.service_control` builds are executed, not compared.
 
 * :func:`fake_bin`: a directory with ``systemctl`` and ``journalctl`` running fake_systemd.py;
 * :class:`FakeManager`: one manager of :data:`dsv41.service_control.MANAGERS` with services in
@@ -26,12 +26,10 @@ from dsv41.harness import drill_faults
 
 HERE = Path(__file__).resolve().parent
 FAKE_SYSTEMD = HERE / "fake_systemd.py"
-FAKE_SUPERVISORCTL = HERE / "fake_supervisorctl.py"
 HOSTS = ("x86host", "sparkhead", "sparkworker")
 #: Manager-neutral states -> each manager's word for it.
-STATES = {"systemd": {"up": "active", "down": "inactive", "failed": "failed"},
-          "supervisor": {"up": "RUNNING", "down": "STOPPED", "failed": "FATAL"}}
-MUTATING = ("start", "stop", "restart", "kill", "signal", "reset-failed", "daemon-reload", "update")
+STATES = {"systemd": {"up": "active", "down": "inactive", "failed": "failed"}}
+MUTATING = ("start", "stop", "restart", "kill", "reset-failed", "daemon-reload")
 
 
 def fake_bin(d: Path) -> Path:
@@ -56,14 +54,9 @@ class FakeManager:
         self.state = d / f"{manager}.json"
         words = STATES[manager]
         pids = pids or {}
-        if manager == "systemd":
-            doc = {"units": {n: {"ActiveState": words[s], "NeedDaemonReload": "no",
-                                 "MainPID": pids.get(n, 4242) if s == "up" else 0} for n, s in services.items()}}
-            self.ctl = service_control.for_manager("systemd")
-        else:
-            doc = {"programs": {n: words[s] for n, s in services.items()}, "pending": {}, "pids": dict(pids)}
-            self.ctl = service_control.for_manager(
-                "supervisor", [sys.executable, str(FAKE_SUPERVISORCTL), str(self.state), "lab"])
+        doc = {"units": {n: {"ActiveState": words[s], "NeedDaemonReload": "no",
+                             "MainPID": pids.get(n, 4242) if s == "up" else 0} for n, s in services.items()}}
+        self.ctl = service_control.for_manager(manager)
         self.state.write_text(json.dumps(doc))
         Path(str(self.state) + ".log").write_text("")
         self.env = dict(os.environ, PATH=f"{fake_bin(d)}:{os.environ['PATH']}", FAKE_SYSTEMD_STATE=str(self.state))
@@ -77,17 +70,16 @@ class FakeManager:
         """``{service: manager-neutral state}`` as the fake holds it now (``other:<word>`` for a
         word without a neutral name, e.g. systemd's ``activating``)."""
         doc = json.loads(self.state.read_text())
-        raw = ({n: u["ActiveState"] for n, u in doc["units"].items()} if self.manager == "systemd"
-               else dict(doc["programs"]))
+        raw = {n: u["ActiveState"] for n, u in doc["units"].items()}
         back = {w: k for k, w in STATES[self.manager].items()}
         return {n: back.get(w, f"other:{w}") for n, w in raw.items()}
 
     def calls(self) -> list[str]:
         """The mutating calls the fake saw, in order, as ``VERB ARGS`` (unit names without
-        ``.service``; the supervisor fake's host word dropped)."""
+        ``.service``)."""
         out = []
         for line in Path(str(self.state) + ".log").read_text().splitlines():
-            words = line.split()[1:]  # "systemctl ..." / "lab ..."
+            words = line.split()[1:]  # "systemctl ..."
             if words and words[0] in MUTATING:
                 out.append(" ".join(words))
         return out

@@ -1,5 +1,5 @@
-"""Shared by the tests of roles/dsv41_service's control body (tests/unit/test_service_control.py
-against a stand-in supervisorctl, test_service_control_systemd.py against a stand-in systemctl):
+"""Shared by the tests of roles/dsv41_service's control body (tests/unit/test_service_control_systemd.py)
+and of roles/serve's pair restart (test_serve_pair_restart.py), against a stand-in systemctl:
 the control action choices of the role's argument spec, the localhost play, the environment and
 the ``ansible-playbook`` run, and reading the calls a stand-in logged."""
 

@@ -1,16 +1,15 @@
 """One way to apply a candidate (roles/dsv41/tasks/candidate.yml), and the window's control arm is
 production: rendered by ansible-playbook itself, on the same inventory, the files a window switch
-re-applies (serve's env file, supervisor program and systemd unit; spec_decode's drafter.env; the
-table server's env file, program and unit) are byte-identical between deploy.yml and
-playbooks/window_switch.yml with production's control arm, and a candidate arm differs in exactly
-the files its variables template.
+re-applies (serve's env file and systemd unit; spec_decode's drafter.env; the table server's env
+file and unit) are byte-identical between deploy.yml and playbooks/window_switch.yml with
+production's control arm, and a candidate arm differs in exactly the files its variables template.
 
 The variable contexts are built from the playbooks themselves (read from their YAML): deploy.yml's
 plays keep their `roles:` (each role's tasks skipped; its defaults load exactly as they do in a
 deploy), window_switch.yml's plays keep their `roles:`, their imports (tasks skipped) and their
 candidate task (run as written). The files are rendered with the roles' own templates and the
 variables their own tasks pass (read from the task files), so nothing here restates a role.
-Runs with both inventories: the lab's (supervisor, the lab engine) and production's (systemd, vLLM,
+Runs with both inventories: the lab's (the lab engine in its container) and production's (vLLM,
 whose launch line reads engram_overlay's and spec_decode's defaults)."""
 
 from __future__ import annotations
@@ -58,8 +57,7 @@ def _service_renders(group: str) -> list[dict]:
         svc = {**svc, "engram_server_manifest_stat": {"stat": {"checksum": "0" * 64}}}
         files = []
     files += [(f"roles/dsv41_service/templates/{t}", f"{stem}", svc)
-              for t, stem in (("env.j2", "service.env"), ("supervisor.conf.j2", "service.conf"),
-                              ("systemd.service.j2", "service.unit"))]
+              for t, stem in (("env.j2", "service.env"), ("systemd.service.j2", "service.unit"))]
     return [{"name": f"Render {dest}", "vars": v,
              "ansible.builtin.template": {"src": str(REPO / src), "mode": "0644",
                                           "dest": "{{ candidate_apply_out }}/{{ inventory_hostname }}." + dest}}
@@ -186,7 +184,7 @@ def test_every_file_is_rendered(rendered):
     _, got = rendered
     hosts = [h for hs in HOSTS.values() for h in hs]
     assert {f.split(".")[0] for f in got["production"]} == set(hosts)
-    assert len(got["production"]) == 4 * 2 + 3  # Sparks: drafter.env + 3 service files; x86host: 3
+    assert len(got["production"]) == 3 * 2 + 2  # Sparks: drafter.env + env file and unit; x86host: 2
     assert all(text.strip() for text in got["production"].values())
 
 
@@ -209,8 +207,7 @@ def test_k_candidate_reaches_drafter_env_and_vllm_speculative_config(rendered):
     inv, got = rendered
     # the lab drafts on rank 0 only; vLLM's launch line on both ranks carries
     # num_speculative_tokens (serve's serve_spec_tokens reads spec_decode_k)
-    expect = ["sparkhead.drafter.env"] + ([f"{h}.service.{k}" for h in HOSTS["spark"] for k in ("conf", "unit")]
-                                          if inv == "production" else [])
+    expect = ["sparkhead.drafter.env"] + ([f"{h}.service.unit" for h in HOSTS["spark"]] if inv == "production" else [])
     assert _differing(got["production"], got["k3"]) == expect
     assert "DSV41_DRAFTER_K=3" in got["k3"]["sparkhead.drafter.env"].replace('"', "")
 

@@ -263,7 +263,7 @@ def test_plain_failures_name_the_service(tmp_path: Path) -> None:
     with pytest.raises(DrillError) as exc:
         drill_faults.AsyncProxyKill(lab.hosts, TOPO).inject()
     _one_line(exc, "no async proxy process under dsv41-serve (pid 500) on sparkhead")
-    lab = TreeLab(tmp_path, "supervisor", PLAIN, {TOPO.serve_program: "down"})
+    lab = TreeLab(tmp_path, "systemd", PLAIN, {TOPO.serve_program: "down"})
     with pytest.raises(DrillError) as exc:
         drill_faults.AsyncProxyKill(lab.hosts, TOPO).inject()
     _one_line(exc, "dsv41-serve on sparkhead is not running")

@@ -1,14 +1,13 @@
-"""The drill's faults and ``dsv41 status`` drive services through whichever service manager the
-hosts run (:mod:`dsv41.service_control`), not supervisorctl only.
+"""The drill's faults and ``dsv41 status`` drive services through the hosts' service manager
+(:mod:`dsv41.service_control`; systemd, the only one since the supervisord lab was retired).
 
 Enumerated from the code's own definitions: every fault of ``drill_faults.FAULT_CLASSES`` under
 every manager of ``service_control.MANAGERS`` is injected and cleared against a fake lab whose
-service manager is a real process (fake_systemd.py / fake_supervisorctl.py, servicectlutil), and
-its effect checked on the fake's state; every command of the ``dsv41`` command tree that takes
-``--service-manager`` refuses a bad value with the one line, and ``--supervisorctl`` with systemd;
-every playbook and role that passes ``--supervisorctl`` passes it only for supervisor, next to
-``--service-manager``, and the argv that status.yml, the promotion facts and drill.yml render
-(Ansible's own Templar) for each manager are accepted by the commands they call."""
+service manager is a real process (fake_systemd.py, servicectlutil), and its effect checked on the
+fake's state; every command of the ``dsv41`` command tree that takes ``--service-manager`` refuses
+a bad value with the one line, and none takes ``--supervisorctl`` any more; no playbook or role
+passes it; the argv that status.yml, the promotion facts and drill.yml render (Ansible's own
+Templar) for each manager are accepted by the commands they call."""
 
 from __future__ import annotations
 
@@ -88,7 +87,6 @@ EFFECTS = {
 def test_every_fault_class_has_an_effect() -> None:
     assert {c.__name__ for c in drill_faults.FAULT_CLASSES.values()} == set(EFFECTS)
     assert set(drill_faults.FAULT_CLASSES) == set(drill_faults.FAULTS)
-    assert set(drill_faults.NSENTER_FLAGS) == set(MANAGERS)
 
 
 @pytest.mark.parametrize("manager", MANAGERS)
@@ -115,7 +113,7 @@ def test_every_fault_under_every_manager(fault: str, manager: str, tmp_path: Pat
     again = drill_faults.FAULT_CLASSES[fault](lab.hosts, TOPO).clear()  # idempotent: nothing more to do
     assert again["action"].startswith("none"), again
     # the whole lab was entered the way its backend is entered, every time
-    assert set(lab.entries) == {drill_faults.NSENTER_FLAGS[manager]}
+    assert set(lab.entries) == {drill_faults.NSENTER_FLAGS}
     if isinstance(f, drill_faults._ProgramStop):
         assert out["action"] == ctl.describe(ctl.start(f.program)) and out["was"] == STATES[manager]["down"]
         assert lab.mgr.calls() == [f"stop {f.program}", f"start {f.program}"]
@@ -123,14 +121,13 @@ def test_every_fault_under_every_manager(fault: str, manager: str, tmp_path: Pat
 
 @pytest.mark.parametrize("manager", MANAGERS)
 def test_clear_of_a_failed_service(manager: str, tmp_path: Path, engine) -> None:
-    """A failed unit gets its start limit cleared before the start (as control.yml does);
-    supervisord has none to clear."""
+    """A failed unit gets its start limit cleared before the start (as control.yml does)."""
     eng, _ = engine
     lab = _lab(tmp_path, manager, eng.pid, {TOPO.engram_program: "failed"})
     out = drill_faults.EngramServerStop(lab.hosts, TOPO).clear()
     assert lab.mgr.states()[TOPO.engram_program] == "up"
-    want = ([f"reset-failed {TOPO.engram_program}"] if manager == "systemd" else []) + [f"start {TOPO.engram_program}"]
-    assert lab.mgr.calls() == want and out["was"] == {"systemd": "failed", "supervisor": "FATAL"}[manager]
+    assert lab.mgr.calls() == [f"reset-failed {TOPO.engram_program}", f"start {TOPO.engram_program}"]
+    assert out["was"] == STATES[manager]["failed"]
 
 
 @pytest.mark.parametrize("manager", MANAGERS)
@@ -148,7 +145,7 @@ def test_builders_round_trip_through_the_fake(manager: str, tmp_path: Path) -> N
     mgr = FakeManager(tmp_path, manager, {"dsv41-a": "up", "dsv41-b": "down", "other": "up"}, {"dsv41-a": 777})
     ctl = mgr.ctl
     r = mgr.run(ctl.list_services())
-    assert ctl.list_ok(r.returncode, r.stdout)
+    assert r.returncode == 0, r.stderr
     assert ctl.parse_list(r.stdout) == {"dsv41-a": ctl.parse_state("dsv41-a", mgr.run(ctl.state("dsv41-a")).stdout),
                                         "dsv41-b": ctl.parse_state("dsv41-b", mgr.run(ctl.state("dsv41-b")).stdout)}
     assert ctl.parse_state("dsv41-a", mgr.run(ctl.state("dsv41-a")).stdout) in ctl.up_states
@@ -158,8 +155,7 @@ def test_builders_round_trip_through_the_fake(manager: str, tmp_path: Path) -> N
     assert mgr.run(ctl.start("dsv41-b")).returncode == 0 and mgr.states()["dsv41-b"] == "up"
     assert mgr.run(ctl.stop("dsv41-a")).returncode == 0 and mgr.states()["dsv41-a"] == "down"
     assert mgr.run(ctl.kill("dsv41-b")).returncode == 0 and mgr.states()["dsv41-b"] != "up"
-    verb = {"systemd": "kill --kill-whom=main --signal=KILL dsv41-b", "supervisor": "signal KILL dsv41-b"}[manager]
-    assert mgr.calls() == ["start dsv41-b", "stop dsv41-a", verb]
+    assert mgr.calls() == ["start dsv41-b", "stop dsv41-a", "kill --kill-whom=main --signal=KILL dsv41-b"]
 
 
 @pytest.mark.parametrize("manager", MANAGERS)
@@ -169,11 +165,9 @@ def test_status_reads_services_through_every_manager(manager: str, tmp_path: Pat
     mgr = FakeManager(tmp_path, manager, {"dsv41-serve": "up", "dsv41-drafter": "failed", "other": "up"})
     monkeypatch.setenv("PATH", f"{fake_bin(tmp_path)}:{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_SYSTEMD_STATE", str(mgr.state))
-    ctl_text = " ".join(mgr.ctl.prefix) if manager == "supervisor" else ""
     words = STATES[manager]
-    assert st.service_states(manager, ctl_text) == {"dsv41-serve": words["up"], "dsv41-drafter": words["failed"]}
-    facts = st.host_facts(service_manager=manager, supervisorctl=ctl_text, root=str(tmp_path / "opt"),
-                          container_runtime="")
+    assert st.service_states(manager) == {"dsv41-serve": words["up"], "dsv41-drafter": words["failed"]}
+    facts = st.host_facts(service_manager=manager, root=str(tmp_path / "opt"), container_runtime="")
     assert facts["services"] == {"dsv41-serve": words["up"], "dsv41-drafter": words["failed"]}
 
 
@@ -186,21 +180,16 @@ def test_names_and_signals_are_checked(manager: str) -> None:
     for bad in ("kill", "KILL; rm", "", "-9"):
         with pytest.raises(ServiceControlError, match="bad signal"):
             ctl.kill("dsv41-a", bad)
-    assert ctl.kill("dsv41-a", "SIGTERM")[-2:] == (["--signal=TERM", "dsv41-a.service"] if manager == "systemd"
-                                                  else ["TERM", "dsv41-a"])
+    assert ctl.kill("dsv41-a", "SIGTERM")[-2:] == ["--signal=TERM", "dsv41-a.service"]
     assert all(isinstance(w, str) for w in ctl.main_pid("dsv41-a") + ctl.list_services() + ctl.state("dsv41-a"))
 
 
 def test_for_manager_refusals() -> None:
-    for bad in ("upstart", "", "Systemd", "supervisord"):
+    # supervisor: the retired manager is an unknown one now
+    for bad in ("upstart", "", "Systemd", "supervisor", "supervisord"):
         with pytest.raises(ServiceControlError) as e:
             service_control.for_manager(bad)
-        assert str(e.value) == f"--service-manager must be one of systemd, supervisor, not {bad!r}"
-    with pytest.raises(ServiceControlError, match="--supervisorctl is for --service-manager supervisor only"):
-        service_control.for_manager("systemd", "supervisorctl -c x")
-    with pytest.raises(ServiceControlError, match="does not parse"):
-        service_control.for_manager("supervisor", "supervisorctl -c 'x")
-    assert service_control.for_manager("supervisor").prefix == service_control.DEFAULT_SUPERVISORCTL
+        assert str(e.value) == f"--service-manager must be one of systemd, not {bad!r}"
     assert service_control.for_manager("systemd").prefix == ("systemctl",)
 
 
@@ -226,15 +215,20 @@ def test_bad_service_manager_is_one_line(path: tuple[str, ...], capsys, tmp_path
     extra = ["--lab-dir", str(tmp_path)] if "--lab-dir" in SM_COMMANDS[path] else []
     assert main([*path, "--service-manager", "upstart", *extra]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["dsv41: error: --service-manager must be one of systemd, supervisor, not 'upstart'"], err
+    assert err == ["dsv41: error: --service-manager must be one of systemd, not 'upstart'"], err
 
 
-@pytest.mark.parametrize("path", sorted(p for p, o in SM_COMMANDS.items() if "--supervisorctl" in o), ids=" ".join)
-def test_supervisorctl_with_systemd_is_refused(path: tuple[str, ...], capsys, tmp_path: Path) -> None:
-    extra = ["--lab-dir", str(tmp_path)] if "--lab-dir" in SM_COMMANDS[path] else []
-    assert main([*path, "--service-manager", "systemd", "--supervisorctl", "supervisorctl -c x", *extra]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--supervisorctl is for --service-manager supervisor only" in err[0], err
+def test_no_command_takes_supervisorctl() -> None:
+    """The supervisord lab is retired: no command of the tree has ``--supervisorctl`` any more."""
+    assert _commands_with("--supervisorctl") == {}
+
+
+@pytest.mark.parametrize("path", sorted(SM_COMMANDS), ids=" ".join)
+def test_supervisorctl_is_an_unknown_option(path: tuple[str, ...], capsys) -> None:
+    """``--supervisorctl`` (a script of the supervisord lab) is refused like any unknown option."""
+    assert main([*path, "--supervisorctl", "supervisorctl -c x"]) != 0
+    err = capsys.readouterr().err
+    assert "No such option: --supervisorctl" in err, err
 
 
 @pytest.mark.parametrize("manager", MANAGERS)
@@ -251,19 +245,16 @@ def _yaml_files() -> list[Path]:
     return sorted([*ROOT.glob("playbooks/*.yml"), *ROOT.glob("*.yml"), *ROOT.glob("roles/*/tasks/*.yml")])
 
 
-def test_supervisorctl_is_passed_only_with_supervisor() -> None:
-    """Every task passing ``--supervisorctl`` to a dsv41 command passes ``--service-manager`` too,
-    and ``--supervisorctl`` only under ``== 'supervisor'`` (dsv41 refuses it with systemd)."""
-    found = []
+def test_no_playbook_or_role_passes_supervisorctl() -> None:
+    """No task passes ``--supervisorctl`` (gone from every command) or reads ``dsv41_supervisorctl``;
+    the ones that call ``dsv41 status`` or ``dsv41 drill`` pass ``--service-manager``."""
+    callers = []
     for p in _yaml_files():
         text = p.read_text()
-        for m in re.finditer(r"'--supervisorctl'|- --supervisorctl", text):
-            line = text[text.rfind("\n", 0, m.start()) + 1:text.find("\n", m.end())]
-            found.append(p.relative_to(ROOT).as_posix())
-            assert "== 'supervisor'" in line, f"{p}: {line.strip()}"
-            task = text[text.rfind("- name:", 0, m.start()):m.start()]
-            assert "--service-manager" in task or "'--service-manager'" in text[:m.start()][-2000:], p
-    assert {"playbooks/drill.yml", "playbooks/status.yml", "roles/promotion/tasks/facts.yml"} <= set(found), found
+        assert not re.search(r"supervisorctl", text), p
+        if "'--service-manager'" in text or "- --service-manager" in text:
+            callers.append(p.relative_to(ROOT).as_posix())
+    assert {"playbooks/drill.yml", "playbooks/status.yml", "roles/promotion/tasks/facts.yml"} <= set(callers), callers
 
 
 def _rendered(path: str, where, variables: dict, play_vars: bool = False):
@@ -291,9 +282,9 @@ def test_status_argv_of_the_playbooks_runs(path: str, where, manager: str, tmp_p
     mgr = FakeManager(tmp_path, manager, {"dsv41-serve": "up"})
     monkeypatch.setenv("PATH", f"{fake_bin(tmp_path)}:{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_SYSTEMD_STATE", str(mgr.state))
-    argv = _rendered(path, where, {"dsv41_venv": "/opt/dsv41/venv", "dsv41_service_manager": manager,
-                                   "dsv41_supervisorctl": " ".join(mgr.ctl.prefix)})
-    assert argv[:2] == ["/opt/dsv41/venv/bin/dsv41", "status"] and ("--supervisorctl" in argv) == (manager == "supervisor")
+    argv = _rendered(path, where, {"dsv41_venv": "/opt/dsv41/venv", "dsv41_service_manager": manager})
+    assert argv[:2] == ["/opt/dsv41/venv/bin/dsv41", "status"]
+    assert argv[argv.index("--service-manager") + 1] == manager
     assert main([*argv[1:], "--root", str(tmp_path / "opt"), "--container-runtime", str(tmp_path / "no-docker")]) == 0, \
         capsys.readouterr().err
     assert json.loads(capsys.readouterr().out)["services"] == {"dsv41-serve": STATES[manager]["up"]}
@@ -305,12 +296,11 @@ def test_drill_argv_of_the_playbook_is_accepted(manager: str, tmp_path: Path, ca
     check, to the lab (not up here)."""
     plays = yaml.safe_load((ROOT / "playbooks" / "drill.yml").read_text())
     at = next(i for i, p in enumerate(plays) if "drill_common_args" in p.get("vars", {}))
-    head = {"dsv41_lab_dir": str(tmp_path / "nolab"), "dsv41_service_manager": manager,
-            "dsv41_supervisorctl": "supervisorctl -c /etc/dsv41/supervisord.conf"}
+    head = {"dsv41_lab_dir": str(tmp_path / "nolab"), "dsv41_service_manager": manager}
     args = _rendered("playbooks/drill.yml", (at, "vars", "drill_common_args"),
                      {"hostvars": {"sparkhead": head}, "drill_head": "sparkhead", "drill_link": "sparkhead:ofl0"},
                      play_vars=True)
-    assert args[args.index("--service-manager") + 1] == manager and ("--supervisorctl" in args) == (manager == "supervisor")
+    assert args[args.index("--service-manager") + 1] == manager
     assert main(["drill", "clear", "--faults", "all", *args]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the lab is not up" in err[0], err
@@ -319,6 +309,6 @@ def test_drill_argv_of_the_playbook_is_accepted(manager: str, tmp_path: Path, ca
 @pytest.mark.parametrize("manager", MANAGERS)
 def test_list_prefix_is_checked(manager: str) -> None:
     ctl = service_control.for_manager(manager)
-    assert ctl.list_services("dsv41-")[-1] == ("dsv41-*" if manager == "systemd" else "status")
+    assert ctl.list_services("dsv41-")[-1] == "dsv41-*"
     with pytest.raises(ServiceControlError, match="bad service name prefix"):
         ctl.list_services("-x")

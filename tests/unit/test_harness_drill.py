@@ -143,8 +143,8 @@ def _result(failed: int = 0, fallback_until: float = 13.0, refs_ok: bool = True)
              "t_start": 2.0 * i, "t_end": 2.0 * i + 3} for i in range(12)]
     refs = {"ok": refs_ok, "summary": "6/6 identical" if refs_ok else "5/6 identical"}
     return drill_report.fault_result("engram_server", s, reqs, 5.0, 10.0, ["0", "1"], 3.0,
-                              {"host": "x86host", "action": "supervisorctl stop dsv41-engram-server"},
-                              {"host": "x86host", "action": "supervisorctl start dsv41-engram-server"}, refs)
+                              {"host": "x86host", "action": "systemctl stop dsv41-engram-server.service"},
+                              {"host": "x86host", "action": "systemctl start dsv41-engram-server.service"}, refs)
 
 
 def test_fault_result_counts_and_verdict() -> None:
@@ -188,7 +188,7 @@ class FakeLab:
         for h in ("x86host", "sparkhead", "sparkworker"):
             (tmp_path / f"{h}.pid").write_text(f"{os.getpid()}\n")
         self.replies, self.calls, self.replies_err = replies, [], ""
-        self.hosts = drill_faults.LabHosts(tmp_path, for_manager("supervisor", list(SUP)), self)
+        self.hosts = drill_faults.LabHosts(tmp_path, for_manager("systemd"), self)
 
     def __call__(self, cmd, **kw):
         argv = tuple(cmd[cmd.index("--") + 1:])
@@ -199,18 +199,25 @@ class FakeLab:
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
 
-SUP = ("supervisorctl", "-c", "/etc/dsv41/supervisord.conf")
+CTL = ("systemctl",)
+# The engine as a plain process (its fake answers unknown commands with exit 0, which the auto
+# detection would read as "the container exists").
 PLAIN = drill_faults.Topology(serve_container=False)
+ENGRAM, DRAFTER, SERVE = "dsv41-engram-server.service", "dsv41-drafter.service", "dsv41-serve.service"
+MAIN_PID = (*CTL, "show", "-p", "MainPID", "--value", SERVE)
 
 
 def test_program_stop_and_idempotent_clear(tmp_path) -> None:
-    lab = FakeLab(tmp_path, {(*SUP, "status", "dsv41-engram-server"): (3, "dsv41-engram-server STOPPED Dec 01\n")})
+    lab = FakeLab(tmp_path, {(*CTL, "is-active", ENGRAM): (3, "inactive\n")})
     f = drill_faults.EngramServerStop(lab.hosts, drill_faults.Topology())
-    assert f.inject()["action"] == "supervisorctl stop dsv41-engram-server"
-    assert f.clear()["action"] == "supervisorctl start dsv41-engram-server"
-    assert lab.calls == [(*SUP, "stop", "dsv41-engram-server"), (*SUP, "status", "dsv41-engram-server"),
-                         (*SUP, "start", "dsv41-engram-server")]
-    lab = FakeLab(tmp_path, {(*SUP, "status", "dsv41-drafter"): (0, "dsv41-drafter RUNNING pid 9, uptime 0:01\n")})
+    assert f.inject()["action"] == f"systemctl stop {ENGRAM}"
+    assert f.clear()["action"] == f"systemctl start {ENGRAM}"
+    assert lab.calls == [(*CTL, "stop", ENGRAM), (*CTL, "is-active", ENGRAM), (*CTL, "start", ENGRAM)]
+    # a failed unit: its start limit cleared first
+    lab = FakeLab(tmp_path, {(*CTL, "is-active", ENGRAM): (3, "failed\n")})
+    assert drill_faults.EngramServerStop(lab.hosts, drill_faults.Topology()).clear()["was"] == "failed"
+    assert lab.calls == [(*CTL, "is-active", ENGRAM), (*CTL, "reset-failed", ENGRAM), (*CTL, "start", ENGRAM)]
+    lab = FakeLab(tmp_path, {(*CTL, "is-active", DRAFTER): (0, "active\n")})
     assert drill_faults.DrafterWorkerStop(lab.hosts, drill_faults.Topology()).clear()["action"] == "none"
     assert all("start" not in c for c in lab.calls)
 
@@ -246,27 +253,26 @@ def test_async_proxy_kill_by_pid_and_errors(tmp_path) -> None:
     kids = json.dumps([[12, 12, ["dsv41", "engine", "serve"]],
                        [[29, 29, ["python3", "-c", "x\ny"]],
                         [30, 30, ["/opt/dsv41/venv/bin/dsv41", "proxy", "run", "--parent-pid", "12"]]]])
-    lab = FakeLab(tmp_path, {(*SUP, "pid", "dsv41-serve"): (0, "12\n"), ("12",): (0, kids)})
+    lab = FakeLab(tmp_path, {MAIN_PID: (0, "12\n"), ("12",): (0, kids)})
     f = drill_faults.AsyncProxyKill(lab.hosts, PLAIN)
     rec = f.inject()
     assert rec["proxy_pid"] == 30 and rec["engine_pid"] == 12 and ("kill", "-KILL", "30") in lab.calls
     assert f.clear()["respawned"] is False  # the fake still lists pid 30
-    lab = FakeLab(tmp_path, {(*SUP, "pid", "dsv41-serve"): (0, "12\n"), ("12",): (0, "[[12, 12, []], []]")})
+    lab = FakeLab(tmp_path, {MAIN_PID: (0, "12\n"), ("12",): (0, "[[12, 12, []], []]")})
     with pytest.raises(DrillError, match="no async proxy process"):
         drill_faults.AsyncProxyKill(lab.hosts, PLAIN).inject()
-    lab = FakeLab(tmp_path, {(*SUP, "pid", "dsv41-serve"): (0, "0\n")})
+    lab = FakeLab(tmp_path, {MAIN_PID: (0, "0\n")})
     with pytest.raises(DrillError, match="dsv41-serve on sparkhead is not running"):
         drill_faults.AsyncProxyKill(lab.hosts, PLAIN).inject()
     # A failing command is one line with its stderr's last line; clear_all keeps going.
-    lab = FakeLab(tmp_path, {(*SUP, "status", "dsv41-engram-server"): (3, "dsv41-engram-server STOPPED\n"),
-                             (*SUP, "start", "dsv41-engram-server"): (7, ""),
-                             (*SUP, "status", "dsv41-drafter"): (0, "dsv41-drafter RUNNING pid 9\n")})
+    lab = FakeLab(tmp_path, {(*CTL, "is-active", ENGRAM): (3, "inactive\n"), (*CTL, "start", ENGRAM): (7, ""),
+                             (*CTL, "is-active", DRAFTER): (0, "active\n")})
     out = drill_faults.clear_all(lab.hosts, drill_faults.Topology(), ["engram_server", "drafter_worker"])
     assert "failed (exit 7)" in out["engram_server"]["error"] and out["drafter_worker"]["action"] == "none"
 
 
 def test_lab_not_up(tmp_path) -> None:
-    hosts = drill_faults.LabHosts(tmp_path, for_manager("supervisor"))
+    hosts = drill_faults.LabHosts(tmp_path, for_manager("systemd"))
     with pytest.raises(DrillError, match="the lab is not up"):
         hosts.run("x86host", ["true"])
 

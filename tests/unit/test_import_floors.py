@@ -3,8 +3,8 @@
 Floors, bottom to top (a module may import its own floor and the floors below, never above):
 
 0. ground: ``errors``, ``envs``, ``fileio`` (every file read and write), ``httpd`` (limits on
-   slow and idle HTTP clients), ``tokenizer``, ``service_control`` (the systemctl / supervisorctl
-   command lines of the drills and status), the ``dsv41`` package itself (version);
+   slow and idle HTTP clients), ``tokenizer``, ``service_control`` (the systemctl command lines
+   of the drills and status), the ``dsv41`` package itself (version);
 1. ``transport`` (row wire protocol, TCP/NIXL);
 2. ``version`` (reports the install, including the native transport extension);
 3. ``engram`` (tables, manifest, row sources, table server);

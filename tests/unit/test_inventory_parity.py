@@ -71,7 +71,6 @@ LAB_ONLY = {
     "ansible_ssh_private_key_file": ("user", "the key the lab generates for its ops user"),
     "dsv41_lab_blackhole": ("lab", "the 198.18.0.0/15 blackhole route the lab installs first"),
     "dsv41_lab_dir": ("lab", "the lab's state directory on the controller"),
-    "dsv41_lab_host_backend": ("lab", "nspawn machines instead of network namespaces"),
     "dsv41_lab_mgmt_bridge": ("lab", "the bridge that stands in for the management network"),
     "dsv41_lab_mgmt_gateway": ("lab", "the bridge's address on the controller"),
     "dsv41_lab_ssh_user": ("user", "the ops user the lab creates in each machine"),

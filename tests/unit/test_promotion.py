@@ -312,8 +312,8 @@ def test_cli_tampered_and_unknown_are_one_line(stored, capsys):
 def test_kv_budget_read_from_the_service_definition():
     h = _hosts()
     h["sparkhead"]["kv_budget"] = None
-    h["sparkhead"]["files"]["/etc/dsv41/supervisor.d/dsv41-serve.conf"] = {
-        "content": b"command=/opt/dsv41/venv/bin/dsv41 engine serve --threads 1 --kv-cache-tokens 32768\n", "mode": "0644"}
+    h["sparkhead"]["files"]["/etc/systemd/system/dsv41-serve.service"] = {
+        "content": b"ExecStart=/opt/dsv41/venv/bin/dsv41 engine serve --threads 1 --kv-cache-tokens 32768\n", "mode": "0644"}
     doc, _ = pkg.build(h, PROV, None)
     assert doc["hosts"]["sparkhead"]["kv_budget"] == 32768
     assert doc["hosts"]["x86host"]["kv_budget"] is None

@@ -31,25 +31,30 @@ def _manifest(path: Path, tables=T, revision="r1") -> None:
     path.write_text(json.dumps({"revision": revision, "tables": [{"layer_id": int(k), "identity": v} for k, v in tables.items()]}))
 
 
-def _fake_supervisorctl(tmp_path: Path, lines: str, rc: int = 0) -> str:
-    p = tmp_path / "supervisorctl"
-    p.write_text(f"#!/bin/sh\ncat <<'EOF'\n{lines}\nEOF\nexit {rc}\n")
+def _fake_systemctl(tmp_path: Path, lines: str, rc: int = 0) -> Path:
+    """A directory with a ``systemctl`` that prints ``lines`` for ``list-units`` (and fails for
+    anything else) and exits ``rc``: put it first on PATH."""
+    b = tmp_path / "bin"
+    b.mkdir(exist_ok=True)
+    p = b / "systemctl"
+    p.write_text(f"#!/bin/sh\n[ \"$1\" = list-units ] || exit 64\ncat <<'EOF'\n{lines}\nEOF\nexit {rc}\n")
     p.chmod(0o755)
-    return f"{p} -c /nonexistent.conf"
+    return b
 
 
 # ---- host facts -----------------------------------------------------------------------------
 
-def test_host_facts_from_files_and_supervisor(tmp_path):
+def test_host_facts_from_files_and_systemd(tmp_path, monkeypatch):
     root = tmp_path / "opt"
     _manifest(root / "tables" / "manifest.json")
     (root / "packages" / "pkg-0007").mkdir(parents=True)
     os.symlink("pkg-0007", root / "packages" / "current")
-    ctl = _fake_supervisorctl(tmp_path, "dsv41-serve                      RUNNING   pid 12, uptime 0:01:00\n"
-                                        "dsv41-other                      STOPPED   Not started\n"
-                                        "unrelated                        RUNNING   pid 3", rc=3)
-    f = st.host_facts(service_manager="supervisor", supervisorctl=ctl, root=str(root), container_runtime="")
-    assert f["services"] == {"dsv41-serve": "RUNNING", "dsv41-other": "STOPPED"}
+    b = _fake_systemctl(tmp_path, "dsv41-serve.service   loaded active   running dsv41 engine\n"
+                                  "dsv41-other.service   loaded inactive dead    dsv41 other\n"
+                                  "unrelated.service     loaded active   running unrelated")
+    monkeypatch.setenv("PATH", f"{b}:{os.environ['PATH']}")
+    f = st.host_facts(service_manager="systemd", root=str(root), container_runtime="")
+    assert f["services"] == {"dsv41-serve": "active", "dsv41-other": "inactive"}
     assert f["manifest"]["revision"] == "r1" and f["manifest"]["tables"] == T and len(f["manifest"]["sha256"]) == 64
     assert f["drafter"] is None and f["image"] is None and f["promotion"] == "pkg-0007"
     import dsv41
@@ -57,23 +62,29 @@ def test_host_facts_from_files_and_supervisor(tmp_path):
     assert f["dsv41"] == dsv41.__version__
 
 
-def test_host_facts_missing_and_broken_things_are_reported_not_raised(tmp_path):
+def test_host_facts_missing_and_broken_things_are_reported_not_raised(tmp_path, monkeypatch):
     root = tmp_path / "opt"
     (root / "tables").mkdir(parents=True)
     (root / "tables" / "manifest.json").write_text("{not json")
     (root / "drafter").mkdir()
     (root / "packages").mkdir()
     (root / "packages" / "current").write_text("pkg-0002\n")
-    f = st.host_facts(service_manager="supervisor", supervisorctl=str(tmp_path / "no-such-ctl"), root=str(root),
-                      container_runtime="/no/such/docker")
-    assert "unavailable" in f["services"]["supervisord"]
+    # systemd that cannot be asked (no systemctl on PATH)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    f = st.host_facts(service_manager="systemd", root=str(root), container_runtime="/no/such/docker")
+    assert f["services"] == {"systemd": "unavailable: cannot run systemctl"}
     assert "manifest.json" in f["manifest"]["error"]
     assert "error" in f["drafter"]
     assert f["promotion"] == "pkg-0002" and f["image"] is None
-    assert st.host_facts(root=str(tmp_path / "none"), service_manager="supervisor",
-                         supervisorctl=str(tmp_path / "x"))["manifest"] is None
-    with pytest.raises(ServiceControlError, match=r"^--service-manager must be one of systemd, supervisor, not 'upstart'$"):
-        st.service_states("upstart")
+    assert st.host_facts(root=str(tmp_path / "none"), service_manager="systemd")["manifest"] is None
+    # systemctl that answers with an error: its stderr, one line
+    b = _fake_systemctl(tmp_path, "", rc=1)
+    (b / "systemctl").write_text("#!/bin/sh\necho 'System has not been booted with systemd' >&2\nexit 1\n")
+    monkeypatch.setenv("PATH", str(b))
+    assert st.service_states("systemd") == {"systemd": "unavailable: System has not been booted with systemd"}
+    for bad in ("upstart", "supervisor"):
+        with pytest.raises(ServiceControlError, match=rf"^--service-manager must be one of systemd, not '{bad}'$"):
+            st.service_states(bad)
 
 
 def test_image_of_the_running_container(tmp_path):
@@ -113,13 +124,13 @@ def _hosts(spark_tables=T, x86_tables=T, drafter=None, reachable=True):
     d = drafter or {"drafter": "d" * 64, "markov": "m" * 64, "target": "t" * 64}
     base = {"dsv41": "0.1.0", "image": None, "promotion": None, "reachable": True, "error": None}
     return {
-        "sparkhead": {**base, "groups": ["spark"], "rank": 0, "services": {"dsv41-serve": "RUNNING"},
+        "sparkhead": {**base, "groups": ["spark"], "rank": 0, "services": {"dsv41-serve": "active"},
                       "manifest": {"revision": "r1", "sha256": "x", "tables": spark_tables}, "drafter": d},
-        "sparkworker": {**base, "groups": ["spark"], "rank": 1, "services": {"dsv41-serve": "RUNNING"},
+        "sparkworker": {**base, "groups": ["spark"], "rank": 1, "services": {"dsv41-serve": "active"},
                         "manifest": {"revision": "r1", "sha256": "x", "tables": T}, "drafter": None,
                         **({} if reachable else {"reachable": False, "error": "Failed to connect"})},
         "x86host": {**base, "groups": ["offload"], "rank": None,
-                    "services": {"dsv41-engram-server": "RUNNING", "dsv41-drafter": "RUNNING"},
+                    "services": {"dsv41-engram-server": "active", "dsv41-drafter": "active"},
                     "manifest": {"revision": "r1", "sha256": "x", "tables": x86_tables}, "drafter": d},
     }
 
@@ -144,7 +155,7 @@ def test_healthy_stack(fake):
     assert any(ln.startswith(f"API: {fake.url} (model dsv41-lab; health ok)") and "admission open" in ln for ln in lines)
     assert "Engram rank 1: 90 lookups (+0 in 2 s), 0 fallbacks (+0 in 2 s)" in lines
     assert any("drafter rounds 12 (+0), accepted tokens 40/50 (+0), fail-closed 1 (+0), proxy respawns 2" in ln for ln in lines)
-    assert "last window: none" in lines and any(ln.startswith("sparkhead (rank 0): serve RUNNING") for ln in lines)
+    assert "last window: none" in lines and any(ln.startswith("sparkhead (rank 0): serve active") for ln in lines)
     json.dumps(rep)  # what --json prints
 
 
@@ -270,8 +281,9 @@ def test_is_paused_reports_paused_since():
 
 # ---- the command: bad input is one line, exit 1 --------------------------------------------------
 
-def _dsv41(*args, cwd=ROOT, timeout=180):
-    env = dict(os.environ, NO_COLOR="1", PATH=f"{BIN}:{os.environ.get('PATH', '')}")
+def _dsv41(*args, cwd=ROOT, timeout=180, path_first: Path | None = None):
+    path = f"{BIN}:{os.environ.get('PATH', '')}"
+    env = dict(os.environ, NO_COLOR="1", PATH=f"{path_first}:{path}" if path_first else path)
     return subprocess.run([str(BIN / "dsv41"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -291,11 +303,11 @@ def test_inventory_without_dsv41_hosts_is_one_line(tmp_path):
 
 def test_local_facts_json(tmp_path):
     _manifest(tmp_path / "tables" / "manifest.json")
-    ctl = _fake_supervisorctl(tmp_path, "dsv41-serve RUNNING pid 1")
-    r = _dsv41("status", "--local", "--json", "--service-manager", "supervisor", "--supervisorctl", ctl,
-               "--root", str(tmp_path), "--container-runtime", str(tmp_path / "no-docker"))
+    b = _fake_systemctl(tmp_path, "dsv41-serve.service loaded active running dsv41 engine")
+    r = _dsv41("status", "--local", "--json", "--root", str(tmp_path), "--container-runtime", str(tmp_path / "no-docker"),
+               path_first=b)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["services"] == {"dsv41-serve": "RUNNING"}
+    assert json.loads(r.stdout)["services"] == {"dsv41-serve": "active"}
 
 
 @pytest.mark.slow
@@ -310,8 +322,9 @@ def test_unreachable_hosts_through_the_status_playbook(tmp_path):
                                    "    offload:\n      hosts:\n        x86host:\n          dsv41_mgmt_address: 127.0.0.1\n")
     # dsv41_api_url names another host's variable through hostvars, as the real inventories do
     (inv / "group_vars" / "all.yml").write_text(
-        "ansible_connection: dsv41_lab\n"
-        f"ansible_dsv41_lab_pidfile: {tmp_path}/{{{{ inventory_hostname }}}}.pid\n"
+        # ssh to a loopback port nothing listens on: every host is unreachable
+        "ansible_connection: ssh\nansible_host: 127.0.0.1\nansible_port: 9\n"
+        "ansible_ssh_common_args: -o ConnectTimeout=5 -o BatchMode=yes\n"
         "ansible_python_interpreter: \"{{ ansible_playbook_python }}\"\n"
         "dsv41_api_url: \"http://{{ hostvars['sparkhead'].dsv41_mgmt_address }}:9\"\ndsv41_drafter_metrics_port: 9\n")
     r = _dsv41("status", "--inventory", str(inv / "hosts.yml"), "--window", "0")

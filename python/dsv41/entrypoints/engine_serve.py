@@ -170,7 +170,7 @@ def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, h
     async def watch():
         # Drain triggers besides our own SIGTERM: rank 1 draining, the engine failing. A failed
         # engine keeps answering /health 503 with the reason for FATAL_LINGER_S, then exits 1
-        # for its supervisor to restart the pair.
+        # for its service manager (systemd) to restart the pair.
         while not server.should_exit:
             if engine.fatal or engine.peer_draining:
                 state.draining = True

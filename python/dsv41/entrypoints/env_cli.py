@@ -1,6 +1,6 @@
 """``dsv41 env check FILE``: validate an env file against the ``DSV41_*`` contract.
 
-An env file is what the roles write for systemd/supervisor: ``KEY=VALUE`` lines, blank lines and
+An env file is what the roles write for systemd units: ``KEY=VALUE`` lines, blank lines and
 ``#`` comments; a value may be wrapped in matching single or double quotes (systemd's
 ``EnvironmentFile`` strips them). The check refuses: a line that is not ``KEY=VALUE``, a key
 given twice, a ``DSV41_*`` name not in :data:`dsv41.envs.ENV_VARS` (a typo would otherwise be

@@ -50,7 +50,7 @@ from pathlib import Path
 from dsv41 import fileio, service_control
 from dsv41.errors import Dsv41Error
 
-# Healthy service states: supervisord's RUNNING, systemd's "active".
+# Healthy service states (systemd's "active").
 _UP = frozenset().union(*(service_control.for_manager(m).up_states for m in service_control.MANAGERS))
 #: Every dsv41 service name starts with it.
 SERVICE_PREFIX = service_control.SERVICE_PREFIX
@@ -70,22 +70,19 @@ def _run(argv: list[str], timeout_s: float = 20.0) -> subprocess.CompletedProces
         return None
 
 
-def service_states(service_manager: str, supervisorctl: str = "", prefix: str = SERVICE_PREFIX) -> dict[str, str]:
+def service_states(service_manager: str, prefix: str = SERVICE_PREFIX) -> dict[str, str]:
     """``{service: state}`` of the ``dsv41-*`` services this host's service manager knows
     (:mod:`dsv41.service_control`: ``list_services`` / ``parse_list``).
 
-    ``service_manager``: ``supervisor`` (states as ``supervisorctl status`` prints them, e.g.
-    ``RUNNING``, ``STOPPED``, ``FATAL``; ``supervisorctl`` is its command line, split with shlex) or
-    ``systemd`` (``systemctl list-units``' ACTIVE column, e.g. ``active``, ``failed``).
-    ``{"supervisord"|"systemd": "unavailable: ..."}`` when the manager cannot be asked.
-    ServiceControlError (a Dsv41Error) for an unknown manager or ``supervisorctl`` with systemd.
+    ``service_manager``: ``systemd`` (``systemctl list-units``' ACTIVE column, e.g. ``active``,
+    ``failed``). ``{"systemd": "unavailable: ..."}`` when the manager cannot be asked.
+    ServiceControlError (a Dsv41Error) for an unknown manager.
     """
-    ctl = service_control.for_manager(service_manager, supervisorctl)
+    ctl = service_control.for_manager(service_manager)
     cmd = ctl.list_services(prefix)
     r = _run(cmd)
-    if r is None or not ctl.list_ok(r.returncode, r.stdout):
-        key = "supervisord" if ctl.manager == "supervisor" else "systemd"
-        return {key: f"unavailable: {(r.stderr.strip() if r else 'cannot run ' + cmd[0])[:200]}"}
+    if r is None or r.returncode != 0:
+        return {ctl.manager: f"unavailable: {(r.stderr.strip() if r else 'cannot run ' + cmd[0])[:200]}"}
     return ctl.parse_list(r.stdout, prefix)
 
 
@@ -145,7 +142,7 @@ def image_facts(container_runtime: str, container: str) -> str | None:
     return r.stdout.strip() or None
 
 
-def host_facts(*, service_manager: str = "systemd", supervisorctl: str = "", root: str = "/opt/dsv41",
+def host_facts(*, service_manager: str = "systemd", root: str = "/opt/dsv41",
                container_runtime: str = "/usr/bin/docker", container: str = "dsv41-serve") -> dict:
     """What this host runs, from its own files and service manager (no network). ``root`` holds
     ``tables/manifest.json``, ``drafter/`` and ``packages/``. Shape: one ``hosts[name]`` entry of
@@ -155,7 +152,7 @@ def host_facts(*, service_manager: str = "systemd", supervisorctl: str = "", roo
     r = Path(root)
     return {
         "hostname": os.uname().nodename,
-        "services": service_states(service_manager, supervisorctl),
+        "services": service_states(service_manager),
         "dsv41": __version__,
         "image": image_facts(container_runtime, container),
         "manifest": manifest_facts(r / "tables" / "manifest.json"),

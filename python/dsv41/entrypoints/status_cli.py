@@ -29,9 +29,7 @@ def status(
                                  help="Seconds between the two reads of rank 0's /metrics (the 'last N s' deltas)."),
     local: bool = typer.Option(False, "--local",
                                help="Only this host, from its own files and service manager (what status.yml runs on each host)."),
-    service_manager: str = typer.Option("systemd", help="With --local: systemd or supervisor."),
-    supervisorctl: str = typer.Option("", help="With --local and --service-manager supervisor: the supervisorctl "
-                                               "command line (default: supervisorctl -c /etc/dsv41/supervisord.conf)."),
+    service_manager: str = typer.Option("systemd", help="With --local: the host's service manager (systemd)."),
     root: str = typer.Option("/opt/dsv41", help="With --local: install root (tables/, drafter/, packages/)."),
     container_runtime: str = typer.Option("/usr/bin/docker", help="With --local: runtime of the serving container."),
     prometheus: str = typer.Option("", "--prometheus",
@@ -49,10 +47,9 @@ def status(
     from dsv41.entrypoints import status_render
 
     # Checked with or without --local: a bad value is bad input either way.
-    service_control.for_manager(service_manager, supervisorctl)
+    service_control.for_manager(service_manager)
     if local:
-        facts = st.host_facts(service_manager=service_manager, supervisorctl=supervisorctl, root=root,
-                              container_runtime=container_runtime)
+        facts = st.host_facts(service_manager=service_manager, root=root, container_runtime=container_runtime)
         print(fileio.dumps_json(facts, indent=None if as_json else 1, sort_keys=True, nonfinite="null"))
         return
     report = run_playbook(inventory or default_inventory(), window_s=window, prometheus_url=prometheus)

@@ -383,7 +383,7 @@ def smoke(endpoint: str, model: str, refs_doc: dict | None = None, timeout_s: fl
 @contextlib.contextmanager
 def sigterm_as_interrupt():
     """Within the block, SIGTERM raises KeyboardInterrupt in the main thread, so a run stopped by
-    a supervisor or a playbook is handled exactly like Ctrl-C (partial results kept, exit
+    a service manager or a playbook is handled exactly like Ctrl-C (partial results kept, exit
     non-zero); the previous handler is restored after."""
     import signal
     import threading

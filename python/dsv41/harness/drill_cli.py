@@ -8,7 +8,6 @@ import datetime as _dt
 import os
 import platform
 import re
-import sys
 from pathlib import Path
 
 import typer
@@ -16,15 +15,13 @@ import typer
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 _LAB_DIR = "/var/lib/dsv41-lab"
-_SUPERVISORCTL = f"{Path(sys.executable).parent / 'supervisorctl'} -c /etc/dsv41/supervisord.conf"
 
 FaultsOpt = typer.Option("all", "--faults", help="Comma-separated faults in order, or all "
                                                  "(engram_server, drafter_worker, async_proxy, offload_link, netem).")
 LinkOpt = typer.Option("sparkhead:ofl0", "--link", help="HOST:IFACE that offload_link and netem act on.")
 NetemOpt = typer.Option("delay 60ms 20ms loss 5%", "--netem", help="tc netem arguments of the netem fault.")
-LabDirOpt = typer.Option(_LAB_DIR, "--lab-dir", help="The lab's state directory (holder pid files).")
-ManagerOpt = typer.Option("supervisor", "--service-manager",
-                          help="Service manager of the simulated hosts: systemd (nspawn lab) or supervisor (netns lab).")
+LabDirOpt = typer.Option(_LAB_DIR, "--lab-dir", help="The lab's state directory (the hosts' pid files).")
+ManagerOpt = typer.Option("systemd", "--service-manager", help="Service manager of the simulated hosts (systemd).")
 ContainerOpt = typer.Option(None, "--serve-container/--plain-engine", show_default="auto",
                             help="How rank 0's engine runs (roles/serve serve_container): in the container named "
                                  "after its service (found through the container runtime) or as the service's main "
@@ -32,19 +29,15 @@ ContainerOpt = typer.Option(None, "--serve-container/--plain-engine", show_defau
 RuntimeOpt = typer.Option("/usr/bin/docker", "--container-runtime",
                           help="The hosts' container runtime command (serve_container_runtime); not on the host: "
                                "no container.")
-SupOpt = typer.Option("", "--supervisorctl",
-                      help=f"With --service-manager supervisor: the hosts' supervisorctl command (default: {_SUPERVISORCTL}).")
 
 
-def _lab_hosts(lab_dir: str, service_manager: str, supervisorctl: str):
+def _lab_hosts(lab_dir: str, service_manager: str):
     """The lab hosts driven through ``service_manager``; ServiceControlError (one line) for an
-    unknown manager or ``--supervisorctl`` given with systemd."""
+    unknown manager."""
     from dsv41 import service_control
     from dsv41.harness import drill_faults
 
-    service_control.check_manager(service_manager)
-    default = _SUPERVISORCTL if service_manager == "supervisor" else ""
-    return drill_faults.LabHosts(lab_dir, service_control.for_manager(service_manager, supervisorctl or default))
+    return drill_faults.LabHosts(lab_dir, service_control.for_manager(service_manager))
 
 
 def _topology(link: str, netem: str, serve_container: bool | None, container_runtime: str):
@@ -65,14 +58,14 @@ def check(faults: str = FaultsOpt) -> None:
 
 @app.command()
 def clear(faults: str = FaultsOpt, link: str = LinkOpt, lab_dir: str = LabDirOpt, service_manager: str = ManagerOpt,
-          supervisorctl: str = SupOpt, serve_container: bool | None = ContainerOpt,
+          serve_container: bool | None = ContainerOpt,
           container_runtime: str = RuntimeOpt) -> None:
     """Clear faults (idempotent): services started if not running, the link set up, the netem
     qdisc removed. Exit 1 naming any fault that could not be cleared."""
     from dsv41.harness import drill_faults
 
     names = drill_faults.parse_faults(faults)
-    hosts = _lab_hosts(lab_dir, service_manager, supervisorctl)
+    hosts = _lab_hosts(lab_dir, service_manager)
     topo = _topology(link, drill_faults.DEFAULT_NETEM, serve_container, container_runtime)
     for h in {topo.offload_host, topo.head_host, topo.link_host}:
         hosts.holder(h)
@@ -103,7 +96,6 @@ def run(
     netem: str = NetemOpt,
     lab_dir: str = LabDirOpt,
     service_manager: str = ManagerOpt,
-    supervisorctl: str = SupOpt,
     serve_container: bool | None = ContainerOpt,
     container_runtime: str = RuntimeOpt,
     out_dir: str = typer.Option("drills", "--out-dir", help="Reports go to OUT_DIR/<id>/."),
@@ -117,7 +109,7 @@ def run(
 
     # Everything is checked before the lab is touched.
     names = drill_faults.parse_faults(faults)
-    hosts = _lab_hosts(lab_dir, service_manager, supervisorctl)
+    hosts = _lab_hosts(lab_dir, service_manager)
     topo = _topology(link, netem, serve_container, container_runtime)
     for v, what in ((duration, "--duration"), (baseline, "--baseline"), (recover_timeout, "--recover-timeout"),
                     (stable, "--stable")):

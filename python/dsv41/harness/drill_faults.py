@@ -2,13 +2,12 @@
 
 Faults (what is done, on which simulated host; everything by service name, pid or interface,
 never by process name). Services are driven through the hosts' service manager
-(:mod:`dsv41.service_control`: ``systemctl`` on the nspawn lab, ``supervisorctl`` on the netns
-lab; the table shows the supervisor form):
+(:mod:`dsv41.service_control`: ``systemctl``):
 
 =================  =======================================================================
-``engram_server``  ``supervisorctl stop dsv41-engram-server`` (``systemctl stop
-                   dsv41-engram-server.service``) on x86host; cleared by ``start``
-``drafter_worker`` ``supervisorctl stop dsv41-drafter`` on x86host; cleared by ``start``
+``engram_server``  ``systemctl stop dsv41-engram-server.service`` on x86host; cleared by
+                   ``start``
+``drafter_worker`` ``systemctl stop dsv41-drafter.service`` on x86host; cleared by ``start``
 ``async_proxy``    SIGKILL (by host pid) of the async drafting proxy on sparkhead: the child of
                    the engine (:func:`find_engine`: the ``dsv41-serve`` service's main pid, or
                    in a container the engine under the container's init) whose argv is
@@ -25,7 +24,7 @@ lab; the table shows the supervisor form):
 
 Also the checks of a drill request made before the lab is touched (fault names, netem words,
 lab-only URLs, host / interface / program names). Lab only: every URL must be in
-198.18.0.0/15 and the lab's holder pid files must exist.
+198.18.0.0/15 and the lab's host pid files (``<lab dir>/<host>.pid``) must exist.
 """
 
 from __future__ import annotations
@@ -167,31 +166,25 @@ def parse_link(text: str) -> tuple[str, str]:
 
 # ---- the simulated hosts --------------------------------------------------------------------------
 
-#: How ``nsenter`` enters a lab host, by the service manager of the lab backend that runs it
-#: (docs/lab.md): the netns backend's holder has its own mount, uts and pid namespaces under
-#: supervisord (the lab connection plugin's entry); an nspawn machine's ``<host>.pid`` is its
+#: How ``nsenter`` enters a lab host (docs/lab.md): ``<host>.pid`` is its nspawn machine's
 #: systemd, entered with every namespace (``nsenter -t LEADER -a``, as roles/lab does).
-NSENTER_FLAGS: dict[str, tuple[str, ...]] = {
-    "supervisor": ("--mount", "--net", "--uts", "--pid"),
-    "systemd": ("--all",),
-}
+NSENTER_FLAGS: tuple[str, ...] = ("--all",)
 
 
 class LabHosts:
     """Runs commands inside the lab's simulated hosts: ``nsenter`` into the process named by
-    ``<lab_dir>/<host>.pid`` (the netns backend's holder, an nspawn machine's systemd) with the
-    namespaces of :data:`NSENTER_FLAGS`. ``ctl`` (:func:`dsv41.service_control.for_manager`)
+    ``<lab_dir>/<host>.pid`` (the nspawn machine's systemd) with the namespaces of
+    :data:`NSENTER_FLAGS`. ``ctl`` (:func:`dsv41.service_control.for_manager`)
     builds the hosts' service-manager commands."""
 
     def __init__(self, lab_dir: str | Path, ctl: ServiceControl,
                  runner: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> None:
         self.lab_dir = Path(lab_dir)
         self.ctl = ctl
-        self._enter = NSENTER_FLAGS[ctl.manager]
         self._run = runner
 
     def holder(self, host: str) -> str:
-        """The holder pid of ``host``; DrillError when the lab is not up."""
+        """The pid of ``host``'s systemd (``<lab_dir>/<host>.pid``); DrillError when the lab is not up."""
         p = self.lab_dir / f"{host}.pid"
         try:
             pid = p.read_text().strip()
@@ -203,7 +196,7 @@ class LabHosts:
 
     def run(self, host: str, argv: Sequence[str], check: bool = True, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
         """``argv`` inside ``host``; DrillError with its stderr when ``check`` and it fails."""
-        cmd = ["nsenter", "--target", self.holder(host), *self._enter, "--", *argv]
+        cmd = ["nsenter", "--target", self.holder(host), *NSENTER_FLAGS, "--", *argv]
         try:
             r = self._run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired:
@@ -215,8 +208,8 @@ class LabHosts:
         return r
 
     def program_state(self, host: str, program: str) -> str:
-        """The state word of service ``program`` on ``host`` as its manager says it (supervisor:
-        RUNNING, STOPPED, ...; systemd: active, inactive, failed, ...)."""
+        """The state word of service ``program`` on ``host`` as its manager says it (active,
+        inactive, failed, ...)."""
         r = self.run(host, self.ctl.state(program), check=False)
         return self.ctl.parse_state(program, r.stdout)
 
@@ -417,9 +410,8 @@ class _ProgramStop(Fault):
             return {"host": self.host, "action": "none", "state": state}
         # A unit that spent its restart budget refuses a start until its start limit is cleared
         # (what control.yml does before an operator's start).
-        reset = ctl.reset_failed(self.program) if state == "failed" else None
-        if reset:
-            self.hosts.run(self.host, reset)
+        if state == "failed":
+            self.hosts.run(self.host, ctl.reset_failed(self.program))
         argv = ctl.start(self.program)
         self.hosts.run(self.host, argv, timeout_s=180)
         return {"host": self.host, "action": ctl.describe(argv), "was": state}

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Idempotent building blocks of the dsv41 lab (network namespaces + holder processes).
+# Idempotent building blocks of the dsv41 lab's network: the blackhole route, the management
+# bridge, each host's network namespace and the direct links (the hosts themselves are nspawn
+# machines in those namespaces: nspawnhost.sh).
 # Each sub-command converges one piece of state and prints "changed: <what>" for every action it
 # took (or would take, with --check); nothing printed = already as wanted. Exit != 0 = error.
 # Used by roles/lab (tasks/present.yml, tasks/absent.yml); needs root and iproute2.
@@ -66,42 +68,10 @@ cmd_link() { # NS_A IF_A ADDR_A/PFX NS_B IF_B ADDR_B/PFX MTU : a direct point-to
   ensure_if "$nb" "$ib" "$cb" "$mtu"
 }
 
-holder_alive() { # PIDFILE
-  local pid
-  [[ -f $1 ]] || return 1
-  pid=$(cat "$1")
-  [[ $pid =~ ^[0-9]+$ ]] && (( pid > 1 )) && [[ -e /proc/$pid ]]
-}
-
-cmd_holder() { # NS HOSTNAME PIDFILE INIT_CMD MOUNT_SRC:MOUNT_DST...
-  # A process with its own mount + uts + pid namespaces inside NS. Its pid-namespace init is
-  # INIT_CMD (supervisord -n), started after the hostname and the bind mounts are in place.
-  local ns=$1 host=$2 pidf=$3 init=$4; shift 4
-  if holder_alive "$pidf"; then return 0; fi
-  if (( CHECK )); then say "holder for $host"; return 0; fi
-  say "holder for $host"
-  # Its own /dev/shm, as a real host has: shared-memory rings of processes killed by lab down
-  # vanish with the mount namespace instead of piling up on the machine.
-  local script="hostname $host; mount -t tmpfs -o mode=1777,size=256m tmpfs /dev/shm"
-  local m
-  for m in "$@"; do script+="; mount --bind ${m%%:*} ${m#*:}"; done
-  script+="; exec $init"
-  setsid ip netns exec "$ns" unshare --mount --uts --pid --fork --mount-proc --propagation private \
-    -- sh -c "$script" </dev/null >/dev/null 2>&1 &
-  local upid=$! child="" i
-  for i in $(seq 100); do
-    child=$(pgrep -P "$upid" || true)
-    [[ -n $child ]] && break
-    sleep 0.05
-  done
-  [[ -n $child ]] || { echo "labnet: holder for $host did not start" >&2; exit 1; }
-  echo "$child" > "$pidf"
-}
-
-cmd_down() { # NS HOSTVETH PIDFILE : kill only processes inside NS, then delete NS and the veth
-  local ns=$1 veth=$2 pidf=$3 p i
+cmd_down() { # NS HOSTVETH : kill only processes inside NS, then delete NS and the veth
+  local ns=$1 veth=$2 p i
   if [[ -e /run/netns/$ns ]]; then
-    # SIGKILL: a pid-namespace init ignores SIGTERM (and unshare --fork ignores it too).
+    # SIGKILL: a pid-namespace init ignores SIGTERM.
     for p in $(ip netns pids "$ns"); do act "kill $p in $ns" kill -KILL "$p" 2>/dev/null || true; done
     if (( ! CHECK )); then
       for i in $(seq 50); do [[ -z $(ip netns pids "$ns") ]] && break; sleep 0.1; done
@@ -111,7 +81,6 @@ cmd_down() { # NS HOSTVETH PIDFILE : kill only processes inside NS, then delete 
   # Deleting the netns destroys its veth peers asynchronously: the root-side end may vanish
   # between the check and the delete, which is the state we want, not an error.
   if has_link - "$veth"; then act "veth $veth" del_link "$veth"; fi
-  if [[ -f $pidf ]]; then act "pidfile $pidf" rm -f "$pidf"; fi
 }
 
 cmd_bridge_down() { # NAME CIDR
@@ -119,14 +88,13 @@ cmd_bridge_down() { # NAME CIDR
   if ip route show type blackhole "$2" | grep -q .; then act "blackhole route $2" ip route del blackhole "$2"; fi
 }
 
-sub=${1:?usage: labnet.sh [--check] blackhole|bridge|host|link|holder|down|bridge-down ARGS}
+sub=${1:?usage: labnet.sh [--check] blackhole|bridge|host|link|down|bridge-down ARGS}
 shift
 case $sub in
   blackhole) cmd_blackhole "$@" ;;
   bridge) cmd_bridge "$@" ;;
   host) cmd_host "$@" ;;
   link) cmd_link "$@" ;;
-  holder) cmd_holder "$@" ;;
   down) cmd_down "$@" ;;
   bridge-down) cmd_bridge_down "$@" ;;
   *) echo "labnet: unknown sub-command $sub" >&2; exit 2 ;;

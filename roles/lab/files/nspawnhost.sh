@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Idempotent building blocks of the lab's nspawn backend (roles/lab, lab_host_backend=nspawn):
+# Idempotent building blocks of the lab's hosts (roles/lab, tasks/nspawn.yml):
 # each simulated host is a systemd-nspawn machine booted from one cached rootfs (overlay per host)
 # inside the host's network namespace (made by labnet.sh), in its own cgroup directories.
 # Like labnet.sh: prints "changed: <what>" for every action taken (or that would be taken with
@@ -70,7 +70,7 @@ nspawn_alive() { # PIDFILE CG
 
 # True when LEADER_PIDFILE names a live systemd that is pid 1 of its own pid namespace, sits in the
 # network namespace NS and is the child of our systemd-nspawn (NSPAWN_PIDFILE, in cgroup CG): the
-# host's systemd, never a recycled pid nor the netns backend's supervisord.
+# host's systemd, never a recycled pid.
 leader_alive() { # LEADER_PIDFILE NS NSPAWN_PIDFILE CG
   local pid
   [[ -f $1 ]] && nspawn_alive "$3" "$4" || return 1
@@ -182,9 +182,9 @@ cmd_down() { # MACHINE NS HOSTDIR LEADER_PIDFILE NSPAWN_PIDFILE CGROUP TIMEOUT_S
   if [[ -d /run/systemd/nspawn/propagate/$m ]]; then act "/run/systemd/nspawn/propagate/$m" rm -rf "/run/systemd/nspawn/propagate/$m"; fi
   # nspawn's own empty run-time directories (rmdir: never one another machine still uses).
   rmdir /run/systemd/nspawn/propagate /run/systemd/nspawn/locks /run/systemd/nspawn 2>/dev/null || true
-  # The leader pid file is this backend's only when nspawn's is there (the netns backend's holder
-  # uses the same name; labnet.sh down removes that one).
-  if [[ -f $npf ]]; then act "pidfiles $lpf $npf" rm -f "$lpf" "$npf"; fi
+  for p in "$lpf" "$npf"; do
+    if [[ -f $p ]]; then act "pidfile $p" rm -f "$p"; fi
+  done
 }
 
 sub=${1:?usage: nspawnhost.sh [--check] rootfs|base|overlay|boot|poweroff|down ARGS}
