@@ -270,6 +270,47 @@ def test_a_multi_piece_job_is_planned_fetched_and_handed_off_by_the_core_exactly
         srv.stop()
 
 
+def test_the_phase_trace_records_each_multi_piece_job_in_order(tabs, workers, small_pieces) -> None:
+    """``EngramCore.set_trace`` (issue 23 pass K, the step benchmark's decomposition): off, no
+    job is recorded; on, every multi-piece job (none of the decode jobs) with its pieces'
+    request and launch times in order, monotonic ns within the step's wall time; the rows stay
+    exact; ``take_traces`` clears what it returned."""
+    port = _free_port()
+    srv = _serve(tabs, port)
+    src = _source(tabs, port)
+    try:
+        r1, r14 = _rows(tabs, src, 1), _rows(tabs, src, 14)
+        assert _step(tabs, r1, r14, 2, 70)  # lease
+        core = r1._worker.core
+        assert _step(tabs, r1, r14, 50, 71)
+        assert core.take_traces() == []  # tracing is off by default
+        core.set_trace(True)
+        t0 = time.monotonic_ns()
+        assert _step(tabs, r1, r14, 50, 72)
+        assert _step(tabs, r1, r14, 2, 73)  # a decode step: one piece per layer, not traced
+        t1 = time.monotonic_ns()
+        got = core.take_traces()
+        assert [g["key"] for g in got] == [r1._slot.key, r14._slot.key]  # layer 1 first, then 14
+        for g in got:
+            assert g["rows"] == 50 * r1.part and len(g["fetch0"]) == len(g["fetch1"]) == len(g["launch1"]) == 6
+            seq = [g["t_sub"], g["t_deq"], g["t_ids"], g["t_plan0"]]
+            for a, b, c in zip(g["fetch0"], g["fetch1"], g["launch1"]):
+                assert a and b  # every piece has owned ids here
+                seq += [a, b, c]
+            seq.append(g["t_done"])
+            assert seq == sorted(seq) and t0 <= seq[0] and seq[-1] <= t1
+        assert core.take_traces() == []
+        core.set_trace(False)
+        assert _step(tabs, r1, r14, 50, 74)
+        assert core.take_traces() == []
+        sc = src.counters()
+        assert sc["fallbacks"] == 0 and sc["transport_errors"] == 0
+    finally:
+        E.stop_workers()
+        src.close()
+        srv.stop()
+
+
 def test_the_fixed_piece_layout_launch_equals_the_plan_of_each_piece(tabs, small_pieces) -> None:
     """``_launch_piece`` (the sequence a piece graph captures) reads selectors relative to the
     piece and its packed rows from ``max_rows*4 + r0*264``: fed the exact rows of a piece planned

@@ -1022,6 +1022,20 @@ struct EngramJob {
   bool py_wait;  // the ids event is a Python object (no raw handle): Python waits on it
   int64_t t_sub;
   int64_t n = 0;
+  int64_t t_deq = 0, t_ids = 0;  // dequeued, ids event done (CLOCK_MONOTONIC ns; the phase trace)
+};
+
+// One multi-piece job's phase timestamps (EngramCore::set_trace, issue 23 pass K: the step
+// benchmark's decomposition of layer 1's exposed time), CLOCK_MONOTONIC ns as Python's
+// time.monotonic_ns(): submitted, dequeued, ids event done, piece 0 planned; per piece the
+// request's start and end and the end of its graph launch (the start of the next piece's
+// request, less these, is the wait for its plan); the done event recorded and handed off
+// (on the CPU: the return to Python).
+struct PieceTrace {
+  int64_t key = 0;
+  uint64_t gen = 0;
+  int64_t rows = 0, t_sub = 0, t_deq = 0, t_ids = 0, t_plan0 = 0, t_done = 0;
+  std::vector<int64_t> fetch0, fetch1, launch1;
 };
 
 class EngramCore {
@@ -1089,6 +1103,32 @@ class EngramCore {
     return d;
   }
 
+  // The phase trace of multi-piece jobs (PieceTrace; off by default, the step benchmark turns it
+  // on): set_trace(on) starts or stops recording, take_traces() returns and clears the recorded
+  // jobs, oldest first, as dicts of CLOCK_MONOTONIC ns (key, gen, rows, t_sub, t_deq, t_ids,
+  // t_plan0, t_done, and per piece fetch0 / fetch1 / launch1 lists; fetch0 = fetch1 = 0 where a
+  // piece had no request). Jobs served whole are recorded (on CUDA: launch1 after the piece's
+  // graph launch, t_done after the done event and the hand-off; on the CPU, PIECES_FETCHED:
+  // launch1 = the reply's end, t_done the return to Python); at most kMaxTraces are kept.
+  static constexpr size_t kMaxTraces = 256;
+  void set_trace(bool on) { trace_.store(on, std::memory_order_relaxed); }
+  py::list take_traces() {
+    std::deque<PieceTrace> got;
+    {
+      std::lock_guard<std::mutex> g(cm_);
+      got.swap(traces_);
+    }
+    py::list out;
+    for (auto &t : got) {
+      py::dict d;
+      d["key"] = t.key; d["gen"] = t.gen; d["rows"] = t.rows; d["t_sub"] = t.t_sub; d["t_deq"] = t.t_deq;
+      d["t_ids"] = t.t_ids; d["t_plan0"] = t.t_plan0; d["t_done"] = t.t_done;
+      d["fetch0"] = t.fetch0; d["fetch1"] = t.fetch1; d["launch1"] = t.launch1;
+      out.append(d);
+    }
+    return out;
+  }
+
   // Worker thread: serve jobs until one needs Python; returns (status, [(key, gen, n)...], code, rcount).
   py::tuple next() {
     std::vector<EngramJob> batch;
@@ -1124,12 +1164,14 @@ class EngramCore {
     l.unlock();
     int64_t t0 = now_ns();
     EngramJob &j0 = batch[0];
+    j0.t_deq = t0;
     add(c_wake, t0 - j0.t_sub);
     if (j0.py_wait) return PYTHON_IDS;  // Python waits on its ids event, then calls coalesce()
     const CudaDriver &cu = cuda_driver();
     if (j0.cuda && (!j0.ids_event || !cu.ok || cu.event_sync(j0.ids_event) != 0))
       return PYTHON;  // Python's synchronize raises the cause
     int64_t t1 = now_ns();
+    j0.t_ids = t1;
     add(c_ids, t1 - t0);
     gather(batch, j0.rows);
     add(c_coal, now_ns() - t1);
@@ -1182,6 +1224,7 @@ class EngramCore {
         int64_t t = now_ns();
         for (size_t k = batch.size(); k-- > 1;) {
           batch[k].t_sub = t;  // back to the queue's front: their wake-up is not counted twice
+          batch[k].t_deq = batch[k].t_ids = 0;
           q_.push_front(std::move(batch[k]));
         }
         batch.resize(1);
@@ -1286,7 +1329,15 @@ class EngramCore {
       plan.plan(0);
       plan.start_ahead();
     }
-    add(c_plan, now_ns() - tp);
+    const int64_t t_plan0 = now_ns();
+    add(c_plan, t_plan0 - tp);
+    PieceTrace tr;
+    const bool tracing = trace_.load(std::memory_order_relaxed);
+    if (tracing) {
+      tr.key = s.key; tr.gen = j.gen; tr.rows = j.rows; tr.t_sub = j.t_sub; tr.t_deq = j.t_deq; tr.t_ids = j.t_ids;
+      tr.t_plan0 = t_plan0;
+      tr.fetch0.assign(pieces.size(), 0); tr.fetch1.assign(pieces.size(), 0); tr.launch1.assign(pieces.size(), 0);
+    }
     uint8_t *packed = s.hbuf + s.max_rows * 4;
     size_t launched = 0;
     int64_t launch_ns = 0;
@@ -1308,6 +1359,7 @@ class EngramCore {
                                  spin_ns_, 0, status, ridx);
         gen_ += (n + size_t(chunk_rows_) - 1) / size_t(chunk_rows_);
         int64_t te = now_ns();
+        if (tracing) { tr.fetch0[k] = tf; tr.fetch1[k] = te; }
         fetch_ns += te - tf;
         {
           std::lock_guard<std::mutex> g(cm_);
@@ -1321,7 +1373,10 @@ class EngramCore {
           return PIECES_FAILED;
         }
       }
-      if (!j.cuda) continue;
+      if (!j.cuda) {  // the CPU: Python launches the pieces (PIECES_FETCHED)
+        if (tracing) tr.launch1[k] = now_ns();
+        continue;
+      }
       int64_t tl = now_ns();
       std::lock_guard<std::mutex> g(s.m);
       if (j.gen == s.abandoned || j.gen != s.current) {  // refused meanwhile: nothing more launched
@@ -1334,11 +1389,16 @@ class EngramCore {
         return PIECES_FAILED;
       }
       launched++;
-      launch_ns += now_ns() - tl;
+      const int64_t tle = now_ns();
+      if (tracing) tr.launch1[k] = tle;
+      launch_ns += tle - tl;
     }
     j.n = plan.finish();
     add(c_plan_ahead, plan.ahead_ns);
-    if (!j.cuda) return PIECES_FETCHED;
+    if (!j.cuda) {
+      if (tracing) keep_trace(tr, now_ns());
+      return PIECES_FETCHED;
+    }
     int64_t tl = now_ns();
     {
       std::lock_guard<std::mutex> g(s.m);
@@ -1349,9 +1409,17 @@ class EngramCore {
       }
       s.handoff_locked(j.gen);
     }
+    const int64_t t_done = now_ns();
     add(c_launches, int64_t(launched));
-    add(c_launch, launch_ns + now_ns() - tl);
+    add(c_launch, launch_ns + t_done - tl);
+    if (tracing) keep_trace(tr, t_done);
     return REPORT;
+  }
+  void keep_trace(PieceTrace &tr, int64_t t_done) {
+    tr.t_done = t_done;
+    std::lock_guard<std::mutex> g(cm_);
+    if (traces_.size() >= kMaxTraces) traces_.pop_front();
+    traces_.push_back(std::move(tr));
   }
   // Before Python rewrites the staging of a job whose pieces were partly launched: wait for them.
   void drain(EngramJob &j, size_t launched) {
@@ -1374,6 +1442,8 @@ class EngramCore {
   std::mutex m_, cm_;
   std::condition_variable cv_;
   std::deque<EngramJob> q_;
+  std::atomic<bool> trace_{false};
+  std::deque<PieceTrace> traces_;  // the latest kMaxTraces multi-piece jobs served on CUDA (under cm_)
   bool retired_ = false;
   uint64_t joins_ = 0;
   int64_t expect_ = 1;
@@ -1470,7 +1540,9 @@ PYBIND11_MODULE(_fastrow, m) {
       .def("counters", &EngramCore::counters)
       .def("source_counters", &EngramCore::source_counters)
       .def("next", &EngramCore::next)
-      .def("coalesce", &EngramCore::coalesce);
+      .def("coalesce", &EngramCore::coalesce)
+      .def("set_trace", &EngramCore::set_trace, py::arg("on"))
+      .def("take_traces", &EngramCore::take_traces);
   m.def("client_lookup", &client_lookup);
   // end_ns defaults to 0 (no whole-call deadline), so callers of the 9-argument form keep working
   m.def("client_lookup_many", &client_lookup_many, py::arg("fd"), py::arg("gen0"), py::arg("ident"), py::arg("rows"),
