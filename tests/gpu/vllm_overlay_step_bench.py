@@ -353,7 +353,7 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
         core = ovl[0].embed_tokens._dsv41._worker.core if ovl[0].embed_tokens._dsv41._worker else None
         tracing = bool(prefill and core is not None and hasattr(core, "set_trace"))
         keys = [o.embed_tokens._dsv41._slot.key for o in ovl] if tracing else []
-        phases, l0_ms, fetch14 = [], {arm: [] for arm in fw}, []
+        phases, l0_ms, fetch14, bad_traces = [], {arm: [] for arm in fw}, [], []
         if tracing:  # layer 1's phases per timed overlay step (issue 23 pass K)
             core.set_trace(True)
             core.take_traces()
@@ -386,7 +386,11 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
                     if t1:
                         gms = {"l0_start": e0.elapsed_time(f.l0[0]), "l0_end": e0.elapsed_time(f.l0[1]),
                                "a": e0.elapsed_time(f.stall[1][0]), "b": e0.elapsed_time(f.stall[1][1])}
-                        ph = P.layer1_phases(t1[-1], h0, gms, args.prefill_layer_ms)
+                        try:
+                            ph = P.layer1_phases(t1[-1], h0, gms, args.prefill_layer_ms)
+                        except Exception as exc:  # noqa: BLE001 - a bad trace is counted, not fatal
+                            bad_traces.append(str(exc))
+                            continue
                         ph["join_wake"] = (f.host_ns["join1_1"] - t1[-1]["t_done"]) * 1e-6
                         ph["prepare_host"] = (f.host_ns["prepare1"] - f.host_ns["prepare0"]) * 1e-6
                         phases.append(ph)
@@ -475,6 +479,7 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
             row["layer0_ms_measured_median"] = {arm: round(float(np.median(v)), 3) for arm, v in l0_ms.items() if v}
             if phases:
                 row["prefill_paired"] = prefill_paired(phases, fetch14)
+            row["phase_traces_refused"] = bad_traces[:5] + ([f"... {len(bad_traces)} in all"] if len(bad_traces) > 5 else [])
         results.append(row)
         print(json.dumps(row), flush=True)
         del fw
