@@ -92,3 +92,23 @@ def test_summarize_gives_median_and_percentiles_per_key():
     assert s["tail"]["median"] == pytest.approx(0.4)
     with pytest.raises(Dsv41Error):
         P.summarize([])
+
+
+def test_a_head_first_piece_0_counts_the_wait_between_its_requests_as_a_plan_wait():
+    """Piece 0 requested as a head and a rest (the core's HEAD_ROWS): the wait for the rest's plan
+    between them is no fetch time; the phases still sum to the critical path."""
+    t0 = 3 * MS
+    tr = _trace(t0, pieces=2)
+    tr["t_head1"] = tr["fetch0"][0] + int(1.0 * MS)
+    tr["t_rest0"] = tr["t_head1"] + int(0.05 * MS)
+    gms = {"l0_start": 0.0, "l0_end": 2.0, "a": 2.0, "b": (tr["t_done"] - t0) / MS + 0.2}
+    ph = P.layer1_phases(tr, t0, gms, 2.0)
+    assert ph["fetch"] == pytest.approx(10.0 - 0.05)
+    assert ph["plan_waits"] == pytest.approx(0.01 + 0.05)
+    assert sum(ph[k] for k in P.PHASES) == pytest.approx(ph["critical"])
+    tr["t_rest0"] = 0
+    with pytest.raises(Dsv41Error):
+        P.layer1_phases(tr, t0, gms, 2.0)
+    tr["t_rest0"] = tr["t_head1"] - 1  # the rest before the head's end
+    with pytest.raises(Dsv41Error):
+        P.layer1_phases(tr, t0, gms, 2.0)

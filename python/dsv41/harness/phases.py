@@ -19,7 +19,9 @@ sum of
   layer 1, the worker's wake-up, the ids wait, piece 0's plan), split into ``submit_after_l0``,
   ``wake``, ``ids_wait``, ``plan0`` and ``plan0_to_fetch``;
 - ``launches``: the piece graph launches between requests (pieces 0..n-2);
-- ``plan_waits``: waits for a piece's plan between its predecessor's launch and its request;
+- ``plan_waits``: waits for a piece's plan between its predecessor's launch and its request,
+  and (piece 0 requested as a head and a rest, issue 23 pass K) between the head's reply and
+  the rest's request;
 - ``last_launch``: after the last reply, its graph launch, the done event and the hand-off;
 - ``tail``: the hand-off to ``b`` (the last piece's H2D copy and kernel, the launching
   thread's wake-up in ``join`` and the main stream's wait on the done event);
@@ -46,7 +48,8 @@ def layer1_phases(trace: dict, host_t0_ns: int, gpu_ms: dict, layer0_target_ms: 
 
     ``trace``: one ``EngramCore.take_traces()`` entry (ints, ns: ``t_sub``, ``t_deq``,
     ``t_ids``, ``t_plan0``, ``t_done``; lists ``fetch0``, ``fetch1``, ``launch1`` of one entry per
-    piece, 0 for a piece with no request); ``host_t0_ns``: ``time.monotonic_ns()`` just before
+    piece, 0 for a piece with no request; optional ``t_head1`` / ``t_rest0``, nonzero when piece 0
+    was requested as a head and a rest: the head's end and the rest's start); ``host_t0_ns``: ``time.monotonic_ns()`` just before
     the step's first main-stream event; ``gpu_ms``: float ms after that event of ``l0_start``,
     ``l0_end``, ``a`` and ``b``; ``layer0_target_ms``: the stand-in's per-layer time.
 
@@ -73,22 +76,26 @@ def layer1_phases(trace: dict, host_t0_ns: int, gpu_ms: dict, layer0_target_ms: 
         fs.append(a0)
         fe.append(a1)
         prev_end = l1[k]
+    h1, r0 = int(trace.get("t_head1", 0) or 0), int(trace.get("t_rest0", 0) or 0)
+    if bool(h1) != bool(r0):
+        raise Dsv41Error("phase trace: a head's end without the rest's start, or the reverse")
+    split = (h1 - fs[0], r0 - h1) if h1 else (0, 0)  # piece 0: head fetch, wait before the rest
     seq = [t_sub, t_deq, t_ids, t_plan0]
     for k in range(n):
-        seq += [fs[k], fe[k], l1[k]]
+        seq += [fs[k]] + ([h1, r0] if k == 0 and h1 else []) + [fe[k], l1[k]]
     if any(b < a for a, b in zip(seq, seq[1:])) or t_done < l1[-1]:
         raise Dsv41Error("phase trace: timestamps out of order")
     ms = 1e-6
     l0s = host_t0_ns + gpu_ms["l0_start"] * 1e6
     b_ns = host_t0_ns + gpu_ms["b"] * 1e6
-    fetch = sum(fe[k] - fs[k] for k in range(n)) * ms
+    fetch = (sum(fe[k] - fs[k] for k in range(n)) - split[1]) * ms
     layer0 = gpu_ms["l0_end"] - gpu_ms["l0_start"]
     stall = gpu_ms["b"] - gpu_ms["a"]
     out = {
         "submit_after_l0": (t_sub - l0s) * ms, "wake": (t_deq - t_sub) * ms, "ids_wait": (t_ids - t_deq) * ms,
         "plan0": (t_plan0 - t_ids) * ms, "plan0_to_fetch": (fs[0] - t_plan0) * ms,
         "launches": sum(l1[k] - fe[k] for k in range(n - 1)) * ms,
-        "plan_waits": sum(fs[k] - l1[k - 1] for k in range(1, n)) * ms,
+        "plan_waits": (sum(fs[k] - l1[k - 1] for k in range(1, n)) + split[1]) * ms,
         "last_launch": (t_done - fe[-1]) * ms, "tail": (b_ns - t_done) * ms,
         "fetch": fetch, "layer0": layer0, "stall": stall,
         "excess": stall - (fetch - layer0), "excess_target": stall - (fetch - layer0_target_ms),

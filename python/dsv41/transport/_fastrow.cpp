@@ -784,9 +784,10 @@ py::tuple client_lookup_segs(int fd, uint64_t gen, uint16_t version, py::tuple s
 // unpredictable: pass H measured about 3.6 ns per id with it): sel[i] = the id's position in the
 // piece's fetch list or -1, fetch[0, n) the owned ids in order; returns n. fetch[n] is written
 // before n is known to grow, which stays inside [0, r1 - r0). `bad` is set when an owned id is
-// at or past `limit` (the table's row count).
+// at or past `limit` (the table's row count). `sel_off` is added to every owned id's selector:
+// a span planned after `sel_off` owned ids of the same piece (its fetch list then starts there).
 static inline int64_t plan_span(const int64_t *ids, int64_t r0, int64_t r1, int64_t lo, int64_t hi, uint64_t limit,
-                                int32_t *sel, int64_t *fetch, bool &bad) {
+                                int32_t *sel, int64_t *fetch, bool &bad, int32_t sel_off = 0) {
   if (hi <= lo) {
     for (int64_t i = r0; i < r1; i++) sel[i] = -1;
     return 0;
@@ -798,7 +799,7 @@ static inline int64_t plan_span(const int64_t *ids, int64_t r0, int64_t r1, int6
   for (int64_t i = r0; i < r1; i++) {
     const int64_t v = ids[i];
     const int64_t own = int64_t(uint64_t(v) - ulo < width);
-    sel[i] = own ? int32_t(n) : -1;
+    sel[i] = own ? int32_t(n) + sel_off : -1;
     fetch[n] = v;
     over |= uint64_t(own) & uint64_t(uint64_t(v) >= limit);
     n += own;
@@ -960,11 +961,15 @@ struct EngramSlot {
 // 1..count-1 on a planner thread (in order, publishing `planned`), so the worker thread waits
 // (wait(k)) only when a piece's plan is not done by the time its request is due. The destructor
 // stops and joins the planner: no early return leaves it writing into buffers Python reuses.
+// plan_head(h) (issue 23 pass K) plans only piece 0's first h rows (head_n owned ids: a request
+// of its own, sent at once); start_ahead() then plans the rest of piece 0 first, continuing its
+// fetch list and selectors after head_n, so piece 0's plan and fetch list are those of plan(0).
 struct PiecePlan {
   EngramSlot &s;
   const int64_t rows, piece_rows;
   const size_t count;
   std::vector<int64_t> ns;  // owned ids per piece
+  int64_t head_rows = 0, head_n = 0;  // plan_head: piece 0's rows planned first, their owned ids
   std::atomic<size_t> planned{0};
   std::atomic<bool> stop{false};
   bool bad = false;
@@ -978,22 +983,34 @@ struct PiecePlan {
 
   void plan(size_t k) {
     const int64_t r0 = int64_t(k) * piece_rows, r1 = std::min(r0 + piece_rows, rows);
-    ns[k] = plan_span(s.ids, r0, r1, s.lo, s.hi, s.limit, reinterpret_cast<int32_t *>(s.hbuf), s.fetch + r0, bad);
+    int32_t *sel = reinterpret_cast<int32_t *>(s.hbuf);
+    if (k == 0 && head_rows > 0)  // the rest of piece 0, after its head's owned ids
+      ns[0] = head_n + plan_span(s.ids, head_rows, r1, s.lo, s.hi, s.limit, sel, s.fetch + head_n, bad,
+                                 int32_t(head_n));
+    else
+      ns[k] = plan_span(s.ids, r0, r1, s.lo, s.hi, s.limit, sel, s.fetch + r0, bad);
     planned.store(k + 1, std::memory_order_release);
+  }
+  // Piece 0's first h rows only (0 < h < piece 0's rows; else nothing): head_n owned ids at fetch[0..).
+  void plan_head(int64_t h) {
+    if (count == 0 || h <= 0 || h >= std::min(piece_rows, rows)) return;
+    head_n = plan_span(s.ids, 0, h, s.lo, s.hi, s.limit, reinterpret_cast<int32_t *>(s.hbuf), s.fetch, bad);
+    head_rows = h;
   }
   void run_all() {
     for (size_t k = 0; k < count; k++) plan(k);
   }
   void start_ahead() {
-    if (count < 2) return;
+    const size_t first = head_rows > 0 ? 0 : 1;  // after plan_head: the rest of piece 0 first
+    if (count <= first) return;
     try {
-      th = std::thread([this] {
+      th = std::thread([this, first] {
         const int64_t t0 = now_ns();
-        for (size_t k = 1; k < count && !stop.load(std::memory_order_relaxed); k++) plan(k);
+        for (size_t k = first; k < count && !stop.load(std::memory_order_relaxed); k++) plan(k);
         ahead_ns = now_ns() - t0;
       });
     } catch (const std::system_error &) {  // no thread to be had: plan here, as before
-      for (size_t k = 1; k < count; k++) plan(k);
+      for (size_t k = first; k < count; k++) plan(k);
     }
   }
   void wait(size_t k) {
@@ -1030,11 +1047,14 @@ struct EngramJob {
 // time.monotonic_ns(): submitted, dequeued, ids event done, piece 0 planned; per piece the
 // request's start and end and the end of its graph launch (the start of the next piece's
 // request, less these, is the wait for its plan); the done event recorded and handed off
-// (on the CPU: the return to Python).
+// (on the CPU: the return to Python). Piece 0 with a head (plan_head): fetch0[0] is the head
+// request's start, fetch1[0] the rest's end, t_head1 / t_rest0 the head's end and the rest's
+// start (between them the wait for the rest's plan); both 0 without a head.
 struct PieceTrace {
   int64_t key = 0;
   uint64_t gen = 0;
   int64_t rows = 0, t_sub = 0, t_deq = 0, t_ids = 0, t_plan0 = 0, t_done = 0;
+  int64_t t_head1 = 0, t_rest0 = 0;  // piece 0 with a head: its request's end, the rest's request's start
   std::vector<int64_t> fetch0, fetch1, launch1;
 };
 
@@ -1046,8 +1066,14 @@ class EngramCore {
   // Requests in flight per piece of a multi-piece job (tcp.TcpClient.lookup_many's window).
   static constexpr uint32_t kPieceWindow = 4;
 
-  EngramCore(int64_t chunk_rows, int64_t piece_rows, double report_s)
-      : chunk_rows_(chunk_rows), piece_rows_(piece_rows), report_ns_(int64_t(report_s * 1e9)), last_return_(now_ns()) {}
+  // head_rows (issue 23 pass K): piece 0 of a multi-piece job is requested in two parts, its
+  // first head_rows rows planned and sent at once, the rest planned meanwhile by the planner
+  // thread (0: piece 0 planned whole before its request, as before).
+  EngramCore(int64_t chunk_rows, int64_t piece_rows, double report_s, int64_t head_rows = 0)
+      : chunk_rows_(chunk_rows), piece_rows_(piece_rows), head_rows_(head_rows), report_ns_(int64_t(report_s * 1e9)),
+        last_return_(now_ns()) {
+    if (head_rows < 0) throw std::invalid_argument("EngramCore: head_rows must be >= 0");
+  }
 
   // Launching thread: queue one layer's job (handles are 0 where there is no CUDA).
   void submit(std::shared_ptr<EngramSlot> slot, uint64_t gen, int64_t rows, uint64_t out, uint64_t stream,
@@ -1124,6 +1150,7 @@ class EngramCore {
       d["key"] = t.key; d["gen"] = t.gen; d["rows"] = t.rows; d["t_sub"] = t.t_sub; d["t_deq"] = t.t_deq;
       d["t_ids"] = t.t_ids; d["t_plan0"] = t.t_plan0; d["t_done"] = t.t_done;
       d["fetch0"] = t.fetch0; d["fetch1"] = t.fetch1; d["launch1"] = t.launch1;
+      d["t_head1"] = t.t_head1; d["t_rest0"] = t.t_rest0;
       out.append(d);
     }
     return out;
@@ -1326,7 +1353,8 @@ class EngramCore {
     } else {
       // no owned id can be past the table (it covers [lo, hi)): piece 0 planned here, the rest
       // by a planner thread while the requests of the pieces before are in flight
-      plan.plan(0);
+      plan.plan_head(head_rows_);  // piece 0's head (issue 23 pass K); without one, piece 0 whole
+      if (plan.head_rows == 0) plan.plan(0);
       plan.start_ahead();
     }
     const int64_t t_plan0 = now_ns();
@@ -1349,29 +1377,25 @@ class EngramCore {
         add(c_plan, now_ns() - tw);
       }
       const std::vector<int64_t> &ns = plan.ns;
-      if (ns[k]) {
-        int64_t tf = now_ns();
-        uint32_t status = 0;
-        size_t ridx = 0;
-        size_t n = size_t(ns[k]);
-        code = lookup_many_nogil(fd_, gen_, s.ident, reinterpret_cast<const uint8_t *>(s.fetch + r0), n,
-                                 packed + size_t(r0) * kRow, uint32_t(chunk_rows_), kPieceWindow, timeout_ns_,
-                                 spin_ns_, 0, status, ridx);
-        gen_ += (n + size_t(chunk_rows_) - 1) / size_t(chunk_rows_);
-        int64_t te = now_ns();
-        if (tracing) { tr.fetch0[k] = tf; tr.fetch1[k] = te; }
-        fetch_ns += te - tf;
-        {
-          std::lock_guard<std::mutex> g(cm_);
-          c_fetch += te - tf; c_requests++;
-          if (code == 0) { c_rows += ns[k]; c_lookups++; }
-        }
-        if (code != 0) {
-          rcount = status;
-          fd_ = -1;  // the request failed: Python closes the connection and serves the job again
-          drain(j, launched);
+      if (k == 0 && plan.head_rows > 0) {
+        // piece 0's head (planned alone, so its request leaves before the rest of the piece is
+        // planned), then, once the planner thread has planned the rest, the rest's request: the
+        // same fetch list and packed rows as one request of the piece
+        const size_t hn = size_t(plan.head_n);
+        const int64_t th = now_ns();
+        if (!request(j, s, s.fetch, hn, packed, launched, code, rcount, fetch_ns)) return PIECES_FAILED;
+        const int64_t tw = now_ns();
+        plan.wait(0);
+        const int64_t tr0 = now_ns();
+        add(c_plan, tr0 - tw);
+        if (!request(j, s, s.fetch + hn, size_t(ns[0]) - hn, packed + hn * kRow, launched, code, rcount, fetch_ns))
           return PIECES_FAILED;
-        }
+        if (tracing) { tr.fetch0[0] = th; tr.t_head1 = tw; tr.t_rest0 = tr0; tr.fetch1[0] = now_ns(); }
+      } else if (ns[k]) {
+        const int64_t tf = now_ns();
+        if (!request(j, s, s.fetch + r0, size_t(ns[k]), packed + size_t(r0) * kRow, launched, code, rcount, fetch_ns))
+          return PIECES_FAILED;
+        if (tracing) { tr.fetch0[k] = tf; tr.fetch1[k] = now_ns(); }
       }
       if (!j.cuda) {  // the CPU: Python launches the pieces (PIECES_FETCHED)
         if (tracing) tr.launch1[k] = now_ns();
@@ -1415,6 +1439,32 @@ class EngramCore {
     if (tracing) keep_trace(tr, t_done);
     return REPORT;
   }
+  // One pipelined request of a multi-piece job (lookup_many_nogil: n ids from `fetch`, rows into
+  // `out`) on the lent connection, counted; false when it failed: then rcount holds the refusal
+  // status, the connection is dropped (fd_ = -1, Python closes it) and the pieces already
+  // launched are waited for (drain), and the caller returns PIECES_FAILED. n = 0 sends nothing.
+  bool request(EngramJob &j, EngramSlot &s, const int64_t *fetch, size_t n, uint8_t *out, size_t launched,
+               int &code, uint32_t &rcount, int64_t &fetch_ns) {
+    if (!n) return true;
+    const int64_t tf = now_ns();
+    uint32_t status = 0;
+    size_t ridx = 0;
+    code = lookup_many_nogil(fd_, gen_, s.ident, reinterpret_cast<const uint8_t *>(fetch), n, out,
+                             uint32_t(chunk_rows_), kPieceWindow, timeout_ns_, spin_ns_, 0, status, ridx);
+    gen_ += (n + size_t(chunk_rows_) - 1) / size_t(chunk_rows_);
+    const int64_t te = now_ns();
+    fetch_ns += te - tf;
+    {
+      std::lock_guard<std::mutex> g(cm_);
+      c_fetch += te - tf; c_requests++;
+      if (code == 0) { c_rows += int64_t(n); c_lookups++; }
+    }
+    if (code == 0) return true;
+    rcount = status;
+    fd_ = -1;  // the request failed: Python closes the connection and serves the job again
+    drain(j, launched);
+    return false;
+  }
   void keep_trace(PieceTrace &tr, int64_t t_done) {
     tr.t_done = t_done;
     std::lock_guard<std::mutex> g(cm_);
@@ -1451,7 +1501,7 @@ class EngramCore {
   uint64_t gen_ = 0;
   uint16_t version_ = 1;
   int64_t timeout_ns_ = 0, spin_ns_ = 0;
-  const int64_t chunk_rows_, piece_rows_, report_ns_;
+  const int64_t chunk_rows_, piece_rows_, head_rows_, report_ns_;
   int64_t coalesce_ns_ = 0;  // the last submit's COALESCE_S (read under m_)
   int64_t last_return_;
   int64_t c_batches = 0, c_jobs = 0, c_requests = 0, c_multi = 0, c_launches = 0, c_cwaits = 0, c_rows = 0,
@@ -1462,12 +1512,13 @@ class EngramCore {
 }  // namespace
 
 // The core's plan of a multi-piece job (PiecePlan, as EngramCore::serve_pieces runs it) on given
-// buffers: `ahead` plans piece 0 here and the rest on the planner thread, waited for piece by
-// piece; otherwise every piece in turn. Returns (owned ids per piece, whether an owned id is at
-// or past `limit`). For the tests that the two orders give the same pieces.
+// buffers: `ahead` plans piece 0 here (only its first `head` rows when 0 < head < piece 0's rows,
+// the rest of it then first on the planner thread) and the rest on the planner thread, waited for
+// piece by piece; otherwise every piece in turn. Returns (owned ids per piece, whether an owned id
+// is at or past `limit`). For the tests that the orders give the same pieces.
 py::tuple plan_pieces(py::array_t<int64_t, py::array::c_style> ids, int64_t lo, int64_t hi, uint64_t limit,
                       int64_t piece_rows, py::array_t<int32_t, py::array::c_style> sel,
-                      py::array_t<int64_t, py::array::c_style> fetch, bool ahead) {
+                      py::array_t<int64_t, py::array::c_style> fetch, bool ahead, int64_t head) {
   const ssize_t r = ids.size();
   if (sel.size() < r || fetch.size() < r) throw std::invalid_argument("plan_pieces: sel and fetch need ids.size() entries");
   if (piece_rows <= 0 || r > INT32_MAX) throw std::invalid_argument("plan_pieces: piece_rows must be > 0 and ids < 2^31");
@@ -1483,9 +1534,10 @@ py::tuple plan_pieces(py::array_t<int64_t, py::array::c_style> ids, int64_t lo, 
     py::gil_scoped_release nogil;
     PiecePlan plan(slot, r, piece_rows, count);
     if (ahead && count) {
-      plan.plan(0);
+      plan.plan_head(head);  // the core's order: piece 0's head, then its rest and pieces 1.. ahead
+      if (plan.head_rows == 0) plan.plan(0);
       plan.start_ahead();
-      for (size_t k = 1; k < count; k++) plan.wait(k);
+      for (size_t k = 0; k < count; k++) plan.wait(k);
     } else {
       plan.run_all();
     }
@@ -1529,7 +1581,8 @@ PYBIND11_MODULE(_fastrow, m) {
       .def("handed", [](EngramSlot &s) { return s.handed.load(); })
       .def("wait", &EngramSlot::wait, py::arg("gen"), py::arg("timeout_s"), py::arg("spin_ns") = 0);
   py::class_<EngramCore>(m, "EngramCore")
-      .def(py::init<int64_t, int64_t, double>(), py::arg("chunk_rows"), py::arg("piece_rows"), py::arg("report_s"))
+      .def(py::init<int64_t, int64_t, double, int64_t>(), py::arg("chunk_rows"), py::arg("piece_rows"),
+           py::arg("report_s"), py::arg("head_rows") = 0)
       .def("submit", &EngramCore::submit)
       .def("joined", &EngramCore::joined)
       .def("retire", &EngramCore::retire)
@@ -1553,5 +1606,6 @@ PYBIND11_MODULE(_fastrow, m) {
   m.def("plan_rows", &plan_rows, py::arg("ids").noconvert(), py::arg("lo"), py::arg("hi"), py::arg("sel").noconvert(),
         py::arg("fetch").noconvert());
   m.def("plan_pieces", &plan_pieces, py::arg("ids").noconvert(), py::arg("lo"), py::arg("hi"), py::arg("limit"),
-        py::arg("piece_rows"), py::arg("sel").noconvert(), py::arg("fetch").noconvert(), py::arg("ahead"));
+        py::arg("piece_rows"), py::arg("sel").noconvert(), py::arg("fetch").noconvert(), py::arg("ahead"),
+        py::arg("head") = 0);
 }
