@@ -59,7 +59,9 @@ class EngramWorker:
     graph and the hand-off of a captured size are C++, and so is a multi-piece (prefill) job whose
     piece graphs exist (issue 23 pass H: plan in the fixed piece layout, one pipelined request and
     one graph launch per piece; since pass I pieces 1.. are planned by the core's planner thread
-    while the requests before them are in flight, ``native_plan_ahead_s``); Python serves what the core hands back (no lease, a launch without
+    while the requests before them are in flight, ``native_plan_ahead_s``; since pass K piece 0 goes
+    as two requests, its first ``HEAD_ROWS`` rows planned and sent at once, the rest planned by the
+    planner thread meanwhile); Python serves what the core hands back (no lease, a launch without
     a graph yet, a multi-piece job without piece graphs (the pipeline above, then their capture) or
     planned and fetched on the CPU (``_pieces_back``: Python launches the pieces), a failed request:
     ``lease_failed`` serves the exact local rows or raises in required mode (a multi-piece job is

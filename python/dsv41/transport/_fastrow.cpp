@@ -1322,7 +1322,9 @@ class EngramCore {
   }
   // A multi-piece (prefill) job in the fixed piece layout: every piece planned (plan_rows'
   // arithmetic: sel relative to the piece, fetch list and packed rows from row r0; piece 0 here,
-  // pieces 1.. by a PiecePlan thread during the requests before them), then piece
+  // pieces 1.. by a PiecePlan thread during the requests before them; with head_rows_, only
+  // piece 0's first head_rows_ rows here, requested at once, and the rest of piece 0 by the
+  // planner thread during that request, then requested: the same rows as one request), then piece
   // by piece one pipelined request (lookup_many_nogil) and, on CUDA, its captured launch graph on
   // the job's stream, so no Python runs between the pieces; the done event and the hand-off after
   // the last. PYTHON (nothing done) when a piece graph is missing, an id is past the table or the
