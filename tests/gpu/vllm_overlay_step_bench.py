@@ -22,7 +22,10 @@ and of the GPU time (events on the main stream), the main stream's stall at each
 are compared bit for bit against vLLM's path for every id set of every size, before and after
 the timed rounds. Then the drafter seam's per-step host cost (rank 0's hidden-state copy and the
 drafts' broadcast over a one-rank NCCL group) and, with ``--kill-server``, a table server killed
-mid-run (exact local rows, no hang, the step times around the kill).
+mid-run (exact local rows, no hang, the step times around the kill). For the prefill chunk
+(issue 23 pass K) the C++ core's phase trace is on during the timed rounds and layer 0 runs
+between two main-stream events: ``prefill_paired`` checks layer 1's bound step by step against
+that step's own fetch and layer 0 and takes its critical path apart (``dsv41.harness.phases``).
 
 Default per-layer times: decode 1.0 ms (the issue's one decoder layer); prefill
 ``2 * (13e9 / 43) * 32768 / 2 / 790e12`` s = 12.5 ms: DeepSeek-V4-Flash's 13 B active parameters
