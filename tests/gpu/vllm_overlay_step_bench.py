@@ -24,8 +24,9 @@ the timed rounds. Then the drafter seam's per-step host cost (rank 0's hidden-st
 drafts' broadcast over a one-rank NCCL group) and, with ``--kill-server``, a table server killed
 mid-run (exact local rows, no hang, the step times around the kill). For the prefill chunk
 (issue 23 pass K) the C++ core's phase trace is on during the timed rounds and layer 0 runs
-between two main-stream events: ``prefill_paired`` checks layer 1's bound step by step against
-that step's own fetch and layer 0 and takes its critical path apart (``dsv41.harness.phases``).
+between two main-stream events: ``prefill_paired`` (``dsv41.harness.phases.paired``) checks
+layer 1's bound step by step against that step's own fetch and layer 0 and takes its critical
+path apart.
 
 Default per-layer times: decode 1.0 ms (the issue's one decoder layer); prefill
 ``2 * (13e9 / 43) * 32768 / 2 / 790e12`` s = 12.5 ms: DeepSeek-V4-Flash's 13 B active parameters
@@ -481,7 +482,7 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
                 "exposed_total_ms": row["overlay_minus_none_ms"]}
             row["layer0_ms_measured_median"] = {arm: round(float(np.median(v)), 3) for arm, v in l0_ms.items() if v}
             if phases:
-                row["prefill_paired"] = prefill_paired(phases, fetch14)
+                row["prefill_paired"] = P.paired(phases, fetch14)
             row["phase_traces_refused"] = bad_traces[:5] + ([f"... {len(bad_traces)} in all"] if len(bad_traces) > 5 else [])
         results.append(row)
         print(json.dumps(row), flush=True)
@@ -492,32 +493,9 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
                                    "deadline_exceeded", "refusals", "reconnects")}
     out["results"] = results
     out["all_bit_exact"] = exact
-    out["drafter_seam"] = drafter_seam(torch)
+    out["drafter_seam"] = Q.drafter_seam(torch)
     if args.kill_server:
         out["kill"] = kill_server(torch, srv, own, ovl, hash_buf, layout, a, rng, dec_layers, capture, src)
-    return out
-
-
-def prefill_paired(phases: list, fetch14: list) -> dict:
-    """Layer 1's bound checked step by step (issue 23 pass K): each timed overlay step's stall
-    at layer 1 against that step's own layer-1 fetch and layer-0 time, so the fetch's spread
-    between steps and runs cancels (the issue: "layer 1's exposed time <= the fetch time minus
-    the layer-0 time", per measurement). ``excess`` uses the layer 0 measured on the main stream
-    in that step, ``excess_target`` the stand-in's per-layer target; each as the median of the
-    per-step values with its 95 % order-statistic interval and the decision for "<= 0". Plus
-    the phases of ``dsv41.harness.phases.layer1_phases`` (median, p10, p90 over the steps) and
-    layer 14's fetch per step (ms)."""
-    out: dict = {"steps": len(phases), "phases_ms": P.summarize(phases)}
-    for key in ("excess", "excess_target"):
-        iv = median_interval([p[key] for p in phases])
-        out[key] = {"median_ms": round(iv["median"], 4),
-                    "order_ci95_ms": [round(v, 4) for v in iv["order_ci"]] if iv["order_ci"] else None,
-                    "bootstrap_ci95_ms": [round(v, 4) for v in iv["bootstrap_ci"]] if iv["bootstrap_ci"] else None,
-                    "decision": decide(iv, 0.0), "per_step_ms": [round(p[key], 4) for p in phases]}
-    out["within_bound_steps"] = sum(p["excess"] <= 0 for p in phases)
-    out["layer14_fetch_ms_median"] = round(float(np.median(fetch14)), 3) if fetch14 else None
-    out["note"] = ("excess = stall(b - a) - (fetch - layer0) per step; critical = b - layer 0's start - fetch, "
-                   "the sum of the phases; excess = critical - a_after_l0")
     return out
 
 
@@ -582,74 +560,6 @@ def kill_server(torch, srv, own, ovl, hash_buf, layout, a, rng, layers, capture,
             "counters": {k: c1[k] - c0.get(k, 0) for k in ("fallbacks", "transport_errors", "remote_rows",
                                                              "deadline_exceeded", "lookups")},
             "worker_refusals": rr.counters["worker_refusals"], "handoff_timeouts": rr.counters["handoff_timeouts"]}
-
-
-def drafter_seam(torch) -> dict:
-    """Per-step host cost of the drafter seam on rank 0 with an instant drafter: the hidden-state
-    copy (``OverlaySpeculator._rank0_drafts``: rows + tails + counts to the host) and the
-    drafts' broadcast (one-rank NCCL group: the collective's launch, no peer)."""
-    import abc
-
-    import torch.distributed as dist
-
-    from dsv41.overlay import drafter as D
-
-    res: dict = {}
-    try:
-        if not dist.is_initialized():
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-            dist.init_process_group("nccl", rank=0, world_size=1)
-        tpg = Q.ns(rank_in_group=0, world_size=1, broadcast=lambda t, src=0: dist.broadcast(t, src=src))
-        res["broadcast"] = "torch.distributed NCCL, world_size 1"
-    except Exception as exc:  # noqa: BLE001
-        tpg = Q.ns(rank_in_group=0, world_size=1, broadcast=lambda t, src=0: t)
-        res["broadcast"] = f"none (NCCL group failed: {type(exc).__name__}: {str(exc)[:120]})"
-
-    class Base(abc.ABC):
-        pass
-
-    class Instant:
-        def propose(self, items):
-            return [Q.ns(tokens=[1, 2, 3, 4, 5]) for _ in items]
-
-        def counters(self):
-            return {}
-
-    k, H, V, n_reqs, max_len = 5, 4096, 129280, 8, 4096
-    cls = D.speculator_class(Base)
-    rs = Q.ns(total_len=Q.ns(gpu=torch.randint(100, max_len, (n_reqs,), dtype=torch.int32, device="cuda")),
-              all_token_ids=Q.ns(gpu=torch.randint(0, V, (n_reqs, max_len), dtype=torch.int32, device="cuda")))
-    vcfg = Q.ns(speculative_config=Q.ns(num_speculative_tokens=k, draft_model_config=Q.ns(
-        hf_config=Q.ns(dspark_target_layer_ids=[2, 3]))), scheduler_config=Q.ns(max_num_seqs=16))
-    spec = cls(vcfg, torch.device("cuda"), rs, tp_group=tpg, make_spec=lambda c: (Instant(), 3, 4))
-    q = np.arange(0, 6 * (n_reqs + 1), 6)
-    batch = Q.ns(num_reqs=n_reqs, query_start_loc_np=q, idx_mapping=torch.arange(n_reqs, device="cuda"),
-                 req_ids=[f"r{i}" for i in range(n_reqs)])
-    T = int(q[-1])
-    aux = [torch.randn(T, H, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    ns_ = torch.full((n_reqs,), 6, device="cuda")
-    nr = torch.zeros(n_reqs, dtype=torch.int64, device="cuda")
-    for _ in range(5):
-        spec.propose(batch, None, None, None, aux, ns_, nr, None, None, None, None)
-    torch.cuda.synchronize()
-    whole, bcast = [], []
-    out = spec.draft_tokens[:n_reqs]
-    for _ in range(200):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        spec.propose(batch, None, None, None, aux, ns_, nr, None, None, None, None)
-        t1 = time.perf_counter()
-        tpg.broadcast(out, src=0)
-        t2 = time.perf_counter()
-        whole.append((t1 - t0) * 1e3)
-        bcast.append((t2 - t1) * 1e3)
-    torch.cuda.synchronize()
-    res.update(requests=n_reqs, k=k, hidden=H, propose_host_ms_median=round(float(np.median(whole)), 4),
-               propose_host_ms_p90=round(pct(whole, 90), 4), broadcast_host_ms_median=round(float(np.median(bcast)), 4),
-               note="propose = rank 0's hidden-state + tails copy to the host, the DraftInputs, an instant "
-                    "drafter, the drafts' H2D and broadcast; the broadcast alone timed apart")
-    return res
 
 
 if __name__ == "__main__":

@@ -112,3 +112,21 @@ def test_a_head_first_piece_0_counts_the_wait_between_its_requests_as_a_plan_wai
     tr["t_rest0"] = tr["t_head1"] - 1  # the rest before the head's end
     with pytest.raises(Dsv41Error):
         P.layer1_phases(tr, t0, gms, 2.0)
+
+
+def test_paired_decides_the_bound_on_the_per_step_excess():
+    """``paired``: the median of the per-step excess with its order-statistic interval, "met"
+    only when the whole interval is at or below 0; the target-based excess decided apart."""
+    over = [{"excess": 0.7 + 0.01 * i, "excess_target": -0.5 + 0.01 * i, "tail": 0.4} for i in range(24)]
+    out = P.paired(over, [40.0, 42.0])
+    assert out["steps"] == 24 and out["within_bound_steps"] == 0
+    assert out["excess"]["decision"] == "not met" and out["excess"]["order_ci95_ms"][0] > 0
+    assert out["excess_target"]["decision"] == "met" and out["excess_target"]["order_ci95_ms"][1] <= 0
+    assert out["layer14_fetch_ms_median"] == pytest.approx(41.0)
+    assert out["phases_ms"]["tail"]["median"] == pytest.approx(0.4)
+    mixed = [{"excess": (-1) ** i * 0.1, "excess_target": 0.0} for i in range(24)]
+    out = P.paired(mixed, [])
+    assert out["excess"]["decision"] == "undecided" and out["within_bound_steps"] == 12
+    assert out["layer14_fetch_ms_median"] is None
+    with pytest.raises(Dsv41Error):
+        P.paired([], [])

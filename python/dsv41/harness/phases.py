@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dsv41.errors import Dsv41Error
+from dsv41.harness.paired import decide, median_interval
 
 #: Phase names of ``layer1_phases`` in the order they lie on layer 1's critical path.
 PHASES = ("submit_after_l0", "wake", "ids_wait", "plan0", "plan0_to_fetch", "launches", "plan_waits",
@@ -114,4 +115,32 @@ def summarize(steps: Sequence[dict], ndigits: int = 4) -> dict:
         x = np.asarray([s[k] for s in steps], dtype=float)
         out[k] = {"median": round(float(np.median(x)), ndigits), "p10": round(float(np.percentile(x, 10)), ndigits),
                   "p90": round(float(np.percentile(x, 90)), ndigits)}
+    return out
+
+
+def paired(phases: Sequence[dict], fetch14: Sequence[float]) -> dict:
+    """Layer 1's bound checked step by step (issue 23 pass K): each timed overlay step's stall
+    at layer 1 against that step's own layer-1 fetch and layer-0 time, so the fetch's spread
+    between steps and runs cancels (the issue: "layer 1's exposed time <= the fetch time minus
+    the layer-0 time", per measurement). ``excess`` uses the layer 0 measured on the main stream
+    in that step, ``excess_target`` the stand-in's per-layer target; each as the median of the
+    per-step values with its 95 % order-statistic interval and the decision for "<= 0". Plus
+    the phases of ``layer1_phases`` (median, p10, p90 over the steps) and layer 14's fetch.
+
+    ``phases``: ``layer1_phases`` dicts (ms), one per step; ``fetch14``: layer 14's fetch per
+    step (ms; may be empty). Returns ``{"steps", "phases_ms", "excess", "excess_target",
+    "within_bound_steps", "layer14_fetch_ms_median", "note"}``, each of ``excess`` /
+    ``excess_target`` as ``{"median_ms", "order_ci95_ms", "bootstrap_ci95_ms", "decision",
+    "per_step_ms"}`` (ms). Raises Dsv41Error for no steps or a non-finite value."""
+    out: dict = {"steps": len(phases), "phases_ms": summarize(phases)}
+    for key in ("excess", "excess_target"):
+        iv = median_interval([p[key] for p in phases])
+        out[key] = {"median_ms": round(iv["median"], 4),
+                    "order_ci95_ms": [round(v, 4) for v in iv["order_ci"]] if iv["order_ci"] else None,
+                    "bootstrap_ci95_ms": [round(v, 4) for v in iv["bootstrap_ci"]] if iv["bootstrap_ci"] else None,
+                    "decision": decide(iv, 0.0), "per_step_ms": [round(p[key], 4) for p in phases]}
+    out["within_bound_steps"] = sum(p["excess"] <= 0 for p in phases)
+    out["layer14_fetch_ms_median"] = round(float(np.median(fetch14)), 3) if fetch14 else None
+    out["note"] = ("excess = stall(b - a) - (fetch - layer0) per step; critical = b - layer 0's start - fetch, "
+                   "the sum of the phases; excess = critical - a_after_l0")
     return out
