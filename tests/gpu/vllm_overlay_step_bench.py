@@ -22,7 +22,11 @@ and of the GPU time (events on the main stream), the main stream's stall at each
 are compared bit for bit against vLLM's path for every id set of every size, before and after
 the timed rounds. Then the drafter seam's per-step host cost (rank 0's hidden-state copy and the
 drafts' broadcast over a one-rank NCCL group) and, with ``--kill-server``, a table server killed
-mid-run (exact local rows, no hang, the step times around the kill).
+mid-run (exact local rows, no hang, the step times around the kill). For the prefill chunk
+(issue 23 pass K) the C++ core's phase trace is on during the timed rounds and layer 0 runs
+between two main-stream events: ``prefill_paired`` (``dsv41.harness.phases.paired``) checks
+layer 1's bound step by step against that step's own fetch and layer 0 and takes its critical
+path apart.
 
 Default per-layer times: decode 1.0 ms (the issue's one decoder layer); prefill
 ``2 * (13e9 / 43) * 32768 / 2 / 790e12`` s = 12.5 ms: DeepSeek-V4-Flash's 13 B active parameters
@@ -45,6 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dsv41.harness import phases as P
 from dsv41.harness.paired import decide, median_interval
 
 HERE = Path(__file__).resolve().parent
@@ -106,24 +111,37 @@ class Forward:
         self.sink = torch.zeros((), device="cuda", dtype=torch.float32)
         self.stall = {li: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                       for li in engram_at}
+        # eager steps (the prefill chunk): layer 0 between two main-stream events, and the
+        # launching thread's host times (time.monotonic_ns) around the starts and the joins
+        self.l0 = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        self.host_ns: dict = {}
         self.segments: list = []  # ("graph", CUDAGraph) | ("eager", fn)
         self.captured = False
 
     def _prepare(self) -> None:
+        self.host_ns["prepare0"] = time.monotonic_ns()
         for e in self.engrams:
             e.prepare_embeddings(self.hash_buf[: self.t, e.layer_hash_index])
+        self.host_ns["prepare1"] = time.monotonic_ns()
 
     def _finish(self, li: int) -> None:
         e = self.engram_at[li]
         a, b = self.stall[li]
         a.record()
+        self.host_ns[f"join0_{li}"] = time.monotonic_ns()
         e._ready_rows(self.t)
+        self.host_ns[f"join1_{li}"] = time.monotonic_ns()
         b.record()
 
     def _layer(self, li: int) -> None:
         e = self.engram_at.get(li)
         if e is not None:  # the Engram layer reads every staged row (vLLM: wkv over them)
             self.sink.add_(e.staged_rows[: self.t].float().sum())
+        if li == 0 and not self.graphs:
+            self.l0[0].record()
+            self.layers[0]()
+            self.l0[1].record()
+            return
         self.layers[li]()
 
     def plan(self) -> list:
@@ -194,7 +212,8 @@ def main() -> int:
                     help="untimed interleaved decode rounds before the first timed one, seconds (0: none)")
     ap.add_argument("--target-ms", type=float, default=0.1,
                     help="issue 23's decode target: overlay minus UVA, ms per step (both Engram layers)")
-    ap.add_argument("--prefill-rounds", type=int, default=3)
+    ap.add_argument("--prefill-rounds", type=int, default=8,
+                    help="prefill rounds (each: every arm, order rotated; pass K: 8, earlier 3)")
     ap.add_argument("--prefill-steps", type=int, default=3)
     ap.add_argument("--kill-server", action="store_true", help="end with a table server killed mid-run")
     ap.add_argument("--tag", default="")
@@ -335,6 +354,13 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
         g0 = [dict(o.embed_tokens._dsv41.graphs.counters) for o in ovl]
         p0 = [dict(o.embed_tokens._dsv41.pieces.counters) for o in ovl]
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        core = ovl[0].embed_tokens._dsv41._worker.core if ovl[0].embed_tokens._dsv41._worker else None
+        tracing = bool(prefill and core is not None and hasattr(core, "set_trace"))
+        keys = [o.embed_tokens._dsv41._slot.key for o in ovl] if tracing else []
+        phases, l0_ms, fetch14, bad_traces = [], {arm: [] for arm in fw}, [], []
+        if tracing:  # layer 1's phases per timed overlay step (issue 23 pass K)
+            core.set_trace(True)
+            core.take_traces()
         k = 0
         for r in range(rounds):
             order = arms[r % 3:] + arms[: r % 3]
@@ -345,17 +371,37 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
                     k += 1
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
+                    h0 = time.monotonic_ns()
                     e0.record()
                     f()
                     e1.record()
                     torch.cuda.synchronize()
                     dt = time.perf_counter() - t0
+                    got = core.take_traces() if tracing and arm == "overlay" else []
                     if s == 0:
                         continue  # the first step after switching arms warms caches
                     times[arm].append(dt * 1e3)
                     gpu[arm].append(e0.elapsed_time(e1))
                     for li in f.stall:
                         stalls[arm][li].append(f.stall[li][0].elapsed_time(f.stall[li][1]))
+                    if prefill:
+                        l0_ms[arm].append(f.l0[0].elapsed_time(f.l0[1]))
+                    t1 = [g for g in got if g["key"] == keys[0]] if got else []
+                    if t1:
+                        gms = {"l0_start": e0.elapsed_time(f.l0[0]), "l0_end": e0.elapsed_time(f.l0[1]),
+                               "a": e0.elapsed_time(f.stall[1][0]), "b": e0.elapsed_time(f.stall[1][1])}
+                        try:
+                            ph = P.layer1_phases(t1[-1], h0, gms, args.prefill_layer_ms)
+                        except Exception as exc:  # noqa: BLE001 - a bad trace is counted, not fatal
+                            bad_traces.append(str(exc))
+                            continue
+                        ph["join_wake"] = (f.host_ns["join1_1"] - t1[-1]["t_done"]) * 1e-6
+                        ph["prepare_host"] = (f.host_ns["prepare1"] - f.host_ns["prepare0"]) * 1e-6
+                        phases.append(ph)
+                        fetch14 += [sum(b - a for a, b in zip(g["fetch0"], g["fetch1"])) * 1e-6
+                                    for g in got if g["key"] == keys[1]]
+        if tracing:
+            core.set_trace(False)
         wait1 = sum(o.embed_tokens._dsv41.counters["handoff_wait_s"] for o in ovl)
         ex2 = check_rows(torch, fw, sets, hash_buf, t, own, ovl)
         exact &= ex2["bit_exact"]
@@ -434,6 +480,10 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
                 "layer1_bound_ms": round(fetch - args.prefill_layer_ms, 3),
                 "layer1_within_bound": row["overlay"]["stall_ms_median"]["1"] <= fetch - args.prefill_layer_ms,
                 "exposed_total_ms": row["overlay_minus_none_ms"]}
+            row["layer0_ms_measured_median"] = {arm: round(float(np.median(v)), 3) for arm, v in l0_ms.items() if v}
+            if phases:
+                row["prefill_paired"] = P.paired(phases, fetch14)
+            row["phase_traces_refused"] = bad_traces[:5] + ([f"... {len(bad_traces)} in all"] if len(bad_traces) > 5 else [])
         results.append(row)
         print(json.dumps(row), flush=True)
         del fw
@@ -443,7 +493,7 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
                                    "deadline_exceeded", "refusals", "reconnects")}
     out["results"] = results
     out["all_bit_exact"] = exact
-    out["drafter_seam"] = drafter_seam(torch)
+    out["drafter_seam"] = Q.drafter_seam(torch)
     if args.kill_server:
         out["kill"] = kill_server(torch, srv, own, ovl, hash_buf, layout, a, rng, dec_layers, capture, src)
     return out
@@ -510,74 +560,6 @@ def kill_server(torch, srv, own, ovl, hash_buf, layout, a, rng, layers, capture,
             "counters": {k: c1[k] - c0.get(k, 0) for k in ("fallbacks", "transport_errors", "remote_rows",
                                                              "deadline_exceeded", "lookups")},
             "worker_refusals": rr.counters["worker_refusals"], "handoff_timeouts": rr.counters["handoff_timeouts"]}
-
-
-def drafter_seam(torch) -> dict:
-    """Per-step host cost of the drafter seam on rank 0 with an instant drafter: the hidden-state
-    copy (``OverlaySpeculator._rank0_drafts``: rows + tails + counts to the host) and the
-    drafts' broadcast (one-rank NCCL group: the collective's launch, no peer)."""
-    import abc
-
-    import torch.distributed as dist
-
-    from dsv41.overlay import drafter as D
-
-    res: dict = {}
-    try:
-        if not dist.is_initialized():
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-            dist.init_process_group("nccl", rank=0, world_size=1)
-        tpg = Q.ns(rank_in_group=0, world_size=1, broadcast=lambda t, src=0: dist.broadcast(t, src=src))
-        res["broadcast"] = "torch.distributed NCCL, world_size 1"
-    except Exception as exc:  # noqa: BLE001
-        tpg = Q.ns(rank_in_group=0, world_size=1, broadcast=lambda t, src=0: t)
-        res["broadcast"] = f"none (NCCL group failed: {type(exc).__name__}: {str(exc)[:120]})"
-
-    class Base(abc.ABC):
-        pass
-
-    class Instant:
-        def propose(self, items):
-            return [Q.ns(tokens=[1, 2, 3, 4, 5]) for _ in items]
-
-        def counters(self):
-            return {}
-
-    k, H, V, n_reqs, max_len = 5, 4096, 129280, 8, 4096
-    cls = D.speculator_class(Base)
-    rs = Q.ns(total_len=Q.ns(gpu=torch.randint(100, max_len, (n_reqs,), dtype=torch.int32, device="cuda")),
-              all_token_ids=Q.ns(gpu=torch.randint(0, V, (n_reqs, max_len), dtype=torch.int32, device="cuda")))
-    vcfg = Q.ns(speculative_config=Q.ns(num_speculative_tokens=k, draft_model_config=Q.ns(
-        hf_config=Q.ns(dspark_target_layer_ids=[2, 3]))), scheduler_config=Q.ns(max_num_seqs=16))
-    spec = cls(vcfg, torch.device("cuda"), rs, tp_group=tpg, make_spec=lambda c: (Instant(), 3, 4))
-    q = np.arange(0, 6 * (n_reqs + 1), 6)
-    batch = Q.ns(num_reqs=n_reqs, query_start_loc_np=q, idx_mapping=torch.arange(n_reqs, device="cuda"),
-                 req_ids=[f"r{i}" for i in range(n_reqs)])
-    T = int(q[-1])
-    aux = [torch.randn(T, H, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    ns_ = torch.full((n_reqs,), 6, device="cuda")
-    nr = torch.zeros(n_reqs, dtype=torch.int64, device="cuda")
-    for _ in range(5):
-        spec.propose(batch, None, None, None, aux, ns_, nr, None, None, None, None)
-    torch.cuda.synchronize()
-    whole, bcast = [], []
-    out = spec.draft_tokens[:n_reqs]
-    for _ in range(200):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        spec.propose(batch, None, None, None, aux, ns_, nr, None, None, None, None)
-        t1 = time.perf_counter()
-        tpg.broadcast(out, src=0)
-        t2 = time.perf_counter()
-        whole.append((t1 - t0) * 1e3)
-        bcast.append((t2 - t1) * 1e3)
-    torch.cuda.synchronize()
-    res.update(requests=n_reqs, k=k, hidden=H, propose_host_ms_median=round(float(np.median(whole)), 4),
-               propose_host_ms_p90=round(pct(whole, 90), 4), broadcast_host_ms_median=round(float(np.median(bcast)), 4),
-               note="propose = rank 0's hidden-state + tails copy to the host, the DraftInputs, an instant "
-                    "drafter, the drafts' H2D and broadcast; the broadcast alone timed apart")
-    return res
 
 
 if __name__ == "__main__":

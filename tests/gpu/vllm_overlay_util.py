@@ -294,3 +294,71 @@ def warmup(torch, fw, hash_buf, sets, t: int, seconds: float, steps: int) -> dic
     d = max(1, len(none_ms) // 10)
     return {"s": seconds, "tokens": t, "steps": n, "none_step_ms_first_tenth": round(float(np.median(none_ms[:d])), 3)
             if none_ms else None, "none_step_ms_last_tenth": round(float(np.median(none_ms[-d:])), 3) if none_ms else None}
+
+
+def drafter_seam(torch) -> dict:
+    """Per-step host cost of the drafter seam on rank 0 with an instant drafter: the hidden-state
+    copy (``OverlaySpeculator._rank0_drafts``: rows + tails + counts to the host) and the
+    drafts' broadcast (one-rank NCCL group: the collective's launch, no peer)."""
+    import abc
+
+    import torch.distributed as dist
+
+    from dsv41.overlay import drafter as D
+
+    res: dict = {}
+    try:
+        if not dist.is_initialized():
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+            dist.init_process_group("nccl", rank=0, world_size=1)
+        tpg = ns(rank_in_group=0, world_size=1, broadcast=lambda t, src=0: dist.broadcast(t, src=src))
+        res["broadcast"] = "torch.distributed NCCL, world_size 1"
+    except Exception as exc:  # noqa: BLE001
+        tpg = ns(rank_in_group=0, world_size=1, broadcast=lambda t, src=0: t)
+        res["broadcast"] = f"none (NCCL group failed: {type(exc).__name__}: {str(exc)[:120]})"
+
+    class Base(abc.ABC):
+        pass
+
+    class Instant:
+        def propose(self, items):
+            return [ns(tokens=[1, 2, 3, 4, 5]) for _ in items]
+
+        def counters(self):
+            return {}
+
+    k, H, V, n_reqs, max_len = 5, 4096, 129280, 8, 4096
+    cls = D.speculator_class(Base)
+    rs = ns(total_len=ns(gpu=torch.randint(100, max_len, (n_reqs,), dtype=torch.int32, device="cuda")),
+              all_token_ids=ns(gpu=torch.randint(0, V, (n_reqs, max_len), dtype=torch.int32, device="cuda")))
+    vcfg = ns(speculative_config=ns(num_speculative_tokens=k, draft_model_config=ns(
+        hf_config=ns(dspark_target_layer_ids=[2, 3]))), scheduler_config=ns(max_num_seqs=16))
+    spec = cls(vcfg, torch.device("cuda"), rs, tp_group=tpg, make_spec=lambda c: (Instant(), 3, 4))
+    q = np.arange(0, 6 * (n_reqs + 1), 6)
+    batch = ns(num_reqs=n_reqs, query_start_loc_np=q, idx_mapping=torch.arange(n_reqs, device="cuda"),
+                 req_ids=[f"r{i}" for i in range(n_reqs)])
+    T = int(q[-1])
+    aux = [torch.randn(T, H, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    ns_ = torch.full((n_reqs,), 6, device="cuda")
+    nr = torch.zeros(n_reqs, dtype=torch.int64, device="cuda")
+    for _ in range(5):
+        spec.propose(batch, None, None, None, aux, ns_, nr, None, None, None, None)
+    torch.cuda.synchronize()
+    whole, bcast = [], []
+    out = spec.draft_tokens[:n_reqs]
+    for _ in range(200):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        spec.propose(batch, None, None, None, aux, ns_, nr, None, None, None, None)
+        t1 = time.perf_counter()
+        tpg.broadcast(out, src=0)
+        t2 = time.perf_counter()
+        whole.append((t1 - t0) * 1e3)
+        bcast.append((t2 - t1) * 1e3)
+    torch.cuda.synchronize()
+    res.update(requests=n_reqs, k=k, hidden=H, propose_host_ms_median=round(float(np.median(whole)), 4),
+               propose_host_ms_p90=round(float(np.percentile(np.asarray(whole), 90)), 4), broadcast_host_ms_median=round(float(np.median(bcast)), 4),
+               note="propose = rank 0's hidden-state + tails copy to the host, the DraftInputs, an instant "
+                    "drafter, the drafts' H2D and broadcast; the broadcast alone timed apart")
+    return res

@@ -234,8 +234,10 @@ def test_the_slot_hand_off_honours_generations_and_abandonment() -> None:
 @pytest.fixture
 def small_pieces(monkeypatch):
     """Pieces of 100 rows (the core and the Python path agree) and requests of at most 64 rows,
-    so a 50-token job of 600 rows is 6 pieces, each fetched in pipelined requests."""
+    so a 50-token job of 600 rows is 6 pieces, each fetched in pipelined requests; the core
+    requests piece 0 as a 30-row head and the rest."""
     monkeypatch.setattr(EW, "PIECE_ROWS", 100)
+    monkeypatch.setattr(EW, "HEAD_ROWS", 30)  # piece 0 as a 30-row head and a 70-row rest (pass K)
     monkeypatch.setattr(ER, "PIECE_ROWS", 100)
     monkeypatch.setattr(C, "CHUNK_ROWS", 64)
 
@@ -258,12 +260,55 @@ def test_a_multi_piece_job_is_planned_fetched_and_handed_off_by_the_core_exactly
             assert _step(tabs, r1, r14, 2, 80 + step)  # a decode step between: one piece, both layers
         n = w.core.counters()
         assert n["native_jobs"] - before["native_jobs"] == 12  # 6 prefill + 6 decode jobs, all in the core
-        assert n["native_requests"] - before["native_requests"] >= 6 * 6 + 3  # a request per piece at least
+        # a request per piece at least, piece 0's head and rest apart (7 per prefill job)
+        assert n["native_requests"] - before["native_requests"] >= 6 * 7 + 3
         assert r1._pool is None and r14._pool is None  # the Python pipeline never ran
         assert not r1.pieces.enabled  # no CUDA: no piece graphs, Python launches the core's pieces
         assert n["native_plan_ahead_s"] > before["native_plan_ahead_s"]  # pieces 1-5 by the planner thread
         sc = src.counters()
         assert sc["fallbacks"] == 0 and sc["transport_errors"] == 0 and w.counters["errors"] == 0
+    finally:
+        E.stop_workers()
+        src.close()
+        srv.stop()
+
+
+def test_the_phase_trace_records_each_multi_piece_job_in_order(tabs, workers, small_pieces) -> None:
+    """``EngramCore.set_trace`` (issue 23 pass K, the step benchmark's decomposition): off, no
+    job is recorded; on, every multi-piece job (none of the decode jobs) with its pieces'
+    request and launch times in order, monotonic ns within the step's wall time; the rows stay
+    exact; ``take_traces`` clears what it returned."""
+    port = _free_port()
+    srv = _serve(tabs, port)
+    src = _source(tabs, port)
+    try:
+        r1, r14 = _rows(tabs, src, 1), _rows(tabs, src, 14)
+        assert _step(tabs, r1, r14, 2, 70)  # lease
+        core = r1._worker.core
+        assert _step(tabs, r1, r14, 50, 71)
+        assert core.take_traces() == []  # tracing is off by default
+        core.set_trace(True)
+        t0 = time.monotonic_ns()
+        assert _step(tabs, r1, r14, 50, 72)
+        assert _step(tabs, r1, r14, 2, 73)  # a decode step: one piece per layer, not traced
+        t1 = time.monotonic_ns()
+        got = core.take_traces()
+        assert [g["key"] for g in got] == [r1._slot.key, r14._slot.key]  # layer 1 first, then 14
+        for g in got:
+            assert g["rows"] == 50 * r1.part and len(g["fetch0"]) == len(g["fetch1"]) == len(g["launch1"]) == 6
+            seq = [g["t_sub"], g["t_deq"], g["t_ids"], g["t_plan0"]]
+            assert g["t_head1"] and g["t_rest0"]  # piece 0 as a head and a rest (HEAD_ROWS 30)
+            for k, (a, b, c) in enumerate(zip(g["fetch0"], g["fetch1"], g["launch1"])):
+                assert a and b  # every piece has owned ids here
+                seq += [a] + ([g["t_head1"], g["t_rest0"]] if k == 0 else []) + [b, c]
+            seq.append(g["t_done"])
+            assert seq == sorted(seq) and t0 <= seq[0] and seq[-1] <= t1
+        assert core.take_traces() == []
+        core.set_trace(False)
+        assert _step(tabs, r1, r14, 50, 74)
+        assert core.take_traces() == []
+        sc = src.counters()
+        assert sc["fallbacks"] == 0 and sc["transport_errors"] == 0
     finally:
         E.stop_workers()
         src.close()
@@ -378,14 +423,17 @@ def test_the_pipelined_piece_plan_equals_the_all_at_once_plan(rows, piece_rows, 
         ids[rng.random(rows) < 0.01] = np.iinfo(np.int64).max
     want_ns, want_sel, want_fetch = _piece_reference(ids, lo, hi, piece_rows)
     got = {}
-    for ahead in (False, True):
+    # (ahead, head): all at once; piece 0 then the rest ahead; piece 0's head first (issue 23
+    # pass K: 1 row, a typical head, all of piece 0 but one row, and heads that are no split)
+    orders = [(False, 0), (True, 0)] + [(True, h) for h in (1, piece_rows // 8, piece_rows - 1, piece_rows, 10**9)]
+    for ahead, head in orders:
         sel = np.full(rows, 7, np.int32)
         fetch = np.full(rows, -7, np.int64)
-        ns, bad = native._fastrow.plan_pieces(ids, lo, hi, 1 << 62, piece_rows, sel, fetch, ahead)
+        ns, bad = native._fastrow.plan_pieces(ids, lo, hi, 1 << 62, piece_rows, sel, fetch, ahead, head)
         assert not bad
-        got[ahead] = (list(ns), sel, [fetch[r0:r0 + n] for r0, n in zip(range(0, rows, piece_rows), ns)])
-    for ahead in (False, True):
-        ns, sel, fetches = got[ahead]
+        got[ahead, head] = (list(ns), sel, [fetch[r0:r0 + n] for r0, n in zip(range(0, rows, piece_rows), ns)])
+    for order in orders:
+        ns, sel, fetches = got[order]
         assert ns == want_ns and np.array_equal(sel, want_sel)
         assert len(fetches) == len(want_fetch) and all(np.array_equal(a, b) for a, b in zip(fetches, want_fetch))
     if rows:

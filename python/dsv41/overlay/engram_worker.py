@@ -27,6 +27,11 @@ REPORT_EVERY_S = 60.0
 #: Rows of one piece of a lookup (plan, fetch, H2D, kernel): a decode step is one piece; a 32K
 #: prefill chunk at TP2 (393,216 rows) six, whose copies and kernels overlap the next fetch.
 PIECE_ROWS = 65536
+#: Rows of piece 0 of a multi-piece job that the C++ core plans and requests first, alone (issue
+#: 23 pass K): the plan of a whole 65,536-row piece (~0.3 ms on the H200 host) no longer precedes
+#: the first request; the rest of piece 0 is planned by the planner thread while the head's
+#: request is in flight and requested next (the same fetch list and rows as one request).
+HEAD_ROWS = 8192
 
 _workers: dict[int, "EngramWorker"] = {}
 _workers_lock = threading.Lock()
@@ -54,7 +59,9 @@ class EngramWorker:
     graph and the hand-off of a captured size are C++, and so is a multi-piece (prefill) job whose
     piece graphs exist (issue 23 pass H: plan in the fixed piece layout, one pipelined request and
     one graph launch per piece; since pass I pieces 1.. are planned by the core's planner thread
-    while the requests before them are in flight, ``native_plan_ahead_s``); Python serves what the core hands back (no lease, a launch without
+    while the requests before them are in flight, ``native_plan_ahead_s``; since pass K piece 0 goes
+    as two requests, its first ``HEAD_ROWS`` rows planned and sent at once, the rest planned by the
+    planner thread meanwhile); Python serves what the core hands back (no lease, a launch without
     a graph yet, a multi-piece job without piece graphs (the pipeline above, then their capture) or
     planned and fetched on the CPU (``_pieces_back``: Python launches the pieces), a failed request:
     ``lease_failed`` serves the exact local rows or raises in required mode (a multi-piece job is
@@ -419,7 +426,7 @@ def _new_core(chunk_rows: int) -> Any:
 
     if not native.use_native():
         return None
-    return native._fastrow.EngramCore(chunk_rows, PIECE_ROWS, REPORT_EVERY_S)
+    return native._fastrow.EngramCore(chunk_rows, PIECE_ROWS, REPORT_EVERY_S, HEAD_ROWS)
 
 
 def _worker_for(source: Any, rank: int, ops: Any) -> tuple[EngramWorker, bool]:

@@ -784,9 +784,10 @@ py::tuple client_lookup_segs(int fd, uint64_t gen, uint16_t version, py::tuple s
 // unpredictable: pass H measured about 3.6 ns per id with it): sel[i] = the id's position in the
 // piece's fetch list or -1, fetch[0, n) the owned ids in order; returns n. fetch[n] is written
 // before n is known to grow, which stays inside [0, r1 - r0). `bad` is set when an owned id is
-// at or past `limit` (the table's row count).
+// at or past `limit` (the table's row count). `sel_off` is added to every owned id's selector:
+// a span planned after `sel_off` owned ids of the same piece (its fetch list then starts there).
 static inline int64_t plan_span(const int64_t *ids, int64_t r0, int64_t r1, int64_t lo, int64_t hi, uint64_t limit,
-                                int32_t *sel, int64_t *fetch, bool &bad) {
+                                int32_t *sel, int64_t *fetch, bool &bad, int32_t sel_off = 0) {
   if (hi <= lo) {
     for (int64_t i = r0; i < r1; i++) sel[i] = -1;
     return 0;
@@ -798,7 +799,7 @@ static inline int64_t plan_span(const int64_t *ids, int64_t r0, int64_t r1, int6
   for (int64_t i = r0; i < r1; i++) {
     const int64_t v = ids[i];
     const int64_t own = int64_t(uint64_t(v) - ulo < width);
-    sel[i] = own ? int32_t(n) : -1;
+    sel[i] = own ? int32_t(n) + sel_off : -1;
     fetch[n] = v;
     over |= uint64_t(own) & uint64_t(uint64_t(v) >= limit);
     n += own;
@@ -960,11 +961,15 @@ struct EngramSlot {
 // 1..count-1 on a planner thread (in order, publishing `planned`), so the worker thread waits
 // (wait(k)) only when a piece's plan is not done by the time its request is due. The destructor
 // stops and joins the planner: no early return leaves it writing into buffers Python reuses.
+// plan_head(h) (issue 23 pass K) plans only piece 0's first h rows (head_n owned ids: a request
+// of its own, sent at once); start_ahead() then plans the rest of piece 0 first, continuing its
+// fetch list and selectors after head_n, so piece 0's plan and fetch list are those of plan(0).
 struct PiecePlan {
   EngramSlot &s;
   const int64_t rows, piece_rows;
   const size_t count;
   std::vector<int64_t> ns;  // owned ids per piece
+  int64_t head_rows = 0, head_n = 0;  // plan_head: piece 0's rows planned first, their owned ids
   std::atomic<size_t> planned{0};
   std::atomic<bool> stop{false};
   bool bad = false;
@@ -978,22 +983,34 @@ struct PiecePlan {
 
   void plan(size_t k) {
     const int64_t r0 = int64_t(k) * piece_rows, r1 = std::min(r0 + piece_rows, rows);
-    ns[k] = plan_span(s.ids, r0, r1, s.lo, s.hi, s.limit, reinterpret_cast<int32_t *>(s.hbuf), s.fetch + r0, bad);
+    int32_t *sel = reinterpret_cast<int32_t *>(s.hbuf);
+    if (k == 0 && head_rows > 0)  // the rest of piece 0, after its head's owned ids
+      ns[0] = head_n + plan_span(s.ids, head_rows, r1, s.lo, s.hi, s.limit, sel, s.fetch + head_n, bad,
+                                 int32_t(head_n));
+    else
+      ns[k] = plan_span(s.ids, r0, r1, s.lo, s.hi, s.limit, sel, s.fetch + r0, bad);
     planned.store(k + 1, std::memory_order_release);
+  }
+  // Piece 0's first h rows only (0 < h < piece 0's rows; else nothing): head_n owned ids at fetch[0..).
+  void plan_head(int64_t h) {
+    if (count == 0 || h <= 0 || h >= std::min(piece_rows, rows)) return;
+    head_n = plan_span(s.ids, 0, h, s.lo, s.hi, s.limit, reinterpret_cast<int32_t *>(s.hbuf), s.fetch, bad);
+    head_rows = h;
   }
   void run_all() {
     for (size_t k = 0; k < count; k++) plan(k);
   }
   void start_ahead() {
-    if (count < 2) return;
+    const size_t first = head_rows > 0 ? 0 : 1;  // after plan_head: the rest of piece 0 first
+    if (count <= first) return;
     try {
-      th = std::thread([this] {
+      th = std::thread([this, first] {
         const int64_t t0 = now_ns();
-        for (size_t k = 1; k < count && !stop.load(std::memory_order_relaxed); k++) plan(k);
+        for (size_t k = first; k < count && !stop.load(std::memory_order_relaxed); k++) plan(k);
         ahead_ns = now_ns() - t0;
       });
     } catch (const std::system_error &) {  // no thread to be had: plan here, as before
-      for (size_t k = 1; k < count; k++) plan(k);
+      for (size_t k = first; k < count; k++) plan(k);
     }
   }
   void wait(size_t k) {
@@ -1022,6 +1039,23 @@ struct EngramJob {
   bool py_wait;  // the ids event is a Python object (no raw handle): Python waits on it
   int64_t t_sub;
   int64_t n = 0;
+  int64_t t_deq = 0, t_ids = 0;  // dequeued, ids event done (CLOCK_MONOTONIC ns; the phase trace)
+};
+
+// One multi-piece job's phase timestamps (EngramCore::set_trace, issue 23 pass K: the step
+// benchmark's decomposition of layer 1's exposed time), CLOCK_MONOTONIC ns as Python's
+// time.monotonic_ns(): submitted, dequeued, ids event done, piece 0 planned; per piece the
+// request's start and end and the end of its graph launch (the start of the next piece's
+// request, less these, is the wait for its plan); the done event recorded and handed off
+// (on the CPU: the return to Python). Piece 0 with a head (plan_head): fetch0[0] is the head
+// request's start, fetch1[0] the rest's end, t_head1 / t_rest0 the head's end and the rest's
+// start (between them the wait for the rest's plan); both 0 without a head.
+struct PieceTrace {
+  int64_t key = 0;
+  uint64_t gen = 0;
+  int64_t rows = 0, t_sub = 0, t_deq = 0, t_ids = 0, t_plan0 = 0, t_done = 0;
+  int64_t t_head1 = 0, t_rest0 = 0;  // piece 0 with a head: its request's end, the rest's request's start
+  std::vector<int64_t> fetch0, fetch1, launch1;
 };
 
 class EngramCore {
@@ -1032,8 +1066,14 @@ class EngramCore {
   // Requests in flight per piece of a multi-piece job (tcp.TcpClient.lookup_many's window).
   static constexpr uint32_t kPieceWindow = 4;
 
-  EngramCore(int64_t chunk_rows, int64_t piece_rows, double report_s)
-      : chunk_rows_(chunk_rows), piece_rows_(piece_rows), report_ns_(int64_t(report_s * 1e9)), last_return_(now_ns()) {}
+  // head_rows (issue 23 pass K): piece 0 of a multi-piece job is requested in two parts, its
+  // first head_rows rows planned and sent at once, the rest planned meanwhile by the planner
+  // thread (0: piece 0 planned whole before its request, as before).
+  EngramCore(int64_t chunk_rows, int64_t piece_rows, double report_s, int64_t head_rows = 0)
+      : chunk_rows_(chunk_rows), piece_rows_(piece_rows), head_rows_(head_rows), report_ns_(int64_t(report_s * 1e9)),
+        last_return_(now_ns()) {
+    if (head_rows < 0) throw std::invalid_argument("EngramCore: head_rows must be >= 0");
+  }
 
   // Launching thread: queue one layer's job (handles are 0 where there is no CUDA).
   void submit(std::shared_ptr<EngramSlot> slot, uint64_t gen, int64_t rows, uint64_t out, uint64_t stream,
@@ -1089,6 +1129,33 @@ class EngramCore {
     return d;
   }
 
+  // The phase trace of multi-piece jobs (PieceTrace; off by default, the step benchmark turns it
+  // on): set_trace(on) starts or stops recording, take_traces() returns and clears the recorded
+  // jobs, oldest first, as dicts of CLOCK_MONOTONIC ns (key, gen, rows, t_sub, t_deq, t_ids,
+  // t_plan0, t_done, and per piece fetch0 / fetch1 / launch1 lists; fetch0 = fetch1 = 0 where a
+  // piece had no request). Jobs served whole are recorded (on CUDA: launch1 after the piece's
+  // graph launch, t_done after the done event and the hand-off; on the CPU, PIECES_FETCHED:
+  // launch1 = the reply's end, t_done the return to Python); at most kMaxTraces are kept.
+  static constexpr size_t kMaxTraces = 256;
+  void set_trace(bool on) { trace_.store(on, std::memory_order_relaxed); }
+  py::list take_traces() {
+    std::deque<PieceTrace> got;
+    {
+      std::lock_guard<std::mutex> g(cm_);
+      got.swap(traces_);
+    }
+    py::list out;
+    for (auto &t : got) {
+      py::dict d;
+      d["key"] = t.key; d["gen"] = t.gen; d["rows"] = t.rows; d["t_sub"] = t.t_sub; d["t_deq"] = t.t_deq;
+      d["t_ids"] = t.t_ids; d["t_plan0"] = t.t_plan0; d["t_done"] = t.t_done;
+      d["fetch0"] = t.fetch0; d["fetch1"] = t.fetch1; d["launch1"] = t.launch1;
+      d["t_head1"] = t.t_head1; d["t_rest0"] = t.t_rest0;
+      out.append(d);
+    }
+    return out;
+  }
+
   // Worker thread: serve jobs until one needs Python; returns (status, [(key, gen, n)...], code, rcount).
   py::tuple next() {
     std::vector<EngramJob> batch;
@@ -1124,12 +1191,14 @@ class EngramCore {
     l.unlock();
     int64_t t0 = now_ns();
     EngramJob &j0 = batch[0];
+    j0.t_deq = t0;
     add(c_wake, t0 - j0.t_sub);
     if (j0.py_wait) return PYTHON_IDS;  // Python waits on its ids event, then calls coalesce()
     const CudaDriver &cu = cuda_driver();
     if (j0.cuda && (!j0.ids_event || !cu.ok || cu.event_sync(j0.ids_event) != 0))
       return PYTHON;  // Python's synchronize raises the cause
     int64_t t1 = now_ns();
+    j0.t_ids = t1;
     add(c_ids, t1 - t0);
     gather(batch, j0.rows);
     add(c_coal, now_ns() - t1);
@@ -1182,6 +1251,7 @@ class EngramCore {
         int64_t t = now_ns();
         for (size_t k = batch.size(); k-- > 1;) {
           batch[k].t_sub = t;  // back to the queue's front: their wake-up is not counted twice
+          batch[k].t_deq = batch[k].t_ids = 0;
           q_.push_front(std::move(batch[k]));
         }
         batch.resize(1);
@@ -1252,7 +1322,9 @@ class EngramCore {
   }
   // A multi-piece (prefill) job in the fixed piece layout: every piece planned (plan_rows'
   // arithmetic: sel relative to the piece, fetch list and packed rows from row r0; piece 0 here,
-  // pieces 1.. by a PiecePlan thread during the requests before them), then piece
+  // pieces 1.. by a PiecePlan thread during the requests before them; with head_rows_, only
+  // piece 0's first head_rows_ rows here, requested at once, and the rest of piece 0 by the
+  // planner thread during that request, then requested: the same rows as one request), then piece
   // by piece one pipelined request (lookup_many_nogil) and, on CUDA, its captured launch graph on
   // the job's stream, so no Python runs between the pieces; the done event and the hand-off after
   // the last. PYTHON (nothing done) when a piece graph is missing, an id is past the table or the
@@ -1283,10 +1355,19 @@ class EngramCore {
     } else {
       // no owned id can be past the table (it covers [lo, hi)): piece 0 planned here, the rest
       // by a planner thread while the requests of the pieces before are in flight
-      plan.plan(0);
+      plan.plan_head(head_rows_);  // piece 0's head (issue 23 pass K); without one, piece 0 whole
+      if (plan.head_rows == 0) plan.plan(0);
       plan.start_ahead();
     }
-    add(c_plan, now_ns() - tp);
+    const int64_t t_plan0 = now_ns();
+    add(c_plan, t_plan0 - tp);
+    PieceTrace tr;
+    const bool tracing = trace_.load(std::memory_order_relaxed);
+    if (tracing) {
+      tr.key = s.key; tr.gen = j.gen; tr.rows = j.rows; tr.t_sub = j.t_sub; tr.t_deq = j.t_deq; tr.t_ids = j.t_ids;
+      tr.t_plan0 = t_plan0;
+      tr.fetch0.assign(pieces.size(), 0); tr.fetch1.assign(pieces.size(), 0); tr.launch1.assign(pieces.size(), 0);
+    }
     uint8_t *packed = s.hbuf + s.max_rows * 4;
     size_t launched = 0;
     int64_t launch_ns = 0;
@@ -1298,30 +1379,30 @@ class EngramCore {
         add(c_plan, now_ns() - tw);
       }
       const std::vector<int64_t> &ns = plan.ns;
-      if (ns[k]) {
-        int64_t tf = now_ns();
-        uint32_t status = 0;
-        size_t ridx = 0;
-        size_t n = size_t(ns[k]);
-        code = lookup_many_nogil(fd_, gen_, s.ident, reinterpret_cast<const uint8_t *>(s.fetch + r0), n,
-                                 packed + size_t(r0) * kRow, uint32_t(chunk_rows_), kPieceWindow, timeout_ns_,
-                                 spin_ns_, 0, status, ridx);
-        gen_ += (n + size_t(chunk_rows_) - 1) / size_t(chunk_rows_);
-        int64_t te = now_ns();
-        fetch_ns += te - tf;
-        {
-          std::lock_guard<std::mutex> g(cm_);
-          c_fetch += te - tf; c_requests++;
-          if (code == 0) { c_rows += ns[k]; c_lookups++; }
-        }
-        if (code != 0) {
-          rcount = status;
-          fd_ = -1;  // the request failed: Python closes the connection and serves the job again
-          drain(j, launched);
+      if (k == 0 && plan.head_rows > 0) {
+        // piece 0's head (planned alone, so its request leaves before the rest of the piece is
+        // planned), then, once the planner thread has planned the rest, the rest's request: the
+        // same fetch list and packed rows as one request of the piece
+        const size_t hn = size_t(plan.head_n);
+        const int64_t th = now_ns();
+        if (!request(j, s, s.fetch, hn, packed, launched, code, rcount, fetch_ns)) return PIECES_FAILED;
+        const int64_t tw = now_ns();
+        plan.wait(0);
+        const int64_t tr0 = now_ns();
+        add(c_plan, tr0 - tw);
+        if (!request(j, s, s.fetch + hn, size_t(ns[0]) - hn, packed + hn * kRow, launched, code, rcount, fetch_ns))
           return PIECES_FAILED;
-        }
+        if (tracing) { tr.fetch0[0] = th; tr.t_head1 = tw; tr.t_rest0 = tr0; tr.fetch1[0] = now_ns(); }
+      } else if (ns[k]) {
+        const int64_t tf = now_ns();
+        if (!request(j, s, s.fetch + r0, size_t(ns[k]), packed + size_t(r0) * kRow, launched, code, rcount, fetch_ns))
+          return PIECES_FAILED;
+        if (tracing) { tr.fetch0[k] = tf; tr.fetch1[k] = now_ns(); }
       }
-      if (!j.cuda) continue;
+      if (!j.cuda) {  // the CPU: Python launches the pieces (PIECES_FETCHED)
+        if (tracing) tr.launch1[k] = now_ns();
+        continue;
+      }
       int64_t tl = now_ns();
       std::lock_guard<std::mutex> g(s.m);
       if (j.gen == s.abandoned || j.gen != s.current) {  // refused meanwhile: nothing more launched
@@ -1334,11 +1415,16 @@ class EngramCore {
         return PIECES_FAILED;
       }
       launched++;
-      launch_ns += now_ns() - tl;
+      const int64_t tle = now_ns();
+      if (tracing) tr.launch1[k] = tle;
+      launch_ns += tle - tl;
     }
     j.n = plan.finish();
     add(c_plan_ahead, plan.ahead_ns);
-    if (!j.cuda) return PIECES_FETCHED;
+    if (!j.cuda) {
+      if (tracing) keep_trace(tr, now_ns());
+      return PIECES_FETCHED;
+    }
     int64_t tl = now_ns();
     {
       std::lock_guard<std::mutex> g(s.m);
@@ -1349,9 +1435,43 @@ class EngramCore {
       }
       s.handoff_locked(j.gen);
     }
+    const int64_t t_done = now_ns();
     add(c_launches, int64_t(launched));
-    add(c_launch, launch_ns + now_ns() - tl);
+    add(c_launch, launch_ns + t_done - tl);
+    if (tracing) keep_trace(tr, t_done);
     return REPORT;
+  }
+  // One pipelined request of a multi-piece job (lookup_many_nogil: n ids from `fetch`, rows into
+  // `out`) on the lent connection, counted; false when it failed: then rcount holds the refusal
+  // status, the connection is dropped (fd_ = -1, Python closes it) and the pieces already
+  // launched are waited for (drain), and the caller returns PIECES_FAILED. n = 0 sends nothing.
+  bool request(EngramJob &j, EngramSlot &s, const int64_t *fetch, size_t n, uint8_t *out, size_t launched,
+               int &code, uint32_t &rcount, int64_t &fetch_ns) {
+    if (!n) return true;
+    const int64_t tf = now_ns();
+    uint32_t status = 0;
+    size_t ridx = 0;
+    code = lookup_many_nogil(fd_, gen_, s.ident, reinterpret_cast<const uint8_t *>(fetch), n, out,
+                             uint32_t(chunk_rows_), kPieceWindow, timeout_ns_, spin_ns_, 0, status, ridx);
+    gen_ += (n + size_t(chunk_rows_) - 1) / size_t(chunk_rows_);
+    const int64_t te = now_ns();
+    fetch_ns += te - tf;
+    {
+      std::lock_guard<std::mutex> g(cm_);
+      c_fetch += te - tf; c_requests++;
+      if (code == 0) { c_rows += int64_t(n); c_lookups++; }
+    }
+    if (code == 0) return true;
+    rcount = status;
+    fd_ = -1;  // the request failed: Python closes the connection and serves the job again
+    drain(j, launched);
+    return false;
+  }
+  void keep_trace(PieceTrace &tr, int64_t t_done) {
+    tr.t_done = t_done;
+    std::lock_guard<std::mutex> g(cm_);
+    if (traces_.size() >= kMaxTraces) traces_.pop_front();
+    traces_.push_back(std::move(tr));
   }
   // Before Python rewrites the staging of a job whose pieces were partly launched: wait for them.
   void drain(EngramJob &j, size_t launched) {
@@ -1374,6 +1494,8 @@ class EngramCore {
   std::mutex m_, cm_;
   std::condition_variable cv_;
   std::deque<EngramJob> q_;
+  std::atomic<bool> trace_{false};
+  std::deque<PieceTrace> traces_;  // the latest kMaxTraces multi-piece jobs served on CUDA (under cm_)
   bool retired_ = false;
   uint64_t joins_ = 0;
   int64_t expect_ = 1;
@@ -1381,7 +1503,7 @@ class EngramCore {
   uint64_t gen_ = 0;
   uint16_t version_ = 1;
   int64_t timeout_ns_ = 0, spin_ns_ = 0;
-  const int64_t chunk_rows_, piece_rows_, report_ns_;
+  const int64_t chunk_rows_, piece_rows_, head_rows_, report_ns_;
   int64_t coalesce_ns_ = 0;  // the last submit's COALESCE_S (read under m_)
   int64_t last_return_;
   int64_t c_batches = 0, c_jobs = 0, c_requests = 0, c_multi = 0, c_launches = 0, c_cwaits = 0, c_rows = 0,
@@ -1392,12 +1514,13 @@ class EngramCore {
 }  // namespace
 
 // The core's plan of a multi-piece job (PiecePlan, as EngramCore::serve_pieces runs it) on given
-// buffers: `ahead` plans piece 0 here and the rest on the planner thread, waited for piece by
-// piece; otherwise every piece in turn. Returns (owned ids per piece, whether an owned id is at
-// or past `limit`). For the tests that the two orders give the same pieces.
+// buffers: `ahead` plans piece 0 here (only its first `head` rows when 0 < head < piece 0's rows,
+// the rest of it then first on the planner thread) and the rest on the planner thread, waited for
+// piece by piece; otherwise every piece in turn. Returns (owned ids per piece, whether an owned id
+// is at or past `limit`). For the tests that the orders give the same pieces.
 py::tuple plan_pieces(py::array_t<int64_t, py::array::c_style> ids, int64_t lo, int64_t hi, uint64_t limit,
                       int64_t piece_rows, py::array_t<int32_t, py::array::c_style> sel,
-                      py::array_t<int64_t, py::array::c_style> fetch, bool ahead) {
+                      py::array_t<int64_t, py::array::c_style> fetch, bool ahead, int64_t head) {
   const ssize_t r = ids.size();
   if (sel.size() < r || fetch.size() < r) throw std::invalid_argument("plan_pieces: sel and fetch need ids.size() entries");
   if (piece_rows <= 0 || r > INT32_MAX) throw std::invalid_argument("plan_pieces: piece_rows must be > 0 and ids < 2^31");
@@ -1413,9 +1536,10 @@ py::tuple plan_pieces(py::array_t<int64_t, py::array::c_style> ids, int64_t lo, 
     py::gil_scoped_release nogil;
     PiecePlan plan(slot, r, piece_rows, count);
     if (ahead && count) {
-      plan.plan(0);
+      plan.plan_head(head);  // the core's order: piece 0's head, then its rest and pieces 1.. ahead
+      if (plan.head_rows == 0) plan.plan(0);
       plan.start_ahead();
-      for (size_t k = 1; k < count; k++) plan.wait(k);
+      for (size_t k = 0; k < count; k++) plan.wait(k);
     } else {
       plan.run_all();
     }
@@ -1459,7 +1583,8 @@ PYBIND11_MODULE(_fastrow, m) {
       .def("handed", [](EngramSlot &s) { return s.handed.load(); })
       .def("wait", &EngramSlot::wait, py::arg("gen"), py::arg("timeout_s"), py::arg("spin_ns") = 0);
   py::class_<EngramCore>(m, "EngramCore")
-      .def(py::init<int64_t, int64_t, double>(), py::arg("chunk_rows"), py::arg("piece_rows"), py::arg("report_s"))
+      .def(py::init<int64_t, int64_t, double, int64_t>(), py::arg("chunk_rows"), py::arg("piece_rows"),
+           py::arg("report_s"), py::arg("head_rows") = 0)
       .def("submit", &EngramCore::submit)
       .def("joined", &EngramCore::joined)
       .def("retire", &EngramCore::retire)
@@ -1470,7 +1595,9 @@ PYBIND11_MODULE(_fastrow, m) {
       .def("counters", &EngramCore::counters)
       .def("source_counters", &EngramCore::source_counters)
       .def("next", &EngramCore::next)
-      .def("coalesce", &EngramCore::coalesce);
+      .def("coalesce", &EngramCore::coalesce)
+      .def("set_trace", &EngramCore::set_trace, py::arg("on"))
+      .def("take_traces", &EngramCore::take_traces);
   m.def("client_lookup", &client_lookup);
   // end_ns defaults to 0 (no whole-call deadline), so callers of the 9-argument form keep working
   m.def("client_lookup_many", &client_lookup_many, py::arg("fd"), py::arg("gen0"), py::arg("ident"), py::arg("rows"),
@@ -1481,5 +1608,6 @@ PYBIND11_MODULE(_fastrow, m) {
   m.def("plan_rows", &plan_rows, py::arg("ids").noconvert(), py::arg("lo"), py::arg("hi"), py::arg("sel").noconvert(),
         py::arg("fetch").noconvert());
   m.def("plan_pieces", &plan_pieces, py::arg("ids").noconvert(), py::arg("lo"), py::arg("hi"), py::arg("limit"),
-        py::arg("piece_rows"), py::arg("sel").noconvert(), py::arg("fetch").noconvert(), py::arg("ahead"));
+        py::arg("piece_rows"), py::arg("sel").noconvert(), py::arg("fetch").noconvert(), py::arg("ahead"),
+        py::arg("head") = 0);
 }

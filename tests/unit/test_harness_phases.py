@@ -1,0 +1,132 @@
+"""dsv41.harness.phases: layer 1's exposed time in a prefill step taken apart (issue 23 pass K)."""
+
+import pytest
+
+from dsv41.errors import Dsv41Error
+from dsv41.harness import phases as P
+
+MS = 1_000_000  # ns per ms
+
+
+def _trace(t0, pieces=3, fetch_ms=5.0, launch_ms=0.03, wait_ms=0.01):
+    """A synthetic job: submitted 0.1 ms after t0, then every phase a known length."""
+    t_sub = t0 + int(0.1 * MS)
+    t_deq = t_sub + int(0.04 * MS)
+    t_ids = t_deq + int(0.02 * MS)
+    t_plan0 = t_ids + int(0.2 * MS)
+    f0, f1, l1 = [], [], []
+    t = t_plan0 + int(0.005 * MS)
+    for k in range(pieces):
+        if k:
+            t += int(wait_ms * MS)
+        f0.append(t)
+        t += int(fetch_ms * MS)
+        f1.append(t)
+        t += int(launch_ms * MS)
+        l1.append(t)
+    t_done = t + int(0.01 * MS)
+    return {"key": 1, "gen": 1, "rows": pieces * 65536, "t_sub": t_sub, "t_deq": t_deq, "t_ids": t_ids,
+            "t_plan0": t_plan0, "t_done": t_done, "fetch0": f0, "fetch1": f1, "launch1": l1}
+
+
+def test_phases_sum_to_the_critical_path_and_give_the_excess():
+    t0 = 10_000 * MS
+    tr = _trace(t0)
+    done_ms = (tr["t_done"] - t0) / MS
+    gms = {"l0_start": 0.05, "l0_end": 0.05 + 12.5, "a": 0.05 + 12.5, "b": done_ms + 0.4}
+    ph = P.layer1_phases(tr, t0, gms, 12.54)
+    assert ph["fetch"] == pytest.approx(15.0)
+    assert ph["submit_after_l0"] == pytest.approx(0.05)
+    assert ph["wake"] == pytest.approx(0.04) and ph["ids_wait"] == pytest.approx(0.02)
+    assert ph["plan0"] == pytest.approx(0.2) and ph["plan0_to_fetch"] == pytest.approx(0.005)
+    assert ph["launches"] == pytest.approx(0.06) and ph["plan_waits"] == pytest.approx(0.02)
+    assert ph["last_launch"] == pytest.approx(0.04) and ph["tail"] == pytest.approx(0.4)
+    assert sum(ph[k] for k in P.PHASES) == pytest.approx(ph["critical"])
+    assert ph["layer0"] == pytest.approx(12.5)
+    assert ph["stall"] == pytest.approx(gms["b"] - gms["a"])
+    # a follows layer 0 at once: the excess over the bound is the non-fetch critical path
+    assert ph["excess"] == pytest.approx(ph["critical"])
+    assert ph["excess_target"] == pytest.approx(ph["excess"] + 0.04)
+    assert ph["a_after_l0"] == pytest.approx(0.0)
+
+
+def test_a_later_than_layer0_end_is_taken_off_the_excess():
+    t0 = 5 * MS
+    tr = _trace(t0, pieces=2)
+    gms = {"l0_start": 0.0, "l0_end": 3.0, "a": 3.5, "b": (tr["t_done"] - t0) / MS + 0.3}
+    ph = P.layer1_phases(tr, t0, gms, 3.0)
+    assert ph["excess"] == pytest.approx(ph["critical"] - 0.5)
+
+
+def test_a_piece_without_a_request_takes_no_fetch_time():
+    t0 = 7 * MS
+    tr = _trace(t0, pieces=3)
+    tr["fetch0"][1] = tr["fetch1"][1] = 0  # piece 1 had no owned id
+    gms = {"l0_start": 0.0, "l0_end": 1.0, "a": 1.0, "b": (tr["t_done"] - t0) / MS + 0.1}
+    ph = P.layer1_phases(tr, t0, gms, 1.0)
+    assert ph["fetch"] == pytest.approx(10.0)
+    assert sum(ph[k] for k in P.PHASES) == pytest.approx(ph["critical"])
+
+
+@pytest.mark.parametrize("bad", ["lengths", "missing", "order", "empty"])
+def test_malformed_traces_are_refused(bad):
+    t0 = MS
+    tr = _trace(t0)
+    if bad == "lengths":
+        tr["launch1"] = tr["launch1"][:-1]
+    elif bad == "missing":
+        tr["t_ids"] = 0
+    elif bad == "order":
+        tr["fetch1"][0] = tr["fetch0"][0] - 1
+    else:
+        tr["fetch0"] = tr["fetch1"] = tr["launch1"] = []
+    with pytest.raises(Dsv41Error):
+        P.layer1_phases(tr, t0, {"l0_start": 0.0, "l0_end": 1.0, "a": 1.0, "b": 20.0}, 1.0)
+
+
+def test_summarize_gives_median_and_percentiles_per_key():
+    steps = [{"excess": float(v), "tail": 0.4} for v in range(11)]
+    s = P.summarize(steps)
+    assert s["steps"] == 11
+    assert s["excess"] == {"median": 5.0, "p10": 1.0, "p90": 9.0}
+    assert s["tail"]["median"] == pytest.approx(0.4)
+    with pytest.raises(Dsv41Error):
+        P.summarize([])
+
+
+def test_a_head_first_piece_0_counts_the_wait_between_its_requests_as_a_plan_wait():
+    """Piece 0 requested as a head and a rest (the core's HEAD_ROWS): the wait for the rest's plan
+    between them is no fetch time; the phases still sum to the critical path."""
+    t0 = 3 * MS
+    tr = _trace(t0, pieces=2)
+    tr["t_head1"] = tr["fetch0"][0] + int(1.0 * MS)
+    tr["t_rest0"] = tr["t_head1"] + int(0.05 * MS)
+    gms = {"l0_start": 0.0, "l0_end": 2.0, "a": 2.0, "b": (tr["t_done"] - t0) / MS + 0.2}
+    ph = P.layer1_phases(tr, t0, gms, 2.0)
+    assert ph["fetch"] == pytest.approx(10.0 - 0.05)
+    assert ph["plan_waits"] == pytest.approx(0.01 + 0.05)
+    assert sum(ph[k] for k in P.PHASES) == pytest.approx(ph["critical"])
+    tr["t_rest0"] = 0
+    with pytest.raises(Dsv41Error):
+        P.layer1_phases(tr, t0, gms, 2.0)
+    tr["t_rest0"] = tr["t_head1"] - 1  # the rest before the head's end
+    with pytest.raises(Dsv41Error):
+        P.layer1_phases(tr, t0, gms, 2.0)
+
+
+def test_paired_decides_the_bound_on_the_per_step_excess():
+    """``paired``: the median of the per-step excess with its order-statistic interval, "met"
+    only when the whole interval is at or below 0; the target-based excess decided apart."""
+    over = [{"excess": 0.7 + 0.01 * i, "excess_target": -0.5 + 0.01 * i, "tail": 0.4} for i in range(24)]
+    out = P.paired(over, [40.0, 42.0])
+    assert out["steps"] == 24 and out["within_bound_steps"] == 0
+    assert out["excess"]["decision"] == "not met" and out["excess"]["order_ci95_ms"][0] > 0
+    assert out["excess_target"]["decision"] == "met" and out["excess_target"]["order_ci95_ms"][1] <= 0
+    assert out["layer14_fetch_ms_median"] == pytest.approx(41.0)
+    assert out["phases_ms"]["tail"]["median"] == pytest.approx(0.4)
+    mixed = [{"excess": (-1) ** i * 0.1, "excess_target": 0.0} for i in range(24)]
+    out = P.paired(mixed, [])
+    assert out["excess"]["decision"] == "undecided" and out["within_bound_steps"] == 12
+    assert out["layer14_fetch_ms_median"] is None
+    with pytest.raises(Dsv41Error):
+        P.paired([], [])
