@@ -70,8 +70,10 @@ def _end_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
             continue
 
 
-def inside(host: str, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``cmd`` inside a simulated host (its mount, net, uts and pid namespaces)."""
+def inside(host: str, *cmd: str, check: bool = True, timeout: int = 120) -> subprocess.CompletedProcess:
+    """Run ``cmd`` inside a lab host: every namespace of its systemd (``nsenter -a``; the machine's
+    pid 1, whose pid the lab writes to ``LAB/<host>.pid``), as a process started by that systemd
+    would see the host."""
     pid = (LAB / f"{host}.pid").read_text().strip()
-    return subprocess.run(["nsenter", "--target", pid, "--mount", "--net", "--uts", "--pid", "--", *cmd],
-                          capture_output=True, text=True, check=check)
+    return subprocess.run(["nsenter", "-t", pid, "-a", "--", *cmd],
+                          capture_output=True, text=True, check=check, timeout=timeout)

@@ -1,4 +1,4 @@
-"""What the nspawn-backend lab tests share (docs/lab.md, "The nspawn backend"): the inventory,
+"""What the lab tests share (docs/lab.md): the inventory,
 bringing the lab up and down, entering a host's systemd namespaces, ad-hoc Ansible over ssh and
 reading a play's recap. The lab is one per machine: callers hold /tmp/dsv41-lab.lock."""
 
@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from labutil import BIN, LAB, ROOT, env, play
+from labutil import BIN, LAB, ROOT, env, inside, play
 
 INV = "inventories/sim"
 SPARKS = ("sparkhead", "sparkworker")
@@ -20,7 +20,7 @@ MGMT = {"sparkhead": "198.18.0.11", "sparkworker": "198.18.0.12", "x86host": "19
 needs_hybrid_cgroups = pytest.mark.skipif(
     not Path("/sys/fs/cgroup/unified/cgroup.procs").exists()
     or not Path("/sys/fs/cgroup/systemd/cgroup.procs").exists(),
-    reason="the nspawn backend needs the hybrid cgroup layout of the CI machine kind")
+    reason="the nspawn lab needs the hybrid cgroup layout of the CI machine kind")
 
 
 def changed(out: str) -> int:
@@ -58,10 +58,8 @@ def pid(host: str, kind: str = "") -> int:
     return int((LAB / f"{host}{kind}.pid").read_text().strip())
 
 
-def enter(host: str, *cmd: str, check: bool = True, timeout: int = 120) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in every namespace of the host's systemd (its leader)."""
-    return subprocess.run(["nsenter", "-t", str(pid(host)), "-a", "--", *cmd],
-                          capture_output=True, text=True, check=check, timeout=timeout)
+#: Run a command in every namespace of the host's systemd (labutil.inside, under the name these tests use).
+enter = inside
 
 
 def up(timeout: int = 1800) -> tuple[subprocess.CompletedProcess, float]:

@@ -22,14 +22,13 @@ from pathlib import Path
 
 import pytest
 from labutil import LAB, ROOT, needs_lab, play
+from nspawnutil import needs_hybrid_cgroups
 
 INV = "inventories/sim"
 SPARKS = ("sparkhead", "sparkworker")
 API = "http://198.18.0.11:8000"
 
-pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.lab_long, needs_lab,
-              pytest.mark.skipif(not Path("/sys/fs/cgroup/unified/cgroup.procs").exists(),
-                                 reason="the nspawn backend needs the hybrid cgroup layout of the CI machine kind")]
+pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.lab_long, needs_lab, needs_hybrid_cgroups]
 
 PLAY = f"""---
 - name: The dsv41 package on the Sparks (offline)

@@ -105,9 +105,9 @@ def test_a_package_missing_from_the_rootfs_fails_the_build(tmp_path):
 
 def _lab_vars(with_monitoring_defaults: bool, tmp_path: Path) -> dict[str, dict]:
     """Per host of inventories/sim: lab_nspawn_binds_ro and lab_nspawn_monitoring_host as
-    roles/lab's defaults compute them (lab_up's play: roles/monitoring's defaults not loaded), or
+    roles/dsv41's and roles/lab's defaults compute them (lab_up's play: roles/monitoring's defaults not loaded), or
     with roles/monitoring's defaults loaded too (then also its monitoring_host and journal)."""
-    files = [ROOT / "roles/lab/defaults/main.yml"]
+    files = [ROOT / "roles/dsv41/defaults/main.yml", ROOT / "roles/lab/defaults/main.yml"]  # every play lists dsv41 first
     if with_monitoring_defaults:
         files.append(ROOT / "roles/monitoring/defaults/main.yml")
     out = tmp_path / ("with-monitoring" if with_monitoring_defaults else "lab")
