@@ -18,8 +18,9 @@ import re
 from pathlib import Path
 
 import yaml
+from yamltree import REPO as ROOT
+from yamltree import yaml_files
 
-ROOT = Path(__file__).resolve().parents[2]
 #: Ansible's magic variables the project reads (docs.ansible.com, "Special variables").
 MAGIC = frozenset({"item", "groups", "hostvars", "inventory_hostname", "inventory_dir", "playbook_dir", "omit",
                    "role_path", "play_hosts"})
@@ -30,13 +31,10 @@ _EXTRA = re.compile(r"-e\s+([a-z_][a-z0-9_]*)=")
 
 
 def ansible_files() -> list[Path]:
-    """The files whose Jinja reads variables: roles (YAML and templates), playbooks, the
-    top-level playbooks, inventories and the molecule scenario."""
-    out = [p for p in (ROOT / "roles").rglob("*") if p.is_file() and p.suffix in (".yml", ".yaml", ".j2")]
-    out += sorted((ROOT / "playbooks").glob("*.yml")) + sorted(ROOT.glob("*.yml"))
-    for d in ("inventories", "molecule"):
-        out += [p for p in (ROOT / d).rglob("*") if p.is_file() and p.suffix in (".yml", ".yaml")]
-    return out
+    """The files whose Jinja reads variables: the class tests' Ansible YAML
+    (:func:`yamltree.yaml_files`: roles, playbooks, molecule, the top-level playbooks), the roles'
+    templates and the inventories."""
+    return [*yaml_files(), *sorted((ROOT / "roles").rglob("*.j2")), *sorted((ROOT / "inventories").rglob("*.yml"))]
 
 
 class _Loader(yaml.SafeLoader):
@@ -64,7 +62,7 @@ def defined_names(files: list[Path]) -> set[str]:
     names: set[str] = set()
     for f in files:
         text = f.read_text()
-        if f.suffix in (".yml", ".yaml"):
+        if f.suffix == ".yml":
             for doc in yaml.load_all(text, Loader=_Loader):
                 _keys(doc, names)
         names.update(_SET.findall(text))
