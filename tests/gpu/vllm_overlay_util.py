@@ -273,6 +273,30 @@ def timed(fn, reps: int) -> float:
     return float(np.median(ts))
 
 
+#: What ``sync_probe`` saw over a run: steps probed, synchronizes done, failures (messages).
+SYNC_PROBE: dict = {"steps": 0, "syncs": 0, "failures": []}
+
+
+def sync_probe(torch, where: str, ms: float = 5.0) -> None:
+    """``torch.cuda.synchronize()`` from the launching thread right after a step returned, again
+    and again for ``ms`` milliseconds (issue 23 pass L): pass K's run K1 failed when the worker
+    thread captured a new size's launch graph while the benchmark synchronized after that size's
+    first step. A failure is recorded in ``SYNC_PROBE`` (with ``where``), not raised: the run
+    goes on and reports it (a failed synchronize also invalidates such a capture, counted in
+    ``launch_graphs.failures``)."""
+    SYNC_PROBE["steps"] += 1
+    end = time.perf_counter() + ms * 1e-3
+    while True:
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError as exc:
+            SYNC_PROBE["failures"].append(f"{where}: {exc}")
+            return
+        SYNC_PROBE["syncs"] += 1
+        if time.perf_counter() >= end:
+            return
+
+
 def warmup(torch, fw, hash_buf, sets, t: int, seconds: float, steps: int) -> dict:
     """Untimed interleaved rounds of every arm for ``seconds`` before the first timed decode round
     (issue 23 pass J): in every earlier 80-round run the first 15-25 s of decode steps ran at

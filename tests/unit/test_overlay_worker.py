@@ -443,7 +443,8 @@ class Recorder:
     def __call__(self, rows, out):
         import threading
 
-        assert threading.current_thread().name.startswith("dsv41-engram-worker")  # after the hand-off
+        # the launching thread, at the table's next start, before that job is submitted (issue 23 pass L)
+        assert threading.current_thread() is threading.main_thread() and not self.rr._submitted
         if self.fail:
             raise RuntimeError("operation not permitted when stream is capturing")
         self.records.append(rows)
@@ -459,7 +460,7 @@ class Recorder:
 
 def test_launch_graphs_replay_per_token_count_exactly_and_a_failed_capture_stays_eager(tabs, workers) -> None:
     """One-piece worker jobs: the first job of a token count launches eagerly and its graph is
-    recorded after the hand-off; later jobs of that count replay it; rows stay exact as T changes
+    recorded by the launching thread at the next start; later jobs of that count replay it; rows stay exact as T changes
     and as the number of owned rows changes under the same graph; a failed record disables the
     graphs (eager from then on, still exact); new host buffers drop the graphs."""
     src = Gate(tabs)

@@ -263,8 +263,10 @@ class LaunchGraphs:
     ``launch(rows, out)``: the eager sequence for ``rows`` selectors into ``out`` with every row
     slot copied (so the graph does not depend on how many rows a step fetched). The worker calls
     ``replay`` first; on a miss it runs ``launch`` eagerly (which also loads and specializes the
-    kernel) and, after the layer's hand-off, ``capture`` records the same sequence on a private
-    stream in thread-local capture mode (the launching thread's CUDA calls are not affected).
+    kernel); at the table's next start the launching thread (``RemoteRows._capture_pending``,
+    issue 23 pass L: never the worker, whose capture could overlap a device-wide synchronize of
+    the launching thread) calls ``capture``, which records the same sequence on a private stream
+    in thread-local capture mode (the worker's CUDA calls meanwhile are not affected).
     A failed capture disables the graphs of this table (``failures``; the eager path stays exact).
     ``clear()`` drops them (the staging buffers were replaced). ``record(rows, out)``: returns an
     object whose ``replay()`` repeats the launch on the current stream (default: a
@@ -316,7 +318,7 @@ class LaunchGraphs:
         return self.enabled and self.key(rows, out) not in self._graphs
 
     def capture(self, rows: int, out: Any) -> None:
-        """Record the launch of ``(rows, out)`` (worker thread, after an eager launch of it)."""
+        """Record the launch of ``(rows, out)`` (launching thread, after an eager launch of it)."""
         t0 = time.perf_counter()
         try:
             g = self._record(rows, out)

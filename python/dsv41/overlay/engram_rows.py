@@ -122,7 +122,7 @@ class RemoteRows:
                                    bool(graphs and self.ops.graphs and self._slot is not None), None,
                                    None if self._slot is None else self._slot.set_piece_graphs)
         self._capture_pieces: tuple[int, Any] | None = None  # (rows, out) of a multi-piece job Python served
-        self._capture: tuple[int, Any] | None = None  # (rows, out) to capture after the hand-off
+        self._capture: tuple[int, Any] | None = None  # (rows, out) to capture at the next start
         self._hids = self.h_ids.numpy().reshape(-1)
         self._new_host_buffers()
         nbytes = self.max_rows * (4 + ROW_BYTES)
@@ -208,6 +208,8 @@ class RemoteRows:
             self.counters["inline_lookups"] += 1
             self._serve_inline()  # hands off
             return
+        if self._capture is not None or self._capture_pieces is not None:
+            self._capture_pending()  # here, on the launching thread, before the worker gets the job
         w = self._worker
         if w is None or not w.alive():
             w, started = _worker_for(self.source, self.rank, ops)
@@ -291,8 +293,8 @@ class RemoteRows:
         several pieces is pipelined on the host too: the table's fetch thread plans and fetches
         piece k+1 while the worker launches piece k, into disjoint parts of the staging buffers;
         the worker never leaves a fetch running behind the job, and captures the piece graphs
-        after the hand-off. False when the job's hand-off was refused meanwhile (nothing more
-        launched)."""
+        at the table's next start (``_capture_pending``). False when the job's hand-off was refused
+        meanwhile (nothing more launched)."""
         rows = self._rows
         if rows <= PIECE_ROWS:
             return self._launch(0, rows, 0, self._plan_fetch(0, rows, 0, counters), gen, last=True)
@@ -393,8 +395,8 @@ class RemoteRows:
     def _launch(self, r0: int, r1: int, f0: int, n: int, gen: int | None, last: bool) -> bool:
         """A one-piece job's launch (``r0`` 0, ``r1`` its rows, ``f0`` 0, ``last``): H2D of the
         selectors + the ``n`` fetched rows in one copy, split, vLLM's kernel on the job's stream,
-        the done event; on the worker the size's launch graph (captured after its first eager
-        launch). False (nothing launched) when the job's hand-off was refused meanwhile."""
+        the done event; on the worker the size's launch graph (captured at the table's start
+        after its first eager launch, ``_capture_pending``). False (nothing launched) when the job's hand-off was refused meanwhile."""
         import torch
 
         assert r0 == 0 and f0 == 0 and last, (r0, f0, last)  # several pieces: _launch_fixed
@@ -439,9 +441,15 @@ class RemoteRows:
         self.dequant(self.d_w, self.d_s, self.d_buf[: rows * 4].view(torch.int32), self.d_dst[:rows], out, rows, rows)
 
     def _capture_pending(self) -> None:
-        """Worker thread, after a hand-off: capture the launch graph of a size first seen in
-        this job, or the piece graphs of a multi-piece job Python served (never while a
-        CUDA-graph capture of vLLM is open)."""
+        """Launching thread, at the start after the job that first saw a size: capture that
+        size's launch graph, or the piece graphs of a multi-piece job Python served (never while
+        a CUDA-graph capture of vLLM is open). Not on the worker (issue 23 pass L): a capture
+        there, after the hand-off, could overlap a device-wide ``torch.cuda.synchronize()`` of
+        the launching thread, which fails ("operation not permitted when stream is capturing")
+        and invalidates the capture (pass K's run K1). Here the capture ends before this
+        table's next job is submitted, so no capture of the overlay overlaps anything the
+        launching thread does after a join; it costs that start the capture once per size
+        (``graph_capture_s``)."""
         pending, self._capture = self._capture, None
         pieces, self._capture_pieces = self._capture_pieces, None
         if self.ops.capturing():

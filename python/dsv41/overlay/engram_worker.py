@@ -295,7 +295,8 @@ class EngramWorker:
 
     def _launch_fetched(self, batch: list) -> None:
         """Launch (eagerly or by graph, ``RemoteRows._launch``) and hand off every layer of a
-        batch the core planned and fetched, then capture the sizes first seen."""
+        batch the core planned and fetched (a size first seen is captured by the launching
+        thread at that table's next start, ``RemoteRows._capture_pending``)."""
         c = self._c
         for rows, gen, n in batch:
             try:
@@ -308,7 +309,6 @@ class EngramWorker:
                 c["errors"] += 1
                 rows._handoff(gen, exc)
             rows._maybe_report()
-        self._capture(r for r, _, _ in batch)
 
     def _run(self) -> None:
         self.ops.bind_thread()
@@ -372,7 +372,6 @@ class EngramWorker:
                 c["errors"] += 1
                 rows._handoff(gen, exc)
             rows._maybe_report()
-        self._capture(r for r, _ in ready)
 
     def _serve_together(self, ready: list) -> None:
         """Every layer of ``ready`` (each one piece) in one ``lookup_layers`` request."""
@@ -406,14 +405,6 @@ class EngramWorker:
             finally:
                 c["fetch_s"] += time.perf_counter() - f0
         self._launch_fetched(jobs)
-
-    def _capture(self, tables: Any) -> None:
-        """Launch graphs of sizes first seen in this batch, once every layer is handed off."""
-        for rows in tables:
-            try:
-                rows._capture_pending()
-            except Exception:  # noqa: BLE001 - a capture never fails a step (LaunchGraphs logs)
-                self._c["errors"] += 1
 
 
 def _no_handle(_obj: Any) -> int:
