@@ -8,6 +8,7 @@ launches and event waits need CUDA: tests/gpu/vllm_overlay_step_bench.py.)"""
 from __future__ import annotations
 
 import socket
+import sys
 import time
 
 import numpy as np
@@ -230,6 +231,42 @@ def test_the_slot_hand_off_honours_generations_and_abandonment() -> None:
     assert s.handoff(4) and s.wait(4, 0.0, 0) and s.handed() == 4
 
 
+def test_a_join_polls_once_the_last_request_is_out_and_stays_bounded() -> None:
+    """``mark_tail`` (the core, before a multi-piece job's last request, issue 23 pass L) wakes a
+    join sleeping on the slot; from then on it polls the hand-off flag (``tail_polls``) instead of
+    sleeping, and still returns False at its timeout when nothing is handed off; a mark of
+    another generation does not make it poll."""
+    import threading
+
+    s = native._fastrow.EngramSlot(8)
+    s.begin(5)
+    s.mark_tail(4)  # stale: a sleeping wait, no poll
+    t0 = time.monotonic()
+    assert not s.wait(5, 0.05, 0) and time.monotonic() - t0 >= 0.045 and s.tail_polls() == 0
+    s.mark_tail(5)
+    t0 = time.monotonic()
+    assert not s.wait(5, 0.05, 0) and 0.045 <= time.monotonic() - t0 < 5 and s.tail_polls() == 1
+    s.begin(6)
+    th = threading.Thread(target=lambda: (time.sleep(0.02), s.mark_tail(6), time.sleep(0.02), s.handoff(6)))
+    th.start()
+    try:
+        assert s.wait(6, 5.0, 0) and s.handed() == 6 and s.tail_polls() == 2
+    finally:
+        th.join()
+
+
+def _planner_threads() -> int:
+    import glob
+
+    n = 0
+    for comm in glob.glob("/proc/self/task/*/comm"):
+        try:
+            n += open(comm).read().strip() == "dsv41-planner"
+        except OSError:
+            pass
+    return n
+
+
 # -- a multi-piece (prefill) job in the core (issue 23 pass H) --------------------------------------
 @pytest.fixture
 def small_pieces(monkeypatch):
@@ -255,6 +292,8 @@ def test_a_multi_piece_job_is_planned_fetched_and_handed_off_by_the_core_exactly
         w = r1._worker
         assert w.core.lent()
         before = w.core.counters()
+        __import__("gc").collect()
+        planners0 = _planner_threads()
         for step in range(3):
             assert _step(tabs, r1, r14, 50, 71 + step)  # 600 rows per layer
             assert _step(tabs, r1, r14, 2, 80 + step)  # a decode step between: one piece, both layers
@@ -265,6 +304,8 @@ def test_a_multi_piece_job_is_planned_fetched_and_handed_off_by_the_core_exactly
         assert r1._pool is None and r14._pool is None  # the Python pipeline never ran
         assert not r1.pieces.enabled  # no CUDA: no piece graphs, Python launches the core's pieces
         assert n["native_plan_ahead_s"] > before["native_plan_ahead_s"]  # pieces 1-5 by the planner thread
+        if sys.platform.startswith("linux"):  # one persistent planner thread per core (pass L), not one per job
+            assert _planner_threads() - planners0 == 1
         sc = src.counters()
         assert sc["fallbacks"] == 0 and sc["transport_errors"] == 0 and w.counters["errors"] == 0
     finally:

@@ -519,9 +519,12 @@ class RemoteRows:
     def overlay_counters(self) -> dict:
         """This layer's pipeline counters (``starts``, ``handoffs``, ``handoff_wait_s``,
         ``worker_starts``, ``worker_refusals`` (dead worker), ``handoff_timeouts``,
-        ``inline_lookups`` (capture time), ``refused_inline``), its launch graphs' (``graph_*``,
+        ``inline_lookups`` (capture time), ``refused_inline``; with the C++ core ``join_tail_polls``,
+        the joins that polled once a multi-piece job's last request was out), its launch graphs' (``graph_*``,
         ``LaunchGraphs``) and its worker's."""
         c = {f"layer{self.layer_id}_{k}": v for k, v in self.counters.items()}
+        if self._slot is not None:  # joins that polled once the job's last request was out (pass L)
+            c[f"layer{self.layer_id}_join_tail_polls"] = self._slot.native.tail_polls()
         c.update({f"layer{self.layer_id}_graph_{k}": v for k, v in self.graphs.counters.items()})
         if self._worker is not None:
             c.update({f"worker_{k}": v for k, v in self._worker.counters.items()})
