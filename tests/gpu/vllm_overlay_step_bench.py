@@ -403,7 +403,7 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
                         ph["join_wake"] = (f.host_ns["join1_1"] - t1[-1]["t_done"]) * 1e-6
                         ph["prepare_host"] = (f.host_ns["prepare1"] - f.host_ns["prepare0"]) * 1e-6
                         phases.append(ph)
-                        fetch14 += [sum(b - a for a, b in zip(g["fetch0"], g["fetch1"])) * 1e-6
+                        fetch14 += [P.trace_fetch_ns(g) * 1e-6
                                     for g in got if g["key"] == keys[1]]
         if tracing:
             core.set_trace(False)
@@ -468,6 +468,8 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
                 (wait1 - wait0) * 1e3 / max(1, len(times["overlay"]) + rounds), 3),
             "inline_lookups": rr.counters["inline_lookups"], "worker_refusals": rr.counters["worker_refusals"],
             "handoff_timeouts": rr.counters["handoff_timeouts"],
+            # joins of layer 1 that polled once a job's last request was out (pass L), whole run so far
+            "join_tail_polls_layer1": rr.overlay_counters().get(f"layer{rr.layer_id}_join_tail_polls"),
             # the launch graphs of both layers in the timed rounds (replays = graph launches)
             "launch_graphs": {k: round(sum(o.embed_tokens._dsv41.graphs.counters[k] - g[k] for o, g in zip(ovl, g0)), 4)
                               for k in ("replays", "captures", "failures", "capture_s")},

@@ -130,3 +130,45 @@ def test_paired_decides_the_bound_on_the_per_step_excess():
     assert out["layer14_fetch_ms_median"] is None
     with pytest.raises(Dsv41Error):
         P.paired([], [])
+
+
+def _stream(t0, idle_ms=0.03):
+    """A synthetic pass-L stream trace: 3 pieces whose requests overlap; fetch 15 ms of a 15.03
+    ms span (one 0.03 ms gap with nothing in flight)."""
+    tr = _trace(t0)
+    tr.update(stream=True, t_fetch0=tr["t_plan0"] + int(0.005 * MS))
+    tr["fetch0"] = [tr["t_fetch0"] + k * int(4 * MS) for k in range(3)]
+    tr["fetch1"] = [tr["t_fetch0"] + int((k + 1) * 5 * MS) for k in range(3)]
+    tr["launch1"] = [f + int(0.04 * MS) for f in tr["fetch1"]]
+    tr["t_fetch1"] = tr["fetch1"][-1] + int(idle_ms * MS)
+    tr["idle"] = int(idle_ms * MS)
+    tr["t_done"] = tr["launch1"][-1] + int(0.01 * MS)
+    return tr
+
+
+def test_a_stream_trace_counts_busy_time_as_the_fetch_and_launches_off_the_path():
+    t0 = 10_000 * MS
+    tr = _stream(t0)
+    gms = {"l0_start": 0.05, "l0_end": 12.55, "a": 12.55, "b": (tr["t_done"] - t0) / MS + 0.2}
+    ph = P.layer1_phases(tr, t0, gms, 12.54)
+    assert ph["fetch"] == pytest.approx(15.0) and ph["span"] == pytest.approx(15.03)
+    assert ph["launches"] == 0.0 and ph["plan_waits"] == pytest.approx(0.03)
+    assert ph["launches_overlapped"] == pytest.approx(0.12)
+    assert ph["plan0_to_fetch"] == pytest.approx(0.005) and ph["tail"] == pytest.approx(0.2)
+    assert sum(ph[k] for k in P.PHASES) == pytest.approx(ph["critical"]) == pytest.approx(ph["excess"])
+
+
+@pytest.mark.parametrize("bad", [{"idle": 10**12}, {"idle": -1}, {"t_fetch0": 0}, {"launch1": []},
+                                 {"t_fetch1": 1}, {"launch1": [1, 2, 10**15]}])
+def test_malformed_stream_traces_are_refused(bad):
+    tr = _stream(10_000 * MS)
+    tr.update(bad)
+    with pytest.raises(Dsv41Error):
+        P.layer1_phases(tr, 10_000 * MS, {"l0_start": 0, "l0_end": 1, "a": 1, "b": 30}, 1.0)
+
+
+def test_trace_fetch_is_the_streams_busy_time_or_the_sum_of_requests():
+    tr = _stream(10_000 * MS)
+    assert P.trace_fetch_ns(tr) == 15 * MS
+    old = _trace(10_000 * MS)
+    assert P.trace_fetch_ns(old) == 15 * MS  # 3 pieces of 5 ms, one after the other

@@ -317,8 +317,9 @@ def test_a_multi_piece_job_is_planned_fetched_and_handed_off_by_the_core_exactly
 def test_the_phase_trace_records_each_multi_piece_job_in_order(tabs, workers, small_pieces) -> None:
     """``EngramCore.set_trace`` (issue 23 pass K, the step benchmark's decomposition): off, no
     job is recorded; on, every multi-piece job (none of the decode jobs) with its pieces'
-    request and launch times in order, monotonic ns within the step's wall time; the rows stay
-    exact; ``take_traces`` clears what it returned."""
+    request and launch times in order, monotonic ns within the step's wall time, the requests
+    one stream across the pieces (pass L: a piece's requests out before the previous piece's
+    replies are in); the rows stay exact; ``take_traces`` clears what it returned."""
     port = _free_port()
     srv = _serve(tabs, port)
     src = _source(tabs, port)
@@ -335,15 +336,21 @@ def test_the_phase_trace_records_each_multi_piece_job_in_order(tabs, workers, sm
         t1 = time.monotonic_ns()
         got = core.take_traces()
         assert [g["key"] for g in got] == [r1._slot.key, r14._slot.key]  # layer 1 first, then 14
+        overlapped = 0
         for g in got:
             assert g["rows"] == 50 * r1.part and len(g["fetch0"]) == len(g["fetch1"]) == len(g["launch1"]) == 6
-            seq = [g["t_sub"], g["t_deq"], g["t_ids"], g["t_plan0"]]
-            assert g["t_head1"] and g["t_rest0"]  # piece 0 as a head and a rest (HEAD_ROWS 30)
-            for k, (a, b, c) in enumerate(zip(g["fetch0"], g["fetch1"], g["launch1"])):
-                assert a and b  # every piece has owned ids here
-                seq += [a] + ([g["t_head1"], g["t_rest0"]] if k == 0 else []) + [b, c]
-            seq.append(g["t_done"])
-            assert seq == sorted(seq) and t0 <= seq[0] and seq[-1] <= t1
+            # one pipelined stream over the pieces (pass L): first send .. last reply, less idle gaps
+            assert g["stream"] and 0 <= g["idle"] <= g["t_fetch1"] - g["t_fetch0"]
+            seq = [g["t_sub"], g["t_deq"], g["t_ids"], g["t_plan0"], g["t_fetch0"]]
+            assert seq == sorted(seq) and t0 <= seq[0] and g["t_fetch0"] == g["fetch0"][0]
+            assert g["fetch0"][0] <= g["t_head1"] and g["fetch0"][0] <= g["t_rest0"] <= g["fetch1"][0]  # head, rest
+            for a, b, c in zip(g["fetch0"], g["fetch1"], g["launch1"]):
+                assert a and b and a <= b <= c <= g["t_done"] <= t1  # every piece has owned ids here
+            assert g["fetch0"] == sorted(g["fetch0"]) and g["fetch1"] == sorted(g["fetch1"])
+            assert g["t_fetch1"] == g["fetch1"][-1]
+            # a piece's request goes out before the previous piece's reply is in
+            overlapped += sum(a < b for a, b in zip(g["fetch0"][1:], g["fetch1"][:-1]))
+        assert overlapped > 0
         assert core.take_traces() == []
         core.set_trace(False)
         assert _step(tabs, r1, r14, 50, 74)

@@ -28,6 +28,14 @@ sum of
 
 less ``a - layer0_end`` (0 when ``a`` follows layer 0 at once). ``fetch`` is the sum of the
 pieces' request times (pipelined requests: their fill and drain included).
+
+Since issue 23 pass L the core sends a job's requests as one pipelined stream across its pieces
+(``stream`` traces: a piece's requests go out before the previous piece's graph is launched, so
+the pieces' request spans overlap): ``fetch`` is then the connection's busy time, ``t_fetch1 -
+t_fetch0 - idle`` (first request sent to last reply, less the gaps with nothing in flight);
+``launches`` is 0 (the graph launches overlap requests in flight; their sum is
+``launches_overlapped``, not on the path); ``plan_waits`` is ``idle`` (nothing in flight: a
+segment's plan awaited); ``last_launch`` runs from the last reply to the hand-off.
 """
 
 from __future__ import annotations
@@ -60,6 +68,8 @@ def layer1_phases(trace: dict, host_t0_ns: int, gpu_ms: dict, layer0_target_ms: 
     and ``a_after_l0`` (``a - l0_end``), all float ms. Raises Dsv41Error for a trace whose
     lists differ in length, with no piece, or with a timestamp missing (0) or out of order.
     """
+    if trace.get("stream"):
+        return _stream_phases(trace, host_t0_ns, gpu_ms, layer0_target_ms)
     f0, f1, l1 = (list(trace[k]) for k in ("fetch0", "fetch1", "launch1"))
     n = len(f0)
     if n == 0 or len(f1) != n or len(l1) != n:
@@ -103,6 +113,53 @@ def layer1_phases(trace: dict, host_t0_ns: int, gpu_ms: dict, layer0_target_ms: 
         "critical": (b_ns - l0s) * ms - fetch, "a_after_l0": gpu_ms["a"] - gpu_ms["l0_end"],
     }
     return {k: float(v) for k, v in out.items()}
+
+
+def _stream_phases(trace: dict, host_t0_ns: int, gpu_ms: dict, layer0_target_ms: float) -> dict:
+    """``layer1_phases`` of a ``stream`` trace (see the module): ``t_fetch0``, ``t_fetch1``,
+    ``idle`` (ns) besides the common fields; per piece ``launch1`` (its launch's end) and, for
+    ``launches_overlapped``, ``fetch1`` (its last reply). Raises Dsv41Error as ``layer1_phases``."""
+    f1, l1 = list(trace["fetch1"]), list(trace["launch1"])
+    n = len(l1)
+    if n == 0 or len(f1) != n or len(trace["fetch0"]) != n:
+        raise Dsv41Error(f"phase trace: {len(trace['fetch0'])}/{len(f1)}/{n} piece entries")
+    ts = [trace[k] for k in ("t_sub", "t_deq", "t_ids", "t_plan0", "t_fetch0", "t_fetch1", "t_done")]
+    if min(ts) <= 0 or min(l1) <= 0:
+        raise Dsv41Error("phase trace: a timestamp is missing")
+    t_sub, t_deq, t_ids, t_plan0, t_fetch0, t_fetch1, t_done = ts
+    idle = int(trace.get("idle", 0))
+    if any(b < a for a, b in zip(ts, ts[1:])) or idle < 0 or idle > t_fetch1 - t_fetch0 or max(l1) > t_done:
+        raise Dsv41Error("phase trace: timestamps out of order")
+    ms = 1e-6
+    l0s = host_t0_ns + gpu_ms["l0_start"] * 1e6
+    b_ns = host_t0_ns + gpu_ms["b"] * 1e6
+    fetch = (t_fetch1 - t_fetch0 - idle) * ms
+    layer0 = gpu_ms["l0_end"] - gpu_ms["l0_start"]
+    stall = gpu_ms["b"] - gpu_ms["a"]
+    # a piece's launch: from its last reply (or, with no request, the previous launch) to its end
+    prev, over = t_fetch0, 0
+    for k in range(n):
+        start = max(f1[k], prev) if f1[k] else prev
+        over += max(l1[k] - start, 0)
+        prev = l1[k]
+    out = {
+        "submit_after_l0": (t_sub - l0s) * ms, "wake": (t_deq - t_sub) * ms, "ids_wait": (t_ids - t_deq) * ms,
+        "plan0": (t_plan0 - t_ids) * ms, "plan0_to_fetch": (t_fetch0 - t_plan0) * ms, "launches": 0.0,
+        "plan_waits": idle * ms, "last_launch": (t_done - t_fetch1) * ms, "tail": (b_ns - t_done) * ms,
+        "fetch": fetch, "layer0": layer0, "stall": stall,
+        "excess": stall - (fetch - layer0), "excess_target": stall - (fetch - layer0_target_ms),
+        "critical": (b_ns - l0s) * ms - fetch, "a_after_l0": gpu_ms["a"] - gpu_ms["l0_end"],
+        "launches_overlapped": over * ms, "span": (t_fetch1 - t_fetch0) * ms,
+    }
+    return {k: float(v) for k, v in out.items()}
+
+
+def trace_fetch_ns(trace: dict) -> int:
+    """A job's fetch (ns) from its trace: the stream's busy time (pass L), else the sum of the
+    pieces' request times (as ``layer1_phases``, without piece 0's head-to-rest wait)."""
+    if trace.get("stream"):
+        return int(trace["t_fetch1"] - trace["t_fetch0"] - trace.get("idle", 0))
+    return int(sum(b - a for a, b in zip(trace["fetch0"], trace["fetch1"])))
 
 
 def summarize(steps: Sequence[dict], ndigits: int = 4) -> dict:

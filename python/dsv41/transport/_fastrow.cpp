@@ -1153,6 +1153,10 @@ struct PieceTrace {
   int64_t rows = 0, t_sub = 0, t_deq = 0, t_ids = 0, t_plan0 = 0, t_done = 0;
   int64_t t_head1 = 0, t_rest0 = 0;  // piece 0 with a head: its request's end, the rest's request's start
   std::vector<int64_t> fetch0, fetch1, launch1;
+  // the pipelined stream (EngramCore::stream, issue 23 pass L): pieces' requests overlap, so the
+  // fetch is the first send to the last reply less `idle` (gaps with nothing on the wire)
+  bool stream = false;
+  int64_t t_fetch0 = 0, t_fetch1 = 0, idle = 0;
 };
 
 class EngramCore {
@@ -1248,6 +1252,7 @@ class EngramCore {
       d["t_ids"] = t.t_ids; d["t_plan0"] = t.t_plan0; d["t_done"] = t.t_done;
       d["fetch0"] = t.fetch0; d["fetch1"] = t.fetch1; d["launch1"] = t.launch1;
       d["t_head1"] = t.t_head1; d["t_rest0"] = t.t_rest0;
+      d["stream"] = t.stream; d["t_fetch0"] = t.t_fetch0; d["t_fetch1"] = t.t_fetch1; d["idle"] = t.idle;
       out.append(d);
     }
     return out;
@@ -1465,58 +1470,10 @@ class EngramCore {
       tr.t_plan0 = t_plan0;
       tr.fetch0.assign(pieces.size(), 0); tr.fetch1.assign(pieces.size(), 0); tr.launch1.assign(pieces.size(), 0);
     }
-    uint8_t *packed = s.hbuf + s.max_rows * 4;
     size_t launched = 0;
     int64_t launch_ns = 0;
-    for (size_t k = 0; k < pieces.size(); k++) {
-      const int64_t r0 = int64_t(k) * piece_rows_;
-      if (j.cuda && k + 1 == pieces.size()) s.mark_tail(j.gen);  // the join polls from here on
-      if (k) {
-        int64_t tw = now_ns();
-        plan.wait(k);  // normally long done: piece k was planned during piece k-1's request
-        add(c_plan, now_ns() - tw);
-      }
-      const std::vector<int64_t> &ns = plan.ns;
-      if (k == 0 && plan.head_rows > 0) {
-        // piece 0's head (planned alone, so its request leaves before the rest of the piece is
-        // planned), then, once the planner thread has planned the rest, the rest's request: the
-        // same fetch list and packed rows as one request of the piece
-        const size_t hn = size_t(plan.head_n);
-        const int64_t th = now_ns();
-        if (!request(j, s, s.fetch, hn, packed, launched, code, rcount, fetch_ns)) return PIECES_FAILED;
-        const int64_t tw = now_ns();
-        plan.wait(0);
-        const int64_t tr0 = now_ns();
-        add(c_plan, tr0 - tw);
-        if (!request(j, s, s.fetch + hn, size_t(ns[0]) - hn, packed + hn * kRow, launched, code, rcount, fetch_ns))
-          return PIECES_FAILED;
-        if (tracing) { tr.fetch0[0] = th; tr.t_head1 = tw; tr.t_rest0 = tr0; tr.fetch1[0] = now_ns(); }
-      } else if (ns[k]) {
-        const int64_t tf = now_ns();
-        if (!request(j, s, s.fetch + r0, size_t(ns[k]), packed + size_t(r0) * kRow, launched, code, rcount, fetch_ns))
-          return PIECES_FAILED;
-        if (tracing) { tr.fetch0[k] = tf; tr.fetch1[k] = now_ns(); }
-      }
-      if (!j.cuda) {  // the CPU: Python launches the pieces (PIECES_FETCHED)
-        if (tracing) tr.launch1[k] = now_ns();
-        continue;
-      }
-      int64_t tl = now_ns();
-      std::lock_guard<std::mutex> g(s.m);
-      if (j.gen == s.abandoned || j.gen != s.current) {  // refused meanwhile: nothing more launched
-        add(c_launch, launch_ns + now_ns() - tl);
-        return REPORT;
-      }
-      if (cu.graph_launch(pieces[k].second, j.stream) != 0) {
-        code = 0;
-        drain(j, launched);
-        return PIECES_FAILED;
-      }
-      launched++;
-      const int64_t tle = now_ns();
-      if (tracing) tr.launch1[k] = tle;
-      launch_ns += tle - tl;
-    }
+    const int st = stream(j, s, plan, pieces, tracing ? &tr : nullptr, launched, launch_ns, code, rcount, fetch_ns);
+    if (st >= 0) return st;
     j.n = plan.finish();
     add(c_plan_ahead, plan.ahead_ns);
     if (!j.cuda) {
@@ -1539,31 +1496,248 @@ class EngramCore {
     if (tracing) keep_trace(tr, t_done);
     return REPORT;
   }
-  // One pipelined request of a multi-piece job (lookup_many_nogil: n ids from `fetch`, rows into
-  // `out`) on the lent connection, counted; false when it failed: then rcount holds the refusal
-  // status, the connection is dropped (fd_ = -1, Python closes it) and the pieces already
-  // launched are waited for (drain), and the caller returns PIECES_FAILED. n = 0 sends nothing.
-  bool request(EngramJob &j, EngramSlot &s, const int64_t *fetch, size_t n, uint8_t *out, size_t launched,
-               int &code, uint32_t &rcount, int64_t &fetch_ns) {
-    if (!n) return true;
-    const int64_t tf = now_ns();
+  // A multi-piece job's requests as one pipelined stream over its segments (issue 23 pass L):
+  // piece 0 (its head and its rest with head_rows_), then pieces 1.., each cut into requests of
+  // chunk_rows_ ids, up to kPieceWindow requests in flight across segment and piece boundaries,
+  // replies received in order into the fixed piece layout; a segment's requests go out once the
+  // planner has planned it (its ids count is known then). A piece whose last reply is in gets its
+  // graph launched (CUDA) after the requests that fit the window are sent, so the launch overlaps
+  // the next piece's requests instead of sitting between a reply and the next request (pass K:
+  // 0.21-0.25 ms per step), and the connection does not drain at every piece. Returns -1 when
+  // every piece was fetched (and launched on CUDA); else the status to return: REPORT (the job was
+  // refused meanwhile: nothing more launched, the requests in flight received and dropped so the
+  // connection stays in step), PIECES_FAILED (a request failed: code != 0, rcount the refusal
+  // status, the connection dropped; or a graph launch failed: code 0, after the replies in
+  // flight), with the pieces launched already waited for (drain). Counts one request per segment
+  // with ids (as one lookup_many call before), the connection's busy time as the fetch (from the
+  // first request's send to the last reply, less the gaps with nothing in flight). The trace
+  // (tr): per piece its first send and last reply (fetch0/fetch1; 0 with no ids) and its launch's
+  // end; piece 0's head's last reply and its rest's first send; t_fetch0, t_fetch1 and idle (the
+  // gaps, ns) for the phases (dsv41.harness.phases, stream traces).
+  struct StreamChunk {
+    size_t seg, off;
+    uint32_t c;  // 0: a segment with no ids (completes in order, nothing on the wire)
+    uint64_t gen;
+  };
+  int stream(EngramJob &j, EngramSlot &s, PiecePlan &plan, const std::vector<std::pair<int64_t, void *>> &pieces,
+             PieceTrace *tr, size_t &launched, int64_t &launch_ns, int &code, uint32_t &rcount, int64_t &fetch_ns) {
+    const CudaDriver &cu = cuda_driver();
+    const bool head = plan.head_rows > 0;
+    const size_t np = pieces.size(), nseg = np + (head ? 1 : 0);
+    uint8_t *packed = s.hbuf + s.max_rows * 4;
+    auto piece_of = [&](size_t i) -> size_t { return head ? (i == 0 ? 0 : i - 1) : i; };
+    auto row0 = [&](size_t i) -> size_t {  // the segment's first fetch slot (= its first packed row)
+      if (head && i == 1) return size_t(plan.head_n);
+      return head && i == 0 ? 0 : piece_of(i) * size_t(piece_rows_);
+    };
+    std::vector<int64_t> seg_n(nseg, -1);  // -1: not planned yet
+    auto know = [&](size_t i) -> bool {
+      if (seg_n[i] >= 0) return true;
+      if (head && i == 0) { seg_n[0] = plan.head_n; return true; }
+      const size_t p = piece_of(i);
+      if (plan.planned.load(std::memory_order_acquire) <= p) return false;
+      seg_n[i] = head && i == 1 ? plan.ns[0] - plan.head_n : plan.ns[p];
+      return true;
+    };
+    const uint32_t chunk = uint32_t(chunk_rows_);
+    std::deque<StreamChunk> fly;  // sent in full (or segments without ids), reply awaited, in order
+    size_t ss = 0, soff = 0;      // next segment to send, its ids already sent
+    size_t send_off = 0;          // bytes of the request being sent (0: none started)
+    uint8_t hdr[kReq];
+    uint32_t cur_c = 0;
+    uint64_t cur_gen = 0;
+    size_t real_fly = 0;          // requests on the wire: sent in full or started
+    size_t done_seg = 0, segs_sent = 0;
+    int64_t rows_in = 0;
+    std::deque<size_t> to_launch;
+    bool stop_send = false, cuda_failed = false, tail_marked = false;
+    uint8_t rep[kRep];
+    size_t rgot = 0;
+    bool in_payload = false;
+    int64_t t_first = 0, t_last = 0, idle = 0, t_gap = 0, plan_wait = 0;
+    int64_t deadline = now_ns() + timeout_ns_, spin_until = now_ns() + spin_ns_;
     uint32_t status = 0;
-    size_t ridx = 0;
-    code = lookup_many_nogil(fd_, gen_, s.ident, reinterpret_cast<const uint8_t *>(fetch), n, out,
-                             uint32_t(chunk_rows_), kPieceWindow, timeout_ns_, spin_ns_, 0, status, ridx);
-    gen_ += (n + size_t(chunk_rows_) - 1) / size_t(chunk_rows_);
-    const int64_t te = now_ns();
-    fetch_ns += te - tf;
+    code = 0;
+    auto complete = [&](size_t seg, int64_t t) {  // every request of segment `seg` is in
+      const size_t p = piece_of(seg);
+      if (tr && seg_n[seg] > 0) {
+        if (head && seg == 0) tr->t_head1 = t;
+        else tr->fetch1[p] = t;
+      }
+      done_seg = seg + 1;
+      if (!(head && seg == 0)) to_launch.push_back(p);
+    };
+    for (;;) {
+      bool progressed = false;
+      // 1. send: finish the request started, then new ones while the window has room
+      while (code == 0 && ss < nseg && (send_off > 0 || (!stop_send && real_fly < kPieceWindow))) {
+        if (send_off == 0) {
+          if (!know(ss)) break;  // not planned yet
+          if (seg_n[ss] == 0) {  // nothing to fetch: completes in order
+            fly.push_back(StreamChunk{ss, 0, 0, 0});
+            ss++; soff = 0;
+            progressed = true;
+            continue;
+          }
+          cur_c = uint32_t(std::min<size_t>(chunk, size_t(seg_n[ss]) - soff));
+          cur_gen = gen_++;
+          wr<uint32_t>(hdr, kMagic); wr<uint16_t>(hdr + 4, kVersion); wr<uint16_t>(hdr + 6, OP_LOOKUP);
+          wr<uint64_t>(hdr + 8, cur_gen); std::memcpy(hdr + 16, s.ident, 32);
+          wr<uint32_t>(hdr + 48, cur_c); wr<uint32_t>(hdr + 52, cur_c * 8);
+          const int64_t t = now_ns();
+          if (!t_first) t_first = t;
+          if (real_fly == 0) {
+            if (t_gap) idle += t - t_gap;
+            t_gap = 0;
+            deadline = t + timeout_ns_;
+          }
+          if (soff == 0) {
+            segs_sent++;
+            if (tr) {
+              if (head && ss == 1) tr->t_rest0 = t;
+              else tr->fetch0[piece_of(ss)] = t;
+            }
+          }
+          real_fly++;
+        }
+        const size_t plen = size_t(cur_c) * 8;
+        const uint8_t *ids = reinterpret_cast<const uint8_t *>(s.fetch + row0(ss) + soff);
+        iovec iov[2];
+        int niov = 0;
+        if (send_off < kReq) {
+          iov[niov++] = {hdr + send_off, kReq - send_off};
+          iov[niov++] = {const_cast<uint8_t *>(ids), plen};
+        } else {
+          iov[niov++] = {const_cast<uint8_t *>(ids) + (send_off - kReq), plen - (send_off - kReq)};
+        }
+        msghdr mh{};
+        mh.msg_iov = iov;
+        mh.msg_iovlen = niov;
+        const ssize_t r = ::sendmsg(fd_, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (r < 0) {
+          if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
+          code = -2;
+          break;
+        }
+        progressed = progressed || r > 0;
+        send_off += size_t(r);
+        if (send_off == kReq + plen) {
+          fly.push_back(StreamChunk{ss, soff, cur_c, cur_gen});
+          send_off = 0;
+          soff += cur_c;
+          if (soff == size_t(seg_n[ss])) { ss++; soff = 0; }
+        }
+      }
+      if (code) break;
+      if (ss == nseg && send_off == 0 && !tail_marked && j.cuda) {  // the job's last request is out:
+        s.mark_tail(j.gen);                                          // the join polls from here on
+        tail_marked = true;
+      }
+      // 2. the pieces whose replies are all in: their graphs, after the requests above
+      while (!to_launch.empty() && j.cuda && !stop_send) {
+        const size_t p = to_launch.front();
+        to_launch.pop_front();
+        const int64_t tl = now_ns();
+        std::lock_guard<std::mutex> g(s.m);
+        if (j.gen == s.abandoned || j.gen != s.current) { stop_send = true; break; }  // refused meanwhile
+        if (cu.graph_launch(pieces[p].second, j.stream) != 0) { stop_send = cuda_failed = true; break; }
+        launched++;
+        const int64_t tle = now_ns();
+        if (tr) tr->launch1[p] = tle;
+        launch_ns += tle - tl;
+        progressed = true;
+      }
+      if (!j.cuda) {  // the CPU: Python launches the pieces (PIECES_FETCHED)
+        const int64_t t = now_ns();
+        if (tr) for (size_t p : to_launch) tr->launch1[p] = t;
+        to_launch.clear();
+      }
+      if (done_seg == nseg && to_launch.empty()) break;
+      if (stop_send && fly.empty() && send_off == 0) break;
+      // 3. receive what is there, in order; segments without ids complete as they come up
+      for (;;) {
+        while (!fly.empty() && fly.front().c == 0) {
+          const size_t seg = fly.front().seg;
+          fly.pop_front();
+          complete(seg, now_ns());
+          progressed = true;
+        }
+        if (fly.empty()) break;
+        const StreamChunk ch = fly.front();
+        uint8_t *dst;
+        size_t want;
+        if (!in_payload) { dst = rep + rgot; want = kRep - rgot; }
+        else { dst = packed + (row0(ch.seg) + ch.off) * kRow + rgot; want = size_t(ch.c) * kRow - rgot; }
+        const ssize_t r = ::recv(fd_, dst, want, MSG_DONTWAIT);
+        if (r == 0) { code = -2; break; }
+        if (r < 0) {
+          if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
+          code = -2;
+          break;
+        }
+        progressed = true;
+        rgot += size_t(r);
+        if (!in_payload && rgot == kRep) {
+          const uint16_t st = rd<uint16_t>(rep + 6);
+          if (rd<uint32_t>(rep) != kMagic || rd<uint16_t>(rep + 4) != kVersion) { code = -4; break; }
+          if (rd<uint64_t>(rep + 8) != ch.gen) { code = -3; break; }
+          if (st != ST_OK) { code = 1; status = st; break; }
+          if (rd<uint32_t>(rep + 16) != ch.c || uint64_t(rd<uint32_t>(rep + 20)) != uint64_t(ch.c) * kRow) { code = -4; break; }
+          in_payload = true;
+          rgot = 0;
+        } else if (in_payload && rgot == size_t(ch.c) * kRow) {
+          in_payload = false;
+          rgot = 0;
+          fly.pop_front();
+          real_fly--;
+          rows_in += ch.c;
+          const int64_t t = now_ns();
+          t_last = t;
+          deadline = t + timeout_ns_;  // the next reply: its own full budget
+          if (real_fly == 0) t_gap = t;
+          if (ch.off + ch.c == size_t(seg_n[ch.seg])) complete(ch.seg, t);
+          break;  // back to send (the window has room) and launch
+        }
+      }
+      if (code) break;
+      if (progressed) { spin_until = now_ns() + spin_ns_; continue; }
+      const int64_t t = now_ns();
+      if (real_fly == 0 && send_off == 0 && fly.empty() && ss < nseg && !stop_send) {
+        plan.wait(piece_of(ss));  // nothing on the wire: the next segment's plan is due
+        plan_wait += now_ns() - t;
+        continue;
+      }
+      if (t >= deadline) { code = -1; break; }
+      if (t < spin_until) { ::sched_yield(); continue; }  // yield as in Connection::fill
+      pollfd pf{fd_, short(POLLIN | (ss < nseg && !stop_send && real_fly < kPieceWindow ? POLLOUT : 0)), 0};
+      const int64_t rem = deadline - t;
+      timespec ts{time_t(rem / 1000000000LL), long(rem % 1000000000LL)};
+      ::ppoll(&pf, 1, &ts, nullptr);
+    }
+    const int64_t busy = t_first && t_last ? t_last - t_first - idle : 0;
+    fetch_ns += busy;
+    add(c_plan, plan_wait);
     {
       std::lock_guard<std::mutex> g(cm_);
-      c_fetch += te - tf; c_requests++;
-      if (code == 0) { c_rows += int64_t(n); c_lookups++; }
+      c_fetch += busy; c_requests += int64_t(segs_sent);
+      if (code == 0 && !stop_send) { c_rows += rows_in; c_lookups += int64_t(segs_sent); }
     }
-    if (code == 0) return true;
-    rcount = status;
-    fd_ = -1;  // the request failed: Python closes the connection and serves the job again
-    drain(j, launched);
-    return false;
+    if (tr) { tr->t_fetch0 = t_first; tr->t_fetch1 = t_last; tr->idle = idle; tr->stream = true; }
+    if (code != 0) {
+      rcount = status;
+      fd_ = -1;  // the request failed: Python closes the connection and serves the job again
+      drain(j, launched);
+      return PIECES_FAILED;
+    }
+    if (cuda_failed) {
+      drain(j, launched);
+      return PIECES_FAILED;  // code 0: piece graphs off, Python serves the job again
+    }
+    if (stop_send) {
+      add(c_launch, launch_ns);
+      return REPORT;  // refused meanwhile: nothing more launched
+    }
+    return -1;
   }
   void keep_trace(PieceTrace &tr, int64_t t_done) {
     tr.t_done = t_done;
