@@ -271,11 +271,14 @@ def _planner_threads() -> int:
 @pytest.fixture
 def small_pieces(monkeypatch):
     """Pieces of 100 rows (the core and the Python path agree) and requests of at most 64 rows,
-    so a 50-token job of 600 rows is 6 pieces, each fetched in pipelined requests; the core
-    requests piece 0 as a 30-row head and the rest."""
+    the last piece's last 30 rows a piece of their own, so a 50-token job of 600 rows is 7 pieces
+    (5 x 100, 70, 30), fetched in pipelined requests; the core requests piece 0 as a 30-row head
+    and the rest."""
     monkeypatch.setattr(EW, "PIECE_ROWS", 100)
     monkeypatch.setattr(EW, "HEAD_ROWS", 30)  # piece 0 as a 30-row head and a 70-row rest (pass K)
     monkeypatch.setattr(ER, "PIECE_ROWS", 100)
+    monkeypatch.setattr(EW, "TAIL_ROWS", 30)  # the last piece's last 30 rows a piece of their own (pass L)
+    monkeypatch.setattr(ER, "TAIL_ROWS", 30)
     monkeypatch.setattr(C, "CHUNK_ROWS", 64)
 
 
@@ -338,7 +341,7 @@ def test_the_phase_trace_records_each_multi_piece_job_in_order(tabs, workers, sm
         assert [g["key"] for g in got] == [r1._slot.key, r14._slot.key]  # layer 1 first, then 14
         overlapped = 0
         for g in got:
-            assert g["rows"] == 50 * r1.part and len(g["fetch0"]) == len(g["fetch1"]) == len(g["launch1"]) == 6
+            assert g["rows"] == 50 * r1.part and len(g["fetch0"]) == len(g["fetch1"]) == len(g["launch1"]) == 7
             # one pipelined stream over the pieces (pass L): first send .. last reply, less idle gaps
             assert g["stream"] and 0 <= g["idle"] <= g["t_fetch1"] - g["t_fetch0"]
             seq = [g["t_sub"], g["t_deq"], g["t_ids"], g["t_plan0"], g["t_fetch0"]]
@@ -387,7 +390,7 @@ def test_the_fixed_piece_layout_launch_equals_the_plan_of_each_piece(tabs, small
         rr._launch_piece((r0, m), out)
         done = out.view(-1, 256)[r0 + m:]
         assert torch.isnan(done.float()).all()  # nothing past the piece written yet
-    assert len(rr._piece_keys(flat.size)) == 6 and _exact(tabs, rr, ids, out)
+    assert len(rr._piece_keys(flat.size)) == 7 and _exact(tabs, rr, ids, out)  # 5 x 100, 70, 30
     local.close()
 
 
@@ -491,6 +494,34 @@ def test_the_pipelined_piece_plan_equals_the_all_at_once_plan(rows, piece_rows, 
         own = (ids >= lo) & (ids < hi)
         assert n == int(own.sum()) and np.array_equal(flat_fetch[:n], ids[own])
         assert np.array_equal(flat_sel[own], np.arange(n)) and (flat_sel[~own] == -1).all()
+
+
+def test_the_tail_piece_layout_is_the_cores_and_pythons_and_plans_exactly(monkeypatch) -> None:
+    """``TAIL_ROWS`` (pass L): the last piece's last rows are a piece of their own in a job of
+    several pieces (Python's ``_piece_keys`` as the core's ``piece_layout``): the production
+    32K chunk at TP2 is 5 x 65,536 + 49,152 + 16,384 rows; a one-piece job or a last piece no
+    longer than the tail is not split; the plan in that layout, in every order, equals numpy's
+    piece by piece."""
+    assert ER.RemoteRows._piece_keys(393216) == [(k * 65536, 65536) for k in range(5)] + [(327680, 49152), (376832, 16384)]
+    assert ER.RemoteRows._piece_keys(65536) == [(0, 65536)]
+    assert ER.RemoteRows._piece_keys(65536 + 16384) == [(0, 65536), (65536, 16384)]
+    monkeypatch.setattr(ER, "PIECE_ROWS", 100)
+    monkeypatch.setattr(ER, "TAIL_ROWS", 30)
+    rng = np.random.default_rng(11)
+    for rows in (655, 600, 630, 120):
+        keys = ER.RemoteRows._piece_keys(rows)
+        ids = rng.integers(0, 4000, rows).astype(np.int64)
+        want = [(int(((v := ids[r0:r0 + m]) >= 1000).__and__(v < 3000).sum()), r0, m) for r0, m in keys]
+        for ahead, head in ((False, 0), (True, 0), (True, 30)):
+            sel = np.full(rows, 7, np.int32)
+            fetch = np.full(rows, -7, np.int64)
+            ns, bad = native._fastrow.plan_pieces(ids, 1000, 3000, 1 << 62, 100, sel, fetch, ahead, head, 30)
+            assert not bad and list(ns) == [n for n, _, _ in want]
+            for n, r0, m in want:
+                v = ids[r0:r0 + m]
+                own = (v >= 1000) & (v < 3000)
+                assert np.array_equal(fetch[r0:r0 + n], v[own])
+                assert np.array_equal(sel[r0:r0 + m][own], np.arange(n)) and (sel[r0:r0 + m][~own] == -1).all()
 
 
 @pytest.mark.parametrize("ahead", [False, True])

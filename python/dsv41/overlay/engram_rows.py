@@ -15,7 +15,7 @@ import numpy as np
 from dsv41.errors import ConfigError, Dsv41Error
 from dsv41.overlay.engram_ops import (ROW_BYTES, CudaOps, Handoff, HostOps, LaunchGraphs, OverlayRefused,
                                       _native_plan, log, plan_into, report_counters)
-from dsv41.overlay.engram_worker import JOIN_SPIN_NS, PIECE_ROWS, REPORT_EVERY_S, EngramWorker, _worker_for
+from dsv41.overlay.engram_worker import JOIN_SPIN_NS, PIECE_ROWS, REPORT_EVERY_S, TAIL_ROWS, EngramWorker, _worker_for
 
 #: Seconds ``_finish_prefetch`` waits for the worker's hand-off of one layer before it counts a
 #: refusal and serves that layer's exact rows on the launching thread. The worker's fetch is
@@ -467,8 +467,14 @@ class RemoteRows:
 
     @staticmethod
     def _piece_keys(rows: int) -> list[tuple[int, int]]:
-        """``(first row, rows)`` of each piece of a job of ``rows`` rows."""
-        return [(r0, min(PIECE_ROWS, rows - r0)) for r0 in range(0, rows, PIECE_ROWS)]
+        """``(first row, rows)`` of each piece of a job of ``rows`` rows: pieces of ``PIECE_ROWS``,
+        the last one's last ``TAIL_ROWS`` rows a piece of their own in a job of several pieces
+        (the C++ core's ``piece_layout``)."""
+        keys = [(r0, min(PIECE_ROWS, rows - r0)) for r0 in range(0, rows, PIECE_ROWS)]
+        if TAIL_ROWS > 0 and len(keys) > 1 and keys[-1][1] > TAIL_ROWS:
+            r0, m = keys.pop()
+            keys += [(r0, m - TAIL_ROWS), (r0 + m - TAIL_ROWS, TAIL_ROWS)]
+        return keys
 
     def _launch_piece(self, key: tuple[int, int], out: Any) -> None:
         """One piece of a multi-piece job in the fixed piece layout the C++ core plans into

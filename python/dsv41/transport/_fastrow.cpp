@@ -1037,9 +1037,25 @@ struct Planner {
   inline void loop();
 };
 
+// A multi-piece job's fixed piece layout, (first row, rows) per piece: pieces of piece_rows,
+// then, with tail_rows > 0 and more than one piece, the last piece's last tail_rows rows as a
+// piece of their own when it is longer (issue 23 pass L: the last piece's H2D copy and kernel,
+// after the job's last reply, are on layer 1's critical path). RemoteRows._piece_keys agrees.
+std::vector<std::pair<int64_t, int64_t>> piece_layout(int64_t rows, int64_t piece_rows, int64_t tail_rows) {
+  std::vector<std::pair<int64_t, int64_t>> v;
+  for (int64_t r0 = 0; r0 < rows; r0 += piece_rows) v.push_back({r0, std::min(piece_rows, rows - r0)});
+  if (tail_rows > 0 && v.size() > 1 && v.back().second > tail_rows) {
+    const int64_t r0 = v.back().first, len = v.back().second;
+    v.back().second = len - tail_rows;
+    v.push_back({r0 + len - tail_rows, tail_rows});
+  }
+  return v;
+}
+
 struct PiecePlan {
   EngramSlot &s;
-  const int64_t rows, piece_rows;
+  const int64_t rows;
+  const std::vector<std::pair<int64_t, int64_t>> lay;  // piece_layout
   const size_t count;
   std::vector<int64_t> ns;  // owned ids per piece
   int64_t head_rows = 0, head_n = 0;  // plan_head: piece 0's rows planned first, their owned ids
@@ -1049,13 +1065,14 @@ struct PiecePlan {
   int64_t ahead_ns = 0;  // the planner thread's time (valid after finish())
   Planner *planner = nullptr;  // set while a Planner runs this plan (start_ahead .. join)
 
-  PiecePlan(EngramSlot &slot, int64_t r, int64_t pr, size_t c) : s(slot), rows(r), piece_rows(pr), count(c), ns(c, 0) {}
+  PiecePlan(EngramSlot &slot, int64_t r, std::vector<std::pair<int64_t, int64_t>> layout)
+      : s(slot), rows(r), lay(std::move(layout)), count(lay.size()), ns(count, 0) {}
   ~PiecePlan() { join(); }
   PiecePlan(const PiecePlan &) = delete;
   PiecePlan &operator=(const PiecePlan &) = delete;
 
   void plan(size_t k) {
-    const int64_t r0 = int64_t(k) * piece_rows, r1 = std::min(r0 + piece_rows, rows);
+    const int64_t r0 = lay[k].first, r1 = r0 + lay[k].second;
     int32_t *sel = reinterpret_cast<int32_t *>(s.hbuf);
     if (k == 0 && head_rows > 0)  // the rest of piece 0, after its head's owned ids
       ns[0] = head_n + plan_span(s.ids, head_rows, r1, s.lo, s.hi, s.limit, sel, s.fetch + head_n, bad,
@@ -1066,7 +1083,7 @@ struct PiecePlan {
   }
   // Piece 0's first h rows only (0 < h < piece 0's rows; else nothing): head_n owned ids at fetch[0..).
   void plan_head(int64_t h) {
-    if (count == 0 || h <= 0 || h >= std::min(piece_rows, rows)) return;
+    if (count == 0 || h <= 0 || h >= lay[0].second) return;
     head_n = plan_span(s.ids, 0, h, s.lo, s.hi, s.limit, reinterpret_cast<int32_t *>(s.hbuf), s.fetch, bad);
     head_rows = h;
   }
@@ -1170,10 +1187,12 @@ class EngramCore {
   // head_rows (issue 23 pass K): piece 0 of a multi-piece job is requested in two parts, its
   // first head_rows rows planned and sent at once, the rest planned meanwhile by the planner
   // thread (0: piece 0 planned whole before its request, as before).
-  EngramCore(int64_t chunk_rows, int64_t piece_rows, double report_s, int64_t head_rows = 0)
-      : chunk_rows_(chunk_rows), piece_rows_(piece_rows), head_rows_(head_rows), report_ns_(int64_t(report_s * 1e9)),
-        last_return_(now_ns()) {
-    if (head_rows < 0) throw std::invalid_argument("EngramCore: head_rows must be >= 0");
+  // tail_rows (issue 23 pass L): the last piece's last tail_rows rows are a piece of their own
+  // (piece_layout; 0: pieces of piece_rows only).
+  EngramCore(int64_t chunk_rows, int64_t piece_rows, double report_s, int64_t head_rows = 0, int64_t tail_rows = 0)
+      : chunk_rows_(chunk_rows), piece_rows_(piece_rows), head_rows_(head_rows), tail_rows_(tail_rows),
+        report_ns_(int64_t(report_s * 1e9)), last_return_(now_ns()) {
+    if (head_rows < 0 || tail_rows < 0) throw std::invalid_argument("EngramCore: head_rows and tail_rows must be >= 0");
   }
 
   // Launching thread: queue one layer's job (handles are 0 where there is no CUDA).
@@ -1437,18 +1456,19 @@ class EngramCore {
     EngramSlot &s = *j.slot;
     if (fd_ < 0 || !s.has_table || !s.ids || !s.hbuf || size_t(j.rows) > s.max_rows) return PYTHON;
     const CudaDriver &cu = cuda_driver();
+    std::vector<std::pair<int64_t, int64_t>> lay = piece_layout(j.rows, piece_rows_, tail_rows_);
     std::vector<std::pair<int64_t, void *>> pieces;  // (rows, graph) per piece
-    for (int64_t r0 = 0; r0 < j.rows; r0 += piece_rows_) pieces.push_back({std::min(piece_rows_, j.rows - r0), nullptr});
+    for (auto &pc : lay) pieces.push_back({pc.second, nullptr});
     if (j.cuda) {
       if (!j.done_event || !j.stream || !cu.ok) return PYTHON;
       std::lock_guard<std::mutex> g(s.m);
       for (size_t k = 0; k < pieces.size(); k++) {
-        pieces[k].second = s.piece_graph_locked(int64_t(k) * piece_rows_, pieces[k].first, j.out);
+        pieces[k].second = s.piece_graph_locked(lay[k].first, pieces[k].first, j.out);
         if (!pieces[k].second) return PYTHON;  // Python serves it and captures the pieces
       }
     }
     int64_t tp = now_ns();
-    PiecePlan plan(s, j.rows, piece_rows_, pieces.size());
+    PiecePlan plan(s, j.rows, std::move(lay));
     if (s.lo < 0 || s.hi > int64_t(std::min<uint64_t>(s.limit, uint64_t(INT64_MAX)))) {
       // an owned id can be past the table (or negative): every piece planned (and checked) before any request,
       // so such a job sends nothing and Python's path raises RowRangeError
@@ -1528,7 +1548,7 @@ class EngramCore {
     auto piece_of = [&](size_t i) -> size_t { return head ? (i == 0 ? 0 : i - 1) : i; };
     auto row0 = [&](size_t i) -> size_t {  // the segment's first fetch slot (= its first packed row)
       if (head && i == 1) return size_t(plan.head_n);
-      return head && i == 0 ? 0 : piece_of(i) * size_t(piece_rows_);
+      return head && i == 0 ? 0 : size_t(plan.lay[piece_of(i)].first);
     };
     std::vector<int64_t> seg_n(nseg, -1);  // -1: not planned yet
     auto know = [&](size_t i) -> bool {
@@ -1787,7 +1807,7 @@ class EngramCore {
   uint64_t gen_ = 0;
   uint16_t version_ = 1;
   int64_t timeout_ns_ = 0, spin_ns_ = 0;
-  const int64_t chunk_rows_, piece_rows_, head_rows_, report_ns_;
+  const int64_t chunk_rows_, piece_rows_, head_rows_, tail_rows_, report_ns_;
   int64_t coalesce_ns_ = 0;  // the last submit's COALESCE_S (read under m_)
   std::unique_ptr<Planner> planner_;  // declared last of the state a plan touches: destroyed first
   bool planner_failed_ = false;
@@ -1803,10 +1823,10 @@ class EngramCore {
 // buffers: `ahead` plans piece 0 here (only its first `head` rows when 0 < head < piece 0's rows,
 // the rest of it then first on the planner thread) and the rest on the planner thread, waited for
 // piece by piece; otherwise every piece in turn. Returns (owned ids per piece, whether an owned id
-// is at or past `limit`). For the tests that the orders give the same pieces.
+// is at or past `limit`). `tail`: piece_layout's tail_rows. For the tests that the orders give the same pieces.
 py::tuple plan_pieces(py::array_t<int64_t, py::array::c_style> ids, int64_t lo, int64_t hi, uint64_t limit,
                       int64_t piece_rows, py::array_t<int32_t, py::array::c_style> sel,
-                      py::array_t<int64_t, py::array::c_style> fetch, bool ahead, int64_t head) {
+                      py::array_t<int64_t, py::array::c_style> fetch, bool ahead, int64_t head, int64_t tail) {
   const ssize_t r = ids.size();
   if (sel.size() < r || fetch.size() < r) throw std::invalid_argument("plan_pieces: sel and fetch need ids.size() entries");
   if (piece_rows <= 0 || r > INT32_MAX) throw std::invalid_argument("plan_pieces: piece_rows must be > 0 and ids < 2^31");
@@ -1815,13 +1835,14 @@ py::tuple plan_pieces(py::array_t<int64_t, py::array::c_style> ids, int64_t lo, 
   slot.hbuf = reinterpret_cast<uint8_t *>(sel.mutable_data());
   slot.fetch = fetch.mutable_data();
   slot.lo = lo; slot.hi = hi; slot.limit = limit;
-  const size_t count = size_t((r + piece_rows - 1) / piece_rows);
+  if (tail < 0) throw std::invalid_argument("plan_pieces: tail must be >= 0");
   std::vector<int64_t> ns;
   bool bad = false;
   {
     py::gil_scoped_release nogil;
     Planner planner;  // as the core's: a persistent thread, here for this call
-    PiecePlan plan(slot, r, piece_rows, count);
+    PiecePlan plan(slot, r, piece_layout(r, piece_rows, tail));
+    const size_t count = plan.count;
     if (ahead && count) {
       plan.plan_head(head);  // the core's order: piece 0's head, then its rest and pieces 1.. ahead
       if (plan.head_rows == 0) plan.plan(0);
@@ -1872,8 +1893,8 @@ PYBIND11_MODULE(_fastrow, m) {
       .def("tail_polls", [](EngramSlot &s) { return s.tail_polls.load(); })
       .def("wait", &EngramSlot::wait, py::arg("gen"), py::arg("timeout_s"), py::arg("spin_ns") = 0);
   py::class_<EngramCore>(m, "EngramCore")
-      .def(py::init<int64_t, int64_t, double, int64_t>(), py::arg("chunk_rows"), py::arg("piece_rows"),
-           py::arg("report_s"), py::arg("head_rows") = 0)
+      .def(py::init<int64_t, int64_t, double, int64_t, int64_t>(), py::arg("chunk_rows"), py::arg("piece_rows"),
+           py::arg("report_s"), py::arg("head_rows") = 0, py::arg("tail_rows") = 0)
       .def("submit", &EngramCore::submit)
       .def("joined", &EngramCore::joined)
       .def("retire", &EngramCore::retire)
@@ -1898,5 +1919,5 @@ PYBIND11_MODULE(_fastrow, m) {
         py::arg("fetch").noconvert());
   m.def("plan_pieces", &plan_pieces, py::arg("ids").noconvert(), py::arg("lo"), py::arg("hi"), py::arg("limit"),
         py::arg("piece_rows"), py::arg("sel").noconvert(), py::arg("fetch").noconvert(), py::arg("ahead"),
-        py::arg("head") = 0);
+        py::arg("head") = 0, py::arg("tail") = 0);
 }
