@@ -4,6 +4,7 @@ entering a simulated host. The lab is one per machine: callers take /tmp/dsv41-l
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -77,3 +78,15 @@ def inside(host: str, *cmd: str, check: bool = True, timeout: int = 120) -> subp
     pid = (LAB / f"{host}.pid").read_text().strip()
     return subprocess.run(["nsenter", "-t", pid, "-a", "--", *cmd],
                           capture_output=True, text=True, check=check, timeout=timeout)
+
+
+def extra_inventory(tmp_path: Path, hosts: dict[str, dict]) -> str:
+    """A second inventory source naming the same hosts, its variables in host_vars/ (inventory
+    host_vars of a later source override inventories/sim's, which inline host vars would not);
+    pass it as ``-i inventories/sim -i <it>``."""
+    d = tmp_path / "extra"
+    (d / "host_vars").mkdir(parents=True)
+    (d / "hosts.yml").write_text(json.dumps({"all": {"hosts": {h: None for h in hosts}}}))
+    for h, v in hosts.items():
+        (d / "host_vars" / f"{h}.yml").write_text(json.dumps(v))
+    return str(d)

@@ -6,7 +6,8 @@ a) deploy from nothing (the cached rootfs when there is one): greedy references 
    fallbacks; a second deploy is changed=0 on every host; both times printed;
 b) status.yml passes on it; every service is an enabled, active unit;
 c) ``systemctl kill`` of the table server: systemd restarts it (Restart=on-failure), the ranks
-   count fallbacks meanwhile, and rows are remote again afterwards;
+   count fallbacks meanwhile, and rows are remote again afterwards; ``docker kill`` of rank 0's
+   container: systemd starts a new one and both ranks serve again (rows remote, no fallback);
 d) a host reboot (poweroff the nspawn machine through its systemd, then lab_up) of x86host and of
    sparkworker: every enabled service comes back and the stack is healthy without Ansible (a rank
    that kept running may fall back on its first lookups, until it reconnects: bounded, counted);
@@ -175,6 +176,32 @@ def test_c_systemctl_kill_of_the_table_server_is_restarted_by_systemd(deployed):
     # the stack is what deploy left: healthy, no fallback growing
     t_ok, rep = _wait_healthy(60)
     assert rep.get("healthy"), rep.get("reasons")
+
+
+def test_c2_docker_kill_of_rank_0s_container_is_restarted_and_both_ranks_recover(deployed):
+    before = {h: unit(h, "dsv41-serve") for h in ("sparkhead", "sparkworker")}
+    old_id = enter("sparkhead", "/usr/bin/docker", "inspect", "--format", "{{.Id}}", "dsv41-serve").stdout.strip()
+    t0 = time.monotonic()
+    enter("sparkhead", "/usr/bin/docker", "kill", "--signal=KILL", "dsv41-serve")
+    # the unit's `docker run` client exits with the container (137): Restart=on-failure starts a new one
+    t_ok, rep = _wait_healthy(300)
+    assert rep.get("healthy"), rep.get("reasons")
+    head = unit("sparkhead", "dsv41-serve")
+    assert int(head["NRestarts"]) == int(before["sparkhead"]["NRestarts"]) + 1, (before["sparkhead"], head)
+    assert head["ActiveState"] == "active" and head["MainPID"] != before["sparkhead"]["MainPID"], head
+    new_id = enter("sparkhead", "/usr/bin/docker", "inspect", "--format", "{{.Id}} {{.State.Running}}", "dsv41-serve").stdout.split()
+    assert new_id[0] != old_id and new_id[1] == "true", (old_id, new_id)
+    worker = unit("sparkworker", "dsv41-serve")
+    assert worker["ActiveState"] == "active", worker
+    c0 = _engram()
+    with httpx.Client(timeout=60, trust_env=False) as c:
+        for i in range(3):
+            _complete(3000 + i, c)
+    c1 = _engram()
+    assert all(c1[r]["lookups"] > c0[r]["lookups"] and c1[r]["fallbacks"] == c0[r]["fallbacks"] for r in ("0", "1")), (c0, c1)
+    rank1 = "restarted" if worker["MainPID"] != before["sparkworker"]["MainPID"] else "kept running"
+    print(f"\ndocker kill of rank 0's container: healthy again after {time.monotonic() - t0:.1f} s "
+          f"(systemd restart of sparkhead's dsv41-serve; rank 1 {rank1})")
 
 
 @pytest.mark.parametrize("host", ["x86host", "sparkworker"])

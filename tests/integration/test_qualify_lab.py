@@ -21,7 +21,7 @@ import shutil
 import subprocess
 
 import pytest
-from labutil import BIN, LAB, ROOT, inside, needs_lab, play
+from labutil import BIN, LAB, ROOT, extra_inventory, inside, needs_lab, play
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab]
 
@@ -103,24 +103,13 @@ def test_change_me_and_an_unwritable_report_dir_are_refused_before_any_host_step
     assert "TASK [Reach the host" not in r.stdout
 
 
-def _extra_inventory(tmp_path, hosts: dict) -> str:
-    """A second inventory source naming the same hosts, its variables in host_vars/ (inventory
-    host_vars of a later source override inventories/sim's, which inline host vars would not)."""
-    d = tmp_path / "extra"
-    (d / "host_vars").mkdir(parents=True)
-    (d / "hosts.yml").write_text(json.dumps({"all": {"hosts": {h: None for h in hosts}}}))
-    for h, v in hosts.items():
-        (d / "host_vars" / f"{h}.yml").write_text(json.dumps(v))
-    return str(d)
-
-
 def test_unreachable_host_and_a_missing_link_fail_with_one_line_each(deployed_lab, tmp_path):
     import yaml
 
     x86 = yaml.safe_load((ROOT / "inventories/sim/host_vars/x86host.yml").read_text())
     links = x86["dsv41_links"] + [{"name": "ofl9", "purpose": "offload", "address": "198.18.9.1", "prefix": 30, "mtu": 9000,
                                    "peer": "sparkhead", "peer_if": "ofl9", "peer_address": "198.18.9.2"}]
-    extra = _extra_inventory(tmp_path, {"sparkworker": {"ansible_host": "198.18.0.99"},  # no such host: blackholed
+    extra = extra_inventory(tmp_path, {"sparkworker": {"ansible_host": "198.18.0.99"},  # no such host: blackholed
                                         "x86host": {"dsv41_links": links}})
     r, rep = _qualify(tmp_path / "r", "-i", "inventories/sim", "-i", extra, "-e", f"dsv41_project_dir={ROOT}",
                       "--tags", "qualify_links")
