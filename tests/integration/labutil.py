@@ -18,6 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 LAB = Path("/var/lib/dsv41-lab")
 HOSTS = ("sparkhead", "sparkworker", "x86host")
+#: The lab's serving API (sparkhead's engine, inventories/sim).
+API = "http://198.18.0.11:8000"
 
 needs_lab = pytest.mark.skipif(
     os.geteuid() != 0 or not all(shutil.which(c) for c in ("ip", "nsenter", "unshare")),
@@ -90,3 +92,10 @@ def extra_inventory(tmp_path: Path, hosts: dict[str, dict]) -> str:
     for h, v in hosts.items():
         (d / "host_vars" / f"{h}.yml").write_text(json.dumps(v))
     return str(d)
+
+
+def admission_state() -> str:
+    """The admission state of the lab's engine (``open`` / ``held``; dsv41.harness.admission)."""
+    from dsv41.harness import admission
+
+    return admission.status(API)

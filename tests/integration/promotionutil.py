@@ -13,10 +13,9 @@ import subprocess
 import time
 
 import yaml
-from labutil import BIN, ROOT, env, inside, play
+from labutil import API, BIN, ROOT, env, inside, play
 
 HOSTS = ("x86host", "sparkworker", "sparkhead")
-API = "http://198.18.0.11:8000"
 PACKAGES = ROOT / "packages"
 JOURNAL = PACKAGES / "journal.jsonl"
 CANDIDATE = ["-e", "candidate=sync-drafter", "-e", "force=true", "-e", "reason=lab-promotion-test"]

@@ -21,12 +21,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from labutil import LAB, ROOT, needs_lab, play
+from labutil import API, LAB, ROOT, needs_lab, play
 from nspawnutil import needs_hybrid_cgroups
 
 INV = "inventories/sim"
 SPARKS = ("sparkhead", "sparkworker")
-API = "http://198.18.0.11:8000"
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.lab_long, needs_lab, needs_hybrid_cgroups]
 

@@ -18,14 +18,13 @@ import time
 import httpx
 import pytest
 import yaml
-from labutil import BIN, ROOT, env, needs_lab, play
+from labutil import API, BIN, ROOT, env, needs_lab, play
 from nspawnutil import enter
 
 from dsv41.monitoring import dashboard as D
 
 pytestmark = needs_lab
 PROM = "http://198.18.0.13:9090"
-API = "http://198.18.0.11:8000"
 CTL = ["systemctl"]  # the lab hosts run systemd, as production
 LAB_VARS = yaml.safe_load((ROOT / "inventories" / "sim" / "group_vars" / "all.yml").read_text())
 

@@ -15,8 +15,7 @@ import time
 
 import pytest
 import yaml
-from labutil import LAB, ROOT, extra_inventory, inside, needs_lab, play
-from test_window_lab import admission_state
+from labutil import LAB, ROOT, admission_state, extra_inventory, inside, needs_lab, play
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab]
 CAUSES = {c["id"]: c for c in yaml.safe_load((ROOT / "roles/dsv41/defaults/main.yml").read_text())["dsv41_access_causes"]}

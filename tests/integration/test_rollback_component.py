@@ -22,12 +22,11 @@ import re
 import time
 
 import pytest
-from labutil import HOSTS, inside, needs_lab, play
+from labutil import API, HOSTS, inside, needs_lab, play
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab]
 
 ALL = os.environ.get("DSV41_ROLLBACK_COMPONENTS", "") == "all"
-API = "http://198.18.0.11:8000"
 PLAYBOOK = "playbooks/rollback_component.yml"
 
 # What each rollback must take out of the env files (and deploy.yml must put back).

@@ -25,11 +25,10 @@ import threading
 import time
 
 import pytest
-from labutil import BIN, ROOT, env, inside, needs_lab, play
+from labutil import API, BIN, ROOT, env, inside, needs_lab, play
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab]
 
-API = "http://198.18.0.11:8000"
 
 
 @pytest.fixture

@@ -16,24 +16,17 @@ import threading
 import time
 
 import pytest
-from labutil import BIN, ROOT, env, inside, needs_lab, play
+from labutil import API, BIN, ROOT, admission_state, env, inside, needs_lab, play
 
 from dsv41 import envs
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab]
-API = "http://198.18.0.11:8000"
 DRILL_SPEC = str(ROOT / "candidates" / "specs" / "drill.json")
 
 
 def flat(out: str) -> str:
     """Ansible's YAML callback wraps long messages and doubles quotes: one line, plain quotes."""
     return " ".join(out.split()).replace("''", "'")
-
-
-def admission_state() -> str:
-    from dsv41.harness import admission
-
-    return admission.status(API)
 
 
 def host_sha256(host: str, paths: list[str]) -> dict[str, str]:

@@ -15,8 +15,7 @@ import torch
 
 from dsv41.overlay import engram as E
 
-from overlayutil import exact_rows as _exact, lookup_ids as _ids, poisoned as _poisoned, remote_rows as _rows, tabs  # noqa: F401
-from test_overlay_worker import Gate, StepOps
+from overlayutil import Gate, StepOps, exact_rows as _exact, lookup_ids as _ids, poisoned as _poisoned, remote_rows as _rows, tabs  # noqa: F401
 
 
 class Window:

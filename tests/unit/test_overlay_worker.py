@@ -21,56 +21,10 @@ from dsv41.overlay import engram_rows as ER
 from dsv41.overlay import engram_worker as EW
 from dsv41.transport import native
 
-from overlayutil import exact_rows as _exact, kernel_on_cpu, lookup_ids as _ids, poisoned as _poisoned, reference, remote_rows as _rows, same_bits, tabs  # noqa: F401 - tabs is a fixture
+from overlayutil import Gate, StepOps, exact_rows as _exact, kernel_on_cpu, lookup_ids as _ids, poisoned as _poisoned, reference, remote_rows as _rows, same_bits, tabs  # noqa: F401 - tabs is a fixture
 
 
 # ------------------------------------------------- the worker pipeline (issue 23), on the CPU
-
-
-class Gate(RowSource):
-    """A RowSource over the exact local reader whose calls can be held (``hold``) and that records
-    each call with its thread's name: the worker's calls vs the launching thread's."""
-
-    def __init__(self, tabs_, required: bool = False) -> None:
-        manifest, d, _ = tabs_
-        self.inner = LocalRowSource(reader.LocalRowReader(manifest, d))
-        self.required = required
-        self.calls: list[tuple[str, tuple, str]] = []
-        self.release = __import__("threading").Event()
-        self.release.set()
-        self.entered = __import__("threading").Event()
-        self.fail: BaseException | None = None  # raised once, in the worker thread only
-        self.hold_worker_only = False
-
-    def _enter(self, kind: str, layers: tuple) -> None:
-        import threading
-
-        name = threading.current_thread().name
-        self.calls.append((kind, layers, name))
-        worker = name.startswith("dsv41-engram-worker")
-        if self.fail is not None and worker:
-            exc, self.fail = self.fail, None
-            raise exc
-        self.entered.set()
-        if worker or not self.hold_worker_only:
-            assert self.release.wait(30)
-
-    def lookup(self, layer_id, rows, out=None):
-        self._enter("lookup", (layer_id,))
-        return self.inner.lookup(layer_id, rows, out=out)
-
-    def lookup_layers(self, layer_ids, rows, outs=None):
-        self._enter("lookup_layers", tuple(layer_ids))
-        return self.inner.lookup_layers(layer_ids, rows, outs)
-
-    def counters(self):
-        return self.inner.counters()
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def is_required(self) -> bool:
-        return self.required
 
 
 @pytest.fixture
@@ -96,72 +50,6 @@ def test_start_returns_before_the_fetch_and_join_waits_for_the_hand_off(tabs, wo
     c = rr.overlay_counters()
     assert c["layer1_handoffs"] == 1 and c["layer1_worker_starts"] == 1 and c["layer1_worker_refusals"] == 0
     rr.join()  # a second join of the same step is a no-op
-
-
-class StepOps:
-    """Fake CUDA stream/event operations (device "cpu" buffers): records which thread calls what,
-    and holds the ids event of the first job until ``go`` is set (the GPU still busy with the
-    hash), so both layers of a step are queued when the worker looks."""
-
-    def __init__(self) -> None:
-        import threading
-
-        self.log: list[tuple[str, str, str]] = []
-        self.go = threading.Event()
-        self.go.set()
-        self.capture = False
-        self.graphs = False  # no CUDA graphs (tests that want them pass graph_record)
-        ops = self
-
-        class Ev:
-            def __init__(self, name: str) -> None:
-                self.name = name
-
-            def record(self, stream=None) -> None:
-                ops._note("record", f"{self.name}@{stream}")
-
-            def synchronize(self) -> None:
-                ops._note("synchronize", self.name)
-                assert ops.go.wait(30)
-
-        class Stream:
-            def __init__(self, name: str) -> None:
-                self.name = name
-
-            def __str__(self) -> str:
-                return self.name
-
-            def wait_event(self, ev) -> None:
-                ops._note("wait_event", f"{self.name}<-{ev.name}")
-
-            def synchronize(self) -> None:
-                ops._note("stream_synchronize", self.name)
-
-        self.Ev, self.prefetch, self.main = Ev, Stream("prefetch"), Stream("main")
-        self.current = self.prefetch
-        self.n = 0
-
-    def _note(self, what: str, arg: str) -> None:
-        import threading
-
-        self.log.append((threading.current_thread().name, what, arg))
-
-    def current_stream(self):
-        return self.current
-
-    def event(self):
-        self.n += 1
-        return self.Ev(f"ev{self.n}")
-
-    def stream(self, s):
-        self._note("stream", str(s))
-        return __import__("contextlib").nullcontext()
-
-    def capturing(self) -> bool:
-        return self.capture
-
-    def bind_thread(self) -> None:
-        self._note("bind_thread", "")
 
 
 def test_both_layers_of_a_step_go_in_one_request_and_the_launching_thread_never_syncs(tabs, workers) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import types
 from pathlib import Path
 
@@ -195,6 +196,12 @@ def test_bandwidth_both_links_sum_and_overlap():
     (r,) = Q.bandwidth_both(apart, 70)
     assert r["status"] == "fail" and "overlapping 0%" in r["reason"]
     assert Q.bandwidth_both(checks[:1], 70) == []
+    # a rank that began late is named (its earlier checks ran past the common start)
+    late = [bw("sparkhead", "ofl0", 39.2, 100.0, 102.0), bw("sparkworker", "ofl0", 39.2, 101.5, 103.5)]
+    late[0]["value"]["late_s"], late[1]["value"]["late_s"] = 0.0, 1.5
+    (r,) = Q.bandwidth_both(late, 70)
+    assert r["status"] == "fail" and "sparkworker began 1.5 s after the common start" in r["reason"]
+    assert "sparkhead began" not in r["reason"]
 
 
 def test_summary_and_report_files(tmp_path):
@@ -340,9 +347,13 @@ def served(tmp_path_factory):
 def test_transport_probe_on_a_real_server(served):
     d, url, _ = served
     recs = H.probe_transport("sparkhead", "ofl0", url, str(d / "manifest.json"), 0, 2, backend="tcp", p50_max_us=1e6,
-                             p99_max_us=1e6, gbps_min=0.001, iters=50, bw_bytes=1 << 20, bw_repeats=2)
+                             p99_max_us=1e6, gbps_min=0.001, iters=50, bw_bytes=1 << 20, bw_repeats=2,
+                             bw_min_s=0.3, start_at=time.time() - 1.0)
     by = {r["check"]: r for r in recs}
     assert set(by) == {"backend", "latency_p50", "latency_p99", "bandwidth", "late_reply_dropped", "refused_identity"}
+    bwv = by["bandwidth"]["value"]
+    # the transfers last at least bw_min_s (more than bw_repeats of them), begun late on purpose
+    assert bwv["end"] - bwv["start"] >= 0.3 and bwv["repeats"] > 2 and bwv["late_s"] >= 1.0
     assert all(r["status"] == "pass" for r in recs), [r for r in recs if r["status"] != "pass"]
     assert by["refused_identity"]["value"] == "refused: wrong_identity"
     assert by["late_reply_dropped"]["value"] == {"timed_out": True, "connection_closed": True, "bad_rows_after": 0,
@@ -353,7 +364,7 @@ def test_transport_probe_on_a_real_server(served):
 def test_transport_probe_floors_and_backend_fail(served):
     d, url, _ = served
     recs = H.probe_transport("sparkhead", "ofl0", url, str(d / "manifest.json"), 1, 2, backend="nixl", p50_max_us=0.001,
-                             p99_max_us=0.001, gbps_min=1e6, iters=20, bw_bytes=1 << 18, bw_repeats=1)
+                             p99_max_us=0.001, gbps_min=1e6, iters=20, bw_bytes=1 << 18, bw_repeats=1, bw_min_s=0)
     st = {r["check"]: r["status"] for r in recs}
     assert st == {"backend": "fail", "latency_p50": "fail", "latency_p99": "fail", "bandwidth": "fail",
                   "late_reply_dropped": "pass", "refused_identity": "pass"}
@@ -448,7 +459,7 @@ def test_transport_probe_over_nixl(served):
     try:
         recs = H.probe_transport("sparkhead", "ofl0", f"nixl://127.0.0.1:{ep.port}", str(d / "manifest.json"), 0, 2,
                                  backend="nixl", p50_max_us=1e6, p99_max_us=1e6, gbps_min=0.001, iters=30,
-                                 bw_bytes=1 << 20, bw_repeats=2)
+                                 bw_bytes=1 << 20, bw_repeats=2, bw_min_s=0)
     finally:
         srv.stop(2)
         ex.close()

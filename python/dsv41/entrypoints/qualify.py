@@ -145,10 +145,13 @@ def bandwidth_both(checks: list[dict], gbps_min: float) -> list[dict]:
     overlap = max(0.0, end - start) / shortest
     ok = total >= gbps_min and overlap >= 0.5
     links = " + ".join(f"{c['host']}:{c['subject']}" for c in bw)
+    late = [f"{c['host']} began {c['value']['late_s']} s after the common start" for c in bw
+            if (c["value"].get("late_s") or 0) >= 0.5]
     return [record("transport", "bandwidth_both", "localhost", ok,
                    {"gbps": round(total, 2), "links": links, "overlap": round(min(overlap, 1.0), 2)}, f">= {gbps_min}",
                    unit="Gb/s", subject="both links", reason="" if ok else
-                   f"both links at once: {total:.2f} Gb/s (floor {gbps_min}), windows overlapping {overlap:.0%}")]
+                   f"both links at once: {total:.2f} Gb/s (floor {gbps_min}), windows overlapping {overlap:.0%}"
+                   + (f" ({'; '.join(late)}: its earlier checks ran past it)" if late else ""))]
 
 
 # --- the report ------------------------------------------------------------------------------------

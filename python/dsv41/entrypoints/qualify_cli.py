@@ -83,6 +83,7 @@ def transport_cmd(
     tp: Annotated[int, typer.Option("--tp")] = 2,
     iters: Annotated[int, typer.Option("--iters", help="Decode-size lookups timed.")] = 2000,
     bw_mib: Annotated[int, typer.Option("--bw-mib", help="Transfer size (MiB).")] = 64,
+    bw_seconds: Annotated[float, typer.Option("--bw-seconds", help="Least duration of the bandwidth transfers (s).")] = 2.0,
     start_at: Annotated[Optional[float], typer.Option("--start-at", help="Epoch second the bandwidth transfers start (both links together).")] = None,
 ) -> None:
     """transport.* of this rank over its own link, on the URL its serving engine uses
@@ -92,8 +93,8 @@ def transport_cmd(
 
     if backend not in ("nixl", "tcp"):
         raise ConfigError(f"--backend must be nixl or tcp, not {backend!r}")
-    if iters < 10 or bw_mib < 1:
-        raise ConfigError("--iters must be >= 10 and --bw-mib >= 1")
+    if iters < 10 or bw_mib < 1 or not 0 <= bw_seconds <= 600:
+        raise ConfigError("--iters must be >= 10, --bw-mib >= 1 and --bw-seconds within [0, 600]")
     url = _url(env_file, rank)
     if url is None:
         _emit(Q.skipped("transport", ("backend", "latency_p50", "latency_p99", "bandwidth", "late_reply_dropped",
@@ -102,7 +103,7 @@ def transport_cmd(
         return
     _emit(H.probe_transport(host, link, url, str(manifest), rank, tp, backend=backend, p50_max_us=p50_max_us,
                             p99_max_us=p99_max_us, gbps_min=gbps_min, iters=iters, bw_bytes=bw_mib << 20,
-                            start_at=start_at))
+                            bw_min_s=bw_seconds, start_at=start_at))
 
 
 @app.command("sweep")

@@ -85,8 +85,8 @@ def _pct(xs: list[float], q: float) -> float:
 
 def probe_transport(host: str, link: str, url: str, manifest: str, rank: int, tp: int, *, backend: str,
                     p50_max_us: float, p99_max_us: float, gbps_min: float, iters: int = 2000,
-                    bw_bytes: int = BANDWIDTH_BYTES, bw_repeats: int = 5, start_at: float | None = None,
-                    timeout_ms: int = 1000, seed: int = 0, sleep=time.sleep) -> list[dict]:
+                    bw_bytes: int = BANDWIDTH_BYTES, bw_repeats: int = 5, bw_min_s: float = 2.0,
+                    start_at: float | None = None, timeout_ms: int = 1000, seed: int = 0, sleep=time.sleep) -> list[dict]:
     """Transport checks of one rank over its own link, with the project's client
     (``dsv41.engram.client.RemoteRowSource``, required mode: no local fallback can hide a failure):
 
@@ -94,8 +94,12 @@ def probe_transport(host: str, link: str, url: str, manifest: str, rank: int, tp
     - ``latency_p50`` / ``latency_p99`` (us): ``iters`` decode-size lookups (one token: this
       rank's columns of every Engram layer, in one ``lookup_layers`` call) against ceilings;
     - ``bandwidth`` (Gb/s): ``bw_bytes`` (64 MiB) of rows of one layer per transfer, median of
-      ``bw_repeats``, against ``gbps_min``; the measurement starts at epoch ``start_at`` when given
-      (both ranks together: the two links at once); ``value`` also carries start and end times;
+      ``bw_repeats`` transfers or more, until the transfers have lasted ``bw_min_s`` seconds,
+      against ``gbps_min``; the measurement starts at epoch ``start_at`` when given (both ranks
+      together: the two links at once). The floor on its duration keeps the two ranks' windows
+      overlapping when one wakes late (clock skew, a loaded host): 5 x 64 MiB at 200 Gb/s would
+      last 13 ms. ``value`` also carries start and end times and ``late_s``, how long after
+      ``start_at`` the transfers began (the earlier checks ran past it when large);
     - ``refused_identity``: a HELLO naming a table the server does not hold is refused (``wrong_identity``);
     - ``late_reply_dropped``: a request timed out on purpose (1 M rows in 10 us): over tcp its
       connection is closed (its late reply is never read), over nixl its staging slot is
@@ -155,15 +159,17 @@ def probe_transport(host: str, link: str, url: str, manifest: str, rank: int, tp
         if start_at is not None:
             sleep(max(0.0, start_at - time.time()))
         t_start, secs = time.time(), []
-        for _ in range(bw_repeats):
+        t_first = time.perf_counter()
+        while len(secs) < bw_repeats or time.perf_counter() - t_first < bw_min_s:
             t0 = time.perf_counter()
             src.lookup(layers[0], ids, out=buf)
             secs.append(time.perf_counter() - t0)
         t_end = time.time()
+        late_s = round(max(0.0, t_start - start_at), 3) if start_at is not None else None
         gbps = n * layout.row_bytes * 8 / statistics.median(secs) / 1e9
         out.append(record("transport", "bandwidth", host, gbps >= gbps_min,
-                          {"gbps": round(gbps, 2), "bytes": int(n * layout.row_bytes), "repeats": bw_repeats,
-                           "start": round(t_start, 3), "end": round(t_end, 3)}, f">= {gbps_min}", unit="Gb/s",
+                          {"gbps": round(gbps, 2), "bytes": int(n * layout.row_bytes), "repeats": len(secs),
+                           "start": round(t_start, 3), "end": round(t_end, 3), "late_s": late_s}, f">= {gbps_min}", unit="Gb/s",
                           subject=link, reason="" if gbps >= gbps_min else
                           f"{link}: {gbps:.2f} Gb/s for {n * layout.row_bytes} B transfers, floor {gbps_min}"))
         # late reply: time one request out on purpose, then prove the next rows exact. tcp closes
