@@ -99,3 +99,9 @@ def admission_state() -> str:
     from dsv41.harness import admission
 
     return admission.status(API)
+
+
+def host_sha256(host: str, paths: list[str]) -> dict[str, str]:
+    """``{path: sha256 hex}`` of files on ``host`` (``sha256sum`` inside it; raises when one is missing)."""
+    out = inside(host, "sha256sum", *paths).stdout
+    return {line.split(None, 1)[1].strip(): line.split(None, 1)[0] for line in out.splitlines()}

@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from labutil import API, BIN, ROOT, admission_state, env, inside, needs_lab, play
+from labutil import API, BIN, ROOT, admission_state, env, host_sha256, inside, needs_lab, play
 
 from dsv41 import envs
 
@@ -27,11 +27,6 @@ DRILL_SPEC = str(ROOT / "candidates" / "specs" / "drill.json")
 def flat(out: str) -> str:
     """Ansible's YAML callback wraps long messages and doubles quotes: one line, plain quotes."""
     return " ".join(out.split()).replace("''", "'")
-
-
-def host_sha256(host: str, paths: list[str]) -> dict[str, str]:
-    out = inside(host, "sha256sum", *paths).stdout
-    return {line.split(None, 1)[1].strip(): line.split(None, 1)[0] for line in out.splitlines()}
 
 
 def status_ok() -> subprocess.CompletedProcess:
