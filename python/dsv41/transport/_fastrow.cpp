@@ -564,6 +564,48 @@ py::tuple client_lookup(int fd, uint64_t gen, py::bytes ident, py::array_t<uint6
   return py::make_tuple(code, rcount, rplen);
 }
 
+// The reply in progress on a non-blocking socket, read without blocking (client_lookup_many's
+// pipeline and the C++ core's request stream): its header, then `c` rows straight into `rows`.
+struct ReplyReader {
+  enum { NONE, SOME, DONE, FAIL };
+  uint8_t rep[kRep];
+  size_t rgot = 0;          // bytes of the current reply (header then rows) received
+  bool in_payload = false;
+  // One recv for the reply to request `gen` of `c` rows: NONE (nothing there), SOME (bytes in,
+  // the reply not complete), DONE (the reply complete; ready for the next), FAIL (`code` set to
+  // the codes of client_lookup, a refusal's status in `status`; the caller closes the socket).
+  int read(int fd, uint8_t *rows, uint32_t c, uint64_t gen, int &code, uint32_t &status) {
+    uint8_t *dst;
+    size_t want;
+    if (!in_payload) { dst = rep + rgot; want = kRep - rgot; }
+    else { dst = rows + rgot; want = size_t(c) * kRow - rgot; }
+    const ssize_t r = ::recv(fd, dst, want, MSG_DONTWAIT);
+    if (r == 0) { code = -2; return FAIL; }
+    if (r < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return NONE;
+      code = -2;
+      return FAIL;
+    }
+    rgot += size_t(r);
+    if (!in_payload && rgot == kRep) {
+      const uint16_t st = rd<uint16_t>(rep + 6);
+      if (rd<uint32_t>(rep) != kMagic || rd<uint16_t>(rep + 4) != kVersion) { code = -4; return FAIL; }
+      if (rd<uint64_t>(rep + 8) != gen) { code = -3; return FAIL; }
+      if (st != ST_OK) { code = 1; status = st; return FAIL; }
+      if (rd<uint32_t>(rep + 16) != c || uint64_t(rd<uint32_t>(rep + 20)) != uint64_t(c) * kRow) { code = -4; return FAIL; }
+      in_payload = c != 0;
+      rgot = 0;
+      return c == 0 ? DONE : SOME;
+    }
+    if (in_payload && rgot == size_t(c) * kRow) {
+      in_payload = false;
+      rgot = 0;
+      return DONE;
+    }
+    return SOME;
+  }
+};
+
 // The body of client_lookup_many without the GIL (also the C++ worker core's prefill pieces):
 // returns the code, the refusal status in `status` and the reply index reached in `recv_idx`.
 int lookup_many_nogil(int fd, uint64_t gen0, const char *ident, const uint8_t *rp, size_t n, uint8_t *op,
@@ -583,9 +625,7 @@ int lookup_many_nogil(int fd, uint64_t gen0, const char *ident, const uint8_t *r
       wr<uint32_t>(h + 48, c); wr<uint32_t>(h + 52, c * 8);
     }
     size_t send_idx = 0, send_off = 0;  // bytes of chunk send_idx already sent
-    uint8_t rep[kRep];
-    size_t rgot = 0;          // bytes of the current reply (header then rows) received
-    bool in_payload = false;
+    ReplyReader reply;
     auto budget = [&]() { int64_t d = now_ns() + timeout_ns; return end_ns > 0 && end_ns < d ? end_ns : d; };
     int64_t deadline = budget();
     int64_t spin_until = now_ns() + spin_ns;
@@ -618,32 +658,11 @@ int lookup_many_nogil(int fd, uint64_t gen0, const char *ident, const uint8_t *r
       if (code) break;
       // receive whatever is there for the reply in progress
       for (;;) {
-        size_t c = std::min<size_t>(chunk, n - recv_idx * chunk);
-        uint8_t *dst;
-        size_t want;
-        if (!in_payload) { dst = rep + rgot; want = kRep - rgot; }
-        else { dst = op + recv_idx * chunk * kRow + rgot; want = c * kRow - rgot; }
-        ssize_t r = ::recv(fd, dst, want, MSG_DONTWAIT);
-        if (r == 0) { code = -2; break; }
-        if (r < 0) {
-          if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
-          code = -2;
-          break;
-        }
+        const size_t c = std::min<size_t>(chunk, n - recv_idx * chunk);
+        const int got = reply.read(fd, op + recv_idx * chunk * kRow, uint32_t(c), gen0 + recv_idx, code, status);
+        if (got == ReplyReader::NONE || got == ReplyReader::FAIL) break;
         progressed = true;
-        rgot += size_t(r);
-        if (!in_payload && rgot == kRep) {
-          uint16_t st = rd<uint16_t>(rep + 6);
-          if (rd<uint32_t>(rep) != kMagic || rd<uint16_t>(rep + 4) != kVersion) { code = -4; break; }
-          if (rd<uint64_t>(rep + 8) != gen0 + recv_idx) { code = -3; break; }
-          if (st != ST_OK) { code = 1; status = st; break; }
-          if (rd<uint32_t>(rep + 16) != c || uint64_t(rd<uint32_t>(rep + 20)) != uint64_t(c) * kRow) { code = -4; break; }
-          in_payload = true;
-          rgot = 0;
-          if (c == 0) { in_payload = false; recv_idx++; }
-        } else if (in_payload && rgot == c * kRow) {
-          in_payload = false;
-          rgot = 0;
+        if (got == ReplyReader::DONE) {
           recv_idx++;
           deadline = budget();  // next reply: its own full budget, within the whole-call deadline
           if (recv_idx == nchunks) break;
@@ -1571,9 +1590,7 @@ class EngramCore {
     int64_t rows_in = 0;
     std::deque<size_t> to_launch;
     bool stop_send = false, cuda_failed = false, tail_marked = false;
-    uint8_t rep[kRep];
-    size_t rgot = 0;
-    bool in_payload = false;
+    ReplyReader reply;
     int64_t t_first = 0, t_last = 0, idle = 0, t_gap = 0, plan_wait = 0;
     int64_t deadline = now_ns() + timeout_ns_, spin_until = now_ns() + spin_ns_;
     uint32_t status = 0;
@@ -1684,30 +1701,10 @@ class EngramCore {
         }
         if (fly.empty()) break;
         const StreamChunk ch = fly.front();
-        uint8_t *dst;
-        size_t want;
-        if (!in_payload) { dst = rep + rgot; want = kRep - rgot; }
-        else { dst = packed + (row0(ch.seg) + ch.off) * kRow + rgot; want = size_t(ch.c) * kRow - rgot; }
-        const ssize_t r = ::recv(fd_, dst, want, MSG_DONTWAIT);
-        if (r == 0) { code = -2; break; }
-        if (r < 0) {
-          if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
-          code = -2;
-          break;
-        }
+        const int got = reply.read(fd_, packed + (row0(ch.seg) + ch.off) * kRow, ch.c, ch.gen, code, status);
+        if (got == ReplyReader::NONE || got == ReplyReader::FAIL) break;
         progressed = true;
-        rgot += size_t(r);
-        if (!in_payload && rgot == kRep) {
-          const uint16_t st = rd<uint16_t>(rep + 6);
-          if (rd<uint32_t>(rep) != kMagic || rd<uint16_t>(rep + 4) != kVersion) { code = -4; break; }
-          if (rd<uint64_t>(rep + 8) != ch.gen) { code = -3; break; }
-          if (st != ST_OK) { code = 1; status = st; break; }
-          if (rd<uint32_t>(rep + 16) != ch.c || uint64_t(rd<uint32_t>(rep + 20)) != uint64_t(ch.c) * kRow) { code = -4; break; }
-          in_payload = true;
-          rgot = 0;
-        } else if (in_payload && rgot == size_t(ch.c) * kRow) {
-          in_payload = false;
-          rgot = 0;
+        if (got == ReplyReader::DONE) {
           fly.pop_front();
           real_fly--;
           rows_in += ch.c;
