@@ -606,6 +606,26 @@ struct ReplyReader {
   }
 };
 
+// What can be sent of one lookup request (its kReq-byte header `hdr`, then `plen` bytes of ids)
+// from byte `off` on, without blocking: the bytes sent, -1 when the socket would block
+// (EAGAIN, EINTR), -2 on an error (the caller closes the socket).
+ssize_t send_request_part(int fd, const uint8_t *hdr, const uint8_t *ids, size_t plen, size_t off) {
+  iovec iov[2];
+  int niov = 0;
+  if (off < kReq) {
+    iov[niov++] = {const_cast<uint8_t *>(hdr) + off, kReq - off};
+    iov[niov++] = {const_cast<uint8_t *>(ids), plen};
+  } else {
+    iov[niov++] = {const_cast<uint8_t *>(ids) + (off - kReq), plen - (off - kReq)};
+  }
+  msghdr mh{};
+  mh.msg_iov = iov;
+  mh.msg_iovlen = niov;
+  const ssize_t r = ::sendmsg(fd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
+  if (r < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? -1 : -2;
+  return r;
+}
+
 // The body of client_lookup_many without the GIL (also the C++ worker core's prefill pieces):
 // returns the code, the refusal status in `status` and the reply index reached in `recv_idx`.
 int lookup_many_nogil(int fd, uint64_t gen0, const char *ident, const uint8_t *rp, size_t n, uint8_t *op,
@@ -633,27 +653,13 @@ int lookup_many_nogil(int fd, uint64_t gen0, const char *ident, const uint8_t *r
       bool progressed = false;
       while (send_idx < nchunks && send_idx - recv_idx < window) {
         size_t c = std::min<size_t>(chunk, n - send_idx * chunk);
-        size_t hlen = kReq, plen = c * 8;
-        iovec iov[2];
-        int niov = 0;
-        if (send_off < hlen) {
-          iov[niov++] = {&hdrs[send_idx * kReq] + send_off, hlen - send_off};
-          iov[niov++] = {const_cast<uint8_t *>(rp) + send_idx * chunk * 8, plen};
-        } else {
-          iov[niov++] = {const_cast<uint8_t *>(rp) + send_idx * chunk * 8 + (send_off - hlen), plen - (send_off - hlen)};
-        }
-        msghdr mh{};
-        mh.msg_iov = iov;
-        mh.msg_iovlen = niov;
-        ssize_t r = ::sendmsg(fd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
-        if (r < 0) {
-          if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
-          code = -2;
-          break;
-        }
+        const size_t plen = c * 8;
+        const ssize_t r = send_request_part(fd, &hdrs[send_idx * kReq], rp + send_idx * chunk * 8, plen, send_off);
+        if (r == -1) break;
+        if (r < 0) { code = -2; break; }
         progressed = progressed || r > 0;
         send_off += size_t(r);
-        if (send_off == hlen + plen) { send_idx++; send_off = 0; }
+        if (send_off == kReq + plen) { send_idx++; send_off = 0; }
       }
       if (code) break;
       // receive whatever is there for the reply in progress
@@ -1639,23 +1645,9 @@ class EngramCore {
         }
         const size_t plen = size_t(cur_c) * 8;
         const uint8_t *ids = reinterpret_cast<const uint8_t *>(s.fetch + row0(ss) + soff);
-        iovec iov[2];
-        int niov = 0;
-        if (send_off < kReq) {
-          iov[niov++] = {hdr + send_off, kReq - send_off};
-          iov[niov++] = {const_cast<uint8_t *>(ids), plen};
-        } else {
-          iov[niov++] = {const_cast<uint8_t *>(ids) + (send_off - kReq), plen - (send_off - kReq)};
-        }
-        msghdr mh{};
-        mh.msg_iov = iov;
-        mh.msg_iovlen = niov;
-        const ssize_t r = ::sendmsg(fd_, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
-        if (r < 0) {
-          if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
-          code = -2;
-          break;
-        }
+        const ssize_t r = send_request_part(fd_, hdr, ids, plen, send_off);
+        if (r == -1) break;
+        if (r < 0) { code = -2; break; }
         progressed = progressed || r > 0;
         send_off += size_t(r);
         if (send_off == kReq + plen) {
