@@ -882,6 +882,7 @@ struct CudaDriver {
   int (*event_sync)(void *) = nullptr;
   int (*event_record)(void *, void *) = nullptr;
   int (*graph_launch)(void *, void *) = nullptr;
+  int (*stream_wait_event)(void *, void *, unsigned) = nullptr;  // optional (EngramSlot::wait_stream)
   bool ok = false;
 };
 const CudaDriver &cuda_driver() {
@@ -892,6 +893,7 @@ const CudaDriver &cuda_driver() {
     r.event_sync = reinterpret_cast<int (*)(void *)>(::dlsym(h, "cuEventSynchronize"));
     r.event_record = reinterpret_cast<int (*)(void *, void *)>(::dlsym(h, "cuEventRecord"));
     r.graph_launch = reinterpret_cast<int (*)(void *, void *)>(::dlsym(h, "cuGraphLaunch"));
+    r.stream_wait_event = reinterpret_cast<int (*)(void *, void *, unsigned)>(::dlsym(h, "cuStreamWaitEvent"));
     r.ok = r.event_sync && r.event_record && r.graph_launch;
     return r;
   }();
@@ -910,6 +912,10 @@ struct EngramSlot {
   // within that request, so a join waiting for it polls instead of sleeping on the cv
   std::atomic<uint64_t> tail{0};
   std::atomic<int64_t> tail_polls{0};  // joins that polled for a hand-off after mark_tail
+  // the last wait_stream's host times (CLOCK_MONOTONIC ns, launching thread only; issue 23 pass M):
+  // entered, the hand-off seen, the stream wait queued, the GIL taken back; its generation
+  int64_t w_enter = 0, w_seen = 0, w_queued = 0, w_gil = 0;
+  uint64_t w_gen = 0;
   uint64_t current = 0, abandoned = 0;
   int64_t key = 0, lo = 0, hi = 0;
   uint64_t limit = 0;
@@ -994,6 +1000,38 @@ struct EngramSlot {
   bool wait(uint64_t gen, double timeout_s, int64_t spin_ns) {
     if (handed.load(std::memory_order_acquire) == gen) return true;
     py::gil_scoped_release nogil;
+    return wait_nogil(gen, timeout_s, spin_ns);
+  }
+  // wait, then (handed off, `event` nonzero) queue `stream`'s wait on the event (cuStreamWaitEvent;
+  // stream 0 is the legacy default stream) before the GIL is taken back (issue 23 pass M: no
+  // Python-level wait_event after the hand-off). Returns 0: not handed off within timeout_s;
+  // 1: handed off, the stream wait not queued (no event, no driver entry, or it failed: the
+  // caller queues it); 2: handed off and the stream wait queued. Records the w_* host times.
+  int wait_stream(uint64_t gen, double timeout_s, int64_t spin_ns, uint64_t stream, uint64_t event) {
+    w_gen = gen;
+    w_enter = now_ns();
+    int r = 0;
+    auto queue = [&] {
+      w_seen = now_ns();
+      const CudaDriver &cu = cuda_driver();
+      if (event && cu.stream_wait_event &&
+          cu.stream_wait_event(reinterpret_cast<void *>(stream), reinterpret_cast<void *>(event), 0) == 0)
+        r = 2;
+      else
+        r = 1;
+      w_queued = now_ns();
+    };
+    if (handed.load(std::memory_order_acquire) == gen) {
+      queue();  // already handed off: the GIL is kept (nothing to wait for)
+    } else {
+      py::gil_scoped_release nogil;
+      if (wait_nogil(gen, timeout_s, spin_ns)) queue();
+      else w_seen = w_queued = now_ns();
+    }
+    w_gil = now_ns();
+    return r;
+  }
+  bool wait_nogil(uint64_t gen, double timeout_s, int64_t spin_ns) {
     const int64_t t0 = now_ns(), spin_end = t0 + spin_ns;
     const int64_t end = t0 + int64_t(std::max(timeout_s, 0.0) * 1e9);
     while (now_ns() < spin_end)
@@ -1880,7 +1918,12 @@ PYBIND11_MODULE(_fastrow, m) {
       .def("handed", [](EngramSlot &s) { return s.handed.load(); })
       .def("mark_tail", &EngramSlot::mark_tail)
       .def("tail_polls", [](EngramSlot &s) { return s.tail_polls.load(); })
-      .def("wait", &EngramSlot::wait, py::arg("gen"), py::arg("timeout_s"), py::arg("spin_ns") = 0);
+      .def("wait", &EngramSlot::wait, py::arg("gen"), py::arg("timeout_s"), py::arg("spin_ns") = 0)
+      .def("wait_stream", &EngramSlot::wait_stream, py::arg("gen"), py::arg("timeout_s"), py::arg("spin_ns"),
+           py::arg("stream"), py::arg("event"))
+      .def("wait_times", [](EngramSlot &s) {
+        return py::make_tuple(s.w_gen, s.w_enter, s.w_seen, s.w_queued, s.w_gil);
+      });
   py::class_<EngramCore>(m, "EngramCore")
       .def(py::init<int64_t, int64_t, double, int64_t, int64_t>(), py::arg("chunk_rows"), py::arg("piece_rows"),
            py::arg("report_s"), py::arg("head_rows") = 0, py::arg("tail_rows") = 0)
