@@ -395,11 +395,12 @@ def time_join(rr) -> dict:
     got = {"gen": 0, "ret": 0}
     orig = rr.join
 
-    def join() -> None:
+    def join(*args):
         gen = rr._gen
-        orig()
+        res = orig(*args)
         got["ret"] = time.monotonic_ns()
         got["gen"] = gen
+        return res
 
     rr.join = join
     return got

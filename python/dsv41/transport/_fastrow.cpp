@@ -1006,19 +1006,23 @@ struct EngramSlot {
   // stream 0 is the legacy default stream) before the GIL is taken back (issue 23 pass M: no
   // Python-level wait_event after the hand-off). Returns 0: not handed off within timeout_s;
   // 1: handed off, the stream wait not queued (no event, no driver entry, or it failed: the
-  // caller queues it); 2: handed off and the stream wait queued. Records the w_* host times.
-  int wait_stream(uint64_t gen, double timeout_s, int64_t spin_ns, uint64_t stream, uint64_t event) {
+  // caller queues it); 1 | 2: handed off and the stream wait queued. Records the w_* host times.
+  // `event2` (nonzero): a second event the stream waits on after the first (vLLM's prefetch-done
+  // event, so _finish_prefetch's own wait_event is not run in Python); its bit is 4 in the result
+  // (1 | 2 | 4: both queued).
+  int wait_stream(uint64_t gen, double timeout_s, int64_t spin_ns, uint64_t stream, uint64_t event, uint64_t event2) {
     w_gen = gen;
     w_enter = now_ns();
     int r = 0;
     auto queue = [&] {
       w_seen = now_ns();
       const CudaDriver &cu = cuda_driver();
-      if (event && cu.stream_wait_event &&
-          cu.stream_wait_event(reinterpret_cast<void *>(stream), reinterpret_cast<void *>(event), 0) == 0)
-        r = 2;
-      else
-        r = 1;
+      void *st = reinterpret_cast<void *>(stream);
+      r = 1;
+      if (event && cu.stream_wait_event && cu.stream_wait_event(st, reinterpret_cast<void *>(event), 0) == 0) {
+        r |= 2;
+        if (event2 && cu.stream_wait_event(st, reinterpret_cast<void *>(event2), 0) == 0) r |= 4;
+      }
       w_queued = now_ns();
     };
     if (handed.load(std::memory_order_acquire) == gen) {
@@ -1920,7 +1924,7 @@ PYBIND11_MODULE(_fastrow, m) {
       .def("tail_polls", [](EngramSlot &s) { return s.tail_polls.load(); })
       .def("wait", &EngramSlot::wait, py::arg("gen"), py::arg("timeout_s"), py::arg("spin_ns") = 0)
       .def("wait_stream", &EngramSlot::wait_stream, py::arg("gen"), py::arg("timeout_s"), py::arg("spin_ns"),
-           py::arg("stream"), py::arg("event"))
+           py::arg("stream"), py::arg("event"), py::arg("event2") = 0)
       .def("wait_times", [](EngramSlot &s) {
         return py::make_tuple(s.w_gen, s.w_enter, s.w_seen, s.w_queued, s.w_gil);
       });
