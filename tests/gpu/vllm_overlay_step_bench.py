@@ -307,6 +307,7 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
     O._capture_active = lambda: capture["on"]  # what apply() binds to vLLM's BreakableCUDAGraphCapture
     ovl = build_engrams(eng, vl, mcfg, torch, torch.cuda.Stream())
     assert all(o.embed_tokens._dsv41 is not None for o in ovl), "the overlay did not take the tables"
+    join_ns = Q.time_join(ovl[0].embed_tokens._dsv41)
     src = E._sources[next(iter(E._sources))][0]
     a = own[0].embed_tokens
     out["rank"] = "TP2 rank 0 (12 of 24 columns)"
@@ -401,6 +402,18 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
                             bad_traces.append(str(exc))
                             continue
                         ph["join_wake"] = (f.host_ns["join1_1"] - t1[-1]["t_done"]) * 1e-6
+                        wt = ovl[0].embed_tokens._dsv41._slot.native.wait_times()
+                        if wt[0] == t1[-1]["gen"] and join_ns["gen"] == wt[0]:  # this step's join (pass M)
+                            try:
+                                ph.update(P.join_return(t1[-1]["t_done"], wt, join_ns["ret"], f.host_ns["join1_1"],
+                                                        h0 + gms["b"] * 1e6))
+                            except Exception as exc:  # noqa: BLE001 - counted with the bad traces
+                                bad_traces.append(str(exc))
+                                continue
+                        else:
+                            bad_traces.append(f"join return: wait of gen {wt[0]}, join of {join_ns['gen']}, "
+                                              f"trace of {t1[-1]['gen']}")
+                            continue
                         ph["prepare_host"] = (f.host_ns["prepare1"] - f.host_ns["prepare0"]) * 1e-6
                         phases.append(ph)
                         fetch14 += [P.trace_fetch_ns(g) * 1e-6

@@ -386,3 +386,21 @@ def drafter_seam(torch) -> dict:
                note="propose = rank 0's hidden-state + tails copy to the host, the DraftInputs, an instant "
                     "drafter, the drafts' H2D and broadcast; the broadcast alone timed apart")
     return res
+
+
+def time_join(rr) -> dict:
+    """Wrap layer 1's ``RemoteRows.join`` (an instance attribute, one Python call more) so that the
+    host time of its return and the generation it joined are kept (issue 23 pass M: the
+    launching thread's return after the hand-off, ``dsv41.harness.phases.join_return``)."""
+    got = {"gen": 0, "ret": 0}
+    orig = rr.join
+
+    def join(*args):
+        gen = rr._gen
+        res = orig(*args)
+        got["ret"] = time.monotonic_ns()
+        got["gen"] = gen
+        return res
+
+    rr.join = join
+    return got

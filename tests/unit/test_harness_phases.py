@@ -172,3 +172,26 @@ def test_trace_fetch_is_the_streams_busy_time_or_the_sum_of_requests():
     assert P.trace_fetch_ns(tr) == 15 * MS
     old = _trace(10_000 * MS)
     assert P.trace_fetch_ns(old) == 15 * MS  # 3 pieces of 5 ms, one after the other
+
+
+def test_join_return_takes_the_tail_after_the_hand_off_apart():
+    t_done = 100 * MS
+    wait = (7, t_done - 20 * MS, t_done + 2_000, t_done + 12_000, t_done + 15_000)
+    join_ret, join1 = t_done + 40_000, t_done + 55_000
+    b_ns = join1 + 10_000.0
+    r = P.join_return(t_done, wait, join_ret, join1, b_ns)
+    assert r["ret_seen"] == pytest.approx(0.002) and r["ret_queue"] == pytest.approx(0.010)
+    assert r["ret_gil"] == pytest.approx(0.003) and r["ret_join_py"] == pytest.approx(0.025)
+    assert r["ret_vllm"] == pytest.approx(0.015) and r["ret_to_b"] == pytest.approx(0.010)
+    assert r["join_return"] == pytest.approx(0.055) and r["wait_lead"] == pytest.approx(20.0)
+    # the return phases sum to the tail: b less the hand-off
+    assert sum(r[k] for k in P.RETURN_PHASES) == pytest.approx((b_ns - t_done) * 1e-6)
+    # the hand-off seen before the core read t_done (after its unlock): a small negative ret_seen
+    assert P.join_return(t_done, (7, t_done - MS, t_done - 500, t_done, t_done + 1), join_ret, join1, b_ns)[
+        "ret_seen"] == pytest.approx(-0.0005)
+
+
+@pytest.mark.parametrize("wait", [(1, 0, 5, 6, 7), (1, 4, 3, 6, 7), (1, 1, 2, 3, 10 ** 12)])
+def test_join_return_refuses_missing_or_disordered_times(wait):
+    with pytest.raises(Dsv41Error):
+        P.join_return(10, wait, 10 ** 9, 10 ** 9 + 1, 2e9)

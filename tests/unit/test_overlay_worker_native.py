@@ -231,6 +231,26 @@ def test_the_slot_hand_off_honours_generations_and_abandonment() -> None:
     assert s.handoff(4) and s.wait(4, 0.0, 0) and s.handed() == 4
 
 
+def test_wait_stream_reports_the_hand_off_and_what_it_queued_and_times_the_wait() -> None:
+    """``wait_stream`` (issue 23 pass M): 0 at the timeout; handed off with no event to wait on,
+    1 (the caller queues the stream's waits); its host times are in order and name the join's
+    generation (``wait_times``: gen, enter, seen, queued, GIL back)."""
+    import threading
+
+    s = native._fastrow.EngramSlot(9)
+    s.begin(2)
+    assert s.wait_stream(2, 0.01, 1000, 0, 0) == 0
+    th = threading.Thread(target=lambda: (time.sleep(0.02), s.handoff(2)))
+    th.start()
+    try:
+        assert s.wait_stream(2, 5.0, 0, 0, 0, 0) == 1
+    finally:
+        th.join()
+    gen, enter, seen, queued, gil = s.wait_times()
+    assert gen == 2 and 0 < enter <= seen <= queued <= gil and seen - enter >= 15_000_000
+    assert s.wait_stream(2, 0.0, 0, 0, 0) == 1  # already handed off: no wait
+
+
 def test_a_join_polls_once_the_last_request_is_out_and_stays_bounded() -> None:
     """``mark_tail`` (the core, before a multi-piece job's last request, issue 23 pass L) wakes a
     join sleeping on the slot; from then on it polls the hand-off flag (``tail_polls``) instead of

@@ -154,6 +154,42 @@ def _stream_phases(trace: dict, host_t0_ns: int, gpu_ms: dict, layer0_target_ms:
     return {k: float(v) for k, v in out.items()}
 
 
+#: The launching thread's return from layer 1's join after the hand-off (issue 23 pass M), in
+#: order; with ``ret_to_b`` they sum to ``tail`` (``b`` less the hand-off).
+RETURN_PHASES = ("ret_seen", "ret_queue", "ret_gil", "ret_join_py", "ret_vllm", "ret_to_b")
+
+
+def join_return(t_done: int, wait: Sequence[int], join_ret_ns: int, join1_ns: int, b_ns: float) -> dict:
+    """Layer 1's tail after the hand-off taken apart on the launching thread (ms).
+
+    ``t_done``: the core's hand-off (the trace's ``t_done``, ns); ``wait``: the layer's
+    ``EngramSlot.wait_times()`` of that join, ``(gen, enter, seen, queued, gil)`` (ns: entered
+    the wait, saw the hand-off, queued the stream's wait on the done event, took the GIL back);
+    ``join_ret_ns``: ``RemoteRows.join`` returned; ``join1_ns``: the benchmark's host time after
+    vLLM's ``_ready_rows``; ``b_ns``: the main-stream event ``b`` on the host clock.
+
+    Returns ``ret_seen`` (hand-off to the wait seeing it: the core reads ``t_done`` after it set
+    the flag and released the slot's lock, so a few microseconds negative is normal),
+    ``ret_queue`` (the C++ ``cuStreamWaitEvent``), ``ret_gil`` (the GIL taken back),
+    ``ret_join_py`` (``join``'s Python after the wait), ``ret_vllm`` (vLLM's ``_finish_prefetch``
+    and ``_ready_rows`` after the overlay's join), ``ret_to_b`` (from there to ``b`` on the GPU),
+    ``join_return`` (``t_done`` to ``join1``, pass L's ``join_wake``) and ``wait_lead`` (the wait
+    entered this long before the hand-off). Raises Dsv41Error for a missing (0) or out-of-order
+    wait time."""
+    _gen, enter, seen, queued, gil = (int(v) for v in wait)
+    seq = [enter, seen, queued, gil, int(join_ret_ns), int(join1_ns)]
+    if min(seq) <= 0 or t_done <= 0:
+        raise Dsv41Error("join return: a timestamp is missing")
+    if any(b < a for a, b in zip(seq, seq[1:])):
+        raise Dsv41Error("join return: timestamps out of order")
+    ms = 1e-6
+    out = {"ret_seen": (seen - t_done) * ms, "ret_queue": (queued - seen) * ms, "ret_gil": (gil - queued) * ms,
+           "ret_join_py": (join_ret_ns - gil) * ms, "ret_vllm": (join1_ns - join_ret_ns) * ms,
+           "ret_to_b": (b_ns - join1_ns) * ms, "join_return": (join1_ns - t_done) * ms,
+           "wait_lead": (t_done - enter) * ms}
+    return {k: float(v) for k, v in out.items()}
+
+
 def trace_fetch_ns(trace: dict) -> int:
     """A job's fetch (ns) from its trace: the stream's busy time (pass L), else the sum of the
     pieces' request times (as ``layer1_phases``, without piece 0's head-to-rest wait)."""

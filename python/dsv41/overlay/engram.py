@@ -217,8 +217,11 @@ def apply(module: ModuleType, settings: S.OverlaySettings, contract: dict) -> No
 
     def _finish_prefetch(self: Any, event: Any) -> None:
         rows = getattr(self.embed_tokens, "_dsv41", None)
-        if rows is not None:
-            rows.join()  # the host waits for this layer's hand-off only
+        # the host waits for this layer's hand-off only; the C++ wait then queues the current
+        # stream's waits on the rows and on vLLM's ``event`` (its own body: current_stream()
+        # .wait_event(event)), where it could not, vLLM's function does it (issue 23 pass M)
+        if rows is not None and rows.join(event) and orig_finish is not None:
+            return
         if orig_finish is not None:
             orig_finish(self, event)
 

@@ -229,6 +229,15 @@ class Handoff:
         with self._cond:
             return self._cond.wait_for(lambda: self._handed == self._gen, timeout_s)
 
+    def wait_stream(self, timeout_s: float, stream: int, event: int, event2: int = 0) -> int:
+        """``wait``, then, handed off, queue raw ``stream``'s wait on raw ``event`` (0: none) and
+        then on ``event2`` (0: none) in C++ before the GIL is taken back (issue 23 pass M). 0: not
+        handed off within ``timeout_s``; else bit 1 (handed off) | 2 (``event`` queued) | 4
+        (``event2`` queued); what is not queued is left to the caller."""
+        if self.native is not None:
+            return self.native.wait_stream(self._gen, timeout_s, self.spin_ns, stream, event, event2)
+        return int(self.wait(timeout_s))
+
 
 _cuda_driver: Any = None
 

@@ -15,7 +15,8 @@ import numpy as np
 from dsv41.errors import ConfigError, Dsv41Error
 from dsv41.overlay.engram_ops import (ROW_BYTES, CudaOps, Handoff, HostOps, LaunchGraphs, OverlayRefused,
                                       _native_plan, log, plan_into, report_counters)
-from dsv41.overlay.engram_worker import JOIN_SPIN_NS, PIECE_ROWS, REPORT_EVERY_S, TAIL_ROWS, EngramWorker, _worker_for
+from dsv41.overlay.engram_worker import (JOIN_SPIN_NS, PIECE_ROWS, REPORT_EVERY_S, TAIL_ROWS, EngramWorker, _no_handle,
+                                         _worker_for)
 
 #: Seconds ``_finish_prefetch`` waits for the worker's hand-off of one layer before it counts a
 #: refusal and serves that layer's exact rows on the launching thread. The worker's fetch is
@@ -218,38 +219,50 @@ class RemoteRows:
         self._submitted = True
         w.submit(self, self._gen)
 
-    def join(self) -> None:
+    def join(self, then: Any = None) -> bool:
         """Wait on the host for the worker's hand-off of the started lookup, then make the
-        current stream wait for its rows (no host wait on any stream). Raises the job's error
+        current stream wait for its rows (no host wait on any stream) and, ``then`` given (a
+        CUDA event: vLLM's prefetch-done), on ``then`` too; True when the wait on ``then`` was
+        queued (else the caller waits on it). Raises the job's error
         (``RemoteUnavailable`` in required mode, with its cause); a dead worker, or none within
         ``handoff_timeout_s``, is a counted refusal: ``OverlayRefused`` in required mode, else
         the exact rows are served here (remote, or the row source's local fallback)."""
         if not self._inflight:
-            return
+            return False
         self._inflight = False
         if self._worker is not None and self._submitted:
             self._worker.joined()
         self._submitted = False
-        handed = self._ho
-        if not handed.is_set():
-            t0 = time.monotonic()
+        handed, counters = self._ho, self.counters
+        # the current stream's wait on the done event is queued by the C++ wait right after the
+        # hand-off, before the GIL is taken back (issue 23 pass M); queued == 1: here, below
+        ops = self.ops
+        cur = ops.current_stream()
+        ev = getattr(ops, "event_handle", _no_handle)(self.done) if cur is not None else 0
+        sh = getattr(ops, "stream_handle", _no_handle)(cur) if ev else 0
+        ev2 = getattr(ops, "event_handle", _no_handle)(then) if ev and then is not None else 0
+        t0 = time.monotonic()
+        queued = handed.wait_stream(min(ALIVE_POLL_S, self.handoff_timeout_s), sh, ev, ev2)
+        if not queued:
             end = t0 + self.handoff_timeout_s
             w = self._worker
-            while not handed.wait(min(ALIVE_POLL_S, max(end - time.monotonic(), 0.0))):
+            while not queued:
                 if w is None or not w.thread.is_alive() or time.monotonic() >= end:
                     break
-            self.counters["handoff_wait_s"] += time.monotonic() - t0
-            if not handed.is_set():
+                queued = handed.wait_stream(min(ALIVE_POLL_S, max(end - time.monotonic(), 0.0)), sh, ev, ev2)
+            if not queued:
+                counters["handoff_wait_s"] += time.monotonic() - t0
                 self._refuse(w)
-                return
-        self.counters["handoffs"] += 1
+                return False
+        counters["handoff_wait_s"] += time.monotonic() - t0
+        counters["handoffs"] += 1
         err = self._error
         if err is not None:
             self._error = None
             raise err
-        cur = self.ops.current_stream()
-        if cur is not None:
+        if not queued & 2 and cur is not None:
             cur.wait_event(self.done)
+        return bool(queued & 4)
 
     def _refuse(self, w: EngramWorker | None) -> None:
         dead = w is None or not w.thread.is_alive()

@@ -564,6 +564,68 @@ py::tuple client_lookup(int fd, uint64_t gen, py::bytes ident, py::array_t<uint6
   return py::make_tuple(code, rcount, rplen);
 }
 
+// The reply in progress on a non-blocking socket, read without blocking (client_lookup_many's
+// pipeline and the C++ core's request stream): its header, then `c` rows straight into `rows`.
+struct ReplyReader {
+  enum { NONE, SOME, DONE, FAIL };
+  uint8_t rep[kRep];
+  size_t rgot = 0;          // bytes of the current reply (header then rows) received
+  bool in_payload = false;
+  // One recv for the reply to request `gen` of `c` rows: NONE (nothing there), SOME (bytes in,
+  // the reply not complete), DONE (the reply complete; ready for the next), FAIL (`code` set to
+  // the codes of client_lookup, a refusal's status in `status`; the caller closes the socket).
+  int read(int fd, uint8_t *rows, uint32_t c, uint64_t gen, int &code, uint32_t &status) {
+    uint8_t *dst;
+    size_t want;
+    if (!in_payload) { dst = rep + rgot; want = kRep - rgot; }
+    else { dst = rows + rgot; want = size_t(c) * kRow - rgot; }
+    const ssize_t r = ::recv(fd, dst, want, MSG_DONTWAIT);
+    if (r == 0) { code = -2; return FAIL; }
+    if (r < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return NONE;
+      code = -2;
+      return FAIL;
+    }
+    rgot += size_t(r);
+    if (!in_payload && rgot == kRep) {
+      const uint16_t st = rd<uint16_t>(rep + 6);
+      if (rd<uint32_t>(rep) != kMagic || rd<uint16_t>(rep + 4) != kVersion) { code = -4; return FAIL; }
+      if (rd<uint64_t>(rep + 8) != gen) { code = -3; return FAIL; }
+      if (st != ST_OK) { code = 1; status = st; return FAIL; }
+      if (rd<uint32_t>(rep + 16) != c || uint64_t(rd<uint32_t>(rep + 20)) != uint64_t(c) * kRow) { code = -4; return FAIL; }
+      in_payload = c != 0;
+      rgot = 0;
+      return c == 0 ? DONE : SOME;
+    }
+    if (in_payload && rgot == size_t(c) * kRow) {
+      in_payload = false;
+      rgot = 0;
+      return DONE;
+    }
+    return SOME;
+  }
+};
+
+// What can be sent of one lookup request (its kReq-byte header `hdr`, then `plen` bytes of ids)
+// from byte `off` on, without blocking: the bytes sent, -1 when the socket would block
+// (EAGAIN, EINTR), -2 on an error (the caller closes the socket).
+ssize_t send_request_part(int fd, const uint8_t *hdr, const uint8_t *ids, size_t plen, size_t off) {
+  iovec iov[2];
+  int niov = 0;
+  if (off < kReq) {
+    iov[niov++] = {const_cast<uint8_t *>(hdr) + off, kReq - off};
+    iov[niov++] = {const_cast<uint8_t *>(ids), plen};
+  } else {
+    iov[niov++] = {const_cast<uint8_t *>(ids) + (off - kReq), plen - (off - kReq)};
+  }
+  msghdr mh{};
+  mh.msg_iov = iov;
+  mh.msg_iovlen = niov;
+  const ssize_t r = ::sendmsg(fd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
+  if (r < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? -1 : -2;
+  return r;
+}
+
 // The body of client_lookup_many without the GIL (also the C++ worker core's prefill pieces):
 // returns the code, the refusal status in `status` and the reply index reached in `recv_idx`.
 int lookup_many_nogil(int fd, uint64_t gen0, const char *ident, const uint8_t *rp, size_t n, uint8_t *op,
@@ -583,9 +645,7 @@ int lookup_many_nogil(int fd, uint64_t gen0, const char *ident, const uint8_t *r
       wr<uint32_t>(h + 48, c); wr<uint32_t>(h + 52, c * 8);
     }
     size_t send_idx = 0, send_off = 0;  // bytes of chunk send_idx already sent
-    uint8_t rep[kRep];
-    size_t rgot = 0;          // bytes of the current reply (header then rows) received
-    bool in_payload = false;
+    ReplyReader reply;
     auto budget = [&]() { int64_t d = now_ns() + timeout_ns; return end_ns > 0 && end_ns < d ? end_ns : d; };
     int64_t deadline = budget();
     int64_t spin_until = now_ns() + spin_ns;
@@ -593,57 +653,22 @@ int lookup_many_nogil(int fd, uint64_t gen0, const char *ident, const uint8_t *r
       bool progressed = false;
       while (send_idx < nchunks && send_idx - recv_idx < window) {
         size_t c = std::min<size_t>(chunk, n - send_idx * chunk);
-        size_t hlen = kReq, plen = c * 8;
-        iovec iov[2];
-        int niov = 0;
-        if (send_off < hlen) {
-          iov[niov++] = {&hdrs[send_idx * kReq] + send_off, hlen - send_off};
-          iov[niov++] = {const_cast<uint8_t *>(rp) + send_idx * chunk * 8, plen};
-        } else {
-          iov[niov++] = {const_cast<uint8_t *>(rp) + send_idx * chunk * 8 + (send_off - hlen), plen - (send_off - hlen)};
-        }
-        msghdr mh{};
-        mh.msg_iov = iov;
-        mh.msg_iovlen = niov;
-        ssize_t r = ::sendmsg(fd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
-        if (r < 0) {
-          if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
-          code = -2;
-          break;
-        }
+        const size_t plen = c * 8;
+        const ssize_t r = send_request_part(fd, &hdrs[send_idx * kReq], rp + send_idx * chunk * 8, plen, send_off);
+        if (r == -1) break;
+        if (r < 0) { code = -2; break; }
         progressed = progressed || r > 0;
         send_off += size_t(r);
-        if (send_off == hlen + plen) { send_idx++; send_off = 0; }
+        if (send_off == kReq + plen) { send_idx++; send_off = 0; }
       }
       if (code) break;
       // receive whatever is there for the reply in progress
       for (;;) {
-        size_t c = std::min<size_t>(chunk, n - recv_idx * chunk);
-        uint8_t *dst;
-        size_t want;
-        if (!in_payload) { dst = rep + rgot; want = kRep - rgot; }
-        else { dst = op + recv_idx * chunk * kRow + rgot; want = c * kRow - rgot; }
-        ssize_t r = ::recv(fd, dst, want, MSG_DONTWAIT);
-        if (r == 0) { code = -2; break; }
-        if (r < 0) {
-          if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
-          code = -2;
-          break;
-        }
+        const size_t c = std::min<size_t>(chunk, n - recv_idx * chunk);
+        const int got = reply.read(fd, op + recv_idx * chunk * kRow, uint32_t(c), gen0 + recv_idx, code, status);
+        if (got == ReplyReader::NONE || got == ReplyReader::FAIL) break;
         progressed = true;
-        rgot += size_t(r);
-        if (!in_payload && rgot == kRep) {
-          uint16_t st = rd<uint16_t>(rep + 6);
-          if (rd<uint32_t>(rep) != kMagic || rd<uint16_t>(rep + 4) != kVersion) { code = -4; break; }
-          if (rd<uint64_t>(rep + 8) != gen0 + recv_idx) { code = -3; break; }
-          if (st != ST_OK) { code = 1; status = st; break; }
-          if (rd<uint32_t>(rep + 16) != c || uint64_t(rd<uint32_t>(rep + 20)) != uint64_t(c) * kRow) { code = -4; break; }
-          in_payload = true;
-          rgot = 0;
-          if (c == 0) { in_payload = false; recv_idx++; }
-        } else if (in_payload && rgot == c * kRow) {
-          in_payload = false;
-          rgot = 0;
+        if (got == ReplyReader::DONE) {
           recv_idx++;
           deadline = budget();  // next reply: its own full budget, within the whole-call deadline
           if (recv_idx == nchunks) break;
@@ -857,6 +882,7 @@ struct CudaDriver {
   int (*event_sync)(void *) = nullptr;
   int (*event_record)(void *, void *) = nullptr;
   int (*graph_launch)(void *, void *) = nullptr;
+  int (*stream_wait_event)(void *, void *, unsigned) = nullptr;  // optional (EngramSlot::wait_stream)
   bool ok = false;
 };
 const CudaDriver &cuda_driver() {
@@ -867,6 +893,7 @@ const CudaDriver &cuda_driver() {
     r.event_sync = reinterpret_cast<int (*)(void *)>(::dlsym(h, "cuEventSynchronize"));
     r.event_record = reinterpret_cast<int (*)(void *, void *)>(::dlsym(h, "cuEventRecord"));
     r.graph_launch = reinterpret_cast<int (*)(void *, void *)>(::dlsym(h, "cuGraphLaunch"));
+    r.stream_wait_event = reinterpret_cast<int (*)(void *, void *, unsigned)>(::dlsym(h, "cuStreamWaitEvent"));
     r.ok = r.event_sync && r.event_record && r.graph_launch;
     return r;
   }();
@@ -885,6 +912,10 @@ struct EngramSlot {
   // within that request, so a join waiting for it polls instead of sleeping on the cv
   std::atomic<uint64_t> tail{0};
   std::atomic<int64_t> tail_polls{0};  // joins that polled for a hand-off after mark_tail
+  // the last wait_stream's host times (CLOCK_MONOTONIC ns, launching thread only; issue 23 pass M):
+  // entered, the hand-off seen, the stream wait queued, the GIL taken back; its generation
+  int64_t w_enter = 0, w_seen = 0, w_queued = 0, w_gil = 0;
+  uint64_t w_gen = 0;
   uint64_t current = 0, abandoned = 0;
   int64_t key = 0, lo = 0, hi = 0;
   uint64_t limit = 0;
@@ -969,6 +1000,42 @@ struct EngramSlot {
   bool wait(uint64_t gen, double timeout_s, int64_t spin_ns) {
     if (handed.load(std::memory_order_acquire) == gen) return true;
     py::gil_scoped_release nogil;
+    return wait_nogil(gen, timeout_s, spin_ns);
+  }
+  // wait, then (handed off, `event` nonzero) queue `stream`'s wait on the event (cuStreamWaitEvent;
+  // stream 0 is the legacy default stream) before the GIL is taken back (issue 23 pass M: no
+  // Python-level wait_event after the hand-off). Returns 0: not handed off within timeout_s;
+  // 1: handed off, the stream wait not queued (no event, no driver entry, or it failed: the
+  // caller queues it); 1 | 2: handed off and the stream wait queued. Records the w_* host times.
+  // `event2` (nonzero): a second event the stream waits on after the first (vLLM's prefetch-done
+  // event, so _finish_prefetch's own wait_event is not run in Python); its bit is 4 in the result
+  // (1 | 2 | 4: both queued).
+  int wait_stream(uint64_t gen, double timeout_s, int64_t spin_ns, uint64_t stream, uint64_t event, uint64_t event2) {
+    w_gen = gen;
+    w_enter = now_ns();
+    int r = 0;
+    auto queue = [&] {
+      w_seen = now_ns();
+      const CudaDriver &cu = cuda_driver();
+      void *st = reinterpret_cast<void *>(stream);
+      r = 1;
+      if (event && cu.stream_wait_event && cu.stream_wait_event(st, reinterpret_cast<void *>(event), 0) == 0) {
+        r |= 2;
+        if (event2 && cu.stream_wait_event(st, reinterpret_cast<void *>(event2), 0) == 0) r |= 4;
+      }
+      w_queued = now_ns();
+    };
+    if (handed.load(std::memory_order_acquire) == gen) {
+      queue();  // already handed off: the GIL is kept (nothing to wait for)
+    } else {
+      py::gil_scoped_release nogil;
+      if (wait_nogil(gen, timeout_s, spin_ns)) queue();
+      else w_seen = w_queued = now_ns();
+    }
+    w_gil = now_ns();
+    return r;
+  }
+  bool wait_nogil(uint64_t gen, double timeout_s, int64_t spin_ns) {
     const int64_t t0 = now_ns(), spin_end = t0 + spin_ns;
     const int64_t end = t0 + int64_t(std::max(timeout_s, 0.0) * 1e9);
     while (now_ns() < spin_end)
@@ -1571,9 +1638,7 @@ class EngramCore {
     int64_t rows_in = 0;
     std::deque<size_t> to_launch;
     bool stop_send = false, cuda_failed = false, tail_marked = false;
-    uint8_t rep[kRep];
-    size_t rgot = 0;
-    bool in_payload = false;
+    ReplyReader reply;
     int64_t t_first = 0, t_last = 0, idle = 0, t_gap = 0, plan_wait = 0;
     int64_t deadline = now_ns() + timeout_ns_, spin_until = now_ns() + spin_ns_;
     uint32_t status = 0;
@@ -1622,23 +1687,9 @@ class EngramCore {
         }
         const size_t plen = size_t(cur_c) * 8;
         const uint8_t *ids = reinterpret_cast<const uint8_t *>(s.fetch + row0(ss) + soff);
-        iovec iov[2];
-        int niov = 0;
-        if (send_off < kReq) {
-          iov[niov++] = {hdr + send_off, kReq - send_off};
-          iov[niov++] = {const_cast<uint8_t *>(ids), plen};
-        } else {
-          iov[niov++] = {const_cast<uint8_t *>(ids) + (send_off - kReq), plen - (send_off - kReq)};
-        }
-        msghdr mh{};
-        mh.msg_iov = iov;
-        mh.msg_iovlen = niov;
-        const ssize_t r = ::sendmsg(fd_, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
-        if (r < 0) {
-          if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
-          code = -2;
-          break;
-        }
+        const ssize_t r = send_request_part(fd_, hdr, ids, plen, send_off);
+        if (r == -1) break;
+        if (r < 0) { code = -2; break; }
         progressed = progressed || r > 0;
         send_off += size_t(r);
         if (send_off == kReq + plen) {
@@ -1684,30 +1735,10 @@ class EngramCore {
         }
         if (fly.empty()) break;
         const StreamChunk ch = fly.front();
-        uint8_t *dst;
-        size_t want;
-        if (!in_payload) { dst = rep + rgot; want = kRep - rgot; }
-        else { dst = packed + (row0(ch.seg) + ch.off) * kRow + rgot; want = size_t(ch.c) * kRow - rgot; }
-        const ssize_t r = ::recv(fd_, dst, want, MSG_DONTWAIT);
-        if (r == 0) { code = -2; break; }
-        if (r < 0) {
-          if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
-          code = -2;
-          break;
-        }
+        const int got = reply.read(fd_, packed + (row0(ch.seg) + ch.off) * kRow, ch.c, ch.gen, code, status);
+        if (got == ReplyReader::NONE || got == ReplyReader::FAIL) break;
         progressed = true;
-        rgot += size_t(r);
-        if (!in_payload && rgot == kRep) {
-          const uint16_t st = rd<uint16_t>(rep + 6);
-          if (rd<uint32_t>(rep) != kMagic || rd<uint16_t>(rep + 4) != kVersion) { code = -4; break; }
-          if (rd<uint64_t>(rep + 8) != ch.gen) { code = -3; break; }
-          if (st != ST_OK) { code = 1; status = st; break; }
-          if (rd<uint32_t>(rep + 16) != ch.c || uint64_t(rd<uint32_t>(rep + 20)) != uint64_t(ch.c) * kRow) { code = -4; break; }
-          in_payload = true;
-          rgot = 0;
-        } else if (in_payload && rgot == size_t(ch.c) * kRow) {
-          in_payload = false;
-          rgot = 0;
+        if (got == ReplyReader::DONE) {
           fly.pop_front();
           real_fly--;
           rows_in += ch.c;
@@ -1891,7 +1922,12 @@ PYBIND11_MODULE(_fastrow, m) {
       .def("handed", [](EngramSlot &s) { return s.handed.load(); })
       .def("mark_tail", &EngramSlot::mark_tail)
       .def("tail_polls", [](EngramSlot &s) { return s.tail_polls.load(); })
-      .def("wait", &EngramSlot::wait, py::arg("gen"), py::arg("timeout_s"), py::arg("spin_ns") = 0);
+      .def("wait", &EngramSlot::wait, py::arg("gen"), py::arg("timeout_s"), py::arg("spin_ns") = 0)
+      .def("wait_stream", &EngramSlot::wait_stream, py::arg("gen"), py::arg("timeout_s"), py::arg("spin_ns"),
+           py::arg("stream"), py::arg("event"), py::arg("event2") = 0)
+      .def("wait_times", [](EngramSlot &s) {
+        return py::make_tuple(s.w_gen, s.w_enter, s.w_seen, s.w_queued, s.w_gil);
+      });
   py::class_<EngramCore>(m, "EngramCore")
       .def(py::init<int64_t, int64_t, double, int64_t, int64_t>(), py::arg("chunk_rows"), py::arg("piece_rows"),
            py::arg("report_s"), py::arg("head_rows") = 0, py::arg("tail_rows") = 0)
