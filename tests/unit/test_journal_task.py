@@ -55,6 +55,7 @@ def test_every_call_names_op_and_step():
 PLAY = """
 - hosts: spark:offload
   gather_facts: false
+  roles: [dsv41]  # as every play of the project: the shared defaults (dsv41_packages_dir)
   tasks:
     - name: One entry per host
       ansible.builtin.include_role:

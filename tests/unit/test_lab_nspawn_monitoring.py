@@ -103,15 +103,17 @@ def test_a_package_missing_from_the_rootfs_fails_the_build(tmp_path):
     assert "package prometheus-alertmanager is not in the rootfs (lab_nspawn_packages)" in r.stderr
 
 
-def _lab_vars(with_monitoring_defaults: bool, tmp_path: Path) -> dict[str, dict]:
+def _lab_vars(with_monitoring_defaults: bool, tmp_path: Path, *extra: str) -> dict[str, dict]:
     """Per host of inventories/sim: lab_nspawn_binds_ro and lab_nspawn_monitoring_host as
     roles/dsv41's and roles/lab's defaults compute them (lab_up's play: roles/monitoring's defaults not loaded), or
-    with roles/monitoring's defaults loaded too (then also its monitoring_host and journal)."""
+    with roles/monitoring's defaults loaded too (then also its monitoring_host and journal). The play
+    lies in ``<out>/playbooks/`` as the project's plays do (dsv41_packages_dir is playbook_dir's
+    parent's packages/); ``extra``: more ``-e`` values."""
     files = [ROOT / "roles/dsv41/defaults/main.yml", ROOT / "roles/lab/defaults/main.yml"]  # every play lists dsv41 first
     if with_monitoring_defaults:
         files.append(ROOT / "roles/monitoring/defaults/main.yml")
-    out = tmp_path / ("with-monitoring" if with_monitoring_defaults else "lab")
-    out.mkdir()
+    out = tmp_path / ("with-monitoring" if with_monitoring_defaults else "lab") / "playbooks"
+    out.mkdir(parents=True, exist_ok=True)
     expr = ("{{ {'binds': lab_nspawn_binds_ro, 'host': lab_nspawn_monitoring_host,"
             " 'journal': monitoring_ops_journal | default(''), 'monitoring_host': monitoring_host | default('')}"
             " | to_json }}")
@@ -126,7 +128,7 @@ def _lab_vars(with_monitoring_defaults: bool, tmp_path: Path) -> dict[str, dict]
     # run here, as this user: the values only (no host is reached)
     r = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "inventories/sim", str(pb),
                         "-e", "ansible_connection=local", "-e", "ansible_become=false",
-                        "-e", f"ansible_python_interpreter={sys.executable}"], cwd=ROOT, env=env,
+                        "-e", f"ansible_python_interpreter={sys.executable}", *extra], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     return {h: json.loads((out / f"{h}.json").read_text()) for h in ("sparkhead", "sparkworker", "x86host")}
@@ -134,15 +136,27 @@ def _lab_vars(with_monitoring_defaults: bool, tmp_path: Path) -> dict[str, dict]
 
 def test_the_journal_directory_is_bound_into_the_monitoring_host_only(tmp_path):
     got = _lab_vars(False, tmp_path)
-    packages = str(ROOT / "packages")
+    packages = str(tmp_path / "lab" / "packages")  # playbooks/lab_up.yml binds <project>/packages
     assert got["x86host"]["binds"] == [packages]
     assert got["sparkhead"]["binds"] == got["sparkworker"]["binds"] == []
     assert {v["host"] for v in got.values()} == {"x86host"}
     # the same host and directory roles/monitoring computes for Prometheus and the ops exporter
     mon = _lab_vars(True, tmp_path)
     assert {v["monitoring_host"] for v in mon.values()} == {"x86host"}
-    assert mon["x86host"]["binds"] == [str(Path(mon["x86host"]["journal"]).parent)] == [packages]
-    assert all(mon[h]["binds"] == got[h]["binds"] for h in got)
+    assert mon["x86host"]["binds"] == [str(Path(mon["x86host"]["journal"]).parent)]
+    assert mon["x86host"]["binds"] == [str(tmp_path / "with-monitoring" / "packages")]
+    assert all(bool(mon[h]["binds"]) == bool(got[h]["binds"]) for h in got)
+
+
+@pytest.mark.parametrize("override", ["monitoring_ops_journal=/srv/ops/journal.jsonl", "dsv41_packages_dir=/srv/ops"])
+def test_an_inventory_journal_or_packages_dir_moves_the_bind(tmp_path, override):
+    """The bind follows the one variable an operator sets (no copied path in roles/lab): the
+    exporter's journal, or the packages directory roles/promotion and roles/monitoring share."""
+    for with_monitoring in (False, True):
+        got = _lab_vars(with_monitoring, tmp_path, "-e", override)
+        assert got["x86host"]["binds"] == ["/srv/ops"], (with_monitoring, got)
+        if with_monitoring:
+            assert got["x86host"]["journal"] == "/srv/ops/journal.jsonl"
 
 
 def _boot_check(tmp_path: Path, *binds: str) -> subprocess.CompletedProcess:
