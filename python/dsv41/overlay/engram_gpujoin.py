@@ -2,9 +2,9 @@
 worker has not handed off yet queues, on the current stream, a wait until the table's device
 flag holds the job's generation (``cuStreamWaitValue64``, GEQ) and the wait on vLLM's event, and
 returns at once: the launching thread does not wait on the host. The worker queues the flag's
-write (``cuStreamWriteValue64``) on the prefetch stream right after the layer's last copy and
-kernel, before its hand-off, so the GPU itself releases the main stream when the rows are
-written.
+write (``cuStreamWriteValue64``) on the prefetch stream after the layer's last copy and kernel
+(the C++ core right after the hand-off, so a host join does not wait for it; Python's launches
+just before), so the GPU itself releases the main stream when the rows are written.
 
 Only where it can be right: ``RemoteRows.gpu_join`` (``DSV41_ENGRAM_GPU_JOIN``, default 1), not
 in required mode (``DSV41_ENGRAM_REMOTE_REQUIRED=1``: the join waits on the host so that the cause
@@ -44,6 +44,8 @@ from dsv41.overlay.engram_ops import log
 WATCH_POLL_S = 0.05
 #: Seconds the watchdog waits for a worker that is inside a launch of the job it takes.
 LAUNCH_LOCK_S = 1.0
+#: Seconds a hand-off just seen is given for its flag write (queued by the C++ core right after it).
+FLAG_LAG_S = 0.002
 
 OPEN, SERVING, DONE = range(3)
 
@@ -135,8 +137,6 @@ def settle(rows: Any) -> None:
     """Launching thread, at the table's next ``start``: wait until the deferred job is done (the
     worker's hand-off, or the rows served by whichever thread noticed a failure first) and raise
     its error, if any."""
-    from dsv41.overlay.engram_rows import ALIVE_POLL_S
-
     rec = rows._pending
     t0 = time.monotonic()
     try:
@@ -144,7 +144,7 @@ def settle(rows: Any) -> None:
             if rec.state == SERVING:
                 rec.done.wait()
                 break
-            rows._ho.wait(min(ALIVE_POLL_S, max(rec.deadline - time.monotonic(), 0.0)))
+            rows._ho.wait(min(WATCH_POLL_S, max(rec.deadline - time.monotonic(), 0.0)))
     finally:
         rows._pending = None
         rows.counters["handoff_wait_s"] += time.monotonic() - t0
@@ -163,7 +163,7 @@ def resolve(rec: Deferred) -> bool:
         if rows._ho.handed_gen() == rec.gen:
             with rows._lock:
                 err, rows._error = (rows._error, None) if rows._gen == rec.gen else (None, rows._error)
-            if err is None and rows._flag is not None and rows._flag.written() >= rec.gen:
+            if err is None and rows._flag is not None and _written(rows._flag, rec.gen):
                 rec.kind, rec.state = "handed", DONE
                 rows.counters["handoffs"] += 1
                 rec.done.set()
@@ -189,6 +189,17 @@ def resolve(rec: Deferred) -> bool:
         with rec.lock:
             rec.state = DONE
             rec.done.set()
+    return True
+
+
+def _written(flag: DeviceFlag, gen: int) -> bool:
+    """Whether ``gen``'s flag write was queued; the C++ core queues it right after the hand-off,
+    so a hand-off just seen is given ``FLAG_LAG_S`` for it."""
+    end = time.monotonic() + FLAG_LAG_S
+    while flag.written() < gen:
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0)
     return True
 
 

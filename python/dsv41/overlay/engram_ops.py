@@ -132,11 +132,6 @@ class HostOps:
         """The raw ``CUstream`` of ``stream`` for the C++ core (0: none, no CUDA)."""
         return 0
 
-    def device_flag(self, rows: Any) -> Any:
-        """The GPU-side join's device flag of ``rows`` (``engram_gpujoin.DeviceFlag``), None
-        where it cannot run (here: no GPU; the join waits on the host)."""
-        return None
-
     def side_stream(self) -> Any:
         """A stream of its own for the GPU-side join's watchdog (None: one program order)."""
         return None
@@ -182,11 +177,6 @@ class CudaOps(HostOps):
 
     def stream_handle(self, stream: Any) -> int:
         return int(stream.cuda_stream)
-
-    def device_flag(self, rows: Any) -> Any:
-        from dsv41.overlay.engram_gpujoin import DeviceFlag
-
-        return DeviceFlag.for_rows(rows)
 
     def side_stream(self) -> Any:
         import torch

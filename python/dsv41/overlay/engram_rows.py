@@ -158,7 +158,9 @@ class RemoteRows(Launches):
         self._pending: GJ.Deferred | None = None
         self.last_join_deferred = False
         self._side: Any = None
-        self._flag = getattr(self.ops, "device_flag", _no_flag)(self)
+        # ops may bring their own (tests' stand-ins); CUDA: where the driver supports it
+        make = getattr(self.ops, "device_flag", None)
+        self._flag = make(self) if make is not None else GJ.DeviceFlag.for_rows(self) if self._cuda else None
         self._last_report = time.monotonic()
 
     def _new_host_buffers(self) -> None:
@@ -483,7 +485,3 @@ class RemoteRows(Launches):
         if self._worker is not None:
             c.update({f"worker_{k}": v for k, v in self._worker.counters.items()})
         return c
-
-
-def _no_flag(_rows: Any) -> None:
-    return None

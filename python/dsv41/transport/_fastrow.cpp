@@ -1580,8 +1580,10 @@ class EngramCore {
       void *exec = graph_of_locked(j);
       if (!exec || cu.graph_launch(exec, j.stream) != 0 || cu.event_record(j.done_event, j.stream) != 0)
         break;
-      if (s.flag) s.flag_write(reinterpret_cast<uint64_t>(j.stream), j.gen);  // a GPU-side join's release
       s.handoff_locked(j.gen);
+      // a GPU-side join's release, queued after the rows; after the hand-off, so a host join
+      // (decode) does not wait for it; a join that saw no hand-off deferred and waits on it
+      if (s.flag) s.flag_write(reinterpret_cast<uint64_t>(j.stream), j.gen);
       add(c_launches, 1);
     }
     add(c_launch, now_ns() - tl);
@@ -1658,8 +1660,8 @@ class EngramCore {
         drain(j, launched);
         return PIECES_FAILED;
       }
-      if (s.flag) s.flag_write(reinterpret_cast<uint64_t>(j.stream), j.gen);  // a GPU-side join's release
       s.handoff_locked(j.gen);
+      if (s.flag) s.flag_write(reinterpret_cast<uint64_t>(j.stream), j.gen);  // as in serve(): after the hand-off
     }
     const int64_t t_done = now_ns();
     add(c_launches, int64_t(launched));
