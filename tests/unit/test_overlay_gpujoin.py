@@ -68,6 +68,8 @@ def test_the_join_is_deferred_exactly_when_not_handed_off_not_required_and_suppo
     ops = FlagOps(supported)
     ops.refuse_wait = refused
     rr, job = _rows_checked(tabs, src, 1, ops, gpu_join=knob)
+    # no device flag (so no flag writes by the worker) in required mode or with the knob off
+    assert (rr._flag is not None) is (supported and knob and not required)
     ids = _ids(tabs, rr, 20, 3)
     out = _poisoned(20, rr.part)
     job[1] = (ids, out)

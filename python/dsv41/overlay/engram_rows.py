@@ -68,8 +68,9 @@ class RemoteRows(Launches):
     ``HANDOFF_TIMEOUT_S``; ``ops``: stream/event operations (``CudaOps``/``HostOps`` by device;
     tests pass fakes); ``graphs``: replay a one-piece job's launch as a CUDA graph per token count
     (``LaunchGraphs``; CUDA, or ``graph_record`` in tests); ``gpu_join``: a join whose layer is
-    not handed off yet waits on the GPU (``engram_gpujoin``; ``DSV41_ENGRAM_GPU_JOIN``; the
-    attribute may be switched at run time; never in required mode).
+    not handed off yet waits on the GPU (``engram_gpujoin``; ``DSV41_ENGRAM_GPU_JOIN``; never in
+    required mode; the attribute may be switched off and on at run time when it was on at
+    construction, which made the table's device flag).
 
     Buffers, allocated once (graph-stable; ``staged_rows`` is vLLM's): device int64 ids
     ``[max_tokens, part]`` and their pinned host copy, pinned host ``[rows*4 + rows*264]`` bytes
@@ -158,9 +159,11 @@ class RemoteRows(Launches):
         self._pending: GJ.Deferred | None = None
         self.last_join_deferred = False
         self._side: Any = None
-        # ops may bring their own (tests' stand-ins); CUDA: where the driver supports it
+        # ops may bring their own (tests' stand-ins); CUDA: where the driver supports it; none in
+        # required mode or with gpu_join off at construction (the worker then writes no flag)
         make = getattr(self.ops, "device_flag", None)
-        self._flag = make(self) if make is not None else GJ.DeviceFlag.for_rows(self) if self._cuda else None
+        self._flag = (None if self.required or not self.gpu_join else make(self) if make is not None
+                      else GJ.DeviceFlag.for_rows(self) if self._cuda else None)
         self._last_report = time.monotonic()
 
     def _new_host_buffers(self) -> None:
