@@ -139,6 +139,10 @@ def test_a_dead_worker_is_served_exactly_by_the_watchdog_and_counted(tabs, worke
     gen, who, stream, ok = rr._flag.writes[-1]
     assert gen == 1 and ok and stream == "side" and not who.startswith("dsv41-engram-worker")
     assert _exact(tabs, rr, ids, out)
+    # the side stream waited for the job's stream first, and the job's stream then waits for it
+    mine = [a for n, w, a in ops.log if n == who and w == "wait_event"]
+    assert mine[0].startswith("side<-") and _until(lambda: any(
+        a.startswith("prefetch<-") for n, w, a in ops.log if n == who and w == "wait_event"), 5)
     c = rr.counters
     assert c["worker_refusals"] == 1 and c["handoff_timeouts"] == 0 and c["refused_inline"] == 1
     assert c["watchdog_served"] == 1

@@ -205,16 +205,17 @@ def _written(flag: DeviceFlag, gen: int) -> bool:
 
 def _serve(rec: Deferred) -> None:
     """Serve a failed deferred job's exact rows on a stream of its own (after what the worker
-    queued), then release the main stream by the flag's write on that stream."""
+    queued), then release the main stream by the flag's write on that stream; the job's stream
+    then waits for that stream (the table's next job reuses the device buffers it reads)."""
     rows, ops = rec.rows, rec.rows.ops
-    ops.bind_thread()
-    job = rows._stream
-    side = rows._side_stream()
-    if side is not None:
-        ev = ops.event()
-        ev.record(job)  # after whatever the worker queued for the job
-        side.wait_event(ev)
+    job, side = rows._stream, None
     try:
+        ops.bind_thread()
+        side = rows._side_stream()
+        if side is not None:
+            ev = ops.event()
+            ev.record(job)  # after whatever the worker queued for the job
+            side.wait_event(ev)
         if rec.kind == "flag":  # rows written, the flag's write missing: after the done event
             if side is not None:
                 side.wait_event(rows.done)
@@ -224,8 +225,8 @@ def _serve(rec: Deferred) -> None:
         else:
             cause = f"the rank's Engram worker handed the job off with an error ({type(rec.error).__name__})"
             rows.counters["deferred_errors"] += 1
-        log.error("dsv41 overlay rank %d layer %d: %s; serving this step's rows off the launching thread "
-                  "(GPU-side join)", rows.rank, rows.layer_id, cause)
+        log.error("dsv41 overlay rank %d layer %d: %s; serving this step's rows on thread %s (GPU-side join)",
+                  rows.rank, rows.layer_id, cause, threading.current_thread().name)
         rows.counters["refused_inline"] += 1
         rows.counters["watchdog_served"] += 1
         rows._stream = side if side is not None else job
@@ -242,6 +243,13 @@ def _serve(rec: Deferred) -> None:
         if flag is None or not flag.write(side if side is not None else job, rec.gen):
             log.error("dsv41 overlay rank %d layer %d: cannot write the GPU-side join's flag", rows.rank,
                       rows.layer_id)
+        if side is not None and job is not None:
+            try:
+                ev = ops.event()
+                ev.record(side)
+                job.wait_event(ev)
+            except Exception as exc:  # noqa: BLE001 - logged; the flag is written
+                log.error("dsv41 overlay: the job's stream cannot wait for the watchdog's (%s)", exc)
 
 
 class Watchdog:
