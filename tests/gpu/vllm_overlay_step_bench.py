@@ -270,7 +270,11 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
     for li, lid in enumerate(layout.layer_ids):
         Q.load_vllm_tables(own[li].embed_tokens, manifest, data, lid)
     E._sources.clear()
-    settings = S.parse({"DSV41_ENGRAM_REMOTE": ",".join([url] * 2), "DSV41_RUNTIME_ROOT": str(runtime)})
+    # the GPU-side join is off by default (docs/gpu.md: a device flag written by the worker's driver
+    # calls can deadlock with a cudaFree on the launching thread); the bench measures it beside
+    # the host join unless DSV41_ENGRAM_GPU_JOIN=0 is given
+    settings = S.parse({"DSV41_ENGRAM_REMOTE": ",".join([url] * 2), "DSV41_RUNTIME_ROOT": str(runtime),
+                        "DSV41_ENGRAM_GPU_JOIN": os.environ.get("DSV41_ENGRAM_GPU_JOIN", "1")})
     E.apply(eng, settings, C.load())
     capture = {"on": False}
     O._capture_active = lambda: capture["on"]  # what apply() binds to vLLM's BreakableCUDAGraphCapture

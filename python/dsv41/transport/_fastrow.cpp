@@ -890,6 +890,8 @@ struct CudaDriver {
   int (*write_value64)(void *, uint64_t, uint64_t, unsigned) = nullptr;
   int (*device_get)(int *, int) = nullptr;
   int (*device_attribute)(int *, int, int) = nullptr;
+  int (*driver_version)(int *) = nullptr;
+  bool memops_v2 = false;  // both memory ops resolved under their _v2 names
   bool ok = false;
 };
 // cuda.h: CU_STREAM_WAIT_VALUE_GEQ, CU_STREAM_WRITE_VALUE_DEFAULT (the write is preceded by a
@@ -913,6 +915,8 @@ const CudaDriver &cuda_driver() {
     using MemOp = int (*)(void *, uint64_t, uint64_t, unsigned);
     r.wait_value64 = cu_sym<MemOp>(h, "cuStreamWaitValue64_v2", "cuStreamWaitValue64");
     r.write_value64 = cu_sym<MemOp>(h, "cuStreamWriteValue64_v2", "cuStreamWriteValue64");
+    r.memops_v2 = ::dlsym(h, "cuStreamWaitValue64_v2") && ::dlsym(h, "cuStreamWriteValue64_v2");
+    r.driver_version = reinterpret_cast<int (*)(int *)>(::dlsym(h, "cuDriverGetVersion"));
     r.device_get = reinterpret_cast<int (*)(int *, int)>(::dlsym(h, "cuDeviceGet"));
     r.device_attribute = reinterpret_cast<int (*)(int *, int, int)>(::dlsym(h, "cuDeviceGetAttribute"));
     r.ok = r.event_sync && r.event_record && r.graph_launch;
@@ -921,14 +925,18 @@ const CudaDriver &cuda_driver() {
   return d;
 }
 
-// Whether the GPU-side join can run on CUDA device `ordinal` (issue 23 pass N): both stream
-// memory ops resolved and the device reports 64-bit stream memory operations. False on a host
-// without the driver or without the entry points (the join then waits on the host).
+// Whether the GPU-side join can run on CUDA device `ordinal` (issue 23 pass N): the _v2 memory
+// ops resolved on a driver of CUDA 11.7 or later (NVIDIA's driver API: "the V2 APIs are available
+// by default on all platforms"), else the device reports the v1 64-bit operations. Attribute 93 is
+// the v1 one: on the H200 with driver 580 (CUDA 13.0) it read 0 while cuStreamWaitValue64_v2
+// worked (2026-12-04). False without the driver or the entry points (the join waits on the host);
+// a first call the driver refuses also falls back (flag_wait returns 0).
 bool stream_mem_ops(int ordinal) {
   const CudaDriver &cu = cuda_driver();
   if (!cu.wait_value64 || !cu.write_value64 || !cu.device_get || !cu.device_attribute) return false;
-  int dev = 0, v = 0;
+  int dev = 0, v = 0, version = 0;
   if (cu.device_get(&dev, ordinal) != 0) return false;
+  if (cu.memops_v2 && cu.driver_version && cu.driver_version(&version) == 0 && version >= 11070) return true;
   return cu.device_attribute(&v, kAttr64BitStreamMemOps, dev) == 0 && v != 0;
 }
 
