@@ -395,9 +395,9 @@ def time_join(rr) -> dict:
     got = {"gen": 0, "ret": 0}
     orig = rr.join
 
-    def join(*args):
+    def join(*args, **kw):
         gen = rr._gen
-        res = orig(*args)
+        res = orig(*args, **kw)
         got["ret"] = time.monotonic_ns()
         got["gen"] = gen
         return res
