@@ -152,10 +152,6 @@ _ROWS = [
            "past it the rank falls back to its local reader.", "ms", 1, 600_000),
     EnvVar("DSV41_ENGRAM_REMOTE_REQUIRED", bool, False, "1: a failed remote lookup is an error, not a "
            "local fallback (needs DSV41_ENGRAM_REMOTE)."),
-    EnvVar("DSV41_ENGRAM_GPU_JOIN", bool, False, "vLLM overlay, experimental (docs/gpu.md): 1: a layer's join "
-           "whose rows are not handed off yet queues a GPU wait on a device flag the worker writes after the "
-           "rows (no host wait; a cudaFree on the launching thread meanwhile can deadlock the GPU); 0: the "
-           "launching thread waits on the host; required mode always waits on the host."),
     # ---- speculative drafting (docs/drafter.md)
     EnvVar("DSV41_DRAFTER_REMOTE", str, "", "tcp://H:P of the drafter worker (`dsv41 drafter serve`); "
            "exclusive with DSV41_DRAFTER_LOCAL; needs DSV41_DRAFTER_DIR."),
@@ -237,7 +233,6 @@ class Settings:
     engram_remote: str = ""
     engram_remote_timeout_ms: int = 100
     engram_remote_required: bool = False
-    engram_gpu_join: bool = False
     drafter_remote: str = ""
     drafter_local: str = ""
     drafter_dir: str = ""

@@ -15,14 +15,7 @@ vLLM's breakable capture (eager functions run between segments with the capture 
 the overlay takes its capture-time path) and then replayed. The 32K prefill chunk runs eagerly.
 
 Arms, interleaved round by round: ``uva`` (vLLM's own path, its pinned UVA table), ``overlay``
-(the dsv41 overlay, rows from ``dsv41 engram serve`` on loopback), ``none`` (no Engram at all);
-for the prefill chunk also ``overlay_host_join`` (issue 23 pass N): the same overlay tables with
-``RemoteRows.gpu_join`` off (``DSV41_ENGRAM_GPU_JOIN=0``'s host join), switched per step, so
-layer 1's stall under the GPU-side join (``overlay``) and the host join are measured side by
-side, each with its own ``prefill_check`` / ``prefill_paired`` (``*_host_join``); each prefill
-step's phases say whether layer 1's join was deferred (``join_deferred``) and, where the driver
-has the stream memory operations, the GPU time from layer 1's flag write to ``b``
-(``ret_gpu_to_b``); the ``ret_*`` host phases are those of host joins only.
+(the dsv41 overlay, rows from ``dsv41 engram serve`` on loopback), ``none`` (no Engram at all).
 Per arm and size: medians and p10/p90 of the host step time (synchronize, step, synchronize)
 and of the GPU time (events on the main stream), the main stream's stall at each Engram layer
 (event before and after ``_finish_prefetch``), and the overlay's added time over ``uva``. Rows
@@ -62,13 +55,51 @@ from dsv41.harness.paired import decide, median_interval
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import vllm_overlay_util as Q  # noqa: E402
-from vllm_overlay_step_util import Layer, calibrate, check_rows, pct, release_event, set_join, step_ids  # noqa: E402
 
 ACTIVE_PARAMS = 13e9
 MODEL_LAYERS = 43
 BF16_TFLOPS = 790.0
 PREFILL_TOKENS = 32768
 PREFILL_LAYER_MS = 2 * (ACTIVE_PARAMS / MODEL_LAYERS) * PREFILL_TOKENS / 2 / (BF16_TFLOPS * 1e12) * 1e3
+
+
+def pct(xs, q):
+    return float(np.percentile(np.asarray(xs), q)) if len(xs) else float("nan")
+
+
+class Layer:
+    """One stand-in decoder layer: ``n`` chained bf16 [M, K] x [K, K] matmuls (ping-pong buffers)."""
+
+    def __init__(self, torch, n: int, m: int = 4096, k: int = 4096) -> None:
+        self.n = n
+        g = torch.Generator(device="cuda").manual_seed(1)
+        self.w = (torch.randn((k, k), device="cuda", dtype=torch.bfloat16, generator=g) / k ** 0.5)
+        self.a = torch.randn((m, k), device="cuda", dtype=torch.bfloat16, generator=g)
+        self.b = torch.empty_like(self.a)
+        self.torch = torch
+
+    def __call__(self) -> None:
+        mm = self.torch.matmul
+        a, b = self.a, self.b
+        for _ in range(self.n):
+            mm(a, self.w, out=b)
+            a, b = b, a
+
+
+def calibrate(torch, target_ms: float) -> tuple[int, float]:
+    """Matmuls per layer for ``target_ms`` of GPU time, and the measured ms of one matmul."""
+    lay = Layer(torch, 20)
+    for _ in range(3):
+        lay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(5):
+        lay()
+    e1.record()
+    torch.cuda.synchronize()
+    one = e0.elapsed_time(e1) / 100
+    return max(1, round(target_ms / one)), one
 
 
 class Forward:
@@ -270,11 +301,7 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
     for li, lid in enumerate(layout.layer_ids):
         Q.load_vllm_tables(own[li].embed_tokens, manifest, data, lid)
     E._sources.clear()
-    # the GPU-side join is off by default (docs/gpu.md: a device flag written by the worker's driver
-    # calls can deadlock with a cudaFree on the launching thread); the bench measures it beside
-    # the host join unless DSV41_ENGRAM_GPU_JOIN=0 is given
-    settings = S.parse({"DSV41_ENGRAM_REMOTE": ",".join([url] * 2), "DSV41_RUNTIME_ROOT": str(runtime),
-                        "DSV41_ENGRAM_GPU_JOIN": os.environ.get("DSV41_ENGRAM_GPU_JOIN", "1")})
+    settings = S.parse({"DSV41_ENGRAM_REMOTE": ",".join([url] * 2), "DSV41_RUNTIME_ROOT": str(runtime)})
     E.apply(eng, settings, C.load())
     capture = {"on": False}
     O._capture_active = lambda: capture["on"]  # what apply() binds to vLLM's BreakableCUDAGraphCapture
@@ -305,11 +332,7 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
         sets = [step_ids(torch, rng, t, layout, own) for _ in range(nsets)]
         layers = pre_layers if prefill else dec_layers
         fw = {}
-        variants = (("uva", own), ("overlay", ovl), ("none", []))
-        if prefill:  # issue 23 pass N: the host join of the same overlay tables, side by side
-            variants += (("overlay_host_join", ovl),)
-        for arm, engs in variants:
-            set_join(ovl, arm)
+        for arm, engs in (("uva", own), ("overlay", ovl), ("none", [])):
             at = {1: engs[0], 14: engs[1]} if engs else {}
             fw[arm] = Forward(torch, engs, hash_buf, t, layers, at, graphs=not prefill)
             hash_buf[:t].copy_(sets[0])
@@ -340,19 +363,15 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
         core = ovl[0].embed_tokens._dsv41._worker.core if ovl[0].embed_tokens._dsv41._worker else None
         tracing = bool(prefill and core is not None and hasattr(core, "set_trace"))
         keys = [o.embed_tokens._dsv41._slot.key for o in ovl] if tracing else []
-        ovl_arms = [arm for arm in arms if arm.startswith("overlay")]
-        phases, fetch14, bad_traces = ({arm: [] for arm in ovl_arms} for _ in range(3))
-        l0_ms = {arm: [] for arm in fw}
-        rel = release_event(torch, ovl[0].embed_tokens._dsv41) if prefill else None
+        phases, l0_ms, fetch14, bad_traces = [], {arm: [] for arm in fw}, [], []
         if tracing:  # layer 1's phases per timed overlay step (issue 23 pass K)
             core.set_trace(True)
             core.take_traces()
         k = 0
         for r in range(rounds):
-            order = arms[r % len(arms):] + arms[: r % len(arms)]
+            order = arms[r % 3:] + arms[: r % 3]
             for arm in order:
                 f = fw[arm]
-                set_join(ovl, arm)
                 for s in range(steps + 1):
                     hash_buf[:t].copy_(sets[k % nsets])
                     k += 1
@@ -364,7 +383,7 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
                     e1.record()
                     torch.cuda.synchronize()
                     dt = time.perf_counter() - t0
-                    got = core.take_traces() if tracing and arm in ovl_arms else []
+                    got = core.take_traces() if tracing and arm == "overlay" else []
                     if s == 0:
                         continue  # the first step after switching arms warms caches
                     times[arm].append(dt * 1e3)
@@ -380,37 +399,27 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
                         try:
                             ph = P.layer1_phases(t1[-1], h0, gms, args.prefill_layer_ms)
                         except Exception as exc:  # noqa: BLE001 - a bad trace is counted, not fatal
-                            bad_traces[arm].append(str(exc))
+                            bad_traces.append(str(exc))
                             continue
                         ph["join_wake"] = (f.host_ns["join1_1"] - t1[-1]["t_done"]) * 1e-6
-                        rr1 = ovl[0].embed_tokens._dsv41
-                        deferred = bool(rr1.last_join_deferred)
-                        ph["join_deferred"] = deferred
-                        if rel is not None:  # layer 1's flag write (right after its last kernel) to b
-                            ph["ret_gpu_to_b"] = rel.elapsed_time(f.stall[1][1])
-                        wt = rr1._slot.native.wait_times()
-                        if deferred:
-                            pass  # the GPU-side join: no hand-off wait on the host, no ret_* phases
-                        elif wt[0] == t1[-1]["gen"] and join_ns["gen"] == wt[0]:  # this step's join (pass M)
+                        wt = ovl[0].embed_tokens._dsv41._slot.native.wait_times()
+                        if wt[0] == t1[-1]["gen"] and join_ns["gen"] == wt[0]:  # this step's join (pass M)
                             try:
                                 ph.update(P.join_return(t1[-1]["t_done"], wt, join_ns["ret"], f.host_ns["join1_1"],
                                                         h0 + gms["b"] * 1e6))
                             except Exception as exc:  # noqa: BLE001 - counted with the bad traces
-                                bad_traces[arm].append(str(exc))
+                                bad_traces.append(str(exc))
                                 continue
                         else:
-                            bad_traces[arm].append(f"join return: wait of gen {wt[0]}, join of {join_ns['gen']}, "
-                                                   f"trace of {t1[-1]['gen']}")
+                            bad_traces.append(f"join return: wait of gen {wt[0]}, join of {join_ns['gen']}, "
+                                              f"trace of {t1[-1]['gen']}")
                             continue
                         ph["prepare_host"] = (f.host_ns["prepare1"] - f.host_ns["prepare0"]) * 1e-6
-                        phases[arm].append(ph)
-                        fetch14[arm] += [P.trace_fetch_ns(g) * 1e-6
-                                         for g in got if g["key"] == keys[1]]
+                        phases.append(ph)
+                        fetch14 += [P.trace_fetch_ns(g) * 1e-6
+                                    for g in got if g["key"] == keys[1]]
         if tracing:
             core.set_trace(False)
-        set_join(ovl, "overlay")
-        if rel is not None:
-            release_event(torch, ovl[0].embed_tokens._dsv41, off=True)
         wait1 = sum(o.embed_tokens._dsv41.counters["handoff_wait_s"] for o in ovl)
         ex2 = check_rows(torch, fw, sets, hash_buf, t, own, ovl)
         exact &= ex2["bit_exact"]
@@ -483,22 +492,18 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
                              for k in ("captures", "failures", "capture_s")},
             "piece_graphs_held": sum(len(o.embed_tokens._dsv41.pieces._graphs) for o in ovl)}
         if prefill:
-            # a job = one layer's pieces; both overlay variants' jobs (one worker) pooled
-            fetch = row["overlay_worker"]["fetch_ms_per_job"]
+            fetch = row["overlay_worker"]["fetch_ms_per_job"]  # a job = one layer's pieces
+            row["prefill_check"] = {
+                "layer14_stall_ms": row["overlay"]["stall_ms_median"]["14"],
+                "layer1_stall_ms": row["overlay"]["stall_ms_median"]["1"],
+                "fetch_ms_per_layer": fetch, "layer0_ms": args.prefill_layer_ms,
+                "layer1_bound_ms": round(fetch - args.prefill_layer_ms, 3),
+                "layer1_within_bound": row["overlay"]["stall_ms_median"]["1"] <= fetch - args.prefill_layer_ms,
+                "exposed_total_ms": row["overlay_minus_none_ms"]}
             row["layer0_ms_measured_median"] = {arm: round(float(np.median(v)), 3) for arm, v in l0_ms.items() if v}
-            for arm in ovl_arms:  # "overlay": the GPU-side join; "overlay_host_join": the host join
-                sfx = arm.removeprefix("overlay")
-                row["prefill_check" + sfx] = {
-                    "layer14_stall_ms": row[arm]["stall_ms_median"]["14"],
-                    "layer1_stall_ms": row[arm]["stall_ms_median"]["1"],
-                    "fetch_ms_per_layer": fetch, "layer0_ms": args.prefill_layer_ms,
-                    "layer1_bound_ms": round(fetch - args.prefill_layer_ms, 3),
-                    "layer1_within_bound": row[arm]["stall_ms_median"]["1"] <= fetch - args.prefill_layer_ms,
-                    "exposed_total_ms": round(float(med[arm] - med["none"]), 3)}
-                if phases[arm]:
-                    row["prefill_paired" + sfx] = P.paired(phases[arm], fetch14[arm])
-                bad = bad_traces[arm]
-                row["phase_traces_refused" + sfx] = bad[:5] + ([f"... {len(bad)} in all"] if len(bad) > 5 else [])
+            if phases:
+                row["prefill_paired"] = P.paired(phases, fetch14)
+            row["phase_traces_refused"] = bad_traces[:5] + ([f"... {len(bad_traces)} in all"] if len(bad_traces) > 5 else [])
         results.append(row)
         print(json.dumps(row), flush=True)
         del fw
@@ -512,6 +517,31 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
     if args.kill_server:
         out["kill"] = kill_server(torch, srv, own, ovl, hash_buf, layout, a, rng, dec_layers, capture, src)
     return out
+
+
+def step_ids(torch, rng, t: int, layout, own):
+    """int32 [t, n_layers, 24] on the GPU: each Engram layer's ids drawn around its own rank range."""
+    per = [Q.random_ids(rng, t, layout, li, e.embed_tokens.n_hash_cols, e.embed_tokens.vocab_start_idx,
+                        e.embed_tokens.vocab_end_idx) for li, e in enumerate(own)]
+    return torch.from_numpy(np.stack(per, axis=1)).cuda()
+
+
+def check_rows(torch, fw, sets, hash_buf, t, own, ovl) -> dict:
+    """Every id set through the uva and overlay forwards (the timed path); staged rows of both
+    Engram layers compared bit for bit."""
+    ok, rows = True, 0
+    for s in sets:
+        got = {}
+        for arm in ("uva", "overlay"):
+            hash_buf[:t].copy_(s)
+            fw[arm]()
+            torch.cuda.synchronize()
+            engs = own if arm == "uva" else ovl
+            got[arm] = [e.staged_rows[:t].clone() for e in engs]
+        for x, y in zip(got["uva"], got["overlay"]):
+            ok &= bool(torch.equal(x.view(torch.int16), y.view(torch.int16)))
+            rows += x.shape[0] * x.shape[1]
+    return {"bit_exact": ok, "rows": rows}
 
 
 def kill_server(torch, srv, own, ovl, hash_buf, layout, a, rng, layers, capture, src) -> dict:

@@ -395,9 +395,9 @@ def time_join(rr) -> dict:
     got = {"gen": 0, "ret": 0}
     orig = rr.join
 
-    def join(*args, **kw):
+    def join(*args):
         gen = rr._gen
-        res = orig(*args, **kw)
+        res = orig(*args)
         got["ret"] = time.monotonic_ns()
         got["gen"] = gen
         return res

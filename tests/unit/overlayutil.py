@@ -1,8 +1,7 @@
 """What the overlay's CPU tests share (tests/unit/test_overlay_engram.py, test_overlay_worker.py,
 test_overlay_capture.py): the synthetic tables (``tabs``), a CPU emulation of vLLM's Engram lookup
 kernel and the exact reference rows it is compared with bit for bit, a holdable row source
-(``Gate``) and fake CUDA stream/event operations (``StepOps``; ``FlagOps``/``FakeFlag``: the
-GPU-side join's device flag, tests/unit/test_overlay_gpujoin.py)."""
+(``Gate``) and fake CUDA stream/event operations (``StepOps``)."""
 
 from __future__ import annotations
 
@@ -210,63 +209,3 @@ class StepOps:
 
     def bind_thread(self) -> None:
         self._note("bind_thread", "")
-
-
-class FlagOps(StepOps):
-    """``StepOps`` with the GPU-side join's device flag emulated (``FakeFlag``): ``supported``
-    False gives no flag (the host join), ``refuse_wait`` makes the first stream wait fail (the
-    driver refusing it), ``drop_worker_writes`` loses the worker's flag writes (a path that could
-    not queue one); a stream of its own for the watchdog (``side``)."""
-
-    def __init__(self, supported: bool = True) -> None:
-        super().__init__()
-        self.supported = supported
-        self.refuse_wait = False
-        self.drop_worker_writes = False
-        self.flags: list[FakeFlag] = []
-
-    def device_flag(self, rows):
-        if not self.supported:
-            return None
-        f = FakeFlag(self, rows)
-        self.flags.append(f)
-        return f
-
-    def side_stream(self):
-        return type(self.main)("side")
-
-
-class FakeFlag:
-    """The device flag on the CPU: ``waits`` (gen, then queued) of the joins, ``writes`` (gen,
-    thread name, stream name, rows exact at the write: ``check(gen)`` when set) and the value,
-    which only grows (GEQ: a wait on ``gen`` is released once ``value >= gen``)."""
-
-    def __init__(self, ops: FlagOps, rows) -> None:
-        self.ops, self.rows = ops, rows
-        self.value = 0
-        self.waits: list[tuple[int, bool]] = []
-        self.writes: list[tuple[int, str, str]] = []
-        self.check = None  # (gen) -> bool, called at each write: the rows were written before it
-
-    def wait(self, stream, gen: int, then=None) -> int:
-        if self.ops.refuse_wait:
-            return 0
-        self.waits.append((gen, then is not None))
-        return 1 | (4 if then is not None else 0)
-
-    def write(self, stream, gen: int) -> bool:
-        import threading
-
-        name = threading.current_thread().name
-        if self.ops.drop_worker_writes and name.startswith("dsv41-engram-worker"):
-            return False
-        ok = True if self.check is None else bool(self.check(gen))
-        self.writes.append((gen, name, str(stream), ok))
-        self.value = max(self.value, gen)
-        return True
-
-    def written(self) -> int:
-        return self.value
-
-    def released(self, gen: int) -> bool:
-        return self.value >= gen

@@ -195,19 +195,3 @@ def test_join_return_takes_the_tail_after_the_hand_off_apart():
 def test_join_return_refuses_missing_or_disordered_times(wait):
     with pytest.raises(Dsv41Error):
         P.join_return(10, wait, 10 ** 9, 10 ** 9 + 1, 2e9)
-
-
-def test_summarize_takes_a_key_over_the_steps_that_have_it():
-    """Issue 23 pass N: a GPU-side join's step has no ``ret_*`` host phases and says
-    ``join_deferred``; a key only some steps have is summarized over those, with their count;
-    keys of every step keep the old form (no ``steps`` of their own)."""
-    steps = [{"excess": 0.1 * i, "join_deferred": i % 2 == 0} for i in range(6)]
-    for i in (1, 3, 5):
-        steps[i]["ret_vllm"] = 0.1 + i * 0.01
-    out = P.summarize(steps)
-    assert out["steps"] == 6 and "steps" not in out["excess"] and "steps" not in out["join_deferred"]
-    assert out["ret_vllm"]["steps"] == 3 and out["ret_vllm"]["median"] == pytest.approx(0.13)
-    assert out["join_deferred"]["median"] == pytest.approx(0.5)
-    assert list(out) == ["steps", "excess", "join_deferred", "ret_vllm"]
-    with pytest.raises(P.Dsv41Error, match="no steps"):
-        P.summarize([])

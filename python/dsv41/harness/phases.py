@@ -200,18 +200,14 @@ def trace_fetch_ns(trace: dict) -> int:
 
 def summarize(steps: Sequence[dict], ndigits: int = 4) -> dict:
     """Per key of ``layer1_phases`` over the steps: ``{"median", "p10", "p90"}`` (ms, rounded to
-    ``ndigits``), and ``steps`` (their count). A key only some steps have (issue 23 pass N: the
-    ``ret_*`` phases of host joins, absent from a GPU-side join's step) is summarized over those
-    steps, with their count as its ``steps``. Raises Dsv41Error for no steps."""
+    ``ndigits``), and ``steps`` (their count). Raises Dsv41Error for no steps."""
     if not steps:
         raise Dsv41Error("phase summary of no steps")
     out: dict = {"steps": len(steps)}
-    for k in dict.fromkeys(k for s in steps for k in s):
-        x = np.asarray([s[k] for s in steps if k in s], dtype=float)
+    for k in steps[0]:
+        x = np.asarray([s[k] for s in steps], dtype=float)
         out[k] = {"median": round(float(np.median(x)), ndigits), "p10": round(float(np.percentile(x, 10)), ndigits),
                   "p90": round(float(np.percentile(x, 90)), ndigits)}
-        if len(x) != len(steps):
-            out[k]["steps"] = len(x)
     return out
 
 

@@ -23,12 +23,7 @@ What changes in vLLM when the overlay is active (``DSV41_ENGRAM_REMOTE`` set):
 * ``Engram._finish_prefetch`` (also an eager break) first waits on the host for that layer's
   hand-off only (``RemoteRows.join``: bounded; a dead or hung worker is a counted refusal;
   required mode raises the cause here), makes the current stream wait on the done event, then
-  runs vLLM's own body. A layer not handed off yet (a prefill chunk's layer 1) is joined on the
-  GPU instead (``DSV41_ENGRAM_GPU_JOIN``, default 1; never in required mode, which always waits
-  on the host so the cause is raised here): the current stream waits for the table's device
-  flag, which the worker writes on the prefetch stream after the rows, and the launching thread
-  returns at once; a watchdog thread serves a dead or hung worker's rows and releases the flag
-  (``engram_gpujoin``). Inside a CUDA-graph capture (vLLM's breakable capture included) the
+  runs vLLM's own body. Inside a CUDA-graph capture (vLLM's breakable capture included) the
   lookup runs synchronously on the launching thread: no second thread calls CUDA then.
 * ``Engram._create_embedding`` tells the embedding its model layer id (the row source keys
   tables by layer id, vLLM by hash index).
@@ -202,8 +197,7 @@ def apply(module: ModuleType, settings: S.OverlaySettings, contract: dict) -> No
         self._dsv41 = RemoteRows(
             src, layer_id, head_start=self.head_start, part=self.part_n_hash_cols, n_hash_cols=self.n_hash_cols,
             vocab_start=self.vocab_start_idx, vocab_end=self.vocab_end_idx, dim=self.dim, block=self.block_size,
-            max_tokens=max_tokens, device=device, dequant=vllm_dequant(module, self), rank=rank,
-            gpu_join=settings.gpu_join)
+            max_tokens=max_tokens, device=device, dequant=vllm_dequant(module, self), rank=rank)
         self._weight_loader = _skip_weight  # set_weight_attrs reads it right after this returns
         log.info("dsv41 overlay rank %d layer %d: rows [%d, %d) from %s (fallback: %s); no vLLM host table "
                  "(%.2f GiB not pinned), %.1f MiB pinned staging", rank, layer_id, self.vocab_start_idx,

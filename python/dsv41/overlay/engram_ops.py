@@ -132,10 +132,6 @@ class HostOps:
         """The raw ``CUstream`` of ``stream`` for the C++ core (0: none, no CUDA)."""
         return 0
 
-    def side_stream(self) -> Any:
-        """A stream of its own for the GPU-side join's watchdog (None: one program order)."""
-        return None
-
 
 class CudaOps(HostOps):
     """Stream/event operations on a CUDA ``device`` (torch). ``capturing()`` is True inside a
@@ -178,11 +174,6 @@ class CudaOps(HostOps):
     def stream_handle(self, stream: Any) -> int:
         return int(stream.cuda_stream)
 
-    def side_stream(self) -> Any:
-        import torch
-
-        return torch.cuda.Stream(self.device)
-
 
 class Handoff:
     """One table's hand-off from the worker to the launching thread, by job generation:
@@ -198,8 +189,7 @@ class Handoff:
         self._gen = self._handed = self._abandoned = 0
 
     def begin(self, gen: int) -> None:
-        with self._cond:
-            self._gen = gen
+        self._gen = gen
         if self.native is not None:
             self.native.begin(gen)
 
@@ -221,28 +211,9 @@ class Handoff:
             self._abandoned = gen
 
     def is_abandoned(self, gen: int) -> bool:
-        """Whether job ``gen`` was refused (abandoned, taken) or is stale (a later job began):
-        the worker launches and hands off nothing of it any more."""
         if self.native is not None:
             return self.native.is_abandoned(gen)
-        return gen == self._abandoned or gen != self._gen
-
-    def take(self, gen: int) -> bool:
-        """The GPU-side join's watchdog takes job ``gen`` from the worker (False: it was handed
-        off); taken, it is abandoned (atomic with the hand-off)."""
-        if self.native is not None:
-            return self.native.take(gen)
-        with self._cond:
-            if self._handed == gen:
-                return False
-            self._abandoned = gen
-            return True
-
-    def handed_gen(self) -> int:
-        """The last generation handed off."""
-        if self.native is not None:
-            return self.native.handed()
-        return self._handed
+        return gen == self._abandoned
 
     def is_set(self) -> bool:
         """Whether the current generation was handed off."""

@@ -13,8 +13,6 @@ from typing import Any
 import numpy as np
 
 from dsv41.errors import ConfigError, Dsv41Error
-from dsv41.overlay import engram_gpujoin as GJ
-from dsv41.overlay.engram_launch import Launches
 from dsv41.overlay.engram_ops import (ROW_BYTES, CudaOps, Handoff, HostOps, LaunchGraphs, OverlayRefused,
                                       _native_plan, log, plan_into, report_counters)
 from dsv41.overlay.engram_worker import (JOIN_SPIN_NS, PIECE_ROWS, REPORT_EVERY_S, TAIL_ROWS, EngramWorker, _no_handle,
@@ -52,7 +50,7 @@ class TableSlot:
         self.native.set_buffers(r._hids.ctypes.data, r._hb.ctypes.data, r._fetch.ctypes.data, r.max_rows)
 
 
-class RemoteRows(Launches):
+class RemoteRows:
     """One Engram table's rank-local rows through a RowSource, staged for vLLM's kernel, fetched
     by the rank's ``EngramWorker`` off the launching thread.
 
@@ -67,10 +65,7 @@ class RemoteRows(Launches):
     rows inline (default: the source's ``is_required()``); ``handoff_timeout_s``: see
     ``HANDOFF_TIMEOUT_S``; ``ops``: stream/event operations (``CudaOps``/``HostOps`` by device;
     tests pass fakes); ``graphs``: replay a one-piece job's launch as a CUDA graph per token count
-    (``LaunchGraphs``; CUDA, or ``graph_record`` in tests); ``gpu_join``: a join whose layer is
-    not handed off yet waits on the GPU (``engram_gpujoin``; ``DSV41_ENGRAM_GPU_JOIN``; never in
-    required mode; the attribute may be switched off and on at run time when it was on at
-    construction, which made the table's device flag).
+    (``LaunchGraphs``; CUDA, or ``graph_record`` in tests).
 
     Buffers, allocated once (graph-stable; ``staged_rows`` is vLLM's): device int64 ids
     ``[max_tokens, part]`` and their pinned host copy, pinned host ``[rows*4 + rows*264]`` bytes
@@ -81,16 +76,14 @@ class RemoteRows(Launches):
     Per step: ``start`` (launching thread, inside vLLM's ``_start_prefetch`` on the prefetch
     stream) queues the ids' D2H copy + an event and hands the job to the worker; ``join``
     (launching thread, inside ``_finish_prefetch``) waits on the host for the worker's hand-off
-    only, then makes the current stream wait on the layer's done event; or, the layer not handed
-    off yet, makes the current stream wait on the GPU for the table's device flag, which the
-    worker writes after the rows (``engram_gpujoin``: the GPU-side join, issue 23 pass N).
+    only, then makes the current stream wait on the layer's done event.
     """
 
     def __init__(self, source: Any, layer_id: int, *, head_start: int, part: int, n_hash_cols: int,
                  vocab_start: int, vocab_end: int, dim: int, block: int, max_tokens: int, device: Any,
                  dequant: Callable[..., None], rank: int = 0, required: bool | None = None,
                  handoff_timeout_s: float = HANDOFF_TIMEOUT_S, ops: Any = None, graphs: bool = True,
-                 graph_record: Callable[[int, Any], Any] | None = None, gpu_join: bool = True) -> None:
+                 graph_record: Callable[[int, Any], Any] | None = None) -> None:
         import torch
 
         if dim + dim // block != ROW_BYTES:
@@ -151,19 +144,7 @@ class RemoteRows(Launches):
         self._stream: Any = None
         self._worker: EngramWorker | None = None
         self.counters = {"starts": 0, "handoffs": 0, "handoff_wait_s": 0.0, "worker_starts": 0,
-                         "worker_refusals": 0, "handoff_timeouts": 0, "inline_lookups": 0, "refused_inline": 0,
-                         "deferred_joins": 0, "watchdog_served": 0, "deferred_errors": 0}
-        # the GPU-side join (issue 23 pass N): its device flag (None: the join waits on the host),
-        # the deferred job the next start settles, whether the last join was deferred
-        self.gpu_join = bool(gpu_join)
-        self._pending: GJ.Deferred | None = None
-        self.last_join_deferred = False
-        self._side: Any = None
-        # ops may bring their own (tests' stand-ins); CUDA: where the driver supports it; none in
-        # required mode or with gpu_join off at construction (the worker then writes no flag)
-        make = getattr(self.ops, "device_flag", None)
-        self._flag = (None if self.required or not self.gpu_join else make(self) if make is not None
-                      else GJ.DeviceFlag.for_rows(self) if self._cuda else None)
+                         "worker_refusals": 0, "handoff_timeouts": 0, "inline_lookups": 0, "refused_inline": 0}
         self._last_report = time.monotonic()
 
     def _new_host_buffers(self) -> None:
@@ -192,10 +173,10 @@ class RemoteRows(Launches):
 
     # -- the launching thread -------------------------------------------------------------------
     def lookup(self, indices: Any, out: Any) -> None:
-        """``start`` + ``join`` on the host: ``out`` is filled (CPU) or ordered before the current
-        stream's next work (CUDA). For callers that need the rows at once (tests, the isolated bench)."""
+        """``start`` + ``join``: ``out`` is filled (CPU) or ordered before the current stream's
+        next work (CUDA). For callers that need the rows at once (tests, the isolated bench)."""
         self.start(indices, out)
-        self.join(defer=False)
+        self.join()
 
     def start(self, indices: Any, out: Any) -> None:
         """Queue the lookup of ``indices`` (int ``[T, n_hash_cols]`` global row ids on
@@ -204,9 +185,7 @@ class RemoteRows(Launches):
         above ``max_tokens``. Inside a CUDA-graph capture the lookup runs here, synchronously."""
         t = int(indices.shape[0])
         if self._inflight:  # a start without its finish: the previous job must leave the buffers
-            self.join(defer=False)
-        if self._pending is not None:  # a deferred join's job: done (or served) before the buffers are reused
-            GJ.settle(self)
+            self.join()
         rows = t * self.part
         if rows == 0:
             return
@@ -240,34 +219,19 @@ class RemoteRows(Launches):
         self._submitted = True
         w.submit(self, self._gen)
 
-    def join(self, then: Any = None, defer: bool = True) -> bool:
-        """Make the current stream wait for the started lookup's rows and, ``then`` given (a
+    def join(self, then: Any = None) -> bool:
+        """Wait on the host for the worker's hand-off of the started lookup, then make the
+        current stream wait for its rows (no host wait on any stream) and, ``then`` given (a
         CUDA event: vLLM's prefetch-done), on ``then`` too; True when the wait on ``then`` was
-        queued (else the caller waits on it).
-
-        The layer not handed off yet (a prefill chunk's layer 1), ``defer`` and ``gpu_join``, the
-        device flag supported and not in required mode: the GPU-side join (``engram_gpujoin``):
-        the current stream waits on the GPU for the flag the worker writes after the rows, and
-        this returns at once (``last_join_deferred``); the watchdog serves a dead or hung
-        worker's rows, and the table's next ``start`` settles the job (raising its error).
-        Otherwise (handed off already: decode; required mode, which must raise the cause here on
-        the launching thread; ``DSV41_ENGRAM_GPU_JOIN=0``; no flag) it waits on the host for the
-        worker's hand-off and raises the job's error (``RemoteUnavailable`` in required mode,
-        with its cause); a dead worker, or none within ``handoff_timeout_s``, is a counted
-        refusal: ``OverlayRefused`` in required mode, else the exact rows are served here
-        (remote, or the row source's local fallback)."""
+        queued (else the caller waits on it). Raises the job's error
+        (``RemoteUnavailable`` in required mode, with its cause); a dead worker, or none within
+        ``handoff_timeout_s``, is a counted refusal: ``OverlayRefused`` in required mode, else
+        the exact rows are served here (remote, or the row source's local fallback)."""
         if not self._inflight:
             return False
         self._inflight = False
         if self._worker is not None and self._submitted:
             self._worker.joined()
-        self.last_join_deferred = False
-        if defer and GJ.can_defer(self):
-            queued = GJ.defer(self, then)
-            if queued is not None:
-                self._submitted = False
-                self.last_join_deferred = True
-                return queued
         self._submitted = False
         handed, counters = self._ho, self.counters
         # the current stream's wait on the done event is queued by the C++ wait right after the
@@ -301,13 +265,18 @@ class RemoteRows(Launches):
         return bool(queued & 4)
 
     def _refuse(self, w: EngramWorker | None) -> None:
-        locked = self._lock.acquire(timeout=GJ.LAUNCH_LOCK_S)  # the worker checks this before it launches
-        try:
+        dead = w is None or not w.thread.is_alive()
+        with self._lock:  # the worker checks this before it launches or hands off
             self._ho.abandon(self._gen)
-        finally:
-            if locked:
-                self._lock.release()
-        cause = self._refusal(w)
+        if dead:
+            self.counters["worker_refusals"] += 1
+            cause = "the rank's Engram worker thread died"
+        else:
+            self.counters["handoff_timeouts"] += 1
+            cause = f"the rank's Engram worker handed nothing off within {self.handoff_timeout_s:g} s"
+            w.retire()
+            self._new_host_buffers()  # the hung call may still write into the old ones
+        self._worker = None
         if self.required:
             raise OverlayRefused(f"dsv41 overlay rank {self.rank} layer {self.layer_id}: {cause}; "
                                  f"DSV41_ENGRAM_REMOTE_REQUIRED=1")
@@ -318,33 +287,6 @@ class RemoteRows(Launches):
         cur = self.ops.current_stream()
         if cur is not None:
             cur.wait_event(self.done)
-
-    def _refusal(self, w: EngramWorker | None) -> str:
-        """A refused job's bookkeeping (the join's refusal, the GPU-side join's watchdog): counted
-        (``worker_refusals``: dead, ``handoff_timeouts``: hung, retired, new host buffers), the
-        worker dropped (the next start takes a live one); returns the cause."""
-        if w is None or not w.thread.is_alive():
-            self.counters["worker_refusals"] += 1
-            cause = "the rank's Engram worker thread died"
-        else:
-            self.counters["handoff_timeouts"] += 1
-            cause = f"the rank's Engram worker handed nothing off within {self.handoff_timeout_s:g} s"
-            w.retire()
-            self._new_host_buffers()  # the hung call may still write into the old ones
-        self._worker = None
-        return cause
-
-    def _side_stream(self) -> Any:
-        """The watchdog's stream of this table (created at its first use)."""
-        if self._side is None:
-            self._side = self.ops.side_stream()
-        return self._side
-
-    def _release(self, gen: int | None) -> None:
-        """The worker, right after a job's last launch and done event on its stream: queue the
-        device flag's write of ``gen`` (a GPU-side join's release)."""
-        if gen is not None and self._flag is not None:
-            self._flag.write(self._stream, gen)
 
     def _serve_inline(self) -> None:
         """The whole job on the calling thread (capture time, a refused hand-off)."""
@@ -414,6 +356,19 @@ class RemoteRows(Launches):
             counters["requests"] = counters.get("requests", 0) + 1
         return n
 
+    def _launch_fixed(self, key: tuple[int, int], gen: int | None, last: bool) -> bool:
+        """``_launch_piece`` of ``key`` on the job's stream (and the done event after the ``last``
+        piece); False (nothing launched) when the job's hand-off was refused meanwhile."""
+        if gen is not None:
+            with self._lock:
+                if self._ho.is_abandoned(gen):
+                    return False
+        with self.ops.stream(self._stream):
+            self._launch_piece(key, self._out)
+            if last:
+                self.done.record(self._stream)
+        return True
+
     def _fetch_pool(self) -> Any:
         """The table's fetch thread (created at its first multi-piece job; named as the worker's,
         whose calls the row source sees)."""
@@ -450,6 +405,79 @@ class RemoteRows(Launches):
     def _fetch_rows(self, f0: int, n: int) -> None:
         self.source.lookup(self.layer_id, self._fetch[f0: f0 + n], out=self._packed(f0, n))
 
+    def _launch(self, r0: int, r1: int, f0: int, n: int, gen: int | None, last: bool) -> bool:
+        """A one-piece job's launch (``r0`` 0, ``r1`` its rows, ``f0`` 0, ``last``): H2D of the
+        selectors + the ``n`` fetched rows in one copy, split, vLLM's kernel on the job's stream,
+        the done event; on the worker the size's launch graph (captured at the table's start
+        after its first eager launch, ``_capture_pending``). False (nothing launched) when the job's hand-off was refused meanwhile."""
+        import torch
+
+        assert r0 == 0 and f0 == 0 and last, (r0, f0, last)  # several pieces: _launch_fixed
+        if gen is not None:
+            with self._lock:
+                if self._ho.is_abandoned(gen):
+                    return False
+        if gen is not None and self.graphs.enabled:
+            # one graph launch (captured after the first eager one) on the job's stream by its
+            # handle: no stream context (two set_stream calls) around it
+            if not self.graphs.replay(r1, self._out, self._stream):
+                with self.ops.stream(self._stream):
+                    self._launch_one(r1, self._out)
+                if self.graphs.wanted(r1, self._out):
+                    self._capture = (r1, self._out)
+            self.done.record(self._stream)
+            return True
+        b = self._rows * 4 + n * ROW_BYTES
+        with self.ops.stream(self._stream):
+            d_sel = self.d_buf[: r1 * 4]
+            self.d_buf[:b].copy_(self.h_buf[:b], non_blocking=self._cuda)  # selectors and rows in one copy
+            if n:
+                d_rows = self.d_buf[r1 * 4: b].view(n, ROW_BYTES)
+                self.d_w[:n].copy_(d_rows[:, : self.dim])
+                self.d_s[:n].copy_(d_rows[:, self.dim:])
+            self.dequant(self.d_w, self.d_s, d_sel.view(torch.int32), self.d_dst[:r1], self._out, n, r1)
+            self.done.record(self._stream)
+        return True
+
+    def _launch_one(self, rows: int, out: Any) -> None:
+        """The launch of a one-piece job of ``rows`` selectors into ``out`` on the current
+        stream, independent of how many rows were fetched (every row slot is copied and split;
+        the kernel's bound is ``rows``, and every owned selector is below the fetch count): the
+        sequence ``LaunchGraphs`` captures."""
+        import torch
+
+        b = rows * (4 + ROW_BYTES)
+        self.d_buf[:b].copy_(self.h_buf[:b], non_blocking=self._cuda)
+        d_rows = self.d_buf[rows * 4: b].view(rows, ROW_BYTES)
+        self.d_w[:rows].copy_(d_rows[:, : self.dim])
+        self.d_s[:rows].copy_(d_rows[:, self.dim:])
+        self.dequant(self.d_w, self.d_s, self.d_buf[: rows * 4].view(torch.int32), self.d_dst[:rows], out, rows, rows)
+
+    def _capture_pending(self) -> None:
+        """Launching thread, at the start after the job that first saw a size: capture that
+        size's launch graph, or the piece graphs of a multi-piece job Python served (never while
+        a CUDA-graph capture of vLLM is open). Not on the worker (issue 23 pass L): a capture
+        there, after the hand-off, could overlap a device-wide ``torch.cuda.synchronize()`` of
+        the launching thread, which fails ("operation not permitted when stream is capturing")
+        and invalidates the capture (pass K's run K1). Here the capture ends before this
+        table's next job is submitted, so no capture of the overlay overlaps anything the
+        launching thread does after a join; it costs that start the capture once per size
+        (``graph_capture_s``)."""
+        pending, self._capture = self._capture, None
+        pieces, self._capture_pieces = self._capture_pieces, None
+        if self.ops.capturing():
+            return
+        buf = self.h_buf
+        if pending is not None:
+            self.graphs.capture(*pending)
+        if pieces is not None:
+            for key in self._piece_keys(pieces[0]):
+                if self.pieces.wanted(key, pieces[1]):
+                    self.pieces.capture(key, pieces[1])
+        if self.h_buf is not buf:  # replaced meanwhile (a hung worker retired): they read the old one
+            self.graphs.clear()
+            self.pieces.clear()
+
     @staticmethod
     def _piece_keys(rows: int) -> list[tuple[int, int]]:
         """``(first row, rows)`` of each piece of a job of ``rows`` rows: pieces of ``PIECE_ROWS``,
@@ -460,6 +488,38 @@ class RemoteRows(Launches):
             r0, m = keys.pop()
             keys += [(r0, m - TAIL_ROWS), (r0 + m - TAIL_ROWS, TAIL_ROWS)]
         return keys
+
+    def _launch_piece(self, key: tuple[int, int], out: Any) -> None:
+        """One piece of a multi-piece job in the fixed piece layout the C++ core plans into
+        (``key`` = (first row r0, rows m)): selectors (relative to the piece) at row r0 of the
+        selector part, the piece's packed rows from ``max_rows*4 + r0*264`` (every row slot
+        copied, so the launch does not depend on how many were fetched), split, vLLM's kernel
+        into ``out`` rows r0..r0+m on the current stream: the sequence a piece graph captures."""
+        import torch
+
+        r0, m = key
+        a = self.max_rows * 4 + r0 * ROW_BYTES
+        b = a + m * ROW_BYTES
+        d_sel = self.d_buf[r0 * 4: (r0 + m) * 4]
+        d_sel.copy_(self.h_buf[r0 * 4: (r0 + m) * 4], non_blocking=self._cuda)
+        self.d_buf[a:b].copy_(self.h_buf[a:b], non_blocking=self._cuda)
+        d_rows = self.d_buf[a:b].view(m, ROW_BYTES)
+        self.d_w[r0: r0 + m].copy_(d_rows[:, : self.dim])
+        self.d_s[r0: r0 + m].copy_(d_rows[:, self.dim:])
+        self.dequant(self.d_w[r0:], self.d_s[r0:], d_sel.view(torch.int32), self.d_dst[r0: r0 + m], out, m, m)
+
+    def _launch_pieces(self, gen: int) -> bool:
+        """Launch every piece of a multi-piece job the C++ core planned and fetched in the fixed
+        piece layout (no graphs: the CPU) and the done event; False when the hand-off was refused
+        meanwhile (nothing more launched)."""
+        with self.ops.stream(self._stream):
+            for key in self._piece_keys(self._rows):
+                with self._lock:
+                    if self._ho.is_abandoned(gen):
+                        return False
+                self._launch_piece(key, self._out)
+            self.done.record(self._stream)
+        return True
 
     def _handoff(self, gen: int, error: BaseException | None) -> None:
         with self._lock:

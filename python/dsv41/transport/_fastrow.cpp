@@ -883,26 +883,8 @@ struct CudaDriver {
   int (*event_record)(void *, void *) = nullptr;
   int (*graph_launch)(void *, void *) = nullptr;
   int (*stream_wait_event)(void *, void *, unsigned) = nullptr;  // optional (EngramSlot::wait_stream)
-  // optional (the GPU-side join, issue 23 pass N): cuStreamWaitValue64 / cuStreamWriteValue64 (the
-  // _v2 entry points CUDA 12's cuda.h maps them to, else the old names), cuDeviceGet and
-  // cuDeviceGetAttribute (CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS)
-  int (*wait_value64)(void *, uint64_t, uint64_t, unsigned) = nullptr;
-  int (*write_value64)(void *, uint64_t, uint64_t, unsigned) = nullptr;
-  int (*device_get)(int *, int) = nullptr;
-  int (*device_attribute)(int *, int, int) = nullptr;
-  int (*driver_version)(int *) = nullptr;
-  bool memops_v2 = false;  // both memory ops resolved under their _v2 names
   bool ok = false;
 };
-// cuda.h: CU_STREAM_WAIT_VALUE_GEQ, CU_STREAM_WRITE_VALUE_DEFAULT (the write is preceded by a
-// system-wide memory fence), CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
-constexpr unsigned kWaitValueGeq = 0x1, kWriteValueDefault = 0x0;
-constexpr int kAttr64BitStreamMemOps = 93;
-template <class F> F cu_sym(void *h, const char *v2, const char *v1) {
-  void *p = ::dlsym(h, v2);
-  if (!p) p = ::dlsym(h, v1);
-  return reinterpret_cast<F>(p);
-}
 const CudaDriver &cuda_driver() {
   static const CudaDriver d = [] {
     CudaDriver r;
@@ -912,32 +894,10 @@ const CudaDriver &cuda_driver() {
     r.event_record = reinterpret_cast<int (*)(void *, void *)>(::dlsym(h, "cuEventRecord"));
     r.graph_launch = reinterpret_cast<int (*)(void *, void *)>(::dlsym(h, "cuGraphLaunch"));
     r.stream_wait_event = reinterpret_cast<int (*)(void *, void *, unsigned)>(::dlsym(h, "cuStreamWaitEvent"));
-    using MemOp = int (*)(void *, uint64_t, uint64_t, unsigned);
-    r.wait_value64 = cu_sym<MemOp>(h, "cuStreamWaitValue64_v2", "cuStreamWaitValue64");
-    r.write_value64 = cu_sym<MemOp>(h, "cuStreamWriteValue64_v2", "cuStreamWriteValue64");
-    r.memops_v2 = ::dlsym(h, "cuStreamWaitValue64_v2") && ::dlsym(h, "cuStreamWriteValue64_v2");
-    r.driver_version = reinterpret_cast<int (*)(int *)>(::dlsym(h, "cuDriverGetVersion"));
-    r.device_get = reinterpret_cast<int (*)(int *, int)>(::dlsym(h, "cuDeviceGet"));
-    r.device_attribute = reinterpret_cast<int (*)(int *, int, int)>(::dlsym(h, "cuDeviceGetAttribute"));
     r.ok = r.event_sync && r.event_record && r.graph_launch;
     return r;
   }();
   return d;
-}
-
-// Whether the GPU-side join can run on CUDA device `ordinal` (issue 23 pass N): the _v2 memory
-// ops resolved on a driver of CUDA 11.7 or later (NVIDIA's driver API: "the V2 APIs are available
-// by default on all platforms"), else the device reports the v1 64-bit operations. Attribute 93 is
-// the v1 one: on the H200 with driver 580 (CUDA 13.0) it read 0 while cuStreamWaitValue64_v2
-// worked (2026-12-04). False without the driver or the entry points (the join waits on the host);
-// a first call the driver refuses also falls back (flag_wait returns 0).
-bool stream_mem_ops(int ordinal) {
-  const CudaDriver &cu = cuda_driver();
-  if (!cu.wait_value64 || !cu.write_value64 || !cu.device_get || !cu.device_attribute) return false;
-  int dev = 0, v = 0, version = 0;
-  if (cu.device_get(&dev, ordinal) != 0) return false;
-  if (cu.memops_v2 && cu.driver_version && cu.driver_version(&version) == 0 && version >= 11070) return true;
-  return cu.device_attribute(&v, kAttr64BitStreamMemOps, dev) == 0 && v != 0;
 }
 
 // One Engram table's hand-off state and staging (RemoteRows holds one): the generation handed
@@ -957,11 +917,6 @@ struct EngramSlot {
   int64_t w_enter = 0, w_seen = 0, w_queued = 0, w_gil = 0;
   uint64_t w_gen = 0;
   uint64_t current = 0, abandoned = 0;
-  // the GPU-side join's device flag (8 bytes of device memory, 0: none) and the highest
-  // generation whose flag write was queued (issue 23 pass N)
-  uint64_t flag = 0;
-  std::atomic<uint64_t> flag_gen{0};
-  uint64_t release_event = 0;  // recorded right after each flag write (0: none; the step benchmark)
   int64_t key = 0, lo = 0, hi = 0;
   uint64_t limit = 0;
   char ident[32] = {};
@@ -1025,54 +980,9 @@ struct EngramSlot {
     std::lock_guard<std::mutex> g(m);
     abandoned = gen;
   }
-  // refused (abandoned) or stale (a later job began): never launched, never handed off
   bool is_abandoned(uint64_t gen) {
     std::lock_guard<std::mutex> g(m);
-    return gen == abandoned || gen != current;
-  }
-  // The GPU-side join's watchdog (issue 23 pass N): take job `gen` from the worker unless it was
-  // handed off (then false); taken, the worker neither launches nor hands it off any more (it
-  // checks under the same mutex before each launch).
-  bool take(uint64_t gen) {
-    std::lock_guard<std::mutex> g(m);
-    if (handed.load(std::memory_order_acquire) == gen) return false;
-    abandoned = gen;
-    return true;
-  }
-  void set_flag(uint64_t ptr) {
-    std::lock_guard<std::mutex> g(m);
-    flag = ptr;
-  }
-  // Queue `stream`'s write of `gen` into the flag (cuStreamWriteValue64, after the work queued
-  // on it before: the layer's rows); false when there is no flag or entry point or it failed.
-  bool flag_write(uint64_t stream, uint64_t gen) {
-    const CudaDriver &cu = cuda_driver();
-    if (!flag || !cu.write_value64) return false;
-    if (cu.write_value64(reinterpret_cast<void *>(stream), flag, gen, kWriteValueDefault) != 0) return false;
-    if (release_event && cu.event_record) cu.event_record(reinterpret_cast<void *>(release_event), reinterpret_cast<void *>(stream));
-    uint64_t prev = flag_gen.load(std::memory_order_relaxed);
-    while (prev < gen && !flag_gen.compare_exchange_weak(prev, gen, std::memory_order_release)) {
-    }
-    return true;
-  }
-  // The GPU-side join (launching thread): queue `stream`'s wait until the flag is >= `gen`
-  // (cuStreamWaitValue64, GEQ: a 64-bit generation never wraps, so a later write also releases
-  // it) and then, `event2` nonzero, its wait on `event2` (cuStreamWaitEvent). 0: not queued (no
-  // flag or entry point, or the driver refused: the caller joins on the host); 1: the flag wait
-  // queued; 1 | 4: and the wait on event2. Records the w_* host times (w_seen = w_queued: no hand-off).
-  int flag_wait(uint64_t stream, uint64_t gen, uint64_t event2) {
-    const CudaDriver &cu = cuda_driver();
-    w_gen = gen;
-    w_enter = now_ns();
-    int r = 0;
-    void *st = reinterpret_cast<void *>(stream);
-    if (flag && cu.wait_value64 && cu.wait_value64(st, flag, gen, kWaitValueGeq) == 0) {
-      r = 1;
-      if (event2 && cu.stream_wait_event && cu.stream_wait_event(st, reinterpret_cast<void *>(event2), 0) == 0)
-        r |= 4;
-    }
-    w_seen = w_queued = w_gil = now_ns();
-    return r;
+    return gen == abandoned;
   }
   // Worker (core): the last request of job `gen` is about to go out; wakes a join sleeping for it.
   void mark_tail(uint64_t gen) {
@@ -1589,9 +1499,6 @@ class EngramCore {
       if (!exec || cu.graph_launch(exec, j.stream) != 0 || cu.event_record(j.done_event, j.stream) != 0)
         break;
       s.handoff_locked(j.gen);
-      // a GPU-side join's release, queued after the rows; after the hand-off, so a host join
-      // (decode) does not wait for it; a join that saw no hand-off deferred and waits on it
-      if (s.flag) s.flag_write(reinterpret_cast<uint64_t>(j.stream), j.gen);
       add(c_launches, 1);
     }
     add(c_launch, now_ns() - tl);
@@ -1669,7 +1576,6 @@ class EngramCore {
         return PIECES_FAILED;
       }
       s.handoff_locked(j.gen);
-      if (s.flag) s.flag_write(reinterpret_cast<uint64_t>(j.stream), j.gen);  // as in serve(): after the hand-off
     }
     const int64_t t_done = now_ns();
     add(c_launches, int64_t(launched));
@@ -2013,15 +1919,6 @@ PYBIND11_MODULE(_fastrow, m) {
       .def("handoff", &EngramSlot::handoff)
       .def("abandon", &EngramSlot::abandon)
       .def("is_abandoned", &EngramSlot::is_abandoned)
-      .def("take", &EngramSlot::take)
-      .def("set_flag", &EngramSlot::set_flag)
-      .def("set_release_event", [](EngramSlot &s, uint64_t ev) {
-        std::lock_guard<std::mutex> g(s.m);
-        s.release_event = ev;
-      })
-      .def("flag_write", &EngramSlot::flag_write)
-      .def("flag_wait", &EngramSlot::flag_wait, py::arg("stream"), py::arg("gen"), py::arg("event2"))
-      .def("flag_written", [](EngramSlot &s) { return s.flag_gen.load(); })
       .def("handed", [](EngramSlot &s) { return s.handed.load(); })
       .def("mark_tail", &EngramSlot::mark_tail)
       .def("tail_polls", [](EngramSlot &s) { return s.tail_polls.load(); })
@@ -2047,7 +1944,6 @@ PYBIND11_MODULE(_fastrow, m) {
       .def("coalesce", &EngramCore::coalesce)
       .def("set_trace", &EngramCore::set_trace, py::arg("on"))
       .def("take_traces", &EngramCore::take_traces);
-  m.def("stream_mem_ops", &stream_mem_ops, py::arg("ordinal"));
   m.def("client_lookup", &client_lookup);
   // end_ns defaults to 0 (no whole-call deadline), so callers of the 9-argument form keep working
   m.def("client_lookup_many", &client_lookup_many, py::arg("fd"), py::arg("gen0"), py::arg("ident"), py::arg("rows"),
