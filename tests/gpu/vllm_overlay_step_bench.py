@@ -217,6 +217,9 @@ def main() -> int:
     ap.add_argument("--prefill-steps", type=int, default=3)
     ap.add_argument("--kill-server", action="store_true", help="end with a table server killed mid-run")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--gpu-join", choices=("0", "1"), default=None,
+                    help="DSV41_ENGRAM_GPU_JOIN for the overlay (issue 23 pass O; default: the environment's, else "
+                         "the setting's default)")
     ap.add_argument("--switch-interval-us", type=float, default=0.0,
                     help="sys.setswitchinterval for this run (0: Python's default, 5 ms); the worker "
                          "thread waits for the GIL while the launching thread runs Python")
@@ -301,7 +304,12 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
     for li, lid in enumerate(layout.layer_ids):
         Q.load_vllm_tables(own[li].embed_tokens, manifest, data, lid)
     E._sources.clear()
-    settings = S.parse({"DSV41_ENGRAM_REMOTE": ",".join([url] * 2), "DSV41_RUNTIME_ROOT": str(runtime)})
+    senv = {"DSV41_ENGRAM_REMOTE": ",".join([url] * 2), "DSV41_RUNTIME_ROOT": str(runtime)}
+    gj = args.gpu_join if args.gpu_join is not None else os.environ.get("DSV41_ENGRAM_GPU_JOIN")
+    if gj is not None:
+        senv["DSV41_ENGRAM_GPU_JOIN"] = gj
+    settings = S.parse(senv)
+    out["gpu_join_setting"] = settings.gpu_join
     E.apply(eng, settings, C.load())
     capture = {"on": False}
     O._capture_active = lambda: capture["on"]  # what apply() binds to vLLM's BreakableCUDAGraphCapture
@@ -359,6 +367,7 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
         wk0 = dict(ovl[0].embed_tokens._dsv41._worker.counters) if ovl[0].embed_tokens._dsv41._worker else {}
         g0 = [dict(o.embed_tokens._dsv41.graphs.counters) for o in ovl]
         p0 = [dict(o.embed_tokens._dsv41.pieces.counters) for o in ovl]
+        gj0 = gj_counters(ovl)
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         core = ovl[0].embed_tokens._dsv41._worker.core if ovl[0].embed_tokens._dsv41._worker else None
         tracing = bool(prefill and core is not None and hasattr(core, "set_trace"))
@@ -403,7 +412,10 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
                             continue
                         ph["join_wake"] = (f.host_ns["join1_1"] - t1[-1]["t_done"]) * 1e-6
                         wt = ovl[0].embed_tokens._dsv41._slot.native.wait_times()
-                        if wt[0] == t1[-1]["gen"] and join_ns["gen"] == wt[0]:  # this step's join (pass M)
+                        if t1[-1].get("gpu_join"):  # pass O: no host join; tail = last flag stored to b
+                            ph["gpu_join"] = 1.0
+                            ph["join_host"] = (f.host_ns["join1_1"] - f.host_ns["join0_1"]) * 1e-6
+                        elif wt[0] == t1[-1]["gen"] and join_ns["gen"] == wt[0]:  # this step's join (pass M)
                             try:
                                 ph.update(P.join_return(t1[-1]["t_done"], wt, join_ns["ret"], f.host_ns["join1_1"],
                                                         h0 + gms["b"] * 1e6))
@@ -490,7 +502,10 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
             # chunk of a size (warm-up), launched by the C++ core (native_launches), so replays stay 0
             "piece_graphs": {k: round(sum(o.embed_tokens._dsv41.pieces.counters[k] - g[k] for o, g in zip(ovl, p0)), 4)
                              for k in ("captures", "failures", "capture_s")},
-            "piece_graphs_held": sum(len(o.embed_tokens._dsv41.pieces._graphs) for o in ovl)}
+            "piece_graphs_held": sum(len(o.embed_tokens._dsv41.pieces._graphs) for o in ovl),
+            # the GPU-side join (pass O), both layers, timed rounds and the checks after them:
+            # jobs joined on the GPU, filled from the local rows in C++, taken over by the watchdog
+            "gpu_join": {k: v - gj0.get(k, 0) for k, v in gj_counters(ovl).items()}}
         if prefill:
             fetch = row["overlay_worker"]["fetch_ms_per_job"]  # a job = one layer's pieces
             row["prefill_check"] = {
@@ -516,7 +531,53 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
     out["drafter_seam"] = Q.drafter_seam(torch)
     if args.kill_server:
         out["kill"] = kill_server(torch, srv, own, ovl, hash_buf, layout, a, rng, dec_layers, capture, src)
+        if args.prefill:  # pass O: prefill chunks with the server dead (the GPU-side join's local fill)
+            out["kill"]["prefill_after"] = prefill_after_kill(torch, own, ovl, hash_buf, layout, rng, pre_layers,
+                                                              args.prefill, src)
+            out["kill"]["ok"] = out["kill"]["ok"] and out["kill"]["prefill_after"]["rows_bit_exact"]
     return out
+
+
+def gj_counters(ovl) -> dict:
+    """The GPU-side join's counters summed over the overlay's Engram layers (pass O): the
+    launching thread's ``gpu_joins`` / ``gpu_join_redos`` and the C++ slot's ``gj_*``."""
+    tot: dict = {}
+    for o in ovl:
+        rr = o.embed_tokens._dsv41
+        if getattr(rr, "_gj", None) is None:
+            continue
+        for k in ("gpu_joins", "gpu_join_redos"):
+            tot[k] = tot.get(k, 0) + rr.counters.get(k, 0)
+        for k, v in rr._gj.counters().items():
+            tot[k] = tot.get(k, 0) + v
+    return tot
+
+
+def prefill_after_kill(torch, own, ovl, hash_buf, layout, rng, layers, t: int, src) -> dict:
+    """Three eager ``t``-token prefill steps through the overlay after the table server was
+    killed (pass O): rows compared bit for bit with vLLM's path; step times; the GPU-side
+    join's counters (with no connection its jobs are filled from the local rows in C++)."""
+    f_o = Forward(torch, ovl, hash_buf, t, layers, {1: ovl[0], 14: ovl[1]}, graphs=False)
+    f_u = Forward(torch, own, hash_buf, t, layers, {1: own[0], 14: own[1]}, graphs=False)
+    g0 = gj_counters(ovl)
+    c0 = {k: v for k, v in src.counters().items() if isinstance(v, (int, float))}
+    ok, times = True, []
+    for _ in range(3):
+        hash_buf[:t].copy_(step_ids(torch, rng, t, layout, own))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        f_o()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+        ro = [e.staged_rows[:t].clone() for e in ovl]
+        f_u()
+        torch.cuda.synchronize()
+        for x, e in zip(ro, own):
+            ok &= bool(torch.equal(x.view(torch.int16), e.staged_rows[:t].view(torch.int16)))
+    c1 = {k: v for k, v in src.counters().items() if isinstance(v, (int, float))}
+    return {"steps": 3, "tokens": t, "rows_bit_exact": ok, "step_ms": [round(x, 3) for x in times],
+            "gpu_join": {k: v - g0.get(k, 0) for k, v in gj_counters(ovl).items()},
+            "counters": {k: c1[k] - c0.get(k, 0) for k in ("fallbacks", "transport_errors", "lookups")}}
 
 
 def step_ids(torch, rng, t: int, layout, own):

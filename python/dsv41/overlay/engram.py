@@ -197,7 +197,8 @@ def apply(module: ModuleType, settings: S.OverlaySettings, contract: dict) -> No
         self._dsv41 = RemoteRows(
             src, layer_id, head_start=self.head_start, part=self.part_n_hash_cols, n_hash_cols=self.n_hash_cols,
             vocab_start=self.vocab_start_idx, vocab_end=self.vocab_end_idx, dim=self.dim, block=self.block_size,
-            max_tokens=max_tokens, device=device, dequant=vllm_dequant(module, self), rank=rank)
+            max_tokens=max_tokens, device=device, dequant=vllm_dequant(module, self), rank=rank,
+            gpu_join=settings.gpu_join)
         self._weight_loader = _skip_weight  # set_weight_attrs reads it right after this returns
         log.info("dsv41 overlay rank %d layer %d: rows [%d, %d) from %s (fallback: %s); no vLLM host table "
                  "(%.2f GiB not pinned), %.1f MiB pinned staging", rank, layer_id, self.vocab_start_idx,
