@@ -136,7 +136,7 @@ def _core():
 
 def _submit(core, t: Table, gen: int, rows: int, bound_s: float = 30.0) -> None:
     t.slot.begin(gen)
-    assert core.submit_gj(t.slot, gen, rows, 0, 0, 0, PIECE, TAIL, bound_s, 1)
+    assert core.submit_gj(t.slot, gen, rows, 0, 0, 0, PIECE, TAIL, bound_s, 1, queue=False) == 1
 
 
 class Worker:
@@ -335,6 +335,24 @@ def test_each_job_is_served_by_exactly_one_of_worker_and_watchdog(tabs, server) 
 
 
 @needs_core
+def test_a_job_that_cannot_be_queued_is_refused_before_anything_is_queued(tabs, server) -> None:
+    """submit_gj checks first: a slot without words or local rows, a job larger than the staging,
+    or (with queue=True) no GPU side to queue (no CUDA here) gives 0 and leaves the core's queue
+    empty, so the caller serves the job on the host path and nothing waits on a flag."""
+    _, src = server
+    t = Table(tabs, src, 8)
+    core = _core()
+    assert core.submit_gj(t.slot, 1, t.max_rows + 1, 0, 0, 0, PIECE, TAIL, 1.0, 1, queue=False) == 0
+    assert core.submit_gj(t.slot, 1, 600, 0, 0, 0, PIECE, TAIL, 1.0, 1) == 0  # gj_queue: no stream, no driver
+    bare = native._fastrow.EngramSlot(10)
+    assert core.submit_gj(bare, 1, 600, 0, 0, 0, PIECE, TAIL, 1.0, 1, queue=False) == 0
+    w = Worker(core)
+    time.sleep(0.02)
+    w.stop()
+    assert core.counters()["native_gj_jobs"] == 0 and [g[0] for g in w.got] == [O.CORE_RETIRED]
+
+
+@needs_core
 def test_set_local_refuses_a_shard_shorter_than_its_table(tmp_path) -> None:
     p = tmp_path / "short.bin"
     p.write_bytes(b"\0" * 1000)
@@ -402,7 +420,8 @@ def test_a_cpu_table_with_the_switch_on_joins_on_the_host_exactly(tabs, server) 
 
 
 def test_the_switch_parses_and_refuses_a_bad_value_with_one_clear_error() -> None:
-    assert S.parse({}).gpu_join is False
+    assert S.parse({}).gpu_join is True  # on by default since pass O's H200 runs (docs/benchmarks.md)
+    assert S.parse({"DSV41_ENGRAM_GPU_JOIN": "0"}).gpu_join is False
     assert S.parse({"DSV41_ENGRAM_GPU_JOIN": "1"}).gpu_join is True
     assert S.parse({"DSV41_ENGRAM_GPU_JOIN": "off"}).gpu_join is False
     with pytest.raises(ConfigError, match="DSV41_ENGRAM_GPU_JOIN") as e:

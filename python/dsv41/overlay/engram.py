@@ -23,7 +23,10 @@ What changes in vLLM when the overlay is active (``DSV41_ENGRAM_REMOTE`` set):
 * ``Engram._finish_prefetch`` (also an eager break) first waits on the host for that layer's
   hand-off only (``RemoteRows.join``: bounded; a dead or hung worker is a counted refusal;
   required mode raises the cause here), makes the current stream wait on the done event, then
-  runs vLLM's own body. Inside a CUDA-graph capture (vLLM's breakable capture included) the
+  runs vLLM's own body. A prefill chunk's layer whose piece graphs exist is instead queued whole
+  on the GPU at ``_start_prefetch`` and joined there without a host wait (``DSV41_ENGRAM_GPU_JOIN``,
+  default 1; never in required mode; ``engram_gpujoin``, issue 23 pass O). Inside a CUDA-graph
+  capture (vLLM's breakable capture included) the
   lookup runs synchronously on the launching thread: no second thread calls CUDA then.
 * ``Engram._create_embedding`` tells the embedding its model layer id (the row source keys
   tables by layer id, vLLM by hash index).

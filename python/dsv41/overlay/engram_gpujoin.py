@@ -144,8 +144,6 @@ class GpuJoin:
         on the GPU and hand it to the worker's core; False (nothing queued) when it cannot be:
         no piece graphs for the size yet, the slot not ready (no lease named the table yet), the
         core missing. Launching thread only."""
-        from dsv41.overlay.engram_worker import PIECE_ROWS, TAIL_ROWS
-
         rows = self.rows
         core = getattr(worker, "core", None)
         if core is None or not hasattr(core, "submit_gj"):
@@ -154,14 +152,11 @@ class GpuJoin:
             self._ready = self._setup()
         if not self._ready or not self.native.gj_ready():
             return False
-        ops = rows.ops
-        stream, done = ops.stream_handle(rows._stream), ops.event_handle(rows.done)
-        q = self.native.gj_queue(stream, gen, rows._rows, rows._out.data_ptr(), PIECE_ROWS, TAIL_ROWS, done)
+        # checks, the GPU side and the hand-off to the core in one C++ call: once the stream waits
+        # on the job's flags, the core (or its watchdog) has the job and releases them
+        q = worker.submit_gj(rows, gen, self.watchdog_s)
         if q == 0:
             return False
-        # from here the stream waits on the job's flags: the core (or its watchdog) must release them
-        if not worker.submit_gj(rows, gen, self.watchdog_s):
-            raise RuntimeError("EngramCore.submit_gj refused a job whose GPU side is queued")  # gj_ready held above
         self._gen = gen
         self._redo = q < 0
         if self._redo:

@@ -140,19 +140,23 @@ class EngramWorker:
             self._queue.append((rows, gen, time.perf_counter()))
             self._cond.notify()
 
-    def submit_gj(self, rows: Any, gen: int, bound_s: float) -> bool:
-        """Queue a GPU-joined job (issue 23 pass O, ``engram_gpujoin``; its GPU side already queued
-        by ``EngramSlot.gj_queue``) to the C++ core and its watchdog (``bound_s``: the watchdog's
-        bound, seconds). False when the core refuses it (the slot not ready). Launching thread only."""
-        self._open += 1
-        self._burst = max(self._burst, self._open)
+    def submit_gj(self, rows: Any, gen: int, bound_s: float) -> int:
+        """Queue a GPU-joined job (issue 23 pass O, ``engram_gpujoin``): ``EngramCore.submit_gj``
+        checks the slot, queues the job's GPU side on its stream (``EngramSlot.gj_queue``) and hands
+        it to the core and its watchdog (``bound_s``: the watchdog's bound, seconds). Returns 0
+        (nothing queued: serve it on the host path), 1 (queued) or -1 (the GPU side queued in part:
+        the core still releases it; serve it again after, ``GpuJoin.join``). Launching thread only."""
         slot = rows._slot
         if slot.key not in self._tables:
             self._register(rows)
         ops = rows.ops
-        return bool(self.core.submit_gj(slot.native, gen, rows._rows, rows._out.data_ptr(),
-                                        ops.stream_handle(rows._stream), ops.event_handle(rows.done), PIECE_ROWS,
-                                        TAIL_ROWS, bound_s, self.expect))
+        q = int(self.core.submit_gj(slot.native, gen, rows._rows, rows._out.data_ptr(),
+                                    ops.stream_handle(rows._stream), ops.event_handle(rows.done), PIECE_ROWS,
+                                    TAIL_ROWS, bound_s, self.expect))
+        if q:
+            self._open += 1
+            self._burst = max(self._burst, self._open)
+        return q
 
     def joined(self) -> None:
         """One started layer was joined; when none is open, the step's number of layers becomes

@@ -1614,17 +1614,22 @@ class EngramCore {
                            reinterpret_cast<void *>(ids_event), reinterpret_cast<void *>(done_event), cuda, py_wait, now_ns()});
     cv_.notify_one();
   }
-  // Launching thread, after slot->gj_queue(...) queued job `gen` (issue 23 pass O): the job to the
-  // worker and to the watchdog (bound_s: GjWatchdog's bound); false when the watchdog has no
-  // thread (nothing queued here: the caller must not have queued the GPU side either, see
-  // gj_prepare) or the slot is not ready (no words, no local rows).
-  bool submit_gj(std::shared_ptr<EngramSlot> slot, uint64_t gen, int64_t rows, uint64_t out, uint64_t stream,
-                 uint64_t done_event, int64_t piece_rows, int64_t tail_rows, double bound_s, int expect) {
-    if (!slot->gj_ready() || rows <= 0 || size_t(rows) > slot->max_rows) return false;
+  // Launching thread (issue 23 pass O): GPU-join job `gen`. Every check first (the slot ready:
+  // words, local rows, buffers, table; the rows fit; the watchdog's thread), then its GPU side
+  // (slot->gj_queue on `stream`, unless `queue` is false: the CPU tests' stand-in for the GPU),
+  // then the job to the worker's queue and to the watchdog (bound_s: GjWatchdog's bound). 0:
+  // nothing queued anywhere (the caller serves the job on the host path); 1: queued; -1: the GPU
+  // side was queued in part (a driver call failed): the job is still handed to the worker, which
+  // releases every flag, and the caller serves it again once it is done (GpuJoin.join).
+  int submit_gj(std::shared_ptr<EngramSlot> slot, uint64_t gen, int64_t rows, uint64_t out, uint64_t stream,
+                uint64_t done_event, int64_t piece_rows, int64_t tail_rows, double bound_s, int expect, bool queue) {
+    if (!slot->gj_ready() || rows <= 0 || size_t(rows) > slot->max_rows || !GjWatchdog::get().start()) return 0;
+    const int q = queue ? slot->gj_queue(stream, gen, rows, out, piece_rows, tail_rows, done_event) : 1;
+    if (q == 0) return 0;
     auto g = std::make_shared<GJob>();
     g->slot = slot; g->gen = gen; g->rows = rows; g->piece_rows = piece_rows; g->tail_rows = tail_rows;
     g->bound_ns = int64_t(std::max(bound_s, 0.0) * 1e9);
-    if (!GjWatchdog::get().watch(g)) return false;
+    GjWatchdog::get().watch(g);  // its thread runs (start() above): never refused now
     slot->begin(gen);
     std::lock_guard<std::mutex> l(m_);
     expect_ = expect;
@@ -1633,7 +1638,7 @@ class EngramCore {
     j.gj = std::move(g);
     q_.push_back(std::move(j));
     cv_.notify_one();
-    return true;
+    return q;
   }
   void joined(int expect) {  // expect: the worker's new expectation (EngramWorker.joined)
     std::lock_guard<std::mutex> g(m_);
@@ -2426,7 +2431,7 @@ PYBIND11_MODULE(_fastrow, m) {
       .def("submit", &EngramCore::submit)
       .def("submit_gj", &EngramCore::submit_gj, py::arg("slot"), py::arg("gen"), py::arg("rows"), py::arg("out"),
            py::arg("stream"), py::arg("done_event"), py::arg("piece_rows"), py::arg("tail_rows"), py::arg("bound_s"),
-           py::arg("expect"))
+           py::arg("expect"), py::arg("queue") = true)
       .def("joined", &EngramCore::joined)
       .def("retire", &EngramCore::retire)
       .def("retired", &EngramCore::retired)
