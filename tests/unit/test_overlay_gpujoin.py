@@ -442,3 +442,103 @@ def test_stream_memory_ops_detection_is_false_without_a_usable_driver() -> None:
         has_gpu = False
     if not has_gpu:
         assert got is False
+
+
+class _Native:
+    """The C++ slot's GPU-join calls GpuJoin makes, recorded (no CUDA)."""
+
+    def __init__(self, ready: bool = True, waits: int = 7) -> None:
+        self.ready, self.waits, self.calls = ready, waits, []
+        self.done = 0
+
+    def gj_setup(self) -> bool:
+        self.calls.append("setup")
+        return True
+
+    def set_local(self, *a) -> None:
+        self.calls.append(("local", a))
+
+    def gj_ready(self) -> bool:
+        return self.ready
+
+    def gj_stream_waits(self, stream, event, event2) -> int:
+        self.calls.append(("waits", stream, event, event2))
+        return self.waits
+
+    def gj_done(self) -> int:
+        return self.done
+
+    def gj_counters(self) -> dict:
+        return {"gj_jobs": 0}
+
+
+class _Ops:
+    graphs = True
+
+    def __init__(self) -> None:
+        self.cur = SimpleNamespace(name="cur", waited=[], wait_event=lambda ev: self.cur.waited.append(ev))
+
+    def current_stream(self):
+        return self.cur
+
+    def stream_handle(self, s) -> int:
+        return 11
+
+    def event_handle(self, e) -> int:
+        return 22 if e == "done" else 33
+
+
+def _glue(src, native_, q: int):
+    rows = _fake_rows(src, _slot=SimpleNamespace(native=native_), ops=_Ops(), done="done")
+    sent = []
+
+    class W:
+        core = SimpleNamespace(submit_gj=True)
+
+        def submit_gj(self, r, gen, bound_s):
+            sent.append((gen, bound_s))
+            return q
+
+    return rows, W(), sent
+
+
+def test_start_and_join_glue_queue_once_and_never_wait_on_the_host(tabs, server, monkeypatch) -> None:
+    """GpuJoin.start sets the table up once (words, local shard, watchdog), hands the job to the
+    core's submit_gj (which queues the GPU side) and counts it; 0 from the core is "not queued"
+    (the host path serves the job); join queues the current stream's waits on the done event and
+    vLLM's event and returns whether the latter was queued: no host wait."""
+    _, src = server
+    monkeypatch.setattr(native._fastrow, "gj_watch_start", lambda: True, raising=False)
+    nat = _Native()
+    rows, w, sent = _glue(src, nat, 1)
+    gj = GJ.GpuJoin(rows)
+    assert gj.start(w, 5) and sent == [(5, GJ.WATCHDOG_S)] and rows.counters["gpu_joins"] == 1
+    assert nat.calls[0] == "setup" and nat.calls[1][0] == "local"
+    assert gj.join("vllm-event") is True and nat.calls[-1] == ("waits", 11, 22, 33)
+    assert gj.start(w, 6) and nat.calls.count("setup") == 1  # set up once
+    nat.waits = 1 | 2
+    assert gj.join() is False and nat.calls[-1] == ("waits", 11, 22, 0)
+    rows0, w0, _ = _glue(src, _Native(), 0)
+    g0 = GJ.GpuJoin(rows0)
+    assert not g0.start(w0, 1) and rows0.counters["gpu_joins"] == 0
+    nr, wr, sr = _glue(src, _Native(ready=False), 1)
+    assert not GJ.GpuJoin(nr).start(wr, 1) and sr == []  # a slot not ready is never handed over
+
+
+def test_a_partly_queued_job_is_served_again_on_the_host_after_the_core_released_it(tabs, server,
+                                                                                    monkeypatch) -> None:
+    """The core answered -1 (a driver call failed part way): join waits for the core's release
+    (gj_done), synchronizes the job's stream, serves the job again on the host and makes the
+    current stream wait on its done event; the GPU-side join is off for the table from then on."""
+    _, src = server
+    monkeypatch.setattr(native._fastrow, "gj_watch_start", lambda: True, raising=False)
+    nat = _Native()
+    rows, w, _ = _glue(src, nat, -1)
+    served = []
+    rows._stream = SimpleNamespace(synchronize=lambda: served.append("sync"))
+    rows._serve_inline = lambda: served.append("inline")
+    gj = GJ.GpuJoin(rows)
+    assert gj.start(w, 3) and rows.counters["gpu_join_redos"] == 1
+    nat.done = 3
+    assert gj.join() is False and served == ["sync", "inline"] and rows.ops.cur.waited == ["done"]
+    assert not gj.start(w, 4)  # off for this table
