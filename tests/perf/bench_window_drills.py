@@ -28,7 +28,10 @@ pytestmark = [needs_lab]
 API = "http://198.18.0.11:8000"
 DRILL = str(ROOT / "candidates" / "specs" / "drill.json")
 LAB_SPEC = str(ROOT / "candidates" / "specs" / "lab-window.json")
-WDIR = Path(os.environ.get("WINDOW_DRILLS_DIR", "/tmp/dsv41-window-drills"))
+# One directory per run of this module: the tests glob their window's files (decision.json,
+# cells.jsonl), and an earlier run's files in the same place made the killed-run drill kill
+# before the HOLD (it saw the old run's cells) and ``verdict`` find two decisions.
+WDIR = Path(os.environ.get("WINDOW_DRILLS_DIR", "/tmp/dsv41-window-drills")) / time.strftime("%Y%m%dT%H%M%S")
 
 
 def flat(out: str) -> str:
