@@ -18,7 +18,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from labutil import BIN, LAB, ROOT, env, play
+from labutil import BIN, LAB, ROOT, end_leftovers, env, play
 
 _STATE: dict = {"deploy_out": None, "used": False}
 
@@ -33,6 +33,15 @@ def pytest_collection_modifyitems(session, config, items):
         return "deployed_lab" in names, "monitored" in names
 
     items.sort(key=key)
+
+
+@pytest.fixture(autouse=True)
+def _no_killed_playbook_left():
+    """After each test: end what outlived a playbook the test SIGKILLed (``labutil.sigkill_group``)."""
+    yield
+    ended = end_leftovers()
+    if ended:
+        print(f"\n[lab] ended {len(ended)} process(es) of a SIGKILLed playbook left alive: {ended}", flush=True)
 
 
 def lab_is_production() -> bool:

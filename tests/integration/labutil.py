@@ -59,9 +59,62 @@ def play(playbook: str, *args: str, env_extra: dict | None = None, user: int | N
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+#: Processes of playbooks a test SIGKILLed that outlived the kill (ansible's workers call setsid,
+#: so killpg misses them), by identity; ``end_leftovers`` ends them after the test.
+LEFTOVERS: list = []
+
+
+def sigkill_group(proc: subprocess.Popen) -> int:
+    """SIGKILL the process group ``proc`` leads, as an operator's ``kill -9`` of the job would,
+    and remember (``LEFTOVERS``) every descendant outside that group: ansible-core's
+    WorkerProcess calls ``setsid()`` (ansible/executor/process/worker.py), so a worker running a
+    task survives and, its parent gone, blocks for ever after the task. Returns how many
+    descendants outlived the kill (they are ours: ``end_leftovers`` ends them by pid and start time)."""
+    import psutil
+
+    from dsv41.harness.procident import ProcessGone, ProcessIdentity
+
+    tree = []
+    try:
+        for c in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                tree.append(ProcessIdentity.of(c.pid))
+            except ProcessGone:
+                pass
+    except psutil.NoSuchProcess:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(30)
+    left = [i for i in tree if i.alive()]
+    LEFTOVERS.extend(left)
+    return len(left)
+
+
+def end_leftovers() -> list[int]:
+    """SIGKILL the still-alive processes ``sigkill_group`` remembered (each by pid + start ticks,
+    never a reused pid); returns their pids."""
+    ended = []
+    while LEFTOVERS:
+        ident = LEFTOVERS.pop()
+        if ident.alive():
+            try:
+                os.kill(ident.pid, signal.SIGKILL)
+                ended.append(ident.pid)
+            except ProcessLookupError:
+                pass
+    return ended
+
+
 def _end_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM the process group ``proc`` leads (the pid we started), SIGKILL it after ``grace_s``."""
+    """SIGTERM the process group ``proc`` leads (the pid we started: ansible-playbook passes
+    SIGTERM on to its workers' sessions), then ``sigkill_group`` after ``grace_s``."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
+        if sig == signal.SIGKILL:
+            sigkill_group(proc)
+            return
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:

@@ -8,12 +8,11 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-import signal
 import subprocess
 import time
 
 import yaml
-from labutil import API, BIN, ROOT, env, inside, play
+from labutil import API, BIN, ROOT, env, inside, play, sigkill_group
 
 HOSTS = ("x86host", "sparkworker", "sparkhead")
 PACKAGES = ROOT / "packages"
@@ -118,15 +117,14 @@ def run_until_step(playbook_args: list[str], step: str, timeout: float = 600) ->
                 hits = [dict(sw, op=hits[0]["op"])] if sw and hits else []
             for e in hits:
                 if e["step"] == step:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(30)
+                    left = sigkill_group(proc)
                     print(f"\n[promotion] SIGKILL ansible-playbook {' '.join(playbook_args)} at journal step "
-                          f"{step} ({e['op']}) after {time.monotonic() - t0:.1f} s", flush=True)
+                          f"{step} ({e['op']}) after {time.monotonic() - t0:.1f} s; {left} of its processes "
+                          "outlived the kill (ansible workers, own sessions; ended after the test)", flush=True)
                     return e
             assert proc.poll() is None, f"{playbook_args} ended (rc {proc.returncode}) before journal step {step}"
             time.sleep(0.2)
         raise AssertionError(f"no journal step {step} within {timeout} s")
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+            sigkill_group(proc)

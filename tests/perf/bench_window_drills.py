@@ -15,18 +15,23 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from labutil import BIN, ROOT, env, inside, needs_lab, play  # noqa: E402
 
+from dsv41.harness.procident import ProcessIdentity  # noqa: E402
 from dsv41.harness.window import RUN_PID_NAME, run_process  # noqa: E402
 
 pytestmark = [needs_lab]
 API = "http://198.18.0.11:8000"
 DRILL = str(ROOT / "candidates" / "specs" / "drill.json")
 LAB_SPEC = str(ROOT / "candidates" / "specs" / "lab-window.json")
-WDIR = Path(os.environ.get("WINDOW_DRILLS_DIR", "/tmp/dsv41-window-drills"))
+# One directory per run of this module: the tests glob their window's files (decision.json,
+# cells.jsonl), and an earlier run's files in the same place made the killed-run drill kill
+# before the HOLD (it saw the old run's cells) and ``verdict`` find two decisions.
+WDIR = Path(os.environ.get("WINDOW_DRILLS_DIR", "/tmp/dsv41-window-drills")) / time.strftime("%Y%m%dT%H%M%S")
 
 
 def flat(out: str) -> str:
@@ -134,8 +139,12 @@ def test_killed_run_is_restored_by_the_next():
         if window_open() and cells and len(cells[0].read_text().splitlines()) >= 2:
             break
         time.sleep(0.5)
-    os.killpg(p.pid, signal.SIGKILL)  # the playbook and its workers: the group we started
+    # every process of the killed run, by identity: ansible's workers setsid(), so the killpg
+    # below (an operator's kill -9 of the job) misses them; the next window.yml must end them
+    tree = [ProcessIdentity.of(c.pid) for c in psutil.Process(p.pid).children(recursive=True)]
+    os.killpg(p.pid, signal.SIGKILL)  # the group we started: ansible-playbook and its non-worker children
     p.wait()
+    print(f"   left after the kill: {sum(i.alive() for i in tree)} of the run's {len(tree)} processes")
     assert window_open() and paused()
     # the window's `dsv41 window run` is not in that group: it survives the kill (run.pid names it)
     (pidfile,) = wdir.glob(f"*-slow-rows/{RUN_PID_NAME}")
@@ -145,6 +154,11 @@ def test_killed_run_is_restored_by_the_next():
     assert r.returncode == 0, r.stdout[-4000:]
     assert "stopped after" in flat(r.stdout) and "finishing it: production becomes" in flat(r.stdout)
     assert run_process(orphan) is None  # the restore stopped it first (dsv41 window stop-run)
+    assert "Ansible worker that waited on it" in flat(r.stdout), r.stdout[-4000:]
+    left = [i.pid for i in tree if i.alive()]
+    for pid in left:  # ours (started by this test): ended so that a failure leaks nothing
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes of the killed window.yml still alive after the next run: {left}"
     restored(wdir)
 
 

@@ -288,3 +288,204 @@ def test_a_fifo_as_pid_file_is_refused_without_blocking_and_a_vanished_one_skipp
         window.stop_runs(tmp_path, "W13")
     os.unlink(d / window.RUN_PID_NAME)
     assert window.read_run_pid(d / window.RUN_PID_NAME) is None  # the run ended and removed it
+
+
+# ------------------------------------------- a SIGKILLed window.yml's Ansible worker (issue 22)
+# ansible-core's WorkerProcess calls setsid(), so killpg of ansible-playbook's group misses the
+# worker running the `dsv41 window run` task; found on the lab (2026-12-04): such a worker was
+# still alive 30 min after the killed-run drill. The stand-in below is a script named
+# ansible-playbook that forks a worker the way ansible does (fork, setsid), which runs the run.
+
+PLAYBOOK = """
+import os, signal, subprocess, sys, time
+wdir, mode = sys.argv[1], sys.argv[2]
+pid = os.fork()
+if pid == 0:
+    os.setsid()  # ansible/executor/process/worker.py WorkerProcess._detach
+    if mode == "ignore_term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    run = subprocess.Popen([sys.executable, "-c", RUN_STANDIN, wdir, mode])
+    run.wait()
+    time.sleep(300)  # a worker handing its result to a dead parent blocks for ever
+    os._exit(0)
+print(pid, flush=True)
+time.sleep(300)
+"""
+
+RUN_STANDIN = """
+import os, sys, time
+from dsv41.harness import window
+window.write_run_pid(sys.argv[1])
+if sys.argv[2] == "ends":  # the run finishes on its own once the test says so
+    while not os.path.exists(os.path.join(sys.argv[1], "go")):
+        time.sleep(0.05)
+    window.clear_run_pid(sys.argv[1])
+    sys.exit(0)
+time.sleep(300)
+"""
+
+
+def _start_playbook(tmp_path, wdir, mode="plain"):
+    """(playbook Popen, worker pid, run.pid record) of the stand-in playbook running a window run."""
+    script = tmp_path / "bin" / "ansible-playbook"
+    script.parent.mkdir(exist_ok=True)
+    script.write_text(f"RUN_STANDIN = {RUN_STANDIN!r}\n" + PLAYBOOK)
+    wdir.mkdir(parents=True)
+    p = subprocess.Popen([sys.executable, str(script), str(wdir), mode], stdout=subprocess.PIPE, text=True)
+    worker = int(p.stdout.readline())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        rec = window.read_run_pid(wdir / window.RUN_PID_NAME) if (wdir / window.RUN_PID_NAME).exists() else None
+        if rec:
+            return p, worker, rec
+        time.sleep(0.05)
+    raise AssertionError("the stand-in run wrote no run.pid")
+
+
+def _cleanup(p, *pids):
+    p.kill()
+    p.wait()
+    for pid in pids:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+def _wait_gone(pid, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not procident.is_zombie(pid):
+        time.sleep(0.05)
+    return procident.is_zombie(pid)
+
+
+def test_the_run_records_its_ansible_worker_and_the_playbook(tmp_path):
+    p, worker, rec = _start_playbook(tmp_path, tmp_path / "W20-aa")
+    try:
+        assert rec["session"]["leader"] == ProcessIdentity.of(worker).as_record()
+        assert rec["session"]["parent"] == ProcessIdentity.of(p.pid).as_record()
+    finally:
+        _cleanup(p, worker, rec["pid"])
+
+
+def test_a_run_started_outside_ansible_records_no_session(tmp_path):
+    p, _ = _start_run(tmp_path / "W21-aa")  # its session leader is this test's, not ansible-playbook
+    try:
+        assert "session" not in window.read_run_pid(tmp_path / "W21-aa" / window.RUN_PID_NAME)
+    finally:
+        window.stop_runs(tmp_path, "W21")
+        p.kill()
+
+
+def test_the_orphaned_worker_of_a_killed_playbook_is_stopped_after_its_run(tmp_path, capsys):
+    from dsv41.cli import main
+
+    p, worker, rec = _start_playbook(tmp_path, tmp_path / "W22-aa")
+    try:
+        p.kill()  # SIGKILL: ansible-playbook cannot pass it on; the worker (own session) lives on
+        p.wait()
+        assert not _gone(worker)
+        assert main(["window", "stop-run", "--window", "W22", "--windows-dir", str(tmp_path)]) == 0
+        out = capsys.readouterr().out.strip()
+        assert out == (f"stopped {rec['pid']} (the killed run of window W22), and {worker} "
+                       "(the killed window.yml's Ansible worker that waited on it)")
+        assert _wait_gone(worker) and _gone(rec["pid"])
+        assert not (tmp_path / "W22-aa" / window.RUN_PID_NAME).exists()
+    finally:
+        _cleanup(p, worker, rec["pid"])
+
+
+def test_the_worker_of_a_live_playbook_is_never_signalled(tmp_path):
+    """restore_only while the playbook that started the run still runs: the run is stopped (it
+    would switch arms during the restore), its worker, whose playbook waits for it, is not."""
+    p, worker, rec = _start_playbook(tmp_path, tmp_path / "W23-aa")
+    try:
+        got = window.stop_runs(tmp_path, "W23")
+        assert got == [rec["pid"]] and got.workers == []
+        assert not _gone(worker) and p.poll() is None
+    finally:
+        _cleanup(p, worker, rec["pid"])
+
+
+def test_an_orphaned_worker_that_ignores_sigterm_is_killed(tmp_path, monkeypatch):
+    monkeypatch.setattr(window, "WORKER_TERM_TIMEOUT_S", 1.0)
+    p, worker, rec = _start_playbook(tmp_path, tmp_path / "W24-aa", mode="ignore_term")
+    try:
+        p.kill()
+        p.wait()
+        t0 = time.monotonic()
+        got = window.stop_runs(tmp_path, "W24", timeout_s=5.0)
+        assert got == [rec["pid"]] and got.workers == [worker]
+        assert time.monotonic() - t0 >= 1.0 and _wait_gone(worker)
+    finally:
+        _cleanup(p, worker, rec["pid"])
+
+
+def test_a_run_that_ended_leaves_its_orphaned_worker_to_the_next_stop_run(tmp_path):
+    """The playbook was killed, then the run finished its cells and exited: it keeps run.pid
+    (clear_run_pid) because its worker is orphaned, and the next stop-run ends that worker."""
+    wdir = tmp_path / "W25-aa"
+    p, worker, rec = _start_playbook(tmp_path, wdir, mode="ends")
+    try:
+        p.kill()
+        p.wait()
+        (wdir / "go").touch()
+        assert _wait_gone(rec["pid"]) or _gone(rec["pid"])
+        assert (wdir / window.RUN_PID_NAME).exists()
+        got = window.stop_runs(tmp_path, "W25")
+        assert got == [] and got.workers == [worker] and _wait_gone(worker)
+        assert not (wdir / window.RUN_PID_NAME).exists()
+    finally:
+        _cleanup(p, worker, rec["pid"])
+
+
+def test_a_run_that_ended_under_a_live_playbook_removes_its_record(tmp_path):
+    wdir = tmp_path / "W26-aa"
+    p, worker, rec = _start_playbook(tmp_path, wdir, mode="ends")
+    try:
+        (wdir / "go").touch()
+        deadline = time.monotonic() + 10
+        while (wdir / window.RUN_PID_NAME).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not (wdir / window.RUN_PID_NAME).exists()
+    finally:
+        _cleanup(p, worker, rec["pid"])
+
+
+def test_a_reused_worker_pid_is_never_signalled(tmp_path):
+    """The session names a live process by its pid but another start time (the worker ended and
+    the pid came back), with its playbook gone: nothing is signalled."""
+    victim = _sleeper()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead_rec = ProcessIdentity.of(dead.pid).as_record()
+    dead.wait()
+    try:
+        me = ProcessIdentity.of(victim.pid)
+        d = tmp_path / "W27-aa"
+        d.mkdir()
+        session = {"leader": dict(me.as_record(), start_ticks=me.start_ticks - 1), "parent": dead_rec}
+        (d / window.RUN_PID_NAME).write_text(json.dumps(dict(dead_rec, session=session)))
+        got = window.stop_runs(tmp_path, "W27")
+        assert got == [] and got.workers == [] and victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+@pytest.mark.parametrize("session", [[1, 2], "x", {"leader": {"pid": 5, "start_ticks": 1, "boot_id": "b"}},
+                                     {"leader": {"pid": 5}, "parent": {"pid": 6, "start_ticks": 1, "boot_id": "b"}},
+                                     {"leader": {"pid": 5, "start_ticks": 1, "boot_id": "b"},
+                                      "parent": {"pid": "x", "start_ticks": 1, "boot_id": "b"}}])
+def test_a_malformed_session_is_one_clear_error_and_nothing_is_signalled(tmp_path, session):
+    victim = _sleeper()
+    try:
+        d = tmp_path / "W28-aa"
+        d.mkdir()
+        rec = dict(ProcessIdentity.of(victim.pid).as_record(), session=session)
+        (d / window.RUN_PID_NAME).write_text(json.dumps(rec))
+        with pytest.raises(window.WindowError, match="not a run pid file"):
+            window.stop_runs(tmp_path, "W28")
+        assert victim.poll() is None and (d / window.RUN_PID_NAME).exists()
+    finally:
+        victim.kill()
+        victim.wait()

@@ -221,12 +221,19 @@ def stop_run_cmd(
     timeout: float = typer.Option(30.0, help="Seconds to wait after SIGTERM before SIGKILL."),
 ) -> None:
     """Stop a ``dsv41 window run`` of WINDOW still running (left behind by a killed window.yml), by
-    the pid and kernel start time (clock ticks after boot) in its ``run.pid``; prints ``stopped PID ...`` or ``no run left``."""
+    the pid and kernel start time (clock ticks after boot) in its ``run.pid``, then the killed
+    playbook's orphaned Ansible worker that waited on it; prints ``stopped PID ...`` or ``no run left``."""
     from dsv41.harness import window
 
     pids = window.stop_runs(windows_dir, window_id, timeout)
-    print(f"stopped {' '.join(map(str, pids))} (the killed run of window {window_id})" if pids
-          else f"no run left of window {window_id}")
+    workers = (f", and {' '.join(map(str, pids.workers))} (the killed window.yml's Ansible worker that waited on it)"
+               if pids.workers else "")
+    if pids:
+        print(f"stopped {' '.join(map(str, pids))} (the killed run of window {window_id}){workers}")
+    elif pids.workers:
+        print(f"stopped {' '.join(map(str, pids.workers))} (the killed window.yml's Ansible worker of window {window_id})")
+    else:
+        print(f"no run left of window {window_id}")
 
 
 @app.command("plan")
