@@ -448,21 +448,26 @@ def prefill_after_kill(torch, own, ovl, hash_buf, layout, rng, layers, t: int, s
     c0 = {k: v for k, v in src.counters().items() if isinstance(v, (int, float))}
     ok, times = True, []
     for _ in range(3):
-        hash_buf[:t].copy_(step_ids(torch, rng, t, layout, own))
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        f_o()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-        ro = [e.staged_rows[:t].clone() for e in ovl]
-        f_u()
-        torch.cuda.synchronize()
-        for x, e in zip(ro, own):
-            ok &= bool(torch.equal(x.view(torch.int16), e.staged_rows[:t].view(torch.int16)))
+        ok &= timed_exact_step(torch, f_o, f_u, hash_buf, layout, rng, t, own, ovl, times)
     c1 = {k: v for k, v in src.counters().items() if isinstance(v, (int, float))}
     return {"steps": 3, "tokens": t, "rows_bit_exact": ok, "step_ms": [round(x, 3) for x in times],
             "gpu_join": {k: v - g0.get(k, 0) for k, v in gj_counters(ovl).items()},
             "counters": {k: c1[k] - c0.get(k, 0) for k in ("fallbacks", "transport_errors", "lookups")}}
+
+
+def timed_exact_step(torch, f_o, f_u, hash_buf, layout, rng, t: int, own, ovl, times: list) -> bool:
+    """One step on fresh ids: the overlay's forward ``f_o`` timed on the host (ms appended to
+    ``times``), then vLLM's ``f_u``; True when every Engram layer's ``t`` staged rows are bit-identical."""
+    hash_buf[:t].copy_(step_ids(torch, rng, t, layout, own))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    f_o()
+    torch.cuda.synchronize()
+    times.append((time.perf_counter() - t0) * 1e3)
+    ro = [e.staged_rows[:t].clone() for e in ovl]
+    f_u()
+    torch.cuda.synchronize()
+    return all(bool(torch.equal(x.view(torch.int16), e.staged_rows[:t].view(torch.int16))) for x, e in zip(ro, own))
 
 
 def step_ids(torch, rng, t: int, layout, own):
@@ -506,17 +511,7 @@ def kill_server(torch, srv, own, ovl, hash_buf, layout, a, rng, layers, capture,
             srv.send_signal(signal.SIGKILL)
             srv.wait(timeout=10)
             killed_at = step
-        hash_buf[:t].copy_(step_ids(torch, rng, t, layout, own))
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        f_o()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-        ro = [e.staged_rows[:t].clone() for e in ovl]
-        f_u()
-        torch.cuda.synchronize()
-        for x, e in zip(ro, own):
-            ok &= bool(torch.equal(x.view(torch.int16), e.staged_rows[:t].view(torch.int16)))
+        ok &= timed_exact_step(torch, f_o, f_u, hash_buf, layout, rng, t, own, ovl, times)
     c1 = {k: v for k, v in src.counters().items() if isinstance(v, (int, float))}
     rr = ovl[0].embed_tokens._dsv41
     return {"ok": ok, "killed_after_step": killed_at, "steps": 40, "rows_bit_exact": ok,

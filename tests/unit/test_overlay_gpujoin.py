@@ -10,7 +10,6 @@ and tests/gpu/vllm_overlay_step_bench.py --gpu-join 1.)"""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from types import SimpleNamespace
@@ -20,36 +19,18 @@ import pytest
 
 from dsv41.engram import reader
 from dsv41.engram.client import RemoteRowSource
-from dsv41.engram.server import load_tables
 from dsv41.envs import ConfigError
 from dsv41.overlay import engram_gpujoin as GJ
 from dsv41.overlay import engram_ops as O
 from dsv41.overlay import settings as S
-from dsv41.transport import native, parse_url
-from dsv41.transport.server import RowServer
+from dsv41.transport import native
 
-from overlayutil import remote_rows as _rows, tabs  # noqa: F401 - tabs is a fixture
+from overlayutil import free_port as _free_port, serve_tables as _serve, remote_rows as _rows, tabs  # noqa: F401 - tabs is a fixture
 
 needs_core = pytest.mark.skipif(native._fastrow is None, reason="the C++ extension is not built")
 
 PIECE, TAIL, HEAD, CHUNK = 100, 30, 30, 64  # 600 rows: pieces 5 x 100 (the last 70 + 30 tail)
 LAYER, TP, RANK = 14, 2, 0
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
-def _serve(tabs_, port: int) -> RowServer:
-    manifest, d, _ = tabs_
-    tables, _ = load_tables(manifest, d)
-    srv = RowServer(tables, [parse_url(f"tcp://127.0.0.1:{port}")])
-    srv.start()
-    return srv
 
 
 def _source(tabs_, port: int) -> RemoteRowSource:
