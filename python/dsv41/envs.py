@@ -152,6 +152,11 @@ _ROWS = [
            "past it the rank falls back to its local reader.", "ms", 1, 600_000),
     EnvVar("DSV41_ENGRAM_REMOTE_REQUIRED", bool, False, "1: a failed remote lookup is an error, not a "
            "local fallback (needs DSV41_ENGRAM_REMOTE)."),
+    EnvVar("DSV41_ENGRAM_GPU_JOIN", bool, False, "vLLM overlay (docs/gpu.md, \"The GPU-side join (pass O)\"; off by default until the final code has run on a GPU): 1: a "
+           "prefill chunk's Engram layer is queued whole on the GPU at _start_prefetch (waits on host-mapped flags "
+           "the worker stores from the CPU, then each piece's graph) and _finish_prefetch waits on nothing on the "
+           "host; needs the C++ extension, the driver's v2 stream memory operations and the exact local shards; "
+           "required mode always joins on the host. 0: the launching thread waits for the worker's hand-off."),
     # ---- speculative drafting (docs/drafter.md)
     EnvVar("DSV41_DRAFTER_REMOTE", str, "", "tcp://H:P of the drafter worker (`dsv41 drafter serve`); "
            "exclusive with DSV41_DRAFTER_LOCAL; needs DSV41_DRAFTER_DIR."),
@@ -233,6 +238,7 @@ class Settings:
     engram_remote: str = ""
     engram_remote_timeout_ms: int = 100
     engram_remote_required: bool = False
+    engram_gpu_join: bool = False
     drafter_remote: str = ""
     drafter_local: str = ""
     drafter_dir: str = ""

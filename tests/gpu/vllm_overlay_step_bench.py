@@ -26,7 +26,11 @@ mid-run (exact local rows, no hang, the step times around the kill). For the pre
 (issue 23 pass K) the C++ core's phase trace is on during the timed rounds and layer 0 runs
 between two main-stream events: ``prefill_paired`` (``dsv41.harness.phases.paired``) checks
 layer 1's bound step by step against that step's own fetch and layer 0 and takes its critical
-path apart.
+path apart. ``--gpu-join 0|1`` sets ``DSV41_ENGRAM_GPU_JOIN`` for the overlay (issue 23 pass O: a
+GPU-joined prefill step's trace has ``gpu_join`` and no host join to take apart; each row's
+``overlay_worker.gpu_join`` counts the jobs joined on the GPU, filled from the local rows in C++
+and taken over by the watchdog), and with ``--kill-server`` three prefill chunks run after the
+kill (``kill.prefill_after``: the C++ local fill, bit-exact against vLLM's path).
 
 Default per-layer times: decode 1.0 ms (the issue's one decoder layer); prefill
 ``2 * (13e9 / 43) * 32768 / 2 / 790e12`` s = 12.5 ms: DeepSeek-V4-Flash's 13 B active parameters
@@ -55,6 +59,7 @@ from dsv41.harness.paired import decide, median_interval
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import vllm_overlay_util as Q  # noqa: E402
+from vllm_overlay_step_util import Forward, Layer, calibrate  # noqa: E402
 
 ACTIVE_PARAMS = 13e9
 MODEL_LAYERS = 43
@@ -65,126 +70,6 @@ PREFILL_LAYER_MS = 2 * (ACTIVE_PARAMS / MODEL_LAYERS) * PREFILL_TOKENS / 2 / (BF
 
 def pct(xs, q):
     return float(np.percentile(np.asarray(xs), q)) if len(xs) else float("nan")
-
-
-class Layer:
-    """One stand-in decoder layer: ``n`` chained bf16 [M, K] x [K, K] matmuls (ping-pong buffers)."""
-
-    def __init__(self, torch, n: int, m: int = 4096, k: int = 4096) -> None:
-        self.n = n
-        g = torch.Generator(device="cuda").manual_seed(1)
-        self.w = (torch.randn((k, k), device="cuda", dtype=torch.bfloat16, generator=g) / k ** 0.5)
-        self.a = torch.randn((m, k), device="cuda", dtype=torch.bfloat16, generator=g)
-        self.b = torch.empty_like(self.a)
-        self.torch = torch
-
-    def __call__(self) -> None:
-        mm = self.torch.matmul
-        a, b = self.a, self.b
-        for _ in range(self.n):
-            mm(a, self.w, out=b)
-            a, b = b, a
-
-
-def calibrate(torch, target_ms: float) -> tuple[int, float]:
-    """Matmuls per layer for ``target_ms`` of GPU time, and the measured ms of one matmul."""
-    lay = Layer(torch, 20)
-    for _ in range(3):
-        lay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(5):
-        lay()
-    e1.record()
-    torch.cuda.synchronize()
-    one = e0.elapsed_time(e1) / 100
-    return max(1, round(target_ms / one)), one
-
-
-class Forward:
-    """The stand-in forward of one arm at one T (see the module docstring)."""
-
-    def __init__(self, torch, engrams, hash_buf, t: int, layers: list, engram_at: dict, graphs: bool) -> None:
-        self.torch, self.engrams, self.hash_buf, self.t = torch, engrams, hash_buf, t
-        self.layers, self.engram_at, self.graphs = layers, engram_at, graphs
-        self.sink = torch.zeros((), device="cuda", dtype=torch.float32)
-        self.stall = {li: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                      for li in engram_at}
-        # eager steps (the prefill chunk): layer 0 between two main-stream events, and the
-        # launching thread's host times (time.monotonic_ns) around the starts and the joins
-        self.l0 = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        self.host_ns: dict = {}
-        self.segments: list = []  # ("graph", CUDAGraph) | ("eager", fn)
-        self.captured = False
-
-    def _prepare(self) -> None:
-        self.host_ns["prepare0"] = time.monotonic_ns()
-        for e in self.engrams:
-            e.prepare_embeddings(self.hash_buf[: self.t, e.layer_hash_index])
-        self.host_ns["prepare1"] = time.monotonic_ns()
-
-    def _finish(self, li: int) -> None:
-        e = self.engram_at[li]
-        a, b = self.stall[li]
-        a.record()
-        self.host_ns[f"join0_{li}"] = time.monotonic_ns()
-        e._ready_rows(self.t)
-        self.host_ns[f"join1_{li}"] = time.monotonic_ns()
-        b.record()
-
-    def _layer(self, li: int) -> None:
-        e = self.engram_at.get(li)
-        if e is not None:  # the Engram layer reads every staged row (vLLM: wkv over them)
-            self.sink.add_(e.staged_rows[: self.t].float().sum())
-        if li == 0 and not self.graphs:
-            self.l0[0].record()
-            self.layers[0]()
-            self.l0[1].record()
-            return
-        self.layers[li]()
-
-    def plan(self) -> list:
-        seq = []
-        if self.engrams:
-            seq.append(("eager", self._prepare))
-        for li in range(len(self.layers)):
-            if li in self.engram_at:
-                seq.append(("eager", lambda li=li: self._finish(li)))
-            seq.append(("layer", lambda li=li: self._layer(li)))
-        return seq
-
-    def capture(self, capture_flag: dict) -> None:
-        """vLLM's breakable capture, as its eager breaks do it: graph segments captured, the
-        eager functions run between them with the capture flag up."""
-        torch = self.torch
-        for kind, fn in self.plan():  # warm-up (cuBLAS handles, Triton) outside any capture
-            fn()
-        Q.sync_probe(torch, f"T={self.t} first step")  # synchronizes; pass K's K1 failed here
-        capture_flag["on"] = True
-        try:
-            for kind, fn in self.plan():
-                if kind == "layer":
-                    g = torch.cuda.CUDAGraph()
-                    g.capture_begin()
-                    fn()
-                    g.capture_end()
-                    self.segments.append(("graph", g))
-                else:
-                    fn()
-                    self.segments.append(("eager", fn))
-        finally:
-            capture_flag["on"] = False
-        torch.cuda.synchronize()
-        self.captured = True
-
-    def __call__(self) -> None:
-        if self.graphs:
-            for kind, x in self.segments:
-                x.replay() if kind == "graph" else x()
-        else:
-            for _, fn in self.plan():
-                fn()
 
 
 def build_engrams(eng, vl, mcfg, torch, stream):
@@ -217,6 +102,9 @@ def main() -> int:
     ap.add_argument("--prefill-steps", type=int, default=3)
     ap.add_argument("--kill-server", action="store_true", help="end with a table server killed mid-run")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--gpu-join", choices=("0", "1"), default=None,
+                    help="DSV41_ENGRAM_GPU_JOIN for the overlay (issue 23 pass O; default: the environment's, else "
+                         "the setting's default)")
     ap.add_argument("--switch-interval-us", type=float, default=0.0,
                     help="sys.setswitchinterval for this run (0: Python's default, 5 ms); the worker "
                          "thread waits for the GIL while the launching thread runs Python")
@@ -301,7 +189,12 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
     for li, lid in enumerate(layout.layer_ids):
         Q.load_vllm_tables(own[li].embed_tokens, manifest, data, lid)
     E._sources.clear()
-    settings = S.parse({"DSV41_ENGRAM_REMOTE": ",".join([url] * 2), "DSV41_RUNTIME_ROOT": str(runtime)})
+    senv = {"DSV41_ENGRAM_REMOTE": ",".join([url] * 2), "DSV41_RUNTIME_ROOT": str(runtime)}
+    gj = args.gpu_join if args.gpu_join is not None else os.environ.get("DSV41_ENGRAM_GPU_JOIN")
+    if gj is not None:
+        senv["DSV41_ENGRAM_GPU_JOIN"] = gj
+    settings = S.parse(senv)
+    out["gpu_join_setting"] = settings.gpu_join
     E.apply(eng, settings, C.load())
     capture = {"on": False}
     O._capture_active = lambda: capture["on"]  # what apply() binds to vLLM's BreakableCUDAGraphCapture
@@ -359,6 +252,7 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
         wk0 = dict(ovl[0].embed_tokens._dsv41._worker.counters) if ovl[0].embed_tokens._dsv41._worker else {}
         g0 = [dict(o.embed_tokens._dsv41.graphs.counters) for o in ovl]
         p0 = [dict(o.embed_tokens._dsv41.pieces.counters) for o in ovl]
+        gj0 = gj_counters(ovl)
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         core = ovl[0].embed_tokens._dsv41._worker.core if ovl[0].embed_tokens._dsv41._worker else None
         tracing = bool(prefill and core is not None and hasattr(core, "set_trace"))
@@ -403,7 +297,10 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
                             continue
                         ph["join_wake"] = (f.host_ns["join1_1"] - t1[-1]["t_done"]) * 1e-6
                         wt = ovl[0].embed_tokens._dsv41._slot.native.wait_times()
-                        if wt[0] == t1[-1]["gen"] and join_ns["gen"] == wt[0]:  # this step's join (pass M)
+                        if t1[-1].get("gpu_join"):  # pass O: no host join; tail = last flag stored to b
+                            ph["gpu_join"] = 1.0
+                            ph["join_host"] = (f.host_ns["join1_1"] - f.host_ns["join0_1"]) * 1e-6
+                        elif wt[0] == t1[-1]["gen"] and join_ns["gen"] == wt[0]:  # this step's join (pass M)
                             try:
                                 ph.update(P.join_return(t1[-1]["t_done"], wt, join_ns["ret"], f.host_ns["join1_1"],
                                                         h0 + gms["b"] * 1e6))
@@ -490,7 +387,10 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
             # chunk of a size (warm-up), launched by the C++ core (native_launches), so replays stay 0
             "piece_graphs": {k: round(sum(o.embed_tokens._dsv41.pieces.counters[k] - g[k] for o, g in zip(ovl, p0)), 4)
                              for k in ("captures", "failures", "capture_s")},
-            "piece_graphs_held": sum(len(o.embed_tokens._dsv41.pieces._graphs) for o in ovl)}
+            "piece_graphs_held": sum(len(o.embed_tokens._dsv41.pieces._graphs) for o in ovl),
+            # the GPU-side join (pass O), both layers, timed rounds and the checks after them:
+            # jobs joined on the GPU, filled from the local rows in C++, taken over by the watchdog
+            "gpu_join": {k: v - gj0.get(k, 0) for k, v in gj_counters(ovl).items()}}
         if prefill:
             fetch = row["overlay_worker"]["fetch_ms_per_job"]  # a job = one layer's pieces
             row["prefill_check"] = {
@@ -516,7 +416,58 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
     out["drafter_seam"] = Q.drafter_seam(torch)
     if args.kill_server:
         out["kill"] = kill_server(torch, srv, own, ovl, hash_buf, layout, a, rng, dec_layers, capture, src)
+        if args.prefill:  # pass O: prefill chunks with the server dead (the GPU-side join's local fill)
+            out["kill"]["prefill_after"] = prefill_after_kill(torch, own, ovl, hash_buf, layout, rng, pre_layers,
+                                                              args.prefill, src)
+            out["kill"]["ok"] = out["kill"]["ok"] and out["kill"]["prefill_after"]["rows_bit_exact"]
     return out
+
+
+def gj_counters(ovl) -> dict:
+    """The GPU-side join's counters summed over the overlay's Engram layers (pass O): the
+    launching thread's ``gpu_joins`` / ``gpu_join_redos`` and the C++ slot's ``gj_*``."""
+    tot: dict = {}
+    for o in ovl:
+        rr = o.embed_tokens._dsv41
+        if getattr(rr, "_gj", None) is None:
+            continue
+        for k in ("gpu_joins", "gpu_join_redos"):
+            tot[k] = tot.get(k, 0) + rr.counters.get(k, 0)
+        for k, v in rr._gj.counters().items():
+            tot[k] = tot.get(k, 0) + v
+    return tot
+
+
+def prefill_after_kill(torch, own, ovl, hash_buf, layout, rng, layers, t: int, src) -> dict:
+    """Three eager ``t``-token prefill steps through the overlay after the table server was
+    killed (pass O): rows compared bit for bit with vLLM's path; step times; the GPU-side
+    join's counters (with no connection its jobs are filled from the local rows in C++)."""
+    f_o = Forward(torch, ovl, hash_buf, t, layers, {1: ovl[0], 14: ovl[1]}, graphs=False)
+    f_u = Forward(torch, own, hash_buf, t, layers, {1: own[0], 14: own[1]}, graphs=False)
+    g0 = gj_counters(ovl)
+    c0 = {k: v for k, v in src.counters().items() if isinstance(v, (int, float))}
+    ok, times = True, []
+    for _ in range(3):
+        ok &= timed_exact_step(torch, f_o, f_u, hash_buf, layout, rng, t, own, ovl, times)
+    c1 = {k: v for k, v in src.counters().items() if isinstance(v, (int, float))}
+    return {"steps": 3, "tokens": t, "rows_bit_exact": ok, "step_ms": [round(x, 3) for x in times],
+            "gpu_join": {k: v - g0.get(k, 0) for k, v in gj_counters(ovl).items()},
+            "counters": {k: c1[k] - c0.get(k, 0) for k in ("fallbacks", "transport_errors", "lookups")}}
+
+
+def timed_exact_step(torch, f_o, f_u, hash_buf, layout, rng, t: int, own, ovl, times: list) -> bool:
+    """One step on fresh ids: the overlay's forward ``f_o`` timed on the host (ms appended to
+    ``times``), then vLLM's ``f_u``; True when every Engram layer's ``t`` staged rows are bit-identical."""
+    hash_buf[:t].copy_(step_ids(torch, rng, t, layout, own))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    f_o()
+    torch.cuda.synchronize()
+    times.append((time.perf_counter() - t0) * 1e3)
+    ro = [e.staged_rows[:t].clone() for e in ovl]
+    f_u()
+    torch.cuda.synchronize()
+    return all(bool(torch.equal(x.view(torch.int16), e.staged_rows[:t].view(torch.int16))) for x, e in zip(ro, own))
 
 
 def step_ids(torch, rng, t: int, layout, own):
@@ -560,17 +511,7 @@ def kill_server(torch, srv, own, ovl, hash_buf, layout, a, rng, layers, capture,
             srv.send_signal(signal.SIGKILL)
             srv.wait(timeout=10)
             killed_at = step
-        hash_buf[:t].copy_(step_ids(torch, rng, t, layout, own))
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        f_o()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-        ro = [e.staged_rows[:t].clone() for e in ovl]
-        f_u()
-        torch.cuda.synchronize()
-        for x, e in zip(ro, own):
-            ok &= bool(torch.equal(x.view(torch.int16), e.staged_rows[:t].view(torch.int16)))
+        ok &= timed_exact_step(torch, f_o, f_u, hash_buf, layout, rng, t, own, ovl, times)
     c1 = {k: v for k, v in src.counters().items() if isinstance(v, (int, float))}
     rr = ovl[0].embed_tokens._dsv41
     return {"ok": ok, "killed_after_step": killed_at, "steps": 40, "rows_bit_exact": ok,

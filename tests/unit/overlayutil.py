@@ -5,6 +5,8 @@ kernel and the exact reference rows it is compared with bit for bit, a holdable 
 
 from __future__ import annotations
 
+import socket
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,10 @@ from dsv41.engram import dequant, reader, synthetic
 from dsv41.engram.layout import EngramLayout
 from dsv41.engram.manifest import load_manifest
 from dsv41.engram.rowsource import LocalRowSource, RowSource
+from dsv41.engram.server import load_tables
 from dsv41.overlay import engram as E
+from dsv41.transport import parse_url
+from dsv41.transport.server import RowServer
 
 
 CFG = {"engram_layer_ids": [1, 14], "engram_max_ngram_size": 4, "engram_vocab_size": 500,
@@ -209,3 +214,21 @@ class StepOps:
 
     def bind_thread(self) -> None:
         self._note("bind_thread", "")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (bound to port 0, then released)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def serve_tables(tabs_, port: int) -> RowServer:
+    """A started ``RowServer`` of the ``tabs`` fixture's tables on ``tcp://127.0.0.1:port``."""
+    manifest, d, _ = tabs_
+    tables, _ = load_tables(manifest, d)
+    srv = RowServer(tables, [parse_url(f"tcp://127.0.0.1:{port}")])
+    srv.start()
+    return srv

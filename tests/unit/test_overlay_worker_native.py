@@ -18,34 +18,16 @@ import torch
 from dsv41.engram import client as C
 from dsv41.engram import reader
 from dsv41.engram.client import RemoteRowSource, RemoteUnavailable
-from dsv41.engram.server import load_tables
 from dsv41.overlay import engram as E
 from dsv41.overlay import engram_ops as O
 from dsv41.overlay import engram_rows as ER
 from dsv41.overlay import engram_worker as EW
 from dsv41.transport import Refused, TransportError, TransportTimeout, native, parse_url
-from dsv41.transport.server import RowServer
 from dsv41.transport.tcp import TcpClient
 
-from overlayutil import exact_rows as _exact, lookup_ids as _ids, poisoned as _poisoned, remote_rows as _rows, tabs  # noqa: F401 - tabs is a fixture
+from overlayutil import free_port as _free_port, serve_tables as _serve, exact_rows as _exact, lookup_ids as _ids, poisoned as _poisoned, remote_rows as _rows, tabs  # noqa: F401 - tabs is a fixture
 
 pytestmark = pytest.mark.skipif(native._fastrow is None, reason="the C++ extension is not built")
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
-def _serve(tabs_, port: int) -> RowServer:
-    manifest, d, _ = tabs_
-    tables, _ = load_tables(manifest, d)
-    srv = RowServer(tables, [parse_url(f"tcp://127.0.0.1:{port}")])
-    srv.start()
-    return srv
 
 
 def _source(tabs_, port: int, required: bool = False) -> RemoteRowSource:
@@ -267,7 +249,9 @@ def test_a_join_polls_once_the_last_request_is_out_and_stays_bounded() -> None:
     t0 = time.monotonic()
     assert not s.wait(5, 0.05, 0) and 0.045 <= time.monotonic() - t0 < 5 and s.tail_polls() == 1
     s.begin(6)
-    th = threading.Thread(target=lambda: (time.sleep(0.02), s.mark_tail(6), time.sleep(0.02), s.handoff(6)))
+    # the hand-off comes 0.5 s after the mark: a loaded 2-core machine once delayed this thread's
+    # wait past a 20 ms hand-off (it then returned at once, without polling: tail_polls 1)
+    th = threading.Thread(target=lambda: (time.sleep(0.02), s.mark_tail(6), time.sleep(0.5), s.handoff(6)))
     th.start()
     try:
         assert s.wait(6, 5.0, 0) and s.handed() == 6 and s.tail_polls() == 2

@@ -23,7 +23,10 @@ What changes in vLLM when the overlay is active (``DSV41_ENGRAM_REMOTE`` set):
 * ``Engram._finish_prefetch`` (also an eager break) first waits on the host for that layer's
   hand-off only (``RemoteRows.join``: bounded; a dead or hung worker is a counted refusal;
   required mode raises the cause here), makes the current stream wait on the done event, then
-  runs vLLM's own body. Inside a CUDA-graph capture (vLLM's breakable capture included) the
+  runs vLLM's own body. A prefill chunk's layer whose piece graphs exist is instead queued whole
+  on the GPU at ``_start_prefetch`` and joined there without a host wait (``DSV41_ENGRAM_GPU_JOIN``,
+  default 0 until the merged code has run on a GPU; never in required mode; ``engram_gpujoin``, issue 23 pass O). Inside a CUDA-graph
+  capture (vLLM's breakable capture included) the
   lookup runs synchronously on the launching thread: no second thread calls CUDA then.
 * ``Engram._create_embedding`` tells the embedding its model layer id (the row source keys
   tables by layer id, vLLM by hash index).
@@ -197,7 +200,8 @@ def apply(module: ModuleType, settings: S.OverlaySettings, contract: dict) -> No
         self._dsv41 = RemoteRows(
             src, layer_id, head_start=self.head_start, part=self.part_n_hash_cols, n_hash_cols=self.n_hash_cols,
             vocab_start=self.vocab_start_idx, vocab_end=self.vocab_end_idx, dim=self.dim, block=self.block_size,
-            max_tokens=max_tokens, device=device, dequant=vllm_dequant(module, self), rank=rank)
+            max_tokens=max_tokens, device=device, dequant=vllm_dequant(module, self), rank=rank,
+            gpu_join=settings.gpu_join)
         self._weight_loader = _skip_weight  # set_weight_attrs reads it right after this returns
         log.info("dsv41 overlay rank %d layer %d: rows [%d, %d) from %s (fallback: %s); no vLLM host table "
                  "(%.2f GiB not pinned), %.1f MiB pinned staging", rank, layer_id, self.vocab_start_idx,

@@ -34,7 +34,7 @@ MAX_GRAPHS = 64
 #: Statuses of ``_fastrow.EngramCore.next()`` (the enum of the C++ core): what the worker's Python
 #: does with the batch it hands back (``engram_worker.EngramWorker._run_native``).
 (CORE_RETIRED, CORE_PYTHON, CORE_FETCHED, CORE_FAILED, CORE_CUDA_FAILED, CORE_REPORT, CORE_PYTHON_IDS,
- CORE_PIECES_FETCHED, CORE_PIECES_FAILED) = range(9)
+ CORE_PIECES_FETCHED, CORE_PIECES_FAILED, CORE_GJ_FAILED) = range(10)
 
 
 class OverlayRefused(Dsv41Error):

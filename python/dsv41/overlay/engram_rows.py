@@ -62,7 +62,9 @@ class RemoteRows:
     (``max_num_batched_tokens``); ``device``: where ``out`` lives; ``dequant(w, s, sel, dst, out,
     n, rows)``: the kernel launch (vLLM's ``_engram_lookup_kernel`` in SORTED mode on CUDA; tests
     pass an emulation on CPU); ``required``: a refused hand-off raises instead of serving the
-    rows inline (default: the source's ``is_required()``); ``handoff_timeout_s``: see
+    rows inline (default: the source's ``is_required()``); ``gpu_join``: join a multi-piece job
+    on the GPU where it can run (``DSV41_ENGRAM_GPU_JOIN``, ``engram_gpujoin``; never in required
+    mode); ``handoff_timeout_s``: see
     ``HANDOFF_TIMEOUT_S``; ``ops``: stream/event operations (``CudaOps``/``HostOps`` by device;
     tests pass fakes); ``graphs``: replay a one-piece job's launch as a CUDA graph per token count
     (``LaunchGraphs``; CUDA, or ``graph_record`` in tests).
@@ -76,14 +78,17 @@ class RemoteRows:
     Per step: ``start`` (launching thread, inside vLLM's ``_start_prefetch`` on the prefetch
     stream) queues the ids' D2H copy + an event and hands the job to the worker; ``join``
     (launching thread, inside ``_finish_prefetch``) waits on the host for the worker's hand-off
-    only, then makes the current stream wait on the layer's done event.
+    only, then makes the current stream wait on the layer's done event. With the GPU-side join
+    (issue 23 pass O, ``engram_gpujoin``) a multi-piece job whose piece graphs exist is queued
+    whole on the GPU at ``start`` (waits on host-mapped flags the worker stores, then each piece's
+    graph), and ``join`` only makes the current stream wait on the done event.
     """
 
     def __init__(self, source: Any, layer_id: int, *, head_start: int, part: int, n_hash_cols: int,
                  vocab_start: int, vocab_end: int, dim: int, block: int, max_tokens: int, device: Any,
                  dequant: Callable[..., None], rank: int = 0, required: bool | None = None,
                  handoff_timeout_s: float = HANDOFF_TIMEOUT_S, ops: Any = None, graphs: bool = True,
-                 graph_record: Callable[[int, Any], Any] | None = None) -> None:
+                 graph_record: Callable[[int, Any], Any] | None = None, gpu_join: bool = False) -> None:
         import torch
 
         if dim + dim // block != ROW_BYTES:
@@ -146,6 +151,11 @@ class RemoteRows:
         self.counters = {"starts": 0, "handoffs": 0, "handoff_wait_s": 0.0, "worker_starts": 0,
                          "worker_refusals": 0, "handoff_timeouts": 0, "inline_lookups": 0, "refused_inline": 0}
         self._last_report = time.monotonic()
+        # the GPU-side join of multi-piece jobs (issue 23 pass O, DSV41_ENGRAM_GPU_JOIN): None where off
+        from dsv41.overlay.engram_gpujoin import GpuJoin
+
+        self._gj = GpuJoin.for_rows(self, gpu_join)
+        self._gj_job = False  # the in-flight job is joined on the GPU
 
     def _new_host_buffers(self) -> None:
         """(Re)allocate what the worker writes on the host: the pinned selectors + rows and the
@@ -217,6 +227,9 @@ class RemoteRows:
             self._worker = w
             self.counters["worker_starts"] += int(started)
         self._submitted = True
+        if self._gj is not None and rows > PIECE_ROWS and self._gj.start(w, self._gen):
+            self._gj_job = True  # queued on the GPU and handed to the core: join waits on nothing
+            return
         w.submit(self, self._gen)
 
     def join(self, then: Any = None) -> bool:
@@ -233,6 +246,9 @@ class RemoteRows:
         if self._worker is not None and self._submitted:
             self._worker.joined()
         self._submitted = False
+        if self._gj_job:  # issue 23 pass O: the GPU waits for the rows; no host wait here
+            self._gj_job = False
+            return self._gj.join(then)
         handed, counters = self._ho, self.counters
         # the current stream's wait on the done event is queued by the C++ wait right after the
         # hand-off, before the GIL is taken back (issue 23 pass M); queued == 1: here, below
@@ -544,6 +560,8 @@ class RemoteRows:
         c = {f"layer{self.layer_id}_{k}": v for k, v in self.counters.items()}
         if self._slot is not None:  # joins that polled once the job's last request was out (pass L)
             c[f"layer{self.layer_id}_join_tail_polls"] = self._slot.native.tail_polls()
+        if self._gj is not None:  # the GPU-side join's C++ counters (pass O)
+            c.update({f"layer{self.layer_id}_{k}": v for k, v in self._gj.counters().items()})
         c.update({f"layer{self.layer_id}_graph_{k}": v for k, v in self.graphs.counters.items()})
         if self._worker is not None:
             c.update({f"worker_{k}": v for k, v in self._worker.counters.items()})

@@ -140,6 +140,24 @@ class EngramWorker:
             self._queue.append((rows, gen, time.perf_counter()))
             self._cond.notify()
 
+    def submit_gj(self, rows: Any, gen: int, bound_s: float) -> int:
+        """Queue a GPU-joined job (issue 23 pass O, ``engram_gpujoin``): ``EngramCore.submit_gj``
+        checks the slot, queues the job's GPU side on its stream (``EngramSlot.gj_queue``) and hands
+        it to the core and its watchdog (``bound_s``: the watchdog's bound, seconds). Returns 0
+        (nothing queued: serve it on the host path), 1 (queued) or -1 (the GPU side queued in part:
+        the core still releases it; serve it again after, ``GpuJoin.join``). Launching thread only."""
+        slot = rows._slot
+        if slot.key not in self._tables:
+            self._register(rows)
+        ops = rows.ops
+        q = int(self.core.submit_gj(slot.native, gen, rows._rows, rows._out.data_ptr(),
+                                    ops.stream_handle(rows._stream), ops.event_handle(rows.done), PIECE_ROWS,
+                                    TAIL_ROWS, bound_s, self.expect))
+        if q:
+            self._open += 1
+            self._burst = max(self._burst, self._open)
+        return q
+
     def joined(self) -> None:
         """One started layer was joined; when none is open, the step's number of layers becomes
         the number the worker waits for (at most ``COALESCE_S``, and never past a join: the
@@ -192,9 +210,9 @@ class EngramWorker:
 
     def _run_native(self) -> None:
         """The C++ core's loop (see the class): Python only for what the core hands back."""
-        from dsv41.overlay.engram_ops import (CORE_CUDA_FAILED, CORE_FAILED, CORE_FETCHED, CORE_PIECES_FAILED,
-                                              CORE_PIECES_FETCHED, CORE_PYTHON, CORE_PYTHON_IDS, CORE_REPORT,
-                                              CORE_RETIRED)
+        from dsv41.overlay.engram_ops import (CORE_CUDA_FAILED, CORE_FAILED, CORE_FETCHED, CORE_GJ_FAILED,
+                                              CORE_PIECES_FAILED, CORE_PIECES_FETCHED, CORE_PYTHON, CORE_PYTHON_IDS,
+                                              CORE_REPORT, CORE_RETIRED)
 
         self.ops.bind_thread()
         core, tables, c = self.core, self._tables, self._c
@@ -221,6 +239,8 @@ class EngramWorker:
                     self._serve([(rows, gen)] + more)
                 elif status in (CORE_PIECES_FETCHED, CORE_PIECES_FAILED):
                     self._pieces_back(status, batch[0], code, rcount)
+                elif status == CORE_GJ_FAILED:
+                    self._gj_failed(batch[0], code, rcount)
                 else:
                     t0 = _perf()
                     try:
@@ -276,6 +296,29 @@ class EngramWorker:
         else:
             rows.pieces.disable("a piece graph launch or event record of the C++ core failed")
         self._serve([(rows, gen)])
+
+    def _gj_failed(self, job: tuple, code: int, rcount: int) -> None:
+        """A GPU-joined job's request failed (issue 23 pass O): the core already filled its rows
+        from the exact local rows and released the GPU; here the lent connection is closed and the
+        failure counted as the row source's (``lease_failed`` with no rows to fill)."""
+        from dsv41.overlay.engram_ops import log
+
+        rows, _gen, _ = job
+        t0 = _perf()
+        self._c["gj_failed_requests"] = self._c.get("gj_failed_requests", 0) + 1
+        lease, self._lease = self._lease, None
+        self._lease_t = t0  # the next lease waits LEASE_RETRY_S
+        if lease is None:
+            return
+        client = lease["client"]
+        try:
+            self.source.lease_failed(client, client.native_failure(code, rcount), [], t0)
+        except Exception as exc:  # noqa: BLE001 - the rows are exact already; nothing waits for this
+            log.error("dsv41 overlay rank %d layer %d: counting a failed GPU-joined request raised %s: %s",
+                      self.rank, rows.layer_id, type(exc).__name__, exc)
+        finally:
+            self._c["fetch_s"] += _perf() - t0
+        rows._maybe_report()
 
     def _lease_failed(self, batch: list, code: int, rcount: int) -> list:
         """The core's request failed: the exact local rows (the row source's fallback) for every

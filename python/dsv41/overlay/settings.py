@@ -2,7 +2,8 @@
 
 Engram: ``DSV41_ENGRAM_REMOTE`` (one URL per rank, comma-separated; unset/empty = off),
 ``DSV41_ENGRAM_REMOTE_TIMEOUT_MS`` (1..600000, default 100), ``DSV41_ENGRAM_REMOTE_REQUIRED``
-(0/1), ``DSV41_ENGRAM_LOOKUP_DEADLINE_MS`` (whole-call deadline of a lookup, default 1000, the
+(0/1), ``DSV41_ENGRAM_GPU_JOIN`` (0/1, default 0: 1 joins a prefill chunk's layer on the GPU, issue 23
+pass O, off until the merged code has run on a GPU, ``dsv41.overlay.engram_gpujoin``; never in required mode), ``DSV41_ENGRAM_LOOKUP_DEADLINE_MS`` (whole-call deadline of a lookup, default 1000, the
 same setting the lab engine uses) and ``DSV41_TRANSPORT_CLIENT_SPIN_US`` (busy-poll budget per
 reply, default 50; both read from ``env``), ``DSV41_RUNTIME_ROOT`` (the read-only runtime root
 staged by roles/engram_overlay: ``manifest.json`` and ``overlay.json``, whose ``tables_dir``
@@ -31,7 +32,7 @@ class OverlaySettings:
     """What the overlay does in this process.
 
     ``engram_urls``: raw URL list (empty = Engram overlay off); ``timeout_ms``; ``required``;
-    ``runtime_root``; ``drafter``: True when ``DSV41_DRAFTER_REMOTE`` is set; ``env``: the
+    ``gpu_join`` (``DSV41_ENGRAM_GPU_JOIN``); ``runtime_root``; ``drafter``: True when ``DSV41_DRAFTER_REMOTE`` is set; ``env``: the
     :class:`dsv41.envs.Settings` it was built from (the drafter factory reads it).
     """
 
@@ -41,6 +42,7 @@ class OverlaySettings:
     runtime_root: Path
     drafter: bool
     env: envs.Settings
+    gpu_join: bool = False
 
     @property
     def engram(self) -> bool:
@@ -63,7 +65,7 @@ def parse(env: Mapping[str, str] | None = None) -> OverlaySettings:
     urls = tuple(p for p in (x.strip() for x in s.engram_remote.split(",")) if p)
     root = Path(s.runtime_root.strip() or DEFAULT_RUNTIME_ROOT)
     return OverlaySettings(urls, s.engram_remote_timeout_ms, s.engram_remote_required, root,
-                           bool(s.drafter_remote.strip()), s)
+                           bool(s.drafter_remote.strip()), s, s.engram_gpu_join)
 
 
 def rank_url(settings: OverlaySettings, tp: int, rank: int) -> str:

@@ -17,7 +17,10 @@
 #include <poll.h>
 #include <pthread.h>
 #include <sched.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -35,6 +38,7 @@
 #include <optional>
 #include <string>
 #include <system_error>
+#include <tuple>
 #include <thread>
 #include <vector>
 
@@ -883,8 +887,23 @@ struct CudaDriver {
   int (*event_record)(void *, void *) = nullptr;
   int (*graph_launch)(void *, void *) = nullptr;
   int (*stream_wait_event)(void *, void *, unsigned) = nullptr;  // optional (EngramSlot::wait_stream)
+  // optional, the GPU-side join (issue 23 pass O): the _v2 stream memory operations, host-mapped
+  // pinned memory, the device and driver queries of their detection (stream_mem_ops)
+  int (*wait_value64)(void *, uint64_t, uint64_t, unsigned) = nullptr;
+  int (*write_value64)(void *, uint64_t, uint64_t, unsigned) = nullptr;
+  int (*host_alloc)(void **, size_t, unsigned) = nullptr;
+  int (*host_dev_ptr)(uint64_t *, void *, unsigned) = nullptr;
+  int (*ctx_current)(void **) = nullptr;
+  int (*device_get)(int *, int) = nullptr;
+  int (*device_attribute)(int *, int, int) = nullptr;
+  int (*driver_version)(int *) = nullptr;
   bool ok = false;
 };
+// cuda.h: CU_STREAM_WAIT_VALUE_GEQ, CU_STREAM_WRITE_VALUE_DEFAULT (the write is preceded by a
+// system-wide memory fence: the D2H copy of the ids before it is visible first),
+// CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
+constexpr unsigned kWaitValueGeq = 0x1, kWriteValueDefault = 0x0, kHostAllocMapped = 0x1 | 0x2;
+constexpr int kAttr64BitStreamMemOps = 93;
 const CudaDriver &cuda_driver() {
   static const CudaDriver d = [] {
     CudaDriver r;
@@ -894,11 +913,87 @@ const CudaDriver &cuda_driver() {
     r.event_record = reinterpret_cast<int (*)(void *, void *)>(::dlsym(h, "cuEventRecord"));
     r.graph_launch = reinterpret_cast<int (*)(void *, void *)>(::dlsym(h, "cuGraphLaunch"));
     r.stream_wait_event = reinterpret_cast<int (*)(void *, void *, unsigned)>(::dlsym(h, "cuStreamWaitEvent"));
+    using MemOp = int (*)(void *, uint64_t, uint64_t, unsigned);
+    r.wait_value64 = reinterpret_cast<MemOp>(::dlsym(h, "cuStreamWaitValue64_v2"));
+    r.write_value64 = reinterpret_cast<MemOp>(::dlsym(h, "cuStreamWriteValue64_v2"));
+    r.host_alloc = reinterpret_cast<int (*)(void **, size_t, unsigned)>(::dlsym(h, "cuMemHostAlloc"));
+    r.host_dev_ptr = reinterpret_cast<int (*)(uint64_t *, void *, unsigned)>(::dlsym(h, "cuMemHostGetDevicePointer_v2"));
+    r.ctx_current = reinterpret_cast<int (*)(void **)>(::dlsym(h, "cuCtxGetCurrent"));
+    r.device_get = reinterpret_cast<int (*)(int *, int)>(::dlsym(h, "cuDeviceGet"));
+    r.device_attribute = reinterpret_cast<int (*)(int *, int, int)>(::dlsym(h, "cuDeviceGetAttribute"));
+    r.driver_version = reinterpret_cast<int (*)(int *)>(::dlsym(h, "cuDriverGetVersion"));
     r.ok = r.event_sync && r.event_record && r.graph_launch;
     return r;
   }();
   return d;
 }
+
+// Whether the GPU-side join (issue 23 pass O) can run on CUDA device `ordinal`: the _v2 stream
+// memory operations and host-mapped memory resolve on a driver of CUDA 11.7 or later (NVIDIA's
+// driver API: the V2 entry points are "available by default on all platforms"), else the device
+// reports the v1 64-bit operations (attribute 93; on the H200 with driver 580 it read 0 while
+// cuStreamWaitValue64_v2 worked, pass N). False without the driver or an entry point.
+bool stream_mem_ops(int ordinal) {
+  const CudaDriver &cu = cuda_driver();
+  if (!cu.ok || !cu.wait_value64 || !cu.write_value64 || !cu.host_alloc || !cu.host_dev_ptr || !cu.device_get ||
+      !cu.device_attribute || !cu.stream_wait_event)
+    return false;
+  int dev = 0, v = 0, version = 0;
+  if (cu.device_get(&dev, ordinal) != 0) return false;
+  if (cu.driver_version && cu.driver_version(&version) == 0 && version >= 11070) return true;
+  return cu.device_attribute(&v, kAttr64BitStreamMemOps, dev) == 0 && v != 0;
+}
+
+// A table's exact local rows for the GPU-side join's fallback (issue 23 pass O): the shard file
+// mapped read-only (MAP_SHARED, the page cache) and the table's regions in it
+// (dsv41.engram.manifest.TableEntry: weight_offset + id * 256 and scale_offset + id * 8, the
+// bytes LocalRowReader.read packs), so a fallback fills rows with memcpy: no GIL, no CUDA call,
+// no Python reader. gather() writes n packed 264-byte rows of the ids in `ids` (each in [0, rows):
+// the caller's plan guarantees it; one past is refused: false, nothing written for it). A shard
+// shorter than its regions is refused at construction (std::runtime_error).
+struct LocalTable {
+  const uint8_t *base = nullptr;
+  size_t len = 0;
+  int64_t rows = 0;
+  uint64_t woff = 0, soff = 0;
+  LocalTable(const std::string &path, uint64_t weight_offset, uint64_t scale_offset, int64_t nrows) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw std::runtime_error("cannot open " + path + ": " + std::strerror(errno));
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) {
+      const int e = errno;
+      ::close(fd);
+      throw std::runtime_error("cannot stat " + path + ": " + std::strerror(e));
+    }
+    const uint64_t need = std::max(weight_offset + uint64_t(nrows) * kW, scale_offset + uint64_t(nrows) * kS);
+    if (nrows <= 0 || uint64_t(st.st_size) < need) {
+      ::close(fd);
+      throw std::runtime_error(path + ": shorter than its table's regions (" + std::to_string(st.st_size) + " < " +
+                               std::to_string(need) + " bytes)");
+    }
+    void *p = ::mmap(nullptr, size_t(st.st_size), PROT_READ, MAP_SHARED, fd, 0);
+    const int e = errno;
+    ::close(fd);
+    if (p == MAP_FAILED) throw std::runtime_error("cannot map " + path + ": " + std::strerror(e));
+    base = static_cast<const uint8_t *>(p);
+    len = size_t(st.st_size);
+    rows = nrows; woff = weight_offset; soff = scale_offset;
+  }
+  ~LocalTable() {
+    if (base) ::munmap(const_cast<uint8_t *>(base), len);
+  }
+  LocalTable(const LocalTable &) = delete;
+  LocalTable &operator=(const LocalTable &) = delete;
+  bool gather(const int64_t *ids, int64_t n, uint8_t *out) const {
+    for (int64_t i = 0; i < n; i++) {
+      const int64_t id = ids[i];
+      if (id < 0 || id >= rows) return false;
+      std::memcpy(out + i * kRow, base + woff + uint64_t(id) * kW, kW);
+      std::memcpy(out + i * kRow + kW, base + soff + uint64_t(id) * kS, kS);
+    }
+    return true;
+  }
+};
 
 // One Engram table's hand-off state and staging (RemoteRows holds one): the generation handed
 // off, the one abandoned (a refused hand-off: never launched, never handed off), the buffers the
@@ -929,6 +1024,17 @@ struct EngramSlot {
   // a multi-piece job's launch graphs by (first row, rows, staged_rows address): the fixed piece
   // layout (RemoteRows._launch_piece: selectors at row r0, packed rows at max_rows*4 + r0*264)
   std::map<std::tuple<int64_t, int64_t, uint64_t>, void *> piece_graphs;
+  // The GPU-side join (issue 23 pass O): 4 KiB of host-mapped pinned memory (cuMemHostAlloc
+  // DEVICEMAP), word 0 the ids word (the GPU writes a job's generation there after its ids' D2H
+  // copy), words kGjFlag0.. one flag per piece (the worker or the watchdog stores the job's
+  // generation there once the piece's rows are in the pinned staging); their device addresses;
+  // the exact local rows (set_local); counters (atomics: read by Python at any time).
+  static constexpr size_t kGjFlag0 = 8, kGjWords = 512;
+  uint64_t *gj_host = nullptr;
+  uint64_t gj_dev = 0;
+  std::shared_ptr<LocalTable> local;
+  std::atomic<int64_t> gj_jobs{0}, gj_fallback_jobs{0}, gj_fallback_rows{0}, gj_takeovers{0}, gj_bad{0};
+  std::atomic<uint64_t> gj_done{0};  // the last GPU-join generation whose every flag is stored
 
   void set_table(int64_t l, int64_t h, py::bytes id, uint64_t lim) {
     std::string b = id;
@@ -984,6 +1090,82 @@ struct EngramSlot {
     std::lock_guard<std::mutex> g(m);
     return gen == abandoned;
   }
+  // ---- the GPU-side join (issue 23 pass O) ----
+  // Launching thread, with the CUDA context current: the host-mapped words (once). False when a
+  // driver call is missing or fails (the table then joins on the host).
+  bool gj_setup() {
+    std::lock_guard<std::mutex> g(m);
+    if (gj_host) return true;
+    const CudaDriver &cu = cuda_driver();
+    void *ctx = nullptr, *p = nullptr;
+    uint64_t d = 0;
+    if (!cu.host_alloc || !cu.host_dev_ptr || !cu.ctx_current || cu.ctx_current(&ctx) != 0 || !ctx) return false;
+    if (cu.host_alloc(&p, kGjWords * 8, kHostAllocMapped) != 0 || !p) return false;
+    std::memset(p, 0, kGjWords * 8);
+    if (cu.host_dev_ptr(&d, p, 0) != 0 || !d) return false;  // 4 KiB kept: freed with the process
+    gj_host = static_cast<uint64_t *>(p);
+    gj_dev = d;
+    return true;
+  }
+  // The shard's exact rows for the fallback (LocalTable; std::runtime_error when unusable).
+  void set_local(const std::string &path, uint64_t weight_offset, uint64_t scale_offset, int64_t rows) {
+    auto t = std::make_shared<LocalTable>(path, weight_offset, scale_offset, rows);
+    std::lock_guard<std::mutex> g(m);
+    local = std::move(t);
+  }
+  bool gj_ready() {
+    std::lock_guard<std::mutex> g(m);
+    return gj_host && local && lo >= 0 && hi <= local->rows && has_table && ids && hbuf && fetch;
+  }
+  uint64_t ids_word() const { return __atomic_load_n(&gj_host[0], __ATOMIC_ACQUIRE); }
+  // Release-store piece k's flag (the piece's rows are written before it; a flag only grows).
+  void store_flag(size_t k, uint64_t gen) {
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // rows (recv, memcpy) before the flag
+    uint64_t *f = &gj_host[kGjFlag0 + k];
+    if (__atomic_load_n(f, __ATOMIC_RELAXED) < gen) __atomic_store_n(f, gen, __ATOMIC_RELEASE);
+  }
+  // Launching thread (RemoteRows.start): queue job `gen` of `rows` rows into `out` on `stream`,
+  // whose ids' D2H copy is already queued: the ids word's write, then per piece of the fixed
+  // layout (piece_layout) the wait for its flag (>= gen) and its captured piece graph, then
+  // `done_event`. 1: queued; 0: nothing queued (no words, a piece graph missing, too many pieces,
+  // no driver entry); -1: a driver call failed after part of it was queued (the stream then waits
+  // on flags the core still stores: the caller submits the job anyway, then serves it again).
+  int gj_queue(uint64_t stream, uint64_t gen, int64_t rows, uint64_t out, int64_t piece_rows, int64_t tail_rows,
+               uint64_t done_event) {
+    const CudaDriver &cu = cuda_driver();
+    if (!gj_host || !cu.wait_value64 || !cu.write_value64 || !cu.graph_launch || !cu.event_record || !stream ||
+        !done_event || piece_rows <= 0)
+      return 0;
+    const auto lay = piece_layout_of(rows, piece_rows, tail_rows);
+    if (lay.size() > kGjWords - kGjFlag0) return 0;
+    std::vector<void *> gs;
+    {
+      std::lock_guard<std::mutex> g(m);
+      for (auto &pc : lay) {
+        void *e = piece_graph_locked(pc.first, pc.second, out);
+        if (!e) return 0;
+        gs.push_back(e);
+      }
+    }
+    void *st = reinterpret_cast<void *>(stream);
+    if (cu.write_value64(st, gj_dev, gen, kWriteValueDefault) != 0) return 0;
+    for (size_t k = 0; k < gs.size(); k++)
+      if (cu.wait_value64(st, gj_dev + (kGjFlag0 + k) * 8, gen, kWaitValueGeq) != 0 || cu.graph_launch(gs[k], st) != 0)
+        return -1;
+    if (cu.event_record(reinterpret_cast<void *>(done_event), st) != 0) return -1;
+    return 1;
+  }
+  // Launching thread (RemoteRows.join of a GPU-joined job): `stream` waits on `event`, then on
+  // `event2` (nonzero); 1 | 2 | 4 as wait_stream's bits (0: not queued).
+  int gj_stream_waits(uint64_t stream, uint64_t event, uint64_t event2) {
+    const CudaDriver &cu = cuda_driver();
+    void *st = reinterpret_cast<void *>(stream);
+    if (!cu.stream_wait_event || !event || cu.stream_wait_event(st, reinterpret_cast<void *>(event), 0) != 0) return 0;
+    int r = 1 | 2;
+    if (event2 && cu.stream_wait_event(st, reinterpret_cast<void *>(event2), 0) == 0) r |= 4;
+    return r;
+  }
+  static std::vector<std::pair<int64_t, int64_t>> piece_layout_of(int64_t rows, int64_t piece_rows, int64_t tail_rows);
   // Worker (core): the last request of job `gen` is about to go out; wakes a join sleeping for it.
   void mark_tail(uint64_t gen) {
     {
@@ -1119,6 +1301,11 @@ std::vector<std::pair<int64_t, int64_t>> piece_layout(int64_t rows, int64_t piec
   return v;
 }
 
+std::vector<std::pair<int64_t, int64_t>> EngramSlot::piece_layout_of(int64_t rows, int64_t piece_rows,
+                                                                        int64_t tail_rows) {
+  return piece_layout(rows, piece_rows, tail_rows);
+}
+
 struct PiecePlan {
   EngramSlot &s;
   const int64_t rows;
@@ -1210,6 +1397,154 @@ void Planner::loop() {
   }
 }
 
+// ---- the GPU-side join's jobs, their fill from the local rows and the watchdog (issue 23 pass O) ----
+// One GPU-joined job: the launching thread queued its ids word's write, per piece the wait for
+// its flag and its graph, and its done event on the job's stream (EngramSlot::gj_queue), so the
+// GPU runs each piece once its flag holds `gen`. Exactly one of the worker and the watchdog
+// serves it: the one whose compare-and-swap of `claim` from 0 wins (1 the worker, 2 the watchdog)
+// fills every piece's rows (remote, or the exact local rows) and stores every flag; `done` once
+// all are stored. The claimer's own state (which flags it stored) lives on its stack.
+struct GJob {
+  std::shared_ptr<EngramSlot> slot;
+  uint64_t gen = 0;
+  int64_t rows = 0, piece_rows = 0, tail_rows = 0;
+  int64_t bound_ns = 0;    // the watchdog's bound, counted from its first sight of the ids word
+  std::atomic<int64_t> t_ids_seen{0};  // the watchdog's first sight of the ids word
+  std::atomic<int> claim{0};
+  std::atomic<bool> done{false};
+};
+
+// The ids of job `gen` are in the pinned ids buffer once the GPU wrote `gen` (or later) into the
+// slot's ids word (cuStreamWriteValue64, after the D2H copy, with a system-wide fence): polled,
+// 50 us of busy polling, then 20 us sleeps; no CUDA call. No bound: the GPU reaches the job's
+// flag waits only after this write, so while it has not come nothing waits on the job.
+inline void gj_wait_ids(EngramSlot &s, uint64_t gen) {
+  const int64_t spin_end = now_ns() + 50000;
+  while (s.ids_word() < gen) {
+    if (now_ns() < spin_end) {
+      cpu_relax();
+      continue;
+    }
+    timespec ts{0, 20000};
+    ::nanosleep(&ts, nullptr);
+  }
+}
+
+// Every piece of `plan` whose flag is not stored yet (`stored`, one entry per piece): its plan
+// awaited, its owned rows gathered from the slot's exact local rows into the fixed piece layout,
+// its flag stored. Returns the rows gathered. An owned id past the local table (excluded by
+// EngramSlot::gj_ready's range check) leaves that piece's rows as they are and counts in `bad`.
+int64_t gj_fill_local(EngramSlot &s, uint64_t gen, PiecePlan &plan, std::vector<char> &stored, int64_t &bad) {
+  uint8_t *packed = s.hbuf + s.max_rows * 4;
+  int64_t filled = 0;
+  for (size_t k = 0; k < plan.count; k++) {
+    if (stored[k]) continue;
+    plan.wait(k);
+    const int64_t r0 = plan.lay[k].first, n = plan.ns[k];
+    if (n && !(s.local && s.local->gather(s.fetch + r0, n, packed + r0 * kRow))) bad++;
+    filled += n;
+    s.store_flag(k, gen);
+    stored[k] = 1;
+  }
+  return filled;
+}
+
+// The process's watchdog of GPU-joined jobs (one thread, started at the first such job, never
+// stopped: a daemon as the worker). Every kPollNs it looks at each open job: once the GPU has
+// written the job's ids word (the GPU can wait on the job's flags from then on) and the job is
+// still unclaimed bound_ns after the watchdog first saw that, it claims the job and serves it
+// whole from the exact local rows (a dead, retired, hung or busy worker: the worker drops a job it
+// cannot claim), counted in the slot's gj_takeovers. Jobs claimed by the worker are only
+// forgotten once done. No CUDA call, no GIL.
+class GjWatchdog {
+ public:
+  static constexpr int64_t kPollNs = 1000000;
+  static GjWatchdog &get() {
+    static GjWatchdog *w = new GjWatchdog();  // never destroyed: its thread runs until the process ends
+    return *w;
+  }
+  // false: no thread could be started (the caller then does not queue a GPU-side join)
+  bool watch(std::shared_ptr<GJob> g) {
+    if (!start()) return false;
+    std::lock_guard<std::mutex> l(m_);
+    jobs_.push_back(std::move(g));
+    return true;
+  }
+  // The thread, once (false: it cannot be started).
+  bool start() {
+    std::lock_guard<std::mutex> l(m_);
+    if (started_) return true;
+    try {
+      std::thread([this] { loop(); }).detach();
+    } catch (const std::system_error &) {
+      return false;
+    }
+    started_ = true;
+    return true;
+  }
+  size_t open() {
+    std::lock_guard<std::mutex> l(m_);
+    return jobs_.size();
+  }
+  // One look (the thread's loop).
+  void look() {
+    std::vector<std::shared_ptr<GJob>> seen;
+    {
+      std::lock_guard<std::mutex> l(m_);
+      seen = jobs_;
+    }
+    for (auto &g : seen) {
+      if (g->done.load(std::memory_order_acquire) || g->claim.load(std::memory_order_acquire) != 0) continue;
+      EngramSlot &s = *g->slot;
+      const int64_t t = now_ns();
+      if (s.ids_word() < g->gen) continue;
+      int64_t first = 0;
+      g->t_ids_seen.compare_exchange_strong(first, t);
+      if (t - g->t_ids_seen.load() < g->bound_ns) continue;
+      int open = 0;
+      if (!g->claim.compare_exchange_strong(open, 2, std::memory_order_acq_rel)) continue;
+      take_over(*g);
+    }
+    std::lock_guard<std::mutex> l(m_);
+    std::vector<std::shared_ptr<GJob>> keep;
+    for (auto &g : jobs_)
+      if (!g->done.load(std::memory_order_acquire)) keep.push_back(g);
+    jobs_.swap(keep);
+  }
+
+ private:
+  GjWatchdog() = default;
+  void loop() {
+    ::pthread_setname_np(::pthread_self(), "dsv41-gj-watch");
+    for (;;) {
+      timespec ts{0, long(kPollNs)};
+      ::nanosleep(&ts, nullptr);
+      look();
+    }
+  }
+  static void take_over(GJob &g) {
+    EngramSlot &s = *g.slot;
+    PiecePlan plan(s, g.rows, piece_layout(g.rows, g.piece_rows, g.tail_rows));
+    plan.run_all();
+    std::vector<char> stored(plan.count, 0);
+    int64_t bad = 0;
+    const int64_t n = gj_fill_local(s, g.gen, plan, stored, bad);
+    if (bad) s.gj_bad.fetch_add(bad);
+    s.gj_takeovers.fetch_add(1);
+    s.gj_fallback_jobs.fetch_add(1);
+    s.gj_fallback_rows.fetch_add(n);
+    s.gj_jobs.fetch_add(1);
+    uint64_t prev = s.gj_done.load();
+    while (prev < g.gen && !s.gj_done.compare_exchange_weak(prev, g.gen)) {
+    }
+    s.handoff(g.gen);
+    g.done.store(true, std::memory_order_release);
+  }
+  std::mutex m_;
+  std::vector<std::shared_ptr<GJob>> jobs_;
+  bool started_ = false;
+};
+
 struct EngramJob {
   std::shared_ptr<EngramSlot> slot;
   uint64_t gen;
@@ -1221,6 +1556,8 @@ struct EngramJob {
   int64_t t_sub;
   int64_t n = 0;
   int64_t t_deq = 0, t_ids = 0;  // dequeued, ids event done (CLOCK_MONOTONIC ns; the phase trace)
+  std::shared_ptr<GJob> gj;         // a GPU-joined job (issue 23 pass O), else null
+  std::vector<char> *stored = nullptr;  // serve_gj: the pieces whose flag is stored
 };
 
 // One multi-piece job's phase timestamps (EngramCore::set_trace, issue 23 pass K: the step
@@ -1241,13 +1578,17 @@ struct PieceTrace {
   // fetch is the first send to the last reply less `idle` (gaps with nothing on the wire)
   bool stream = false;
   int64_t t_fetch0 = 0, t_fetch1 = 0, idle = 0;
+  bool gpu_join = false;  // a GPU-joined job (pass O): launch1 = the piece's flag stored, t_done = the last
 };
 
 class EngramCore {
  public:
   // Statuses of next(): what Python does with the batch it returns.
+  // GJ_FAILED (issue 23 pass O): a GPU-joined job's request failed and its rows were filled from
+  // the exact local rows (every flag stored): Python closes the lent connection and counts it.
+  // GJ (internal): take() dequeued and claimed a GPU-joined job.
   enum { RETIRED = 0, PYTHON = 1, FETCHED = 2, FAILED = 3, CUDA_FAILED = 4, REPORT = 5, PYTHON_IDS = 6,
-         PIECES_FETCHED = 7, PIECES_FAILED = 8 };
+         PIECES_FETCHED = 7, PIECES_FAILED = 8, GJ_FAILED = 9, GJ = 10 };
   // Requests in flight per piece of a multi-piece job (tcp.TcpClient.lookup_many's window).
   static constexpr uint32_t kPieceWindow = 4;
 
@@ -1272,6 +1613,32 @@ class EngramCore {
     q_.push_back(EngramJob{std::move(slot), gen, rows, out, reinterpret_cast<void *>(stream),
                            reinterpret_cast<void *>(ids_event), reinterpret_cast<void *>(done_event), cuda, py_wait, now_ns()});
     cv_.notify_one();
+  }
+  // Launching thread (issue 23 pass O): GPU-join job `gen`. Every check first (the slot ready:
+  // words, local rows, buffers, table; the rows fit; the watchdog's thread), then its GPU side
+  // (slot->gj_queue on `stream`, unless `queue` is false: the CPU tests' stand-in for the GPU),
+  // then the job to the worker's queue and to the watchdog (bound_s: GjWatchdog's bound). 0:
+  // nothing queued anywhere (the caller serves the job on the host path); 1: queued; -1: the GPU
+  // side was queued in part (a driver call failed): the job is still handed to the worker, which
+  // releases every flag, and the caller serves it again once it is done (GpuJoin.join).
+  int submit_gj(std::shared_ptr<EngramSlot> slot, uint64_t gen, int64_t rows, uint64_t out, uint64_t stream,
+                uint64_t done_event, int64_t piece_rows, int64_t tail_rows, double bound_s, int expect, bool queue) {
+    if (!slot->gj_ready() || rows <= 0 || size_t(rows) > slot->max_rows || !GjWatchdog::get().start()) return 0;
+    const int q = queue ? slot->gj_queue(stream, gen, rows, out, piece_rows, tail_rows, done_event) : 1;
+    if (q == 0) return 0;
+    auto g = std::make_shared<GJob>();
+    g->slot = slot; g->gen = gen; g->rows = rows; g->piece_rows = piece_rows; g->tail_rows = tail_rows;
+    g->bound_ns = int64_t(std::max(bound_s, 0.0) * 1e9);
+    GjWatchdog::get().watch(g);  // its thread runs (start() above): never refused now
+    slot->begin(gen);
+    std::lock_guard<std::mutex> l(m_);
+    expect_ = expect;
+    EngramJob j{slot, gen, rows, out, reinterpret_cast<void *>(stream), nullptr, reinterpret_cast<void *>(done_event),
+                true, false, now_ns()};
+    j.gj = std::move(g);
+    q_.push_back(std::move(j));
+    cv_.notify_one();
+    return q;
   }
   void joined(int expect) {  // expect: the worker's new expectation (EngramWorker.joined)
     std::lock_guard<std::mutex> g(m_);
@@ -1305,13 +1672,19 @@ class EngramCore {
     d["native_wake_s"] = c_wake * 1e-9; d["native_ids_wait_s"] = c_ids * 1e-9; d["native_coalesce_s"] = c_coal * 1e-9;
     d["native_plan_s"] = c_plan * 1e-9; d["native_fetch_s"] = c_fetch * 1e-9; d["native_launch_s"] = c_launch * 1e-9;
     d["native_host_s"] = c_host * 1e-9; d["native_plan_ahead_s"] = c_plan_ahead * 1e-9;
+    d["native_gj_jobs"] = c_gj_jobs; d["native_gj_fallback_jobs"] = c_gj_fb_jobs;
+    d["native_gj_fallback_rows"] = c_gj_fb_rows; d["native_gj_nolease"] = c_gj_nolease;
+    d["native_gj_failed_requests"] = c_gj_failed;
     return d;
   }
   // The row-source counters of the requests made here (RemoteRowSource.add_counters).
   py::dict source_counters() {
     std::lock_guard<std::mutex> g(cm_);
     py::dict d;
-    d["lookups"] = c_lookups; d["rows"] = c_rows; d["remote_rows"] = c_rows;
+    // a GPU-joined job served from the local rows without a lent connection is one lookup and
+    // one fallback (one whose request failed is counted by Python's lease_failed)
+    d["lookups"] = c_lookups + c_gj_nolease; d["rows"] = c_rows + c_gj_nolease_rows; d["remote_rows"] = c_rows;
+    d["fallbacks"] = c_gj_nolease;
     d["latency_sum_s"] = c_fetch * 1e-9; d["latency_count"] = c_requests;
     return d;
   }
@@ -1339,6 +1712,7 @@ class EngramCore {
       d["fetch0"] = t.fetch0; d["fetch1"] = t.fetch1; d["launch1"] = t.launch1;
       d["t_head1"] = t.t_head1; d["t_rest0"] = t.t_rest0;
       d["stream"] = t.stream; d["t_fetch0"] = t.t_fetch0; d["t_fetch1"] = t.t_fetch1; d["idle"] = t.idle;
+      d["gpu_join"] = t.gpu_join;
       out.append(d);
     }
     return out;
@@ -1354,8 +1728,9 @@ class EngramCore {
       for (;;) {
         batch.clear();
         status = take(batch);
-        if (status != FETCHED) break;  // RETIRED, or PYTHON (ids not awaited or not eligible)
-        status = serve(batch, code, rcount);
+        if (status == GJ) status = serve_gj(batch[0], code, rcount);  // REPORT or GJ_FAILED
+        else if (status != FETCHED) break;  // RETIRED, or PYTHON (ids not awaited or not eligible)
+        else status = serve(batch, code, rcount);
         if (status != REPORT) break;
         int64_t t = now_ns();
         if (t - last_return_ >= report_ns_) break;
@@ -1370,17 +1745,27 @@ class EngramCore {
  private:
   // Dequeue the batch (first job, ids awaited, the step's other layers coalesced); FETCHED means
   // "go on serving", PYTHON that Python serves the batch as it is.
+  // A GPU-joined job is claimed here (GJ) or dropped when the watchdog claimed it first.
   int take(std::vector<EngramJob> &batch) {
     std::unique_lock<std::mutex> l(m_);
-    cv_.wait(l, [&] { return !q_.empty() || retired_; });
-    if (retired_) return RETIRED;
-    batch.push_back(std::move(q_.front()));
-    q_.pop_front();
+    for (;;) {
+      cv_.wait(l, [&] { return !q_.empty() || retired_; });
+      if (retired_) return RETIRED;  // GPU-joined jobs still queued: the watchdog serves them
+      EngramJob j = std::move(q_.front());
+      q_.pop_front();
+      if (j.gj) {
+        int open = 0;
+        if (!j.gj->claim.compare_exchange_strong(open, 1, std::memory_order_acq_rel)) continue;
+      }
+      batch.push_back(std::move(j));
+      break;
+    }
     l.unlock();
     int64_t t0 = now_ns();
     EngramJob &j0 = batch[0];
     j0.t_deq = t0;
     add(c_wake, t0 - j0.t_sub);
+    if (j0.gj) return GJ;
     if (j0.py_wait) return PYTHON_IDS;  // Python waits on its ids event, then calls coalesce()
     const CudaDriver &cu = cuda_driver();
     if (j0.cuda && (!j0.ids_event || !cu.ok || cu.event_sync(j0.ids_event) != 0))
@@ -1401,7 +1786,7 @@ class EngramCore {
       cv_.wait_for(l, std::chrono::nanoseconds(coalesce_ns_),
                    [&] { return int64_t(q_.size()) + 1 >= expect_ || retired_ || joins_ != joins; });
     }
-    while (!q_.empty() && batch.size() < kMaxSegs) {
+    while (!q_.empty() && batch.size() < kMaxSegs && !q_.front().gj) {  // a GPU-joined job: alone
       batch.push_back(std::move(q_.front()));
       q_.pop_front();
     }
@@ -1704,7 +2089,16 @@ class EngramCore {
         s.mark_tail(j.gen);                                          // the join polls from here on
         tail_marked = true;
       }
-      // 2. the pieces whose replies are all in: their graphs, after the requests above
+      // 2. the pieces whose replies are all in: their graphs, after the requests above; a
+      // GPU-joined job's (pass O): their flags (the GPU's waits release the graphs queued at start)
+      while (!to_launch.empty() && j.gj) {
+        const size_t p = to_launch.front();
+        to_launch.pop_front();
+        s.store_flag(p, j.gen);
+        (*j.stored)[p] = 1;
+        if (tr) tr->launch1[p] = now_ns();
+        progressed = true;
+      }
       while (!to_launch.empty() && j.cuda && !stop_send) {
         const size_t p = to_launch.front();
         to_launch.pop_front();
@@ -1790,6 +2184,77 @@ class EngramCore {
     }
     return -1;
   }
+  // A GPU-joined job (issue 23 pass O; claimed by take()): its ids awaited on the ids word,
+  // planned as serve_pieces plans (piece 0's head here, the rest on the planner thread), then on
+  // the lent connection the pipelined request stream, each piece's flag stored once its last
+  // reply is in (stream(), j.gj); without a connection, or after a failed request, every piece
+  // not stored yet is filled from the exact local rows (gj_fill_local) and its flag stored. No
+  // CUDA call. REPORT, or GJ_FAILED after a failed request (code, rcount as PIECES_FAILED: Python
+  // closes the connection and counts the failure; the rows are already exact and released).
+  int serve_gj(EngramJob &j, int &code, uint32_t &rcount) {
+    EngramSlot &s = *j.slot;
+    GJob &g = *j.gj;
+    const int64_t t0 = now_ns();
+    gj_wait_ids(s, j.gen);
+    j.t_ids = now_ns();
+    add(c_ids, j.t_ids - t0);
+    std::vector<std::pair<int64_t, int64_t>> lay = piece_layout(j.rows, g.piece_rows, g.tail_rows);
+    std::vector<std::pair<int64_t, void *>> pieces;
+    for (auto &pc : lay) pieces.push_back({pc.second, nullptr});
+    const int64_t tp = now_ns();
+    PiecePlan plan(s, j.rows, std::move(lay));
+    plan.plan_head(head_rows_);
+    if (plan.head_rows == 0) plan.plan(0);
+    plan.start_ahead(planner());
+    const int64_t t_plan0 = now_ns();
+    add(c_plan, t_plan0 - tp);
+    std::vector<char> stored(plan.count, 0);
+    j.stored = &stored;
+    PieceTrace tr;
+    const bool tracing = trace_.load(std::memory_order_relaxed);
+    if (tracing) {
+      tr.key = s.key; tr.gen = j.gen; tr.rows = j.rows; tr.t_sub = j.t_sub; tr.t_deq = j.t_deq; tr.t_ids = j.t_ids;
+      tr.t_plan0 = t_plan0; tr.gpu_join = true;
+      tr.fetch0.assign(pieces.size(), 0); tr.fetch1.assign(pieces.size(), 0); tr.launch1.assign(pieces.size(), 0);
+    }
+    const bool lease = fd_ >= 0 && s.has_table;
+    int st = -1;
+    int64_t fetch_ns = 0, launch_ns = 0;
+    size_t launched = 0;
+    code = 0;
+    if (lease) st = stream(j, s, plan, pieces, tracing ? &tr : nullptr, launched, launch_ns, code, rcount, fetch_ns);
+    const bool failed = st >= 0;  // PIECES_FAILED: a request failed (stop_send cannot happen here)
+    int64_t filled = 0, bad = 0;
+    size_t unstored = 0;
+    for (char c : stored) unstored += c == 0;
+    if (unstored) filled = gj_fill_local(s, j.gen, plan, stored, bad);  // no lease, or after the failure
+    j.n = plan.finish();
+    j.stored = nullptr;
+    add(c_plan_ahead, plan.ahead_ns);
+    uint64_t prev = s.gj_done.load();
+    while (prev < j.gen && !s.gj_done.compare_exchange_weak(prev, j.gen)) {
+    }
+    s.handoff(j.gen);
+    g.done.store(true, std::memory_order_release);
+    const int64_t t_done = now_ns();
+    s.gj_jobs.fetch_add(1);
+    const bool fb = unstored > 0;
+    if (fb) {
+      s.gj_fallback_jobs.fetch_add(1);
+      s.gj_fallback_rows.fetch_add(filled);
+    }
+    {
+      std::lock_guard<std::mutex> l(cm_);
+      c_gj_jobs++; c_batches++; c_jobs++;
+      c_host += t_done - t0 - fetch_ns;
+      if (fb) { c_gj_fb_jobs++; c_gj_fb_rows += filled; }
+      if (!lease) { c_gj_nolease++; c_gj_nolease_rows += filled; }
+      if (failed) c_gj_failed++;
+    }
+    if (tracing && lease && !fb) keep_trace(tr, t_done);
+    if (bad) s.gj_bad.fetch_add(bad);
+    return failed && code != 0 ? GJ_FAILED : REPORT;
+  }
   void keep_trace(PieceTrace &tr, int64_t t_done) {
     tr.t_done = t_done;
     std::lock_guard<std::mutex> g(cm_);
@@ -1845,7 +2310,8 @@ class EngramCore {
   int64_t last_return_;
   int64_t c_batches = 0, c_jobs = 0, c_requests = 0, c_multi = 0, c_launches = 0, c_cwaits = 0, c_rows = 0,
           c_lookups = 0, c_wake = 0, c_ids = 0, c_coal = 0, c_plan = 0, c_fetch = 0, c_launch = 0, c_host = 0,
-          c_plan_ahead = 0;
+          c_plan_ahead = 0, c_gj_jobs = 0, c_gj_fb_jobs = 0, c_gj_fb_rows = 0, c_gj_nolease = 0, c_gj_nolease_rows = 0,
+          c_gj_failed = 0;
 };
 
 }  // namespace
@@ -1925,6 +2391,37 @@ PYBIND11_MODULE(_fastrow, m) {
       .def("wait", &EngramSlot::wait, py::arg("gen"), py::arg("timeout_s"), py::arg("spin_ns") = 0)
       .def("wait_stream", &EngramSlot::wait_stream, py::arg("gen"), py::arg("timeout_s"), py::arg("spin_ns"),
            py::arg("stream"), py::arg("event"), py::arg("event2") = 0)
+      .def("gj_setup", &EngramSlot::gj_setup)
+      .def("set_local", &EngramSlot::set_local, py::arg("path"), py::arg("weight_offset"), py::arg("scale_offset"),
+           py::arg("rows"))
+      .def("gj_ready", &EngramSlot::gj_ready)
+      .def("gj_queue", &EngramSlot::gj_queue, py::arg("stream"), py::arg("gen"), py::arg("rows"), py::arg("out"),
+           py::arg("piece_rows"), py::arg("tail_rows"), py::arg("done_event"))
+      .def("gj_stream_waits", &EngramSlot::gj_stream_waits, py::arg("stream"), py::arg("event"), py::arg("event2") = 0)
+      .def("gj_done", [](EngramSlot &s) { return s.gj_done.load(); })
+      .def("gj_counters", [](EngramSlot &s) {
+        py::dict d;
+        d["gj_jobs"] = s.gj_jobs.load(); d["gj_fallback_jobs"] = s.gj_fallback_jobs.load();
+        d["gj_fallback_rows"] = s.gj_fallback_rows.load(); d["gj_takeovers"] = s.gj_takeovers.load();
+        d["gj_bad_pieces"] = s.gj_bad.load();
+        return d;
+      })
+      // the unit tests' stand-in for the GPU, on a slot with words: the ids word's write and the flags
+      .def("gj_test_words", [](EngramSlot &s) {
+        std::lock_guard<std::mutex> g(s.m);
+        if (!s.gj_host) s.gj_host = new uint64_t[EngramSlot::kGjWords]();  // plain host memory, no CUDA (tests)
+      })
+      .def("gj_write_ids", [](EngramSlot &s, uint64_t gen) {
+        if (!s.gj_host) throw std::runtime_error("no GPU-join words");
+        __atomic_store_n(&s.gj_host[0], gen, __ATOMIC_RELEASE);
+      })
+      .def("gj_flags", [](EngramSlot &s, size_t n) {
+        if (!s.gj_host) throw std::runtime_error("no GPU-join words");
+        std::vector<uint64_t> v;
+        for (size_t k = 0; k < n && EngramSlot::kGjFlag0 + k < EngramSlot::kGjWords; k++)
+          v.push_back(__atomic_load_n(&s.gj_host[EngramSlot::kGjFlag0 + k], __ATOMIC_ACQUIRE));
+        return v;
+      })
       .def("wait_times", [](EngramSlot &s) {
         return py::make_tuple(s.w_gen, s.w_enter, s.w_seen, s.w_queued, s.w_gil);
       });
@@ -1932,6 +2429,9 @@ PYBIND11_MODULE(_fastrow, m) {
       .def(py::init<int64_t, int64_t, double, int64_t, int64_t>(), py::arg("chunk_rows"), py::arg("piece_rows"),
            py::arg("report_s"), py::arg("head_rows") = 0, py::arg("tail_rows") = 0)
       .def("submit", &EngramCore::submit)
+      .def("submit_gj", &EngramCore::submit_gj, py::arg("slot"), py::arg("gen"), py::arg("rows"), py::arg("out"),
+           py::arg("stream"), py::arg("done_event"), py::arg("piece_rows"), py::arg("tail_rows"), py::arg("bound_s"),
+           py::arg("expect"), py::arg("queue") = true)
       .def("joined", &EngramCore::joined)
       .def("retire", &EngramCore::retire)
       .def("retired", &EngramCore::retired)
@@ -1944,6 +2444,9 @@ PYBIND11_MODULE(_fastrow, m) {
       .def("coalesce", &EngramCore::coalesce)
       .def("set_trace", &EngramCore::set_trace, py::arg("on"))
       .def("take_traces", &EngramCore::take_traces);
+  m.def("stream_mem_ops", &stream_mem_ops, py::arg("ordinal"));
+  m.def("gj_watch_start", [] { return GjWatchdog::get().start(); });
+  m.def("gj_watch_open", [] { return GjWatchdog::get().open(); });
   m.def("client_lookup", &client_lookup);
   // end_ns defaults to 0 (no whole-call deadline), so callers of the 9-argument form keep working
   m.def("client_lookup_many", &client_lookup_many, py::arg("fd"), py::arg("gen0"), py::arg("ident"), py::arg("rows"),
