@@ -135,6 +135,14 @@ def inside(host: str, *cmd: str, check: bool = True, timeout: int = 120) -> subp
                           capture_output=True, text=True, check=check, timeout=timeout)
 
 
+def host_path(host: str, path: str) -> Path:
+    """``path`` (absolute) in lab host ``host``'s own file system, seen from the controller through
+    its systemd's root (``/proc/<pid 1 of the machine>/root``). The nspawn hosts have no host
+    directory under ``LAB`` that mirrors their tree (the supervisord lab had ``LAB/<host>/...``)."""
+    pid = (LAB / f"{host}.pid").read_text().strip()
+    return Path(f"/proc/{pid}/root") / path.lstrip("/")
+
+
 def extra_inventory(tmp_path: Path, hosts: dict[str, dict]) -> str:
     """A second inventory source naming the same hosts, its variables in host_vars/ (inventory
     host_vars of a later source override inventories/sim's, which inline host vars would not);

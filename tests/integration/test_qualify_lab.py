@@ -21,7 +21,7 @@ import shutil
 import subprocess
 
 import pytest
-from labutil import BIN, LAB, ROOT, extra_inventory, inside, needs_lab, play
+from labutil import BIN, ROOT, extra_inventory, host_path, inside, needs_lab, play
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab]
 
@@ -171,7 +171,7 @@ def test_broken_lab_fails_the_right_checks_and_only_those(deployed_lab, tmp_path
     assert ids["serving.greedy_refs"]["status"] == "pass"  # the exact local fallback
 
     # a wrong manifest on rank 1: its transport and its sweep fail, nothing else
-    manifest = LAB / "sparkworker/opt/dsv41/tables/manifest.json"
+    manifest = host_path("sparkworker", "/opt/dsv41/tables/manifest.json")
     keep = manifest.read_bytes()
     doc = json.loads(keep)
     doc["tables"] = list(reversed(doc["tables"]))  # layer 1's table where layer 2's belongs and back
