@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv41.harness import bench, win2, window, window_run
+from dsv41.harness import bench, win2, window, window_pid, window_run
 from dsv41.harness.window import WindowError
 
 SPEC = str(Path(__file__).resolve().parents[2] / "candidates" / "specs" / "drill.json")
@@ -52,7 +52,7 @@ def test_run_window_writes_the_report_and_returns_the_decision(tmp_path, fake_ar
     dec = json.loads((tmp_path / "w1" / "decision.json").read_text())
     assert dec["decision"]["verdict"] == res.decision.verdict
     assert len(Path(res.cells_path).read_text().splitlines()) == len(plan)
-    assert not (tmp_path / "w1" / window.RUN_PID_NAME).exists()
+    assert not (tmp_path / "w1" / window_pid.RUN_PID_NAME).exists()
     # the cap recorded the window (params.cap defaults to True, as the CLI without --no-cap)
     assert [w["window"] for w in json.loads((tmp_path / "questions.json").read_text())["aa:step_ms_p50"]] == ["w1"]
 
@@ -67,7 +67,7 @@ def test_run_window_refusals_before_anything_is_written(tmp_path, fake_arms):
         window_run.run_window(_params(tmp_path, window_id="w"))
     with pytest.raises(WindowError, match="switching to the control arm failed"):
         window_run.run_window(_params(tmp_path, window_id="w2", switch_cmd="exit 3"))
-    assert not (tmp_path / "w2" / window.RUN_PID_NAME).exists()  # removed on the way out
+    assert not (tmp_path / "w2" / window_pid.RUN_PID_NAME).exists()  # removed on the way out
     assert not (tmp_path / "questions.json").exists()
 
 

@@ -18,7 +18,7 @@ import time
 import psutil
 import pytest
 
-from dsv41.harness import bench, procident, window
+from dsv41.harness import bench, procident, window, window_pid
 from dsv41.harness.procident import ProcessGone, ProcessIdentity
 
 SPEC = os.path.join(os.path.dirname(__file__), "..", "..", "candidates", "specs", "drill.json")
@@ -27,11 +27,11 @@ SPEC = os.path.join(os.path.dirname(__file__), "..", "..", "candidates", "specs"
 # ansible-playbook) and waits; IGNORE_TERM makes it ignore SIGTERM.
 RUN = """
 import signal, subprocess, sys, time
-from dsv41.harness import window
+from dsv41.harness import window_pid
 if sys.argv[2] == "1":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-window.write_run_pid(sys.argv[1])
+window_pid.write_run_pid(sys.argv[1])
 print(child.pid, flush=True)
 time.sleep(300)
 """
@@ -43,14 +43,14 @@ def _start_run(wdir, ignore_term=False):
                          stdout=subprocess.PIPE, text=True)
     child = int(p.stdout.readline())
     deadline = time.monotonic() + 30
-    while not (wdir / window.RUN_PID_NAME).exists() and time.monotonic() < deadline:
+    while not (wdir / window_pid.RUN_PID_NAME).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     return p, child
 
 
 def _gone(pid):
     try:
-        return window.run_process(ProcessIdentity.of(pid).as_record()) is None
+        return window_pid.run_process(ProcessIdentity.of(pid).as_record()) is None
     except ProcessGone:
         return True
 
@@ -58,11 +58,11 @@ def _gone(pid):
 def test_stop_runs_terminates_the_run_and_its_children(tmp_path):
     p, child = _start_run(tmp_path / "W1-slow-rows")
     try:
-        assert window.stop_runs(tmp_path, "W1") == [p.pid]
+        assert window_pid.stop_runs(tmp_path, "W1") == [p.pid]
         p.wait(10)
         assert _gone(p.pid) and _gone(child)
-        assert not (tmp_path / "W1-slow-rows" / window.RUN_PID_NAME).exists()
-        assert window.stop_runs(tmp_path, "W1") == []  # nothing left: a no-op
+        assert not (tmp_path / "W1-slow-rows" / window_pid.RUN_PID_NAME).exists()
+        assert window_pid.stop_runs(tmp_path, "W1") == []  # nothing left: a no-op
     finally:
         p.kill()
 
@@ -71,7 +71,7 @@ def test_a_run_that_ignores_sigterm_is_killed_after_the_timeout(tmp_path):
     p, child = _start_run(tmp_path / "W2-aa", ignore_term=True)
     try:
         t0 = time.monotonic()
-        assert window.stop_runs(tmp_path, "W2", timeout_s=1.0) == [p.pid]
+        assert window_pid.stop_runs(tmp_path, "W2", timeout_s=1.0) == [p.pid]
         # it ignores SIGTERM: only the SIGKILL after the 1 s timeout ends it (stop_runs reaps it)
         p.wait(10)
         assert time.monotonic() - t0 >= 1.0 and _gone(p.pid) and _gone(child)
@@ -82,10 +82,10 @@ def test_a_run_that_ignores_sigterm_is_killed_after_the_timeout(tmp_path):
 def test_only_the_named_window_is_stopped(tmp_path):
     p, _ = _start_run(tmp_path / "W3-aa")
     try:
-        assert window.stop_runs(tmp_path, "W4") == []
-        assert p.poll() is None and (tmp_path / "W3-aa" / window.RUN_PID_NAME).exists()
+        assert window_pid.stop_runs(tmp_path, "W4") == []
+        assert p.poll() is None and (tmp_path / "W3-aa" / window_pid.RUN_PID_NAME).exists()
     finally:
-        window.stop_runs(tmp_path, "W3")
+        window_pid.stop_runs(tmp_path, "W3")
         p.kill()
 
 
@@ -93,9 +93,9 @@ def test_a_reused_pid_is_never_signalled(tmp_path):
     """run.pid names this test's own pid with another creation time (the run died, the pid came back)."""
     d = tmp_path / "W5-aa"
     d.mkdir()
-    (d / window.RUN_PID_NAME).write_text(json.dumps({"pid": os.getpid(), "create_time": 1.0}))
-    assert window.stop_runs(tmp_path, "W5") == []
-    assert not (d / window.RUN_PID_NAME).exists()
+    (d / window_pid.RUN_PID_NAME).write_text(json.dumps({"pid": os.getpid(), "create_time": 1.0}))
+    assert window_pid.stop_runs(tmp_path, "W5") == []
+    assert not (d / window_pid.RUN_PID_NAME).exists()
 
 
 def test_a_dead_run_leaves_a_stale_file_that_is_removed(tmp_path):
@@ -104,9 +104,9 @@ def test_a_dead_run_leaves_a_stale_file_that_is_removed(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     created = psutil.Process(p.pid).create_time()
     p.wait()
-    (d / window.RUN_PID_NAME).write_text(json.dumps({"pid": p.pid, "create_time": created}))
-    assert window.stop_runs(tmp_path, "W6") == []
-    assert not (d / window.RUN_PID_NAME).exists()
+    (d / window_pid.RUN_PID_NAME).write_text(json.dumps({"pid": p.pid, "create_time": created}))
+    assert window_pid.stop_runs(tmp_path, "W6") == []
+    assert not (d / window_pid.RUN_PID_NAME).exists()
 
 
 @pytest.mark.parametrize("content,why", [(b"not json", "not JSON"), (b"", "it is empty"),
@@ -119,15 +119,15 @@ def test_an_unreadable_pid_file_is_one_clear_error(tmp_path, capsys, content, wh
 
     d = tmp_path / "W7-aa"
     d.mkdir()
-    (d / window.RUN_PID_NAME).write_bytes(content)
+    (d / window_pid.RUN_PID_NAME).write_bytes(content)
     with pytest.raises(window.WindowError, match="not a run pid file") as e:
-        window.stop_runs(tmp_path, "W7")
+        window_pid.stop_runs(tmp_path, "W7")
     assert why in str(e.value) and "\n" not in str(e.value)
-    window.clear_run_pid(d)  # a run's own exit path ignores it
+    window_pid.clear_run_pid(d)  # a run's own exit path ignores it
     rc = main(["window", "stop-run", "--window", "W7", "--windows-dir", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0 and len(err) == 1 and "not a run pid file" in err[0] and "Traceback" not in err[0]
-    assert (d / window.RUN_PID_NAME).exists()  # kept: the restore stops with admission held
+    assert (d / window_pid.RUN_PID_NAME).exists()  # kept: the restore stops with admission held
 
 
 def test_cli_stop_run_says_what_it_did(tmp_path, capsys):
@@ -144,12 +144,12 @@ def test_cli_stop_run_says_what_it_did(tmp_path, capsys):
 
 
 def test_clear_run_pid_removes_only_its_own_file(tmp_path):
-    (tmp_path / window.RUN_PID_NAME).write_text(json.dumps({"pid": os.getpid() + 1, "create_time": 1.0}))
-    window.clear_run_pid(tmp_path)
-    assert (tmp_path / window.RUN_PID_NAME).exists()
-    window.write_run_pid(tmp_path)
-    window.clear_run_pid(tmp_path)
-    assert not (tmp_path / window.RUN_PID_NAME).exists()
+    (tmp_path / window_pid.RUN_PID_NAME).write_text(json.dumps({"pid": os.getpid() + 1, "create_time": 1.0}))
+    window_pid.clear_run_pid(tmp_path)
+    assert (tmp_path / window_pid.RUN_PID_NAME).exists()
+    window_pid.write_run_pid(tmp_path)
+    window_pid.clear_run_pid(tmp_path)
+    assert not (tmp_path / window_pid.RUN_PID_NAME).exists()
 
 
 def test_window_run_names_itself_while_it_runs_and_clears_at_the_end(tmp_path, monkeypatch):
@@ -158,7 +158,7 @@ def test_window_run_names_itself_while_it_runs_and_clears_at_the_end(tmp_path, m
     seen = []
 
     def stream(client, url, body, prompt_id, category):
-        seen.append(json.loads((tmp_path / "w-pid" / window.RUN_PID_NAME).read_text())["pid"])
+        seen.append(json.loads((tmp_path / "w-pid" / window_pid.RUN_PID_NAME).read_text())["pid"])
         return bench.RequestResult(prompt_id, category, body.get("seed", 0), 8, ok=True, ttft_ms=50.0,
                                    step_ms_p50=20.0, tok_s=50.0, tokens_per_step=1.0, steps=8, step_ms=[20.0] * 7,
                                    finish_reason="length", completion_tokens=8)
@@ -170,7 +170,7 @@ def test_window_run_names_itself_while_it_runs_and_clears_at_the_end(tmp_path, m
     rc = main(["window", "run", "--control", "http://x", "--candidate", "http://x", "--spec", SPEC,
                "--name", "aa", "--seed", "3", "--windows-dir", str(tmp_path), "--id", "w-pid", "--no-metrics"])
     assert rc == 0 and seen and set(seen) == {os.getpid()}
-    assert not (tmp_path / "w-pid" / window.RUN_PID_NAME).exists()
+    assert not (tmp_path / "w-pid" / window_pid.RUN_PID_NAME).exists()
 
 
 # ---------------------------------------------------------------- issue 25 item 8: clock steps
@@ -213,16 +213,16 @@ def test_a_clock_step_still_matches_the_live_orphan(tmp_path, monkeypatch, step_
     same process now differs by ``step_s``, yet stop-run still finds and stops the orphan."""
     p, child = _start_run(tmp_path / "W9-aa")
     try:
-        rec = json.loads((tmp_path / "W9-aa" / window.RUN_PID_NAME).read_text())
+        rec = json.loads((tmp_path / "W9-aa" / window_pid.RUN_PID_NAME).read_text())
         assert rec["pid"] == p.pid and rec["start_ticks"] == procident.start_ticks(p.pid)
         real = psutil.Process.create_time
         monkeypatch.setattr(psutil.Process, "create_time", lambda self: real(self) + step_s)
         monkeypatch.setattr(psutil, "boot_time", lambda: psutil._psplatform.boot_time() + step_s)
         # the old rule (pid + create_time within 0.01 s) would skip it: the test has teeth
         legacy = {"pid": rec["pid"], "create_time": rec["create_time"]}
-        assert window.run_process(legacy) is None
-        assert window.run_process(rec) is not None
-        assert window.stop_runs(tmp_path, "W9") == [p.pid]
+        assert window_pid.run_process(legacy) is None
+        assert window_pid.run_process(rec) is not None
+        assert window_pid.stop_runs(tmp_path, "W9") == [p.pid]
         p.wait(10)
         assert _gone(child)
     finally:
@@ -242,11 +242,11 @@ def test_a_reused_pid_is_never_signalled_whatever_the_clock(tmp_path, monkeypatc
                                  dict(me.as_record(), boot_id="00000000-0000-0000-0000-000000000000")]):
             d = tmp_path / f"W10-{i}"
             d.mkdir()
-            (d / window.RUN_PID_NAME).write_text(json.dumps(dict(rec, create_time=real(psutil.Process(victim.pid)))))
-            assert window.run_process(rec) is None
-        assert window.stop_runs(tmp_path, "W10") == []
+            (d / window_pid.RUN_PID_NAME).write_text(json.dumps(dict(rec, create_time=real(psutil.Process(victim.pid)))))
+            assert window_pid.run_process(rec) is None
+        assert window_pid.stop_runs(tmp_path, "W10") == []
         assert victim.poll() is None  # still alive: nothing was signalled
-        assert not list(tmp_path.glob("W10-*/" + window.RUN_PID_NAME))  # stale records removed
+        assert not list(tmp_path.glob("W10-*/" + window_pid.RUN_PID_NAME))  # stale records removed
     finally:
         victim.kill()
         victim.wait()
@@ -258,9 +258,9 @@ def test_a_legacy_record_of_a_live_run_is_still_read(tmp_path):
     try:
         d = tmp_path / "W11-aa"
         d.mkdir()
-        (d / window.RUN_PID_NAME).write_text(json.dumps({"pid": victim.pid,
+        (d / window_pid.RUN_PID_NAME).write_text(json.dumps({"pid": victim.pid,
                                                          "create_time": psutil.Process(victim.pid).create_time()}))
-        assert window.stop_runs(tmp_path, "W11", timeout_s=5) == [victim.pid]
+        assert window_pid.stop_runs(tmp_path, "W11", timeout_s=5) == [victim.pid]
         victim.wait(10)  # psutil reaped it already (we are its parent): returncode 0 or -15
         assert _gone(victim.pid)
     finally:
@@ -274,20 +274,20 @@ def test_a_legacy_record_of_a_live_run_is_still_read(tmp_path):
 def test_a_malformed_identity_record_is_one_clear_error(tmp_path, rec):
     d = tmp_path / "W12-aa"
     d.mkdir()
-    (d / window.RUN_PID_NAME).write_text(json.dumps(rec))
+    (d / window_pid.RUN_PID_NAME).write_text(json.dumps(rec))
     with pytest.raises(window.WindowError, match="not a run pid file"):
-        window.stop_runs(tmp_path, "W12")
-    assert (d / window.RUN_PID_NAME).exists()
+        window_pid.stop_runs(tmp_path, "W12")
+    assert (d / window_pid.RUN_PID_NAME).exists()
 
 
 def test_a_fifo_as_pid_file_is_refused_without_blocking_and_a_vanished_one_skipped(tmp_path):
     d = tmp_path / "W13-aa"
     d.mkdir()
-    os.mkfifo(d / window.RUN_PID_NAME)
+    os.mkfifo(d / window_pid.RUN_PID_NAME)
     with pytest.raises(window.WindowError, match="not a run pid file .*is a FIFO"):
-        window.stop_runs(tmp_path, "W13")
-    os.unlink(d / window.RUN_PID_NAME)
-    assert window.read_run_pid(d / window.RUN_PID_NAME) is None  # the run ended and removed it
+        window_pid.stop_runs(tmp_path, "W13")
+    os.unlink(d / window_pid.RUN_PID_NAME)
+    assert window_pid.read_run_pid(d / window_pid.RUN_PID_NAME) is None  # the run ended and removed it
 
 
 # ------------------------------------------- a SIGKILLed window.yml's Ansible worker (issue 22)
@@ -314,12 +314,12 @@ time.sleep(300)
 
 RUN_STANDIN = """
 import os, sys, time
-from dsv41.harness import window
-window.write_run_pid(sys.argv[1])
+from dsv41.harness import window_pid
+window_pid.write_run_pid(sys.argv[1])
 if sys.argv[2] == "ends":  # the run finishes on its own once the test says so
     while not os.path.exists(os.path.join(sys.argv[1], "go")):
         time.sleep(0.05)
-    window.clear_run_pid(sys.argv[1])
+    window_pid.clear_run_pid(sys.argv[1])
     sys.exit(0)
 time.sleep(300)
 """
@@ -335,7 +335,7 @@ def _start_playbook(tmp_path, wdir, mode="plain"):
     worker = int(p.stdout.readline())
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        rec = window.read_run_pid(wdir / window.RUN_PID_NAME) if (wdir / window.RUN_PID_NAME).exists() else None
+        rec = window_pid.read_run_pid(wdir / window_pid.RUN_PID_NAME) if (wdir / window_pid.RUN_PID_NAME).exists() else None
         if rec:
             return p, worker, rec
         time.sleep(0.05)
@@ -371,9 +371,9 @@ def test_the_run_records_its_ansible_worker_and_the_playbook(tmp_path):
 def test_a_run_started_outside_ansible_records_no_session(tmp_path):
     p, _ = _start_run(tmp_path / "W21-aa")  # its session leader is this test's, not ansible-playbook
     try:
-        assert "session" not in window.read_run_pid(tmp_path / "W21-aa" / window.RUN_PID_NAME)
+        assert "session" not in window_pid.read_run_pid(tmp_path / "W21-aa" / window_pid.RUN_PID_NAME)
     finally:
-        window.stop_runs(tmp_path, "W21")
+        window_pid.stop_runs(tmp_path, "W21")
         p.kill()
 
 
@@ -390,7 +390,7 @@ def test_the_orphaned_worker_of_a_killed_playbook_is_stopped_after_its_run(tmp_p
         assert out == (f"stopped {rec['pid']} (the killed run of window W22), and {worker} "
                        "(the killed window.yml's Ansible worker that waited on it)")
         assert _wait_gone(worker) and _gone(rec["pid"])
-        assert not (tmp_path / "W22-aa" / window.RUN_PID_NAME).exists()
+        assert not (tmp_path / "W22-aa" / window_pid.RUN_PID_NAME).exists()
     finally:
         _cleanup(p, worker, rec["pid"])
 
@@ -400,7 +400,7 @@ def test_the_worker_of_a_live_playbook_is_never_signalled(tmp_path):
     would switch arms during the restore), its worker, whose playbook waits for it, is not."""
     p, worker, rec = _start_playbook(tmp_path, tmp_path / "W23-aa")
     try:
-        got = window.stop_runs(tmp_path, "W23")
+        got = window_pid.stop_runs(tmp_path, "W23")
         assert got == [rec["pid"]] and got.workers == []
         assert not _gone(worker) and p.poll() is None
     finally:
@@ -408,13 +408,13 @@ def test_the_worker_of_a_live_playbook_is_never_signalled(tmp_path):
 
 
 def test_an_orphaned_worker_that_ignores_sigterm_is_killed(tmp_path, monkeypatch):
-    monkeypatch.setattr(window, "WORKER_TERM_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(window_pid, "WORKER_TERM_TIMEOUT_S", 1.0)
     p, worker, rec = _start_playbook(tmp_path, tmp_path / "W24-aa", mode="ignore_term")
     try:
         p.kill()
         p.wait()
         t0 = time.monotonic()
-        got = window.stop_runs(tmp_path, "W24", timeout_s=5.0)
+        got = window_pid.stop_runs(tmp_path, "W24", timeout_s=5.0)
         assert got == [rec["pid"]] and got.workers == [worker]
         assert time.monotonic() - t0 >= 1.0 and _wait_gone(worker)
     finally:
@@ -431,10 +431,10 @@ def test_a_run_that_ended_leaves_its_orphaned_worker_to_the_next_stop_run(tmp_pa
         p.wait()
         (wdir / "go").touch()
         assert _wait_gone(rec["pid"]) or _gone(rec["pid"])
-        assert (wdir / window.RUN_PID_NAME).exists()
-        got = window.stop_runs(tmp_path, "W25")
+        assert (wdir / window_pid.RUN_PID_NAME).exists()
+        got = window_pid.stop_runs(tmp_path, "W25")
         assert got == [] and got.workers == [worker] and _wait_gone(worker)
-        assert not (wdir / window.RUN_PID_NAME).exists()
+        assert not (wdir / window_pid.RUN_PID_NAME).exists()
     finally:
         _cleanup(p, worker, rec["pid"])
 
@@ -445,9 +445,9 @@ def test_a_run_that_ended_under_a_live_playbook_removes_its_record(tmp_path):
     try:
         (wdir / "go").touch()
         deadline = time.monotonic() + 10
-        while (wdir / window.RUN_PID_NAME).exists() and time.monotonic() < deadline:
+        while (wdir / window_pid.RUN_PID_NAME).exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not (wdir / window.RUN_PID_NAME).exists()
+        assert not (wdir / window_pid.RUN_PID_NAME).exists()
     finally:
         _cleanup(p, worker, rec["pid"])
 
@@ -464,8 +464,8 @@ def test_a_reused_worker_pid_is_never_signalled(tmp_path):
         d = tmp_path / "W27-aa"
         d.mkdir()
         session = {"leader": dict(me.as_record(), start_ticks=me.start_ticks - 1), "parent": dead_rec}
-        (d / window.RUN_PID_NAME).write_text(json.dumps(dict(dead_rec, session=session)))
-        got = window.stop_runs(tmp_path, "W27")
+        (d / window_pid.RUN_PID_NAME).write_text(json.dumps(dict(dead_rec, session=session)))
+        got = window_pid.stop_runs(tmp_path, "W27")
         assert got == [] and got.workers == [] and victim.poll() is None
     finally:
         victim.kill()
@@ -482,10 +482,10 @@ def test_a_malformed_session_is_one_clear_error_and_nothing_is_signalled(tmp_pat
         d = tmp_path / "W28-aa"
         d.mkdir()
         rec = dict(ProcessIdentity.of(victim.pid).as_record(), session=session)
-        (d / window.RUN_PID_NAME).write_text(json.dumps(rec))
+        (d / window_pid.RUN_PID_NAME).write_text(json.dumps(rec))
         with pytest.raises(window.WindowError, match="not a run pid file"):
-            window.stop_runs(tmp_path, "W28")
-        assert victim.poll() is None and (d / window.RUN_PID_NAME).exists()
+            window_pid.stop_runs(tmp_path, "W28")
+        assert victim.poll() is None and (d / window_pid.RUN_PID_NAME).exists()
     finally:
         victim.kill()
         victim.wait()

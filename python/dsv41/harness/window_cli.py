@@ -223,9 +223,9 @@ def stop_run_cmd(
     """Stop a ``dsv41 window run`` of WINDOW still running (left behind by a killed window.yml), by
     the pid and kernel start time (clock ticks after boot) in its ``run.pid``, then the killed
     playbook's orphaned Ansible worker that waited on it; prints ``stopped PID ...`` or ``no run left``."""
-    from dsv41.harness import window
+    from dsv41.harness import window_pid
 
-    pids = window.stop_runs(windows_dir, window_id, timeout)
+    pids = window_pid.stop_runs(windows_dir, window_id, timeout)
     workers = (f", and {' '.join(map(str, pids.workers))} (the killed window.yml's Ansible worker that waited on it)"
                if pids.workers else "")
     if pids:

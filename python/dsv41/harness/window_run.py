@@ -2,7 +2,7 @@
 
 :func:`run_window` is what ``dsv41 window run`` does (the command only parses its options into
 :class:`WindowParams` and prints the result): it checks the metric and the two-window cap,
-creates ``windows/<id>/`` with this process's ``run.pid`` (``window.write_run_pid``), runs the
+creates ``windows/<id>/`` with this process's ``run.pid`` (``window_pid.write_run_pid``), runs the
 smoke start on both arms, the seeded ABBA/BAAB cells (``window.plan_cells`` /
 ``window.run_cells``), for a drafting candidate the distributional gate, decides by WIN2 R3
 (``win2.decide``) and writes the report with its cap record (``window.write_report``).
@@ -24,7 +24,7 @@ import sys
 from typing import Callable
 
 from dsv41.errors import Dsv41Error
-from dsv41.harness import bench, refs, win2, window
+from dsv41.harness import bench, refs, win2, window, window_pid
 from dsv41.harness.window import WindowError
 
 #: ``progress(window_id, total_cells)`` -> a context manager around the cells whose value is
@@ -134,7 +134,7 @@ def run_window(params: WindowParams, progress: ProgressFactory | None = None) ->
     if os.path.exists(os.path.join(wdir, "cells.jsonl")):
         raise WindowError(f"window {wid} already has cells in {wdir}; choose another --id")
     os.makedirs(wdir, exist_ok=True)
-    window.write_run_pid(wdir)  # a killed window.yml's next run stops this process by it
+    window_pid.write_run_pid(wdir)  # a killed window.yml's next run stops this process by it
     try:
         refs_doc = refs.load_refs(p.refs_path) if p.refs_path else None
         endpoints = {"control": p.control, "candidate": p.candidate}
@@ -201,4 +201,4 @@ def run_window(params: WindowParams, progress: ProgressFactory | None = None) ->
         return WindowResult(wid, wdir, cells_path, d, interrupted,
                             None if fault is None or interrupted else fault.failure())
     finally:
-        window.clear_run_pid(wdir)
+        window_pid.clear_run_pid(wdir)
