@@ -4,17 +4,22 @@ reading a play's recap. The lab is one per machine: callers hold /tmp/dsv41-lab.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import pytest
-from labutil import BIN, LAB, ROOT, env, inside, play
+from labutil import API, BIN, LAB, ROOT, admission_state, env, inside, play
 
 INV = "inventories/sim"
 SPARKS = ("sparkhead", "sparkworker")
 MGMT = {"sparkhead": "198.18.0.11", "sparkworker": "198.18.0.12", "x86host": "198.18.0.13"}
+#: The systemd units deploy.yml runs on each host of the lab.
+UNITS = {"x86host": ("dsv41-engram-server", "dsv41-drafter"), "sparkhead": ("dsv41-serve",),
+         "sparkworker": ("dsv41-serve",)}
 
 #: The skip rule of every nspawn test: the machine kind's hybrid cgroup layout (docs/lab.md).
 needs_hybrid_cgroups = pytest.mark.skipif(
@@ -93,3 +98,86 @@ def unit(host: str, name: str) -> dict[str, str]:
     props = "ActiveState,SubState,MainPID,NRestarts,ActiveEnterTimestampMonotonic,UnitFileState,Result"
     out = enter(host, "systemctl", "show", f"--property={props}", "--", f"{name}.service").stdout
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def deploy(*args: str, timeout: int = 1500) -> tuple[subprocess.CompletedProcess, float]:
+    """``deploy.yml -i inventories/sim ARGS`` (not asserted); returns the run and its seconds."""
+    t0 = time.monotonic()
+    res = play("deploy.yml", "-i", INV, *args, timeout=timeout)
+    return res, time.monotonic() - t0
+
+
+def status_json(window: float = 2) -> tuple[int, dict]:
+    """``dsv41 status --json`` on the lab: its exit code and report (``{"reasons": [stdout, stderr]}``
+    when the output is not JSON)."""
+    r = subprocess.run([str(BIN / "dsv41"), "status", "-i", INV, "--json", "--window", str(window)], cwd=ROOT,
+                       env=env(), capture_output=True, text=True, timeout=300, check=False)
+    try:
+        return r.returncode, json.loads(r.stdout)
+    except json.JSONDecodeError:
+        return r.returncode, {"reasons": [r.stdout[-2000:], r.stderr[-2000:]]}
+
+
+def engram_counts() -> dict[str, dict[str, int]]:
+    """``{rank: {"lookups": N, "fallbacks": N}}`` from rank 0's /metrics (both ranks' counters)."""
+    text = httpx.get(f"{API}/metrics", timeout=30, trust_env=False).text
+    out: dict[str, dict[str, int]] = {}
+    for key in ("lookups", "fallbacks"):
+        for m in re.finditer(rf'^dsv41_engram_{key}_total\{{rank="(\d+)"\}} (\S+)$', text, re.M):
+            out.setdefault(m[1], {})[key] = int(float(m[2]))
+    return out
+
+
+def complete(i: int, client: httpx.Client) -> None:
+    """One 4-token completion on rank 0's API (asserted 200)."""
+    r = client.post(f"{API}/v1/completions", json={"model": "dsv41-lab", "prompt": f"systemd probe {i} ", "max_tokens": 4})
+    assert r.status_code == 200, r.text
+
+
+def all_units() -> dict[str, dict[str, str]]:
+    """``{"host/unit": unit(host, unit)}`` for every unit of ``UNITS``."""
+    return {f"{h}/{u}": unit(h, u) for h, names in UNITS.items() for u in names}
+
+
+def admission_within(timeout_s: float) -> tuple[str, float]:
+    """Rank 0's admission state (``open``/``held``) once its API answers, and the seconds waited;
+    the last error's text when it did not answer within ``timeout_s``."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            return admission_state(), time.monotonic() - t0
+        except Exception as exc:  # noqa: BLE001 - the API is down while the unit restarts
+            if time.monotonic() - t0 > timeout_s:
+                return str(exc), time.monotonic() - t0
+        time.sleep(3)
+
+
+def wait_healthy(timeout_s: float) -> tuple[float, dict]:
+    """Poll ``dsv41 status`` every 3 s until it exits 0 or ``timeout_s`` passed; returns the seconds
+    and the last report (``report["healthy"]`` says which)."""
+    t0 = time.monotonic()
+    while True:
+        rc, rep = status_json(window=2)
+        if rc == 0 or time.monotonic() - t0 > timeout_s:
+            return time.monotonic() - t0, rep
+        time.sleep(3)
+
+
+def serve_container(host: str) -> dict:
+    """The rank's container: image ID, start time, state (docker inspect)."""
+    out = enter(host, "/usr/bin/docker", "inspect", "dsv41-serve").stdout
+    c = json.loads(out)[0]
+    return {"image": c["Image"], "started": c["State"]["StartedAt"], "running": c["State"]["Running"]}
+
+
+def serve_unit_state(host: str) -> dict:
+    """The rank's dsv41-serve unit: MainPID, ActiveEnterTimestamp, ActiveState and the unit file's sha256."""
+    out = enter(host, "systemctl", "show", "dsv41-serve", "-p", "MainPID,ActiveEnterTimestamp,ActiveState").stdout
+    state = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    state["unit_sha"] = enter(host, "sha256sum", "/etc/systemd/system/dsv41-serve.service").stdout.split()[0]
+    return state
+
+
+def failed_lines(out: str) -> list[str]:
+    """Ansible's one-line task failures."""
+    return [ln for ln in out.splitlines() if ln.startswith("[ERROR]: Task failed")]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from labutil import API, LAB, ROOT, needs_lab, play
-from nspawnutil import needs_hybrid_cgroups
+from nspawnutil import enter, failed_lines, needs_hybrid_cgroups, serve_container, serve_unit_state
 
 INV = "inventories/sim"
 SPARKS = ("sparkhead", "sparkworker")
@@ -82,13 +82,6 @@ PLAY = f"""---
 SERVE = PLAY[PLAY.index("- name: Serve in containers"):]
 
 
-def enter(host: str, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in every namespace of the host's systemd (the pid the lab records)."""
-    pid = (LAB / f"{host}.pid").read_text().strip()
-    return subprocess.run(["nsenter", "-t", pid, "-a", "--", *cmd], capture_output=True, text=True,
-                          check=check, timeout=120)
-
-
 def run(pb: Path, *args: str, timeout: int = 720) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
     res = play(str(pb), "-i", INV, "-e", "serve_container=true", *args, env_extra={"ANSIBLE_ROLES_PATH": str(ROOT / "roles")}, timeout=timeout)
@@ -103,25 +96,6 @@ def lab(playbook: str) -> None:
 def health() -> int:
     with urllib.request.urlopen(API + "/health", timeout=5) as r:
         return r.status
-
-
-def container(host: str) -> dict:
-    """The rank's container: image ID, start time, state (docker inspect)."""
-    out = enter(host, "/usr/bin/docker", "inspect", "dsv41-serve").stdout
-    c = json.loads(out)[0]
-    return {"image": c["Image"], "started": c["State"]["StartedAt"], "running": c["State"]["Running"]}
-
-
-def unit_state(host: str) -> dict:
-    out = enter(host, "systemctl", "show", "dsv41-serve", "-p", "MainPID,ActiveEnterTimestamp,ActiveState").stdout
-    state = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-    state["unit_sha"] = enter(host, "sha256sum", "/etc/systemd/system/dsv41-serve.service").stdout.split()[0]
-    return state
-
-
-def failed_lines(out: str) -> list[str]:
-    """Ansible's one-line task failures."""
-    return [ln for ln in out.splitlines() if ln.startswith("[ERROR]: Task failed")]
 
 
 def test_ranks_run_in_containers_from_the_lab_image_and_a_wrong_pin_refuses(tmp_path):
@@ -142,14 +116,14 @@ def test_ranks_run_in_containers_from_the_lab_image_and_a_wrong_pin_refuses(tmp_
         assert health() == 200
         before = {}
         for h in SPARKS:
-            c = container(h)
+            c = serve_container(h)
             assert c["running"] and c["image"] == pin, (h, c)
             unit = enter(h, "systemctl", "cat", "dsv41-serve").stdout
             assert "ExecStart=/usr/bin/docker run --rm --name dsv41-serve --init --pull never --network host" in unit
             assert f"{pin} dsv41 engine serve --config /model/config.json" in unit
             assert "ExecStop=/usr/bin/docker stop -t 30 dsv41-serve" in unit
             assert "--gpus" not in unit
-            before[h] = {**c, **unit_state(h)}
+            before[h] = {**c, **serve_unit_state(h)}
         with urllib.request.urlopen(API + "/v1/models", timeout=5) as r:
             assert "dsv41-lab" in r.read().decode()
 
@@ -169,7 +143,7 @@ def test_ranks_run_in_containers_from_the_lab_image_and_a_wrong_pin_refuses(tmp_
         wrong_id = "sha256:" + "0" * 64
         wrong_digest = "dsv41-serve@sha256:" + "1" * 64
         for wrong in (wrong_id, wrong_digest):
-            before = {h: {**container(h), **unit_state(h)} for h in SPARKS}
+            before = {h: {**serve_container(h), **serve_unit_state(h)} for h in SPARKS}
             res, t_refuse = run(serve_pb, "-e", json.dumps({"serve_image": wrong, "serve_threads": 2}))
             assert res.returncode != 0
             msgs = [m for m in failed_lines(res.stdout) if "is not in dockerd" in m]
@@ -179,7 +153,7 @@ def test_ranks_run_in_containers_from_the_lab_image_and_a_wrong_pin_refuses(tmp_
                 assert mine and "dsv41-serve:" in mine[0] and pin in mine[0], (h, res.stdout[-6000:])  # what was found
             assert "Restart | stop both ranks" not in res.stdout
             for h in SPARKS:
-                assert {**container(h), **unit_state(h)} == before[h], h
+                assert {**serve_container(h), **serve_unit_state(h)} == before[h], h
             assert health() == 200
             print(f"refusal ({wrong[:24]}...): {t_refuse:.1f} s")
 
