@@ -152,7 +152,7 @@ _ROWS = [
            "past it the rank falls back to its local reader.", "ms", 1, 600_000),
     EnvVar("DSV41_ENGRAM_REMOTE_REQUIRED", bool, False, "1: a failed remote lookup is an error, not a "
            "local fallback (needs DSV41_ENGRAM_REMOTE)."),
-    EnvVar("DSV41_ENGRAM_GPU_JOIN", bool, False, "vLLM overlay (docs/gpu.md, \"The GPU-side join (pass O)\"; off by default until the final code has run on a GPU): 1: a "
+    EnvVar("DSV41_ENGRAM_GPU_JOIN", bool, True, "vLLM overlay (docs/gpu.md, \"The GPU-side join (pass O)\"): 1: a "
            "prefill chunk's Engram layer is queued whole on the GPU at _start_prefetch (waits on host-mapped flags "
            "the worker stores from the CPU, then each piece's graph) and _finish_prefetch waits on nothing on the "
            "host; needs the C++ extension, the driver's v2 stream memory operations and the exact local shards; "
@@ -238,7 +238,7 @@ class Settings:
     engram_remote: str = ""
     engram_remote_timeout_ms: int = 100
     engram_remote_required: bool = False
-    engram_gpu_join: bool = False
+    engram_gpu_join: bool = True
     drafter_remote: str = ""
     drafter_local: str = ""
     drafter_dir: str = ""

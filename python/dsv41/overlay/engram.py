@@ -25,7 +25,7 @@ What changes in vLLM when the overlay is active (``DSV41_ENGRAM_REMOTE`` set):
   required mode raises the cause here), makes the current stream wait on the done event, then
   runs vLLM's own body. A prefill chunk's layer whose piece graphs exist is instead queued whole
   on the GPU at ``_start_prefetch`` and joined there without a host wait (``DSV41_ENGRAM_GPU_JOIN``,
-  default 0 until the merged code has run on a GPU; never in required mode; ``engram_gpujoin``, issue 23 pass O). Inside a CUDA-graph
+  default 1; never in required mode; ``engram_gpujoin``, issue 23 pass O). Inside a CUDA-graph
   capture (vLLM's breakable capture included) the
   lookup runs synchronously on the launching thread: no second thread calls CUDA then.
 * ``Engram._create_embedding`` tells the embedding its model layer id (the row source keys
