@@ -181,3 +181,8 @@ def serve_unit_state(host: str) -> dict:
 def failed_lines(out: str) -> list[str]:
     """Ansible's one-line task failures."""
     return [ln for ln in out.splitlines() if ln.startswith("[ERROR]: Task failed")]
+
+
+def health() -> int:
+    """The HTTP status of rank 0's ``/health``."""
+    return httpx.get(f"{API}/health", timeout=5, trust_env=False).status_code

@@ -29,16 +29,12 @@ import time
 
 import httpx
 import pytest
-from labutil import API, ROOT, admission_state, host_sha256, needs_lab, play
+from labutil import ROOT, admission_state, host_sha256, needs_lab, play
 from nspawnutil import (INV, MGMT, SPARKS, admission_within, all_units, complete, deploy, engram_counts, enter,
-                        failed_lines, needs_hybrid_cgroups, poweroff, serve_container, serve_unit_state, unit, up,
+                        failed_lines, health, needs_hybrid_cgroups, poweroff, serve_container, serve_unit_state, unit, up,
                         wait_healthy)
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab, needs_hybrid_cgroups]
-
-
-def _health() -> int:
-    return httpx.get(f"{API}/health", timeout=5, trust_env=False).status_code
 
 
 @pytest.mark.parametrize("wrong", ["sha256:" + "0" * 64, "dsv41-serve@sha256:" + "1" * 64], ids=["image_id", "repo_digest"])
@@ -56,7 +52,7 @@ def test_a_serving_image_the_sparks_lack_is_refused_before_anything_stops(deploy
         assert mine and pin in mine[0], (h, res.stdout[-6000:])  # what dockerd has instead
     for h in SPARKS:
         assert {**serve_container(h), **serve_unit_state(h)} == before[h], h
-    assert _health() == 200 and admission_state() == "open"
+    assert health() == 200 and admission_state() == "open"
     print(f"\nserve_image {wrong[:26]}...: deploy.yml --tags serve refused in {t_refuse:.1f} s, nothing stopped")
 
 
@@ -145,7 +141,7 @@ def test_a_unit_that_fails_to_start_names_itself_and_restarts_nothing_else(deplo
                         "-e", "engram_server_ready_retries=20", timeout=900)
     assert bad.returncode != 0
     # Ansible's one-line task failures (``[ERROR]: Task failed: Action failed: <msg>``)
-    fails = [ln for ln in bad.stdout.splitlines() if ln.startswith("[ERROR]: Task failed") and "is not ready" in ln]
+    fails = [ln for ln in failed_lines(bad.stdout) if "is not ready" in ln]
     assert len(fails) == 1, bad.stdout[-6000:]
     msg = fails[0]
     assert "x86host: dsv41-engram-server.service is not ready" in msg, msg

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from labutil import API, LAB, ROOT, needs_lab, play
-from nspawnutil import enter, failed_lines, needs_hybrid_cgroups, serve_container, serve_unit_state
+from nspawnutil import enter, failed_lines, health, needs_hybrid_cgroups, serve_container, serve_unit_state
 
 INV = "inventories/sim"
 SPARKS = ("sparkhead", "sparkworker")
@@ -91,11 +91,6 @@ def run(pb: Path, *args: str, timeout: int = 720) -> tuple[subprocess.CompletedP
 def lab(playbook: str) -> None:
     res = play(playbook, "-i", INV, timeout=1800)
     assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-2000:]
-
-
-def health() -> int:
-    with urllib.request.urlopen(API + "/health", timeout=5) as r:
-        return r.status
 
 
 def test_ranks_run_in_containers_from_the_lab_image_and_a_wrong_pin_refuses(tmp_path):
