@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -59,6 +58,7 @@ from dsv41.harness.paired import decide, median_interval
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import vllm_overlay_util as Q  # noqa: E402
+from vllm_overlay_step_kill import gj_counters, kill_mid_prefill, kill_server, prefill_after_kill, step_ids  # noqa: E402
 from vllm_overlay_step_util import Forward, Layer, calibrate  # noqa: E402
 
 ACTIVE_PARAMS = 13e9
@@ -151,17 +151,30 @@ def main() -> int:
     srv, url = Q.start(dsv41 + ["engram", "serve", "--manifest", str(mpath), "--listen", "tcp://127.0.0.1:0",
                                 "--ready-file", str(ready)], ready, env)
     res["engram_server"] = url
+    servers = [srv]
+
+    def restart():
+        """The table server again on the first one's port (the overlay's URL): its ``Popen``."""
+        from dsv41.transport import parse_url
+
+        again = args.work / f"step-srv{os.getpid()}-{len(servers)}.ready"
+        proc, _ = Q.start(dsv41 + ["engram", "serve", "--manifest", str(mpath), "--listen",
+                                   f"tcp://127.0.0.1:{parse_url(url).port}", "--ready-file", str(again)], again, env)
+        servers.append(proc)
+        return proc
+
     try:
-        res.update(run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C))
+        res.update(run(args, eng, layout, manifest, url, runtime, srv, restart, torch, E, S, C))
     except Exception as exc:  # noqa: BLE001 - keep what was measured
         import traceback
 
         res["error"] = f"{type(exc).__name__}: {exc}"
         res["traceback"] = traceback.format_exc()[-3000:]
     finally:
-        if srv.poll() is None:
-            srv.terminate()
-            srv.wait(timeout=10)
+        for p in servers:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(timeout=10)
     res["sync_probe"] = Q.SYNC_PROBE  # issue 23 pass L: synchronizes right after each size's first steps
     res["stubs"] = Q.STUBS
     args.out.write_text(json.dumps(res, indent=1, default=str))
@@ -173,7 +186,7 @@ def main() -> int:
     return 0 if ok else 1
 
 
-def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
+def run(args, eng, layout, manifest, url, runtime, srv, restart, torch, E, S, C) -> dict:
     from dsv41.overlay import engram_ops as O
 
     out: dict = {}
@@ -420,61 +433,11 @@ def run(args, eng, layout, manifest, url, runtime, srv, torch, E, S, C) -> dict:
             out["kill"]["prefill_after"] = prefill_after_kill(torch, own, ovl, hash_buf, layout, rng, pre_layers,
                                                               args.prefill, src)
             out["kill"]["ok"] = out["kill"]["ok"] and out["kill"]["prefill_after"]["rows_bit_exact"]
+            # pass Q: the server back on its port, then killed while a GPU-joined chunk is fetched
+            out["kill"]["mid_prefill"] = kill_mid_prefill(torch, restart, own, ovl, hash_buf, layout, rng, pre_layers,
+                                                          args.prefill, src)
+            out["kill"]["ok"] = out["kill"]["ok"] and out["kill"]["mid_prefill"]["ok"]
     return out
-
-
-def gj_counters(ovl) -> dict:
-    """The GPU-side join's counters summed over the overlay's Engram layers (pass O): the
-    launching thread's ``gpu_joins`` / ``gpu_join_redos`` and the C++ slot's ``gj_*``."""
-    tot: dict = {}
-    for o in ovl:
-        rr = o.embed_tokens._dsv41
-        if getattr(rr, "_gj", None) is None:
-            continue
-        for k in ("gpu_joins", "gpu_join_redos"):
-            tot[k] = tot.get(k, 0) + rr.counters.get(k, 0)
-        for k, v in rr._gj.counters().items():
-            tot[k] = tot.get(k, 0) + v
-    return tot
-
-
-def prefill_after_kill(torch, own, ovl, hash_buf, layout, rng, layers, t: int, src) -> dict:
-    """Three eager ``t``-token prefill steps through the overlay after the table server was
-    killed (pass O): rows compared bit for bit with vLLM's path; step times; the GPU-side
-    join's counters (with no connection its jobs are filled from the local rows in C++)."""
-    f_o = Forward(torch, ovl, hash_buf, t, layers, {1: ovl[0], 14: ovl[1]}, graphs=False)
-    f_u = Forward(torch, own, hash_buf, t, layers, {1: own[0], 14: own[1]}, graphs=False)
-    g0 = gj_counters(ovl)
-    c0 = {k: v for k, v in src.counters().items() if isinstance(v, (int, float))}
-    ok, times = True, []
-    for _ in range(3):
-        ok &= timed_exact_step(torch, f_o, f_u, hash_buf, layout, rng, t, own, ovl, times)
-    c1 = {k: v for k, v in src.counters().items() if isinstance(v, (int, float))}
-    return {"steps": 3, "tokens": t, "rows_bit_exact": ok, "step_ms": [round(x, 3) for x in times],
-            "gpu_join": {k: v - g0.get(k, 0) for k, v in gj_counters(ovl).items()},
-            "counters": {k: c1[k] - c0.get(k, 0) for k in ("fallbacks", "transport_errors", "lookups")}}
-
-
-def timed_exact_step(torch, f_o, f_u, hash_buf, layout, rng, t: int, own, ovl, times: list) -> bool:
-    """One step on fresh ids: the overlay's forward ``f_o`` timed on the host (ms appended to
-    ``times``), then vLLM's ``f_u``; True when every Engram layer's ``t`` staged rows are bit-identical."""
-    hash_buf[:t].copy_(step_ids(torch, rng, t, layout, own))
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    f_o()
-    torch.cuda.synchronize()
-    times.append((time.perf_counter() - t0) * 1e3)
-    ro = [e.staged_rows[:t].clone() for e in ovl]
-    f_u()
-    torch.cuda.synchronize()
-    return all(bool(torch.equal(x.view(torch.int16), e.staged_rows[:t].view(torch.int16))) for x, e in zip(ro, own))
-
-
-def step_ids(torch, rng, t: int, layout, own):
-    """int32 [t, n_layers, 24] on the GPU: each Engram layer's ids drawn around its own rank range."""
-    per = [Q.random_ids(rng, t, layout, li, e.embed_tokens.n_hash_cols, e.embed_tokens.vocab_start_idx,
-                        e.embed_tokens.vocab_end_idx) for li, e in enumerate(own)]
-    return torch.from_numpy(np.stack(per, axis=1)).cuda()
 
 
 def check_rows(torch, fw, sets, hash_buf, t, own, ovl) -> dict:
@@ -493,34 +456,6 @@ def check_rows(torch, fw, sets, hash_buf, t, own, ovl) -> dict:
             ok &= bool(torch.equal(x.view(torch.int16), y.view(torch.int16)))
             rows += x.shape[0] * x.shape[1]
     return {"bit_exact": ok, "rows": rows}
-
-
-def kill_server(torch, srv, own, ovl, hash_buf, layout, a, rng, layers, capture, src) -> dict:
-    """48-token decode steps through the overlay's PIECEWISE stand-in; the table server is
-    SIGKILLed after step 10 of 40; every step's rows are compared with vLLM's path."""
-    t = 48
-    f_o = Forward(torch, ovl, hash_buf, t, layers, {1: ovl[0], 14: ovl[1]}, graphs=True)
-    f_u = Forward(torch, own, hash_buf, t, layers, {1: own[0], 14: own[1]}, graphs=True)
-    hash_buf[:t].copy_(step_ids(torch, rng, t, layout, own))
-    f_o.capture(capture)
-    f_u.capture(capture)
-    c0 = {k: v for k, v in src.counters().items() if isinstance(v, (int, float))}
-    ok, times, killed_at = True, [], None
-    for step in range(40):
-        if step == 10:
-            srv.send_signal(signal.SIGKILL)
-            srv.wait(timeout=10)
-            killed_at = step
-        ok &= timed_exact_step(torch, f_o, f_u, hash_buf, layout, rng, t, own, ovl, times)
-    c1 = {k: v for k, v in src.counters().items() if isinstance(v, (int, float))}
-    rr = ovl[0].embed_tokens._dsv41
-    return {"ok": ok, "killed_after_step": killed_at, "steps": 40, "rows_bit_exact": ok,
-            "step_ms_before_kill_median": round(float(np.median(times[:10])), 3),
-            "step_ms_kill_step": round(times[10], 3), "step_ms_after_median": round(float(np.median(times[11:])), 3),
-            "step_ms_max": round(max(times), 3),
-            "counters": {k: c1[k] - c0.get(k, 0) for k in ("fallbacks", "transport_errors", "remote_rows",
-                                                             "deadline_exceeded", "lookups")},
-            "worker_refusals": rr.counters["worker_refusals"], "handoff_timeouts": rr.counters["handoff_timeouts"]}
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from overlayutil import free_port as _free_port, serve_tables as _serve, remote_
 
 needs_core = pytest.mark.skipif(native._fastrow is None, reason="the C++ extension is not built")
 
-PIECE, TAIL, HEAD, CHUNK = 100, 30, 30, 64  # 600 rows: pieces 5 x 100 (the last 70 + 30 tail)
+PIECE, TAIL, HEAD, CHUNK = 100, (30, 10), 30, 64  # 600 rows: pieces 5 x 100, then 70, 20 and 10 (two tails)
 LAYER, TP, RANK = 14, 2, 0
 
 
@@ -41,9 +41,10 @@ def _source(tabs_, port: int) -> RemoteRowSource:
 
 def _layout(rows: int) -> list[tuple[int, int]]:
     keys = [(r0, min(PIECE, rows - r0)) for r0 in range(0, rows, PIECE)]
-    if len(keys) > 1 and keys[-1][1] > TAIL:
-        r0, m = keys.pop()
-        keys += [(r0, m - TAIL), (r0 + m - TAIL, TAIL)]
+    for t in TAIL if len(keys) > 1 else ():
+        if keys[-1][1] > t:
+            r0, m = keys.pop()
+            keys += [(r0, m - t), (r0 + m - t, t)]
     return keys
 
 

@@ -275,14 +275,14 @@ def _planner_threads() -> int:
 @pytest.fixture
 def small_pieces(monkeypatch):
     """Pieces of 100 rows (the core and the Python path agree) and requests of at most 64 rows,
-    the last piece's last 30 rows a piece of their own, so a 50-token job of 600 rows is 7 pieces
-    (5 x 100, 70, 30), fetched in pipelined requests; the core requests piece 0 as a 30-row head
+    the last piece's last 30 rows, then that piece's last 10, pieces of their own, so a 50-token
+    job of 600 rows is 8 pieces (5 x 100, 70, 20, 10), fetched in pipelined requests; the core requests piece 0 as a 30-row head
     and the rest."""
     monkeypatch.setattr(EW, "PIECE_ROWS", 100)
     monkeypatch.setattr(EW, "HEAD_ROWS", 30)  # piece 0 as a 30-row head and a 70-row rest (pass K)
     monkeypatch.setattr(ER, "PIECE_ROWS", 100)
-    monkeypatch.setattr(EW, "TAIL_ROWS", 30)  # the last piece's last 30 rows a piece of their own (pass L)
-    monkeypatch.setattr(ER, "TAIL_ROWS", 30)
+    monkeypatch.setattr(EW, "TAIL_ROWS", (30, 10))  # two tail pieces (pass L, pass Q)
+    monkeypatch.setattr(ER, "TAIL_ROWS", (30, 10))
     monkeypatch.setattr(C, "CHUNK_ROWS", 64)
 
 
@@ -345,7 +345,7 @@ def test_the_phase_trace_records_each_multi_piece_job_in_order(tabs, workers, sm
         assert [g["key"] for g in got] == [r1._slot.key, r14._slot.key]  # layer 1 first, then 14
         overlapped = 0
         for g in got:
-            assert g["rows"] == 50 * r1.part and len(g["fetch0"]) == len(g["fetch1"]) == len(g["launch1"]) == 7
+            assert g["rows"] == 50 * r1.part and len(g["fetch0"]) == len(g["fetch1"]) == len(g["launch1"]) == len(r1._piece_keys(g["rows"]))
             # one pipelined stream over the pieces (pass L): first send .. last reply, less idle gaps
             assert g["stream"] and 0 <= g["idle"] <= g["t_fetch1"] - g["t_fetch0"]
             seq = [g["t_sub"], g["t_deq"], g["t_ids"], g["t_plan0"], g["t_fetch0"]]
@@ -394,7 +394,7 @@ def test_the_fixed_piece_layout_launch_equals_the_plan_of_each_piece(tabs, small
         rr._launch_piece((r0, m), out)
         done = out.view(-1, 256)[r0 + m:]
         assert torch.isnan(done.float()).all()  # nothing past the piece written yet
-    assert len(rr._piece_keys(flat.size)) == 7 and _exact(tabs, rr, ids, out)  # 5 x 100, 70, 30
+    assert len(rr._piece_keys(flat.size)) == 8 and _exact(tabs, rr, ids, out)  # 5 x 100, 70, 20, 10
     local.close()
 
 
@@ -501,31 +501,47 @@ def test_the_pipelined_piece_plan_equals_the_all_at_once_plan(rows, piece_rows, 
 
 
 def test_the_tail_piece_layout_is_the_cores_and_pythons_and_plans_exactly(monkeypatch) -> None:
-    """``TAIL_ROWS`` (pass L): the last piece's last rows are a piece of their own in a job of
-    several pieces (Python's ``_piece_keys`` as the core's ``piece_layout``): the production
-    32K chunk at TP2 is 5 x 65,536 + 49,152 + 16,384 rows; a one-piece job or a last piece no
-    longer than the tail is not split; the plan in that layout, in every order, equals numpy's
-    piece by piece."""
-    assert ER.RemoteRows._piece_keys(393216) == [(k * 65536, 65536) for k in range(5)] + [(327680, 49152), (376832, 16384)]
+    """``TAIL_ROWS`` (pass L, pass Q): each tail in turn cuts the last piece's last rows into a
+    piece of their own in a job of several pieces (Python's ``_piece_keys`` as the core's
+    ``piece_layout``): the production 32K chunk at TP2 is 5 x 65,536 + 49,152 + 14,336 + 2,048
+    rows; a one-piece job is not split, nor a last piece no longer than a tail (by that tail);
+    the plan in that layout, in every order and for one tail or two, equals numpy's piece by piece."""
+    assert EW.TAIL_ROWS == ER.TAIL_ROWS == (16384, 2048)
+    assert ER.RemoteRows._piece_keys(393216) == ([(k * 65536, 65536) for k in range(5)]
+                                                 + [(327680, 49152), (376832, 14336), (391168, 2048)])
     assert ER.RemoteRows._piece_keys(65536) == [(0, 65536)]
-    assert ER.RemoteRows._piece_keys(65536 + 16384) == [(0, 65536), (65536, 16384)]
+    assert ER.RemoteRows._piece_keys(65536 + 16384) == [(0, 65536), (65536, 14336), (79872, 2048)]
+    assert ER.RemoteRows._piece_keys(65536 + 2048) == [(0, 65536), (65536, 2048)]
+    assert ER.RemoteRows._piece_keys(65536 + 100) == [(0, 65536), (65536, 100)]
     monkeypatch.setattr(ER, "PIECE_ROWS", 100)
-    monkeypatch.setattr(ER, "TAIL_ROWS", 30)
     rng = np.random.default_rng(11)
-    for rows in (655, 600, 630, 120):
-        keys = ER.RemoteRows._piece_keys(rows)
-        ids = rng.integers(0, 4000, rows).astype(np.int64)
-        want = [(int(((v := ids[r0:r0 + m]) >= 1000).__and__(v < 3000).sum()), r0, m) for r0, m in keys]
-        for ahead, head in ((False, 0), (True, 0), (True, 30)):
-            sel = np.full(rows, 7, np.int32)
-            fetch = np.full(rows, -7, np.int64)
-            ns, bad = native._fastrow.plan_pieces(ids, 1000, 3000, 1 << 62, 100, sel, fetch, ahead, head, 30)
-            assert not bad and list(ns) == [n for n, _, _ in want]
-            for n, r0, m in want:
-                v = ids[r0:r0 + m]
-                own = (v >= 1000) & (v < 3000)
-                assert np.array_equal(fetch[r0:r0 + n], v[own])
-                assert np.array_equal(sel[r0:r0 + m][own], np.arange(n)) and (sel[r0:r0 + m][~own] == -1).all()
+    for tails in ((30,), (30, 10), (0, 10), ()):
+        monkeypatch.setattr(ER, "TAIL_ROWS", tails)
+        for rows in (655, 600, 630, 120, 105):
+            keys = ER.RemoteRows._piece_keys(rows)
+            assert [r0 for r0, _ in keys] == sorted({r0 for r0, _ in keys}) and sum(m for _, m in keys) == rows
+            ids = rng.integers(0, 4000, rows).astype(np.int64)
+            want = [(int(((v := ids[r0:r0 + m]) >= 1000).__and__(v < 3000).sum()), r0, m) for r0, m in keys]
+            for ahead, head in ((False, 0), (True, 0), (True, 30)):
+                sel = np.full(rows, 7, np.int32)
+                fetch = np.full(rows, -7, np.int64)
+                ns, bad = native._fastrow.plan_pieces(ids, 1000, 3000, 1 << 62, 100, sel, fetch, ahead, head, list(tails))
+                assert not bad and list(ns) == [n for n, _, _ in want], (tails, rows)
+                for n, r0, m in want:
+                    v = ids[r0:r0 + m]
+                    own = (v >= 1000) & (v < 3000)
+                    assert np.array_equal(fetch[r0:r0 + n], v[own])
+                    assert np.array_equal(sel[r0:r0 + m][own], np.arange(n)) and (sel[r0:r0 + m][~own] == -1).all()
+
+
+def test_a_negative_tail_is_refused_by_the_core_and_the_plan() -> None:
+    """A tail of fewer than 0 rows is a caller's error: ``EngramCore`` and ``plan_pieces`` raise
+    ValueError naming it, before anything runs."""
+    with pytest.raises(ValueError, match="tail_rows entries must be >= 0"):
+        native._fastrow.EngramCore(64, 100, 60.0, 30, [30, -1])
+    with pytest.raises(ValueError, match="tail_rows entries must be >= 0"):
+        native._fastrow.plan_pieces(np.arange(10, dtype=np.int64), 0, 10, 10, 4, np.empty(10, np.int32),
+                                    np.empty(10, np.int64), False, 0, [-2])
 
 
 @pytest.mark.parametrize("ahead", [False, True])

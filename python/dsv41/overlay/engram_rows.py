@@ -496,13 +496,16 @@ class RemoteRows:
 
     @staticmethod
     def _piece_keys(rows: int) -> list[tuple[int, int]]:
-        """``(first row, rows)`` of each piece of a job of ``rows`` rows: pieces of ``PIECE_ROWS``,
-        the last one's last ``TAIL_ROWS`` rows a piece of their own in a job of several pieces
-        (the C++ core's ``piece_layout``)."""
+        """``(first row, rows)`` of each piece of a job of ``rows`` rows: pieces of ``PIECE_ROWS``;
+        in a job of several pieces, for each ``t`` of ``TAIL_ROWS`` in turn the last piece's last
+        ``t`` rows a piece of their own where it is longer (the C++ core's ``piece_layout``)."""
         keys = [(r0, min(PIECE_ROWS, rows - r0)) for r0 in range(0, rows, PIECE_ROWS)]
-        if TAIL_ROWS > 0 and len(keys) > 1 and keys[-1][1] > TAIL_ROWS:
-            r0, m = keys.pop()
-            keys += [(r0, m - TAIL_ROWS), (r0 + m - TAIL_ROWS, TAIL_ROWS)]
+        if len(keys) < 2:
+            return keys
+        for t in TAIL_ROWS:
+            if 0 < t < keys[-1][1]:
+                r0, m = keys.pop()
+                keys += [(r0, m - t), (r0 + m - t, t)]
         return keys
 
     def _launch_piece(self, key: tuple[int, int], out: Any) -> None:

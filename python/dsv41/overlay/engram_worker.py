@@ -32,11 +32,15 @@ PIECE_ROWS = 65536
 #: the first request; the rest of piece 0 is planned by the planner thread while the head's
 #: request is in flight and requested next (the same fetch list and rows as one request).
 HEAD_ROWS = 8192
-#: Rows of a multi-piece job's last piece (issue 23 pass L): the last ``TAIL_ROWS`` rows of the
-#: last 65,536-row piece are a piece of their own (a 32K chunk at TP2: five pieces of 65,536, one
-#: of 49,152, one of 16,384), so the H2D copy and kernel after the job's last reply, which layer 1
-#: waits for, are a quarter of a full piece's (~0.09 ms instead of ~0.37 ms on the H200).
-TAIL_ROWS = 16384
+#: Rows of a multi-piece job's tail pieces, applied in turn to its last piece (its last ``t`` rows
+#: a piece of their own where it is longer than ``t``; the C++ core's ``piece_layout``). What the
+#: GPU does after the job's last reply, which layer 1 waits for, is the last piece's H2D copy and
+#: kernel: issue 23 pass L cut it to 16,384 rows (~0.09 ms on the H200, 0.136 ms on an H100, pass
+#: P: layer 1 then 0.03-0.06 ms over its bound there). Pass Q adds a 2,048-row tail: a 32K chunk
+#: at TP2 (393,216 rows) is five pieces of 65,536, then 49,152, 14,336 and 2,048. The 14,336-row
+#: piece's copy and kernel (~0.12 ms on the H100) run while the last 2,048 rows are fetched
+#: (~0.2 ms at the ~0.1 us a row of pass P's 39 ms for 393,216), so only the 2,048 follow the reply.
+TAIL_ROWS = (16384, 2048)
 
 _workers: dict[int, "EngramWorker"] = {}
 _workers_lock = threading.Lock()

@@ -46,6 +46,9 @@ namespace py = pybind11;
 
 namespace {
 
+// The tail pieces of a multi-piece job's layout, rows each, applied in order (piece_layout).
+using Tails = std::vector<int64_t>;
+
 constexpr uint32_t kMagic = 0x45565344u;
 constexpr uint16_t kVersion = 1;     // frames of the single-table ops that every peer speaks
 constexpr uint16_t kMaxVersion = 2;  // version 2 adds OP_LOOKUP_MULTI
@@ -1130,7 +1133,7 @@ struct EngramSlot {
   // `done_event`. 1: queued; 0: nothing queued (no words, a piece graph missing, too many pieces,
   // no driver entry); -1: a driver call failed after part of it was queued (the stream then waits
   // on flags the core still stores: the caller submits the job anyway, then serves it again).
-  int gj_queue(uint64_t stream, uint64_t gen, int64_t rows, uint64_t out, int64_t piece_rows, int64_t tail_rows,
+  int gj_queue(uint64_t stream, uint64_t gen, int64_t rows, uint64_t out, int64_t piece_rows, const Tails &tail_rows,
                uint64_t done_event) {
     const CudaDriver &cu = cuda_driver();
     if (!gj_host || !cu.wait_value64 || !cu.write_value64 || !cu.graph_launch || !cu.event_record || !stream ||
@@ -1165,7 +1168,7 @@ struct EngramSlot {
     if (event2 && cu.stream_wait_event(st, reinterpret_cast<void *>(event2), 0) == 0) r |= 4;
     return r;
   }
-  static std::vector<std::pair<int64_t, int64_t>> piece_layout_of(int64_t rows, int64_t piece_rows, int64_t tail_rows);
+  static std::vector<std::pair<int64_t, int64_t>> piece_layout_of(int64_t rows, int64_t piece_rows, const Tails &tail_rows);
   // Worker (core): the last request of job `gen` is about to go out; wakes a join sleeping for it.
   void mark_tail(uint64_t gen) {
     {
@@ -1287,22 +1290,33 @@ struct Planner {
 };
 
 // A multi-piece job's fixed piece layout, (first row, rows) per piece: pieces of piece_rows,
-// then, with tail_rows > 0 and more than one piece, the last piece's last tail_rows rows as a
-// piece of their own when it is longer (issue 23 pass L: the last piece's H2D copy and kernel,
-// after the job's last reply, are on layer 1's critical path). RemoteRows._piece_keys agrees.
-std::vector<std::pair<int64_t, int64_t>> piece_layout(int64_t rows, int64_t piece_rows, int64_t tail_rows) {
+// then, in a job of more than one piece, for each t of tail_rows in turn the last piece's last t
+// rows as a piece of their own when it is longer than t (issue 23 pass L: the last piece's H2D
+// copy and kernel, after the job's last reply, are on layer 1's critical path; pass Q: two tails,
+// so that what follows the last reply is a small piece and the piece before it is short enough to
+// be done by then). RemoteRows._piece_keys agrees.
+std::vector<std::pair<int64_t, int64_t>> piece_layout(int64_t rows, int64_t piece_rows, const Tails &tail_rows) {
   std::vector<std::pair<int64_t, int64_t>> v;
   for (int64_t r0 = 0; r0 < rows; r0 += piece_rows) v.push_back({r0, std::min(piece_rows, rows - r0)});
-  if (tail_rows > 0 && v.size() > 1 && v.back().second > tail_rows) {
+  if (v.size() < 2) return v;
+  for (const int64_t t : tail_rows) {
+    if (t <= 0 || v.back().second <= t) continue;
     const int64_t r0 = v.back().first, len = v.back().second;
-    v.back().second = len - tail_rows;
-    v.push_back({r0 + len - tail_rows, tail_rows});
+    v.back().second = len - t;
+    v.push_back({r0 + len - t, t});
   }
   return v;
 }
 
+// tail_rows as the constructors take it: every entry >= 0 (0: no split), else invalid_argument.
+static Tails checked_tails(const Tails &t, const char *who) {
+  for (const int64_t x : t)
+    if (x < 0) throw std::invalid_argument(std::string(who) + ": tail_rows entries must be >= 0");
+  return t;
+}
+
 std::vector<std::pair<int64_t, int64_t>> EngramSlot::piece_layout_of(int64_t rows, int64_t piece_rows,
-                                                                        int64_t tail_rows) {
+                                                                        const Tails &tail_rows) {
   return piece_layout(rows, piece_rows, tail_rows);
 }
 
@@ -1407,7 +1421,8 @@ void Planner::loop() {
 struct GJob {
   std::shared_ptr<EngramSlot> slot;
   uint64_t gen = 0;
-  int64_t rows = 0, piece_rows = 0, tail_rows = 0;
+  int64_t rows = 0, piece_rows = 0;
+  Tails tail_rows;
   int64_t bound_ns = 0;    // the watchdog's bound, counted from its first sight of the ids word
   std::atomic<int64_t> t_ids_seen{0};  // the watchdog's first sight of the ids word
   std::atomic<int> claim{0};
@@ -1597,10 +1612,10 @@ class EngramCore {
   // thread (0: piece 0 planned whole before its request, as before).
   // tail_rows (issue 23 pass L): the last piece's last tail_rows rows are a piece of their own
   // (piece_layout; 0: pieces of piece_rows only).
-  EngramCore(int64_t chunk_rows, int64_t piece_rows, double report_s, int64_t head_rows = 0, int64_t tail_rows = 0)
-      : chunk_rows_(chunk_rows), piece_rows_(piece_rows), head_rows_(head_rows), tail_rows_(tail_rows),
-        report_ns_(int64_t(report_s * 1e9)), last_return_(now_ns()) {
-    if (head_rows < 0 || tail_rows < 0) throw std::invalid_argument("EngramCore: head_rows and tail_rows must be >= 0");
+  EngramCore(int64_t chunk_rows, int64_t piece_rows, double report_s, int64_t head_rows = 0, Tails tail_rows = {})
+      : chunk_rows_(chunk_rows), piece_rows_(piece_rows), head_rows_(head_rows),
+        tail_rows_(checked_tails(tail_rows, "EngramCore")), report_ns_(int64_t(report_s * 1e9)), last_return_(now_ns()) {
+    if (head_rows < 0) throw std::invalid_argument("EngramCore: head_rows must be >= 0");
   }
 
   // Launching thread: queue one layer's job (handles are 0 where there is no CUDA).
@@ -1622,7 +1637,7 @@ class EngramCore {
   // side was queued in part (a driver call failed): the job is still handed to the worker, which
   // releases every flag, and the caller serves it again once it is done (GpuJoin.join).
   int submit_gj(std::shared_ptr<EngramSlot> slot, uint64_t gen, int64_t rows, uint64_t out, uint64_t stream,
-                uint64_t done_event, int64_t piece_rows, int64_t tail_rows, double bound_s, int expect, bool queue) {
+                uint64_t done_event, int64_t piece_rows, const Tails &tail_rows, double bound_s, int expect, bool queue) {
     if (!slot->gj_ready() || rows <= 0 || size_t(rows) > slot->max_rows || !GjWatchdog::get().start()) return 0;
     const int q = queue ? slot->gj_queue(stream, gen, rows, out, piece_rows, tail_rows, done_event) : 1;
     if (q == 0) return 0;
@@ -2303,7 +2318,9 @@ class EngramCore {
   uint64_t gen_ = 0;
   uint16_t version_ = 1;
   int64_t timeout_ns_ = 0, spin_ns_ = 0;
-  const int64_t chunk_rows_, piece_rows_, head_rows_, tail_rows_, report_ns_;
+  const int64_t chunk_rows_, piece_rows_, head_rows_;
+  const Tails tail_rows_;
+  const int64_t report_ns_;
   int64_t coalesce_ns_ = 0;  // the last submit's COALESCE_S (read under m_)
   std::unique_ptr<Planner> planner_;  // declared last of the state a plan touches: destroyed first
   bool planner_failed_ = false;
@@ -2323,7 +2340,7 @@ class EngramCore {
 // is at or past `limit`). `tail`: piece_layout's tail_rows. For the tests that the orders give the same pieces.
 py::tuple plan_pieces(py::array_t<int64_t, py::array::c_style> ids, int64_t lo, int64_t hi, uint64_t limit,
                       int64_t piece_rows, py::array_t<int32_t, py::array::c_style> sel,
-                      py::array_t<int64_t, py::array::c_style> fetch, bool ahead, int64_t head, int64_t tail) {
+                      py::array_t<int64_t, py::array::c_style> fetch, bool ahead, int64_t head, Tails tail) {
   const ssize_t r = ids.size();
   if (sel.size() < r || fetch.size() < r) throw std::invalid_argument("plan_pieces: sel and fetch need ids.size() entries");
   if (piece_rows <= 0 || r > INT32_MAX) throw std::invalid_argument("plan_pieces: piece_rows must be > 0 and ids < 2^31");
@@ -2332,7 +2349,7 @@ py::tuple plan_pieces(py::array_t<int64_t, py::array::c_style> ids, int64_t lo, 
   slot.hbuf = reinterpret_cast<uint8_t *>(sel.mutable_data());
   slot.fetch = fetch.mutable_data();
   slot.lo = lo; slot.hi = hi; slot.limit = limit;
-  if (tail < 0) throw std::invalid_argument("plan_pieces: tail must be >= 0");
+  tail = checked_tails(tail, "plan_pieces");
   std::vector<int64_t> ns;
   bool bad = false;
   {
@@ -2426,8 +2443,8 @@ PYBIND11_MODULE(_fastrow, m) {
         return py::make_tuple(s.w_gen, s.w_enter, s.w_seen, s.w_queued, s.w_gil);
       });
   py::class_<EngramCore>(m, "EngramCore")
-      .def(py::init<int64_t, int64_t, double, int64_t, int64_t>(), py::arg("chunk_rows"), py::arg("piece_rows"),
-           py::arg("report_s"), py::arg("head_rows") = 0, py::arg("tail_rows") = 0)
+      .def(py::init<int64_t, int64_t, double, int64_t, Tails>(), py::arg("chunk_rows"), py::arg("piece_rows"),
+           py::arg("report_s"), py::arg("head_rows") = 0, py::arg("tail_rows") = Tails{})
       .def("submit", &EngramCore::submit)
       .def("submit_gj", &EngramCore::submit_gj, py::arg("slot"), py::arg("gen"), py::arg("rows"), py::arg("out"),
            py::arg("stream"), py::arg("done_event"), py::arg("piece_rows"), py::arg("tail_rows"), py::arg("bound_s"),
@@ -2458,5 +2475,5 @@ PYBIND11_MODULE(_fastrow, m) {
         py::arg("fetch").noconvert());
   m.def("plan_pieces", &plan_pieces, py::arg("ids").noconvert(), py::arg("lo"), py::arg("hi"), py::arg("limit"),
         py::arg("piece_rows"), py::arg("sel").noconvert(), py::arg("fetch").noconvert(), py::arg("ahead"),
-        py::arg("head") = 0, py::arg("tail") = 0);
+        py::arg("head") = 0, py::arg("tail") = Tails{});
 }

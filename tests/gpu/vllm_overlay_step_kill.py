@@ -1,0 +1,174 @@
+"""The step benchmark's table-server kill cases (tests/gpu/vllm_overlay_step_bench.py, issue 23)
+and the per-step helpers they share with it: ``step_ids`` (a step's ids), ``timed_exact_step``
+(one timed overlay step compared bit for bit with vLLM's path), ``gj_counters`` (the GPU-side
+join's counters). The kills: ``kill_server`` (decode steps, SIGKILL after step 10 of 40),
+``prefill_after_kill`` (prefill chunks with the server dead: the C++ local fill) and
+``kill_mid_prefill`` (pass Q: the server restarted on its port, then SIGKILLed while a
+GPU-joined prefill chunk's rows are being fetched). Split out of the benchmark to keep both files
+under the repository's 600-line limit."""
+
+from __future__ import annotations
+
+import faulthandler
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+
+import vllm_overlay_util as Q
+from vllm_overlay_step_util import Forward
+
+#: Seconds a step of the mid-prefill kill may take before the run is taken for hung: the stacks of
+#: every thread go to stderr and the process exits (a hang is a failure the run must show, not wait on).
+HANG_S = 120.0
+#: Seconds to wait, after the table server is restarted, for rows to come from it again.
+RECONNECT_S = 60.0
+
+
+def gj_counters(ovl) -> dict:
+    """The GPU-side join's counters summed over the overlay's Engram layers (pass O): the
+    launching thread's ``gpu_joins`` / ``gpu_join_redos`` and the C++ slot's ``gj_*``."""
+    tot: dict = {}
+    for o in ovl:
+        rr = o.embed_tokens._dsv41
+        if getattr(rr, "_gj", None) is None:
+            continue
+        for k in ("gpu_joins", "gpu_join_redos"):
+            tot[k] = tot.get(k, 0) + rr.counters.get(k, 0)
+        for k, v in rr._gj.counters().items():
+            tot[k] = tot.get(k, 0) + v
+    return tot
+
+
+def prefill_after_kill(torch, own, ovl, hash_buf, layout, rng, layers, t: int, src) -> dict:
+    """Three eager ``t``-token prefill steps through the overlay after the table server was
+    killed (pass O): rows compared bit for bit with vLLM's path; step times; the GPU-side
+    join's counters (with no connection its jobs are filled from the local rows in C++)."""
+    f_o = Forward(torch, ovl, hash_buf, t, layers, {1: ovl[0], 14: ovl[1]}, graphs=False)
+    f_u = Forward(torch, own, hash_buf, t, layers, {1: own[0], 14: own[1]}, graphs=False)
+    g0 = gj_counters(ovl)
+    c0 = {k: v for k, v in src.counters().items() if isinstance(v, (int, float))}
+    ok, times = True, []
+    for _ in range(3):
+        ok &= timed_exact_step(torch, f_o, f_u, hash_buf, layout, rng, t, own, ovl, times)
+    c1 = {k: v for k, v in src.counters().items() if isinstance(v, (int, float))}
+    return {"steps": 3, "tokens": t, "rows_bit_exact": ok, "step_ms": [round(x, 3) for x in times],
+            "gpu_join": {k: v - g0.get(k, 0) for k, v in gj_counters(ovl).items()},
+            "counters": {k: c1[k] - c0.get(k, 0) for k in ("fallbacks", "transport_errors", "lookups")}}
+
+
+def timed_exact_step(torch, f_o, f_u, hash_buf, layout, rng, t: int, own, ovl, times: list) -> bool:
+    """One step on fresh ids: the overlay's forward ``f_o`` timed on the host (ms appended to
+    ``times``), then vLLM's ``f_u``; True when every Engram layer's ``t`` staged rows are bit-identical."""
+    hash_buf[:t].copy_(step_ids(torch, rng, t, layout, own))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    f_o()
+    torch.cuda.synchronize()
+    times.append((time.perf_counter() - t0) * 1e3)
+    ro = [e.staged_rows[:t].clone() for e in ovl]
+    f_u()
+    torch.cuda.synchronize()
+    return all(bool(torch.equal(x.view(torch.int16), e.staged_rows[:t].view(torch.int16))) for x, e in zip(ro, own))
+
+
+def step_ids(torch, rng, t: int, layout, own):
+    """int32 [t, n_layers, 24] on the GPU: each Engram layer's ids drawn around its own rank range."""
+    per = [Q.random_ids(rng, t, layout, li, e.embed_tokens.n_hash_cols, e.embed_tokens.vocab_start_idx,
+                        e.embed_tokens.vocab_end_idx) for li, e in enumerate(own)]
+    return torch.from_numpy(np.stack(per, axis=1)).cuda()
+
+
+
+def kill_server(torch, srv, own, ovl, hash_buf, layout, a, rng, layers, capture, src) -> dict:
+    """48-token decode steps through the overlay's PIECEWISE stand-in; the table server is
+    SIGKILLed after step 10 of 40; every step's rows are compared with vLLM's path."""
+    t = 48
+    f_o = Forward(torch, ovl, hash_buf, t, layers, {1: ovl[0], 14: ovl[1]}, graphs=True)
+    f_u = Forward(torch, own, hash_buf, t, layers, {1: own[0], 14: own[1]}, graphs=True)
+    hash_buf[:t].copy_(step_ids(torch, rng, t, layout, own))
+    f_o.capture(capture)
+    f_u.capture(capture)
+    c0 = {k: v for k, v in src.counters().items() if isinstance(v, (int, float))}
+    ok, times, killed_at = True, [], None
+    for step in range(40):
+        if step == 10:
+            srv.send_signal(signal.SIGKILL)
+            srv.wait(timeout=10)
+            killed_at = step
+        ok &= timed_exact_step(torch, f_o, f_u, hash_buf, layout, rng, t, own, ovl, times)
+    c1 = {k: v for k, v in src.counters().items() if isinstance(v, (int, float))}
+    rr = ovl[0].embed_tokens._dsv41
+    return {"ok": ok, "killed_after_step": killed_at, "steps": 40, "rows_bit_exact": ok,
+            "step_ms_before_kill_median": round(float(np.median(times[:10])), 3),
+            "step_ms_kill_step": round(times[10], 3), "step_ms_after_median": round(float(np.median(times[11:])), 3),
+            "step_ms_max": round(max(times), 3),
+            "counters": {k: c1[k] - c0.get(k, 0) for k in ("fallbacks", "transport_errors", "remote_rows",
+                                                             "deadline_exceeded", "lookups")},
+            "worker_refusals": rr.counters["worker_refusals"], "handoff_timeouts": rr.counters["handoff_timeouts"]}
+
+
+
+
+def kill_mid_prefill(torch, restart, own, ovl, hash_buf, layout, rng, layers, t: int, src,
+                     delays_ms=(3.0, 25.0, 60.0)) -> dict:
+    """Pass Q: a table server SIGKILLed while a GPU-joined ``t``-token prefill chunk is fetched.
+    For each delay (ms after the step's start; the layer-1 fetch of a 32K chunk takes ~39 ms,
+    layer 14's follows it): ``restart()`` starts the server again on its port (returns the
+    ``Popen``), eager prefill steps run until rows come from it again (``remote_rows`` grows with
+    no new local fill, at most ``RECONNECT_S``), then one step with a timer thread SIGKILLing the
+    server ``delay`` ms after the overlay's forward starts. Each step's rows are compared bit for
+    bit with vLLM's path; a step that takes over ``HANG_S`` dumps every thread's stack and exits.
+    Returns ``{"ok", "cases": [{"delay_ms", "reconnect_s", "reconnect_steps", "killed_at_ms",
+    "step_ms", "rows_bit_exact", "gpu_join", "counters"}]}``; ``ok`` when every case reconnected,
+    was killed mid-step and gave exact rows."""
+    f_o = Forward(torch, ovl, hash_buf, t, layers, {1: ovl[0], 14: ovl[1]}, graphs=False)
+    f_u = Forward(torch, own, hash_buf, t, layers, {1: own[0], 14: own[1]}, graphs=False)
+    keys = ("fallbacks", "transport_errors", "remote_rows", "lookups", "reconnects")
+
+    def counts() -> dict:
+        c = src.counters()
+        return {k: c.get(k, 0) for k in keys}
+
+    cases, ok = [], True
+    for delay in delays_ms:
+        srv = restart()
+        t0, steps, reconnected, times = time.monotonic(), 0, False, []
+        while time.monotonic() - t0 < RECONNECT_S:
+            c0, g0 = counts(), gj_counters(ovl)
+            ok &= timed_exact_step(torch, f_o, f_u, hash_buf, layout, rng, t, own, ovl, times)
+            steps += 1
+            c1, g1 = counts(), gj_counters(ovl)
+            if c1["remote_rows"] > c0["remote_rows"] and g1.get("gj_fallback_jobs", 0) == g0.get("gj_fallback_jobs", 0):
+                reconnected = True
+                break
+        case = {"delay_ms": delay, "reconnect_s": round(time.monotonic() - t0, 2), "reconnect_steps": steps,
+                "reconnected": reconnected}
+        c0, g0 = counts(), gj_counters(ovl)
+        killed = {}
+
+        def kill(p=srv, box=killed):
+            box["at"] = time.perf_counter()
+            p.send_signal(signal.SIGKILL)
+
+        timer, times = threading.Timer(delay / 1e3, kill), []
+        faulthandler.dump_traceback_later(HANG_S, exit=True, file=sys.stderr)
+        step_t0 = time.perf_counter()
+        timer.start()
+        try:
+            exact = timed_exact_step(torch, f_o, f_u, hash_buf, layout, rng, t, own, ovl, times)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            timer.join()
+        srv.wait(timeout=10)
+        c1, g1 = counts(), gj_counters(ovl)
+        case.update({"killed_at_ms": round((killed["at"] - step_t0) * 1e3, 2) if "at" in killed else None,
+                     "step_ms": round(times[0], 3), "rows_bit_exact": exact,
+                     "killed_during_step": "at" in killed and killed["at"] - step_t0 < times[0] / 1e3,
+                     "gpu_join": {k: v - g0.get(k, 0) for k, v in g1.items()},
+                     "counters": {k: c1[k] - c0[k] for k in keys}})
+        ok &= exact and reconnected and case["killed_during_step"]
+        cases.append(case)
+    return {"ok": bool(ok), "tokens": t, "cases": cases}
