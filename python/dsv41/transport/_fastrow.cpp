@@ -1743,9 +1743,18 @@ class EngramCore {
       for (;;) {
         batch.clear();
         status = take(batch);
-        if (status == GJ) status = serve_gj(batch[0], code, rcount);  // REPORT or GJ_FAILED
-        else if (status != FETCHED) break;  // RETIRED, or PYTHON (ids not awaited or not eligible)
-        else status = serve(batch, code, rcount);
+        if (status == GJ) {
+          status = serve_gj(batch[0], code, rcount);  // REPORT or GJ_FAILED
+          // served from the local rows for want of a connection: back to Python, whose lease
+          // retry (at most every LEASE_RETRY_S) finds a server that came back; staying here until
+          // the next report kept GPU-joined prefill local for up to report_s (issue 23 pass Q:
+          // 57 s after a restart on the H100)
+          if (status == REPORT && fd_ < 0) break;
+        } else if (status != FETCHED) {
+          break;  // RETIRED, or PYTHON (ids not awaited or not eligible)
+        } else {
+          status = serve(batch, code, rcount);
+        }
         if (status != REPORT) break;
         int64_t t = now_ns();
         if (t - last_return_ >= report_ns_) break;
