@@ -30,7 +30,9 @@ path apart. ``--gpu-join 0|1`` sets ``DSV41_ENGRAM_GPU_JOIN`` for the overlay (i
 GPU-joined prefill step's trace has ``gpu_join`` and no host join to take apart; each row's
 ``overlay_worker.gpu_join`` counts the jobs joined on the GPU, filled from the local rows in C++
 and taken over by the watchdog), and with ``--kill-server`` three prefill chunks run after the
-kill (``kill.prefill_after``: the C++ local fill, bit-exact against vLLM's path).
+kill (``kill.prefill_after``: the C++ local fill, bit-exact against vLLM's path), then (pass Q)
+the server restarted and killed in the middle of a GPU-joined chunk (``kill.mid_prefill``,
+``vllm_overlay_step_kill.py``).
 
 Default per-layer times: decode 1.0 ms (the issue's one decoder layer); prefill
 ``2 * (13e9 / 43) * 32768 / 2 / 790e12`` s = 12.5 ms: DeepSeek-V4-Flash's 13 B active parameters

@@ -23,7 +23,10 @@ Failures stay exact without the GIL and without the driver:
 * no lent connection, a failed request (transport error, refusal, timeout; a killed server): the
   worker fills every piece not released yet from the exact local rows in C++ (the shard mapped
   read-only, a memcpy gather of ``weight_offset + id * 256`` and ``scale_offset + id * 8``, the
-  bytes ``LocalRowReader.read`` packs) and stores the flags; counted (``gj_fallback_jobs``);
+  bytes ``LocalRowReader.read`` packs) and stores the flags; counted (``gj_fallback_jobs``); a
+  job filled for want of a connection is then handed back to Python, whose loop retries the lease
+  (``EngramWorker._take_lease``, at most every ``LEASE_RETRY_S``), so prefill alone takes a table
+  server that came back within a second (pass Q; before, at the core's next report, 60 s);
 * a dead, retired, hung or busy worker: the C++ watchdog thread (one per process) claims a job
   still unclaimed ``WATCHDOG_S`` after it first saw the job's ids word, fills it from the local rows
   and stores the flags (``gj_takeovers``). A per-job compare-and-swap decides which of the two
