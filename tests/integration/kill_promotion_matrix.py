@@ -20,8 +20,8 @@ import json
 
 import pytest
 from labutil import needs_lab
-from promotionutil import (API, CANDIDATE, JOURNAL, ROOT, assert_verified_production, dsv41, listing, production,
-                           recap_changed, run_until_step, timed_play)
+from promotionutil import (API, CANDIDATE, JOURNAL, ROOT, alive, assert_none_outlived, assert_verified_production,
+                           dsv41, listing, production, recap_changed, run_until_step, timed_play)
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.lab_long, needs_lab]
 
@@ -47,23 +47,29 @@ def _converged(expect: str | None = None) -> str:
 def test_kill_then_rerun_converges(deployed_lab, promote_step, rollback_step):
     p0 = _converged()
     before = listing()
-    e = run_until_step(["promote.yml", *CANDIDATE], promote_step)
+    e, left = run_until_step(["promote.yml", *CANDIDATE], promote_step)
     d = json.loads(dsv41("package", "journal", "--path", str(JOURNAL), "--json").stdout)
     print(f"\n[promotion] journal after the kill: {d['kind']} stopped after {d['last_step']}: "
           f"re-run will {d['action']} to {d['package']}", flush=True)
     assert d["op"] == e["op"] and d["action"] in ("finish", "revert")
+    at_start = alive(left)
     r = timed_play("promote.yml", *CANDIDATE)
     assert r.returncode == 0, r.stdout[-5000:]
+    assert_none_outlived(left, r, "promote.yml", at_start)
     p1 = _converged()
     assert p1 != p0
     if rollback_step is not None:
-        e = run_until_step(["playbooks/rollback.yml", "-e", "rollback_confirmation=yes"], rollback_step)
+        e, left = run_until_step(["playbooks/rollback.yml", "-e", "rollback_confirmation=yes"], rollback_step)
         d = json.loads(dsv41("package", "journal", "--path", str(JOURNAL), "--json").stdout)
         print(f"\n[promotion] journal after the kill: {d['kind']} stopped after {d['last_step']}: "
               f"re-run will {d['action']} to {d['package']}", flush=True)
         assert d["action"] == "finish" and d["package"] == p0, d
+    else:
+        left = []
+    at_start = alive(left)
     r = timed_play("playbooks/rollback.yml", "-e", "rollback_confirmation=yes")
     assert r.returncode == 0, r.stdout[-5000:]
+    assert_none_outlived(left, r, "rollback.yml", at_start)
     _converged(p0)
     assert listing() == before
 
@@ -99,7 +105,8 @@ def test_window_killed_then_next_run_restores(deployed_lab, tmp_path, kill_step,
     p0 = _converged()
     before = listing()
     fill = {"p0": p0, "wdir": tmp_path / "windows"}  # a fresh windows dir: the two-window cap is per dir
-    e = run_until_step([a.format(**fill) for a in WINDOW], kill_step, timeout=900)
+    # window.yml's run and its worker: run.pid and stop-run (harness/window_pid.py), not asserted here
+    e, _ = run_until_step([a.format(**fill) for a in WINDOW], kill_step, timeout=900)
     d = json.loads(dsv41("package", "journal", "--path", str(JOURNAL), "--json").stdout)
     print(f"\n[promotion] journal after the kill: {d['kind']} stopped after {d['last_step']}: "
           f"re-run will {d['action']} to {d['package']}", flush=True)

@@ -64,12 +64,13 @@ def play(playbook: str, *args: str, env_extra: dict | None = None, user: int | N
 LEFTOVERS: list = []
 
 
-def sigkill_group(proc: subprocess.Popen) -> int:
+def sigkill_group(proc: subprocess.Popen) -> list:
     """SIGKILL the process group ``proc`` leads, as an operator's ``kill -9`` of the job would,
     and remember (``LEFTOVERS``) every descendant outside that group: ansible-core's
     WorkerProcess calls ``setsid()`` (ansible/executor/process/worker.py), so a worker running a
-    task survives and, its parent gone, blocks for ever after the task. Returns how many
-    descendants outlived the kill (they are ours: ``end_leftovers`` ends them by pid and start time)."""
+    task survives and, its parent gone, blocks for ever after the task. Returns the identities
+    (``ProcessIdentity``) of the descendants that outlived the kill (they are ours: ``end_leftovers``
+    ends any still alive after the test, by pid and start ticks)."""
     import psutil
 
     from dsv41.harness.procident import ProcessGone, ProcessIdentity
@@ -90,7 +91,7 @@ def sigkill_group(proc: subprocess.Popen) -> int:
     proc.wait(30)
     left = [i for i in tree if i.alive()]
     LEFTOVERS.extend(left)
-    return len(left)
+    return left
 
 
 def end_leftovers() -> list[int]:

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 from labutil import ROOT, inside, needs_lab
-from promotionutil import (API, CANDIDATE, JOURNAL, PACKAGES, assert_verified_production, dsv41, listing, production,
-                           recap_changed, run_until_step, timed_play)
+from promotionutil import (API, CANDIDATE, JOURNAL, PACKAGES, alive, assert_none_outlived, assert_verified_production,
+                           dsv41, listing, production, recap_changed, run_until_step, timed_play)
 
 # About 9.5 min after the deploy on the 2-core CI box: over make test's budget, so `make lab-long`.
 pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.lab_long, needs_lab]
@@ -161,34 +161,40 @@ def test_promote_a_window_win_rollback_exact_promote_again(deployed_lab, tmp_pat
 
 def test_sigkill_then_rerun_converges(deployed_lab):
     """SIGKILL ansible-playbook in a promote and in a rollback; each re-run converges to a verified
-    package. The re-runs also show admission held from their HOLD, across rank 0's restart, until
-    their checks passed (an outside client probes all along)."""
+    package, and no process of the killed playbook outlives the re-run (its Ansible workers, which
+    escape the kill of its process group, are ended first by identity: plugins/callback/dsv41_workers.py).
+    The re-runs also show admission held from their HOLD, across rank 0's restart, until their
+    checks passed (an outside client probes all along)."""
     p0 = assert_verified_production()
     before = listing()
     # killed after the candidate was applied to x86host and while the Sparks change: a re-run
     # reverts to p0 (nothing verified yet), then promotes
-    run_until_step(["promote.yml", *CANDIDATE], "applied")
+    _, left = run_until_step(["promote.yml", *CANDIDATE], "applied")
     d = json.loads(dsv41("package", "journal", "--path", str(JOURNAL), "--json").stdout)
     assert d["action"] == "revert" and d["package"] == p0, d
     n0 = len(JOURNAL.read_text().splitlines())
     with AdmissionProbe() as probe:
+        at_start = alive(left)
         r = timed_play("promote.yml", *CANDIDATE)
         time.sleep(2)
     assert r.returncode == 0, r.stdout[-5000:]
     assert "reverting to" in r.stdout
+    assert_none_outlived(left, r, "promote.yml", at_start)
     p1 = assert_verified_production()
     assert p1 != p0
     assert_held_throughout(probe, op_steps(n0), "pointer", "promote re-run")
     # killed after the HOLD of a rollback: the re-run finishes the rollback (as the recovery of
     # the killed operation, under the re-run's HOLD)
-    e = run_until_step(["playbooks/rollback.yml", "-e", "rollback_confirmation=yes"], "held")
+    e, left = run_until_step(["playbooks/rollback.yml", "-e", "rollback_confirmation=yes"], "held")
     d = json.loads(dsv41("package", "journal", "--path", str(JOURNAL), "--json").stdout)
     assert d["action"] == "finish" and d["package"] == p0, d
     n0 = len(JOURNAL.read_text().splitlines())
     with AdmissionProbe() as probe:
+        at_start = alive(left)
         r = timed_play("playbooks/rollback.yml", "-e", "rollback_confirmation=yes")
         time.sleep(2)
     assert r.returncode == 0, r.stdout[-5000:]
+    assert_none_outlived(left, r, "rollback.yml", at_start)
     assert assert_verified_production() == p0 and listing() == before
     assert_held_throughout(probe, op_steps(n0, e["op"]), "recovered", "rollback re-run (recovery)")
 

@@ -9,10 +9,10 @@ signalling only the processes it names by identity (pid, kernel start ticks, boo
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
 
 from dsv41 import fileio
+from dsv41.harness import orphans
 from dsv41.harness.window import WindowError
 
 
@@ -93,8 +93,6 @@ def orphaned_worker(record: dict):
     lives: the worker was orphaned by a SIGKILL); None when the record has no session, the worker
     has ended (its pid reused or not) or its playbook still runs (never signalled then). Raises
     KeyError/TypeError/ValueError on a malformed ``session``."""
-    import psutil
-
     from dsv41.harness.procident import ProcessIdentity
 
     session = record.get("session")
@@ -104,17 +102,11 @@ def orphaned_worker(record: dict):
         raise TypeError(f"session is a JSON {type(session).__name__}, not an object")
     leader = ProcessIdentity.from_record(session["leader"])
     parent = ProcessIdentity.from_record(session["parent"])
-    if parent.alive():
-        return None
-    try:
-        proc = psutil.Process(leader.pid)
-    except psutil.NoSuchProcess:
-        return None
-    return proc if leader.alive() else None
+    return orphans.orphan(leader, parent)
 
 
-#: Seconds an orphaned Ansible worker gets after SIGTERM (its handler exits at once) before SIGKILL.
-WORKER_TERM_TIMEOUT_S = 10.0
+#: Seconds an orphaned Ansible worker gets after SIGTERM before SIGKILL (``harness.orphans``).
+WORKER_TERM_TIMEOUT_S = orphans.WORKER_TERM_TIMEOUT_S
 
 
 #: A run.pid record is one short JSON object; anything longer is not one.
@@ -127,20 +119,7 @@ def read_run_pid(path: str | os.PathLike) -> dict | None:
     at most ``RUN_PID_MAX_BYTES``); None when there is no such file (the run ended and removed
     it). Raises ``WindowError`` (one line, ``<path>: not a run pid file (<why>)``) for an empty,
     torn, undecodable or non-object file; its fields are checked by ``run_process``."""
-    try:
-        st = os.stat(path)
-        if stat.S_ISREG(st.st_mode) and st.st_size == 0:
-            raise WindowError(f"{path}: not a run pid file (it is empty)")
-        rec = fileio.read_json(path, max_bytes=RUN_PID_MAX_BYTES)
-    except FileNotFoundError:
-        return None
-    except fileio.FileError as exc:
-        raise WindowError(f"{path}: not a run pid file ({exc})") from None
-    except OSError as exc:
-        raise WindowError(f"{path}: not a run pid file ({exc.strerror or exc})") from None
-    if not isinstance(rec, dict):
-        raise WindowError(f"{path}: not a run pid file (a JSON {type(rec).__name__}, not an object)")
-    return rec
+    return orphans.read_record(path, "run pid file", WindowError, RUN_PID_MAX_BYTES)
 
 
 def clear_run_pid(wdir: str | os.PathLike) -> None:
@@ -203,23 +182,6 @@ class StoppedRuns(list):
         self.workers = list(workers)
 
 
-def _end(procs: list, timeout_s: float) -> None:
-    """SIGTERM each ``psutil.Process`` in ``procs``, SIGKILL those left after ``timeout_s``."""
-    import psutil
-
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    for p in psutil.wait_procs(procs, timeout=timeout_s)[1]:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=10)
-
-
 def stop_runs(windows_dir: str | os.PathLike, window_id: str, timeout_s: float = 30.0) -> StoppedRuns:
     """Stop every ``dsv41 window run`` of window ``window_id`` that is still running.
 
@@ -269,7 +231,7 @@ def stop_runs(windows_dir: str | os.PathLike, window_id: str, timeout_s: float =
         # after the run: the worker waited on it, and a worker of a live playbook is never touched
         worker = orphaned_worker(rec)
         if worker is not None:
-            _end([worker], WORKER_TERM_TIMEOUT_S)
+            orphans.end_processes([worker], WORKER_TERM_TIMEOUT_S)
             stopped.workers.append(worker.pid)
         path.unlink(missing_ok=True)
     return stopped
