@@ -11,8 +11,8 @@ type: aggregate
 short_description: End the Ansible workers a SIGKILLed promote.yml or rollback.yml left running
 description:
   - ansible-core's worker processes call C(setsid()), so a SIGKILL of C(ansible-playbook)'s
-    process group leaves each worker of an in-flight task running; it finishes that task and then
-    blocks for ever.
+    process group leaves each worker of an in-flight task running; it finishes that task while the
+    next run acts on the same hosts.
   - For the playbooks named in O(playbooks), this callback first ends such leftovers of every
     recorded C(ansible-playbook) that no longer lives (by pid, kernel start ticks and boot id, never
     by name; a reused pid is never signalled) and prints what it ended, then records this run and

@@ -4,9 +4,10 @@ ender of those a SIGKILL orphaned (docs/promotion.md, "A SIGKILLed run's Ansible
 ansible-core's ``WorkerProcess`` calls ``setsid()`` (ansible/executor/process/worker.py,
 ``_detach``), so when ``ansible-playbook promote.yml`` (or ``rollback.yml``) is SIGKILLed, its
 process group goes but the worker running each in-flight task does not: it finishes the task (a
-restart, a file written on a host, while the next run converges the same hosts) and then blocks
-for ever handing its result to the dead parent. Seen on the lab (tests/integration, 2026-12): 2
-workers outlived a promote.yml killed at its ``applied`` step, 1 a rollback.yml killed at ``held``.
+restart, a file written on a host) while the next run converges the same hosts, then hands its
+result to the dead parent (window.yml's, waiting on a long command, was alive 30 min after). Seen
+on the lab (tests/integration, 2026-12): 2 workers outlived a promote.yml killed at its
+``applied`` step, 1 a rollback.yml killed at ``held``; those ended 1-2 s after the kill.
 
 The record, per ``ansible-playbook`` run, is a directory ``<root>/<pid>-<start ticks>/`` holding
 ``playbook.json`` (``{"playbook": identity, "name": "promote.yml"}``) and one
