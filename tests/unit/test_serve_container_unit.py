@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 LAB_ID = "sha256:" + "b" * 64
 VLLM_DIGEST = "vllm/vllm-openai@sha256:" + "a" * 64
 RUNTIMES = {"lab": LAB_ID, "vllm": VLLM_DIGEST}
+VLLM_EXTRA = ["--device", "/dev/infiniband", "--ulimit", "memlock=-1:-1", "--cap-add", "IPC_LOCK"]
 PREFIX = "/usr/bin/docker run --rm --name dsv41-serve --init --pull never --network host --ipc host"
 
 
@@ -103,11 +104,14 @@ def test_the_container_unit(units, name) -> None:
 
 
 def test_the_runtimes_differ_only_in_the_image_and_its_arguments(units) -> None:
-    # rank 1 (no HOLD file), vLLM with nothing remote and no fence: the same launch up to the image
+    # rank 1 (no HOLD file), vLLM with nothing remote and no fence: the same launch up to the image,
+    # but for vLLM's default serve_container_extra_args (RDMA devices, memlock) right before it
     for g in (0, 1):
         lab = shlex.split(_key(units[f"lab-rank1-gpus{g}"], "ExecStart"))
         vllm = shlex.split(_key(units[f"vllm-rank1-gpus{g}"], "ExecStart"))
-        assert lab[:lab.index(LAB_ID)] == vllm[:vllm.index(VLLM_DIGEST)]
+        prefix = lab[:lab.index(LAB_ID)]
+        assert vllm[:len(prefix)] == prefix
+        assert vllm[len(prefix):vllm.index(VLLM_DIGEST)] == VLLM_EXTRA
 
 
 def test_the_plain_process_stays_for_the_netns_lab(tmp_path) -> None:
