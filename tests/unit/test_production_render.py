@@ -70,6 +70,7 @@ def flag(args: list[str], name: str) -> list[str]:
 
 
 def sparks(prod) -> list:
+    """The two Sparks' renders, rank 0 first."""
     return [prod["sparkhead"], prod["sparkworker"]]
 
 
