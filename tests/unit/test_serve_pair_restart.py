@@ -1,7 +1,9 @@
 """roles/serve tasks/restart.yml (the one restart of the TP pair), run by ansible-playbook itself on
 two local "Sparks" against a stand-in systemctl (fake_systemd.py, one state file per host, one
 shared call log): both ranks are stopped before rank 1 starts, rank 1 starts before rank 0, rank
-0's /health is polled only after rank 0 started, and check mode touches nothing."""
+0's /health is polled only after rank 0 started, and check mode touches nothing; a rank 0 that is not
+healthy within the start-up budget fails each rank in one line naming its unit, the budget, the last
+status and the unit's last journal lines."""
 
 from __future__ import annotations
 
@@ -87,3 +89,42 @@ def test_pair_restart_order(tmp_path, check):
                           "sparkworker start dsv41-serve", "sparkhead start dsv41-serve"}, calls
     assert _Health.seen and _Health.seen[0] == ("/health", True)
     assert all(json.loads(p.read_text())["units"]["dsv41-serve"]["ActiveState"] == "active" for p in states.values())
+
+
+class _Unhealthy(BaseHTTPRequestHandler):
+    """/health answers 503 (a rank 0 that never becomes ready)."""
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        self.send_response(503)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_rank_0_not_healthy_within_the_budget_names_unit_rank_and_journal_on_each_rank(tmp_path):
+    journals = {"sparkhead": ["vllm: loading weights", "RuntimeError: CUDA out of memory"],
+                "sparkworker": ["vllm: waiting for rank 0 at the rendezvous"]}
+    for h, lines in journals.items():
+        (tmp_path / f"{h}.json").write_text(json.dumps({"units": {"dsv41-serve": {
+            "ActiveState": "active", "NeedDaemonReload": "no", "journal": lines}}}))
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Unhealthy)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    inv = {"all": {"vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
+                            "dsv41_service_manager": "systemd"},
+                   "children": {"spark": {"hosts": {"sparkhead": {"dsv41_rank": 0}, "sparkworker": {"dsv41_rank": 1}}}}}}
+    (tmp_path / "hosts.yml").write_text(yaml.safe_dump(inv))
+    play = PAIR_PLAY.format(tmp=tmp_path, port=srv.server_address[1]).replace(
+        "serve_health_retries: 5", "serve_health_retries: 2\n        serve_health_delay: 1")
+    (tmp_path / "play.yml").write_text(play)
+    try:
+        r = run_playbook(tmp_path / "hosts.yml", tmp_path / "play.yml", tmp_path, env(fake_bin(tmp_path)), ok=False)
+    finally:
+        srv.shutdown()
+    assert r.returncode == 2, r.stdout[-3000:]
+    for rank, (host, lines) in enumerate(journals.items()):
+        msg = [ln for ln in r.stdout.splitlines() if ln.startswith("[ERROR]") and f"{host} (rank {rank})" in ln]
+        assert len(msg) == 1, r.stdout[-4000:]
+        assert "dsv41-serve.service" in msg[0] and "serve_health_retries 2 x serve_health_delay 1 s" in msg[0], msg
+        assert "last: 503" in msg[0] and "ActiveState=active" in msg[0] and " | ".join(lines) in msg[0], msg
