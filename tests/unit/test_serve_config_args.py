@@ -88,6 +88,7 @@ BAD = {
     "quantization": ({"serve_vllm_quantization": "exl3 --trust-remote-code"}, "serve_vllm_quantization"),
     "drain past docker stop": ({"serve_vllm_shutdown_timeout": 30}, "serve_container_stop_timeout (30"),
     "drain not a number": ({"serve_vllm_shutdown_timeout": "soon"}, "serve_vllm_shutdown_timeout"),
+    "queue bound": ({"serve_vllm_max_num_queued_reqs": "8 requests"}, "serve_vllm_max_num_queued_reqs"),
 }
 
 
@@ -99,14 +100,15 @@ def test_a_value_of_the_wrong_shape_is_refused_in_one_line_naming_it(renderer, n
 
 
 GOOD = {"serve_vllm_gpu_memory_utilization": "0.85", "serve_vllm_quantization": "exl3", "serve_vllm_shutdown_timeout": "",
-        "serve_vllm_kv_cache_gib": "", "serve_vllm_max_model_len": 0, "serve_vllm_args": ["--enforce-eager"]}
+        "serve_vllm_kv_cache_gib": "", "serve_vllm_max_model_len": 0, "serve_vllm_max_num_queued_reqs": 12,
+        "serve_vllm_args": ["--enforce-eager"]}
 
 
 def test_the_accepted_shapes_render_as_documented(renderer) -> None:
     assert problems(renderer, GOOD) == []
     args = renderer.variant(GOOD).var("sparkhead", "serve_vllm_config_args")
     assert args == ["--max-num-seqs", "4", "--gpu-memory-utilization", "0.85", "--quantization", "exl3",
-                    "--enforce-eager"], args
+                    "--max-num-queued-reqs", "12", "--enforce-eager"], args
 
 
 def test_the_lab_engine_gets_no_vllm_configuration_and_no_extra_docker_argument(renderer) -> None:
