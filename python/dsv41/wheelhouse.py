@@ -240,6 +240,62 @@ def build(project_dir: Path, cache_dir: Path, target: Target, extras: list[str],
     return final, False
 
 
+_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9][A-Za-z0-9.+!_-]*)$")
+
+
+def read_pins(text: str, what: str) -> list[str]:
+    """The requirements of a fully pinned list (one ``name==version`` a line; ``#`` comments and
+    blank lines ignored), in file order. Raises ConfigError naming the first line that is not an
+    exact pin (a range, a URL, an option): every wheel of a pinned image is named by version."""
+    pins = []
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if not _PIN.match(line):
+            raise ConfigError(f"wheelhouse: {what} line {n}: {line!r} is not an exact pin (name==version)")
+        pins.append(line)
+    if not pins:
+        raise ConfigError(f"wheelhouse: {what} pins nothing")
+    return pins
+
+
+def pinned(requirements: Path, cache_dir: Path, target: Target, *, index_args: list[str] | None = None,
+           pip: list[str] | None = None, log=print) -> tuple[Path, bool]:
+    """Download (or reuse) the wheels of a fully pinned list, each with ``--no-deps`` (the list is
+    the whole closure), for ``target`` under ``cache_dir/pinned-<key>``; the key covers the list's
+    pins and the target. The directory holds the wheels, ``requirements.txt`` (the pins) and
+    ``manifest.json`` (as :func:`build`'s, ``source`` empty). Returns ``(path, reused)``. Raises
+    ConfigError/Dsv41Error with one line."""
+    pip = pip or [sys.executable, "-m", "pip"]
+    pins = read_pins(fileio.read_text(requirements, "pinned requirements"), str(requirements))
+    key = "pinned-" + cache_key("\n".join(pins), "", b"", target, [])
+    final = cache_dir / key
+    if (final / "manifest.json").exists():
+        check(final)
+        log(f"wheelhouse: reusing {final}")
+        return final, True
+    t0 = time.monotonic()
+    stage = cache_dir / f".{key}.partial"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    fileio.atomic_write(stage / "requirements.txt", "\n".join(pins) + "\n", "pinned requirements")
+    fileio.atomic_write(stage / "constraints-host.txt", "\n".join(pins) + "\n", "host constraints")
+    log(f"wheelhouse: downloading {len(pins)} pinned wheels (no dependencies) for {target.abi} {target.platforms[0]} ...")
+    _pip_download(pip, stage, stage / "constraints-host.txt", target, pins, index_args or [], True)
+    files = {p.name: {"sha256": _sha256(p), "size": p.stat().st_size}
+             for p in sorted(stage.iterdir()) if p.is_file()}
+    manifest = {"key": key, "version": "", "python": target.python_version, "abi": target.abi,
+                "platforms": list(target.platforms), "requirements": pins, "source": "", "files": files,
+                "projects": sorted({_wheel_project(n) for n in files if n.endswith(".whl")})}
+    fileio.atomic_write_json(stage / "manifest.json", manifest, "wheelhouse manifest")
+    shutil.rmtree(final, ignore_errors=True)
+    stage.rename(final)
+    size = sum(f["size"] for f in files.values())
+    log(f"wheelhouse: built {final}: {len(files)} files, {size / 1e6:.1f} MB in {time.monotonic() - t0:.1f} s")
+    return final, False
+
+
 def check(path: Path) -> dict:
     """Verify a wheelhouse against its manifest: every requirement has a wheel, every file is present
     with its recorded sha256. Returns the manifest. Raises VerificationError naming the first
@@ -261,7 +317,8 @@ def check(path: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: ``build`` prints progress then one JSON line ``{"path", "reused", "key", "source",
+    """CLI: ``build`` (the project's wheelhouse) and ``pinned`` (a fully pinned list, no
+    dependencies) print progress then one JSON line ``{"path", "reused", "key", "source",
     "digest"}``; ``check PATH`` verifies. Bad input: one ``error:`` line on stderr, exit 1/2."""
     ap = argparse.ArgumentParser(prog="python -m dsv41.wheelhouse")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -275,6 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--drop-pin", action="append", default=[])
     b.add_argument("--add", action="append", default=[])
     b.add_argument("--no-deps", action="append", default=[])
+    p = sub.add_parser("pinned")
+    p.add_argument("--requirements", type=Path, required=True)
+    p.add_argument("--cache-dir", type=Path, required=True)
+    p.add_argument("--machine", required=True)
+    p.add_argument("--python-version", required=True)
+    p.add_argument("--glibc", required=True)
     c = sub.add_parser("check")
     c.add_argument("path", type=Path)
     args = ap.parse_args(argv)
@@ -284,10 +347,13 @@ def main(argv: list[str] | None = None) -> int:
             print(fileio.dumps_json({"path": str(args.path), "key": m["key"], "files": len(m["files"])}))
             return 0
         target = Target.for_host(args.machine, args.python_version, args.glibc)
-        path, reused = build(args.project_dir, args.cache_dir, target, args.extra,
-                             drop_pins=tuple(canonical(n) for n in args.drop_pin), add=args.add,
-                             no_deps=args.no_deps,
-                             log=lambda s: print(s, file=sys.stderr, flush=True))
+        log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+        if args.cmd == "pinned":
+            path, reused = pinned(args.requirements, args.cache_dir, target, log=log)
+        else:
+            path, reused = build(args.project_dir, args.cache_dir, target, args.extra,
+                                 drop_pins=tuple(canonical(n) for n in args.drop_pin), add=args.add,
+                                 no_deps=args.no_deps, log=log)
         m = fileio.read_json(path / "manifest.json", "wheelhouse manifest")
         digest = hashlib.sha256(fileio.dumps_json(m["files"], sort_keys=True).encode()).hexdigest()
         print(fileio.dumps_json({"path": str(path), "reused": reused, "key": m["key"], "source": m["source"],

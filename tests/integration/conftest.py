@@ -27,10 +27,11 @@ def pytest_collection_modifyitems(session, config, items):
     """Move the shared-lab tests to the end, keeping the order within each group, and the ones
     that add monitoring to the shared lab (``monitored``: Prometheus and exporters as programs on
     x86host, so in its managed files and service list) after every other shared-lab test, which
-    compare the lab with the package and the service set that deploy.yml alone gives."""
-    def key(item) -> tuple[bool, bool]:
+    compare the lab with the package and the service set that deploy.yml alone gives; the ones on
+    the vLLM lab (``vllm_lab``: the Sparks switched to real vLLM) last of all."""
+    def key(item) -> tuple[bool, bool, bool]:
         names = getattr(item, "fixturenames", ())
-        return "deployed_lab" in names, "monitored" in names
+        return "deployed_lab" in names, "vllm_lab" in names, "monitored" in names
 
     items.sort(key=key)
 

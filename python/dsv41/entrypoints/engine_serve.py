@@ -26,6 +26,28 @@ from dsv41.errors import Dsv41Error
 __all__ = ["app", "serve_cmd"]
 
 
+@app.command("hf-checkpoint")
+def hf_checkpoint_cmd(
+    out: Annotated[Path, typer.Option("--out", help="Directory to write the checkpoint into.")],
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the weights.")] = 41,
+) -> None:
+    """Write the vLLM lab's tiny Llama checkpoint (config, safetensors, tokenizer; deterministic) and
+    print its identity (sha256 over its files)."""
+    from dsv41.engine import hf_checkpoint
+
+    print(hf_checkpoint.write(out, seed))
+
+
+@app.command("hf-checkpoint-identity")
+def hf_checkpoint_identity_cmd(
+    directory: Annotated[Path, typer.Argument(help="Checkpoint directory written by hf-checkpoint.")],
+) -> None:
+    """Print the identity (sha256 over its files) of a checkpoint written by ``hf-checkpoint``."""
+    from dsv41.engine import hf_checkpoint
+
+    print(hf_checkpoint.identity(directory))
+
+
 @app.command("serve")
 def serve_cmd(
     manifest: Annotated[Path, typer.Option("--manifest", help="Engram manifest.json.")],
