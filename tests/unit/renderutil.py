@@ -93,11 +93,11 @@ _PLUGINS_LOADED = False
 
 
 class Renderer:
-    """Ansible's view of one inventory: ``render(host)`` -> ``Rendered``; ``var(host, name)`` -> the
+    """Ansible's view of an inventory (a directory, or a list of them as ``-i A -i B``): ``render(host)`` -> ``Rendered``; ``var(host, name)`` -> the
     resolved value of a variable for that host (the same layers). ``overrides`` are extra vars
     (highest precedence), as ``-e`` gives them."""
 
-    def __init__(self, inventory: Path, overrides: dict | None = None) -> None:
+    def __init__(self, inventory: Path | list[Path], overrides: dict | None = None) -> None:
         global _PLUGINS_LOADED
         if not _PLUGINS_LOADED:
             from ansible.plugins.loader import init_plugin_loader
@@ -110,7 +110,9 @@ class Renderer:
         from ansible.vars.manager import VariableManager
 
         self.loader = DataLoader()
-        self.inventory = InventoryManager(loader=self.loader, sources=[str(inventory / "hosts.yml")])
+        sources = inventory if isinstance(inventory, list) else [inventory]
+        # several inventory directories, later ones overriding (as ansible-playbook -i A -i B)
+        self.inventory = InventoryManager(loader=self.loader, sources=[str(p / "hosts.yml") for p in sources])
         self.vm = VariableManager(loader=self.loader, inventory=self.inventory)
         self.vm._hostvars = HostVars(inventory=self.inventory, variable_manager=self.vm, loader=self.loader)
         self.overrides = overrides or {}
