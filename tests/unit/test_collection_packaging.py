@@ -95,7 +95,15 @@ def test_builder_create_writes_the_controller_set(tmp_path):
     assert (ctx / "context" / "_build" / "collections" / tarball).is_file()
     containerfile = next(p for p in (ctx / "context").iterdir() if p.name in ("Containerfile", "Dockerfile")).read_text()
     assert f'ANSIBLE_INSTALL_REFS="{_pin("ansible-core")} {_pin("ansible-runner")}"' in containerfile
-    assert "ENV ANSIBLE_CONFIG=/usr/share/ansible/collections/ansible_collections/dsv41/offload/ansible.cfg" in containerfile
+    assert "ANSIBLE_CONFIG" not in containerfile  # the AWX project's own ansible.cfg applies there
+
+
+def test_navigator_runs_the_image_with_the_collection_config():
+    nav = yaml.safe_load((ROOT / "ansible-navigator.yml").read_text())["ansible-navigator"]["execution-environment"]
+    version = yaml.safe_load((ROOT / "galaxy.yml").read_text())["version"]
+    assert nav["enabled"] and nav["image"] == f"dsv41-offload-ee:{version}"
+    assert nav["environment-variables"]["set"]["ANSIBLE_CONFIG"] == \
+        "/usr/share/ansible/collections/ansible_collections/dsv41/offload/ansible.cfg"
 
 
 def test_meta_execution_environment_names_the_same_files():
