@@ -30,7 +30,8 @@ $(NATIVE_STAMP): $(VENV)/.stamp $(NATIVE_SRC)
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-# ansible-lint (production profile), then ansible-test sanity and units on the collection
+# ansible-lint (production profile), antsibull-changelog lint (the changelog fragments), then
+# ansible-test sanity and units on the collection
 # (galaxy.yml: dsv41.offload), run offline on a temporary ansible_collections copy by tools/sanity.sh.
 # First the call-signature check (pinned pylint, tools/pylintrc-calls: E1120, E1121, E1123, E1124 and
 # E0602 only) over the package, the plugins (library/ links to plugins/modules) and tools/*.py.
@@ -38,6 +39,7 @@ LINT_CALLS_SRC := python/dsv41 plugins $(wildcard tools/*.py)
 lint: venv
 	$(BIN)/pylint --rcfile=tools/pylintrc-calls $(LINT_CALLS_SRC)
 	$(BIN)/ansible-lint
+	$(BIN)/antsibull-changelog lint
 	PATH=$(abspath $(BIN)):$$PATH bash tools/sanity.sh sanity
 	PATH=$(abspath $(BIN)):$$PATH bash tools/sanity.sh units
 

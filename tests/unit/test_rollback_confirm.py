@@ -100,7 +100,7 @@ def test_check_mode_does_not_ask(wrapped):
     assert r.returncode == 0 and LINE not in r.stdout
 
 
-@pytest.mark.parametrize("playbook", ["rollback.yml", "rollback_component.yml"])
+@pytest.mark.parametrize("playbook", ["rollback_package.yml", "rollback_component.yml"])
 def test_each_rollback_entry_point_confirms_right_after_its_input_check(playbook):
     plays = yaml.safe_load((REPO / "playbooks" / playbook).read_text())
     assert plays[1].get("ansible.builtin.import_playbook") == "rollback_confirm.yml"
