@@ -5,7 +5,8 @@ Sparks from the stand-in engine to real vLLM serving the stock configuration (do
 vLLM lab"): the lab's vLLM image, TP2 across the two nspawn Sparks (rank 1 headless), the overlay
 site built inside the image, the fence middleware on rank 0. Runs after every other shared-lab
 test (conftest's order: ``vllm_lab`` last), because it leaves the lab serving vLLM; the next
-``deployed_lab`` user (none in one session) would re-deploy the stand-in engine.
+``deployed_lab`` user (none in one session) would re-deploy the stand-in engine. The first deploy,
+status and the fenced HOLD run in make test; the idempotent re-run under make lab-long.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def test_a_fenced_hold_drains_admits_only_its_window_and_restores(vllm_lab, monk
     assert _completion().status_code == 200
 
 
+@pytest.mark.lab_long
 def test_deploy_again_changes_nothing(vllm_lab):
     t0 = time.monotonic()
     r = play(*INVENTORY, "deploy.yml", timeout=1800)
