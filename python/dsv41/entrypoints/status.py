@@ -213,7 +213,9 @@ def _read_ranks(rank_urls: dict[str, str], timeout_s: float) -> tuple[str | None
         code, body = _get(u, timeout_s)
         if code != 200:
             why = f"unreachable ({body})" if code is None else f"HTTP {code}"
-            return None, f"rank {', '.join(rs)}: metrics endpoint {u} {why}"
+            named = [r for r in rs if r != "api"]
+            who = f"rank {', '.join(named)}" if named else "rank 0's API"
+            return None, f"{who}: metrics endpoint {u} {why}"
         parts.append(body if body.endswith("\n") else body + "\n")
     return "".join(parts), ""
 
@@ -250,20 +252,21 @@ def probe(api_url: str, engram_url: str | None, drafter_url: str | None, window_
 
     engine: dict = {"error": None, "engram": {}, "drafter": {}, "spec": {}, "window": {}, "overlay": {},
                     "metrics_urls": {}}
+    from dsv41.harness import rank_metrics as RM
+
     urls = dict(rank_metrics) if rank_metrics else {"0": api_url.rstrip("/") + "/metrics"}
     engine["metrics_urls"] = urls
+    read = RM.with_api(urls, api_url)  # vLLM's own series (speculation) stay on rank 0's API
     if api["error"] is None:
-        first, err = _read_ranks(urls, timeout_s)
+        first, err = _read_ranks(read, timeout_s)
         second = first
         if first is not None and window_s > 0:
             sleep(window_s)
-            second, err = _read_ranks(urls, timeout_s)
+            second, err = _read_ranks(read, timeout_s)
         before = after = None
         if second is not None:
             try:
                 before, after = engine_counters(first), engine_counters(second)
-                from dsv41.harness import rank_metrics as RM
-
                 engine["overlay"] = RM.overlay_states(second)
             except Dsv41Error as exc:  # answered, but not Prometheus text
                 err = str(exc)

@@ -21,6 +21,8 @@ from dsv41.harness import http
 RUNTIMES = ("lab", "vllm")
 #: Runtimes whose counters come from the overlay's per-rank endpoints.
 OVERLAY_RUNTIMES = ("vllm",)
+#: The key of rank 0's API ``/metrics`` in a URL map (:func:`with_api`).
+API = "api"
 
 
 class RankMetricsError(Dsv41Error):
@@ -73,6 +75,15 @@ def urls(facts: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
+def with_api(rank_urls: Mapping[str, str], api_url: str) -> dict[str, str]:
+    """``rank_urls`` plus rank 0's API ``/metrics`` under the key :data:`API` (vLLM's own
+    ``vllm:*`` series, which stay there under both runtimes); read once when it is already a
+    rank's URL (the stand-in engine)."""
+    out = dict(rank_urls)
+    out[API] = api_url.rstrip("/") + "/metrics"
+    return out
+
+
 def overlay_runtime(facts: Mapping[str, Any]) -> bool:
     """True when ``facts`` name a runtime whose counters come from the overlay's endpoints."""
     return str(facts.get("runtime", "")) in OVERLAY_RUNTIMES
@@ -89,7 +100,9 @@ def fetch_text(rank_urls: Mapping[str, str], timeout_s: float = 10.0,
         seen.setdefault(u, []).append(str(r))
     parts = []
     for u, ranks in seen.items():
-        who = "rank " + ", ".join(ranks) if len(ranks) == 1 else "ranks " + ", ".join(ranks)
+        named = [r for r in ranks if r != API]
+        who = ("rank 0's API" if not named else "rank " + ", ".join(named) if len(named) == 1
+               else "ranks " + ", ".join(named))
         parts.append(http.request("GET", u, what=f"{who}: metrics endpoint {u} unreachable", timeout_s=timeout_s,
                                   error=error).text)
     return "".join(p if p.endswith("\n") or not p else p + "\n" for p in parts)

@@ -259,10 +259,21 @@ def ready_cmd(
     ranks: str = typer.Option("", help="Ranks whose Engram lookups must move with zero fallbacks "
                                        "(comma-separated; empty when Engram is local)."),
     timeout: float = typer.Option(120.0, help="Seconds to keep trying."),
+    rank_metrics: str = typer.Option("", help="JSON runtime facts (the inventory's dsv41_rank_metrics: runtime, "
+                                              "api_url, ranks, overlay_port): where each rank's counters are read. "
+                                              "Empty: rank 0's /metrics."),
 ) -> None:
     """Readiness of a switched arm: a short greedy request, and Engram lookups moving on every
-    listed rank with zero fallbacks; exit 1 with the last reason after --timeout."""
+    listed rank with zero fallbacks (under vLLM: its overlay active); exit 1 with the last reason
+    after --timeout."""
+    from dsv41.harness import rank_metrics as RM
     from dsv41.harness import window_plan
 
-    res = window_plan.wait_ready(api, [r.strip() for r in ranks.split(",") if r.strip()], timeout)
+    urls = None
+    if rank_metrics:
+        try:
+            urls = RM.urls(fileio.loads_json(rank_metrics))
+        except ValueError as exc:
+            raise RM.RankMetricsError(f"--rank-metrics: not JSON ({exc})") from None
+    res = window_plan.wait_ready(api, [r.strip() for r in ranks.split(",") if r.strip()], timeout, rank_metrics=urls)
     print(fileio.dumps_json(res, nonfinite="null"))
