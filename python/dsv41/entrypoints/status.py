@@ -254,8 +254,9 @@ def probe(api_url: str, engram_url: str | None, drafter_url: str | None, window_
                     "metrics_urls": {}}
     from dsv41.harness import rank_metrics as RM
 
-    urls = dict(rank_metrics) if rank_metrics else {"0": api_url.rstrip("/") + "/metrics"}
+    urls = dict(rank_metrics) if rank_metrics is not None else {"0": api_url.rstrip("/") + "/metrics"}
     engine["metrics_urls"] = urls
+    engine["per_rank"] = rank_metrics is not None  # a rank missing from urls exports no dsv41 counters
     read = RM.with_api(urls, api_url)  # vLLM's own series (speculation) stay on rank 0's API
     if api["error"] is None:
         first, err = _read_ranks(read, timeout_s)
@@ -394,6 +395,8 @@ def evaluate(hosts: dict, probed: dict, *, expected_image: str = "", window: dic
     if not eng.get("error"):
         overlay = eng.get("overlay") or {}
         for r in ranks:
+            if eng.get("per_rank") and str(r) not in murls:
+                continue  # no overlay on this rank (vLLM's own Engram and drafter): nothing of dsv41's to read
             where = murls.get(str(r)) or murls.get("0") or "rank 0's /metrics"
             if overlay:
                 st = overlay.get(str(r), {})
@@ -516,7 +519,7 @@ def summarize(hosts: dict, api_url: str, engram_url: str | None = None, drafter_
 
     entries = {name: host_entry(raw) for name, raw in hosts.items()}
     try:
-        urls, bad_facts = (RM.urls(rank_metrics) if rank_metrics else None), None
+        urls, bad_facts = (RM.urls(rank_metrics) if rank_metrics is not None else None), None
     except RM.RankMetricsError as exc:  # the inventory cannot say where a rank's counters are: a reason
         urls, bad_facts = None, str(exc)
     probed = probe(api_url, engram_url, drafter_url, window_s=window_s, timeout_s=timeout_s, rank_metrics=urls)

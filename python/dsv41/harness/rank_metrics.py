@@ -33,9 +33,12 @@ def urls(facts: Mapping[str, Any]) -> dict[str, str]:
     """``{rank: metrics URL}`` (ranks as strings, in rank order) from the runtime facts.
 
     ``facts``: ``runtime`` (``lab`` or ``vllm``), ``api_url`` (rank 0's API base URL,
-    ``http://H:P``), ``ranks`` (``{rank: management address}`` of every Spark) and
-    ``overlay_port`` (1..65535, used under vLLM).  ``lab``: every rank reads rank 0's API
-    ``/metrics``; ``vllm``: rank R reads ``http://<address of R>:<overlay_port>/metrics``.
+    ``http://H:P``), ``ranks`` (``{rank: management address}`` of every Spark),
+    ``overlay_port`` (1..65535, used under vLLM) and, optionally, ``overlay_ranks`` (the ranks
+    whose overlay the inventory turns on: remote Engram or remote drafting; default every rank).
+    ``lab``: every rank reads rank 0's API ``/metrics``; ``vllm``: rank R of ``overlay_ranks``
+    reads ``http://<address of R>:<overlay_port>/metrics`` (a rank without the overlay runs vLLM's
+    own code and exports no dsv41 counters: it has no entry).
     RankMetricsError naming the fact on bad input (unknown runtime, no ranks, a rank that is not
     a number, an address with a path, scheme or port, a bad port).
     """
@@ -66,8 +69,14 @@ def urls(facts: Mapping[str, Any]) -> dict[str, str]:
         port_n = 0
     if not 1 <= port_n <= 65535:
         raise RankMetricsError(f"rank metrics: overlay_port must be 1..65535, got {port!r}")
+    wanted = facts.get("overlay_ranks")
+    if wanted is not None and not isinstance(wanted, (list, tuple)):
+        raise RankMetricsError(f"rank metrics: overlay_ranks must be a list of TP ranks, got {wanted!r}")
+    keep = None if wanted is None else {str(x).strip() for x in wanted}
     out = {}
     for r, addr in order:
+        if keep is not None and str(r) not in keep:
+            continue
         if not addr or any(c in addr for c in "/@?#[] ") or addr.count(":") > 0:
             raise RankMetricsError(f"rank metrics: rank {r}'s address must be a bare host name or IPv4 "
                                    f"address, got {addr!r}")
