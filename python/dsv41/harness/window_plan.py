@@ -93,12 +93,18 @@ def wait_ready(api_url: str, ranks: list[str], timeout_s: float = 120.0, max_tok
         attempts += 1
         try:
             model = refs.served_model(base)
-            where = rank_metrics or base + "/metrics"
-            before = refs.engram_counters(refs.read_metrics(where)) if ranks else {}
-            refs.generate(base, "window readiness", model, max_tokens)
-            after = refs.read_metrics(where) if ranks else ""
-            delta = refs.counter_delta(before, refs.engram_counters(after)) if ranks else {}
-            reason = (refs.check_overlay(after, ranks, where) or refs.check_remote_engram(delta, ranks)) if ranks else None
+            if rank_metrics is None:  # the stand-in engine: every rank on rank 0's /metrics
+                before = refs.fetch_engram_counters(base + "/metrics") if ranks else {}
+                refs.generate(base, "window readiness", model, max_tokens)
+                delta = refs.counter_delta(before, refs.fetch_engram_counters(base + "/metrics")) if ranks else {}
+                reason = refs.check_remote_engram(delta, ranks) if ranks else None
+            else:
+                before = refs.engram_counters(refs.read_metrics(rank_metrics)) if ranks else {}
+                refs.generate(base, "window readiness", model, max_tokens)
+                after = refs.read_metrics(rank_metrics) if ranks else ""
+                delta = refs.counter_delta(before, refs.engram_counters(after)) if ranks else {}
+                reason = (refs.check_overlay(after, ranks, rank_metrics)
+                          or refs.check_remote_engram(delta, ranks)) if ranks else None
             if reason is None:
                 return {"seconds": round(time.monotonic() - t0, 3), "attempts": attempts, "delta": delta}
         except Dsv41Error as exc:
