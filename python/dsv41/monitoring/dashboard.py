@@ -70,10 +70,11 @@ PANELS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]], str]]]]
             ('dsv41_engram_connections{job="dsv41-table-server"}', "connections {{host}}"),
         ], "dsv41_engram_ready, dsv41_engram_connections"),
         ("vLLM overlay per rank", "timeseries", "short", [
-            ('max by (rank, state) (dsv41_overlay_state{job="dsv41-overlay"})', "rank {{rank}} {{state}}"),
-            ('max by (rank, implementation) (dsv41_overlay_transport_info{job="dsv41-overlay"})',
+            ('max by (rank, state) (dsv41_overlay_state{job="dsv41-overlay"}) or vector(0)', "rank {{rank}} {{state}}"),
+            ('max by (rank, implementation) (dsv41_overlay_transport_info{job="dsv41-overlay"}) or vector(0)',
              "rank {{rank}} transport {{implementation}}"),
-        ], "under vLLM: dsv41_overlay_state (1 = the rank's state; active expected) and the transport each rank imported"),
+        ], "under vLLM: dsv41_overlay_state (1 = the rank's state; active expected) and the transport each rank "
+           "imported; one unlabelled 0 where no rank runs the overlay (the stand-in engine, vLLM's own code)"),
     ]),
     ("Drafting (rank 0 drafts; the worker runs on the offload host)", [
         ("Drafter rounds/s", "timeseries", "short", [
