@@ -278,3 +278,19 @@ def test_qualify_reports_each_ranks_transport(stack):
                             requests=2, rank_metrics=urls)
     seen = {r["subject"]: r["value"]["transport"] for r in recs if r.get("subject", "").startswith("rank")}
     assert seen == {"rank 0": "python", "rank 1": "c++"}
+
+
+def test_refs_verify_cli_reads_each_rank_and_names_an_unreachable_one(stack, capsys):
+    """`dsv41 refs verify --rank-metrics FACTS`: the operator's copy of the deploy's check."""
+    from dsv41.cli import main
+
+    api, ranks, urls, tmp = stack
+    refs.save_refs(refs.run_prompts(api.url, None, 4), tmp / "r.json")
+    # the facts name one port for every Spark (dsv41_overlay_metrics_port); nothing listens on port 1
+    facts = {"runtime": "vllm", "api_url": api.url, "ranks": {"0": "127.0.0.1", "1": "127.0.0.2"}, "overlay_port": 1}
+    argv = ["refs", "verify", "--endpoint", api.url, "--refs", str(tmp / "r.json"), "--attempts", "1",
+            "--rank-metrics", json.dumps(facts)]
+    assert main(argv) == 1  # nothing listens on port 1 of either address
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "rank 0: metrics endpoint http://127.0.0.1:1/metrics unreachable" in err, err
+    assert main(argv[:-1] + ["{"]) == 1 and "--rank-metrics: not JSON" in capsys.readouterr().err
