@@ -35,6 +35,13 @@ options:
   metrics_url:
     description: Rank 0's C(/metrics) URL (default O(endpoint)/metrics).
     type: str
+  rank_metrics:
+    description:
+      - Where each TP rank's Engram and drafter counters are read (the inventory's
+        C(dsv41_rank_metrics), as C(dsv41.harness.rank_metrics.urls) takes it). Under V(vllm)
+        each Spark's overlay endpoint; an unreachable one fails the check naming the rank and the
+        endpoint. Empty - everything from O(metrics_url).
+    type: dict
   worker_metrics_url:
     description: The drafter worker's C(/metrics) URL (required for V(check)).
     type: str
@@ -133,6 +140,7 @@ try:
 except ImportError:  # run from library/ (ansible.cfg: module_utils = plugins/module_utils)
     from ansible.module_utils.dsv41_common import WINDOW_TOKEN_SPEC, dsv41_errors, import_dsv41, require_dsv41, window_token
 
+dsv41_rank_metrics = import_dsv41("dsv41.harness.rank_metrics")
 dsv41_components = import_dsv41("dsv41.harness.components")
 
 
@@ -152,6 +160,7 @@ def main():
             burst=dict(type="int", default=8),
             max_tokens=dict(type="int", default=16, no_log=False),  # a token count, not a secret
             timeout=dict(type="float", default=120.0),
+            rank_metrics=dict(type="dict"),
             **WINDOW_TOKEN_SPEC,
         ),
         required_if=[("stage", "check", ("endpoint", "refs_path", "worker_metrics_url", "server_metrics_url"))],
@@ -169,7 +178,8 @@ def main():
             engine_metrics_url=p["metrics_url"] or p["endpoint"].rstrip("/") + "/metrics",
             worker_metrics_url=p["worker_metrics_url"], server_metrics_url=p["server_metrics_url"],
             envs={str(k): str(v) for k, v in p["envs"].items()}, kv_baseline=p["kv_baseline"],
-            drafting_hosts=p["drafting_hosts"], burst=p["burst"], max_tokens=p["max_tokens"], timeout_s=p["timeout"])
+            drafting_hosts=p["drafting_hosts"], burst=p["burst"], max_tokens=p["max_tokens"], timeout_s=p["timeout"],
+            rank_urls=dsv41_rank_metrics.urls(p["rank_metrics"]) if p["rank_metrics"] else None)
     result = dict(changed=False, behaviour=behaviour, **res.to_dict())
     if not res.ok:
         module.fail_json(msg=f"{name} rollback check failed: {res.message()}", **result)

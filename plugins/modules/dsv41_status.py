@@ -51,6 +51,13 @@ options:
         (critical ones as reasons, others as warnings). Empty to skip.
     type: str
     default: ""
+  rank_metrics:
+    description:
+      - Where each TP rank's counters are read (the inventory's C(dsv41_rank_metrics), as
+        C(dsv41.harness.rank_metrics.urls) takes it); under V(vllm) each rank's overlay endpoint, and
+        an unreachable one, or an overlay that is not active, is a reason naming the rank and the
+        endpoint. Empty - rank 0's C(/metrics).
+    type: dict
   timeout:
     description: Seconds per HTTP request.
     type: float
@@ -125,6 +132,7 @@ def main():
             windows_dir=dict(type="str", default=""),
             timeout=dict(type="float", default=5.0),
             prometheus_url=dict(type="str", default=""),
+            rank_metrics=dict(type="dict"),
             **WINDOW_TOKEN_SPEC,
         ),
         supports_check_mode=True,
@@ -135,7 +143,7 @@ def main():
         report = dsv41_status.summarize(
             p["hosts"], p["api_url"], p["engram_url"] or None, p["drafter_url"] or None, window_s=p["window"],
             expected_image=p["expected_image"], windows_dir=p["windows_dir"] or None, timeout_s=p["timeout"],
-            prometheus_url=p["prometheus_url"] or None)
+            prometheus_url=p["prometheus_url"] or None, rank_metrics=p["rank_metrics"] or None)
     module.exit_json(changed=False, healthy=report["healthy"], reasons=report["reasons"],
                      lines=dsv41_status_render.render_lines(report), report=report)
 

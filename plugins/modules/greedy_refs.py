@@ -42,6 +42,14 @@ options:
   metrics_url:
     description: Rank 0 C(/metrics) URL; when set, Engram counters are read before and after.
     type: str
+  rank_metrics:
+    description:
+      - The runtime facts that say where each TP rank's counters are read (the inventory's
+        C(dsv41_rank_metrics)) - V(runtime) (V(lab) or V(vllm)), V(api_url), V(ranks) (rank to
+        management address) and V(overlay_port). Under V(vllm) every rank's overlay endpoint is
+        read and each rank in O(require_ranks) must report its overlay active. Replaces
+        O(metrics_url) when set.
+    type: dict
   metrics_prefix:
     description: Name prefix of the Engram counters on O(metrics_url).
     type: str
@@ -135,6 +143,7 @@ except ImportError:  # run from library/ (ansible.cfg: module_utils = plugins/mo
     from ansible.module_utils.dsv41_common import WINDOW_TOKEN_SPEC, Dsv41Error, import_dsv41, require_dsv41, window_token
 
 dsv41_refs = import_dsv41("dsv41.harness.refs")
+dsv41_rank_metrics = import_dsv41("dsv41.harness.rank_metrics")
 
 
 def main():
@@ -146,6 +155,7 @@ def main():
             max_tokens=dict(type="int", default=16, no_log=False),  # a token count, not a secret
             timeout=dict(type="float", default=120.0),
             metrics_url=dict(type="str"),
+            rank_metrics=dict(type="dict"),
             metrics_prefix=dict(type="str", default="dsv41_engram_"),
             require_ranks=dict(type="list", elements="str", default=[]),
             require_drafter=dict(type="bool", default=False),
@@ -153,15 +163,16 @@ def main():
             delay=dict(type="float", default=2.0),
             **WINDOW_TOKEN_SPEC,
         ),
-        required_if=[("require_drafter", True, ("metrics_url",))],
+        required_if=[("require_drafter", True, ("metrics_url", "rank_metrics"), True)],
         supports_check_mode=True,
     )
     require_dsv41(module)
     p = module.params
     try:
+        metrics = dsv41_rank_metrics.urls(p["rank_metrics"]) if p["rank_metrics"] else p["metrics_url"]
         with window_token(module):
             res = dsv41_refs.check(p["endpoint"], p["path"], mode=p["mode"], max_tokens=p["max_tokens"],
-                                   timeout_s=p["timeout"], metrics_url=p["metrics_url"],
+                                   timeout_s=p["timeout"], metrics_url=metrics,
                                    metrics_prefix=p["metrics_prefix"], require_ranks=p["require_ranks"],
                                    require_drafter=p["require_drafter"], attempts=p["attempts"],
                                    delay_s=p["delay"], write=not module.check_mode)

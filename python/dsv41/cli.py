@@ -41,6 +41,7 @@ GROUPS = [
     ("monitor", "dsv41.monitoring.cli", "Monitoring: the operations exporter, alert rules, Grafana dashboard."),
     ("status", "dsv41.entrypoints.status_cli", "Is production healthy, and what is it running? (exit 1 with reasons)"),
     ("qualify", "dsv41.entrypoints.qualify_cli", "Hardware qualification probes and report (qualify.yml)."),
+    ("overlay", "dsv41.overlay.cli", "The vLLM overlay: compare an installed vLLM or an image with its contracts."),
 ]
 
 

@@ -157,6 +157,10 @@ _ROWS = [
            "the worker stores from the CPU, then each piece's graph) and _finish_prefetch waits on nothing on the "
            "host; needs the C++ extension, the driver's v2 stream memory operations and the exact local shards; "
            "required mode always joins on the host. 0: the launching thread waits for the worker's hand-off."),
+    EnvVar("DSV41_OVERLAY_METRICS_ADDR", str, "", "vLLM overlay: HOST:PORT (the Spark's management address) of "
+           "this rank's Prometheus /metrics and /health, started once in the vLLM worker; empty: no endpoint."),
+    EnvVar("DSV41_OVERLAY_RANK", int, 0, "vLLM overlay: the TP rank this container's worker runs (the "
+           "`rank` label of its metrics; one GPU per Spark, so the node rank).", "", 0, 1023),
     # ---- speculative drafting (docs/drafter.md)
     EnvVar("DSV41_DRAFTER_REMOTE", str, "", "tcp://H:P of the drafter worker (`dsv41 drafter serve`); "
            "exclusive with DSV41_DRAFTER_LOCAL; needs DSV41_DRAFTER_DIR."),
@@ -239,6 +243,8 @@ class Settings:
     engram_remote_timeout_ms: int = 100
     engram_remote_required: bool = False
     engram_gpu_join: bool = True
+    overlay_metrics_addr: str = ""
+    overlay_rank: int = 0
     drafter_remote: str = ""
     drafter_local: str = ""
     drafter_dir: str = ""

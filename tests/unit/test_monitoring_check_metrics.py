@@ -58,9 +58,32 @@ def _ops(tmp_path) -> bytes:
     return generate_latest(reg)
 
 
-@pytest.mark.parametrize("service", ["engine", "table_server", "drafter_worker", "ops_exporter"])
+def _overlay() -> bytes:
+    """A vLLM rank's overlay endpoint (dsv41.overlay.metrics): Engram, layer, drafter and state."""
+    from dsv41.engine.metrics import ENGRAM_KEYS
+    from dsv41.overlay import metrics as M
+
+    class Source:
+        def counters(self):
+            return {**{k: 3 for k in ENGRAM_KEYS}, "latency_count": 3, "latency_sum_s": 0.01, "url": "tcp://x:1"}
+
+    class Rows:
+        counters = {"starts": 4, "handoffs": 4}
+
+    M.reset()
+    try:
+        M.set_state("active", rank=0)
+        M.add_engram_source(0, Source())
+        M.add_layer(0, 3, Rows())
+        M.add_drafter(lambda: {"rounds": 5, "fail_closed_rounds": 1, "latency_sum_s": 0.1, "latency_count": 5})
+        return generate_latest(M.registry())
+    finally:
+        M.reset()
+
+
+@pytest.mark.parametrize("service", ["engine", "table_server", "drafter_worker", "ops_exporter", "overlay"])
 def test_promtool_check_metrics(service, tmp_path):
-    text = {"engine": _engine, "drafter_worker": _drafter_worker}.get(service)
+    text = {"engine": _engine, "drafter_worker": _drafter_worker, "overlay": _overlay}.get(service)
     text = text() if text else {"table_server": _table_server, "ops_exporter": _ops}[service](tmp_path)
     r = subprocess.run([promtool(), "check", "metrics"], input=text, capture_output=True, timeout=60)
     problems = [ln for ln in (r.stdout + r.stderr).decode().splitlines() if ln.strip()]

@@ -51,7 +51,10 @@ def exported(tmp_path_factory):
 
 def test_targets_per_job_from_the_inventory(exported):
     t = {p.stem: json.loads(p.read_text()) for p in (exported / "file_sd").glob("*.json")}
-    assert sorted(t) == ["dsv41-api", "dsv41-drafter-worker", "dsv41-ops", "dsv41-table-server", "node"]
+    assert sorted(t) == ["dsv41-api", "dsv41-drafter-worker", "dsv41-ops", "dsv41-overlay", "dsv41-table-server", "node"]
+    # the inventory serves with vLLM (dsv41_lab false): each Spark's overlay endpoint, no rank label
+    assert t["dsv41-overlay"] == [{"targets": ["10.0.0.11:9471"], "labels": {"host": "sparkhead", "dsv41_role": "spark"}},
+                                  {"targets": ["10.0.0.12:9471"], "labels": {"host": "sparkworker", "dsv41_role": "spark"}}]
     assert t["dsv41-api"] == [{"targets": ["10.0.0.11:8000"], "labels": {"host": "sparkhead", "dsv41_role": "spark"}}]
     assert t["dsv41-table-server"] == [{"targets": ["10.0.0.13:9441"], "labels": {"host": "x86host", "dsv41_role": "offload"}}]
     assert t["dsv41-drafter-worker"][0]["targets"] == ["10.0.0.13:9451"]

@@ -34,7 +34,8 @@ def render(tmp_path: Path, **extra) -> str:
     play.write_text(PLAY.format(repo=REPO, out=out))
     fixed = {"serve_runtime": "vllm", "serve_image": "vllm/vllm-openai@sha256:" + "a" * 64, "dsv41_rank": 0,
              "serve_rank0_host": "localhost", "serve_master_address": "192.0.2.1", "serve_host": "192.0.2.10",
-             "serve_fabric_ifname": "eth1", "serve_overlay_site": "/opt/dsv41/overlay/site-0123456789abcdef"}
+             "serve_fabric_ifname": "eth1", "serve_overlay_site": "/opt/dsv41/overlay/site-0123456789abcdef",
+             "dsv41_mgmt_address": "192.0.2.10"}
     args = ["-e", json.dumps({**fixed, **extra})]
     bindir = Path(sys.executable).parent
     env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), PATH=f"{bindir}:{os.environ['PATH']}")
@@ -76,6 +77,8 @@ def test_remote_engram_mounts_the_overlay_and_asks_piecewise(tmp) -> None:
     cmd = render(tmp, serve_engram_remote=True, serve_drafter_remote=False)
     assert "-v /opt/dsv41/overlay/site-0123456789abcdef:/opt/dsv41/overlay-site:ro" in cmd
     assert "-e PYTHONPATH=/opt/dsv41/overlay-site -e VLLM_PLUGINS=dsv41_overlay" in cmd
+    # the rank's overlay metrics endpoint on its management address (dsv41_overlay_metrics_port)
+    assert "-e DSV41_OVERLAY_METRICS_ADDR=192.0.2.10:9471 -e DSV41_OVERLAY_RANK=0 " in cmd
     assert """--compilation-config '{"cudagraph_mode": "PIECEWISE"}'""" in cmd
     assert "--speculative-config" not in cmd and "/opt/dsv41/drafter" not in cmd
     assert cmd.index("overlay-site:ro") < cmd.index("vllm/vllm-openai@") < cmd.index("vllm serve")
@@ -86,3 +89,13 @@ def test_remote_drafting_adds_the_dspark_config(tmp) -> None:
     assert """--speculative-config '{"method": "dspark", "num_speculative_tokens": 4}'""" in cmd
     assert "-v /opt/dsv41/drafter:/opt/dsv41/drafter:ro" in cmd and "VLLM_PLUGINS=dsv41_overlay" in cmd
     assert "--compilation-config" not in cmd
+
+
+def test_rank1_with_the_overlay_serves_its_own_metrics(tmp) -> None:
+    cmd = render(tmp, serve_engram_remote=True, serve_drafter_remote=False, dsv41_rank=1, dsv41_mgmt_address="192.0.2.11")
+    assert "-e DSV41_OVERLAY_METRICS_ADDR=192.0.2.11:9471 -e DSV41_OVERLAY_RANK=1 " in cmd and "--headless" in cmd
+
+
+def test_fence_only_has_no_metrics_endpoint(tmp) -> None:
+    cmd = render(tmp, serve_engram_remote=False, serve_drafter_remote=False)
+    assert "DSV41_OVERLAY_METRICS_ADDR" not in cmd  # no plugin: nothing to count

@@ -233,7 +233,7 @@ def test_rank_missing_from_metrics_is_unreachable(fake):
     fake_metrics = fake.engine_metrics
     fake.engine_metrics = lambda: "\n".join(ln for ln in fake_metrics().splitlines() if 'rank="1"' not in ln) + "\n"
     rep = st.evaluate(_hosts(), _probe(fake))
-    assert "rank 1: unreachable (no Engram counters on rank 0's /metrics)" in rep["reasons"]
+    assert f"rank 1: unreachable (no Engram counters on {fake.url}/metrics)" in rep["reasons"]
 
 
 def test_host_entry_from_registered_results():
@@ -350,5 +350,5 @@ def test_metrics_endpoint_failing_is_a_reason(fake):
     fake.engine_metrics = None  # the handler raises: the server answers nothing useful
     probed = st.probe(fake.url, None, None, window_s=0)
     rep = st.evaluate(_hosts(), probed)
-    assert probed["engine"]["error"].startswith(f"{fake.url}/metrics: ")
-    assert any(r.startswith(f"rank 0 metrics {fake.url}/metrics: ") for r in rep["reasons"]), rep["reasons"]
+    assert probed["engine"]["error"].startswith(f"rank 0: metrics endpoint {fake.url}/metrics ")
+    assert any(r.startswith(f"metrics: rank 0: metrics endpoint {fake.url}/metrics ") for r in rep["reasons"]), rep["reasons"]

@@ -90,7 +90,9 @@ def test_run_window_interrupted_keeps_cells_and_decides_invalid(tmp_path, fake_a
 
 # CLI options whose params field has another name (or sense); as_json is the printing's alone.
 _RENAMED = {"refs_file": ("refs_path", lambda v: v), "no_cap": ("cap", lambda v: not v),
-            "no_metrics": ("snapshot_metrics", lambda v: not v)}
+            "no_metrics": ("snapshot_metrics", lambda v: not v),
+            # the JSON facts become {rank: url} (dsv41.harness.rank_metrics.urls); empty: none
+            "rank_metrics": ("rank_urls", lambda v: {} if v == "" else v)}
 
 
 def test_every_window_run_option_reaches_a_params_field_with_its_default():
@@ -155,3 +157,9 @@ def test_a_fault_drill_that_failed_is_recorded_and_named(tmp_path, fake_arms):
                                        fault_cmd="while [ ! -e {trigger} ]; do sleep 0.02; done"))
     assert ok.fault_failure is None
     assert json.loads((Path(ok.dir) / "decision.json").read_text())["fault"]["rc"] == 0
+
+
+def test_rank_endpoints_are_snapshotted_once_besides_the_metrics_urls():
+    assert window_run._with_ranks(["http://a:1/metrics"], {"0": "http://a:1/metrics", "1": "http://b:9471/metrics"}) == \
+        ["http://a:1/metrics", "http://b:9471/metrics"]
+    assert window_run._with_ranks(["http://a:1/metrics"], {}) == ["http://a:1/metrics"]

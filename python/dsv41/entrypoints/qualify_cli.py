@@ -150,12 +150,29 @@ def serving_host_cmd(
                                pinned_max_bytes=pinned_max_bytes, image=image, container_runtime=container_runtime))
 
 
+RANK_METRICS_HELP = ("JSON runtime facts (the inventory's dsv41_rank_metrics: runtime, api_url, ranks, overlay_port): "
+                     "where each rank's counters are read. Left out: rank 0's /metrics.")
+
+
+def _rank_urls(facts: str) -> dict[str, str] | None:
+    """``{rank: url}`` of ``--rank-metrics`` (None when empty); ConfigError on bad JSON or facts."""
+    if not facts:
+        return None
+    from dsv41.harness import rank_metrics as RM
+
+    try:
+        return RM.urls(_json_arg(facts, "--rank-metrics"))
+    except RM.RankMetricsError as exc:
+        raise ConfigError(f"--rank-metrics: {exc}") from None
+
+
 @app.command("serving")
 def serving_cmd(
     api: Annotated[str, typer.Option("--api", help="Rank 0's base URL.")],
     refs: Annotated[Path, typer.Option("--refs", help="Recorded greedy references.")],
     ranks: Annotated[str, typer.Option("--ranks", help="Ranks that must count lookups, e.g. 0,1.")] = "0,1",
     interval: Annotated[float, typer.Option("--interval", help="Seconds of traffic between the two counter reads.")] = 10.0,
+    rank_metrics: Annotated[str, typer.Option("--rank-metrics", help=RANK_METRICS_HELP)] = "",
 ) -> None:
     """serving.counters per rank over a measured interval of traffic, serving.greedy_refs 6/6."""
     from dsv41.entrypoints import qualify_controller as C
@@ -163,7 +180,7 @@ def serving_cmd(
     if not interval > 0:
         raise ConfigError(f"--interval must be > 0, got {interval}")
     _emit(C.probe_serving(api, str(refs), host="localhost", ranks=[r.strip() for r in ranks.split(",") if r.strip()],
-                          interval_s=interval))
+                          interval_s=interval, rank_metrics=_rank_urls(rank_metrics)))
 
 
 @app.command("reconnect")
@@ -171,22 +188,25 @@ def reconnect_cmd(
     api: Annotated[str, typer.Option("--api")],
     ranks: Annotated[str, typer.Option("--ranks")] = "0,1",
     wait: Annotated[float, typer.Option("--wait", help="Seconds allowed for the ranks to serve remote rows again.")] = 30.0,
+    rank_metrics: Annotated[str, typer.Option("--rank-metrics", help=RANK_METRICS_HELP)] = "",
 ) -> None:
     """transport.reconnect per rank, right after the table server was restarted."""
     from dsv41.entrypoints import qualify_controller as C
 
-    _emit(C.probe_reconnect(api, host="localhost", ranks=[r.strip() for r in ranks.split(",") if r.strip()], wait_s=wait))
+    _emit(C.probe_reconnect(api, host="localhost", ranks=[r.strip() for r in ranks.split(",") if r.strip()], wait_s=wait,
+                            rank_metrics=_rank_urls(rank_metrics)))
 
 
 @app.command("fail-closed")
 def fail_closed_cmd(
     api: Annotated[str, typer.Option("--api")],
     refs: Annotated[Path, typer.Option("--refs")],
+    rank_metrics: Annotated[str, typer.Option("--rank-metrics", help=RANK_METRICS_HELP)] = "",
 ) -> None:
     """drafter.fail_closed, with the drafter worker stopped."""
     from dsv41.entrypoints import qualify_controller as C
 
-    _emit(C.probe_fail_closed(api, str(refs), host="localhost"))
+    _emit(C.probe_fail_closed(api, str(refs), host="localhost", rank_metrics=_rank_urls(rank_metrics)))
 
 
 @app.command("drafter-identity")

@@ -34,23 +34,31 @@ def _completions(api_url: str, n: int, timeout_s: float = 60.0) -> tuple[int, li
     return ok, errors
 
 
-def _engine(api_url: str) -> dict:
+def _engine(api_url: str, rank_metrics: dict[str, str] | None = None) -> dict:
+    """Counters as :func:`dsv41.entrypoints.status.engine_counters` returns them, plus
+    ``overlay`` (:func:`dsv41.harness.rank_metrics.overlay_states`), read from every rank's
+    endpoint (``rank_metrics``: ``{rank: url}``) or rank 0's ``/metrics``."""
     from dsv41.entrypoints.status import engine_counters
-    from dsv41.harness.refs import fetch_metrics_text
+    from dsv41.harness import rank_metrics as RM
+    from dsv41.harness.refs import read_metrics
 
-    return engine_counters(fetch_metrics_text(api_url.rstrip("/") + "/metrics"))
+    text = read_metrics(RM.with_api(rank_metrics, api_url) if rank_metrics else api_url.rstrip("/") + "/metrics")
+    return {**engine_counters(text), "overlay": RM.overlay_states(text)}
 
 
 def probe_serving(api_url: str, refs_path: str, *, host: str, ranks: list[str], interval_s: float = 10.0,
-                  requests: int = 8) -> list[dict]:
+                  requests: int = 8, rank_metrics: dict[str, str] | None = None) -> list[dict]:
     """Controller-side serving checks: ``counters[rank R]`` (Engram lookups, rows and remote rows
-    grow on each rank over ``interval_s`` seconds of traffic, fallbacks, transport errors and refusals stay 0)
-    and ``greedy_refs`` (6/6 identical to the recorded references, ``dsv41.harness.refs``)."""
+    grow on each rank over ``interval_s`` seconds of traffic, fallbacks, transport errors and refusals stay 0;
+    under vLLM the rank's overlay is ``active`` and its transport implementation is reported)
+    and ``greedy_refs`` (6/6 identical to the recorded references, ``dsv41.harness.refs``).
+    ``rank_metrics``: ``{rank: /metrics URL}`` (:func:`dsv41.harness.rank_metrics.urls`; default
+    rank 0's ``/metrics``)."""
     from dsv41.harness import refs
 
     out = []
     try:
-        before = _engine(api_url)
+        before = _engine(api_url, rank_metrics)
         t0 = time.monotonic()
         sent, errors = 0, []
         while True:
@@ -58,16 +66,24 @@ def probe_serving(api_url: str, refs_path: str, *, host: str, ranks: list[str], 
             sent, errors = sent + k, errors + e
             if time.monotonic() - t0 >= interval_s:
                 break
-        after = _engine(api_url)
+        after = _engine(api_url, rank_metrics)
         secs = time.monotonic() - t0
     except Dsv41Error as exc:
         return [record("serving", "counters", host, False, reason=f"{api_url}: {exc}", subject=f"rank {r}") for r in ranks] + \
             [record("serving", "greedy_refs", host, False, reason=f"{api_url}: {exc}")]
+    where = rank_metrics or {}
     for r in ranks:
         b, a = before["engram"].get(r, {}), after["engram"].get(r)
+        url = where.get(r, f"{api_url}/metrics")
+        st = after["overlay"].get(r) if after["overlay"] else None
+        if after["overlay"] and (st or {}).get("state") != "active":
+            out.append(record("serving", "counters", host, False, st, "overlay active", subject=f"rank {r}",
+                              reason=f"rank {r}: overlay {(st or {}).get('state') or 'state missing'} on {url}: "
+                              "its Engram rows and drafts are not remote"))
+            continue
         if a is None:
             out.append(record("serving", "counters", host, False, None, "growing, 0 fallbacks", subject=f"rank {r}",
-                              reason=f"rank {r}: no Engram counters on {api_url}/metrics"))
+                              reason=f"rank {r}: no Engram counters on {url}"))
             continue
         # remote_rows is reported by the vLLM overlay's counters; the lab engine's /metrics has no such series
         keys = [k for k in ("lookups", "rows", "remote_rows", "fallbacks", "transport_errors", "refusals")
@@ -78,7 +94,10 @@ def probe_serving(api_url: str, refs_path: str, *, host: str, ranks: list[str], 
             grow.append("remote_rows")
         bad = [k for k in ("fallbacks", "transport_errors", "refusals") if d[k] != 0]
         ok = not grow and not bad and sent > 0
-        out.append(record("serving", "counters", host, ok, {k: int(v) for k, v in d.items()} | {"seconds": round(secs, 1), "requests": sent},
+        seen = {k: int(v) for k, v in d.items()} | {"seconds": round(secs, 1), "requests": sent}
+        if st:
+            seen["transport"] = st.get("transport", "")
+        out.append(record("serving", "counters", host, ok, seen,
                           "lookups/rows grow; fallbacks, transport_errors, refusals 0", subject=f"rank {r}",
                           reason="" if ok else f"rank {r} over {secs:.0f} s: " + "; ".join(
                               [f"{k} did not grow" for k in grow] + [f"{k} +{int(d[k])}" for k in bad]
@@ -93,19 +112,21 @@ def probe_serving(api_url: str, refs_path: str, *, host: str, ranks: list[str], 
     return out
 
 
-def probe_reconnect(api_url: str, *, host: str, ranks: list[str], requests: int = 16, wait_s: float = 30.0) -> list[dict]:
+def probe_reconnect(api_url: str, *, host: str, ranks: list[str], requests: int = 16, wait_s: float = 30.0,
+                    rank_metrics: dict[str, str] | None = None) -> list[dict]:
     """After the table server was restarted (the playbook restarts it and waits for /ready just
     before): traffic until every rank counts a reconnect and remote lookups again with no
-    fallback in the last round (``transport.reconnect[rank R]``), within ``wait_s`` seconds."""
+    fallback in the last round (``transport.reconnect[rank R]``), within ``wait_s`` seconds.
+    ``rank_metrics`` as :func:`probe_serving`."""
     out = []
     try:
-        base = _engine(api_url)
+        base = _engine(api_url, rank_metrics)
         deadline = time.monotonic() + wait_s
         state: dict = {}
         while True:
-            before = _engine(api_url)
+            before = _engine(api_url, rank_metrics)
             _completions(api_url, requests)
-            after = _engine(api_url)
+            after = _engine(api_url, rank_metrics)
             for r in ranks:
                 a, b, z = after["engram"].get(r, {}), before["engram"].get(r, {}), base["engram"].get(r, {})
                 state[r] = {"reconnects": int(a.get("reconnects", 0) - z.get("reconnects", 0)),
@@ -125,16 +146,17 @@ def probe_reconnect(api_url: str, *, host: str, ranks: list[str], requests: int 
     return out
 
 
-def probe_fail_closed(api_url: str, refs_path: str, *, host: str, requests: int = 8) -> list[dict]:
+def probe_fail_closed(api_url: str, refs_path: str, *, host: str, requests: int = 8,
+                      rank_metrics: dict[str, str] | None = None) -> list[dict]:
     """With the drafter worker stopped (by the playbook, just before): requests still succeed,
     rank 0 counts fail-closed drafting rounds and no identity refusal, and the greedy references
-    stay 6/6 (``drafter.fail_closed``)."""
+    stay 6/6 (``drafter.fail_closed``). ``rank_metrics`` as :func:`probe_serving`."""
     from dsv41.harness import refs
 
     try:
-        before = _engine(api_url)
+        before = _engine(api_url, rank_metrics)
         ok_n, errors = _completions(api_url, requests)
-        after = _engine(api_url)
+        after = _engine(api_url, rank_metrics)
         cmp = refs.verify(api_url, refs.load_refs(refs_path))
         same, total = cmp.identical, cmp.total
     except Dsv41Error as exc:

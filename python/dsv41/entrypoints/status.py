@@ -202,12 +202,33 @@ def _delta(before: dict, after: dict) -> dict:
     return {k: after[k] - before.get(k, 0.0) for k in after if isinstance(after[k], (int, float))}
 
 
+def _read_ranks(rank_urls: dict[str, str], timeout_s: float) -> tuple[str | None, str]:
+    """(joined text, "") of every rank's endpoint, each URL read once; (None, one line naming
+    the rank and its endpoint) on the first that does not answer 200."""
+    seen: dict[str, list[str]] = {}
+    for r, u in rank_urls.items():
+        seen.setdefault(u, []).append(str(r))
+    parts = []
+    for u, rs in seen.items():
+        code, body = _get(u, timeout_s)
+        if code != 200:
+            why = f"unreachable ({body})" if code is None else f"HTTP {code}"
+            named = [r for r in rs if r != "api"]
+            who = f"rank {', '.join(named)}" if named else "rank 0's API"
+            return None, f"{who}: metrics endpoint {u} {why}"
+        parts.append(body if body.endswith("\n") else body + "\n")
+    return "".join(parts), ""
+
+
 def probe(api_url: str, engram_url: str | None, drafter_url: str | None, window_s: float = 5.0,
-          timeout_s: float = 5.0, sleep=time.sleep) -> dict:
+          timeout_s: float = 5.0, sleep=time.sleep, rank_metrics: dict[str, str] | None = None) -> dict:
     """Read the endpoints. ``api_url``: rank 0's base URL; ``engram_url`` / ``drafter_url``: the
     table server's and the drafter worker's metrics base URLs (``http://A:P``) or None.
-    ``window_s`` (s, >= 0): the gap between the two reads of rank 0's ``/metrics``.
-    Never raises for an unreachable endpoint: the report says so."""
+    ``window_s`` (s, >= 0): the gap between the two reads of the counters. ``rank_metrics``:
+    ``{rank: /metrics URL}`` of every rank's counters (:func:`dsv41.harness.rank_metrics.urls`;
+    default rank 0's ``/metrics`` for every rank, the stand-in engine's); under vLLM the
+    overlay's state per rank lands in ``engine["overlay"]``.
+    Never raises for an unreachable endpoint: the report says so, naming the rank and endpoint."""
     if not window_s >= 0:  # NaN fails too
         raise StatusError(f"--window must be >= 0 seconds, got {window_s}")
     api: dict = {"url": api_url, "health": None, "error": None, "admission": None, "since": None, "model": None}
@@ -229,19 +250,28 @@ def probe(api_url: str, engram_url: str | None, drafter_url: str | None, window_
         except (ValueError, KeyError, IndexError, TypeError):
             pass
 
-    engine: dict = {"error": None, "engram": {}, "drafter": {}, "spec": {}, "window": {}}
+    engine: dict = {"error": None, "engram": {}, "drafter": {}, "spec": {}, "window": {}, "overlay": {},
+                    "metrics_urls": {}}
+    from dsv41.harness import rank_metrics as RM
+
+    urls = dict(rank_metrics) if rank_metrics is not None else {"0": api_url.rstrip("/") + "/metrics"}
+    engine["metrics_urls"] = urls
+    engine["per_rank"] = rank_metrics is not None  # a rank missing from urls exports no dsv41 counters
+    read = RM.with_api(urls, api_url)  # vLLM's own series (speculation) stay on rank 0's API
     if api["error"] is None:
-        url = api_url.rstrip("/") + "/metrics"
-        code, first = _get(url, timeout_s)
+        first, err = _read_ranks(read, timeout_s)
         second = first
-        if code == 200 and window_s > 0:
+        if first is not None and window_s > 0:
             sleep(window_s)
-            code, second = _get(url, timeout_s)
-        try:
-            before, after = (engine_counters(first), engine_counters(second)) if code == 200 else ({}, {})
-        except Dsv41Error as exc:  # answered, but not Prometheus text
-            code, second = -1, str(exc)
-        if code == 200:
+            second, err = _read_ranks(read, timeout_s)
+        before = after = None
+        if second is not None:
+            try:
+                before, after = engine_counters(first), engine_counters(second)
+                engine["overlay"] = RM.overlay_states(second)
+            except Dsv41Error as exc:  # answered, but not Prometheus text
+                err = str(exc)
+        if after is not None and not err:
             engine.update(after)
             engine["window"] = {
                 "engram": {r: _delta(before["engram"].get(r, {}), c) for r, c in after["engram"].items()},
@@ -249,8 +279,7 @@ def probe(api_url: str, engram_url: str | None, drafter_url: str | None, window_
                 "spec": _delta(before["spec"], after["spec"]),
             }
         else:
-            engine["error"] = f"{url}: " + (f"unreachable ({second})" if code is None else
-                                            second if code == -1 else f"HTTP {code}")
+            engine["error"] = err
     else:
         engine["error"] = api["error"]
 
@@ -359,14 +388,27 @@ def evaluate(hosts: dict, probed: dict, *, expected_image: str = "", window: dic
 
     eng = probed["engine"]
     if eng.get("error") and not api.get("error"):
-        reasons.append(f"rank 0 metrics {eng['error']}")
+        reasons.append(f"metrics: {eng['error']}")
     ranks = sorted({int(h["rank"]) for h in hosts.values() if h.get("rank") is not None})
     win = probed.get("window_s", 0.0)
+    murls = eng.get("metrics_urls") or {}
     if not eng.get("error"):
+        overlay = eng.get("overlay") or {}
         for r in ranks:
+            if eng.get("per_rank") and str(r) not in murls:
+                continue  # no overlay on this rank (vLLM's own Engram and drafter): nothing of dsv41's to read
+            where = murls.get(str(r)) or murls.get("0") or "rank 0's /metrics"
+            if overlay:
+                st = overlay.get(str(r), {})
+                if st.get("state") != "active":
+                    reasons.append(f"rank {r}: overlay {st.get('state') or 'state missing'} on {where} "
+                                   "(Engram rows and drafts are not remote)")
+                    continue
+                if st.get("transport") == "python":
+                    warnings.append(f"rank {r}: the overlay runs the pure-Python transport (no C++ extension in the image)")
             c = eng["engram"].get(str(r))
             if c is None:
-                reasons.append(f"rank {r}: unreachable (no Engram counters on rank 0's /metrics)")
+                reasons.append(f"rank {r}: unreachable (no Engram counters on {where})")
                 continue
             d = eng["window"].get("engram", {}).get(str(r), {})
             if d.get("fallbacks", 0) > 0:
@@ -468,11 +510,20 @@ def host_entry(raw: dict) -> dict:
 
 def summarize(hosts: dict, api_url: str, engram_url: str | None = None, drafter_url: str | None = None,
               window_s: float = 5.0, expected_image: str = "", windows_dir: str | None = None,
-              timeout_s: float = 5.0, prometheus_url: str | None = None) -> dict:
+              timeout_s: float = 5.0, prometheus_url: str | None = None, rank_metrics: dict | None = None) -> dict:
     """Probe the endpoints and judge: ``hosts`` as :func:`host_entry` takes them (``{name: raw}``);
-    the rest as :func:`probe` and :func:`evaluate`; ``prometheus_url``: :func:`add_alerts`.
-    Returns the report."""
+    the rest as :func:`probe` and :func:`evaluate`; ``prometheus_url``: :func:`add_alerts`;
+    ``rank_metrics``: the runtime facts of :func:`dsv41.harness.rank_metrics.urls` (None: rank
+    0's ``/metrics``). Returns the report."""
+    from dsv41.harness import rank_metrics as RM
+
     entries = {name: host_entry(raw) for name, raw in hosts.items()}
-    probed = probe(api_url, engram_url, drafter_url, window_s=window_s, timeout_s=timeout_s)
+    try:
+        urls, bad_facts = (RM.urls(rank_metrics) if rank_metrics is not None else None), None
+    except RM.RankMetricsError as exc:  # the inventory cannot say where a rank's counters are: a reason
+        urls, bad_facts = None, str(exc)
+    probed = probe(api_url, engram_url, drafter_url, window_s=window_s, timeout_s=timeout_s, rank_metrics=urls)
     rep = evaluate(entries, probed, expected_image=expected_image, window=last_window(windows_dir))
+    if bad_facts:
+        rep = {**rep, "reasons": [*rep["reasons"], bad_facts], "healthy": False}
     return add_alerts(rep, prometheus_url, timeout_s=timeout_s)

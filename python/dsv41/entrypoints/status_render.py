@@ -77,12 +77,28 @@ def _window_line(report: dict) -> str:
     return "none" if not w else f"{w['id']}: {w['verdict']}"
 
 
+def _metrics_where(report: dict) -> str:
+    """Where the counters were read: rank 0's /metrics, or each rank's endpoint (vLLM overlay),
+    with the overlay's state and transport per rank when it exports them."""
+    eng = report.get("engine") or {}
+    urls = eng.get("metrics_urls") or {}
+    overlay = eng.get("overlay") or {}
+    if len(set(urls.values())) <= 1 and not overlay:
+        return f"{report['api']['url']}/metrics"
+    parts = []
+    for r, u in sorted(urls.items()):
+        st = overlay.get(r, {})
+        extra = f" (overlay {st.get('state', '?')}, transport {st.get('transport', '?')})" if overlay else ""
+        parts.append(f"rank {r} {u}{extra}")
+    return ", ".join(parts)
+
+
 def render_lines(report: dict) -> list[str]:
     """The report as plain lines (the playbook's summary; also ``dsv41 status`` without a tty)."""
     api = report["api"]
     lines = [f"status: {'HEALTHY' if report['healthy'] else 'UNHEALTHY'}",
              f"API: {api['url']} (model {api.get('model') or '?'}; health {api.get('health') or api.get('error')}); "
-             f"metrics {api['url']}/metrics; admission {_admission_line(report)}"]
+             f"metrics {_metrics_where(report)}; admission {_admission_line(report)}"]
     for name, h in sorted(report["hosts"].items()):
         c = _host_cells(name, h)
         if not h.get("reachable"):

@@ -134,24 +134,34 @@ def _get(url: str, timeout_s: float) -> str:
                         error=ComponentError).text
 
 
-def snapshot(engine_url: str, worker_url: str, server_url: str, timeout_s: float = 10.0) -> Snapshot:
-    """Read rank 0's, the drafter worker's and the table server's ``/metrics`` (full URLs)."""
-    engine, engram = parse_engine(_get(engine_url, timeout_s))
+def snapshot(engine_url: str, worker_url: str, server_url: str, timeout_s: float = 10.0,
+             rank_urls: dict[str, str] | None = None) -> Snapshot:
+    """Read rank 0's, the drafter worker's and the table server's ``/metrics`` (full URLs) and,
+    with ``rank_urls`` (``{rank: url}``, :func:`dsv41.harness.rank_metrics.urls`: under vLLM each
+    rank's overlay endpoint), every rank's Engram and drafter counters from there; an unreachable
+    rank endpoint is a ComponentError naming the rank and the endpoint."""
+    text = _get(engine_url, timeout_s)
+    if rank_urls:
+        from dsv41.harness import rank_metrics as RM
+
+        extra = {r: u for r, u in rank_urls.items() if u != engine_url}
+        text += "\n" + RM.fetch_text(extra, timeout_s, error=ComponentError) if extra else ""
+    engine, engram = parse_engine(text)
     worker = refs.flat_values(_get(worker_url, timeout_s), "dsv41_drafter_")
     server = refs.flat_values(_get(server_url, timeout_s), "dsv41_engram_")
     return Snapshot(engine, engram, worker, server)
 
 
 def settled_snapshot(engine_url: str, worker_url: str, server_url: str, timeout_s: float = 10.0,
-                     settle_s: float = 5.0, interval_s: float = 0.5) -> Snapshot:
+                     settle_s: float = 5.0, interval_s: float = 0.5, rank_urls: dict[str, str] | None = None) -> Snapshot:
     """:func:`snapshot` repeated until two reads ``interval_s`` apart agree on the worker's and
     the table server's counters (both count a request after its reply is sent), at most
     ``settle_s`` seconds; returns the last read."""
-    snap = snapshot(engine_url, worker_url, server_url, timeout_s)
+    snap = snapshot(engine_url, worker_url, server_url, timeout_s, rank_urls)
     deadline = time.monotonic() + settle_s
     while time.monotonic() < deadline:
         time.sleep(interval_s)
-        nxt = snapshot(engine_url, worker_url, server_url, timeout_s)
+        nxt = snapshot(engine_url, worker_url, server_url, timeout_s, rank_urls)
         if nxt.worker == snap.worker and nxt.server == snap.server:
             return nxt
         snap = nxt
@@ -264,12 +274,13 @@ class Result:
 def run(name: str, endpoint: str, refs_path: str, *, engine_metrics_url: str, worker_metrics_url: str,
         server_metrics_url: str, envs: dict[str, str], kv_baseline: int,
         drafting_hosts: list[str] | tuple[str, ...] = (), burst: int = 8, max_tokens: int = 16,
-        timeout_s: float = 120.0) -> Result:
+        timeout_s: float = 120.0, rank_urls: dict[str, str] | None = None) -> Result:
     """Send traffic to ``endpoint`` (rank 0's API) and judge component ``name``'s rollback.
 
     Traffic: the greedy reference prompts of ``refs_path`` (compared with the recorded ids,
     ``dsv41.harness.refs``), then ``burst`` concurrent greedy completions of ``max_tokens``
-    tokens. Counters are read before and after (:func:`settled_snapshot`). Raises
+    tokens. Counters are read before and after (:func:`settled_snapshot`; ``rank_urls``: every
+    rank's counters endpoint, :func:`snapshot`). Raises
     ComponentError (unknown name, unreadable metrics) or refs.RefsError (no refs file); a failed
     request is counted, not raised.
     """
@@ -277,7 +288,7 @@ def run(name: str, endpoint: str, refs_path: str, *, engine_metrics_url: str, wo
     t0 = time.monotonic()
     problems = env_problems(name, envs, drafting_hosts)
     recorded = refs.load_refs(refs_path)
-    before = settled_snapshot(engine_metrics_url, worker_metrics_url, server_metrics_url)
+    before = settled_snapshot(engine_metrics_url, worker_metrics_url, server_metrics_url, rank_urls=rank_urls)
     errors: list[str] = []
     identical, total = 0, len(recorded.get("prompts", []))
     try:
@@ -297,7 +308,7 @@ def run(name: str, endpoint: str, refs_path: str, *, engine_metrics_url: str, wo
                 fut.result()
             except refs.RefsError as exc:
                 errors.append(str(exc))
-    after = settled_snapshot(engine_metrics_url, worker_metrics_url, server_metrics_url)
+    after = settled_snapshot(engine_metrics_url, worker_metrics_url, server_metrics_url, rank_urls=rank_urls)
     sent = total + burst
     checks = evaluate(name, before, after, refs_identical=identical, refs_total=total,
                       failed_requests=len(errors), sent_requests=sent, env_problems_found=problems,

@@ -19,6 +19,7 @@ import datetime as _dt
 import os
 import time
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Callable
 
 from dsv41.errors import Dsv41Error
@@ -260,6 +261,31 @@ def fetch_metrics_text(metrics_url: str, timeout_s: float = 10.0) -> str:
                         error=RefsError).text
 
 
+def read_metrics(metrics: str | Mapping[str, str], timeout_s: float = 10.0) -> str:
+    """Prometheus text of ``metrics``: one ``/metrics`` URL (rank 0's on the stand-in engine), or
+    ``{rank: url}`` (:func:`dsv41.harness.rank_metrics.urls`), each endpoint read once and the
+    texts joined.  RefsError naming the rank and the endpoint when one is unreachable."""
+    if isinstance(metrics, str):
+        return fetch_metrics_text(metrics, timeout_s)
+    from dsv41.harness import rank_metrics
+
+    return rank_metrics.fetch_text(metrics, timeout_s, error=RefsError)
+
+
+def check_overlay(text: str, ranks: list[str], metrics: str | Mapping[str, str] | None = None) -> str | None:
+    """None unless ``text`` carries the vLLM overlay's state and a rank in ``ranks`` is not
+    ``active`` (inert or refused: its Engram rows are not remote); then one line naming the rank
+    and its endpoint.  The stand-in engine exports no overlay state: always None there."""
+    from dsv41.harness import rank_metrics
+
+    try:
+        if not rank_metrics.overlay_states(text):
+            return None
+        return rank_metrics.overlay_problem(text, ranks, metrics if not isinstance(metrics, str) else None)
+    except rank_metrics.RankMetricsError as exc:
+        raise RefsError(str(exc)) from None
+
+
 def check_drafter(delta: dict) -> str | None:
     """None when rank 0's speculator ran drafting rounds with no identity refusal in ``delta``
     (keys of ``dsv41.drafter.speculators.COUNTER_KEYS``); otherwise one line saying why."""
@@ -315,16 +341,18 @@ class RefsCheck:
 
 
 def check(endpoint: str, path: str | os.PathLike, *, mode: str = "verify", max_tokens: int = DEFAULT_MAX_TOKENS,
-          timeout_s: float = 120.0, metrics_url: str | None = None, metrics_prefix: str = "dsv41_engram_",
+          timeout_s: float = 120.0, metrics_url: str | Mapping[str, str] | None = None,
+          metrics_prefix: str = "dsv41_engram_",
           require_ranks: list[str] | tuple[str, ...] = (), require_drafter: bool = False, attempts: int = 1,
           delay_s: float = 2.0, write: bool = True, sleep: Callable[[float], None] = time.sleep) -> RefsCheck:
     """Run the greedy references and the counter requirements: the check of the deploy.
 
     ``mode``: ``record`` (run the prompts and write ``path`` unless ``write`` is false), ``verify``
     (compare with ``path``) or ``auto`` (verify if ``path`` exists, else record).  With
-    ``metrics_url`` (rank 0's ``/metrics``) the counters are read before and after each run:
-    every rank in ``require_ranks`` must count Engram lookups with zero fallbacks
-    (:func:`check_remote_engram`) and, with ``require_drafter``, rank 0's speculator must run
+    ``metrics_url`` (rank 0's ``/metrics``, or ``{rank: url}`` of every rank's counters:
+    :func:`read_metrics`) the counters are read before and after each run: every rank in
+    ``require_ranks`` must count Engram lookups with zero fallbacks (:func:`check_remote_engram`)
+    and, where the vLLM overlay exports its state, run it ``active`` (:func:`check_overlay`) and, with ``require_drafter``, rank 0's speculator must run
     rounds with no identity refusal (:func:`check_drafter`).  Up to ``attempts`` runs,
     ``delay_s`` seconds apart, while only the counters fail (a table server restored a moment ago
     may still be reconnecting); a token mismatch ends at once.  After a recording, later attempts
@@ -345,7 +373,7 @@ def check(endpoint: str, path: str | os.PathLike, *, mode: str = "verify", max_t
     attempt = 0
     while True:
         attempt += 1
-        before = fetch_metrics_text(metrics_url) if metrics_url else None
+        before = read_metrics(metrics_url) if metrics_url else None
         if mode == "record":
             doc = run_prompts(endpoint, None, max_tokens, timeout_s=timeout_s)
             cmp = compare(doc, doc)
@@ -357,12 +385,13 @@ def check(endpoint: str, path: str | os.PathLike, *, mode: str = "verify", max_t
         engram = drafter = None
         problems: list[str | None] = []
         if before is not None:
-            after = fetch_metrics_text(metrics_url)
+            after = read_metrics(metrics_url)
             engram = counter_delta(engram_counters(before, metrics_prefix), engram_counters(after, metrics_prefix))
             drafter = counter_delta({"": flat_values(before, "dsv41_drafter_")},
                                     {"": flat_values(after, "dsv41_drafter_")})[""]
             if require_ranks:
-                problems.append(check_remote_engram(engram, list(require_ranks)))
+                problems.append(check_overlay(after, list(require_ranks), metrics_url)
+                                or check_remote_engram(engram, list(require_ranks)))
             if require_drafter:
                 problems.append(check_drafter(drafter))
         problem = "; ".join(x for x in problems if x) or None

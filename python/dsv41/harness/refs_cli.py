@@ -37,6 +37,9 @@ def verify(
     refs_file: str = typer.Option(..., "--refs", help="Refs file written by `dsv41 refs record`."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     metrics_url: str = typer.Option("", help="Rank 0 /metrics (default: ENDPOINT/metrics)."),
+    rank_metrics: str = typer.Option("", help="JSON runtime facts (the inventory's dsv41_rank_metrics: runtime, "
+                                              "api_url, ranks, overlay_port): read each rank's counters there "
+                                              "(under vLLM each Spark's overlay endpoint) instead of --metrics-url."),
     require_rank: list[str] = typer.Option(["0", "1"], "--require-rank",
                                            help="Rank whose Engram lookups must grow with zero fallbacks (repeat)."),
     counters: bool = typer.Option(True, "--counters/--no-counters",
@@ -51,6 +54,13 @@ def verify(
     from dsv41.harness import refs
 
     url = (metrics_url or endpoint.rstrip("/") + "/metrics") if counters else None
+    if counters and rank_metrics:
+        from dsv41.harness import rank_metrics as RM
+
+        try:
+            url = RM.urls(fileio.loads_json(rank_metrics))
+        except ValueError as exc:
+            raise RM.RankMetricsError(f"--rank-metrics: not JSON ({exc})") from None
     res = refs.check(endpoint, refs_file, mode="verify", metrics_url=url,
                      require_ranks=require_rank if counters else [], require_drafter=counters and require_drafter,
                      attempts=attempts, delay_s=delay)

@@ -168,6 +168,9 @@ def run_cmd(
     metrics: list[str] = typer.Option([], "--metrics", help="Every rank's /metrics URL, snapshotted around each "
                                                              "cell (default: each arm's URL/metrics)."),
     no_metrics: bool = typer.Option(False, help="No /metrics snapshots (endpoints without it)."),
+    rank_metrics: str = typer.Option("", help="JSON runtime facts (the inventory's dsv41_rank_metrics): every "
+                                              "rank's counters endpoint is snapshotted too (under vLLM each "
+                                              "Spark's overlay endpoint), besides the --metrics URLs."),
     drafting: bool = typer.Option(False, help="A drafting candidate: the distributional gate (greedy "
                                               "prompts on both arms, lengths, acceptance) decides validity."),
     tolerance_nat: float = typer.Option(0.5, help="Near-tie tolerance of the gate (nat)."),
@@ -188,6 +191,7 @@ def run_cmd(
         control=control, candidate=candidate, spec=sp, name=name, control_name=control_name, question=question,
         metric=metric, min_effect=min_effect, alpha=alpha, seed=seed, windows_dir=windows_dir, window_id=window_id,
         switch_cmd=switch_cmd, refs_path=refs_file, cap=not no_cap, metrics=list(metrics),
+        rank_urls=_rank_urls(rank_metrics) or {},
         snapshot_metrics=not no_metrics, drafting=drafting, tolerance_nat=tolerance_nat,
         fault_after_cells=fault_after_cells, fault_cmd=fault_cmd)
     with bench.sigterm_as_interrupt():
@@ -253,16 +257,34 @@ def plan_cmd(
     print(fileio.dumps_json(doc))
 
 
+def _rank_urls(facts: str) -> dict[str, str] | None:
+    """``{rank: url}`` of a ``--rank-metrics`` JSON (None when empty); RankMetricsError on bad
+    JSON or facts."""
+    if not facts:
+        return None
+    from dsv41.harness import rank_metrics as RM
+
+    try:
+        return RM.urls(fileio.loads_json(facts))
+    except ValueError as exc:
+        raise RM.RankMetricsError(f"--rank-metrics: not JSON ({exc})") from None
+
+
 @app.command("ready")
 def ready_cmd(
     api: str = typer.Option(..., help="Rank 0's base URL."),
     ranks: str = typer.Option("", help="Ranks whose Engram lookups must move with zero fallbacks "
                                        "(comma-separated; empty when Engram is local)."),
     timeout: float = typer.Option(120.0, help="Seconds to keep trying."),
+    rank_metrics: str = typer.Option("", help="JSON runtime facts (the inventory's dsv41_rank_metrics: runtime, "
+                                              "api_url, ranks, overlay_port): where each rank's counters are read. "
+                                              "Empty: rank 0's /metrics."),
 ) -> None:
     """Readiness of a switched arm: a short greedy request, and Engram lookups moving on every
-    listed rank with zero fallbacks; exit 1 with the last reason after --timeout."""
+    listed rank with zero fallbacks (under vLLM: its overlay active); exit 1 with the last reason
+    after --timeout."""
     from dsv41.harness import window_plan
 
-    res = window_plan.wait_ready(api, [r.strip() for r in ranks.split(",") if r.strip()], timeout)
+    urls = _rank_urls(rank_metrics)
+    res = window_plan.wait_ready(api, [r.strip() for r in ranks.split(",") if r.strip()], timeout, rank_metrics=urls)
     print(fileio.dumps_json(res, nonfinite="null"))

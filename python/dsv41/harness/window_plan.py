@@ -75,11 +75,14 @@ def plan(candidates: list[str], control: str = PRODUCTION, root: str = "candidat
 
 
 def wait_ready(api_url: str, ranks: list[str], timeout_s: float = 120.0, max_tokens: int = 4,
-               poll_s: float = 1.0) -> dict:
+               poll_s: float = 1.0, rank_metrics: dict[str, str] | None = None) -> dict:
     """Readiness of a switched arm: rank 0 answers a greedy ``max_tokens`` completion and, with
     ``ranks`` (Engram remote), every listed rank's ``dsv41_engram_lookups`` moved with zero
-    ``fallbacks`` across it (``harness.refs``). Retries until ``timeout_s`` (seconds);
-    returns ``{"seconds", "attempts", "delta"}``; WindowError with the last reason otherwise."""
+    ``fallbacks`` across it and, where the vLLM overlay exports its state, every listed rank runs
+    it ``active`` (``harness.refs``). ``rank_metrics``: ``{rank: /metrics URL}``
+    (:func:`dsv41.harness.rank_metrics.urls`; default rank 0's ``/metrics``). Retries until
+    ``timeout_s`` (seconds); returns ``{"seconds", "attempts", "delta"}``; WindowError with the
+    last reason otherwise."""
     from dsv41.errors import Dsv41Error
     from dsv41.harness import refs
 
@@ -90,10 +93,18 @@ def wait_ready(api_url: str, ranks: list[str], timeout_s: float = 120.0, max_tok
         attempts += 1
         try:
             model = refs.served_model(base)
-            before = refs.fetch_engram_counters(base + "/metrics") if ranks else {}
-            refs.generate(base, "window readiness", model, max_tokens)
-            delta = refs.counter_delta(before, refs.fetch_engram_counters(base + "/metrics")) if ranks else {}
-            reason = refs.check_remote_engram(delta, ranks) if ranks else None
+            if rank_metrics is None:  # the stand-in engine: every rank on rank 0's /metrics
+                before = refs.fetch_engram_counters(base + "/metrics") if ranks else {}
+                refs.generate(base, "window readiness", model, max_tokens)
+                delta = refs.counter_delta(before, refs.fetch_engram_counters(base + "/metrics")) if ranks else {}
+                reason = refs.check_remote_engram(delta, ranks) if ranks else None
+            else:
+                before = refs.engram_counters(refs.read_metrics(rank_metrics)) if ranks else {}
+                refs.generate(base, "window readiness", model, max_tokens)
+                after = refs.read_metrics(rank_metrics) if ranks else ""
+                delta = refs.counter_delta(before, refs.engram_counters(after)) if ranks else {}
+                reason = (refs.check_overlay(after, ranks, rank_metrics)
+                          or refs.check_remote_engram(delta, ranks)) if ranks else None
             if reason is None:
                 return {"seconds": round(time.monotonic() - t0, 3), "attempts": attempts, "delta": delta}
         except Dsv41Error as exc:

@@ -42,7 +42,9 @@ class WindowParams:
     ``window_id``: empty for UTC time + name. ``refs_path``: greedy references for the smoke
     start's known answer (empty: none). ``cap``: apply and record the two-window cap (False for
     calibration runs). ``metrics``: every rank's ``/metrics`` URL (empty: each arm's URL +
-    ``/metrics``); ``snapshot_metrics`` False for endpoints without one. ``tolerance_nat``: the
+    ``/metrics``); ``rank_urls``: every rank's counters endpoint (:func:`dsv41.harness.rank_metrics.urls`;
+    under vLLM each Spark's overlay endpoint), snapshotted besides ``metrics``;
+    ``snapshot_metrics`` False for endpoints without one. ``tolerance_nat``: the
     gate's near-tie tolerance (nat). ``fault_after_cells`` / ``fault_cmd``: a fault drill
     (``window.FaultTrigger``; both needed)."""
 
@@ -62,11 +64,17 @@ class WindowParams:
     refs_path: str = ""
     cap: bool = True
     metrics: list[str] = dataclasses.field(default_factory=list)
+    rank_urls: dict[str, str] = dataclasses.field(default_factory=dict)
     snapshot_metrics: bool = True
     drafting: bool = False
     tolerance_nat: float = 0.5
     fault_after_cells: int = 0
     fault_cmd: str = ""
+
+
+def _with_ranks(urls: list[str], rank_urls: dict[str, str]) -> list[str]:
+    """``urls`` plus each rank's endpoint not already among them (each read once)."""
+    return urls + [u for u in dict.fromkeys(rank_urls.values()) if u not in urls]
 
 
 @dataclasses.dataclass
@@ -144,7 +152,8 @@ def run_window(params: WindowParams, progress: ProgressFactory | None = None) ->
         for arm in ("control", "candidate"):
             switch(arm)
             smoke[arm] = bench.smoke(endpoints[arm], model, refs_doc, sp["timeout_s"])
-        murls = None if not p.snapshot_metrics else {arm: list(p.metrics) or [url.rstrip("/") + "/metrics"]
+        murls = None if not p.snapshot_metrics else {arm: _with_ranks(list(p.metrics) or [url.rstrip("/") + "/metrics"],
+                                                                  p.rank_urls)
                                                      for arm, url in endpoints.items()}
         plan = window.plan_cells(sp, p.seed)
         cells_path = os.path.join(wdir, "cells.jsonl")

@@ -43,25 +43,25 @@ PANELS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]], str]]]]
     ]),
     ("Engram per TP rank (lookups are counted by the rank that makes them)", [
         ("Engram lookups/s", "timeseries", "short", [
-            ('sum by (rank) (rate(dsv41_engram_lookups_total{job="dsv41-api"}[$__rate_interval]))', "rank {{rank}}"),
+            ('sum by (rank) (rate(dsv41_engram_lookups_total{job=~"dsv41-api|dsv41-overlay"}[$__rate_interval]))', "rank {{rank}}"),
         ], "dsv41_engram_lookups_total"),
         ("Engram rows/s", "timeseries", "short", [
-            ('sum by (rank) (rate(dsv41_engram_rows_total{job="dsv41-api"}[$__rate_interval]))', "rank {{rank}}"),
+            ('sum by (rank) (rate(dsv41_engram_rows_total{job=~"dsv41-api|dsv41-overlay"}[$__rate_interval]))', "rank {{rank}}"),
             ('sum(rate(dsv41_engram_rows_served_total{job="dsv41-table-server"}[$__rate_interval]))', "served by the table server"),
         ], "rows fetched per rank and rows the table server served"),
         ("Engram fallbacks/s", "timeseries", "short", [
-            ('sum by (rank) (rate(dsv41_engram_fallbacks_total{job="dsv41-api"}[$__rate_interval]))', "fallbacks rank {{rank}}"),
-            ('sum by (rank) (rate(dsv41_engram_deadline_exceeded_total{job="dsv41-api"}[$__rate_interval]))', "deadline missed rank {{rank}}"),
+            ('sum by (rank) (rate(dsv41_engram_fallbacks_total{job=~"dsv41-api|dsv41-overlay"}[$__rate_interval]))', "fallbacks rank {{rank}}"),
+            ('sum by (rank) (rate(dsv41_engram_deadline_exceeded_total{job=~"dsv41-api|dsv41-overlay"}[$__rate_interval]))', "deadline missed rank {{rank}}"),
         ], "lookups answered from the rank's exact local tables"),
         ("Engram lookup latency (mean)", "timeseries", "s", [
-            ('sum by (rank) (rate(dsv41_engram_lookup_latency_seconds_sum{job="dsv41-api"}[$__rate_interval]))'
-             ' / sum by (rank) (rate(dsv41_engram_lookup_latency_seconds_count{job="dsv41-api"}[$__rate_interval]))', "rank {{rank}}"),
+            ('sum by (rank) (rate(dsv41_engram_lookup_latency_seconds_sum{job=~"dsv41-api|dsv41-overlay"}[$__rate_interval]))'
+             ' / sum by (rank) (rate(dsv41_engram_lookup_latency_seconds_count{job=~"dsv41-api|dsv41-overlay"}[$__rate_interval]))', "rank {{rank}}"),
             ('histogram_quantile(0.99, sum by (le) (rate(dsv41_engram_request_seconds_bucket{job="dsv41-table-server"}[$__rate_interval])))',
              "table server handling p99"),
         ], "dsv41_engram_lookup_latency_seconds (summary, per rank) and the server's dsv41_engram_request_seconds"),
         ("Engram transport errors and refusals/s", "timeseries", "short", [
-            ('sum by (rank) (rate(dsv41_engram_transport_errors_total{job="dsv41-api"}[$__rate_interval])'
-             ' + rate(dsv41_engram_refusals_total{job="dsv41-api"}[$__rate_interval]))', "rank {{rank}}"),
+            ('sum by (rank) (rate(dsv41_engram_transport_errors_total{job=~"dsv41-api|dsv41-overlay"}[$__rate_interval])'
+             ' + rate(dsv41_engram_refusals_total{job=~"dsv41-api|dsv41-overlay"}[$__rate_interval]))', "rank {{rank}}"),
             ('sum by (reason) (rate(dsv41_engram_refusals_total{job="dsv41-table-server"}[$__rate_interval])) or vector(0)',
              "server refused {{reason}}"),
         ], "client-side errors per rank; server-side refusals by reason"),
@@ -69,10 +69,16 @@ PANELS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]], str]]]]
             ('dsv41_engram_ready{job="dsv41-table-server"}', "ready {{host}}"),
             ('dsv41_engram_connections{job="dsv41-table-server"}', "connections {{host}}"),
         ], "dsv41_engram_ready, dsv41_engram_connections"),
+        ("vLLM overlay per rank", "timeseries", "short", [
+            ('max by (rank, state) (dsv41_overlay_state{job="dsv41-overlay"}) or vector(0)', "rank {{rank}} {{state}}"),
+            ('max by (rank, implementation) (dsv41_overlay_transport_info{job="dsv41-overlay"}) or vector(0)',
+             "rank {{rank}} transport {{implementation}}"),
+        ], "under vLLM: dsv41_overlay_state (1 = the rank's state; active expected) and the transport each rank "
+           "imported; one unlabelled 0 where no rank runs the overlay (the stand-in engine, vLLM's own code)"),
     ]),
     ("Drafting (rank 0 drafts; the worker runs on the offload host)", [
         ("Drafter rounds/s", "timeseries", "short", [
-            ('sum(rate(dsv41_drafter_rounds_total{job="dsv41-api"}[$__rate_interval]))', "engine rounds"),
+            ('sum(rate(dsv41_drafter_rounds_total{job=~"dsv41-api|dsv41-overlay"}[$__rate_interval]))', "engine rounds"),
             ('sum(rate(dsv41_drafter_rounds_total{job="dsv41-drafter-worker"}[$__rate_interval]))', "worker rounds"),
         ], "dsv41_drafter_rounds_total on rank 0 and on the worker"),
         ("Accepted tokens per round", "timeseries", "short", [
@@ -82,9 +88,9 @@ PANELS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]], str]]]]
              ' / sum(rate(vllm:spec_decode_num_draft_tokens_total{job="dsv41-api"}[$__rate_interval]))', "acceptance rate"),
         ], "vLLM's spec_decode counters"),
         ("Fail-closed rounds, respawns, watchdog", "timeseries", "short", [
-            ('sum(increase(dsv41_drafter_fail_closed_rounds_total{job="dsv41-api"}[$__rate_interval]))', "fail-closed rounds"),
-            ('sum(increase(dsv41_drafter_proxy_respawns_total{job="dsv41-api"}[$__rate_interval]))', "proxy respawns"),
-            ('sum(increase(dsv41_drafter_watchdog_fires_total{job="dsv41-api"}[$__rate_interval]))', "watchdog fires"),
+            ('sum(increase(dsv41_drafter_fail_closed_rounds_total{job=~"dsv41-api|dsv41-overlay"}[$__rate_interval]))', "fail-closed rounds"),
+            ('sum(increase(dsv41_drafter_proxy_respawns_total{job=~"dsv41-api|dsv41-overlay"}[$__rate_interval]))', "proxy respawns"),
+            ('sum(increase(dsv41_drafter_watchdog_fires_total{job=~"dsv41-api|dsv41-overlay"}[$__rate_interval]))', "watchdog fires"),
         ], "per rate interval"),
     ]),
     ("Admission, windows, promotion, hosts", [

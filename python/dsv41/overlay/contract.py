@@ -156,3 +156,102 @@ def check_ranges(layout: Any, layer_id: int, tp: int, rank: int, got: dict[str, 
             problems += [f"layer {layer_id} rank {rank}/{tp}: vLLM {k}={got.get(k)} != contract {v}"
                          for k, v in cwant.items() if got.get(k) != v]
     return problems
+
+
+# ---- an installed vLLM compared with the shipped contracts (`dsv41 overlay contract`) -----------
+
+#: Run by the inspected interpreter (``python3 -c PROBE FILES_JSON``): the vLLM distribution's
+#: version and the sha256 of each named file under the directory holding the ``vllm`` package,
+#: found without importing vLLM. Prints one JSON object; standard library only.
+PROBE = r"""
+import hashlib, importlib.metadata, importlib.util, json, os, sys
+if sys.path and sys.path[0] == "":  # -c puts the working directory first: read the installed vLLM only
+    sys.path.pop(0)
+out = {"python": sys.version.split()[0], "version": None, "root": None, "files": {}}
+try:
+    out["version"] = importlib.metadata.version("vllm")
+except importlib.metadata.PackageNotFoundError:
+    pass
+spec = importlib.util.find_spec("vllm")
+if spec is not None and spec.submodule_search_locations:
+    out["root"] = os.path.dirname(list(spec.submodule_search_locations)[0])
+    for rel in json.loads(sys.argv[1]):
+        try:
+            with open(os.path.join(out["root"], rel), "rb") as f:
+                out["files"][rel] = hashlib.sha256(f.read()).hexdigest()
+        except OSError:
+            out["files"][rel] = None
+print(json.dumps(out))
+"""
+
+
+def shipped_contracts() -> list[dict[str, Any]]:
+    """Every contract the overlay ships (today one: ``vllm_contract.json``), loaded (ConfigError
+    when one is unreadable)."""
+    return [load()]
+
+
+def supported_versions(contracts: list[dict[str, Any]] | None = None) -> list[str]:
+    """The vLLM versions of ``contracts`` (default :func:`shipped_contracts`)."""
+    return [c["vllm_version"] for c in (contracts if contracts is not None else shipped_contracts())]
+
+
+def differences(contract: dict[str, Any], found: dict[str, Any]) -> list[dict[str, Any]]:
+    """What differs between ``contract`` and ``found`` (what :data:`PROBE` printed): a list of
+    ``{"what": "version" | <file>, "expected": str, "found": str | None}`` (None: missing); empty
+    when the contract holds."""
+    out: list[dict[str, Any]] = []
+    if found.get("version") != contract["vllm_version"]:
+        out.append({"what": "version", "expected": contract["vllm_version"], "found": found.get("version")})
+    files = found.get("files") or {}
+    for rel, rec in sorted(contract["files"].items()):
+        got = files.get(rel)
+        if got != rec["sha256"]:
+            out.append({"what": rel, "expected": rec["sha256"], "found": got})
+    return out
+
+
+def probe_command(files: list[str], *, python: str | None = None, image: str | None = None,
+                  container_runtime: str = "docker") -> list[str]:
+    """The argv that runs :data:`PROBE` with ``python`` (a path; default this interpreter) or inside ``image`` (``RUNTIME run
+    --rm --pull never --network none --entrypoint python3 IMAGE``). ConfigError for an image
+    reference that is not a plain name (no leading ``-``, no spaces, only ``A-Za-z0-9._/:@+-``)."""
+    arg = json.dumps(sorted(files))
+    if image is not None:
+        import re
+
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,511}", image):
+            raise ConfigError(f"--image must be an image reference (name[:tag][@digest]), got {image!r}", exit_code=2)
+        return [container_runtime, "run", "--rm", "--pull", "never", "--network", "none", "--entrypoint", "python3",
+                image, "-c", PROBE, arg]
+    import sys
+
+    return [python or sys.executable, "-c", PROBE, arg]
+
+
+def inspect(*, python: str | None = None, image: str | None = None, container_runtime: str = "docker",
+            timeout_s: float = 300.0, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run :data:`PROBE` (:func:`probe_command`) and return its JSON: ``python`` (version),
+    ``version`` (vLLM's, None when absent), ``root``, ``files`` ({file: sha256 or None}).
+    Dsv41Error (exit 2) when it cannot run, fails or prints no JSON."""
+    import subprocess
+
+    files = sorted({f for c in shipped_contracts() for f in c["files"]})
+    argv = probe_command(files, python=python, image=image, container_runtime=container_runtime)
+    where = f"image {image}" if image is not None else f"interpreter {argv[0]}"
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
+    except FileNotFoundError:
+        raise Dsv41Error(f"cannot run {argv[0]}: not found", exit_code=2) from None
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise Dsv41Error(f"cannot inspect the {where}: {exc}", exit_code=2) from None
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+        raise Dsv41Error(f"cannot inspect the {where}: {tail}", exit_code=2)
+    try:
+        found = json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise Dsv41Error(f"cannot inspect the {where}: it printed no JSON", exit_code=2) from None
+    if not isinstance(found, dict):
+        raise Dsv41Error(f"cannot inspect the {where}: it printed no JSON object", exit_code=2)
+    return found

@@ -218,8 +218,13 @@ def make_dsv41_spec(vllm_config: Any, settings: Any) -> tuple[Any, int, int]:
 
 def build_speculator(base: type, vllm_config: Any, device: Any, req_states: Any, tp_group: Any, env: Any) -> Any:
     """The OverlaySpeculator over ``base`` whose rank 0 asks the drafter ``env`` configures."""
+    from dsv41.overlay import metrics as overlay_metrics
+
     cls = speculator_class(base)
-    return cls(vllm_config, device, req_states, tp_group=tp_group, make_spec=lambda cfg: make_dsv41_spec(cfg, env))
+    spec = cls(vllm_config, device, req_states, tp_group=tp_group, make_spec=lambda cfg: make_dsv41_spec(cfg, env))
+    if spec.spec is not None:  # rank 0 drafts; its counters are the dsv41_drafter_* series
+        overlay_metrics.add_drafter(spec.counters)
+    return spec
 
 
 def apply_init_speculator(module: ModuleType, settings: Any) -> None:

@@ -50,6 +50,7 @@ from typing import Any
 
 from dsv41.overlay import contract as C
 from dsv41.overlay import engram_ops
+from dsv41.overlay import metrics as overlay_metrics
 from dsv41.overlay import settings as S
 from dsv41.overlay.engram_ops import ROW_BYTES, OverlayRefused, log, plan_rows, report_counters
 from dsv41.overlay.engram_rows import RemoteRows
@@ -168,6 +169,7 @@ def apply(module: ModuleType, settings: S.OverlaySettings, contract: dict) -> No
         if settings.required:
             raise OverlayRefused(f"dsv41 overlay: {why}; refusing to start because DSV41_ENGRAM_REMOTE_REQUIRED=1")
         log.error("dsv41 overlay: %s; this table stays on vLLM's own path", why)
+        overlay_metrics.set_state("refused", why=why)  # the checks fail this rank: rows are not remote
 
     def _allocate_weights(self: Any) -> Any:
         ctx = _layer.get()
@@ -203,6 +205,8 @@ def apply(module: ModuleType, settings: S.OverlaySettings, contract: dict) -> No
             max_tokens=max_tokens, device=device, dequant=vllm_dequant(module, self), rank=rank,
             gpu_join=settings.gpu_join)
         self._weight_loader = _skip_weight  # set_weight_attrs reads it right after this returns
+        overlay_metrics.add_engram_source(rank, src)
+        overlay_metrics.add_layer(rank, layer_id, self._dsv41)
         log.info("dsv41 overlay rank %d layer %d: rows [%d, %d) from %s (fallback: %s); no vLLM host table "
                  "(%.2f GiB not pinned), %.1f MiB pinned staging", rank, layer_id, self.vocab_start_idx,
                  self.vocab_end_idx, src.url, "local shards" if src.local is not None else "none",
