@@ -82,8 +82,13 @@ class EngramWorker:
     a graph yet, a multi-piece job without piece graphs (the pipeline above, then their capture) or
     planned and fetched on the CPU (``_pieces_back``: Python launches the pieces), a failed request:
     ``lease_failed`` serves the exact local rows or raises in required mode (a multi-piece job is
-    then served again whole), a failed CUDA call: graphs off, eager launches) and
-    re-leases at most every ``LEASE_RETRY_S`` while it has none. ``counters`` then also carries
+    then served again whole), a failed CUDA call: graphs off, eager launches). Issue 47's circuit
+    breaker: where the table's exact local shard can be mapped (``_register``), a job without a
+    connection, or whose request failed, is filled from it in C++ (``native_local_jobs``; a
+    failed request is then handed back only to close the connection and count it,
+    ``local_fills_after_failure``), and the lease probe thread (``_probe_loop``, every
+    ``LEASE_RETRY_S``) offers the core a new connection (``lease_probes_offered``,
+    ``native_offers_adopted``). ``counters`` then also carries
     the core's ``native_*`` counts, and ``jobs``, ``requests``, ``wake_s``, ``ids_wait_s``,
     ``plan_s``, ``launch_s``, ``fetch_s``, ``host_s`` are the sums of both paths. Without the
     extension the thread is the Python loop above.
@@ -344,9 +349,8 @@ class EngramWorker:
             rows._maybe_report()
             return
         c["errors"] += 1
-        lease = self._lost_lease() if code else None
-        if lease is not None:
-            client = lease["client"]
+        if code:
+            client = self._lost_lease()["client"]  # the core had it lent: the request that failed
             try:
                 self.source.lease_failed(client, client.native_failure(code, rcount), [], t0)
             except Exception as exc:  # noqa: BLE001 - required mode: the cause at the join
