@@ -3,7 +3,8 @@
 #   VLLM_PY=vllm-py.tar.xz WHEELS=dir OUT=dir bash tools/gpu_overlay_qualify.sh [qualify|step]
 #   bash tools/gpu_overlay_qualify.sh pack WHEEL [vllm-py.tar.xz]
 # qualify (default): tests/gpu/vllm_overlay_qualify.py (QUAL_ARGS, e.g. "--bench-only --reps 21 --reuse-tables");
-# step: tests/gpu/vllm_overlay_step_bench.py (STEP_ARGS, e.g. "--reuse-tables --kill-server"; STEP_RUNS runs, default 1).
+# step: tests/gpu/vllm_overlay_step_bench.py (STEP_ARGS, e.g. "--reuse-tables --kill-server"; STEP_RUNS runs, default 1;
+#   each into the next overlay_step_N.json not in OUT yet).
 # VLLM_PY: tar.xz of the vLLM 0.33.0 wheel's Python files; WHEELS: jsonschema, jsonschema-specifications,
 # referencing, rpds-py wheels when the host lacks them; OUT: where the JSON goes (on a lent machine: $OUT).
 # TRANSPORT=c++ (default): builds dsv41.transport._fastrow in place when it does not import and refuses to
@@ -45,10 +46,11 @@ python3 -c 'import torch, triton, cupy; print("torch", torch.__version__, "trito
 if [ "$mode" = qualify ]; then
   python3 "$here/tests/gpu/vllm_overlay_qualify.py" --vllm-src "$src" --work "$work" --out "$OUT/overlay_qualify.json" ${QUAL_ARGS:-}
 else
-  rc=0
+  rc=0; k=0
   for i in $(seq 1 "${STEP_RUNS:-1}"); do
+    k=$((k + 1)); while [ -e "$OUT/overlay_step_$k.json" ]; do k=$((k + 1)); done  # earlier runs' files stay
     python3 "$here/tests/gpu/vllm_overlay_step_bench.py" --vllm-src "$src" --work "$work" \
-      --out "$OUT/overlay_step_$i.json" --tag "run $i" ${STEP_ARGS:-} || rc=$?
+      --out "$OUT/overlay_step_$k.json" --tag "run $i" ${STEP_ARGS:-} || rc=$?
   done
   exit "$rc"
 fi

@@ -104,6 +104,8 @@ def main() -> int:
     ap.add_argument("--prefill-steps", type=int, default=3)
     ap.add_argument("--kill-server", action="store_true", help="end with a table server killed mid-run")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--target-dead-ratio", type=float, default=1.2,
+                    help="issue 47: steps with the table server dead over the local-only step, at most")
     ap.add_argument("--gpu-join", choices=("0", "1"), default=None,
                     help="DSV41_ENGRAM_GPU_JOIN for the overlay (issue 23 pass O; default: the environment's, else "
                          "the setting's default)")
@@ -111,6 +113,9 @@ def main() -> int:
                     help="sys.setswitchinterval for this run (0: Python's default, 5 ms); the worker "
                          "thread waits for the GIL while the launching thread runs Python")
     args = ap.parse_args()
+    if args.out.exists():  # two runs into one directory must not overwrite each other's results
+        print(f"vllm_overlay_step_bench: {args.out} exists; give another --out", file=sys.stderr)
+        return 2
     import logging
 
     logging.basicConfig(level=logging.WARNING)
@@ -439,7 +444,25 @@ def run(args, eng, layout, manifest, url, runtime, srv, restart, torch, E, S, C)
             out["kill"]["mid_prefill"] = kill_mid_prefill(torch, restart, own, ovl, hash_buf, layout, rng, pre_layers,
                                                           args.prefill, src)
             out["kill"]["ok"] = out["kill"]["ok"] and out["kill"]["mid_prefill"]["ok"]
+        out["kill"]["vs_local"] = kill_ratios(out["kill"], results, args.target_dead_ratio)
     return out
+
+
+def kill_ratios(kill: dict, results: list, bound: float) -> dict:
+    """Issue 47's done-when: the decode steps after the kill against the ``none`` arm's 48-token
+    step, and the 32K chunks with the server dead against vLLM's own local rows (the ``uva`` arm's
+    chunk: no table server at all), as ratios of medians; ``met`` when each is <= ``bound``."""
+    med = {(r["tokens"], arm): r[arm]["step_ms_median"] for r in results for arm in ("none", "uva", "overlay")}
+    got: dict = {"bound": bound}
+    none48 = med.get((48, "none"))
+    if none48:
+        got["decode_after_over_none"] = round(kill["step_ms_after_median"] / none48, 3)
+    pa = kill.get("prefill_after")
+    if pa and (pa["tokens"], "uva") in med:
+        got["prefill_dead_over_uva"] = round(float(np.median(pa["step_ms"])) / med[(pa["tokens"], "uva")], 3)
+        got["prefill_dead_over_overlay"] = round(float(np.median(pa["step_ms"])) / med[(pa["tokens"], "overlay")], 3)
+    got["met"] = all(got[k] <= bound for k in ("decode_after_over_none", "prefill_dead_over_uva") if k in got)
+    return got
 
 
 def check_rows(torch, fw, sets, hash_buf, t, own, ovl) -> dict:

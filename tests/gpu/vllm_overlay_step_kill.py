@@ -82,9 +82,35 @@ def step_ids(torch, rng, t: int, layout, own):
 
 
 
+#: Worker counters whose change over the kill's steps shows where a step's fallback time goes
+#: (issue 47): the C++ core's local fill, Python's share, the probe.
+KILL_WORKER_KEYS = ("jobs", "native_jobs", "native_local_jobs", "native_local_batches", "native_local_rows",
+                    "native_local_s", "native_fetch_s", "native_requests", "native_offers_adopted", "fetch_s",
+                    "host_s", "wake_s", "local_fills_after_failure", "lease_probes_offered", "native_idle_spins")
+
+
+def python_local_read_ms(src, ovl, t: int, reps: int = 10) -> dict:
+    """The fallback the core replaced (issue 47): the row source's Python local reader
+    (``LocalRowReader.read``) for one decode step's owned rows of both Engram layers, as the worker
+    called it on every step while the server was dead. Median and max ms over ``reps`` steps."""
+    times = []
+    rng = np.random.default_rng(5)
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for o in ovl:
+            rr = o.embed_tokens._dsv41
+            ids = rng.integers(rr.vocab_start, rr.vocab_end, t * rr.part).astype(np.int64)
+            src.local.lookup(rr.layer_id, ids)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return {"median": round(float(np.median(times)), 3), "max": round(max(times), 3), "reps": reps,
+            "rows_per_layer": t * ovl[0].embed_tokens._dsv41.part}
+
+
 def kill_server(torch, srv, own, ovl, hash_buf, layout, a, rng, layers, capture, src) -> dict:
     """48-token decode steps through the overlay's PIECEWISE stand-in; the table server is
-    SIGKILLed after step 10 of 40; every step's rows are compared with vLLM's path."""
+    SIGKILLed after step 10 of 40; every step's rows are compared with vLLM's path. The worker's
+    counters over the steps after the kill (``worker_after_kill``, per job where a time) and the
+    Python local reader's time for the same rows (``python_local_read_ms``) say where the time goes."""
     t = 48
     f_o = Forward(torch, ovl, hash_buf, t, layers, {1: ovl[0], 14: ovl[1]}, graphs=True)
     f_u = Forward(torch, own, hash_buf, t, layers, {1: own[0], 14: own[1]}, graphs=True)
@@ -92,22 +118,30 @@ def kill_server(torch, srv, own, ovl, hash_buf, layout, a, rng, layers, capture,
     f_o.capture(capture)
     f_u.capture(capture)
     c0 = {k: v for k, v in src.counters().items() if isinstance(v, (int, float))}
-    ok, times, killed_at = True, [], None
+    rr = ovl[0].embed_tokens._dsv41
+    ok, times, killed_at, w0 = True, [], None, {}
     for step in range(40):
         if step == 10:
             srv.send_signal(signal.SIGKILL)
             srv.wait(timeout=10)
             killed_at = step
+        if step == 11:
+            w0 = dict(rr._worker.counters)
         ok &= timed_exact_step(torch, f_o, f_u, hash_buf, layout, rng, t, own, ovl, times)
+    w1 = dict(rr._worker.counters)
     c1 = {k: v for k, v in src.counters().items() if isinstance(v, (int, float))}
-    rr = ovl[0].embed_tokens._dsv41
+    dw = {k: w1.get(k, 0) - w0.get(k, 0) for k in KILL_WORKER_KEYS}
+    jobs = max(1, dw["jobs"])
+    worker = {k: (round(v * 1e3 / jobs, 4) if k.endswith("_s") else v) for k, v in dw.items()}
     return {"ok": ok, "killed_after_step": killed_at, "steps": 40, "rows_bit_exact": ok,
             "step_ms_before_kill_median": round(float(np.median(times[:10])), 3),
             "step_ms_kill_step": round(times[10], 3), "step_ms_after_median": round(float(np.median(times[11:])), 3),
             "step_ms_max": round(max(times), 3),
             "counters": {k: c1[k] - c0.get(k, 0) for k in ("fallbacks", "transport_errors", "remote_rows",
                                                              "deadline_exceeded", "lookups")},
-            "worker_refusals": rr.counters["worker_refusals"], "handoff_timeouts": rr.counters["handoff_timeouts"]}
+            "worker_refusals": rr.counters["worker_refusals"], "handoff_timeouts": rr.counters["handoff_timeouts"],
+            "worker_after_kill": {"steps": 29, "note": "*_s keys: ms per job", **worker},
+            "python_local_read_ms": python_local_read_ms(src, ovl, t)}
 
 
 

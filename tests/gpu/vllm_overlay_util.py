@@ -381,6 +381,8 @@ def drafter_seam(torch) -> dict:
         whole.append((t1 - t0) * 1e3)
         bcast.append((t2 - t1) * 1e3)
     torch.cuda.synchronize()
+    if dist.is_initialized():  # torch warns at exit ("destroy_process_group() was not called") when left open
+        dist.destroy_process_group()
     res.update(requests=n_reqs, k=k, hidden=H, propose_host_ms_median=round(float(np.median(whole)), 4),
                propose_host_ms_p90=round(float(np.percentile(np.asarray(whole), 90)), 4), broadcast_host_ms_median=round(float(np.median(bcast)), 4),
                note="propose = rank 0's hidden-state + tails copy to the host, the DraftInputs, an instant "

@@ -187,9 +187,9 @@ def test_a_job_is_fetched_and_each_piece_released_once_its_rows_are_in(tabs, ser
 def test_without_a_connection_the_rows_come_from_the_local_shard_exactly(tabs, server) -> None:
     """No lent connection (a dead server, no lease yet): the core fills every piece from the exact
     local rows in C++ and stores the flags; counted as a fallback of the job and of the source.
-    Each such job is handed back to Python (REPORT), whose loop retries the lease (pass Q: kept in
-    C++ until the next report, GPU-joined prefill stayed local 57 s after the server came back);
-    once a connection is lent, a job is served in C++ with nothing handed back."""
+    Nothing is handed back to Python (issue 47: no Python hop per job while the server is dead);
+    a connection offered from another thread (the worker's lease probe) is adopted before the
+    next job, which is then served remotely in C++."""
     _, src = server
     t = Table(tabs, src, 2)
     core = _core()
@@ -202,21 +202,22 @@ def test_without_a_connection_the_rows_come_from_the_local_shard_exactly(tabs, s
             _submit(core, t, gen, 600)
             t.slot.gj_write_ids(gen)
             assert t.wait_flags(600, gen) and t.exact(600)
-            end = time.monotonic() + 10
-            while len(w.got) < gen and time.monotonic() < end:
-                time.sleep(0.001)
-            assert [g[0] for g in w.got] == [O.CORE_REPORT] * gen  # back to Python after each job
+        time.sleep(0.05)
+        assert w.got == []  # the core stays in C++: no hand-back per job
         c = dict(t.slot.gj_counters())
         assert c["gj_fallback_jobs"] == 2 and c["gj_fallback_rows"] == owned
         assert core.counters()["native_gj_nolease"] == 2 and core.source_counters()["fallbacks"] == 2
-        lease = src.native_lease()  # what Python's _take_lease does on that return
-        core.lend(lease["fd"], lease["gen"], lease["version"], lease["timeout_ns"], lease["spin_ns"])
+        lease = src.native_lease()  # what the worker's lease probe does, on its own thread
+        assert not core.connected()
+        core.offer(lease["fd"], lease["gen"], lease["version"], lease["timeout_ns"], lease["spin_ns"])
+        assert core.connected() and not core.lent()
         t.draw(600, 13)
         _submit(core, t, 3, 600)
         t.slot.gj_write_ids(3)
         assert t.wait_flags(600, 3) and t.exact(600)
         time.sleep(0.05)
-        assert len(w.got) == 2 and core.counters()["native_gj_nolease"] == 2  # remote, in C++
+        assert w.got == [] and core.counters()["native_gj_nolease"] == 2  # remote, in C++
+        assert core.lent() and core.counters()["native_offers_adopted"] == 1
         assert dict(t.slot.gj_counters())["gj_fallback_jobs"] == 2
     finally:
         w.stop()

@@ -2,7 +2,10 @@
 
 ``RemoteRowSource`` implements the RowSource contract (docs/interfaces.md): on timeout,
 transport error or refusal the same call returns the exact rows from the local reader and counts
-a fallback; a background thread reconnects with exponential backoff (50 ms .. 2 s, jittered);
+a fallback. It is a circuit breaker: a failed request or connect, or a lent connection's failed
+request (``lease_failed``), drops the connection, and until the background probe reconnects
+(connect + HELLO, backoff 50 .. 500 ms jittered, so within about 0.75 s of the server's return)
+every lookup goes straight to the local rows: no request, connect or timeout in the caller;
 ``required=True`` (qualification mode) raises instead of falling back, so an unavailable server
 can never silently turn into a local-disk benchmark. The engine's whole-call deadline
 (``DSV41_ENGRAM_LOOKUP_DEADLINE_MS``) lives here too (``deadline_ms``): it bounds the wait for
@@ -27,12 +30,10 @@ from dsv41.transport import protocol as P
 
 #: Rows per transport request: a larger lookup is split so each request gets the full timeout.
 CHUNK_ROWS = 16384
-RECONNECT_MIN_S = 0.05
-RECONNECT_MAX_S = 2.0
+RECONNECT_MIN_S, RECONNECT_MAX_S = 0.05, 0.5  # the probe's backoff (seconds, jittered x0.5..1.5)
 #: Largest per-request timeout accepted (10 minutes; ms).
 MAX_TIMEOUT_MS = 600_000
-#: Largest busy-poll budget accepted (us): a spin never outlasts its request's timeout, so any
-#: budget up to the largest timeout is safe (DSV41_TRANSPORT_CLIENT_SPIN_US allows 0..10,000).
+#: Largest busy-poll budget accepted (us): a spin never outlasts its request's timeout.
 MAX_SPIN_US = MAX_TIMEOUT_MS * 1000
 
 
@@ -130,10 +131,6 @@ class RemoteRowSource(RowSource):
     Thread-safe; ``close()`` stops the reconnect thread.
     """
 
-    def is_required(self) -> bool:
-        """``required`` (the protocol's question: no fallback, a failed read raises)."""
-        return self.required
-
     def __init__(self, urls: Any, manifest: Any, rank: int, tp: int, timeout_ms: int = 100,
                  required: bool = False, local: Any = None, deadline_ms: float | None = None,
                  fault_delay_ms: float = 0.0, spin_us: float | None = None) -> None:
@@ -146,14 +143,13 @@ class RemoteRowSource(RowSource):
             raise Dsv41Error(f"rank {rank!r} must be in [0, tp={tp!r})")
         if len(urls) not in (1, tp):
             raise Dsv41Error(f"{len(urls)} URLs for tp={tp}: give one per rank")
-        if not 0 < timeout_ms <= MAX_TIMEOUT_MS:  # beyond it poll()/settimeout() overflow
-            raise Dsv41Error(f"timeout_ms must be in (0, {MAX_TIMEOUT_MS}], got {timeout_ms}")
-        if deadline_ms is not None and not 0 < deadline_ms <= MAX_TIMEOUT_MS:
-            raise Dsv41Error(f"deadline_ms must be in (0, {MAX_TIMEOUT_MS}], got {deadline_ms}")
-        if not 0 <= fault_delay_ms <= MAX_TIMEOUT_MS:  # also refuses NaN
-            raise Dsv41Error(f"fault_delay_ms must be in [0, {MAX_TIMEOUT_MS}], got {fault_delay_ms}")
-        if spin_us is not None and not 0 <= spin_us <= MAX_SPIN_US:  # also refuses NaN
-            raise Dsv41Error(f"spin_us must be in [0, {MAX_SPIN_US}], got {spin_us}")
+        # beyond MAX_TIMEOUT_MS poll()/settimeout() overflow; the comparisons also refuse NaN
+        for name, v, zero, top in (("timeout_ms", timeout_ms, False, MAX_TIMEOUT_MS),
+                                   ("deadline_ms", deadline_ms, False, MAX_TIMEOUT_MS),
+                                   ("fault_delay_ms", fault_delay_ms, True, MAX_TIMEOUT_MS),
+                                   ("spin_us", spin_us, True, MAX_SPIN_US)):
+            if v is not None and not (0 <= v <= top if zero else 0 < v <= top):
+                raise Dsv41Error(f"{name} must be in {'[' if zero else '('}0, {top}], got {v}")
         self.spin_us = spin_us
         self.url = urls[rank] if len(urls) == tp else urls[0]
         self.endpoint = parse_url(self.url)
@@ -161,11 +157,9 @@ class RemoteRowSource(RowSource):
         self.rank, self.tp = rank, tp
         self.timeout_s = timeout_ms / 1000
         self.deadline_s = None if deadline_ms is None else deadline_ms / 1000
-        # Seconds a call may take in all; without a deadline the largest timeout (keeps the
-        # arithmetic of the paths below free of None checks).
+        # Seconds a call may take in all; without a deadline the largest timeout (no None checks below)
         self._budget = MAX_TIMEOUT_MS / 1000 if deadline_ms is None else deadline_ms / 1000
-        # The hot path takes the lock at once or not at all (else the general path waits for it
-        # within the deadline), so its one request gets min(timeout, deadline), precomputed.
+        # The hot path takes the lock at once or not at all, so its request gets min(timeout, deadline)
         self._req_s = min(self.timeout_s, self._budget)
         self._req_cut = self._budget < self.timeout_s  # its timeout is the deadline itself
         self.fault_delay_s = fault_delay_ms / 1000
@@ -173,18 +167,15 @@ class RemoteRowSource(RowSource):
         self.local: RowSource | None = LocalRowSource(local) if isinstance(local, LocalRowReader) else local
         self._entries = {t.layer_id: t for t in self.manifest.tables}
         self._idents = {t.layer_id: P.identity_bytes(t.identity) for t in self.manifest.tables}
-        # The hot path's tables; empty under a fault delay, so drills take the general path
-        # (which applies the delay) and production's hot path carries no fault check.
+        # The hot path's tables; empty under a fault delay (drills take the general path, which applies it)
         self._tabs = {} if self.fault_delay_s else {L: (self._idents[L], int(t.rows)) for L, t in self._entries.items()}
-        # Guards the client, its one in-flight request, and the hot path's counters (updated
-        # while the request's lock is held anyway, so the hot path takes no second lock).
+        # Guards the client, its one in-flight request, and the hot path's counters (no second lock)
         self._lock = threading.Lock()
         self._rlock = threading.Lock()  # guards starting the reconnect thread
         self._c = {"lookups": 0, "rows": 0, "fallbacks": 0, "transport_errors": 0, "refusals": 0,
                    "reconnects": 0, "latency_sum_s": 0.0, "latency_count": 0, "remote_rows": 0,
-                   "connect_failures": 0, "deadline_exceeded": 0}
-        # Counters of the other paths (fallbacks, the general path): their own short lock, so a
-        # call that gave up waiting for the connection lock never waits for it to count.
+                   "connect_failures": 0, "deadline_exceeded": 0, "breaker_opens": 0}
+        # The other paths' counters: their own lock (a call past its deadline never waits to count)
         self._slock = threading.Lock()
         self._side = {"lookups": 0, "rows": 0, "fallbacks": 0, "remote_rows": 0, "latency_sum_s": 0.0,
                       "latency_count": 0, "deadline_exceeded": 0}
@@ -205,7 +196,10 @@ class RemoteRowSource(RowSource):
                 raise RemoteUnavailable(f"remote Engram {self.url} is required but unavailable: {exc}") from None
             self._start_reconnect()
 
-    # -- connection management ---------------------------------------------------------------
+    def is_required(self) -> bool:
+        """``required`` (the protocol's question: no fallback, a failed read raises)."""
+        return self.required
+
     def _connect(self):
         return open_client(self.endpoint, list(self._idents.values()), max(self.timeout_s, 0.5), spin_us=self.spin_us)
 
@@ -227,14 +221,14 @@ class RemoteRowSource(RowSource):
             c["transport_errors"] += 1
         self.last_error = str(exc)
         self._client = None
+        c["breaker_opens"] += 1
         if self._closed.is_set():
             client.close()
         else:
             self._retired.append(client)
 
     def _note_connect_failure(self, exc: BaseException) -> None:
-        # Failed (re)connect attempts are counted apart from lookup failures, which they would
-        # otherwise inflate while a server is down.
+        # counted apart from lookup failures, which they would otherwise inflate while a server is down
         with self._lock:
             self._c["connect_failures"] += 1
         self.last_error = str(exc)
@@ -280,19 +274,16 @@ class RemoteRowSource(RowSource):
 
     @property
     def connected(self) -> bool:
-        """Whether a connection to the server is currently up."""
+        """Whether a connection to the server is up (False: the breaker is open, lookups go local)."""
         return self._client is not None
 
     def wait_connected(self, timeout_s: float) -> bool:
         """Block until connected or ``timeout_s`` passed (tests, start-up scripts)."""
         end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if self._client is not None:
-                return True
+        while self._client is None and time.monotonic() < end:
             time.sleep(0.01)
         return self._client is not None
 
-    # -- RowSource -----------------------------------------------------------------------------
     def lookup(self, layer_id: int, rows: Any, out: np.ndarray | None = None) -> np.ndarray:
         """Packed rows uint8[N, 264] of global row ids ``rows`` (int[N]) of ``layer_id``.
 
@@ -342,12 +333,7 @@ class RemoteRowSource(RowSource):
         """``lookup`` for every case the hot path does not take: id conversion and checks,
         large lookups (pipelined ``CHUNK_ROWS`` requests), a busy connection lock,
         disconnection, fault delay and fallback."""
-        from dsv41.engram.shards import RowRangeError
-
-        entry = self._entries.get(layer_id)
-        if entry is None:
-            raise RowRangeError(f"manifest has no table for layer {layer_id}")
-        r = _check_rows(rows, entry)
+        r = self._checked(layer_id, rows)
         n = r.shape[0]
         out = self._out(out, n)
         failure: BaseException | None = None
@@ -363,6 +349,8 @@ class RemoteRowSource(RowSource):
         """Read every ``(layer_id, ids, out)`` of ``parts`` (ids and outs checked) from the
         server within the call's deadline (``t0``: the call's ``perf_counter`` start); the
         failure, or None when every row was written."""
+        if self._client is None:  # the breaker is open: the local rows at once, the probe reconnects
+            return TransportError(f"not connected to {self.url}")
         budget = self._budget
         lock = self._lock
         if not (lock.acquire(False) or lock.acquire(True, max(0.0, budget - (_perf() - t0)))):
@@ -453,9 +441,16 @@ class RemoteRowSource(RowSource):
                     return list(outs)
         return self._lookup_layers_general(layer_ids, rows, outs, t0)
 
-    def _lookup_layers_general(self, layer_ids: Any, rows: Any, outs: Any, t0: float) -> list[np.ndarray]:
+    def _checked(self, layer_id: int, rows: Any) -> np.ndarray:
+        """int64 ids of ``layer_id``'s table (RowRangeError for an unknown layer or a bad id)."""
         from dsv41.engram.shards import RowRangeError
 
+        entry = self._entries.get(layer_id)
+        if entry is None:
+            raise RowRangeError(f"manifest has no table for layer {layer_id}")
+        return _check_rows(rows, entry)
+
+    def _lookup_layers_general(self, layer_ids: Any, rows: Any, outs: Any, t0: float) -> list[np.ndarray]:
         layer_ids = list(layer_ids)
         if len(rows) != len(layer_ids) or (outs is not None and len(outs) != len(layer_ids)):
             raise Dsv41Error("lookup_layers needs one row array (and one out, if given) per layer")
@@ -463,10 +458,7 @@ class RemoteRowSource(RowSource):
             raise Dsv41Error(f"lookup_layers takes 1..{P.MAX_SEGMENTS} layers, got {len(layer_ids)}")
         parts = []
         for k, layer_id in enumerate(layer_ids):
-            entry = self._entries.get(layer_id)
-            if entry is None:
-                raise RowRangeError(f"manifest has no table for layer {layer_id}")
-            r = _check_rows(rows[k], entry)
+            r = self._checked(layer_id, rows[k])
             parts.append((layer_id, r, self._out(None if outs is None else outs[k], r.shape[0])))
         failure: BaseException | None = None
         if sum(p[1].shape[0] for p in parts):
@@ -538,11 +530,18 @@ class RemoteRowSource(RowSource):
         return {"client": client, "fd": fd, "gen": gen, "version": version, "spin_ns": spin_ns,
                 "timeout_ns": int(self._req_s * 1e9), "tables": dict(self._tabs)}
 
+    def native_tables(self) -> dict:
+        """``{layer_id: (identity bytes, table rows)}`` a lease would name, where this source can
+        lend connections (tcp, no fault delay), else ``{}``."""
+        return dict(self._tabs) if self.endpoint.scheme == "tcp" and not self._closed.is_set() else {}
+
     def lease_failed(self, client: Any, failure: BaseException, parts: list, t0: float) -> None:
         """A request on a lent connection failed (``failure``: its ``TransportError``,
         ``TransportTimeout`` or ``Refused``): counted as this source's own failures are (and in
         ``fallbacks``), ``client`` closed, and every ``(layer_id, ids, out)`` of ``parts`` filled
-        from the local reader; raises ``RemoteUnavailable`` in required mode or without one."""
+        from the local reader; raises ``RemoteUnavailable`` in required mode or without one.
+        Unless it was a refusal (the server answered), the source's own connection to the same
+        server is dropped too (the breaker opens: lookups go local until the probe reconnects)."""
         with self._lock:
             c = self._c
             if isinstance(failure, TransportTimeout) and self._req_cut:
@@ -551,6 +550,11 @@ class RemoteRowSource(RowSource):
                 c["refusals"] += 1
             else:
                 c["transport_errors"] += 1
+                own = self._client
+                if own is not None:  # a dead or hung server fails this one's next request too
+                    self._client = None
+                    c["breaker_opens"] += 1
+                    self._retired.append(own)  # closed by the reconnect thread (close() closes the rest)
         self.last_error = str(failure)
         client.close()
         self._fall_back(failure, parts)
@@ -567,9 +571,8 @@ class RemoteRowSource(RowSource):
         (calls whose deadline passed; each is also a fallback), connected, source, url,
         deadline_ms, and fault_delay_ms when a fault delay is set).
 
-        Read without a lock (a dict copy is one step under the GIL), so a snapshot never waits
-        for a request in flight; one taken while a lookup is being counted may show that lookup
-        partly counted."""
+        ``breaker_opens``: connections dropped after a failure. Read without a lock (a snapshot
+        never waits for a request in flight; one may show a lookup partly counted)."""
         c = dict(self._c)
         for k, v in dict(self._side).items():
             c[k] += v

@@ -24,9 +24,9 @@ Failures stay exact without the GIL and without the driver:
   worker fills every piece not released yet from the exact local rows in C++ (the shard mapped
   read-only, a memcpy gather of ``weight_offset + id * 256`` and ``scale_offset + id * 8``, the
   bytes ``LocalRowReader.read`` packs) and stores the flags; counted (``gj_fallback_jobs``); a
-  job filled for want of a connection is then handed back to Python, whose loop retries the lease
-  (``EngramWorker._take_lease``, at most every ``LEASE_RETRY_S``), so prefill alone takes a table
-  server that came back within a second (pass Q; before, at the core's next report, 60 s);
+  job filled for want of a connection stays in C++: the worker's lease probe (its own thread,
+  ``EngramWorker._probe_loop``, every ``LEASE_RETRY_S``) offers the core a connection once the
+  server answers, adopted before the next job (issue 47; pass Q: the lease retried by Python);
 * a dead, retired, hung or busy worker: the C++ watchdog thread (one per process) claims a job
   still unclaimed ``WATCHDOG_S`` after it first saw the job's ids word, fills it from the local rows
   and stores the flags (``gj_takeovers``). A per-job compare-and-swap decides which of the two

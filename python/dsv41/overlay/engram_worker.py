@@ -17,8 +17,16 @@ from dsv41.overlay.engram_ops import _NoEvent
 #: layer when the last step had two (both in one request saves a round trip, ~0.1-0.3 ms on
 #: loopback tcp; the other layer's start follows the first by tens of microseconds).
 COALESCE_S = 0.0005
-#: Seconds between two attempts to lease a connection for the C++ core after one failed.
-LEASE_RETRY_S = 1.0
+#: Seconds between two attempts of the lease probe (a thread of its own, never the worker's) to
+#: lease a connection for the C++ core while it has none: the server's return is noticed within
+#: about this long, and no step ever waits for a connect (issue 47's circuit breaker).
+LEASE_RETRY_S = 0.5
+#: Seconds the idle C++ core polls its queue (PAUSE loop, no system call) after the end of its
+#: last job before it sleeps on its condition variable (``EngramCore.set_idle_spin``): a step's
+#: job submitted within it is taken within microseconds whatever the host's wake-up latency
+#: (issue 47: 0.055-0.120 ms median on one H100 host against 0.019 on another). While steps come
+#: at least once a second the worker's core stays busy (one core per rank); idle, it costs nothing.
+IDLE_SPIN_S = 1.0
 #: Nanoseconds ``RemoteRows.join`` polls the hand-off flag before it sleeps on the condition
 #: variable (``EngramSlot.wait``): a layer handed off by then costs no sleep and wake-up.
 JOIN_SPIN_NS = 20_000
@@ -74,8 +82,13 @@ class EngramWorker:
     a graph yet, a multi-piece job without piece graphs (the pipeline above, then their capture) or
     planned and fetched on the CPU (``_pieces_back``: Python launches the pieces), a failed request:
     ``lease_failed`` serves the exact local rows or raises in required mode (a multi-piece job is
-    then served again whole), a failed CUDA call: graphs off, eager launches) and
-    re-leases at most every ``LEASE_RETRY_S`` while it has none. ``counters`` then also carries
+    then served again whole), a failed CUDA call: graphs off, eager launches). Issue 47's circuit
+    breaker: where the table's exact local shard can be mapped (``_register``), a job without a
+    connection, or whose request failed, is filled from it in C++ (``native_local_jobs``; a
+    failed request is then handed back only to close the connection and count it,
+    ``local_fills_after_failure``), and the lease probe thread (``_probe_loop``, every
+    ``LEASE_RETRY_S``) offers the core a new connection (``lease_probes_offered``,
+    ``native_offers_adopted``). ``counters`` then also carries
     the core's ``native_*`` counts, and ``jobs``, ``requests``, ``wake_s``, ``ids_wait_s``,
     ``plan_s``, ``launch_s``, ``fetch_s``, ``host_s`` are the sums of both paths. Without the
     extension the thread is the Python loop above.
@@ -98,8 +111,10 @@ class EngramWorker:
                          "fetch_s": 0.0, "host_s": 0.0}
         self.core = _new_core(self.chunk_rows)
         self._tables: dict[int, Any] = {}  # EngramSlot key -> RemoteRows (native path)
-        self._lease: dict | None = None
-        self._lease_t = float("-inf")
+        self._lease: dict | None = None  # lent to the core or offered to it (guarded by _llock)
+        self._llock = threading.Lock()
+        self._probe_wake = threading.Event()
+        self.probe: threading.Thread | None = None
         if self.core is not None and hasattr(source, "add_counters"):
             source.add_counters(self.core.source_counters)
         run = self._run if self.core is None else self._run_native
@@ -181,34 +196,79 @@ class EngramWorker:
         with self._cond:
             self.retired = True
             self._cond.notify()
+        self._probe_wake.set()
         if self.core is not None:
             self.core.retire()
 
     def _register(self, rows: Any) -> None:
-        """A table first seen by this worker: its identity and range into its slot (once a
-        lease names them) and its key into the worker's map."""
-        self._tables[rows._slot.key] = rows
-        if self._lease is not None:
-            rows._slot.set_table(self._lease["tables"])
+        """A table first seen by this worker (launching thread, before its first job reaches
+        the core): its identity and range into its slot (from the source's manifest, the same a
+        lease names), its exact local rows where the core can read them (``engram_gpujoin.
+        local_table``: the fill without a connection, or after a failed request, stays in C++)
+        and its key into the worker's map."""
+        from dsv41.overlay.engram_gpujoin import local_table
 
-    def _take_lease(self) -> None:
-        """Lease a connection for the core when it has none (at most every ``LEASE_RETRY_S``)."""
-        if self.core.lent() or _perf() - self._lease_t < LEASE_RETRY_S:
-            return
-        self._lease_t = _perf()
-        self._drop_lease()
+        tables_fn = getattr(self.source, "native_tables", None)
+        tables = tables_fn() if tables_fn is not None else {}
+        if tables:
+            rows._slot.set_table(tables)
+        loc = local_table(self.source, rows.layer_id) if tables else None
+        if loc is not None:
+            try:
+                rows._slot.native.set_local(*loc)
+            except (RuntimeError, OSError, ValueError) as exc:
+                from dsv41.overlay.engram_ops import log
+
+                log.warning("dsv41 overlay layer %d: the local rows cannot be mapped for the core (%s); a step "
+                            "without a connection is served by Python's local reader", rows.layer_id, exc)
+        self._tables[rows._slot.key] = rows
+
+    def _new_lease(self) -> dict | None:
         lease_fn = getattr(self.source, "native_lease", None)
-        lease = lease_fn() if lease_fn is not None else None
-        if lease is None:
-            return
-        self._lease = lease
-        for rows in list(self._tables.values()):
-            rows._slot.set_table(lease["tables"])
-        self.core.lend(lease["fd"], lease["gen"], lease["version"], lease["timeout_ns"], lease["spin_ns"])
+        return lease_fn() if lease_fn is not None else None
+
+    def _first_lease(self) -> None:
+        """The worker thread's lease at its start (the server is normally up), then the probe."""
+        lease = self._new_lease()
+        if lease is not None:
+            with self._llock:
+                self._lease = lease
+            self.core.lend(lease["fd"], lease["gen"], lease["version"], lease["timeout_ns"], lease["spin_ns"])
+        self.probe = threading.Thread(target=self._probe_loop, name=f"dsv41-engram-probe-{self.rank}", daemon=True)
+        self.probe.start()
+
+    def _probe_loop(self) -> None:
+        """The circuit breaker's probe: while the core has no connection (never had one, or its
+        request failed: the core fills from the local rows meanwhile), every ``LEASE_RETRY_S`` a
+        lease is asked of the row source (a connect and HELLO, bounded by the source's timeout, on
+        this thread) and offered to the core, which adopts it before its next job."""
+        while not self.retired:
+            self._probe_wake.wait(LEASE_RETRY_S)
+            if self.retired:
+                return
+            with self._llock:
+                if self._lease is not None:
+                    continue
+            lease = self._new_lease()
+            if lease is None:
+                continue
+            with self._llock:
+                if self.retired or self._lease is not None:
+                    lease["client"].close()
+                    continue
+                self._lease = lease
+                self.core.offer(lease["fd"], lease["gen"], lease["version"], lease["timeout_ns"], lease["spin_ns"])
+            self._c["lease_probes_offered"] = self._c.get("lease_probes_offered", 0) + 1
+
+    def _lost_lease(self) -> dict | None:
+        """The lease whose request failed (the core dropped it): the probe may offer another."""
+        with self._llock:
+            lease, self._lease = self._lease, None
+        return lease
 
     def _drop_lease(self) -> None:
         self.core.revoke()
-        lease, self._lease = self._lease, None
+        lease = self._lost_lease()
         if lease is not None:
             lease["client"].close()
 
@@ -220,13 +280,16 @@ class EngramWorker:
 
         self.ops.bind_thread()
         core, tables, c = self.core, self._tables, self._c
+        core.set_idle_spin(IDLE_SPIN_S)
         try:
+            self._first_lease()
             while True:
-                self._take_lease()
                 status, jobs, code, rcount = core.next()
                 if status == CORE_RETIRED:
                     return
                 batch = [(tables[key], gen, n) for key, gen, n in jobs]
+                if code and status in (CORE_REPORT, CORE_FETCHED, CORE_CUDA_FAILED):
+                    self._filled_after_failure(batch, code, rcount)  # the rows are local and exact already
                 if status == CORE_REPORT:
                     for rows, _, _ in batch:
                         rows._maybe_report()
@@ -287,9 +350,7 @@ class EngramWorker:
             return
         c["errors"] += 1
         if code:
-            lease, self._lease = self._lease, None
-            self._lease_t = t0  # the next lease waits LEASE_RETRY_S
-            client = lease["client"]
+            client = self._lost_lease()["client"]  # the core had it lent: the request that failed
             try:
                 self.source.lease_failed(client, client.native_failure(code, rcount), [], t0)
             except Exception as exc:  # noqa: BLE001 - required mode: the cause at the join
@@ -310,8 +371,7 @@ class EngramWorker:
         rows, _gen, _ = job
         t0 = _perf()
         self._c["gj_failed_requests"] = self._c.get("gj_failed_requests", 0) + 1
-        lease, self._lease = self._lease, None
-        self._lease_t = t0  # the next lease waits LEASE_RETRY_S
+        lease = self._lost_lease()
         if lease is None:
             return
         client = lease["client"]
@@ -324,14 +384,33 @@ class EngramWorker:
             self._c["fetch_s"] += _perf() - t0
         rows._maybe_report()
 
+    def _filled_after_failure(self, batch: list, code: int, rcount: int) -> None:
+        """The core's request failed and it filled the batch from the exact local rows itself:
+        the connection closed and the failure counted as the row source's (``lease_failed`` with no
+        rows to fill, which opens the source's own breaker too)."""
+        from dsv41.overlay.engram_ops import log
+
+        t0 = _perf()
+        self._c["local_fills_after_failure"] = self._c.get("local_fills_after_failure", 0) + 1
+        lease = self._lost_lease()
+        if lease is None:
+            return
+        client = lease["client"]
+        try:
+            self.source.lease_failed(client, client.native_failure(code, rcount), [], t0)
+        except Exception as exc:  # noqa: BLE001 - the rows are exact already; nothing waits for this
+            log.error("dsv41 overlay rank %d: counting a failed request raised %s: %s", self.rank, type(exc).__name__, exc)
+        finally:
+            self._c["fetch_s"] += _perf() - t0
+        for rows, _, _ in batch:
+            rows._maybe_report()
+
     def _lease_failed(self, batch: list, code: int, rcount: int) -> list:
         """The core's request failed: the exact local rows (the row source's fallback) for every
         layer of the batch, or each layer's hand-off with the cause (required mode); returns the
         layers still to launch."""
         t0 = _perf()
-        lease, self._lease = self._lease, None
-        self._lease_t = t0  # the next lease waits LEASE_RETRY_S
-        client = lease["client"]
+        client = self._lost_lease()["client"]
         failure = client.native_failure(code, rcount)
         parts = [(rows.layer_id, rows._fetch[:n], rows._packed(0, n)) for rows, _, n in batch if n]
         try:

@@ -19,6 +19,7 @@
 #include <sched.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -1116,6 +1117,13 @@ struct EngramSlot {
     std::lock_guard<std::mutex> g(m);
     local = std::move(t);
   }
+  // The exact local rows where they cover the rank's range of the table (the host join's fallback
+  // without Python: EngramCore::serve_batch), else nullptr.
+  std::shared_ptr<LocalTable> local_rows() {
+    std::lock_guard<std::mutex> g(m);
+    if (!(local && has_table && lo >= 0 && hi <= local->rows && ids && hbuf && fetch)) return nullptr;
+    return local;
+  }
   bool gj_ready() {
     std::lock_guard<std::mutex> g(m);
     return gj_host && local && lo >= 0 && hi <= local->rows && has_table && ids && hbuf && fetch;
@@ -1627,6 +1635,7 @@ class EngramCore {
     coalesce_ns_ = int64_t(coalesce_s * 1e9);
     q_.push_back(EngramJob{std::move(slot), gen, rows, out, reinterpret_cast<void *>(stream),
                            reinterpret_cast<void *>(ids_event), reinterpret_cast<void *>(done_event), cuda, py_wait, now_ns()});
+    pending_.store(true, std::memory_order_release);
     cv_.notify_one();
   }
   // Launching thread (issue 23 pass O): GPU-join job `gen`. Every check first (the slot ready:
@@ -1652,6 +1661,7 @@ class EngramCore {
                 true, false, now_ns()};
     j.gj = std::move(g);
     q_.push_back(std::move(j));
+    pending_.store(true, std::memory_order_release);
     cv_.notify_one();
     return q;
   }
@@ -1664,6 +1674,7 @@ class EngramCore {
   void retire() {
     std::lock_guard<std::mutex> g(m_);
     retired_ = true;
+    pending_.store(true, std::memory_order_release);
     cv_.notify_all();
   }
   bool retired() {
@@ -1675,8 +1686,34 @@ class EngramCore {
     if (fd < 0 || timeout_ns <= 0 || spin_ns < 0) throw std::invalid_argument("lend: bad fd, timeout or spin");
     fd_ = fd; gen_ = next_gen; version_ = version; timeout_ns_ = timeout_ns; spin_ns_ = spin_ns;
   }
-  void revoke() { fd_ = -1; }
+  void revoke() {
+    fd_ = -1;
+    std::lock_guard<std::mutex> g(om_);
+    offer_fd_ = -1;
+  }
   bool lent() const { return fd_ >= 0; }
+  // Any thread (the worker's lease probe): a connection for the worker thread to adopt before its
+  // next job (adopt()), so a table server that answers again is used without the core returning
+  // to Python. Arguments as lend(); an offer not adopted yet is replaced.
+  void offer(int fd, uint64_t next_gen, uint16_t version, int64_t timeout_ns, int64_t spin_ns) {
+    if (fd < 0 || timeout_ns <= 0 || spin_ns < 0) throw std::invalid_argument("offer: bad fd, timeout or spin");
+    std::lock_guard<std::mutex> g(om_);
+    offer_fd_ = fd; offer_gen_ = next_gen; offer_version_ = version; offer_timeout_ns_ = timeout_ns;
+    offer_spin_ns_ = spin_ns;
+  }
+  // Whether a connection is lent or offered (any thread).
+  bool connected() {
+    if (fd_ >= 0) return true;
+    std::lock_guard<std::mutex> g(om_);
+    return offer_fd_ >= 0;
+  }
+  // Nanoseconds the idle worker polls its queue (no system call) before it sleeps on the condition
+  // variable, counted from the end of its last job: a job submitted within the window is taken
+  // within microseconds, whatever the host's wake-up latency (C-states, timer slack); 0: sleep at once.
+  void set_idle_spin(double seconds) {
+    if (!(seconds >= 0)) throw std::invalid_argument("set_idle_spin: seconds must be >= 0");
+    idle_spin_ns_.store(int64_t(seconds * 1e9), std::memory_order_relaxed);
+  }
 
   py::dict counters() {
     std::lock_guard<std::mutex> g(cm_);
@@ -1690,6 +1727,9 @@ class EngramCore {
     d["native_gj_jobs"] = c_gj_jobs; d["native_gj_fallback_jobs"] = c_gj_fb_jobs;
     d["native_gj_fallback_rows"] = c_gj_fb_rows; d["native_gj_nolease"] = c_gj_nolease;
     d["native_gj_failed_requests"] = c_gj_failed;
+    d["native_local_batches"] = c_local_batches; d["native_local_jobs"] = c_local_jobs;
+    d["native_local_rows"] = c_local_rows; d["native_local_s"] = c_local * 1e-9;
+    d["native_idle_spins"] = c_spins; d["native_idle_spin_s"] = c_spin * 1e-9; d["native_offers_adopted"] = c_adopted;
     return d;
   }
   // The row-source counters of the requests made here (RemoteRowSource.add_counters).
@@ -1698,8 +1738,10 @@ class EngramCore {
     py::dict d;
     // a GPU-joined job served from the local rows without a lent connection is one lookup and
     // one fallback (one whose request failed is counted by Python's lease_failed)
-    d["lookups"] = c_lookups + c_gj_nolease; d["rows"] = c_rows + c_gj_nolease_rows; d["remote_rows"] = c_rows;
-    d["fallbacks"] = c_gj_nolease;
+    // a host-joined batch filled from the local rows without a connection: its layers' lookups, one fallback
+    d["lookups"] = c_lookups + c_gj_nolease + c_nolease_jobs;
+    d["rows"] = c_rows + c_gj_nolease_rows + c_nolease_rows; d["remote_rows"] = c_rows;
+    d["fallbacks"] = c_gj_nolease + c_nolease_batches;
     d["latency_sum_s"] = c_fetch * 1e-9; d["latency_count"] = c_requests;
     return d;
   }
@@ -1738,24 +1780,33 @@ class EngramCore {
     std::vector<EngramJob> batch;
     int status = RETIRED, code = 0;
     uint32_t rcount = 0;
+    last_busy_ = now_ns();  // back from Python's work: the idle spin's window starts here
     {
       py::gil_scoped_release nogil;
+      static thread_local bool slack_set = false;
+      if (!slack_set) {  // the ids word's short sleeps (gj_wait_ids) last what they ask, not + 50 us of slack
+        ::prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);
+        slack_set = true;
+      }
       for (;;) {
         batch.clear();
+        code = 0;
+        rcount = 0;
         status = take(batch);
+        if (status != RETIRED) adopt();
         if (status == GJ) {
           status = serve_gj(batch[0], code, rcount);  // REPORT or GJ_FAILED
-          // served from the local rows for want of a connection: back to Python, whose lease
-          // retry (at most every LEASE_RETRY_S) finds a server that came back; staying here until
-          // the next report kept GPU-joined prefill local for up to report_s (issue 23 pass Q:
-          // 57 s after a restart on the H100)
-          if (status == REPORT && fd_ < 0) break;
+          last_busy_ = now_ns();
+          // served from the local rows for want of a connection: the worker's lease probe offers a
+          // connection once the server answers (offer(), adopted before the next job), so the core
+          // stays here and no step waits for Python
         } else if (status != FETCHED) {
           break;  // RETIRED, or PYTHON (ids not awaited or not eligible)
         } else {
           status = serve(batch, code, rcount);
         }
-        if (status != REPORT) break;
+        // a batch filled from the local rows after its request failed: Python closes the connection
+        if (status != REPORT || code != 0) break;
         int64_t t = now_ns();
         if (t - last_return_ >= report_ns_) break;
       }
@@ -1773,6 +1824,10 @@ class EngramCore {
   int take(std::vector<EngramJob> &batch) {
     std::unique_lock<std::mutex> l(m_);
     for (;;) {
+      if (q_.empty() && !retired_) {
+        pending_.store(false, std::memory_order_relaxed);  // submit() sets it under m_, after its push
+        idle_spin(l);
+      }
       cv_.wait(l, [&] { return !q_.empty() || retired_; });
       if (retired_) return RETIRED;  // GPU-joined jobs still queued: the watchdog serves them
       EngramJob j = std::move(q_.front());
@@ -1800,6 +1855,35 @@ class EngramCore {
     gather(batch, j0.rows);
     add(c_coal, now_ns() - t1);
     return FETCHED;
+  }
+  // Poll for a job, without the lock and without a system call, until idle_spin_ns_ after the end of
+  // the last job (set_idle_spin); the caller then sleeps on cv_ if none came.
+  void idle_spin(std::unique_lock<std::mutex> &l) {
+    const int64_t window = idle_spin_ns_.load(std::memory_order_relaxed);
+    if (window <= 0 || last_busy_ == 0) return;
+    const int64_t t0 = now_ns(), end = last_busy_ + window;
+    if (t0 >= end) return;
+    l.unlock();
+    int64_t t = t0;
+    while (!pending_.load(std::memory_order_acquire) && t < end) {
+      for (int i = 0; i < 64; i++) cpu_relax();
+      t = now_ns();
+    }
+    l.lock();
+    std::lock_guard<std::mutex> g(cm_);
+    c_spins++;
+    c_spin += t - t0;
+  }
+  // Worker thread: take the connection a probe offered (offer()) when none is lent.
+  void adopt() {
+    if (fd_ >= 0) return;
+    std::lock_guard<std::mutex> g(om_);
+    if (offer_fd_ < 0) return;
+    fd_ = offer_fd_; gen_ = offer_gen_; version_ = offer_version_; timeout_ns_ = offer_timeout_ns_;
+    spin_ns_ = offer_spin_ns_;
+    offer_fd_ = -1;
+    std::lock_guard<std::mutex> c(cm_);
+    c_adopted++;
   }
   // The step's other layers: those queued, or due within the coalescing bound (never past a join).
   void gather(std::vector<EngramJob> &batch, int64_t first_rows) {
@@ -1834,6 +1918,7 @@ class EngramCore {
   int serve(std::vector<EngramJob> &batch, int &code, uint32_t &rcount) {
     int64_t t0 = now_ns(), fetch_ns = 0;
     int st = serve_batch(batch, code, rcount, fetch_ns);
+    last_busy_ = now_ns();
     std::lock_guard<std::mutex> g(cm_);
     c_host += now_ns() - t0 - fetch_ns;  // host work: the batch's time minus the request's
     if (st != PYTHON && st != PIECES_FAILED) { c_batches++; c_jobs += int64_t(batch.size()); }
@@ -1856,12 +1941,18 @@ class EngramCore {
       if (batch[0].rows > piece_rows_) return serve_pieces(batch[0], code, rcount, fetch_ns);
     }
     int64_t total_rows = 0;
-    bool ok = fd_ >= 0;
-    for (auto &j : batch) {
+    const bool lease = fd_ >= 0;
+    bool ok = true;
+    // each layer's exact local rows: the fill without a connection, or after a failed request
+    std::shared_ptr<LocalTable> loc[kMaxSegs];
+    bool local = batch.size() <= kMaxSegs;
+    for (size_t k = 0; k < batch.size(); k++) {
+      const EngramJob &j = batch[k];
       total_rows += j.rows;
       ok = ok && j.slot->has_table && j.slot->ids && j.rows <= piece_rows_ && size_t(j.rows) <= j.slot->max_rows;
+      if (local) local = bool(loc[k] = j.slot->local_rows());
     }
-    if (!ok || total_rows > chunk_rows_) return PYTHON;
+    if (!ok || !(lease || local) || total_rows > chunk_rows_) return PYTHON;
     const CudaDriver &cu = cuda_driver();
     for (size_t k = 1; k < batch.size(); k++)
       if (batch[k].cuda && (!batch[k].ids_event || !cu.ok || cu.event_sync(batch[k].ids_event) != 0)) return PYTHON;
@@ -1881,18 +1972,38 @@ class EngramCore {
     int64_t tf = now_ns();
     add(c_plan, tf - tp);
     if (ns) {
-      if (ns > 1 && version_ < 2) return PYTHON;  // one request per layer: Python's path
-      code = lookup_segs_nogil(fd_, gen_++, version_, cs, ns, total, timeout_ns_, spin_ns_, rcount);
-      int64_t te = now_ns();
-      fetch_ns = te - tf;
-      {
-        std::lock_guard<std::mutex> g(cm_);
-        c_fetch += te - tf; c_requests++; c_multi += ns > 1;
-        if (code == 0) { c_rows += int64_t(total); c_lookups += int64_t(batch.size()); }
+      bool fill = !lease;
+      if (lease) {
+        if (ns > 1 && version_ < 2) return PYTHON;  // one request per layer: Python's path
+        code = lookup_segs_nogil(fd_, gen_++, version_, cs, ns, total, timeout_ns_, spin_ns_, rcount);
+        int64_t te = now_ns();
+        fetch_ns = te - tf;
+        {
+          std::lock_guard<std::mutex> g(cm_);
+          c_fetch += te - tf; c_requests++; c_multi += ns > 1;
+          if (code == 0) { c_rows += int64_t(total); c_lookups += int64_t(batch.size()); }
+        }
+        if (code != 0) {
+          fd_ = -1;  // the request failed: Python closes the connection (and counts the failure)
+          if (!local) return FAILED;  // Python serves the exact local rows
+          fill = true;  // no timeout or reconnect in any later step: the local rows until a probe connects
+        }
       }
-      if (code != 0) {
-        fd_ = -1;  // the request failed: Python closes the connection and serves the rows locally
-        return FAILED;
+      if (fill) {  // the exact local rows, no GIL: a memcpy gather per owned row
+        const int64_t t1 = now_ns();
+        for (size_t k = 0; k < batch.size(); k++) {
+          EngramJob &j = batch[k];
+          EngramSlot &s = *j.slot;
+          if (j.n && !loc[k]->gather(s.fetch, j.n, s.hbuf + j.rows * 4))
+            return code != 0 ? FAILED : PYTHON;  // an id past the shard: Python's path raises or serves it
+        }
+        const int64_t t2 = now_ns();
+        fetch_ns += t2 - t1;
+        std::lock_guard<std::mutex> g(cm_);
+        c_local += t2 - t1; c_local_batches++; c_local_jobs += int64_t(batch.size()); c_local_rows += int64_t(total);
+        if (code == 0) {  // no connection: counted here (a failed request: by Python's lease_failed)
+          c_nolease_batches++; c_nolease_jobs += int64_t(batch.size()); c_nolease_rows += int64_t(total);
+        }
       }
     }
     int64_t tl = now_ns();
@@ -2323,7 +2434,15 @@ class EngramCore {
   bool retired_ = false;
   uint64_t joins_ = 0;
   int64_t expect_ = 1;
-  int fd_ = -1;
+  std::atomic<int> fd_{-1};
+  std::mutex om_;  // guards the offer (offer(), adopt(), connected())
+  int offer_fd_ = -1;
+  uint64_t offer_gen_ = 0;
+  uint16_t offer_version_ = 1;
+  int64_t offer_timeout_ns_ = 0, offer_spin_ns_ = 0;
+  std::atomic<bool> pending_{false};  // a job queued (or retired): ends idle_spin
+  std::atomic<int64_t> idle_spin_ns_{0};
+  int64_t last_busy_ = 0;  // worker thread: when its last job ended
   uint64_t gen_ = 0;
   uint16_t version_ = 1;
   int64_t timeout_ns_ = 0, spin_ns_ = 0;
@@ -2337,7 +2456,8 @@ class EngramCore {
   int64_t c_batches = 0, c_jobs = 0, c_requests = 0, c_multi = 0, c_launches = 0, c_cwaits = 0, c_rows = 0,
           c_lookups = 0, c_wake = 0, c_ids = 0, c_coal = 0, c_plan = 0, c_fetch = 0, c_launch = 0, c_host = 0,
           c_plan_ahead = 0, c_gj_jobs = 0, c_gj_fb_jobs = 0, c_gj_fb_rows = 0, c_gj_nolease = 0, c_gj_nolease_rows = 0,
-          c_gj_failed = 0;
+          c_gj_failed = 0, c_local_batches = 0, c_local_jobs = 0, c_local_rows = 0, c_local = 0, c_nolease_batches = 0,
+          c_nolease_jobs = 0, c_nolease_rows = 0, c_spins = 0, c_spin = 0, c_adopted = 0;
 };
 
 }  // namespace
@@ -2464,6 +2584,10 @@ PYBIND11_MODULE(_fastrow, m) {
       .def("lend", &EngramCore::lend)
       .def("revoke", &EngramCore::revoke)
       .def("lent", &EngramCore::lent)
+      .def("offer", &EngramCore::offer, py::arg("fd"), py::arg("next_gen"), py::arg("version"), py::arg("timeout_ns"),
+           py::arg("spin_ns"))
+      .def("connected", &EngramCore::connected)
+      .def("set_idle_spin", &EngramCore::set_idle_spin, py::arg("seconds"))
       .def("counters", &EngramCore::counters)
       .def("source_counters", &EngramCore::source_counters)
       .def("next", &EngramCore::next)
