@@ -132,8 +132,13 @@ _ROWS = [
     EnvVar("DSV41_HTTP_KEEPALIVE_TIMEOUT_S", float, 5.0, "The engine API closes a keep-alive connection idle this "
            "long between requests (uvicorn timeout_keep_alive; vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, also 5).",
            "s", 0.05, 3600),
-    EnvVar("DSV41_HTTP_MAX_CONNECTIONS", int, 512, "The engine API answers 503 to requests while this many "
-           "connections or requests are open (uvicorn limit_concurrency).", "connections", 2, 1_000_000),
+    EnvVar("DSV41_HTTP_MAX_CONNECTIONS", int, 512, "The engine API's connection cap: past it a new connection "
+           "takes the place of the oldest idle one, or is answered 503 when all are busy; requests other than "
+           "/health, /metrics, /is_paused and /v1/models are shed (503, Retry-After) an eighth below it, so "
+           "health always finds room (dsv41.httpd).", "connections", 2, 1_000_000),
+    EnvVar("DSV41_HTTP_MAX_CONNECTIONS_PER_CLIENT", int, 0, "One client address's share of the engine API's "
+           "connections and of its requests in flight (429 past it); 0: half of the cap.", "connections", 0,
+           1_000_000),
     EnvVar("DSV41_METRICS_MAX_CONNECTIONS", int, 16, "Table-server and drafter-worker /metrics: connections past "
            "this many open ones are closed unanswered.", "connections", 1, 4096),
     # ---- liveness and step-path deadlines (docs/engine.md, "Liveness and deadlines")
@@ -231,6 +236,7 @@ class Settings:
     http_header_timeout_s: float = 10.0
     http_keepalive_timeout_s: float = 5.0
     http_max_connections: int = 512
+    http_max_connections_per_client: int = 0
     metrics_max_connections: int = 16
     tp_peer_timeout_s: float = 5.0
     drafter_propose_deadline_ms: float = 1000.0
