@@ -71,6 +71,12 @@ def serve_cmd(
     identity = target_identity(config, weights)
     deadlines = deadlines_from_settings(settings)
     rows = row_source(manifest, data, rank, tp, settings)  # remote: its lookup deadline inside
+    # The local shards are verified before this rank listens or joins: a missing, truncated or
+    # changed shard is this process's one error line (never a healthy API that dies on the first
+    # request); while serving, every local read checks its shard is still the verified file.
+    from dsv41.engram.sources import verify_local
+
+    verify_local(rows)
     drain = {"flag": False}
     if tp > 1:
         from dsv41.engine.tp import DistComm
