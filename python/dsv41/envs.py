@@ -195,6 +195,11 @@ _ROWS = [
     EnvVar("DSV41_TRANSPORT_SERVER_SPIN_US", int, 0, "Busy-poll budget of a table-server client thread "
            "waiting for that client's next request before it blocks (0, the default: block at once); up to "
            "this much CPU per request; only for a server whose clients never share its cores.", "us", 0, 10_000),
+    EnvVar("DSV41_TRANSPORT_SERVER_MAX_CONNECTIONS", int, 64, "Table-server data port: connections past this many "
+           "open ones (or past half of them from one client address) are closed at once, so memory stays "
+           "bounded (about 4.3 MB of send buffer per client).", "connections", 1, 65_536),
+    EnvVar("DSV41_TRANSPORT_SERVER_SEND_TIMEOUT_S", float, 10.0, "Table-server data port: a client that reads "
+           "nothing of its answer for this long is disconnected (SO_SNDTIMEO).", "s", 0.05, 3600),
     EnvVar("DSV41_NIXL_PROGRESS_DELAY_US", int, 1000, "Wait between polls of the NIXL server agent's "
            "progress thread (0: busy-spin, nixl_cu12's default).", "us", 0, 1_000_000),
     # ---- written by roles for restart-on-change and operators; the package does not act on them
@@ -261,6 +266,8 @@ class Settings:
     transport_pure: bool = False
     transport_client_spin_us: int = 50
     transport_server_spin_us: int = 0
+    transport_server_max_connections: int = 64
+    transport_server_send_timeout_s: float = 10.0
     nixl_progress_delay_us: int = 1000
     runtime_root: str = ""
     tables_manifest: str = ""

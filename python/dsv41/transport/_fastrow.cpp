@@ -101,12 +101,25 @@ int64_t now_ns() {
   return int64_t(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
 }
 
+// Whether `fd` has a send timeout (SO_SNDTIMEO): the table server sets one on each client's
+// socket, so a blocking send that returns EAGAIN has already waited that long for a client that
+// does not read its answer.
+bool has_send_timeout(int fd) {
+  timeval tv{};
+  socklen_t len = sizeof tv;
+  return ::getsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, &len) == 0 && (tv.tv_sec > 0 || tv.tv_usec > 0);
+}
+
+// Send all of p[0..n): false on an error, or when a socket with a send timeout made no progress
+// within it (the caller closes the connection: a client that stops reading holds no buffer for
+// longer than that).
 bool send_all(int fd, const uint8_t *p, size_t n) {
   while (n) {
     ssize_t r = ::send(fd, p, n, MSG_NOSIGNAL);
     if (r > 0) { p += r; n -= size_t(r); continue; }
     if (r < 0 && errno == EINTR) continue;
     if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (has_send_timeout(fd)) return false;
       pollfd pf{fd, POLLOUT, 0};
       ::poll(&pf, 1, 1000);
       continue;
