@@ -135,7 +135,7 @@ def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, h
     from dsv41.engine.scheduler import Scheduler
     from dsv41.engine.server import create_app
     from dsv41.engine.server_state import ABORT_SETTLE_S, ServerState, shutdown_drain
-    from dsv41.httpd import uvicorn_limits
+    from dsv41.httpd import request_limit, uvicorn_limits
 
     log = logging.getLogger("dsv41.engine")
     spec = build_speculator(settings, model_cfg=cfg.raw, target_identity=identity, device=device)
@@ -154,7 +154,8 @@ def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, h
     engine = Engine(model, sched, comm, rows, spec, depth, metrics, deadlines=deadlines)
     holder["engine"] = engine
     state = ServerState(settings.admission_hold_file or None)
-    app = create_app(engine, name, min(cfg.max_position_embeddings, kv_cache_tokens), state, metrics)
+    app = create_app(engine, name, min(cfg.max_position_embeddings, kv_cache_tokens), state, metrics,
+                     request_limit(settings))
     class _Server(uvicorn.Server):
         # uvicorn re-raises a captured SIGTERM after its graceful shutdown, which would kill the
         # process before the engine tells rank 1 to stop; handle it as "drain, then exit 0".
