@@ -137,10 +137,10 @@ _ROWS = [
            "/health, /metrics, /is_paused and /v1/models are shed (503, Retry-After) an eighth below it, so "
            "health always finds room (dsv41.httpd).", "connections", 2, 1_000_000),
     EnvVar("DSV41_HTTP_MAX_CONNECTIONS_PER_CLIENT", int, 0, "One client address's share of the engine API's "
-           "connections and of its requests in flight (429 past it); 0: half of the cap.", "connections", 0,
+           "connections and of its requests in flight (429 past it); 0: a quarter of each.", "connections", 0,
            1_000_000),
-    EnvVar("DSV41_METRICS_MAX_CONNECTIONS", int, 16, "Table-server and drafter-worker /metrics: connections past "
-           "this many open ones are closed unanswered.", "connections", 1, 4096),
+    EnvVar("DSV41_METRICS_MAX_CONNECTIONS", int, 16, "Table-server and drafter-worker /metrics and /ready, operations exporter: past "
+           "this many open connections (or a quarter from one client) the oldest idle one makes room; all busy: 503.", "connections", 1, 4096),
     # ---- liveness and step-path deadlines (docs/engine.md, "Liveness and deadlines")
     EnvVar("DSV41_TP_PEER_TIMEOUT_S", float, 5.0, "How long a rank waits for the other once the TP group has "
            "formed (groups, handshake, every collective); past it the rank fails (/health 503) and exits for "

@@ -28,6 +28,7 @@ import logging
 import socket
 import sys
 import threading
+import time
 from http.server import ThreadingHTTPServer
 
 log = logging.getLogger(__name__)
@@ -66,9 +67,14 @@ def raw_503(message: str) -> bytes:
 
 
 def client_share(limit: int, per_client: int = 0) -> int:
-    """One client's share of ``limit``: ``per_client`` when positive, else half of ``limit``
-    (at least 1), so no single client (address) can take everything."""
-    return max(1, per_client if per_client > 0 else limit // 2)
+    """One client's share of ``limit``: ``per_client`` when positive, else a quarter of
+    ``limit`` (at least 1), so no single client (address) can take everything."""
+    return max(1, per_client if per_client > 0 else limit // 4)
+
+
+#: An idle connection younger than this (seconds) is never closed to make room: a newcomer does
+#: not push out one that has only just arrived (a health probe about to send its request).
+MIN_IDLE_AGE_S = 0.5
 
 
 class ConnectionBook:
@@ -78,17 +84,21 @@ class ConnectionBook:
     ``evict()`` (close it; may be called from another thread). :meth:`admit` takes a new one:
     when its client already holds ``per_client`` connections, that client's oldest idle one is
     evicted (none idle: refused); when the server holds ``max_connections``, the oldest idle one
-    of the client holding most is evicted (none idle: refused). So idle connections never keep a
+    of the client holding most is evicted (none idle: refused). Only connections open for at
+    least ``min_idle_age_s`` (default :data:`MIN_IDLE_AGE_S`; servers use a quarter of their head
+    deadline when that is shorter) are evicted. So idle connections never keep a
     new client out, and one client can never hold more than its share. Counters:
     ``evicted_total``, ``refused_total``.
     """
 
-    def __init__(self, max_connections: int, per_client: int = 0) -> None:
+    def __init__(self, max_connections: int, per_client: int = 0, min_idle_age_s: float = MIN_IDLE_AGE_S) -> None:
         if max_connections < 1:
             raise ValueError("max_connections must be >= 1")
+        self.min_idle_age_s = min_idle_age_s
         self.max_connections = max_connections
         self.per_client = client_share(max_connections, per_client)
         self._open: collections.OrderedDict = collections.OrderedDict()  # connection -> client
+        self._since: dict = {}  # connection -> time.monotonic() when admitted
         self._counts: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
         self.evicted_total = 0
@@ -98,12 +108,16 @@ class ConnectionBook:
         return len(self._open)
 
     def _oldest_idle(self, client: str | None):
+        old_enough = time.monotonic() - self.min_idle_age_s
         for conn, who in self._open.items():
+            if self._since[conn] > old_enough:
+                return None  # oldest first: the rest are younger still
             if (client is None or who == client) and conn.is_idle():
                 return conn
         return None
 
     def _drop(self, conn) -> None:
+        self._since.pop(conn, None)
         who = self._open.pop(conn)
         self._counts[who] -= 1
         if self._counts[who] <= 0:
@@ -130,11 +144,13 @@ class ConnectionBook:
                     self.refused_total += 1
                     for x in victims:  # keep the evicted one of this client: nothing was gained
                         self._open[x] = client
+                        self._since[x] = 0.0
                         self._counts[client] += 1
                     return False
                 self._drop(v)
                 victims.append(v)
             self._open[conn] = client
+            self._since[conn] = time.monotonic()
             self._counts[client] += 1
             self.evicted_total += len(victims)
         for v in victims:
@@ -213,13 +229,15 @@ def uvicorn_protocol(header_timeout_s: float, max_connections: int = 0, per_clie
         """uvicorn's H11Protocol plus the head deadline (module docstring, uvicorn#1192)."""
 
         head_timeout_s = header_timeout_s
-        book = ConnectionBook(max_connections, per_client) if max_connections > 0 else None
+        book = (ConnectionBook(max_connections, per_client, min(MIN_IDLE_AGE_S, header_timeout_s / 4))
+                if max_connections > 0 else None)
         _head_timer = None
 
         def is_idle(self) -> bool:
-            """Waiting for its next request: no request head complete and none being answered (a
-            trickled head counts as idle)."""
-            return (self.cycle is None or self.cycle.response_complete) and self.conn.their_state is h11.IDLE
+            """The client still owes its request: nothing of one yet, a head still trickling in,
+            or a body not all sent (the request deadline would close it anyway). A connection
+            whose whole request is in is busy until its answer is written."""
+            return self.conn.their_state in _INCOMPLETE
 
         def evict(self) -> None:
             """Close the connection (idle: the ConnectionBook makes room)."""
@@ -263,8 +281,32 @@ def uvicorn_protocol(header_timeout_s: float, max_connections: int = 0, per_clie
             if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
                 self._arm_head()
 
+        _send_timer = None
+
+        def pause_writing(self) -> None:
+            # the client stopped reading its answer (the transport's buffer is full): it has
+            # head_timeout_s to read some of it, else the connection is closed (a send timeout;
+            # uvicorn has none, so the connection stayed busy for as long as the client liked)
+            super().pause_writing()
+            if self._send_timer is None:
+                self._send_timer = self.loop.call_later(self.head_timeout_s, self._send_expired)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._send_timer is not None:
+                self._send_timer.cancel()
+                self._send_timer = None
+
+        def _send_expired(self) -> None:
+            self._send_timer = None
+            if not self.transport.is_closing():
+                self.transport.abort()
+
         def connection_lost(self, exc) -> None:
             self._cancel_head()
+            if self._send_timer is not None:
+                self._send_timer.cancel()
+                self._send_timer = None
             if self.book is not None:
                 self.book.release(self)
             super().connection_lost(exc)
@@ -315,7 +357,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
       of the connection's start (or of the previous answer), else the socket is shut down and the
       handler thread ends; the same value is the socket timeout of every later read and write (a
       client that stops reading the answer).
-    - ``max_connections`` (``per_client``: one client's share, default half): a
+    - ``max_connections`` (``per_client``: one client's share, default a quarter): a
       :class:`ConnectionBook`. A new connection takes the place of the oldest idle one (waiting
       for a request head) when the server or its client is full; when every open one is busy
       answering it gets :func:`raw_503` and is closed (one thread per connection, so this bounds
@@ -334,7 +376,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             raise ValueError("header_timeout_s must be > 0 and max_connections >= 1")
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.header_timeout_s, self.max_connections = header_timeout_s, max_connections
-        self.book = ConnectionBook(max_connections, per_client)
+        self.book = ConnectionBook(max_connections, per_client, min(MIN_IDLE_AGE_S, header_timeout_s / 4))
         self._conns: dict = {}  # request socket -> _Socket
         super().__init__(address, handler)
 

@@ -7,6 +7,7 @@ while its journal is appended to and replaced under it. Loopback only."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -53,13 +54,14 @@ class SlowEngine:
         return True
 
 
-@pytest.fixture()
-def engine():
+@contextlib.contextmanager
+def _engine(max_connections: int, per_client: int):
     from dsv41.engine.metrics import EngineMetrics
     from dsv41.engine.server import create_app
     from dsv41.httpd import uvicorn_limits
 
-    settings = envs.parse({"DSV41_HTTP_MAX_CONNECTIONS": "8", "DSV41_HTTP_HEADER_TIMEOUT_S": "5"})
+    settings = envs.parse({"DSV41_HTTP_MAX_CONNECTIONS": str(max_connections), "DSV41_HTTP_HEADER_TIMEOUT_S": "5",
+                           "DSV41_HTTP_MAX_CONNECTIONS_PER_CLIENT": str(per_client)})
     app = create_app(SlowEngine(), "m", 64, metrics=EngineMetrics("m", dict), request_limit=(3, 2))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -72,9 +74,11 @@ def engine():
     while not server.started:
         assert time.monotonic() < end
         time.sleep(0.02)
-    yield "127.0.0.1", port
-    server.should_exit = True
-    t.join(10)
+    try:
+        yield "127.0.0.1", port
+    finally:
+        server.should_exit = True
+        t.join(10)
 
 
 def _client(source: str) -> httpx.Client:
@@ -98,8 +102,12 @@ def _shed(r: httpx.Response, status: int) -> None:
     assert int(r.headers["retry-after"]) >= 1
 
 
-def test_requests_are_shed_per_client_and_in_total_while_health_answers(engine) -> None:
-    addr = engine
+def test_requests_are_shed_per_client_and_in_total_while_health_answers() -> None:
+    with _engine(16, 4) as addr:
+        _shed_while_health_answers(addr)
+
+
+def _shed_while_health_answers(addr) -> None:
     url = "http://%s:%d" % addr
     done: list = []
     threads = []
@@ -123,10 +131,14 @@ def test_requests_are_shed_per_client_and_in_total_while_health_answers(engine) 
     assert done == [200, 200, 200]
 
 
-def test_a_connection_refused_while_all_are_busy_gets_a_whole_503(engine) -> None:
-    """A client whose share of connections is all busy streaming: its next connection is
-    answered 503 (OpenAI shape, Retry-After) before any request is read."""
-    addr = engine
+def test_a_connection_refused_while_all_are_busy_gets_a_whole_503() -> None:
+    with _engine(8, 2) as addr:
+        _refused_while_busy(addr)
+
+
+def _refused_while_busy(addr) -> None:
+    """A client whose share of connections (a quarter of the cap) is all busy streaming: its next
+    connection is answered 503 (OpenAI shape, Retry-After) before any request is read."""
     done: list = []
     threads = []
     for _ in range(2):
@@ -135,23 +147,13 @@ def test_a_connection_refused_while_all_are_busy_gets_a_whole_503(engine) -> Non
         t.start()
         assert ev.wait(10)
         threads.append(t)
-    # 8 connections, 4 per client: fill the rest of 127.0.0.4's share with busy-looking requests
-    socks = []
-    try:
-        for _ in range(2):
-            s = socket.create_connection(addr, source_address=("127.0.0.4", 0), timeout=5)
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")  # body pending
-            socks.append(s)
-        time.sleep(0.2)
-        with socket.create_connection(addr, source_address=("127.0.0.4", 0), timeout=5) as s:
-            raw = s.recv(65536)
-        head, _, body = raw.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower(), raw
-        assert json.loads(body)["error"]["code"] == 503
-        assert httpx.get("http://%s:%d/health" % addr, timeout=10).status_code == 200  # another client
-    finally:
-        for s in socks:
-            s.close()
+    # 8 connections, 2 per client: both of 127.0.0.4's are busy streaming, none idle to give up
+    with socket.create_connection(addr, source_address=("127.0.0.4", 0), timeout=5) as s:
+        raw = s.recv(65536)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower(), raw
+    assert json.loads(body)["error"]["code"] == 503
+    assert httpx.get("http://%s:%d/health" % addr, timeout=10).status_code == 200  # another client
     for t in threads:
         t.join(20)
 

@@ -185,7 +185,7 @@ def test_idle_connections_past_the_cap_never_silence_health(server) -> None:
     name, addr, paths = server
     idle = [socket.create_connection(addr, timeout=5) for _ in range(CAP + 4)]
     try:
-        time.sleep(0.2)
+        time.sleep(0.7)  # past httpd.MIN_IDLE_AGE_S
         for source in ("127.0.0.2", "127.0.0.1"):  # another client, and the one holding them all
             for path in paths:
                 code, _h, _b = _get(addr, path + "?x=1", source=source)
