@@ -369,6 +369,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     """
 
     daemon_threads = True
+    request_queue_size = 128  # listen backlog (socketserver's 5 made connects wait out SYN retries)
 
     def __init__(self, address: tuple[str, int], handler, header_timeout_s: float, max_connections: int,
                  per_client: int = 0) -> None:
