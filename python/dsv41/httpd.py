@@ -4,11 +4,13 @@ servers and slow clients").
 Field report uvicorn#1192: uvicorn arms its keep-alive timer only after a response, so a
 connection that sends nothing, or trickles its request head a byte at a time, is held forever
 (350 such connections held 350 file descriptors on the lab engine). The library settings cover
-the rest and are used as they are: uvicorn's ``timeout_keep_alive`` (idle between requests),
-``limit_concurrency`` (503 over the limit) and h11's incomplete-event size bound; what they lack
-is a deadline on the request head (and, on the engine API, on its body, which h11 bounds only in
-size), which :func:`uvicorn_protocol` adds to uvicorn's own h11 protocol. The standard library's ``http.server`` (the table server's and drafter worker's
-``/metrics``) gets the same head deadline and a connection cap from :class:`BoundedHTTPServer`.
+the rest and are used as they are: uvicorn's ``timeout_keep_alive`` (idle between requests) and
+h11's incomplete-event size bound; what they lack is a deadline on the request head (and, on the
+engine API, on its body, which h11 bounds only in size) and on a client that stops reading its
+answer, which :func:`uvicorn_protocol` adds to uvicorn's own h11 protocol. The standard library's
+``http.server`` (the table server's and drafter worker's ``/metrics``, the operations exporter)
+gets the same head deadline and a connection cap from :class:`BoundedHTTPServer`. uvicorn's
+``limit_concurrency`` is not used (it answered 503 to ``/health`` once idle connections filled it).
 
 Connection caps never let idle clients starve health (:class:`ConnectionBook`, shared by both
 kinds of server): a connection waiting for its next request is *idle* and is closed to make room
@@ -41,7 +43,6 @@ RETRY_AFTER_S = 1
 #: Paths answered whatever the load: liveness, readiness, metrics, admission state, model list.
 #: Query strings do not matter (they are not part of the path).
 ALWAYS_ANSWERED = frozenset({"/health", "/ready", "/metrics", "/is_paused", "/v1/models", "/ping", "/version"})
-
 
 _ERROR_TYPES = {404: "NotFoundError", 405: "MethodNotAllowedError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
 
