@@ -195,3 +195,61 @@ def test_the_exporter_never_fails_a_scrape_while_its_journal_is_written(tmp_path
         srv.shutdown()
         srv.server_close()
     assert set(codes) == {200}
+
+
+class FloodEngine(SlowEngine):
+    """Streams 200,000 tokens as fast as it can (about 40 MB of SSE): more than any buffer holds."""
+
+    def __init__(self) -> None:
+        super().__init__(n=200_000, gap_s=0.0)
+
+    def submit(self, ids, params, sink):
+        def run():
+            for i in range(self.n):
+                sink({"type": "tokens", "ids": [65], "prompt_tokens": len(ids), "completion_tokens": i + 1})
+            sink({"type": "finish", "reason": "length", "prompt_tokens": len(ids), "completion_tokens": self.n})
+        threading.Thread(target=run, daemon=True).start()
+
+        class R:
+            request_id = "req-flood"
+        return R()
+
+
+def test_a_client_that_stops_reading_its_answer_is_disconnected() -> None:
+    """uvicorn has no send timeout: a client that asked for a long stream and reads nothing kept
+    its connection busy (its share of the cap) for as long as it liked. The engine API's h11
+    protocol closes it once the transport has been full for the head deadline."""
+    from dsv41.engine.metrics import EngineMetrics
+    from dsv41.engine.server import create_app
+    from dsv41.httpd import uvicorn_limits
+
+    settings = envs.parse({"DSV41_HTTP_MAX_CONNECTIONS": "8", "DSV41_HTTP_HEADER_TIMEOUT_S": "1"})
+    app = create_app(FloodEngine(), "m", 64, metrics=EngineMetrics("m", dict), request_limit=(3, 2))
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off", **uvicorn_limits(settings))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        config.port = s.getsockname()[1]
+    server = uvicorn.Server(config)
+    t = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    t.start()
+    end = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < end
+        time.sleep(0.02)
+    try:
+        book = config.http.book
+        s = socket.create_connection(("127.0.0.1", config.port), timeout=5)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        body = b'{"model": "m", "prompt": "hi", "max_tokens": 200000, "stream": true, "ignore_eos": true}'
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        time.sleep(0.3)
+        assert len(book) == 1
+        end = time.monotonic() + 15
+        while len(book) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert len(book) == 0, "the server still holds a client that reads nothing"
+        s.close()
+    finally:
+        server.should_exit = True
+        t.join(10)
