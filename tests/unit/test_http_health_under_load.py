@@ -253,3 +253,24 @@ def test_a_client_that_stops_reading_its_answer_is_disconnected() -> None:
     finally:
         server.should_exit = True
         t.join(10)
+
+
+@pytest.mark.parametrize("why", ["paused", "draining", "engine failed"])
+def test_every_503_of_the_api_says_when_to_retry(why) -> None:
+    """Not only the load shedder's: the API's own 503s (paused, draining, a failed engine) carry
+    ``Retry-After`` and OpenAI's error shape."""
+    from fastapi.testclient import TestClient
+
+    from dsv41.engine.server import create_app
+    from dsv41.engine.server_state import ServerState
+
+    eng, st = SlowEngine(), ServerState()
+    if why == "paused":
+        st.hold(None)
+    elif why == "draining":
+        st.draining = True
+    else:
+        eng.fatal = "test: the engine failed"
+    with TestClient(create_app(eng, "m", 64, state=st, request_limit=(3, 2))) as c:
+        r = c.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1})
+    _shed(r, 503)
