@@ -132,10 +132,15 @@ _ROWS = [
     EnvVar("DSV41_HTTP_KEEPALIVE_TIMEOUT_S", float, 5.0, "The engine API closes a keep-alive connection idle this "
            "long between requests (uvicorn timeout_keep_alive; vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, also 5).",
            "s", 0.05, 3600),
-    EnvVar("DSV41_HTTP_MAX_CONNECTIONS", int, 512, "The engine API answers 503 to requests while this many "
-           "connections or requests are open (uvicorn limit_concurrency).", "connections", 2, 1_000_000),
-    EnvVar("DSV41_METRICS_MAX_CONNECTIONS", int, 16, "Table-server and drafter-worker /metrics: connections past "
-           "this many open ones are closed unanswered.", "connections", 1, 4096),
+    EnvVar("DSV41_HTTP_MAX_CONNECTIONS", int, 512, "The engine API's connection cap: past it a new connection "
+           "takes the place of the oldest idle one, or is answered 503 when all are busy; requests other than "
+           "/health, /metrics, /is_paused and /v1/models are shed (503, Retry-After) an eighth below it, so "
+           "health always finds room (dsv41.httpd).", "connections", 2, 1_000_000),
+    EnvVar("DSV41_HTTP_MAX_CONNECTIONS_PER_CLIENT", int, 0, "One client address's share of the engine API's "
+           "connections and of its requests in flight (429 past it); 0: a quarter of each.", "connections", 0,
+           1_000_000),
+    EnvVar("DSV41_METRICS_MAX_CONNECTIONS", int, 16, "Table-server and drafter-worker /metrics and /ready, operations exporter: past "
+           "this many open connections (or a quarter from one client) the oldest idle one makes room; all busy: 503.", "connections", 1, 4096),
     # ---- liveness and step-path deadlines (docs/engine.md, "Liveness and deadlines")
     EnvVar("DSV41_TP_PEER_TIMEOUT_S", float, 5.0, "How long a rank waits for the other once the TP group has "
            "formed (groups, handshake, every collective); past it the rank fails (/health 503) and exits for "
@@ -194,6 +199,11 @@ _ROWS = [
     EnvVar("DSV41_TRANSPORT_SERVER_SPIN_US", int, 0, "Busy-poll budget of a table-server client thread "
            "waiting for that client's next request before it blocks (0, the default: block at once); up to "
            "this much CPU per request; only for a server whose clients never share its cores.", "us", 0, 10_000),
+    EnvVar("DSV41_TRANSPORT_SERVER_MAX_CONNECTIONS", int, 64, "Table-server data port: connections past this many "
+           "open ones (or past half of them from one client address) are closed at once, so memory stays "
+           "bounded (about 4.3 MB of send buffer per client).", "connections", 1, 65_536),
+    EnvVar("DSV41_TRANSPORT_SERVER_SEND_TIMEOUT_S", float, 10.0, "Table-server data port: a client that reads "
+           "nothing of its answer for this long is disconnected (SO_SNDTIMEO).", "s", 0.05, 3600),
     EnvVar("DSV41_NIXL_PROGRESS_DELAY_US", int, 1000, "Wait between polls of the NIXL server agent's "
            "progress thread (0: busy-spin, nixl_cu12's default).", "us", 0, 1_000_000),
     # ---- written by roles for restart-on-change and operators; the package does not act on them
@@ -235,6 +245,7 @@ class Settings:
     http_header_timeout_s: float = 10.0
     http_keepalive_timeout_s: float = 5.0
     http_max_connections: int = 512
+    http_max_connections_per_client: int = 0
     metrics_max_connections: int = 16
     tp_peer_timeout_s: float = 5.0
     drafter_propose_deadline_ms: float = 1000.0
@@ -261,6 +272,8 @@ class Settings:
     transport_pure: bool = False
     transport_client_spin_us: int = 50
     transport_server_spin_us: int = 0
+    transport_server_max_connections: int = 64
+    transport_server_send_timeout_s: float = 10.0
     nixl_progress_delay_us: int = 1000
     runtime_root: str = ""
     tables_manifest: str = ""

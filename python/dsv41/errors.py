@@ -226,30 +226,88 @@ class Terminated(KeyboardInterrupt):
     partial results kept); :func:`run_app` reports it and exits 143 (128 + SIGTERM)."""
 
 
+# Set by the SIGTERM handler below: typer swallows the exception into a return value of 130, and
+# run_app must still say which signal it was.
+_SIGTERM_FIRED = {"sigterm": False}
+
+
+def _raise_terminated(signum, frame):
+    """The SIGTERM handler of a ``dsv41`` command: unwind like Ctrl-C (:class:`Terminated`)."""
+    _SIGTERM_FIRED["sigterm"] = True
+    raise Terminated
+
+
+def _ours_or_default(handler) -> bool:
+    import signal
+
+    return handler == signal.SIG_DFL or handler is _raise_terminated
+
+
 @contextlib.contextmanager
 def sigterm_unwinds():
     """Within the block, SIGTERM raises :class:`Terminated` in the main thread, where its handler
-    is still the default one. Python's default SIGTERM ends the process without unwinding, so an
-    interrupted write left its temporary file behind (``engram make-tables`` killed by a playbook
-    timeout: a 51 MB ``.model-00047-of-00048.safetensors.tmpN``). A handler someone installed
-    (a server's drain, bench's own) is left alone; the default is restored after."""
+    is still the default one (or already this module's, installed by :func:`signals_from_start`).
+    Python's default SIGTERM ends the process without unwinding, so an interrupted write left its
+    temporary file behind (``engram make-tables`` killed by a playbook timeout: a 51 MB
+    ``.model-00047-of-00048.safetensors.tmpN``). A handler someone installed (a server's drain,
+    bench's own) is left alone; the previous handler is restored after. Yields a dict whose
+    ``sigterm`` is True once SIGTERM fired."""
     import signal
     import threading
 
-    fired = {"sigterm": False}  # yielded: typer swallows the exception into a return value of 130
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
-        yield fired
+    if threading.current_thread() is not threading.main_thread() or not _ours_or_default(signal.getsignal(signal.SIGTERM)):
+        yield {"sigterm": False}
         return
-
-    def _raise(signum, frame):
-        fired["sigterm"] = True
-        raise Terminated
-
-    signal.signal(signal.SIGTERM, _raise)
+    prev = signal.getsignal(signal.SIGTERM)
+    _SIGTERM_FIRED["sigterm"] = False
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        yield fired
+        yield _SIGTERM_FIRED
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, prev)
+
+
+def _interrupted_line(exc: BaseException) -> tuple[str, int]:
+    """The one line and exit code of a KeyboardInterrupt (SIGINT: 130) or :class:`Terminated` (143)."""
+    if isinstance(exc, Terminated) or _SIGTERM_FIRED["sigterm"]:
+        return "dsv41: error: terminated (SIGTERM)", 143
+    return "dsv41: error: interrupted", 130
+
+
+@contextlib.contextmanager
+def signals_from_start():
+    """For a command's process entry, around everything before :func:`run_app` (importing the
+    command groups, building the command tree): SIGTERM unwinds from here on (its handler stays
+    installed for :func:`run_app`), and a SIGINT or SIGTERM arriving in the block prints the one
+    line and raises ``SystemExit`` 130 or 143 instead of a ``KeyboardInterrupt`` traceback with
+    rc -2 or a silent rc -15 (Ctrl-C in a command's first second). Main thread only; a SIGTERM
+    handler someone else installed is left alone."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    except KeyboardInterrupt as exc:  # Terminated included
+        line, code = _interrupted_line(exc)
+        _say(line)
+        raise SystemExit(code) from None
+
+
+def quiet_after_exit() -> None:
+    """Once a command's process has its exit code: SIGINT and SIGTERM are ignored, so a signal in
+    the last instant (the interpreter's shutdown) cannot replace the command's one line and exit
+    code by a traceback. Only for a process entry (never in-process callers: tests, pytest)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        h = signal.getsignal(sig)
+        if h is signal.default_int_handler or _ours_or_default(h):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def stacks_on_sigusr1() -> None:
@@ -292,13 +350,24 @@ def run_app(app, argv: list[str] | None = None, *, command=None) -> int:
     service managers and ``nohup``-style wrappers ignore it on purpose too. Restoring it would let one
     Ctrl-C end every such run. SIGTERM is the way to stop them (``dsv41 window stop-run`` sends it).
     """
-    import typer
-    from typer._click import exceptions as click_exc  # typer vendors click
     from typer.main import get_command
 
-    cmd = command if command is not None else get_command(app)
-    guard_arguments(cmd)
-    stacks_on_sigusr1()
+    try:
+        cmd = command if command is not None else get_command(app)
+        guard_arguments(cmd)
+        stacks_on_sigusr1()
+        return _run(cmd, argv)
+    except KeyboardInterrupt as exc:  # Terminated too; also one arriving outside _run's own handling
+        line, code = _interrupted_line(exc)
+        _say(line)
+        return code
+
+
+def _run(cmd, argv) -> int:
+    """:func:`run_app`'s body once the command tree is built and guarded."""
+    import typer
+    from typer._click import exceptions as click_exc  # typer vendors click
+
     out0, err0 = sys.stdout, sys.stderr
     try:
         with sigterm_unwinds() as fired:
@@ -338,10 +407,8 @@ def run_app(app, argv: list[str] | None = None, *, command=None) -> int:
     except RecursionError:  # an input nested past Python's recursion limit that a parser did not wrap
         _say("dsv41: error: an input is nested too deeply (Python's recursion limit)")
         return 1
-    except Terminated:
-        _say("dsv41: error: terminated (SIGTERM)")
-        return 143
-    except KeyboardInterrupt:
-        print("dsv41: error: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # Terminated (SIGTERM) included
+        line, code = _interrupted_line(exc)
+        _say(line)
+        return code
     return int(rv) if isinstance(rv, int) else 0

@@ -46,7 +46,7 @@ def test_exporter_idle(fake, tmp_path):
     assert v == {"dsv41_admission_up": 1.0, "dsv41_admission_held": 0.0, "dsv41_admission_held_since_seconds": 0.0,
                  "dsv41_window_active": 0.0, "dsv41_window_active_since_seconds": 0.0,
                  "dsv41_promotion_journal_open": 0.0, "dsv41_promotion_journal_last_step_seconds": 0.0,
-                 "dsv41_promotion_current_since_seconds": 0.0}
+                 "dsv41_promotion_current_since_seconds": 0.0, "dsv41_promotion_journal_readable": 1.0}
 
 
 def test_exporter_window_hold_and_open_journal(fake, tmp_path):

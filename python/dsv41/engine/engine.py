@@ -231,6 +231,7 @@ class Engine:
         if self.metrics:
             self.metrics.finished(reason)
             self.metrics.e2e.observe(time.monotonic() - r.arrival)
+            self._publish_counts()
         ev = {"type": "finish", "reason": reason, "prompt_tokens": len(r.prompt), "completion_tokens": len(r.output)}
         if error:
             ev["error"] = error
@@ -238,6 +239,15 @@ class Engine:
             r.sink(ev)
         except Exception:  # noqa: BLE001 - a broken client must not stop the engine
             log.exception("request sink failed")
+
+    def _publish_counts(self) -> None:
+        """``vllm:num_requests_running``/``waiting`` from the scheduler now: after every step and
+        after every request that ends without one (an abort or a client leaving a frozen
+        engine, which takes no step until /resume)."""
+        if self.metrics:
+            run, wait = self.sched.counts()
+            self.metrics.running.set(run)
+            self.metrics.waiting.set(wait)
 
     def _depth(self, r: Request) -> int:
         return max(0, min(self.spec_depth, r.params.max_tokens - len(r.output) - 1))
@@ -320,10 +330,7 @@ class Engine:
         if self.spec is not None:
             self._propose()
         plan = self.sched.plan()
-        if self.metrics:
-            run, wait = self.sched.counts()
-            self.metrics.running.set(run)
-            self.metrics.waiting.set(wait)
+        self._publish_counts()
         if not plan.items:
             return False
         if self.comm.tp > 1:

@@ -45,9 +45,18 @@ def error_body(status: int, message: str, etype: str, param: str | None = None) 
     return {"error": {"message": message, "type": etype, "param": param, "code": status}}
 
 
+#: ``Retry-After`` (seconds) of every 429 and 503 the API answers: the request may succeed later
+#: (load shed, paused, draining, a failed engine about to be restarted).
+RETRY_AFTER_S = 1
+
+
 def error_response(e: ApiError) -> JSONResponse:
-    """The OpenAI-shaped JSON error response of ``e`` (``Connection: close`` when ``e.close``)."""
-    return JSONResponse(status_code=e.status, headers={"connection": "close"} if e.close else None,
+    """The OpenAI-shaped JSON error response of ``e`` (``Connection: close`` when ``e.close``;
+    ``Retry-After`` on a 429 or 503)."""
+    headers = {"connection": "close"} if e.close else {}
+    if e.status in (429, 503):
+        headers["retry-after"] = str(RETRY_AFTER_S)
+    return JSONResponse(status_code=e.status, headers=headers or None,
                         content=error_body(e.status, e.message, e.etype, e.param))
 
 

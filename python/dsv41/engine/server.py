@@ -31,6 +31,7 @@ import logging
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from dsv41.engine.api_router import ApiContext, router
@@ -119,6 +120,40 @@ class CatchAll:
             await error_response(err)(scope, receive, send)
 
 
+class HeadAsGet:
+    """ASGI middleware: ``HEAD`` on any path is routed as ``GET`` and answered with the GET's
+    status and headers, without the body (``HEAD /health`` is a load balancer's probe)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def headers_only(msg):
+            if msg["type"] == "http.response.body":
+                if msg.get("more_body", False):
+                    return
+                msg = {"type": "http.response.body", "body": b""}
+            await send(msg)
+
+        return await self.app(dict(scope, method="GET"), receive, headers_only)
+
+
+_ROUTING_TYPES = {404: "NotFoundError", 405: "MethodNotAllowedError", 422: "UnprocessableEntityError"}
+
+
+async def _http_error(req, exc: StarletteHTTPException):
+    # Starlette's routing errors (unknown path 404, wrong method 405) in OpenAI's shape, keeping
+    # their headers (405's Allow).
+    msg = f"{req.method} {req.url.path}: {exc.detail}"
+    resp = error_response(ApiError(exc.status_code, msg, etype=_ROUTING_TYPES.get(exc.status_code, "BadRequestError")))
+    for k, v in (exc.headers or {}).items():
+        resp.headers[k] = v
+    return resp
+
+
 async def _api_error(_req, exc: ApiError):
     return error_response(exc)
 
@@ -140,15 +175,20 @@ async def _unexpected(_req, exc: Exception):
 
 
 def create_app(engine, model_name: str, max_model_len: int, state: ServerState | None = None,
-               metrics=None) -> FastAPI:
+               metrics=None, request_limit: tuple[int, int] | None = None) -> FastAPI:
     """Build the FastAPI app serving ``engine`` (an ``engine.Engine``) as ``model_name``.
 
     ``max_model_len``: tokens one request may hold; ``state``: the admission state (default: a
     fresh, open, memory-only ``ServerState``); ``metrics``: ``engine.metrics.EngineMetrics`` for
     ``/metrics`` (None: 404). The routes (``api_router.router``) read all of it from
-    ``app.state.api`` (an ``ApiContext``); ``app.state.server_state`` is ``state``. Middleware:
-    ``BodyLimit`` outermost, then ``CatchAll``; errors answer in OpenAI's shape.
+    ``app.state.api`` (an ``ApiContext``); ``app.state.server_state`` is ``state``.
+    ``request_limit``: ``(max_requests, per_client)`` of ``dsv41.httpd.ShedRequests`` (default
+    ``dsv41.httpd.request_limit`` of the environment's settings).
+    Middleware, outermost first: ``HeadAsGet``, ``ShedRequests`` (health and metrics never shed),
+    ``BodyLimit``, ``CatchAll``; errors (routing 404/405 too) answer in OpenAI's shape.
     """
+    from dsv41 import envs, httpd
+
     st = state or ServerState()
     app = FastAPI(title="dsv41 lab engine", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server_state = st
@@ -156,6 +196,10 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
     # add_middleware puts the last one outermost: BodyLimit sees the request first.
     app.add_middleware(CatchAll)
     app.add_middleware(BodyLimit)
+    max_requests, per_client = request_limit or httpd.request_limit(envs.parse())
+    app.add_middleware(httpd.ShedRequests, max_requests=max_requests, per_client=per_client)
+    app.add_middleware(HeadAsGet)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _unexpected)

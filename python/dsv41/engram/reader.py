@@ -19,7 +19,7 @@ import numpy as np
 
 from dsv41.engram.manifest import Manifest, TableEntry, check_table_header
 from dsv41.engram.shards import PAGE, RowRangeError, check_row_ids
-from dsv41.errors import Dsv41Error
+from dsv41.errors import Dsv41Error, VerificationError
 
 #: Largest single read (pages) when coalescing adjacent windows.
 MAX_RUN_PAGES = 64
@@ -54,6 +54,11 @@ def open_table_file(path: str | os.PathLike, direct: bool = True) -> tuple[int, 
     return fd, is_direct
 
 
+def _key(st: os.stat_result) -> tuple[int, int, int, int]:
+    """The identity a shard keeps while nobody writes it: (device, inode, size, mtime_ns)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class _TableFile:
     """One open shard: fd, whether it is O_DIRECT, and the lock guarding a fallback switch."""
 
@@ -62,6 +67,9 @@ class _TableFile:
         self.direct = False
         self.lock = threading.Lock()
         self.fd, self.direct = open_table_file(path, direct)
+        st = os.fstat(self.fd)
+        self.key = _key(st)  # what the file was when opened: a read checks it still is
+
 
     def fall_back(self, fd_seen: int) -> None:
         """Switch to buffered I/O after the kernel refused an O_DIRECT read (EINVAL)."""
@@ -92,6 +100,15 @@ def _gather(arr: np.ndarray, pos: np.ndarray, width: int, region_offset: int) ->
     return arr[pos[:, None] + np.arange(width)]
 
 
+def _what_changed(was: tuple, now: tuple) -> str:
+    """Which of (device, inode, size, mtime) differ, in words."""
+    if was[:2] != now[:2]:
+        return "replaced by another file"
+    if was[2] != now[2]:
+        return f"size {was[2]} -> {now[2]} bytes"
+    return "rewritten (modification time changed)"
+
+
 class LocalRowReader:
     """Batched exact reads of packed Engram rows from the local shards.
 
@@ -104,6 +121,13 @@ class LocalRowReader:
     the file is read buffered with the same windows.  ``threads`` workers issue ``preadv``
     concurrently (it releases the GIL), giving that queue depth.
 
+    Shards are watched: :meth:`verify` checks every shard against the manifest (size, sha256,
+    header) and records each file's identity (device, inode, size, mtime); every :meth:`read`
+    compares its shard's open descriptor with it (or, without :meth:`verify`, with what the file
+    was when first opened) before and after reading, so a shard truncated or rewritten in place
+    under a running reader raises VerificationError before a row read from it is returned; the
+    reader then stays failed (``stale``: the reason) until it is rebuilt.
+
     Counters (``stats``): reads (syscalls), bytes_read, rows.
     """
 
@@ -111,7 +135,10 @@ class LocalRowReader:
         if threads < 1:
             raise Dsv41Error(f"threads must be >= 1, got {threads}")
         self.data_dir = Path(data_dir)
+        self.manifest = manifest
         self.tables = {t.layer_id: t for t in manifest.tables}
+        self.verified: dict[str, tuple[int, int, int, int]] = {}  # shard -> identity when verified
+        self.stale: str | None = None
         self.threads = threads
         self.batch_factor = 1  # tasks per thread for small requests (more only costs CPU on 2 cores)
         self.direct = direct
@@ -136,6 +163,10 @@ class LocalRowReader:
                 except OSError as exc:
                     raise Dsv41Error(f"cannot open table file {p}: {exc.strerror or exc}") from None
                 try:
+                    want = self.verified.get(name)
+                    if want is not None and tf.key != want:
+                        raise VerificationError(f"table file {p} changed since it was verified "
+                                                f"({_what_changed(want, tf.key)}); restart to verify it again")
                     for t in self.tables.values():
                         if t.file == name:
                             check_table_header(p, t)
@@ -144,6 +175,53 @@ class LocalRowReader:
                     raise
                 self._files[name] = tf
             return tf
+
+    def verify(self) -> None:
+        """Check every shard of the tables against the manifest before serving from them
+        (:func:`dsv41.engram.manifest.verify`: present, its size, every chunk's sha256, the
+        header) and record each one's identity for :meth:`read`'s watch. VerificationError
+        naming the file and the problem (missing, truncated, changed, changed while hashed)."""
+        from dsv41.engram import manifest as M
+
+        names = sorted({t.file for t in self.tables.values()})
+        before = {}
+        for n in names:
+            try:
+                before[n] = _key(os.stat(self.data_dir / n))
+            except FileNotFoundError:
+                raise VerificationError(f"table file {self.data_dir / n} does not exist") from None
+            except OSError as exc:
+                raise VerificationError(f"cannot stat table file {self.data_dir / n}: {exc.strerror or exc}") from None
+        M.verify(self.manifest, self.data_dir, only=names, mode="full", progress=False)
+        for n in names:
+            try:
+                after = _key(os.stat(self.data_dir / n))
+            except OSError:
+                after = None
+            if after != before[n]:
+                raise VerificationError(f"table file {self.data_dir / n} changed while it was verified")
+        with self._open_lock:
+            self.verified = before
+            for n, tf in self._files.items():  # opened before: they must be the verified files
+                if tf.key != before.get(n, tf.key):
+                    raise VerificationError(f"table file {tf.path} open since before verification is not the "
+                                            "verified file")
+
+    def _watch(self, tf: _TableFile) -> None:
+        """VerificationError (and ``stale`` set) when ``tf`` is no longer the file it was."""
+        if self.stale is not None:
+            raise VerificationError(self.stale)
+        try:
+            now = _key(os.fstat(tf.fd))
+        except OSError as exc:
+            now = None
+            why = f"cannot stat it: {exc.strerror or exc}"
+        if now != tf.key:
+            if now is not None:
+                why = _what_changed(tf.key, now)
+            self.stale = (f"table file {tf.path} changed under the running reader ({why}); its rows no longer "
+                          "match the manifest: restart to verify it again")
+            raise VerificationError(self.stale)
 
     def is_direct(self, layer_id: int) -> bool:
         """Whether the shard of ``layer_id`` is currently read with O_DIRECT."""
@@ -183,6 +261,7 @@ class LocalRowReader:
         if n == 0:
             return out
         tf = self._file(t.file)
+        self._watch(tf)
         wb, sb = t.weight_bytes, t.scale_bytes
         # items: one per (request position, region); absolute byte start and length
         starts = np.concatenate([t.weight_offset + ids * wb, t.scale_offset + ids * sb])
@@ -259,6 +338,7 @@ class LocalRowReader:
         else:
             for f in [self._pool.submit(do_batch, b) for b in range(nb)]:
                 f.result()
+        self._watch(tf)  # changed while it was read: none of these rows may be used
         with self._stats_lock:
             self.stats["rows"] += n
         return out

@@ -316,8 +316,10 @@ class EngramServer:
             return
         from http.server import BaseHTTPRequestHandler
 
+        from urllib.parse import urlsplit
+
         from dsv41 import envs
-        from dsv41.httpd import BoundedHTTPServer, bounded_handler
+        from dsv41.httpd import BoundedHTTPServer, bounded_handler, http_error_body
 
         from prometheus_client import CollectorRegistry, generate_latest
         from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -327,14 +329,19 @@ class EngramServer:
         es = self
 
         class Handler(BaseHTTPRequestHandler):
+            GET_PATHS = ("/metrics", "/ready")
+
             def do_GET(self):  # noqa: N802 - http.server API
-                if self.path == "/metrics":
+                path = urlsplit(self.path).path  # a query string (Prometheus params:) changes nothing
+                if path == "/metrics":
                     body, ctype, code = generate_latest(registry), CONTENT_TYPE_LATEST, 200
-                elif self.path == "/ready":
-                    ok = es.ready.is_set()
-                    body, ctype, code = (b"ready\n" if ok else b"loading\n"), "text/plain", 200 if ok else 503
+                elif path == "/ready":
+                    reason = es.not_ready_reason()
+                    body, ctype, code = (b"ready\n" if reason is None else f"{reason}\n".encode()), "text/plain", \
+                        200 if reason is None else 503
                 else:
-                    body, ctype, code = b"not found\n", "text/plain", 404
+                    body, ctype, code = http_error_body(404, f"GET {path}: not found (only /metrics and /ready)"), \
+                        "application/json", 404
                 self.send_response(code)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
@@ -353,6 +360,10 @@ class EngramServer:
             raise Dsv41Error(f"cannot listen for metrics on {host}:{port}: {exc.strerror or exc}") from None
         self.metrics_bound = self._http.server_address[:2]
         threading.Thread(target=self._http.serve_forever, name="metrics", daemon=True).start()
+
+    def not_ready_reason(self) -> str | None:
+        """None once the tables are loaded, verified and listened on; else why not (``/ready`` 503)."""
+        return None if self.ready.is_set() else "loading"
 
     def load(self) -> dict:
         """Load and verify every table (see :func:`load_tables`); returns the load report."""

@@ -57,3 +57,20 @@ def from_env(manifest: Any, data_dir: str | os.PathLike | None, rank: int, tp: i
                                   deadline_ms=settings.engram_lookup_deadline_ms,
                                   fault_delay_ms=settings.engram_fault_delay_ms,
                                   spin_us=settings.transport_client_spin_us)
+
+
+def verify_local(source: RowSource) -> bool:
+    """Verify the local shards of ``source`` before a rank says it is ready: the reader of a
+    :class:`LocalRowSource` or the exact fallback of a remote source
+    (``LocalRowReader.verify``: present, sized, hashed and headed as the manifest says; then
+    watched on every read). Returns False when the source reads no local shard. Raises
+    VerificationError with the one reason (missing, truncated, changed)."""
+    reader = source
+    for _depth in range(4):  # remote -> its LocalRowSource -> its LocalRowReader
+        if reader is None or hasattr(reader, "verify"):
+            break
+        reader = getattr(reader, "reader", None) or getattr(reader, "local", None)
+    if reader is None or not hasattr(reader, "verify"):
+        return False
+    reader.verify()
+    return True

@@ -93,6 +93,12 @@ def serve_cmd(
     identity = target_identity(config, weights)
     deadlines = deadlines_from_settings(settings)
     rows = row_source(manifest, data, rank, tp, settings)  # remote: its lookup deadline inside
+    # The local shards are verified before this rank listens or joins: a missing, truncated or
+    # changed shard is this process's one error line (never a healthy API that dies on the first
+    # request); while serving, every local read checks its shard is still the verified file.
+    from dsv41.engram.sources import verify_local
+
+    verify_local(rows)
     drain = {"flag": False}
     if tp > 1:
         from dsv41.engine.tp import DistComm
@@ -151,7 +157,7 @@ def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, h
     from dsv41.engine.scheduler import Scheduler
     from dsv41.engine.server import create_app
     from dsv41.engine.server_state import ABORT_SETTLE_S, ServerState, shutdown_drain
-    from dsv41.httpd import uvicorn_limits
+    from dsv41.httpd import request_limit, uvicorn_limits
 
     log = logging.getLogger("dsv41.engine")
     spec = build_speculator(settings, model_cfg=cfg.raw, target_identity=identity, device=device)
@@ -170,7 +176,8 @@ def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, h
     engine = Engine(model, sched, comm, rows, spec, depth, metrics, deadlines=deadlines)
     holder["engine"] = engine
     state = ServerState(settings.admission_hold_file or None)
-    app = create_app(engine, name, min(cfg.max_position_embeddings, kv_cache_tokens), state, metrics)
+    app = create_app(engine, name, min(cfg.max_position_embeddings, kv_cache_tokens), state, metrics,
+                     request_limit(settings))
     class _Server(uvicorn.Server):
         # uvicorn re-raises a captured SIGTERM after its graceful shutdown, which would kill the
         # process before the engine tells rank 1 to stop; handle it as "drain, then exit 0".

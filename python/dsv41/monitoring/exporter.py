@@ -13,6 +13,11 @@ services themselves, as gauges on ``/metrics``, read at scrape time.
   ``dsv41_promotion_journal_last_step_seconds`` (Unix s of its last entry) and
   ``dsv41_promotion_current_since_seconds`` (mtime of ``packages/current`` when present).
 
+A journal that cannot be read at a scrape (replaced or appended to under it, unreadable) is
+``dsv41_promotion_journal_readable`` 0 with the journal gauges at 0 for that scrape, never an
+error answer; the server is ``dsv41.httpd.BoundedHTTPServer`` (idle connections time out and
+make room, query strings ignored).
+
 The alert rules (roles/monitoring) use them to tell a HOLD left behind from one a window or a
 promotion owns. It must run where the controller's files are (the lab's hosts share the machine's
 filesystem; in production: the controller).
@@ -82,6 +87,17 @@ class OpsCollector:
             cur = 0.0
         return is_open, last, cur
 
+    def journal_state(self) -> tuple[int, tuple[int, float, str], tuple[int, float, float]]:
+        """(readable, :meth:`window`, :meth:`promotion`) read together. A read that fails (the
+        journal replaced or written under the reader, a bad entry) is tried once more, then
+        reported as readable 0 with zeros; never raises."""
+        for _attempt in range(2):
+            try:
+                return 1, self.window(), self.promotion()
+            except (Dsv41Error, OSError, ValueError, TypeError, AttributeError):
+                continue
+        return 0, (0, 0.0, ""), (0, 0.0, 0.0)
+
     def collect(self):
         from prometheus_client.core import GaugeMetricFamily
 
@@ -95,32 +111,43 @@ class OpsCollector:
             yield gauge("dsv41_admission_up", "1 when rank 0's /is_paused answered", up)
             yield gauge("dsv41_admission_held", "1 while rank 0 holds admission (HOLD)", held)
             yield gauge("dsv41_admission_held_since_seconds", "Unix time admission was closed (0 while open)", since)
-        active, wsince, wid = self.window()
+        readable, (active, wsince, wid), (jopen, jlast, cur) = self.journal_state()
+        yield gauge("dsv41_promotion_journal_readable", "1 when the promotion journal could be read at this scrape",
+                    readable)
         yield gauge("dsv41_window_active", "1 while a window holds production (its journal operation has no done)", active)
         yield gauge("dsv41_window_active_since_seconds", "Unix time the active window started (0 when none)", wsince)
         if active:
             yield gauge("dsv41_window_info", "The active window (value 1)", 1, {"id": wid})
-        jopen, jlast, cur = self.promotion()
         yield gauge("dsv41_promotion_journal_open", "1 while the last promote/rollback has no done step", jopen)
         yield gauge("dsv41_promotion_journal_last_step_seconds", "Unix time of the journal's last entry (0 when empty)", jlast)
         yield gauge("dsv41_promotion_current_since_seconds", "Unix time production's package pointer last changed (0 when none)", cur)
 
 
-def serve(listen: str, collector: OpsCollector, stop: threading.Event | None = None):
+def serve(listen: str, collector: OpsCollector, stop: threading.Event | None = None, settings=None):
     """Serve ``collector`` on ``http://listen/metrics`` (``listen``: ``HOST:PORT``; port 0 picks
-    one). Returns ``(server, thread)`` from ``prometheus_client.start_http_server``; Dsv41Error
-    when the address is bad or taken."""
-    from prometheus_client import CollectorRegistry, start_http_server
+    one) from a daemon thread: prometheus_client's ``MetricsHandler`` on a
+    ``dsv41.httpd.BoundedHTTPServer`` with ``settings``' (default: the environment's)
+    ``DSV41_HTTP_HEADER_TIMEOUT_S`` and ``DSV41_METRICS_MAX_CONNECTIONS``. Returns ``(server,
+    thread)`` (``server.shutdown()`` stops it); Dsv41Error when the address is bad or taken."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.exposition import MetricsHandler
 
+    from dsv41 import envs
     from dsv41.engram.server import parse_hostport
+    from dsv41.httpd import BoundedHTTPServer, bounded_handler
 
     host, port = parse_hostport(listen, "--listen")
     registry = CollectorRegistry()
     registry.register(collector)
+    s = settings if settings is not None else envs.parse()
     try:
-        return start_http_server(port, addr=host, registry=registry)
-    except OSError as exc:
-        raise Dsv41Error(f"cannot listen on {listen}: {exc.strerror or exc}") from None
+        server = BoundedHTTPServer((host, port), bounded_handler(MetricsHandler.factory(registry)),
+                                   s.http_header_timeout_s, s.metrics_max_connections)
+    except (OSError, OverflowError) as exc:
+        raise Dsv41Error(f"cannot listen on {listen}: {getattr(exc, 'strerror', None) or exc}") from None
+    thread = threading.Thread(target=server.serve_forever, name="ops-exporter-http", daemon=True)
+    thread.start()
+    return server, thread
 
 
 def describe(collector: OpsCollector) -> dict:

@@ -110,7 +110,8 @@ def _source(settings: S.OverlaySettings, tp: int, rank: int) -> tuple[Any, Any]:
     """(RowSource, dsv41 EngramLayout) of this rank, one per process (shared by the layers):
     a ``RemoteRowSource`` with ``DSV41_ENGRAM_REMOTE_TIMEOUT_MS`` per request, the engine's
     whole-call deadline ``DSV41_ENGRAM_LOOKUP_DEADLINE_MS`` and busy-poll budget
-    ``DSV41_TRANSPORT_CLIENT_SPIN_US``, and the runtime root's tables as its exact fallback."""
+    ``DSV41_TRANSPORT_CLIENT_SPIN_US``, and the runtime root's tables as its exact fallback,
+    verified against the manifest first (``LocalRowReader.verify``: VerificationError)."""
     key = (settings.engram_urls, tp, rank)
     with _sources_lock:
         if key in _sources:
@@ -125,6 +126,11 @@ def _source(settings: S.OverlaySettings, tp: int, rank: int) -> tuple[Any, Any]:
         manifest = load_manifest(manifest_path)
         layout = layout_from_manifest(manifest)
         local = LocalRowReader(manifest, tables_dir) if tables_dir is not None else None
+        if local is not None:
+            # before this worker serves a row: a missing, truncated or changed shard stops it here
+            # with the reason (VerificationError), and every later local read checks the shard
+            # is still the verified file (docs/operations.md, "Local Engram shards")
+            local.verify()
         if local is None:
             log.warning("dsv41 overlay rank %d: no local tables under the runtime root: no exact fallback", rank)
         # the engine's whole-call deadline and busy-poll budget, from the same settings

@@ -93,7 +93,7 @@ def list_cmd(root: Path = ROOT_OPT) -> None:
 def journal(path: Path = typer.Option(Path("packages/journal.jsonl"), "--path", help="The promotion journal."),
             as_json: bool = typer.Option(False, "--json", help="Print the replay decision as JSON.")) -> None:
     """What a re-run would do first after an interruption (finish, revert or nothing)."""
-    d = journal_mod.decide(journal_mod.read(path))
+    d = journal_mod.decide(journal_mod.read_journal(path))
     if as_json:
         print(fileio.dumps_json(d.as_dict(), sort_keys=True))
     elif d.action == "none":

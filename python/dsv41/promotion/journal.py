@@ -86,6 +86,22 @@ def read(path: str | os.PathLike) -> list[dict]:
     return out
 
 
+def read_journal(path: str | os.PathLike) -> list[dict]:
+    """:func:`read` for a path an operator named: a missing or empty journal is empty, but a file
+    with content and not one journal entry (not JSON lines with ``op`` and ``step``: another
+    file given by mistake) raises :class:`JournalError` instead of reading as "nothing
+    interrupted"; so does a path that is not a regular file."""
+    p = Path(path)
+    if not os.path.lexists(p):
+        return []
+    raw = fileio.read_bytes(p, "the promotion journal", error=JournalError)
+    entries = read(p) if raw.strip() else []
+    if raw.strip() and not entries:
+        raise JournalError(f"{p} is not a promotion journal: no line of it is a journal entry "
+                           "(a JSON object with op and step)")
+    return entries
+
+
 @dataclass(frozen=True)
 class Decision:
     """What a run must do first. ``action``: ``"none"`` (the last operation finished, or there is

@@ -102,12 +102,25 @@ int64_t now_ns() {
   return int64_t(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
 }
 
+// Whether `fd` has a send timeout (SO_SNDTIMEO): the table server sets one on each client's
+// socket, so a blocking send that returns EAGAIN has already waited that long for a client that
+// does not read its answer.
+bool has_send_timeout(int fd) {
+  timeval tv{};
+  socklen_t len = sizeof tv;
+  return ::getsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, &len) == 0 && (tv.tv_sec > 0 || tv.tv_usec > 0);
+}
+
+// Send all of p[0..n): false on an error, or when a socket with a send timeout made no progress
+// within it (the caller closes the connection: a client that stops reading holds no buffer for
+// longer than that).
 bool send_all(int fd, const uint8_t *p, size_t n) {
   while (n) {
     ssize_t r = ::send(fd, p, n, MSG_NOSIGNAL);
     if (r > 0) { p += r; n -= size_t(r); continue; }
     if (r < 0 && errno == EINTR) continue;
     if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (has_send_timeout(fd)) return false;
       pollfd pf{fd, POLLOUT, 0};
       ::poll(&pf, 1, 1000);
       continue;
@@ -949,19 +962,23 @@ bool stream_mem_ops(int ordinal) {
 }
 
 // A table's exact local rows for the GPU-side join's fallback (issue 23 pass O): the shard file
-// mapped read-only (MAP_SHARED, the page cache) and the table's regions in it
-// (dsv41.engram.manifest.TableEntry: weight_offset + id * 256 and scale_offset + id * 8, the
-// bytes LocalRowReader.read packs), so a fallback fills rows with memcpy: no GIL, no CUDA call,
-// no Python reader. gather() writes n packed 264-byte rows of the ids in `ids` (each in [0, rows):
-// the caller's plan guarantees it; one past is refused: false, nothing written for it). A shard
-// shorter than its regions is refused at construction (std::runtime_error).
+// kept open and read with pread (dsv41.engram.manifest.TableEntry regions: weight_offset + id * 256
+// and scale_offset + id * 8, the bytes LocalRowReader.read packs), so a fallback fills rows with
+// no GIL, no CUDA call, no Python reader. Not a MAP_SHARED mapping: a shard truncated under the
+// running worker would SIGBUS it at the first row past the new end; a short pread is an error.
+// gather() writes n packed 264-byte rows of the ids in `ids` (each in [0, rows): the caller's
+// plan guarantees it) and returns false (the piece counted bad) when an id is past the table, a
+// read comes back short, or the file is no longer the one opened (size or modification time
+// changed: rewritten or truncated in place). A shard shorter than its regions is refused at
+// construction (std::runtime_error).
 struct LocalTable {
-  const uint8_t *base = nullptr;
-  size_t len = 0;
+  int fd = -1;
   int64_t rows = 0;
   uint64_t woff = 0, soff = 0;
+  off_t size = 0;
+  struct timespec mtime {};
   LocalTable(const std::string &path, uint64_t weight_offset, uint64_t scale_offset, int64_t nrows) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) throw std::runtime_error("cannot open " + path + ": " + std::strerror(errno));
     struct stat st {};
     if (::fstat(fd, &st) != 0) {
@@ -975,27 +992,39 @@ struct LocalTable {
       throw std::runtime_error(path + ": shorter than its table's regions (" + std::to_string(st.st_size) + " < " +
                                std::to_string(need) + " bytes)");
     }
-    void *p = ::mmap(nullptr, size_t(st.st_size), PROT_READ, MAP_SHARED, fd, 0);
-    const int e = errno;
-    ::close(fd);
-    if (p == MAP_FAILED) throw std::runtime_error("cannot map " + path + ": " + std::strerror(e));
-    base = static_cast<const uint8_t *>(p);
-    len = size_t(st.st_size);
+    size = st.st_size;
+    mtime = st.st_mtim;
     rows = nrows; woff = weight_offset; soff = scale_offset;
   }
   ~LocalTable() {
-    if (base) ::munmap(const_cast<uint8_t *>(base), len);
+    if (fd >= 0) ::close(fd);
   }
   LocalTable(const LocalTable &) = delete;
   LocalTable &operator=(const LocalTable &) = delete;
+  bool unchanged() const {
+    struct stat st {};
+    return ::fstat(fd, &st) == 0 && st.st_size == size && st.st_mtim.tv_sec == mtime.tv_sec &&
+           st.st_mtim.tv_nsec == mtime.tv_nsec;
+  }
+  static bool read_all(int fd, uint8_t *dst, size_t n, uint64_t off) {
+    while (n) {
+      const ssize_t got = ::pread(fd, dst, n, off_t(off));
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) return false;
+      dst += got; n -= size_t(got); off += uint64_t(got);
+    }
+    return true;
+  }
   bool gather(const int64_t *ids, int64_t n, uint8_t *out) const {
+    if (!unchanged()) return false;
     for (int64_t i = 0; i < n; i++) {
       const int64_t id = ids[i];
       if (id < 0 || id >= rows) return false;
-      std::memcpy(out + i * kRow, base + woff + uint64_t(id) * kW, kW);
-      std::memcpy(out + i * kRow + kW, base + soff + uint64_t(id) * kS, kS);
+      if (!read_all(fd, out + i * kRow, kW, woff + uint64_t(id) * kW) ||
+          !read_all(fd, out + i * kRow + kW, kS, soff + uint64_t(id) * kS))
+        return false;
     }
-    return true;
+    return unchanged();  // changed while read: these rows may mix old and new bytes
   }
 };
 

@@ -8,7 +8,9 @@ listeners close first, each client finishes the request it is serving, then its 
 
 from __future__ import annotations
 
+import collections
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -122,16 +124,29 @@ class RowServer:
     request may cost up to that much CPU, and a client sharing the spinning thread's core waits
     it out (measured: docs/benchmarks.md; docs/remote-engram.md, "Busy-poll").  The pure-Python loop
     always blocks (it is the fallback, not the latency path).
+    ``max_connections`` (default ``DSV41_TRANSPORT_SERVER_MAX_CONNECTIONS``): a connection past
+    this many open ones, or past half of them from one client address, is closed at once
+    (refusal ``connection_cap``); ``send_timeout_s`` (default
+    ``DSV41_TRANSPORT_SERVER_SEND_TIMEOUT_S``): every client socket's SO_SNDTIMEO, so a client
+    that stops reading its answer is disconnected after it (both loops). Together they bound the
+    memory clients can hold.
     Raises ``OSError`` from ``start`` when an address cannot be bound, ``ValueError`` for a
-    negative ``spin_us``.
+    negative ``spin_us`` or a bad bound.
     """
 
     def __init__(
         self, tables: list[RowTable], listens: list[Endpoint], nixl_provider=None, native: bool | None = None,
-        spin_us: int | None = None,
+        spin_us: int | None = None, max_connections: int | None = None, send_timeout_s: float | None = None,
     ) -> None:
+        settings = envs.parse() if None in (spin_us, max_connections, send_timeout_s) else None
         if spin_us is None:
-            spin_us = envs.parse().transport_server_spin_us
+            spin_us = settings.transport_server_spin_us
+        self.max_connections = settings.transport_server_max_connections if max_connections is None else max_connections
+        self.send_timeout_s = settings.transport_server_send_timeout_s if send_timeout_s is None else send_timeout_s
+        if self.max_connections < 1 or not self.send_timeout_s > 0:
+            raise ValueError("max_connections must be >= 1 and send_timeout_s > 0")
+        self.per_client = max(1, self.max_connections // 2)
+        self._per_addr: collections.Counter = collections.Counter()
         if not spin_us >= 0:  # also refuses NaN
             raise ValueError(f"spin_us must be >= 0, got {spin_us}")
         self.spin_us = spin_us
@@ -241,14 +256,26 @@ class RowServer:
     def _accept_loop(self, lsock: socket.socket, ep: Endpoint) -> None:
         while not self._stopping.is_set():
             try:
-                sock, _ = lsock.accept()
+                sock, peer = lsock.accept()
             except OSError:
                 return  # listener closed by stop()
             if self._stopping.is_set():
                 sock.close()
                 return
+            addr = str(peer[0]) if isinstance(peer, tuple) else "?"
+            with self._clients_lock:
+                full = len(self._clients) >= self.max_connections or self._per_addr[addr] >= self.per_client
+                if not full:
+                    self._per_addr[addr] += 1
+            if full:
+                self.stats.refuse("connection_cap")
+                sock.close()
+                continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            t = threading.Thread(target=self._client_loop, args=(sock, ep.scheme == "nixl"), daemon=True)
+            sec = int(self.send_timeout_s)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                            struct.pack("ll", sec, int((self.send_timeout_s - sec) * 1e6)))
+            t = threading.Thread(target=self._client_loop, args=(sock, ep.scheme == "nixl", addr), daemon=True)
             with self._clients_lock:
                 self._clients[id(t)] = (sock, t)
             with self.stats.lock:
@@ -256,7 +283,7 @@ class RowServer:
                 self.stats.connections_total += 1
             t.start()
 
-    def _client_loop(self, sock: socket.socket, nixl: bool) -> None:
+    def _client_loop(self, sock: socket.socket, nixl: bool, addr: str = "?") -> None:
         try:
             if self._core is not None:
                 self._native_loop(sock, nixl)
@@ -271,6 +298,9 @@ class RowServer:
             sock.close()
             with self._clients_lock:
                 self._clients.pop(id(threading.current_thread()), None)
+                self._per_addr[addr] -= 1
+                if self._per_addr[addr] <= 0:
+                    del self._per_addr[addr]
             with self.stats.lock:
                 self.stats.connections -= 1
 
