@@ -33,6 +33,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.requests import ClientDisconnect
 
+from dsv41 import authz
 from dsv41.engine.api_router import ApiContext, router
 from dsv41.engine.protocol import ApiError, error_response
 from dsv41.engine.server_state import ServerState
@@ -119,6 +120,31 @@ class CatchAll:
             await error_response(err)(scope, receive, send)
 
 
+class Guard:
+    """ASGI middleware: who may do what (``dsv41.authz``). A control request (``authz.is_control``:
+    ``/pause``, ``/resume``, any non-read route outside the OpenAI API) without the operator
+    ``credential`` or with a browser's cross-site shape is refused before its body is read (401/403,
+    OpenAI error shape); with an ``api_key`` (vLLM's ``--api-key``), ``/v1`` requests without
+    ``Authorization: Bearer KEY`` get 401. ``credential`` None: every control request is refused.
+    ``allowed_hosts``: Host names accepted besides IP literals and ``localhost``."""
+
+    def __init__(self, app, credential: str | None = None, api_key: str | None = None,
+                 allowed_hosts: tuple[str, ...] = ()) -> None:
+        self.app, self.credential, self.api_key, self.allowed_hosts = app, credential, api_key, allowed_hosts
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        method, path, headers = scope.get("method", "GET"), scope.get("path", ""), scope.get("headers", ())
+        why = (authz.control_refusal(headers, self.credential, self.allowed_hosts)
+               if authz.is_control(method, path) else authz.api_key_refusal(method, path, headers, self.api_key))
+        if why is not None:
+            code, msg = why
+            etype = "AuthenticationError" if code == 401 else "PermissionDeniedError"
+            return await error_response(ApiError(code, msg, etype=etype, close=True))(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 async def _api_error(_req, exc: ApiError):
     return error_response(exc)
 
@@ -140,14 +166,18 @@ async def _unexpected(_req, exc: Exception):
 
 
 def create_app(engine, model_name: str, max_model_len: int, state: ServerState | None = None,
-               metrics=None) -> FastAPI:
+               metrics=None, operator_credential: str | None = None, api_key: str | None = None,
+               allowed_hosts: tuple[str, ...] = ()) -> FastAPI:
     """Build the FastAPI app serving ``engine`` (an ``engine.Engine``) as ``model_name``.
 
     ``max_model_len``: tokens one request may hold; ``state``: the admission state (default: a
     fresh, open, memory-only ``ServerState``); ``metrics``: ``engine.metrics.EngineMetrics`` for
-    ``/metrics`` (None: 404). The routes (``api_router.router``) read all of it from
-    ``app.state.api`` (an ``ApiContext``); ``app.state.server_state`` is ``state``. Middleware:
-    ``BodyLimit`` outermost, then ``CatchAll``; errors answer in OpenAI's shape.
+    ``/metrics`` (None: 404); ``operator_credential`` (``dsv41.authz``; None: the control routes
+    ``/pause`` and ``/resume`` refuse everyone), ``api_key`` (vLLM's ``--api-key``: None, the
+    ``/v1`` routes are open) and ``allowed_hosts`` (``DSV41_CONTROL_HOSTS``): :class:`Guard`. The
+    routes (``api_router.router``) read all of it from ``app.state.api`` (an ``ApiContext``);
+    ``app.state.server_state`` is ``state``. Middleware: ``Guard`` outermost, then ``BodyLimit``,
+    then ``CatchAll``; errors answer in OpenAI's shape.
     """
     st = state or ServerState()
     app = FastAPI(title="dsv41 lab engine", docs_url=None, redoc_url=None, openapi_url=None)
@@ -156,6 +186,7 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
     # add_middleware puts the last one outermost: BodyLimit sees the request first.
     app.add_middleware(CatchAll)
     app.add_middleware(BodyLimit)
+    app.add_middleware(Guard, credential=operator_credential, api_key=api_key, allowed_hosts=tuple(allowed_hosts))
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _unexpected)
