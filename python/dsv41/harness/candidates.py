@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from dsv41 import envs, fileio
+from dsv41.names import check_name
 from dsv41.harness import bench
 from dsv41.harness.window import WindowError
 
@@ -48,8 +49,7 @@ def load_candidate(name: str, root: str | os.PathLike = "candidates") -> dict:
     import jsonschema
     import yaml
 
-    if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
-        raise CandidateError(f"candidate name must be a plain name, got {name!r}")
+    check_name(name, "candidate name", CandidateError)
     path = Path(root) / f"{name}.yml"
     if not path.is_file():
         known = sorted(p.stem for p in Path(root).glob("*.yml")) if Path(root).is_dir() else []
