@@ -148,6 +148,15 @@ def candidate(
     print(fileio.dumps_json({"candidate": doc, "role_vars": rv}, indent=1))
 
 
+@app.command()
+def arm(file: str = typer.Option(..., "--file", help="A window arm file (windows/<id>/arms/<candidate>-<arm>.json).")) -> None:
+    """Print a window arm file as JSON after refusing template syntax anywhere in it (exit 1, one
+    line): window_switch.yml reads every arm through this, so its values reach Ansible as data."""
+    from dsv41.harness import candidates
+
+    print(fileio.dumps_json(candidates.load_arm(file), sort_keys=True))
+
+
 @app.command("run")
 def run_cmd(
     control: str = typer.Option(..., help="Control arm base URL."),
