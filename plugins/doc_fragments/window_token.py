@@ -30,8 +30,8 @@ options:
     default: ""
   api_key_file:
     description:
-      - File (mode 0600) holding the OpenAI API key rank 0 requires when it runs with vLLM's
-        C(--api-key) / E(VLLM_API_KEY); sent as C(Authorization: Bearer KEY).
+      - "File (mode 0600) holding the OpenAI API key rank 0 requires when it runs with vLLM's
+        C(--api-key) / E(VLLM_API_KEY); sent as C(Authorization: Bearer KEY)."
       - Falls back to E(DSV41_API_KEY_FILE); V("") sends none.
     type: path
     default: ""
