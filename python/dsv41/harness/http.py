@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 from dsv41.errors import Dsv41Error
+
+
+# httpx logs every request line at INFO: a fenced HOLD's URL carries its token (a secret)
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 class HttpError(Dsv41Error):

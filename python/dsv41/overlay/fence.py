@@ -45,7 +45,7 @@ import math
 import os
 import time
 from pathlib import Path
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlencode
 
 from dsv41 import authz, envs, fileio
 from dsv41.engine import drain as dr
@@ -186,7 +186,11 @@ class AdmissionFence:
         if path == "/pause" and method == "POST":
             query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
             if "window" in query:
-                return await self._fenced_pause(query)(scope, receive, send)
+                answer = self._fenced_pause(query)
+                # vLLM's uvicorn access log prints the query string of this scope: never the token
+                scope["query_string"] = urlencode([(k, "REDACTED" if k == "window" else v)
+                                                   for k, vs in query.items() for v in vs]).encode()
+                return await answer(scope, receive, send)
             return await self._plain_pause(scope, receive, send)
         if path == "/resume" and method == "POST":
             return await self._resume(scope, receive, send)
