@@ -31,7 +31,9 @@ ROLE_VARS = {("serve", "env"): "serve_extra_env", ("engram_server", "env"): "eng
 #: Variables the roles derive from production's own files (digests, paths): a candidate that set
 #: them would change what production's inputs are said to be, not a setting; refused.
 DERIVED_ENV = frozenset({"DSV41_SERVE_INPUTS_SHA256", "DSV41_TABLES_MANIFEST", "DSV41_TABLES_MANIFEST_SHA256",
-                         "DSV41_DRAFTER_FILES_SHA256", "DSV41_WINDOW_TOKEN"})
+                         "DSV41_DRAFTER_FILES_SHA256", "DSV41_WINDOW_TOKEN",
+                         # who may change production is not a setting a window measures
+                         "DSV41_OPERATOR_CREDENTIAL_FILE", "DSV41_CONTROL_HOSTS", "DSV41_API_KEY_FILE"})
 
 
 class CandidateError(WindowError):
