@@ -208,7 +208,7 @@ class AdmissionFence:
         token = next((v.decode("latin-1") for k, v in scope.get("headers", ())
                       if k.decode("latin-1").lower() == WINDOW_HEADER), None)
         if state is not None:
-            if not (isinstance(state, HoldRecord) and token == state.window):
+            if not (isinstance(state, HoldRecord) and authz.same_secret(token, state.window)):
                 self.refused_total += 1
                 return await _error(503, "the server is paused (a fenced HOLD is in force; POST /resume to admit "
                                          "requests again)", "ServiceUnavailableError",
