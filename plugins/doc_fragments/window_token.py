@@ -18,6 +18,21 @@ options:
         engine admits only requests with it; this module's requests carry it (M(dsv41.offload.admission)
         also sends it with a HOLD).
       - Falls back to E(DSV41_WINDOW_TOKEN) (what a play's C(environment:) sets); V("") sends none.
+      - A secret (it admits requests past the HOLD); never logged.
     type: str
+    default: ""
+  operator_credential_file:
+    description:
+      - File (mode 0600) holding the operator credential rank 0 requires on C(/pause) and C(/resume);
+        sent in the C(X-DSV41-Operator) header of those requests only.
+      - Falls back to E(DSV41_OPERATOR_CREDENTIAL_FILE); V("") sends none (a control request is then refused).
+    type: path
+    default: ""
+  api_key_file:
+    description:
+      - "File (mode 0600) holding the OpenAI API key rank 0 requires when it runs with vLLM's
+        C(--api-key) / E(VLLM_API_KEY); sent as C(Authorization: Bearer KEY)."
+      - Falls back to E(DSV41_API_KEY_FILE); V("") sends none.
+    type: path
     default: ""
 """

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import traceback
 
 from ansible.module_utils.basic import env_fallback, missing_required_lib
@@ -174,17 +175,27 @@ def dsv41_errors(module, **details):
         module.fail_json(msg=str(exc), **details)
 
 
-# The argument spec of the window_token option (documented by plugins/doc_fragments/window_token.py):
-# every module whose requests go through dsv41.harness.http merges it into its argument_spec.
-# no_log=False: the token names a fenced run (it is in the journal and the logs), it is no secret.
+# The argument spec of the window_token option and the credential files (documented by
+# plugins/doc_fragments/window_token.py): every module whose requests go through dsv41.harness.http
+# merges it into its argument_spec. The token is a secret (it admits requests past a fenced HOLD):
+# no_log. The files are paths, their contents never pass through Ansible.
 WINDOW_TOKEN_SPEC = dict(
-    window_token=dict(type="str", default="", no_log=False, fallback=(env_fallback, ["DSV41_WINDOW_TOKEN"])),
+    window_token=dict(type="str", default="", no_log=True, fallback=(env_fallback, ["DSV41_WINDOW_TOKEN"])),
+    operator_credential_file=dict(type="path", default="", fallback=(env_fallback, ["DSV41_OPERATOR_CREDENTIAL_FILE"])),
+    api_key_file=dict(type="path", default="", fallback=(env_fallback, ["DSV41_API_KEY_FILE"])),
 )
+# The environment variable dsv41.harness.http reads each credential file from.
+_CREDENTIAL_ENV = (("operator_credential_file", "DSV41_OPERATOR_CREDENTIAL_FILE"), ("api_key_file", "DSV41_API_KEY_FILE"))
 
 
 def window_token(module):
     """Context manager: the module's requests (through ``dsv41.harness.http``) carry
     ``module.params["window_token"]`` (``""``: none) until it exits; ``http.window_token``
-    restores what was set before. Call it after require_dsv41()."""
+    restores what was set before. The credential files named by the module's options are put in
+    this (short-lived) module process's environment, where ``dsv41.authz.client_headers`` reads
+    them. Call it after require_dsv41()."""
     http = import_dsv41("dsv41.harness.http")
+    for opt, var in _CREDENTIAL_ENV:
+        if module.params.get(opt):
+            os.environ[var] = module.params[opt]
     return http.window_token(module.params["window_token"])

@@ -41,6 +41,7 @@ with signals_from_start():
         ("window", "dsv41.harness.window_cli", "Fenced-window cells, the WIN2 R3 decision, calibration, candidates."),
         ("drill", "dsv41.harness.drill_cli", "Fault drills under load on the lab: run, clear, check."),
         ("metrics", "dsv41.harness.metrics_cli", "Read a Prometheus /metrics endpoint as JSON."),
+        ("oplock", "dsv41.promotion.oplock_cli", "The controller's change lock: one window/promote/rollback at a time."),
         ("package", "dsv41.promotion.cli", "Promotion packages: show, diff, verify (exact production records)."),
         ("monitor", "dsv41.monitoring.cli", "Monitoring: the operations exporter, alert rules, Grafana dashboard."),
         ("status", "dsv41.entrypoints.status_cli", "Is production healthy, and what is it running? (exit 1 with reasons)"),

@@ -221,6 +221,13 @@ _ROWS = [
            "(empty: the six shipped ones)."),
     EnvVar("DSV41_WINDOW_TOKEN", str, "", "Set by window.yml on the controller during a HOLD: the harness's "
            "requests carry it (header X-DSV41-Window) and the held engine admits only them (/pause?window=)."),
+    EnvVar("DSV41_OPERATOR_CREDENTIAL_FILE", str, "", "File (mode 0600) holding the operator credential: rank 0's "
+           "engine and the vLLM fence require it on every state-changing route (/pause, /resume); the controller's "
+           "clients send it (header X-DSV41-Operator). Empty on a server: those routes are refused (dsv41.authz)."),
+    EnvVar("DSV41_CONTROL_HOSTS", str, "", "Comma-separated host names (besides IP literals and localhost) a "
+           "state-changing request may name in its Host header (DNS-rebinding guard; dsv41.authz)."),
+    EnvVar("DSV41_API_KEY_FILE", str, "", "Controller side: file (mode 0600) holding the OpenAI API key the "
+           "project's clients send as 'Authorization: Bearer KEY' (vLLM's --api-key / VLLM_API_KEY on the server)."),
 ]
 
 #: The table: one row per variable, by name.
@@ -284,6 +291,9 @@ class Settings:
     bench_spec_file: str = ""
     greedy_prompts_file: str = ""
     window_token: str = ""
+    operator_credential_file: str = ""
+    control_hosts: str = ""
+    api_key_file: str = ""
 
 
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

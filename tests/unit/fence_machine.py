@@ -25,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from dsv41.engine.hold import remove_hold
 from dsv41.overlay.fence import AdmissionFence
+from authutil import OP_HEADERS, OPERATOR, TEST_HOSTS
 from pause_machine import WAIT_S, Loop, _until
 
 TOKENS = ("win-a", "win-b")
@@ -62,8 +63,9 @@ class FenceMachine(RuleBasedStateMachine):
         self.lp = Loop()
         self.vllm = HeldVllm()
         self.hold_file = self.hold_dir / f"hold-{time.monotonic_ns()}"
-        self.fence = AdmissionFence(self.vllm, hold_file=self.hold_file, dev_routes=False)
-        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.fence), base_url="http://rank0",
+        self.fence = AdmissionFence(self.vllm, hold_file=self.hold_file, dev_routes=False, credential=OPERATOR,
+                                    allowed_hosts=TEST_HOSTS)
+        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.fence), base_url="http://rank0", headers=OP_HEADERS,
                                         timeout=LONG_S * 2)
         self.seed = 0
         self.window: str | None = None  # the fenced HOLD's token; None: open

@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from dsv41.engine.server import create_app
+from authutil import OP_HEADERS, OPERATOR, TEST_HOSTS
 from dsv41.engine.server_state import ServerState, shutdown_drain
 
 TOKEN = "win-1"
@@ -136,8 +137,8 @@ class PauseMachine(RuleBasedStateMachine):
         self.lp = Loop()
         self.engine = ControlledEngine()
         self.state = ServerState()
-        app = create_app(self.engine, "m", 64, self.state)
-        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine",
+        app = create_app(self.engine, "m", 64, self.state, operator_credential=OPERATOR, allowed_hosts=TEST_HOSTS)
+        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine", headers=OP_HEADERS,
                                         timeout=LONG_S * 2)
         self.seed = 0
         self.steps = 0

@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from dsv41 import envs  # noqa: E402
 from dsv41.engine.server import create_app  # noqa: E402
+from authutil import OP_HEADERS, OPERATOR, TEST_HOSTS  # noqa: E402
 from dsv41.engine.server_state import ServerState  # noqa: E402
 from engineutil import FakeEngine  # noqa: E402
 
@@ -24,7 +25,8 @@ REQ = {"prompt": "x", "max_tokens": 1}
 
 def engine(hold_file) -> TestClient:
     """A fresh rank 0 (what a restart gives) keeping its fenced HOLD in ``hold_file``."""
-    return TestClient(create_app(FakeEngine(), "m", 64, ServerState(hold_file)), raise_server_exceptions=False)
+    return TestClient(create_app(FakeEngine(), "m", 64, ServerState(hold_file), operator_credential=OPERATOR,
+                                 allowed_hosts=TEST_HOSTS), raise_server_exceptions=False, headers=OP_HEADERS)
 
 
 def test_a_fenced_hold_survives_a_restart_and_resume_ends_it(tmp_path):

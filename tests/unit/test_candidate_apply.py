@@ -35,6 +35,7 @@ INVENTORIES = ("sim", "production")
 HOSTS = {"spark": ("sparkhead", "sparkworker"), "offload": ("x86host",)}
 SWITCH = REPO / "playbooks" / "window_switch.yml"
 CANDIDATE_TASK = {"name": "dsv41", "tasks_from": "candidate"}
+ARM_TASK = {"name": "dsv41", "tasks_from": "arm"}  # window_switch.yml reads the arm file as data
 
 
 def _task_vars(path: Path, include: str) -> dict:
@@ -93,7 +94,7 @@ def _switch_plays() -> list[dict]:
         for task in play["tasks"]:
             if "ansible.builtin.import_role" in task:
                 tasks.append(_skip(task))
-            elif {k: v for k, v in (task.get("ansible.builtin.include_role") or {}).items()} == CANDIDATE_TASK:
+            elif {k: v for k, v in (task.get("ansible.builtin.include_role") or {}).items()} in (CANDIDATE_TASK, ARM_TASK):
                 tasks.append(task)
         assert any("ansible.builtin.include_role" in t for t in tasks), f"{play['name']}: no candidate task"
         plays.append({"name": play["name"], "hosts": play["hosts"], "gather_facts": False,
@@ -141,6 +142,12 @@ def _run(tmp: Path, inventory: str, name: str, plays: list[dict], extra: dict) -
     return {p.name: p.read_text() for p in sorted(out.iterdir()) if p.name != "play.yml"}
 
 
+def _arm_file(path: Path, arm_vars: dict, roles: list[str]) -> str:
+    """An arm file as window.yml writes it (window_arm, window_switch_roles); returns its path."""
+    path.write_text(json.dumps({"window_arm": arm_vars, "window_switch_roles": roles}))
+    return str(path)
+
+
 @pytest.fixture(scope="module", params=INVENTORIES)
 def rendered(request, tmp_path_factory) -> tuple[str, dict[str, dict[str, str]]]:
     """(inventory, {"production" | arm: {"host.file": text}})."""
@@ -149,8 +156,8 @@ def rendered(request, tmp_path_factory) -> tuple[str, dict[str, dict[str, str]]]
     got = {"production": _run(tmp, inv, "production", _production_plays(), {})}
     for arm, arm_vars in ARMS.items():
         got[arm] = _run(tmp, inv, arm, _switch_plays(),
-                        {"window_arm": arm_vars, "window_switch_roles": ["engram_server", "serve", "spec_decode"],
-                         "window_token": "wtest"})
+                        {"window_arm_file": _arm_file(tmp / f"{inv}-{arm}.json", arm_vars,
+                                                      ["engram_server", "serve", "spec_decode"])})
     return inv, got
 
 
@@ -257,8 +264,8 @@ def test_no_set_fact_restates_a_role_default():
 def test_a_name_outside_the_settable_ones_is_refused(tmp_path):
     plays = [p for p in _switch_plays() if p["hosts"] == "offload"]
     with pytest.raises(AssertionError) as err:
-        _run(tmp_path, "sim", "bad", plays, {"window_arm": {"serve_health_delay": 0}, "window_switch_roles": [],
-                                             "window_token": "wtest"})
+        _run(tmp_path, "sim", "bad", plays,
+             {"window_arm_file": _arm_file(tmp_path / "bad.json", {"serve_health_delay": 0}, [])})
     assert "serve_health_delay" in str(err.value) and "not settable by a candidate" in str(err.value)
 
 

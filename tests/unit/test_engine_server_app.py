@@ -9,11 +9,15 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from dsv41.engine.server import create_app  # noqa: E402
+from authutil import OP_HEADERS, OPERATOR, TEST_HOSTS  # noqa: E402
+
+from dsv41.authz import OPERATOR_HEADER  # noqa: E402
 from engineutil import FakeEngine  # noqa: E402
 
 
 def client(engine):
-    return TestClient(create_app(engine, "m", 64), raise_server_exceptions=False)
+    return TestClient(create_app(engine, "m", 64, operator_credential=OPERATOR, allowed_hosts=TEST_HOSTS),
+                      raise_server_exceptions=False, headers=OP_HEADERS)
 
 
 def test_unexpected_exception_is_openai_shaped_500():
@@ -113,7 +117,7 @@ def test_chunked_body_over_the_limit_is_413_without_reading_it_all(monkeypatch):
     import dsv41.engine.server as server
 
     monkeypatch.setattr(server, "MAX_BODY_BYTES", 1 << 16)
-    app = create_app(FakeEngine(), "m", 64)
+    app = create_app(FakeEngine(), "m", 64, operator_credential=OPERATOR)
 
     def run(path, method="POST", headers=()):
         calls, sent = [0], []
@@ -127,7 +131,8 @@ def test_chunked_body_over_the_limit_is_413_without_reading_it_all(monkeypatch):
 
         scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
                  "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-                 "headers": [(b"content-type", b"application/json"), *headers], "client": ("127.0.0.1", 1),
+                 "headers": [(b"content-type", b"application/json"), (b"host", b"127.0.0.1"),
+                             (OPERATOR_HEADER.encode(), OPERATOR.encode()), *headers], "client": ("127.0.0.1", 1),
                  "server": ("127.0.0.1", 2)}
         asyncio.run(app(scope, receive, send))
         start = next(m for m in sent if m["type"] == "http.response.start")

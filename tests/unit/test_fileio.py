@@ -364,6 +364,10 @@ def test_decision_and_cap_on_a_full_disk(small_fs: Path) -> None:
 # (module, function) pairs allowed to open files themselves, and why.
 ALLOWED = {
     ("fileio", "*"): "the implementation",
+    ("authz", "load_secret"): "a secret file: O_NOFOLLOW, fstat S_ISREG and mode 0600 checked before the read",
+    ("authz", "write_secret"): "a secret file created 0600 (O_EXCL temporary, fsync, rename): fileio's temporaries take the umask",
+    ("filelock", "acquire"): "the state file's lock file: an flock, nothing written",
+    ("promotion.oplock", "_open"): "the change lock file: an flock, nothing written",
     ("engram.reader", "open_table_file"): "O_DIRECT shard reads: O_NONBLOCK open, fstat S_ISREG before any read",
     ("engram.manifest", "_hash_range"): "preadv of shard chunks after _regular_size checked the file",
     ("engram.synthetic", "__init__"): "HashingWriter: shards written to temporary names, checked and renamed by make-tables",
@@ -428,6 +432,9 @@ def test_no_module_opens_files_except_through_fileio() -> None:
 # Kinds: see write_calls. A stale entry (no such write left) fails too.
 WRITE_ALLOWED = {
     ("fileio", "*", "*"): "the implementation",
+    ("authz", "write_secret", "os.open"): "a secret created 0600 from the start (O_EXCL temporary, fsync, rename)",
+    ("filelock", "acquire", "os.open"): "the lock file of a state file: flock only, never written",
+    ("promotion.oplock", "_open", "os.open"): "the change lock file: flock only, never written",
     ("engram.synthetic", "HashingWriter.__init__", "open"): "shards streamed (GBs, hashed as written) to temporary "
                                                             "names that make-tables checks and renames into place",
     ("harness.window", "FaultTrigger.start", "open"): "fault.log: the drill command's own stdout/stderr, a log its "

@@ -29,7 +29,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[2] / "python" / "dsv41"
 
 FLOORS: list[tuple[str, ...]] = [
-    ("errors", "envs", "fileio", "httpd", "tokenizer", "service_control", "__init__"),
+    ("errors", "envs", "fileio", "httpd", "tokenizer", "service_control", "authz", "names", "filelock", "__init__"),
     ("transport",),
     ("version", "wheelhouse", "serve_image"),
     ("engram",),

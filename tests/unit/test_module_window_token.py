@@ -70,8 +70,12 @@ def test_the_shared_spec_and_fragment():
         from ansible.module_utils.basic import env_fallback
     finally:
         sys.path.pop(0)
-    assert dsv41_common.WINDOW_TOKEN_SPEC == {"window_token": dict(type="str", default="", no_log=False,
-                                                                    fallback=(env_fallback, ["DSV41_WINDOW_TOKEN"]))}
+    # the token is a secret (it admits requests past a fenced HOLD): no_log; the credentials are files
+    assert dsv41_common.WINDOW_TOKEN_SPEC == {
+        "window_token": dict(type="str", default="", no_log=True, fallback=(env_fallback, ["DSV41_WINDOW_TOKEN"])),
+        "operator_credential_file": dict(type="path", default="",
+                                         fallback=(env_fallback, ["DSV41_OPERATOR_CREDENTIAL_FILE"])),
+        "api_key_file": dict(type="path", default="", fallback=(env_fallback, ["DSV41_API_KEY_FILE"]))}
     ns: dict = {}
     exec((REPO / "plugins" / "doc_fragments" / "window_token.py").read_text(), ns)
     opt = yaml.safe_load(ns["ModuleDocFragment"].DOCUMENTATION)["options"]["window_token"]

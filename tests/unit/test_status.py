@@ -264,10 +264,12 @@ def test_is_paused_reports_paused_since():
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
+    from authutil import OP_HEADERS, OPERATOR, TEST_HOSTS
     from dsv41.engine.server import create_app
     from engineutil import FakeEngine
 
-    c = TestClient(create_app(FakeEngine(), "m", 64))
+    c = TestClient(create_app(FakeEngine(), "m", 64, operator_credential=OPERATOR, allowed_hosts=TEST_HOSTS),
+                   headers=OP_HEADERS)
     assert c.get("/is_paused").json() == {"is_paused": False, "paused_since": None}
     t0 = time.time()
     assert c.post("/pause").status_code == 200

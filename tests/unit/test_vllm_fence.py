@@ -17,6 +17,7 @@ import pytest
 from dsv41.engine.hold import HoldRecord, read_hold
 from dsv41.engine.server_state import ServerState
 from dsv41.overlay.fence import AdmissionFence
+from authutil import OP_HEADERS, OPERATOR, TEST_HOSTS
 
 TOKEN = "20261201T100000-vllmfence"
 REQ = {"model": "m", "prompt": "x", "max_tokens": 1}
@@ -55,12 +56,13 @@ def run(coro, timeout_s: float = 20.0):
 
 
 def client(fence) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=fence), base_url="http://rank0")
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=fence), base_url="http://rank0", headers=OP_HEADERS)
 
 
 def fence_for(tmp_path, app=None, dev_routes=True) -> tuple[AdmissionFence, FakeVllm]:
     app = app or FakeVllm()
-    return AdmissionFence(app, hold_file=tmp_path / "run" / "admission-hold", dev_routes=dev_routes), app
+    return AdmissionFence(app, hold_file=tmp_path / "run" / "admission-hold", dev_routes=dev_routes, credential=OPERATOR,
+                          allowed_hosts=TEST_HOSTS), app
 
 
 def test_open_admission_passes_everything_through(tmp_path):
@@ -128,7 +130,7 @@ def test_the_hold_survives_a_restart_and_resume_clears_it(tmp_path):
 
 def test_the_lab_engine_reads_the_fences_record_and_vice_versa(tmp_path):
     f = tmp_path / "admission-hold"
-    fence = AdmissionFence(FakeVllm(), hold_file=f, dev_routes=False)
+    fence = AdmissionFence(FakeVllm(), hold_file=f, dev_routes=False, credential=OPERATOR, allowed_hosts=TEST_HOSTS)
 
     async def pause():
         async with client(fence) as c:
@@ -249,7 +251,8 @@ def test_an_unwritable_hold_file_is_a_500_saying_nothing_is_held(tmp_path):
     blocker.write_text("")
 
     async def go():
-        fence = AdmissionFence(FakeVllm(), hold_file=blocker / "admission-hold", dev_routes=True)
+        fence = AdmissionFence(FakeVllm(), hold_file=blocker / "admission-hold", dev_routes=True, credential=OPERATOR,
+                               allowed_hosts=TEST_HOSTS)
         async with client(fence) as c:
             r = await c.post(f"/pause?mode=wait&window={TOKEN}")
             assert r.status_code == 500 and r.json()["error"]["message"].startswith("admission is NOT held")
@@ -261,9 +264,9 @@ def test_the_hold_file_comes_from_the_environment(tmp_path, monkeypatch):
     f = tmp_path / "admission-hold"
     monkeypatch.setenv("DSV41_ADMISSION_HOLD_FILE", str(f))
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
-    fence = AdmissionFence(FakeVllm())
+    fence = AdmissionFence(FakeVllm(), credential=OPERATOR, allowed_hosts=TEST_HOSTS)
     assert fence.hold_file == f and fence.dev_routes is True
     monkeypatch.setenv("DSV41_ADMISSION_HOLD_FILE", "")
     monkeypatch.delenv("VLLM_SERVER_DEV_MODE")
-    bare = AdmissionFence(FakeVllm())
+    bare = AdmissionFence(FakeVllm(), credential=OPERATOR, allowed_hosts=TEST_HOSTS)
     assert bare.hold_file is None and bare.dev_routes is False and not bare.held()

@@ -227,7 +227,10 @@ def test_engine_admits_only_the_window_while_held():
         def freeze(self, on):
             pass
 
-    c = TestClient(create_app(Eng(), "m", 64), raise_server_exceptions=False)
+    from authutil import OP_HEADERS, OPERATOR, TEST_HOSTS
+
+    c = TestClient(create_app(Eng(), "m", 64, operator_credential=OPERATOR, allowed_hosts=TEST_HOSTS),
+                   raise_server_exceptions=False, headers=OP_HEADERS)
     body = {"prompt": "x", "max_tokens": 1}
     assert c.post("/pause?mode=wait&window=bad token").status_code == 400
     assert c.post("/pause?mode=wait&window=w-1").status_code == 200

@@ -21,6 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from dsv41.authz import same_secret
 from dsv41.engine import drain as dr
 from dsv41.engine.hold import WINDOW_HEADER, WINDOW_TOKEN_RE
 from dsv41.engine.protocol import (ApiError, CompletionRequest, Reply, error_body, parse_completion_request,
@@ -78,7 +79,7 @@ def _admission(ctx: ApiContext, body: dict, request: Request) -> None:
     if st.draining:
         raise ApiError(503, "the server is shutting down (draining); not admitting new requests",
                        etype="ServiceUnavailableError")
-    if st.paused and not (st.window_token and request.headers.get(WINDOW_HEADER) == st.window_token):
+    if st.paused and not same_secret(request.headers.get(WINDOW_HEADER), st.window_token):
         raise ApiError(503, "the server is paused (POST /resume to admit requests again)",
                        etype="ServiceUnavailableError")
 

@@ -34,6 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from dsv41 import authz
 from dsv41.engine.api_router import ApiContext, router
 from dsv41.engine.protocol import ApiError, error_response
 from dsv41.engine.server_state import ServerState
@@ -154,6 +155,31 @@ async def _http_error(req, exc: StarletteHTTPException):
     return resp
 
 
+class Guard:
+    """ASGI middleware: who may do what (``dsv41.authz``). A control request (``authz.is_control``:
+    ``/pause``, ``/resume``, any non-read route outside the OpenAI API) without the operator
+    ``credential`` or with a browser's cross-site shape is refused before its body is read (401/403,
+    OpenAI error shape); with an ``api_key`` (vLLM's ``--api-key``), ``/v1`` requests without
+    ``Authorization: Bearer KEY`` get 401. ``credential`` None: every control request is refused.
+    ``allowed_hosts``: Host names accepted besides IP literals and ``localhost``."""
+
+    def __init__(self, app, credential: str | None = None, api_key: str | None = None,
+                 allowed_hosts: tuple[str, ...] = ()) -> None:
+        self.app, self.credential, self.api_key, self.allowed_hosts = app, credential, api_key, allowed_hosts
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        method, path, headers = scope.get("method", "GET"), scope.get("path", ""), scope.get("headers", ())
+        why = (authz.control_refusal(headers, self.credential, self.allowed_hosts)
+               if authz.is_control(method, path) else authz.api_key_refusal(method, path, headers, self.api_key))
+        if why is not None:
+            code, msg = why
+            etype = "AuthenticationError" if code == 401 else "PermissionDeniedError"
+            return await error_response(ApiError(code, msg, etype=etype, close=True))(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 async def _api_error(_req, exc: ApiError):
     return error_response(exc)
 
@@ -175,7 +201,8 @@ async def _unexpected(_req, exc: Exception):
 
 
 def create_app(engine, model_name: str, max_model_len: int, state: ServerState | None = None,
-               metrics=None, request_limit: tuple[int, int] | None = None) -> FastAPI:
+               metrics=None, request_limit: tuple[int, int] | None = None, operator_credential: str | None = None,
+               api_key: str | None = None, allowed_hosts: tuple[str, ...] = ()) -> FastAPI:
     """Build the FastAPI app serving ``engine`` (an ``engine.Engine``) as ``model_name``.
 
     ``max_model_len``: tokens one request may hold; ``state``: the admission state (default: a
@@ -183,9 +210,12 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
     ``/metrics`` (None: 404). The routes (``api_router.router``) read all of it from
     ``app.state.api`` (an ``ApiContext``); ``app.state.server_state`` is ``state``.
     ``request_limit``: ``(max_requests, per_client)`` of ``dsv41.httpd.ShedRequests`` (default
-    ``dsv41.httpd.request_limit`` of the environment's settings).
-    Middleware, outermost first: ``HeadAsGet``, ``ShedRequests`` (health and metrics never shed),
-    ``BodyLimit``, ``CatchAll``; errors (routing 404/405 too) answer in OpenAI's shape.
+    ``dsv41.httpd.request_limit`` of the environment's settings). ``operator_credential``
+    (``dsv41.authz``; None: the control routes ``/pause`` and ``/resume`` refuse everyone),
+    ``api_key`` (vLLM's ``--api-key``: None, the ``/v1`` routes are open) and ``allowed_hosts``
+    (``DSV41_CONTROL_HOSTS``): :class:`Guard`.
+    Middleware, outermost first: ``HeadAsGet``, ``Guard``, ``ShedRequests`` (health and metrics never
+    shed), ``BodyLimit``, ``CatchAll``; errors (routing 404/405 too) answer in OpenAI's shape.
     """
     from dsv41 import envs, httpd
 
@@ -198,6 +228,7 @@ def create_app(engine, model_name: str, max_model_len: int, state: ServerState |
     app.add_middleware(BodyLimit)
     max_requests, per_client = request_limit or httpd.request_limit(envs.parse())
     app.add_middleware(httpd.ShedRequests, max_requests=max_requests, per_client=per_client)
+    app.add_middleware(Guard, credential=operator_credential, api_key=api_key, allowed_hosts=tuple(allowed_hosts))
     app.add_middleware(HeadAsGet)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(ApiError, _api_error)

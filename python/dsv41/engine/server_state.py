@@ -65,7 +65,8 @@ class ServerState:
         if rec is None:
             return
         self.paused, self.paused_since, self.window_token = True, rec.since, rec.window
-        log.info("starting held: the fenced HOLD %s (since %.0f) outlived the restart", rec.window, rec.since)
+        # the token is a secret (it admits requests past the HOLD): never logged
+        log.info("starting held: a fenced HOLD (since %.0f) outlived the restart", rec.since)
 
     def hold(self, window: str | None) -> None:
         """Close admission (``window``: the fenced token still admitted, or None); a fenced HOLD

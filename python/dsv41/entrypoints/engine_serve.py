@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dsv41 import envs
+from dsv41 import authz, envs
 from dsv41.drafter.factory import build_speculator, kv_budget_extra_tokens
 from dsv41.engine.cli import DEFAULT_CONFIG, app, check_device, row_source, set_threads
 from dsv41.envs import Settings
@@ -66,11 +66,20 @@ def serve_cmd(
     served_model_name: Annotated[str, typer.Option("--served-model-name", help="Model id in the API.")] = "dsv41-lab",
     rendezvous_timeout: Annotated[float, typer.Option("--rendezvous-timeout", help="Seconds to wait for the other rank.")] = 600.0,
     threads: Annotated[int, typer.Option("--threads", help="torch CPU threads per rank.")] = 1,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", envvar="VLLM_API_KEY", show_default=False,
+        help="vLLM's convention: /v1 requests need 'Authorization: Bearer KEY' (rank 0). Prefer VLLM_API_KEY "
+             "in a mode-0600 env file: a command line is visible to every local user.")] = None,
 ) -> None:
     """Serve the lab model: rank 0 answers HTTP, rank 1 is a headless worker (start it first)."""
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d rendezvous retries are expected noise
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = envs.parse()  # every DSV41_* variable, once, before anything starts
+    # rank 0's operator credential (dsv41.authz): a bad file stops the start, never a silent open server
+    access = authz.server_settings(settings) if rank == 0 else (None, ())
+    if rank == 0 and access[0] is None:
+        logging.getLogger("dsv41.engine").warning(
+            "DSV41_OPERATOR_CREDENTIAL_FILE is not set: /pause and /resume refuse every request")
     set_threads(threads, settings)
     check_device(device)
     if tp not in (1, 2):
@@ -125,7 +134,7 @@ def serve_cmd(
             worker_loop(model, comm, rows, lambda: drain["flag"])
             return
         _serve_rank0(settings, cfg, model, comm, rows, identity, device, host, port, kv_cache_tokens,
-                     max_running, max_step_tokens, served_model_name, deadlines)
+                     max_running, max_step_tokens, served_model_name, deadlines, access, api_key or None)
     finally:
         try:
             rows.close()
@@ -147,7 +156,7 @@ FATAL_LINGER_S = 1.0
 
 
 def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, host, port, kv_cache_tokens,
-                 max_running, max_step_tokens, name, deadlines) -> None:
+                 max_running, max_step_tokens, name, deadlines, access=(None, ()), api_key=None) -> None:
     import asyncio
 
     import uvicorn
@@ -177,7 +186,8 @@ def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, h
     holder["engine"] = engine
     state = ServerState(settings.admission_hold_file or None)
     app = create_app(engine, name, min(cfg.max_position_embeddings, kv_cache_tokens), state, metrics,
-                     request_limit(settings))
+                     request_limit(settings), operator_credential=access[0], api_key=api_key,
+                     allowed_hosts=access[1])
     class _Server(uvicorn.Server):
         # uvicorn re-raises a captured SIGTERM after its graceful shutdown, which would kill the
         # process before the engine tells rank 1 to stop; handle it as "drain, then exit 0".

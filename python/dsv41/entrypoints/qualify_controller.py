@@ -20,7 +20,9 @@ def _completions(api_url: str, n: int, timeout_s: float = 60.0) -> tuple[int, li
 
     model = served_model(api_url)
     ok, errors = 0, []
-    with httpx.Client(timeout=timeout_s, trust_env=False) as c:
+    from dsv41.harness import http
+
+    with httpx.Client(timeout=timeout_s, trust_env=False, headers=http.auth_headers(what="qualification traffic")) as c:
         for i in range(n):
             try:
                 r = c.post(api_url.rstrip("/") + "/v1/completions",

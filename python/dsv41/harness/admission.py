@@ -45,8 +45,10 @@ def set_state(endpoint: str, state: str, timeout_s: float = 30.0, settle_s: floa
     ``drain_s + timeout_s`` seconds). Returns the state before the call. Idempotent: no request
     is sent when already there, except a HOLD while ``DSV41_WINDOW_TOKEN`` is set: that one is
     always sent, with ``&window=TOKEN``, so the held engine admits the window's own requests.
-    Raises AdmissionError on a bad state, HTTP errors, or when the state does not settle within
-    ``settle_s`` seconds.
+    The request carries the operator credential (``DSV41_OPERATOR_CREDENTIAL_FILE``,
+    ``dsv41.authz``); error messages never show the window token. Raises AdmissionError on a bad
+    state, HTTP errors (401/403: no or a wrong credential), or when the state does not settle
+    within ``settle_s`` seconds.
     """
     if state not in (HELD, OPEN):
         raise AdmissionError(f"admission state must be {HELD!r} or {OPEN!r}, not {state!r}")
@@ -59,7 +61,7 @@ def set_state(endpoint: str, state: str, timeout_s: float = 30.0, settle_s: floa
     if state == HELD and token:
         path += f"&window={token}"
     http.request("POST", endpoint.rstrip("/") + path, timeout_s=timeout_s + (drain_s if state == HELD else 0.0),
-                 what=f"POST {path} at {endpoint} failed", error=AdmissionError)
+                 what=f"POST {path.split('&window=')[0]} at {endpoint} failed", error=AdmissionError, operator=True)
     deadline = time.monotonic() + settle_s
     while status(endpoint, timeout_s) != state:
         if time.monotonic() > deadline:

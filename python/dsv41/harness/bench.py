@@ -181,7 +181,7 @@ def _client(timeout_s: float, endpoint: str):
     http.check_url(endpoint, what=f"endpoint {endpoint}", error=BenchError)
 
     return httpx.Client(timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)), trust_env=False,
-                        headers=http.window_headers())
+                        headers={**http.window_headers(), **http.auth_headers(what=f"endpoint {endpoint}", error=BenchError)})
 
 
 def served_model(endpoint: str, timeout_s: float = 10.0) -> str:

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from dsv41 import envs, fileio
+from dsv41.names import check_name
 from dsv41.harness import bench
 from dsv41.harness.window import WindowError
 
@@ -30,11 +31,65 @@ ROLE_VARS = {("serve", "env"): "serve_extra_env", ("engram_server", "env"): "eng
 #: Variables the roles derive from production's own files (digests, paths): a candidate that set
 #: them would change what production's inputs are said to be, not a setting; refused.
 DERIVED_ENV = frozenset({"DSV41_SERVE_INPUTS_SHA256", "DSV41_TABLES_MANIFEST", "DSV41_TABLES_MANIFEST_SHA256",
-                         "DSV41_DRAFTER_FILES_SHA256", "DSV41_WINDOW_TOKEN"})
+                         "DSV41_DRAFTER_FILES_SHA256", "DSV41_WINDOW_TOKEN",
+                         # who may change production is not a setting a window measures
+                         "DSV41_OPERATOR_CREDENTIAL_FILE", "DSV41_CONTROL_HOSTS", "DSV41_API_KEY_FILE"})
 
 
 class CandidateError(WindowError):
     """A candidate file that is unknown, unreadable, off its schema or not restorable."""
+
+
+#: Jinja's delimiters (Ansible templates any trusted string holding one): a value from a
+#: candidate, an arm file or a package that holds one is refused, never handed to Ansible.
+TEMPLATE_MARKS = ("{{", "{%", "{#", "}}", "%}", "#}")
+
+
+def check_data(doc: object, where: str, error: type[WindowError] = CandidateError) -> None:
+    """Refuse (``error``, one line naming ``where`` and the JSON path) any key or string value of
+    ``doc`` (nested dicts and lists) that holds Jinja template syntax (:data:`TEMPLATE_MARKS`) or
+    a control character: data read from files reaches Ansible as data, never as code."""
+
+    def walk(x: object, path: str) -> None:
+        if isinstance(x, dict):
+            for k, v in x.items():
+                walk(k, f"{path}/{k!s}"[:200] + " (key)")
+                walk(v, f"{path}/{k!s}")
+        elif isinstance(x, list):
+            for i, v in enumerate(x):
+                walk(v, f"{path}/{i}")
+        elif isinstance(x, str):
+            mark = next((m for m in TEMPLATE_MARKS if m in x), None)
+            if mark is not None:
+                raise error(f"{where}: {path or '(top)'} holds template syntax {mark!r}; values are data, never code")
+            if any(ord(c) < 32 and c not in "\t\n" for c in x):
+                raise error(f"{where}: {path or '(top)'} holds a control character")
+
+    walk(doc, "")
+
+
+#: The keys of a window arm file (``windows/<id>/arms/<candidate>-<arm>.json``, window.yml).
+ARM_KEYS = frozenset({"window_arm", "window_switch_roles"})
+
+
+def load_arm(path: str | os.PathLike) -> dict:
+    """Read a window arm file as data: a JSON object with exactly :data:`ARM_KEYS`
+    (``window_arm``: {role variable: value} of :data:`ROLE_VARS`' variables, plus the fault
+    drill's serve settings; ``window_switch_roles``: role names), no template syntax anywhere
+    (:func:`check_data`). Returns it; raises CandidateError (one line) otherwise.
+    ``playbooks/window_switch.yml`` loads every arm through this (``dsv41 window arm``)."""
+    doc = fileio.read_json(path, "window arm file", max_bytes=1 << 20, error=CandidateError)
+    if not isinstance(doc, dict) or set(doc) != ARM_KEYS:
+        raise CandidateError(f"window arm file {path}: must be a JSON object with exactly "
+                             f"{', '.join(sorted(ARM_KEYS))}")
+    if not isinstance(doc["window_arm"], dict) or not (
+            isinstance(doc["window_switch_roles"], list) and all(isinstance(r, str) for r in doc["window_switch_roles"])):
+        raise CandidateError(f"window arm file {path}: window_arm must be an object and window_switch_roles a list "
+                             f"of role names")
+    for r in doc["window_switch_roles"]:
+        check_name(r, "window arm file role", CandidateError)
+    check_data(doc, f"window arm file {path}")
+    return doc
 
 
 def load_candidate(name: str, root: str | os.PathLike = "candidates") -> dict:
@@ -48,8 +103,7 @@ def load_candidate(name: str, root: str | os.PathLike = "candidates") -> dict:
     import jsonschema
     import yaml
 
-    if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
-        raise CandidateError(f"candidate name must be a plain name, got {name!r}")
+    check_name(name, "candidate name", CandidateError)
     path = Path(root) / f"{name}.yml"
     if not path.is_file():
         known = sorted(p.stem for p in Path(root).glob("*.yml")) if Path(root).is_dir() else []
@@ -67,6 +121,7 @@ def load_candidate(name: str, root: str | os.PathLike = "candidates") -> dict:
         raise CandidateError(f"candidate {path} fails its schema at {loc}: {err.message}")
     if doc["name"] != name:
         raise CandidateError(f"candidate {path} is named {doc['name']!r}; the file name says {name!r}")
+    check_data(doc, f"candidate {path}")
     return doc
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import typer
 
+from dsv41 import names
+
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 _LAB_DIR = "/var/lib/dsv41-lab"
@@ -99,7 +101,8 @@ def run(
     serve_container: bool | None = ContainerOpt,
     container_runtime: str = RuntimeOpt,
     out_dir: str = typer.Option("drills", "--out-dir", help="Reports go to OUT_DIR/<id>/."),
-    drill_id: str = typer.Option("", "--id", help="Report id (default: UTC time)."),
+    drill_id: str = typer.Option("", "--id", help="Report id (default: UTC time).",
+                                 callback=names.option("drill report id", empty_ok=True)),
 ) -> None:
     """Inject each fault under load, clear it, measure; writes report.json, summary.md and
     timeline.png under OUT_DIR/<id>/. Exit 1 unless every fault had zero failed requests,

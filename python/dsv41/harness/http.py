@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 from dsv41.errors import Dsv41Error
+
+
+# httpx logs every request line at INFO: a fenced HOLD's URL carries its token (a secret)
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 class HttpError(Dsv41Error):
@@ -87,20 +92,36 @@ def check_url(url: str, *, what: str, error: type[Dsv41Error] = HttpError) -> st
     return url
 
 
+def auth_headers(operator: bool = False, *, what: str = "HTTP request",
+                 error: type[Dsv41Error] = HttpError) -> dict[str, str]:
+    """The credentials a project client sends (``dsv41.authz.client_headers``): the API key
+    (``DSV41_API_KEY_FILE``) always, the operator credential (``DSV41_OPERATOR_CREDENTIAL_FILE``)
+    when ``operator`` (a request that changes a server's state). ``error(what: ...)`` naming the
+    file, never the secret, when one cannot be read."""
+    from dsv41 import authz
+
+    try:
+        return authz.client_headers(operator)
+    except authz.CredentialError as exc:
+        raise error(f"{what}: {exc}") from None
+
+
 def request(method: str, url: str, *, what: str, timeout_s: float = 10.0, json: Any = None,
-            error: type[Dsv41Error] = HttpError) -> Any:
+            error: type[Dsv41Error] = HttpError, operator: bool = False) -> Any:
     """Send one request and return the ``httpx.Response`` (status 2xx).
 
     ``timeout_s`` bounds connect, each read and write (seconds); environment proxies are ignored
     (``trust_env=False``: lab addresses must not go through an operator's proxy).  Raises
     ``error(f"{what}: <reason>")`` on a timeout, a connection failure, a non-2xx status or any
-    other transport error. Carries :func:`window_headers`.
+    other transport error. Carries :func:`window_headers` and :func:`auth_headers` (the operator
+    credential only when ``operator``: pause, resume).
     """
     import httpx
 
     check_url(url, what=what, error=error)
+    headers = {**window_headers(), **auth_headers(operator, what=what, error=error)}
     try:
-        with httpx.Client(timeout=timeout_s, trust_env=False, headers=window_headers()) as c:
+        with httpx.Client(timeout=timeout_s, trust_env=False, headers=headers) as c:
             r = c.request(method, url, json=json)
             r.raise_for_status()
             r.read()
@@ -112,9 +133,9 @@ def request(method: str, url: str, *, what: str, timeout_s: float = 10.0, json: 
 
 
 def request_json(method: str, url: str, *, what: str, timeout_s: float = 10.0, json: Any = None,
-                 error: type[Dsv41Error] = HttpError) -> Any:
+                 error: type[Dsv41Error] = HttpError, operator: bool = False) -> Any:
     """:func:`request`, then the body decoded as JSON; ``error`` when it is not JSON."""
-    r = request(method, url, what=what, timeout_s=timeout_s, json=json, error=error)
+    r = request(method, url, what=what, timeout_s=timeout_s, json=json, error=error, operator=operator)
     try:
         return r.json()
     except ValueError as exc:

@@ -458,22 +458,38 @@ def record_window(state_dir: str, candidate: str, metric: str, window_id: str, v
 
 def stage_window(state_dir: str, candidate: str, metric: str, window_id: str, verdict: str):
     """The cap state with this window appended, written beside ``questions.json`` but not yet in
-    place (a :class:`dsv41.fileio.Staged`: ``commit()`` counts the window, ``discard()`` drops it).
+    place (a :class:`dsv41.filelock.LockedStage`: ``commit()`` counts the window, ``discard()``
+    drops it; the state's lock is held from the read until then, so concurrent recorders never
+    lose a window).
     ``dsv41 window run`` stages the cap and the decision, then commits both, so neither is kept
     without the other. Raises Win2Error."""
 
+    from dsv41.names import check_name
+
     if verdict not in VERDICTS:
         raise Win2Error(f"unknown verdict {verdict!r}")
+    check_name(window_id, "window id", Win2Error)
+    check_name(candidate, "candidate name", Win2Error)
     try:
         os.makedirs(state_dir, exist_ok=True)
     except OSError as exc:
         raise Win2Error(f"cannot create the window cap state directory {state_dir}: {exc.strerror or exc}") from None
-    doc = _load_questions(state_dir)
-    doc.setdefault(question_key(candidate, metric), []).append(
-        {"window": window_id, "verdict": verdict,
-         "at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")})
-    return fileio.stage(os.path.join(state_dir, QUESTIONS_FILE), fileio.dumps_json(doc, indent=1, sort_keys=True),
-                        "the window cap state", error=Win2Error)
+    from dsv41 import filelock
+
+    target = os.path.join(state_dir, QUESTIONS_FILE)
+    # held from this read until commit/discard: concurrent recorders queue, none is lost
+    fd = filelock.acquire(target, "window cap state", error=Win2Error)
+    try:
+        doc = _load_questions(state_dir)
+        doc.setdefault(question_key(candidate, metric), []).append(
+            {"window": window_id, "verdict": verdict,
+             "at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")})
+        staged = fileio.stage(target, fileio.dumps_json(doc, indent=1, sort_keys=True), "the window cap state",
+                              error=Win2Error)
+    except BaseException:
+        os.close(fd)
+        raise
+    return filelock.LockedStage(staged, fd)
 
 
 # ---- calibration: simulated windows -------------------------------------------------------------

@@ -121,7 +121,7 @@ def run_cells(plan: list[dict], endpoints: dict[str, str], model: str, sampler: 
 
     def new_client():
         return httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False,
-                            headers=http.window_headers())
+                            headers={**http.window_headers(), **http.auth_headers(what="window cells", error=WindowError)})
 
     client = new_client()
     try:

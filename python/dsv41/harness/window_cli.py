@@ -6,7 +6,7 @@ import contextlib
 
 import typer
 
-from dsv41 import fileio
+from dsv41 import fileio, names
 from dsv41.harness import win2
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -53,7 +53,7 @@ def decide(
 
 @app.command()
 def cap(
-    candidate: str = typer.Option(..., help="Candidate name."),
+    candidate: str = typer.Option(..., help="Candidate name.", callback=names.option("candidate name")),
     metric: str = typer.Option(..., help="Primary metric of the question."),
     state_dir: str = typer.Option("windows", help="Directory holding questions.json."),
     record: str = typer.Option("", help="Record a finished window: WINDOW_ID=VERDICT."),
@@ -63,6 +63,7 @@ def cap(
         wid, sep, verdict = record.partition("=")
         if not sep or not wid:
             raise win2.Win2Error(f"--record must be WINDOW_ID=VERDICT, got {record!r}")
+        names.check_name(wid, "--record's window id", win2.Win2Error)
         win2.record_window(state_dir, candidate, metric, wid, verdict)
         print(f"recorded {win2.question_key(candidate, metric)}: window {wid} {verdict}")
         return
@@ -132,7 +133,7 @@ def simulate(
 
 @app.command()
 def candidate(
-    name: str = typer.Argument(..., help="Candidate name (candidates/NAME.yml)."),
+    name: str = typer.Argument(..., help="Candidate name (candidates/NAME.yml).", callback=names.option("candidate name")),
     root: str = typer.Option("candidates", help="Directory of candidate files."),
     vars_out: str = typer.Option("", help="Write the arm's Ansible extra variables (JSON) here."),
 ) -> None:
@@ -147,21 +148,32 @@ def candidate(
     print(fileio.dumps_json({"candidate": doc, "role_vars": rv}, indent=1))
 
 
+@app.command()
+def arm(file: str = typer.Option(..., "--file", help="A window arm file (windows/<id>/arms/<candidate>-<arm>.json).")) -> None:
+    """Print a window arm file as JSON after refusing template syntax anywhere in it (exit 1, one
+    line): window_switch.yml reads every arm through this, so its values reach Ansible as data."""
+    from dsv41.harness import candidates
+
+    print(fileio.dumps_json(candidates.load_arm(file), sort_keys=True))
+
+
 @app.command("run")
 def run_cmd(
     control: str = typer.Option(..., help="Control arm base URL."),
     candidate: str = typer.Option(..., help="Candidate arm base URL (the same URL with --switch-cmd, or "
                                             "for an A/A window)."),
     spec: str = typer.Option("", help="Workload spec (default: $DSV41_BENCH_SPEC_FILE, else the shipped one)."),
-    name: str = typer.Option("aa", help="Candidate name (the question is NAME + metric)."),
-    control_name: str = typer.Option("production", help="Control name."),
+    name: str = typer.Option("aa", help="Candidate name (the question is NAME + metric).",
+                             callback=names.option("candidate name")),
+    control_name: str = typer.Option("production", help="Control name.", callback=names.option("control name")),
     question: str = typer.Option("", help="The question, in words, for the report."),
     metric: str = typer.Option("step_ms_p50", help="Primary metric: ttft_ms, step_ms_p50 or tok_s."),
     min_effect: float = typer.Option(win2.DEFAULT_MIN_EFFECT, help="Declared minimum effect (fraction)."),
     alpha: float = typer.Option(win2.DEFAULT_ALPHA, help="1 - confidence level."),
     seed: int = typer.Option(0, help="Cell plan and bootstrap seed."),
     windows_dir: str = typer.Option("windows", help="Where windows/<id>/ and the cap state live."),
-    window_id: str = typer.Option("", "--id", help="Window id (default: UTC time + name)."),
+    window_id: str = typer.Option("", "--id", help="Window id (default: UTC time + name).",
+                                  callback=names.option("window id", empty_ok=True)),
     switch_cmd: str = typer.Option("", help="Shell command run to switch arms; {arm} is replaced."),
     refs_file: str = typer.Option("", "--refs", help="Greedy refs for the smoke start's known answer."),
     no_cap: bool = typer.Option(False, help="Do not apply or record the two-window cap (calibration runs)."),
@@ -220,7 +232,8 @@ def _progress_bar(window_id: str, total: int):
 
 @app.command("stop-run")
 def stop_run_cmd(
-    window_id: str = typer.Option(..., "--window", help="Window id (windows/<id>/package's directory; the journal's op id)."),
+    window_id: str = typer.Option(..., "--window", help="Window id (windows/<id>/package's directory; the journal's op id).",
+                                  callback=names.option("window id")),
     windows_dir: str = typer.Option("windows", help="Where windows/<id>/ lives."),
     timeout: float = typer.Option(30.0, help="Seconds to wait after SIGTERM before SIGKILL."),
 ) -> None:
@@ -242,8 +255,10 @@ def stop_run_cmd(
 
 @app.command("plan")
 def plan_cmd(
-    candidates: str = typer.Option(..., help="Candidate name(s), comma-separated (chain mode)."),
-    control: str = typer.Option("production", help="Control: a candidate name, or production as deployed."),
+    candidates: str = typer.Option(..., help="Candidate name(s), comma-separated (chain mode).",
+                                   callback=names.option("candidate name", many=True)),
+    control: str = typer.Option("production", help="Control: a candidate name, or production as deployed.",
+                                callback=names.option("control name")),
     root: str = typer.Option("candidates", help="Directory of candidate files."),
     windows_dir: str = typer.Option("windows", help="Where the cap state (questions.json) lives."),
     spec: str = typer.Option("", help="Workload spec for candidates that name none."),

@@ -201,8 +201,13 @@ def stop_runs(windows_dir: str | os.PathLike, window_id: str, timeout_s: float =
     admission held)."""
     import psutil
 
+    from dsv41.names import check_name
+
+    check_name(window_id, "window id", WindowError)  # a glob or a path would reach other windows' runs
     stopped = StoppedRuns()
-    for path in sorted(Path(windows_dir).glob(f"{window_id}-*/{RUN_PID_NAME}")):
+    prefix = f"{window_id}-"
+    for path in sorted(p for p in Path(windows_dir).glob(f"*/{RUN_PID_NAME}")
+                       if p.parent.name.startswith(prefix)):
         rec = read_run_pid(path)
         if rec is None:
             continue  # it ended (and removed its record) since the glob

@@ -19,6 +19,9 @@ Behaviour (docs/windows.md "The fence on vLLM"):
   routes answers 503 (OpenAI error JSON, ``Retry-After``) unless its ``X-DSV41-Window`` header
   equals the token. A hold file that exists but cannot be read or parsed keeps admission closed
   for everyone (fail safe) and logs one error line per distinct file; ``/resume`` clears it.
+- Every control request (``dsv41.authz.is_control``: ``/pause``, ``/resume``, and vLLM's dev
+  routes such as ``/sleep`` or ``/reset_prefix_cache``) must carry the operator credential
+  (``X-DSV41-Operator``) and no browser cross-site shape; otherwise 401/403 here, never forwarded.
 - ``POST /pause?mode=wait&window=TOKEN[&timeout_s=S]`` is answered here, never forwarded (vLLM's
   engine is not paused): it writes the record, then waits up to ``S`` seconds (default 600) for
   the requests in flight through this middleware to finish. The fence cannot abort requests
@@ -42,9 +45,9 @@ import math
 import os
 import time
 from pathlib import Path
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlencode
 
-from dsv41 import envs, fileio
+from dsv41 import authz, envs, fileio
 from dsv41.engine import drain as dr
 from dsv41.engine.hold import (WINDOW_HEADER, WINDOW_TOKEN_RE, HoldFileError, HoldRecord, read_hold, remove_hold,
                                write_hold)
@@ -100,14 +103,26 @@ class AdmissionFence:
     ``app``: the ASGI app it wraps (vLLM's FastAPI app). ``hold_file``: where the fenced HOLD is
     kept (default ``DSV41_ADMISSION_HOLD_FILE``; empty: the fence never holds, ``/pause?window=``
     answers 500). ``dev_routes``: whether vLLM serves its dev routes (default: from
-    ``VLLM_SERVER_DEV_MODE``). Raises ``dsv41.envs.ConfigError`` on a bad ``DSV41_*`` environment
-    (vLLM then does not start). Counters: :attr:`in_flight` (requests being served that a HOLD
+    ``VLLM_SERVER_DEV_MODE``). ``credential``: the operator credential every control request
+    (``dsv41.authz.is_control``: ``/pause``, ``/resume``, vLLM's dev routes) must carry, without a
+    cross-site shape (default: ``DSV41_OPERATOR_CREDENTIAL_FILE``; none: they are all refused);
+    ``allowed_hosts``: Host names accepted on them besides IP literals and ``localhost`` (default
+    ``DSV41_CONTROL_HOSTS``). Raises ``dsv41.envs.ConfigError`` on a bad ``DSV41_*`` environment
+    and ``dsv41.authz.CredentialError`` on an unusable credential file (vLLM then does not start). Counters: :attr:`in_flight` (requests being served that a HOLD
     could refuse), :attr:`refused_total`, :attr:`drain_outlived_total`.
     """
 
-    def __init__(self, app, hold_file: str | os.PathLike | None = None, dev_routes: bool | None = None) -> None:
+    def __init__(self, app, hold_file: str | os.PathLike | None = None, dev_routes: bool | None = None,
+                 credential: str | None = None, allowed_hosts: tuple[str, ...] | None = None) -> None:
         self.app = app
-        path = hold_file if hold_file is not None else envs.parse().admission_hold_file
+        settings = envs.parse()
+        path = hold_file if hold_file is not None else settings.admission_hold_file
+        loaded, hosts = authz.server_settings(settings) if credential is None else (credential, ())
+        self.credential = loaded
+        self.allowed_hosts = tuple(hosts if allowed_hosts is None else allowed_hosts)
+        if self.credential is None:
+            log.warning("DSV41_OPERATOR_CREDENTIAL_FILE is not set: /pause, /resume and every other control "
+                        "route refuse every request")
         self.hold_file = Path(path) if path else None
         self.dev_routes = _vllm_dev_routes() if dev_routes is None else dev_routes
         self.book = dr.DrainBook()  # requests in flight through the fence, pending drains
@@ -120,8 +135,8 @@ class AdmissionFence:
         else:
             state = self.hold()
             if isinstance(state, HoldRecord):
-                log.info("starting held: the fenced HOLD %s (since %.0f) outlived the restart",
-                         state.window, state.since)
+                # the token is a secret (it admits requests past the HOLD): never logged
+                log.info("starting held: a fenced HOLD (since %.0f) outlived the restart", state.since)
 
     @property
     def in_flight(self) -> int:
@@ -162,10 +177,20 @@ class AdmissionFence:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path, method = scope.get("path", ""), scope.get("method", "GET")
+        if authz.is_control(method, path):
+            why = authz.control_refusal(scope.get("headers", ()), self.credential, self.allowed_hosts)
+            if why is not None:
+                self.refused_total += 1
+                etype = "AuthenticationError" if why[0] == 401 else "PermissionDeniedError"
+                return await _error(why[0], why[1], etype)(scope, receive, send)
         if path == "/pause" and method == "POST":
             query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
             if "window" in query:
-                return await self._fenced_pause(query)(scope, receive, send)
+                answer = self._fenced_pause(query)
+                # vLLM's uvicorn access log prints the query string of this scope: never the token
+                scope["query_string"] = urlencode([(k, "REDACTED" if k == "window" else v)
+                                                   for k, vs in query.items() for v in vs]).encode()
+                return await answer(scope, receive, send)
             return await self._plain_pause(scope, receive, send)
         if path == "/resume" and method == "POST":
             return await self._resume(scope, receive, send)
@@ -183,7 +208,7 @@ class AdmissionFence:
         token = next((v.decode("latin-1") for k, v in scope.get("headers", ())
                       if k.decode("latin-1").lower() == WINDOW_HEADER), None)
         if state is not None:
-            if not (isinstance(state, HoldRecord) and token == state.window):
+            if not (isinstance(state, HoldRecord) and authz.same_secret(token, state.window)):
                 self.refused_total += 1
                 return await _error(503, "the server is paused (a fenced HOLD is in force; POST /resume to admit "
                                          "requests again)", "ServiceUnavailableError",
@@ -223,8 +248,7 @@ class AdmissionFence:
                           "InternalServerError")
         self.hold()  # cache the record just written
         d = self.book.begin("wait", window)  # supersedes a pending drain of this process
-        log.info("fenced HOLD %s taken; draining %d in-flight requests (at most %g s)", window, d.in_flight_at_pause,
-                 timeout_s)
+        log.info("fenced HOLD taken; draining %d in-flight requests (at most %g s)", d.in_flight_at_pause, timeout_s)
 
         async def app(scope, receive, send):
             try:

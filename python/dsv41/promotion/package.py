@@ -20,6 +20,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import errno
 import json
 import os
 import re
@@ -175,7 +176,9 @@ def write(root: str | os.PathLike, doc: dict, blobs: dict[str, bytes]) -> tuple[
 
     Immutable: when ``root/<id>`` exists it is verified instead of written (created False), and a
     stored copy that fails verification raises VerificationError rather than being overwritten.
-    The directory appears atomically (written to a temporary sibling, then renamed)."""
+    The directory appears atomically (written to a temporary sibling, then renamed); when writers
+    race on one package, one creates it and the others verify it (created False): no raw OS error.
+    Raises PackageError (or VerificationError)."""
     validate(doc)
     pid = package_id(doc)
     root = Path(root)
@@ -196,7 +199,17 @@ def write(root: str | os.PathLike, doc: dict, blobs: dict[str, bytes]) -> tuple[
             fileio.atomic_write(p, data, f"package {pid[:12]} file {rel}", error=PackageError)
         fileio.atomic_write(tmp / "package.json", canonical(doc) + b"\n", f"package {pid[:12]} record",
                             error=PackageError)
-        os.replace(tmp, dest)
+        try:
+            os.replace(tmp, dest)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not dest.is_dir():
+                raise PackageError(f"cannot store package {pid[:12]} in {root}: {exc.strerror or exc}") from None
+            # another writer stored the same package first: ids are content hashes, so it is this one
+            shutil.rmtree(tmp, ignore_errors=True)
+            verify(root, pid)
+            if not (root / f"{pid}.tar.gz").is_file():
+                _tarball(dest, root / f"{pid}.tar.gz")
+            return pid, False
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
