@@ -25,13 +25,14 @@ always find room.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import socket
 import sys
 import threading
 import time
 from http.server import ThreadingHTTPServer
+
+from dsv41 import fileio
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ _ERROR_TYPES = {404: "NotFoundError", 405: "MethodNotAllowedError", 429: "RateLi
 def http_error_body(status: int, message: str) -> bytes:
     """OpenAI's error object ``{"error": {"message", "type", "param", "code"}}`` as JSON bytes."""
     etype = _ERROR_TYPES.get(status, "BadRequestError")
-    return json.dumps({"error": {"message": message, "type": etype, "param": None, "code": status}}).encode()
+    return fileio.dumps_json({"error": {"message": message, "type": etype, "param": None, "code": status}}).encode()
 
 
 def overload_body(status: int, message: str) -> bytes:

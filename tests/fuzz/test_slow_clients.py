@@ -29,7 +29,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "unit"))
-from test_http_servers_every_endpoint import LIMITS, STARTERS  # noqa: E402
+from httpserverutil import LIMITS, STARTERS  # noqa: E402
 
 SECONDS = float(os.environ.get("SLOW_FUZZ_SECONDS", "15"))
 SEED = int(os.environ.get("FUZZ_SEED", "45"))

@@ -118,7 +118,7 @@ def test_the_credential_admits_and_reads_stay_open():
 
 
 def _fence(tmp_path):
-    from test_vllm_fence import FakeVllm
+    from fakevllm import FakeVllm
 
     vllm = FakeVllm()
     return AdmissionFence(vllm, hold_file=tmp_path / "hold", dev_routes=True, credential=OPERATOR,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_overlay_contract_cli import contract_of, fake_tree
+from contractutil import contract_of, fake_tree
 
 from dsv41.overlay import contract as C
 
@@ -43,7 +43,8 @@ os.execve({sys.executable!r}, [{sys.executable!r}, *rest],
     d.chmod(d.stat().st_mode | stat.S_IXUSR)
 
 
-def run_check(tmp: Path, *, version: str, contract: dict | None = None, native: bool = True) -> subprocess.CompletedProcess:
+def run_check(tmp: Path, *, version: str, contract: dict | None = None, native: bool = True,
+              overlay_active: bool = True) -> subprocess.CompletedProcess:
     tree = tmp / "image-vllm"
     fake_tree(tree, version, C.load())
     site = tmp / "site"
@@ -60,7 +61,8 @@ def run_check(tmp: Path, *, version: str, contract: dict | None = None, native: 
     play = [{"hosts": "localhost", "gather_facts": False, "connection": "local", "tasks": tasks,
              "vars": {"serve_container_runtime": str(bindir / "docker"), "serve_overlay_site": str(site),
                       "serve_overlay_container_site": "/opt/dsv41/overlay-site", "serve_image": IMAGE,
-                      "serve_overlay_plugin": C.PLUGIN_NAME, "serve_rank": 1}}]
+                      "serve_overlay_plugin": C.PLUGIN_NAME, "serve_rank": 1,
+                      "serve_overlay_active": overlay_active}}]
     (tmp / "play.yml").write_text(yaml.safe_dump(play, sort_keys=False))
     py = Path(sys.executable).parent
     env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
@@ -98,3 +100,9 @@ def test_no_cpp_extension_in_the_site_is_reported_for_the_rank(tmp_path):
 def test_any_other_version_is_refused(tmp_path, version):
     r = run_check(tmp_path, version=version)
     assert r.returncode != 0 and f"has vLLM {version}" in " ".join(r.stdout.split())
+
+
+def test_a_fence_only_rank_runs_on_any_vllm(tmp_path):
+    # the stock stage: only the fence middleware (ASGI) is mounted, no overlay hook has a contract
+    r = run_check(tmp_path, version="0.32.0+cpu", overlay_active=False)
+    assert r.returncode == 0, r.stdout[-3000:]

@@ -81,7 +81,7 @@ def test_ten_concurrent_cap_records_keep_ten(tmp_path):
 
 
 def _write_pkg(root):
-    from test_promotion import PROV, _hosts as hosts
+    from promotionpkgutil import PROV, _hosts as hosts
 
     try:
         return pkg.write(root, *pkg.build(hosts(), PROV, b'{"refs": []}\n'))

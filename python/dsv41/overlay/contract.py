@@ -216,7 +216,7 @@ def probe_command(files: list[str], *, python: str | None = None, image: str | N
     """The argv that runs :data:`PROBE` with ``python`` (a path; default this interpreter) or inside ``image`` (``RUNTIME run
     --rm --pull never --network none --entrypoint python3 IMAGE``). ConfigError for an image
     reference that is not a plain name (no leading ``-``, no spaces, only ``A-Za-z0-9._/:@+-``)."""
-    arg = json.dumps(sorted(files))
+    arg = fileio.dumps_json(sorted(files))
     if image is not None:
         import re
 
@@ -249,7 +249,7 @@ def inspect(*, python: str | None = None, image: str | None = None, container_ru
         tail = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
         raise Dsv41Error(f"cannot inspect the {where}: {tail}", exit_code=2)
     try:
-        found = json.loads(r.stdout.strip().splitlines()[-1])
+        found = fileio.loads_json(r.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         raise Dsv41Error(f"cannot inspect the {where}: it printed no JSON", exit_code=2) from None
     if not isinstance(found, dict):

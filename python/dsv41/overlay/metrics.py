@@ -158,6 +158,8 @@ def registry() -> CollectorRegistry:
 def _handler(reg: CollectorRegistry) -> type:
     class Handler(BaseHTTPRequestHandler):
         server_version = "dsv41-overlay"
+        #: the GET endpoints (tests enumerate them)
+        GET_PATHS = ("/metrics", "/health")
 
         def _reply(self, code: int, body: bytes, ctype: str = CONTENT_TYPE, head: bool = False) -> None:
             self.send_response(code)
@@ -175,8 +177,8 @@ def _handler(reg: CollectorRegistry) -> type:
                 with _lock:
                     body = f"{_state['state']}\n".encode()
                 self._reply(200, body, "text/plain; charset=utf-8", head)
-            else:
-                self._reply(404, b"not found: GET /metrics or /health\n", "text/plain; charset=utf-8", head)
+            else:  # OpenAI's error shape (dsv41.httpd.bounded_handler's send_error)
+                self.send_error(404, "not found: GET /metrics or /health")
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             self._get(False)
