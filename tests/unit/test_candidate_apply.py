@@ -212,9 +212,11 @@ def test_env_candidate_differs_exactly_in_the_serving_env_files(rendered):
 
 def test_k_candidate_reaches_drafter_env_and_vllm_speculative_config(rendered):
     inv, got = rendered
-    # the lab drafts on rank 0 only; vLLM's launch line on both ranks carries
-    # num_speculative_tokens (serve's serve_spec_tokens reads spec_decode_k)
-    expect = ["sparkhead.drafter.env"] + ([f"{h}.service.unit" for h in HOSTS["spark"]] if inv == "production" else [])
+    # the lab drafts on rank 0 only; under vLLM every rank holds the drafter settings
+    # (spec_decode_ranks) and its launch line carries num_speculative_tokens (serve's
+    # serve_spec_tokens reads spec_decode_k)
+    expect = (["sparkhead.drafter.env"] if inv != "production" else
+              sorted([f"{h}.drafter.env" for h in HOSTS["spark"]] + [f"{h}.service.unit" for h in HOSTS["spark"]]))
     assert _differing(got["production"], got["k3"]) == expect
     assert "DSV41_DRAFTER_K=3" in got["k3"]["sparkhead.drafter.env"].replace('"', "")
 

@@ -149,7 +149,7 @@ DRAFTER_MOUNT = "/opt/dsv41/drafter:/opt/dsv41/drafter:ro"
 #: times the rank, times which ranks hold the drafter files (spec_decode_ranks).
 DRAFTER_CASES = {f"{rt}-rank{rank}-ranks{''.join(map(str, ranks))}":
                  {"serve_runtime": rt, "serve_container": True, "serve_image": RUNTIMES[rt], "dsv41_rank": rank,
-                  "dsv41_gpus": 0, "spec_decode_enabled": True, "spec_decode_ranks": ranks,
+                  "dsv41_gpus": 0, "spec_decode_enabled": True, "spec_decode_ranks": ranks, "dsv41_mgmt_address": "192.0.2.10",
                   "serve_drafter_remote": rt == "vllm"}
                  for rt in RUNTIMES for rank in (0, 1) for ranks in ([0], [0, 1])}
 
