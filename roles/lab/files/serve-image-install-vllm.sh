@@ -7,6 +7,8 @@ set -eu
 venv=$1
 wh=/wheelhouse
 echo "dsv41 vLLM image: venv $venv from $wh/requirements.txt (no index, no deps)"
+# Debian packages beyond the rootfs (roles/lab lab_image_debs): vllm._C links libnuma
+if [ -d "$wh/debs" ]; then dpkg -i "$wh"/debs/*.deb; fi
 python3 -m venv "$venv"
 "$venv/bin/pip" install --disable-pip-version-check --no-index --no-cache-dir --progress-bar off \
   --no-deps --find-links "$wh" -r "$wh/requirements.txt"
@@ -22,4 +24,6 @@ printf 'vllm-%s+cpu.dist-info/METADATA,,\nvllm-%s+cpu.dist-info/RECORD,,\n' "$ve
 echo "dsv41 vLLM image: vllm $("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm"))')"
 # what pip check cannot say with the CPU-only wheels left out: the server's modules import
 "$venv/bin/python" -c 'import vllm.entrypoints.openai.api_server, jsonschema, safetensors'
+# and vLLM's CPU kernels load (a missing shared library only warns at import, then fails the worker)
+"$venv/bin/python" -c 'import torch, vllm._C'
 rm -rf /root/.cache /tmp/* 2>/dev/null || true
