@@ -15,12 +15,19 @@ down between two of its users (each such gap cost a full re-deploy, ~175 s, in t
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
-from labutil import BIN, LAB, ROOT, end_leftovers, env, play
+from labutil import BIN, LAB, ROOT, end_leftovers, ensure_credential, env, play
 
 _STATE: dict = {"deploy_out": None, "used": False}
+
+
+def pytest_configure(config):
+    """One operator credential for the session: the engines the tests start, the lab's rank 0 (the
+    deploy keeps an existing one) and every client (labutil.operator_headers, the harness)."""
+    os.environ["DSV41_OPERATOR_CREDENTIAL_FILE"] = str(ensure_credential())
 
 
 def pytest_collection_modifyitems(session, config, items):

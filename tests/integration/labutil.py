@@ -26,6 +26,40 @@ needs_lab = pytest.mark.skipif(
     reason="needs root, iproute2 and util-linux for the lab's network namespaces")
 
 
+#: The controller's operator credential (roles/dsv41 tasks/credential.yml writes it once, the deploy
+#: gives it to rank 0): the lab's engine and vLLM fence refuse /pause and /resume without it.
+#: conftest.py makes it before anything starts (a fresh checkout has none) and points
+#: DSV41_OPERATOR_CREDENTIAL_FILE at it, so every engine a test starts and every project client
+#: a test runs use the same one.
+CREDENTIAL = ROOT / "state" / "operator.credential"
+
+
+def ensure_credential() -> Path:
+    """The operator credential at :data:`CREDENTIAL`, written (random, mode 0600, its directory
+    0700) when missing; the deploy keeps an existing one."""
+    from dsv41 import authz
+
+    if not CREDENTIAL.exists():
+        CREDENTIAL.parent.mkdir(mode=0o700, exist_ok=True)
+        authz.write_secret(CREDENTIAL, authz.new_secret())
+    return CREDENTIAL
+
+
+def operator_headers() -> dict[str, str]:
+    """The header a control request (/pause, /resume) carries: the operator credential."""
+    from dsv41 import authz
+
+    return {"X-DSV41-Operator": authz.load_secret(ensure_credential())}
+
+
+def post(url: str, **kw):
+    """``httpx.post`` with the operator credential among its headers (a control request)."""
+    import httpx
+
+    kw["headers"] = {**operator_headers(), **(kw.get("headers") or {})}
+    return httpx.post(url, **kw)
+
+
 def env(extra: dict | None = None) -> dict:
     """The environment for the project's tools: the venv first on PATH, no colours."""
     return dict(os.environ, ANSIBLE_FORCE_COLOR="0", NO_COLOR="1", PATH=f"{BIN}:{os.environ.get('PATH', '')}",

@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+from labutil import post as lab_post  # noqa: E402
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
@@ -171,27 +172,27 @@ def test_pause_modes_match_vllm(server):
         # default mode = abort: the in-flight request ends with an error, at once
         res: dict = {}
         t = started(res)
-        r = httpx.post(server + "/pause", timeout=60)
+        r = lab_post(server + "/pause", timeout=60)
         assert r.status_code == 200 and r.json()["mode"] == "abort" and r.json()["aborted"] == 1
         t.join(60)
         assert res["status"] == 200 and "[DONE]" in res["text"]
         new = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=30)
         assert new.status_code == 503
-        httpx.post(server + "/resume", timeout=30)
+        lab_post(server + "/resume", timeout=30)
         # wait with a short bound: drains, then aborts what is left and says how many
         res = {}
         t = started(res)
-        r = httpx.post(server + "/pause?mode=wait&timeout_s=0.2", timeout=60)
+        r = lab_post(server + "/pause?mode=wait&timeout_s=0.2", timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["mode"] == "wait" and r.json()["aborted_after_timeout"] == 1
         t.join(60)
         m = bench.parse_metrics(httpx.get(server + "/metrics").text)
         assert m["dsv41_engine_pause_drain_aborts_total"] == 1
-        httpx.post(server + "/resume", timeout=30)
+        lab_post(server + "/resume", timeout=30)
         # keep: admission closed, the in-flight request frozen in place, finishing after /resume
         res = {}
         t = started(res)
-        r = httpx.post(server + "/pause?mode=keep", timeout=60)
+        r = lab_post(server + "/pause?mode=keep", timeout=60)
         assert r.status_code == 200 and r.json()["mode"] == "keep" and r.json()["aborted"] == 0
         held = httpx.get(server + "/is_paused").json()
         assert held["is_paused"] is True and held["paused_since"] <= time.time()
@@ -200,12 +201,12 @@ def test_pause_modes_match_vllm(server):
         time.sleep(1.0)
         assert bench.parse_metrics(httpx.get(server + "/metrics").text)["vllm:generation_tokens_total"] == frozen_at
         assert t.is_alive()
-        httpx.post(server + "/resume", timeout=30)
+        lab_post(server + "/resume", timeout=30)
         t.join(120)
         assert '"finish_reason": "length"' in res["text"]
-        assert httpx.post(server + "/pause?mode=later", timeout=30).status_code == 400
+        assert lab_post(server + "/pause?mode=later", timeout=30).status_code == 400
     finally:
-        httpx.post(server + "/resume", timeout=30)
+        lab_post(server + "/resume", timeout=30)
 
 
 def _window_spec(tmp_path):

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+from labutil import post as lab_post  # noqa: E402
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
@@ -43,7 +44,7 @@ def engine(assets, tmp_path):
 
 def _bg(url: str, path: str, out: dict, key: str, **kw) -> threading.Thread:
     def run():
-        out[key] = httpx.post(url + path, timeout=120, **kw)
+        out[key] = lab_post(url + path, timeout=120, **kw)
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
@@ -69,7 +70,7 @@ def test_a_resume_cancels_the_pending_drain_and_later_requests_live(engine):
     _until(lambda: _running(url) >= 1, "the first request never ran")
     t_pause = _bg(url, "/pause?mode=wait&timeout_s=2", out, "pause")
     time.sleep(0.3)
-    assert httpx.post(url + "/resume", timeout=10).json() == {"paused": False}
+    assert lab_post(url + "/resume", timeout=10).json() == {"paused": False}
     t_pause.join(10)
     assert out["pause"].json() == {"paused": False, "mode": "wait", "drain": "resumed", "in_flight_at_pause": 1,
                                    "aborted": 0, "aborted_after_timeout": 0, "still_running": 1}
@@ -83,11 +84,11 @@ def test_a_resume_cancels_the_pending_drain_and_later_requests_live(engine):
     # a drain that times out aborts its own scope only, counted exactly
     t_old = _bg(url, "/v1/completions", out, "old", json=LONG)
     _until(lambda: _running(url) >= 1, "the request never ran")
-    r = httpx.post(url + "/pause?mode=wait&timeout_s=0.2", timeout=30).json()
+    r = lab_post(url + "/pause?mode=wait&timeout_s=0.2", timeout=30).json()
     assert r["drain"] == "timed_out" and r["aborted_after_timeout"] == r["aborted"] == 1 and r["still_running"] == 0
     t_old.join(30)
     assert out["old"].json()["choices"][0]["finish_reason"] == "abort"
-    httpx.post(url + "/resume", timeout=10)
+    lab_post(url + "/resume", timeout=10)
 
 
 @pytest.mark.parametrize("held", ["keep", "wait"])

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+from labutil import post as lab_post  # noqa: E402
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
@@ -169,7 +170,7 @@ def test_pause_wait_abort_resume(server):
     t = threading.Thread(target=long_req, args=("wait", 80))
     t.start()
     time.sleep(0.5)
-    r = httpx.post(server["url"] + "/pause?mode=wait", timeout=120)
+    r = lab_post(server["url"] + "/pause?mode=wait", timeout=120)
     assert r.status_code == 200 and r.json()["paused"] is True
     t.join(60)
     assert res["wait"]["choices"][0]["finish_reason"] == "length"  # nothing admitted was lost
@@ -178,19 +179,19 @@ def test_pause_wait_abort_resume(server):
     assert held["is_paused"] is True and 0 < time.time() - held["paused_since"] < 120
     r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})
     assert r.status_code == 503 and "paused" in r.json()["error"]["message"]
-    assert httpx.post(server["url"] + "/resume").json() == {"paused": False}
+    assert lab_post(server["url"] + "/resume").json() == {"paused": False}
     assert httpx.get(server["url"] + "/is_paused").json() == {"is_paused": False, "paused_since": None}
 
     t = threading.Thread(target=long_req, args=("abort", 600))
     t.start()
     time.sleep(0.8)
-    r = httpx.post(server["url"] + "/pause", json={"mode": "abort"}, timeout=60)
+    r = lab_post(server["url"] + "/pause", json={"mode": "abort"}, timeout=60)
     assert r.status_code == 200 and r.json()["mode"] == "abort"
     t.join(60)
     assert res["abort"]["choices"][0]["finish_reason"] == "abort"
     assert res["abort"]["usage"]["completion_tokens"] < 600
-    assert httpx.post(server["url"] + "/pause?mode=bogus").status_code == 400
-    httpx.post(server["url"] + "/resume")
+    assert lab_post(server["url"] + "/pause?mode=bogus").status_code == 400
+    lab_post(server["url"] + "/resume")
     assert post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
@@ -256,7 +257,7 @@ def test_tiny_temperature_is_greedy_not_a_dead_engine(server):
 def test_pause_bad_input_is_400_openai_shaped(server):
     for url, kw in [("/pause?timeout_s=abc", {}), ("/pause?timeout_s=-1", {}), ("/pause", {"json": [1]}),
                     ("/pause", {"content": b"{bad", "headers": {"content-type": "application/json"}})]:
-        r = httpx.post(server["url"] + url, timeout=30, **kw)
+        r = lab_post(server["url"] + url, timeout=30, **kw)
         assert r.status_code == 400, (url, r.text)
         assert r.json()["error"]["type"] == "BadRequestError" and r.json()["error"]["message"]
     assert httpx.get(server["url"] + "/is_paused").json() == {"is_paused": False, "paused_since": None}

@@ -26,6 +26,7 @@ import time
 
 import pytest
 from labutil import API, BIN, ROOT, env, inside, needs_lab, play
+from labutil import post as lab_post
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab]
 
@@ -132,7 +133,7 @@ def test_admission_held_says_held_and_since_when(deployed):
     import httpx
 
     t0 = time.time()
-    assert httpx.post(f"{API}/pause", timeout=60).json()["paused"] is True
+    assert lab_post(f"{API}/pause", timeout=60).json()["paused"] is True
     try:
         time.sleep(1.5)
         r = _status("--window", "0")
@@ -148,7 +149,7 @@ def test_admission_held_says_held_and_since_when(deployed):
         pb = play("status.yml", "-e", "status_window_s=0")
         assert pb.returncode != 0 and "unhealthy: admission held since" in pb.stdout
     finally:
-        httpx.post(f"{API}/resume", timeout=30)
+        lab_post(f"{API}/resume", timeout=30)
     assert _status("--window", "0").returncode == 0
 
 
