@@ -77,9 +77,6 @@ def serve_cmd(
     settings = envs.parse()  # every DSV41_* variable, once, before anything starts
     # rank 0's operator credential (dsv41.authz): a bad file stops the start, never a silent open server
     access = authz.server_settings(settings) if rank == 0 else (None, ())
-    if rank == 0 and access[0] is None:
-        logging.getLogger("dsv41.engine").warning(
-            "DSV41_OPERATOR_CREDENTIAL_FILE is not set: /pause and /resume refuse every request")
     set_threads(threads, settings)
     check_device(device)
     if tp not in (1, 2):
@@ -157,6 +154,9 @@ FATAL_LINGER_S = 1.0
 
 def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, host, port, kv_cache_tokens,
                  max_running, max_step_tokens, name, deadlines, access=(None, ()), api_key=None) -> None:
+    if access[0] is None:  # said when the API starts, after the arguments were checked
+        logging.getLogger("dsv41.engine").warning(
+            "DSV41_OPERATOR_CREDENTIAL_FILE is not set: /pause and /resume refuse every request")
     import asyncio
 
     import uvicorn
