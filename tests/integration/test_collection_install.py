@@ -11,8 +11,8 @@ and inventory:
   top-level file (same plays and tasks, role names qualified);
 - the installed collection carries the dsv41 package source the roles install (the same source
   tarball, so the same wheelhouse cache key, python/dsv41/wheelhouse.py);
-- lab (the integrator's CI): ``dsv41.offload.status`` passes against the deployed lab, and
-  ``dsv41.offload.deploy --check --diff`` changes nothing on any host.
+- lab (the integrator's CI): ``dsv41.offload.status`` passes against the deployed lab; under
+  make lab-long, ``dsv41.offload.deploy --check --diff`` changes nothing on any host.
 """
 
 from __future__ import annotations
@@ -146,21 +146,38 @@ def _recap_changed(stdout: str) -> dict[str, int]:
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\S+)\s*:\s*ok=\d+\s+changed=(\d+)", recap, re.M)}
 
 
+def _state_args() -> list[str]:
+    """The controller state where the checkout's runs keep it (docs/operations.md: a state
+    directory outside the collection): the operator credential, packages and windows."""
+    return ["-e", f"dsv41_state_dir={ROOT}/state", "-e", f"dsv41_packages_dir={ROOT}/packages",
+            "-e", f"promotion_windows_dir={ROOT}/windows", "-e", f"status_windows_dir={ROOT}/windows",
+            "-e", f"windows_dir={ROOT}/windows"]
+
+
 @pytest.mark.lab
 @pytest.mark.slow
 @needs_lab
-def test_status_and_deploy_check_by_fqcn_on_the_lab(installed, deployed_lab):
-    """The installed collection against the lab deploy.yml left: its inventory (so the package
-    source is the installed collection's), the controller state where the checkout's runs keep it
-    (docs/operations.md: a state directory outside the collection)."""
+def test_status_by_fqcn_on_the_lab(installed, deployed_lab):
+    """The installed collection's status playbook against the lab deploy.yml left, with its own
+    inventory (so the package source is the installed collection's)."""
     coll, env, cwd = installed
-    state = ["-e", f"dsv41_packages_dir={ROOT}/packages", "-e", f"promotion_windows_dir={ROOT}/windows",
-             "-e", f"status_windows_dir={ROOT}/windows", "-e", f"windows_dir={ROOT}/windows"]
     inv = ["-i", str(coll / "inventories" / "sim" / "hosts.yml")]
-    st = run([str(BIN / "ansible-playbook"), f"{FQCN}.status", *inv, *state], env, cwd, 900)
+    st = run([str(BIN / "ansible-playbook"), f"{FQCN}.status", *inv, *_state_args()], env, cwd, 900)
     assert st.returncode == 0, st.stdout[-4000:] + st.stderr[-2000:]
     assert "status: HEALTHY" in st.stdout
-    dep = run([str(BIN / "ansible-playbook"), f"{FQCN}.deploy", "--check", "--diff", *inv, *state], env, cwd, 1800)
+
+
+@pytest.mark.lab
+@pytest.mark.slow
+@pytest.mark.lab_long
+@needs_lab
+def test_deploy_check_by_fqcn_changes_nothing_on_the_lab(installed, deployed_lab):
+    """``dsv41.offload.deploy --check --diff`` from the installed collection on the lab deploy.yml
+    left: changed=0 on every host (the same inputs: the controller state of the checkout)."""
+    coll, env, cwd = installed
+    inv = ["-i", str(coll / "inventories" / "sim" / "hosts.yml")]
+    dep = run([str(BIN / "ansible-playbook"), f"{FQCN}.deploy", "--check", "--diff", *inv, *_state_args()],
+              env, cwd, 1800)
     assert dep.returncode == 0, dep.stdout[-6000:] + dep.stderr[-2000:]
     changed = _recap_changed(dep.stdout)
     assert set(changed) == {"localhost", "sparkhead", "sparkworker", "x86host"}, dep.stdout[-3000:]

@@ -19,7 +19,7 @@ import time
 
 import httpx
 import pytest
-from labutil import API, BIN, ROOT, env, needs_lab, play
+from labutil import API, BIN, ROOT, env, inside, needs_lab, play
 
 pytestmark = [needs_lab, pytest.mark.lab, pytest.mark.slow]
 
@@ -47,8 +47,25 @@ def vllm_lab(deployed_lab) -> subprocess.CompletedProcess:
         _STATE["deploy_s"] = time.monotonic() - t0
         print(f"\n[vllm lab] deploy.yml switching the Sparks to vLLM: {_STATE['deploy_s']:.1f} s, rc {r.returncode}")
     r = _STATE["deploy"]
-    assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-2000:]
+    assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-2000:] + _serve_errors()
     return r
+
+
+def _serve_errors() -> str:
+    """Each Spark's first error lines of its serving unit since boot (the root cause of a failed
+    start scrolls out of the deploy's last-lines message when systemd restarts the unit)."""
+    out = []
+    for host in ("sparkhead", "sparkworker"):
+        try:
+            j = inside(host, "journalctl", "--unit=dsv41-serve.service", "--no-pager", "--output=short-monotonic",
+                       check=False, timeout=60).stdout.splitlines()
+        except (OSError, subprocess.SubprocessError) as e:
+            out.append(f"\n[{host}] journal unreadable: {e}")
+            continue
+        hits = [i for i, line in enumerate(j) if re.search(r"Error|Traceback|Exception|Killed|refused", line)]
+        keep = sorted({k for i in hits[:12] for k in range(max(0, i - 3), min(len(j), i + 4))})
+        out.append(f"\n[{host}] {len(j)} journal lines; first errors:\n" + "\n".join(j[k] for k in keep)[:6000])
+    return "".join(out)
 
 
 def _completion(headers: dict | None = None, timeout: float = 120.0) -> httpx.Response:

@@ -50,6 +50,8 @@ while time.monotonic() < end and min(slot.gj_flags(8)) < 1:
     time.sleep(0.005)
 print(dict(slot.gj_counters())["gj_bad_pieces"], flush=True)
 core.retire()
+th.join(10)  # next() re-takes the GIL on its way out: it must not meet the interpreter finalizing (abort)
+assert not th.is_alive()
 '''
 
 
