@@ -77,7 +77,10 @@ bench: venv
 
 # The long fuzz campaign (issue 10): FUZZ_FRAMES malformed frames per protocol (default 100000),
 # and PAUSE_FUZZ_EXAMPLES random pause/resume/request sequences per state machine (issue 25, the
-# lab engine's API and the vLLM fence; default 2000).
+# lab engine's API and the vLLM fence; default 2000), slow clients against every HTTP server
+# (SLOW_FUZZ_SECONDS, issue 45) and AUTHZ_FUZZ_EXAMPLES random control requests per server with
+# control routes (issue 45, the authorization campaign; default 2000). FUZZ_SEED seeds all but the
+# pause machines (hypothesis: fresh seeds every run).
 fuzz: venv
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -s -p no:cacheprovider tests/fuzz
 

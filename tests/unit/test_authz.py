@@ -17,20 +17,15 @@ import httpx
 import pytest
 
 pytest.importorskip("fastapi")
-from authutil import OP_HEADERS, OPERATOR, TEST_HOSTS  # noqa: E402
+from authutil import OP_HEADERS, OPERATOR, TEST_HOSTS, engine_control_routes, fence_control_paths  # noqa: E402
 from engineutil import FakeEngine  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
 from dsv41 import authz  # noqa: E402
 from dsv41.engine.server import create_app  # noqa: E402
-from dsv41.overlay.fence import CONTROL_ROUTES, AdmissionFence  # noqa: E402
+from dsv41.overlay.fence import AdmissionFence  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-#: vLLM 0.33's dev-mode routes (VLLM_SERVER_DEV_MODE=1) that change state: the fence must guard
-#: them too (it forwards every other path to vLLM).
-VLLM_DEV_ROUTES = ("/sleep", "/wake_up", "/reset_prefix_cache", "/reset_mm_cache", "/collective_rpc",
-                   "/scale_elastic_ep", "/is_sleeping")
-
 #: Each hostile shape: (extra headers, body, content type, wanted status).
 HOSTILE = {
     "anonymous": ({}, None, None, 401),
@@ -43,26 +38,6 @@ HOSTILE = {
     "form body": (OP_HEADERS, b"mode=wait", "application/x-www-form-urlencoded", 403),
     "untyped body": (OP_HEADERS, b'{"mode": "wait"}', "", 403),
 }
-
-
-def _routes(routes, prefix=""):
-    """Every endpoint route, through included routers (FastAPI's ``_IncludedRouter`` too)."""
-    for r in routes:
-        if getattr(r, "methods", None):
-            yield r, prefix + r.path
-        inner = getattr(r, "original_router", None) or getattr(r, "router", None)
-        if inner is not None and inner is not r:
-            yield from _routes(inner.routes, prefix + (getattr(r, "prefix", "") or ""))
-
-
-def _engine_control_routes(app) -> list[tuple[str, str]]:
-    """(method, path) of every route of the app that is not a read or inference."""
-    out = []
-    for r, path in _routes(app.routes):
-        for m in sorted(r.methods):
-            if authz.is_control(m, path):
-                out.append((m, path))
-    return sorted(set(out))
 
 
 def _send(c, method, path, shape, host=None):
@@ -79,7 +54,7 @@ def _send(c, method, path, shape, host=None):
 
 
 def test_the_engine_has_control_routes_and_is_not_vacuous():
-    routes = _engine_control_routes(create_app(FakeEngine(), "m", 64))
+    routes = engine_control_routes(create_app(FakeEngine(), "m", 64))
     assert ("POST", "/pause") in routes and ("POST", "/resume") in routes
 
 
@@ -88,7 +63,7 @@ def test_every_engine_control_route_refuses_every_hostile_shape(shape):
     eng = FakeEngine()
     app = create_app(eng, "m", 64, operator_credential=OPERATOR, allowed_hosts=TEST_HOSTS)
     c = TestClient(app, raise_server_exceptions=False)
-    for method, path in _engine_control_routes(app):
+    for method, path in engine_control_routes(app):
         r = _send(c, method, path, shape)
         assert r.status_code == HOSTILE[shape][3], (method, path, r.text)
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
@@ -98,11 +73,11 @@ def test_every_engine_control_route_refuses_every_hostile_shape(shape):
 def test_foreign_host_and_a_server_without_credential_refuse():
     app = create_app(FakeEngine(), "m", 64, operator_credential=OPERATOR, allowed_hosts=TEST_HOSTS)
     c = TestClient(app, raise_server_exceptions=False, headers=OP_HEADERS)
-    for method, path in _engine_control_routes(app):
+    for method, path in engine_control_routes(app):
         assert c.request(method, path, headers={"host": "attacker.example"}).status_code == 403  # DNS rebinding
         assert c.request(method, path, headers={"host": "127.0.0.1:8000"}).status_code not in (401, 403)
     closed = TestClient(create_app(FakeEngine(), "m", 64), raise_server_exceptions=False, headers=OP_HEADERS)
-    for method, path in _engine_control_routes(app):
+    for method, path in engine_control_routes(app):
         assert closed.request(method, path).status_code == 403
     assert closed.get("/health").status_code == 200 and closed.get("/is_paused").status_code == 200
 
@@ -138,7 +113,7 @@ def _send_async(c, method, path, shape):
 @pytest.mark.parametrize("shape", sorted(HOSTILE))
 def test_every_fence_control_route_refuses_and_forwards_nothing(tmp_path, shape):
     fence, vllm = _fence(tmp_path)
-    paths = sorted((CONTROL_ROUTES | set(VLLM_DEV_ROUTES)) - {"/is_paused", "/is_sleeping"})
+    paths = fence_control_paths()
     assert {"/pause", "/resume"} <= set(paths)
 
     async def go():
