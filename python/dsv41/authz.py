@@ -33,7 +33,7 @@ import os
 import secrets
 import stat
 from collections.abc import Iterable
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from dsv41.errors import Dsv41Error
 
@@ -121,7 +121,11 @@ def same_secret(given: str | None, expected: str | None) -> bool:
 
 
 def is_inference(path: str) -> bool:
-    """True for the OpenAI API's routes (``/v1/...``) and vLLM's other inference routes."""
+    """True for the OpenAI API's routes (``/v1/...``) and vLLM's other inference routes. A path
+    with a dot segment (``.`` or ``..``, percent-encoded or not) is never inference: anything
+    behind the fence that collapsed it (``/v1/../pause``) would reach a control route."""
+    if any(seg in (".", "..") for seg in unquote(path).split("/")):
+        return False
     return path.startswith("/v1/") or path == "/v1" or path in INFERENCE_PATHS
 
 

@@ -253,3 +253,13 @@ def test_the_fence_redacts_the_token_from_the_access_logs_view(tmp_path):
             assert (await c.post(f"/pause?mode=wait&window={secret}")).status_code == 200
     asyncio.run(go())
     assert seen and secret.encode() not in seen[0] and b"window=REDACTED" in seen[0]
+
+
+@pytest.mark.parametrize("path", ["/v1/../pause", "/v1/%2e%2e/pause", "/v1/%2E%2E/resume", "/v1/./models/../../sleep",
+                                  "/v1/.", "/v1/.."])
+def test_a_dot_segment_is_never_inference(path):
+    """The fence forwards inference without the credential: a path something behind it could
+    collapse onto a control route (``/v1/../pause``) is control, so it needs the credential."""
+    assert not authz.is_inference(path)
+    assert authz.is_control("POST", path)
+    assert authz.is_inference("/v1/completions") and authz.is_inference("/v1/models")
