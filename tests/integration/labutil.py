@@ -197,6 +197,20 @@ def admission_state() -> str:
     return admission.status(API)
 
 
+def refused_without_credential() -> dict[str, int]:
+    """``{"POST /pause (anonymous)": status, ...}``: the lab rank 0's admission routes asked with
+    no credential and with a wrong one (a JSON body, as the operator's client sends). The caller
+    asserts 401 for each and that the admission state did not move."""
+    import httpx
+
+    out = {}
+    for path in ("/pause", "/resume"):
+        for label, headers in (("anonymous", {}), ("wrong credential", {"X-DSV41-Operator": "x" * 48})):
+            r = httpx.post(f"{API}{path}?mode=wait", headers=headers, json={}, timeout=30)
+            out[f"POST {path} ({label})"] = r.status_code
+    return out
+
+
 def host_sha256(host: str, paths: list[str]) -> dict[str, str]:
     """``{path: sha256 hex}`` of files on ``host`` (``sha256sum`` inside it; raises when one is missing)."""
     out = inside(host, "sha256sum", *paths).stdout

@@ -19,7 +19,7 @@ import time
 
 import httpx
 import pytest
-from labutil import API, BIN, ROOT, env, inside, needs_lab, play
+from labutil import API, BIN, ROOT, admission_state, env, inside, needs_lab, play, refused_without_credential
 
 pytestmark = [needs_lab, pytest.mark.lab, pytest.mark.slow]
 
@@ -88,6 +88,15 @@ def test_real_vllm_serves_both_ranks_and_the_deploy_is_production(vllm_lab):
         assert name in metrics, name
     # the deploy ended with its own checks: references recorded or identical, admission open
     assert "greedy references:" in out and "6/6" in out, out[-4000:]
+
+
+def test_the_fence_refuses_an_anonymous_pause(vllm_lab):
+    """Rank 0's fence in front of real vLLM refuses admission commands without the operator
+    credential, and nothing moves (vLLM is not paused)."""
+    before = admission_state()
+    codes = refused_without_credential()
+    assert set(codes.values()) == {401}, codes
+    assert admission_state() == before
 
 
 def test_status_says_healthy(vllm_lab):

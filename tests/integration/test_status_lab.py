@@ -25,7 +25,7 @@ import threading
 import time
 
 import pytest
-from labutil import API, BIN, ROOT, env, inside, needs_lab, play
+from labutil import API, BIN, ROOT, admission_state, env, inside, needs_lab, play, refused_without_credential
 from labutil import post as lab_post
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab]
@@ -188,3 +188,12 @@ def test_table_server_stopped_names_the_fallbacks_on_both_ranks(deployed):
     # systemctl list-units' ACTIVE column of a stopped unit
     assert "unhealthy: x86host: dsv41-engram-server is inactive" in out, out
     assert "unhealthy: Engram table server http://198.18.0.13:9441: unreachable" in out
+
+
+def test_an_anonymous_pause_is_refused_on_the_lab(deployed_lab):
+    """Rank 0 of the deployed lab (the stand-in engine) refuses admission commands without the
+    operator credential, and nothing moves."""
+    before = admission_state()
+    codes = refused_without_credential()
+    assert set(codes.values()) == {401}, codes
+    assert admission_state() == before
