@@ -38,7 +38,8 @@ def pytest_collection_modifyitems(session, config, items):
     the vLLM lab (``vllm_lab``: the Sparks switched to real vLLM) last of all."""
     def key(item) -> tuple[bool, bool, bool]:
         names = getattr(item, "fixturenames", ())
-        return "deployed_lab" in names, "vllm_lab" in names, "monitored" in names
+        vllm = "vllm_lab" in names  # asks for deployed_lab itself, at the switch
+        return "deployed_lab" in names or vllm, vllm, "monitored" in names
 
     items.sort(key=key)
 

@@ -134,6 +134,7 @@ def test_docker_kill_of_rank_0s_container_is_restarted_and_both_ranks_recover(de
           f"(systemd restart of sparkhead's dsv41-serve; rank 1 {rank1})")
 
 
+@pytest.mark.lab_long
 def test_a_unit_that_fails_to_start_names_itself_and_restarts_nothing_else(deployed_lab):
     before = all_units()
     bad, t_bad = deploy("--tags", "engram_server",

@@ -4,7 +4,9 @@ through inventories/sim exactly as real hosts are (ssh, the ops user, become via
 pipelining, the lab's known_hosts); a host reboot (poweroff + start) brings sshd back; lab_down
 leaves nothing behind (machines, cgroups, mounts, netns, processes) and ends only lab processes.
 
-Takes over the lab on this machine, before the shared lab exists (tests/integration/conftest.py):
+Takes over the lab on this machine, before the shared lab exists (tests/integration/conftest.py);
+make lab-long (every shared-lab deploy of make test reaches the hosts the same way, and
+test_lab_faults reboots a host mid-window):
 the first run builds the rootfs (~70 s, cached under /var/lib/dsv41-lab/nspawn-cache). Prints the
 time from nothing to three hosts answering Ansible, for docs/lab.md.
 """
@@ -20,7 +22,7 @@ import pytest
 from labutil import HOSTS, LAB, ROOT, needs_lab, play
 from nspawnutil import INV, MGMT, SPARKS, ansible, changed, down, enter, needs_hybrid_cgroups, per_host, pid
 
-pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab, needs_hybrid_cgroups]
+pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.lab_long, needs_lab, needs_hybrid_cgroups]
 
 
 def _up() -> tuple[subprocess.CompletedProcess, float]:

@@ -38,9 +38,12 @@ def _status(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture
-def vllm_lab(deployed_lab) -> subprocess.CompletedProcess:
-    """The shared lab switched to the vLLM lab by deploy.yml (once per session)."""
+def vllm_lab(request) -> subprocess.CompletedProcess:
+    """The shared lab switched to the vLLM lab by deploy.yml (once per session). Only the switch
+    asks for ``deployed_lab``: after it the lab is no longer the stand-in's production, which
+    that fixture would deploy again."""
     if "deploy" not in _STATE:
+        request.getfixturevalue("deployed_lab")
         t0 = time.monotonic()
         r = play(*INVENTORY, "deploy.yml", timeout=3000)
         _STATE["deploy"] = r
