@@ -16,8 +16,11 @@ leaves production as deploy.yml left it (healthy, admission open), or the next l
   restored (admission open) or held, and a held one is put back by ``window.yml -e
   restore_only=true``; then every file equals the window's package and the stack is healthy.
 
+The unit that fails to start and the reboot mid-window run under make lab-long (.ci/run stays under
+60 minutes; make test keeps test_window_lab's mid-cell fault and test_serve_pair_restart's journal).
+
 The unreachable host, the refused login and sudo refusing: test_reach_lab.py. The host reboot
-without Ansible and the deploy from nothing: test_lab_nspawn.py, and under make lab-long
+without Ansible and the deploy from nothing, under make lab-long: test_lab_nspawn.py and
 test_lab_nspawn_deploy.py.
 """
 
@@ -164,6 +167,7 @@ def test_a_unit_that_fails_to_start_names_itself_and_restarts_nothing_else(deplo
     print(f"repair deploy (--tags engram_server): {t_fix:.1f} s, healthy {t_ok:.1f} s after")
 
 
+@pytest.mark.lab_long  # make test keeps test_window_lab's mid-cell fault (restored and open)
 def test_a_host_rebooted_mid_window_ends_restored_or_held(deployed_lab, tmp_path):
     wdir = tmp_path / "windows"
     spec = str(ROOT / "candidates" / "specs" / "drill.json")
