@@ -410,10 +410,13 @@ def test_a_killed_server_mid_prefill_gives_exact_local_rows(tabs, workers, small
         assert _step(tabs, r1, r14, 50, 100)
         assert r1._worker.core.lent()
         srv.stop()
-        t0 = time.monotonic()
+        # no wall-clock bound: the steps' time is mostly the test's CPU emulation of vLLM's kernel
+        # (torch on the worker thread), which other tests' threads in this process slow down (seen
+        # at 19 s after test_overlay_worker's dead-worker tests); a wait at the hand-off is what
+        # would be a defect, and handoff_timeouts below says there was none. The fallback's speed
+        # is measured on a GPU inside vLLM's step (tests/gpu, docs/benchmarks.md).
         for step in range(2):
             assert _step(tabs, r1, r14, 50, 101 + step)
-        assert time.monotonic() - t0 < 10
         sc = src.counters()
         assert sc["fallbacks"] >= 1 and sc["transport_errors"] >= 1
         assert r1.counters["worker_refusals"] == 0 and r1.counters["handoff_timeouts"] == 0
