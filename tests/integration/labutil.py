@@ -203,9 +203,11 @@ def refused_without_credential() -> dict[str, int]:
     asserts 401 for each and that the admission state did not move."""
     import httpx
 
+    from dsv41.authz import OPERATOR_HEADER
+
     out = {}
     for path in ("/pause", "/resume"):
-        for label, headers in (("anonymous", {}), ("wrong credential", {"X-DSV41-Operator": "x" * 48})):
+        for label, headers in (("anonymous", {}), ("wrong credential", {OPERATOR_HEADER: "x" * 48})):
             r = httpx.post(f"{API}{path}?mode=wait", headers=headers, json={}, timeout=30)
             out[f"POST {path} ({label})"] = r.status_code
     return out

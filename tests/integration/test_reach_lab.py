@@ -87,9 +87,10 @@ def _fault(cause: str):
 
 
 # make test runs one deploy cause (no_route) and the window's two below (a refused login, sshd
-# stopped: the same contact step); the rest are under make lab-long. `refused` (sshd stopped): deploy.yml's lab_up used to wait 60 s for the stopped
-# sshd of a host that was already up and fail there with a timeout (sparkworker ok=23, failed=1);
-# it now waits only for a host it booted, and the contact names the cause.
+# stopped: the same contact step); the rest are under make lab-long. `refused` (sshd stopped):
+# deploy.yml's lab_up used to wait 60 s for the stopped sshd of a host that was already up and fail
+# there with a timeout (sparkworker ok=23, failed=1); it now waits only for a host it booted, and
+# the contact names the cause.
 LONG = pytest.mark.lab_long
 RUNS = ["no_route", pytest.param("sudo", marks=LONG), pytest.param("refused", marks=LONG),
         pytest.param("login", marks=LONG), pytest.param("login_user", marks=LONG),
