@@ -10,7 +10,9 @@ NIXL_PIN := nixl-cu12==1.5.1
 
 .PHONY: venv monitoring-tools test unit lint sanity deploy lab-down promotion-kill bench fuzz drill window-drills clean rollback-components lab-long
 
-NATIVE_SRC := python/dsv41/transport/_fastrow.cpp setup.py
+# Every C++ source and header of the two extensions (setup.py's NATIVE: dsv41.transport._fastrow and
+# dsv41.overlay._core), so a changed file, header included, rebuilds them.
+NATIVE_SRC := $(wildcard python/dsv41/*/*.cpp python/dsv41/*/*.h) setup.py
 NATIVE_STAMP := $(VENV)/.native-stamp
 
 venv: $(VENV)/.stamp $(NATIVE_STAMP)
@@ -24,8 +26,8 @@ $(VENV)/.stamp: pyproject.toml $(CONSTRAINTS)
 	touch $@
 	touch $(NATIVE_STAMP)
 
-# The editable install built the native transport once: a changed _fastrow.cpp (a pull, a merge)
-# rebuilds it in place, offline, without reinstalling the dependencies.
+# The editable install built the native extensions once: a changed C++ file (a pull, a merge)
+# rebuilds them in place, offline, without reinstalling the dependencies.
 $(NATIVE_STAMP): $(VENV)/.stamp $(NATIVE_SRC)
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@

@@ -7,8 +7,8 @@
 #   each into the next overlay_step_N.json not in OUT yet).
 # VLLM_PY: tar.xz of the vLLM 0.33.0 wheel's Python files; WHEELS: jsonschema, jsonschema-specifications,
 # referencing, rpds-py wheels when the host lacks them; OUT: where the JSON goes (on a lent machine: $OUT).
-# TRANSPORT=c++ (default): builds dsv41.transport._fastrow in place when it does not import and refuses to
-# run without it (a benchmark labelled C++ must be one); TRANSPORT=python: the pure-Python transport.
+# TRANSPORT=c++ (default): builds the extensions (dsv41.transport._fastrow, dsv41.overlay._core) in place when
+# either does not import and refuses to run without them (a benchmark labelled C++ must be one); TRANSPORT=python: the pure-Python transport.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 mode="${1:-qualify}"
@@ -27,20 +27,21 @@ if [ -n "${WHEELS:-}" ]; then
 fi
 [ -d "$src/vllm" ] || tar -xJf "$VLLM_PY" -C "$src"
 export PYTHONPATH="$here/python:$site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 VLLM_USE_BREAKABLE_CUDAGRAPH=1
-impl() { python3 -c 'from dsv41.transport import native; print(native.implementation())'; }
+# c++ only when both the transport's and the overlay core's extensions import (dsv41.overlay.core)
+impl() { python3 -c 'from dsv41.overlay import core; print(core.implementation())'; }
 if [ "$transport" = c++ ]; then
   unset DSV41_TRANSPORT_PURE
   if [ "$(impl)" != c++ ]; then  # build the extension in place (needs g++, the Python headers, pybind11)
     (cd "$here" && python3 setup.py -q build_ext --inplace >"$OUT/build_ext.log" 2>&1) || true
   fi
   if [ "$(impl)" != c++ ]; then
-    echo "gpu_overlay_qualify: TRANSPORT=c++ but dsv41.transport._fastrow does not import (build log: $OUT/build_ext.log); refusing to report a C++ benchmark" >&2
+    echo "gpu_overlay_qualify: TRANSPORT=c++ but dsv41.transport._fastrow or dsv41.overlay._core does not import (build log: $OUT/build_ext.log); refusing to report a C++ benchmark" >&2
     exit 3
   fi
 else
   export DSV41_TRANSPORT_PURE=1
 fi
-echo "transport implementation: $(impl) (client and table server share this PYTHONPATH)"
+echo "transport and worker core implementation: $(impl) (client and table server share this PYTHONPATH)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c 'import torch, triton, cupy; print("torch", torch.__version__, "triton", triton.__version__, "cupy", cupy.__version__)'
 if [ "$mode" = qualify ]; then

@@ -7,7 +7,7 @@ The controller prepares, per target platform and Python, one directory holding:
   ``dependencies`` plus the host's extras; never the ``dev`` extra), resolved by ``pip download``
   against ``constraints.txt`` (torch's local ``+cpu`` tag dropped where the host takes its own torch);
 - the build requirements of the project itself (pyproject's ``[build-system] requires``), so the
-  host can build the native transport extension ``dsv41.transport._fastrow`` for its own
+  host can build the native extensions (``dsv41.transport._fastrow``, ``dsv41.overlay._core``) for its own
   architecture without a registry;
 - ``dsv41-<version>.tar.gz``: the project source (reproducible tar: sorted, fixed mtime, owner 0);
 - ``constraints-host.txt`` and ``manifest.json`` (key, inputs, every file's sha256 and size).

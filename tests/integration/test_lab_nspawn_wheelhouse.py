@@ -1,6 +1,6 @@
 """The offline install (roles/dsv41_package, install method wheelhouse) on the nspawn lab, whose
 hosts have no route to any registry: the controller builds the wheelhouse (python/dsv41/wheelhouse.py),
-each host pip installs with --no-index and builds _fastrow itself; a second run is changed=0, a check
+each host pip installs with --no-index and builds both extensions (_fastrow, _core) itself; a second run is changed=0, a check
 run with diff changes nothing; a wheel missing from the wheelhouse and a host without python3-venv
 each fail with one line naming the requirement / the host.
 
@@ -64,8 +64,9 @@ def test_hosts_install_offline_from_the_wheelhouse(tmp_path):
         for h in HOSTS:
             ver = enter(h, "/opt/dsv41/venv/bin/dsv41", "version", "--json")
             assert "transport" in json.loads(ver.stdout), ver.stdout
-            so = enter(h, "sh", "-c", "ls /opt/dsv41/venv/lib/python3.11/site-packages/dsv41/transport/_fastrow*.so")
-            assert "x86_64-linux-gnu" in so.stdout, so.stdout
+            for so_glob in ("transport/_fastrow*.so", "overlay/_core*.so"):  # setup.py's two extensions
+                so = enter(h, "sh", "-c", f"ls /opt/dsv41/venv/lib/python3.11/site-packages/dsv41/{so_glob}")
+                assert "x86_64-linux-gnu" in so.stdout, so.stdout
             assert enter(h, "/opt/dsv41/venv/bin/pip", "check").returncode == 0
         warm, t_warm = _install(pb)
         assert warm.returncode == 0 and changed(warm.stdout) == 0, warm.stdout[-6000:]

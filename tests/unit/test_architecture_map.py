@@ -1,10 +1,11 @@
 """docs/architecture.md is the map of the tree, and this test keeps it true: the first column of
-the table under each of its headings "Roles", "Modules", "Playbooks", "Command-line groups" and
-"Import floors" names exactly the roles (``roles/*/``), the modules (``library/*.py``), the
-playbooks (at the root and in ``playbooks/``: YAML files whose every item is a play or an
-``import_playbook``), the ``dsv41 --help`` commands (the click command tree of ``dsv41.cli``)
-and the floors of ``FLOORS`` in tests/unit/test_import_floors.py (read with ``ast``, not
-imported: a test file is never imported). The playbooks' "run by" column is checked against who
+the table under each of its headings "Roles", "Modules", "Playbooks", "Command-line groups",
+"Import floors" and "Native extensions" names exactly the roles (``roles/*/``), the modules
+(``library/*.py``), the playbooks (at the root and in ``playbooks/``: YAML files whose every item
+is a play or an ``import_playbook``), the ``dsv41 --help`` commands (the click command tree of
+``dsv41.cli``), the floors of ``FLOORS`` in tests/unit/test_import_floors.py and the C++
+extensions of ``NATIVE`` in setup.py with their files (both read with ``ast``, not imported: a
+test file or setup.py is never imported). The playbooks' "run by" column is checked against who
 does run them. galaxy.yml and the changelog name every module. Each failure names the missing
 and the extra rows. Granularity: roles, modules, playbooks, command groups and subpackages, never
 single Python files or task files, so moving code inside them does not touch the map."""
@@ -141,6 +142,17 @@ def tree_floors(root: Path) -> list[tuple[str, ...]]:
     raise AssertionError(f"{path}: no FLOORS")
 
 
+def tree_native(root: Path) -> dict[str, list[str]]:
+    """``NATIVE`` of setup.py (C++ extension module -> its files, relative to the root), read as a
+    literal (never imported)."""
+    path = root / "setup.py"
+    for node in ast.parse(path.read_text()).body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        if isinstance(target, ast.Name) and target.id == "NATIVE":
+            return {k: list(v) for k, v in ast.literal_eval(node.value).items()}
+    raise AssertionError(f"{path}: no NATIVE")
+
+
 # ---- the comparisons -------------------------------------------------------------------------
 
 def map_errors(root: Path, commands: set[str] | None = None) -> list[str]:
@@ -182,6 +194,14 @@ def map_errors(root: Path, commands: set[str] | None = None) -> list[str]:
         errors.append(f"{DOC} '## Import floors': floors {numbers}, FLOORS has 0..{len(floors) - 1}")
     for i, row in enumerate(rows[:len(floors)]):
         errors += compare(f"Import floors' floor {i}", ticked(row[1]) if len(row) > 1 else [], set(floors[i]))
+    rows = doc_table(text, "Native extensions")
+    native = tree_native(root)
+    errors += compare("Native extensions", first_column(rows), set(native))
+    for row in rows:
+        name = first_column([row])[0]
+        if name in native:  # the files column: python/dsv41/-relative paths, exactly setup.py's list
+            errors += compare(f"Native extensions' {name} files", ticked(row[1]) if len(row) > 1 else [],
+                              {f.removeprefix("python/dsv41/") for f in native[name]})
     return errors
 
 
@@ -221,11 +241,11 @@ def test_every_module_and_library_link_agree():
 @pytest.fixture
 def tree(tmp_path):
     """A copy of what the map reads: docs/, roles/ (directories only), library/, the playbooks,
-    the Makefile, README.md, galaxy.yml, changelogs/ and test_import_floors.py."""
+    the Makefile, README.md, galaxy.yml, setup.py, changelogs/ and test_import_floors.py."""
     t = tmp_path / "repo"
     (t / "docs").mkdir(parents=True)
     shutil.copy(ROOT / DOC, t / DOC)
-    for name in ("Makefile", "README.md", "galaxy.yml"):
+    for name in ("Makefile", "README.md", "galaxy.yml", "setup.py"):
         shutil.copy(ROOT / name, t / name)
     for p in (ROOT / "docs").glob("*.md"):
         shutil.copy(p, t / "docs" / p.name)
@@ -278,4 +298,15 @@ def test_playbooks_task_files_commands_and_floors(tree):
         f"{DOC} '## Playbooks' playbooks/drill.yml: run by import? the tree says yes, the row no",
         f"{DOC} '## Command-line groups': no row for newgroup",
         f"{DOC} '## Import floors': floors {[str(i) for i in range(9)]}, FLOORS has 0..9",
+    ]
+
+
+def test_a_native_extension_or_file_without_its_row_fails_naming_it(tree):
+    setup = tree / "setup.py"
+    setup.write_text(setup.read_text().replace('"python/dsv41/overlay/core_driver.h",',
+                                               '"python/dsv41/overlay/core_driver.h", "python/dsv41/overlay/core_new.h",')
+                     .replace('NATIVE = {', 'NATIVE = {\n    "dsv41.engram._new": ["python/dsv41/engram/_new.cpp"],'))
+    assert map_errors(tree, tree_commands()) == [
+        f"{DOC} '## Native extensions': no row for dsv41.engram._new",
+        f"{DOC} '## Native extensions' dsv41.overlay._core files': no row for overlay/core_new.h",
     ]

@@ -18,6 +18,7 @@ import torch
 from dsv41.engram import client as C
 from dsv41.engram import reader
 from dsv41.engram.client import RemoteRowSource
+from dsv41.overlay import core as overlay_core
 from dsv41.overlay import engram as E
 from dsv41.overlay import engram_worker as EW
 from dsv41.transport import TransportError, TransportTimeout, native
@@ -185,7 +186,7 @@ def _step(tabs_, r1, r14, t: int, seed: int) -> bool:
     return exact_rows(tabs_, r1, ids1, o1) and exact_rows(tabs_, r14, ids14, o14)
 
 
-@pytest.mark.skipif(native._fastrow is None, reason="the C++ extension is not built")
+@pytest.mark.skipif(overlay_core._core is None or native._fastrow is None, reason="the C++ extensions are not built")
 def test_the_core_fills_local_rows_itself_while_the_server_is_dead_and_the_probe_brings_it_back(
         tabs, workers, monkeypatch) -> None:
     port = free_port()
@@ -231,7 +232,7 @@ def test_the_core_fills_local_rows_itself_while_the_server_is_dead_and_the_probe
         srv.stop()
 
 
-@pytest.mark.skipif(native._fastrow is None, reason="the C++ extension is not built")
+@pytest.mark.skipif(overlay_core._core is None or native._fastrow is None, reason="the C++ extensions are not built")
 def test_an_idle_core_takes_a_job_inside_its_spin_window_and_sleeps_after_it(tabs, workers, monkeypatch) -> None:
     """The spin-then-wait wake-up: jobs that come within IDLE_SPIN_S of the last one end its spin
     (counted); with the window 0 the core only sleeps on its condition variable."""

@@ -19,14 +19,25 @@ Floors, bottom to top (a module may import its own floor and the floors below, n
 
 Every import counts, including the lazy ones inside functions: a lazy import hides a cost, not a
 dependency. A new subpackage must be given a floor here (and in docs/architecture.md).
+
+The C++ is held to the same floors: each native extension (setup.py's ``NATIVE``:
+``dsv41.transport._fastrow`` on floor 1, ``dsv41.overlay._core`` on floor 7) is built from a
+translation unit in its own package's folder, and an ``#include "dsv41/..."`` may name a header of
+its own floor or below (the overlay's core includes the transport's ``wire.h`` and ``client.h``,
+never the other way). Every C++ file under ``python/dsv41`` belongs to an extension, whose file list
+is exactly what its translation unit includes.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[2] / "python" / "dsv41"
+ROOT = Path(__file__).resolve().parents[2]
+PKG = ROOT / "python" / "dsv41"
+CPP_SUFFIXES = (".cpp", ".h")
+INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 FLOORS: list[tuple[str, ...]] = [
     ("errors", "envs", "fileio", "httpd", "tokenizer", "service_control", "authz", "names", "filelock", "__init__"),
@@ -190,3 +201,68 @@ def test_engine_and_drafter_meet_only_in_entrypoints() -> None:
     users = {m for m, deps in graph.items() if "dsv41.drafter.factory" in deps}
     roots = ("dsv41.entrypoints", "dsv41.overlay", "dsv41.drafter")
     assert users and all(m.startswith(roots) for m in users), users
+
+
+# ---- the native extensions ------------------------------------------------------------------
+
+def _native(root: Path = ROOT) -> dict[str, list[str]]:
+    """setup.py's ``NATIVE`` (extension module -> its files, relative to the root), read as a
+    literal: setup.py is never imported."""
+    tree = ast.parse((root / "setup.py").read_text())
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        if isinstance(target, ast.Name) and target.id == "NATIVE":
+            return ast.literal_eval(node.value)
+    raise AssertionError("setup.py: no NATIVE")
+
+
+def _cpp_module(path: Path) -> str:
+    """The dotted name a C++ file is counted under (``python/dsv41/overlay/core_slot.h`` ->
+    ``dsv41.overlay.core_slot``): its floor is its package's."""
+    return ".".join(path.relative_to(PKG.parent).with_suffix("").parts)
+
+
+def _includes(path: Path) -> list[Path]:
+    """The project headers a C++ file includes (``#include "dsv41/..."``, from ``python/``)."""
+    return [PKG.parent / inc for inc in INCLUDE.findall(path.read_text())]
+
+
+def test_every_native_extension_lives_in_its_package_on_a_floor() -> None:
+    native = _native()
+    assert {"dsv41.transport._fastrow", "dsv41.overlay._core"} <= set(native)
+    for name, files in native.items():
+        unit = Path(*name.split(".")).with_suffix(".cpp")
+        assert files[0] == f"python/{unit.as_posix()}", f"{name}: its translation unit must be python/{unit}"
+        _floor(name)
+
+
+def test_every_cpp_file_belongs_to_an_extension_that_lists_exactly_its_includes() -> None:
+    native = _native()
+    on_disk = {p.relative_to(ROOT).as_posix() for p in PKG.rglob("*") if p.suffix in CPP_SUFFIXES}
+    listed = {f for files in native.values() for f in files}
+    assert on_disk == listed, f"C++ files not in setup.py's NATIVE: {sorted(on_disk - listed)}; " \
+                              f"listed but absent: {sorted(listed - on_disk)}"
+    for name, files in native.items():
+        seen, todo = set(), [ROOT / files[0]]
+        while todo:
+            p = todo.pop()
+            if p in seen:
+                continue
+            seen.add(p)
+            for inc in _includes(p):
+                assert inc.is_file(), f"{p.relative_to(ROOT)} includes {inc.relative_to(PKG.parent)}, which does not exist"
+                todo.append(inc)
+        assert sorted(q.relative_to(ROOT).as_posix() for q in seen) == sorted(files), \
+            f"{name}: setup.py's NATIVE must list exactly the files its translation unit includes"
+
+
+def test_no_cpp_include_runs_up_the_floors() -> None:
+    up = []
+    for p in sorted(q for q in PKG.rglob("*") if q.suffix in CPP_SUFFIXES):
+        a = _cpp_module(p)
+        for inc in _includes(p):
+            b = _cpp_module(inc)
+            if _floor(b) > _floor(a):
+                up.append(f"{a} (floor {_floor(a)}) includes {b} (floor {_floor(b)})")
+    assert up == [], "includes running up the floors:\n" + "\n".join(up)
+    assert any(_cpp_module(i) == "dsv41.transport.client" for i in _includes(PKG / "overlay" / "core_engram.h"))

@@ -20,6 +20,7 @@ import pytest
 from dsv41.engram import reader
 from dsv41.engram.client import RemoteRowSource
 from dsv41.envs import ConfigError
+from dsv41.overlay import core as overlay_core
 from dsv41.overlay import engram_gpujoin as GJ
 from dsv41.overlay import engram_ops as O
 from dsv41.overlay import settings as S
@@ -27,7 +28,7 @@ from dsv41.transport import native
 
 from overlayutil import free_port as _free_port, serve_tables as _serve, remote_rows as _rows, tabs  # noqa: F401 - tabs is a fixture
 
-needs_core = pytest.mark.skipif(native._fastrow is None, reason="the C++ extension is not built")
+needs_core = pytest.mark.skipif(overlay_core._core is None or native._fastrow is None, reason="the C++ extensions are not built")
 
 PIECE, TAIL, HEAD, CHUNK = 100, (30, 10), 30, 64  # 600 rows: pieces 5 x 100, then 70, 20 and 10 (two tails)
 LAYER, TP, RANK = 14, 2, 0
@@ -63,7 +64,7 @@ class Table:
         self.ids = np.zeros(max_rows, np.int64)
         self.hb = np.zeros(max_rows * (4 + O.ROW_BYTES), np.uint8)
         self.fetch = np.zeros(max_rows, np.int64)
-        self.slot = native._fastrow.EngramSlot(key)
+        self.slot = overlay_core._core.EngramSlot(key)
         self.slot.set_buffers(self.ids.ctypes.data, self.hb.ctypes.data, self.fetch.ctypes.data, max_rows)
         ident, nrows = src._tabs[LAYER]
         self.slot.set_table(self.lo, self.hi, ident, nrows)
@@ -113,7 +114,7 @@ class Table:
 
 
 def _core():
-    return native._fastrow.EngramCore(CHUNK, PIECE, 60.0, HEAD, TAIL)
+    return overlay_core._core.EngramCore(CHUNK, PIECE, 60.0, HEAD, TAIL)
 
 
 def _submit(core, t: Table, gen: int, rows: int, bound_s: float = 30.0) -> None:
@@ -347,7 +348,7 @@ def test_a_job_that_cannot_be_queued_is_refused_before_anything_is_queued(tabs, 
     core = _core()
     assert core.submit_gj(t.slot, 1, t.max_rows + 1, 0, 0, 0, PIECE, TAIL, 1.0, 1, queue=False) == 0
     assert core.submit_gj(t.slot, 1, 600, 0, 0, 0, PIECE, TAIL, 1.0, 1) == 0  # gj_queue: no stream, no driver
-    bare = native._fastrow.EngramSlot(10)
+    bare = overlay_core._core.EngramSlot(10)
     assert core.submit_gj(bare, 1, 600, 0, 0, 0, PIECE, TAIL, 1.0, 1, queue=False) == 0
     w = Worker(core)
     time.sleep(0.02)
@@ -359,7 +360,7 @@ def test_a_job_that_cannot_be_queued_is_refused_before_anything_is_queued(tabs, 
 def test_set_local_refuses_a_shard_shorter_than_its_table(tmp_path) -> None:
     p = tmp_path / "short.bin"
     p.write_bytes(b"\0" * 1000)
-    s = native._fastrow.EngramSlot(9)
+    s = overlay_core._core.EngramSlot(9)
     with pytest.raises(RuntimeError, match="shorter than its table"):
         s.set_local(str(p), 0, 512, 10)
     with pytest.raises(RuntimeError, match="cannot open"):
@@ -436,7 +437,7 @@ def test_the_switch_parses_and_refuses_a_bad_value_with_one_clear_error() -> Non
 @needs_core
 def test_stream_memory_ops_detection_is_false_without_a_usable_driver() -> None:
     """On a host without a GPU (the unit tests' CI) the detection answers False, never raises."""
-    got = native._fastrow.stream_mem_ops(0)
+    got = overlay_core._core.stream_mem_ops(0)
     assert isinstance(got, bool)
     try:
         import torch
@@ -512,7 +513,7 @@ def test_start_and_join_glue_queue_once_and_never_wait_on_the_host(tabs, server,
     (the host path serves the job); join queues the current stream's waits on the done event and
     vLLM's event and returns whether the latter was queued: no host wait."""
     _, src = server
-    monkeypatch.setattr(native._fastrow, "gj_watch_start", lambda: True, raising=False)
+    monkeypatch.setattr(overlay_core._core, "gj_watch_start", lambda: True, raising=False)
     nat = _Native()
     rows, w, sent = _glue(src, nat, 1)
     gj = GJ.GpuJoin(rows)
@@ -535,7 +536,7 @@ def test_a_partly_queued_job_is_served_again_on_the_host_after_the_core_released
     (gj_done), synchronizes the job's stream, serves the job again on the host and makes the
     current stream wait on its done event; the GPU-side join is off for the table from then on."""
     _, src = server
-    monkeypatch.setattr(native._fastrow, "gj_watch_start", lambda: True, raising=False)
+    monkeypatch.setattr(overlay_core._core, "gj_watch_start", lambda: True, raising=False)
     nat = _Native()
     rows, w, _ = _glue(src, nat, -1)
     served = []

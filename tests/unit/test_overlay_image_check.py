@@ -23,7 +23,7 @@ from dsv41.overlay import contract as C
 REPO = Path(__file__).resolve().parents[2]
 TASKS = ("The serving image sees the plugin, its entry point, and the vLLM and transport it would run",
          "The image's vLLM is one the overlay has a contract for (refused before anything stops)",
-         "Say so when the image runs the overlay's pure-Python transport (no C++ extension for its Python)")
+         "Say so when the image runs the overlay's pure-Python transport or worker core (no C++ extension for its Python)")
 IMAGE = "registry.example/serve@sha256:" + "b" * 64
 
 
@@ -43,13 +43,13 @@ os.execve({sys.executable!r}, [{sys.executable!r}, *rest],
     d.chmod(d.stat().st_mode | stat.S_IXUSR)
 
 
-def run_check(tmp: Path, *, version: str, contract: dict | None = None, native: bool = True,
+def run_check(tmp: Path, *, version: str, contract: dict | None = None, missing: tuple[str, ...] = (),
               overlay_active: bool = True) -> subprocess.CompletedProcess:
     tree = tmp / "image-vllm"
     fake_tree(tree, version, C.load())
     site = tmp / "site"
     shutil.copytree(REPO / "python" / "dsv41", site / "dsv41",
-                    ignore=None if native else shutil.ignore_patterns("_fastrow*.so"))
+                    ignore=shutil.ignore_patterns(*(f"{m}*.so" for m in missing)) if missing else None)
     if contract is not None:
         (site / "dsv41" / "overlay" / "vllm_contract.json").write_text(json.dumps(contract(tree)))
     bindir = tmp / "bin"
@@ -89,8 +89,10 @@ def test_matching_vllm_passes_and_the_cpp_transport_says_nothing(tmp_path):
     assert "skipping: [localhost]" in r.stdout  # the transport line
 
 
-def test_no_cpp_extension_in_the_site_is_reported_for_the_rank(tmp_path):
-    r = run_check(tmp_path, version="0.33.0", contract=contract_of, native=False)
+# each extension the site may lack (setup.py's NATIVE): the transport's, the worker core's, both
+@pytest.mark.parametrize("missing", [("_fastrow",), ("_core",), ("_fastrow", "_core")])
+def test_no_cpp_extension_in_the_site_is_reported_for_the_rank(tmp_path, missing):
+    r = run_check(tmp_path, version="0.33.0", contract=contract_of, missing=missing)
     out = " ".join(r.stdout.split())
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "rank 1 (localhost): the overlay imports the pure-Python transport" in out, out[-3000:]

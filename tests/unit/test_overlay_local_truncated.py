@@ -14,19 +14,20 @@ from pathlib import Path
 
 import pytest
 
+from dsv41.overlay import core as overlay_core
 from dsv41.transport import native
 
-pytestmark = pytest.mark.skipif(native._fastrow is None, reason="the C++ extension is not built")
+pytestmark = pytest.mark.skipif(overlay_core._core is None or native._fastrow is None, reason="the C++ extensions are not built")
 
 CHILD = r'''
 import os, sys, time
 import numpy as np
-from dsv41.transport import native
+from dsv41.overlay import core as overlay_core
 
 path, how = sys.argv[1], sys.argv[2]
 rows, kW, kS = 4096, 256, 8
 woff, soff = 0, rows * kW
-slot = native._fastrow.EngramSlot(7)
+slot = overlay_core._core.EngramSlot(7)
 ids = np.zeros(1024, np.int64); hb = np.zeros(1024 * 268, np.uint8); fetch = np.zeros(1024, np.int64)
 slot.set_buffers(ids.ctypes.data, hb.ctypes.data, fetch.ctypes.data, 1024)
 slot.set_table(0, rows, b"\x01" * 32, rows)
@@ -38,7 +39,7 @@ else:
     time.sleep(0.05)
     with open(path, "r+b") as f:
         f.write(b"\xff" * 16)
-core = native._fastrow.EngramCore(64, 100, 60.0, 30, (30, 10))
+core = overlay_core._core.EngramCore(64, 100, 60.0, 30, (30, 10))
 ids[:600] = np.arange(rows - 600, rows)  # rows past the truncation
 slot.begin(1)
 assert core.submit_gj(slot, 1, 600, 0, 0, 0, 100, (30, 10), 30.0, 1, queue=False) == 1

@@ -15,6 +15,7 @@ import torch
 from dsv41.engram import reader
 from dsv41.engram.client import RemoteRowSource, RemoteUnavailable
 from dsv41.engram.rowsource import LocalRowSource, RowSource
+from dsv41.overlay import core as overlay_core
 from dsv41.overlay import engram as E
 from dsv41.overlay import engram_ops as O
 from dsv41.overlay import engram_rows as ER
@@ -295,9 +296,9 @@ def test_the_worker_waits_briefly_for_the_steps_other_layer(tabs, workers, monke
     assert _exact(tabs, r1, ids, out) and threading.active_count() >= 1
 
 
-@pytest.mark.skipif(native._fastrow is None, reason="the C++ extension is not built")
+@pytest.mark.skipif(overlay_core._core is None or native._fastrow is None, reason="the C++ extensions are not built")
 def test_the_native_plan_equals_the_numpy_plan_and_refuses_a_converted_buffer() -> None:
-    """``_fastrow.plan_rows`` (no GIL) gives the numpy plan's selectors and fetch list for every
+    """``_core.plan_rows`` (no GIL) gives the numpy plan's selectors and fetch list for every
     id class (owned, -1, below and past the range) and sizes 0..N; a wrong dtype is a TypeError,
     never a plan into a temporary copy."""
     rng = np.random.default_rng(7)
@@ -306,16 +307,16 @@ def test_the_native_plan_equals_the_numpy_plan_and_refuses_a_converted_buffer() 
         s1, s2 = np.full(r, 7, np.int32), np.full(r, 9, np.int32)
         f1, f2 = np.zeros(r, np.int64), np.ones(r, np.int64)
         n1 = O.plan_into_numpy(ids, 10, 40, s1, f1, np.empty(r, bool), np.empty(r, bool))
-        n2 = O.plan_into(ids, 10, 40, s2, f2, None, None, native._fastrow.plan_rows)
+        n2 = O.plan_into(ids, 10, 40, s2, f2, None, None, overlay_core._core.plan_rows)
         assert n1 == n2 and np.array_equal(s1, s2) and np.array_equal(f1[:n1], f2[:n2])
     buf = np.empty(8, np.int32)
     for bad in ({"ids": np.zeros(8, np.int32)}, {"sel": np.zeros(8, np.int64)}, {"fetch": np.zeros(8, np.int32)},
                 {"sel": np.zeros(16, np.int32)[::2]}):
         args = {"ids": np.zeros(8, np.int64), "sel": buf, "fetch": np.zeros(8, np.int64), **bad}
         with pytest.raises(TypeError):
-            native._fastrow.plan_rows(args["ids"], 0, 1, args["sel"], args["fetch"])
+            overlay_core._core.plan_rows(args["ids"], 0, 1, args["sel"], args["fetch"])
     with pytest.raises(ValueError, match="need ids.size"):
-        native._fastrow.plan_rows(np.zeros(8, np.int64), 0, 1, np.zeros(4, np.int32), np.zeros(8, np.int64))
+        overlay_core._core.plan_rows(np.zeros(8, np.int64), 0, 1, np.zeros(4, np.int32), np.zeros(8, np.int64))
 
 
 class Recorder:

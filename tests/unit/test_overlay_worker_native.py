@@ -18,6 +18,7 @@ import torch
 from dsv41.engram import client as C
 from dsv41.engram import reader
 from dsv41.engram.client import RemoteRowSource, RemoteUnavailable
+from dsv41.overlay import core as overlay_core
 from dsv41.overlay import engram as E
 from dsv41.overlay import engram_ops as O
 from dsv41.overlay import engram_rows as ER
@@ -27,7 +28,7 @@ from dsv41.transport.tcp import TcpClient
 
 from overlayutil import free_port as _free_port, serve_tables as _serve, exact_rows as _exact, lookup_ids as _ids, poisoned as _poisoned, remote_rows as _rows, tabs  # noqa: F401 - tabs is a fixture
 
-pytestmark = pytest.mark.skipif(native._fastrow is None, reason="the C++ extension is not built")
+pytestmark = pytest.mark.skipif(overlay_core._core is None or native._fastrow is None, reason="the C++ extensions are not built")
 
 
 def _source(tabs_, port: int, required: bool = False) -> RemoteRowSource:
@@ -195,14 +196,14 @@ def test_every_native_failure_code_maps_to_its_transport_exception(tabs, code, e
 
 
 def test_core_statuses_match_the_python_constants() -> None:
-    core = native._fastrow.EngramCore(16384, 65536, 60.0)
+    core = overlay_core._core.EngramCore(16384, 65536, 60.0)
     core.retire()
     assert core.next()[0] == O.CORE_RETIRED and (O.CORE_PYTHON, O.CORE_REPORT) == (1, 5)
     assert (O.CORE_PYTHON_IDS, O.CORE_PIECES_FETCHED, O.CORE_PIECES_FAILED) == (6, 7, 8)
 
 
 def test_the_slot_hand_off_honours_generations_and_abandonment() -> None:
-    s = native._fastrow.EngramSlot(7)
+    s = overlay_core._core.EngramSlot(7)
     assert s.key == 7
     s.begin(3)
     assert not s.wait(3, 0.01, 1000)
@@ -219,7 +220,7 @@ def test_wait_stream_reports_the_hand_off_and_what_it_queued_and_times_the_wait(
     generation (``wait_times``: gen, enter, seen, queued, GIL back)."""
     import threading
 
-    s = native._fastrow.EngramSlot(9)
+    s = overlay_core._core.EngramSlot(9)
     s.begin(2)
     assert s.wait_stream(2, 0.01, 1000, 0, 0) == 0
     th = threading.Thread(target=lambda: (time.sleep(0.02), s.handoff(2)))
@@ -240,7 +241,7 @@ def test_a_join_polls_once_the_last_request_is_out_and_stays_bounded() -> None:
     another generation does not make it poll."""
     import threading
 
-    s = native._fastrow.EngramSlot(8)
+    s = overlay_core._core.EngramSlot(8)
     s.begin(5)
     s.mark_tail(4)  # stale: a sleeping wait, no poll
     t0 = time.monotonic()
@@ -487,7 +488,7 @@ def test_the_pipelined_piece_plan_equals_the_all_at_once_plan(rows, piece_rows, 
     for ahead, head in orders:
         sel = np.full(rows, 7, np.int32)
         fetch = np.full(rows, -7, np.int64)
-        ns, bad = native._fastrow.plan_pieces(ids, lo, hi, 1 << 62, piece_rows, sel, fetch, ahead, head)
+        ns, bad = overlay_core._core.plan_pieces(ids, lo, hi, 1 << 62, piece_rows, sel, fetch, ahead, head)
         assert not bad
         got[ahead, head] = (list(ns), sel, [fetch[r0:r0 + n] for r0, n in zip(range(0, rows, piece_rows), ns)])
     for order in orders:
@@ -497,7 +498,7 @@ def test_the_pipelined_piece_plan_equals_the_all_at_once_plan(rows, piece_rows, 
     if rows:
         flat_sel = np.full(rows, 7, np.int32)
         flat_fetch = np.empty(rows, np.int64)
-        n = native._fastrow.plan_rows(ids, lo, hi, flat_sel, flat_fetch)  # the same arithmetic, one piece
+        n = overlay_core._core.plan_rows(ids, lo, hi, flat_sel, flat_fetch)  # the same arithmetic, one piece
         own = (ids >= lo) & (ids < hi)
         assert n == int(own.sum()) and np.array_equal(flat_fetch[:n], ids[own])
         assert np.array_equal(flat_sel[own], np.arange(n)) and (flat_sel[~own] == -1).all()
@@ -528,7 +529,7 @@ def test_the_tail_piece_layout_is_the_cores_and_pythons_and_plans_exactly(monkey
             for ahead, head in ((False, 0), (True, 0), (True, 30)):
                 sel = np.full(rows, 7, np.int32)
                 fetch = np.full(rows, -7, np.int64)
-                ns, bad = native._fastrow.plan_pieces(ids, 1000, 3000, 1 << 62, 100, sel, fetch, ahead, head, list(tails))
+                ns, bad = overlay_core._core.plan_pieces(ids, 1000, 3000, 1 << 62, 100, sel, fetch, ahead, head, list(tails))
                 assert not bad and list(ns) == [n for n, _, _ in want], (tails, rows)
                 for n, r0, m in want:
                     v = ids[r0:r0 + m]
@@ -541,9 +542,9 @@ def test_a_negative_tail_is_refused_by_the_core_and_the_plan() -> None:
     """A tail of fewer than 0 rows is a caller's error: ``EngramCore`` and ``plan_pieces`` raise
     ValueError naming it, before anything runs."""
     with pytest.raises(ValueError, match="tail_rows entries must be >= 0"):
-        native._fastrow.EngramCore(64, 100, 60.0, 30, [30, -1])
+        overlay_core._core.EngramCore(64, 100, 60.0, 30, [30, -1])
     with pytest.raises(ValueError, match="tail_rows entries must be >= 0"):
-        native._fastrow.plan_pieces(np.arange(10, dtype=np.int64), 0, 10, 10, 4, np.empty(10, np.int32),
+        overlay_core._core.plan_pieces(np.arange(10, dtype=np.int64), 0, 10, 10, 4, np.empty(10, np.int32),
                                     np.empty(10, np.int64), False, 0, [-2])
 
 
@@ -552,11 +553,11 @@ def test_an_owned_id_past_the_table_is_flagged_in_either_plan_order(ahead) -> No
     """An owned id at or past the table's row count (or a negative one in a range that starts
     below 0) sets the plan's flag, in either order; an id outside the range never does."""
     ids = np.arange(0, 500, dtype=np.int64)
-    assert native._fastrow.plan_pieces(ids, 0, 1000, 1000, 100, np.empty(500, np.int32), np.empty(500, np.int64),
+    assert overlay_core._core.plan_pieces(ids, 0, 1000, 1000, 100, np.empty(500, np.int32), np.empty(500, np.int64),
                                        ahead)[1] is False
     ids[437] = 1000  # owned ([0, 2000)), past a 1000-row table
-    assert native._fastrow.plan_pieces(ids, 0, 2000, 1000, 100, np.empty(500, np.int32), np.empty(500, np.int64),
+    assert overlay_core._core.plan_pieces(ids, 0, 2000, 1000, 100, np.empty(500, np.int32), np.empty(500, np.int64),
                                        ahead)[1] is True
     ids[437] = -5  # owned by a range from -10, negative: past the table as an unsigned row
-    assert native._fastrow.plan_pieces(ids, -10, 1000, 1000, 100, np.empty(500, np.int32), np.empty(500, np.int64),
+    assert overlay_core._core.plan_pieces(ids, -10, 1000, 1000, 100, np.empty(500, np.int32), np.empty(500, np.int64),
                                        ahead)[1] is True

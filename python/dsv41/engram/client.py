@@ -504,7 +504,7 @@ class RemoteRowSource(RowSource):
     # -- a lent connection (the vLLM overlay's C++ worker core, issue 23) ------------------------
     def native_lease(self) -> dict | None:
         """A connection of the caller's own to this source's server, for requests made in C++
-        without the GIL (``_fastrow.EngramCore``), or None where this source cannot lend one
+        without the GIL (``dsv41.overlay._core.EngramCore``), or None where this source cannot lend one
         (nixl, a fault delay, no C++ transport, the server unreachable now). Returns
         ``{"client", "fd", "gen", "version", "spin_ns", "timeout_ns", "tables"}``: the TcpClient
         (the caller closes it once it stopped using ``fd``), the request generation to start

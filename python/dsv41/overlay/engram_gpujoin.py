@@ -33,7 +33,7 @@ Failures stay exact without the GIL and without the driver:
   serves it, so exactly one fills and stores.
 
 Only where it can be exact and bounded (``GpuJoin.for_rows``): ``DSV41_ENGRAM_GPU_JOIN=1``, a CUDA
-table with the C++ slot, the driver's v2 stream memory operations (``_fastrow.stream_mem_ops``),
+table with the C++ slot, the driver's v2 stream memory operations (``_core.stream_mem_ops``),
 not required mode, no fault delay, and the table's exact local rows (the row source's local
 shard, its regions of 256 + 8 bytes, the rank's range inside the table). **Required mode**
 (``DSV41_ENGRAM_REMOTE_REQUIRED=1``) always joins on the host: its contract is that the cause of
@@ -84,9 +84,9 @@ def local_table(source: Any, layer_id: int) -> tuple[str, int, int, int] | None:
 def available(device_index: int) -> bool:
     """Whether the C++ extension is built and the driver has the v2 stream memory operations on
     CUDA device ``device_index``."""
-    from dsv41.transport import native
+    from dsv41.overlay import core
 
-    f = native._fastrow if native.use_native() else None
+    f = core._core if core.use_core() else None
     return bool(f is not None and hasattr(f, "stream_mem_ops") and f.stream_mem_ops(device_index))
 
 
@@ -125,12 +125,12 @@ class GpuJoin:
     def _setup(self) -> bool:
         """Once, on the launching thread (the CUDA context current): the host-mapped words, the
         local rows' mapping, the watchdog's thread."""
-        from dsv41.transport import native
+        from dsv41.overlay import core
 
         rows = self.rows
         try:
             loc = local_table(rows.source, rows.layer_id)
-            ok = (loc is not None and bool(self.native.gj_setup()) and bool(native._fastrow.gj_watch_start()))
+            ok = (loc is not None and bool(self.native.gj_setup()) and bool(core._core.gj_watch_start()))
             if ok:
                 self.native.set_local(*loc)
         except (RuntimeError, OSError, ValueError) as exc:

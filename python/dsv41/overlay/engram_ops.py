@@ -1,5 +1,5 @@
 """Shared pieces of the overlay's Engram path (``dsv41.overlay.engram``): the id plan (C++ without
-the GIL when ``dsv41.transport._fastrow`` is built, numpy otherwise), the stream/event operations
+the GIL when ``dsv41.overlay._core`` is built, numpy otherwise), the stream/event operations
 (CUDA through torch, or one program order on the CPU for tests), the per-size CUDA graph of a
 one-piece launch, and the counter report.
 """
@@ -31,7 +31,7 @@ _capture_active: Callable[[], bool] | None = None
 MAX_GRAPHS = 64
 
 
-#: Statuses of ``_fastrow.EngramCore.next()`` (the enum of the C++ core): what the worker's Python
+#: Statuses of ``_core.EngramCore.next()`` (the enum of the C++ core): what the worker's Python
 #: does with the batch it hands back (``engram_worker.EngramWorker._run_native``).
 (CORE_RETIRED, CORE_PYTHON, CORE_FETCHED, CORE_FAILED, CORE_CUDA_FAILED, CORE_REPORT, CORE_PYTHON_IDS,
  CORE_PIECES_FETCHED, CORE_PIECES_FAILED, CORE_GJ_FAILED) = range(10)
@@ -42,9 +42,9 @@ class OverlayRefused(Dsv41Error):
 
 
 def _native_plan() -> Callable[..., int] | None:
-    from dsv41.transport import native
+    from dsv41.overlay import core
 
-    return native._fastrow.plan_rows if native.use_native() else None
+    return core._core.plan_rows if core.use_core() else None
 
 
 def plan_into_numpy(ids: np.ndarray, lo: int, hi: int, sel: np.ndarray, fetch: np.ndarray, own: np.ndarray,
@@ -66,7 +66,7 @@ def plan_into_numpy(ids: np.ndarray, lo: int, hi: int, sel: np.ndarray, fetch: n
 
 def plan_into(ids: np.ndarray, lo: int, hi: int, sel: np.ndarray, fetch: np.ndarray, own: np.ndarray,
               tmp: np.ndarray, native: Callable[..., int] | None = None) -> int:
-    """``plan_into_numpy``'s result, through ``native`` (``_fastrow.plan_rows``: one call, no
+    """``plan_into_numpy``'s result, through ``native`` (``_core.plan_rows``: one call, no
     GIL held, no scratch) when given. ``fetch`` needs room for ``len(ids)`` entries."""
     if not ids.size:
         return 0

@@ -29,7 +29,7 @@ ALIVE_POLL_S = 0.05
 
 
 class TableSlot:
-    """A table's ``_fastrow.EngramSlot`` (the C++ core's view of it): ``key`` (the worker's map
+    """A table's ``_core.EngramSlot`` (the C++ core's view of it): ``key`` (the worker's map
     key), ``native`` and ``set_table(tables)`` (its identity and table rows from a lease's
     ``{layer_id: (identity, rows)}``; a layer the lease does not name stays Python's)."""
 
@@ -110,10 +110,10 @@ class RemoteRows:
         self.d_ids = torch.empty((max_tokens, part), dtype=torch.int64, device=self.device)
         self.h_ids = torch.empty((max_tokens, part), dtype=torch.int64, device="cpu", pin_memory=self._cuda)
         self._native_plan = _native_plan()  # C++ without the GIL where the extension is built
-        from dsv41.transport import native as _nat
+        from dsv41.overlay import core as _core
 
         # the C++ core's view of this table (hand-off, buffers, launch graphs), where it is built
-        self._slot = TableSlot(self, _nat._fastrow.EngramSlot(id(self))) if _nat.use_native() else None
+        self._slot = TableSlot(self, _core._core.EngramSlot(id(self))) if _core.use_core() else None
         self._ho = Handoff(None if self._slot is None else self._slot.native, JOIN_SPIN_NS)
         self._kept: list = []  # host buffers a retired (hung) worker's C++ core may still write
         self._pool: Any = None  # the fetch thread of multi-piece jobs (_fetch_pool)

@@ -70,7 +70,7 @@ class EngramWorker:
     ``plan_s`` and ``launch_s`` (one-request steps), ``fetch_s`` (seconds inside the row source) and
     ``host_s`` (the rest of the worker's busy time: ids wait excluded, plan, H2D/kernel launches).
 
-    With the C++ extension (``_fastrow.EngramCore``, issue 23 pass F) the thread runs the core's
+    With the C++ extension (``dsv41.overlay._core.EngramCore``, issue 23 pass F) the thread runs the core's
     ``next()`` with the GIL released: the wake-up, the ids wait, the coalescing, the plan, the
     request on a connection the row source lends (``RemoteRowSource.native_lease``), the launch
     graph and the hand-off of a captured size are C++, and so is a multi-piece (prefill) job whose
@@ -543,12 +543,12 @@ def _no_handle(_obj: Any) -> int:
 
 
 def _new_core(chunk_rows: int) -> Any:
-    """The C++ core (``_fastrow.EngramCore``) where the extension is built, else None."""
-    from dsv41.transport import native
+    """The C++ core (``dsv41.overlay._core.EngramCore``) where the extension is built, else None."""
+    from dsv41.overlay import core
 
-    if not native.use_native():
+    if not core.use_core():
         return None
-    return native._fastrow.EngramCore(chunk_rows, PIECE_ROWS, REPORT_EVERY_S, HEAD_ROWS, TAIL_ROWS)
+    return core._core.EngramCore(chunk_rows, PIECE_ROWS, REPORT_EVERY_S, HEAD_ROWS, TAIL_ROWS)
 
 
 def _worker_for(source: Any, rank: int, ops: Any) -> tuple[EngramWorker, bool]:

@@ -384,7 +384,7 @@ class TcpClient:
 
     def lend(self) -> tuple[int, int, int, int]:
         """Hand the connection's requests to a C++ caller (the vLLM overlay's worker core,
-        ``_fastrow.EngramCore``): returns ``(fd, next_generation, version, spin_ns)``; from then on
+        ``dsv41.overlay._core.EngramCore``): returns ``(fd, next_generation, version, spin_ns)``; from then on
         this client sends nothing (its lookups raise ``TransportError``) and only ``close`` is
         called, after the caller stopped using the socket. Raises ``TransportError`` when the
         client is closed or has no C++ path."""

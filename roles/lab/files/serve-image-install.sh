@@ -1,7 +1,7 @@
 #!/bin/sh
 # Runs inside the lab's image build container (docker run --network none: no registry, no route):
 # the dsv41 project and its pinned dependencies from the wheelhouse mounted at /wheelhouse into
-# VENV, _fastrow built for the image's own Python. Arguments: VENV SOURCE_TARBALL EXTRAS ("[torch]").
+# VENV, _fastrow and _core built for the image's own Python. Arguments: VENV SOURCE_TARBALL EXTRAS ("[torch]").
 set -eu
 venv=$1 src=$2 extras=$3
 wh=/wheelhouse
