@@ -19,7 +19,6 @@
 
 #include "dsv41/overlay/core_engram.h"
 
-
 // The core's plan of a multi-piece job (PiecePlan, as EngramCore::serve_pieces runs it) on given
 // buffers: `ahead` plans piece 0 here (only its first `head` rows when 0 < head < piece 0's rows,
 // the rest of it then first on the planner thread) and the rest on the planner thread, waited for

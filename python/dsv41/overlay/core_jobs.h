@@ -193,5 +193,4 @@ struct PieceTrace {
   bool gpu_join = false;  // a GPU-joined job (pass O): launch1 = the piece's flag stored, t_done = the last
 };
 
-
 }  // namespace

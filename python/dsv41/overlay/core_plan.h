@@ -233,5 +233,4 @@ void Planner::loop() {
   }
 }
 
-
 }  // namespace

@@ -316,5 +316,4 @@ struct EngramSlot {
   }
 };
 
-
 }  // namespace
