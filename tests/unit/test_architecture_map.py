@@ -522,3 +522,11 @@ def test_playbooks_task_files_commands_and_floors(tree):
         f"{DOC} '## Command-line groups': no row for newgroup",
         f"{DOC} '## Import floors': floors {[str(i) for i in range(9)]}, FLOORS has 0..9",
     ]
+
+
+def test_the_readme_points_at_the_one_map():
+    """README.md's Layout section links docs/architecture.md and is no second map (no table)."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    assert "(docs/architecture.md)" in section
+    assert not any(line.startswith("|") for line in section.splitlines()), "README.md '## Layout' holds a table"
