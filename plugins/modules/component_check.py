@@ -110,6 +110,10 @@ behaviour:
   description: The behaviour the seed's rollback table names for the component.
   returned: always
   type: str
+role_vars:
+  description: The role variables that switch the component off (set over production's values).
+  returned: when stage is validate or in check mode
+  type: dict
 ok:
   description: Every check passed (V(stage=check) only).
   returned: when stage is check and not in check mode
@@ -172,7 +176,7 @@ def main():
         name = dsv41_components.component(p["component"])
         behaviour = dsv41_components.COMPONENTS[name]
         if p["stage"] == "validate" or module.check_mode:
-            module.exit_json(changed=False, behaviour=behaviour)
+            module.exit_json(changed=False, behaviour=behaviour, role_vars=dsv41_components.ROLE_VARS[name])
         res = dsv41_components.run(
             name, p["endpoint"], p["refs_path"],
             engine_metrics_url=p["metrics_url"] or p["endpoint"].rstrip("/") + "/metrics",

@@ -3,8 +3,9 @@ roles' own templates on the lab inventory: each component rollback removes exact
 (dsv41.harness.components.env_problems finds none left), the engine's settings parse, the
 production rendering keeps every component, and the overlay is inert once its variables are unset.
 
-The variables come from the playbook's own set_fact tasks (read from the YAML), so the test and
-the playbook cannot drift apart. A component name the playbook does not know is refused before
+The variables come from the one component map (dsv41.harness.components.ROLE_VARS), which the
+playbook's set_fact pre_task applies as the component_check module returns it, so the test and the
+playbook cannot drift apart. A component name the playbook does not know is refused before
 anything runs (one line, exit 2 on the first play)."""
 
 from __future__ import annotations
@@ -30,15 +31,12 @@ CAPACITY = {"spec_decode_capacity_mode": True, "spec_decode_local_memory_tokens"
 
 
 def switch_vars() -> dict[str, dict]:
-    """{component: the variables the playbook's set_fact pre_task sets for it}."""
+    """{component: the variables the playbook sets for it}: the module's map, after checking that the
+    playbook's only set_fact pre_task applies what the name check returned."""
     plays = yaml.safe_load((REPO / "playbooks" / "rollback_component.yml").read_text())
-    out = {}
-    for play in plays:
-        for task in play.get("pre_tasks", []):
-            when = task["when"]
-            name = when.split("==")[1].strip().strip("'")
-            out[name] = task["ansible.builtin.set_fact"]
-    return out
+    pre = [t for play in plays for t in play.get("pre_tasks", [])]
+    assert len(pre) == 1 and "rollback_component_known.role_vars" in pre[0]["loop"], pre
+    return C.ROLE_VARS
 
 
 VARIANTS = {"production": {}, "production_capacity": CAPACITY,

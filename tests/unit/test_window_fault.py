@@ -45,7 +45,7 @@ TASK = """
         tasks_from: fault
       vars:
         dsv41_rank: {rank}
-        window_container_runtime: {runtime}
+        serve_container_runtime: {runtime}
 """
 
 

@@ -41,6 +41,14 @@ COMPONENTS: dict[str, str] = {
     "remote_engram": "the local Engram reader serves (no DSV41_ENGRAM_REMOTE*, overlay env removed)",
 }
 
+#: name -> the role variables that switch the component off (set on the Sparks over production's
+#: values by playbooks/rollback_component.yml; every other variable keeps production's value).
+ROLE_VARS: dict[str, dict[str, bool]] = {
+    "async_handoff": {"spec_decode_async": False},
+    "remote_drafter": {"spec_decode_remote": False, "spec_decode_capacity_mode": False},
+    "remote_engram": {"engram_overlay_remote": False},
+}
+
 #: Finish reasons of ``vllm:request_success_total`` that count as failed requests.
 FAILED_REASONS = ("abort", "error")
 
