@@ -3,11 +3,12 @@ two local "Sparks" against a stand-in systemctl (fake_systemd.py, one state file
 shared call log): both ranks are stopped before rank 1 starts, rank 1 starts before rank 0, rank
 0's /health is polled only after rank 0 started, and check mode touches nothing; a rank 0 that is not
 healthy within the start-up budget fails each rank in one line naming its unit, the budget, the last
-status and the unit's last journal lines."""
+status, the unit's last journal lines and its first error lines since the restart."""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -128,3 +129,8 @@ def test_rank_0_not_healthy_within_the_budget_names_unit_rank_and_journal_on_eac
         assert len(msg) == 1, r.stdout[-4000:]
         assert "dsv41-serve.service" in msg[0] and "serve_health_retries 2 x serve_health_delay 1 s" in msg[0], msg
         assert "last: 503" in msg[0] and "ActiveState=active" in msg[0] and " | ".join(lines) in msg[0], msg
+        # the first error lines since the restart (read with --since=@<the host's restart time>)
+        errors = [ln for ln in lines if "Error" in ln]
+        assert msg[0].endswith("its first errors since the restart: " + (" | ".join(errors) or "(none)")), msg
+        calls = (tmp_path / f"{host}.json.log").read_text()
+        assert re.search(r"^\S+ --unit=dsv41-serve\.service --since=@\d+ --no-pager --output=cat$", calls, re.M), calls
