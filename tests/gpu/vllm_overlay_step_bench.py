@@ -126,9 +126,7 @@ def main() -> int:
 
     from dsv41.engram.layout import EngramLayout
     from dsv41.engram.manifest import load_manifest
-    from dsv41.overlay import contract as C
-    from dsv41.overlay import engram as E
-    from dsv41.overlay import settings as S
+    from dsv41.overlay import contract as C, engram as E, settings as S
 
     res: dict = {"tag": args.tag, "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                  "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -401,11 +399,11 @@ def run(args, eng, layout, manifest, url, runtime, srv, restart, torch, E, S, C)
             # joins of layer 1 that polled once a job's last request was out (pass L), whole run so far
             "join_tail_polls_layer1": rr.overlay_counters().get(f"layer{rr.layer_id}_join_tail_polls"),
             # the launch graphs of both layers in the timed rounds (replays = graph launches)
-            "launch_graphs": {k: round(sum(o.embed_tokens._dsv41.graphs.counters[k] - g[k] for o, g in zip(ovl, g0)), 4)
+            "launch_graphs": {k: round(sum(o.embed_tokens._dsv41.graphs.counters[k] - g[k] for o, g in zip(ovl, g0, strict=False)), 4)
                               for k in ("replays", "captures", "failures", "capture_s")},
             # a multi-piece job's piece graphs (issue 23 pass H): captured by Python after the first
             # chunk of a size (warm-up), launched by the C++ core (native_launches), so replays stay 0
-            "piece_graphs": {k: round(sum(o.embed_tokens._dsv41.pieces.counters[k] - g[k] for o, g in zip(ovl, p0)), 4)
+            "piece_graphs": {k: round(sum(o.embed_tokens._dsv41.pieces.counters[k] - g[k] for o, g in zip(ovl, p0, strict=False)), 4)
                              for k in ("captures", "failures", "capture_s")},
             "piece_graphs_held": sum(len(o.embed_tokens._dsv41.pieces._graphs) for o in ovl),
             # the GPU-side join (pass O), both layers, timed rounds and the checks after them:
@@ -477,7 +475,7 @@ def check_rows(torch, fw, sets, hash_buf, t, own, ovl) -> dict:
             torch.cuda.synchronize()
             engs = own if arm == "uva" else ovl
             got[arm] = [e.staged_rows[:t].clone() for e in engs]
-        for x, y in zip(got["uva"], got["overlay"]):
+        for x, y in zip(got["uva"], got["overlay"], strict=False):
             ok &= bool(torch.equal(x.view(torch.int16), y.view(torch.int16)))
             rows += x.shape[0] * x.shape[1]
     return {"bit_exact": ok, "rows": rows}

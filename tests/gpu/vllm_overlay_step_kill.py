@@ -71,7 +71,7 @@ def timed_exact_step(torch, f_o, f_u, hash_buf, layout, rng, t: int, own, ovl, t
     ro = [e.staged_rows[:t].clone() for e in ovl]
     f_u()
     torch.cuda.synchronize()
-    return all(bool(torch.equal(x.view(torch.int16), e.staged_rows[:t].view(torch.int16))) for x, e in zip(ro, own))
+    return all(bool(torch.equal(x.view(torch.int16), e.staged_rows[:t].view(torch.int16))) for x, e in zip(ro, own, strict=False))
 
 
 def step_ids(torch, rng, t: int, layout, own):

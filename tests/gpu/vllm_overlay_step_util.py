@@ -102,7 +102,7 @@ class Forward:
         """vLLM's breakable capture, as its eager breaks do it: graph segments captured, the
         eager functions run between them with the capture flag up."""
         torch = self.torch
-        for kind, fn in self.plan():  # warm-up (cuBLAS handles, Triton) outside any capture
+        for _kind, fn in self.plan():  # warm-up (cuBLAS handles, Triton) outside any capture
             fn()
         Q.sync_probe(torch, f"T={self.t} first step")  # synchronizes; pass K's K1 failed here
         capture_flag["on"] = True

@@ -212,9 +212,8 @@ def build_engram(eng, vl, li: int, model_cfg):
 
 def load_vllm_tables(emb, manifest, data: Path, layer_id: int) -> None:
     """vLLM's own weight loader over the shard's tensors (what vLLM does at model load)."""
-    from safetensors import safe_open
-
     import torch
+    from safetensors import safe_open
 
     t = manifest.table(layer_id)
     with safe_open(str(data / t.file), framework="pt") as f:
@@ -342,7 +341,7 @@ def drafter_seam(torch) -> dict:
         tpg = ns(rank_in_group=0, world_size=1, broadcast=lambda t, src=0: t)
         res["broadcast"] = f"none (NCCL group failed: {type(exc).__name__}: {str(exc)[:120]})"
 
-    class Base(abc.ABC):
+    class Base(abc.ABC):  # noqa: B024 - stands in for vLLM's abstract base, whose methods the subclass defines
         pass
 
     class Instant:

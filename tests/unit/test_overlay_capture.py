@@ -14,8 +14,15 @@ import time
 import torch
 
 from dsv41.overlay import engram as E
-
-from overlayutil import Gate, StepOps, exact_rows as _exact, lookup_ids as _ids, poisoned as _poisoned, remote_rows as _rows, tabs  # noqa: F401
+from overlayutil import (  # noqa: F401
+    Gate,
+    StepOps,
+    exact_rows as _exact,
+    lookup_ids as _ids,
+    poisoned as _poisoned,
+    remote_rows as _rows,
+    tabs,
+)
 
 
 class Window:

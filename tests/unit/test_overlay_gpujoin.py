@@ -20,12 +20,13 @@ import pytest
 from dsv41.engram import reader
 from dsv41.engram.client import RemoteRowSource
 from dsv41.envs import ConfigError
-from dsv41.overlay import engram_gpujoin as GJ
-from dsv41.overlay import engram_ops as O
-from dsv41.overlay import settings as S
+from dsv41.overlay import engram_gpujoin as GJ, engram_ops as O, settings as S
 from dsv41.transport import native
-
-from overlayutil import free_port as _free_port, serve_tables as _serve, remote_rows as _rows, tabs  # noqa: F401 - tabs is a fixture
+from overlayutil import (
+    free_port as _free_port,  # noqa: F401 - tabs is a fixture
+    remote_rows as _rows,
+    serve_tables as _serve,
+)
 
 needs_core = pytest.mark.skipif(native._fastrow is None, reason="the C++ extension is not built")
 
@@ -406,9 +407,8 @@ def test_a_cpu_table_with_the_switch_on_joins_on_the_host_exactly(tabs, server) 
     """RemoteRows on the CPU with gpu_join=True: no GPU-side join (no CUDA), lookups exact."""
     import torch
 
-    from overlayutil import exact_rows, lookup_ids, poisoned
-
     from dsv41.overlay import engram as E
+    from overlayutil import exact_rows, lookup_ids, poisoned
 
     _, src = server
     try:

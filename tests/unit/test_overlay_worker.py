@@ -14,15 +14,20 @@ import torch
 
 from dsv41.engram import reader
 from dsv41.engram.client import RemoteRowSource, RemoteUnavailable
-from dsv41.engram.rowsource import LocalRowSource, RowSource
-from dsv41.overlay import engram as E
-from dsv41.overlay import engram_ops as O
-from dsv41.overlay import engram_rows as ER
-from dsv41.overlay import engram_worker as EW
+from dsv41.overlay import engram as E, engram_ops as O, engram_rows as ER, engram_worker as EW
 from dsv41.transport import native
-
-from overlayutil import Gate, StepOps, exact_rows as _exact, kernel_on_cpu, lookup_ids as _ids, poisoned as _poisoned, reference, remote_rows as _rows, same_bits, tabs  # noqa: F401 - tabs is a fixture
-
+from overlayutil import (  # noqa: F401 - tabs is a fixture
+    Gate,
+    StepOps,
+    exact_rows as _exact,
+    kernel_on_cpu,
+    lookup_ids as _ids,
+    poisoned as _poisoned,
+    reference,
+    remote_rows as _rows,
+    same_bits,
+    tabs,
+)
 
 # ------------------------------------------------- the worker pipeline (issue 23), on the CPU
 
@@ -229,7 +234,7 @@ def test_the_plan_is_vectorised_into_the_callers_buffers(tabs) -> None:
     want = [i for i in ids if 10 <= i < 40]
     assert n == len(want) and fetch[:n].tolist() == want
     k = 0
-    for i, s in zip(ids, sel):
+    for i, s in zip(ids, sel, strict=False):
         if 10 <= i < 40:
             assert s == k
             k += 1

@@ -15,17 +15,19 @@ import numpy as np
 import pytest
 import torch
 
-from dsv41.engram import client as C
-from dsv41.engram import reader
+from dsv41.engram import client as C, reader
 from dsv41.engram.client import RemoteRowSource, RemoteUnavailable
-from dsv41.overlay import engram as E
-from dsv41.overlay import engram_ops as O
-from dsv41.overlay import engram_rows as ER
-from dsv41.overlay import engram_worker as EW
+from dsv41.overlay import engram as E, engram_ops as O, engram_rows as ER, engram_worker as EW
 from dsv41.transport import Refused, TransportError, TransportTimeout, native, parse_url
 from dsv41.transport.tcp import TcpClient
-
-from overlayutil import free_port as _free_port, serve_tables as _serve, exact_rows as _exact, lookup_ids as _ids, poisoned as _poisoned, remote_rows as _rows, tabs  # noqa: F401 - tabs is a fixture
+from overlayutil import (
+    exact_rows as _exact,
+    free_port as _free_port,  # noqa: F401 - tabs is a fixture
+    lookup_ids as _ids,
+    poisoned as _poisoned,
+    remote_rows as _rows,
+    serve_tables as _serve,
+)
 
 pytestmark = pytest.mark.skipif(native._fastrow is None, reason="the C++ extension is not built")
 
@@ -351,12 +353,12 @@ def test_the_phase_trace_records_each_multi_piece_job_in_order(tabs, workers, sm
             seq = [g["t_sub"], g["t_deq"], g["t_ids"], g["t_plan0"], g["t_fetch0"]]
             assert seq == sorted(seq) and t0 <= seq[0] and g["t_fetch0"] == g["fetch0"][0]
             assert g["fetch0"][0] <= g["t_head1"] and g["fetch0"][0] <= g["t_rest0"] <= g["fetch1"][0]  # head, rest
-            for a, b, c in zip(g["fetch0"], g["fetch1"], g["launch1"]):
+            for a, b, c in zip(g["fetch0"], g["fetch1"], g["launch1"], strict=False):
                 assert a and b and a <= b <= c <= g["t_done"] <= t1  # every piece has owned ids here
             assert g["fetch0"] == sorted(g["fetch0"]) and g["fetch1"] == sorted(g["fetch1"])
             assert g["t_fetch1"] == g["fetch1"][-1]
             # a piece's request goes out before the previous piece's reply is in
-            overlapped += sum(a < b for a, b in zip(g["fetch0"][1:], g["fetch1"][:-1]))
+            overlapped += sum(a < b for a, b in zip(g["fetch0"][1:], g["fetch1"][:-1], strict=False))
         assert overlapped > 0
         assert core.take_traces() == []
         core.set_trace(False)
@@ -489,11 +491,11 @@ def test_the_pipelined_piece_plan_equals_the_all_at_once_plan(rows, piece_rows, 
         fetch = np.full(rows, -7, np.int64)
         ns, bad = native._fastrow.plan_pieces(ids, lo, hi, 1 << 62, piece_rows, sel, fetch, ahead, head)
         assert not bad
-        got[ahead, head] = (list(ns), sel, [fetch[r0:r0 + n] for r0, n in zip(range(0, rows, piece_rows), ns)])
+        got[ahead, head] = (list(ns), sel, [fetch[r0:r0 + n] for r0, n in zip(range(0, rows, piece_rows), ns, strict=False)])
     for order in orders:
         ns, sel, fetches = got[order]
         assert ns == want_ns and np.array_equal(sel, want_sel)
-        assert len(fetches) == len(want_fetch) and all(np.array_equal(a, b) for a, b in zip(fetches, want_fetch))
+        assert len(fetches) == len(want_fetch) and all(np.array_equal(a, b) for a, b in zip(fetches, want_fetch, strict=False))
     if rows:
         flat_sel = np.full(rows, 7, np.int32)
         flat_fetch = np.empty(rows, np.int64)

@@ -25,8 +25,7 @@ import numpy as np
 from dsv41.engram.reader import LocalRowReader
 from dsv41.engram.rowsource import LocalRowSource, RowSource
 from dsv41.errors import Dsv41Error
-from dsv41.transport import Refused, TransportError, TransportTimeout, open_client, parse_url
-from dsv41.transport import protocol as P
+from dsv41.transport import Refused, TransportError, TransportTimeout, open_client, parse_url, protocol as P
 
 #: Rows per transport request: a larger lookup is split so each request gets the full timeout.
 CHUNK_ROWS = 16384

@@ -94,7 +94,7 @@ def layer1_phases(trace: dict, host_t0_ns: int, gpu_ms: dict, layer0_target_ms: 
     seq = [t_sub, t_deq, t_ids, t_plan0]
     for k in range(n):
         seq += [fs[k]] + ([h1, r0] if k == 0 and h1 else []) + [fe[k], l1[k]]
-    if any(b < a for a, b in zip(seq, seq[1:])) or t_done < l1[-1]:
+    if any(b < a for a, b in zip(seq, seq[1:], strict=False)) or t_done < l1[-1]:
         raise Dsv41Error("phase trace: timestamps out of order")
     ms = 1e-6
     l0s = host_t0_ns + gpu_ms["l0_start"] * 1e6
@@ -128,7 +128,7 @@ def _stream_phases(trace: dict, host_t0_ns: int, gpu_ms: dict, layer0_target_ms:
         raise Dsv41Error("phase trace: a timestamp is missing")
     t_sub, t_deq, t_ids, t_plan0, t_fetch0, t_fetch1, t_done = ts
     idle = int(trace.get("idle", 0))
-    if any(b < a for a, b in zip(ts, ts[1:])) or idle < 0 or idle > t_fetch1 - t_fetch0 or max(l1) > t_done:
+    if any(b < a for a, b in zip(ts, ts[1:], strict=False)) or idle < 0 or idle > t_fetch1 - t_fetch0 or max(l1) > t_done:
         raise Dsv41Error("phase trace: timestamps out of order")
     ms = 1e-6
     l0s = host_t0_ns + gpu_ms["l0_start"] * 1e6
@@ -180,7 +180,7 @@ def join_return(t_done: int, wait: Sequence[int], join_ret_ns: int, join1_ns: in
     seq = [enter, seen, queued, gil, int(join_ret_ns), int(join1_ns)]
     if min(seq) <= 0 or t_done <= 0:
         raise Dsv41Error("join return: a timestamp is missing")
-    if any(b < a for a, b in zip(seq, seq[1:])):
+    if any(b < a for a, b in zip(seq, seq[1:], strict=False)):
         raise Dsv41Error("join return: timestamps out of order")
     ms = 1e-6
     out = {"ret_seen": (seen - t_done) * ms, "ret_queue": (queued - seen) * ms, "ret_gil": (gil - queued) * ms,
@@ -195,7 +195,7 @@ def trace_fetch_ns(trace: dict) -> int:
     pieces' request times (as ``layer1_phases``, without piece 0's head-to-rest wait)."""
     if trace.get("stream"):
         return int(trace["t_fetch1"] - trace["t_fetch0"] - trace.get("idle", 0))
-    return int(sum(b - a for a, b in zip(trace["fetch0"], trace["fetch1"])))
+    return int(sum(b - a for a, b in zip(trace["fetch0"], trace["fetch1"], strict=False)))
 
 
 def summarize(steps: Sequence[dict], ndigits: int = 4) -> dict:

@@ -48,10 +48,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from dsv41.overlay import contract as C
-from dsv41.overlay import engram_ops
-from dsv41.overlay import metrics as overlay_metrics
-from dsv41.overlay import settings as S
+from dsv41.overlay import contract as C, engram_ops, metrics as overlay_metrics, settings as S
 from dsv41.overlay.engram_ops import ROW_BYTES, OverlayRefused, log, plan_rows, report_counters
 from dsv41.overlay.engram_rows import RemoteRows
 from dsv41.overlay.engram_worker import EngramWorker, stop_workers
@@ -117,8 +114,8 @@ def _source(settings: S.OverlaySettings, tp: int, rank: int) -> tuple[Any, Any]:
         if key in _sources:
             return _sources[key]
         from dsv41.engram.client import RemoteRowSource
-        from dsv41.engram.manifest import load_manifest
         from dsv41.engram.layout import layout_from_manifest
+        from dsv41.engram.manifest import load_manifest
         from dsv41.engram.reader import LocalRowReader
 
         url = S.rank_url(settings, tp, rank)

@@ -107,7 +107,7 @@ class GpuJoin:
         rows.counters.setdefault("gpu_join_redos", 0)
 
     @classmethod
-    def for_rows(cls, rows: Any, enabled: bool) -> "GpuJoin | None":
+    def for_rows(cls, rows: Any, enabled: bool) -> GpuJoin | None:
         """The table's GPU-side join where it can run (see the module), else None."""
         if not enabled or rows.required or rows._slot is None or not rows._cuda or not rows.ops.graphs:
             return None

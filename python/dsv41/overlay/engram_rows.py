@@ -13,10 +13,27 @@ from typing import Any
 import numpy as np
 
 from dsv41.errors import ConfigError, Dsv41Error
-from dsv41.overlay.engram_ops import (ROW_BYTES, CudaOps, Handoff, HostOps, LaunchGraphs, OverlayRefused,
-                                      _native_plan, log, plan_into, report_counters)
-from dsv41.overlay.engram_worker import (JOIN_SPIN_NS, PIECE_ROWS, REPORT_EVERY_S, TAIL_ROWS, EngramWorker, _no_handle,
-                                         _worker_for)
+from dsv41.overlay.engram_ops import (
+    ROW_BYTES,
+    CudaOps,
+    Handoff,
+    HostOps,
+    LaunchGraphs,
+    OverlayRefused,
+    _native_plan,
+    log,
+    plan_into,
+    report_counters,
+)
+from dsv41.overlay.engram_worker import (
+    JOIN_SPIN_NS,
+    PIECE_ROWS,
+    REPORT_EVERY_S,
+    TAIL_ROWS,
+    EngramWorker,
+    _no_handle,
+    _worker_for,
+)
 
 #: Seconds ``_finish_prefetch`` waits for the worker's hand-off of one layer before it counts a
 #: refusal and serves that layer's exact rows on the launching thread. The worker's fetch is
@@ -33,7 +50,7 @@ class TableSlot:
     key), ``native`` and ``set_table(tables)`` (its identity and table rows from a lease's
     ``{layer_id: (identity, rows)}``; a layer the lease does not name stays Python's)."""
 
-    def __init__(self, rows: "RemoteRows", native: Any) -> None:
+    def __init__(self, rows: RemoteRows, native: Any) -> None:
         self.rows, self.native, self.key = rows, native, id(rows)
 
     def set_table(self, tables: dict) -> None:

@@ -50,7 +50,7 @@ HEAD_ROWS = 8192
 #: (~0.2 ms at the ~0.1 us a row of pass P's 39 ms for 393,216), so only the 2,048 follow the reply.
 TAIL_ROWS = (16384, 2048)
 
-_workers: dict[int, "EngramWorker"] = {}
+_workers: dict[int, EngramWorker] = {}
 _workers_lock = threading.Lock()
 
 
@@ -274,9 +274,18 @@ class EngramWorker:
 
     def _run_native(self) -> None:
         """The C++ core's loop (see the class): Python only for what the core hands back."""
-        from dsv41.overlay.engram_ops import (CORE_CUDA_FAILED, CORE_FAILED, CORE_FETCHED, CORE_GJ_FAILED,
-                                              CORE_PIECES_FAILED, CORE_PIECES_FETCHED, CORE_PYTHON, CORE_PYTHON_IDS,
-                                              CORE_REPORT, CORE_RETIRED)
+        from dsv41.overlay.engram_ops import (
+            CORE_CUDA_FAILED,
+            CORE_FAILED,
+            CORE_FETCHED,
+            CORE_GJ_FAILED,
+            CORE_PIECES_FAILED,
+            CORE_PIECES_FETCHED,
+            CORE_PYTHON,
+            CORE_PYTHON_IDS,
+            CORE_REPORT,
+            CORE_RETIRED,
+        )
 
         self.ops.bind_thread()
         core, tables, c = self.core, self._tables, self._c

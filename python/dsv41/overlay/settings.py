@@ -90,7 +90,6 @@ def runtime_files(settings: OverlaySettings) -> tuple[Path, Path | None]:
     manifest = root / "manifest.json"
     if not manifest.is_file():
         raise ConfigError(f"DSV41_RUNTIME_ROOT {root}: no manifest.json (run roles/engram_overlay)")
-    from dsv41 import fileio
 
     try:
         desc = fileio.loads_json(fileio.read_text(root / "overlay.json", f"DSV41_RUNTIME_ROOT {root}: overlay.json",
