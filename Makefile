@@ -87,16 +87,16 @@ promotion-kill: venv
 bench: venv
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -s -p no:cacheprovider tests/perf
 
-# The long fuzz campaign (issue 10): FUZZ_FRAMES malformed frames per protocol (default 100000),
-# and PAUSE_FUZZ_EXAMPLES random pause/resume/request sequences per state machine (issue 25, the
+# The long fuzz campaign: FUZZ_FRAMES malformed frames per protocol (default 100000),
+# and PAUSE_FUZZ_EXAMPLES random pause/resume/request sequences per state machine (the
 # lab engine's API and the vLLM fence; default 2000), slow clients against every HTTP server
-# (SLOW_FUZZ_SECONDS, issue 45) and AUTHZ_FUZZ_EXAMPLES random control requests per server with
-# control routes (issue 45, the authorization campaign; default 2000). FUZZ_SEED seeds all but the
+# (SLOW_FUZZ_SECONDS) and AUTHZ_FUZZ_EXAMPLES random control requests per server with
+# control routes (the authorization campaign; default 2000). FUZZ_SEED seeds all but the
 # pause machines (hypothesis: fresh seeds every run).
 fuzz: venv
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -s -p no:cacheprovider tests/fuzz
 
-# The full fault drill (issue 12, docs/drills.md): deploy (idempotent), then every fault under load;
+# The full fault drill (docs/drills.md): deploy (idempotent), then every fault under load;
 # report under drills/<id>/. DRILL_ARGS adds playbook options, e.g. DRILL_ARGS='-e drill_duration_s=30'.
 drill: venv
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/ansible-playbook deploy.yml

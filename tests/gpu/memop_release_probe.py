@@ -1,4 +1,4 @@
-"""Device probe of the GPU-side join's hazard (issue 23 pass N; docs/gpu.md, "A GPU-side join
+"""Device probe of the GPU-side join's hazard (docs/gpu.md, "A GPU-side join
 was tried and reverted").
 
 Stream s1 waits (``cuStreamWaitValue64_v2``, GEQ) on an 8-byte device flag that a second thread
@@ -12,7 +12,7 @@ A mode that deadlocks prints nothing: run each under ``timeout``:
 
     for m in launch sync item empty_cache malloc lazy; do timeout 25 python3 tests/gpu/memop_release_probe.py $m; done
 
-Pass O (``hostflag``): the design built in pass O, host-mapped words stored by a C thread that
+``hostflag``: the design the overlay uses, host-mapped words stored by a C thread that
 makes no CUDA call (``hostflag``'s docstring); ``N`` > 1 runs N jobs back to back, stores at once:
 
     for m in launch sync item empty_cache malloc lazy qr; do timeout 25 python3 tests/gpu/memop_release_probe.py hostflag $m; done
@@ -100,13 +100,13 @@ if __name__ == "__main__" and sys.argv[1] != "hostflag":
     main(sys.argv[1])
 
 
-# ---- pass O: the design's own pattern (host-mapped words, a no-GIL C thread stores them) ----------
+# ---- the GPU-side join's own pattern (host-mapped words, a no-GIL C thread stores them) ----------
 HOSTFLAG_C = r"""
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
 static int64_t now_ns(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000LL + t.tv_nsec; }
-/* The worker of pass O's design: poll the ids word (GPU-written) for gen, then per piece wait
+/* The worker of the GPU-side join's design: poll the ids word (GPU-written) for gen, then per piece wait
    delay_ns, fill that piece's staging with the byte (gen & 255) and release-store its flag. No
    CUDA call. seen[0] = when the ids word was seen, seen[1 + k] = piece k's store (ns, monotonic). */
 void serve(volatile uint64_t *ids, volatile uint64_t *flags, int npieces, uint64_t gen, int64_t delay_ns,
@@ -125,7 +125,7 @@ void serve(volatile uint64_t *ids, volatile uint64_t *flags, int npieces, uint64
 
 
 def hostflag(mode: str, loops: int = 1) -> None:
-    """Pass O's pattern on CUDA device 0: the launching thread queues on stream ``pre`` a D2H copy
+    """The GPU-side join's pattern on CUDA device 0: the launching thread queues on stream ``pre`` a D2H copy
     of ids into pinned memory, ``cuStreamWriteValue64_v2`` of the job's number into a host-mapped
     ids word (``cuMemHostAlloc`` DEVICEMAP, ``cuMemHostGetDevicePointer_v2``), then per piece a
     ``cuStreamWaitValue64_v2`` (GEQ) on that piece's host-mapped flag and a graph (H2D copy of the

@@ -278,7 +278,7 @@ SYNC_PROBE: dict = {"steps": 0, "syncs": 0, "failures": []}
 
 def sync_probe(torch, where: str, ms: float = 5.0) -> None:
     """``torch.cuda.synchronize()`` from the launching thread right after a step returned, again
-    and again for ``ms`` milliseconds (issue 23 pass L): pass K's run K1 failed when the worker
+    and again for ``ms`` milliseconds: a run on the GPU failed when the worker
     thread captured a new size's launch graph while the benchmark synchronized after that size's
     first step. A failure is recorded in ``SYNC_PROBE`` (with ``where``), not raised: the run
     goes on and reports it (a failed synchronize also invalidates such a capture, counted in
@@ -297,8 +297,8 @@ def sync_probe(torch, where: str, ms: float = 5.0) -> None:
 
 
 def warmup(torch, fw, hash_buf, sets, t: int, seconds: float, steps: int) -> dict:
-    """Untimed interleaved rounds of every arm for ``seconds`` before the first timed decode round
-    (issue 23 pass J): in every earlier 80-round run the first 15-25 s of decode steps ran at
+    """Untimed interleaved rounds of every arm for ``seconds`` before the first timed decode round:
+    in 80-round runs without it the first 15-25 s of decode steps ran at
     about 20 ms against 16.5 ms later, in every arm (24 tokens, the first size: step p10 16.2-16.6
     ms, median 19.3-19.9 ms), which pairing by round does not remove. Returns the steps run and
     the none arm's median step (ms) in the first and last tenth of them."""
@@ -391,7 +391,7 @@ def drafter_seam(torch) -> dict:
 
 def time_join(rr) -> dict:
     """Wrap layer 1's ``RemoteRows.join`` (an instance attribute, one Python call more) so that the
-    host time of its return and the generation it joined are kept (issue 23 pass M: the
+    host time of its return and the generation it joined are kept (the
     launching thread's return after the hand-off, ``dsv41.harness.phases.join_return``)."""
     got = {"gen": 0, "ret": 0}
     orig = rr.join

@@ -1,4 +1,4 @@
-"""The GPU-side join of issue 23 pass O on the CPU (python/dsv41/overlay/engram_gpujoin.py): the
+"""The GPU-side join on the CPU (python/dsv41/overlay/engram_gpujoin.py): the
 C++ core's part of a GPU-joined job, with plain host memory standing in for the host-mapped words
 and the test writing the ids word where the GPU would. A job is fetched on the lent connection
 and each piece's flag stored once its rows are in; without a connection, or after a failed
@@ -423,7 +423,7 @@ def test_a_cpu_table_with_the_switch_on_joins_on_the_host_exactly(tabs, server) 
 
 
 def test_the_switch_parses_and_refuses_a_bad_value_with_one_clear_error() -> None:
-    # on by default since the final code ran on a GPU with it on (issue 23 pass P, docs/benchmarks.md)
+    # on by default since the final code ran on a GPU with it on (docs/benchmarks.md)
     assert S.parse({}).gpu_join is True
     assert S.parse({"DSV41_ENGRAM_GPU_JOIN": "0"}).gpu_join is False
     assert S.parse({"DSV41_ENGRAM_GPU_JOIN": "1"}).gpu_join is True

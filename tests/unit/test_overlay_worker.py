@@ -336,7 +336,7 @@ class Recorder:
     def __call__(self, rows, out):
         import threading
 
-        # the launching thread, at the table's next start, before that job is submitted (issue 23 pass L)
+        # the launching thread, at the table's next start, before that job is submitted
         assert threading.current_thread() is threading.main_thread() and not self.rr._submitted
         if self.fail:
             raise RuntimeError("operation not permitted when stream is capturing")
@@ -399,7 +399,7 @@ def test_a_refused_graph_launch_turns_the_graphs_off_and_the_caller_launches_eag
 
 
 def test_a_multi_piece_job_fetches_the_next_piece_while_the_worker_launches(tabs, workers, monkeypatch) -> None:
-    """Issue 23 pass F, task 2: piece k+1's plan and fetch (the table's fetch thread) run while the
+    """Piece k+1's plan and fetch (the table's fetch thread) run while the
     worker launches piece k, into disjoint staging; rows exact, and no fetch is left running."""
     import threading
 

@@ -500,7 +500,7 @@ class RemoteRowSource(RowSource):
             elif n:
                 c["remote_rows"] += n
 
-    # -- a lent connection (the vLLM overlay's C++ worker core, issue 23) ------------------------
+    # -- a lent connection (the vLLM overlay's C++ worker core) ----------------------------------
     def native_lease(self) -> dict | None:
         """A connection of the caller's own to this source's server, for requests made in C++
         without the GIL (``_fastrow.EngramCore``), or None where this source cannot lend one

@@ -1,4 +1,4 @@
-"""Fault drills under load on the three-host lab (issue 12): inject a fault, clear it, measure.
+"""Fault drills under load on the three-host lab: inject a fault, clear it, measure.
 
 For each fault in turn (:data:`~dsv41.harness.drill_faults.FAULTS`), with the bench client
 (:mod:`dsv41.harness.bench`, several concurrent streams over the spec's short, code and long
