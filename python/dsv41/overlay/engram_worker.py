@@ -81,8 +81,8 @@ class EngramWorker:
     a graph yet, a multi-piece job without piece graphs (the pipeline above, then their capture) or
     planned and fetched on the CPU (``_pieces_back``: Python launches the pieces), a failed request:
     ``lease_failed`` serves the exact local rows or raises in required mode (a multi-piece job is
-    then served again whole), a failed CUDA call: graphs off, eager launches). Issue 47's circuit
-    breaker: where the table's exact local shard can be mapped (``_register``), a job without a
+    then served again whole), a failed CUDA call: graphs off, eager launches). The circuit
+    breaker (no Python hop per job while the server is down): where the table's exact local shard can be mapped (``_register``), a job without a
     connection, or whose request failed, is filled from it in C++ (``native_local_jobs``; a
     failed request is then handed back only to close the connection and count it,
     ``local_fills_after_failure``), and the lease probe thread (``_probe_loop``, every
