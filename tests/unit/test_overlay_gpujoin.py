@@ -23,9 +23,10 @@ from dsv41.envs import ConfigError
 from dsv41.overlay import engram_gpujoin as GJ, engram_ops as O, settings as S
 from dsv41.transport import native
 from overlayutil import (
-    free_port as _free_port,  # noqa: F401 - tabs is a fixture
+    free_port as _free_port,
     remote_rows as _rows,
     serve_tables as _serve,
+    tabs,  # noqa: F401 - a pytest fixture, injected by its name
 )
 
 needs_core = pytest.mark.skipif(native._fastrow is None, reason="the C++ extension is not built")

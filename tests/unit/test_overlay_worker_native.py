@@ -22,11 +22,12 @@ from dsv41.transport import Refused, TransportError, TransportTimeout, native, p
 from dsv41.transport.tcp import TcpClient
 from overlayutil import (
     exact_rows as _exact,
-    free_port as _free_port,  # noqa: F401 - tabs is a fixture
+    free_port as _free_port,
     lookup_ids as _ids,
     poisoned as _poisoned,
     remote_rows as _rows,
     serve_tables as _serve,
+    tabs,  # noqa: F401 - a pytest fixture, injected by its name
 )
 
 pytestmark = pytest.mark.skipif(native._fastrow is None, reason="the C++ extension is not built")
