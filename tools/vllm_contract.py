@@ -226,7 +226,7 @@ def build(wheels: list[Path], flash_config: Path = FLASH_CONFIG) -> dict:
         "compilation": C.COMPILATION,
         "ranges": {"model": "DeepSeek-V4.1-Flash (dsv41/data/dsv41_flash_engram_config.json)",
                    "n_hash_cols": layout.n_columns, "head_dim": layout.head_dim,
-                   "layer_rows": dict(zip(map(str, layout.layer_ids), layout.rows)), "tp": ranges},
+                   "layer_rows": dict(zip(map(str, layout.layer_ids), layout.rows, strict=False)), "tp": ranges},
     }
 
 

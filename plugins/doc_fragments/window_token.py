@@ -1,4 +1,3 @@
-# -*- coding: utf-8 -*-
 # Apache License 2.0
 """Documentation fragment ``dsv41.offload.window_token``: the ``window_token`` option of every
 module whose requests go through ``dsv41.harness.http`` (its argument spec is
@@ -6,7 +5,7 @@ module whose requests go through ``dsv41.harness.http`` (its argument spec is
 from __future__ import annotations
 
 
-class ModuleDocFragment(object):
+class ModuleDocFragment:
     """The ``window_token`` option, merged into a module's DOCUMENTATION by
     ``extends_documentation_fragment: [dsv41.offload.window_token]``."""
 

@@ -1,4 +1,3 @@
-# -*- coding: utf-8 -*-
 # Apache License 2.0
 """Shared by the dsv41 modules: the guarded import of the dsv41 package, the mapping of its
 errors onto ``fail_json`` and the ``window_token`` option (spec here, documentation in the

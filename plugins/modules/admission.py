@@ -1,5 +1,4 @@
 #!/usr/bin/python
-# -*- coding: utf-8 -*-
 # Apache License 2.0
 """Ansible module: HOLD or release admission of the serving endpoint (thin; dsv41.harness.admission)."""
 from __future__ import annotations
@@ -81,9 +80,21 @@ state:
 from ansible.module_utils.basic import AnsibleModule
 
 try:
-    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import WINDOW_TOKEN_SPEC, dsv41_errors, import_dsv41, require_dsv41, window_token
+    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import (
+        WINDOW_TOKEN_SPEC,
+        dsv41_errors,
+        import_dsv41,
+        require_dsv41,
+        window_token,
+    )
 except ImportError:  # run from library/ (ansible.cfg: module_utils = plugins/module_utils)
-    from ansible.module_utils.dsv41_common import WINDOW_TOKEN_SPEC, dsv41_errors, import_dsv41, require_dsv41, window_token
+    from ansible.module_utils.dsv41_common import (
+        WINDOW_TOKEN_SPEC,
+        dsv41_errors,
+        import_dsv41,
+        require_dsv41,
+        window_token,
+    )
 
 dsv41_admission = import_dsv41("dsv41.harness.admission")
 
@@ -112,7 +123,7 @@ def main():
             dsv41_admission.set_state(p["endpoint"], want, p["timeout"], p["settle"])
     result = dict(changed=changed, previous=before, state=want)
     if module._diff:
-        result["diff"] = dict(before="admission: %s\n" % before, after="admission: %s\n" % want,
+        result["diff"] = dict(before=f"admission: {before}\n", after=f"admission: {want}\n",
                               before_header=p["endpoint"], after_header=p["endpoint"])
     module.exit_json(**result)
 

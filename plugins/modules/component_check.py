@@ -1,5 +1,4 @@
 #!/usr/bin/python
-# -*- coding: utf-8 -*-
 # Apache License 2.0
 """Ansible module: validate a component name or check a per-component rollback (thin; dsv41.harness.components)."""
 from __future__ import annotations
@@ -140,9 +139,21 @@ seconds:
 from ansible.module_utils.basic import AnsibleModule
 
 try:
-    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import WINDOW_TOKEN_SPEC, dsv41_errors, import_dsv41, require_dsv41, window_token
+    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import (
+        WINDOW_TOKEN_SPEC,
+        dsv41_errors,
+        import_dsv41,
+        require_dsv41,
+        window_token,
+    )
 except ImportError:  # run from library/ (ansible.cfg: module_utils = plugins/module_utils)
-    from ansible.module_utils.dsv41_common import WINDOW_TOKEN_SPEC, dsv41_errors, import_dsv41, require_dsv41, window_token
+    from ansible.module_utils.dsv41_common import (
+        WINDOW_TOKEN_SPEC,
+        dsv41_errors,
+        import_dsv41,
+        require_dsv41,
+        window_token,
+    )
 
 dsv41_rank_metrics = import_dsv41("dsv41.harness.rank_metrics")
 dsv41_components = import_dsv41("dsv41.harness.components")

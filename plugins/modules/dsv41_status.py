@@ -1,5 +1,4 @@
 #!/usr/bin/python
-# -*- coding: utf-8 -*-
 # Apache License 2.0
 """Ansible module: probe the dsv41 endpoints and judge the stack's health (thin; dsv41.entrypoints.status)."""
 from __future__ import annotations
@@ -112,9 +111,21 @@ report:
 from ansible.module_utils.basic import AnsibleModule
 
 try:
-    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import WINDOW_TOKEN_SPEC, dsv41_errors, import_dsv41, require_dsv41, window_token
+    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import (
+        WINDOW_TOKEN_SPEC,
+        dsv41_errors,
+        import_dsv41,
+        require_dsv41,
+        window_token,
+    )
 except ImportError:  # run from library/ (ansible.cfg: module_utils = plugins/module_utils)
-    from ansible.module_utils.dsv41_common import WINDOW_TOKEN_SPEC, dsv41_errors, import_dsv41, require_dsv41, window_token
+    from ansible.module_utils.dsv41_common import (
+        WINDOW_TOKEN_SPEC,
+        dsv41_errors,
+        import_dsv41,
+        require_dsv41,
+        window_token,
+    )
 
 dsv41_status = import_dsv41("dsv41.entrypoints.status")
 dsv41_status_render = import_dsv41("dsv41.entrypoints.status_render")

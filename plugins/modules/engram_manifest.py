@@ -1,5 +1,4 @@
 #!/usr/bin/python
-# -*- coding: utf-8 -*-
 # Apache License 2.0
 """Ansible module: verify Engram shards against the trusted manifest (thin; dsv41.engram.manifest)."""
 from __future__ import annotations
@@ -112,7 +111,11 @@ tables:
 from ansible.module_utils.basic import AnsibleModule
 
 try:
-    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import Dsv41Error, import_dsv41, require_dsv41
+    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import (
+        Dsv41Error,
+        import_dsv41,
+        require_dsv41,
+    )
 except ImportError:  # run from library/ (ansible.cfg: module_utils = plugins/module_utils)
     from ansible.module_utils.dsv41_common import Dsv41Error, import_dsv41, require_dsv41
 
@@ -141,7 +144,7 @@ def main():
     for layer, want in sorted(p["identities"].items()):
         have = [t["identity"] for t in tables if str(t["layer_id"]) == str(layer)]
         if have != [str(want)]:
-            module.fail_json(msg="manifest %s: layer %s identity %s, expected %s" % (
+            module.fail_json(msg="manifest {}: layer {} identity {}, expected {}".format(
                 p["manifest"], layer, have[0] if have else "missing", want), tables=tables)
     try:
         report = dsv41_manifest.verify(man, p["data_dir"], workers=p["workers"], progress=False,

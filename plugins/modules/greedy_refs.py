@@ -1,5 +1,4 @@
 #!/usr/bin/python
-# -*- coding: utf-8 -*-
 # Apache License 2.0
 """Ansible module: record or compare the six greedy references (thin; dsv41.harness.refs)."""
 from __future__ import annotations
@@ -138,9 +137,21 @@ summary:
 from ansible.module_utils.basic import AnsibleModule
 
 try:
-    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import WINDOW_TOKEN_SPEC, Dsv41Error, import_dsv41, require_dsv41, window_token
+    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import (
+        WINDOW_TOKEN_SPEC,
+        Dsv41Error,
+        import_dsv41,
+        require_dsv41,
+        window_token,
+    )
 except ImportError:  # run from library/ (ansible.cfg: module_utils = plugins/module_utils)
-    from ansible.module_utils.dsv41_common import WINDOW_TOKEN_SPEC, Dsv41Error, import_dsv41, require_dsv41, window_token
+    from ansible.module_utils.dsv41_common import (
+        WINDOW_TOKEN_SPEC,
+        Dsv41Error,
+        import_dsv41,
+        require_dsv41,
+        window_token,
+    )
 
 dsv41_refs = import_dsv41("dsv41.harness.refs")
 dsv41_rank_metrics = import_dsv41("dsv41.harness.rank_metrics")

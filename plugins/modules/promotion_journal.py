@@ -1,5 +1,4 @@
 #!/usr/bin/python
-# -*- coding: utf-8 -*-
 # Apache License 2.0
 """Ansible module: append to / decide from the promotion journal (thin; dsv41.promotion.journal)."""
 from __future__ import annotations
@@ -71,7 +70,11 @@ decision:
 from ansible.module_utils.basic import AnsibleModule
 
 try:
-    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import dsv41_errors, import_dsv41, require_dsv41
+    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import (
+        dsv41_errors,
+        import_dsv41,
+        require_dsv41,
+    )
 except ImportError:  # run from library/ (ansible.cfg: module_utils = plugins/module_utils)
     from ansible.module_utils.dsv41_common import dsv41_errors, import_dsv41, require_dsv41
 

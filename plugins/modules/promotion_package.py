@@ -1,5 +1,4 @@
 #!/usr/bin/python
-# -*- coding: utf-8 -*-
 # Apache License 2.0
 """Ansible module: gate, record, read, verify and plan promotion packages (thin; dsv41.promotion.package)."""
 from __future__ import annotations
@@ -109,7 +108,11 @@ import os
 from ansible.module_utils.basic import AnsibleModule
 
 try:
-    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import dsv41_errors, import_dsv41, require_dsv41
+    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import (
+        dsv41_errors,
+        import_dsv41,
+        require_dsv41,
+    )
 except ImportError:  # run from library/ (ansible.cfg: module_utils = plugins/module_utils)
     from ansible.module_utils.dsv41_common import dsv41_errors, import_dsv41, require_dsv41
 
@@ -141,8 +144,8 @@ def _record(module, p):
         created = not exists
     result = dict(changed=created, id=pid, package=doc, verified=verified)
     if module._diff and created:
-        result["diff"] = dict(before="", after="package %s\n%s" % (pid, "".join(
-            "%s %s %s\n" % (f["sha256"], h, path) for h, hh in doc["hosts"].items() for path, f in hh["files"].items())),
+        result["diff"] = dict(before="", after="package {}\n{}".format(pid, "".join(
+            "{} {} {}\n".format(f["sha256"], h, path) for h, hh in doc["hosts"].items() for path, f in hh["files"].items())),
             after_header=os.path.join(p["root"], pid))
     return result
 
@@ -152,9 +155,9 @@ def _plan(module, p, pid):
     plan = {h: pkg.installed_diff(doc, h, listing or {}) for h, listing in (p["hosts"] or {}).items()}
     result = dict(changed=False, id=pid, plan=plan, package=doc)
     if module._diff:
-        result["diff"] = dict(before="".join("%s %s\n" % (h, path) for h, d in plan.items() for path in d["write"] + d["remove"]),
-                              after="", before_header="installed files that differ from %s" % pid[:12],
-                              after_header="package %s" % pid[:12])
+        result["diff"] = dict(before="".join(f"{h} {path}\n" for h, d in plan.items() for path in d["write"] + d["remove"]),
+                              after="", before_header=f"installed files that differ from {pid[:12]}",
+                              after_header=f"package {pid[:12]}")
     return result
 
 

@@ -1,5 +1,4 @@
 #!/usr/bin/python
-# -*- coding: utf-8 -*-
 # Apache License 2.0
 """Ansible module: assemble and write the qualification report (logic: dsv41.entrypoints.qualify)."""
 from __future__ import annotations
@@ -83,7 +82,11 @@ lines:
 from ansible.module_utils.basic import AnsibleModule
 
 try:
-    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import dsv41_errors, import_dsv41, require_dsv41
+    from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import (
+        dsv41_errors,
+        import_dsv41,
+        require_dsv41,
+    )
 except ImportError:  # run from library/ (ansible.cfg: module_utils = plugins/module_utils)
     from ansible.module_utils.dsv41_common import dsv41_errors, import_dsv41, require_dsv41
 
@@ -108,7 +111,7 @@ def main():
     out = dict(changed=True, result=report["result"], counts=report["counts"], failed=report["failed"],
                lines=qualify.render_summary(report).splitlines(), **paths)
     if report["result"] != "PASS":
-        module.fail_json(msg=qualify.failure_line(report) + " (summary: %s)" % paths["summary"], **out)
+        module.fail_json(msg=qualify.failure_line(report) + " (summary: {})".format(paths["summary"]), **out)
     module.exit_json(**out)
 
 

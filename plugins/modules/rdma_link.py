@@ -1,5 +1,4 @@
 #!/usr/bin/python
-# -*- coding: utf-8 -*-
 # Apache License 2.0
 """Ansible module: check the direct links (netdev MTU, up, address; RDMA port state, verbs MTU and RoCE v2
 GID through pyverbs or sysfs). The logic is ``dsv41.harness.links``."""

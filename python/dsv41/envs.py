@@ -157,7 +157,7 @@ _ROWS = [
            "past it the rank falls back to its local reader.", "ms", 1, 600_000),
     EnvVar("DSV41_ENGRAM_REMOTE_REQUIRED", bool, False, "1: a failed remote lookup is an error, not a "
            "local fallback (needs DSV41_ENGRAM_REMOTE)."),
-    EnvVar("DSV41_ENGRAM_GPU_JOIN", bool, True, "vLLM overlay (docs/gpu.md, \"The GPU-side join (pass O)\"): 1: a "
+    EnvVar("DSV41_ENGRAM_GPU_JOIN", bool, True, "vLLM overlay (docs/gpu.md, \"The GPU-side join on host-mapped flags\"): 1: a "
            "prefill chunk's Engram layer is queued whole on the GPU at _start_prefetch (waits on host-mapped flags "
            "the worker stores from the CPU, then each piece's graph) and _finish_prefetch waits on nothing on the "
            "host; needs the C++ extension, the driver's v2 stream memory operations and the exact local shards; "

@@ -1,7 +1,7 @@
 """Is the pinned serving image in this host's dockerd, with exactly the pinned ID or digest?
 
-roles/serve runs ``dsv41 env image`` on each Spark before anything stops the running engine
-(issue 22): a unit whose ``docker run`` names an image the host does not have would leave the TP
+roles/serve runs ``dsv41 env image`` on each Spark before anything stops the running engine:
+a unit whose ``docker run`` names an image the host does not have would leave the TP
 pair down, and ``docker run --pull never`` (or an air-gapped site) cannot fetch it. A pin is one of
 
 - an image ID, ``sha256:<64 hex>`` (the lab: the ID of the image the lab built and loaded);

@@ -30,8 +30,8 @@ before the rename knows only ``--kill-who``).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from dsv41.errors import Dsv41Error
 

@@ -92,7 +92,7 @@ class ByteTokenizer:
         """Text of ``ids``: specials dropped, invalid UTF-8 replaced with U+FFFD."""
         return self.to_bytes(ids).decode("utf-8", errors="replace")
 
-    def incremental(self) -> "IncrementalDecoder":
+    def incremental(self) -> IncrementalDecoder:
         """A streaming decoder: ``feed(ids) -> str`` returns only complete characters."""
         return IncrementalDecoder(self)
 

@@ -65,7 +65,7 @@ class Target:
         return self.implementation + self.python_version.replace(".", "")
 
     @classmethod
-    def for_host(cls, machine: str, python_version: str, glibc: str) -> "Target":
+    def for_host(cls, machine: str, python_version: str, glibc: str) -> Target:
         """The manylinux tags a host with ``machine`` (``x86_64``/``aarch64``), CPython
         ``python_version`` (``3.11``) and glibc ``glibc`` (``2.36``) accepts (PEP 600: every
         ``manylinux_2_Y`` with Y <= the host's glibc minor, newest first, back to 2_17).

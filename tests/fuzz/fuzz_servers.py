@@ -22,10 +22,9 @@ def main() -> None:
     kind = sys.argv[1]
     if kind in ("tcp", "tcp-python", "nixl"):
         os.environ.setdefault("UCX_TLS", "tcp")
-        from framefuzz import TABLE
-
         from dsv41.transport import parse_url
         from dsv41.transport.server import RowServer
+        from framefuzz import TABLE
 
         if kind == "nixl":
             from dsv41.transport.nixl_backend import NixlExporter

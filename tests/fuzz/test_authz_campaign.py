@@ -60,15 +60,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 pytest.importorskip("fastapi")
-from authutil import (TEST_HOSTS, VLLM_READ_ROUTES, engine_control_routes, engine_read_routes,  # noqa: E402
-                      fence_control_paths)
-from engineutil import FakeEngine  # noqa: E402
-from httpserverutil import STARTERS  # noqa: E402
-
+from authutil import TEST_HOSTS, VLLM_READ_ROUTES, engine_control_routes, engine_read_routes, fence_control_paths  # noqa: E402
 from dsv41 import authz  # noqa: E402
 from dsv41.engine.server import create_app  # noqa: E402
 from dsv41.engine.server_state import ServerState  # noqa: E402
 from dsv41.overlay.fence import AdmissionFence  # noqa: E402
+from engineutil import FakeEngine  # noqa: E402
+from httpserverutil import STARTERS  # noqa: E402
 
 EXAMPLES = int(os.environ.get("AUTHZ_FUZZ_EXAMPLES", "2000"))
 SEED = int(os.environ.get("FUZZ_SEED", "45"))

@@ -20,7 +20,6 @@ import json
 import os
 import random
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -33,9 +32,8 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "unit"))
-from framefuzz import ROWS, TABLE, build_frames, random_frame, read_replies  # noqa: E402
-
 from dsv41.transport import protocol as P  # noqa: E402
+from framefuzz import ROWS, TABLE, build_frames, random_frame, read_replies  # noqa: E402
 
 FRAMES = int(os.environ.get("FUZZ_FRAMES", "100000"))
 SEED = int(os.environ.get("FUZZ_SEED", "41"))

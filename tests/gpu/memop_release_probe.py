@@ -1,4 +1,4 @@
-"""Device probe of the GPU-side join's hazard (issue 23 pass N; docs/gpu.md, "A GPU-side join
+"""Device probe of the GPU-side join's hazard (docs/gpu.md, "A GPU-side join
 was tried and reverted").
 
 Stream s1 waits (``cuStreamWaitValue64_v2``, GEQ) on an 8-byte device flag that a second thread
@@ -12,7 +12,7 @@ A mode that deadlocks prints nothing: run each under ``timeout``:
 
     for m in launch sync item empty_cache malloc lazy; do timeout 25 python3 tests/gpu/memop_release_probe.py $m; done
 
-Pass O (``hostflag``): the design built in pass O, host-mapped words stored by a C thread that
+``hostflag``: the design the overlay uses, host-mapped words stored by a C thread that
 makes no CUDA call (``hostflag``'s docstring); ``N`` > 1 runs N jobs back to back, stores at once:
 
     for m in launch sync item empty_cache malloc lazy qr; do timeout 25 python3 tests/gpu/memop_release_probe.py hostflag $m; done
@@ -32,25 +32,41 @@ def main(mode: str) -> None:
     import torch
 
     cu = ctypes.CDLL("libcuda.so.1")
-    w = cu.cuStreamWriteValue64_v2; w.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
-    q = cu.cuStreamWaitValue64_v2; q.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+    w = cu.cuStreamWriteValue64_v2
+    w.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+    q = cu.cuStreamWaitValue64_v2
+    q.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-    a = torch.randn(512, 512, device="cuda"); (a @ a).sum().item(); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph(); b = torch.zeros(256, device="cuda")
+    a = torch.randn(512, 512, device="cuda")
+    (a @ a).sum().item()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    b = torch.zeros(256, device="cuda")
     with torch.cuda.graph(g, stream=s2):
         b.add_(1.0)
     torch.cuda.synchronize()
-    flag = torch.zeros(1, dtype=torch.int64, device="cuda"); dptr = flag.data_ptr()
-    junk = [torch.empty(1 << 20, device="cuda") for _ in range(4)]; del junk  # cached blocks for empty_cache
+    flag = torch.zeros(1, dtype=torch.int64, device="cuda")
+    dptr = flag.data_ptr()
+    junk = [torch.empty(1 << 20, device="cuda") for _ in range(4)]
+    del junk  # cached blocks for empty_cache
     torch.cuda.synchronize()
-    ticks = [0]; stop = [False]; log = []
+    ticks = [0]
+    stop = [False]
+    log = []
+
     def ticker():
         while not stop[0]:
-            ticks[0] += 1; time.sleep(0.001)
+            ticks[0] += 1
+            time.sleep(0.001)
+
     def writer():
-        time.sleep(0.3); log.append(("writer start", time.monotonic() - t0))
-        g.replay(); log.append(("replayed", time.monotonic() - t0))
-        rc = w(s2.cuda_stream, dptr, 1, 0); log.append((f"written rc={rc}", time.monotonic() - t0))
+        time.sleep(0.3)
+        log.append(("writer start", time.monotonic() - t0))
+        g.replay()
+        log.append(("replayed", time.monotonic() - t0))
+        rc = w(s2.cuda_stream, dptr, 1, 0)
+        log.append((f"written rc={rc}", time.monotonic() - t0))
+
     threading.Thread(target=ticker, daemon=True).start()
     t0 = time.monotonic()
     assert q(s1.cuda_stream, dptr, 1, 1) == 0
@@ -65,26 +81,32 @@ def main(mode: str) -> None:
         elif mode == "item":
             c.sum().item()
         elif mode == "empty_cache":
-            torch.cuda.empty_cache(); s1.synchronize()
+            torch.cuda.empty_cache()
+            s1.synchronize()
         elif mode == "lazy":
-            torch.special.erfcx(a).sum(); s1.synchronize()
+            torch.special.erfcx(a).sum()
+            s1.synchronize()
         elif mode == "malloc":
-            x = torch.empty(1 << 32, dtype=torch.uint8, device="cuda"); s1.synchronize()
+            x = torch.empty(1 << 32, dtype=torch.uint8, device="cuda")  # noqa: F841 - the allocation is the probe
+            s1.synchronize()
     stop[0] = True
-    print(f"{mode}: released after {time.monotonic()-t0:.3f} s; ticker ran {ticks[0]-k0} times while blocked; {log}", flush=True)
+    print(
+        f"{mode}: released after {time.monotonic() - t0:.3f} s; ticker ran {ticks[0] - k0} times while blocked; {log}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__" and sys.argv[1] != "hostflag":
     main(sys.argv[1])
 
 
-# ---- pass O: the design's own pattern (host-mapped words, a no-GIL C thread stores them) ----------
+# ---- the GPU-side join's own pattern (host-mapped words, a no-GIL C thread stores them) ----------
 HOSTFLAG_C = r"""
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
 static int64_t now_ns(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000LL + t.tv_nsec; }
-/* The worker of pass O's design: poll the ids word (GPU-written) for gen, then per piece wait
+/* The worker of the GPU-side join's design: poll the ids word (GPU-written) for gen, then per piece wait
    delay_ns, fill that piece's staging with the byte (gen & 255) and release-store its flag. No
    CUDA call. seen[0] = when the ids word was seen, seen[1 + k] = piece k's store (ns, monotonic). */
 void serve(volatile uint64_t *ids, volatile uint64_t *flags, int npieces, uint64_t gen, int64_t delay_ns,
@@ -103,7 +125,7 @@ void serve(volatile uint64_t *ids, volatile uint64_t *flags, int npieces, uint64
 
 
 def hostflag(mode: str, loops: int = 1) -> None:
-    """Pass O's pattern on CUDA device 0: the launching thread queues on stream ``pre`` a D2H copy
+    """The GPU-side join's pattern on CUDA device 0: the launching thread queues on stream ``pre`` a D2H copy
     of ids into pinned memory, ``cuStreamWriteValue64_v2`` of the job's number into a host-mapped
     ids word (``cuMemHostAlloc`` DEVICEMAP, ``cuMemHostGetDevicePointer_v2``), then per piece a
     ``cuStreamWaitValue64_v2`` (GEQ) on that piece's host-mapped flag and a graph (H2D copy of the
@@ -121,15 +143,27 @@ def hostflag(mode: str, loops: int = 1) -> None:
     d = tempfile.mkdtemp()
     with open(os.path.join(d, "hf.c"), "w") as f:
         f.write(HOSTFLAG_C)
-    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", os.path.join(d, "hf.so"), os.path.join(d, "hf.c")],
-                   check=True)
+    subprocess.run(
+        ["gcc", "-O2", "-shared", "-fPIC", "-o", os.path.join(d, "hf.so"), os.path.join(d, "hf.c")], check=True
+    )
     lib = ctypes.CDLL(os.path.join(d, "hf.so"))
-    lib.serve.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64,
-                          ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.serve.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_uint64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+    ]
     cu = ctypes.CDLL("libcuda.so.1")
-    w = cu.cuStreamWriteValue64_v2; w.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
-    q = cu.cuStreamWaitValue64_v2; q.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
-    ha = cu.cuMemHostAlloc; ha.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
+    w = cu.cuStreamWriteValue64_v2
+    w.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+    q = cu.cuStreamWaitValue64_v2
+    q.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+    ha = cu.cuMemHostAlloc
+    ha.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
     gp = cu.cuMemHostGetDevicePointer_v2
     gp.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
     torch.zeros(1, device="cuda")  # the primary context, current on this thread
@@ -147,7 +181,8 @@ def hostflag(mode: str, loops: int = 1) -> None:
     dev = torch.zeros(npieces * piece_bytes, dtype=torch.uint8, device="cuda")
     ids_dev = torch.arange(4096, device="cuda")
     ids_pin = torch.empty(4096, dtype=torch.int64, pin_memory=True)
-    a = torch.randn(2048, 2048, device="cuda"); (a @ a).sum().item()
+    a = torch.randn(2048, 2048, device="cuda")
+    (a @ a).sum().item()
     graphs = []
     for k in range(npieces):
         g = torch.cuda.CUDAGraph()
@@ -155,13 +190,15 @@ def hostflag(mode: str, loops: int = 1) -> None:
         with torch.cuda.graph(g, stream=pre):
             dev[sl].copy_(staging[sl], non_blocking=True)
         graphs.append(g)
-    junk = [torch.empty(1 << 20, device="cuda") for _ in range(4)]; del junk  # cached blocks for empty_cache
+    junk = [torch.empty(1 << 20, device="cuda") for _ in range(4)]
+    del junk  # cached blocks for empty_cache
     torch.cuda.synchronize()
     ticks, stop = [0], [False]
 
     def ticker():
         while not stop[0]:
-            ticks[0] += 1; time.sleep(0.001)
+            ticks[0] += 1
+            time.sleep(0.001)
 
     threading.Thread(target=ticker, daemon=True).start()
     bad = 0
@@ -180,8 +217,11 @@ def hostflag(mode: str, loops: int = 1) -> None:
             done = torch.cuda.Event()
             done.record(pre)
         delay = 300_000_000 // npieces if loops == 1 else 0
-        th = threading.Thread(target=lib.serve, args=(ids_h, flags_h, npieces, gen, delay, staging.data_ptr(),
-                                                      piece_bytes, seen), daemon=True)
+        th = threading.Thread(
+            target=lib.serve,
+            args=(ids_h, flags_h, npieces, gen, delay, staging.data_ptr(), piece_bytes, seen),
+            daemon=True,
+        )
         th.start()
         main.wait_event(done)
         k0 = ticks[0]
@@ -193,13 +233,19 @@ def hostflag(mode: str, loops: int = 1) -> None:
         elif mode == "item":
             c.sum().item()
         elif mode == "empty_cache":
-            torch.cuda.empty_cache(); main.synchronize()
+            torch.cuda.empty_cache()
+            main.synchronize()
         elif mode == "lazy":
-            torch.special.erfcx(a).sum(); main.synchronize()
+            torch.special.erfcx(a).sum()
+            main.synchronize()
         elif mode == "qr":
-            torch.linalg.qr(a[:256, :256]); torch.fft.rfft(a[0]); main.synchronize()
+            torch.linalg.qr(a[:256, :256])
+            torch.fft.rfft(a[0])
+            main.synchronize()
         elif mode == "malloc":
-            x = torch.empty(1 << 32, dtype=torch.uint8, device="cuda"); main.synchronize(); del x
+            x = torch.empty(1 << 32, dtype=torch.uint8, device="cuda")
+            main.synchronize()
+            del x
         main.synchronize()
         dt = time.monotonic() - t0
         worst = max(worst, dt)
@@ -209,11 +255,16 @@ def hostflag(mode: str, loops: int = 1) -> None:
         bad += not ok
         if loops == 1 or not ok:
             marks = [round((s - t0ns) * 1e-9, 4) for s in seen]
-            print(f"hostflag {mode} job {gen}: released after {dt:.3f} s; ticker ran {ticks[0] - k0} times while "
-                  f"blocked; ids seen / piece stores at {marks} s; rows exact {ok}", flush=True)
+            print(
+                f"hostflag {mode} job {gen}: released after {dt:.3f} s; ticker ran {ticks[0] - k0} times while "
+                f"blocked; ids seen / piece stores at {marks} s; rows exact {ok}",
+                flush=True,
+            )
     stop[0] = True
     if loops > 1:
-        print(f"hostflag {mode} x{loops}: {loops - bad} of {loops} jobs exact; slowest {worst * 1e3:.2f} ms", flush=True)
+        print(
+            f"hostflag {mode} x{loops}: {loops - bad} of {loops} jobs exact; slowest {worst * 1e3:.2f} ms", flush=True
+        )
 
 
 if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "hostflag":

@@ -32,9 +32,27 @@ from pathlib import Path
 
 import numpy as np
 
-from vllm_overlay_util import (CFG, ORIG, REPO, SIM, STUBS, TRANSPORT_IMPL, _Mode, build_engram, load_vllm_engram,
-                               load_vllm_tables, ns, random_ids, small_config, start, synthetic_tables, timed,
-                               transport_impl, vllm_layout)
+from vllm_overlay_util import (
+    CFG,
+    ORIG,
+    REPO,
+    SIM,
+    STUBS,
+    TRANSPORT_IMPL,
+    _Mode,
+    build_engram,
+    load_vllm_engram,
+    load_vllm_tables,
+    ns,
+    random_ids,
+    small_config,
+    start,
+    synthetic_tables,
+    timed,
+    transport_impl,
+    vllm_layout,
+)
+
 
 def main() -> int:
     ap = argparse.ArgumentParser()
@@ -50,13 +68,11 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     import torch
 
+    from dsv41.engram.dequant import dequantize
     from dsv41.engram.layout import EngramLayout
     from dsv41.engram.manifest import load_manifest
-    from dsv41.engram.dequant import dequantize
     from dsv41.engram.synthetic import synthetic_rows
-    from dsv41.overlay import contract as C
-    from dsv41.overlay import engram as E
-    from dsv41.overlay import settings as S
+    from dsv41.overlay import contract as C, engram as E, settings as S
 
     res: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count()}
@@ -214,9 +230,9 @@ def bench(eng, vl, mcfg, layout, manifest, data, rng, torch, args, E):
         for i in range(2):
             a.lookup(sets[i % 4], out_a)
             rr.lookup(sets[i % 4], out_b)
-        tv = timed(lambda i: a.lookup(sets[i % 4], out_a), reps)
+        tv = timed(lambda i, a=a, sets=sets, out=out_a: a.lookup(sets[i % 4], out), reps)
         # start + join: the worker's fetch, H2D and kernel, joined by the current stream
-        to = timed(lambda i: rr.lookup(sets[i % 4], out_b), reps)
+        to = timed(lambda i, rr=rr, sets=sets, out=out_b: rr.lookup(sets[i % 4], out), reps)
         results.append({"case": label, "tokens": t, "rows": t * a.part_n_hash_cols,
                         "vllm_uva_ms": round(tv * 1e3, 3), "overlay_ms": round(to * 1e3, 3),
                         "overlay_over_vllm": round(to / tv, 2), **stages(emb_o, sets, a, reps, manifest, data, E, torch)})
@@ -230,8 +246,8 @@ def bench(eng, vl, mcfg, layout, manifest, data, rng, torch, args, E):
 def stages(emb_o, sets, a, reps, manifest, data, E, torch) -> dict:
     """Where the overlay's time goes for the same ids: the row fetch alone (remote tcp, and the
     exact local reader), and the GPU stage alone (one H2D of selectors + rows, split, vLLM's kernel)."""
-    from dsv41.engram.rowsource import LocalRowSource
     from dsv41.engram.reader import LocalRowReader
+    from dsv41.engram.rowsource import LocalRowSource
 
     rr = emb_o._dsv41
     plans = []
@@ -278,8 +294,8 @@ def bench_own_table(eng, vl, mcfg, manifest, data, torch):
 def drafter_seam(args, torch):
     """OverlaySpeculator (over vLLM's BaseSpeculator when it imports here) with a remote
     ``dsv41 drafter serve`` on loopback, against the same drafter run in-process."""
-    from dsv41.drafter.model import TorchDrafter, random_drafter
     from dsv41.drafter.factory import expected_identities
+    from dsv41.drafter.model import TorchDrafter, random_drafter
     from dsv41.drafter.speculators import RemoteSpeculator
     from dsv41.overlay import drafter as D
 
@@ -290,7 +306,7 @@ def drafter_seam(args, torch):
     except Exception as exc:  # noqa: BLE001
         import abc
 
-        class base(abc.ABC):  # noqa: N801 - stand-in with the same abstract methods
+        class base(abc.ABC):  # noqa: N801, B024 - stand-in with the same abstract methods
             pass
 
         STUBS["vllm.v1.worker.gpu.spec_decode.speculator.BaseSpeculator"] = (

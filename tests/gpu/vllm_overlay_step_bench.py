@@ -23,14 +23,14 @@ are compared bit for bit against vLLM's path for every id set of every size, bef
 the timed rounds. Then the drafter seam's per-step host cost (rank 0's hidden-state copy and the
 drafts' broadcast over a one-rank NCCL group) and, with ``--kill-server``, a table server killed
 mid-run (exact local rows, no hang, the step times around the kill). For the prefill chunk
-(issue 23 pass K) the C++ core's phase trace is on during the timed rounds and layer 0 runs
+the C++ core's phase trace is on during the timed rounds and layer 0 runs
 between two main-stream events: ``prefill_paired`` (``dsv41.harness.phases.paired``) checks
 layer 1's bound step by step against that step's own fetch and layer 0 and takes its critical
-path apart. ``--gpu-join 0|1`` sets ``DSV41_ENGRAM_GPU_JOIN`` for the overlay (issue 23 pass O: a
+path apart. ``--gpu-join 0|1`` sets ``DSV41_ENGRAM_GPU_JOIN`` for the overlay (a
 GPU-joined prefill step's trace has ``gpu_join`` and no host join to take apart; each row's
 ``overlay_worker.gpu_join`` counts the jobs joined on the GPU, filled from the local rows in C++
 and taken over by the watchdog), and with ``--kill-server`` three prefill chunks run after the
-kill (``kill.prefill_after``: the C++ local fill, bit-exact against vLLM's path), then (pass Q)
+kill (``kill.prefill_after``: the C++ local fill, bit-exact against vLLM's path), then
 the server restarted and killed in the middle of a GPU-joined chunk (``kill.mid_prefill``,
 ``vllm_overlay_step_kill.py``).
 
@@ -100,14 +100,14 @@ def main() -> int:
     ap.add_argument("--target-ms", type=float, default=0.1,
                     help="issue 23's decode target: overlay minus UVA, ms per step (both Engram layers)")
     ap.add_argument("--prefill-rounds", type=int, default=8,
-                    help="prefill rounds (each: every arm, order rotated; pass K: 8, earlier 3)")
+                    help="prefill rounds (each: every arm, order rotated)")
     ap.add_argument("--prefill-steps", type=int, default=3)
     ap.add_argument("--kill-server", action="store_true", help="end with a table server killed mid-run")
     ap.add_argument("--tag", default="")
     ap.add_argument("--target-dead-ratio", type=float, default=1.2,
                     help="issue 47: steps with the table server dead over the local-only step, at most")
     ap.add_argument("--gpu-join", choices=("0", "1"), default=None,
-                    help="DSV41_ENGRAM_GPU_JOIN for the overlay (issue 23 pass O; default: the environment's, else "
+                    help="DSV41_ENGRAM_GPU_JOIN for the overlay (default: the environment's, else "
                          "the setting's default)")
     ap.add_argument("--switch-interval-us", type=float, default=0.0,
                     help="sys.setswitchinterval for this run (0: Python's default, 5 ms); the worker "
@@ -126,9 +126,7 @@ def main() -> int:
 
     from dsv41.engram.layout import EngramLayout
     from dsv41.engram.manifest import load_manifest
-    from dsv41.overlay import contract as C
-    from dsv41.overlay import engram as E
-    from dsv41.overlay import settings as S
+    from dsv41.overlay import contract as C, engram as E, settings as S
 
     res: dict = {"tag": args.tag, "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                  "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -182,7 +180,7 @@ def main() -> int:
             if p.poll() is None:
                 p.terminate()
                 p.wait(timeout=10)
-    res["sync_probe"] = Q.SYNC_PROBE  # issue 23 pass L: synchronizes right after each size's first steps
+    res["sync_probe"] = Q.SYNC_PROBE  # synchronizes right after each size's first steps
     res["stubs"] = Q.STUBS
     args.out.write_text(json.dumps(res, indent=1, default=str))
     print(json.dumps({k: v for k, v in res.items() if k not in ("stubs", "traceback")}, indent=1, default=str))
@@ -278,7 +276,7 @@ def run(args, eng, layout, manifest, url, runtime, srv, restart, torch, E, S, C)
         tracing = bool(prefill and core is not None and hasattr(core, "set_trace"))
         keys = [o.embed_tokens._dsv41._slot.key for o in ovl] if tracing else []
         phases, l0_ms, fetch14, bad_traces = [], {arm: [] for arm in fw}, [], []
-        if tracing:  # layer 1's phases per timed overlay step (issue 23 pass K)
+        if tracing:  # layer 1's phases per timed overlay step
             core.set_trace(True)
             core.take_traces()
         k = 0
@@ -317,10 +315,10 @@ def run(args, eng, layout, manifest, url, runtime, srv, restart, torch, E, S, C)
                             continue
                         ph["join_wake"] = (f.host_ns["join1_1"] - t1[-1]["t_done"]) * 1e-6
                         wt = ovl[0].embed_tokens._dsv41._slot.native.wait_times()
-                        if t1[-1].get("gpu_join"):  # pass O: no host join; tail = last flag stored to b
+                        if t1[-1].get("gpu_join"):  # GPU-side join: no host join; tail = last flag stored to b
                             ph["gpu_join"] = 1.0
                             ph["join_host"] = (f.host_ns["join1_1"] - f.host_ns["join0_1"]) * 1e-6
-                        elif wt[0] == t1[-1]["gen"] and join_ns["gen"] == wt[0]:  # this step's join (pass M)
+                        elif wt[0] == t1[-1]["gen"] and join_ns["gen"] == wt[0]:  # this step's join
                             try:
                                 ph.update(P.join_return(t1[-1]["t_done"], wt, join_ns["ret"], f.host_ns["join1_1"],
                                                         h0 + gms["b"] * 1e6))
@@ -381,7 +379,7 @@ def run(args, eng, layout, manifest, url, runtime, srv, restart, torch, E, S, C)
             "fetch_ms_per_job": round((w.get("fetch_s", 0) - wk0.get("fetch_s", 0)) * 1e3 / jobs, 3),
             "wake_ms_per_job": round((w.get("wake_s", 0) - wk0.get("wake_s", 0)) * 1e3 / jobs, 3),
             "coalesce_waits": w.get("coalesce_waits", 0) - wk0.get("coalesce_waits", 0),
-            # the C++ core's share (issue 23 pass F): jobs it served, its own graph launches and
+            # the C++ core's share: jobs it served, its own graph launches and
             # requests (a job it hands back to Python is counted on Python's side)
             **{k: w.get(k, 0) - wk0.get(k, 0) for k in ("native_jobs", "native_launches", "native_requests")},
             **{f"{k}_ms_per_job": round((w.get(f"{k}_s", 0) - wk0.get(f"{k}_s", 0)) * 1e3 / jobs, 4)
@@ -398,17 +396,17 @@ def run(args, eng, layout, manifest, url, runtime, srv, restart, torch, E, S, C)
                 (wait1 - wait0) * 1e3 / max(1, len(times["overlay"]) + rounds), 3),
             "inline_lookups": rr.counters["inline_lookups"], "worker_refusals": rr.counters["worker_refusals"],
             "handoff_timeouts": rr.counters["handoff_timeouts"],
-            # joins of layer 1 that polled once a job's last request was out (pass L), whole run so far
+            # joins of layer 1 that polled once a job's last request was out, whole run so far
             "join_tail_polls_layer1": rr.overlay_counters().get(f"layer{rr.layer_id}_join_tail_polls"),
             # the launch graphs of both layers in the timed rounds (replays = graph launches)
-            "launch_graphs": {k: round(sum(o.embed_tokens._dsv41.graphs.counters[k] - g[k] for o, g in zip(ovl, g0)), 4)
+            "launch_graphs": {k: round(sum(o.embed_tokens._dsv41.graphs.counters[k] - g[k] for o, g in zip(ovl, g0, strict=False)), 4)
                               for k in ("replays", "captures", "failures", "capture_s")},
-            # a multi-piece job's piece graphs (issue 23 pass H): captured by Python after the first
+            # a multi-piece job's piece graphs: captured by Python after the first
             # chunk of a size (warm-up), launched by the C++ core (native_launches), so replays stay 0
-            "piece_graphs": {k: round(sum(o.embed_tokens._dsv41.pieces.counters[k] - g[k] for o, g in zip(ovl, p0)), 4)
+            "piece_graphs": {k: round(sum(o.embed_tokens._dsv41.pieces.counters[k] - g[k] for o, g in zip(ovl, p0, strict=False)), 4)
                              for k in ("captures", "failures", "capture_s")},
             "piece_graphs_held": sum(len(o.embed_tokens._dsv41.pieces._graphs) for o in ovl),
-            # the GPU-side join (pass O), both layers, timed rounds and the checks after them:
+            # the GPU-side join, both layers, timed rounds and the checks after them:
             # jobs joined on the GPU, filled from the local rows in C++, taken over by the watchdog
             "gpu_join": {k: v - gj0.get(k, 0) for k, v in gj_counters(ovl).items()}}
         if prefill:
@@ -436,11 +434,11 @@ def run(args, eng, layout, manifest, url, runtime, srv, restart, torch, E, S, C)
     out["drafter_seam"] = Q.drafter_seam(torch)
     if args.kill_server:
         out["kill"] = kill_server(torch, srv, own, ovl, hash_buf, layout, a, rng, dec_layers, capture, src)
-        if args.prefill:  # pass O: prefill chunks with the server dead (the GPU-side join's local fill)
+        if args.prefill:  # prefill chunks with the server dead (the GPU-side join's local fill)
             out["kill"]["prefill_after"] = prefill_after_kill(torch, own, ovl, hash_buf, layout, rng, pre_layers,
                                                               args.prefill, src)
             out["kill"]["ok"] = out["kill"]["ok"] and out["kill"]["prefill_after"]["rows_bit_exact"]
-            # pass Q: the server back on its port, then killed while a GPU-joined chunk is fetched
+            # the server back on its port, then killed while a GPU-joined chunk is fetched
             out["kill"]["mid_prefill"] = kill_mid_prefill(torch, restart, own, ovl, hash_buf, layout, rng, pre_layers,
                                                           args.prefill, src)
             out["kill"]["ok"] = out["kill"]["ok"] and out["kill"]["mid_prefill"]["ok"]
@@ -477,7 +475,7 @@ def check_rows(torch, fw, sets, hash_buf, t, own, ovl) -> dict:
             torch.cuda.synchronize()
             engs = own if arm == "uva" else ovl
             got[arm] = [e.staged_rows[:t].clone() for e in engs]
-        for x, y in zip(got["uva"], got["overlay"]):
+        for x, y in zip(got["uva"], got["overlay"], strict=False):
             ok &= bool(torch.equal(x.view(torch.int16), y.view(torch.int16)))
             rows += x.shape[0] * x.shape[1]
     return {"bit_exact": ok, "rows": rows}

@@ -3,7 +3,7 @@ and the per-step helpers they share with it: ``step_ids`` (a step's ids), ``time
 (one timed overlay step compared bit for bit with vLLM's path), ``gj_counters`` (the GPU-side
 join's counters). The kills: ``kill_server`` (decode steps, SIGKILL after step 10 of 40),
 ``prefill_after_kill`` (prefill chunks with the server dead: the C++ local fill) and
-``kill_mid_prefill`` (pass Q: the server restarted on its port, then SIGKILLed while a
+``kill_mid_prefill`` (the server restarted on its port, then SIGKILLed while a
 GPU-joined prefill chunk's rows are being fetched). Split out of the benchmark to keep both files
 under the repository's 600-line limit."""
 
@@ -28,7 +28,7 @@ RECONNECT_S = 60.0
 
 
 def gj_counters(ovl) -> dict:
-    """The GPU-side join's counters summed over the overlay's Engram layers (pass O): the
+    """The GPU-side join's counters summed over the overlay's Engram layers: the
     launching thread's ``gpu_joins`` / ``gpu_join_redos`` and the C++ slot's ``gj_*``."""
     tot: dict = {}
     for o in ovl:
@@ -44,7 +44,7 @@ def gj_counters(ovl) -> dict:
 
 def prefill_after_kill(torch, own, ovl, hash_buf, layout, rng, layers, t: int, src) -> dict:
     """Three eager ``t``-token prefill steps through the overlay after the table server was
-    killed (pass O): rows compared bit for bit with vLLM's path; step times; the GPU-side
+    killed: rows compared bit for bit with vLLM's path; step times; the GPU-side
     join's counters (with no connection its jobs are filled from the local rows in C++)."""
     f_o = Forward(torch, ovl, hash_buf, t, layers, {1: ovl[0], 14: ovl[1]}, graphs=False)
     f_u = Forward(torch, own, hash_buf, t, layers, {1: own[0], 14: own[1]}, graphs=False)
@@ -71,7 +71,7 @@ def timed_exact_step(torch, f_o, f_u, hash_buf, layout, rng, t: int, own, ovl, t
     ro = [e.staged_rows[:t].clone() for e in ovl]
     f_u()
     torch.cuda.synchronize()
-    return all(bool(torch.equal(x.view(torch.int16), e.staged_rows[:t].view(torch.int16))) for x, e in zip(ro, own))
+    return all(bool(torch.equal(x.view(torch.int16), e.staged_rows[:t].view(torch.int16))) for x, e in zip(ro, own, strict=False))
 
 
 def step_ids(torch, rng, t: int, layout, own):
@@ -148,7 +148,7 @@ def kill_server(torch, srv, own, ovl, hash_buf, layout, a, rng, layers, capture,
 
 def kill_mid_prefill(torch, restart, own, ovl, hash_buf, layout, rng, layers, t: int, src,
                      delays_ms=(3.0, 25.0, 60.0)) -> dict:
-    """Pass Q: a table server SIGKILLed while a GPU-joined ``t``-token prefill chunk is fetched.
+    """A table server SIGKILLed while a GPU-joined ``t``-token prefill chunk is fetched.
     For each delay (ms after the step's start; the layer-1 fetch of a 32K chunk takes ~39 ms,
     layer 14's follows it): ``restart()`` starts the server again on its port (returns the
     ``Popen``), eager prefill steps run until rows come from it again (``remote_rows`` grows with

@@ -2,7 +2,7 @@
 decoder layer of chained bf16 matmuls (``Layer``), its calibration to a GPU time (``calibrate``)
 and the stand-in of ``DeepseekV4Model.forward`` for one arm at one token count (``Forward``:
 PIECEWISE segments for decode, eager for the prefill chunk). Split out of the benchmark to keep
-both files under the repository's 600-line limit (pass O)."""
+both files under the repository's 600-line limit."""
 
 from __future__ import annotations
 
@@ -102,9 +102,9 @@ class Forward:
         """vLLM's breakable capture, as its eager breaks do it: graph segments captured, the
         eager functions run between them with the capture flag up."""
         torch = self.torch
-        for kind, fn in self.plan():  # warm-up (cuBLAS handles, Triton) outside any capture
+        for _kind, fn in self.plan():  # warm-up (cuBLAS handles, Triton) outside any capture
             fn()
-        Q.sync_probe(torch, f"T={self.t} first step")  # synchronizes; pass K's K1 failed here
+        Q.sync_probe(torch, f"T={self.t} first step")  # synchronizes: a worker-side capture failed here on the GPU
         capture_flag["on"] = True
         try:
             for kind, fn in self.plan():

@@ -212,9 +212,8 @@ def build_engram(eng, vl, li: int, model_cfg):
 
 def load_vllm_tables(emb, manifest, data: Path, layer_id: int) -> None:
     """vLLM's own weight loader over the shard's tensors (what vLLM does at model load)."""
-    from safetensors import safe_open
-
     import torch
+    from safetensors import safe_open
 
     t = manifest.table(layer_id)
     with safe_open(str(data / t.file), framework="pt") as f:
@@ -279,7 +278,7 @@ SYNC_PROBE: dict = {"steps": 0, "syncs": 0, "failures": []}
 
 def sync_probe(torch, where: str, ms: float = 5.0) -> None:
     """``torch.cuda.synchronize()`` from the launching thread right after a step returned, again
-    and again for ``ms`` milliseconds (issue 23 pass L): pass K's run K1 failed when the worker
+    and again for ``ms`` milliseconds: a run on the GPU failed when the worker
     thread captured a new size's launch graph while the benchmark synchronized after that size's
     first step. A failure is recorded in ``SYNC_PROBE`` (with ``where``), not raised: the run
     goes on and reports it (a failed synchronize also invalidates such a capture, counted in
@@ -298,8 +297,8 @@ def sync_probe(torch, where: str, ms: float = 5.0) -> None:
 
 
 def warmup(torch, fw, hash_buf, sets, t: int, seconds: float, steps: int) -> dict:
-    """Untimed interleaved rounds of every arm for ``seconds`` before the first timed decode round
-    (issue 23 pass J): in every earlier 80-round run the first 15-25 s of decode steps ran at
+    """Untimed interleaved rounds of every arm for ``seconds`` before the first timed decode round:
+    in 80-round runs without it the first 15-25 s of decode steps ran at
     about 20 ms against 16.5 ms later, in every arm (24 tokens, the first size: step p10 16.2-16.6
     ms, median 19.3-19.9 ms), which pairing by round does not remove. Returns the steps run and
     the none arm's median step (ms) in the first and last tenth of them."""
@@ -342,7 +341,7 @@ def drafter_seam(torch) -> dict:
         tpg = ns(rank_in_group=0, world_size=1, broadcast=lambda t, src=0: t)
         res["broadcast"] = f"none (NCCL group failed: {type(exc).__name__}: {str(exc)[:120]})"
 
-    class Base(abc.ABC):
+    class Base(abc.ABC):  # noqa: B024 - stands in for vLLM's abstract base, whose methods the subclass defines
         pass
 
     class Instant:
@@ -392,7 +391,7 @@ def drafter_seam(torch) -> dict:
 
 def time_join(rr) -> dict:
     """Wrap layer 1's ``RemoteRows.join`` (an instance attribute, one Python call more) so that the
-    host time of its return and the generation it joined are kept (issue 23 pass M: the
+    host time of its return and the generation it joined are kept (the
     launching thread's return after the hand-off, ``dsv41.harness.phases.join_return``)."""
     got = {"gen": 0, "ret": 0}
     orig = rr.join

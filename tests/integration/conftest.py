@@ -19,6 +19,7 @@ import os
 import subprocess
 
 import pytest
+
 from labutil import BIN, LAB, ROOT, end_leftovers, ensure_credential, env, play
 
 _STATE: dict = {"deploy_out": None, "used": False}

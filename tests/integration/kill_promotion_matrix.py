@@ -19,9 +19,23 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from labutil import needs_lab
-from promotionutil import (API, CANDIDATE, JOURNAL, ROOT, alive, assert_none_outlived, assert_verified_production,
-                           dsv41, listing, production, recap_changed, run_until_step, timed_play)
+from promotionutil import (
+    API,
+    CANDIDATE,
+    JOURNAL,
+    ROOT,
+    alive,
+    assert_none_outlived,
+    assert_verified_production,
+    dsv41,
+    listing,
+    production,
+    recap_changed,
+    run_until_step,
+    timed_play,
+)
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.lab_long, needs_lab]
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from labutil import API, BIN, LAB, ROOT, admission_state, env, inside, play
 
 INV = "inventories/sim"

@@ -12,7 +12,16 @@ import subprocess
 import time
 
 import yaml
-from labutil import API, BIN, ROOT, env, inside, play, sigkill_group
+
+from labutil import (
+    API as API,  # re-exported: the promotion tests take the lab's API URL from here
+    BIN,
+    ROOT,
+    env,
+    inside,
+    play,
+    sigkill_group,
+)
 
 HOSTS = ("x86host", "sparkworker", "sparkhead")
 PACKAGES = ROOT / "packages"

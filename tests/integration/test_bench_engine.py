@@ -14,14 +14,14 @@ import uuid
 from pathlib import Path
 
 import httpx
-from labutil import post as lab_post  # noqa: E402
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from engineutil import engine_env, free_port, lab_assets, serve_cmd, start, stop, wait_ready  # noqa: E402
+from labutil import post as lab_post  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from dsv41.cli import main  # noqa: E402
 from dsv41.harness import bench  # noqa: E402
+from engineutil import engine_env, free_port, lab_assets, serve_cmd, start, stop, wait_ready  # noqa: E402
 
 MODEL = "dsv41-lab"
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from labutil import needs_lab
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,12 +14,11 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from engineutil import lab_assets, local_rows, start_worker  # noqa: E402
-
 from dsv41 import envs  # noqa: E402
-from dsv41.drafter.factory import build_speculator  # noqa: E402
 from dsv41.drafter.client import IdentityMismatch  # noqa: E402
+from dsv41.drafter.factory import build_speculator  # noqa: E402
 from dsv41.tokenizer import ByteTokenizer  # noqa: E402
+from engineutil import lab_assets, local_rows, start_worker  # noqa: E402
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[2]
@@ -60,8 +59,8 @@ def run_engine(target, spec, prompts, max_tokens=24, temperature=0.0, seed=None,
     from dsv41.engine.engine import Engine
     from dsv41.engine.metrics import EngineMetrics
     from dsv41.engine.model import TargetModel
-    from dsv41.engine.scheduler import Scheduler
     from dsv41.engine.sampler import SamplingParams
+    from dsv41.engine.scheduler import Scheduler
     from dsv41.engine.tp import LocalComm
 
     model = TargetModel(target["cfg"], target["weights"], LocalComm(), target["rows"])

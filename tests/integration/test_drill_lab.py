@@ -11,6 +11,7 @@ import shutil
 import uuid
 
 import pytest
+
 from labutil import ROOT, needs_lab, play
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab]

@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 
 import httpx
-from labutil import post as lab_post  # noqa: E402
 import pytest
+
+from labutil import post as lab_post  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from engineutil import engine_env, free_port, lab_assets, serve_cmd, start, stop, wait_ready  # noqa: E402

@@ -30,9 +30,8 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from engineutil import engine_env, free_ports, lab_assets, serve_cmd, start, stop  # noqa: E402
-
 from dsv41.engine.tp import JOIN_GRACE_S  # noqa: E402
+from engineutil import engine_env, free_ports, lab_assets, serve_cmd, start, stop  # noqa: E402
 
 PEER_TIMEOUT_S = 2.0  # the smallest DSV41_TP_PEER_TIMEOUT_S envs.py accepts
 SLACK_S = 4.0  # process scheduling on a loaded 2-core CI box, the 1 s linger, /health polling

@@ -7,7 +7,6 @@ next request works."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import sys
@@ -19,8 +18,17 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from engineutil import engine_env, free_port, lab_assets, serve_cmd, start, start_pair, stop, wait_ready  # noqa: E402
-from engineutil import FakeEngine  # noqa: E402
+from engineutil import (  # noqa: E402
+    FakeEngine,  # noqa: E402
+    engine_env,
+    free_port,
+    lab_assets,
+    serve_cmd,
+    start,
+    start_pair,
+    stop,
+    wait_ready,
+)
 
 PEER_TIMEOUT_S = 3.0
 

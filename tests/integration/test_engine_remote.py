@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from engineutil import (PY, REPO, engine_env, free_ports, lab_assets, local_rows, serve_cmd,  # noqa: E402
-                                start, stop, wait_ready)
+from engineutil import PY, REPO, engine_env, free_ports, lab_assets, local_rows, serve_cmd, start, stop, wait_ready  # noqa: E402
 
 pytest.importorskip("dsv41.engram.client", reason="remote row source (dsv41.engram.client) not installed")
 pytest.importorskip("dsv41.engram.server", reason="table server (dsv41.engram.server) not installed")

@@ -11,15 +11,14 @@ import time
 from pathlib import Path
 
 import httpx
-from labutil import post as lab_post  # noqa: E402
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from engineutil import (engine_env, free_port, lab_assets, local_rows, serve_cmd, start,  # noqa: E402
-                                stop, wait_ready)
+from labutil import post as lab_post  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from dsv41.engine.runner import LocalRunner  # noqa: E402
 from dsv41.tokenizer import ByteTokenizer  # noqa: E402
+from engineutil import engine_env, free_port, lab_assets, local_rows, serve_cmd, start, stop, wait_ready  # noqa: E402
 
 TOK = ByteTokenizer()
 KV = 1024
@@ -77,7 +76,7 @@ def test_greedy_matches_local_runner_and_concurrency(server, assets):
         t.start()
     for t in ts:
         t.join(120)
-    for g, w, p in zip(got, want, prompts):
+    for g, w, p in zip(got, want, prompts, strict=False):
         c = g["choices"][0]
         assert c["token_ids"] == w and c["prompt_token_ids"] == TOK.encode(p)
         assert c["text"] == TOK.decode(w) and c["finish_reason"] == "length"

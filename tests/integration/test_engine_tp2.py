@@ -13,10 +13,9 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from engineutil import lab_assets, local_rows, start_pair, stop  # noqa: E402
-
 from dsv41.engine.runner import LocalRunner  # noqa: E402
 from dsv41.tokenizer import ByteTokenizer  # noqa: E402
+from engineutil import lab_assets, local_rows, start_pair, stop  # noqa: E402
 
 TOK = ByteTokenizer()
 

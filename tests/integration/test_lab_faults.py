@@ -32,10 +32,28 @@ import time
 
 import httpx
 import pytest
+
 from labutil import ROOT, admission_state, host_sha256, needs_lab, play
-from nspawnutil import (INV, MGMT, SPARKS, admission_within, all_units, complete, deploy, engram_counts, enter,
-                        failed_lines, health, needs_hybrid_cgroups, poweroff, serve_container, serve_unit_state, unit, up,
-                        wait_healthy)
+from nspawnutil import (
+    INV,
+    MGMT,
+    SPARKS,
+    admission_within,
+    all_units,
+    complete,
+    deploy,
+    engram_counts,
+    enter,
+    failed_lines,
+    health,
+    needs_hybrid_cgroups,
+    poweroff,
+    serve_container,
+    serve_unit_state,
+    unit,
+    up,
+    wait_healthy,
+)
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab, needs_hybrid_cgroups]
 

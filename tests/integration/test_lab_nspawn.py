@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from labutil import HOSTS, LAB, ROOT, needs_lab, play
 from nspawnutil import INV, MGMT, SPARKS, ansible, changed, down, enter, needs_hybrid_cgroups, per_host, pid
 

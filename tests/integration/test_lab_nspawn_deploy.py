@@ -22,9 +22,25 @@ import time
 
 import httpx
 import pytest
+
 from labutil import needs_lab, play
-from nspawnutil import (INV, UNITS, changed, complete, deploy, down, engram_counts, enter, needs_hybrid_cgroups,
-                        poweroff, recap, status_json, unit, up, wait_healthy)
+from nspawnutil import (
+    INV,
+    UNITS,
+    changed,
+    complete,
+    deploy,
+    down,
+    engram_counts,
+    enter,
+    needs_hybrid_cgroups,
+    poweroff,
+    recap,
+    status_json,
+    unit,
+    up,
+    wait_healthy,
+)
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.lab_long, needs_lab, needs_hybrid_cgroups]
 

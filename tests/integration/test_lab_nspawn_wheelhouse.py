@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from labutil import HOSTS, LAB, ROOT, needs_lab, play
 from nspawnutil import INV, changed, down, enter, needs_hybrid_cgroups, up
 

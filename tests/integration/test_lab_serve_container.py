@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
 from labutil import API, LAB, ROOT, needs_lab, play
 from nspawnutil import enter, failed_lines, health, needs_hybrid_cgroups, serve_container, serve_unit_state
 

@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from labutil import needs_lab, play
 
 pytestmark = [pytest.mark.lab]

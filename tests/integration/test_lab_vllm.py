@@ -19,6 +19,7 @@ import time
 
 import httpx
 import pytest
+
 from labutil import API, BIN, ROOT, admission_state, env, inside, needs_lab, play, refused_without_credential
 
 pytestmark = [needs_lab, pytest.mark.lab, pytest.mark.slow]

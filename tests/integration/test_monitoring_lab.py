@@ -19,10 +19,10 @@ import time
 import httpx
 import pytest
 import yaml
-from labutil import API, BIN, ROOT, env, inside, needs_lab, play
-from nspawnutil import enter
 
 from dsv41.monitoring import dashboard as D
+from labutil import API, BIN, ROOT, env, inside, needs_lab, play
+from nspawnutil import enter
 
 pytestmark = needs_lab
 PROM = "http://198.18.0.13:9090"

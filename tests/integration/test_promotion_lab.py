@@ -16,9 +16,23 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from labutil import ROOT, inside, needs_lab
-from promotionutil import (API, CANDIDATE, JOURNAL, PACKAGES, alive, assert_none_outlived, assert_verified_production,
-                           dsv41, listing, production, recap_changed, run_until_step, timed_play)
+from promotionutil import (
+    API,
+    CANDIDATE,
+    JOURNAL,
+    PACKAGES,
+    alive,
+    assert_none_outlived,
+    assert_verified_production,
+    dsv41,
+    listing,
+    production,
+    recap_changed,
+    run_until_step,
+    timed_play,
+)
 
 # About 9.5 min after the deploy on the 2-core CI box: over make test's budget, so `make lab-long`.
 pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.lab_long, needs_lab]
@@ -220,7 +234,7 @@ class AdmissionProbe:
                 self.samples.append((t0, time.time(), out))
                 self._stop.wait(self.period_s)
 
-    def __enter__(self) -> "AdmissionProbe":
+    def __enter__(self) -> AdmissionProbe:
         self._thread.start()
         return self
 

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 
 import pytest
+
 from labutil import BIN, ROOT, extra_inventory, host_path, inside, needs_lab, play
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab]

@@ -15,6 +15,7 @@ import time
 
 import pytest
 import yaml
+
 from labutil import LAB, ROOT, admission_state, extra_inventory, inside, needs_lab, play
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab]

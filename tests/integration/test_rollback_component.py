@@ -22,6 +22,7 @@ import re
 import time
 
 import pytest
+
 from labutil import API, HOSTS, inside, needs_lab, play
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab]

@@ -25,8 +25,19 @@ import threading
 import time
 
 import pytest
-from labutil import API, BIN, ROOT, admission_state, env, inside, needs_lab, play, refused_without_credential
-from labutil import post as lab_post
+
+from labutil import (
+    API,
+    BIN,
+    ROOT,
+    admission_state,
+    env,
+    inside,
+    needs_lab,
+    play,
+    post as lab_post,
+    refused_without_credential,
+)
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab]
 
@@ -130,7 +141,6 @@ def test_readme_try_it_snippets_run_against_the_lab(deployed):
 
 
 def test_admission_held_says_held_and_since_when(deployed):
-    import httpx
 
     t0 = time.time()
     assert lab_post(f"{API}/pause", timeout=60).json()["paused"] is True

@@ -16,9 +16,9 @@ import threading
 import time
 
 import pytest
-from labutil import API, BIN, ROOT, admission_state, env, host_sha256, inside, needs_lab, play
 
 from dsv41 import envs
+from labutil import API, BIN, ROOT, admission_state, env, host_sha256, inside, needs_lab, play
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab]
 DRILL_SPEC = str(ROOT / "candidates" / "specs" / "drill.json")

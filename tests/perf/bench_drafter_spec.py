@@ -24,12 +24,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from engineutil import lab_assets, local_rows, start_worker  # noqa: E402
-
 from dsv41 import envs  # noqa: E402
 from dsv41.drafter.factory import build_speculator  # noqa: E402
 from dsv41.harness.refs import PROMPTS  # noqa: E402
 from dsv41.tokenizer import ByteTokenizer  # noqa: E402
+from engineutil import lab_assets, local_rows, start_worker  # noqa: E402
 
 torch.set_num_threads(1)
 TOK = ByteTokenizer()
@@ -42,8 +41,8 @@ def _run(target, spec, prompts):
     from dsv41.engine.engine import Engine
     from dsv41.engine.metrics import EngineMetrics
     from dsv41.engine.model import TargetModel
-    from dsv41.engine.scheduler import Scheduler
     from dsv41.engine.sampler import SamplingParams
+    from dsv41.engine.scheduler import Scheduler
     from dsv41.engine.tp import LocalComm
 
     model = TargetModel(target["cfg"], target["weights"], LocalComm(), target["rows"])
@@ -74,7 +73,7 @@ def _run(target, spec, prompts):
     gaps, rates, outs = [], [], []
     for ev in events:
         ts = [t for t, _, _ in ev]
-        gaps += [(b - a) * 1000 for a, b in zip(ts, ts[1:])]
+        gaps += [(b - a) * 1000 for a, b in zip(ts, ts[1:], strict=False)]
         n_after_first = sum(n for _, n, _ in ev[1:])
         rates.append(n_after_first / (ts[-1] - ts[0]))
         outs.append([t for _, _, ids in ev for t in ids])
@@ -114,7 +113,7 @@ def test_bench_drafter_speculation(tmp_path_factory):
     ref_out = {}
     lat = {m: [0.0, 0] for m in modes}  # drafting round latency seen by the Spark side (single stream)
     try:
-        for rep_i in range(REPEATS):
+        for _rep_i in range(REPEATS):
             for m in modes:
                 # single stream: each default prompt alone
                 for name, p in PROMPTS:

@@ -23,11 +23,11 @@ import time
 from pathlib import Path
 
 import httpx
+
 from benchutil import evict, machine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from engineutil import (PY, REPO, engine_env, free_ports, lab_assets, serve_cmd, start, stop,  # noqa: E402
-                                wait_ready)
+from engineutil import PY, REPO, engine_env, free_ports, lab_assets, serve_cmd, start, stop, wait_ready  # noqa: E402
 
 PROMPT_TOKENS = int(os.environ.get("DSV41_BENCH_PROMPT_TOKENS", "3072"))
 DECODE_TOKENS = int(os.environ.get("DSV41_BENCH_DECODE_TOKENS", "96"))

@@ -20,9 +20,7 @@ import numpy as np
 import pytest
 
 from benchutil import evict, machine
-
-from dsv41.engram import reader
-from dsv41.engram import synthetic
+from dsv41.engram import reader, synthetic
 from dsv41.engram.manifest import load_manifest, verify
 
 REPO = Path(__file__).resolve().parents[2]

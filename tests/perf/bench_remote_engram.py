@@ -40,17 +40,35 @@ import pytest
 os.environ.setdefault("UCX_TLS", "tcp")
 
 from benchutil import evict, machine  # noqa: E402
-from remote_engram_util import (BLOCK, LAB, ROUNDS, ROWS, THP_ROWS, Served, anon_huge_kb, decode_arms,  # noqa: E402
-                                floor_samples, floor_samples_n, lookup_samples, pct, raw_direct_read, record,
-                                summary)
-
-from dsv41.engram import reader  # noqa: E402
-from dsv41.engram import synthetic  # noqa: E402
+from dsv41.engram import (
+    reader,  # noqa: E402
+    synthetic,  # noqa: E402
+)
 from dsv41.engram.client import RemoteRowSource  # noqa: E402
 from dsv41.engram.manifest import load_manifest  # noqa: E402
 from dsv41.engram.server import load_tables  # noqa: E402
-from dsv41.transport import native  # noqa: E402
-from dsv41.transport import protocol as P  # noqa: E402
+from dsv41.transport import (
+    native,  # noqa: E402
+    protocol as P,  # noqa: E402
+)
+from remote_engram_util import (  # noqa: E402
+    BLOCK,
+    LAB,
+    ROUNDS,
+    ROWS,
+    THP_ROWS,
+    Served,
+    anon_huge_kb,
+    decode_arms,
+    floor_samples,
+    floor_samples_n,
+    lookup_samples,
+    pct,
+    raw_direct_read,
+    record,
+    summary,
+)
+
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):

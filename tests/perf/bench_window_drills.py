@@ -19,10 +19,9 @@ import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from labutil import BIN, ROOT, env, inside, needs_lab, play  # noqa: E402
-
 from dsv41.harness.procident import ProcessIdentity  # noqa: E402
 from dsv41.harness.window_pid import RUN_PID_NAME, run_process  # noqa: E402
+from labutil import BIN, ROOT, env, inside, needs_lab, play  # noqa: E402
 
 pytestmark = [needs_lab]
 API = "http://198.18.0.11:8000"

@@ -21,8 +21,10 @@ from dsv41 import envs  # noqa: E402
 from dsv41.engram import reader  # noqa: E402
 from dsv41.engram.client import RemoteRowSource  # noqa: E402
 from dsv41.engram.server import PAGE, READ_CHUNK  # noqa: E402
-from dsv41.transport import open_client  # noqa: E402
-from dsv41.transport import protocol as P  # noqa: E402
+from dsv41.transport import (
+    open_client,  # noqa: E402
+    protocol as P,  # noqa: E402
+)
 
 REPO = Path(__file__).resolve().parents[2]
 LAB = REPO / "python/dsv41/data/lab_model.json"

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import stat
-import subprocess
-import sys
 from pathlib import Path
-import pytest
-from dsv41.cli import main
+
 from dsv41.overlay import contract as C
+
 
 def fake_tree(root: Path, version: str | None, contract: dict, change: tuple[str, ...] = (),
               drop: tuple[str, ...] = ()) -> None:

@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
-import httpx
-import pytest
-from dsv41.engine.hold import HoldRecord, read_hold
-from dsv41.engine.server_state import ServerState
-from dsv41.overlay.fence import AdmissionFence
-from authutil import OP_HEADERS, OPERATOR, TEST_HOSTS
+
 
 class FakeVllm:
     """Raw ASGI stand-in for vLLM's app: records each path it served; ``/v1/completions`` streams

@@ -23,9 +23,9 @@ import httpx
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from authutil import OP_HEADERS, OPERATOR, TEST_HOSTS
 from dsv41.engine.hold import remove_hold
 from dsv41.overlay.fence import AdmissionFence
-from authutil import OP_HEADERS, OPERATOR, TEST_HOSTS
 from pause_machine import WAIT_S, Loop, _until
 
 TOKENS = ("win-a", "win-b")
@@ -101,7 +101,7 @@ class FenceMachine(RuleBasedStateMachine):
                 resp = fut.result(WAIT_S)
                 assert resp.status_code == 503 and resp.headers["retry-after"] == "10", resp.text
                 continue
-            _until(lambda: seed in self.vllm.gates, f"request {seed} to reach vLLM")
+            _until(lambda seed=seed: seed in self.vllm.gates, f"request {seed} to reach vLLM")
             self.in_flight[seed] = {"fut": fut, "token": token, "seed": seed}
 
     @precondition(lambda self: self.in_flight)

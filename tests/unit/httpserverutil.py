@@ -4,16 +4,16 @@ tests/unit/test_http_servers_every_endpoint.py and the slow-client fuzz campaign
 from __future__ import annotations
 
 import asyncio
-import json
-import re
 import socket
 import threading
 import time
 from pathlib import Path
-import httpx
+
 import pytest
+
 pytest.importorskip("fastapi")
 import uvicorn  # noqa: E402
+
 from dsv41 import envs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,6 @@ from dsv41.overlay import engram as E
 from dsv41.transport import parse_url
 from dsv41.transport.server import RowServer
 
-
 CFG = {"engram_layer_ids": [1, 14], "engram_max_ngram_size": 4, "engram_vocab_size": 500,
        "engram_n_heads": 8, "engram_head_dim": 256, "engram_pad_token_id": 2,
        "engram_compressed_vocab_size": 229, "vocab_size": 260}

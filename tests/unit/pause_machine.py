@@ -32,8 +32,8 @@ import httpx
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from dsv41.engine.server import create_app
 from authutil import OP_HEADERS, OPERATOR, TEST_HOSTS
+from dsv41.engine.server import create_app
 from dsv41.engine.server_state import ServerState, shutdown_drain
 
 TOKEN = "win-1"

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from dsv41.engram.manifest import load_manifest
-from dsv41.engram.server import load_tables
 from dsv41.engram.reader import LocalRowReader
+from dsv41.engram.server import load_tables
 from dsv41.engram.synthetic import write_synthetic_tables
 from dsv41.transport import parse_url
 from dsv41.transport.server import RowServer

@@ -119,7 +119,7 @@ class Renderer:
         self.plays = deploy_roles()
         self._base: dict[tuple, dict] = {}
 
-    def variant(self, overrides: dict) -> "Renderer":
+    def variant(self, overrides: dict) -> Renderer:
         """The same inventory with other extra vars (sharing the parsed inventory and layers)."""
         other = object.__new__(Renderer)
         other.__dict__.update(self.__dict__)
@@ -182,7 +182,7 @@ class Renderer:
         """The resolved value of ``name`` for ``host`` (KeyError: no layer defines it); ``roles`` as
         for ``layers``."""
         v = self.layers(host, roles=roles)
-        return self.template(v, v[name]) if isinstance(v[name], str) else self.template(v, "{{ %s }}" % name)
+        return self.template(v, v[name]) if isinstance(v[name], str) else self.template(v, f"{{{{ {name} }}}}")
 
     def render(self, host: str) -> Rendered:
         """Every file deploy.yml's roles template on ``host``."""

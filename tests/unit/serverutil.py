@@ -21,10 +21,8 @@ import numpy as np
 import pytest
 
 from dsv41.harness.refs import PROMPTS
-from dsv41.transport import native, parse_url
-from dsv41.transport import protocol as P
+from dsv41.transport import native, parse_url, protocol as P
 from dsv41.transport.server import RowTable
-
 
 IMPLS = [pytest.param(True, id="cpp"), pytest.param(False, id="python")]
 ROWS = 5000

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 
 import pytest
+
 from yamltree import REPO, items, parsed
 
 ASSERT = {"ansible.builtin.assert", "assert"}

@@ -17,13 +17,13 @@ import httpx
 import pytest
 
 pytest.importorskip("fastapi")
-from authutil import OP_HEADERS, OPERATOR, TEST_HOSTS, engine_control_routes, fence_control_paths  # noqa: E402
-from engineutil import FakeEngine  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
+from authutil import OP_HEADERS, OPERATOR, TEST_HOSTS, engine_control_routes, fence_control_paths  # noqa: E402
 from dsv41 import authz  # noqa: E402
 from dsv41.engine.server import create_app  # noqa: E402
 from dsv41.overlay.fence import AdmissionFence  # noqa: E402
+from engineutil import FakeEngine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 #: Each hostile shape: (extra headers, body, content type, wanted status).

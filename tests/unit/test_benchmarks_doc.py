@@ -65,7 +65,7 @@ def row_errors(row: list[str]) -> list[str]:
     name = row[0] if row else "?"
     if len(row) != len(COLUMNS):
         return [f"row '{name}': {len(row)} cells, the header has {len(COLUMNS)}"]
-    errors = [f"row '{name}': empty '{col}'" for col, cell in zip(COLUMNS, row) if not cell]
+    errors = [f"row '{name}': empty '{col}'" for col, cell in zip(COLUMNS, row, strict=True) if not cell]
     if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", row[4]):
         errors.append(f"row '{name}': date '{row[4]}' is not YYYY-MM-DD")
     links = re.findall(r"\]\((records/[^)#]+)#([^)]+)\)", row[7])

@@ -18,8 +18,8 @@ import re
 from pathlib import Path
 
 import yaml
-from yamltree import REPO as ROOT
-from yamltree import yaml_files
+
+from yamltree import REPO as ROOT, yaml_files
 
 #: Ansible's magic variables the project reads (docs.ansible.com, "Special variables").
 MAGIC = frozenset({"item", "groups", "hostvars", "inventory_hostname", "inventory_dir", "playbook_dir", "omit",

@@ -61,9 +61,8 @@ def _gpu_ready() -> bool:
     if os.environ.get("DSV41_EXL3_BUILD") != "1":
         return False
     try:
-        import torch
-
         import exllamav3  # noqa: F401
+        import torch
         import transformers  # noqa: F401
     except Exception:
         return False
@@ -85,7 +84,7 @@ def _byte_tokenizer(path: Path) -> None:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    b2u = {b: chr(c) for b, c in zip(bs, cs)}
+    b2u = {b: chr(c) for b, c in zip(bs, cs, strict=False)}
     assert set(b2u.values()) == set(alphabet)
     vocab = {"<|bos|>": 0, "<|eos|>": 1, "<|pad|>": 2, "<|sep|>": 3}
     vocab.update({b2u[b]: b + 4 for b in range(256)})
@@ -149,15 +148,15 @@ def test_exl3_drafts_and_latency(exl3_dir):
         np.testing.assert_array_equal(a.tokens[i], a.top_ids[i][:, 0])
         np.testing.assert_allclose(a.top_probs[i].sum(-1), 1.0, rtol=1e-4)
     # the cached drafting path agrees with exllamav3's no-cache forward on the same context
-    for it, toks in zip(items, a.tokens):
+    for it, toks in zip(items, a.tokens, strict=False):
         ctx = np.concatenate([it.tokens, toks[:2]])
         ref = d.logits_no_cache(ctx)
         assert int(torch.argmax(ref)) == int(toks[2])
     sampled = _items(np.random.default_rng(7), 2, 4, temp=1.0)
     s1, s2 = d.draft(sampled), d.draft(sampled)  # reproducible per seed
-    for x, y, ids in zip(s1.tokens, s2.tokens, s1.top_ids):
+    for x, y, ids in zip(s1.tokens, s2.tokens, s1.top_ids, strict=False):
         np.testing.assert_array_equal(x, y)
-        assert x.shape == (4,) and all(t in row for t, row in zip(x, ids))
+        assert x.shape == (4,) and all(t in row for t, row in zip(x, ids, strict=False))
     # served over TCP by the worker with the exl3 backend
     w = DrafterWorker(d, target_identity=TARGET)
     w.start()
@@ -165,7 +164,7 @@ def test_exl3_drafts_and_latency(exl3_dir):
     try:
         c = DrafterClient(f"tcp://127.0.0.1:{w.address[1]}", exl3_identities(exl3_dir), timeout_ms=10000)
         got = c.round(Round(items, 128))
-        for x, y in zip(got.tokens, a.tokens):
+        for x, y in zip(got.tokens, a.tokens, strict=False):
             np.testing.assert_array_equal(x, y)
         for k in range(1, 8):
             one = _items(rng, 1, k)

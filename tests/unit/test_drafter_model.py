@@ -56,10 +56,10 @@ def test_sampled_drafts_reproducible_per_seed(ddir):
     d = M.TorchDrafter(ddir)
     a, b = d.draft(_items(temp=1.5, seed=11)), d.draft(_items(temp=1.5, seed=11))
     c = d.draft(_items(temp=1.5, seed=99))
-    assert all(np.array_equal(x, y) for x, y in zip(a.tokens, b.tokens))
-    assert not all(np.array_equal(x, y) for x, y in zip(a.tokens, c.tokens))
+    assert all(np.array_equal(x, y) for x, y in zip(a.tokens, b.tokens, strict=False))
+    assert not all(np.array_equal(x, y) for x, y in zip(a.tokens, c.tokens, strict=False))
     for i in range(3):  # every sampled draft lies in the reported top-32 support
-        assert all(t in ids for t, ids in zip(a.tokens[i], a.top_ids[i]))
+        assert all(t in ids for t, ids in zip(a.tokens[i], a.top_ids[i], strict=False))
 
 
 def test_uniforms_keyed_by_seed_and_position():

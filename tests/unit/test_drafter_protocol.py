@@ -7,8 +7,7 @@ import zlib
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from dsv41.drafter import protocol as P
 
@@ -24,7 +23,7 @@ def test_round_roundtrip():
     r = _round()
     back = P.Round.decode(r.encode())
     assert back.hidden_size == 8 and back.deadline_ms == 50
-    for a, b in zip(r.items, back.items):
+    for a, b in zip(r.items, back.items, strict=False):
         assert a.request_id == b.request_id and a.depth == b.depth and a.seed == b.seed
         assert a.context_len == b.context_len
         np.testing.assert_array_equal(a.tokens, b.tokens)

@@ -115,7 +115,7 @@ def test_corrupt_ring_values_raise_ring_corrupt_not_crash(ring):
     assert ring.read(1) == (5, 0, b"ok")
     struct.pack_into("<I", ring.buf, 20, 77)
     with pytest.raises(RingCorrupt, match="proxy state"):
-        ring.proxy_state
+        _ = ring.proxy_state
 
 
 def test_attach_refuses_a_header_larger_than_the_segment(ring):

@@ -18,8 +18,8 @@ from dsv41.drafter.async_speculator import AsyncSpeculator
 from dsv41.drafter.model import TorchDrafter, identities, random_drafter
 from dsv41.drafter.protocol import RoundItem
 from dsv41.drafter.shm import SlotState
-from dsv41.drafter.worker import DrafterWorker
 from dsv41.drafter.speculators import LocalSpeculator, RemoteSpeculator, ShadowSpeculator
+from dsv41.drafter.worker import DrafterWorker
 from dsv41.engine.spec_decode import DraftInput
 from dsv41.errors import ConfigError
 
@@ -71,7 +71,7 @@ def test_local_and_remote_agree_and_policy_applies(ddir, worker):
     rem = RemoteSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=2000)
     batch = _inputs(2)
     a, b = loc.propose(batch), rem.propose(batch)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         assert x.tokens.size == 4  # batch of 2 -> depth 4 under the default policy
         np.testing.assert_array_equal(x.tokens, y.tokens)
         np.testing.assert_allclose(x.top_probs, y.top_probs, atol=1e-6)
@@ -146,7 +146,7 @@ def test_shadow_parity_counts(ddir, worker):
 def _advance(batch, props, n_tokens):
     """Commit drafts (as if all accepted) plus one more token: the next step's inputs."""
     out = []
-    for x, p in zip(batch, props):
+    for x, p in zip(batch, props, strict=False):
         new = list(p.tokens[:n_tokens]) + [int(x.token_ids[-1])]
         out.append(DraftInput(x.request_id, np.concatenate([x.token_ids, np.array(new, np.int64)]), x.hidden, x.depth))
     return out

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from servicectlutil import FakeLab, FakeManager
 
 from dsv41.cli import main
 from dsv41.harness import drill_faults
 from dsv41.harness.drill_faults import DrillError
 from dsv41.service_control import MANAGERS
+from servicectlutil import FakeLab, FakeManager
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPO = drill_faults.Topology(serve_container=False)

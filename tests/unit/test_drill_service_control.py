@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from servicectlutil import STATES, FakeLab, FakeManager, fake_bin, spawn_engine
 from typer.main import get_command
 
 from dsv41 import cli, errors, service_control
@@ -27,6 +26,7 @@ from dsv41.cli import main
 from dsv41.entrypoints import status as st
 from dsv41.harness import drill_faults
 from dsv41.service_control import MANAGERS, ServiceControlError
+from servicectlutil import STATES, FakeLab, FakeManager, fake_bin, spawn_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPO = drill_faults.Topology()

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
@@ -108,10 +106,10 @@ def app_client(tmp_path_factory):
     from dsv41.engine.metrics import EngineMetrics
     from dsv41.engine.model import TargetModel
     from dsv41.engine.model_config import load_config
-    from dsv41.engine.weights import load_weights
     from dsv41.engine.scheduler import Scheduler
     from dsv41.engine.server import create_app
     from dsv41.engine.tp import LocalComm
+    from dsv41.engine.weights import load_weights
 
     assets = lab_assets(tmp_path_factory)
     cfg = load_config(assets.config)

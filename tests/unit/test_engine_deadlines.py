@@ -9,10 +9,9 @@ import time
 
 import pytest
 
-from engineutil import lab_assets, local_rows
-
 from dsv41.engine.deadline import CallTimeout, DeadlineCaller, Deadlines, deadlines_from_env
 from dsv41.envs import ConfigError
+from engineutil import lab_assets, local_rows
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +51,10 @@ def run(target, rows, spec=None, depth=0, deadlines=None, max_tokens=12, prompts
     from dsv41.engine.engine import Engine
     from dsv41.engine.metrics import EngineMetrics
     from dsv41.engine.model import TargetModel
-    from dsv41.engine.scheduler import Scheduler
     from dsv41.engine.sampler import SamplingParams
-    from dsv41.tokenizer import ByteTokenizer
+    from dsv41.engine.scheduler import Scheduler
     from dsv41.engine.tp import LocalComm
+    from dsv41.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     model = TargetModel(target["cfg"], target["weights"], LocalComm(), rows)
@@ -109,12 +108,11 @@ def test_frozen_remote_engram_server_costs_a_local_read_within_the_deadline(asse
     """The engine's Engram deadline lives in RemoteRowSource (no wrapper, no helper thread): a
     table server that accepts and never answers (request timeout far past the deadline) costs
     each step's lookup the deadline and a local read, and the tokens stay exact."""
-    from serverutil import SilentServer
-
     from dsv41 import envs
     from dsv41.engram import sources
     from dsv41.engram.manifest import load_manifest
     from dsv41.engram.server import load_tables
+    from serverutil import SilentServer
 
     want, _, _, _ = run(target, local_rows(assets))
     tables, _ = load_tables(load_manifest(assets.manifest), assets.data)

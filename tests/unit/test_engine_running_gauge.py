@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 
 from engineutil import lab_assets, local_rows  # noqa: E402

@@ -8,10 +8,9 @@ import pytest
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from dsv41.engine.server import create_app  # noqa: E402
 from authutil import OP_HEADERS, OPERATOR, TEST_HOSTS  # noqa: E402
-
 from dsv41.authz import OPERATOR_HEADER  # noqa: E402
+from dsv41.engine.server import create_app  # noqa: E402
 from engineutil import FakeEngine  # noqa: E402
 
 

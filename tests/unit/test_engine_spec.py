@@ -13,10 +13,10 @@ from dsv41.engine.engine import Engine
 from dsv41.engine.metrics import EngineMetrics
 from dsv41.engine.model import TargetModel
 from dsv41.engine.model_config import load_config
-from dsv41.engine.runner import LocalRunner
-from dsv41.engine.scheduler import RequestError, Scheduler
 from dsv41.engine.rejection_sampler import verify
+from dsv41.engine.runner import LocalRunner
 from dsv41.engine.sampler import SAMPLING_EPS, SamplingParams, probs_of, process_logits, sample
+from dsv41.engine.scheduler import RequestError, Scheduler
 from dsv41.engine.spec_decode import DraftProposal
 from dsv41.engine.tp import LocalComm
 from dsv41.engine.weights import load_weights

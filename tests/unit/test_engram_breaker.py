@@ -15,15 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from dsv41.engram import client as C
-from dsv41.engram import reader
+from dsv41.engram import client as C, reader
 from dsv41.engram.client import RemoteRowSource
-from dsv41.overlay import core as overlay_core
-from dsv41.overlay import engram as E
-from dsv41.overlay import engram_worker as EW
+from dsv41.overlay import core as overlay_core, engram as E
 from dsv41.transport import TransportError, TransportTimeout, native
-
-from overlayutil import free_port, serve_tables, exact_rows, lookup_ids, poisoned, remote_rows, tabs  # noqa: F401
+from overlayutil import exact_rows, free_port, lookup_ids, poisoned, remote_rows, serve_tables, tabs  # noqa: F401
 
 PROBE_BOUND_S = 3.0  # the probe's backoff is at most 0.75 s; slack for a loaded CI machine
 

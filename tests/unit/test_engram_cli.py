@@ -14,8 +14,7 @@ import pytest
 import typer
 
 from dsv41.cli import main
-from dsv41.engram import cli as ecli
-from dsv41.engram import synthetic
+from dsv41.engram import cli as ecli, synthetic
 
 REPO = Path(__file__).resolve().parents[2]
 LAB = REPO / "python/dsv41/data/lab_model.json"

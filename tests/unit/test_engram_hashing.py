@@ -7,8 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from dsv41.engram.hashing import (
     REAL_TOKEN_MAP_SHA256,
@@ -62,7 +61,7 @@ def test_vectors_token_by_token(vectors: dict, hasher: NgramHasher) -> None:
     for case in vectors["cases"]:
         mask = case["mask"] or [1] * len(case["tokens"])
         st_ = None
-        for t, (tok, m) in enumerate(zip(case["tokens"], mask)):
+        for t, (tok, m) in enumerate(zip(case["tokens"], mask, strict=False)):
             r, st_ = hasher.hash(np.asarray([tok]), np.asarray([bool(m)]), st_)
             np.testing.assert_array_equal(r[0], np.asarray(case["rows"][t]))
 
@@ -98,7 +97,7 @@ def test_chunked_equals_one_shot(hasher: NgramHasher, data, cuts, use_mask) -> N
     bounds = sorted({0, len(tokens), *[c for c in cuts if c <= len(tokens)]})
     state = None
     parts = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in zip(bounds[:-1], bounds[1:], strict=False):
         r, state = hasher.hash(tokens[a:b], None if mask is None else mask[a:b], state)
         parts.append(r)
     got = np.concatenate(parts) if parts else np.zeros((0, 2, 24), np.int64)

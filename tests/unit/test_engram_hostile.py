@@ -13,10 +13,7 @@ import numpy as np
 import pytest
 
 from dsv41.cli import main
-from dsv41.engram import manifest as mf
-from dsv41.engram import reader
-from dsv41.engram import shards
-from dsv41.engram import synthetic
+from dsv41.engram import manifest as mf, reader, shards, synthetic
 from dsv41.engram.hashing import NgramHasher
 from dsv41.engram.layout import EngramLayout
 from dsv41.errors import ConfigError, Dsv41Error, VerificationError

@@ -10,12 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv41.engram import shards
-from dsv41.engram import synthetic
+from dsv41.engram import shards, synthetic
+from dsv41.engram.dequant import dequantize
 from dsv41.engram.manifest import Manifest, TableEntry, load_manifest
 from dsv41.engram.reader import LocalRowReader
 from dsv41.engram.shards import RowRangeError
-from dsv41.engram.dequant import dequantize
 from dsv41.errors import Dsv41Error
 
 REPO = Path(__file__).resolve().parents[2]
@@ -177,7 +176,7 @@ def test_sparse_real_geometry(tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
     want = rng.integers(0, 256, (len(written), 264), dtype=np.uint8)
     with open(p, "r+b") as f:
-        for i, row in zip(written.tolist(), want):
+        for i, row in zip(written.tolist(), want, strict=False):
             f.seek(t.weight_offset + 256 * i)
             f.write(row[:256].tobytes())
             f.seek(t.scale_offset + 8 * i)

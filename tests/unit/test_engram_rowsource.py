@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from dsv41 import envs
-from dsv41.engram import reader
-from dsv41.engram import synthetic
+from dsv41.engram import reader, synthetic
 from dsv41.engram.manifest import load_manifest
 from dsv41.engram.rowsource import (
     COUNTER_KEYS,
@@ -224,7 +223,7 @@ def test_default_lookup_layers_one_lookup_per_layer_into_outs(data: Path) -> Non
     ids = [np.asarray([0, 5, 2999]), np.asarray([7])]
     want = [synthetic.synthetic_rows(2, 1, 3000, ids[0]), synthetic.synthetic_rows(2, 2, 2000, ids[1])]
     got = src.lookup_layers([1, 2], ids)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=False):
         np.testing.assert_array_equal(g, w)
     outs = [np.empty((3, 264), np.uint8), None]
     got = src.lookup_layers([1, 2], ids, outs)

@@ -16,8 +16,7 @@ import pytest
 from safetensors import safe_open
 
 from dsv41.cli import main
-from dsv41.engram import manifest as mf
-from dsv41.engram import shards, synthetic
+from dsv41.engram import manifest as mf, shards, synthetic
 from dsv41.errors import Dsv41Error, VerificationError
 
 REPO = Path(__file__).resolve().parents[2]

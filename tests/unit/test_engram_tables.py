@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv41.engram import shards
-from dsv41.engram import synthetic
+from dsv41.engram import shards, synthetic
 from dsv41.engram.layout import EngramLayout
 from dsv41.engram.manifest import build_manifest, load_manifest
 from dsv41.errors import Dsv41Error, VerificationError

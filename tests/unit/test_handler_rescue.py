@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from yamltree import REPO, items, parsed
 
 INCLUDES = {f"{ns}{verb}" for ns in ("", "ansible.builtin.") for verb in ("include_tasks", "import_tasks")}

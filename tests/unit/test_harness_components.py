@@ -8,8 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from dsv41.harness import components as C
-from dsv41.harness import refs
+from dsv41.harness import components as C, refs
 from serverutil import FakeServing
 
 PROD_DRAFTER = ("# managed\nDSV41_DRAFTER_REMOTE=tcp://198.18.1.1:7451\nDSV41_DRAFTER_DIR=/opt/dsv41/drafter\n"

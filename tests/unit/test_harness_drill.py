@@ -16,7 +16,6 @@ from dsv41.harness.drill_faults import DrillError
 from dsv41.harness.drill_measure import Sample
 from dsv41.service_control import for_manager
 
-
 # ---- validation -----------------------------------------------------------------------------------
 
 def test_parse_faults_order_all_and_errors() -> None:

@@ -1,4 +1,4 @@
-"""dsv41.harness.phases: layer 1's exposed time in a prefill step taken apart (issue 23 pass K)."""
+"""dsv41.harness.phases: layer 1's exposed time in a prefill step taken apart."""
 
 import pytest
 

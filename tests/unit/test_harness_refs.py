@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from serverutil import FakeServing
 
 from dsv41.harness import admission, refs
+from serverutil import FakeServing
 
 
 @pytest.fixture

@@ -87,7 +87,7 @@ def _client(source: str) -> httpx.Client:
 
 def _stream(addr, source: str, started: threading.Event, done: list) -> None:
     with _client(source) as c:
-        with c.stream("POST", "http://%s:%d/v1/completions" % addr,
+        with c.stream("POST", "http://{}:{}/v1/completions".format(*addr),
                       json={"model": "m", "prompt": "hi", "max_tokens": 30, "stream": True}) as r:
             started.set()
             done.append(r.status_code)
@@ -108,7 +108,7 @@ def test_requests_are_shed_per_client_and_in_total_while_health_answers() -> Non
 
 
 def _shed_while_health_answers(addr) -> None:
-    url = "http://%s:%d" % addr
+    url = "http://{}:{}".format(*addr)
     done: list = []
     threads = []
     for source in ("127.0.0.1", "127.0.0.1", "127.0.0.2"):  # 2 from one client (its share), 1 from another
@@ -153,7 +153,7 @@ def _refused_while_busy(addr) -> None:
     head, _, body = raw.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower(), raw
     assert json.loads(body)["error"]["code"] == 503
-    assert httpx.get("http://%s:%d/health" % addr, timeout=10).status_code == 200  # another client
+    assert httpx.get("http://{}:{}/health".format(*addr), timeout=10).status_code == 200  # another client
     for t in threads:
         t.join(20)
 
@@ -186,7 +186,7 @@ def test_the_exporter_never_fails_a_scrape_while_its_journal_is_written(tmp_path
     try:
         with httpx.Client(timeout=10) as c:
             for _ in range(150):
-                r = c.get("http://%s:%d/metrics?x=1" % srv.server_address[:2])
+                r = c.get("http://{}:{}/metrics?x=1".format(*srv.server_address[:2]))
                 codes.append(r.status_code)
                 assert b"dsv41_promotion_journal_readable" in r.content
     finally:

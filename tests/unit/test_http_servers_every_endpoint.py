@@ -11,23 +11,19 @@ definitions (the FastAPI routes; ``GET_PATHS`` of an ``http.server`` handler). L
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import socket
-import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 pytest.importorskip("fastapi")
-import uvicorn  # noqa: E402
 
-from dsv41 import envs  # noqa: E402
 
 from httpserverutil import CAP, LIMITS, ROOT, STARTERS, _start_engine  # noqa: E402
+
 #: modules that build or wrap servers without being one a process starts by itself
 NOT_SERVERS = {"dsv41/httpd.py": "the servers' building blocks, started through the modules above",
                "dsv41/overlay/plugin.py": "starts dsv41/overlay/metrics.py's endpoint in vLLM's worker"}

@@ -21,7 +21,6 @@ from dsv41 import envs
 from dsv41.engram import sources
 from dsv41.engram.manifest import load_manifest
 from dsv41.errors import VerificationError
-
 from engineutil import PY, REPO, engine_env, free_port, lab_assets  # noqa: E402
 
 
@@ -79,7 +78,7 @@ def test_a_shard_changed_under_a_running_reader_is_never_served(tables, how) -> 
     m = load_manifest(ns.manifest)
     t = m.tables[0]
     ids = np.arange(min(t.rows, 64), dtype=np.int64)
-    for name, src in _sources(ns.manifest, d):
+    for _name, src in _sources(ns.manifest, d):
         try:
             assert sources.verify_local(src)
             reader = src.reader if hasattr(src, "reader") else src.local.reader

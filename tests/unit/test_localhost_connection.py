@@ -6,12 +6,9 @@ root playbooks."""
 
 from __future__ import annotations
 
-
 import yaml
+
 from yamltree import REPO, items, parsed
-
-
-
 
 
 def test_every_inventory_names_the_controller_connection():

@@ -5,7 +5,6 @@ JSON; every expression valid PromQL for promtool), `dsv41 monitor` bad input."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -13,15 +12,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serverutil import FakeStack
 import yaml
 
-from dsv41.entrypoints import status as st
-from dsv41.entrypoints import status_render
-from dsv41.monitoring import alerts as A
-from dsv41.monitoring import dashboard as D
-from dsv41.monitoring import exporter as E
+from dsv41.entrypoints import status as st, status_render
+from dsv41.monitoring import alerts as A, dashboard as D, exporter as E
 from dsv41.promotion import journal as J
+from serverutil import FakeStack
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,5 @@
-"""Issue 23 pass L: no capture of the overlay overlaps a device-wide synchronize of the launching
-thread. Pass K's run K1 failed because the worker thread captured a new size's launch graph (after
+"""No capture of the overlay overlaps a device-wide synchronize of the launching thread. A run on
+the GPU failed when the worker thread captured a new size's launch graph (after
 the hand-off) while the benchmark's launching thread called ``torch.cuda.synchronize()``: the
 synchronize raised "operation not permitted when stream is capturing" and invalidated the capture.
 On the CPU the capture window and the synchronize are emulated (``Window``): a record that holds
@@ -14,8 +14,15 @@ import time
 import torch
 
 from dsv41.overlay import engram as E
-
-from overlayutil import Gate, StepOps, exact_rows as _exact, lookup_ids as _ids, poisoned as _poisoned, remote_rows as _rows, tabs  # noqa: F401
+from overlayutil import (  # noqa: F401
+    Gate,
+    StepOps,
+    exact_rows as _exact,
+    lookup_ids as _ids,
+    poisoned as _poisoned,
+    remote_rows as _rows,
+    tabs,
+)
 
 
 class Window:

@@ -8,11 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv41.overlay import core
-from dsv41.overlay import engram as E
-from dsv41.overlay import engram_gpujoin as GJ
-from dsv41.overlay import engram_ops as O
-from dsv41.overlay import engram_worker as EW
+from dsv41.overlay import core, engram as E, engram_gpujoin as GJ, engram_ops as O, engram_worker as EW
 from dsv41.transport import native
 from overlayutil import Gate, exact_rows, lookup_ids, poisoned, remote_rows, tabs  # noqa: F401 - tabs is a fixture
 

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+from dsv41 import envs
 from dsv41.drafter.model import random_drafter
 from dsv41.drafter.speculators import LocalSpeculator
 from dsv41.engine.spec_decode import DraftProposal
-from dsv41 import envs
 from dsv41.errors import ConfigError
 from dsv41.overlay import drafter as D
 

@@ -23,12 +23,9 @@ from dsv41.engram.client import RemoteRowSource, RemoteUnavailable
 from dsv41.engram.layout import EngramLayout
 from dsv41.engram.rowsource import LocalRowSource
 from dsv41.engram.server import load_tables
-from dsv41.overlay import contract as C
 from dsv41.errors import Dsv41Error
-from dsv41.overlay import engram as E
-from dsv41.overlay import settings as S
-
-from overlayutil import CFG, SEED, tabs, kernel_on_cpu, reference, same_bits  # noqa: F401 - tabs is a fixture
+from dsv41.overlay import contract as C, engram as E, settings as S
+from overlayutil import CFG, SEED, kernel_on_cpu, reference, same_bits, tabs  # noqa: F401 - tabs is a fixture
 
 
 def test_plan_rows_masks_like_the_kernel() -> None:

@@ -1,4 +1,4 @@
-"""The GPU-side join of issue 23 pass O on the CPU (python/dsv41/overlay/engram_gpujoin.py): the
+"""The GPU-side join on the CPU (python/dsv41/overlay/engram_gpujoin.py): the
 C++ core's part of a GPU-joined job, with plain host memory standing in for the host-mapped words
 and the test writing the ids word where the GPU would. A job is fetched on the lent connection
 and each piece's flag stored once its rows are in; without a connection, or after a failed
@@ -20,13 +20,14 @@ import pytest
 from dsv41.engram import reader
 from dsv41.engram.client import RemoteRowSource
 from dsv41.envs import ConfigError
-from dsv41.overlay import core as overlay_core
-from dsv41.overlay import engram_gpujoin as GJ
-from dsv41.overlay import engram_ops as O
-from dsv41.overlay import settings as S
+from dsv41.overlay import core as overlay_core, engram_gpujoin as GJ, engram_ops as O, settings as S
 from dsv41.transport import native
-
-from overlayutil import free_port as _free_port, serve_tables as _serve, remote_rows as _rows, tabs  # noqa: F401 - tabs is a fixture
+from overlayutil import (
+    free_port as _free_port,
+    remote_rows as _rows,
+    serve_tables as _serve,
+    tabs,  # noqa: F401 - a pytest fixture, injected by its name
+)
 
 needs_core = pytest.mark.skipif(overlay_core._core is None or native._fastrow is None, reason="the C++ extensions are not built")
 
@@ -407,9 +408,8 @@ def test_a_cpu_table_with_the_switch_on_joins_on_the_host_exactly(tabs, server) 
     """RemoteRows on the CPU with gpu_join=True: no GPU-side join (no CUDA), lookups exact."""
     import torch
 
-    from overlayutil import exact_rows, lookup_ids, poisoned
-
     from dsv41.overlay import engram as E
+    from overlayutil import exact_rows, lookup_ids, poisoned
 
     _, src = server
     try:
@@ -424,7 +424,7 @@ def test_a_cpu_table_with_the_switch_on_joins_on_the_host_exactly(tabs, server) 
 
 
 def test_the_switch_parses_and_refuses_a_bad_value_with_one_clear_error() -> None:
-    # on by default since the final code ran on a GPU with it on (issue 23 pass P, docs/benchmarks.md)
+    # on by default since the final code ran on a GPU with it on (docs/benchmarks.md)
     assert S.parse({}).gpu_join is True
     assert S.parse({"DSV41_ENGRAM_GPU_JOIN": "0"}).gpu_join is False
     assert S.parse({"DSV41_ENGRAM_GPU_JOIN": "1"}).gpu_join is True

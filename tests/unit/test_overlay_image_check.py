@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from contractutil import contract_of, fake_tree
 
+from contractutil import contract_of, fake_tree
 from dsv41.overlay import contract as C
 
 REPO = Path(__file__).resolve().parents[2]

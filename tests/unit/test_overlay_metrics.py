@@ -15,11 +15,8 @@ import pytest
 
 from dsv41.engine.metrics import ENGRAM_KEYS, EngineMetrics
 from dsv41.errors import Dsv41Error
-from dsv41.harness import http as H
-from dsv41.harness import rank_metrics as RM
-from dsv41.overlay import hooks
-from dsv41.overlay import metrics as M
-from dsv41.overlay import plugin
+from dsv41.harness import http as H, rank_metrics as RM
+from dsv41.overlay import hooks, metrics as M, plugin
 
 
 class Source:

@@ -19,9 +19,7 @@ from pathlib import Path
 import pytest
 
 from dsv41.errors import ConfigError
-from dsv41.overlay import contract as C
-from dsv41.overlay import hooks, plugin
-from dsv41.overlay import settings as S
+from dsv41.overlay import contract as C, hooks, plugin, settings as S
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,16 +14,20 @@ import torch
 
 from dsv41.engram import reader
 from dsv41.engram.client import RemoteRowSource, RemoteUnavailable
-from dsv41.engram.rowsource import LocalRowSource, RowSource
-from dsv41.overlay import core as overlay_core
-from dsv41.overlay import engram as E
-from dsv41.overlay import engram_ops as O
-from dsv41.overlay import engram_rows as ER
-from dsv41.overlay import engram_worker as EW
+from dsv41.overlay import core as overlay_core, engram as E, engram_ops as O, engram_rows as ER, engram_worker as EW
 from dsv41.transport import native
-
-from overlayutil import Gate, StepOps, exact_rows as _exact, kernel_on_cpu, lookup_ids as _ids, poisoned as _poisoned, reference, remote_rows as _rows, same_bits, tabs  # noqa: F401 - tabs is a fixture
-
+from overlayutil import (  # noqa: F401 - tabs is a fixture
+    Gate,
+    StepOps,
+    exact_rows as _exact,
+    kernel_on_cpu,
+    lookup_ids as _ids,
+    poisoned as _poisoned,
+    reference,
+    remote_rows as _rows,
+    same_bits,
+    tabs,
+)
 
 # ------------------------------------------------- the worker pipeline (issue 23), on the CPU
 
@@ -230,7 +234,7 @@ def test_the_plan_is_vectorised_into_the_callers_buffers(tabs) -> None:
     want = [i for i in ids if 10 <= i < 40]
     assert n == len(want) and fetch[:n].tolist() == want
     k = 0
-    for i, s in zip(ids, sel):
+    for i, s in zip(ids, sel, strict=False):
         if 10 <= i < 40:
             assert s == k
             k += 1
@@ -332,7 +336,7 @@ class Recorder:
     def __call__(self, rows, out):
         import threading
 
-        # the launching thread, at the table's next start, before that job is submitted (issue 23 pass L)
+        # the launching thread, at the table's next start, before that job is submitted
         assert threading.current_thread() is threading.main_thread() and not self.rr._submitted
         if self.fail:
             raise RuntimeError("operation not permitted when stream is capturing")
@@ -395,7 +399,7 @@ def test_a_refused_graph_launch_turns_the_graphs_off_and_the_caller_launches_eag
 
 
 def test_a_multi_piece_job_fetches_the_next_piece_while_the_worker_launches(tabs, workers, monkeypatch) -> None:
-    """Issue 23 pass F, task 2: piece k+1's plan and fetch (the table's fetch thread) run while the
+    """Piece k+1's plan and fetch (the table's fetch thread) run while the
     worker launches piece k, into disjoint staging; rows exact, and no fetch is left running."""
     import threading
 

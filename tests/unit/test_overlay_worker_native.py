@@ -1,4 +1,4 @@
-"""The overlay worker's C++ core (issue 23 pass F) on the CPU, against a real table server on
+"""The overlay worker's C++ core on the CPU, against a real table server on
 loopback: both layers of a step in one request on the connection the row source lends, exact
 rows; a killed server mid-run gives the exact local rows (counted fallbacks), a required source
 raises the cause at the join, the lease comes back once the server does; the lent client sends
@@ -15,18 +15,20 @@ import numpy as np
 import pytest
 import torch
 
-from dsv41.engram import client as C
-from dsv41.engram import reader
+from dsv41.engram import client as C, reader
 from dsv41.engram.client import RemoteRowSource, RemoteUnavailable
-from dsv41.overlay import core as overlay_core
-from dsv41.overlay import engram as E
-from dsv41.overlay import engram_ops as O
-from dsv41.overlay import engram_rows as ER
-from dsv41.overlay import engram_worker as EW
+from dsv41.overlay import core as overlay_core, engram as E, engram_ops as O, engram_rows as ER, engram_worker as EW
 from dsv41.transport import Refused, TransportError, TransportTimeout, native, parse_url
 from dsv41.transport.tcp import TcpClient
-
-from overlayutil import free_port as _free_port, serve_tables as _serve, exact_rows as _exact, lookup_ids as _ids, poisoned as _poisoned, remote_rows as _rows, tabs  # noqa: F401 - tabs is a fixture
+from overlayutil import (
+    exact_rows as _exact,
+    free_port as _free_port,
+    lookup_ids as _ids,
+    poisoned as _poisoned,
+    remote_rows as _rows,
+    serve_tables as _serve,
+    tabs,  # noqa: F401 - a pytest fixture, injected by its name
+)
 
 pytestmark = pytest.mark.skipif(overlay_core._core is None or native._fastrow is None, reason="the C++ extensions are not built")
 
@@ -215,7 +217,7 @@ def test_the_slot_hand_off_honours_generations_and_abandonment() -> None:
 
 
 def test_wait_stream_reports_the_hand_off_and_what_it_queued_and_times_the_wait() -> None:
-    """``wait_stream`` (issue 23 pass M): 0 at the timeout; handed off with no event to wait on,
+    """``wait_stream``: 0 at the timeout; handed off with no event to wait on,
     1 (the caller queues the stream's waits); its host times are in order and name the join's
     generation (``wait_times``: gen, enter, seen, queued, GIL back)."""
     import threading
@@ -235,7 +237,7 @@ def test_wait_stream_reports_the_hand_off_and_what_it_queued_and_times_the_wait(
 
 
 def test_a_join_polls_once_the_last_request_is_out_and_stays_bounded() -> None:
-    """``mark_tail`` (the core, before a multi-piece job's last request, issue 23 pass L) wakes a
+    """``mark_tail`` (the core, before a multi-piece job's last request) wakes a
     join sleeping on the slot; from then on it polls the hand-off flag (``tail_polls``) instead of
     sleeping, and still returns False at its timeout when nothing is handed off; a mark of
     another generation does not make it poll."""
@@ -272,7 +274,7 @@ def _planner_threads() -> int:
     return n
 
 
-# -- a multi-piece (prefill) job in the core (issue 23 pass H) --------------------------------------
+# -- a multi-piece (prefill) job in the core --------------------------------------
 @pytest.fixture
 def small_pieces(monkeypatch):
     """Pieces of 100 rows (the core and the Python path agree) and requests of at most 64 rows,
@@ -280,9 +282,9 @@ def small_pieces(monkeypatch):
     job of 600 rows is 8 pieces (5 x 100, 70, 20, 10), fetched in pipelined requests; the core requests piece 0 as a 30-row head
     and the rest."""
     monkeypatch.setattr(EW, "PIECE_ROWS", 100)
-    monkeypatch.setattr(EW, "HEAD_ROWS", 30)  # piece 0 as a 30-row head and a 70-row rest (pass K)
+    monkeypatch.setattr(EW, "HEAD_ROWS", 30)  # piece 0 as a 30-row head and a 70-row rest
     monkeypatch.setattr(ER, "PIECE_ROWS", 100)
-    monkeypatch.setattr(EW, "TAIL_ROWS", (30, 10))  # two tail pieces (pass L, pass Q)
+    monkeypatch.setattr(EW, "TAIL_ROWS", (30, 10))  # two tail pieces
     monkeypatch.setattr(ER, "TAIL_ROWS", (30, 10))
     monkeypatch.setattr(C, "CHUNK_ROWS", 64)
 
@@ -312,7 +314,7 @@ def test_a_multi_piece_job_is_planned_fetched_and_handed_off_by_the_core_exactly
         assert r1._pool is None and r14._pool is None  # the Python pipeline never ran
         assert not r1.pieces.enabled  # no CUDA: no piece graphs, Python launches the core's pieces
         assert n["native_plan_ahead_s"] > before["native_plan_ahead_s"]  # pieces 1-5 by the planner thread
-        if sys.platform.startswith("linux"):  # one persistent planner thread per core (pass L), not one per job
+        if sys.platform.startswith("linux"):  # one persistent planner thread per core, not one per job
             assert _planner_threads() - planners0 == 1
         sc = src.counters()
         assert sc["fallbacks"] == 0 and sc["transport_errors"] == 0 and w.counters["errors"] == 0
@@ -323,10 +325,10 @@ def test_a_multi_piece_job_is_planned_fetched_and_handed_off_by_the_core_exactly
 
 
 def test_the_phase_trace_records_each_multi_piece_job_in_order(tabs, workers, small_pieces) -> None:
-    """``EngramCore.set_trace`` (issue 23 pass K, the step benchmark's decomposition): off, no
+    """``EngramCore.set_trace`` (the step benchmark's decomposition): off, no
     job is recorded; on, every multi-piece job (none of the decode jobs) with its pieces'
     request and launch times in order, monotonic ns within the step's wall time, the requests
-    one stream across the pieces (pass L: a piece's requests out before the previous piece's
+    one stream across the pieces (a piece's requests out before the previous piece's
     replies are in); the rows stay exact; ``take_traces`` clears what it returned."""
     port = _free_port()
     srv = _serve(tabs, port)
@@ -347,17 +349,17 @@ def test_the_phase_trace_records_each_multi_piece_job_in_order(tabs, workers, sm
         overlapped = 0
         for g in got:
             assert g["rows"] == 50 * r1.part and len(g["fetch0"]) == len(g["fetch1"]) == len(g["launch1"]) == len(r1._piece_keys(g["rows"]))
-            # one pipelined stream over the pieces (pass L): first send .. last reply, less idle gaps
+            # one pipelined stream over the pieces: first send .. last reply, less idle gaps
             assert g["stream"] and 0 <= g["idle"] <= g["t_fetch1"] - g["t_fetch0"]
             seq = [g["t_sub"], g["t_deq"], g["t_ids"], g["t_plan0"], g["t_fetch0"]]
             assert seq == sorted(seq) and t0 <= seq[0] and g["t_fetch0"] == g["fetch0"][0]
             assert g["fetch0"][0] <= g["t_head1"] and g["fetch0"][0] <= g["t_rest0"] <= g["fetch1"][0]  # head, rest
-            for a, b, c in zip(g["fetch0"], g["fetch1"], g["launch1"]):
+            for a, b, c in zip(g["fetch0"], g["fetch1"], g["launch1"], strict=False):
                 assert a and b and a <= b <= c <= g["t_done"] <= t1  # every piece has owned ids here
             assert g["fetch0"] == sorted(g["fetch0"]) and g["fetch1"] == sorted(g["fetch1"])
             assert g["t_fetch1"] == g["fetch1"][-1]
             # a piece's request goes out before the previous piece's reply is in
-            overlapped += sum(a < b for a, b in zip(g["fetch0"][1:], g["fetch1"][:-1]))
+            overlapped += sum(a < b for a, b in zip(g["fetch0"][1:], g["fetch1"][:-1], strict=False))
         assert overlapped > 0
         assert core.take_traces() == []
         core.set_trace(False)
@@ -482,19 +484,19 @@ def test_the_pipelined_piece_plan_equals_the_all_at_once_plan(rows, piece_rows, 
         ids[rng.random(rows) < 0.01] = np.iinfo(np.int64).max
     want_ns, want_sel, want_fetch = _piece_reference(ids, lo, hi, piece_rows)
     got = {}
-    # (ahead, head): all at once; piece 0 then the rest ahead; piece 0's head first (issue 23
-    # pass K: 1 row, a typical head, all of piece 0 but one row, and heads that are no split)
+    # (ahead, head): all at once; piece 0 then the rest ahead; piece 0's head first
+    # (1 row, a typical head, all of piece 0 but one row, and heads that are no split)
     orders = [(False, 0), (True, 0)] + [(True, h) for h in (1, piece_rows // 8, piece_rows - 1, piece_rows, 10**9)]
     for ahead, head in orders:
         sel = np.full(rows, 7, np.int32)
         fetch = np.full(rows, -7, np.int64)
         ns, bad = overlay_core._core.plan_pieces(ids, lo, hi, 1 << 62, piece_rows, sel, fetch, ahead, head)
         assert not bad
-        got[ahead, head] = (list(ns), sel, [fetch[r0:r0 + n] for r0, n in zip(range(0, rows, piece_rows), ns)])
+        got[ahead, head] = (list(ns), sel, [fetch[r0:r0 + n] for r0, n in zip(range(0, rows, piece_rows), ns, strict=False)])
     for order in orders:
         ns, sel, fetches = got[order]
         assert ns == want_ns and np.array_equal(sel, want_sel)
-        assert len(fetches) == len(want_fetch) and all(np.array_equal(a, b) for a, b in zip(fetches, want_fetch))
+        assert len(fetches) == len(want_fetch) and all(np.array_equal(a, b) for a, b in zip(fetches, want_fetch, strict=False))
     if rows:
         flat_sel = np.full(rows, 7, np.int32)
         flat_fetch = np.empty(rows, np.int64)
@@ -505,7 +507,7 @@ def test_the_pipelined_piece_plan_equals_the_all_at_once_plan(rows, piece_rows, 
 
 
 def test_the_tail_piece_layout_is_the_cores_and_pythons_and_plans_exactly(monkeypatch) -> None:
-    """``TAIL_ROWS`` (pass L, pass Q): each tail in turn cuts the last piece's last rows into a
+    """``TAIL_ROWS``: each tail in turn cuts the last piece's last rows into a
     piece of their own in a job of several pieces (Python's ``_piece_keys`` as the core's
     ``piece_layout``): the production 32K chunk at TP2 is 5 x 65,536 + 49,152 + 14,336 + 2,048
     rows; a one-piece job is not split, nor a last piece no longer than a tail (by that tail);

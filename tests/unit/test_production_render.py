@@ -337,7 +337,7 @@ def seed_rows(text: str) -> list[dict]:
     start = lines.index("## Rows")
     table = [ln for ln in lines[start + 1:] if ln.startswith("|")]
     head = [c.strip().split()[0] for c in table[0].strip().strip("|").split("|")]
-    return [dict(zip(head, (c.strip() for c in ln.strip().strip("|").split("|")))) for ln in table[2:]]
+    return [dict(zip(head, (c.strip() for c in ln.strip().strip("|").split("|")), strict=False)) for ln in table[2:]]
 
 
 ROWS = seed_rows(SEED.read_text())

@@ -7,11 +7,10 @@ import json
 import tarfile
 
 import pytest
+
 from dsv41.cli import main
 from dsv41.errors import VerificationError
 from dsv41.promotion import journal, package as pkg
-
-
 from promotionpkgutil import PROV, _hosts  # noqa: E402
 
 

@@ -15,9 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv41.entrypoints import qualify as Q
-from dsv41.entrypoints import qualify_controller as C
-from dsv41.entrypoints import qualify_host as H
+from dsv41.entrypoints import qualify as Q, qualify_controller as C, qualify_host as H
 from dsv41.errors import Dsv41Error
 
 

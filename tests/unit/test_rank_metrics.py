@@ -11,14 +11,10 @@ import json
 import threading
 
 import pytest
-from serverutil import HttpStandIn, QuietHandler
 
-from dsv41.entrypoints import qualify_controller as QC
-from dsv41.entrypoints import status as ST
-from dsv41.harness import components as CO
-from dsv41.harness import rank_metrics as RM
-from dsv41.harness import refs
-from dsv41.harness import window_plan as WP
+from dsv41.entrypoints import qualify_controller as QC, status as ST
+from dsv41.harness import components as CO, rank_metrics as RM, refs, window_plan as WP
+from serverutil import HttpStandIn, QuietHandler
 
 # ---- the URL function ----------------------------------------------------------------------------
 
@@ -69,7 +65,7 @@ class Api(HttpStandIn):
     /health, /is_paused and a /metrics with vLLM's own series only. Each completion makes every
     rank in ``ranks`` count ``lookups_per_call`` Engram lookups."""
 
-    def __init__(self, ranks: list["Rank"]) -> None:
+    def __init__(self, ranks: list[Rank]) -> None:
         self.ranks = ranks
         self.completions = 0
         api = self

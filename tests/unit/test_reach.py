@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from serviceutil import REPO, env, run_playbook
 
 CAUSES = yaml.safe_load((REPO / "roles/dsv41/defaults/main.yml").read_text())["dsv41_access_causes"]

@@ -9,15 +9,13 @@ import time
 import numpy as np
 import pytest
 
-from serverutil import SilentServer, settled_snapshot
-
 from dsv41.engram.client import RemoteRowSource, RemoteUnavailable, read_rows_remote
 from dsv41.engram.rowsource import COUNTER_KEYS, LocalRowSource
 from dsv41.engram.shards import RowRangeError
 from dsv41.errors import Dsv41Error
 from dsv41.transport.server import RowTable
-
-from remoteutil import tabs, serve, free_port, local, rand_rows  # noqa: F401 - tabs is a fixture
+from remoteutil import free_port, local, rand_rows, serve, tabs  # noqa: F401 - tabs is a fixture
+from serverutil import SilentServer, settled_snapshot
 
 
 def test_remote_rows_exact_and_counters(tabs):
@@ -53,7 +51,7 @@ def test_fallback_then_reconnect_after_restart(tabs):
     rows = rand_rows(m, 2, 50)
     np.testing.assert_array_equal(src.lookup(2, rows), ref.read(2, rows))
     srv.stop(1)  # server gone
-    for i in range(2):
+    for _i in range(2):
         np.testing.assert_array_equal(src.lookup(2, rows), ref.read(2, rows))
     buf = np.zeros((50, 264), np.uint8)
     assert src.lookup(2, rows, out=buf) is buf  # fallback through a LocalRowSource into out

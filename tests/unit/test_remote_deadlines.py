@@ -9,15 +9,12 @@ import time
 import numpy as np
 import pytest
 
-from serverutil import SilentServer, SlowServer
-
 from dsv41.engram.client import RemoteRowSource, RemoteUnavailable
 from dsv41.errors import Dsv41Error
-from dsv41.transport import parse_url
-from dsv41.transport import protocol as P
+from dsv41.transport import parse_url, protocol as P
 from dsv41.transport.server import RowServer
-
-from remoteutil import tabs, serve, local, rand_rows  # noqa: F401 - tabs is a fixture
+from remoteutil import local, rand_rows, serve, tabs  # noqa: F401 - tabs is a fixture
+from serverutil import SilentServer, SlowServer
 
 
 # -- the whole-call deadline (deadline_ms, the engine's DSV41_ENGRAM_LOOKUP_DEADLINE_MS) --------

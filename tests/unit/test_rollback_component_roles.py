@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from dsv41 import envs
-from dsv41.harness import components as C
 from dsv41.envs import parse_env_text
+from dsv41.harness import components as C
 from dsv41.overlay import settings as S
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from servicectlutil import fake_bin
 from serviceutil import env, run_playbook
 

@@ -18,10 +18,11 @@ import socket
 from pathlib import Path
 
 import pytest
+
 from servicectlutil import fake_bin
 from serviceutil import ACTIONS, env, mutating_calls, play, run_playbook
 
-A, I = "active", "inactive"
+A, I = "active", "inactive"  # noqa: E741 - one letter each keeps the case table below one row per case
 # name: (units before {unit: (ActiveState, NeedDaemonReload)}, action, names, probe,
 #        states after, changed, the mutating calls made)
 CASES = {

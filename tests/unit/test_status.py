@@ -14,11 +14,10 @@ from io import StringIO
 from pathlib import Path
 
 import pytest
-from serverutil import FakeStack
 
-from dsv41.entrypoints import status as st
-from dsv41.entrypoints import status_render
+from dsv41.entrypoints import status as st, status_render
 from dsv41.service_control import ServiceControlError
+from serverutil import FakeStack
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

@@ -12,8 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from dsv41.transport import native
-from dsv41.transport import protocol as P
+from dsv41.transport import native, protocol as P
 from dsv41.transport.server import RowServer, RowTable
 from dsv41.transport.url import Endpoint
 
@@ -37,7 +36,7 @@ def _closed_at_once(s: socket.socket) -> bool:
         return s.recv(1) == b""
     except ConnectionResetError:
         return True
-    except socket.timeout:
+    except TimeoutError:
         return False
 
 

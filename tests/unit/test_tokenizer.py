@@ -6,11 +6,21 @@ import json
 
 import numpy as np
 import pytest
-from engineutil import LAB_CONFIG
 
 from dsv41.errors import Dsv41Error
-from dsv41.tokenizer import (BOS, COMPRESSED_VOCAB_SIZE, EOS, PAD, SEP, TOKEN_MAP, TOKEN_MAP_SHA256, ByteTokenizer,
-                             build_token_map)
+from dsv41.tokenizer import (
+    BOS,
+    COMPRESSED_VOCAB_SIZE,
+    EOS,
+    PAD,
+    SEP,
+    TOKEN_MAP,
+    TOKEN_MAP_SHA256,
+    ByteTokenizer,
+    build_token_map,
+)
+from engineutil import LAB_CONFIG
+
 
 def test_token_map_compresses_and_keeps_pad():
     assert TOKEN_MAP.dtype == np.int32 and TOKEN_MAP.shape == (260,)

@@ -7,15 +7,12 @@ import socket
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from framefuzz import CHECKED, ROWS, TABLE, build_frames, read_replies
-
-from dsv41.transport import native, parse_url
-from dsv41.transport import protocol as P
+from dsv41.transport import native, parse_url, protocol as P
 from dsv41.transport.server import RowServer
 from dsv41.transport.tcp import TcpClient
+from framefuzz import CHECKED, ROWS, TABLE, build_frames, read_replies
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["cpp", "python"])

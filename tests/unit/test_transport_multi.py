@@ -8,13 +8,19 @@ import struct
 import numpy as np
 import pytest
 
-from serverutil import impl  # noqa: F401 - the fixture
-from serverutil import V1Server, expected, make_table, raw_conn, recv_exact, settled_snapshot
-
-from dsv41.transport import Refused, open_client, parse_url
-from dsv41.transport import protocol as P
+from dsv41.transport import Refused, open_client, parse_url, protocol as P
 from dsv41.transport.server import RowServer
 from dsv41.transport.tcp import TcpClient
+from serverutil import (
+    V1Server,
+    expected,
+    impl,  # noqa: F401 - the fixture
+    make_table,
+    raw_conn,
+    recv_exact,
+    settled_snapshot,
+)
+
 
 @pytest.fixture
 def served(impl):
@@ -34,7 +40,7 @@ def client(ep, impl) -> TcpClient:
 
 def segs_for(tables, ids):
     outs = [np.full((len(r), 264), 0xEE, np.uint8) for r in ids]
-    return tuple((t.identity, np.asarray(r, np.int64), t.rows, o) for t, r, o in zip(tables, ids, outs)), outs
+    return tuple((t.identity, np.asarray(r, np.int64), t.rows, o) for t, r, o in zip(tables, ids, outs, strict=False)), outs
 
 
 def test_multi_lookup_exact(served):
@@ -45,7 +51,7 @@ def test_multi_lookup_exact(served):
         ids = [rng.integers(0, tables[0].rows, n0), rng.integers(0, tables[1].rows, n1)]
         segs, outs = segs_for(tables, ids)
         assert c.lookup_segs(segs, 5.0) == (0, n0 + n1, 0)
-        for t, r, o in zip(tables, ids, outs):
+        for t, r, o in zip(tables, ids, outs, strict=False):
             np.testing.assert_array_equal(o, expected(t, r))
     # one segment is a plain version-1 lookup; uint64 ids too
     ids = np.array([4, 0, 4999], np.uint64)

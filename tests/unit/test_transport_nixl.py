@@ -12,8 +12,14 @@ import pytest
 
 os.environ.setdefault("UCX_TLS", "tcp")
 
-from dsv41.transport import Refused, TransportError, TransportTimeout, open_client, parse_url  # noqa: E402
-from dsv41.transport import protocol as P  # noqa: E402
+from dsv41.transport import (  # noqa: E402
+    Refused,
+    TransportError,
+    TransportTimeout,
+    open_client,
+    parse_url,
+    protocol as P,  # noqa: E402
+)
 from dsv41.transport.nixl_backend import NixlClient, NixlExporter  # noqa: E402
 from dsv41.transport.server import RowServer, RowTable  # noqa: E402
 
@@ -224,9 +230,9 @@ def test_lookup_segs_both_tables_one_read(nixl_server, monkeypatch):
         ids = [rng.integers(0, ROWS, n0), rng.integers(0, ROWS, n1)]
         outs = [np.zeros((n0, 264), np.uint8), np.zeros((n1, 264), np.uint8)]
         posted.clear()
-        segs = tuple((t.identity, r, ROWS, o) for t, r, o in zip(tables, ids, outs))
+        segs = tuple((t.identity, r, ROWS, o) for t, r, o in zip(tables, ids, outs, strict=False))
         assert c.lookup_segs(segs, 20.0) == (0, n0 + n1, 0)
-        for t, r, o in zip(tables, ids, outs):
+        for t, r, o in zip(tables, ids, outs, strict=False):
             np.testing.assert_array_equal(o, expected(t, r))
         if n0 + n1 <= c.staging_rows:
             assert posted == [2 * (n0 + n1)]  # one READ, two descriptors per row

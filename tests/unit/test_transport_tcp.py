@@ -12,13 +12,18 @@ import time
 import numpy as np
 import pytest
 
-from serverutil import impl  # noqa: F401 - the fixture
-from serverutil import ROWS, expected, make_table, raw_conn, recv_exact, settled_snapshot
-
-from dsv41.transport import Refused, TransportError, TransportTimeout, native, open_client, parse_url
-from dsv41.transport import protocol as P
+from dsv41.transport import Refused, TransportError, TransportTimeout, native, open_client, parse_url, protocol as P
 from dsv41.transport.server import RowServer
 from dsv41.transport.tcp import TcpClient
+from serverutil import (
+    ROWS,
+    expected,
+    impl,  # noqa: F401 - the fixture
+    make_table,
+    raw_conn,
+    recv_exact,
+    settled_snapshot,
+)
 
 
 @pytest.fixture

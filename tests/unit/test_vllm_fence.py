@@ -8,16 +8,15 @@ failing closed with one error line, and plain /pause forwarded to vLLM."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 import httpx
 import pytest
 
+from authutil import OP_HEADERS, OPERATOR, TEST_HOSTS
 from dsv41.engine.hold import HoldRecord, read_hold
 from dsv41.engine.server_state import ServerState
 from dsv41.overlay.fence import AdmissionFence
-from authutil import OP_HEADERS, OPERATOR, TEST_HOSTS
 
 TOKEN = "20261201T100000-vllmfence"
 REQ = {"model": "m", "prompt": "x", "max_tokens": 1}

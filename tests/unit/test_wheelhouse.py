@@ -6,7 +6,6 @@ build runs the real pip against a local find-links directory of small wheels mad
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import subprocess

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from servicectlutil import fake_bin
 from serviceutil import env, mutating_calls, play, run_playbook
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv41.harness import admission, http, window, window_plan, win2
+from dsv41.harness import admission, http, win2, window, window_plan
 from dsv41.harness.window import WindowError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -298,7 +298,7 @@ class AsyncSpeculator(SpeculatorBase):
         self._seq += 1
         now = self.clock()
         meta = {}
-        for i, it in zip(live, items):
+        for i, it in zip(live, items, strict=False):
             toks = np.asarray(batch[i].token_ids, dtype=np.int64).reshape(-1)
             meta[it.request_id] = (int(toks.size), toks[-self.TAIL:].copy(), now)
         self.ring.write(free[0], SlotState.REQUEST, self._seq, payload)

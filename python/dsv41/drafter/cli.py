@@ -4,7 +4,6 @@ identity (print the identities a worker will report)."""
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import typer
 
@@ -20,7 +19,7 @@ def serve_cmd(
     drafter: str = typer.Option(..., help="Drafter directory (drafter.json + drafter.safetensors)."),
     target_identity: str = typer.Option("", help="Target identity this worker serves (hex sha256)."),
     device: str = typer.Option("cpu", help="cpu or cuda[:N]."),
-    cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs",
+    cuda_graphs: bool | None = typer.Option(None, "--cuda-graphs/--no-cuda-graphs",
                                                help="Replay CUDA graphs (default: on with --device cuda)."),
     backend: str = typer.Option("torch", help="Drafter backend: torch, or exl3 (EXL3 model dir, CUDA, exllamav3)."),
     metrics: str = typer.Option("", help="HOST:PORT for Prometheus /metrics (empty = off)."),

@@ -169,7 +169,7 @@ class DrafterClient:
                     return head, payload
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise socket.timeout("round timed out")
+                raise TimeoutError("round timed out")
             self.sock.settimeout(remaining)
             chunk = self.sock.recv(1 << 20)
             if not chunk:
@@ -208,7 +208,7 @@ class DrafterClient:
                 self.counters["latency_sum_s"] += dt
                 self.counters["latency_count"] += 1
                 return body
-        except socket.timeout:
+        except TimeoutError:
             self.counters["timeouts"] += 1
             raise RoundTimeout(f"drafter {self.url}: round {gen} timed out after {timeout_s * 1000:.0f} ms") from None
         except (OSError, ConnectionError, P.ProtocolError) as exc:

@@ -14,8 +14,7 @@ from dsv41.drafter.async_speculator import AsyncSpeculator
 from dsv41.drafter.policy import DepthPolicy
 from dsv41.drafter.speculators import LocalSpeculator, RemoteSpeculator, ShadowSpeculator
 from dsv41.envs import ConfigError, Settings
-from dsv41.errors import ConfigError as ModelConfigError
-from dsv41.errors import Dsv41Error
+from dsv41.errors import ConfigError as ModelConfigError, Dsv41Error
 
 log = logging.getLogger("dsv41.drafter.factory")
 

@@ -201,7 +201,7 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> b
         if deadline is not None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise socket.timeout(f"{len(buf)} of {n} B received before the deadline")
+                raise TimeoutError(f"{len(buf)} of {n} B received before the deadline")
             sock.settimeout(remaining)
         chunk = sock.recv(min(n - len(buf), _RECV_CHUNK))
         if not chunk:

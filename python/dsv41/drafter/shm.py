@@ -199,7 +199,7 @@ class Ring:
     def counters(self) -> dict:
         """The proxy's counters ({name: int}, :data:`PROXY_COUNTERS`)."""
         vals = struct.unpack_from(f"<{len(PROXY_COUNTERS)}Q", self.buf, 48)
-        return dict(zip(PROXY_COUNTERS, vals))
+        return dict(zip(PROXY_COUNTERS, vals, strict=False))
 
     def bump(self, name: str, n: int = 1) -> None:
         """Add ``n`` to proxy counter ``name`` (proxy side only: single writer)."""

@@ -59,7 +59,7 @@ def round_items(batch, depths: list[int], tail: int | None) -> list[P.RoundItem]
     """DraftInputs -> RoundItems (only the last ``tail`` tokens travel; the full length rides
     along as ``position`` so sampled drafts stay keyed by context length)."""
     items = []
-    for x, d in zip(batch, depths):
+    for x, d in zip(batch, depths, strict=False):
         toks = np.asarray(x.token_ids, dtype=np.int64).reshape(-1)
         items.append(P.RoundItem(
             request_id=str(x.request_id), tokens=toks[-tail:] if tail else toks,

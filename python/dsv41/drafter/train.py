@@ -87,17 +87,15 @@ class SyntheticRowSource(RowSource):
 
 def make_row_source(config_path: str, manifest: str | None, data: str | None, tables_seed: int):
     """Local reader over real table files, or the in-memory synthetic tables."""
-    import json
 
     if manifest or data:
         if not (manifest and data):
             raise ConfigError("--manifest and --data go together")
         from dsv41.engram.manifest import load_manifest
-        from dsv41.engram.rowsource import LocalRowSource
         from dsv41.engram.reader import LocalRowReader
+        from dsv41.engram.rowsource import LocalRowSource
 
         return LocalRowSource(LocalRowReader(load_manifest(manifest), data))
-    from dsv41 import fileio
 
     try:
         cfg = fileio.loads_json(fileio.read_text(config_path, "model config", error=ConfigError))
@@ -110,7 +108,7 @@ def _examples(seqs, prompt_lens, taps, n_ctx: int, k: int):
     """Build (hidden float32[N,H], ctx int64[N,n_ctx], targets int64[N,k]) in the engine's
     convention (hidden = tap row L-2 for context length L)."""
     hs, cs, ts = [], [], []
-    for s, p, tap in zip(seqs, prompt_lens, taps):
+    for s, p, tap in zip(seqs, prompt_lens, taps, strict=False):
         s = np.asarray(s, np.int64)
         for L in range(p + 1, len(s) - k + 1):
             ctx = np.zeros(n_ctx, np.int64)

@@ -175,7 +175,7 @@ class DrafterWorker:
                 except P.ProtocolError as exc:
                     self._refuse(sock, exc.status, str(exc))
                     return  # header-level errors: the stream cannot be resynchronised
-                except socket.timeout:
+                except TimeoutError:
                     why = "no hello" if not greeted else "frame incomplete"
                     limit = self.hello_timeout_s if not greeted else self.frame_timeout_s
                     self._refuse(sock, P.Status.TIMEOUT, f"{why} within {limit:g} s; closing")
@@ -258,9 +258,8 @@ def serve(drafter_dir: str, listen: str, *, target_identity: str = "", device: s
     Raises :class:`Dsv41Error` on bad arguments, a drafter trained for another target, or a port
     that cannot be bound.
     """
-    import signal
-
     import re
+    import signal
 
     host, port = P.parse_url(listen, listen=True)
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device):

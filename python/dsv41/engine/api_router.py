@@ -24,8 +24,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from dsv41.authz import same_secret
 from dsv41.engine import drain as dr
 from dsv41.engine.hold import WINDOW_HEADER, WINDOW_TOKEN_RE
-from dsv41.engine.protocol import (ApiError, CompletionRequest, Reply, error_body, parse_completion_request,
-                                   parse_json_body, sse)
+from dsv41.engine.protocol import (
+    ApiError,
+    CompletionRequest,
+    Reply,
+    error_body,
+    parse_completion_request,
+    parse_json_body,
+    sse,
+)
 from dsv41.engine.scheduler import RequestError
 from dsv41.engine.server_state import ABORT_SETTLE_S, ServerState
 from dsv41.errors import Dsv41Error
@@ -139,7 +146,7 @@ async def _complete(request: Request, engine, reply: Reply, dec, q: asyncio.Queu
                     return Response(status_code=499)
             try:
                 ev = await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue
             if ev["type"] == "tokens":
                 out += ev["ids"]

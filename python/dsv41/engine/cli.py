@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -45,7 +45,7 @@ def init_weights_cmd(
         raise Dsv41Error(f"--out {out}: directory {out.parent} does not exist")
     if out.is_dir():
         raise Dsv41Error(f"--out {out} is a directory; give a file name")
-    prog = None if quiet else (lambda s, l: print(f"init-weights: step {s} loss {l:.3f}", file=sys.stderr))
+    prog = None if quiet else (lambda s, loss: print(f"init-weights: step {s} loss {loss:.3f}", file=sys.stderr))
     w, meta = init_weights(cfg, progress=prog)
     save_weights(cfg, w, meta, out)
     print(f"{out} {target_identity(config, out)}")
@@ -62,7 +62,7 @@ def identity_cmd(
     print(target_identity(config, weights))
 
 
-def row_source(manifest: Path, data: Optional[Path], rank: int, tp: int, settings: Settings | None = None):
+def row_source(manifest: Path, data: Path | None, rank: int, tp: int, settings: Settings | None = None):
     """The rank's RowSource (``DSV41_ENGRAM_REMOTE*`` in ``settings``); one-line errors for
     a missing manifest or data directory."""
     from dsv41.engram import sources
@@ -78,7 +78,7 @@ def row_source(manifest: Path, data: Optional[Path], rank: int, tp: int, setting
 def generate_cmd(
     prompt: Annotated[str, typer.Option("--prompt", help="Prompt text.")],
     manifest: Annotated[Path, typer.Option("--manifest", help="Engram manifest.json.")],
-    data: Annotated[Optional[Path], typer.Option("--data", help="Directory of the table shards.")] = None,
+    data: Annotated[Path | None, typer.Option("--data", help="Directory of the table shards.")] = None,
     config: Annotated[Path, typer.Option("--config", help="Model config JSON.")] = DEFAULT_CONFIG,
     weights: Annotated[Path, typer.Option("--weights", help="Weights safetensors.")] = Path("weights.safetensors"),
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens to generate (greedy).")] = 32,

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from dsv41.errors import Dsv41Error
 

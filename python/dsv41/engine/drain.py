@@ -194,7 +194,7 @@ class DrainBook:
             d._changed.clear()
             try:
                 await asyncio.wait_for(d._changed.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return d.outcome
 
@@ -209,7 +209,7 @@ class DrainBook:
             d._changed.clear()
             try:
                 await asyncio.wait_for(d._changed.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return True
 
@@ -223,6 +223,6 @@ class DrainBook:
         none is."""
         try:
             await asyncio.wait_for(self._idle.wait(), max(0.0, timeout_s))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return not self.entries
         return True

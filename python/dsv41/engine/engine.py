@@ -22,7 +22,7 @@ import logging
 import random
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -290,7 +290,7 @@ class Engine:
                 log.warning("speculator failed (%d so far), decoding without drafts this round: %s",
                             self.spec_errors, exc)
             return
-        for (r, d), p in zip(reqs, props):
+        for (r, d), p in zip(reqs, props, strict=False):
             try:
                 toks, prop = self._checked_proposal(p, d)
             except Exception as exc:  # noqa: BLE001 - a malformed proposal costs this request's round only
@@ -350,7 +350,7 @@ class Engine:
         else:
             self._refresh_counters()
         now = time.monotonic()
-        for (r, toks, want), lg, tp in zip(plan.items, out.logits, out.taps):
+        for (r, toks, _want), lg, tp in zip(plan.items, out.logits, out.taps, strict=False):
             if r.finished:
                 continue
             try:

@@ -21,7 +21,7 @@ without drafts because ``propose`` missed ``DSV41_DRAFTER_PROPOSE_DEADLINE_MS``.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily

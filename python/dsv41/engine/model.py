@@ -112,7 +112,7 @@ class TargetModel:
         self.inter_per_shard = cfg.intermediate_size // S
         dt = torch.float64
         W = {k: v.to(device=self.device, dtype=dt) for k, v in weights.items()}
-        H, hd = cfg.hidden_size, cfg.head_dim
+        hd = cfg.head_dim
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"layers.{i}."
@@ -177,7 +177,7 @@ class TargetModel:
         one-shot hashing of the whole sequence, engram-spec.md section 3).
         """
         out = []
-        for win, n in zip(windows, n_new):
+        for win, n in zip(windows, n_new, strict=False):
             rows, _ = self.hasher.hash(np.asarray(win, dtype=np.int64))
             out.append(np.asarray(rows)[len(win) - n:])
         return np.concatenate(out, 0)
@@ -263,7 +263,7 @@ class TargetModel:
         lens = [len(t) for _, t in items]
         N = sum(lens)
         toks = torch.tensor([t for _, ts in items for t in ts], dtype=torch.int64, device=self.device)
-        pos = torch.cat([torch.arange(c.length, c.length + n, device=self.device) for (c, _), n in zip(items, lens)])
+        pos = torch.cat([torch.arange(c.length, c.length + n, device=self.device) for (c, _), n in zip(items, lens, strict=False)])
         if int(pos.max()) >= cfg.max_position_embeddings:
             raise Dsv41Error(f"position {int(pos.max())} exceeds max_position_embeddings {cfg.max_position_embeddings}")
         cos, sin = self._rope(pos)
@@ -272,7 +272,7 @@ class TargetModel:
             wins = [c.tokens[-3:] + list(t) for c, t in items]
             rows_np = self.engram_rows(wins, lens)
         raws = self._engram_prefetch(rows_np)
-        for c, n in zip((c for c, _ in items), lens):
+        for c, n in zip((c for c, _ in items), lens, strict=False):
             c.ensure(c.length + n)
         x = self.embed[toks][:, None, :].expand(N, hc, H).clone()
         offs = np.cumsum([0] + lens)
@@ -313,7 +313,7 @@ class TargetModel:
             x = x + L["hc_ffn_post"][None, :, None] * out[:, None, :]
             if i == cfg.drafter_tap_layer:
                 taps = x.mean(1)
-        for (c, t), n in zip(items, lens):
+        for (c, t), n in zip(items, lens, strict=False):
             c.length += n
             c.tokens.extend(int(v) for v in t)
         sel = torch.tensor([int(offs[j]) + w for j, ws in enumerate(want) for w in ws], dtype=torch.int64,

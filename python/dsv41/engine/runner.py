@@ -65,7 +65,7 @@ class LocalRunner:
             fo = self.model.forward([(cache, part)], [list(range(len(part)))])
             taps.append(fo.taps[0])
             last = fo.logits[0][-1]
-        for i in range(max_tokens):
+        for _i in range(max_tokens):
             tok = int(torch.argmax(last))
             out.append(tok)
             fo = self.model.forward([(cache, [tok])], [[0]])

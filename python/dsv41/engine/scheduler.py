@@ -15,8 +15,9 @@ import collections
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from dsv41.engine.sampler import SamplingParams
 from dsv41.errors import Dsv41Error

@@ -103,13 +103,13 @@ class DistComm:
 
     @classmethod
     def init(cls, rank: int, tp: int, master: str, device: str = "cpu", timeout_s: float = 600.0,
-             peer_timeout_s: float | None = None) -> "DistComm":
+             peer_timeout_s: float | None = None) -> DistComm:
         """``DistComm(...)`` then ``join()``; see the class doc."""
         comm = cls(rank, tp, master, device, timeout_s, peer_timeout_s)
         comm.join()
         return comm
 
-    def join(self) -> "DistComm":
+    def join(self) -> DistComm:
         """Form the group (gloo on CPU, NCCL + a gloo control group on CUDA) and handshake; see
         the class doc; the whole join is bounded by a watchdog (rendezvous timeout + peer timeout
         + ``JOIN_GRACE_S``) that exits the process with one ``dsv41: error:`` line. Returns
@@ -134,7 +134,7 @@ class DistComm:
               "peer is frozen, wedged or unreachable", file=sys.stderr)
         _exit_now(1)
 
-    def _join(self) -> "DistComm":
+    def _join(self) -> DistComm:
         import torch
         import torch.distributed as dist
 

@@ -41,7 +41,7 @@ def _random_weights(cfg: ModelConfig):
     import torch
 
     g = torch.Generator().manual_seed(int(cfg.seed))
-    H, I, hc, V = cfg.hidden_size, cfg.intermediate_size, cfg.hc_mult, cfg.vocab_size
+    H, F, hc, V = cfg.hidden_size, cfg.intermediate_size, cfg.hc_mult, cfg.vocab_size
 
     def rn(*shape, std):
         return torch.randn(*shape, generator=g, dtype=torch.float32) * std
@@ -66,9 +66,9 @@ def _random_weights(cfg: ModelConfig):
         w[p + "hc_ffn_pre"] = rn(hc, std=0.1)
         w[p + "hc_ffn_post"] = 1.0 + rn(hc, std=0.1)
         w[p + "ffn_norm.weight"] = torch.ones(H)
-        w[p + "ffn.w1.weight"] = rn(I, H, std=0.04)
-        w[p + "ffn.w3.weight"] = rn(I, H, std=0.04)
-        w[p + "ffn.w2.weight"] = rn(H, I, std=out_std)
+        w[p + "ffn.w1.weight"] = rn(F, H, std=0.04)
+        w[p + "ffn.w3.weight"] = rn(F, H, std=0.04)
+        w[p + "ffn.w2.weight"] = rn(H, F, std=out_std)
     w["norm.weight"] = torch.ones(H)
     w["head.weight"] = rn(V, H, std=0.04)
     return w
@@ -196,7 +196,7 @@ def load_weights(cfg: ModelConfig, path: str | os.PathLike) -> dict:
 
 
 def _shapes(cfg: ModelConfig) -> dict[str, tuple]:
-    H, I, hc, V = cfg.hidden_size, cfg.intermediate_size, cfg.hc_mult, cfg.vocab_size
+    H, F, hc, V = cfg.hidden_size, cfg.intermediate_size, cfg.hc_mult, cfg.vocab_size
     s: dict[str, tuple] = {"embed.weight": (V, H), "norm.weight": (H,), "head.weight": (V, H)}
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
@@ -210,9 +210,9 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple]:
         s[p + "ffn_norm.weight"] = (H,)
         for n in ("wq", "wk", "wv", "wo"):
             s[p + f"attn.{n}.weight"] = (H, H)
-        s[p + "ffn.w1.weight"] = (I, H)
-        s[p + "ffn.w3.weight"] = (I, H)
-        s[p + "ffn.w2.weight"] = (H, I)
+        s[p + "ffn.w1.weight"] = (F, H)
+        s[p + "ffn.w3.weight"] = (F, H)
+        s[p + "ffn.w2.weight"] = (H, F)
     return s
 
 

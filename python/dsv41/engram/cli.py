@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -57,7 +57,7 @@ def hash_cmd(
     config: Annotated[Path, typer.Option("--config", help="Model config JSON.")],
     token_map: Annotated[Path, typer.Option("--token-map", help="JSON list of ints, or object with key token_map.")],
     tokens: Annotated[str, typer.Option("--tokens", help="Comma-separated raw token ids, e.g. 3,5,6,8.")],
-    mask: Annotated[Optional[str], typer.Option("--mask", help="Comma-separated 1 (live) / 0 (DEAD) per token.")] = None,
+    mask: Annotated[str | None, typer.Option("--mask", help="Comma-separated 1 (live) / 0 (DEAD) per token.")] = None,
 ) -> None:
     """Hash tokens to global row ids: prints {"rows": ...}, shape T x layers x 24."""
     import numpy as np
@@ -84,7 +84,7 @@ def make_tables(
     config: Annotated[Path, typer.Option("--config", help="Model config JSON.")],
     out: Annotated[Path, typer.Option("--out", help="Output directory (shards + manifest.json).")],
     seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic content.")] = 0,
-    revision: Annotated[Optional[str], typer.Option("--revision", help="Manifest revision (default synthetic-seedN).")] = None,
+    revision: Annotated[str | None, typer.Option("--revision", help="Manifest revision (default synthetic-seedN).")] = None,
     chunk_size: Annotated[int, typer.Option("--chunk-size", help="Bytes per verified chunk.")] = 32 << 20,
     force: Annotated[bool, typer.Option("--force", help="Replace files in --out that make-tables did not write.")] = False,
 ) -> None:
@@ -106,7 +106,7 @@ def manifest_cmd(
     data: Annotated[Path, typer.Option("--data", help="Directory holding the shards.")],
     revision: Annotated[str, typer.Option("--revision", help="Checkpoint revision, e.g. dba1be0a.")],
     out: Annotated[Path, typer.Option("--out", help="Where to write the manifest JSON.")],
-    file: Annotated[Optional[list[str]], typer.Option("--file", help="LAYER=NAME (default: the last shards).")] = None,
+    file: Annotated[list[str] | None, typer.Option("--file", help="LAYER=NAME (default: the last shards).")] = None,
     chunk_size: Annotated[int, typer.Option("--chunk-size")] = 32 << 20,
 ) -> None:
     """Build a manifest for existing shards (e.g. the real checkpoint) by hashing them."""
@@ -129,16 +129,15 @@ def manifest_cmd(
 @app.command()
 def verify(
     manifest: Annotated[Path, typer.Option("--manifest", help="manifest.json")],
-    data: Annotated[Optional[Path], typer.Option("--data", help="Shard directory (default: the manifest's).")] = None,
-    workers: Annotated[Optional[int], typer.Option("--workers", help="Hashing threads (default: CPUs).")] = None,
-    progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", help="Progress bar (default: on a TTY).")] = None,
-    cache: Annotated[Optional[Path], typer.Option("--cache", help="Verify cache file: skip shards unchanged since their last verification.")] = None,
+    data: Annotated[Path | None, typer.Option("--data", help="Shard directory (default: the manifest's).")] = None,
+    workers: Annotated[int | None, typer.Option("--workers", help="Hashing threads (default: CPUs).")] = None,
+    progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="Progress bar (default: on a TTY).")] = None,
+    cache: Annotated[Path | None, typer.Option("--cache", help="Verify cache file: skip shards unchanged since their last verification.")] = None,
     full: Annotated[bool, typer.Option("--full", help="Re-hash every shard whatever the cache says.")] = False,
 ) -> None:
     """Verify sizes, every chunk's sha256 and the safetensors headers; exit 1 naming file, chunk
     and byte range (or file and tensor)."""
-    from dsv41.engram.manifest import load_manifest
-    from dsv41.engram.manifest import verify as do_verify
+    from dsv41.engram.manifest import load_manifest, verify as do_verify
 
     if workers is not None and not 1 <= workers <= 1024:
         raise ConfigError(f"--workers must be in [1, 1024], got {workers}")
@@ -154,7 +153,7 @@ def read_rows(
     manifest: Annotated[Path, typer.Option("--manifest", help="manifest.json")],
     layer: Annotated[int, typer.Option("--layer", help="Engram layer id, e.g. 1.")],
     rows: Annotated[str, typer.Option("--rows", help="Comma-separated global row ids.")],
-    data: Annotated[Optional[Path], typer.Option("--data", help="Shard directory (default: the manifest's).")] = None,
+    data: Annotated[Path | None, typer.Option("--data", help="Shard directory (default: the manifest's).")] = None,
     source: Annotated[str, typer.Option("--source", help="local, or tcp://H:P / nixl://H:P of a table server.")] = "local",
 ) -> None:
     """Print one hex row (weight + scale bytes) per line, in request order."""

@@ -25,8 +25,7 @@ import numpy as np
 from dsv41.engram.reader import LocalRowReader
 from dsv41.engram.rowsource import LocalRowSource, RowSource
 from dsv41.errors import Dsv41Error
-from dsv41.transport import Refused, TransportError, TransportTimeout, open_client, parse_url
-from dsv41.transport import protocol as P
+from dsv41.transport import Refused, TransportError, TransportTimeout, open_client, parse_url, protocol as P
 
 #: Rows per transport request: a larger lookup is split so each request gets the full timeout.
 CHUNK_ROWS = 16384
@@ -501,7 +500,7 @@ class RemoteRowSource(RowSource):
             elif n:
                 c["remote_rows"] += n
 
-    # -- a lent connection (the vLLM overlay's C++ worker core, issue 23) ------------------------
+    # -- a lent connection (the vLLM overlay's C++ worker core) ----------------------------------
     def native_lease(self) -> dict | None:
         """A connection of the caller's own to this source's server, for requests made in C++
         without the GIL (``dsv41.overlay._core.EngramCore``), or None where this source cannot lend one

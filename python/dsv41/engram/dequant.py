@@ -12,6 +12,7 @@ import numpy as np
 
 from dsv41.errors import Dsv41Error
 
+
 def _e4m3fn_table() -> np.ndarray:
     """float32[256]: value of every E4M3FN byte (bias 7, no inf, 0x7F/0xFF NaN; OCP FP8 spec)."""
     b = np.arange(256, dtype=np.int64)

@@ -51,7 +51,6 @@ def check_token_map(token_map: np.ndarray, expected: str = REAL_TOKEN_MAP_SHA256
 def load_token_map(path: str | os.PathLike) -> np.ndarray:
     """Load a token map: JSON list of ints, JSON object with key ``token_map``, ``.npy``, or raw
     little-endian int32 (``.bin``).  Returns int32[V].  ConfigError on anything else."""
-    from dsv41 import fileio
 
     p = Path(path)
     try:

@@ -153,7 +153,7 @@ class EngramLayout:
                 mults.append(compute_multipliers(layer, n_max, cvs))
         ne = c.get("engram_num_embeddings")
         if ne is not None:
-            for layer, got, want in zip(layer_ids, rows, ne):
+            for layer, got, want in zip(layer_ids, rows, ne, strict=False):
                 if got != want:
                     raise ConfigError(
                         f"layer {layer}: engram_num_embeddings says {want} rows but the primes sum to {got}"

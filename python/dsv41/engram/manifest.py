@@ -481,7 +481,7 @@ def build_manifest(cfg: Any, data_dir: str | os.PathLike, files: dict[int, str] 
     """
     layout = cfg if isinstance(cfg, EngramLayout) else EngramLayout.from_config(cfg)
     d = Path(data_dir)
-    names = files or dict(zip(layout.layer_ids, shard_names(len(layout.layer_ids))))
+    names = files or dict(zip(layout.layer_ids, shard_names(len(layout.layer_ids)), strict=False))
     missing = [L for L in layout.layer_ids if L not in names]
     extra = sorted(set(names) - set(layout.layer_ids))
     if missing or extra:

@@ -11,7 +11,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -25,10 +25,10 @@ class _Terminated(BaseException):
 
 def serve(
     manifest: Annotated[Path, typer.Option("--manifest", help="manifest.json of the tables.")],
-    data: Annotated[Optional[Path], typer.Option("--data", help="Directory of the shards (default: the manifest's).")] = None,
-    listen: Annotated[Optional[list[str]], typer.Option("--listen", help="tcp://A:P or nixl://A:P (repeat for several; port 0 = ephemeral).")] = None,
-    metrics: Annotated[Optional[str], typer.Option("--metrics", help="A:P for Prometheus /metrics and /ready.")] = None,
-    ready_file: Annotated[Optional[Path], typer.Option("--ready-file", help="Written (JSON: pid, bound URLs) once listening.")] = None,
+    data: Annotated[Path | None, typer.Option("--data", help="Directory of the shards (default: the manifest's).")] = None,
+    listen: Annotated[list[str] | None, typer.Option("--listen", help="tcp://A:P or nixl://A:P (repeat for several; port 0 = ephemeral).")] = None,
+    metrics: Annotated[str | None, typer.Option("--metrics", help="A:P for Prometheus /metrics and /ready.")] = None,
+    ready_file: Annotated[Path | None, typer.Option("--ready-file", help="Written (JSON: pid, bound URLs) once listening.")] = None,
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="Seconds SIGTERM waits for in-flight requests.")] = 5.0,
 ) -> None:
     """Load every table into RAM, verify it against the manifest, then serve rows until SIGTERM."""
@@ -90,12 +90,12 @@ def sweep(
     remote: Annotated[str, typer.Option("--remote", help="tcp://H:P[@LOCAL] or nixl://H:P[@LOCAL] of this rank's server.")],
     rank: Annotated[int, typer.Option("--rank", help="This rank (0-based).")],
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size.")] = 2,
-    data: Annotated[Optional[Path], typer.Option("--data", help="Local shards (default: the manifest's directory).")] = None,
+    data: Annotated[Path | None, typer.Option("--data", help="Local shards (default: the manifest's directory).")] = None,
     lookups: Annotated[int, typer.Option("--lookups", help="Row ids to look up (both layers together).")] = 839040,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the token sequences.")] = 0,
     timeout_ms: Annotated[int, typer.Option("--timeout-ms", help="Per-request timeout before local fallback.")] = 1000,
     required: Annotated[bool, typer.Option("--required", help="Fail instead of falling back to local rows.")] = False,
-    token_map: Annotated[Optional[Path], typer.Option("--token-map", help="Token map (default: the lab tokenizer's, if it fits).")] = None,
+    token_map: Annotated[Path | None, typer.Option("--token-map", help="Token map (default: the lab tokenizer's, if it fits).")] = None,
 ) -> None:
     """Compare remote rows with local rows over hashed token sequences; prints JSON.
 

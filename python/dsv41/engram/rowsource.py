@@ -16,8 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from dsv41 import envs
-from dsv41.envs import ConfigError as EnvConfigError
-from dsv41.envs import Settings
+from dsv41.envs import ConfigError as EnvConfigError, Settings
 from dsv41.errors import ConfigError, Dsv41Error
 
 #: Counter keys every RowSource reports.
@@ -64,7 +63,7 @@ class RowSource(Protocol):
         if len(rows) != len(layer_ids) or (outs is not None and len(outs) != len(layer_ids)):
             raise Dsv41Error("lookup_layers needs one row array (and one out, if given) per layer")
         outs = [None] * len(layer_ids) if outs is None else outs
-        return [self.lookup(L, r, out=o) for L, r, o in zip(layer_ids, rows, outs)]
+        return [self.lookup(L, r, out=o) for L, r, o in zip(layer_ids, rows, outs, strict=False)]
 
     def is_required(self) -> bool:
         """Whether a failed read raises (``RemoteUnavailable``) instead of serving exact local

@@ -114,7 +114,7 @@ def load_region(path: str | os.PathLike, offset: int, length: int, direct: bool 
                 lo, hi = item
                 lo, hi = max(lo, offset - a0), min(hi, offset - a0 + length)
                 if hi > lo:
-                    h.update(mv[lo:hi])
+                    h.update(mv[lo:hi])  # noqa: F821 - the enclosing scope's view, deleted only after this thread is joined
         except BaseException as exc:  # pragma: no cover - hashlib does not fail on bytes
             herr.append(exc)
 
@@ -259,7 +259,7 @@ class _Collector:
         h = HistogramMetricFamily("dsv41_engram_request_seconds", "Server-side lookup handling time")
         counts = snap["latency_buckets"] if snap else [0] * (len(LATENCY_BUCKETS) + 1)
         acc, buckets = 0, []
-        for b, n in zip(LATENCY_BUCKETS, counts):
+        for b, n in zip(LATENCY_BUCKETS, counts, strict=False):
             acc += n
             buckets.append((repr(b), acc))
         acc += counts[-1]
@@ -315,14 +315,13 @@ class EngramServer:
         if self.metrics_addr is None:
             return
         from http.server import BaseHTTPRequestHandler
-
         from urllib.parse import urlsplit
-
-        from dsv41 import envs
-        from dsv41.httpd import BoundedHTTPServer, bounded_handler, http_error_body
 
         from prometheus_client import CollectorRegistry, generate_latest
         from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+        from dsv41 import envs
+        from dsv41.httpd import BoundedHTTPServer, bounded_handler, http_error_body
 
         registry = CollectorRegistry()
         registry.register(_Collector(self))

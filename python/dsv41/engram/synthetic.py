@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from dsv41 import fileio
-from dsv41.engram.layout import EngramLayout
 from dsv41.engram import manifest as mf
+from dsv41.engram.layout import EngramLayout
 from dsv41.engram.shards import PAGE, RowRangeError, read_safetensors_header, scale_name, shard_names, weight_name
 from dsv41.errors import Dsv41Error, VerificationError
 
@@ -278,7 +278,7 @@ def write_synthetic_tables(cfg: Any, out_dir: str | os.PathLike, seed: int = 0, 
         try:
             if os.path.lexists(path):
                 os.unlink(path)  # no stale manifest may describe the shards while they change
-            for tmp, name in zip(tmps, names):
+            for tmp, name in zip(tmps, names, strict=False):
                 os.replace(tmp, out / name)
         except OSError as exc:
             raise Dsv41Error(f"cannot move the new shards into {out}: {exc.strerror or exc}") from None

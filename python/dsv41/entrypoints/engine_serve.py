@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -51,7 +51,7 @@ def hf_checkpoint_identity_cmd(
 @app.command("serve")
 def serve_cmd(
     manifest: Annotated[Path, typer.Option("--manifest", help="Engram manifest.json.")],
-    data: Annotated[Optional[Path], typer.Option("--data", help="Directory of the table shards (local reader / fallback).")] = None,
+    data: Annotated[Path | None, typer.Option("--data", help="Directory of the table shards (local reader / fallback).")] = None,
     config: Annotated[Path, typer.Option("--config", help="Model config JSON.")] = DEFAULT_CONFIG,
     weights: Annotated[Path, typer.Option("--weights", help="Weights safetensors.")] = Path("weights.safetensors"),
     rank: Annotated[int, typer.Option("--rank", help="TP rank (0 = API head; start rank 1 first).")] = 0,
@@ -66,7 +66,7 @@ def serve_cmd(
     served_model_name: Annotated[str, typer.Option("--served-model-name", help="Model id in the API.")] = "dsv41-lab",
     rendezvous_timeout: Annotated[float, typer.Option("--rendezvous-timeout", help="Seconds to wait for the other rank.")] = 600.0,
     threads: Annotated[int, typer.Option("--threads", help="torch CPU threads per rank.")] = 1,
-    api_key: Annotated[Optional[str], typer.Option(
+    api_key: Annotated[str | None, typer.Option(
         "--api-key", envvar="VLLM_API_KEY", show_default=False,
         help="vLLM's convention: /v1 requests need 'Authorization: Bearer KEY' (rank 0). Prefer VLLM_API_KEY "
              "in a mode-0600 env file: a command line is visible to every local user.")] = None,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -51,7 +51,7 @@ def check_env(values: dict[str, str], tp: int | None = None) -> envs.Settings:
 @app.command("check")
 def check_cmd(
     file: Annotated[Path, typer.Argument(help="Env file (KEY=VALUE lines, # comments).")],
-    tp: Annotated[Optional[int], typer.Option("--tp", min=1, max=64,
+    tp: Annotated[int | None, typer.Option("--tp", min=1, max=64,
                                               help="Also check DSV41_ENGRAM_REMOTE holds one URL per rank of TP N.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="JSON output: the variables set and their parsed values.")] = False,
 ) -> None:
@@ -74,7 +74,7 @@ def check_cmd(
 def unit_cmd(
     file: Annotated[Path, typer.Argument(help="Rendered systemd unit (Ansible's validate passes it as %s).")],
     name: Annotated[str, typer.Option("--name", help="The unit's name on the host, NAME.service.")],
-    root: Annotated[Optional[Path], typer.Option(
+    root: Annotated[Path | None, typer.Option(
         "--root", help="Verify against this filesystem root (its executables and system units) instead of this host.")] = None,
 ) -> None:
     """Verify a systemd unit with systemd-analyze: exit 0 only when it reports nothing at all."""

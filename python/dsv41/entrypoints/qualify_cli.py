@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -84,12 +84,11 @@ def transport_cmd(
     iters: Annotated[int, typer.Option("--iters", help="Decode-size lookups timed.")] = 2000,
     bw_mib: Annotated[int, typer.Option("--bw-mib", help="Transfer size (MiB).")] = 64,
     bw_seconds: Annotated[float, typer.Option("--bw-seconds", help="Least duration of the bandwidth transfers (s).")] = 2.0,
-    start_at: Annotated[Optional[float], typer.Option("--start-at", help="Epoch second the bandwidth transfers start (both links together).")] = None,
+    start_at: Annotated[float | None, typer.Option("--start-at", help="Epoch second the bandwidth transfers start (both links together).")] = None,
 ) -> None:
     """transport.* of this rank over its own link, on the URL its serving engine uses
     (DSV41_ENGRAM_REMOTE of the Engram env file)."""
-    from dsv41.entrypoints import qualify as Q
-    from dsv41.entrypoints import qualify_host as H
+    from dsv41.entrypoints import qualify as Q, qualify_host as H
 
     if backend not in ("nixl", "tcp"):
         raise ConfigError(f"--backend must be nixl or tcp, not {backend!r}")
@@ -116,8 +115,7 @@ def sweep_cmd(
     tp: Annotated[int, typer.Option("--tp")] = 2,
 ) -> None:
     """exactness.bad_rows per layer: the sweep of this rank over its production URL vs the local shards."""
-    from dsv41.entrypoints import qualify as Q
-    from dsv41.entrypoints import qualify_host as H
+    from dsv41.entrypoints import qualify as Q, qualify_host as H
 
     if lookups < 1:
         raise ConfigError(f"--lookups must be >= 1, got {lookups}")

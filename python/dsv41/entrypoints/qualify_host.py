@@ -12,8 +12,8 @@ import os
 import re
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from dsv41 import envs, fileio
 from dsv41.entrypoints.qualify import QualifyError, record, skipped
@@ -108,11 +108,10 @@ def probe_transport(host: str, link: str, url: str, manifest: str, rank: int, tp
     import numpy as np
 
     from dsv41.engram.client import RemoteRowSource
+    from dsv41.engram.layout import layout_from_manifest
     from dsv41.engram.manifest import load_manifest
     from dsv41.engram.reader import LocalRowReader
-    from dsv41.engram.layout import layout_from_manifest
-    from dsv41.transport import Refused, TransportError, TransportTimeout, open_client, parse_url
-    from dsv41.transport import protocol as P
+    from dsv41.transport import Refused, TransportError, TransportTimeout, open_client, parse_url, protocol as P
 
     out: list[dict] = []
     ep = parse_url(url)

@@ -43,8 +43,7 @@ def status(
     drafter and target identities, admission, Engram lookups and fallbacks per rank, drafter rounds,
     accepted tokens, fail-closed rounds, proxy respawns, promotion package and last window verdict."""
     from dsv41 import service_control
-    from dsv41.entrypoints import status as st
-    from dsv41.entrypoints import status_render
+    from dsv41.entrypoints import status as st, status_render
 
     # Checked with or without --local: a bad value is bad input either way.
     service_control.for_manager(service_manager)

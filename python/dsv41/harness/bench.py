@@ -34,13 +34,14 @@ import random
 import statistics
 import time
 import uuid
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from dsv41 import envs, fileio
-from dsv41.harness import http
 from dsv41.errors import Dsv41Error
+from dsv41.harness import http
 
 SPEC_FORMAT = "dsv41-bench-spec/1"
 DEFAULT_SPEC = Path(__file__).resolve().parents[1] / "data" / "bench_spec.json"
@@ -283,7 +284,7 @@ def stream_one(client, endpoint: str, body: dict, prompt_id: str, category: str,
         return res
     res.steps = len(times)
     res.ttft_ms = (times[0] - t0) * 1e3
-    res.step_ms = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+    res.step_ms = [(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)]
     if res.step_ms:
         res.step_ms_p50 = float(statistics.median(res.step_ms))
     first = per_chunk[0] if per_chunk[0] is not None else 1
@@ -408,7 +409,7 @@ def plan_requests(spec: dict, salt_base: str) -> list[dict]:
     ``{"prompt_id", "category", "seed", "max_tokens", "prompt", "salt"}``."""
     out = []
     i = 0
-    for rep in range(spec["repeats"]):
+    for _rep in range(spec["repeats"]):
         for p in spec["prompts"]:
             text = prompt_text(p)
             salt = f"{salt_base}-{i}"

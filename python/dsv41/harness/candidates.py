@@ -17,9 +17,9 @@ import os
 from pathlib import Path
 
 from dsv41 import envs, fileio
-from dsv41.names import check_name
 from dsv41.harness import bench
 from dsv41.harness.window import WindowError
+from dsv41.names import check_name
 
 CANDIDATE_SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "candidate.schema.json"
 #: Candidate role settings ``(role, key)`` -> the role variable that templates them (re-running
@@ -144,7 +144,7 @@ def check_restorable(doc: dict) -> None:
     (:data:`DERIVED_ENV`). Settings outside the roles' env files cannot be expressed at all
     (:data:`CANDIDATE_SCHEMA`)."""
     for role, settings in doc.get("roles", {}).items():
-        for name in sorted((settings.get("env") or {})):
+        for name in sorted(settings.get("env") or {}):
             if name not in envs.ENV_VARS:
                 raise CandidateError(f"candidate {doc['name']!r}: {role} env {name} is not a dsv41 variable "
                                      f"(python/dsv41/envs.py); the window cannot restore what no role templates")

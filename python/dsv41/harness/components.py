@@ -1,4 +1,4 @@
-"""Per-component rollback (issue 12): which components can be removed on their own, what their
+"""Per-component rollback: which components can be removed on their own, what their
 removal must look like on the hosts, and the check of the resulting behaviour.
 
 The components and their resulting behaviour follow the seed's rollback table

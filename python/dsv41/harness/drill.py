@@ -1,4 +1,4 @@
-"""Fault drills under load on the three-host lab (issue 12): inject a fault, clear it, measure.
+"""Fault drills under load on the three-host lab: inject a fault, clear it, measure.
 
 For each fault in turn (:data:`~dsv41.harness.drill_faults.FAULTS`), with the bench client
 (:mod:`dsv41.harness.bench`, several concurrent streams over the spec's short, code and long
@@ -25,12 +25,13 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from dsv41.errors import Dsv41Error
 from dsv41.harness.drill_faults import FAULT_CLASSES, FAULTS, LabHosts, Topology
 from dsv41.harness.drill_measure import Load, Sampler, read_sample, recovery_time
 from dsv41.harness.drill_report import fault_result, fmt_value
+
 
 @dataclasses.dataclass
 class DrillParams:
@@ -53,7 +54,7 @@ class DrillParams:
 
 def new_id(now: _dt.datetime | None = None) -> str:
     """A drill id: UTC time ``YYYYmmddTHHMMSSZ``."""
-    return (now or _dt.datetime.now(_dt.timezone.utc)).strftime("%Y%m%dT%H%M%SZ")
+    return (now or _dt.datetime.now(_dt.UTC)).strftime("%Y%m%dT%H%M%SZ")
 
 
 def run_drill(params: DrillParams, hosts: LabHosts, topo: Topology, log: Callable[[str], None] = print,

@@ -146,7 +146,7 @@ def run(
             "interval_s": params.interval_s, "endpoint": endpoint, "link": link, "netem": topo.netem,
             "service_manager": service_manager, "serve_container": topo.serve_container,
             "serve_container_detected": serve_container is None}
-    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    started = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     machine = f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()}, the three-host lab)"
     results: list[dict] = []
     error = None
@@ -159,7 +159,7 @@ def run(
             error = str(exc)
         finally:
             cleared = drill_faults.clear_all(hosts, topo)
-    finished = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    finished = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     report = drill_report.build_report(did, results, pdoc, started, finished, machine)
     report["cleared"] = cleared
     if error:

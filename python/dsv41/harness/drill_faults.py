@@ -34,8 +34,8 @@ import dataclasses
 import ipaddress
 import re
 import subprocess
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 from urllib.parse import urlsplit
 
 from dsv41 import fileio
@@ -141,7 +141,7 @@ class Topology:
     serve_container: bool | None = None
     container_runtime: str = "/usr/bin/docker"
 
-    def validate(self) -> "Topology":
+    def validate(self) -> Topology:
         for h in (self.offload_host, self.head_host, self.link_host):
             if not _HOST.match(h):
                 raise DrillError(f"drill: bad host name {h!r}")
@@ -257,7 +257,7 @@ class LabHosts:
             raise DrillError(f"drill: container {name} on {host} is not running")
         return int(words[1]), words[2] == "true"
 
-    def proc_tree(self, host: str, pid: int) -> tuple["Proc", list["Proc"]]:
+    def proc_tree(self, host: str, pid: int) -> tuple[Proc, list[Proc]]:
         """``pid`` on ``host`` and its children (``/proc/PID/task/*/children``), each a
         :class:`Proc`; DrillError when ``pid`` is gone or the answer cannot be read."""
         script = ("import json,os,sys\n"
@@ -298,7 +298,7 @@ class Proc:
     argv: tuple[str, ...]
 
     @classmethod
-    def of(cls, rec: Sequence) -> "Proc":
+    def of(cls, rec: Sequence) -> Proc:
         """``[pid, ns_pid, [argv...]]`` (the probe's JSON) -> Proc; TypeError/ValueError otherwise."""
         pid, ns_pid, argv = rec
         if not all(isinstance(a, str) for a in argv):
@@ -367,7 +367,7 @@ def proxy_pid(children: Iterable[tuple[int, list[str]]], engine_pid: int) -> int
     ``python -m dsv41.drafter.proxy_cli run ... --parent-pid <engine_pid>`` (or ``dsv41 proxy
     run ...`` with a custom ``proxy_cmd``); None if absent."""
     for pid, argv in children:
-        pairs = list(zip(argv, argv[1:]))
+        pairs = list(zip(argv, argv[1:], strict=False))
         if ("--parent-pid", str(engine_pid)) in pairs and (
                 ("-m", "dsv41.drafter.proxy_cli") in pairs or ("proxy", "run") in pairs) and "run" in argv:
             return pid

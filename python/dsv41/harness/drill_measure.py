@@ -16,9 +16,10 @@ import dataclasses
 import threading
 import time
 import uuid
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from dsv41.errors import Dsv41Error
+
 
 @dataclasses.dataclass
 class Sample:
@@ -86,7 +87,7 @@ class Sampler:
             nxt += self.interval_s
             self._stop.wait(max(0.0, nxt - time.monotonic()))
 
-    def start(self) -> "Sampler":
+    def start(self) -> Sampler:
         self._thread.start()
         return self
 
@@ -147,7 +148,7 @@ class Load:
                 if not r.ok:
                     self._stop.wait(FAILED_PAUSE_S)
 
-    def start(self) -> "Load":
+    def start(self) -> Load:
         for t in self._threads:
             t.start()
         return self
@@ -171,7 +172,7 @@ def timeline(samples: Sequence[Sample]) -> list[dict]:
     "fallbacks_s" (all ranks), "fail_closed_s", "lookups_s"}`` (rates per second)."""
     ok = [s for s in samples if s.ok]
     out = []
-    for a, b in zip(ok, ok[1:]):
+    for a, b in zip(ok, ok[1:], strict=False):
         dt = b.t - a.t
         if dt <= 0:
             continue
@@ -211,7 +212,7 @@ def recovery_time(samples: Sequence[Sample], t_clear: float, ranks: Sequence[str
     recovered within the samples."""
     after = [s for s in samples if s.t >= t_clear]
     run_start: Sample | None = None
-    for a, b in zip(after, after[1:]):
+    for a, b in zip(after, after[1:], strict=False):
         if healthy_interval(a, b, ranks, drafter):
             if run_start is None:
                 run_start = a

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from dsv41 import fileio
 from dsv41.harness.drill_faults import FAULTS
@@ -115,7 +115,7 @@ def plot_timeline(report: dict, path: str | Path) -> None:
         plt.close(fig)
         return
     fig, axes = plt.subplots(len(faults), 1, figsize=(10, 2.6 * max(1, len(faults))), squeeze=False)
-    for ax, f in zip(axes[:, 0], faults):
+    for ax, f in zip(axes[:, 0], faults, strict=False):
         rates = timeline([Sample(**s) for s in f["samples"]])
         t = [x["t"] for x in rates]
         ax.plot(t, [x["tok_s"] if x["tok_s"] is not None else math.nan for x in rates], color="tab:blue", label="tok/s")

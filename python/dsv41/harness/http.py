@@ -17,7 +17,6 @@ from typing import Any
 
 from dsv41.errors import Dsv41Error
 
-
 # httpx logs every request line at INFO: a fenced HOLD's URL carries its token (a secret)
 logging.getLogger("httpx").setLevel(logging.WARNING)
 

@@ -21,7 +21,8 @@ import ipaddress
 import os
 import socket
 import subprocess
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from dsv41 import fileio
 
@@ -47,7 +48,7 @@ def gid_for_ipv4(addr: str) -> str:
     the kernel's sysfs / pyverbs ``gid_str`` format (eight 4-digit hex groups).
     ValueError for text that is not an IPv4 address."""
     packed = ipaddress.IPv4Address(addr).packed
-    return "0000:0000:0000:0000:0000:ffff:%02x%02x:%02x%02x" % tuple(packed)
+    return "0000:0000:0000:0000:0000:ffff:{:02x}{:02x}:{:02x}{:02x}".format(*tuple(packed))
 
 
 def ipv4_addresses(name: str, run: Callable[..., Any] = subprocess.run) -> list[str]:

@@ -1,5 +1,5 @@
 """The median of paired per-round differences with a 95 % interval, and the decision it gives
-against a target (issue 23's step benchmark: overlay minus vLLM's UVA path, ms per step).
+against a target (the overlay's step benchmark: overlay minus vLLM's UVA path, ms per step).
 
 Two intervals of the median, both from scipy:
 - the distribution-free order-statistic interval: ``[x_(k), x_(n-k+1)]`` of the sorted

@@ -1,4 +1,4 @@
-"""Layer 1's exposed time in a prefill step, taken apart phase by phase (issue 23 pass K: the
+"""Layer 1's exposed time in a prefill step, taken apart phase by phase (from the
 step benchmark, ``tests/gpu/vllm_overlay_step_bench.py``).
 
 Inputs per step: the C++ core's trace of layer 1's multi-piece job (``EngramCore.take_traces``,
@@ -20,7 +20,7 @@ sum of
   ``wake``, ``ids_wait``, ``plan0`` and ``plan0_to_fetch``;
 - ``launches``: the piece graph launches between requests (pieces 0..n-2);
 - ``plan_waits``: waits for a piece's plan between its predecessor's launch and its request,
-  and (piece 0 requested as a head and a rest, issue 23 pass K) between the head's reply and
+  and (piece 0 requested as a head and a rest) between the head's reply and
   the rest's request;
 - ``last_launch``: after the last reply, its graph launch, the done event and the hand-off;
 - ``tail``: the hand-off to ``b`` (the last piece's H2D copy and kernel, the launching
@@ -29,7 +29,7 @@ sum of
 less ``a - layer0_end`` (0 when ``a`` follows layer 0 at once). ``fetch`` is the sum of the
 pieces' request times (pipelined requests: their fill and drain included).
 
-Since issue 23 pass L the core sends a job's requests as one pipelined stream across its pieces
+Where the core sends a job's requests as one pipelined stream across its pieces
 (``stream`` traces: a piece's requests go out before the previous piece's graph is launched, so
 the pieces' request spans overlap): ``fetch`` is then the connection's busy time, ``t_fetch1 -
 t_fetch0 - idle`` (first request sent to last reply, less the gaps with nothing in flight);
@@ -94,7 +94,7 @@ def layer1_phases(trace: dict, host_t0_ns: int, gpu_ms: dict, layer0_target_ms: 
     seq = [t_sub, t_deq, t_ids, t_plan0]
     for k in range(n):
         seq += [fs[k]] + ([h1, r0] if k == 0 and h1 else []) + [fe[k], l1[k]]
-    if any(b < a for a, b in zip(seq, seq[1:])) or t_done < l1[-1]:
+    if any(b < a for a, b in zip(seq, seq[1:], strict=False)) or t_done < l1[-1]:
         raise Dsv41Error("phase trace: timestamps out of order")
     ms = 1e-6
     l0s = host_t0_ns + gpu_ms["l0_start"] * 1e6
@@ -128,7 +128,7 @@ def _stream_phases(trace: dict, host_t0_ns: int, gpu_ms: dict, layer0_target_ms:
         raise Dsv41Error("phase trace: a timestamp is missing")
     t_sub, t_deq, t_ids, t_plan0, t_fetch0, t_fetch1, t_done = ts
     idle = int(trace.get("idle", 0))
-    if any(b < a for a, b in zip(ts, ts[1:])) or idle < 0 or idle > t_fetch1 - t_fetch0 or max(l1) > t_done:
+    if any(b < a for a, b in zip(ts, ts[1:], strict=False)) or idle < 0 or idle > t_fetch1 - t_fetch0 or max(l1) > t_done:
         raise Dsv41Error("phase trace: timestamps out of order")
     ms = 1e-6
     l0s = host_t0_ns + gpu_ms["l0_start"] * 1e6
@@ -154,7 +154,7 @@ def _stream_phases(trace: dict, host_t0_ns: int, gpu_ms: dict, layer0_target_ms:
     return {k: float(v) for k, v in out.items()}
 
 
-#: The launching thread's return from layer 1's join after the hand-off (issue 23 pass M), in
+#: The launching thread's return from layer 1's join after the hand-off, in
 #: order; with ``ret_to_b`` they sum to ``tail`` (``b`` less the hand-off).
 RETURN_PHASES = ("ret_seen", "ret_queue", "ret_gil", "ret_join_py", "ret_vllm", "ret_to_b")
 
@@ -173,14 +173,14 @@ def join_return(t_done: int, wait: Sequence[int], join_ret_ns: int, join1_ns: in
     ``ret_queue`` (the C++ ``cuStreamWaitEvent``), ``ret_gil`` (the GIL taken back),
     ``ret_join_py`` (``join``'s Python after the wait), ``ret_vllm`` (vLLM's ``_finish_prefetch``
     and ``_ready_rows`` after the overlay's join), ``ret_to_b`` (from there to ``b`` on the GPU),
-    ``join_return`` (``t_done`` to ``join1``, pass L's ``join_wake``) and ``wait_lead`` (the wait
+    ``join_return`` (``t_done`` to ``join1``, the older traces' ``join_wake``) and ``wait_lead`` (the wait
     entered this long before the hand-off). Raises Dsv41Error for a missing (0) or out-of-order
     wait time."""
     _gen, enter, seen, queued, gil = (int(v) for v in wait)
     seq = [enter, seen, queued, gil, int(join_ret_ns), int(join1_ns)]
     if min(seq) <= 0 or t_done <= 0:
         raise Dsv41Error("join return: a timestamp is missing")
-    if any(b < a for a, b in zip(seq, seq[1:])):
+    if any(b < a for a, b in zip(seq, seq[1:], strict=False)):
         raise Dsv41Error("join return: timestamps out of order")
     ms = 1e-6
     out = {"ret_seen": (seen - t_done) * ms, "ret_queue": (queued - seen) * ms, "ret_gil": (gil - queued) * ms,
@@ -191,11 +191,11 @@ def join_return(t_done: int, wait: Sequence[int], join_ret_ns: int, join1_ns: in
 
 
 def trace_fetch_ns(trace: dict) -> int:
-    """A job's fetch (ns) from its trace: the stream's busy time (pass L), else the sum of the
+    """A job's fetch (ns) from its trace: the stream's busy time (a pipelined stream), else the sum of the
     pieces' request times (as ``layer1_phases``, without piece 0's head-to-rest wait)."""
     if trace.get("stream"):
         return int(trace["t_fetch1"] - trace["t_fetch0"] - trace.get("idle", 0))
-    return int(sum(b - a for a, b in zip(trace["fetch0"], trace["fetch1"])))
+    return int(sum(b - a for a, b in zip(trace["fetch0"], trace["fetch1"], strict=False)))
 
 
 def summarize(steps: Sequence[dict], ndigits: int = 4) -> dict:
@@ -212,7 +212,7 @@ def summarize(steps: Sequence[dict], ndigits: int = 4) -> dict:
 
 
 def paired(phases: Sequence[dict], fetch14: Sequence[float]) -> dict:
-    """Layer 1's bound checked step by step (issue 23 pass K): each timed overlay step's stall
+    """Layer 1's bound checked step by step: each timed overlay step's stall
     at layer 1 against that step's own layer-1 fetch and layer-0 time, so the fetch's spread
     between steps and runs cancels (the issue: "layer 1's exposed time <= the fetch time minus
     the layer-0 time", per measurement). ``excess`` uses the layer 0 measured on the main stream

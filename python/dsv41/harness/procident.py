@@ -76,7 +76,7 @@ class ProcessIdentity:
     boot_id: str
 
     @classmethod
-    def of(cls, pid: int | None = None) -> "ProcessIdentity":
+    def of(cls, pid: int | None = None) -> ProcessIdentity:
         """The identity of ``pid`` (default: this process); ``ProcessGone`` if it has ended."""
         pid = os.getpid() if pid is None else int(pid)
         return cls(pid, start_ticks(pid), boot_id())
@@ -86,7 +86,7 @@ class ProcessIdentity:
         return {"pid": self.pid, "start_ticks": self.start_ticks, "boot_id": self.boot_id}
 
     @classmethod
-    def from_record(cls, record: dict) -> "ProcessIdentity":
+    def from_record(cls, record: dict) -> ProcessIdentity:
         """Inverse of ``as_record``; KeyError/TypeError/ValueError on a malformed record."""
         pid, ticks, bid = record["pid"], record["start_ticks"], record["boot_id"]
         if isinstance(pid, bool) or isinstance(ticks, bool) or not isinstance(bid, str):

@@ -18,9 +18,8 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from collections.abc import Mapping
-from typing import Callable
 
 from dsv41.errors import Dsv41Error
 from dsv41.harness import http
@@ -92,7 +91,7 @@ class Comparison:
 def first_diff(a: list[int], b: list[int]) -> int | None:
     """First index where ``a`` and ``b`` differ (a length difference counts at the shorter
     length); None if equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
@@ -135,7 +134,7 @@ def run_prompts(endpoint: str, model: str | None = None, max_tokens: int = DEFAU
         "format": FORMAT,
         "model": model,
         "max_tokens": int(max_tokens),
-        "recorded_at": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "recorded_at": _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat(),
         "prompts": [{"name": n, "prompt": p, "token_ids": generate(endpoint, p, model, max_tokens, timeout_s)}
                     for n, p in prompts],
     }

@@ -49,8 +49,9 @@ import math
 import os
 import warnings
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -483,7 +484,7 @@ def stage_window(state_dir: str, candidate: str, metric: str, window_id: str, ve
         doc = _load_questions(state_dir)
         doc.setdefault(question_key(candidate, metric), []).append(
             {"window": window_id, "verdict": verdict,
-             "at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")})
+             "at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")})
         staged = fileio.stage(target, fileio.dumps_json(doc, indent=1, sort_keys=True), "the window cap state",
                               error=Win2Error)
     except BaseException:
@@ -533,7 +534,7 @@ def simulate_cells(rng: np.random.Generator, n_pairs: int, n_prompts: int, effec
     cells, t = [], 0
     lower = METRICS[metric] == "lower"
     shift = -math.log1p(effect) if lower else math.log1p(effect)
-    for bi, (p, b) in enumerate(order):
+    for bi, (p, _b) in enumerate(order):
         seq = ("control", "candidate", "candidate", "control") if rng.random() < 0.5 else \
             ("candidate", "control", "control", "candidate")
         for k, arm in enumerate(seq):

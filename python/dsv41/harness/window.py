@@ -20,8 +20,8 @@ import random
 import statistics
 import subprocess
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from dsv41 import fileio
 from dsv41.errors import Dsv41Error

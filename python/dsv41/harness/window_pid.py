@@ -15,7 +15,6 @@ from dsv41 import fileio
 from dsv41.harness import orphans
 from dsv41.harness.window import WindowError
 
-
 #: Name of the file in ``windows/<id>/`` that names the ``dsv41 window run`` process measuring it.
 RUN_PID_NAME = "run.pid"
 

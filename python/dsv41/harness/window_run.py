@@ -21,7 +21,7 @@ import os
 import shlex
 import subprocess
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from dsv41.errors import Dsv41Error
 from dsv41.harness import bench, refs, win2, window, window_pid
@@ -137,7 +137,7 @@ def run_window(params: WindowParams, progress: ProgressFactory | None = None) ->
     if p.metric not in win2.METRICS:
         raise win2.Win2Error(f"unknown metric {p.metric!r}; one of {', '.join(win2.METRICS)}")
     nth = win2.check_cap(p.windows_dir, p.name, p.metric) if p.cap else 0
-    wid = p.window_id or dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + f"-{p.name}"
+    wid = p.window_id or dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ") + f"-{p.name}"
     wdir = os.path.join(p.windows_dir, wid)
     if os.path.exists(os.path.join(wdir, "cells.jsonl")):
         raise WindowError(f"window {wid} already has cells in {wdir}; choose another --id")

@@ -127,9 +127,7 @@ def expressions() -> list[tuple[str, str]]:
 
 def build():
     """The dashboard (a ``grafana_foundation_sdk.models.dashboard.Dashboard``)."""
-    from grafana_foundation_sdk.builders import dashboard as gd
-    from grafana_foundation_sdk.builders import prometheus as gp
-    from grafana_foundation_sdk.builders import timeseries as gt
+    from grafana_foundation_sdk.builders import dashboard as gd, prometheus as gp, timeseries as gt
     from grafana_foundation_sdk.models.dashboard import DashboardCursorSync, DataSourceRef
 
     ds = DataSourceRef(type_val="prometheus", uid="${datasource}")

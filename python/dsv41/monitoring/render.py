@@ -52,7 +52,7 @@ def render(prometheus_url: str, start: float, end: float, out: str, step_s: floa
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 2.8 * rows), squeeze=False)
     alerts = query_range(prometheus_url, 'ALERTS{alertstate="firing", alertname=~"Dsv41.*"}', start, end, step_s)
     drawn: dict[str, int] = {}
-    for ax, (ptitle, _kind, unit, exprs, _desc) in zip(axes.flat, panels):
+    for ax, (ptitle, _kind, unit, exprs, _desc) in zip(axes.flat, panels, strict=False):
         n = 0
         for expr, fmt in exprs:
             for labels, values in query_range(prometheus_url, expr.replace("$__rate_interval", rate_interval),
@@ -62,7 +62,7 @@ def render(prometheus_url: str, start: float, end: float, out: str, step_s: floa
                 if xs:
                     ax.plot(xs, ys, label=(_legend(fmt, labels).strip() or "value")[:40], linewidth=1)
                     n += 1
-        for labels, values in alerts:
+        for _labels, values in alerts:
             for t, _v in values:
                 ax.axvspan((t - start) / 60, (t - start + step_s) / 60, color="red", alpha=0.04, linewidth=0)
         for t, text in marks or []:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
 from dsv41 import fileio
 
 HEADER = "Generated from roles/monitoring/templates/dsv41.rules.yml.j2; edit the role, not this file."

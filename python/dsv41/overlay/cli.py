@@ -10,8 +10,6 @@ could not be read (no vLLM, the image or interpreter does not run, bad arguments
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
 from dsv41 import fileio
@@ -29,9 +27,9 @@ def _line(d: dict) -> str:
 
 @app.command("contract")
 def contract_cmd(
-    image: Optional[str] = typer.Option(None, "--image", help="A serving image (name[:tag][@digest]); run with "
+    image: str | None = typer.Option(None, "--image", help="A serving image (name[:tag][@digest]); run with "
                                                               "--pull never, so pull it first."),
-    python: Optional[str] = typer.Option(None, "--python", help="Another Python interpreter whose vLLM to read."),
+    python: str | None = typer.Option(None, "--python", help="Another Python interpreter whose vLLM to read."),
     container_runtime: str = typer.Option("docker", help="The container CLI that runs --image."),
     as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
     timeout: float = typer.Option(300.0, min=1.0, help="Seconds allowed for the inspection."),

@@ -82,7 +82,7 @@ def fill_drafts(num_reqs: int, k: int, live: list[int], proposals: Any) -> np.nd
         rows = [np.asarray(p.tokens, np.int64).reshape(-1)[:k] for p in proposals]
     except (AttributeError, TypeError, ValueError):
         return out
-    for i, toks in zip(live, rows):
+    for i, toks in zip(live, rows, strict=False):
         out[i, : toks.size] = toks
     return out
 

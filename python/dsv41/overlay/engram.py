@@ -25,7 +25,7 @@ What changes in vLLM when the overlay is active (``DSV41_ENGRAM_REMOTE`` set):
   required mode raises the cause here), makes the current stream wait on the done event, then
   runs vLLM's own body. A prefill chunk's layer whose piece graphs exist is instead queued whole
   on the GPU at ``_start_prefetch`` and joined there without a host wait (``DSV41_ENGRAM_GPU_JOIN``,
-  default 1; never in required mode; ``engram_gpujoin``, issue 23 pass O). Inside a CUDA-graph
+  default 1; never in required mode; ``engram_gpujoin``). Inside a CUDA-graph
   capture (vLLM's breakable capture included) the
   lookup runs synchronously on the launching thread: no second thread calls CUDA then.
 * ``Engram._create_embedding`` tells the embedding its model layer id (the row source keys
@@ -48,10 +48,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from dsv41.overlay import contract as C
-from dsv41.overlay import engram_ops
-from dsv41.overlay import metrics as overlay_metrics
-from dsv41.overlay import settings as S
+from dsv41.overlay import contract as C, engram_ops, metrics as overlay_metrics, settings as S
 from dsv41.overlay.engram_ops import ROW_BYTES, OverlayRefused, log, plan_rows, report_counters
 from dsv41.overlay.engram_rows import RemoteRows
 from dsv41.overlay.engram_worker import EngramWorker, stop_workers
@@ -117,8 +114,8 @@ def _source(settings: S.OverlaySettings, tp: int, rank: int) -> tuple[Any, Any]:
         if key in _sources:
             return _sources[key]
         from dsv41.engram.client import RemoteRowSource
-        from dsv41.engram.manifest import load_manifest
         from dsv41.engram.layout import layout_from_manifest
+        from dsv41.engram.manifest import load_manifest
         from dsv41.engram.reader import LocalRowReader
 
         url = S.rank_url(settings, tp, rank)
@@ -233,7 +230,7 @@ def apply(module: ModuleType, settings: S.OverlaySettings, contract: dict) -> No
         rows = getattr(self.embed_tokens, "_dsv41", None)
         # the host waits for this layer's hand-off only; the C++ wait then queues the current
         # stream's waits on the rows and on vLLM's ``event`` (its own body: current_stream()
-        # .wait_event(event)), where it could not, vLLM's function does it (issue 23 pass M)
+        # .wait_event(event)), where it could not, vLLM's function does it (never waiting for the GIL)
         if rows is not None and rows.join(event) and orig_finish is not None:
             return
         if orig_finish is not None:

@@ -1,5 +1,5 @@
-"""The GPU-side join of a prefill chunk's Engram layer (issue 23 pass O; docs/gpu.md, "The
-GPU-side join (pass O)"): ``RemoteRows.start`` queues the whole job on the prefetch stream, so
+"""The GPU-side join of a prefill chunk's Engram layer (docs/gpu.md, "The GPU-side join on
+host-mapped flags"): ``RemoteRows.start`` queues the whole job on the prefetch stream, so
 ``_finish_prefetch`` waits on nothing on the host.
 
 At ``start``, for a job of several pieces whose piece graphs exist (a size seen before), the
@@ -14,9 +14,9 @@ launching thread queues on the job's stream, after the ids' D2H copy into pinned
 The worker (the C++ ``EngramCore``, GIL released) then makes **no CUDA call** for the job: it polls
 the ids word, plans, fetches each piece into the pinned staging and release-stores the piece's
 flag once its rows are in. The words live in 4 KiB of ``cuMemHostAlloc`` DEVICEMAP memory per
-table. Pass N's device flag, written by the worker's driver calls, deadlocked behind a
-``cudaFree`` on the launching thread; a host-mapped word stored by the CPU released the stream in
-every case the pass O probe tried on the H200 (``tests/gpu/memop_release_probe.py hostflag``).
+table. A device flag written by the worker's driver calls deadlocks behind a ``cudaFree`` on
+the launching thread; a host-mapped word stored by the CPU released the stream in every case the
+probe tried (``tests/gpu/memop_release_probe.py hostflag``).
 
 Failures stay exact without the GIL and without the driver:
 
@@ -26,7 +26,7 @@ Failures stay exact without the GIL and without the driver:
   bytes ``LocalRowReader.read`` packs) and stores the flags; counted (``gj_fallback_jobs``); a
   job filled for want of a connection stays in C++: the worker's lease probe (its own thread,
   ``EngramWorker._probe_loop``, every ``LEASE_RETRY_S``) offers the core a connection once the
-  server answers, adopted before the next job (issue 47; pass Q: the lease retried by Python);
+  server answers, adopted before the next job (the lease is retried by Python, never by a step);
 * a dead, retired, hung or busy worker: the C++ watchdog thread (one per process) claims a job
   still unclaimed ``WATCHDOG_S`` after it first saw the job's ids word, fills it from the local rows
   and stores the flags (``gj_takeovers``). A per-job compare-and-swap decides which of the two
@@ -107,7 +107,7 @@ class GpuJoin:
         rows.counters.setdefault("gpu_join_redos", 0)
 
     @classmethod
-    def for_rows(cls, rows: Any, enabled: bool) -> "GpuJoin | None":
+    def for_rows(cls, rows: Any, enabled: bool) -> GpuJoin | None:
         """The table's GPU-side join where it can run (see the module), else None."""
         if not enabled or rows.required or rows._slot is None or not rows._cuda or not rows.ops.graphs:
             return None

@@ -231,7 +231,7 @@ class Handoff:
 
     def wait_stream(self, timeout_s: float, stream: int, event: int, event2: int = 0) -> int:
         """``wait``, then, handed off, queue raw ``stream``'s wait on raw ``event`` (0: none) and
-        then on ``event2`` (0: none) in C++ before the GIL is taken back (issue 23 pass M). 0: not
+        then on ``event2`` (0: none) in C++ before the GIL is taken back (so the stream's wait never waits for the GIL). 0: not
         handed off within ``timeout_s``; else bit 1 (handed off) | 2 (``event`` queued) | 4
         (``event2`` queued); what is not queued is left to the caller."""
         if self.native is not None:
@@ -266,14 +266,14 @@ class LaunchGraphs:
     """One CUDA graph per (token count, output address) of a table's one-piece launch: the H2D
     copy of selectors + packed rows from the pinned staging buffer, the split into the kernel's
     weight/scale tables and vLLM's kernel into ``staged_rows``, replayed as one launch instead of
-    five Python-level launches (issue 23: those cost 0.47-0.53 ms per layer on the worker while
-    the launching thread replays the step's graphs).
+    five Python-level launches (each of which contends for the GIL with the launching thread
+    while it replays the step's graphs).
 
     ``launch(rows, out)``: the eager sequence for ``rows`` selectors into ``out`` with every row
     slot copied (so the graph does not depend on how many rows a step fetched). The worker calls
     ``replay`` first; on a miss it runs ``launch`` eagerly (which also loads and specializes the
-    kernel); at the table's next start the launching thread (``RemoteRows._capture_pending``,
-    issue 23 pass L: never the worker, whose capture could overlap a device-wide synchronize of
+    kernel); at the table's next start the launching thread (``RemoteRows._capture_pending``;
+    never the worker, whose capture could overlap a device-wide synchronize of
     the launching thread) calls ``capture``, which records the same sequence on a private stream
     in thread-local capture mode (the worker's CUDA calls meanwhile are not affected).
     A failed capture disables the graphs of this table (``failures``; the eager path stays exact).

@@ -13,10 +13,27 @@ from typing import Any
 import numpy as np
 
 from dsv41.errors import ConfigError, Dsv41Error
-from dsv41.overlay.engram_ops import (ROW_BYTES, CudaOps, Handoff, HostOps, LaunchGraphs, OverlayRefused,
-                                      _native_plan, log, plan_into, report_counters)
-from dsv41.overlay.engram_worker import (JOIN_SPIN_NS, PIECE_ROWS, REPORT_EVERY_S, TAIL_ROWS, EngramWorker, _no_handle,
-                                         _worker_for)
+from dsv41.overlay.engram_ops import (
+    ROW_BYTES,
+    CudaOps,
+    Handoff,
+    HostOps,
+    LaunchGraphs,
+    OverlayRefused,
+    _native_plan,
+    log,
+    plan_into,
+    report_counters,
+)
+from dsv41.overlay.engram_worker import (
+    JOIN_SPIN_NS,
+    PIECE_ROWS,
+    REPORT_EVERY_S,
+    TAIL_ROWS,
+    EngramWorker,
+    _no_handle,
+    _worker_for,
+)
 
 #: Seconds ``_finish_prefetch`` waits for the worker's hand-off of one layer before it counts a
 #: refusal and serves that layer's exact rows on the launching thread. The worker's fetch is
@@ -33,7 +50,7 @@ class TableSlot:
     key), ``native`` and ``set_table(tables)`` (its identity and table rows from a lease's
     ``{layer_id: (identity, rows)}``; a layer the lease does not name stays Python's)."""
 
-    def __init__(self, rows: "RemoteRows", native: Any) -> None:
+    def __init__(self, rows: RemoteRows, native: Any) -> None:
         self.rows, self.native, self.key = rows, native, id(rows)
 
     def set_table(self, tables: dict) -> None:
@@ -79,7 +96,7 @@ class RemoteRows:
     stream) queues the ids' D2H copy + an event and hands the job to the worker; ``join``
     (launching thread, inside ``_finish_prefetch``) waits on the host for the worker's hand-off
     only, then makes the current stream wait on the layer's done event. With the GPU-side join
-    (issue 23 pass O, ``engram_gpujoin``) a multi-piece job whose piece graphs exist is queued
+    (``engram_gpujoin``) a multi-piece job whose piece graphs exist is queued
     whole on the GPU at ``start`` (waits on host-mapped flags the worker stores, then each piece's
     graph), and ``join`` only makes the current stream wait on the done event.
     """
@@ -123,7 +140,7 @@ class RemoteRows:
                                    bool(graphs and (self.ops.graphs or graph_record is not None)), graph_record,
                                    None if self._slot is None else self._slot.native.set_graphs)
         # a multi-piece job's launches in the fixed piece layout, one graph per (first row, rows)
-        # piece, launched by the C++ core (issue 23 pass H): captured only where the core runs
+        # piece, launched by the C++ core: captured only where the core runs
         self.pieces = LaunchGraphs(self.device, self._launch_piece,
                                    bool(graphs and self.ops.graphs and self._slot is not None), None,
                                    None if self._slot is None else self._slot.set_piece_graphs)
@@ -151,7 +168,7 @@ class RemoteRows:
         self.counters = {"starts": 0, "handoffs": 0, "handoff_wait_s": 0.0, "worker_starts": 0,
                          "worker_refusals": 0, "handoff_timeouts": 0, "inline_lookups": 0, "refused_inline": 0}
         self._last_report = time.monotonic()
-        # the GPU-side join of multi-piece jobs (issue 23 pass O, DSV41_ENGRAM_GPU_JOIN): None where off
+        # the GPU-side join of multi-piece jobs (DSV41_ENGRAM_GPU_JOIN): None where off
         from dsv41.overlay.engram_gpujoin import GpuJoin
 
         self._gj = GpuJoin.for_rows(self, gpu_join)
@@ -246,12 +263,12 @@ class RemoteRows:
         if self._worker is not None and self._submitted:
             self._worker.joined()
         self._submitted = False
-        if self._gj_job:  # issue 23 pass O: the GPU waits for the rows; no host wait here
+        if self._gj_job:  # the GPU waits for the rows; no host wait here
             self._gj_job = False
             return self._gj.join(then)
         handed, counters = self._ho, self.counters
         # the current stream's wait on the done event is queued by the C++ wait right after the
-        # hand-off, before the GIL is taken back (issue 23 pass M); queued == 1: here, below
+        # hand-off, before the GIL is taken back (the stream never waits for the GIL); queued == 1: here, below
         ops = self.ops
         cur = ops.current_stream()
         ev = getattr(ops, "event_handle", _no_handle)(self.done) if cur is not None else 0
@@ -472,10 +489,10 @@ class RemoteRows:
     def _capture_pending(self) -> None:
         """Launching thread, at the start after the job that first saw a size: capture that
         size's launch graph, or the piece graphs of a multi-piece job Python served (never while
-        a CUDA-graph capture of vLLM is open). Not on the worker (issue 23 pass L): a capture
+        a CUDA-graph capture of vLLM is open). Not on the worker: a capture
         there, after the hand-off, could overlap a device-wide ``torch.cuda.synchronize()`` of
         the launching thread, which fails ("operation not permitted when stream is capturing")
-        and invalidates the capture (pass K's run K1). Here the capture ends before this
+        and invalidates the capture (seen on the GPU runs). Here the capture ends before this
         table's next job is submitted, so no capture of the overlay overlaps anything the
         launching thread does after a join; it costs that start the capture once per size
         (``graph_capture_s``)."""
@@ -561,9 +578,9 @@ class RemoteRows:
         the joins that polled once a multi-piece job's last request was out), its launch graphs' (``graph_*``,
         ``LaunchGraphs``) and its worker's."""
         c = {f"layer{self.layer_id}_{k}": v for k, v in self.counters.items()}
-        if self._slot is not None:  # joins that polled once the job's last request was out (pass L)
+        if self._slot is not None:  # joins that polled once the job's last request was out
             c[f"layer{self.layer_id}_join_tail_polls"] = self._slot.native.tail_polls()
-        if self._gj is not None:  # the GPU-side join's C++ counters (pass O)
+        if self._gj is not None:  # the GPU-side join's C++ counters
             c.update({f"layer{self.layer_id}_{k}": v for k, v in self._gj.counters().items()})
         c.update({f"layer{self.layer_id}_graph_{k}": v for k, v in self.graphs.counters.items()})
         if self._worker is not None:

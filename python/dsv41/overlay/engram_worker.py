@@ -1,4 +1,4 @@
-"""The rank's Engram row-fetch thread (issue 23): takes ``RemoteRows`` jobs off the launching
+"""The rank's Engram row-fetch thread: takes ``RemoteRows`` jobs off the launching
 thread, fetches both Engram layers of a step in one request, launches the H2D copy and vLLM's
 kernel on the layer's stream and hands each layer off (``dsv41.overlay.engram`` for the whole).
 """
@@ -19,12 +19,12 @@ from dsv41.overlay.engram_ops import _NoEvent
 COALESCE_S = 0.0005
 #: Seconds between two attempts of the lease probe (a thread of its own, never the worker's) to
 #: lease a connection for the C++ core while it has none: the server's return is noticed within
-#: about this long, and no step ever waits for a connect (issue 47's circuit breaker).
+#: about this long, and no step ever waits for a connect (the circuit breaker's recovery).
 LEASE_RETRY_S = 0.5
 #: Seconds the idle C++ core polls its queue (PAUSE loop, no system call) after the end of its
 #: last job before it sleeps on its condition variable (``EngramCore.set_idle_spin``): a step's
 #: job submitted within it is taken within microseconds whatever the host's wake-up latency
-#: (issue 47: 0.055-0.120 ms median on one H100 host against 0.019 on another). While steps come
+#: (which differs several-fold between otherwise equal hosts). While steps come
 #: at least once a second the worker's core stays busy (one core per rank); idle, it costs nothing.
 IDLE_SPIN_S = 1.0
 #: Nanoseconds ``RemoteRows.join`` polls the hand-off flag before it sleeps on the condition
@@ -35,22 +35,21 @@ REPORT_EVERY_S = 60.0
 #: Rows of one piece of a lookup (plan, fetch, H2D, kernel): a decode step is one piece; a 32K
 #: prefill chunk at TP2 (393,216 rows) six, whose copies and kernels overlap the next fetch.
 PIECE_ROWS = 65536
-#: Rows of piece 0 of a multi-piece job that the C++ core plans and requests first, alone (issue
-#: 23 pass K): the plan of a whole 65,536-row piece (~0.3 ms on the H200 host) no longer precedes
-#: the first request; the rest of piece 0 is planned by the planner thread while the head's
+#: Rows of piece 0 of a multi-piece job that the C++ core plans and requests first, alone: the
+#: plan of a whole 65,536-row piece would otherwise precede the first request on the wire; the rest of piece 0 is planned by the planner thread while the head's
 #: request is in flight and requested next (the same fetch list and rows as one request).
 HEAD_ROWS = 8192
 #: Rows of a multi-piece job's tail pieces, applied in turn to its last piece (its last ``t`` rows
 #: a piece of their own where it is longer than ``t``; the C++ core's ``piece_layout``). What the
 #: GPU does after the job's last reply, which layer 1 waits for, is the last piece's H2D copy and
-#: kernel: issue 23 pass L cut it to 16,384 rows (~0.09 ms on the H200, 0.136 ms on an H100, pass
-#: P: layer 1 then 0.03-0.06 ms over its bound there). Pass Q adds a 2,048-row tail: a 32K chunk
-#: at TP2 (393,216 rows) is five pieces of 65,536, then 49,152, 14,336 and 2,048. The 14,336-row
-#: piece's copy and kernel (~0.12 ms on the H100) run while the last 2,048 rows are fetched
-#: (~0.2 ms at the ~0.1 us a row of pass P's 39 ms for 393,216), so only the 2,048 follow the reply.
+#: kernel, so a short last piece keeps layer 1's wait within its bound; a second, shorter tail
+#: piece hides the one before it: a 32K chunk at TP2 (393,216 rows) is five pieces of 65,536, then
+#: 49,152, 14,336 and 2,048. The 14,336-row piece's copy and kernel run while the last 2,048 rows
+#: are fetched (they take about as long), so only the 2,048 follow the reply (measurements:
+#: docs/records/2026-12-07-numbers-from-code-comments.md).
 TAIL_ROWS = (16384, 2048)
 
-_workers: dict[int, "EngramWorker"] = {}
+_workers: dict[int, EngramWorker] = {}
 _workers_lock = threading.Lock()
 
 
@@ -70,20 +69,20 @@ class EngramWorker:
     ``plan_s`` and ``launch_s`` (one-request steps), ``fetch_s`` (seconds inside the row source) and
     ``host_s`` (the rest of the worker's busy time: ids wait excluded, plan, H2D/kernel launches).
 
-    With the C++ extension (``dsv41.overlay._core.EngramCore``, issue 23 pass F) the thread runs the core's
+    With the C++ extension (``dsv41.overlay._core.EngramCore``) the thread runs the core's
     ``next()`` with the GIL released: the wake-up, the ids wait, the coalescing, the plan, the
     request on a connection the row source lends (``RemoteRowSource.native_lease``), the launch
     graph and the hand-off of a captured size are C++, and so is a multi-piece (prefill) job whose
-    piece graphs exist (issue 23 pass H: plan in the fixed piece layout, one pipelined request and
-    one graph launch per piece; since pass I pieces 1.. are planned by the core's planner thread
-    while the requests before them are in flight, ``native_plan_ahead_s``; since pass K piece 0 goes
-    as two requests, its first ``HEAD_ROWS`` rows planned and sent at once, the rest planned by the
+    piece graphs exist (plan in the fixed piece layout, one pipelined request and one graph launch
+    per piece; pieces 1.. are planned by the core's planner thread while the requests before them
+    are in flight, ``native_plan_ahead_s``, so planning never delays the wire; piece 0 goes as two
+    requests, its first ``HEAD_ROWS`` rows planned and sent at once, the rest planned by the
     planner thread meanwhile); Python serves what the core hands back (no lease, a launch without
     a graph yet, a multi-piece job without piece graphs (the pipeline above, then their capture) or
     planned and fetched on the CPU (``_pieces_back``: Python launches the pieces), a failed request:
     ``lease_failed`` serves the exact local rows or raises in required mode (a multi-piece job is
-    then served again whole), a failed CUDA call: graphs off, eager launches). Issue 47's circuit
-    breaker: where the table's exact local shard can be mapped (``_register``), a job without a
+    then served again whole), a failed CUDA call: graphs off, eager launches). The circuit
+    breaker (no Python hop per job while the server is down): where the table's exact local shard can be mapped (``_register``), a job without a
     connection, or whose request failed, is filled from it in C++ (``native_local_jobs``; a
     failed request is then handed back only to close the connection and count it,
     ``local_fills_after_failure``), and the lease probe thread (``_probe_loop``, every
@@ -160,7 +159,7 @@ class EngramWorker:
             self._cond.notify()
 
     def submit_gj(self, rows: Any, gen: int, bound_s: float) -> int:
-        """Queue a GPU-joined job (issue 23 pass O, ``engram_gpujoin``): ``EngramCore.submit_gj``
+        """Queue a GPU-joined job (``engram_gpujoin``): ``EngramCore.submit_gj``
         checks the slot, queues the job's GPU side on its stream (``EngramSlot.gj_queue``) and hands
         it to the core and its watchdog (``bound_s``: the watchdog's bound, seconds). Returns 0
         (nothing queued: serve it on the host path), 1 (queued) or -1 (the GPU side queued in part:
@@ -274,9 +273,18 @@ class EngramWorker:
 
     def _run_native(self) -> None:
         """The C++ core's loop (see the class): Python only for what the core hands back."""
-        from dsv41.overlay.engram_ops import (CORE_CUDA_FAILED, CORE_FAILED, CORE_FETCHED, CORE_GJ_FAILED,
-                                              CORE_PIECES_FAILED, CORE_PIECES_FETCHED, CORE_PYTHON, CORE_PYTHON_IDS,
-                                              CORE_REPORT, CORE_RETIRED)
+        from dsv41.overlay.engram_ops import (
+            CORE_CUDA_FAILED,
+            CORE_FAILED,
+            CORE_FETCHED,
+            CORE_GJ_FAILED,
+            CORE_PIECES_FAILED,
+            CORE_PIECES_FETCHED,
+            CORE_PYTHON,
+            CORE_PYTHON_IDS,
+            CORE_REPORT,
+            CORE_RETIRED,
+        )
 
         self.ops.bind_thread()
         core, tables, c = self.core, self._tables, self._c
@@ -363,7 +371,7 @@ class EngramWorker:
         self._serve([(rows, gen)])
 
     def _gj_failed(self, job: tuple, code: int, rcount: int) -> None:
-        """A GPU-joined job's request failed (issue 23 pass O): the core already filled its rows
+        """A GPU-joined job's request failed: the core already filled its rows
         from the exact local rows and released the GPU; here the lent connection is closed and the
         failure counted as the row source's (``lease_failed`` with no rows to fill)."""
         from dsv41.overlay.engram_ops import log

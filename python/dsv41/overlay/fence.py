@@ -49,8 +49,15 @@ from urllib.parse import parse_qs, urlencode
 
 from dsv41 import authz, envs, fileio
 from dsv41.engine import drain as dr
-from dsv41.engine.hold import (WINDOW_HEADER, WINDOW_TOKEN_RE, HoldFileError, HoldRecord, read_hold, remove_hold,
-                               write_hold)
+from dsv41.engine.hold import (
+    WINDOW_HEADER,
+    WINDOW_TOKEN_RE,
+    HoldFileError,
+    HoldRecord,
+    read_hold,
+    remove_hold,
+    write_hold,
+)
 
 log = logging.getLogger("dsv41.overlay.fence")
 

@@ -27,8 +27,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from dsv41.overlay import contract as C
-from dsv41.overlay import settings as S
+from dsv41.overlay import contract as C, settings as S
 
 log = logging.getLogger("dsv41.overlay")
 LOG_FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
@@ -87,8 +86,7 @@ def ensure_log_handler() -> logging.Handler | None:
 def _serve_metrics(settings: S.OverlaySettings, state: str, why: str = "") -> None:
     """Record ``state`` and, when ``DSV41_OVERLAY_METRICS_ADDR`` is set, start the rank's endpoint
     once vLLM's GPU model runner is imported (the worker only: never twice per host)."""
-    from dsv41.overlay import hooks
-    from dsv41.overlay import metrics as M
+    from dsv41.overlay import hooks, metrics as M
 
     M.set_state(state, settings.env.overlay_rank, why)
     addr = settings.env.overlay_metrics_addr.strip()

@@ -2,8 +2,8 @@
 
 Engram: ``DSV41_ENGRAM_REMOTE`` (one URL per rank, comma-separated; unset/empty = off),
 ``DSV41_ENGRAM_REMOTE_TIMEOUT_MS`` (1..600000, default 100), ``DSV41_ENGRAM_REMOTE_REQUIRED``
-(0/1), ``DSV41_ENGRAM_GPU_JOIN`` (0/1, default 1: a prefill chunk's layer joined on the GPU, issue 23
-pass O, ``dsv41.overlay.engram_gpujoin``; never in required mode), ``DSV41_ENGRAM_LOOKUP_DEADLINE_MS`` (whole-call deadline of a lookup, default 1000, the
+(0/1), ``DSV41_ENGRAM_GPU_JOIN`` (0/1, default 1: a prefill chunk's layer joined on the GPU with no host
+wait, ``dsv41.overlay.engram_gpujoin``; never in required mode), ``DSV41_ENGRAM_LOOKUP_DEADLINE_MS`` (whole-call deadline of a lookup, default 1000, the
 same setting the lab engine uses) and ``DSV41_TRANSPORT_CLIENT_SPIN_US`` (busy-poll budget per
 reply, default 50; both read from ``env``), ``DSV41_RUNTIME_ROOT`` (the read-only runtime root
 staged by roles/engram_overlay: ``manifest.json`` and ``overlay.json``, whose ``tables_dir``
@@ -90,7 +90,6 @@ def runtime_files(settings: OverlaySettings) -> tuple[Path, Path | None]:
     manifest = root / "manifest.json"
     if not manifest.is_file():
         raise ConfigError(f"DSV41_RUNTIME_ROOT {root}: no manifest.json (run roles/engram_overlay)")
-    from dsv41 import fileio
 
     try:
         desc = fileio.loads_json(fileio.read_text(root / "overlay.json", f"DSV41_RUNTIME_ROOT {root}: overlay.json",

@@ -11,8 +11,7 @@ from pathlib import Path
 import typer
 
 from dsv41 import fileio
-from dsv41.promotion import journal as journal_mod
-from dsv41.promotion import package as pkg
+from dsv41.promotion import journal as journal_mod, package as pkg
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 

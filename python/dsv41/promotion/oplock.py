@@ -142,7 +142,7 @@ def acquire(state_dir: str | os.PathLike, op: str, op_id: str, owner_pid: int | 
         keeper = subprocess.Popen([sys.executable, "-m", "dsv41.promotion.oplock", str(fd), str(owner.pid),
                                    str(owner.start_ticks), owner.boot_id], pass_fds=(fd,), start_new_session=True,
                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        rec = {"op": op, "id": op_id, "since": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        rec = {"op": op, "id": op_id, "since": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
                "owner": owner.as_record(), "owner_cmd": _cmd_name(owner.pid),
                "keeper": ProcessIdentity.of(keeper.pid).as_record()}
         if previous:

@@ -7,7 +7,6 @@ operation started meanwhile is refused at once (exit 1, one line naming the hold
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -24,14 +23,14 @@ OWNER_OPT = typer.Option(None, "--owner-pid", help="Pid the lock follows (defaul
 @app.command()
 def acquire(op: str = typer.Option(..., "--op", help=f"The operation: {', '.join(oplock.OPERATIONS)}."),
             op_id: str = typer.Option(..., "--id", help="The operation's id (a plain name)."),
-            state_dir: Path = STATE_OPT, owner_pid: Optional[int] = OWNER_OPT) -> None:
+            state_dir: Path = STATE_OPT, owner_pid: int | None = OWNER_OPT) -> None:
     """Take the change lock for this run (held until its owner ends or `release`); exit 1 naming
     the holder when another operation holds it. Prints the holder record as JSON."""
     print(fileio.dumps_json(oplock.acquire(state_dir, op, op_id, owner_pid), sort_keys=True))
 
 
 @app.command()
-def release(state_dir: Path = STATE_OPT, owner_pid: Optional[int] = OWNER_OPT) -> None:
+def release(state_dir: Path = STATE_OPT, owner_pid: int | None = OWNER_OPT) -> None:
     """Give the change lock back (only the run that holds it can)."""
     rec = oplock.release(state_dir, owner_pid)
     print("change lock released: " + oplock.describe(rec) if rec else "change lock was not held")

@@ -17,10 +17,10 @@ gets the same id (when and by whom it was recorded lives in the journal and the 
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
 import io
-import errno
 import json
 import os
 import re

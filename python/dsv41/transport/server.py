@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dsv41 import envs
-from dsv41.transport import native as _native
-from dsv41.transport import protocol as P
+from dsv41.transport import native as _native, protocol as P
 from dsv41.transport.url import Endpoint
 
 # Rows gathered per send while streaming a large reply: 16384 rows = 4.3 MB per client.
@@ -181,7 +180,7 @@ class RowServer:
             snap["requests"] += c["requests"]
             snap["rows"] += c["rows"]
             snap["latency_sum"] += c["latency_sum"]
-            snap["latency_buckets"] = [a + b for a, b in zip(snap["latency_buckets"], c["latency_buckets"])]
+            snap["latency_buckets"] = [a + b for a, b in zip(snap["latency_buckets"], c["latency_buckets"], strict=False)]
             for code, n in c["refusals"].items():
                 name = P.status_name(int(code))
                 snap["refusals"][name] = snap["refusals"].get(name, 0) + n
@@ -222,7 +221,7 @@ class RowServer:
             self._listeners.clear()
             self.addresses.clear()
             raise
-        for s, ep in zip(self._listeners, self.addresses):
+        for s, ep in zip(self._listeners, self.addresses, strict=False):
             t = threading.Thread(target=self._accept_loop, args=(s, ep), name=f"accept-{ep}", daemon=True)
             t.start()
             self._threads.append(t)

@@ -19,8 +19,7 @@ import time
 import numpy as np
 
 from dsv41 import envs
-from dsv41.transport import native as _native
-from dsv41.transport import protocol as P
+from dsv41.transport import native as _native, protocol as P
 from dsv41.transport.errors import Refused, TransportError, TransportTimeout
 from dsv41.transport.url import Endpoint
 

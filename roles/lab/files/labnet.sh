@@ -69,12 +69,12 @@ cmd_link() { # NS_A IF_A ADDR_A/PFX NS_B IF_B ADDR_B/PFX MTU : a direct point-to
 }
 
 cmd_down() { # NS HOSTVETH : kill only processes inside NS, then delete NS and the veth
-  local ns=$1 veth=$2 p i
+  local ns=$1 veth=$2 p
   if [[ -e /run/netns/$ns ]]; then
     # SIGKILL: a pid-namespace init ignores SIGTERM.
     for p in $(ip netns pids "$ns"); do act "kill $p in $ns" kill -KILL "$p" 2>/dev/null || true; done
     if (( ! CHECK )); then
-      for i in $(seq 50); do [[ -z $(ip netns pids "$ns") ]] && break; sleep 0.1; done
+      for _ in $(seq 50); do [[ -z $(ip netns pids "$ns") ]] && break; sleep 0.1; done
     fi
     act "netns $ns" ip netns del "$ns"
   fi

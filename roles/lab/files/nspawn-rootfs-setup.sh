@@ -18,10 +18,10 @@ ROLE_STARTED_PACKAGES=(prometheus prometheus-alertmanager prometheus-node-export
 # The systemd units package PKG ships in ROOT (dpkg's file list; PKG:ARCH.list for a Multi-Arch:
 # same package), one a line.
 package_units() { # ROOT PKG
-  local list
-  list=$(compgen -G "$1/var/lib/dpkg/info/$2.list" || compgen -G "$1/var/lib/dpkg/info/$2:*.list" || true)
-  [[ -n $list ]] || { echo "nspawn-rootfs-setup: package $2 is not in the rootfs (lab_nspawn_packages)" >&2; return 1; }
-  { grep -hE '^/(usr/)?lib/systemd/system/[^/]+[.](service|socket|timer|path)$' $list || true; } | xargs -r -n1 basename | sort -u
+  local -a lists
+  mapfile -t lists < <(compgen -G "$1/var/lib/dpkg/info/$2.list" || compgen -G "$1/var/lib/dpkg/info/$2:*.list" || true)
+  (( ${#lists[@]} )) || { echo "nspawn-rootfs-setup: package $2 is not in the rootfs (lab_nspawn_packages)" >&2; return 1; }
+  { grep -hE '^/(usr/)?lib/systemd/system/[^/]+[.](service|socket|timer|path)$' "${lists[@]}" || true; } | xargs -r -n1 basename | sort -u
 }
 
 # Disable every unit the packages ship (systemctl --root: the unit files and links of ROOT only,

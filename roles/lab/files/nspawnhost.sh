@@ -85,7 +85,7 @@ leader_alive() { # LEADER_PIDFILE NS NSPAWN_PIDFILE CG
 cmd_boot() { # MACHINE NS HOSTDIR LEADER_PIDFILE NSPAWN_PIDFILE CGROUP IMAGES LOG [DIR...]
   # DIR...: controller directories bound read-only at the same path in the machine (lab_nspawn_binds_ro);
   # they live in the machine's mount namespace only, so they go with it (nothing to unmount on down).
-  local m=$1 ns=$2 hd=$3 lpf=$4 npf=$5 cg=$6 images=$7 log=$8 i leader="" d binds=()
+  local m=$1 ns=$2 hd=$3 lpf=$4 npf=$5 cg=$6 images=$7 log=$8 leader="" d binds=()
   shift 8
   for d in "$@"; do
     # nspawn's --bind-ro=SRC[:DST[:OPTIONS]]: a ':' would be read as the separator.
@@ -113,7 +113,7 @@ cmd_boot() { # MACHINE NS HOSTDIR LEADER_PIDFILE NSPAWN_PIDFILE CGROUP IMAGES LO
   local npid=$!
   echo "$npid" >"$npf"
   # The leader (the host's systemd, pid 1 of the machine) is a child of the nspawn process.
-  for i in $(seq 200); do
+  for _ in $(seq 200); do
     for leader in $(pgrep -P "$npid" || true); do
       echo "$leader" >"$lpf"
       if leader_alive "$lpf" "$ns" "$npf" "$cg"; then break 2; fi
@@ -126,7 +126,7 @@ $(tail -n 15 "$log")"
   [[ -n $leader ]] || { rm -f "$lpf"; die "$m: no host systemd under systemd-nspawn $npid after 10 s; see $log"; }
   # Up = the host's systemd has finished booting (running, or degraded with the failed units named).
   local state=""
-  for i in $(seq 120); do
+  for _ in $(seq 120); do
     state=$(nsenter -t "$leader" -a systemctl is-system-running 2>/dev/null || true)
     [[ $state == running || $state == degraded ]] && break
     sleep 0.25
@@ -139,13 +139,13 @@ $(tail -n 15 "$log")"
 }
 
 cmd_poweroff() { # MACHINE NS LEADER_PIDFILE NSPAWN_PIDFILE CGROUP TIMEOUT_S : through the host's own systemd
-  local m=$1 ns=$2 lpf=$3 npf=$4 cg=$5 t=$6 i
+  local m=$1 ns=$2 lpf=$3 npf=$4 cg=$5 t=$6
   if leader_alive "$lpf" "$ns" "$npf" "$cg"; then
     act "poweroff $m (systemctl poweroff in the host)" nsenter -t "$(cat "$lpf")" -a systemctl poweroff
   fi
   (( CHECK )) && return 0
   local t0=$SECONDS
-  for i in $(seq $((t * 10))); do nspawn_alive "$npf" "$cg" || break; sleep 0.1; done
+  for _ in $(seq $((t * 10))); do nspawn_alive "$npf" "$cg" || break; sleep 0.1; done
   if nspawn_alive "$npf" "$cg"; then die "$m: systemd-nspawn $(cat "$npf") still running ${t} s after poweroff"; fi
   echo "$m: powered off in $((SECONDS - t0)) s"
   rm -f "$lpf"
@@ -157,7 +157,7 @@ cg_procs() { # DIR : every pid in the cgroup subtree DIR
 }
 
 cmd_down() { # MACHINE NS HOSTDIR LEADER_PIDFILE NSPAWN_PIDFILE CGROUP TIMEOUT_S : nothing of the machine left
-  local m=$1 ns=$2 hd=$3 lpf=$4 npf=$5 cg=$6 t=$7 i p mp
+  local m=$1 ns=$2 hd=$3 lpf=$4 npf=$5 cg=$6 t=$7 p mp
   if nspawn_alive "$npf" "$cg"; then
     if ! ( cmd_poweroff "$m" "$ns" "$lpf" "$npf" "$cg" "$t" ); then echo "nspawnhost: $m: forcing" >&2; fi
   fi
@@ -168,7 +168,7 @@ cmd_down() { # MACHINE NS HOSTDIR LEADER_PIDFILE NSPAWN_PIDFILE CGROUP TIMEOUT_S
   fi
   for p in $(cg_procs "$CG_SYSTEMD/$cg"); do act "kill $p in cgroup $cg" kill -KILL "$p" 2>/dev/null || true; done
   if (( ! CHECK )); then
-    for i in $(seq 50); do [[ -z $(cg_procs "$CG_UNIFIED/$cg")$(cg_procs "$CG_SYSTEMD/$cg") ]] && break; sleep 0.1; done
+    for _ in $(seq 50); do [[ -z $(cg_procs "$CG_UNIFIED/$cg")$(cg_procs "$CG_SYSTEMD/$cg") ]] && break; sleep 0.1; done
   fi
   for d in "$CG_UNIFIED/$cg" "$CG_SYSTEMD/$cg"; do
     if [[ -d $d ]]; then act "cgroup $d" find "$d" -depth -type d -exec rmdir {} +; fi

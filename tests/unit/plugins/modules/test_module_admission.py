@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from ansible_collections.dsv41.offload.plugins.modules import admission  # noqa: E402
+
 from serverutil import FakeServing  # noqa: E402
 
 

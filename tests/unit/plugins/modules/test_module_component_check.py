@@ -4,8 +4,8 @@ against fake endpoints, and a failed check naming itself."""
 from __future__ import annotations
 
 import pytest
-
 from ansible_collections.dsv41.offload.plugins.modules import component_check  # noqa: E402
+
 from dsv41.harness import refs
 from serverutil import FakeServing  # noqa: E402
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 import os
+from pathlib import Path
 
 import pytest
-
 from ansible_collections.dsv41.offload.plugins.modules import engram_manifest  # noqa: E402
 
 import dsv41  # noqa: E402

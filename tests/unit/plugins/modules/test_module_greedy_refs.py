@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from ansible_collections.dsv41.offload.plugins.modules import greedy_refs  # noqa: E402
+
 from serverutil import FakeServing  # noqa: E402
 
 

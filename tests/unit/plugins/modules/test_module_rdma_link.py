@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from ansible_collections.dsv41.offload.plugins.modules import rdma_link  # noqa: E402
 
 
