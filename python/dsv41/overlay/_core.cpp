@@ -3,7 +3,7 @@
 // headers' definitions keep internal linkage). It sends its requests with the transport's
 // client path (dsv41/transport/client.h) on a connection a row source lends it.
 //
-// ---- the vLLM overlay's Engram worker core (dsv41/overlay/engram_worker.py, issue 23 pass F) ----
+// ---- the vLLM overlay's Engram worker core (dsv41/overlay/engram_worker.py) ----
 // The rank's worker thread runs EngramCore::next() with the GIL released: it waits for a job
 // (a condition variable; the launching thread's submit notifies it), waits on the job's ids event
 // (cuEventSynchronize), takes the step's other Engram layer when it is due (coalescing, as the
@@ -15,7 +15,8 @@
 // than one request, an id past the table), a launch without a graph (Python launches eagerly and
 // captures), a failed request (Python serves the exact local rows or raises in required mode), a
 // failed CUDA call, a report, a retire. A multi-piece (prefill) job is served alone, in order, by
-// serve_pieces (issue 23 pass H).
+// serve_pieces (its pieces share one buffer layout and one connection, so they cannot interleave
+// with another job's).
 
 #include "dsv41/overlay/core_engram.h"
 

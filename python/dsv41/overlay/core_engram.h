@@ -11,7 +11,7 @@ namespace {
 class EngramCore {
  public:
   // Statuses of next(): what Python does with the batch it returns.
-  // GJ_FAILED (issue 23 pass O): a GPU-joined job's request failed and its rows were filled from
+  // GJ_FAILED: a GPU-joined job's request failed and its rows were filled from
   // the exact local rows (every flag stored): Python closes the lent connection and counts it.
   // GJ (internal): take() dequeued and claimed a GPU-joined job.
   enum { RETIRED = 0, PYTHON = 1, FETCHED = 2, FAILED = 3, CUDA_FAILED = 4, REPORT = 5, PYTHON_IDS = 6,
@@ -19,10 +19,11 @@ class EngramCore {
   // Requests in flight per piece of a multi-piece job (tcp.TcpClient.lookup_many's window).
   static constexpr uint32_t kPieceWindow = 4;
 
-  // head_rows (issue 23 pass K): piece 0 of a multi-piece job is requested in two parts, its
+  // head_rows: piece 0 of a multi-piece job is requested in two parts (its first request leaves
+  // before the whole piece is planned), its
   // first head_rows rows planned and sent at once, the rest planned meanwhile by the planner
   // thread (0: piece 0 planned whole before its request, as before).
-  // tail_rows (issue 23 pass L): the last piece's last tail_rows rows are a piece of their own
+  // tail_rows: the last piece's last tail_rows rows are a piece of their own
   // (piece_layout; 0: pieces of piece_rows only).
   EngramCore(int64_t chunk_rows, int64_t piece_rows, double report_s, int64_t head_rows = 0, Tails tail_rows = {})
       : chunk_rows_(chunk_rows), piece_rows_(piece_rows), head_rows_(head_rows),
@@ -42,7 +43,7 @@ class EngramCore {
     pending_.store(true, std::memory_order_release);
     cv_.notify_one();
   }
-  // Launching thread (issue 23 pass O): GPU-join job `gen`. Every check first (the slot ready:
+  // Launching thread: GPU-join job `gen`. Every check first (the slot ready:
   // words, local rows, buffers, table; the rows fit; the watchdog's thread), then its GPU side
   // (slot->gj_queue on `stream`, unless `queue` is false: the CPU tests' stand-in for the GPU),
   // then the job to the worker's queue and to the watchdog (bound_s: GjWatchdog's bound). 0:
@@ -468,7 +469,7 @@ class EngramCore {
     } else {
       // no owned id can be past the table (it covers [lo, hi)): piece 0 planned here, the rest
       // by a planner thread while the requests of the pieces before are in flight
-      plan.plan_head(head_rows_);  // piece 0's head (issue 23 pass K); without one, piece 0 whole
+      plan.plan_head(head_rows_);  // piece 0's head; without one, piece 0 whole
       if (plan.head_rows == 0) plan.plan(0);
       plan.start_ahead(planner());
     }
@@ -507,14 +508,14 @@ class EngramCore {
     if (tracing) keep_trace(tr, t_done);
     return REPORT;
   }
-  // A multi-piece job's requests as one pipelined stream over its segments (issue 23 pass L):
+  // A multi-piece job's requests as one pipelined stream over its segments:
   // piece 0 (its head and its rest with head_rows_), then pieces 1.., each cut into requests of
   // chunk_rows_ ids, up to kPieceWindow requests in flight across segment and piece boundaries,
   // replies received in order into the fixed piece layout; a segment's requests go out once the
   // planner has planned it (its ids count is known then). A piece whose last reply is in gets its
   // graph launched (CUDA) after the requests that fit the window are sent, so the launch overlaps
-  // the next piece's requests instead of sitting between a reply and the next request (pass K:
-  // 0.21-0.25 ms per step), and the connection does not drain at every piece. Returns -1 when
+  // the next piece's requests instead of sitting between a reply and the next request (where it
+  // adds to every step's exposed time), and the connection does not drain at every piece. Returns -1 when
   // every piece was fetched (and launched on CUDA); else the status to return: REPORT (the job was
   // refused meanwhile: nothing more launched, the requests in flight received and dropped so the
   // connection stays in step), PIECES_FAILED (a request failed: code != 0, rcount the refusal
@@ -629,7 +630,7 @@ class EngramCore {
         tail_marked = true;
       }
       // 2. the pieces whose replies are all in: their graphs, after the requests above; a
-      // GPU-joined job's (pass O): their flags (the GPU's waits release the graphs queued at start)
+      // GPU-joined job's: their flags (the GPU's waits release the graphs queued at start)
       while (!to_launch.empty() && j.gj) {
         const size_t p = to_launch.front();
         to_launch.pop_front();
@@ -723,7 +724,7 @@ class EngramCore {
     }
     return -1;
   }
-  // A GPU-joined job (issue 23 pass O; claimed by take()): its ids awaited on the ids word,
+  // A GPU-joined job (claimed by take()): its ids awaited on the ids word,
   // planned as serve_pieces plans (piece 0's head here, the rest on the planner thread), then on
   // the lent connection the pipelined request stream, each piece's flag stored once its last
   // reply is in (stream(), j.gj); without a connection, or after a failed request, every piece

@@ -8,7 +8,7 @@
 
 namespace {
 
-// ---- the GPU-side join's jobs, their fill from the local rows and the watchdog (issue 23 pass O) ----
+// ---- the GPU-side join's jobs, their fill from the local rows and the watchdog ----
 // One GPU-joined job: the launching thread queued its ids word's write, per piece the wait for
 // its flag and its graph, and its done event on the job's stream (EngramSlot::gj_queue), so the
 // GPU runs each piece once its flag holds `gen`. Exactly one of the worker and the watchdog
@@ -168,11 +168,11 @@ struct EngramJob {
   int64_t t_sub;
   int64_t n = 0;
   int64_t t_deq = 0, t_ids = 0;  // dequeued, ids event done (CLOCK_MONOTONIC ns; the phase trace)
-  std::shared_ptr<GJob> gj;         // a GPU-joined job (issue 23 pass O), else null
+  std::shared_ptr<GJob> gj;         // a GPU-joined job, else null
   std::vector<char> *stored = nullptr;  // serve_gj: the pieces whose flag is stored
 };
 
-// One multi-piece job's phase timestamps (EngramCore::set_trace, issue 23 pass K: the step
+// One multi-piece job's phase timestamps (EngramCore::set_trace, for the step
 // benchmark's decomposition of layer 1's exposed time), CLOCK_MONOTONIC ns as Python's
 // time.monotonic_ns(): submitted, dequeued, ids event done, piece 0 planned; per piece the
 // request's start and end and the end of its graph launch (the start of the next piece's
@@ -186,11 +186,11 @@ struct PieceTrace {
   int64_t rows = 0, t_sub = 0, t_deq = 0, t_ids = 0, t_plan0 = 0, t_done = 0;
   int64_t t_head1 = 0, t_rest0 = 0;  // piece 0 with a head: its request's end, the rest's request's start
   std::vector<int64_t> fetch0, fetch1, launch1;
-  // the pipelined stream (EngramCore::stream, issue 23 pass L): pieces' requests overlap, so the
+  // the pipelined stream (EngramCore::stream): pieces' requests overlap, so the
   // fetch is the first send to the last reply less `idle` (gaps with nothing on the wire)
   bool stream = false;
   int64_t t_fetch0 = 0, t_fetch1 = 0, idle = 0;
-  bool gpu_join = false;  // a GPU-joined job (pass O): launch1 = the piece's flag stored, t_done = the last
+  bool gpu_join = false;  // a GPU-joined job: launch1 = the piece's flag stored, t_done = the last
 };
 
 }  // namespace

@@ -14,7 +14,7 @@ namespace {
 // (-1, padded heads, other ranks' rows) sel = -1, a zero row in vLLM's kernel. Runs without the
 // GIL for large inputs, so the overlay's worker does not hold up the launching thread there.
 // plan_rows' arithmetic on ids[r0, r1), branch-free (random ids make a branch on ownership
-// unpredictable: pass H measured about 3.6 ns per id with it): sel[i] = the id's position in the
+// unpredictable, and a mispredict per id costs more than the arithmetic): sel[i] = the id's position in the
 // piece's fetch list or -1, fetch[0, n) the owned ids in order; returns n. fetch[n] is written
 // before n is known to grow, which stays inside [0, r1 - r0). `bad` is set when an owned id is
 // at or past `limit` (the table's row count). `sel_off` is added to every owned id's selector:
@@ -68,13 +68,13 @@ int64_t plan_rows(py::array_t<int64_t, py::array::c_style> ids, int64_t lo, int6
 // 1..count-1 on a planner thread (in order, publishing `planned`), so the worker thread waits
 // (wait(k)) only when a piece's plan is not done by the time its request is due. The destructor
 // waits for the planner (PiecePlan::join): no early return leaves it writing into buffers Python reuses.
-// plan_head(h) (issue 23 pass K) plans only piece 0's first h rows (head_n owned ids: a request
+// plan_head(h) plans only piece 0's first h rows (head_n owned ids: a request
 // of its own, sent at once); start_ahead() then plans the rest of piece 0 first, continuing its
 // fetch list and selectors after head_n, so piece 0's plan and fetch list are those of plan(0).
 struct PiecePlan;
-// The planner thread of a core (issue 23 pass L): started once, at the first multi-piece job
-// that plans ahead, instead of one std::thread per job (pass K measured piece 0's plan phase at
-// 0.13-0.14 ms with the thread's start in it, ~0.1 ms over the 8,192-id head's plan). post()
+// The planner thread of a core: started once, at the first multi-piece job that plans ahead,
+// instead of one std::thread per job (a thread's start is on piece 0's critical path and costs
+// more than planning the head itself). post()
 // hands it a PiecePlan (PiecePlan::run_ahead from piece `first` on) and returns at once;
 // wait_idle() returns once that plan is done (or stopped). One plan at a time. The destructor
 // stops and joins the thread.
@@ -113,9 +113,8 @@ struct Planner {
 
 // A multi-piece job's fixed piece layout, (first row, rows) per piece: pieces of piece_rows,
 // then, in a job of more than one piece, for each t of tail_rows in turn the last piece's last t
-// rows as a piece of their own when it is longer than t (issue 23 pass L: the last piece's H2D
-// copy and kernel, after the job's last reply, are on layer 1's critical path; pass Q: two tails,
-// so that what follows the last reply is a small piece and the piece before it is short enough to
+// rows as a piece of their own when it is longer than t (the last piece's H2D copy and kernel,
+// after the job's last reply, are on layer 1's critical path; two tails, so that what follows the last reply is a small piece and the piece before it is short enough to
 // be done by then). RemoteRows._piece_keys agrees.
 std::vector<std::pair<int64_t, int64_t>> piece_layout(int64_t rows, int64_t piece_rows, const Tails &tail_rows) {
   std::vector<std::pair<int64_t, int64_t>> v;

@@ -75,11 +75,11 @@ struct EngramSlot {
   std::mutex m;
   std::condition_variable cv;
   std::atomic<uint64_t> handed{0};
-  // the generation whose last request is out (mark_tail, issue 23 pass L): its hand-off is due
+  // the generation whose last request is out (mark_tail): its hand-off is due
   // within that request, so a join waiting for it polls instead of sleeping on the cv
   std::atomic<uint64_t> tail{0};
   std::atomic<int64_t> tail_polls{0};  // joins that polled for a hand-off after mark_tail
-  // the last wait_stream's host times (CLOCK_MONOTONIC ns, launching thread only; issue 23 pass M):
+  // the last wait_stream's host times (CLOCK_MONOTONIC ns, launching thread only; the phase trace):
   // entered, the hand-off seen, the stream wait queued, the GIL taken back; its generation
   int64_t w_enter = 0, w_seen = 0, w_queued = 0, w_gil = 0;
   uint64_t w_gen = 0;
@@ -96,7 +96,7 @@ struct EngramSlot {
   // a multi-piece job's launch graphs by (first row, rows, staged_rows address): the fixed piece
   // layout (RemoteRows._launch_piece: selectors at row r0, packed rows at max_rows*4 + r0*264)
   std::map<std::tuple<int64_t, int64_t, uint64_t>, void *> piece_graphs;
-  // The GPU-side join (issue 23 pass O): 4 KiB of host-mapped pinned memory (cuMemHostAlloc
+  // The GPU-side join: 4 KiB of host-mapped pinned memory (cuMemHostAlloc
   // DEVICEMAP), word 0 the ids word (the GPU writes a job's generation there after its ids' D2H
   // copy), words kGjFlag0.. one flag per piece (the worker or the watchdog stores the job's
   // generation there once the piece's rows are in the pinned staging); their device addresses;
@@ -162,7 +162,7 @@ struct EngramSlot {
     std::lock_guard<std::mutex> g(m);
     return gen == abandoned;
   }
-  // ---- the GPU-side join (issue 23 pass O) ----
+  // ---- the GPU-side join ----
   // Launching thread, with the CUDA context current: the host-mapped words (once). False when a
   // driver call is missing or fails (the table then joins on the host).
   bool gj_setup() {
@@ -256,16 +256,16 @@ struct EngramSlot {
   // Launching thread: wait up to timeout_s for the hand-off of `gen` with the GIL released,
   // polling the flag for spin_ns first (a hand-off that is already due costs no sleep/wake),
   // then sleeping on the cv until the hand-off or until the job's last request is out
-  // (mark_tail); from then on it polls the flag (no wake-up after the hand-off: pass K measured
-  // 0.36-0.40 ms from the hand-off to the join's return with the sleep), still within timeout_s.
+  // (mark_tail); from then on it polls the flag (no wake-up after the hand-off: a sleeping join's
+  // wake-up costs more than the polling), still within timeout_s.
   bool wait(uint64_t gen, double timeout_s, int64_t spin_ns) {
     if (handed.load(std::memory_order_acquire) == gen) return true;
     py::gil_scoped_release nogil;
     return wait_nogil(gen, timeout_s, spin_ns);
   }
   // wait, then (handed off, `event` nonzero) queue `stream`'s wait on the event (cuStreamWaitEvent;
-  // stream 0 is the legacy default stream) before the GIL is taken back (issue 23 pass M: no
-  // Python-level wait_event after the hand-off). Returns 0: not handed off within timeout_s;
+  // stream 0 is the legacy default stream) before the GIL is taken back (so no
+  // Python-level wait_event follows the hand-off). Returns 0: not handed off within timeout_s;
   // 1: handed off, the stream wait not queued (no event, no driver entry, or it failed: the
   // caller queues it); 1 | 2: handed off and the stream wait queued. Records the w_* host times.
   // `event2` (nonzero): a second event the stream waits on after the first (vLLM's prefetch-done
