@@ -44,7 +44,8 @@ const CudaDriver &cuda_driver() {
     r.wait_value64 = reinterpret_cast<MemOp>(::dlsym(h, "cuStreamWaitValue64_v2"));
     r.write_value64 = reinterpret_cast<MemOp>(::dlsym(h, "cuStreamWriteValue64_v2"));
     r.host_alloc = reinterpret_cast<int (*)(void **, size_t, unsigned)>(::dlsym(h, "cuMemHostAlloc"));
-    r.host_dev_ptr = reinterpret_cast<int (*)(uint64_t *, void *, unsigned)>(::dlsym(h, "cuMemHostGetDevicePointer_v2"));
+    r.host_dev_ptr =
+        reinterpret_cast<int (*)(uint64_t *, void *, unsigned)>(::dlsym(h, "cuMemHostGetDevicePointer_v2"));
     r.ctx_current = reinterpret_cast<int (*)(void **)>(::dlsym(h, "cuCtxGetCurrent"));
     r.device_get = reinterpret_cast<int (*)(int *, int)>(::dlsym(h, "cuDeviceGet"));
     r.device_attribute = reinterpret_cast<int (*)(int *, int, int)>(::dlsym(h, "cuDeviceGetAttribute"));
@@ -59,7 +60,8 @@ const CudaDriver &cuda_driver() {
 // memory operations and host-mapped memory resolve on a driver of CUDA 11.7 or later (NVIDIA's
 // driver API: the V2 entry points are "available by default on all platforms"), else the device
 // reports the v1 64-bit operations (attribute 93; on the H200 with driver 580 it read 0 while
-// cuStreamWaitValue64_v2 worked, so the attribute alone would refuse a working device). False without the driver or an entry point.
+// cuStreamWaitValue64_v2 worked, so the attribute alone would refuse a working device). False without the driver or an
+// entry point.
 bool stream_mem_ops(int ordinal) {
   const CudaDriver &cu = cuda_driver();
   if (!cu.ok || !cu.wait_value64 || !cu.write_value64 || !cu.host_alloc || !cu.host_dev_ptr || !cu.device_get ||

@@ -20,7 +20,7 @@ struct GJob {
   uint64_t gen = 0;
   int64_t rows = 0, piece_rows = 0;
   Tails tail_rows;
-  int64_t bound_ns = 0;    // the watchdog's bound, counted from its first sight of the ids word
+  int64_t bound_ns = 0;                // the watchdog's bound, counted from its first sight of the ids word
   std::atomic<int64_t> t_ids_seen{0};  // the watchdog's first sight of the ids word
   std::atomic<int> claim{0};
   std::atomic<bool> done{false};
@@ -88,9 +88,7 @@ class GjWatchdog {
     if (started_) return true;
     try {
       std::thread([this] { loop(); }).detach();
-    } catch (const std::system_error &) {
-      return false;
-    }
+    } catch (const std::system_error &) { return false; }
     started_ = true;
     return true;
   }
@@ -147,8 +145,7 @@ class GjWatchdog {
     s.gj_fallback_rows.fetch_add(n);
     s.gj_jobs.fetch_add(1);
     uint64_t prev = s.gj_done.load();
-    while (prev < g.gen && !s.gj_done.compare_exchange_weak(prev, g.gen)) {
-    }
+    while (prev < g.gen && !s.gj_done.compare_exchange_weak(prev, g.gen)) {}
     s.handoff(g.gen);
     g.done.store(true, std::memory_order_release);
   }
@@ -167,8 +164,8 @@ struct EngramJob {
   bool py_wait;  // the ids event is a Python object (no raw handle): Python waits on it
   int64_t t_sub;
   int64_t n = 0;
-  int64_t t_deq = 0, t_ids = 0;  // dequeued, ids event done (CLOCK_MONOTONIC ns; the phase trace)
-  std::shared_ptr<GJob> gj;         // a GPU-joined job, else null
+  int64_t t_deq = 0, t_ids = 0;         // dequeued, ids event done (CLOCK_MONOTONIC ns; the phase trace)
+  std::shared_ptr<GJob> gj;             // a GPU-joined job, else null
   std::vector<char> *stored = nullptr;  // serve_gj: the pieces whose flag is stored
 };
 
@@ -191,6 +188,20 @@ struct PieceTrace {
   bool stream = false;
   int64_t t_fetch0 = 0, t_fetch1 = 0, idle = 0;
   bool gpu_join = false;  // a GPU-joined job: launch1 = the piece's flag stored, t_done = the last
+  // A traced job's fields known once its plan's first part is done (`npieces` zeroed per piece).
+  void start(int64_t key_, const EngramJob &j, int64_t plan0, size_t npieces, bool gj) {
+    key = key_;
+    gen = j.gen;
+    rows = j.rows;
+    t_sub = j.t_sub;
+    t_deq = j.t_deq;
+    t_ids = j.t_ids;
+    t_plan0 = plan0;
+    gpu_join = gj;
+    fetch0.assign(npieces, 0);
+    fetch1.assign(npieces, 0);
+    launch1.assign(npieces, 0);
+  }
 };
 
 }  // namespace

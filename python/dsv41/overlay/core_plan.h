@@ -45,7 +45,8 @@ constexpr ssize_t kPlanNoGil = 16384;
 int64_t plan_rows(py::array_t<int64_t, py::array::c_style> ids, int64_t lo, int64_t hi,
                   py::array_t<int32_t, py::array::c_style> sel, py::array_t<int64_t, py::array::c_style> fetch) {
   const ssize_t r = ids.size();
-  if (sel.size() < r || fetch.size() < r) throw std::invalid_argument("plan_rows: sel and fetch need ids.size() entries");
+  if (sel.size() < r || fetch.size() < r)
+    throw std::invalid_argument("plan_rows: sel and fetch need ids.size() entries");
   if (r > INT32_MAX) throw std::invalid_argument("plan_rows: more than 2^31 ids");
   const int64_t *p = ids.data();
   int32_t *s = sel.mutable_data();
@@ -86,7 +87,9 @@ struct Planner {
   bool busy = false, quit = false;
   std::thread th;
 
-  Planner() { th = std::thread([this] { loop(); }); }  // throws std::system_error: no thread
+  Planner() {
+    th = std::thread([this] { loop(); });
+  }  // throws std::system_error: no thread
   ~Planner() {
     {
       std::lock_guard<std::mutex> g(m);
@@ -100,7 +103,9 @@ struct Planner {
   void post(PiecePlan *p, size_t f) {
     {
       std::lock_guard<std::mutex> g(m);
-      job = p; first = f; busy = true;
+      job = p;
+      first = f;
+      busy = true;
     }
     cv.notify_all();
   }
@@ -114,8 +119,8 @@ struct Planner {
 // A multi-piece job's fixed piece layout, (first row, rows) per piece: pieces of piece_rows,
 // then, in a job of more than one piece, for each t of tail_rows in turn the last piece's last t
 // rows as a piece of their own when it is longer than t (the last piece's H2D copy and kernel,
-// after the job's last reply, are on layer 1's critical path; two tails, so that what follows the last reply is a small piece and the piece before it is short enough to
-// be done by then). RemoteRows._piece_keys agrees.
+// after the job's last reply, are on layer 1's critical path; two tails, so that what follows the last reply is a small
+// piece and the piece before it is short enough to be done by then). RemoteRows._piece_keys agrees.
 std::vector<std::pair<int64_t, int64_t>> piece_layout(int64_t rows, int64_t piece_rows, const Tails &tail_rows) {
   std::vector<std::pair<int64_t, int64_t>> v;
   for (int64_t r0 = 0; r0 < rows; r0 += piece_rows) v.push_back({r0, std::min(piece_rows, rows - r0)});
@@ -137,7 +142,7 @@ static Tails checked_tails(const Tails &t, const char *who) {
 }
 
 std::vector<std::pair<int64_t, int64_t>> EngramSlot::piece_layout_of(int64_t rows, int64_t piece_rows,
-                                                                        const Tails &tail_rows) {
+                                                                     const Tails &tail_rows) {
   return piece_layout(rows, piece_rows, tail_rows);
 }
 
@@ -146,12 +151,12 @@ struct PiecePlan {
   const int64_t rows;
   const std::vector<std::pair<int64_t, int64_t>> lay;  // piece_layout
   const size_t count;
-  std::vector<int64_t> ns;  // owned ids per piece
+  std::vector<int64_t> ns;            // owned ids per piece
   int64_t head_rows = 0, head_n = 0;  // plan_head: piece 0's rows planned first, their owned ids
   std::atomic<size_t> planned{0};
   std::atomic<bool> stop{false};
   bool bad = false;
-  int64_t ahead_ns = 0;  // the planner thread's time (valid after finish())
+  int64_t ahead_ns = 0;        // the planner thread's time (valid after finish())
   Planner *planner = nullptr;  // set while a Planner runs this plan (start_ahead .. join)
 
   PiecePlan(EngramSlot &slot, int64_t r, std::vector<std::pair<int64_t, int64_t>> layout)
@@ -164,10 +169,9 @@ struct PiecePlan {
     const int64_t r0 = lay[k].first, r1 = r0 + lay[k].second;
     int32_t *sel = reinterpret_cast<int32_t *>(s.hbuf);
     if (k == 0 && head_rows > 0)  // the rest of piece 0, after its head's owned ids
-      ns[0] = head_n + plan_span(s.ids, head_rows, r1, s.lo, s.hi, s.limit, sel, s.fetch + head_n, bad,
-                                 int32_t(head_n));
-    else
-      ns[k] = plan_span(s.ids, r0, r1, s.lo, s.hi, s.limit, sel, s.fetch + r0, bad);
+      ns[0] =
+          head_n + plan_span(s.ids, head_rows, r1, s.lo, s.hi, s.limit, sel, s.fetch + head_n, bad, int32_t(head_n));
+    else ns[k] = plan_span(s.ids, r0, r1, s.lo, s.hi, s.limit, sel, s.fetch + r0, bad);
     planned.store(k + 1, std::memory_order_release);
   }
   // Piece 0's first h rows only (0 < h < piece 0's rows; else nothing): head_n owned ids at fetch[0..).

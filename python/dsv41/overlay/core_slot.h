@@ -15,11 +15,11 @@ struct LocalTable {
   int64_t rows = 0;
   uint64_t woff = 0, soff = 0;
   off_t size = 0;
-  struct timespec mtime {};
+  struct timespec mtime{};
   LocalTable(const std::string &path, uint64_t weight_offset, uint64_t scale_offset, int64_t nrows) {
     fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) throw std::runtime_error("cannot open " + path + ": " + std::strerror(errno));
-    struct stat st {};
+    struct stat st{};
     if (::fstat(fd, &st) != 0) {
       const int e = errno;
       ::close(fd);
@@ -33,7 +33,9 @@ struct LocalTable {
     }
     size = st.st_size;
     mtime = st.st_mtim;
-    rows = nrows; woff = weight_offset; soff = scale_offset;
+    rows = nrows;
+    woff = weight_offset;
+    soff = scale_offset;
   }
   ~LocalTable() {
     if (fd >= 0) ::close(fd);
@@ -41,7 +43,7 @@ struct LocalTable {
   LocalTable(const LocalTable &) = delete;
   LocalTable &operator=(const LocalTable &) = delete;
   bool unchanged() const {
-    struct stat st {};
+    struct stat st{};
     return ::fstat(fd, &st) == 0 && st.st_size == size && st.st_mtim.tv_sec == mtime.tv_sec &&
            st.st_mtim.tv_nsec == mtime.tv_nsec;
   }
@@ -50,7 +52,9 @@ struct LocalTable {
       const ssize_t got = ::pread(fd, dst, n, off_t(off));
       if (got < 0 && errno == EINTR) continue;
       if (got <= 0) return false;
-      dst += got; n -= size_t(got); off += uint64_t(got);
+      dst += got;
+      n -= size_t(got);
+      off += uint64_t(got);
     }
     return true;
   }
@@ -112,7 +116,9 @@ struct EngramSlot {
     std::string b = id;
     if (b.size() != 32) throw std::invalid_argument("identity must be 32 bytes");
     std::lock_guard<std::mutex> g(m);
-    lo = l; hi = h; limit = lim;
+    lo = l;
+    hi = h;
+    limit = lim;
     std::memcpy(ident, b.data(), 32);
     has_table = true;
   }
@@ -244,7 +250,8 @@ struct EngramSlot {
     if (event2 && cu.stream_wait_event(st, reinterpret_cast<void *>(event2), 0) == 0) r |= 4;
     return r;
   }
-  static std::vector<std::pair<int64_t, int64_t>> piece_layout_of(int64_t rows, int64_t piece_rows, const Tails &tail_rows);
+  static std::vector<std::pair<int64_t, int64_t>> piece_layout_of(int64_t rows, int64_t piece_rows,
+                                                                  const Tails &tail_rows);
   // Worker (core): the last request of job `gen` is about to go out; wakes a join sleeping for it.
   void mark_tail(uint64_t gen) {
     {
@@ -303,7 +310,9 @@ struct EngramSlot {
       if (handed.load(std::memory_order_acquire) == gen) return true;
     {
       std::unique_lock<std::mutex> l(m);
-      auto due = [&] { return handed.load(std::memory_order_acquire) == gen || tail.load(std::memory_order_acquire) == gen; };
+      auto due = [&] {
+        return handed.load(std::memory_order_acquire) == gen || tail.load(std::memory_order_acquire) == gen;
+      };
       if (!cv.wait_for(l, std::chrono::nanoseconds(std::max<int64_t>(end - now_ns(), 0)), due)) return false;
       if (handed.load(std::memory_order_acquire) == gen) return true;
     }
