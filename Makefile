@@ -42,6 +42,8 @@ LINT_CALLS_SRC := python/dsv41 plugins $(wildcard tools/*.py)
 # checks every shell file git tracks: *.sh and any file whose first line runs sh, bash or dash;
 # the shell: bodies of the Ansible tasks are checked by tests/unit/test_shell_bodies.py.
 RUFF_SRC := python tests tools plugins setup.py
+# clang-format (pinned; the style is .clang-format at the root) checks every C++ file git tracks.
+CPP_FILES = $(shell git ls-files '*.cpp' '*.cc' '*.hpp' '*.h')
 SHELL_FILES = $(sort $(shell git ls-files '*.sh') \
   $(shell git ls-files -z | xargs -0 awk 'FNR==1 && /^\#!.*(\/|env )(ba|da)?sh( |$$)/ {print FILENAME} {nextfile}'))
 lint: venv
@@ -49,8 +51,7 @@ lint: venv
 	$(BIN)/ruff check $(RUFF_SRC)
 # Enabled (the leading # removed) after one `ruff format` pass over the merged tree:
 #	$(BIN)/ruff format --check $(RUFF_SRC)
-# Enabled once the native code has its .clang-format and is formatted:
-#	clang-format --dry-run --Werror $$(git ls-files '*.cpp' '*.hpp' '*.h')
+	$(BIN)/clang-format --dry-run --Werror $(CPP_FILES)
 	$(BIN)/shellcheck $(SHELL_FILES)
 	$(BIN)/ansible-lint
 	$(BIN)/antsibull-changelog lint

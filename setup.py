@@ -26,6 +26,7 @@ NATIVE = {
     "dsv41.overlay._core": [
         "python/dsv41/overlay/_core.cpp",
         "python/dsv41/overlay/core_engram.h",
+        "python/dsv41/overlay/core_stream.h",
         "python/dsv41/overlay/core_jobs.h",
         "python/dsv41/overlay/core_plan.h",
         "python/dsv41/overlay/core_slot.h",

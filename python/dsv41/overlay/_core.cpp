@@ -3,7 +3,7 @@
 // headers' definitions keep internal linkage). It sends its requests with the transport's
 // client path (dsv41/transport/client.h) on a connection a row source lends it.
 //
-// ---- the vLLM overlay's Engram worker core (dsv41/overlay/engram_worker.py, issue 23 pass F) ----
+// ---- the vLLM overlay's Engram worker core (dsv41/overlay/engram_worker.py) ----
 // The rank's worker thread runs EngramCore::next() with the GIL released: it waits for a job
 // (a condition variable; the launching thread's submit notifies it), waits on the job's ids event
 // (cuEventSynchronize), takes the step's other Engram layer when it is due (coalescing, as the
@@ -15,9 +15,11 @@
 // than one request, an id past the table), a launch without a graph (Python launches eagerly and
 // captures), a failed request (Python serves the exact local rows or raises in required mode), a
 // failed CUDA call, a report, a retire. A multi-piece (prefill) job is served alone, in order, by
-// serve_pieces (issue 23 pass H).
+// serve_pieces (its pieces share one buffer layout and one connection, so they cannot interleave
+// with another job's).
 
 #include "dsv41/overlay/core_engram.h"
+#include "dsv41/overlay/core_stream.h"
 
 // The core's plan of a multi-piece job (PiecePlan, as EngramCore::serve_pieces runs it) on given
 // buffers: `ahead` plans piece 0 here (only its first `head` rows when 0 < head < piece 0's rows,
@@ -28,13 +30,17 @@ py::tuple plan_pieces(py::array_t<int64_t, py::array::c_style> ids, int64_t lo, 
                       int64_t piece_rows, py::array_t<int32_t, py::array::c_style> sel,
                       py::array_t<int64_t, py::array::c_style> fetch, bool ahead, int64_t head, Tails tail) {
   const ssize_t r = ids.size();
-  if (sel.size() < r || fetch.size() < r) throw std::invalid_argument("plan_pieces: sel and fetch need ids.size() entries");
-  if (piece_rows <= 0 || r > INT32_MAX) throw std::invalid_argument("plan_pieces: piece_rows must be > 0 and ids < 2^31");
+  if (sel.size() < r || fetch.size() < r)
+    throw std::invalid_argument("plan_pieces: sel and fetch need ids.size() entries");
+  if (piece_rows <= 0 || r > INT32_MAX)
+    throw std::invalid_argument("plan_pieces: piece_rows must be > 0 and ids < 2^31");
   EngramSlot slot;
   slot.ids = ids.data();
   slot.hbuf = reinterpret_cast<uint8_t *>(sel.mutable_data());
   slot.fetch = fetch.mutable_data();
-  slot.lo = lo; slot.hi = hi; slot.limit = limit;
+  slot.lo = lo;
+  slot.hi = hi;
+  slot.limit = limit;
   tail = checked_tails(tail, "plan_pieces");
   std::vector<int64_t> ns;
   bool bad = false;
@@ -65,7 +71,8 @@ PYBIND11_MODULE(_core, m) {
              auto s = std::make_shared<EngramSlot>();
              s->key = key;
              return s;
-           }), py::arg("key"))
+           }),
+           py::arg("key"))
       .def_property_readonly("key", [](EngramSlot &s) { return s.key; })
       .def("set_table", &EngramSlot::set_table)
       .def("set_buffers", &EngramSlot::set_buffers)
@@ -89,32 +96,37 @@ PYBIND11_MODULE(_core, m) {
            py::arg("piece_rows"), py::arg("tail_rows"), py::arg("done_event"))
       .def("gj_stream_waits", &EngramSlot::gj_stream_waits, py::arg("stream"), py::arg("event"), py::arg("event2") = 0)
       .def("gj_done", [](EngramSlot &s) { return s.gj_done.load(); })
-      .def("gj_counters", [](EngramSlot &s) {
-        py::dict d;
-        d["gj_jobs"] = s.gj_jobs.load(); d["gj_fallback_jobs"] = s.gj_fallback_jobs.load();
-        d["gj_fallback_rows"] = s.gj_fallback_rows.load(); d["gj_takeovers"] = s.gj_takeovers.load();
-        d["gj_bad_pieces"] = s.gj_bad.load();
-        return d;
-      })
+      .def("gj_counters",
+           [](EngramSlot &s) {
+             py::dict d;
+             d["gj_jobs"] = s.gj_jobs.load();
+             d["gj_fallback_jobs"] = s.gj_fallback_jobs.load();
+             d["gj_fallback_rows"] = s.gj_fallback_rows.load();
+             d["gj_takeovers"] = s.gj_takeovers.load();
+             d["gj_bad_pieces"] = s.gj_bad.load();
+             return d;
+           })
       // the unit tests' stand-in for the GPU, on a slot with words: the ids word's write and the flags
-      .def("gj_test_words", [](EngramSlot &s) {
-        std::lock_guard<std::mutex> g(s.m);
-        if (!s.gj_host) s.gj_host = new uint64_t[EngramSlot::kGjWords]();  // plain host memory, no CUDA (tests)
-      })
-      .def("gj_write_ids", [](EngramSlot &s, uint64_t gen) {
-        if (!s.gj_host) throw std::runtime_error("no GPU-join words");
-        __atomic_store_n(&s.gj_host[0], gen, __ATOMIC_RELEASE);
-      })
-      .def("gj_flags", [](EngramSlot &s, size_t n) {
-        if (!s.gj_host) throw std::runtime_error("no GPU-join words");
-        std::vector<uint64_t> v;
-        for (size_t k = 0; k < n && EngramSlot::kGjFlag0 + k < EngramSlot::kGjWords; k++)
-          v.push_back(__atomic_load_n(&s.gj_host[EngramSlot::kGjFlag0 + k], __ATOMIC_ACQUIRE));
-        return v;
-      })
-      .def("wait_times", [](EngramSlot &s) {
-        return py::make_tuple(s.w_gen, s.w_enter, s.w_seen, s.w_queued, s.w_gil);
-      });
+      .def("gj_test_words",
+           [](EngramSlot &s) {
+             std::lock_guard<std::mutex> g(s.m);
+             if (!s.gj_host) s.gj_host = new uint64_t[EngramSlot::kGjWords]();  // plain host memory, no CUDA (tests)
+           })
+      .def("gj_write_ids",
+           [](EngramSlot &s, uint64_t gen) {
+             if (!s.gj_host) throw std::runtime_error("no GPU-join words");
+             __atomic_store_n(&s.gj_host[0], gen, __ATOMIC_RELEASE);
+           })
+      .def("gj_flags",
+           [](EngramSlot &s, size_t n) {
+             if (!s.gj_host) throw std::runtime_error("no GPU-join words");
+             std::vector<uint64_t> v;
+             for (size_t k = 0; k < n && EngramSlot::kGjFlag0 + k < EngramSlot::kGjWords; k++)
+               v.push_back(__atomic_load_n(&s.gj_host[EngramSlot::kGjFlag0 + k], __ATOMIC_ACQUIRE));
+             return v;
+           })
+      .def("wait_times",
+           [](EngramSlot &s) { return py::make_tuple(s.w_gen, s.w_enter, s.w_seen, s.w_queued, s.w_gil); });
   py::class_<EngramCore>(m, "EngramCore")
       .def(py::init<int64_t, int64_t, double, int64_t, Tails>(), py::arg("chunk_rows"), py::arg("piece_rows"),
            py::arg("report_s"), py::arg("head_rows") = 0, py::arg("tail_rows") = Tails{})

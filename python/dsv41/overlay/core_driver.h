@@ -14,7 +14,7 @@ struct CudaDriver {
   int (*event_record)(void *, void *) = nullptr;
   int (*graph_launch)(void *, void *) = nullptr;
   int (*stream_wait_event)(void *, void *, unsigned) = nullptr;  // optional (EngramSlot::wait_stream)
-  // optional, the GPU-side join (issue 23 pass O): the _v2 stream memory operations, host-mapped
+  // optional, for the GPU-side join: the _v2 stream memory operations, host-mapped
   // pinned memory, the device and driver queries of their detection (stream_mem_ops)
   int (*wait_value64)(void *, uint64_t, uint64_t, unsigned) = nullptr;
   int (*write_value64)(void *, uint64_t, uint64_t, unsigned) = nullptr;
@@ -44,7 +44,8 @@ const CudaDriver &cuda_driver() {
     r.wait_value64 = reinterpret_cast<MemOp>(::dlsym(h, "cuStreamWaitValue64_v2"));
     r.write_value64 = reinterpret_cast<MemOp>(::dlsym(h, "cuStreamWriteValue64_v2"));
     r.host_alloc = reinterpret_cast<int (*)(void **, size_t, unsigned)>(::dlsym(h, "cuMemHostAlloc"));
-    r.host_dev_ptr = reinterpret_cast<int (*)(uint64_t *, void *, unsigned)>(::dlsym(h, "cuMemHostGetDevicePointer_v2"));
+    r.host_dev_ptr =
+        reinterpret_cast<int (*)(uint64_t *, void *, unsigned)>(::dlsym(h, "cuMemHostGetDevicePointer_v2"));
     r.ctx_current = reinterpret_cast<int (*)(void **)>(::dlsym(h, "cuCtxGetCurrent"));
     r.device_get = reinterpret_cast<int (*)(int *, int)>(::dlsym(h, "cuDeviceGet"));
     r.device_attribute = reinterpret_cast<int (*)(int *, int, int)>(::dlsym(h, "cuDeviceGetAttribute"));
@@ -55,11 +56,12 @@ const CudaDriver &cuda_driver() {
   return d;
 }
 
-// Whether the GPU-side join (issue 23 pass O) can run on CUDA device `ordinal`: the _v2 stream
+// Whether the GPU-side join can run on CUDA device `ordinal`: the _v2 stream
 // memory operations and host-mapped memory resolve on a driver of CUDA 11.7 or later (NVIDIA's
 // driver API: the V2 entry points are "available by default on all platforms"), else the device
 // reports the v1 64-bit operations (attribute 93; on the H200 with driver 580 it read 0 while
-// cuStreamWaitValue64_v2 worked, pass N). False without the driver or an entry point.
+// cuStreamWaitValue64_v2 worked, so the attribute alone would refuse a working device). False without the driver or an
+// entry point.
 bool stream_mem_ops(int ordinal) {
   const CudaDriver &cu = cuda_driver();
   if (!cu.ok || !cu.wait_value64 || !cu.write_value64 || !cu.host_alloc || !cu.host_dev_ptr || !cu.device_get ||
@@ -71,7 +73,7 @@ bool stream_mem_ops(int ordinal) {
   return cu.device_attribute(&v, kAttr64BitStreamMemOps, dev) == 0 && v != 0;
 }
 
-// A table's exact local rows for the GPU-side join's fallback (issue 23 pass O): the shard file
+// A table's exact local rows for the GPU-side join's fallback: the shard file
 // kept open and read with pread (dsv41.engram.manifest.TableEntry regions: weight_offset + id * 256
 // and scale_offset + id * 8, the bytes LocalRowReader.read packs), so a fallback fills rows with
 // no GIL, no CUDA call, no Python reader. Not a MAP_SHARED mapping: a shard truncated under the

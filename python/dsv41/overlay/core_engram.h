@@ -11,22 +11,35 @@ namespace {
 class EngramCore {
  public:
   // Statuses of next(): what Python does with the batch it returns.
-  // GJ_FAILED (issue 23 pass O): a GPU-joined job's request failed and its rows were filled from
+  // GJ_FAILED: a GPU-joined job's request failed and its rows were filled from
   // the exact local rows (every flag stored): Python closes the lent connection and counts it.
   // GJ (internal): take() dequeued and claimed a GPU-joined job.
-  enum { RETIRED = 0, PYTHON = 1, FETCHED = 2, FAILED = 3, CUDA_FAILED = 4, REPORT = 5, PYTHON_IDS = 6,
-         PIECES_FETCHED = 7, PIECES_FAILED = 8, GJ_FAILED = 9, GJ = 10 };
+  enum {
+    RETIRED = 0,
+    PYTHON = 1,
+    FETCHED = 2,
+    FAILED = 3,
+    CUDA_FAILED = 4,
+    REPORT = 5,
+    PYTHON_IDS = 6,
+    PIECES_FETCHED = 7,
+    PIECES_FAILED = 8,
+    GJ_FAILED = 9,
+    GJ = 10
+  };
   // Requests in flight per piece of a multi-piece job (tcp.TcpClient.lookup_many's window).
   static constexpr uint32_t kPieceWindow = 4;
 
-  // head_rows (issue 23 pass K): piece 0 of a multi-piece job is requested in two parts, its
+  // head_rows: piece 0 of a multi-piece job is requested in two parts (its first request leaves
+  // before the whole piece is planned), its
   // first head_rows rows planned and sent at once, the rest planned meanwhile by the planner
   // thread (0: piece 0 planned whole before its request, as before).
-  // tail_rows (issue 23 pass L): the last piece's last tail_rows rows are a piece of their own
+  // tail_rows: the last piece's last tail_rows rows are a piece of their own
   // (piece_layout; 0: pieces of piece_rows only).
   EngramCore(int64_t chunk_rows, int64_t piece_rows, double report_s, int64_t head_rows = 0, Tails tail_rows = {})
       : chunk_rows_(chunk_rows), piece_rows_(piece_rows), head_rows_(head_rows),
-        tail_rows_(checked_tails(tail_rows, "EngramCore")), report_ns_(int64_t(report_s * 1e9)), last_return_(now_ns()) {
+        tail_rows_(checked_tails(tail_rows, "EngramCore")), report_ns_(int64_t(report_s * 1e9)),
+        last_return_(now_ns()) {
     if (head_rows < 0) throw std::invalid_argument("EngramCore: head_rows must be >= 0");
   }
 
@@ -38,11 +51,12 @@ class EngramCore {
     expect_ = expect;
     coalesce_ns_ = int64_t(coalesce_s * 1e9);
     q_.push_back(EngramJob{std::move(slot), gen, rows, out, reinterpret_cast<void *>(stream),
-                           reinterpret_cast<void *>(ids_event), reinterpret_cast<void *>(done_event), cuda, py_wait, now_ns()});
+                           reinterpret_cast<void *>(ids_event), reinterpret_cast<void *>(done_event), cuda, py_wait,
+                           now_ns()});
     pending_.store(true, std::memory_order_release);
     cv_.notify_one();
   }
-  // Launching thread (issue 23 pass O): GPU-join job `gen`. Every check first (the slot ready:
+  // Launching thread: GPU-join job `gen`. Every check first (the slot ready:
   // words, local rows, buffers, table; the rows fit; the watchdog's thread), then its GPU side
   // (slot->gj_queue on `stream`, unless `queue` is false: the CPU tests' stand-in for the GPU),
   // then the job to the worker's queue and to the watchdog (bound_s: GjWatchdog's bound). 0:
@@ -50,19 +64,25 @@ class EngramCore {
   // side was queued in part (a driver call failed): the job is still handed to the worker, which
   // releases every flag, and the caller serves it again once it is done (GpuJoin.join).
   int submit_gj(std::shared_ptr<EngramSlot> slot, uint64_t gen, int64_t rows, uint64_t out, uint64_t stream,
-                uint64_t done_event, int64_t piece_rows, const Tails &tail_rows, double bound_s, int expect, bool queue) {
+                uint64_t done_event, int64_t piece_rows, const Tails &tail_rows, double bound_s, int expect,
+                bool queue) {
     if (!slot->gj_ready() || rows <= 0 || size_t(rows) > slot->max_rows || !GjWatchdog::get().start()) return 0;
     const int q = queue ? slot->gj_queue(stream, gen, rows, out, piece_rows, tail_rows, done_event) : 1;
     if (q == 0) return 0;
     auto g = std::make_shared<GJob>();
-    g->slot = slot; g->gen = gen; g->rows = rows; g->piece_rows = piece_rows; g->tail_rows = tail_rows;
+    g->slot = slot;
+    g->gen = gen;
+    g->rows = rows;
+    g->piece_rows = piece_rows;
+    g->tail_rows = tail_rows;
     g->bound_ns = int64_t(std::max(bound_s, 0.0) * 1e9);
     GjWatchdog::get().watch(g);  // its thread runs (start() above): never refused now
     slot->begin(gen);
     std::lock_guard<std::mutex> l(m_);
     expect_ = expect;
-    EngramJob j{slot, gen, rows, out, reinterpret_cast<void *>(stream), nullptr, reinterpret_cast<void *>(done_event),
-                true, false, now_ns()};
+    EngramJob j{
+        slot, gen,   rows,    out, reinterpret_cast<void *>(stream), nullptr, reinterpret_cast<void *>(done_event),
+        true, false, now_ns()};
     j.gj = std::move(g);
     q_.push_back(std::move(j));
     pending_.store(true, std::memory_order_release);
@@ -88,7 +108,11 @@ class EngramCore {
   // Worker thread only (as next()): the connection the core requests rows on.
   void lend(int fd, uint64_t next_gen, uint16_t version, int64_t timeout_ns, int64_t spin_ns) {
     if (fd < 0 || timeout_ns <= 0 || spin_ns < 0) throw std::invalid_argument("lend: bad fd, timeout or spin");
-    fd_ = fd; gen_ = next_gen; version_ = version; timeout_ns_ = timeout_ns; spin_ns_ = spin_ns;
+    fd_ = fd;
+    gen_ = next_gen;
+    version_ = version;
+    timeout_ns_ = timeout_ns;
+    spin_ns_ = spin_ns;
   }
   void revoke() {
     fd_ = -1;
@@ -102,7 +126,10 @@ class EngramCore {
   void offer(int fd, uint64_t next_gen, uint16_t version, int64_t timeout_ns, int64_t spin_ns) {
     if (fd < 0 || timeout_ns <= 0 || spin_ns < 0) throw std::invalid_argument("offer: bad fd, timeout or spin");
     std::lock_guard<std::mutex> g(om_);
-    offer_fd_ = fd; offer_gen_ = next_gen; offer_version_ = version; offer_timeout_ns_ = timeout_ns;
+    offer_fd_ = fd;
+    offer_gen_ = next_gen;
+    offer_version_ = version;
+    offer_timeout_ns_ = timeout_ns;
     offer_spin_ns_ = spin_ns;
   }
   // Whether a connection is lent or offered (any thread).
@@ -121,33 +148,32 @@ class EngramCore {
 
   py::dict counters() {
     std::lock_guard<std::mutex> g(cm_);
-    py::dict d;
-    d["native_batches"] = c_batches; d["native_jobs"] = c_jobs; d["native_requests"] = c_requests;
-    d["native_multi_layer_requests"] = c_multi; d["native_launches"] = c_launches;
-    d["native_coalesce_waits"] = c_cwaits; d["native_rows"] = c_rows;
-    d["native_wake_s"] = c_wake * 1e-9; d["native_ids_wait_s"] = c_ids * 1e-9; d["native_coalesce_s"] = c_coal * 1e-9;
-    d["native_plan_s"] = c_plan * 1e-9; d["native_fetch_s"] = c_fetch * 1e-9; d["native_launch_s"] = c_launch * 1e-9;
-    d["native_host_s"] = c_host * 1e-9; d["native_plan_ahead_s"] = c_plan_ahead * 1e-9;
-    d["native_gj_jobs"] = c_gj_jobs; d["native_gj_fallback_jobs"] = c_gj_fb_jobs;
-    d["native_gj_fallback_rows"] = c_gj_fb_rows; d["native_gj_nolease"] = c_gj_nolease;
-    d["native_gj_failed_requests"] = c_gj_failed;
-    d["native_local_batches"] = c_local_batches; d["native_local_jobs"] = c_local_jobs;
-    d["native_local_rows"] = c_local_rows; d["native_local_s"] = c_local * 1e-9;
-    d["native_idle_spins"] = c_spins; d["native_idle_spin_s"] = c_spin * 1e-9; d["native_offers_adopted"] = c_adopted;
+    using namespace pybind11::literals;  // "name"_a = value: a keyword of the dict
+    py::dict d(
+        "native_batches"_a = c_batches, "native_jobs"_a = c_jobs, "native_requests"_a = c_requests,
+        "native_multi_layer_requests"_a = c_multi, "native_launches"_a = c_launches,
+        "native_coalesce_waits"_a = c_cwaits, "native_rows"_a = c_rows, "native_wake_s"_a = c_wake * 1e-9,
+        "native_ids_wait_s"_a = c_ids * 1e-9, "native_coalesce_s"_a = c_coal * 1e-9, "native_plan_s"_a = c_plan * 1e-9,
+        "native_fetch_s"_a = c_fetch * 1e-9, "native_launch_s"_a = c_launch * 1e-9, "native_host_s"_a = c_host * 1e-9,
+        "native_plan_ahead_s"_a = c_plan_ahead * 1e-9, "native_gj_jobs"_a = c_gj_jobs,
+        "native_gj_fallback_jobs"_a = c_gj_fb_jobs, "native_gj_fallback_rows"_a = c_gj_fb_rows,
+        "native_gj_nolease"_a = c_gj_nolease, "native_gj_failed_requests"_a = c_gj_failed,
+        "native_local_batches"_a = c_local_batches, "native_local_jobs"_a = c_local_jobs,
+        "native_local_rows"_a = c_local_rows, "native_local_s"_a = c_local * 1e-9, "native_idle_spins"_a = c_spins,
+        "native_idle_spin_s"_a = c_spin * 1e-9, "native_offers_adopted"_a = c_adopted);
     return d;
   }
   // The row-source counters of the requests made here (RemoteRowSource.add_counters).
   py::dict source_counters() {
     std::lock_guard<std::mutex> g(cm_);
-    py::dict d;
+    using namespace pybind11::literals;
     // a GPU-joined job served from the local rows without a lent connection is one lookup and
     // one fallback (one whose request failed is counted by Python's lease_failed)
     // a host-joined batch filled from the local rows without a connection: its layers' lookups, one fallback
-    d["lookups"] = c_lookups + c_gj_nolease + c_nolease_jobs;
-    d["rows"] = c_rows + c_gj_nolease_rows + c_nolease_rows; d["remote_rows"] = c_rows;
-    d["fallbacks"] = c_gj_nolease + c_nolease_batches;
-    d["latency_sum_s"] = c_fetch * 1e-9; d["latency_count"] = c_requests;
-    return d;
+    return py::dict("lookups"_a = c_lookups + c_gj_nolease + c_nolease_jobs,
+                    "rows"_a = c_rows + c_gj_nolease_rows + c_nolease_rows, "remote_rows"_a = c_rows,
+                    "fallbacks"_a = c_gj_nolease + c_nolease_batches, "latency_sum_s"_a = c_fetch * 1e-9,
+                    "latency_count"_a = c_requests);
   }
 
   // The phase trace of multi-piece jobs (PieceTrace; off by default, the step benchmark turns it
@@ -167,13 +193,12 @@ class EngramCore {
     }
     py::list out;
     for (auto &t : got) {
-      py::dict d;
-      d["key"] = t.key; d["gen"] = t.gen; d["rows"] = t.rows; d["t_sub"] = t.t_sub; d["t_deq"] = t.t_deq;
-      d["t_ids"] = t.t_ids; d["t_plan0"] = t.t_plan0; d["t_done"] = t.t_done;
-      d["fetch0"] = t.fetch0; d["fetch1"] = t.fetch1; d["launch1"] = t.launch1;
-      d["t_head1"] = t.t_head1; d["t_rest0"] = t.t_rest0;
-      d["stream"] = t.stream; d["t_fetch0"] = t.t_fetch0; d["t_fetch1"] = t.t_fetch1; d["idle"] = t.idle;
-      d["gpu_join"] = t.gpu_join;
+      using namespace pybind11::literals;  // "name"_a = value: a keyword of the dict
+      py::dict d("key"_a = t.key, "gen"_a = t.gen, "rows"_a = t.rows, "t_sub"_a = t.t_sub, "t_deq"_a = t.t_deq,
+                 "t_ids"_a = t.t_ids, "t_plan0"_a = t.t_plan0, "t_done"_a = t.t_done, "fetch0"_a = t.fetch0,
+                 "fetch1"_a = t.fetch1, "launch1"_a = t.launch1, "t_head1"_a = t.t_head1, "t_rest0"_a = t.t_rest0,
+                 "stream"_a = t.stream, "t_fetch0"_a = t.t_fetch0, "t_fetch1"_a = t.t_fetch1, "idle"_a = t.idle,
+                 "gpu_join"_a = t.gpu_join);
       out.append(d);
     }
     return out;
@@ -283,7 +308,10 @@ class EngramCore {
     if (fd_ >= 0) return;
     std::lock_guard<std::mutex> g(om_);
     if (offer_fd_ < 0) return;
-    fd_ = offer_fd_; gen_ = offer_gen_; version_ = offer_version_; timeout_ns_ = offer_timeout_ns_;
+    fd_ = offer_fd_;
+    gen_ = offer_gen_;
+    version_ = offer_version_;
+    timeout_ns_ = offer_timeout_ns_;
     spin_ns_ = offer_spin_ns_;
     offer_fd_ = -1;
     std::lock_guard<std::mutex> c(cm_);
@@ -318,14 +346,16 @@ class EngramCore {
   }
 
  private:
-
   int serve(std::vector<EngramJob> &batch, int &code, uint32_t &rcount) {
     int64_t t0 = now_ns(), fetch_ns = 0;
     int st = serve_batch(batch, code, rcount, fetch_ns);
     last_busy_ = now_ns();
     std::lock_guard<std::mutex> g(cm_);
     c_host += now_ns() - t0 - fetch_ns;  // host work: the batch's time minus the request's
-    if (st != PYTHON && st != PIECES_FAILED) { c_batches++; c_jobs += int64_t(batch.size()); }
+    if (st != PYTHON && st != PIECES_FAILED) {
+      c_batches++;
+      c_jobs += int64_t(batch.size());
+    }
     return st;
   }
   int serve_batch(std::vector<EngramJob> &batch, int &code, uint32_t &rcount, int64_t &fetch_ns) {
@@ -384,11 +414,16 @@ class EngramCore {
         fetch_ns = te - tf;
         {
           std::lock_guard<std::mutex> g(cm_);
-          c_fetch += te - tf; c_requests++; c_multi += ns > 1;
-          if (code == 0) { c_rows += int64_t(total); c_lookups += int64_t(batch.size()); }
+          c_fetch += te - tf;
+          c_requests++;
+          c_multi += ns > 1;
+          if (code == 0) {
+            c_rows += int64_t(total);
+            c_lookups += int64_t(batch.size());
+          }
         }
         if (code != 0) {
-          fd_ = -1;  // the request failed: Python closes the connection (and counts the failure)
+          fd_ = -1;                   // the request failed: Python closes the connection (and counts the failure)
           if (!local) return FAILED;  // Python serves the exact local rows
           fill = true;  // no timeout or reconnect in any later step: the local rows until a probe connects
         }
@@ -404,9 +439,14 @@ class EngramCore {
         const int64_t t2 = now_ns();
         fetch_ns += t2 - t1;
         std::lock_guard<std::mutex> g(cm_);
-        c_local += t2 - t1; c_local_batches++; c_local_jobs += int64_t(batch.size()); c_local_rows += int64_t(total);
+        c_local += t2 - t1;
+        c_local_batches++;
+        c_local_jobs += int64_t(batch.size());
+        c_local_rows += int64_t(total);
         if (code == 0) {  // no connection: counted here (a failed request: by Python's lease_failed)
-          c_nolease_batches++; c_nolease_jobs += int64_t(batch.size()); c_nolease_rows += int64_t(total);
+          c_nolease_batches++;
+          c_nolease_jobs += int64_t(batch.size());
+          c_nolease_rows += int64_t(total);
         }
       }
     }
@@ -420,8 +460,7 @@ class EngramCore {
       std::lock_guard<std::mutex> g(s.m);
       if (j.gen == s.abandoned || j.gen != s.current) continue;  // refused meanwhile: never launched
       void *exec = graph_of_locked(j);
-      if (!exec || cu.graph_launch(exec, j.stream) != 0 || cu.event_record(j.done_event, j.stream) != 0)
-        break;
+      if (!exec || cu.graph_launch(exec, j.stream) != 0 || cu.event_record(j.done_event, j.stream) != 0) break;
       s.handoff_locked(j.gen);
       add(c_launches, 1);
     }
@@ -468,7 +507,7 @@ class EngramCore {
     } else {
       // no owned id can be past the table (it covers [lo, hi)): piece 0 planned here, the rest
       // by a planner thread while the requests of the pieces before are in flight
-      plan.plan_head(head_rows_);  // piece 0's head (issue 23 pass K); without one, piece 0 whole
+      plan.plan_head(head_rows_);  // piece 0's head; without one, piece 0 whole
       if (plan.head_rows == 0) plan.plan(0);
       plan.start_ahead(planner());
     }
@@ -476,11 +515,7 @@ class EngramCore {
     add(c_plan, t_plan0 - tp);
     PieceTrace tr;
     const bool tracing = trace_.load(std::memory_order_relaxed);
-    if (tracing) {
-      tr.key = s.key; tr.gen = j.gen; tr.rows = j.rows; tr.t_sub = j.t_sub; tr.t_deq = j.t_deq; tr.t_ids = j.t_ids;
-      tr.t_plan0 = t_plan0;
-      tr.fetch0.assign(pieces.size(), 0); tr.fetch1.assign(pieces.size(), 0); tr.launch1.assign(pieces.size(), 0);
-    }
+    if (tracing) tr.start(s.key, j, t_plan0, pieces.size(), false);
     size_t launched = 0;
     int64_t launch_ns = 0;
     const int st = stream(j, s, plan, pieces, tracing ? &tr : nullptr, launched, launch_ns, code, rcount, fetch_ns);
@@ -507,14 +542,14 @@ class EngramCore {
     if (tracing) keep_trace(tr, t_done);
     return REPORT;
   }
-  // A multi-piece job's requests as one pipelined stream over its segments (issue 23 pass L):
+  // A multi-piece job's requests as one pipelined stream over its segments:
   // piece 0 (its head and its rest with head_rows_), then pieces 1.., each cut into requests of
   // chunk_rows_ ids, up to kPieceWindow requests in flight across segment and piece boundaries,
   // replies received in order into the fixed piece layout; a segment's requests go out once the
   // planner has planned it (its ids count is known then). A piece whose last reply is in gets its
   // graph launched (CUDA) after the requests that fit the window are sent, so the launch overlaps
-  // the next piece's requests instead of sitting between a reply and the next request (pass K:
-  // 0.21-0.25 ms per step), and the connection does not drain at every piece. Returns -1 when
+  // the next piece's requests instead of sitting between a reply and the next request (where it
+  // adds to every step's exposed time), and the connection does not drain at every piece. Returns -1 when
   // every piece was fetched (and launched on CUDA); else the status to return: REPORT (the job was
   // refused meanwhile: nothing more launched, the requests in flight received and dropped so the
   // connection stays in step), PIECES_FAILED (a request failed: code != 0, rcount the refusal
@@ -531,199 +566,8 @@ class EngramCore {
     uint64_t gen;
   };
   int stream(EngramJob &j, EngramSlot &s, PiecePlan &plan, const std::vector<std::pair<int64_t, void *>> &pieces,
-             PieceTrace *tr, size_t &launched, int64_t &launch_ns, int &code, uint32_t &rcount, int64_t &fetch_ns) {
-    const CudaDriver &cu = cuda_driver();
-    const bool head = plan.head_rows > 0;
-    const size_t np = pieces.size(), nseg = np + (head ? 1 : 0);
-    uint8_t *packed = s.hbuf + s.max_rows * 4;
-    auto piece_of = [&](size_t i) -> size_t { return head ? (i == 0 ? 0 : i - 1) : i; };
-    auto row0 = [&](size_t i) -> size_t {  // the segment's first fetch slot (= its first packed row)
-      if (head && i == 1) return size_t(plan.head_n);
-      return head && i == 0 ? 0 : size_t(plan.lay[piece_of(i)].first);
-    };
-    std::vector<int64_t> seg_n(nseg, -1);  // -1: not planned yet
-    auto know = [&](size_t i) -> bool {
-      if (seg_n[i] >= 0) return true;
-      if (head && i == 0) { seg_n[0] = plan.head_n; return true; }
-      const size_t p = piece_of(i);
-      if (plan.planned.load(std::memory_order_acquire) <= p) return false;
-      seg_n[i] = head && i == 1 ? plan.ns[0] - plan.head_n : plan.ns[p];
-      return true;
-    };
-    const uint32_t chunk = uint32_t(chunk_rows_);
-    std::deque<StreamChunk> fly;  // sent in full (or segments without ids), reply awaited, in order
-    size_t ss = 0, soff = 0;      // next segment to send, its ids already sent
-    size_t send_off = 0;          // bytes of the request being sent (0: none started)
-    uint8_t hdr[kReq];
-    uint32_t cur_c = 0;
-    uint64_t cur_gen = 0;
-    size_t real_fly = 0;          // requests on the wire: sent in full or started
-    size_t done_seg = 0, segs_sent = 0;
-    int64_t rows_in = 0;
-    std::deque<size_t> to_launch;
-    bool stop_send = false, cuda_failed = false, tail_marked = false;
-    ReplyReader reply;
-    int64_t t_first = 0, t_last = 0, idle = 0, t_gap = 0, plan_wait = 0;
-    int64_t deadline = now_ns() + timeout_ns_, spin_until = now_ns() + spin_ns_;
-    uint32_t status = 0;
-    code = 0;
-    auto complete = [&](size_t seg, int64_t t) {  // every request of segment `seg` is in
-      const size_t p = piece_of(seg);
-      if (tr && seg_n[seg] > 0) {
-        if (head && seg == 0) tr->t_head1 = t;
-        else tr->fetch1[p] = t;
-      }
-      done_seg = seg + 1;
-      if (!(head && seg == 0)) to_launch.push_back(p);
-    };
-    for (;;) {
-      bool progressed = false;
-      // 1. send: finish the request started, then new ones while the window has room
-      while (code == 0 && ss < nseg && (send_off > 0 || (!stop_send && real_fly < kPieceWindow))) {
-        if (send_off == 0) {
-          if (!know(ss)) break;  // not planned yet
-          if (seg_n[ss] == 0) {  // nothing to fetch: completes in order
-            fly.push_back(StreamChunk{ss, 0, 0, 0});
-            ss++; soff = 0;
-            progressed = true;
-            continue;
-          }
-          cur_c = uint32_t(std::min<size_t>(chunk, size_t(seg_n[ss]) - soff));
-          cur_gen = gen_++;
-          wr<uint32_t>(hdr, kMagic); wr<uint16_t>(hdr + 4, kVersion); wr<uint16_t>(hdr + 6, OP_LOOKUP);
-          wr<uint64_t>(hdr + 8, cur_gen); std::memcpy(hdr + 16, s.ident, 32);
-          wr<uint32_t>(hdr + 48, cur_c); wr<uint32_t>(hdr + 52, cur_c * 8);
-          const int64_t t = now_ns();
-          if (!t_first) t_first = t;
-          if (real_fly == 0) {
-            if (t_gap) idle += t - t_gap;
-            t_gap = 0;
-            deadline = t + timeout_ns_;
-          }
-          if (soff == 0) {
-            segs_sent++;
-            if (tr) {
-              if (head && ss == 1) tr->t_rest0 = t;
-              else tr->fetch0[piece_of(ss)] = t;
-            }
-          }
-          real_fly++;
-        }
-        const size_t plen = size_t(cur_c) * 8;
-        const uint8_t *ids = reinterpret_cast<const uint8_t *>(s.fetch + row0(ss) + soff);
-        const ssize_t r = send_request_part(fd_, hdr, ids, plen, send_off);
-        if (r == -1) break;
-        if (r < 0) { code = -2; break; }
-        progressed = progressed || r > 0;
-        send_off += size_t(r);
-        if (send_off == kReq + plen) {
-          fly.push_back(StreamChunk{ss, soff, cur_c, cur_gen});
-          send_off = 0;
-          soff += cur_c;
-          if (soff == size_t(seg_n[ss])) { ss++; soff = 0; }
-        }
-      }
-      if (code) break;
-      if (ss == nseg && send_off == 0 && !tail_marked && j.cuda) {  // the job's last request is out:
-        s.mark_tail(j.gen);                                          // the join polls from here on
-        tail_marked = true;
-      }
-      // 2. the pieces whose replies are all in: their graphs, after the requests above; a
-      // GPU-joined job's (pass O): their flags (the GPU's waits release the graphs queued at start)
-      while (!to_launch.empty() && j.gj) {
-        const size_t p = to_launch.front();
-        to_launch.pop_front();
-        s.store_flag(p, j.gen);
-        (*j.stored)[p] = 1;
-        if (tr) tr->launch1[p] = now_ns();
-        progressed = true;
-      }
-      while (!to_launch.empty() && j.cuda && !stop_send) {
-        const size_t p = to_launch.front();
-        to_launch.pop_front();
-        const int64_t tl = now_ns();
-        std::lock_guard<std::mutex> g(s.m);
-        if (j.gen == s.abandoned || j.gen != s.current) { stop_send = true; break; }  // refused meanwhile
-        if (cu.graph_launch(pieces[p].second, j.stream) != 0) { stop_send = cuda_failed = true; break; }
-        launched++;
-        const int64_t tle = now_ns();
-        if (tr) tr->launch1[p] = tle;
-        launch_ns += tle - tl;
-        progressed = true;
-      }
-      if (!j.cuda) {  // the CPU: Python launches the pieces (PIECES_FETCHED)
-        const int64_t t = now_ns();
-        if (tr) for (size_t p : to_launch) tr->launch1[p] = t;
-        to_launch.clear();
-      }
-      if (done_seg == nseg && to_launch.empty()) break;
-      if (stop_send && fly.empty() && send_off == 0) break;
-      // 3. receive what is there, in order; segments without ids complete as they come up
-      for (;;) {
-        while (!fly.empty() && fly.front().c == 0) {
-          const size_t seg = fly.front().seg;
-          fly.pop_front();
-          complete(seg, now_ns());
-          progressed = true;
-        }
-        if (fly.empty()) break;
-        const StreamChunk ch = fly.front();
-        const int got = reply.read(fd_, packed + (row0(ch.seg) + ch.off) * kRow, ch.c, ch.gen, code, status);
-        if (got == ReplyReader::NONE || got == ReplyReader::FAIL) break;
-        progressed = true;
-        if (got == ReplyReader::DONE) {
-          fly.pop_front();
-          real_fly--;
-          rows_in += ch.c;
-          const int64_t t = now_ns();
-          t_last = t;
-          deadline = t + timeout_ns_;  // the next reply: its own full budget
-          if (real_fly == 0) t_gap = t;
-          if (ch.off + ch.c == size_t(seg_n[ch.seg])) complete(ch.seg, t);
-          break;  // back to send (the window has room) and launch
-        }
-      }
-      if (code) break;
-      if (progressed) { spin_until = now_ns() + spin_ns_; continue; }
-      const int64_t t = now_ns();
-      if (real_fly == 0 && send_off == 0 && fly.empty() && ss < nseg && !stop_send) {
-        plan.wait(piece_of(ss));  // nothing on the wire: the next segment's plan is due
-        plan_wait += now_ns() - t;
-        continue;
-      }
-      if (t >= deadline) { code = -1; break; }
-      if (t < spin_until) { ::sched_yield(); continue; }  // yield as in Connection::fill
-      pollfd pf{fd_, short(POLLIN | (ss < nseg && !stop_send && real_fly < kPieceWindow ? POLLOUT : 0)), 0};
-      const int64_t rem = deadline - t;
-      timespec ts{time_t(rem / 1000000000LL), long(rem % 1000000000LL)};
-      ::ppoll(&pf, 1, &ts, nullptr);
-    }
-    const int64_t busy = t_first && t_last ? t_last - t_first - idle : 0;
-    fetch_ns += busy;
-    add(c_plan, plan_wait);
-    {
-      std::lock_guard<std::mutex> g(cm_);
-      c_fetch += busy; c_requests += int64_t(segs_sent);
-      if (code == 0 && !stop_send) { c_rows += rows_in; c_lookups += int64_t(segs_sent); }
-    }
-    if (tr) { tr->t_fetch0 = t_first; tr->t_fetch1 = t_last; tr->idle = idle; tr->stream = true; }
-    if (code != 0) {
-      rcount = status;
-      fd_ = -1;  // the request failed: Python closes the connection and serves the job again
-      drain(j, launched);
-      return PIECES_FAILED;
-    }
-    if (cuda_failed) {
-      drain(j, launched);
-      return PIECES_FAILED;  // code 0: piece graphs off, Python serves the job again
-    }
-    if (stop_send) {
-      add(c_launch, launch_ns);
-      return REPORT;  // refused meanwhile: nothing more launched
-    }
-    return -1;
-  }
-  // A GPU-joined job (issue 23 pass O; claimed by take()): its ids awaited on the ids word,
+             PieceTrace *tr, size_t &launched, int64_t &launch_ns, int &code, uint32_t &rcount, int64_t &fetch_ns);
+  // A GPU-joined job (claimed by take()): its ids awaited on the ids word,
   // planned as serve_pieces plans (piece 0's head here, the rest on the planner thread), then on
   // the lent connection the pipelined request stream, each piece's flag stored once its last
   // reply is in (stream(), j.gj); without a connection, or after a failed request, every piece
@@ -751,11 +595,7 @@ class EngramCore {
     j.stored = &stored;
     PieceTrace tr;
     const bool tracing = trace_.load(std::memory_order_relaxed);
-    if (tracing) {
-      tr.key = s.key; tr.gen = j.gen; tr.rows = j.rows; tr.t_sub = j.t_sub; tr.t_deq = j.t_deq; tr.t_ids = j.t_ids;
-      tr.t_plan0 = t_plan0; tr.gpu_join = true;
-      tr.fetch0.assign(pieces.size(), 0); tr.fetch1.assign(pieces.size(), 0); tr.launch1.assign(pieces.size(), 0);
-    }
+    if (tracing) tr.start(s.key, j, t_plan0, pieces.size(), true);
     const bool lease = fd_ >= 0 && s.has_table;
     int st = -1;
     int64_t fetch_ns = 0, launch_ns = 0;
@@ -771,8 +611,7 @@ class EngramCore {
     j.stored = nullptr;
     add(c_plan_ahead, plan.ahead_ns);
     uint64_t prev = s.gj_done.load();
-    while (prev < j.gen && !s.gj_done.compare_exchange_weak(prev, j.gen)) {
-    }
+    while (prev < j.gen && !s.gj_done.compare_exchange_weak(prev, j.gen)) {}
     s.handoff(j.gen);
     g.done.store(true, std::memory_order_release);
     const int64_t t_done = now_ns();
@@ -784,10 +623,18 @@ class EngramCore {
     }
     {
       std::lock_guard<std::mutex> l(cm_);
-      c_gj_jobs++; c_batches++; c_jobs++;
+      c_gj_jobs++;
+      c_batches++;
+      c_jobs++;
       c_host += t_done - t0 - fetch_ns;
-      if (fb) { c_gj_fb_jobs++; c_gj_fb_rows += filled; }
-      if (!lease) { c_gj_nolease++; c_gj_nolease_rows += filled; }
+      if (fb) {
+        c_gj_fb_jobs++;
+        c_gj_fb_rows += filled;
+      }
+      if (!lease) {
+        c_gj_nolease++;
+        c_gj_nolease_rows += filled;
+      }
       if (failed) c_gj_failed++;
     }
     if (tracing && lease && !fb) keep_trace(tr, t_done);
@@ -823,9 +670,7 @@ class EngramCore {
     if (!planner_ && !planner_failed_) {
       try {
         planner_ = std::make_unique<Planner>();
-      } catch (const std::system_error &) {
-        planner_failed_ = true;
-      }
+      } catch (const std::system_error &) { planner_failed_ = true; }
     }
     return planner_.get();
   }
@@ -853,7 +698,7 @@ class EngramCore {
   const int64_t chunk_rows_, piece_rows_, head_rows_;
   const Tails tail_rows_;
   const int64_t report_ns_;
-  int64_t coalesce_ns_ = 0;  // the last submit's COALESCE_S (read under m_)
+  int64_t coalesce_ns_ = 0;           // the last submit's COALESCE_S (read under m_)
   std::unique_ptr<Planner> planner_;  // declared last of the state a plan touches: destroyed first
   bool planner_failed_ = false;
   int64_t last_return_;

@@ -8,7 +8,7 @@
 
 namespace {
 
-// ---- the GPU-side join's jobs, their fill from the local rows and the watchdog (issue 23 pass O) ----
+// ---- the GPU-side join's jobs, their fill from the local rows and the watchdog ----
 // One GPU-joined job: the launching thread queued its ids word's write, per piece the wait for
 // its flag and its graph, and its done event on the job's stream (EngramSlot::gj_queue), so the
 // GPU runs each piece once its flag holds `gen`. Exactly one of the worker and the watchdog
@@ -20,7 +20,7 @@ struct GJob {
   uint64_t gen = 0;
   int64_t rows = 0, piece_rows = 0;
   Tails tail_rows;
-  int64_t bound_ns = 0;    // the watchdog's bound, counted from its first sight of the ids word
+  int64_t bound_ns = 0;                // the watchdog's bound, counted from its first sight of the ids word
   std::atomic<int64_t> t_ids_seen{0};  // the watchdog's first sight of the ids word
   std::atomic<int> claim{0};
   std::atomic<bool> done{false};
@@ -88,9 +88,7 @@ class GjWatchdog {
     if (started_) return true;
     try {
       std::thread([this] { loop(); }).detach();
-    } catch (const std::system_error &) {
-      return false;
-    }
+    } catch (const std::system_error &) { return false; }
     started_ = true;
     return true;
   }
@@ -147,8 +145,7 @@ class GjWatchdog {
     s.gj_fallback_rows.fetch_add(n);
     s.gj_jobs.fetch_add(1);
     uint64_t prev = s.gj_done.load();
-    while (prev < g.gen && !s.gj_done.compare_exchange_weak(prev, g.gen)) {
-    }
+    while (prev < g.gen && !s.gj_done.compare_exchange_weak(prev, g.gen)) {}
     s.handoff(g.gen);
     g.done.store(true, std::memory_order_release);
   }
@@ -167,12 +164,12 @@ struct EngramJob {
   bool py_wait;  // the ids event is a Python object (no raw handle): Python waits on it
   int64_t t_sub;
   int64_t n = 0;
-  int64_t t_deq = 0, t_ids = 0;  // dequeued, ids event done (CLOCK_MONOTONIC ns; the phase trace)
-  std::shared_ptr<GJob> gj;         // a GPU-joined job (issue 23 pass O), else null
+  int64_t t_deq = 0, t_ids = 0;         // dequeued, ids event done (CLOCK_MONOTONIC ns; the phase trace)
+  std::shared_ptr<GJob> gj;             // a GPU-joined job, else null
   std::vector<char> *stored = nullptr;  // serve_gj: the pieces whose flag is stored
 };
 
-// One multi-piece job's phase timestamps (EngramCore::set_trace, issue 23 pass K: the step
+// One multi-piece job's phase timestamps (EngramCore::set_trace, for the step
 // benchmark's decomposition of layer 1's exposed time), CLOCK_MONOTONIC ns as Python's
 // time.monotonic_ns(): submitted, dequeued, ids event done, piece 0 planned; per piece the
 // request's start and end and the end of its graph launch (the start of the next piece's
@@ -186,11 +183,25 @@ struct PieceTrace {
   int64_t rows = 0, t_sub = 0, t_deq = 0, t_ids = 0, t_plan0 = 0, t_done = 0;
   int64_t t_head1 = 0, t_rest0 = 0;  // piece 0 with a head: its request's end, the rest's request's start
   std::vector<int64_t> fetch0, fetch1, launch1;
-  // the pipelined stream (EngramCore::stream, issue 23 pass L): pieces' requests overlap, so the
+  // the pipelined stream (EngramCore::stream): pieces' requests overlap, so the
   // fetch is the first send to the last reply less `idle` (gaps with nothing on the wire)
   bool stream = false;
   int64_t t_fetch0 = 0, t_fetch1 = 0, idle = 0;
-  bool gpu_join = false;  // a GPU-joined job (pass O): launch1 = the piece's flag stored, t_done = the last
+  bool gpu_join = false;  // a GPU-joined job: launch1 = the piece's flag stored, t_done = the last
+  // A traced job's fields known once its plan's first part is done (`npieces` zeroed per piece).
+  void start(int64_t key_, const EngramJob &j, int64_t plan0, size_t npieces, bool gj) {
+    key = key_;
+    gen = j.gen;
+    rows = j.rows;
+    t_sub = j.t_sub;
+    t_deq = j.t_deq;
+    t_ids = j.t_ids;
+    t_plan0 = plan0;
+    gpu_join = gj;
+    fetch0.assign(npieces, 0);
+    fetch1.assign(npieces, 0);
+    launch1.assign(npieces, 0);
+  }
 };
 
 }  // namespace

@@ -14,7 +14,7 @@ namespace {
 // (-1, padded heads, other ranks' rows) sel = -1, a zero row in vLLM's kernel. Runs without the
 // GIL for large inputs, so the overlay's worker does not hold up the launching thread there.
 // plan_rows' arithmetic on ids[r0, r1), branch-free (random ids make a branch on ownership
-// unpredictable: pass H measured about 3.6 ns per id with it): sel[i] = the id's position in the
+// unpredictable, and a mispredict per id costs more than the arithmetic): sel[i] = the id's position in the
 // piece's fetch list or -1, fetch[0, n) the owned ids in order; returns n. fetch[n] is written
 // before n is known to grow, which stays inside [0, r1 - r0). `bad` is set when an owned id is
 // at or past `limit` (the table's row count). `sel_off` is added to every owned id's selector:
@@ -45,7 +45,8 @@ constexpr ssize_t kPlanNoGil = 16384;
 int64_t plan_rows(py::array_t<int64_t, py::array::c_style> ids, int64_t lo, int64_t hi,
                   py::array_t<int32_t, py::array::c_style> sel, py::array_t<int64_t, py::array::c_style> fetch) {
   const ssize_t r = ids.size();
-  if (sel.size() < r || fetch.size() < r) throw std::invalid_argument("plan_rows: sel and fetch need ids.size() entries");
+  if (sel.size() < r || fetch.size() < r)
+    throw std::invalid_argument("plan_rows: sel and fetch need ids.size() entries");
   if (r > INT32_MAX) throw std::invalid_argument("plan_rows: more than 2^31 ids");
   const int64_t *p = ids.data();
   int32_t *s = sel.mutable_data();
@@ -68,13 +69,13 @@ int64_t plan_rows(py::array_t<int64_t, py::array::c_style> ids, int64_t lo, int6
 // 1..count-1 on a planner thread (in order, publishing `planned`), so the worker thread waits
 // (wait(k)) only when a piece's plan is not done by the time its request is due. The destructor
 // waits for the planner (PiecePlan::join): no early return leaves it writing into buffers Python reuses.
-// plan_head(h) (issue 23 pass K) plans only piece 0's first h rows (head_n owned ids: a request
+// plan_head(h) plans only piece 0's first h rows (head_n owned ids: a request
 // of its own, sent at once); start_ahead() then plans the rest of piece 0 first, continuing its
 // fetch list and selectors after head_n, so piece 0's plan and fetch list are those of plan(0).
 struct PiecePlan;
-// The planner thread of a core (issue 23 pass L): started once, at the first multi-piece job
-// that plans ahead, instead of one std::thread per job (pass K measured piece 0's plan phase at
-// 0.13-0.14 ms with the thread's start in it, ~0.1 ms over the 8,192-id head's plan). post()
+// The planner thread of a core: started once, at the first multi-piece job that plans ahead,
+// instead of one std::thread per job (a thread's start is on piece 0's critical path and costs
+// more than planning the head itself). post()
 // hands it a PiecePlan (PiecePlan::run_ahead from piece `first` on) and returns at once;
 // wait_idle() returns once that plan is done (or stopped). One plan at a time. The destructor
 // stops and joins the thread.
@@ -86,7 +87,9 @@ struct Planner {
   bool busy = false, quit = false;
   std::thread th;
 
-  Planner() { th = std::thread([this] { loop(); }); }  // throws std::system_error: no thread
+  Planner() {
+    th = std::thread([this] { loop(); });
+  }  // throws std::system_error: no thread
   ~Planner() {
     {
       std::lock_guard<std::mutex> g(m);
@@ -100,7 +103,9 @@ struct Planner {
   void post(PiecePlan *p, size_t f) {
     {
       std::lock_guard<std::mutex> g(m);
-      job = p; first = f; busy = true;
+      job = p;
+      first = f;
+      busy = true;
     }
     cv.notify_all();
   }
@@ -113,10 +118,9 @@ struct Planner {
 
 // A multi-piece job's fixed piece layout, (first row, rows) per piece: pieces of piece_rows,
 // then, in a job of more than one piece, for each t of tail_rows in turn the last piece's last t
-// rows as a piece of their own when it is longer than t (issue 23 pass L: the last piece's H2D
-// copy and kernel, after the job's last reply, are on layer 1's critical path; pass Q: two tails,
-// so that what follows the last reply is a small piece and the piece before it is short enough to
-// be done by then). RemoteRows._piece_keys agrees.
+// rows as a piece of their own when it is longer than t (the last piece's H2D copy and kernel,
+// after the job's last reply, are on layer 1's critical path; two tails, so that what follows the last reply is a small
+// piece and the piece before it is short enough to be done by then). RemoteRows._piece_keys agrees.
 std::vector<std::pair<int64_t, int64_t>> piece_layout(int64_t rows, int64_t piece_rows, const Tails &tail_rows) {
   std::vector<std::pair<int64_t, int64_t>> v;
   for (int64_t r0 = 0; r0 < rows; r0 += piece_rows) v.push_back({r0, std::min(piece_rows, rows - r0)});
@@ -138,7 +142,7 @@ static Tails checked_tails(const Tails &t, const char *who) {
 }
 
 std::vector<std::pair<int64_t, int64_t>> EngramSlot::piece_layout_of(int64_t rows, int64_t piece_rows,
-                                                                        const Tails &tail_rows) {
+                                                                     const Tails &tail_rows) {
   return piece_layout(rows, piece_rows, tail_rows);
 }
 
@@ -147,12 +151,12 @@ struct PiecePlan {
   const int64_t rows;
   const std::vector<std::pair<int64_t, int64_t>> lay;  // piece_layout
   const size_t count;
-  std::vector<int64_t> ns;  // owned ids per piece
+  std::vector<int64_t> ns;            // owned ids per piece
   int64_t head_rows = 0, head_n = 0;  // plan_head: piece 0's rows planned first, their owned ids
   std::atomic<size_t> planned{0};
   std::atomic<bool> stop{false};
   bool bad = false;
-  int64_t ahead_ns = 0;  // the planner thread's time (valid after finish())
+  int64_t ahead_ns = 0;        // the planner thread's time (valid after finish())
   Planner *planner = nullptr;  // set while a Planner runs this plan (start_ahead .. join)
 
   PiecePlan(EngramSlot &slot, int64_t r, std::vector<std::pair<int64_t, int64_t>> layout)
@@ -165,10 +169,9 @@ struct PiecePlan {
     const int64_t r0 = lay[k].first, r1 = r0 + lay[k].second;
     int32_t *sel = reinterpret_cast<int32_t *>(s.hbuf);
     if (k == 0 && head_rows > 0)  // the rest of piece 0, after its head's owned ids
-      ns[0] = head_n + plan_span(s.ids, head_rows, r1, s.lo, s.hi, s.limit, sel, s.fetch + head_n, bad,
-                                 int32_t(head_n));
-    else
-      ns[k] = plan_span(s.ids, r0, r1, s.lo, s.hi, s.limit, sel, s.fetch + r0, bad);
+      ns[0] =
+          head_n + plan_span(s.ids, head_rows, r1, s.lo, s.hi, s.limit, sel, s.fetch + head_n, bad, int32_t(head_n));
+    else ns[k] = plan_span(s.ids, r0, r1, s.lo, s.hi, s.limit, sel, s.fetch + r0, bad);
     planned.store(k + 1, std::memory_order_release);
   }
   // Piece 0's first h rows only (0 < h < piece 0's rows; else nothing): head_n owned ids at fetch[0..).

@@ -15,11 +15,11 @@ struct LocalTable {
   int64_t rows = 0;
   uint64_t woff = 0, soff = 0;
   off_t size = 0;
-  struct timespec mtime {};
+  struct timespec mtime{};
   LocalTable(const std::string &path, uint64_t weight_offset, uint64_t scale_offset, int64_t nrows) {
     fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) throw std::runtime_error("cannot open " + path + ": " + std::strerror(errno));
-    struct stat st {};
+    struct stat st{};
     if (::fstat(fd, &st) != 0) {
       const int e = errno;
       ::close(fd);
@@ -33,7 +33,9 @@ struct LocalTable {
     }
     size = st.st_size;
     mtime = st.st_mtim;
-    rows = nrows; woff = weight_offset; soff = scale_offset;
+    rows = nrows;
+    woff = weight_offset;
+    soff = scale_offset;
   }
   ~LocalTable() {
     if (fd >= 0) ::close(fd);
@@ -41,7 +43,7 @@ struct LocalTable {
   LocalTable(const LocalTable &) = delete;
   LocalTable &operator=(const LocalTable &) = delete;
   bool unchanged() const {
-    struct stat st {};
+    struct stat st{};
     return ::fstat(fd, &st) == 0 && st.st_size == size && st.st_mtim.tv_sec == mtime.tv_sec &&
            st.st_mtim.tv_nsec == mtime.tv_nsec;
   }
@@ -50,7 +52,9 @@ struct LocalTable {
       const ssize_t got = ::pread(fd, dst, n, off_t(off));
       if (got < 0 && errno == EINTR) continue;
       if (got <= 0) return false;
-      dst += got; n -= size_t(got); off += uint64_t(got);
+      dst += got;
+      n -= size_t(got);
+      off += uint64_t(got);
     }
     return true;
   }
@@ -75,11 +79,11 @@ struct EngramSlot {
   std::mutex m;
   std::condition_variable cv;
   std::atomic<uint64_t> handed{0};
-  // the generation whose last request is out (mark_tail, issue 23 pass L): its hand-off is due
+  // the generation whose last request is out (mark_tail): its hand-off is due
   // within that request, so a join waiting for it polls instead of sleeping on the cv
   std::atomic<uint64_t> tail{0};
   std::atomic<int64_t> tail_polls{0};  // joins that polled for a hand-off after mark_tail
-  // the last wait_stream's host times (CLOCK_MONOTONIC ns, launching thread only; issue 23 pass M):
+  // the last wait_stream's host times (CLOCK_MONOTONIC ns, launching thread only; the phase trace):
   // entered, the hand-off seen, the stream wait queued, the GIL taken back; its generation
   int64_t w_enter = 0, w_seen = 0, w_queued = 0, w_gil = 0;
   uint64_t w_gen = 0;
@@ -96,7 +100,7 @@ struct EngramSlot {
   // a multi-piece job's launch graphs by (first row, rows, staged_rows address): the fixed piece
   // layout (RemoteRows._launch_piece: selectors at row r0, packed rows at max_rows*4 + r0*264)
   std::map<std::tuple<int64_t, int64_t, uint64_t>, void *> piece_graphs;
-  // The GPU-side join (issue 23 pass O): 4 KiB of host-mapped pinned memory (cuMemHostAlloc
+  // The GPU-side join: 4 KiB of host-mapped pinned memory (cuMemHostAlloc
   // DEVICEMAP), word 0 the ids word (the GPU writes a job's generation there after its ids' D2H
   // copy), words kGjFlag0.. one flag per piece (the worker or the watchdog stores the job's
   // generation there once the piece's rows are in the pinned staging); their device addresses;
@@ -112,7 +116,9 @@ struct EngramSlot {
     std::string b = id;
     if (b.size() != 32) throw std::invalid_argument("identity must be 32 bytes");
     std::lock_guard<std::mutex> g(m);
-    lo = l; hi = h; limit = lim;
+    lo = l;
+    hi = h;
+    limit = lim;
     std::memcpy(ident, b.data(), 32);
     has_table = true;
   }
@@ -162,7 +168,7 @@ struct EngramSlot {
     std::lock_guard<std::mutex> g(m);
     return gen == abandoned;
   }
-  // ---- the GPU-side join (issue 23 pass O) ----
+  // ---- the GPU-side join ----
   // Launching thread, with the CUDA context current: the host-mapped words (once). False when a
   // driver call is missing or fails (the table then joins on the host).
   bool gj_setup() {
@@ -244,7 +250,8 @@ struct EngramSlot {
     if (event2 && cu.stream_wait_event(st, reinterpret_cast<void *>(event2), 0) == 0) r |= 4;
     return r;
   }
-  static std::vector<std::pair<int64_t, int64_t>> piece_layout_of(int64_t rows, int64_t piece_rows, const Tails &tail_rows);
+  static std::vector<std::pair<int64_t, int64_t>> piece_layout_of(int64_t rows, int64_t piece_rows,
+                                                                  const Tails &tail_rows);
   // Worker (core): the last request of job `gen` is about to go out; wakes a join sleeping for it.
   void mark_tail(uint64_t gen) {
     {
@@ -256,16 +263,16 @@ struct EngramSlot {
   // Launching thread: wait up to timeout_s for the hand-off of `gen` with the GIL released,
   // polling the flag for spin_ns first (a hand-off that is already due costs no sleep/wake),
   // then sleeping on the cv until the hand-off or until the job's last request is out
-  // (mark_tail); from then on it polls the flag (no wake-up after the hand-off: pass K measured
-  // 0.36-0.40 ms from the hand-off to the join's return with the sleep), still within timeout_s.
+  // (mark_tail); from then on it polls the flag (no wake-up after the hand-off: a sleeping join's
+  // wake-up costs more than the polling), still within timeout_s.
   bool wait(uint64_t gen, double timeout_s, int64_t spin_ns) {
     if (handed.load(std::memory_order_acquire) == gen) return true;
     py::gil_scoped_release nogil;
     return wait_nogil(gen, timeout_s, spin_ns);
   }
   // wait, then (handed off, `event` nonzero) queue `stream`'s wait on the event (cuStreamWaitEvent;
-  // stream 0 is the legacy default stream) before the GIL is taken back (issue 23 pass M: no
-  // Python-level wait_event after the hand-off). Returns 0: not handed off within timeout_s;
+  // stream 0 is the legacy default stream) before the GIL is taken back (so no
+  // Python-level wait_event follows the hand-off). Returns 0: not handed off within timeout_s;
   // 1: handed off, the stream wait not queued (no event, no driver entry, or it failed: the
   // caller queues it); 1 | 2: handed off and the stream wait queued. Records the w_* host times.
   // `event2` (nonzero): a second event the stream waits on after the first (vLLM's prefetch-done
@@ -303,7 +310,9 @@ struct EngramSlot {
       if (handed.load(std::memory_order_acquire) == gen) return true;
     {
       std::unique_lock<std::mutex> l(m);
-      auto due = [&] { return handed.load(std::memory_order_acquire) == gen || tail.load(std::memory_order_acquire) == gen; };
+      auto due = [&] {
+        return handed.load(std::memory_order_acquire) == gen || tail.load(std::memory_order_acquire) == gen;
+      };
       if (!cv.wait_for(l, std::chrono::nanoseconds(std::max<int64_t>(end - now_ns(), 0)), due)) return false;
       if (handed.load(std::memory_order_acquire) == gen) return true;
     }

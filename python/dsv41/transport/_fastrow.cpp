@@ -21,15 +21,23 @@ constexpr double kBuckets[] = {25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-
 constexpr int kNBuckets = sizeof(kBuckets) / sizeof(kBuckets[0]);
 
 void pack_rep(uint8_t *h, uint16_t ver, uint16_t status, uint64_t rid, uint32_t count, uint32_t plen) {
-  wr<uint32_t>(h, kMagic); wr<uint16_t>(h + 4, ver); wr<uint16_t>(h + 6, status);
-  wr<uint64_t>(h + 8, rid); wr<uint32_t>(h + 16, count); wr<uint32_t>(h + 20, plen);
+  wr<uint32_t>(h, kMagic);
+  wr<uint16_t>(h + 4, ver);
+  wr<uint16_t>(h + 6, status);
+  wr<uint64_t>(h + 8, rid);
+  wr<uint32_t>(h + 16, count);
+  wr<uint32_t>(h + 20, plen);
 }
 
 // Blocking full read; false on EOF or error.
 bool recv_all(int fd, uint8_t *p, size_t n) {
   while (n) {
     ssize_t r = ::recv(fd, p, n, 0);
-    if (r > 0) { p += r; n -= size_t(r); continue; }
+    if (r > 0) {
+      p += r;
+      n -= size_t(r);
+      continue;
+    }
     if (r < 0 && errno == EINTR) continue;
     return false;
   }
@@ -51,7 +59,11 @@ bool has_send_timeout(int fd) {
 bool send_all(int fd, const uint8_t *p, size_t n) {
   while (n) {
     ssize_t r = ::send(fd, p, n, MSG_NOSIGNAL);
-    if (r > 0) { p += r; n -= size_t(r); continue; }
+    if (r > 0) {
+      p += r;
+      n -= size_t(r);
+      continue;
+    }
     if (r < 0 && errno == EINTR) continue;
     if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       if (has_send_timeout(fd)) return false;
@@ -215,10 +227,16 @@ class Connection {
     while (rend_ - rpos_ < need) {
       bool spinning = until && now_ns() < until;
       ssize_t r = ::recv(fd_, rbuf_.data() + rend_, kRbuf - rend_, spinning ? MSG_DONTWAIT : 0);
-      if (r > 0) { rend_ += size_t(r); continue; }
+      if (r > 0) {
+        rend_ += size_t(r);
+        continue;
+      }
       if (r == 0) return false;
       if (errno == EINTR) continue;
-      if (spinning && (errno == EAGAIN || errno == EWOULDBLOCK)) { ::sched_yield(); continue; }
+      if (spinning && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        ::sched_yield();
+        continue;
+      }
       return false;
     }
     return true;
@@ -262,14 +280,27 @@ class Connection {
       const uint8_t *ident = hdr_ + 16;
       uint32_t count = rd<uint32_t>(hdr_ + 48), plen = rd<uint32_t>(hdr_ + 52);
       ver_ = kVersion;
-      if (magic != kMagic) { refuse(ST_BAD_MAGIC, rid); return false; }
+      if (magic != kMagic) {
+        refuse(ST_BAD_MAGIC, rid);
+        return false;
+      }
       // bad_version carries the newest version this server speaks in its header
-      if (ver < kVersion || ver > kMaxVersion) { ver_ = kMaxVersion; refuse(ST_BAD_VERSION, rid); return false; }
+      if (ver < kVersion || ver > kMaxVersion) {
+        ver_ = kMaxVersion;
+        refuse(ST_BAD_VERSION, rid);
+        return false;
+      }
       ver_ = ver;
-      if (plen > kMaxPayload) { refuse(ST_OVERSIZE, rid); return false; }
+      if (plen > kMaxPayload) {
+        refuse(ST_OVERSIZE, rid);
+        return false;
+      }
       plen_ = plen;
       if (!take_payload(plen)) return false;
-      if (core_.stopping.load()) { if (!refuse(ST_SHUTTING_DOWN, rid)) return false; continue; }
+      if (core_.stopping.load()) {
+        if (!refuse(ST_SHUTTING_DOWN, rid)) return false;
+        continue;
+      }
       bool ok = true;
       switch (op) {
         case OP_LOOKUP: ok = lookup(rid, ident, count, t0); break;
@@ -290,8 +321,13 @@ class Connection {
           break;
         }
         case OP_NIXL_HELLO:
-          if (!nixl_) { ok = refuse(ST_NOT_SUPPORTED, rid); break; }
-          op_out = op; rid_out = rid; count_out = count;
+          if (!nixl_) {
+            ok = refuse(ST_NOT_SUPPORTED, rid);
+            break;
+          }
+          op_out = op;
+          rid_out = rid;
+          count_out = count;
           return true;
         default: ok = refuse(ST_UNKNOWN_OP, rid);
       }
@@ -344,7 +380,7 @@ class Connection {
     size_t first = total < kGatherChunk ? total : kGatherChunk;
     if (gather_.size() < kRep + first * kRow) gather_.resize(kRep + first * kRow);
     pack_rep(gather_.data(), ver_, ST_OK, rid, total, uint32_t(uint64_t(total) * kRow));
-    size_t fill = 0;           // rows gathered into the current chunk
+    size_t fill = 0;             // rows gathered into the current chunk
     bool header_pending = true;  // the header rides in the first chunk's send
     auto flush = [&]() {
       size_t skip = header_pending ? 0 : kRep;
@@ -392,13 +428,20 @@ int lookup_many_nogil(int fd, uint64_t gen0, const char *ident, const uint8_t *r
     for (size_t k = 0; k < nchunks; k++) {
       uint8_t *h = &hdrs[k * kReq];
       uint32_t c = uint32_t(std::min<size_t>(chunk, n - k * chunk));
-      wr<uint32_t>(h, kMagic); wr<uint16_t>(h + 4, kVersion); wr<uint16_t>(h + 6, OP_LOOKUP);
-      wr<uint64_t>(h + 8, gen0 + k); std::memcpy(h + 16, ident, 32);
-      wr<uint32_t>(h + 48, c); wr<uint32_t>(h + 52, c * 8);
+      wr<uint32_t>(h, kMagic);
+      wr<uint16_t>(h + 4, kVersion);
+      wr<uint16_t>(h + 6, OP_LOOKUP);
+      wr<uint64_t>(h + 8, gen0 + k);
+      std::memcpy(h + 16, ident, 32);
+      wr<uint32_t>(h + 48, c);
+      wr<uint32_t>(h + 52, c * 8);
     }
     size_t send_idx = 0, send_off = 0;  // bytes of chunk send_idx already sent
     ReplyReader reply;
-    auto budget = [&]() { int64_t d = now_ns() + timeout_ns; return end_ns > 0 && end_ns < d ? end_ns : d; };
+    auto budget = [&]() {
+      int64_t d = now_ns() + timeout_ns;
+      return end_ns > 0 && end_ns < d ? end_ns : d;
+    };
     int64_t deadline = budget();
     int64_t spin_until = now_ns() + spin_ns;
     while (recv_idx < nchunks && code == 0) {
@@ -408,10 +451,16 @@ int lookup_many_nogil(int fd, uint64_t gen0, const char *ident, const uint8_t *r
         const size_t plen = c * 8;
         const ssize_t r = send_request_part(fd, &hdrs[send_idx * kReq], rp + send_idx * chunk * 8, plen, send_off);
         if (r == -1) break;
-        if (r < 0) { code = -2; break; }
+        if (r < 0) {
+          code = -2;
+          break;
+        }
         progressed = progressed || r > 0;
         send_off += size_t(r);
-        if (send_off == kReq + plen) { send_idx++; send_off = 0; }
+        if (send_off == kReq + plen) {
+          send_idx++;
+          send_off = 0;
+        }
       }
       if (code) break;
       // receive whatever is there for the reply in progress
@@ -428,10 +477,19 @@ int lookup_many_nogil(int fd, uint64_t gen0, const char *ident, const uint8_t *r
         }
       }
       if (code || recv_idx == nchunks) break;
-      if (progressed) { spin_until = now_ns() + spin_ns; continue; }
+      if (progressed) {
+        spin_until = now_ns() + spin_ns;
+        continue;
+      }
       int64_t t = now_ns();
-      if (t >= deadline) { code = -1; break; }
-      if (t < spin_until) { ::sched_yield(); continue; }  // yield as in Connection::fill
+      if (t >= deadline) {
+        code = -1;
+        break;
+      }
+      if (t < spin_until) {
+        ::sched_yield();
+        continue;
+      }  // yield as in Connection::fill
       pollfd pf{fd, short(POLLIN | (send_idx < nchunks && send_idx - recv_idx < window ? POLLOUT : 0)), 0};
       int64_t rem = deadline - t;
       timespec ts{time_t(rem / 1000000000LL), long(rem % 1000000000LL)};
@@ -466,9 +524,13 @@ py::tuple client_lookup(int fd, uint64_t gen, py::bytes ident, py::array_t<uint6
     py::gil_scoped_release nogil;
     int64_t deadline = now_ns() + timeout_ns;
     uint8_t h[kReq];
-    wr<uint32_t>(h, kMagic); wr<uint16_t>(h + 4, kVersion); wr<uint16_t>(h + 6, OP_LOOKUP);
-    wr<uint64_t>(h + 8, gen); std::memcpy(h + 16, id.data(), 32);
-    wr<uint32_t>(h + 48, n); wr<uint32_t>(h + 52, n * 8);
+    wr<uint32_t>(h, kMagic);
+    wr<uint16_t>(h + 4, kVersion);
+    wr<uint16_t>(h + 6, OP_LOOKUP);
+    wr<uint64_t>(h + 8, gen);
+    std::memcpy(h + 16, id.data(), 32);
+    wr<uint32_t>(h + 48, n);
+    wr<uint32_t>(h + 52, n * 8);
     iovec iov[2] = {{h, kReq}, {const_cast<uint8_t *>(rp), size_t(n) * 8}};
     code = send_deadline(fd, iov, n ? 2 : 1, deadline);
     if (code == 0) code = recv_reply_rows(fd, gen, kVersion, n, out, nd, deadline, spin_ns, rcount);
@@ -499,8 +561,8 @@ py::tuple client_lookup_many(int fd, uint64_t gen0, py::bytes ident, py::array_t
   size_t recv_idx = 0;
   {
     py::gil_scoped_release nogil;
-    code = lookup_many_nogil(fd, gen0, id.data(), rp, n, op, chunk, window, timeout_ns, spin_ns, end_ns, status,
-                             recv_idx);
+    code =
+        lookup_many_nogil(fd, gen0, id.data(), rp, n, op, chunk, window, timeout_ns, spin_ns, end_ns, status, recv_idx);
   }
   return py::make_tuple(code, status, recv_idx);
 }
@@ -523,15 +585,15 @@ py::tuple client_lookup_segs(int fd, uint64_t gen, uint16_t version, py::tuple s
   size_t total = 0;
   for (size_t j = 0; j < k; j++) {
     PyObject *t = PyTuple_GET_ITEM(segs.ptr(), j);
-    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 4) throw std::invalid_argument("segment must be (ident, rows, limit, out)");
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 4)
+      throw std::invalid_argument("segment must be (ident, rows, limit, out)");
     PyObject *id = PyTuple_GET_ITEM(t, 0);
     if (!PyBytes_Check(id) || PyBytes_GET_SIZE(id) != 32) throw std::invalid_argument("identity must be 32 bytes");
     py::handle rh(PyTuple_GET_ITEM(t, 1)), oh(PyTuple_GET_ITEM(t, 3));
     if (!py::isinstance<py::array>(rh)) return py::make_tuple(2, j, 0);
     auto r = py::reinterpret_borrow<py::array>(rh);
     char kind = r.dtype().kind();
-    if (r.ndim() != 1 || r.itemsize() != 8 || (kind != 'i' && kind != 'u') ||
-        !(r.flags() & py::array::c_style))
+    if (r.ndim() != 1 || r.itemsize() != 8 || (kind != 'i' && kind != 'u') || !(r.flags() & py::array::c_style))
       return py::make_tuple(2, j, 0);
     size_t n = size_t(r.shape(0));
     if (!py::isinstance<py::array>(oh)) return py::make_tuple(4, j, 0);

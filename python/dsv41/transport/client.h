@@ -23,8 +23,15 @@ int send_deadline(int fd, iovec *iov, int niov, int64_t deadline) {
       continue;
     }
     size_t k = size_t(r);
-    while (niov && k >= iov->iov_len) { k -= iov->iov_len; iov++; niov--; }
-    if (niov) { iov->iov_base = static_cast<uint8_t *>(iov->iov_base) + k; iov->iov_len -= k; }
+    while (niov && k >= iov->iov_len) {
+      k -= iov->iov_len;
+      iov++;
+      niov--;
+    }
+    if (niov) {
+      iov->iov_base = static_cast<uint8_t *>(iov->iov_base) + k;
+      iov->iov_len -= k;
+    }
   }
   return 0;
 }
@@ -34,7 +41,7 @@ struct Dest {
   uint8_t *p;
   size_t n;
 };
-constexpr size_t kMaxDests = 16;  // tcp.py MAX_DEST_RANGES, kMaxSegs
+constexpr size_t kMaxDests = 16;   // tcp.py MAX_DEST_RANGES, kMaxSegs
 constexpr size_t kScratch = 4096;  // a refusal's payload limit (tcp.py _refusal)
 
 // The reply of request `gen` (sent in a `ver` frame) that should carry `rows` rows into the
@@ -46,8 +53,8 @@ constexpr size_t kScratch = 4096;  // a refusal's payload limit (tcp.py _refusal
 // it (<= 4 KiB).  Returns 0 (rows written), 1 (refused: status in rcount, payload discarded) or
 // the negative codes of client_lookup; -4 also for a reply longer than its header says.
 // Failed tries spin (yielding, as in Connection::fill) for spin_ns, then sleep in ppoll.
-int recv_reply_rows(int fd, uint64_t gen, uint16_t ver, uint64_t rows, const Dest *d, size_t nd,
-                    int64_t deadline, int64_t spin_ns, uint32_t &rcount) {
+int recv_reply_rows(int fd, uint64_t gen, uint16_t ver, uint64_t rows, const Dest *d, size_t nd, int64_t deadline,
+                    int64_t spin_ns, uint32_t &rcount) {
   uint8_t rep[kRep];
   uint8_t scratch[kScratch];
   size_t body = size_t(rows) * kRow, head = std::min(body, kScratch);
@@ -57,7 +64,10 @@ int recv_reply_rows(int fd, uint64_t gen, uint16_t ver, uint64_t rows, const Des
   all[na++] = {scratch, kScratch};
   size_t skip = head;  // destination bytes that go to the scratch
   for (size_t j = 0; j < nd; j++) {
-    if (skip >= d[j].n) { skip -= d[j].n; continue; }
+    if (skip >= d[j].n) {
+      skip -= d[j].n;
+      continue;
+    }
     all[na++] = {d[j].p + skip, d[j].n - skip};
     skip = 0;
   }
@@ -86,7 +96,10 @@ int recv_reply_rows(int fd, uint64_t gen, uint16_t ver, uint64_t rows, const Des
     iovec iov[2 + kMaxDests];  // the part of `all` not yet filled
     size_t ni = 0, off = got;
     for (size_t j = 0; j < na; j++) {
-      if (off >= all[j].iov_len) { off -= all[j].iov_len; continue; }
+      if (off >= all[j].iov_len) {
+        off -= all[j].iov_len;
+        continue;
+      }
       iov[ni++] = {static_cast<uint8_t *>(all[j].iov_base) + off, all[j].iov_len - off};
       off = 0;
     }
@@ -94,12 +107,18 @@ int recv_reply_rows(int fd, uint64_t gen, uint16_t ver, uint64_t rows, const Des
     mh.msg_iov = iov;
     mh.msg_iovlen = ni;
     ssize_t r = ::recvmsg(fd, &mh, MSG_DONTWAIT);
-    if (r > 0) { got += size_t(r); continue; }
+    if (r > 0) {
+      got += size_t(r);
+      continue;
+    }
     if (r == 0) return -2;
     if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return -2;
     int64_t t = now_ns();
     if (t >= deadline) return -1;
-    if (t < spin_until) { ::sched_yield(); continue; }  // yield as in Connection::fill
+    if (t < spin_until) {
+      ::sched_yield();
+      continue;
+    }  // yield as in Connection::fill
     pollfd pf{fd, POLLIN, 0};
     int64_t rem = deadline - t;
     timespec ts{time_t(rem / 1000000000LL), long(rem % 1000000000LL)};
@@ -121,7 +140,7 @@ int recv_reply_rows(int fd, uint64_t gen, uint16_t ver, uint64_t rows, const Des
 struct ReplyReader {
   enum { NONE, SOME, DONE, FAIL };
   uint8_t rep[kRep];
-  size_t rgot = 0;          // bytes of the current reply (header then rows) received
+  size_t rgot = 0;  // bytes of the current reply (header then rows) received
   bool in_payload = false;
   // One recv for the reply to request `gen` of `c` rows: NONE (nothing there), SOME (bytes in,
   // the reply not complete), DONE (the reply complete; ready for the next), FAIL (`code` set to
@@ -129,10 +148,18 @@ struct ReplyReader {
   int read(int fd, uint8_t *rows, uint32_t c, uint64_t gen, int &code, uint32_t &status) {
     uint8_t *dst;
     size_t want;
-    if (!in_payload) { dst = rep + rgot; want = kRep - rgot; }
-    else { dst = rows + rgot; want = size_t(c) * kRow - rgot; }
+    if (!in_payload) {
+      dst = rep + rgot;
+      want = kRep - rgot;
+    } else {
+      dst = rows + rgot;
+      want = size_t(c) * kRow - rgot;
+    }
     const ssize_t r = ::recv(fd, dst, want, MSG_DONTWAIT);
-    if (r == 0) { code = -2; return FAIL; }
+    if (r == 0) {
+      code = -2;
+      return FAIL;
+    }
     if (r < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return NONE;
       code = -2;
@@ -141,10 +168,23 @@ struct ReplyReader {
     rgot += size_t(r);
     if (!in_payload && rgot == kRep) {
       const uint16_t st = rd<uint16_t>(rep + 6);
-      if (rd<uint32_t>(rep) != kMagic || rd<uint16_t>(rep + 4) != kVersion) { code = -4; return FAIL; }
-      if (rd<uint64_t>(rep + 8) != gen) { code = -3; return FAIL; }
-      if (st != ST_OK) { code = 1; status = st; return FAIL; }
-      if (rd<uint32_t>(rep + 16) != c || uint64_t(rd<uint32_t>(rep + 20)) != uint64_t(c) * kRow) { code = -4; return FAIL; }
+      if (rd<uint32_t>(rep) != kMagic || rd<uint16_t>(rep + 4) != kVersion) {
+        code = -4;
+        return FAIL;
+      }
+      if (rd<uint64_t>(rep + 8) != gen) {
+        code = -3;
+        return FAIL;
+      }
+      if (st != ST_OK) {
+        code = 1;
+        status = st;
+        return FAIL;
+      }
+      if (rd<uint32_t>(rep + 16) != c || uint64_t(rd<uint32_t>(rep + 20)) != uint64_t(c) * kRow) {
+        code = -4;
+        return FAIL;
+      }
       in_payload = c != 0;
       rgot = 0;
       return c == 0 ? DONE : SOME;
@@ -181,7 +221,12 @@ ssize_t send_request_part(int fd, const uint8_t *hdr, const uint8_t *ids, size_t
 // One lookup request of k segments (their ids checked by the caller) on a non-blocking
 // connected socket, without the GIL: the codes of client_lookup (0 rows written, 1 refused with
 // the status in rcount, negative: the caller must close the socket).
-struct CSeg { const char *ident; const uint8_t *ids; uint8_t *out; size_t n; };
+struct CSeg {
+  const char *ident;
+  const uint8_t *ids;
+  uint8_t *out;
+  size_t n;
+};
 int lookup_segs_nogil(int fd, uint64_t gen, uint16_t version, const CSeg *cs, size_t k, size_t total,
                       int64_t timeout_ns, int64_t spin_ns, uint32_t &rcount) {
   int64_t deadline = now_ns() + timeout_ns;
@@ -190,19 +235,15 @@ int lookup_segs_nogil(int fd, uint64_t gen, uint16_t version, const CSeg *cs, si
   int niov = 0;
   uint16_t ver = k == 1 ? kVersion : version;
   size_t hlen = kReq;
-  wr<uint32_t>(h, kMagic); wr<uint16_t>(h + 4, ver); wr<uint64_t>(h + 8, gen);
   if (k == 1) {
-    wr<uint16_t>(h + 6, OP_LOOKUP);
-    std::memcpy(h + 16, cs[0].ident, 32);
-    wr<uint32_t>(h + 48, uint32_t(total)); wr<uint32_t>(h + 52, uint32_t(total * 8));
+    write_req(h, ver, OP_LOOKUP, gen, cs[0].ident, uint32_t(total), uint32_t(total * 8));
   } else {
-    wr<uint16_t>(h + 6, OP_LOOKUP_MULTI);
-    std::memset(h + 16, 0, 32);
-    wr<uint32_t>(h + 48, uint32_t(k)); wr<uint32_t>(h + 52, uint32_t(k * kSeg + total * 8));
+    write_req(h, ver, OP_LOOKUP_MULTI, gen, nullptr, uint32_t(k), uint32_t(k * kSeg + total * 8));
     for (size_t j = 0; j < k; j++) {
       uint8_t *g = h + kReq + j * kSeg;
       std::memcpy(g, cs[j].ident, 32);
-      wr<uint32_t>(g + 32, uint32_t(cs[j].n)); wr<uint32_t>(g + 36, 0);
+      wr<uint32_t>(g + 32, uint32_t(cs[j].n));
+      wr<uint32_t>(g + 36, 0);
     }
     hlen += k * kSeg;
   }
