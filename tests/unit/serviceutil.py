@@ -36,6 +36,26 @@ def play(manager: str, tasks: str) -> str:
     return PLAY.format(py=sys.executable, manager=manager, tasks=tasks)
 
 
+#: A role standing in for the project's roles that include roles/dsv41_service (the role refuses a
+#: play as its caller): it includes the entry point ``dsv41_service_caller_entry`` with the
+#: including task's variables.
+CALLER_ROLE = """---
+- name: Include roles/dsv41_service from a role
+  ansible.builtin.include_role:
+    name: dsv41_service
+    tasks_from: "{{ dsv41_service_caller_entry }}"
+"""
+
+
+def caller_roles(directory: Path) -> str:
+    """Write the caller role (role ``dsv41_service_caller``) under ``directory``/roles; returns the
+    roles path (it, then the repository's roles) for ``ANSIBLE_ROLES_PATH``."""
+    tasks = directory / "roles" / "dsv41_service_caller" / "tasks"
+    tasks.mkdir(parents=True, exist_ok=True)
+    (tasks / "main.yml").write_text(CALLER_ROLE)
+    return f"{directory / 'roles'}:{REPO / 'roles'}"
+
+
 def env(path_first: str | os.PathLike | None = None, **extra: str) -> dict:
     """The environment of an ``ansible-playbook`` run: the repository's ansible.cfg, this venv's
     bin first on PATH (after ``path_first``, a directory of stand-in tools), no colour, ``extra``."""

@@ -90,7 +90,7 @@ def documented_words() -> set[str]:
 def test_the_scan_sees_the_readers():
     # the scanner's own check: known readers of each kind are found, attributes and filters are not
     reads = defaulted_reads(ansible_files())
-    assert "window_ready_timeout" in reads and "status_window_s" in reads and "dsv41_api_url" in reads
+    assert "window_ready_timeout" in reads and "status_window_s" in reads and "dsv41_drafter_train_steps" in reads
     assert not {"stdout", "first", "last", "results"} & set(reads)
 
 

@@ -81,8 +81,6 @@ LAB_ONLY = {
     "dsv41_drafter_train_steps": ("lab", "the lab trains a tiny drafter (production: dsv41_drafter_src given)"),
     "dsv41_tables_seed": ("lab", "the lab generates the Engram tables from this seed (production: the "
                                  "trusted manifest's shards)"),
-    "dsv41_package_install_nixl": ("hardware", "no RDMA device in the lab: NIXL is not installed, the Engram "
-                                               "transport is TCP (qualify_transport_backend)"),
     "dsv41_package_manage_packages": ("lab", "the nspawn rootfs is built with its OS packages and has no "
                                              "registry; production installs them with apt"),
     "qualify_transport_backend": ("hardware", "TCP over veth in the lab; production qualifies the RDMA backend"),

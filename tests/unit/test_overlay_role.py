@@ -33,7 +33,7 @@ def render(tmp_path: Path, **extra) -> str:
     play = tmp_path / "play.yml"
     play.write_text(PLAY.format(repo=REPO, out=out))
     fixed = {"serve_runtime": "vllm", "serve_image": "vllm/vllm-openai@sha256:" + "a" * 64, "dsv41_rank": 0,
-             "serve_rank0_host": "localhost", "serve_master_address": "192.0.2.1", "serve_host": "192.0.2.10",
+             "serve_master_address": "192.0.2.1", "serve_host": "192.0.2.10",
              "serve_fabric_ifname": "eth1", "serve_overlay_site": "/opt/dsv41/overlay/site-0123456789abcdef",
              "dsv41_mgmt_address": "192.0.2.10"}
     args = ["-e", json.dumps({**fixed, **extra})]

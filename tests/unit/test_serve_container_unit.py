@@ -49,7 +49,7 @@ def render(tmp: Path, name: str, **extra) -> str:
                         "ansible.builtin.template": {"src": str(REPO / "roles/dsv41_service/templates/systemd.service.j2"),
                                                      "dest": str(out), "mode": "0644"}}]}]
     (tmp / f"{name}.yml").write_text(yaml.safe_dump(play, sort_keys=False))
-    fixed = {"dsv41_rank": 0, "serve_rank0_host": "localhost", "serve_master_address": "198.18.3.1",
+    fixed = {"dsv41_rank": 0, "serve_master_address": "198.18.3.1",
              "serve_host": "198.18.0.11", "serve_fabric_ifname": "fab0", "serve_engram_remote": False,
              "serve_drafter_remote": False, "serve_overlay_site": "/opt/dsv41/overlay/site-0123456789abcdef",
              "ansible_python_interpreter": sys.executable}

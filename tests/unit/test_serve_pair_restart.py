@@ -44,6 +44,8 @@ class _Health(BaseHTTPRequestHandler):
 PAIR_PLAY = """
 - hosts: spark
   gather_facts: false
+  roles:
+    - role: dsv41
   environment:
     FAKE_SYSTEMD_STATE: "{tmp}/{{{{ inventory_hostname }}}}.json"
     FAKE_SYSTEMD_HOST: "{{{{ inventory_hostname }}}}"
@@ -72,7 +74,8 @@ def test_pair_restart_order(tmp_path, check):
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     inv = {"all": {"vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
                             "dsv41_service_manager": "systemd"},
-                   "children": {"spark": {"hosts": {"sparkhead": {"dsv41_rank": 0}, "sparkworker": {"dsv41_rank": 1}}}}}}
+                   "children": {"spark": {"hosts": {"sparkhead": {"dsv41_rank": 0}, "sparkworker": {"dsv41_rank": 1}}},
+                                 "offload": {"hosts": {"x86host": {}}}}}}
     (tmp_path / "hosts.yml").write_text(yaml.safe_dump(inv))
     (tmp_path / "play.yml").write_text(PAIR_PLAY.format(tmp=tmp_path, port=srv.server_address[1]))
     try:
@@ -115,7 +118,8 @@ def test_rank_0_not_healthy_within_the_budget_names_unit_rank_and_journal_on_eac
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     inv = {"all": {"vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
                             "dsv41_service_manager": "systemd"},
-                   "children": {"spark": {"hosts": {"sparkhead": {"dsv41_rank": 0}, "sparkworker": {"dsv41_rank": 1}}}}}}
+                   "children": {"spark": {"hosts": {"sparkhead": {"dsv41_rank": 0}, "sparkworker": {"dsv41_rank": 1}}},
+                                 "offload": {"hosts": {"x86host": {}}}}}}
     (tmp_path / "hosts.yml").write_text(yaml.safe_dump(inv))
     play = PAIR_PLAY.format(tmp=tmp_path, port=srv.server_address[1]).replace(
         "serve_health_retries: 5", "serve_health_retries: 2\n        serve_health_delay: 1")

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from servicectlutil import fake_bin
-from serviceutil import ACTIONS, env, mutating_calls, play, run_playbook
+from serviceutil import ACTIONS, caller_roles, env, mutating_calls, play, run_playbook
 
 A, I = "active", "inactive"  # noqa: E741 - one letter each keeps the case table below one row per case
 # name: (units before {unit: (ActiveState, NeedDaemonReload)}, action, names, probe,
@@ -49,9 +49,9 @@ MUTATING = ("start", "stop", "restart", "kill", "daemon-reload", "reset-failed",
 TASK = """
     - name: Control {case}
       ansible.builtin.include_role:
-        name: dsv41_service
-        tasks_from: control
+        name: dsv41_service_caller
       vars:
+        dsv41_service_caller_entry: control
         dsv41_service_control_names: {names}
         dsv41_service_control_action: {action}
         dsv41_service_control_probe: {probe}
@@ -69,7 +69,7 @@ TASK = """
 
 
 def _env(tmp: Path, state: Path) -> dict:
-    return env(fake_bin(tmp), FAKE_SYSTEMD_STATE=str(state))
+    return env(fake_bin(tmp), FAKE_SYSTEMD_STATE=str(state), ANSIBLE_ROLES_PATH=caller_roles(tmp))
 
 
 def _calls(state: Path) -> list[str]:
@@ -117,9 +117,9 @@ def test_check_mode_makes_no_mutating_call(tmp_path, case):
 WAIT_TASKS = """
     - name: Readiness
       ansible.builtin.include_role:
-        name: dsv41_service
-        tasks_from: wait
+        name: dsv41_service_caller
       vars:
+        dsv41_service_caller_entry: wait
         dsv41_service_name: dsv41-bad
         dsv41_service_command: /bin/false
         dsv41_service_env_file: /nonexistent.env

@@ -46,6 +46,8 @@ TASK = """
         tasks_from: fault
       vars:
         dsv41_rank: {rank}
+        dsv41_serve_service: dsv41-serve
+        dsv41_rank0_host: "{{{{ inventory_hostname if {rank} == 0 else 'another-spark' }}}}"
         serve_container_runtime: {runtime}
 """
 
