@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from yamltree import REPO as ROOT
-from yamltree import yaml_files
+
+from yamltree import REPO as ROOT, yaml_files
 
 DEFAULTS = ROOT / "roles" / "dsv41" / "defaults" / "main.yml"
 

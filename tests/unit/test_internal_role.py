@@ -10,8 +10,8 @@ service through the owning role's entry point (serve, engram_server, drafter_wor
 from __future__ import annotations
 
 import yaml
-from yamltree import REPO as ROOT
-from yamltree import items, parsed
+
+from yamltree import REPO as ROOT, items, parsed
 
 ROLE = ROOT / "roles" / "dsv41_service"
 
