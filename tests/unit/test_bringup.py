@@ -140,7 +140,7 @@ def test_every_stage_but_stock_has_a_gate():
 
 
 def test_links_rows_passes_and_a_bad_row_stops_it():
-    ok = [{"id": "links.mtu[ofl0]", "status": "pass"}, {"name": "ofl0", "check": "up", "ok": True},
+    ok = [{"id": "links.mtu[ofl0]", "status": "pass"}, {"link": "ofl0", "check": "up", "ok": True},
           {"id": "exactness.bad_rows[rank 0 layer 2]", "status": "pass", "value": {"bad_rows": 0}}]
     assert bringup.gate("links_rows", "spark1", {"records": ok})["checks"] == 3
     bad = ok + [{"id": "exactness.bad_rows[rank 0 layer 15]", "status": "fail",
@@ -150,8 +150,13 @@ def test_links_rows_passes_and_a_bad_row_stops_it():
     assert str(e.value) == ("bring-up stopped at stage links_rows on spark1: exactness.bad_rows[rank 0 layer 15]: "
                             "rank 0 layer 15: 3 bad rows of 419520, 0 fallbacks")
     with pytest.raises(bringup.GateError, match="links_rows on spark2: ofl0.mtu: value 1500, expected 9000"):
-        bringup.gate("links_rows", "spark2", {"records": [{"name": "ofl0", "check": "mtu", "ok": False,
+        bringup.gate("links_rows", "spark2", {"records": [{"link": "ofl0", "check": "mtu", "ok": False,
                                                            "value": 1500, "expected": 9000}]})
+    skipped = [{"id": "exactness.bad_rows[rank 1]", "status": "skipped", "reason": "remote Engram is off on rank 1"}]
+    with pytest.raises(bringup.GateError, match="links_rows on spark2: exactness.bad_rows\\[rank 1\\]: remote Engram is off"):
+        bringup.gate("links_rows", "spark2", {"records": ok + skipped})
+    assert bringup.gate("links_rows", "x86", {"records": [{"id": "links.rdma_port[ofl0]", "status": "skipped",
+                                                           "reason": "no RDMA device"}]})
     with pytest.raises(bringup.GateError, match="no link or exactness check ran"):
         bringup.gate("links_rows", "spark1", {"records": []})
 

@@ -134,15 +134,19 @@ def _fail(stage: str, host: str, what: str) -> GateError:
 
 def gate_links_rows(host: str, records: Sequence[Mapping[str, Any]]) -> dict:
     """Stage ``links_rows`` on ``host``: ``records`` are the qualify records of its link, peer and
-    exactness-sweep checks (``dsv41 qualify peers|sweep`` output; ``rdma_link`` checks with ``ok``).
-    Passes when none failed and at least one ran; GateError names the first failed check and its
+    exactness-sweep checks (``dsv41 qualify peers|sweep`` records with ``status``; ``rdma_link``
+    checks with ``link``, ``check`` and ``ok``).
+    Passes when none failed (a skipped exactness record fails: the sweep must run) and at least one
+    ran; GateError names the first failed check and its
     value (the sweep's bad rows / lookups / fallbacks)."""
     if not records:
         raise _fail("links_rows", host, "no link or exactness check ran")
     for r in records:
-        failed = r.get("status") == "fail" or r.get("ok") is False
+        # a sweep that did not run is not a pass (required mode)
+        failed = (r.get("status") == "fail" or r.get("ok") is False
+                  or (r.get("status") == "skipped" and str(r.get("id", "")).startswith("exactness")))
         if failed:
-            name = r.get("id") or f"{r.get('name', '?')}.{r.get('check', '?')}"
+            name = r.get("id") or f"{r.get('link', '?')}.{r.get('check', '?')}"
             why = r.get("reason") or f"value {r.get('value')!r}, expected {r.get('expected')!r}"
             raise _fail("links_rows", host, f"{name}: {why}")
     return {"stage": "links_rows", "host": host, "checks": len(records)}
