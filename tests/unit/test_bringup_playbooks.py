@@ -91,13 +91,24 @@ def test_change_stages_use_roles_change_and_hold():
         ["dsv41", "engram_overlay", "spec_decode", "serve"]
 
 
+def _keys(node) -> set[str]:
+    if isinstance(node, dict):
+        return set(node) | {k for v in node.values() for k in _keys(v)}
+    if isinstance(node, list):
+        return {k for v in node for k in _keys(v)}
+    return set()
+
+
 def test_component_variables_come_from_the_plan_only():
-    """No playbook of the bring-up names a component variable: they are set from the plan's
-    role_vars (harness ROLE_VARS), so the map lives in one place."""
+    """No playbook of the bring-up sets a component variable by name (play vars, set_fact, include
+    vars): they are set from the plan's role_vars (harness ROLE_VARS), so the map lives in one place."""
     names = {k for comp in bringup.ROLE_VARS.values() for k in comp}
     for rel in set(STAGE_FILES.values()) | {"bringup.yml"}:
-        text = (ROOT / rel).read_text()
-        assert not [n for n in names if n in text], rel
+        assert not names & _keys(_plays(rel)), rel
+    # and the set_fact that sets them loops over the plan
+    loops = [str(t.get("loop")) for rel in set(STAGE_FILES.values()) for p in _plays(rel) for t in _tasks(p)
+             if "{{ item.key }}" in (t.get("ansible.builtin.set_fact") or {})]
+    assert len(loops) == 3 and all("bringup_plan.role_vars" in lp for lp in loops), loops
 
 
 def test_the_journal_is_written_only_through_the_promotion_role():

@@ -180,7 +180,7 @@ def gate_remote_drafter(host: str, refs: Mapping[str, Any], kv_tokens: float | N
     speculator over the prompts) ran rounds with no identity refusal (the worker's drafter,
     Markov and target identities match the Spark's); ``kv_tokens`` (the engine's
     ``dsv41_engine_kv_cache_tokens`` gauge, None where the engine exports none: skipped) equals
-    ``kv_expected``."""
+    ``kv_expected`` (the baseline budget plus, in capacity mode, the local drafter's memory tokens)."""
     _refs("remote_drafter", host, refs)
     d = refs.get("drafter_delta") or {}
     if d.get("identity_refusals", 0) > 0:
