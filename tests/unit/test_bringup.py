@@ -203,6 +203,13 @@ def test_async_passes_and_a_failed_self_test_or_fallback_stops_it():
     with pytest.raises(bringup.GateError, match="stage async on spark1: proxy self-test: .*torch_loaded"):
         bringup.gate("async", "spark1", {"selftests": {"spark1": dict(good, torch_loaded=True)}, "refs": _refs(),
                                          "ranks": RANKS})
+    refused = dict(good, mlock="refused: RLIMIT_MEMLOCK 65536 bytes, 2097152 needed")
+    with pytest.raises(bringup.GateError) as e:
+        bringup.gate("async", "spark1", {"selftests": {"spark1": good, "spark2": refused}, "refs": _refs(), "ranks": RANKS})
+    assert str(e.value) == ("bring-up stopped at stage async on spark2: proxy memory locking: "
+                            "refused: RLIMIT_MEMLOCK 65536 bytes, 2097152 needed")
+    assert bringup.gate("async", "spark1", {"selftests": {"spark1": dict(good, mlock="ok")}, "refs": _refs(),
+                                            "ranks": RANKS})
     with pytest.raises(bringup.GateError, match="no proxy self-test ran"):
         bringup.gate("async", "spark1", {"selftests": {}, "refs": _refs(), "ranks": RANKS})
     delta = {"0": {"lookups": 3.0, "fallbacks": 1.0}, "1": {"lookups": 3.0, "fallbacks": 0.0}}

@@ -195,12 +195,15 @@ def gate_remote_drafter(host: str, refs: Mapping[str, Any], kv_tokens: float | N
 
 def gate_async(host: str, selftests: Mapping[str, Any], refs: Mapping[str, Any], ranks: Sequence[str]) -> dict:
     """Stage ``async``: ``selftests`` is ``{spark: report}`` of ``dsv41 proxy self-test --json``
-    run where the proxy runs (``ring``/``host_flags`` ``ok``, ``torch_loaded`` false; a string is
-    the command's error line); references identical, zero Engram fallbacks on ``ranks`` and zero
+    run where the proxy runs (``ring``/``host_flags`` ``ok``, ``torch_loaded`` false, and
+    ``mlock`` ``ok`` where the report carries it: anything else is the failure it names, e.g. the
+    ``RLIMIT_MEMLOCK`` refusal; a string is the command's error line); references identical, zero Engram fallbacks on ``ranks`` and zero
     fail-closed (watchdog) drafter rounds over the prompts."""
     for spark, rep in sorted(selftests.items()):
         if not isinstance(rep, Mapping):
             raise _fail("async", spark, f"proxy self-test: {rep}")
+        if "mlock" in rep and rep["mlock"] != "ok":
+            raise _fail("async", spark, f"proxy memory locking: {rep['mlock']}")
         if rep.get("ring") != "ok" or rep.get("host_flags") != "ok" or rep.get("torch_loaded") is not False:
             raise _fail("async", spark, f"proxy self-test: {dict(rep)}")
     if not selftests:
