@@ -29,7 +29,7 @@ def _bringup_entries() -> list[dict]:
 
 
 def _changed(stdout: str, host: str) -> int:
-    m = re.search(rf"^{host}\s*:\s*ok=\d+\s+changed=(\d+)", stdout.split("PLAY RECAP")[-1], re.M)
+    m = re.search(rf"^{host}\s*:\s*ok=\d+\s+changed=(\d+)", stdout.split("PLAY RECAP")[-1], re.MULTILINE)
     assert m, stdout[-3000:]
     return int(m.group(1))
 

@@ -5,7 +5,6 @@ failing decision as the one line naming stage, host and measured value."""
 from __future__ import annotations
 
 import pytest
-
 from dsv41.cli import main as cli_main
 from dsv41.harness.components import ROLE_VARS
 from dsv41.promotion import bringup, journal
@@ -246,7 +245,7 @@ def test_cli_plan_and_gate(tmp_path, capsys):
     measured = '{"refs": {"identical": 6, "total": 6, "counters_delta": {"0": {"lookups": 1, "fallbacks": 4}}}, "ranks": ["0"]}'
     assert cli_main(["package", "bringup-gate", "remote_engram", "--host", "spark1", "--measured", measured]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["dsv41: error: bring-up stopped at stage remote_engram on spark1: rank 0: 4 Engram fallbacks "
-                   "in the interval"]
+    assert err == [("dsv41: error: bring-up stopped at stage remote_engram on spark1: rank 0: 4 Engram fallbacks "
+                    "in the interval")]
     assert cli_main(["package", "bringup-gate", "links_rows", "--host", "h", "--measured", "{not json"]) == 1
     assert "--measured is not JSON" in capsys.readouterr().err

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from dsv41.promotion import bringup
 
 ROOT = Path(__file__).resolve().parents[2]

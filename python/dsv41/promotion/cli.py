@@ -102,8 +102,11 @@ def journal(path: Path = typer.Option(Path("packages/journal.jsonl"), "--path", 
         print(f"journal {path}: {d.kind} {d.op} stopped after {d.last_step}; a re-run will {d.action} to {d.package}")
 
 
+JOURNAL_OPT = typer.Option("packages/journal.jsonl", "--path", help="The promotion journal.")
+
+
 @app.command("bringup-plan")
-def bringup_plan(path: Path = typer.Option(Path("packages/journal.jsonl"), "--path", help="The promotion journal."),
+def bringup_plan(path: Path = JOURNAL_OPT,
                  stage: str = typer.Option("", "--stage", help="Run only this stage (its earlier stages passed)."),
                  restart: bool = typer.Option(False, "--restart", help="A new bring-up from stage stock.")) -> None:
     """Which bring-up stages run now, as JSON: {run, new, passed, stages, role_vars: {stage: vars}}."""
