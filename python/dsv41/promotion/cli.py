@@ -99,3 +99,33 @@ def journal(path: Path = typer.Option(Path("packages/journal.jsonl"), "--path", 
         print(f"journal {path}: nothing interrupted" + (f" (last operation {d.op} {d.kind})" if d.op else ""))
     else:
         print(f"journal {path}: {d.kind} {d.op} stopped after {d.last_step}; a re-run will {d.action} to {d.package}")
+
+
+JOURNAL_OPT = typer.Option("packages/journal.jsonl", "--path", help="The promotion journal.")
+
+
+@app.command("bringup-plan")
+def bringup_plan(path: Path = JOURNAL_OPT,
+                 stage: str = typer.Option("", "--stage", help="Run only this stage (its earlier stages passed)."),
+                 restart: bool = typer.Option(False, "--restart", help="A new bring-up from stage stock.")) -> None:
+    """Which bring-up stages run now, as JSON: {run, new, passed, stages, role_vars: {stage: vars}}."""
+    from dsv41.promotion import bringup
+
+    out = bringup.plan(journal_mod.read_journal(path), stage=stage, restart=restart)
+    out["role_vars"] = {s: bringup.role_vars(s) for s in bringup.STAGES}
+    print(fileio.dumps_json(out, sort_keys=True))
+
+
+@app.command("bringup-gate")
+def bringup_gate(stage: str = typer.Argument(..., help="The stage whose gate decides."),
+                 host: str = typer.Option(..., "--host", help="The host the values were measured on."),
+                 measured: str = typer.Option(..., "--measured", help="JSON: the gate's measured values.")) -> None:
+    """A bring-up stage's gate: prints the fields to journal (JSON), or exits 1 with one line
+    naming the stage, the host and the measured value."""
+    from dsv41.promotion import bringup
+
+    try:
+        values = fileio.loads_json(measured)
+    except ValueError as exc:
+        raise bringup.BringupError(f"--measured is not JSON: {exc}") from None
+    print(fileio.dumps_json(bringup.gate(stage, host, values), sort_keys=True))

@@ -30,7 +30,7 @@ from dsv41 import fileio
 from dsv41.errors import Dsv41Error
 
 STEPS = ("begin", "held", "applied", "verified", "recorded", "pointer", "reopened", "rolled_back", "recovered",
-         "failed", "done")
+         "failed", "done", "stage_passed")
 
 
 class JournalError(Dsv41Error):
