@@ -13,6 +13,7 @@ import json
 import re
 
 import pytest
+
 from labutil import ROOT, inside, needs_lab, play
 from promotionutil import JOURNAL
 

@@ -5,6 +5,7 @@ failing decision as the one line naming stage, host and measured value."""
 from __future__ import annotations
 
 import pytest
+
 from dsv41.cli import main as cli_main
 from dsv41.harness.components import ROLE_VARS
 from dsv41.promotion import bringup, journal

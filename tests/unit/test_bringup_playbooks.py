@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from dsv41.promotion import bringup
 
 ROOT = Path(__file__).resolve().parents[2]
