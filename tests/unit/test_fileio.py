@@ -316,14 +316,14 @@ def _decided_window():
 
 
 def test_decision_and_cap_are_kept_together(tmp_path: Path) -> None:
-    from dsv41.harness import win2, window
+    from dsv41.harness import win2_cap, window
 
     d, cells = _decided_window()
     state = tmp_path / "windows"
     state.mkdir()
 
     def cap(wid):
-        return lambda: win2.stage_window(str(state), "aa", d.metric, wid, d.verdict)
+        return lambda: win2_cap.stage_window(str(state), "aa", d.metric, wid, d.verdict)
 
     # 1. the decision cannot be written: the cap is not consumed
     w1 = state / "w1"
@@ -332,7 +332,7 @@ def test_decision_and_cap_are_kept_together(tmp_path: Path) -> None:
     with pytest.raises(Dsv41Error, match="is a FIFO"):
         window.write_report(str(w1), d, cells, {"window_id": "w1"}, cap=cap("w1"))
     assert not (state / "questions.json").exists() and _leftovers(state) == [] and _leftovers(w1) == []
-    assert win2.check_cap(str(state), "aa", d.metric) == 1
+    assert win2_cap.check_cap(str(state), "aa", d.metric) == 1
     # 2. the cap cannot be written: no decision is kept either
     w2 = state / "w2"
     os.mkfifo(state / "questions.json")
@@ -347,14 +347,14 @@ def test_decision_and_cap_are_kept_together(tmp_path: Path) -> None:
 
 
 def test_decision_and_cap_on_a_full_disk(small_fs: Path) -> None:
-    from dsv41.harness import win2, window
+    from dsv41.harness import win2_cap, window
 
     d, cells = _decided_window()
     (small_fs / "w1").mkdir()
     _fill(small_fs)
     with pytest.raises(Dsv41Error, match="no space left"):
         window.write_report(str(small_fs / "w1"), d, cells, {"window_id": "w1", "pad": "p" * 8192},
-                            cap=lambda: win2.stage_window(str(small_fs), "aa", d.metric, "w1", d.verdict))
+                            cap=lambda: win2_cap.stage_window(str(small_fs), "aa", d.metric, "w1", d.verdict))
     assert not (small_fs / "questions.json").exists() and not (small_fs / "w1" / "decision.json").exists()
     assert _leftovers(small_fs) == [] and _leftovers(small_fs / "w1") == []
 
