@@ -60,25 +60,14 @@ from dsv41.harness.paired import decide, median_interval
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import vllm_overlay_util as Q  # noqa: E402
-from vllm_overlay_step_kill import gj_counters, kill_mid_prefill, kill_server, prefill_after_kill, step_ids  # noqa: E402
-from vllm_overlay_step_util import Forward, Layer, calibrate  # noqa: E402
+from vllm_overlay_step_kill import gj_counters, kill_mid_prefill, kill_ratios, kill_server, prefill_after_kill, step_ids  # noqa: E402
+from vllm_overlay_step_util import Forward, Layer, build_engrams, calibrate, check_rows, pct  # noqa: E402
 
 ACTIVE_PARAMS = 13e9
 MODEL_LAYERS = 43
 BF16_TFLOPS = 790.0
 PREFILL_TOKENS = 32768
 PREFILL_LAYER_MS = 2 * (ACTIVE_PARAMS / MODEL_LAYERS) * PREFILL_TOKENS / 2 / (BF16_TFLOPS * 1e12) * 1e3
-
-
-def pct(xs, q):
-    return float(np.percentile(np.asarray(xs), q)) if len(xs) else float("nan")
-
-
-def build_engrams(eng, vl, mcfg, torch, stream):
-    cfg = Q.ns(hidden_size=64, hc_mult=4, rms_norm_eps=1e-6, **vars(mcfg))
-    with torch.device("cuda"):
-        return [eng.Engram(cfg, None, vl, li, False, f"model.layers.{vl.layer_ids[li]}.engram",
-                           prefetch_stream=stream) for li in range(len(vl.layer_ids))]
 
 
 def main() -> int:
@@ -444,41 +433,6 @@ def run(args, eng, layout, manifest, url, runtime, srv, restart, torch, E, S, C)
             out["kill"]["ok"] = out["kill"]["ok"] and out["kill"]["mid_prefill"]["ok"]
         out["kill"]["vs_local"] = kill_ratios(out["kill"], results, args.target_dead_ratio)
     return out
-
-
-def kill_ratios(kill: dict, results: list, bound: float) -> dict:
-    """Issue 47's done-when: the decode steps after the kill against the ``none`` arm's 48-token
-    step, and the 32K chunks with the server dead against vLLM's own local rows (the ``uva`` arm's
-    chunk: no table server at all), as ratios of medians; ``met`` when each is <= ``bound``."""
-    med = {(r["tokens"], arm): r[arm]["step_ms_median"] for r in results for arm in ("none", "uva", "overlay")}
-    got: dict = {"bound": bound}
-    none48 = med.get((48, "none"))
-    if none48:
-        got["decode_after_over_none"] = round(kill["step_ms_after_median"] / none48, 3)
-    pa = kill.get("prefill_after")
-    if pa and (pa["tokens"], "uva") in med:
-        got["prefill_dead_over_uva"] = round(float(np.median(pa["step_ms"])) / med[(pa["tokens"], "uva")], 3)
-        got["prefill_dead_over_overlay"] = round(float(np.median(pa["step_ms"])) / med[(pa["tokens"], "overlay")], 3)
-    got["met"] = all(got[k] <= bound for k in ("decode_after_over_none", "prefill_dead_over_uva") if k in got)
-    return got
-
-
-def check_rows(torch, fw, sets, hash_buf, t, own, ovl) -> dict:
-    """Every id set through the uva and overlay forwards (the timed path); staged rows of both
-    Engram layers compared bit for bit."""
-    ok, rows = True, 0
-    for s in sets:
-        got = {}
-        for arm in ("uva", "overlay"):
-            hash_buf[:t].copy_(s)
-            fw[arm]()
-            torch.cuda.synchronize()
-            engs = own if arm == "uva" else ovl
-            got[arm] = [e.staged_rows[:t].clone() for e in engs]
-        for x, y in zip(got["uva"], got["overlay"], strict=False):
-            ok &= bool(torch.equal(x.view(torch.int16), y.view(torch.int16)))
-            rows += x.shape[0] * x.shape[1]
-    return {"bit_exact": ok, "rows": rows}
 
 
 if __name__ == "__main__":

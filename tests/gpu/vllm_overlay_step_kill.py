@@ -4,7 +4,8 @@ and the per-step helpers they share with it: ``step_ids`` (a step's ids), ``time
 join's counters). The kills: ``kill_server`` (decode steps, SIGKILL after step 10 of 40),
 ``prefill_after_kill`` (prefill chunks with the server dead: the C++ local fill) and
 ``kill_mid_prefill`` (the server restarted on its port, then SIGKILLed while a
-GPU-joined prefill chunk's rows are being fetched). Split out of the benchmark to keep both files
+GPU-joined prefill chunk's rows are being fetched); ``kill_ratios`` (the steps around the kill
+against the other arms' medians). Split out of the benchmark to keep both files
 under the repository's 600-line limit."""
 
 from __future__ import annotations
@@ -206,3 +207,20 @@ def kill_mid_prefill(torch, restart, own, ovl, hash_buf, layout, rng, layers, t:
         ok &= exact and reconnected and case["killed_during_step"]
         cases.append(case)
     return {"ok": bool(ok), "tokens": t, "cases": cases}
+
+
+def kill_ratios(kill: dict, results: list, bound: float) -> dict:
+    """Issue 47's done-when: the decode steps after the kill against the ``none`` arm's 48-token
+    step, and the 32K chunks with the server dead against vLLM's own local rows (the ``uva`` arm's
+    chunk: no table server at all), as ratios of medians; ``met`` when each is <= ``bound``."""
+    med = {(r["tokens"], arm): r[arm]["step_ms_median"] for r in results for arm in ("none", "uva", "overlay")}
+    got: dict = {"bound": bound}
+    none48 = med.get((48, "none"))
+    if none48:
+        got["decode_after_over_none"] = round(kill["step_ms_after_median"] / none48, 3)
+    pa = kill.get("prefill_after")
+    if pa and (pa["tokens"], "uva") in med:
+        got["prefill_dead_over_uva"] = round(float(np.median(pa["step_ms"])) / med[(pa["tokens"], "uva")], 3)
+        got["prefill_dead_over_overlay"] = round(float(np.median(pa["step_ms"])) / med[(pa["tokens"], "overlay")], 3)
+    got["met"] = all(got[k] <= bound for k in ("decode_after_over_none", "prefill_dead_over_uva") if k in got)
+    return got

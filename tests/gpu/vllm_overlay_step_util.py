@@ -1,12 +1,15 @@
 """The step benchmark's stand-in model (tests/gpu/vllm_overlay_step_bench.py, issue 23): one
 decoder layer of chained bf16 matmuls (``Layer``), its calibration to a GPU time (``calibrate``)
 and the stand-in of ``DeepseekV4Model.forward`` for one arm at one token count (``Forward``:
-PIECEWISE segments for decode, eager for the prefill chunk). Split out of the benchmark to keep
+PIECEWISE segments for decode, eager for the prefill chunk), vLLM's Engram modules for it
+(``build_engrams``), the bit-for-bit check of both arms' staged rows (``check_rows``) and ``pct``. Split out of the benchmark to keep
 both files under the repository's 600-line limit."""
 
 from __future__ import annotations
 
 import time
+
+import numpy as np
 
 import vllm_overlay_util as Q
 
@@ -129,3 +132,32 @@ class Forward:
         else:
             for _, fn in self.plan():
                 fn()
+
+
+def pct(xs, q):
+    return float(np.percentile(np.asarray(xs), q)) if len(xs) else float("nan")
+
+
+def build_engrams(eng, vl, mcfg, torch, stream):
+    cfg = Q.ns(hidden_size=64, hc_mult=4, rms_norm_eps=1e-6, **vars(mcfg))
+    with torch.device("cuda"):
+        return [eng.Engram(cfg, None, vl, li, False, f"model.layers.{vl.layer_ids[li]}.engram",
+                           prefetch_stream=stream) for li in range(len(vl.layer_ids))]
+
+
+def check_rows(torch, fw, sets, hash_buf, t, own, ovl) -> dict:
+    """Every id set through the uva and overlay forwards (the timed path); staged rows of both
+    Engram layers compared bit for bit."""
+    ok, rows = True, 0
+    for s in sets:
+        got = {}
+        for arm in ("uva", "overlay"):
+            hash_buf[:t].copy_(s)
+            fw[arm]()
+            torch.cuda.synchronize()
+            engs = own if arm == "uva" else ovl
+            got[arm] = [e.staged_rows[:t].clone() for e in engs]
+        for x, y in zip(got["uva"], got["overlay"], strict=False):
+            ok &= bool(torch.equal(x.view(torch.int16), y.view(torch.int16)))
+            rows += x.shape[0] * x.shape[1]
+    return {"bit_exact": ok, "rows": rows}

@@ -15,13 +15,13 @@ import time
 
 import pytest
 
-from dsv41.harness import win2
+from dsv41.harness import win2_sim
 
 
 @pytest.mark.parametrize("sigma,source", [(0.248, "lab A/A window, dev box"), (0.012, "seed production rows")])
 def test_win2_calibration(sigma, source):
     t0 = time.monotonic()
-    res = win2.simulate(win2.NoiseModel(sigma, source=source), (32, 64, 128), n_windows=400)
+    res = win2_sim.simulate(win2_sim.NoiseModel(sigma, source=source), (32, 64, 128), n_windows=400)
     print(f"\nWIN2 R3 calibration, sigma {sigma} ({source}); {platform.node()} "
           f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {time.monotonic() - t0:.0f} s")
     print("| pairs | false-WIN rate (95 % CI) | A/A verdicts | MDE (power at MDE) |")

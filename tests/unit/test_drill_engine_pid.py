@@ -11,8 +11,7 @@ come from a table), and the pids it signals are checked; every lookup of the eng
 children anywhere in python/dsv41 goes through ``drill_faults.find_engine`` (an AST scan and a
 runtime guard); the failures (no container, stopped, no engine under the init, no proxy, a bad
 answer, a host that cannot say whether it has the container) are one DrillError line naming host
-and cause; ``dsv41 drill run`` asks once, before any fault; drill.yml passes no runtime unless
-``-e drill_serve_container`` says it, and its argv is accepted by ``dsv41 drill clear``."""
+and cause; ``dsv41 drill run`` asks once, before any fault. drill.yml's own argv: test_drill_yml_runtime.py."""
 
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import yaml
 
 from dsv41.cli import main
 from dsv41.harness import drill_faults
@@ -374,64 +372,6 @@ def test_run_refuses_a_host_that_cannot_tell_before_any_fault(tmp_path: Path, mo
     assert rc == 1 and len(err) == 1 and "cannot tell how the engine runs on sparkhead" in err[0], err
     assert seen == [] and lab.kills == [] and lab.mgr.calls() == [] and not (tmp_path / "d").exists()
 
-
-# ---- drill.yml passes no runtime of its own ------------------------------------------------------
-
-def _drill_vars() -> dict:
-    plays = yaml.safe_load((ROOT / "playbooks" / "drill.yml").read_text())
-    return next(p["vars"] for p in plays if "drill_common_args" in p.get("vars", {}))
-
-
-def _template(expr, variables: dict, tmp_path: Path):
-    """``expr`` templated by Ansible's own Templar with ``variables`` (written to a file and loaded
-    as Ansible loads a playbook: trusted as templates, so nested variables resolve too)."""
-    from ansible.parsing.dataloader import DataLoader
-    from ansible.template import Templar
-
-    f = tmp_path / "vars.yml"
-    f.write_text(yaml.safe_dump({"x": expr, **variables}))
-    loader = DataLoader()
-    doc = loader.load_from_file(str(f), cache="none", trusted_as_template=True)
-    return Templar(loader=loader, variables=doc).template(doc["x"])
-
-
-# The head Spark's variables the role would decide by: none of them changes what drill.yml passes.
-HEADS = [{}, {"serve_runtime": "vllm"}, {"serve_container": True}, {"serve_container": False, "serve_runtime": "vllm"},
-         {"serve_container_runtime": "/opt/bin/docker"}]
-OVERRIDES = {"unset": (None, []), "true": ("true", ["--serve-container"]), "false": ("false", ["--plain-engine"]),
-             "yaml true": (True, ["--serve-container"])}
-
-
-@pytest.mark.parametrize("override", OVERRIDES)
-@pytest.mark.parametrize("inv", HEADS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "defaults")
-def test_drill_yml_passes_only_the_operators_runtime(inv: dict, override: str, tmp_path: Path, capsys) -> None:
-    """Without ``-e drill_serve_container`` the argv names no runtime (dsv41 drill asks the host),
-    whatever the head Spark's serve_* say; with it, the flag; ``--container-runtime`` only from an
-    inventory that sets it. The argv gets ``dsv41 drill clear`` past every option check."""
-    value, flag = OVERRIDES[override]
-    head = {"dsv41_lab": True, **inv, "dsv41_lab_dir": str(tmp_path / "nolab"), "dsv41_service_manager": "systemd"}
-    play = {**_drill_vars(), "hostvars": {"sparkhead": head}, "drill_head": "sparkhead", "drill_link": "sparkhead:ofl0"}
-    if value is not None:
-        play["drill_serve_container"] = value
-    args = list(_template("{{ drill_common_args }}", play, tmp_path))
-    runtime = (["--container-runtime", inv["serve_container_runtime"]] if "serve_container_runtime" in inv else [])
-    assert args == ["--link", "sparkhead:ofl0", "--lab-dir", head["dsv41_lab_dir"], "--service-manager", "systemd",
-                    *runtime, *flag], args
-    assert main(["drill", "clear", "--faults", "all", *args]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "the lab is not up" in err[0], err
-
-
-@pytest.mark.parametrize("value, ok", [(None, True), ("true", True), ("false", True), (True, True), (False, True),
-                                       ("True", True), ("maybe", False), ("", False), ("yes", False)])
-def test_drill_yml_refuses_an_override_that_is_not_a_boolean(value, ok: bool, tmp_path: Path) -> None:
-    """The first play's check of ``-e drill_serve_container`` (before production is even read)."""
-    plays = yaml.safe_load((ROOT / "playbooks" / "drill.yml").read_text())
-    task = next(t for t in plays[0]["tasks"] if "drill_serve_container" in t["name"])
-    that = task["ansible.builtin.assert"]["that"]
-    assert len(that) == 1
-    got = _template("{{ " + that[0] + " }}", {} if value is None else {"drill_serve_container": value}, tmp_path)
-    assert bool(yaml.safe_load(str(got))) is ok, (value, got)
 
 
 @pytest.mark.parametrize("cmd", [["clear"], ["run", "--refs", "/nonexistent"]])

@@ -23,7 +23,7 @@ from typer.main import get_command
 
 from dsv41 import cli, errors, service_control
 from dsv41.cli import main
-from dsv41.entrypoints import status as st
+from dsv41.entrypoints import status_host
 from dsv41.harness import drill_faults
 from dsv41.service_control import MANAGERS, ServiceControlError
 from servicectlutil import STATES, FakeLab, FakeManager, fake_bin, spawn_engine
@@ -166,8 +166,8 @@ def test_status_reads_services_through_every_manager(manager: str, tmp_path: Pat
     monkeypatch.setenv("PATH", f"{fake_bin(tmp_path)}:{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_SYSTEMD_STATE", str(mgr.state))
     words = STATES[manager]
-    assert st.service_states(manager) == {"dsv41-serve": words["up"], "dsv41-drafter": words["failed"]}
-    facts = st.host_facts(service_manager=manager, root=str(tmp_path / "opt"), container_runtime="")
+    assert status_host.service_states(manager) == {"dsv41-serve": words["up"], "dsv41-drafter": words["failed"]}
+    facts = status_host.host_facts(service_manager=manager, root=str(tmp_path / "opt"), container_runtime="")
     assert facts["services"] == {"dsv41-serve": words["up"], "dsv41-drafter": words["failed"]}
 
 

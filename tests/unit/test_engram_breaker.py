@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsv41.engram import client as C, reader
+from dsv41.engram import breaker, reader
 from dsv41.engram.client import RemoteRowSource
 from dsv41.overlay import core as overlay_core, engram as E
 from dsv41.transport import TransportError, TransportTimeout, native
@@ -152,7 +152,7 @@ def test_the_probe_closes_the_breaker_as_soon_as_the_server_answers(tabs) -> Non
     srv = None
     try:
         assert not src.connected
-        time.sleep(2 * C.RECONNECT_MAX_S)  # the backoff at its bound
+        time.sleep(2 * breaker.RECONNECT_MAX_S)  # the backoff at its bound
         srv = serve_tables(tabs, port)
         t0 = time.monotonic()
         assert src.wait_connected(PROBE_BOUND_S)

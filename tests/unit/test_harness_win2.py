@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dsv41.cli import main
-from dsv41.harness import win2
+from dsv41.harness import win2, win2_cap, win2_sim
 
 # Few resamples keep the unit tests fast; the rule's default is 9,999.
 NR = 999
@@ -143,21 +143,21 @@ def test_bad_arguments():
 
 def test_two_window_cap(tmp_path):
     sd = str(tmp_path / "windows")
-    assert win2.check_cap(sd, "async", "step_ms_p50") == 1
-    win2.record_window(sd, "async", "step_ms_p50", "w1", "INVALID")  # INVALID does not count
-    assert win2.check_cap(sd, "async", "step_ms_p50") == 1
-    win2.record_window(sd, "async", "step_ms_p50", "w2", "UNRESOLVED")
-    assert win2.check_cap(sd, "async", "step_ms_p50") == 2
-    assert win2.check_cap(sd, "async", "ttft_ms") == 1  # another metric is another question
-    win2.record_window(sd, "async", "step_ms_p50", "w3", "UNRESOLVED")
-    with pytest.raises(win2.CapError, match="refuses a third"):
-        win2.check_cap(sd, "async", "step_ms_p50")
-    win2.record_window(sd, "other", "tok_s", "w4", "WIN")
-    with pytest.raises(win2.CapError, match="only after UNRESOLVED"):
-        win2.check_cap(sd, "other", "tok_s")
+    assert win2_cap.check_cap(sd, "async", "step_ms_p50") == 1
+    win2_cap.record_window(sd, "async", "step_ms_p50", "w1", "INVALID")  # INVALID does not count
+    assert win2_cap.check_cap(sd, "async", "step_ms_p50") == 1
+    win2_cap.record_window(sd, "async", "step_ms_p50", "w2", "UNRESOLVED")
+    assert win2_cap.check_cap(sd, "async", "step_ms_p50") == 2
+    assert win2_cap.check_cap(sd, "async", "ttft_ms") == 1  # another metric is another question
+    win2_cap.record_window(sd, "async", "step_ms_p50", "w3", "UNRESOLVED")
+    with pytest.raises(win2_cap.CapError, match="refuses a third"):
+        win2_cap.check_cap(sd, "async", "step_ms_p50")
+    win2_cap.record_window(sd, "other", "tok_s", "w4", "WIN")
+    with pytest.raises(win2_cap.CapError, match="only after UNRESOLVED"):
+        win2_cap.check_cap(sd, "other", "tok_s")
     (tmp_path / "windows" / "questions.json").write_text("[1, 2]")
     with pytest.raises(win2.Win2Error, match="expected an object"):
-        win2.check_cap(sd, "async", "step_ms_p50")
+        win2_cap.check_cap(sd, "async", "step_ms_p50")
 
 
 def test_distributional_gate():
@@ -240,7 +240,7 @@ def test_cli_cap(tmp_path, capsys):
 def test_simulate_small_aa_calibration():
     """A small, seeded calibration run (the full one is documented in docs/windows.md): the rule's
     false-WIN rate on A/A windows stays at or below alpha and a large effect is detected."""
-    res = win2.simulate(win2.NoiseModel(0.05, drift=0.002, source="test"), (16,), n_windows=60, n_prompts=4,
+    res = win2_sim.simulate(win2_sim.NoiseModel(0.05, drift=0.002, source="test"), (16,), n_windows=60, n_prompts=4,
                         n_resamples=499, effects=(0.02, 0.30), seed=11)
     row = res["rows"][0]
     assert sum(row["aa_verdicts"].values()) == 60
@@ -251,18 +251,18 @@ def test_simulate_small_aa_calibration():
 
 def test_simulated_cells_are_balanced_abba():
     rng = np.random.default_rng(0)
-    cells = win2.simulate_cells(rng, 16, 4, 0.0, win2.NoiseModel(0.01))
+    cells = win2_sim.simulate_cells(rng, 16, 4, 0.0, win2_sim.NoiseModel(0.01))
     pairs, problems = win2.pair_log_ratios(cells, "step_ms_p50")
     assert not problems and len(pairs) == 16
     with pytest.raises(win2.Win2Error, match="multiple of"):
-        win2.simulate_cells(rng, 10, 4, 0.0, win2.NoiseModel(0.01))
+        win2_sim.simulate_cells(rng, 10, 4, 0.0, win2_sim.NoiseModel(0.01))
 
 
 def test_sigma_from_aa_cells():
     cells = make_cells({"short": 0.0, "code": 0.0}, noise=0.04, blocks=8)
-    assert 0.025 < win2.sigma_from_cells(cells, "step_ms_p50") < 0.06
+    assert 0.025 < win2_sim.sigma_from_cells(cells, "step_ms_p50") < 0.06
     with pytest.raises(win2.Win2Error, match="at least 4"):
-        win2.sigma_from_cells(cells[:4], "step_ms_p50")
+        win2_sim.sigma_from_cells(cells[:4], "step_ms_p50")
 
 
 def test_cli_simulate_errors(capsys):

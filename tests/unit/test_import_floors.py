@@ -2,7 +2,8 @@
 
 Floors, bottom to top (a module may import its own floor and the floors below, never above):
 
-0. ground: ``errors``, ``envs``, ``fileio`` (every file read and write), ``httpd`` (limits on
+0. ground: ``errors``, ``envs`` (and its table ``env_vars``), ``fileio`` (every file read and write), ``codec`` (strict JSON and
+   YAML text), ``httpd`` (limits on
    slow and idle HTTP clients), ``tokenizer``, ``service_control`` (the systemctl command lines
    of the drills and status), the ``dsv41`` package itself (version);
 1. ``transport`` (row wire protocol, TCP/NIXL);
@@ -40,7 +41,7 @@ CPP_SUFFIXES = (".cpp", ".h")
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 FLOORS: list[tuple[str, ...]] = [
-    ("errors", "envs", "fileio", "httpd", "tokenizer", "service_control", "authz", "names", "filelock", "__init__"),
+    ("errors", "envs", "env_vars", "fileio", "codec", "httpd", "tokenizer", "service_control", "authz", "names", "filelock", "__init__"),
     ("transport",),
     ("version", "wheelhouse", "serve_image"),
     ("engram",),

@@ -27,7 +27,7 @@ SOURCES = sorted([*(ROOT / "python" / "dsv41").rglob("*.py"), *(ROOT / "plugins"
 
 # Write sites that keep their own encoder, and why.
 OWN_ENCODER = {
-    "python/dsv41/fileio.py": "dumps_json itself (allow_nan=False)",
+    "python/dsv41/codec.py": "dumps_json itself (allow_nan=False)",
 }
 WRITERS = {("json", "dumps"), ("json", "dump"), ("json", "JSONEncoder")}
 ONE_PLACE = {"dumps_json", "atomic_write_json"}

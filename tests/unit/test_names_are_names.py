@@ -71,7 +71,7 @@ def test_every_id_refuses_globs_and_paths(path, param, tmp_path, capsys, monkeyp
 
 
 def test_library_functions_refuse_them(tmp_path):
-    from dsv41.harness import candidates, win2, window_pid
+    from dsv41.harness import candidates, win2, win2_cap, window_pid
     from dsv41.harness.window import WindowError
 
     for bad in HOSTILE:
@@ -82,4 +82,4 @@ def test_library_functions_refuse_them(tmp_path):
         with pytest.raises(WindowError):
             candidates.load_candidate(bad, tmp_path)
         with pytest.raises(win2.Win2Error):
-            win2.record_window(str(tmp_path), "aa", "tok_s", bad, "WIN")
+            win2_cap.record_window(str(tmp_path), "aa", "tok_s", bad, "WIN")

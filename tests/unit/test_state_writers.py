@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv41.harness import win2
+from dsv41.harness import win2, win2_cap
 from dsv41.promotion import package as pkg
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,7 +27,7 @@ WRITERS = {
     ("harness/drill_report.py", "plot_timeline"): "private",
     ("harness/drill_report.py", "write_report"): "private",
     ("harness/refs.py", "save_refs"): "whole",
-    ("harness/win2.py", "stage_window"): "locked-rmw",
+    ("harness/win2_cap.py", "stage_window"): "locked-rmw",
     ("harness/window.py", "_save_plot"): "private",
     ("harness/window.py", "cell_done"): "private",
     ("harness/window.py", "run_cells"): "private",
@@ -67,7 +67,7 @@ def test_every_writer_is_classified():
 
 def _record(args):
     state_dir, i = args
-    win2.record_window(state_dir, "aa", "tok_s", f"w{i}", "WIN")
+    win2_cap.record_window(state_dir, "aa", "tok_s", f"w{i}", "WIN")
     return i
 
 
@@ -75,7 +75,7 @@ def test_ten_concurrent_cap_records_keep_ten(tmp_path):
     n = 10
     with mp.get_context("fork").Pool(n) as pool:
         assert sorted(pool.map(_record, [(str(tmp_path), i) for i in range(n)])) == list(range(n))
-    kept = win2._load_questions(str(tmp_path))[win2.question_key("aa", "tok_s")]
+    kept = win2_cap._load_questions(str(tmp_path))[win2_cap.question_key("aa", "tok_s")]
     assert sorted(w["window"] for w in kept) == sorted(f"w{i}" for i in range(n))
     assert not list(tmp_path.glob("*.tmp*"))
 
@@ -102,4 +102,4 @@ def test_concurrent_writes_of_one_package_give_one_outcome(tmp_path):
 @pytest.mark.parametrize("bad", ["*", "../x", "a/b"])
 def test_cap_record_refuses_a_path_as_window_id(tmp_path, bad):
     with pytest.raises(win2.Win2Error):
-        win2.record_window(str(tmp_path), "aa", "tok_s", bad, "WIN")
+        win2_cap.record_window(str(tmp_path), "aa", "tok_s", bad, "WIN")

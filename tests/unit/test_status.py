@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv41.entrypoints import status as st, status_render
+from dsv41.entrypoints import status as st, status_host, status_render
 from dsv41.service_control import ServiceControlError
 from serverutil import FakeStack
 
@@ -52,7 +52,7 @@ def test_host_facts_from_files_and_systemd(tmp_path, monkeypatch):
                                   "dsv41-other.service   loaded inactive dead    dsv41 other\n"
                                   "unrelated.service     loaded active   running unrelated")
     monkeypatch.setenv("PATH", f"{b}:{os.environ['PATH']}")
-    f = st.host_facts(service_manager="systemd", root=str(root), container_runtime="")
+    f = status_host.host_facts(service_manager="systemd", root=str(root), container_runtime="")
     assert f["services"] == {"dsv41-serve": "active", "dsv41-other": "inactive"}
     assert f["manifest"]["revision"] == "r1" and f["manifest"]["tables"] == T and len(f["manifest"]["sha256"]) == 64
     assert f["drafter"] is None and f["image"] is None and f["promotion"] == "pkg-0007"
@@ -70,28 +70,28 @@ def test_host_facts_missing_and_broken_things_are_reported_not_raised(tmp_path, 
     (root / "packages" / "current").write_text("pkg-0002\n")
     # systemd that cannot be asked (no systemctl on PATH)
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
-    f = st.host_facts(service_manager="systemd", root=str(root), container_runtime="/no/such/docker")
+    f = status_host.host_facts(service_manager="systemd", root=str(root), container_runtime="/no/such/docker")
     assert f["services"] == {"systemd": "unavailable: cannot run systemctl"}
     assert "manifest.json" in f["manifest"]["error"]
     assert "error" in f["drafter"]
     assert f["promotion"] == "pkg-0002" and f["image"] is None
-    assert st.host_facts(root=str(tmp_path / "none"), service_manager="systemd")["manifest"] is None
+    assert status_host.host_facts(root=str(tmp_path / "none"), service_manager="systemd")["manifest"] is None
     # systemctl that answers with an error: its stderr, one line
     b = _fake_systemctl(tmp_path, "", rc=1)
     (b / "systemctl").write_text("#!/bin/sh\necho 'System has not been booted with systemd' >&2\nexit 1\n")
     monkeypatch.setenv("PATH", str(b))
-    assert st.service_states("systemd") == {"systemd": "unavailable: System has not been booted with systemd"}
+    assert status_host.service_states("systemd") == {"systemd": "unavailable: System has not been booted with systemd"}
     for bad in ("upstart", "supervisor"):
         with pytest.raises(ServiceControlError, match=rf"^--service-manager must be one of systemd, not '{bad}'$"):
-            st.service_states(bad)
+            status_host.service_states(bad)
 
 
 def test_image_of_the_running_container(tmp_path):
     rt = tmp_path / "docker"
     rt.write_text("#!/bin/sh\n[ \"$1\" = inspect ] && [ \"$4\" = dsv41-serve ] && echo 'reg/vllm@sha256:abc sha256:def' && exit 0\nexit 1\n")
     rt.chmod(0o755)
-    assert st.image_facts(str(rt), "dsv41-serve") == "reg/vllm@sha256:abc sha256:def"
-    assert st.image_facts(str(rt), "other") is None
+    assert status_host.image_facts(str(rt), "dsv41-serve") == "reg/vllm@sha256:abc sha256:def"
+    assert status_host.image_facts(str(rt), "other") is None
 
 
 def test_last_window_is_the_newest_decision(tmp_path):

@@ -27,7 +27,7 @@ SOURCES = sorted([*(ROOT / "python" / "dsv41").rglob("*.py"), *(ROOT / "plugins"
 
 # Parse sites that keep their own parser, and why.
 OWN_PARSER = {
-    "python/dsv41/fileio.py": "the strict parsers themselves",
+    "python/dsv41/codec.py": "the strict parsers themselves",
     "python/dsv41/engine/protocol.py": "request bodies: BigInt for over-long integers, RecursionError and "
                                         "NaN refused per field as HTTP 400 (test_engine_api_fuzz.py)",
     "plugins/modules/rdma_link.py": "`ip -j` output on a managed host, where the module runs without dsv41",

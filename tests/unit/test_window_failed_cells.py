@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-from dsv41.harness import bench, win2, window
+from dsv41.harness import bench, win2, win2_cap, window
 
 SPEC = os.path.join(os.path.dirname(__file__), "..", "..", "candidates", "specs", "drill.json")
 
@@ -100,7 +100,7 @@ def test_cli_run_writes_an_invalid_decision_when_metrics_are_refused(tmp_path, m
     cells = [json.loads(x) for x in (tmp_path / "w-killed" / "cells.jsonl").read_text().splitlines()]
     assert [c["ok"] for c in cells] == [True, True, True, False]
     # an INVALID window does not count against the question's two-window cap
-    assert win2.check_cap(str(tmp_path), "aa", "step_ms_p50") == 1
+    assert win2_cap.check_cap(str(tmp_path), "aa", "step_ms_p50") == 1
 
 
 def test_cli_run_stdout_is_the_decision_even_with_a_noisy_switch(tmp_path, monkeypatch, capfd):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv41.harness import admission, http, win2, window, window_plan
+from dsv41.harness import admission, http, win2_cap, window, window_plan
 from dsv41.harness.window import WindowError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,10 +95,10 @@ def test_candidate_spec_is_resolved_and_checked(tmp_path):
 
 
 def test_third_window_on_a_question_is_refused_before_the_hold(tmp_path):
-    win2.record_window(str(tmp_path), "aa", "step_ms_p50", "w1", "UNRESOLVED")
+    win2_cap.record_window(str(tmp_path), "aa", "step_ms_p50", "w1", "UNRESOLVED")
     assert window_plan.plan(["aa"], root=CANDS, windows_dir=str(tmp_path))["windows"][0]["window_number"] == 2
-    win2.record_window(str(tmp_path), "aa", "step_ms_p50", "w2", "UNRESOLVED")
-    with pytest.raises(win2.CapError, match="refuses a third"):
+    win2_cap.record_window(str(tmp_path), "aa", "step_ms_p50", "w2", "UNRESOLVED")
+    with pytest.raises(win2_cap.CapError, match="refuses a third"):
         window_plan.plan(["aa"], root=CANDS, windows_dir=str(tmp_path))
 
 

@@ -1,4 +1,4 @@
-"""Finding the file writes in Python source (tests/unit/test_fileio.py's class test: every file
+"""Finding the file writes in Python source (tests/unit/test_fileio_sites.py's class test: every file
 the package writes goes through ``dsv41.fileio``). A write is a call that creates or changes a
 file: ``open`` with a mode holding ``w``/``a``/``x``/``+``, ``os.open`` with a write flag,
 ``Path.write_text``/``write_bytes``/``touch``, ``json.dump`` (and pickle, marshal, yaml with a

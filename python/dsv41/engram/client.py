@@ -10,11 +10,12 @@ every lookup goes straight to the local rows: no request, connect or timeout in 
 can never silently turn into a local-disk benchmark. The engine's whole-call deadline
 (``DSV41_ENGRAM_LOOKUP_DEADLINE_MS``) lives here too (``deadline_ms``): it bounds the wait for
 the connection lock and every request of a call, on the calling thread (no helper thread).
+The breaker's connection half (connect, retire, background reconnect) is
+:class:`dsv41.engram.breaker.Breaker`.
 """
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from time import perf_counter as _perf
@@ -22,6 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from dsv41.engram.breaker import (
+    Breaker,
+    DeadlineExceeded as DeadlineExceeded,
+    RemoteUnavailable as RemoteUnavailable,
+)
 from dsv41.engram.reader import LocalRowReader
 from dsv41.engram.rowsource import LocalRowSource, RowSource
 from dsv41.errors import Dsv41Error
@@ -29,20 +35,10 @@ from dsv41.transport import Refused, TransportError, TransportTimeout, open_clie
 
 #: Rows per transport request: a larger lookup is split so each request gets the full timeout.
 CHUNK_ROWS = 16384
-RECONNECT_MIN_S, RECONNECT_MAX_S = 0.05, 0.5  # the probe's backoff (seconds, jittered x0.5..1.5)
 #: Largest per-request timeout accepted (10 minutes; ms).
 MAX_TIMEOUT_MS = 600_000
 #: Largest busy-poll budget accepted (us): a spin never outlasts its request's timeout.
 MAX_SPIN_US = MAX_TIMEOUT_MS * 1000
-
-
-class RemoteUnavailable(Dsv41Error):
-    """Remote rows were required (``required=True`` or no local fallback) but could not be read."""
-
-
-class DeadlineExceeded(TransportTimeout):
-    """A lookup's whole-call deadline (``deadline_ms``) passed: waiting for the connection lock,
-    before a request, or during a request whose timeout the deadline had cut short."""
 
 
 def _manifest(manifest: Any):
@@ -108,7 +104,7 @@ def read_rows_remote(url: str, manifest: Any, layer_id: int, rows: Any, timeout_
     return out
 
 
-class RemoteRowSource(RowSource):
+class RemoteRowSource(Breaker, RowSource):
     """RowSource reading rows from the rank's table server with exact local fallback.
 
     ``urls``: one URL per rank (list, or a comma-separated string), ``tcp://H:P[@LOCAL]`` or
@@ -198,90 +194,6 @@ class RemoteRowSource(RowSource):
     def is_required(self) -> bool:
         """``required`` (the protocol's question: no fallback, a failed read raises)."""
         return self.required
-
-    def _connect(self):
-        return open_client(self.endpoint, list(self._idents.values()), max(self.timeout_s, 0.5), spin_us=self.spin_us)
-
-    def _fail_locked(self, client: Any, exc: BaseException, deadline_hit: bool) -> None:
-        """Count a failed request and retire its connection (caller holds ``_lock``).
-
-        ``deadline_hit``: the call's deadline ended it (counted in ``deadline_exceeded``). A
-        ``DeadlineExceeded`` raised between requests leaves nothing in flight, so the
-        connection is kept; any other failure retires it (a late reply must never reach a
-        buffer), and the reconnect thread closes it: a NIXL teardown never delays the lookup."""
-        c = self._c
-        if deadline_hit or isinstance(exc, DeadlineExceeded):
-            c["deadline_exceeded"] += 1
-        if isinstance(exc, DeadlineExceeded):
-            return
-        if isinstance(exc, Refused):
-            c["refusals"] += 1
-        else:
-            c["transport_errors"] += 1
-        self.last_error = str(exc)
-        self._client = None
-        c["breaker_opens"] += 1
-        if self._closed.is_set():
-            client.close()
-        else:
-            self._retired.append(client)
-
-    def _note_connect_failure(self, exc: BaseException) -> None:
-        # counted apart from lookup failures, which they would otherwise inflate while a server is down
-        with self._lock:
-            self._c["connect_failures"] += 1
-        self.last_error = str(exc)
-
-    def _close_retired(self) -> None:
-        with self._lock:
-            dead, self._retired = self._retired, []
-        for client in dead:
-            client.close()
-
-    def _start_reconnect(self) -> None:
-        with self._rlock:  # one reconnect thread at most, even when lookups fail concurrently
-            if self._closed.is_set():
-                return
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._reconnect_loop, name=f"engram-reconnect-{self.rank}",
-                                                daemon=True)
-                self._thread.start()
-
-    def _reconnect_loop(self) -> None:
-        delay = RECONNECT_MIN_S
-        while not self._closed.is_set():
-            self._close_retired()
-            self._wake.wait(delay * (0.5 + random.random()))
-            if self._closed.is_set():
-                return
-            try:
-                client = self._connect()
-            except TransportError as exc:
-                self._note_connect_failure(exc)
-                delay = min(delay * 2, RECONNECT_MAX_S)
-                continue
-            with self._lock:
-                if self._closed.is_set():
-                    client.close()
-                    return
-                self._client = client
-                if self._ever_connected:
-                    self._c["reconnects"] += 1
-            self._ever_connected = True
-            self._close_retired()
-            return
-
-    @property
-    def connected(self) -> bool:
-        """Whether a connection to the server is up (False: the breaker is open, lookups go local)."""
-        return self._client is not None
-
-    def wait_connected(self, timeout_s: float) -> bool:
-        """Block until connected or ``timeout_s`` passed (tests, start-up scripts)."""
-        end = time.monotonic() + timeout_s
-        while self._client is None and time.monotonic() < end:
-            time.sleep(0.01)
-        return self._client is not None
 
     def lookup(self, layer_id: int, rows: Any, out: np.ndarray | None = None) -> np.ndarray:
         """Packed rows uint8[N, 264] of global row ids ``rows`` (int[N]) of ``layer_id``.

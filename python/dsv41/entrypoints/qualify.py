@@ -8,7 +8,7 @@ Every check produces one record (:func:`record`)::
      "reason": "one line (why it failed or was skipped)", "time": "2026-12-02T01:02:03Z"}
 
 Host-side probes (``dsv41 qualify peers|transport|sweep|serving-host|vllm-tiny``,
-``dsv41.entrypoints.qualify_host``) run on the host being qualified, through the inventory's own
+``dsv41.entrypoints.qualify_host``, ``qualify_serving``) run on the host being qualified, through the inventory's own
 connection, and print a JSON list of records; controller-side probes (``dsv41 qualify
 serving|reconnect|fail-closed|drafter-identity``, ``dsv41.entrypoints.qualify_controller``) read
 rank 0's API and the servers' metrics; ``playbooks/qualify.yml`` gathers every record and the

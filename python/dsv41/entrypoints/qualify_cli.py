@@ -1,5 +1,5 @@
 """``dsv41 qualify ...``: the probes of ``ansible-playbook qualify.yml`` (dsv41.entrypoints.qualify_host,
-qualify_controller; records and preflight: dsv41.entrypoints.qualify).
+qualify_serving, qualify_controller; records and preflight: dsv41.entrypoints.qualify).
 
 Each probe prints one JSON list of check records on its last stdout line and exits 0 whatever the
 checks found (the records say pass / fail / skipped); bad input is one ``dsv41: error:`` line and
@@ -140,11 +140,11 @@ def serving_host_cmd(
 ) -> None:
     """serving.* that read only this Spark: required mode, host memory; image, overlay contract,
     PIECEWISE and the overlay's start line with vLLM."""
-    from dsv41.entrypoints import qualify_host as H
+    from dsv41.entrypoints import qualify_serving as S
 
     if runtime not in ("lab", "vllm"):
         raise ConfigError(f"--runtime must be lab or vllm, not {runtime!r}")
-    _emit(H.probe_serving_host(host, rank, runtime=runtime, env_file=str(env_file), required=required,
+    _emit(S.probe_serving_host(host, rank, runtime=runtime, env_file=str(env_file), required=required,
                                pinned_max_bytes=pinned_max_bytes, image=image, container_runtime=container_runtime))
 
 
@@ -234,6 +234,6 @@ def vllm_tiny_cmd(
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds allowed for the four serves.")] = 3600.0,
 ) -> None:
     """serving.vllm_tiny: run the tiny-model ``vllm serve`` qualification script on this CUDA host."""
-    from dsv41.entrypoints import qualify_host as H
+    from dsv41.entrypoints import qualify_serving as S
 
-    _emit([H.run_vllm_tiny(str(script), str(config), timeout_s=timeout)])
+    _emit([S.run_vllm_tiny(str(script), str(config), timeout_s=timeout)])

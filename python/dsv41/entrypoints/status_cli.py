@@ -43,12 +43,12 @@ def status(
     drafter and target identities, admission, Engram lookups and fallbacks per rank, drafter rounds,
     accepted tokens, fail-closed rounds, proxy respawns, promotion package and last window verdict."""
     from dsv41 import service_control
-    from dsv41.entrypoints import status as st, status_render
+    from dsv41.entrypoints import status as st, status_host, status_render
 
     # Checked with or without --local: a bad value is bad input either way.
     service_control.for_manager(service_manager)
     if local:
-        facts = st.host_facts(service_manager=service_manager, root=root, container_runtime=container_runtime)
+        facts = status_host.host_facts(service_manager=service_manager, root=root, container_runtime=container_runtime)
         print(fileio.dumps_json(facts, indent=None if as_json else 1, sort_keys=True, nonfinite="null"))
         return
     report = run_playbook(inventory or default_inventory(), window_s=window, prometheus_url=prometheus)

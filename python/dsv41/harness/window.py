@@ -309,7 +309,7 @@ def _save_plot(fig, wdir: str, name: str) -> str:
 def write_report(wdir: str, decision: win2.Decision, cells: list[dict], meta: dict, cap=None) -> list[str]:
     """Write ``decision.json``, ``summary.md`` and the PNG plots into ``wdir``; returns the files.
 
-    ``cap``: a callable returning the staged two-window cap update (:func:`win2.stage_window`).
+    ``cap``: a callable returning the staged two-window cap update (:func:`win2_cap.stage_window`).
     The decision is staged first (a full disk fails here, nothing kept, the window not counted),
     then the cap; both are renamed into place together, and if the cap cannot be put in place the
     decision is removed again: a decision is kept exactly when its window is counted.

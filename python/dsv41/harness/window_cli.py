@@ -7,7 +7,7 @@ import contextlib
 import typer
 
 from dsv41 import fileio, names
-from dsv41.harness import win2
+from dsv41.harness import win2, win2_cap, win2_sim
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
@@ -64,11 +64,11 @@ def cap(
         if not sep or not wid:
             raise win2.Win2Error(f"--record must be WINDOW_ID=VERDICT, got {record!r}")
         names.check_name(wid, "--record's window id", win2.Win2Error)
-        win2.record_window(state_dir, candidate, metric, wid, verdict)
-        print(f"recorded {win2.question_key(candidate, metric)}: window {wid} {verdict}")
+        win2_cap.record_window(state_dir, candidate, metric, wid, verdict)
+        print(f"recorded {win2_cap.question_key(candidate, metric)}: window {wid} {verdict}")
         return
-    n = win2.check_cap(state_dir, candidate, metric)
-    print(f"{win2.question_key(candidate, metric)}: window {n} of at most 2 allowed")
+    n = win2_cap.check_cap(state_dir, candidate, metric)
+    print(f"{win2_cap.question_key(candidate, metric)}: window {n} of at most 2 allowed")
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -104,9 +104,9 @@ def simulate(
     counts = _int_list(pairs, "--pairs")
     if from_cells:
         cells = win2.load_cells(from_cells)
-        noise = win2.NoiseModel(win2.sigma_from_cells(cells, metric), drift, f"measured A/A cells {from_cells}")
+        noise = win2_sim.NoiseModel(win2_sim.sigma_from_cells(cells, metric), drift, f"measured A/A cells {from_cells}")
     elif sigma > 0:
-        noise = win2.NoiseModel(sigma, drift, "given on the command line")
+        noise = win2_sim.NoiseModel(sigma, drift, "given on the command line")
     else:
         raise win2.Win2Error("give --sigma > 0 or --from-cells A/A cells to estimate it")
     for n in counts:
@@ -114,7 +114,7 @@ def simulate(
             raise win2.Win2Error(f"--pairs {n} is not a multiple of 2 x --prompts ({2 * prompts})")
     with Progress(console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("simulating windows", total=None)
-        res = win2.simulate(noise, counts, windows, prompts, metric, min_effect, alpha, seed, resamples,
+        res = win2_sim.simulate(noise, counts, windows, prompts, metric, min_effect, alpha, seed, resamples,
                             progress=lambda n: bar.advance(task, n))
     if out:
 

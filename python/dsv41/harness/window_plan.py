@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from dsv41.harness import bench, win2
+from dsv41.harness import bench, win2_cap
 from dsv41.harness.candidates import load_checked, role_vars
 from dsv41.harness.window import WindowError
 
@@ -61,7 +61,7 @@ def plan(candidates: list[str], control: str = PRODUCTION, root: str = "candidat
     for name in candidates:
         doc = load_checked(name, root)
         metric = doc["primary_metric"]
-        nth = win2.check_cap(windows_dir, name, metric)  # a third window is refused here
+        nth = win2_cap.check_cap(windows_dir, name, metric)  # a third window is refused here
         cand_vars = role_vars(doc)
         roles = sorted(set((control_doc or {}).get("roles", {})) | set(doc.get("roles", {})))
         switch_roles = sorted({t for r in roles for t in SWITCH_ROLES[r]})

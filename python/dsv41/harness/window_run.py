@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable
 
 from dsv41.errors import Dsv41Error
-from dsv41.harness import bench, refs, win2, window, window_pid
+from dsv41.harness import bench, refs, win2, win2_cap, window, window_pid
 from dsv41.harness.window import WindowError
 
 #: ``progress(window_id, total_cells)`` -> a context manager around the cells whose value is
@@ -136,7 +136,7 @@ def run_window(params: WindowParams, progress: ProgressFactory | None = None) ->
     p, sp = params, params.spec
     if p.metric not in win2.METRICS:
         raise win2.Win2Error(f"unknown metric {p.metric!r}; one of {', '.join(win2.METRICS)}")
-    nth = win2.check_cap(p.windows_dir, p.name, p.metric) if p.cap else 0
+    nth = win2_cap.check_cap(p.windows_dir, p.name, p.metric) if p.cap else 0
     wid = p.window_id or dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ") + f"-{p.name}"
     wdir = os.path.join(p.windows_dir, wid)
     if os.path.exists(os.path.join(wdir, "cells.jsonl")):
@@ -206,7 +206,7 @@ def run_window(params: WindowParams, progress: ProgressFactory | None = None) ->
             meta["fault"] = fault.record()
         # decision and cap are kept together or not at all (write_report's cap)
         window.write_report(wdir, d, cells, meta, cap=None if not p.cap else
-                            lambda: win2.stage_window(p.windows_dir, p.name, p.metric, wid, d.verdict))
+                            lambda: win2_cap.stage_window(p.windows_dir, p.name, p.metric, wid, d.verdict))
         return WindowResult(wid, wdir, cells_path, d, interrupted,
                             None if fault is None or interrupted else fault.failure())
     finally:
