@@ -49,8 +49,7 @@ SHELL_FILES = $(sort $(shell git ls-files '*.sh') \
 lint: venv
 	$(BIN)/pylint --rcfile=tools/pylintrc-calls $(LINT_CALLS_SRC)
 	$(BIN)/ruff check $(RUFF_SRC)
-# Enabled (the leading # removed) after one `ruff format` pass over the merged tree:
-#	$(BIN)/ruff format --check $(RUFF_SRC)
+	$(BIN)/ruff format --check $(RUFF_SRC)
 	$(BIN)/clang-format --dry-run --Werror $(CPP_FILES)
 	$(BIN)/shellcheck $(SHELL_FILES)
 	$(BIN)/ansible-lint

@@ -42,8 +42,12 @@ class MissingPin(Exception):
 def roots(root: Path = ROOT) -> list[Requirement]:
     """The requirements the closure starts from (pyproject.toml + :data:`CONTROLLER_TOOLS`)."""
     project = tomllib.loads((root / "pyproject.toml").read_text())
-    names = (project["project"]["dependencies"] + project["project"]["optional-dependencies"]["torch"]
-             + project["build-system"]["requires"] + list(CONTROLLER_TOOLS))
+    names = (
+        project["project"]["dependencies"]
+        + project["project"]["optional-dependencies"]["torch"]
+        + project["build-system"]["requires"]
+        + list(CONTROLLER_TOOLS)
+    )
     return [Requirement(r) for r in names]
 
 

@@ -40,18 +40,28 @@ FLASH_CONFIG = REPO / "python" / "dsv41" / "data" / "dsv41_flash_engram_config.j
 #: Symbols whose signatures are recorded, per file (class.method or function or constant).
 SYMBOLS: dict[str, list[str]] = {
     C.ENGRAM_FILE: [
-        "ParallelEngramEmbedding.__init__", "ParallelEngramEmbedding._allocate_weights",
-        "ParallelEngramEmbedding.lookup", "ParallelEngramEmbedding._weight_loader",
-        "_engram_lookup_kernel", "Engram._create_embedding", "Engram._init_staging",
-        "Engram.prepare_embeddings", "Engram._start_prefetch", "Engram._finish_prefetch", "Engram._ready_rows",
+        "ParallelEngramEmbedding.__init__",
+        "ParallelEngramEmbedding._allocate_weights",
+        "ParallelEngramEmbedding.lookup",
+        "ParallelEngramEmbedding._weight_loader",
+        "_engram_lookup_kernel",
+        "Engram._create_embedding",
+        "Engram._init_staging",
+        "Engram.prepare_embeddings",
+        "Engram._start_prefetch",
+        "Engram._finish_prefetch",
+        "Engram._ready_rows",
         "EngramBatch.create",
     ],
     C.SPEC_INIT_FILE: ["init_speculator"],
-    C.SPECULATOR_FILE: ["BaseSpeculator.init_cudagraph_manager", "BaseSpeculator.capture",
-                        "BaseSpeculator.propose"],
+    C.SPECULATOR_FILE: ["BaseSpeculator.init_cudagraph_manager", "BaseSpeculator.capture", "BaseSpeculator.propose"],
     C.MODEL_RUNNER_FILE: [],
-    C.BREAKABLE_FILE: ["eager_break_during_capture", "BreakableCUDAGraphCapture.is_active",
-                       "BreakableCUDAGraphCapture.add_eager", "BreakableCUDAGraphCapture._begin_segment"],
+    C.BREAKABLE_FILE: [
+        "eager_break_during_capture",
+        "BreakableCUDAGraphCapture.is_active",
+        "BreakableCUDAGraphCapture.add_eager",
+        "BreakableCUDAGraphCapture._begin_segment",
+    ],
     C.PLUGINS_FILE: ["load_general_plugins", "load_plugins_by_group"],
     C.ENGRAM_CONFIG_FILE: [],
 }
@@ -105,52 +115,87 @@ def _facts(sources: dict[str, str], trees: dict[str, ast.Module]) -> dict[str, o
         facts[name] = value
 
     start = _find(trees[C.ENGRAM_FILE], "Engram._start_prefetch")
-    need("Engram._start_prefetch is decorated eager_break_during_capture",
-         start is not None and any(ast.unparse(d) == "eager_break_during_capture" for d in start.decorator_list))
+    need(
+        "Engram._start_prefetch is decorated eager_break_during_capture",
+        start is not None and any(ast.unparse(d) == "eager_break_during_capture" for d in start.decorator_list),
+    )
     fin = _find(trees[C.ENGRAM_FILE], "Engram._finish_prefetch")
-    need("Engram._finish_prefetch is decorated eager_break_during_capture (re-runs at every PIECEWISE replay)",
-         fin is not None and any(ast.unparse(d) == "eager_break_during_capture" for d in fin.decorator_list))
-    need("_start_prefetch orders the prefetch stream after the current stream, then records _prefetch_done "
-         "right after lookup returns (the overlay's worker rows come later: _finish_prefetch joins them)",
-         "stream.wait_stream(current)" in eng
-         and "self.embed_tokens.lookup(hash_ids, rows, background=True)\n        assert self._prefetch_done is not None"
-             "\n        self._prefetch_done.record(stream)" in eng)
-    need("_ready_rows calls _finish_prefetch(_prefetch_done) before it reads staged_rows",
-         "self._finish_prefetch(self._prefetch_done)" in eng)
+    need(
+        "Engram._finish_prefetch is decorated eager_break_during_capture (re-runs at every PIECEWISE replay)",
+        fin is not None and any(ast.unparse(d) == "eager_break_during_capture" for d in fin.decorator_list),
+    )
+    need(
+        "_start_prefetch orders the prefetch stream after the current stream, then records _prefetch_done "
+        "right after lookup returns (the overlay's worker rows come later: _finish_prefetch joins them)",
+        "stream.wait_stream(current)" in eng
+        and "self.embed_tokens.lookup(hash_ids, rows, background=True)\n        assert self._prefetch_done is not None"
+        "\n        self._prefetch_done.record(stream)"
+        in eng,
+    )
+    need(
+        "_ready_rows calls _finish_prefetch(_prefetch_done) before it reads staged_rows",
+        "self._finish_prefetch(self._prefetch_done)" in eng,
+    )
     brk = sources[C.BREAKABLE_FILE]
-    need("an eager break ends the capture segment before the function runs and begins the next after it",
-         "self._end_segment()\n        result = fn()\n        self.segments.append(fn)" in brk
-         and "self._begin_segment()\n        return result" in brk)
-    need("breakable capture segments use CUDAGraph.capture_begin's default (global) capture error mode; "
-         "the capture context is thread-local (BreakableCUDAGraphCapture.is_active)",
-         "g.capture_begin()" in brk and "capture_error_mode" not in brk and "_tls = threading.local()" in brk)
-    need("lookup runs on the prefetch stream with background=True",
-         "self.embed_tokens.lookup(hash_ids, rows, background=True)" in eng)
-    need("kernel masks ids outside [vocab_start, vocab_end) and padded heads to zero",
-         "owned &= (index >= vocab_start) & (index < vocab_end)" in eng
-         and "owned = valid & (head < TOTAL_HEADS)" in eng)
-    need("kernel BF16 mode: scale byte shifted into the fp32 exponent (0 -> 0.0, 255 -> +inf)",
-         "(scale.to(tl.int32) << 23).to(tl.float32, bitcast=True)" in eng)
+    need(
+        "an eager break ends the capture segment before the function runs and begins the next after it",
+        "self._end_segment()\n        result = fn()\n        self.segments.append(fn)" in brk
+        and "self._begin_segment()\n        return result" in brk,
+    )
+    need(
+        "breakable capture segments use CUDAGraph.capture_begin's default (global) capture error mode; "
+        "the capture context is thread-local (BreakableCUDAGraphCapture.is_active)",
+        "g.capture_begin()" in brk and "capture_error_mode" not in brk and "_tls = threading.local()" in brk,
+    )
+    need(
+        "lookup runs on the prefetch stream with background=True",
+        "self.embed_tokens.lookup(hash_ids, rows, background=True)" in eng,
+    )
+    need(
+        "kernel masks ids outside [vocab_start, vocab_end) and padded heads to zero",
+        "owned &= (index >= vocab_start) & (index < vocab_end)" in eng
+        and "owned = valid & (head < TOTAL_HEADS)" in eng,
+    )
+    need(
+        "kernel BF16 mode: scale byte shifted into the fp32 exponent (0 -> 0.0, 255 -> +inf)",
+        "(scale.to(tl.int32) << 23).to(tl.float32, bitcast=True)" in eng,
+    )
     need("kernel SORTED mode takes local row ids and output rows", "if SORTED:" in eng and "sorted_dst" in eng)
-    need("rank ranges: head_start = rank * ceil(n_hash_cols / shards)",
-         "self.head_start = head_rank * self.part_n_hash_cols" in eng
-         and "self.part_n_hash_cols = triton.cdiv(self.n_hash_cols, num_shards)" in eng)
-    need("staged_rows is bf16 [max_tokens, part_n_hash_cols, head_dim]",
-         re.search(r"self\.staged_rows = torch\.empty\(\s*max_tokens \* self\.embed_tokens\.dp_size,\s*"
-                   r"self\.embed_tokens\.part_n_hash_cols,\s*head_dim,\s*dtype=torch\.bfloat16", eng) is not None)
+    need(
+        "rank ranges: head_start = rank * ceil(n_hash_cols / shards)",
+        "self.head_start = head_rank * self.part_n_hash_cols" in eng
+        and "self.part_n_hash_cols = triton.cdiv(self.n_hash_cols, num_shards)" in eng,
+    )
+    need(
+        "staged_rows is bf16 [max_tokens, part_n_hash_cols, head_dim]",
+        re.search(
+            r"self\.staged_rows = torch\.empty\(\s*max_tokens \* self\.embed_tokens\.dp_size,\s*"
+            r"self\.embed_tokens\.part_n_hash_cols,\s*head_dim,\s*dtype=torch\.bfloat16",
+            eng,
+        )
+        is not None,
+    )
     m = re.search(r'DEFAULT_PLUGINS_GROUP = "([^"]+)"', sources[C.PLUGINS_FILE])
     need("general plugin entry-point group", m is not None, m.group(1) if m else None)
     need("VLLM_PLUGINS is an allowlist", "plugin.name in allowed_plugins" in sources[C.PLUGINS_FILE])
-    need("a general plugin's register() runs outside the loader's try (its exception stops the process)",
-         "for func in plugins.values():\n        func()" in sources[C.PLUGINS_FILE])
+    need(
+        "a general plugin's register() runs outside the loader's try (its exception stops the process)",
+        "for func in plugins.values():\n        func()" in sources[C.PLUGINS_FILE],
+    )
     need("EngramConfig.cpu_offload defaults to True", "cpu_offload: bool = True" in sources[C.ENGRAM_CONFIG_FILE])
-    need("FULL runtime mode runs an eager-break function inside the graph (captured once)",
-         "if mode == CUDAGraphMode.FULL:\n                return fn(*args, **kwargs)" in sources[C.BREAKABLE_FILE])
-    need("model runner binds init_speculator by name",
-         "from vllm.v1.worker.gpu.spec_decode import init_speculator" in sources[C.MODEL_RUNNER_FILE])
-    need("init_speculator(vllm_config, device, req_states)",
-         "def init_speculator(\n    vllm_config: VllmConfig,\n    device: torch.device,\n    req_states"
-         in sources[C.SPEC_INIT_FILE])
+    need(
+        "FULL runtime mode runs an eager-break function inside the graph (captured once)",
+        "if mode == CUDAGraphMode.FULL:\n                return fn(*args, **kwargs)" in sources[C.BREAKABLE_FILE],
+    )
+    need(
+        "model runner binds init_speculator by name",
+        "from vllm.v1.worker.gpu.spec_decode import init_speculator" in sources[C.MODEL_RUNNER_FILE],
+    )
+    need(
+        "init_speculator(vllm_config, device, req_states)",
+        "def init_speculator(\n    vllm_config: VllmConfig,\n    device: torch.device,\n    req_states"
+        in sources[C.SPEC_INIT_FILE],
+    )
     need("dspark speculator exists", 'speculative_config.method == "dspark"' in sources[C.SPEC_INIT_FILE])
     return facts
 
@@ -184,8 +229,11 @@ def build(wheels: list[Path], flash_config: Path = FLASH_CONFIG) -> dict:
                     data = zf.read(path)
                 except KeyError:
                     raise ContractError(f"{w.name}: has no {path}") from None
-                mine[path] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
-                              "role": "patched" if path in C.PATCHED_FILES else "relied on"}
+                mine[path] = {
+                    "sha256": hashlib.sha256(data).hexdigest(),
+                    "size": len(data),
+                    "role": "patched" if path in C.PATCHED_FILES else "relied on",
+                }
                 sources[path] = data.decode()
         if files is not None and files != mine:
             raise ContractError(f"{w.name}: its Python files differ from the other wheel's")
@@ -207,10 +255,22 @@ def build(wheels: list[Path], flash_config: Path = FLASH_CONFIG) -> dict:
         for rank in range(tp):
             c0, c1 = layout.columns_for_rank(tp, rank)
             part = -(-layout.n_columns // tp)
-            ranks.append({"rank": rank, "head_start": c0, "part_n_hash_cols": part, "columns": [c0, c1],
-                          "layers": [{"layer_id": lid, "vocab_start_idx": layout.row_range(li, tp, rank)[0],
-                                      "vocab_end_idx": layout.row_range(li, tp, rank)[1]}
-                                     for li, lid in enumerate(layout.layer_ids)]})
+            ranks.append(
+                {
+                    "rank": rank,
+                    "head_start": c0,
+                    "part_n_hash_cols": part,
+                    "columns": [c0, c1],
+                    "layers": [
+                        {
+                            "layer_id": lid,
+                            "vocab_start_idx": layout.row_range(li, tp, rank)[0],
+                            "vocab_end_idx": layout.row_range(li, tp, rank)[1],
+                        }
+                        for li, lid in enumerate(layout.layer_ids)
+                    ],
+                }
+            )
         ranges[str(tp)] = ranks
     return {
         "format": C.FORMAT,
@@ -220,13 +280,20 @@ def build(wheels: list[Path], flash_config: Path = FLASH_CONFIG) -> dict:
         "files": files,
         "symbols": symbols,
         "facts": facts,
-        "entry_point": {"group": facts["general plugin entry-point group"], "name": C.PLUGIN_NAME,
-                        "value": C.PLUGIN_VALUE},
+        "entry_point": {
+            "group": facts["general plugin entry-point group"],
+            "name": C.PLUGIN_NAME,
+            "value": C.PLUGIN_VALUE,
+        },
         "env": {"vllm": list(C.VLLM_ENV), "dsv41": list(C.DSV41_ENV), "refused": dict(C.OLD_ENV)},
         "compilation": C.COMPILATION,
-        "ranges": {"model": "DeepSeek-V4.1-Flash (dsv41/data/dsv41_flash_engram_config.json)",
-                   "n_hash_cols": layout.n_columns, "head_dim": layout.head_dim,
-                   "layer_rows": dict(zip(map(str, layout.layer_ids), layout.rows, strict=False)), "tp": ranges},
+        "ranges": {
+            "model": "DeepSeek-V4.1-Flash (dsv41/data/dsv41_flash_engram_config.json)",
+            "n_hash_cols": layout.n_columns,
+            "head_dim": layout.head_dim,
+            "layer_rows": dict(zip(map(str, layout.layer_ids), layout.rows, strict=False)),
+            "tp": ranges,
+        },
     }
 
 
@@ -245,8 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     except (Dsv41Error, OSError) as exc:
         print(f"vllm_contract: error: {exc}", file=sys.stderr)
         return 1
-    print(f"vllm_contract: vLLM {contract['vllm_version']}: {len(contract['files'])} files, "
-          f"{sum(len(v) for v in contract['symbols'].values())} symbols -> {args.out}")
+    print(
+        f"vllm_contract: vLLM {contract['vllm_version']}: {len(contract['files'])} files, "
+        f"{sum(len(v) for v in contract['symbols'].values())} symbols -> {args.out}"
+    )
     return 0
 
 

@@ -1,6 +1,7 @@
 # Apache License 2.0
 """Ansible callback: name promote.yml's / rollback.yml's workers by identity and end those a
 SIGKILLed run left (thin; dsv41.promotion.workers)."""
+
 from __future__ import annotations
 
 DOCUMENTATION = r"""

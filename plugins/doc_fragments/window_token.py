@@ -2,6 +2,7 @@
 """Documentation fragment ``dsv41.offload.window_token``: the ``window_token`` option of every
 module whose requests go through ``dsv41.harness.http`` (its argument spec is
 ``dsv41_common.WINDOW_TOKEN_SPEC``)."""
+
 from __future__ import annotations
 
 

@@ -8,6 +8,7 @@ Modules reach this file as ``ansible.module_utils.dsv41_common`` when they run f
 ``ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common`` inside the collection
 (``ansible-test``); each module tries the collection path first.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,7 +48,7 @@ def import_dsv41(name):
 # Integers a module option may hold: a signed 64-bit range. Ansible's ``int`` type converts any
 # digit string, and one past 4300 digits cannot even be printed (``repr``/``json.dumps`` raise
 # ValueError, sys.get_int_max_str_digits()), so the module's own result would be a traceback.
-INT_LIMIT = 2 ** 63
+INT_LIMIT = 2**63
 
 
 def _nul(value):
@@ -143,8 +144,10 @@ def check_options(module):
     found = not_a_string(module.argument_spec, _arguments_as_sent())
     if found:
         name, value = found
-        module.fail_json(msg=f"option {name}: {type(value).__name__} {_short(value)} is not a string "
-                             f"(Ansible would use its text {_short(str(value))}; quote the value or fix the variable)")
+        module.fail_json(
+            msg=f"option {name}: {type(value).__name__} {_short(value)} is not a string "
+            f"(Ansible would use its text {_short(str(value))}; quote the value or fix the variable)"
+        )
     for name, spec in module.argument_spec.items():
         problem = option_problem(spec.get("type", "str"), module.params.get(name))
         if problem is not None:
@@ -184,7 +187,10 @@ WINDOW_TOKEN_SPEC = dict(
     api_key_file=dict(type="path", default="", fallback=(env_fallback, ["DSV41_API_KEY_FILE"])),
 )
 # The environment variable dsv41.harness.http reads each credential file from.
-_CREDENTIAL_ENV = (("operator_credential_file", "DSV41_OPERATOR_CREDENTIAL_FILE"), ("api_key_file", "DSV41_API_KEY_FILE"))
+_CREDENTIAL_ENV = (
+    ("operator_credential_file", "DSV41_OPERATOR_CREDENTIAL_FILE"),
+    ("api_key_file", "DSV41_API_KEY_FILE"),
+)
 
 
 def window_token(module):

@@ -1,6 +1,7 @@
 #!/usr/bin/python
 # Apache License 2.0
 """Ansible module: HOLD or release admission of the serving endpoint (thin; dsv41.harness.admission)."""
+
 from __future__ import annotations
 
 DOCUMENTATION = r"""
@@ -123,8 +124,12 @@ def main():
             dsv41_admission.set_state(p["endpoint"], want, p["timeout"], p["settle"])
     result = dict(changed=changed, previous=before, state=want)
     if module._diff:
-        result["diff"] = dict(before=f"admission: {before}\n", after=f"admission: {want}\n",
-                              before_header=p["endpoint"], after_header=p["endpoint"])
+        result["diff"] = dict(
+            before=f"admission: {before}\n",
+            after=f"admission: {want}\n",
+            before_header=p["endpoint"],
+            after_header=p["endpoint"],
+        )
     module.exit_json(**result)
 
 

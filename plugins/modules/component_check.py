@@ -1,6 +1,7 @@
 #!/usr/bin/python
 # Apache License 2.0
 """Ansible module: validate a component name or check a per-component rollback (thin; dsv41.harness.components)."""
+
 from __future__ import annotations
 
 DOCUMENTATION = r"""
@@ -189,12 +190,20 @@ def main():
         if p["stage"] == "validate" or module.check_mode:
             module.exit_json(changed=False, behaviour=behaviour, role_vars=dsv41_components.ROLE_VARS[name])
         res = dsv41_components.run(
-            name, p["endpoint"], p["refs_path"],
+            name,
+            p["endpoint"],
+            p["refs_path"],
             engine_metrics_url=p["metrics_url"] or p["endpoint"].rstrip("/") + "/metrics",
-            worker_metrics_url=p["worker_metrics_url"], server_metrics_url=p["server_metrics_url"],
-            envs={str(k): str(v) for k, v in p["envs"].items()}, kv_baseline=p["kv_baseline"],
-            drafting_hosts=p["drafting_hosts"], burst=p["burst"], max_tokens=p["max_tokens"], timeout_s=p["timeout"],
-            rank_urls=dsv41_rank_metrics.urls(p["rank_metrics"]) if p["rank_metrics"] else None)
+            worker_metrics_url=p["worker_metrics_url"],
+            server_metrics_url=p["server_metrics_url"],
+            envs={str(k): str(v) for k, v in p["envs"].items()},
+            kv_baseline=p["kv_baseline"],
+            drafting_hosts=p["drafting_hosts"],
+            burst=p["burst"],
+            max_tokens=p["max_tokens"],
+            timeout_s=p["timeout"],
+            rank_urls=dsv41_rank_metrics.urls(p["rank_metrics"]) if p["rank_metrics"] else None,
+        )
     result = dict(changed=False, behaviour=behaviour, **res.to_dict())
     if not res.ok:
         module.fail_json(msg=f"{name} rollback check failed: {res.message()}", **result)

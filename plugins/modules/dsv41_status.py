@@ -1,6 +1,7 @@
 #!/usr/bin/python
 # Apache License 2.0
 """Ansible module: probe the dsv41 endpoints and judge the stack's health (thin; dsv41.entrypoints.status)."""
+
 from __future__ import annotations
 
 DOCUMENTATION = r"""
@@ -152,11 +153,24 @@ def main():
     p = module.params
     with dsv41_errors(module), window_token(module):
         report = dsv41_status.summarize(
-            p["hosts"], p["api_url"], p["engram_url"] or None, p["drafter_url"] or None, window_s=p["window"],
-            expected_image=p["expected_image"], windows_dir=p["windows_dir"] or None, timeout_s=p["timeout"],
-            prometheus_url=p["prometheus_url"] or None, rank_metrics=p["rank_metrics"] or None)
-    module.exit_json(changed=False, healthy=report["healthy"], reasons=report["reasons"],
-                     lines=dsv41_status_render.render_lines(report), report=report)
+            p["hosts"],
+            p["api_url"],
+            p["engram_url"] or None,
+            p["drafter_url"] or None,
+            window_s=p["window"],
+            expected_image=p["expected_image"],
+            windows_dir=p["windows_dir"] or None,
+            timeout_s=p["timeout"],
+            prometheus_url=p["prometheus_url"] or None,
+            rank_metrics=p["rank_metrics"] or None,
+        )
+    module.exit_json(
+        changed=False,
+        healthy=report["healthy"],
+        reasons=report["reasons"],
+        lines=dsv41_status_render.render_lines(report),
+        report=report,
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 #!/usr/bin/python
 # Apache License 2.0
 """Ansible module: verify Engram shards against the trusted manifest (thin; dsv41.engram.manifest)."""
+
 from __future__ import annotations
 
 DOCUMENTATION = r"""
@@ -144,16 +145,33 @@ def main():
     for layer, want in sorted(p["identities"].items()):
         have = [t["identity"] for t in tables if str(t["layer_id"]) == str(layer)]
         if have != [str(want)]:
-            module.fail_json(msg="manifest {}: layer {} identity {}, expected {}".format(
-                p["manifest"], layer, have[0] if have else "missing", want), tables=tables)
+            module.fail_json(
+                msg="manifest {}: layer {} identity {}, expected {}".format(
+                    p["manifest"], layer, have[0] if have else "missing", want
+                ),
+                tables=tables,
+            )
     try:
-        report = dsv41_manifest.verify(man, p["data_dir"], workers=p["workers"], progress=False,
-                                       cache=p["cache"] or None, mode=p["verify"],
-                                       update_cache=not module.check_mode)
+        report = dsv41_manifest.verify(
+            man,
+            p["data_dir"],
+            workers=p["workers"],
+            progress=False,
+            cache=p["cache"] or None,
+            mode=p["verify"],
+            update_cache=not module.check_mode,
+        )
     except Dsv41Error as exc:
         module.fail_json(msg=str(exc), manifest=p["manifest"], data_dir=p["data_dir"], tables=tables)
-    module.exit_json(changed=False, files=sorted(report.files), verified=sorted(report.verified), cached=sorted(report.cached),
-                     cache_updated=report.cache_updated, verify=p["verify"], tables=tables)
+    module.exit_json(
+        changed=False,
+        files=sorted(report.files),
+        verified=sorted(report.verified),
+        cached=sorted(report.cached),
+        cache_updated=report.cache_updated,
+        verify=p["verify"],
+        tables=tables,
+    )
 
 
 if __name__ == "__main__":

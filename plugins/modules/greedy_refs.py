@@ -1,6 +1,7 @@
 #!/usr/bin/python
 # Apache License 2.0
 """Ansible module: record or compare the six greedy references (thin; dsv41.harness.refs)."""
+
 from __future__ import annotations
 
 DOCUMENTATION = r"""
@@ -182,11 +183,20 @@ def main():
     try:
         metrics = dsv41_rank_metrics.urls(p["rank_metrics"]) if p["rank_metrics"] else p["metrics_url"]
         with window_token(module):
-            res = dsv41_refs.check(p["endpoint"], p["path"], mode=p["mode"], max_tokens=p["max_tokens"],
-                                   timeout_s=p["timeout"], metrics_url=metrics,
-                                   metrics_prefix=p["metrics_prefix"], require_ranks=p["require_ranks"],
-                                   require_drafter=p["require_drafter"], attempts=p["attempts"],
-                                   delay_s=p["delay"], write=not module.check_mode)
+            res = dsv41_refs.check(
+                p["endpoint"],
+                p["path"],
+                mode=p["mode"],
+                max_tokens=p["max_tokens"],
+                timeout_s=p["timeout"],
+                metrics_url=metrics,
+                metrics_prefix=p["metrics_prefix"],
+                require_ranks=p["require_ranks"],
+                require_drafter=p["require_drafter"],
+                attempts=p["attempts"],
+                delay_s=p["delay"],
+                write=not module.check_mode,
+            )
     except Dsv41Error as exc:
         module.fail_json(msg=str(exc), endpoint=p["endpoint"], path=p["path"])
     result = dict(changed=res.action == "recorded", **res.to_dict())

@@ -1,6 +1,7 @@
 #!/usr/bin/python
 # Apache License 2.0
 """Ansible module: append to / decide from the promotion journal (thin; dsv41.promotion.journal)."""
+
 from __future__ import annotations
 
 DOCUMENTATION = r"""

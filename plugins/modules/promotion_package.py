@@ -1,6 +1,7 @@
 #!/usr/bin/python
 # Apache License 2.0
 """Ansible module: gate, record, read, verify and plan promotion packages (thin; dsv41.promotion.package)."""
+
 from __future__ import annotations
 
 DOCUMENTATION = r"""
@@ -122,8 +123,10 @@ pkg = import_dsv41("dsv41.promotion.package")
 def _record(module, p):
     hosts = {}
     for host, h in (p["hosts"] or {}).items():
-        files = {path: {"content": base64.b64decode(f["content"]), "mode": f.get("mode") or "0644"}
-                 for path, f in (h.get("files") or {}).items()}
+        files = {
+            path: {"content": base64.b64decode(f["content"]), "mode": f.get("mode") or "0644"}
+            for path, f in (h.get("files") or {}).items()
+        }
         hosts[host] = dict(h, files=files)
     refs = None
     if p["refs_path"] and os.path.isfile(p["refs_path"]):
@@ -144,9 +147,18 @@ def _record(module, p):
         created = not exists
     result = dict(changed=created, id=pid, package=doc, verified=verified)
     if module._diff and created:
-        result["diff"] = dict(before="", after="package {}\n{}".format(pid, "".join(
-            "{} {} {}\n".format(f["sha256"], h, path) for h, hh in doc["hosts"].items() for path, f in hh["files"].items())),
-            after_header=os.path.join(p["root"], pid))
+        result["diff"] = dict(
+            before="",
+            after="package {}\n{}".format(
+                pid,
+                "".join(
+                    "{} {} {}\n".format(f["sha256"], h, path)
+                    for h, hh in doc["hosts"].items()
+                    for path, f in hh["files"].items()
+                ),
+            ),
+            after_header=os.path.join(p["root"], pid),
+        )
     return result
 
 
@@ -155,9 +167,12 @@ def _plan(module, p, pid):
     plan = {h: pkg.installed_diff(doc, h, listing or {}) for h, listing in (p["hosts"] or {}).items()}
     result = dict(changed=False, id=pid, plan=plan, package=doc)
     if module._diff:
-        result["diff"] = dict(before="".join(f"{h} {path}\n" for h, d in plan.items() for path in d["write"] + d["remove"]),
-                              after="", before_header=f"installed files that differ from {pid[:12]}",
-                              after_header=f"package {pid[:12]}")
+        result["diff"] = dict(
+            before="".join(f"{h} {path}\n" for h, d in plan.items() for path in d["write"] + d["remove"]),
+            after="",
+            before_header=f"installed files that differ from {pid[:12]}",
+            after_header=f"package {pid[:12]}",
+        )
     return result
 
 
@@ -176,16 +191,23 @@ def main():
             force=dict(type="bool", default=False),
             reason=dict(type="str", no_log=False),
         ),
-        required_if=[("action", "read", ["id"]), ("action", "verify", ["id"]), ("action", "plan", ["id", "hosts"]),
-                     ("action", "record", ["hosts", "provenance"]), ("action", "gate", ["windows_dir"])],
+        required_if=[
+            ("action", "read", ["id"]),
+            ("action", "verify", ["id"]),
+            ("action", "plan", ["id", "hosts"]),
+            ("action", "record", ["hosts", "provenance"]),
+            ("action", "gate", ["windows_dir"]),
+        ],
         supports_check_mode=True,
     )
     require_dsv41(module)
     p = module.params
     with dsv41_errors(module):
         if p["action"] == "gate":
-            module.exit_json(changed=False, gate=pkg.check_window(p["windows_dir"], p["window"], p["force"], p["reason"],
-                                                                  p["candidate"]))
+            module.exit_json(
+                changed=False,
+                gate=pkg.check_window(p["windows_dir"], p["window"], p["force"], p["reason"], p["candidate"]),
+            )
         if p["action"] == "record":
             module.exit_json(**_record(module, p))
         pid = pkg.resolve(p["root"], p["id"])

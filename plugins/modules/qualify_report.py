@@ -1,6 +1,7 @@
 #!/usr/bin/python
 # Apache License 2.0
 """Ansible module: assemble and write the qualification report (logic: dsv41.entrypoints.qualify)."""
+
 from __future__ import annotations
 
 DOCUMENTATION = r"""
@@ -108,8 +109,14 @@ def main():
     with dsv41_errors(module):
         report = qualify.assemble(p["hosts"], controller=p["controller"], meta=p["meta"])
         paths = qualify.write_report(report, p["out_dir"])
-    out = dict(changed=True, result=report["result"], counts=report["counts"], failed=report["failed"],
-               lines=qualify.render_summary(report).splitlines(), **paths)
+    out = dict(
+        changed=True,
+        result=report["result"],
+        counts=report["counts"],
+        failed=report["failed"],
+        lines=qualify.render_summary(report).splitlines(),
+        **paths,
+    )
     if report["result"] != "PASS":
         module.fail_json(msg=qualify.failure_line(report) + " (summary: {})".format(paths["summary"]), **out)
     module.exit_json(**out)

@@ -2,6 +2,7 @@
 # Apache License 2.0
 """Ansible module: check the direct links (netdev MTU, up, address; RDMA port state, verbs MTU and RoCE v2
 GID through pyverbs or sysfs). The logic is ``dsv41.harness.links``."""
+
 from __future__ import annotations
 
 DOCUMENTATION = r"""
@@ -130,6 +131,7 @@ links_mod = import_dsv41("dsv41.harness.links")
 def _netdev(module):
     """An interface's MTU, flags and operstate through ``module.run_command`` (``ip -j link``), for
     a ``/sys`` of another network namespace (links.ip_link_facts parses it)."""
+
     def read(name):
         rc, out, dummy = module.run_command(["ip", "-j", "link", "show", "dev", name])
         return links_mod.ip_link_facts(name, out) if rc == 0 else None
@@ -157,17 +159,22 @@ def _addresses(module):
 def main():
     module = AnsibleModule(
         argument_spec=dict(
-            links=dict(type="list", elements="dict", required=True, options=dict(
-                name=dict(type="str", required=True),
-                mtu=dict(type="int", default=9000),
-                address=dict(type="str"),
-                # inventory fields of dsv41_links, accepted so the list can be passed as is
-                purpose=dict(type="str"),
-                prefix=dict(type="int"),
-                peer=dict(type="str"),
-                peer_if=dict(type="str"),
-                peer_address=dict(type="str"),
-            )),
+            links=dict(
+                type="list",
+                elements="dict",
+                required=True,
+                options=dict(
+                    name=dict(type="str", required=True),
+                    mtu=dict(type="int", default=9000),
+                    address=dict(type="str"),
+                    # inventory fields of dsv41_links, accepted so the list can be passed as is
+                    purpose=dict(type="str"),
+                    prefix=dict(type="int"),
+                    peer=dict(type="str"),
+                    peer_if=dict(type="str"),
+                    peer_address=dict(type="str"),
+                ),
+            ),
             require_verbs=dict(type="bool", default=True),
             verbs_mtu=dict(type="int", default=4096),
             sysfs=dict(type="path", default="/sys"),
@@ -185,10 +192,18 @@ def main():
         if verbs is None:
             module.fail_json(msg=missing_required_lib("pyverbs"))
     infos, checks, errors = links_mod.check_links(
-        p["links"], sysfs=p["sysfs"], require_verbs=p["require_verbs"], verbs_mtu=p["verbs_mtu"],
-        pyverbs=verbs, addresses=_addresses(module), netdev=_netdev(module))
-    source = next((i["rdma_source"] for i in infos if i.get("rdma_source")),
-                  "sysfs" if verbs is None else "pyverbs" if links_mod.load_pyverbs() else "sysfs")
+        p["links"],
+        sysfs=p["sysfs"],
+        require_verbs=p["require_verbs"],
+        verbs_mtu=p["verbs_mtu"],
+        pyverbs=verbs,
+        addresses=_addresses(module),
+        netdev=_netdev(module),
+    )
+    source = next(
+        (i["rdma_source"] for i in infos if i.get("rdma_source")),
+        "sysfs" if verbs is None else "pyverbs" if links_mod.load_pyverbs() else "sysfs",
+    )
     if errors:
         module.fail_json(msg="; ".join(errors), links=infos, checks=checks, rdma_source=source)
     module.exit_json(changed=False, links=infos, checks=checks, rdma_source=source)

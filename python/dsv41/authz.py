@@ -46,8 +46,7 @@ MAX_SECRET_BYTES = 4096
 #: Methods that never change state (RFC 9110 safe methods).
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 #: Routes outside ``/v1`` that serve inference (vLLM's), not control.
-INFERENCE_PATHS = frozenset({"/invocations", "/tokenize", "/detokenize", "/pooling", "/classify", "/score",
-                             "/rerank"})
+INFERENCE_PATHS = frozenset({"/invocations", "/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank"})
 
 
 class CredentialError(Dsv41Error):
@@ -77,8 +76,9 @@ def load_secret(path: str | os.PathLike, what: str = "operator credential") -> s
         if not stat.S_ISREG(st.st_mode):
             raise CredentialError(f"{what} file {p} is not a regular file")
         if st.st_mode & 0o077:
-            raise CredentialError(f"{what} file {p} has mode {stat.S_IMODE(st.st_mode):04o}; it must be 0600 "
-                                  f"(readable by its owner only)")
+            raise CredentialError(
+                f"{what} file {p} has mode {stat.S_IMODE(st.st_mode):04o}; it must be 0600 (readable by its owner only)"
+            )
         raw = os.read(fd, MAX_SECRET_BYTES + 1)
     except OSError as exc:
         raise CredentialError(f"{what} file {p}: {exc.strerror or exc}") from None
@@ -146,7 +146,7 @@ def _host_name(host: str) -> str:
     """The name part of a Host header value (port and IPv6 brackets removed), lower case."""
     h = host.strip().lower()
     if h.startswith("["):
-        return h[1:h.find("]")] if "]" in h else h
+        return h[1 : h.find("]")] if "]" in h else h
     return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
 
 
@@ -164,8 +164,9 @@ def host_allowed(host: str, allowed: Iterable[str] = ()) -> bool:
         return False
 
 
-def control_refusal(raw_headers: Iterable[tuple[bytes, bytes]], credential: str | None,
-                    allowed_hosts: Iterable[str] = ()) -> tuple[int, str] | None:
+def control_refusal(
+    raw_headers: Iterable[tuple[bytes, bytes]], credential: str | None, allowed_hosts: Iterable[str] = ()
+) -> tuple[int, str] | None:
     """Why a control request with these ASGI headers is refused, or None when it may go on.
 
     ``credential``: the server's operator credential (None or empty: every control request is
@@ -194,8 +195,9 @@ def control_refusal(raw_headers: Iterable[tuple[bytes, bytes]], credential: str 
     return None
 
 
-def api_key_refusal(method: str, path: str, raw_headers: Iterable[tuple[bytes, bytes]],
-                    api_key: str | None) -> tuple[int, str] | None:
+def api_key_refusal(
+    method: str, path: str, raw_headers: Iterable[tuple[bytes, bytes]], api_key: str | None
+) -> tuple[int, str] | None:
     """vLLM's ``--api-key`` rule: with a key set, every ``/v1`` request except ``OPTIONS`` needs
     ``Authorization: Bearer KEY`` (401 otherwise); None when it may go on."""
     if not api_key or method.upper() == "OPTIONS" or not path.startswith("/v1"):

@@ -31,7 +31,11 @@ with signals_from_start():
     # (group name, module path, help). Every module exists (tests/unit/test_cli_groups.py); a helper
     # adding a group adds its module in the same change.
     GROUPS = [
-        ("env", "dsv41.entrypoints.env_cli", "Check what the roles write for a service: env files (dsv41.envs), systemd units."),
+        (
+            "env",
+            "dsv41.entrypoints.env_cli",
+            "Check what the roles write for a service: env files (dsv41.envs), systemd units.",
+        ),
         ("engram", "dsv41.engram.cli", "Engram layout, hashing, tables, manifest, rows, server."),
         ("engine", "dsv41.entrypoints.engine_serve", "The local stand-in serving engine (TP over torch.distributed)."),
         ("drafter", "dsv41.drafter.cli", "Remote drafter worker and tools."),
@@ -41,31 +45,42 @@ with signals_from_start():
         ("window", "dsv41.harness.window_cli", "Fenced-window cells, the WIN2 R3 decision, calibration, candidates."),
         ("drill", "dsv41.harness.drill_cli", "Fault drills under load on the lab: run, clear, check."),
         ("metrics", "dsv41.harness.metrics_cli", "Read a Prometheus /metrics endpoint as JSON."),
-        ("oplock", "dsv41.promotion.oplock_cli", "The controller's change lock: one window/promote/rollback at a time."),
+        (
+            "oplock",
+            "dsv41.promotion.oplock_cli",
+            "The controller's change lock: one window/promote/rollback at a time.",
+        ),
         ("package", "dsv41.promotion.cli", "Promotion packages: show, diff, verify (exact production records)."),
         ("monitor", "dsv41.monitoring.cli", "Monitoring: the operations exporter, alert rules, Grafana dashboard."),
-        ("status", "dsv41.entrypoints.status_cli", "Is production healthy, and what is it running? (exit 1 with reasons)"),
+        (
+            "status",
+            "dsv41.entrypoints.status_cli",
+            "Is production healthy, and what is it running? (exit 1 with reasons)",
+        ),
         ("qualify", "dsv41.entrypoints.qualify_cli", "Hardware qualification probes and report (qualify.yml)."),
         ("overlay", "dsv41.overlay.cli", "The vLLM overlay: compare an installed vLLM or an image with its contracts."),
     ]
-
 
     def _register() -> None:
         for name, module, help_text in GROUPS:
             app.add_typer(importlib.import_module(module).app, name=name, help=help_text)
 
-
     @app.callback()
-    def _root(follow_symlinks: bool = typer.Option(
-            False, "--follow-symlinks",
-            help="An output path that is a symlink replaces the file it points to (refused by default).")) -> None:
+    def _root(
+        follow_symlinks: bool = typer.Option(
+            False,
+            "--follow-symlinks",
+            help="An output path that is a symlink replaces the file it points to (refused by default).",
+        ),
+    ) -> None:
         """dsv41-offload command line."""
 
         fileio.FOLLOW_SYMLINKS = follow_symlinks  # set on every run: in-process callers run many
 
-
     @app.command()
-    def version(as_json: bool = typer.Option(False, "--json", help="Also the Python and the transport path, as JSON.")) -> None:
+    def version(
+        as_json: bool = typer.Option(False, "--json", help="Also the Python and the transport path, as JSON."),
+    ) -> None:
         """Print the dsv41 package version."""
         from dsv41.version import version_info
 

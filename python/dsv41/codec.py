@@ -91,9 +91,18 @@ def _finite_copy(obj: Any, path: tuple, found: dict[str, str]) -> Any:
     return obj
 
 
-def dumps_json(obj: Any, *, nonfinite: str = "refuse", indent: int | str | None = None, sort_keys: bool = False,
-               separators: tuple[str, str] | None = None, ensure_ascii: bool = True, default: Any = None,
-               cls: type[json.JSONEncoder] | None = None, what: str | None = None) -> str:
+def dumps_json(
+    obj: Any,
+    *,
+    nonfinite: str = "refuse",
+    indent: int | str | None = None,
+    sort_keys: bool = False,
+    separators: tuple[str, str] | None = None,
+    ensure_ascii: bool = True,
+    default: Any = None,
+    cls: type[json.JSONEncoder] | None = None,
+    what: str | None = None,
+) -> str:
     """``json.dumps`` for everything the project writes (files, stdout, peers, digests), never with
     ``NaN``/``Infinity`` in it (``allow_nan=False`` always).
 
@@ -125,22 +134,34 @@ def dumps_json(obj: Any, *, nonfinite: str = "refuse", indent: int | str | None 
     doc = _finite_copy(obj, (), found) if nonfinite == "null" else obj
     if found:
         if not isinstance(doc, dict) or NONFINITE_KEY in doc:
-            where = ("it is not a JSON object" if not isinstance(doc, dict)
-                     else f"it already has a {NONFINITE_KEY!r} key")
-            raise EncodeError(f"{label}: {', '.join(f'{p} is {v}' for p, v in found.items())}, not a JSON number, "
-                              f"and the reason cannot be recorded ({where})")
+            where = (
+                "it is not a JSON object" if not isinstance(doc, dict) else f"it already has a {NONFINITE_KEY!r} key"
+            )
+            raise EncodeError(
+                f"{label}: {', '.join(f'{p} is {v}' for p, v in found.items())}, not a JSON number, "
+                f"and the reason cannot be recorded ({where})"
+            )
         doc = {**doc, NONFINITE_KEY: found}
     try:
-        return json.dumps(doc, indent=indent, sort_keys=sort_keys, separators=separators, ensure_ascii=ensure_ascii,
-                          default=default, cls=cls, allow_nan=False)
+        return json.dumps(
+            doc,
+            indent=indent,
+            sort_keys=sort_keys,
+            separators=separators,
+            ensure_ascii=ensure_ascii,
+            default=default,
+            cls=cls,
+            allow_nan=False,
+        )
     except ValueError as exc:  # a non-finite float (allow_nan=False) or a circular reference
         bad: dict[str, str] = {}
         with contextlib.suppress(RecursionError):
             _finite_copy(doc, (), bad)
         if not bad:  # made by default/cls, or a circular reference: json's own words
             raise EncodeError(f"{label}: {exc}") from None
-        raise EncodeError(f"{label}: {', '.join(f'{p} is {v}' for p, v in bad.items())}, not a JSON number "
-                          "(RFC 8259 section 6)") from None
+        raise EncodeError(
+            f"{label}: {', '.join(f'{p} is {v}' for p, v in bad.items())}, not a JSON number (RFC 8259 section 6)"
+        ) from None
     except (TypeError, RecursionError) as exc:
         raise EncodeError(f"{label}: {exc}") from None
 
@@ -171,8 +192,11 @@ def loads_yaml(text: str) -> Any:
                     break
                 if dup:
                     raise yaml.constructor.ConstructorError(
-                        "while constructing a mapping", node.start_mark,
-                        f"found key {key!r} twice in one mapping", key_node.start_mark)
+                        "while constructing a mapping",
+                        node.start_mark,
+                        f"found key {key!r} twice in one mapping",
+                        key_node.start_mark,
+                    )
                 seen.add(key)
             return super().construct_mapping(node, deep=deep)
 
@@ -180,7 +204,8 @@ def loads_yaml(text: str) -> Any:
             value = super().construct_yaml_float(node)
             if not math.isfinite(value):
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"{node.value!r} is not a finite number", node.start_mark)
+                    None, None, f"{node.value!r} is not a finite number", node.start_mark
+                )
             return value
 
     _Strict.add_constructor("tag:yaml.org,2002:float", _Strict.construct_yaml_float)

@@ -131,8 +131,7 @@ def parse(env: Mapping[str, str] | None = None) -> Settings:
     env = os.environ if env is None else env
     for old, new in RENAMED.items():
         if old in env:
-            raise ConfigError(old, f"{old} was renamed: set {new} instead (vLLM refuses unknown VLLM_* "
-                                   "variables)")
+            raise ConfigError(old, f"{old} was renamed: set {new} instead (vLLM refuses unknown VLLM_* variables)")
     s = Settings(**{v.field: v.convert(env.get(v.name)) for v in _ROWS})
     _check(s)
     return s
@@ -142,25 +141,37 @@ def _check(s: Settings) -> None:
     """Rules across variables (each message names the variable to change)."""
     if s.tp_peer_timeout_s * 1000 <= s.drafter_propose_deadline_ms:
         # the other rank waits for the next command while rank 0 drafts
-        raise ConfigError("DSV41_TP_PEER_TIMEOUT_S", f"DSV41_TP_PEER_TIMEOUT_S ({s.tp_peer_timeout_s:g} s) must "
-                                                     f"exceed DSV41_DRAFTER_PROPOSE_DEADLINE_MS "
-                                                     f"({s.drafter_propose_deadline_ms:g} ms)")
+        raise ConfigError(
+            "DSV41_TP_PEER_TIMEOUT_S",
+            f"DSV41_TP_PEER_TIMEOUT_S ({s.tp_peer_timeout_s:g} s) must "
+            f"exceed DSV41_DRAFTER_PROPOSE_DEADLINE_MS "
+            f"({s.drafter_propose_deadline_ms:g} ms)",
+        )
     if s.engram_remote_required and not s.engram_remote:
-        raise ConfigError("DSV41_ENGRAM_REMOTE_REQUIRED",
-                          "DSV41_ENGRAM_REMOTE_REQUIRED=1 but DSV41_ENGRAM_REMOTE is empty")
+        raise ConfigError(
+            "DSV41_ENGRAM_REMOTE_REQUIRED", "DSV41_ENGRAM_REMOTE_REQUIRED=1 but DSV41_ENGRAM_REMOTE is empty"
+        )
     if s.drafter_capacity_mode:
         if s.drafter_local:
-            raise ConfigError("DSV41_DRAFTER_CAPACITY_MODE", "DSV41_DRAFTER_CAPACITY_MODE=1 with "
-                                                             "DSV41_DRAFTER_LOCAL: a local drafter frees no memory")
+            raise ConfigError(
+                "DSV41_DRAFTER_CAPACITY_MODE",
+                "DSV41_DRAFTER_CAPACITY_MODE=1 with DSV41_DRAFTER_LOCAL: a local drafter frees no memory",
+            )
         if s.drafter_remote and s.drafter_local_memory_tokens <= 0:
-            raise ConfigError("DSV41_DRAFTER_LOCAL_MEMORY_TOKENS", "DSV41_DRAFTER_CAPACITY_MODE=1 needs "
-                                                                   "DSV41_DRAFTER_LOCAL_MEMORY_TOKENS > 0")
+            raise ConfigError(
+                "DSV41_DRAFTER_LOCAL_MEMORY_TOKENS",
+                "DSV41_DRAFTER_CAPACITY_MODE=1 needs DSV41_DRAFTER_LOCAL_MEMORY_TOKENS > 0",
+            )
     if s.drafter_remote and s.drafter_local:
-        raise ConfigError("DSV41_DRAFTER_REMOTE", "DSV41_DRAFTER_REMOTE: set only one of DSV41_DRAFTER_REMOTE "
-                                                  "and DSV41_DRAFTER_LOCAL")
+        raise ConfigError(
+            "DSV41_DRAFTER_REMOTE", "DSV41_DRAFTER_REMOTE: set only one of DSV41_DRAFTER_REMOTE and DSV41_DRAFTER_LOCAL"
+        )
     if s.drafter_remote and not s.drafter_dir:
-        raise ConfigError("DSV41_DRAFTER_DIR", "DSV41_DRAFTER_DIR: DSV41_DRAFTER_REMOTE needs DSV41_DRAFTER_DIR "
-                                               "(the drafter files the worker must match)")
+        raise ConfigError(
+            "DSV41_DRAFTER_DIR",
+            "DSV41_DRAFTER_DIR: DSV41_DRAFTER_REMOTE needs DSV41_DRAFTER_DIR (the drafter files the worker must match)",
+        )
     if s.drafter_async and s.drafter_shadow:
-        raise ConfigError("DSV41_DRAFTER_SHADOW", "DSV41_DRAFTER_SHADOW works with synchronous rounds only; "
-                                                  "unset DSV41_DRAFTER_ASYNC")
+        raise ConfigError(
+            "DSV41_DRAFTER_SHADOW", "DSV41_DRAFTER_SHADOW works with synchronous rounds only; unset DSV41_DRAFTER_ASYNC"
+        )

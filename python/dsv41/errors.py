@@ -37,13 +37,22 @@ def os_reason(exc: OSError) -> str:
     """An ``OSError`` in words (``no space left on the device``, ``the reader closed the pipe``...)."""
     import errno
 
-    words = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
-             errno.EPIPE: "the reader closed the pipe", errno.EIO: "I/O error",
-             errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
-             errno.EPERM: "operation not permitted", errno.EFBIG: "file too large",
-             errno.ENAMETOOLONG: "file name too long", errno.ENOENT: "does not exist",
-             errno.ENOTDIR: "a component of the path is not a directory", errno.EISDIR: "is a directory",
-             errno.ELOOP: "too many levels of symlinks", errno.ENXIO: "no such device or address"}
+    words = {
+        errno.ENOSPC: "no space left on the device",
+        errno.EDQUOT: "disk quota exceeded",
+        errno.EPIPE: "the reader closed the pipe",
+        errno.EIO: "I/O error",
+        errno.EROFS: "read-only file system",
+        errno.EACCES: "permission denied",
+        errno.EPERM: "operation not permitted",
+        errno.EFBIG: "file too large",
+        errno.ENAMETOOLONG: "file name too long",
+        errno.ENOENT: "does not exist",
+        errno.ENOTDIR: "a component of the path is not a directory",
+        errno.EISDIR: "is a directory",
+        errno.ELOOP: "too many levels of symlinks",
+        errno.ENXIO: "no such device or address",
+    }
     return words.get(exc.errno or 0) or exc.strerror or type(exc).__name__
 
 
@@ -122,8 +131,10 @@ def check_argument(value: str, option: str, *, is_path: bool) -> None:
         raw = value.encode("utf-8")
     except UnicodeEncodeError as exc:
         shown = value.encode("utf-8", "surrogateescape")
-        raise ArgumentError(f"{option}: value is not valid UTF-8 at byte {len(value[:exc.start].encode('utf-8'))}: "
-                            f"{shown[:48]!r}{'...' if len(shown) > 48 else ''}") from None
+        raise ArgumentError(
+            f"{option}: value is not valid UTF-8 at byte {len(value[: exc.start].encode('utf-8'))}: "
+            f"{shown[:48]!r}{'...' if len(shown) > 48 else ''}"
+        ) from None
     if not raw:
         raise ArgumentError(f"{option}: empty value; give a value or leave the option out")
     if "\x00" in value:
@@ -143,8 +154,12 @@ def check_argument(value: str, option: str, *, is_path: bool) -> None:
         if stat.S_ISLNK(lst.st_mode):
             raise ArgumentError(f"{option}: {_show(value, 200)} is a dangling symlink") from None
         return
-    for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device")):
+    for test, what in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
         if test(st.st_mode):
             raise ArgumentError(f"{option}: {_show(value, 200)} is {what}, not a regular file or directory")
 
@@ -209,7 +224,7 @@ def guard_arguments(cmd) -> None:
 
         def process_value(ctx, value, _p=p, _original=original, _is_path=is_path, _is_float=is_float, _name=name):
             if ctx.get_parameter_source(_p.name) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP):
-                for v in (value if isinstance(value, (list, tuple)) else (value,)):
+                for v in value if isinstance(value, (list, tuple)) else (value,):
                     if isinstance(v, str):
                         check_argument(v, _name, is_path=_is_path)
                         if _is_float:
@@ -255,7 +270,9 @@ def sigterm_unwinds():
     import signal
     import threading
 
-    if threading.current_thread() is not threading.main_thread() or not _ours_or_default(signal.getsignal(signal.SIGTERM)):
+    if threading.current_thread() is not threading.main_thread() or not _ours_or_default(
+        signal.getsignal(signal.SIGTERM)
+    ):
         yield {"sigterm": False}
         return
     prev = signal.getsignal(signal.SIGTERM)

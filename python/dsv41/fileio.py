@@ -68,9 +68,15 @@ def _label(path: PathLike, what: str | None) -> str:
 
 def kind(mode: int) -> str:
     """The file type of ``st_mode`` in words: ``a FIFO``, ``a directory``, ``a character device``..."""
-    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symlink")):
+    for test, name in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISLNK, "a symlink"),
+    ):
         if test(mode):
             return name
     return "not a regular file"
@@ -82,6 +88,7 @@ def _reason(exc: OSError) -> str:
 
 # ---- inputs ---------------------------------------------------------------------------------------
 
+
 def check_input(path: PathLike, what: str | None = None, *, error: ErrorType = None) -> os.stat_result:
     """Stat ``path`` (following symlinks) and refuse anything but a regular file.
 
@@ -92,8 +99,9 @@ def check_input(path: PathLike, what: str | None = None, *, error: ErrorType = N
         st = os.stat(path)
     except FileNotFoundError:
         dangling = os.path.lexists(path)
-        raise (error or FileError)(f"cannot read {_label(path, what)}: does not exist"
-                                   + (" (dangling symlink)" if dangling else "")) from None
+        raise (error or FileError)(
+            f"cannot read {_label(path, what)}: does not exist" + (" (dangling symlink)" if dangling else "")
+        ) from None
     except OSError as exc:
         raise (error or FileError)(f"cannot read {_label(path, what)}: {_reason(exc)}") from None
     if not stat.S_ISREG(st.st_mode):
@@ -122,8 +130,9 @@ def open_input(path: PathLike, what: str | None = None, *, error: ErrorType = No
     try:
         opened = os.fstat(fd)
         if not stat.S_ISREG(opened.st_mode) or not _same(before, opened):
-            raise (error or FileError)(f"cannot read {_label(path, what)}: it was replaced while it was opened; "
-                                       "try again")
+            raise (error or FileError)(
+                f"cannot read {_label(path, what)}: it was replaced while it was opened; try again"
+            )
         os.set_blocking(fd, True)
         f = os.fdopen(fd, "rb")
     except BaseException:
@@ -140,12 +149,15 @@ def open_input(path: PathLike, what: str | None = None, *, error: ErrorType = No
     except OSError:
         now = None
     if not _same(before, after) or now is None or not _same(before, now):
-        raise (error or FileError)(f"cannot read {_label(path, what)}: it changed while it was read (size, mtime or inode "
-                                   "differ); read it again when it is complete")
+        raise (error or FileError)(
+            f"cannot read {_label(path, what)}: it changed while it was read (size, mtime or inode "
+            "differ); read it again when it is complete"
+        )
 
 
-def read_bytes(path: PathLike, what: str | None = None, *, max_bytes: int | None = None,
-               error: ErrorType = None) -> bytes:
+def read_bytes(
+    path: PathLike, what: str | None = None, *, max_bytes: int | None = None, error: ErrorType = None
+) -> bytes:
     """The whole content of a regular file (rules of :func:`open_input`); ``max_bytes`` bounds it.
 
     Raises :class:`FileError` (also when the file is larger than ``max_bytes``).
@@ -156,20 +168,26 @@ def read_bytes(path: PathLike, what: str | None = None, *, max_bytes: int | None
         return f.read()
 
 
-def read_text(path: PathLike, what: str | None = None, *, encoding: str = "utf-8",
-              max_bytes: int | None = None, error: ErrorType = None) -> str:
+def read_text(
+    path: PathLike,
+    what: str | None = None,
+    *,
+    encoding: str = "utf-8",
+    max_bytes: int | None = None,
+    error: ErrorType = None,
+) -> str:
     """A regular file decoded as ``encoding``; undecodable bytes raise :class:`FileError`
     (``cannot read it: not UTF-8 text at byte N``)."""
     raw = read_bytes(path, what, max_bytes=max_bytes, error=error)
     try:
         return raw.decode(encoding)
     except UnicodeDecodeError as exc:
-        raise (error or FileError)(f"cannot read {_label(path, what)}: not {encoding.upper()} text "
-                                   f"(byte {exc.start})") from None
+        raise (error or FileError)(
+            f"cannot read {_label(path, what)}: not {encoding.upper()} text (byte {exc.start})"
+        ) from None
 
 
-def read_json(path: PathLike, what: str | None = None, *, max_bytes: int | None = None,
-              error: ErrorType = None) -> Any:
+def read_json(path: PathLike, what: str | None = None, *, max_bytes: int | None = None, error: ErrorType = None) -> Any:
     """A regular file parsed as JSON (:func:`loads_json`, strict); bad JSON raises
     :class:`FileError` naming line and column, or what was refused."""
     text = read_text(path, what, max_bytes=max_bytes, error=error)
@@ -181,8 +199,10 @@ def read_json(path: PathLike, what: str | None = None, *, max_bytes: int | None 
 
 # ---- outputs --------------------------------------------------------------------------------------
 
-def check_output(path: PathLike, what: str | None = None, *, follow_symlinks: bool | None = None,
-                 error: ErrorType = None) -> Path:
+
+def check_output(
+    path: PathLike, what: str | None = None, *, follow_symlinks: bool | None = None, error: ErrorType = None
+) -> Path:
     """Refuse an output path that is not a regular file or absent; return the path to replace.
 
     A symlink is refused unless ``follow_symlinks`` (then the resolved target is returned and
@@ -199,12 +219,16 @@ def check_output(path: PathLike, what: str | None = None, *, follow_symlinks: bo
         raise (error or FileError)(f"cannot write {_label(path, what)}: {_reason(exc)}") from None
     if st is not None and stat.S_ISLNK(st.st_mode):
         if not follow_symlinks:
-            raise (error or FileError)(f"cannot write {_label(path, what)}: it is a symlink; refusing to replace it "
-                                       "(remove it, give the real path, or dsv41 --follow-symlinks)")
+            raise (error or FileError)(
+                f"cannot write {_label(path, what)}: it is a symlink; refusing to replace it "
+                "(remove it, give the real path, or dsv41 --follow-symlinks)"
+            )
         return check_output(p.resolve(), what, follow_symlinks=False, error=error)
     if st is not None and not stat.S_ISREG(st.st_mode):
-        raise (error or FileError)(f"cannot write {_label(path, what)}: it is {kind(st.st_mode)}; refusing to write "
-                                   "over it (only a regular file or an absent path is replaced)")
+        raise (error or FileError)(
+            f"cannot write {_label(path, what)}: it is {kind(st.st_mode)}; refusing to write "
+            "over it (only a regular file or an absent path is replaced)"
+        )
     parent = p.parent
     if not parent.is_dir():
         raise (error or FileError)(f"cannot write {_label(path, what)}: its directory {parent} does not exist")
@@ -277,8 +301,9 @@ def _fsync_dir(d: Path) -> None:
             os.close(fd)
 
 
-def _temp_beside(path: PathLike, what: str | None, follow_symlinks: bool | None,
-                 error: ErrorType) -> tuple[Staged, int]:
+def _temp_beside(
+    path: PathLike, what: str | None, follow_symlinks: bool | None, error: ErrorType
+) -> tuple[Staged, int]:
     """A new temporary file beside ``path`` (checked by :func:`check_output`): its :class:`Staged`
     and open fd. Raises :class:`FileError` (or ``error``) when it cannot be created."""
     label = _label(path, what)
@@ -305,8 +330,15 @@ def _filled(staged: Staged, mode: int | None) -> Iterator[None]:
         raise
 
 
-def stage(path: PathLike, fill: Callable[[BinaryIO], None] | bytes | str, what: str | None = None, *,
-          follow_symlinks: bool | None = None, error: ErrorType = None, mode: int | None = None) -> Staged:
+def stage(
+    path: PathLike,
+    fill: Callable[[BinaryIO], None] | bytes | str,
+    what: str | None = None,
+    *,
+    follow_symlinks: bool | None = None,
+    error: ErrorType = None,
+    mode: int | None = None,
+) -> Staged:
     """Write ``fill`` (bytes, str as UTF-8, or a callable given the binary file) to a temporary file
     beside ``path`` and fsync it; returns the :class:`Staged` file (not in place yet).
 
@@ -329,8 +361,15 @@ def stage(path: PathLike, fill: Callable[[BinaryIO], None] | bytes | str, what: 
     return staged
 
 
-def atomic_write(path: PathLike, fill: Callable[[BinaryIO], None] | bytes | str, what: str | None = None, *,
-                 follow_symlinks: bool | None = None, error: ErrorType = None, mode: int | None = None) -> Path:
+def atomic_write(
+    path: PathLike,
+    fill: Callable[[BinaryIO], None] | bytes | str,
+    what: str | None = None,
+    *,
+    follow_symlinks: bool | None = None,
+    error: ErrorType = None,
+    mode: int | None = None,
+) -> Path:
     """Replace ``path`` atomically with ``fill`` (see :func:`stage`); returns the path written.
 
     Only a regular file or an absent path is replaced; on any failure the old file is untouched and
@@ -339,15 +378,29 @@ def atomic_write(path: PathLike, fill: Callable[[BinaryIO], None] | bytes | str,
     return stage(path, fill, what, follow_symlinks=follow_symlinks, error=error, mode=mode).commit()
 
 
-def atomic_write_json(path: PathLike, doc: Any, what: str | None = None, *, indent: int | None = 1,
-                      sort_keys: bool = False, follow_symlinks: bool | None = None, default: Any = None,
-                      error: ErrorType = None, mode: int | None = None, nonfinite: str = "refuse") -> Path:
+def atomic_write_json(
+    path: PathLike,
+    doc: Any,
+    what: str | None = None,
+    *,
+    indent: int | None = 1,
+    sort_keys: bool = False,
+    follow_symlinks: bool | None = None,
+    default: Any = None,
+    error: ErrorType = None,
+    mode: int | None = None,
+    nonfinite: str = "refuse",
+) -> Path:
     """:func:`atomic_write` of :func:`dumps_json` of ``doc`` plus a newline (serialised before
     anything is opened; ``nonfinite`` as there, so a refused value leaves the old file as it was).
     A refused value raises the caller's ``error`` class when given, else :class:`EncodeError`."""
     try:
-        text = dumps_json(doc, indent=indent, sort_keys=sort_keys, default=default, nonfinite=nonfinite,
-                          what=_label(path, what)) + "\n"
+        text = (
+            dumps_json(
+                doc, indent=indent, sort_keys=sort_keys, default=default, nonfinite=nonfinite, what=_label(path, what)
+            )
+            + "\n"
+        )
     except EncodeError as exc:
         if error is None:
             raise
@@ -356,8 +409,14 @@ def atomic_write_json(path: PathLike, doc: Any, what: str | None = None, *, inde
 
 
 @contextlib.contextmanager
-def atomic_path(path: PathLike, what: str | None = None, *, follow_symlinks: bool | None = None,
-                error: ErrorType = None, mode: int | None = None) -> Iterator[Path]:
+def atomic_path(
+    path: PathLike,
+    what: str | None = None,
+    *,
+    follow_symlinks: bool | None = None,
+    error: ErrorType = None,
+    mode: int | None = None,
+) -> Iterator[Path]:
     """For writers that need a file name (``safetensors.save_file``, tar): yields a temporary path
     beside ``path``; on a normal exit it is fsynced and renamed over ``path``, on an exception (or a
     write error) removed. Raises :class:`FileError`."""
@@ -373,8 +432,9 @@ def atomic_path(path: PathLike, what: str | None = None, *, follow_symlinks: boo
     staged.commit()
 
 
-def append(path: PathLike, data: bytes | str, what: str | None = None, *, fsync: bool = True,
-           error: ErrorType = None) -> None:
+def append(
+    path: PathLike, data: bytes | str, what: str | None = None, *, fsync: bool = True, error: ErrorType = None
+) -> None:
     """Append ``data`` to a log-like file (a journal, ``cells.jsonl``), creating it (mode
     ``0o644 & ~umask``) when absent; all of it or nothing.
 
@@ -414,8 +474,9 @@ class Appender:
     """A file-like ``write``/``flush`` over :func:`append`: each ``write`` is one whole record
     (all or nothing); for a loop that appends records as they come (``cells.jsonl``)."""
 
-    def __init__(self, path: PathLike, what: str | None = None, *, fsync: bool = False,
-                 error: ErrorType = None) -> None:
+    def __init__(
+        self, path: PathLike, what: str | None = None, *, fsync: bool = False, error: ErrorType = None
+    ) -> None:
         check_output(path, what, follow_symlinks=False, error=error)
         self.path, self.what, self.fsync, self.error = path, what, fsync, error
 

@@ -26,8 +26,12 @@ class StateLockError(Dsv41Error):
     """The state file's lock cannot be opened or was not granted in time."""
 
 
-def acquire(target: str | os.PathLike, what: str = "state file", timeout_s: float = DEFAULT_TIMEOUT_S,
-            error: type[Dsv41Error] = StateLockError) -> int:
+def acquire(
+    target: str | os.PathLike,
+    what: str = "state file",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    error: type[Dsv41Error] = StateLockError,
+) -> int:
     """Lock ``<target>.lock`` (created mode 0600 beside ``target``); returns its descriptor (close
     it to release). Raises ``error`` (one line naming ``what``) when it cannot be opened or is
     not granted within ``timeout_s`` seconds."""
@@ -52,8 +56,12 @@ def acquire(target: str | os.PathLike, what: str = "state file", timeout_s: floa
 
 
 @contextlib.contextmanager
-def locked(target: str | os.PathLike, what: str = "state file", timeout_s: float = DEFAULT_TIMEOUT_S,
-           error: type[Dsv41Error] = StateLockError) -> Iterator[None]:
+def locked(
+    target: str | os.PathLike,
+    what: str = "state file",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    error: type[Dsv41Error] = StateLockError,
+) -> Iterator[None]:
     """Hold the lock of ``target`` (:func:`acquire`) for the block."""
     fd = acquire(target, what, timeout_s, error)
     try:

@@ -45,7 +45,12 @@ RETRY_AFTER_S = 1
 #: Query strings do not matter (they are not part of the path).
 ALWAYS_ANSWERED = frozenset({"/health", "/ready", "/metrics", "/is_paused", "/v1/models", "/ping", "/version"})
 
-_ERROR_TYPES = {404: "NotFoundError", 405: "MethodNotAllowedError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
+_ERROR_TYPES = {
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    429: "RateLimitError",
+    503: "ServiceUnavailableError",
+}
 
 
 def http_error_body(status: int, message: str) -> bytes:
@@ -63,8 +68,10 @@ def raw_503(message: str) -> bytes:
     """A whole HTTP/1.1 503 response (OpenAI error JSON, ``Retry-After``, ``Connection: close``):
     what a connection refused before any request was read is sent."""
     body = overload_body(503, message)
-    head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nretry-after: {RETRY_AFTER_S}\r\nconnection: close\r\n\r\n")
+    head = (
+        f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nretry-after: {RETRY_AFTER_S}\r\nconnection: close\r\n\r\n"
+    )
     return head.encode() + body
 
 
@@ -188,9 +195,13 @@ class ShedRequests:
             return await self.app(scope, receive, send)
         client = (scope.get("client") or ("?", 0))[0]
         if self._by_client[client] >= self.per_client:
-            return await self._shed(send, 429, f"too many requests in flight from this client ({self.per_client}); retry later")
+            return await self._shed(
+                send, 429, f"too many requests in flight from this client ({self.per_client}); retry later"
+            )
         if self.in_flight >= self.max_requests:
-            return await self._shed(send, 503, f"the server is at its limit of {self.max_requests} requests; retry later")
+            return await self._shed(
+                send, 503, f"the server is at its limit of {self.max_requests} requests; retry later"
+            )
         self.in_flight += 1
         self._by_client[client] += 1
         try:
@@ -204,9 +215,17 @@ class ShedRequests:
     async def _shed(self, send, status: int, message: str) -> None:
         self.shed_total += 1
         body = overload_body(status, message)
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"retry-after", str(RETRY_AFTER_S).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"retry-after", str(RETRY_AFTER_S).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -231,8 +250,11 @@ def uvicorn_protocol(header_timeout_s: float, max_connections: int = 0, per_clie
         """uvicorn's H11Protocol plus the head deadline (module docstring, uvicorn#1192)."""
 
         head_timeout_s = header_timeout_s
-        book = (ConnectionBook(max_connections, per_client, min(MIN_IDLE_AGE_S, header_timeout_s / 4))
-                if max_connections > 0 else None)
+        book = (
+            ConnectionBook(max_connections, per_client, min(MIN_IDLE_AGE_S, header_timeout_s / 4))
+            if max_connections > 0
+            else None
+        )
         _head_timer = None
 
         def is_idle(self) -> bool:
@@ -245,7 +267,6 @@ def uvicorn_protocol(header_timeout_s: float, max_connections: int = 0, per_clie
             """Close the connection (idle: the ConnectionBook makes room)."""
             if not self.transport.is_closing():
                 self.transport.close()
-
 
         def _arm_head(self) -> None:
             self._cancel_head()
@@ -267,8 +288,12 @@ def uvicorn_protocol(header_timeout_s: float, max_connections: int = 0, per_clie
                 peer = transport.get_extra_info("peername")
                 client = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
                 if not self.book.admit(client, self):
-                    transport.write(raw_503(f"the server has {self.book.max_connections} connections open "
-                                            f"(at most {self.book.per_client} per client), all busy; retry later"))
+                    transport.write(
+                        raw_503(
+                            f"the server has {self.book.max_connections} connections open "
+                            f"(at most {self.book.per_client} per client), all busy; retry later"
+                        )
+                    )
                     transport.close()
                     return
             self._arm_head()
@@ -322,10 +347,13 @@ def uvicorn_limits(settings) -> dict:
     ``DSV41_HTTP_MAX_CONNECTIONS`` and ``DSV41_HTTP_MAX_CONNECTIONS_PER_CLIENT``),
     ``timeout_keep_alive``, ``h11_max_incomplete_event_size``. uvicorn's own ``limit_concurrency``
     is not used: it answers 503 to ``/health`` too once idle connections fill it."""
-    return {"http": uvicorn_protocol(settings.http_header_timeout_s, settings.http_max_connections,
-                                     settings.http_max_connections_per_client),
-            "timeout_keep_alive": settings.http_keepalive_timeout_s,
-            "h11_max_incomplete_event_size": H11_MAX_INCOMPLETE_EVENT_SIZE}
+    return {
+        "http": uvicorn_protocol(
+            settings.http_header_timeout_s, settings.http_max_connections, settings.http_max_connections_per_client
+        ),
+        "timeout_keep_alive": settings.http_keepalive_timeout_s,
+        "h11_max_incomplete_event_size": H11_MAX_INCOMPLETE_EVENT_SIZE,
+    }
 
 
 def request_limit(settings) -> tuple[int, int]:
@@ -373,8 +401,9 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128  # listen backlog (socketserver's 5 made connects wait out SYN retries)
 
-    def __init__(self, address: tuple[str, int], handler, header_timeout_s: float, max_connections: int,
-                 per_client: int = 0) -> None:
+    def __init__(
+        self, address: tuple[str, int], handler, header_timeout_s: float, max_connections: int, per_client: int = 0
+    ) -> None:
         if not header_timeout_s > 0 or max_connections < 1:
             raise ValueError("header_timeout_s must be > 0 and max_connections >= 1")
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
@@ -398,8 +427,9 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         if not self.book.admit(str(client_address[0]), conn):
             try:
                 request.settimeout(1.0)
-                request.sendall(raw_503(f"this server has {self.max_connections} connections open, all busy; "
-                                        "retry later"))
+                request.sendall(
+                    raw_503(f"this server has {self.max_connections} connections open, all busy; retry later")
+                )
             except OSError:
                 pass
             self.shutdown_request(request)
@@ -498,7 +528,9 @@ def bounded_handler(base):
             """http.server's errors (400 malformed, 404, 501 unsupported method) in OpenAI's JSON
             error shape instead of an HTML page; the connection is closed after it."""
             short = message or self.responses.get(code, ("error",))[0]
-            body = http_error_body(code, f"{getattr(self, 'command', None) or '?'} {getattr(self, 'path', '')}: {short}")
+            body = http_error_body(
+                code, f"{getattr(self, 'command', None) or '?'} {getattr(self, 'path', '')}: {short}"
+            )
             self.log_error("code %d, message %s", code, short)
             self.send_response(code, short)
             self.send_header("Content-Type", "application/json")
@@ -515,9 +547,11 @@ def bounded_handler(base):
                 pass
 
     if hasattr(base, "do_GET") and not hasattr(base, "do_HEAD"):
+
         def do_HEAD(self):  # noqa: N802 - http.server API
             self._head_only = True
             self.do_GET()
+
         Bounded.do_HEAD = do_HEAD
 
     Bounded.__name__ = Bounded.__qualname__ = f"Bounded{base.__name__}"
@@ -535,7 +569,11 @@ def serve_metrics(host: str, port: int, registry, settings=None) -> BoundedHTTPS
     from dsv41 import envs
 
     s = settings if settings is not None else envs.parse()
-    srv = BoundedHTTPServer((host, port), bounded_handler(MetricsHandler.factory(registry)), s.http_header_timeout_s,
-                            s.metrics_max_connections)
+    srv = BoundedHTTPServer(
+        (host, port),
+        bounded_handler(MetricsHandler.factory(registry)),
+        s.http_header_timeout_s,
+        s.metrics_max_connections,
+    )
     threading.Thread(target=srv.serve_forever, name="metrics-http", daemon=True).start()
     return srv

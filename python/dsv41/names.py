@@ -25,8 +25,10 @@ def check_name(value: object, what: str = "name", error: type[Dsv41Error] = Name
     line naming ``what`` and the value."""
     if isinstance(value, str) and NAME_RE.fullmatch(value) and ".." not in value:
         return value
-    raise error(f"{what} must be a plain name (1-128 characters of A-Z a-z 0-9 . _ -, starting with a letter or "
-                f"digit; no glob, no '/', no '..'), got {value!r}")
+    raise error(
+        f"{what} must be a plain name (1-128 characters of A-Z a-z 0-9 . _ -, starting with a letter or "
+        f"digit; no glob, no '/', no '..'), got {value!r}"
+    )
 
 
 def option(what: str, *, many: bool = False, empty_ok: bool = False):
@@ -39,10 +41,11 @@ def option(what: str, *, many: bool = False, empty_ok: bool = False):
 
         if value is None or (empty_ok and value == ""):
             return value
-        for part in (value.split(",") if many else [value]):
+        for part in value.split(",") if many else [value]:
             try:
                 check_name(part.strip() if many else part, what)
             except NameError_ as exc:
                 raise typer.BadParameter(str(exc)) from None
         return value
+
     return check

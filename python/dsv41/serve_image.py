@@ -96,8 +96,10 @@ def check(pin_text: str, images: list[dict], host: str, repository: str = "") ->
     pin = parse_pin(pin_text)
     image = find(pin, images)
     if image is None:
-        raise VerificationError(f"{host}: the serving image {pin.value} is not in dockerd; found: "
-                                f"{describe_found(pin, images, repository)}; nothing was stopped")
+        raise VerificationError(
+            f"{host}: the serving image {pin.value} is not in dockerd; found: "
+            f"{describe_found(pin, images, repository)}; nothing was stopped"
+        )
     return {"host": host, "image": pin.value, "id": image.get("Id"), "ok": True}
 
 
@@ -105,6 +107,7 @@ def list_images(docker: str) -> list[dict]:
     """Every image in the daemon ``docker`` (the CLI path) talks to, as inspect objects. Raises
     :class:`Dsv41Error` (one line) when the CLI is missing, the daemon does not answer within
     ``TIMEOUT_S`` or its output is not the JSON list docker documents."""
+
     def run(argv: list[str]) -> str:
         try:
             r = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)

@@ -121,7 +121,7 @@ class ServiceControl:
     def describe(self, argv: Sequence[str]) -> str:
         """``argv`` as a record says it: the tool's name instead of its path
         (``systemctl stop dsv41-drafter.service``)."""
-        rest = list(argv)[len(self.prefix):] if list(argv)[:len(self.prefix)] == list(self.prefix) else list(argv)
+        rest = list(argv)[len(self.prefix) :] if list(argv)[: len(self.prefix)] == list(self.prefix) else list(argv)
         return " ".join([self.tool, *rest])
 
     # ---- parsers -------------------------------------------------------------------------------

@@ -15,5 +15,9 @@ def version_info() -> dict:
     from dsv41 import __version__
     from dsv41.transport import native
 
-    return {"dsv41": __version__, "python": platform.python_version(), "native": native._fastrow is not None,
-            "transport": native.implementation()}
+    return {
+        "dsv41": __version__,
+        "python": platform.python_version(),
+        "native": native._fastrow is not None,
+        "transport": native.implementation(),
+    }

@@ -122,8 +122,9 @@ def source_files(project_dir: Path) -> list[Path]:
     """The project files that go into the source tarball, sorted, relative to ``project_dir``."""
     files = [Path(f) for f in SOURCE_FILES]
     for d in SOURCE_DIRS:
-        files += sorted(p.relative_to(project_dir) for p in (project_dir / d).rglob("*")
-                        if p.is_file() and not _SKIP.search(str(p)))
+        files += sorted(
+            p.relative_to(project_dir) for p in (project_dir / d).rglob("*") if p.is_file() and not _SKIP.search(str(p))
+        )
     return files
 
 
@@ -143,8 +144,15 @@ def source_tarball(project_dir: Path, version: str) -> bytes:
 def cache_key(constraints: str, version: str, source: bytes, target: Target, requirements: list[str]) -> str:
     """16 hex chars of sha256 over every input that changes the wheelhouse's content."""
     h = hashlib.sha256()
-    for part in (constraints, version, hashlib.sha256(source).hexdigest(), fileio.dumps_json(target.platforms),
-                 target.python_version, target.implementation, fileio.dumps_json(sorted(requirements))):
+    for part in (
+        constraints,
+        version,
+        hashlib.sha256(source).hexdigest(),
+        fileio.dumps_json(target.platforms),
+        target.python_version,
+        target.implementation,
+        fileio.dumps_json(sorted(requirements)),
+    ):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
 
@@ -161,17 +169,39 @@ def _wheel_project(filename: str) -> str:
     return canonical(filename.split("-", 1)[0])
 
 
-def _pip_download(pip: list[str], dest: Path, constraints: Path, target: Target, reqs: list[str],
-                  index_args: list[str], no_deps: bool) -> None:
-    argv = [*pip, "download", "--disable-pip-version-check", "--progress-bar", "off", "--only-binary=:all:",
-            "--dest", str(dest), "-c", str(constraints), "--python-version", target.python_version,
-            "--implementation", target.implementation, "--abi", target.abi, "--abi", "abi3", "--abi", "none"]
+def _pip_download(
+    pip: list[str], dest: Path, constraints: Path, target: Target, reqs: list[str], index_args: list[str], no_deps: bool
+) -> None:
+    argv = [
+        *pip,
+        "download",
+        "--disable-pip-version-check",
+        "--progress-bar",
+        "off",
+        "--only-binary=:all:",
+        "--dest",
+        str(dest),
+        "-c",
+        str(constraints),
+        "--python-version",
+        target.python_version,
+        "--implementation",
+        target.implementation,
+        "--abi",
+        target.abi,
+        "--abi",
+        "abi3",
+        "--abi",
+        "none",
+    ]
     for p in target.platforms:
         argv += ["--platform", p]
     argv += [*index_args, *(["--no-deps"] if no_deps else []), *reqs]
     proc = subprocess.run(argv, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise Dsv41Error(f"wheelhouse: pip download failed: {pip_failure(proc.stdout + proc.stderr) or 'rc ' + str(proc.returncode)}")
+        raise Dsv41Error(
+            f"wheelhouse: pip download failed: {pip_failure(proc.stdout + proc.stderr) or 'rc ' + str(proc.returncode)}"
+        )
 
 
 def pip_failure(stderr: str) -> str:
@@ -181,18 +211,30 @@ def pip_failure(stderr: str) -> str:
     for ln in lines:
         if ln.startswith("ERROR: No matching distribution found for"):
             return ln.removeprefix("ERROR: ")
-    pins = [ln.removeprefix("The user requested (constraint) ") for ln in lines
-            if ln.startswith("The user requested (constraint)")]
+    pins = [
+        ln.removeprefix("The user requested (constraint) ")
+        for ln in lines
+        if ln.startswith("The user requested (constraint)")
+    ]
     if pins:
         return "no wheel satisfies the pinned " + ", ".join(pins) + " (conflicting dependencies)"
     errs = [ln for ln in lines if ln.startswith("ERROR")] or lines[-1:]
     return errs[-1].removeprefix("ERROR: ") if errs else ""
 
 
-def build(project_dir: Path, cache_dir: Path, target: Target, extras: list[str], *,
-          drop_pins: tuple[str, ...] = (), add: list[str] | None = None, no_deps: list[str] | None = None,
-          index_args: list[str] | None = None, pip: list[str] | None = None,
-          log=print) -> tuple[Path, bool]:
+def build(
+    project_dir: Path,
+    cache_dir: Path,
+    target: Target,
+    extras: list[str],
+    *,
+    drop_pins: tuple[str, ...] = (),
+    add: list[str] | None = None,
+    no_deps: list[str] | None = None,
+    index_args: list[str] | None = None,
+    pip: list[str] | None = None,
+    log=print,
+) -> tuple[Path, bool]:
     """Build (or reuse) the wheelhouse for ``target`` under ``cache_dir/<key>``.
 
     ``extras``: host extras (:func:`host_requirements`); ``drop_pins``: canonical names whose pin is
@@ -205,8 +247,11 @@ def build(project_dir: Path, cache_dir: Path, target: Target, extras: list[str],
     pyproject = tomllib.loads(fileio.read_text(project_dir / "pyproject.toml", "pyproject.toml"))
     version = pyproject["project"]["version"]
     constraints = fileio.read_text(project_dir / "constraints.txt", "constraints.txt")
-    reqs = [r for r in host_requirements(pyproject, extras) + build_requirements(pyproject)
-            if canonical(_NAME.match(r).group(1)) not in drop_pins] + list(add or [])
+    reqs = [
+        r
+        for r in host_requirements(pyproject, extras) + build_requirements(pyproject)
+        if canonical(_NAME.match(r).group(1)) not in drop_pins
+    ] + list(add or [])
     source = source_tarball(project_dir, version)
     key = cache_key(constraints, version, source, target, reqs + sorted(no_deps or []) + sorted(drop_pins))
     final = cache_dir / key
@@ -219,19 +264,27 @@ def build(project_dir: Path, cache_dir: Path, target: Target, extras: list[str],
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
     fileio.atomic_write(stage / "constraints-host.txt", host_constraints(constraints, drop_pins), "host constraints")
-    log(f"wheelhouse: downloading {len(reqs)} requirements and their pinned dependencies for "
-        f"{target.abi} {target.platforms[0]} ...")
+    log(
+        f"wheelhouse: downloading {len(reqs)} requirements and their pinned dependencies for "
+        f"{target.abi} {target.platforms[0]} ..."
+    )
     _pip_download(pip, stage, stage / "constraints-host.txt", target, reqs, index_args or [], False)
     if no_deps:
         log(f"wheelhouse: downloading {', '.join(no_deps)} (no dependencies) ...")
         _pip_download(pip, stage, stage / "constraints-host.txt", target, no_deps, index_args or [], True)
     fileio.atomic_write(stage / f"dsv41-{version}.tar.gz", source, "source tarball")
-    files = {p.name: {"sha256": _sha256(p), "size": p.stat().st_size}
-             for p in sorted(stage.iterdir()) if p.is_file()}
-    manifest = {"key": key, "version": version, "python": target.python_version, "abi": target.abi,
-                "platforms": list(target.platforms), "requirements": reqs + list(no_deps or []),
-                "source": f"dsv41-{version}.tar.gz", "files": files,
-                "projects": sorted({_wheel_project(n) for n in files if n.endswith(".whl")})}
+    files = {p.name: {"sha256": _sha256(p), "size": p.stat().st_size} for p in sorted(stage.iterdir()) if p.is_file()}
+    manifest = {
+        "key": key,
+        "version": version,
+        "python": target.python_version,
+        "abi": target.abi,
+        "platforms": list(target.platforms),
+        "requirements": reqs + list(no_deps or []),
+        "source": f"dsv41-{version}.tar.gz",
+        "files": files,
+        "projects": sorted({_wheel_project(n) for n in files if n.endswith(".whl")}),
+    }
     fileio.atomic_write_json(stage / "manifest.json", manifest, "wheelhouse manifest")
     shutil.rmtree(final, ignore_errors=True)
     stage.rename(final)
@@ -260,8 +313,15 @@ def read_pins(text: str, what: str) -> list[str]:
     return pins
 
 
-def pinned(requirements: Path, cache_dir: Path, target: Target, *, index_args: list[str] | None = None,
-           pip: list[str] | None = None, log=print) -> tuple[Path, bool]:
+def pinned(
+    requirements: Path,
+    cache_dir: Path,
+    target: Target,
+    *,
+    index_args: list[str] | None = None,
+    pip: list[str] | None = None,
+    log=print,
+) -> tuple[Path, bool]:
     """Download (or reuse) the wheels of a fully pinned list, each with ``--no-deps`` (the list is
     the whole closure), for ``target`` under ``cache_dir/pinned-<key>``; the key covers the list's
     pins and the target. The directory holds the wheels, ``requirements.txt`` (the pins) and
@@ -281,13 +341,22 @@ def pinned(requirements: Path, cache_dir: Path, target: Target, *, index_args: l
     stage.mkdir(parents=True)
     fileio.atomic_write(stage / "requirements.txt", "\n".join(pins) + "\n", "pinned requirements")
     fileio.atomic_write(stage / "constraints-host.txt", "\n".join(pins) + "\n", "host constraints")
-    log(f"wheelhouse: downloading {len(pins)} pinned wheels (no dependencies) for {target.abi} {target.platforms[0]} ...")
+    log(
+        f"wheelhouse: downloading {len(pins)} pinned wheels (no dependencies) for {target.abi} {target.platforms[0]} ..."
+    )
     _pip_download(pip, stage, stage / "constraints-host.txt", target, pins, index_args or [], True)
-    files = {p.name: {"sha256": _sha256(p), "size": p.stat().st_size}
-             for p in sorted(stage.iterdir()) if p.is_file()}
-    manifest = {"key": key, "version": "", "python": target.python_version, "abi": target.abi,
-                "platforms": list(target.platforms), "requirements": pins, "source": "", "files": files,
-                "projects": sorted({_wheel_project(n) for n in files if n.endswith(".whl")})}
+    files = {p.name: {"sha256": _sha256(p), "size": p.stat().st_size} for p in sorted(stage.iterdir()) if p.is_file()}
+    manifest = {
+        "key": key,
+        "version": "",
+        "python": target.python_version,
+        "abi": target.abi,
+        "platforms": list(target.platforms),
+        "requirements": pins,
+        "source": "",
+        "files": files,
+        "projects": sorted({_wheel_project(n) for n in files if n.endswith(".whl")}),
+    }
     fileio.atomic_write_json(stage / "manifest.json", manifest, "wheelhouse manifest")
     shutil.rmtree(final, ignore_errors=True)
     stage.rename(final)
@@ -351,13 +420,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "pinned":
             path, reused = pinned(args.requirements, args.cache_dir, target, log=log)
         else:
-            path, reused = build(args.project_dir, args.cache_dir, target, args.extra,
-                                 drop_pins=tuple(canonical(n) for n in args.drop_pin), add=args.add,
-                                 no_deps=args.no_deps, log=log)
+            path, reused = build(
+                args.project_dir,
+                args.cache_dir,
+                target,
+                args.extra,
+                drop_pins=tuple(canonical(n) for n in args.drop_pin),
+                add=args.add,
+                no_deps=args.no_deps,
+                log=log,
+            )
         m = fileio.read_json(path / "manifest.json", "wheelhouse manifest")
         digest = hashlib.sha256(fileio.dumps_json(m["files"], sort_keys=True).encode()).hexdigest()
-        print(fileio.dumps_json({"path": str(path), "reused": reused, "key": m["key"], "source": m["source"],
-                                 "digest": digest}))
+        print(
+            fileio.dumps_json(
+                {"path": str(path), "reused": reused, "key": m["key"], "source": m["source"], "digest": digest}
+            )
+        )
         return 0
     except Dsv41Error as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -55,8 +55,20 @@ def _other_char(rng: random.Random, c: str) -> str:
 
 def _path(rng: random.Random, path: str) -> tuple[str, str]:
     """A variant of ``path`` as sent on the request line: (label, raw path)."""
-    kind = rng.choices(["as-is", "trailing-slash", "doubled-slash", "percent", "encoded-slash", "upper", "one-upper",
-                        "dot-segment", "suffix"], weights=[40, 8, 8, 10, 4, 6, 6, 4, 4])[0]
+    kind = rng.choices(
+        [
+            "as-is",
+            "trailing-slash",
+            "doubled-slash",
+            "percent",
+            "encoded-slash",
+            "upper",
+            "one-upper",
+            "dot-segment",
+            "suffix",
+        ],
+        weights=[40, 8, 8, 10, 4, 6, 6, 4, 4],
+    )[0]
     if kind == "trailing-slash":
         return kind, path + "/"
     if kind == "doubled-slash":
@@ -74,7 +86,7 @@ def _path(rng: random.Random, path: str) -> tuple[str, str]:
         return kind, path.upper()
     if kind == "one-upper":
         i = rng.randrange(1, len(path))
-        return kind, path[:i] + path[i].upper() + path[i + 1:]
+        return kind, path[:i] + path[i].upper() + path[i + 1 :]
     if kind == "dot-segment":  # a path the OpenAI prefix claims, naming a control route after ".."
         return kind, rng.choice(["/v1/%2e%2e", "/v1/%2E%2E/.", "/v1/.%2e"]) + path
     if kind == "suffix":
@@ -87,15 +99,25 @@ def _query(rng: random.Random) -> list[tuple[str, str]]:
     one with a window token too, so the HOLD paths run), else the pause's own and junk at random."""
     token = "w" + str(rng.randrange(10**6))
     if rng.random() < 0.5:
-        return rng.choice([[], [("mode", "abort")], [("mode", "keep")], [("mode", "wait"), ("timeout_s", "5")],
-                           [("mode", "wait"), ("window", token)], [("window", token), ("mode", "wait")]])
+        return rng.choice(
+            [
+                [],
+                [("mode", "abort")],
+                [("mode", "keep")],
+                [("mode", "wait"), ("timeout_s", "5")],
+                [("mode", "wait"), ("window", token)],
+                [("window", token), ("mode", "wait")],
+            ]
+        )
     q: list[tuple[str, str]] = []
     for _ in range(rng.choice([0, 1, 2, 3])):
         k = rng.choice(["mode", "mode", "timeout_s", "window", "x"])
-        v = {"mode": rng.choice(["abort", "wait", "keep", "WAIT", "", "bogus"]),
-             "timeout_s": rng.choice(["0.5", "5", "abc", "-1", "nan", "inf"]),
-             "window": rng.choice([token, "bad token!", ""]),
-             "x": rng.choice(["1", "%", "a b"])}[k]
+        v = {
+            "mode": rng.choice(["abort", "wait", "keep", "WAIT", "", "bogus"]),
+            "timeout_s": rng.choice(["0.5", "5", "abc", "-1", "nan", "inf"]),
+            "window": rng.choice([token, "bad token!", ""]),
+            "x": rng.choice(["1", "%", "a b"]),
+        }[k]
         q.append((k, v))
     return q
 
@@ -103,9 +125,32 @@ def _query(rng: random.Random) -> list[tuple[str, str]]:
 def _credential(rng: random.Random, cred: str) -> tuple[str, list, list, bool]:
     """(label, headers, query parameters, exactly-the-credential) of one credential variant."""
     h = authz.OPERATOR_HEADER
-    kinds = ["exact", "exact", "exact", "exact", "exact", "exact", "name-case", "padded", "exact+query", "absent",
-             "empty", "wrong", "prefix", "suffix", "one-changed", "twice", "comma-twice", "two-headers",
-             "exact+wrong", "wrong+exact", "query", "cookie", "bearer", "other-name"]
+    kinds = [
+        "exact",
+        "exact",
+        "exact",
+        "exact",
+        "exact",
+        "exact",
+        "name-case",
+        "padded",
+        "exact+query",
+        "absent",
+        "empty",
+        "wrong",
+        "prefix",
+        "suffix",
+        "one-changed",
+        "twice",
+        "comma-twice",
+        "two-headers",
+        "exact+wrong",
+        "wrong+exact",
+        "query",
+        "cookie",
+        "bearer",
+        "other-name",
+    ]
     kind = rng.choice(kinds)
     i = rng.randrange(1, len(cred))
     wrong = "".join(_other_char(rng, c) for c in cred)
@@ -120,7 +165,7 @@ def _credential(rng: random.Random, cred: str) -> tuple[str, list, list, bool]:
         "wrong": ([(h, wrong)], [], False),
         "prefix": ([(h, cred[:i])], [], False),
         "suffix": ([(h, cred[i:])], [], False),
-        "one-changed": ([(h, cred[:i] + _other_char(rng, cred[i]) + cred[i + 1:])], [], False),
+        "one-changed": ([(h, cred[:i] + _other_char(rng, cred[i]) + cred[i + 1 :])], [], False),
         "twice": ([(h, cred + cred)], [], False),
         "comma-twice": ([(h, f"{cred}, {cred}")], [], False),
         "two-headers": ([(h, cred), (h.upper(), cred)], [], False),
@@ -129,8 +174,11 @@ def _credential(rng: random.Random, cred: str) -> tuple[str, list, list, bool]:
         "query": ([], [(rng.choice([h, "operator", "token", "credential"]), cred)], False),
         "cookie": ([("cookie", f"{rng.choice([h, 'operator', 'session'])}={cred}")], [], False),
         "bearer": ([("authorization", "Bearer " + cred)], [], False),
-        "other-name": ([(rng.choice(["x-dsv41-operators", "x_dsv41_operator", "x-dsv41-window", "x-operator"]),
-                         cred)], [], False),
+        "other-name": (
+            [(rng.choice(["x-dsv41-operators", "x_dsv41_operator", "x-dsv41-window", "x-operator"]), cred)],
+            [],
+            False,
+        ),
     }
     headers, query, ok = variants[kind]
     return kind, headers, query, ok
@@ -138,11 +186,31 @@ def _credential(rng: random.Random, cred: str) -> tuple[str, list, list, bool]:
 
 def _host(rng: random.Random) -> tuple[str, str | None, bool]:
     """(label, Host header value or None for the client's own, allowed)."""
-    good = [None, None, None, None, HOST.upper(), f"{HOST}:8000", rng.choice(TEST_HOSTS), "127.0.0.1",
-            "127.0.0.1:8000", "[::1]:8000", "localhost", "LOCALHOST:80"]
-    bad = ["attacker.example", f"{HOST}.attacker.example", "attacker.example:8000", "",
-           "127.0.0.1.attacker.example", "localhost.attacker.example", f"{HOST}@attacker.example", "0x7f.1",
-           f"{HOST}:80:80"]
+    good = [
+        None,
+        None,
+        None,
+        None,
+        HOST.upper(),
+        f"{HOST}:8000",
+        rng.choice(TEST_HOSTS),
+        "127.0.0.1",
+        "127.0.0.1:8000",
+        "[::1]:8000",
+        "localhost",
+        "LOCALHOST:80",
+    ]
+    bad = [
+        "attacker.example",
+        f"{HOST}.attacker.example",
+        "attacker.example:8000",
+        "",
+        "127.0.0.1.attacker.example",
+        "localhost.attacker.example",
+        f"{HOST}@attacker.example",
+        "0x7f.1",
+        f"{HOST}:80:80",
+    ]
     if rng.random() < 0.75:
         v = rng.choice(good)
         return ("default" if v is None else "allowed"), v, True
@@ -151,10 +219,16 @@ def _host(rng: random.Random) -> tuple[str, str | None, bool]:
 
 def _origin(rng: random.Random, host: str) -> tuple[str, list, bool]:
     """(label, Origin headers, no cross-origin marker) relative to the Host sent."""
-    kind = rng.choices(["absent", "same", "same-https", "foreign", "null", "host-suffix", "two"],
-                       weights=[60, 12, 6, 8, 5, 5, 4])[0]
-    value = {"same": f"http://{host}", "same-https": f"https://{host}", "foreign": "http://attacker.example",
-             "null": "null", "host-suffix": f"http://{host}.attacker.example"}.get(kind)
+    kind = rng.choices(
+        ["absent", "same", "same-https", "foreign", "null", "host-suffix", "two"], weights=[60, 12, 6, 8, 5, 5, 4]
+    )[0]
+    value = {
+        "same": f"http://{host}",
+        "same-https": f"https://{host}",
+        "foreign": "http://attacker.example",
+        "null": "null",
+        "host-suffix": f"http://{host}.attacker.example",
+    }.get(kind)
     if kind == "absent":
         return kind, [], True
     if kind == "two":
@@ -164,8 +238,10 @@ def _origin(rng: random.Random, host: str) -> tuple[str, list, bool]:
 
 def _fetch_site(rng: random.Random) -> tuple[str, list, bool]:
     """(label, Sec-Fetch-Site headers, same-origin or none)."""
-    v = rng.choices([None, "same-origin", "none", "Same-Origin", "cross-site", "same-site", "",
-                     "same-origin, cross-site"], weights=[60, 8, 6, 4, 8, 6, 4, 4])[0]
+    v = rng.choices(
+        [None, "same-origin", "none", "Same-Origin", "cross-site", "same-site", "", "same-origin, cross-site"],
+        weights=[60, 8, 6, 4, 8, 6, 4, 4],
+    )[0]
     if v is None:
         return "absent", [], True
     return v or "empty", [("sec-fetch-site", v)], v.strip().lower() in ("same-origin", "none")
@@ -191,8 +267,12 @@ def _body(rng: random.Random) -> tuple[str, str | None, bytes | None, bool, bool
         "untyped-junk": (None, junk, False, False),
         "untyped-chunked": (None, junk, True, False),
         "octet-stream": ("application/octet-stream", junk, False, False),
-        "json-lookalike": (rng.choice(["application/json-patch+json", "text/json", "application/jsonx"]), js,
-                           False, False),
+        "json-lookalike": (
+            rng.choice(["application/json-patch+json", "text/json", "application/jsonx"]),
+            js,
+            False,
+            False,
+        ),
     }
     kind = rng.choices(list(choices), weights=[30, 14, 4, 3, 3, 3, 3, 6, 3, 5, 3, 5, 5, 3, 4, 4])[0]
     ctype, body, chunked, ok = choices[kind]
@@ -219,8 +299,16 @@ def make_shot(rng: random.Random, cred: str, target: tuple[str, str], read_targe
         headers.append(("content-type", ctype))
     url = f"http://{HOST}{raw_path}" + ("?" + urlencode(query) if query else "")
     permitted = cred_ok and host_ok and origin_ok and fetch_ok and body_ok
-    labels = {"method": method, "path": path_kind, "credential": cred_kind, "host": host_kind, "origin": origin_kind,
-              "fetch": fetch_kind, "body": body_kind, "url": url.replace(cred, "<CRED>")}
+    labels = {
+        "method": method,
+        "path": path_kind,
+        "credential": cred_kind,
+        "host": host_kind,
+        "origin": origin_kind,
+        "fetch": fetch_kind,
+        "body": body_kind,
+        "url": url.replace(cred, "<CRED>"),
+    }
     return Shot(method, url, headers, body, chunked, permitted=permitted, read_target=read_target, labels=labels)
 
 
@@ -231,12 +319,14 @@ def _request(client, shot: Shot) -> httpx.Request:
     if shot.chunked:
         data = shot.body or b""
         if isinstance(client, httpx.AsyncClient):
+
             async def agen():
                 yield data[: len(data) // 2]
-                yield data[len(data) // 2:]
+                yield data[len(data) // 2 :]
+
             content = agen()
         else:
-            content = iter([data[: len(data) // 2], data[len(data) // 2:]])
+            content = iter([data[: len(data) // 2], data[len(data) // 2 :]])
     req = client.build_request(shot.method.upper(), shot.url, headers=shot.headers, content=content)
     req.method = shot.method
     return req

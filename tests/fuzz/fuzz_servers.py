@@ -46,11 +46,23 @@ def main() -> None:
 
         torch.set_num_threads(1)
         d = Path(sys.argv[2])
-        random_drafter(d, vocab_size=DRAFTER_V, hidden_size=DRAFTER_H, seed=1, d_model=32, target_identity=DRAFTER_TARGET)
+        random_drafter(
+            d, vocab_size=DRAFTER_V, hidden_size=DRAFTER_H, seed=1, d_model=32, target_identity=DRAFTER_TARGET
+        )
         w = DrafterWorker(TorchDrafter(d, max_batch=8), target_identity=DRAFTER_TARGET)
         host, port = w.start()
-        print("READY " + json.dumps({"port": port, "pid": os.getpid(), "drafter": w.hello.drafter_identity,
-                                     "markov": w.hello.markov_identity}), flush=True)
+        print(
+            "READY "
+            + json.dumps(
+                {
+                    "port": port,
+                    "pid": os.getpid(),
+                    "drafter": w.hello.drafter_identity,
+                    "markov": w.hello.markov_identity,
+                }
+            ),
+            flush=True,
+        )
         sys.stdin.read()
         w.stop()
     else:

@@ -133,8 +133,20 @@ class EngineUnderTest:
         r = await c.get(f"http://{HOST}/is_paused")
         st, eng = self.st, self.engine
         hold = self.hold_file.read_bytes() if self.hold_file.exists() else None
-        return (r.status_code, r.content, st.paused, st.paused_since, st.window_token, st.book.epoch,
-                len(st.book.entries), len(st.book.pending), eng.frozen, len(eng.aborted), len(eng.prompts), hold)
+        return (
+            r.status_code,
+            r.content,
+            st.paused,
+            st.paused_since,
+            st.window_token,
+            st.book.epoch,
+            len(st.book.entries),
+            len(st.book.pending),
+            eng.frozen,
+            len(eng.aborted),
+            len(eng.prompts),
+            hold,
+        )
 
 
 class VllmStandIn:
@@ -169,8 +181,9 @@ class VllmStandIn:
             else:
                 self.calls += 1
         body = json.dumps(doc).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json")]})
+        await send(
+            {"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]}
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -180,8 +193,9 @@ class FenceUnderTest:
     def __init__(self, tmp_path: Path, cred: str) -> None:
         self.vllm = VllmStandIn()
         self.hold_file = tmp_path / "hold"
-        self.app = AdmissionFence(self.vllm, hold_file=self.hold_file, dev_routes=True, credential=cred,
-                                  allowed_hosts=TEST_HOSTS)
+        self.app = AdmissionFence(
+            self.vllm, hold_file=self.hold_file, dev_routes=True, credential=cred, allowed_hosts=TEST_HOSTS
+        )
         self.control = [("POST", p) for p in fence_control_paths()]
         self.reads = [("GET", p) for p in sorted(VLLM_READ_ROUTES)]
 
@@ -198,8 +212,16 @@ class FenceUnderTest:
         r = await c.get(f"http://{HOST}/is_paused")
         hold = self.hold_file.read_bytes() if self.hold_file.exists() else None
         v = self.vllm
-        return (r.status_code, r.content, hold, v.paused, v.sleeping, v.calls, self.app.in_flight,
-                len(self.app.book.pending))
+        return (
+            r.status_code,
+            r.content,
+            hold,
+            v.paused,
+            v.sleeping,
+            v.calls,
+            self.app.in_flight,
+            len(self.app.book.pending),
+        )
 
 
 def _leak_check(cred: str, shot: Shot, r: httpx.Response | None, lines: list[str], n: Counter) -> list[str]:
@@ -269,11 +291,19 @@ async def _campaign(server, cred: str, rng: random.Random, tap: LogTap) -> tuple
                 read_codes[str(r.status_code)] += 1
             n["state_changes"] += changed
             before = after
-    counts = {"requests": n["requests"], "control_requests": n["control_requests"],
-              "credentialed": n["credentialed"], "refused": dict(sorted(refused.items())), "admitted": n["admitted"],
-              "state_changes": n["state_changes"], "read_requests": n["read_requests"],
-              "read_codes": dict(sorted(read_codes.items())), "forwarded": n["forwarded"],
-              "forwarded_inference": n["forwarded_inference"], "echoed": n["echoed"]}
+    counts = {
+        "requests": n["requests"],
+        "control_requests": n["control_requests"],
+        "credentialed": n["credentialed"],
+        "refused": dict(sorted(refused.items())),
+        "admitted": n["admitted"],
+        "state_changes": n["state_changes"],
+        "read_requests": n["read_requests"],
+        "read_codes": dict(sorted(read_codes.items())),
+        "forwarded": n["forwarded"],
+        "forwarded_inference": n["forwarded_inference"],
+        "echoed": n["echoed"],
+    }
     return counts, violations
 
 
@@ -334,8 +364,10 @@ def test_authz_campaign(name, tmp_path, monkeypatch, log_tap) -> None:
         counts, violations = asyncio.run(_campaign(server, cred, rng, log_tap))
         assert counts["credentialed"] > 0 and counts["state_changes"] > 0, counts  # the oracle admits some
         label = "lab engine API" if name == ENGINE else "vLLM admission fence"
-        extra = {"control_routes": [f"{m} {p}" for m, p in server.control],
-                 "read_routes": [f"{m} {p}" for m, p in server.reads]}
+        extra = {
+            "control_routes": [f"{m} {p}" for m, p in server.control],
+            "read_routes": [f"{m} {p}" for m, p in server.reads],
+        }
     else:
         addr, paths, stop = STARTERS[name](tmp_path / "s", monkeypatch)
         try:
@@ -343,7 +375,20 @@ def test_authz_campaign(name, tmp_path, monkeypatch, log_tap) -> None:
         finally:
             stop()
         label, extra = "no state-changing route", {"get_paths": list(paths)}
-    print("FUZZ " + json.dumps({"campaign": "authz", "server": name, "kind": label, "seed": SEED,
-                                "examples": EXAMPLES, **extra, **counts, "log_records": len(log_tap.lines),
-                                "violations": len(violations)}))
+    print(
+        "FUZZ "
+        + json.dumps(
+            {
+                "campaign": "authz",
+                "server": name,
+                "kind": label,
+                "seed": SEED,
+                "examples": EXAMPLES,
+                **extra,
+                **counts,
+                "log_records": len(log_tap.lines),
+                "violations": len(violations),
+            }
+        )
+    )
     assert not violations, json.dumps(violations[:10], default=str)

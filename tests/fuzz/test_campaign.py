@@ -55,9 +55,14 @@ class Child:
     def __init__(self, kind: str, tmp: Path) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", UCX_TLS="tcp", OMP_NUM_THREADS="1")
         self.log = tmp / f"{kind}.log"
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "fuzz_servers.py"), kind, str(tmp)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.log, "wb"),
-                                     env=env, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "fuzz_servers.py"), kind, str(tmp)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(self.log, "wb"),
+            env=env,
+            text=True,
+        )
         line = self.proc.stdout.readline()
         assert line.startswith("READY "), (line, self.log.read_text()[-2000:])
         self.info = json.loads(line[6:])
@@ -95,10 +100,19 @@ class Tally:
         self.peak = max(self.peak, rss)
 
     def report(self) -> dict:
-        d = {"target": self.name, "malformed_frames": self.malformed, "frames": self.frames,
-             "connections": self.connections, "rows_compared": self.rows_compared, "checkpoints": self.checkpoints,
-             "crashes": 0, "wrong_rows": 0, "rss_base_mib": round(self.base / 2**20, 1),
-             "rss_peak_mib": round(self.peak / 2**20, 1), "seconds": round(time.monotonic() - self.t0, 1)}
+        d = {
+            "target": self.name,
+            "malformed_frames": self.malformed,
+            "frames": self.frames,
+            "connections": self.connections,
+            "rows_compared": self.rows_compared,
+            "checkpoints": self.checkpoints,
+            "crashes": 0,
+            "wrong_rows": 0,
+            "rss_base_mib": round(self.base / 2**20, 1),
+            "rss_peak_mib": round(self.peak / 2**20, 1),
+            "seconds": round(time.monotonic() - self.t0, 1),
+        }
         print("FUZZ " + json.dumps(d), flush=True)
         assert self.peak - self.base < RSS_BOUND_MIB << 20, d
         return d
@@ -190,8 +204,21 @@ def test_drafter_protocol_campaign(tmp_path):
     rng = random.Random(SEED)
     expected = {"drafter": child.info["drafter"], "markov": child.info["markov"], "target": DRAFTER_TARGET}
     good_rng = np.random.default_rng(3)
-    good = D.Round([D.RoundItem("req-good", good_rng.integers(0, DRAFTER_V, 9), good_rng.standard_normal(DRAFTER_H).astype(np.float32),
-                                4, 0.0, 5, 9)], DRAFTER_H, 5000)
+    good = D.Round(
+        [
+            D.RoundItem(
+                "req-good",
+                good_rng.integers(0, DRAFTER_V, 9),
+                good_rng.standard_normal(DRAFTER_H).astype(np.float32),
+                4,
+                0.0,
+                5,
+                9,
+            )
+        ],
+        DRAFTER_H,
+        5000,
+    )
     valid = good.encode()
 
     def good_round():
@@ -229,7 +256,7 @@ def test_drafter_protocol_campaign(tmp_path):
         if how == 4:  # header fields out of range
             f = bytearray(D.pack_frame(D.Msg.ROUND, valid, round_id=i))
             off, width = rng.choice([(0, 4), (4, 2), (6, 2), (20, 4)])
-            f[off:off + width] = rng.randbytes(width)
+            f[off : off + width] = rng.randbytes(width)
             return bytes(f)
         return rng.randbytes(rng.randint(1, D.HEADER_SIZE + 40))  # raw junk
 
@@ -276,9 +303,30 @@ def test_http_api_campaign(tmp_path, tmp_path_factory):
     log = tmp_path / "server.log"
     proc = start(serve_cmd(assets, port=port, extra=["--kv-cache-tokens", "4096"]), engine_env(), log)
     rng = random.Random(SEED)
-    fields = ["prompt", "messages", "model", "max_tokens", "max_completion_tokens", "min_tokens", "temperature",
-              "top_p", "seed", "n", "best_of", "stream", "stream_options", "return_token_ids", "ignore_eos",
-              "logprobs", "top_logprobs", "echo", "suffix", "tools", "logit_bias", "stop"]
+    fields = [
+        "prompt",
+        "messages",
+        "model",
+        "max_tokens",
+        "max_completion_tokens",
+        "min_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "n",
+        "best_of",
+        "stream",
+        "stream_options",
+        "return_token_ids",
+        "ignore_eos",
+        "logprobs",
+        "top_logprobs",
+        "echo",
+        "suffix",
+        "tools",
+        "logit_bias",
+        "stop",
+    ]
 
     def rand_json(depth=0):
         k = rng.randrange(9 if depth < 3 else 6)
@@ -291,15 +339,33 @@ def test_http_api_campaign(tmp_path, tmp_path_factory):
         if k == 3:
             return rng.choice([0.0, -0.0, 1e308, -1e-320, float("inf"), float("nan"), rng.uniform(-5, 5)])
         if k in (4, 5):
-            return "".join(chr(rng.choice([rng.randint(32, 126), rng.randint(0x80, 0x7FF), rng.randint(0x800, 0xFFFF),
-                                           rng.randint(0x10000, 0x10FFFF)])) for _ in range(rng.randint(0, 12)))
+            return "".join(
+                chr(
+                    rng.choice(
+                        [
+                            rng.randint(32, 126),
+                            rng.randint(0x80, 0x7FF),
+                            rng.randint(0x800, 0xFFFF),
+                            rng.randint(0x10000, 0x10FFFF),
+                        ]
+                    )
+                )
+                for _ in range(rng.randint(0, 12))
+            )
         if k == 6:
             return [rand_json(depth + 1) for _ in range(rng.randint(0, 4))]
-        return {"".join(rng.choice("abcxyz_") for _ in range(rng.randint(0, 6))): rand_json(depth + 1)
-                for _ in range(rng.randint(0, 4))}
+        return {
+            "".join(rng.choice("abcxyz_") for _ in range(rng.randint(0, 6))): rand_json(depth + 1)
+            for _ in range(rng.randint(0, 4))
+        }
 
     def body() -> bytes:
-        base = rng.choice([{"prompt": "The dog ", "max_tokens": 2}, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}])
+        base = rng.choice(
+            [
+                {"prompt": "The dog ", "max_tokens": 2},
+                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            ]
+        )
         for _ in range(rng.randint(1, 4)):
             base[rng.choice(fields)] = rand_json()
         raw = json.dumps(base).encode()
@@ -363,7 +429,9 @@ def test_http_api_campaign(tmp_path, tmp_path_factory):
             finally:
                 conn.close()
 
-        workers = [threading.Thread(target=client, daemon=True) for _ in range(int(os.environ.get("FUZZ_HTTP_CLIENTS", "2")))]
+        workers = [
+            threading.Thread(target=client, daemon=True) for _ in range(int(os.environ.get("FUZZ_HTTP_CLIENTS", "2")))
+        ]
         for w in workers:
             w.start()
         next_check = 0

@@ -19,8 +19,13 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 from fence_machine import FenceMachine  # noqa: E402
 from pause_machine import PauseMachine  # noqa: E402
 
-SETTINGS = settings(max_examples=int(os.environ.get("PAUSE_FUZZ_EXAMPLES", "2000")), stateful_step_count=40,
-                    deadline=None, suppress_health_check=list(HealthCheck), database=None)
+SETTINGS = settings(
+    max_examples=int(os.environ.get("PAUSE_FUZZ_EXAMPLES", "2000")),
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    database=None,
+)
 
 TestEnginePauseFuzz = PauseMachine.TestCase
 TestEnginePauseFuzz.settings = SETTINGS

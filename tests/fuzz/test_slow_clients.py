@@ -66,8 +66,10 @@ def _attack(addr, rng: random.Random, held: list, stop: threading.Event, counts:
             held.append(s)
             return
         if kind == "no-body":
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: 5000\r\n\r\n{\"model\"")
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 5000\r\n\r\n{"model"'
+            )
             held.append(s)
             return
         if kind == "burst":
@@ -99,8 +101,9 @@ def test_slow_clients_never_silence_health(name, tmp_path, monkeypatch) -> None:
     failures: list = []
 
     def prober() -> None:
-        with httpx.Client(transport=httpx.HTTPTransport(local_address=PROBER), timeout=10,
-                          headers={"Connection": "close"}) as c:
+        with httpx.Client(
+            transport=httpx.HTTPTransport(local_address=PROBER), timeout=10, headers={"Connection": "close"}
+        ) as c:
             while not stop.is_set():
                 for path in paths:
                     try:
@@ -131,7 +134,17 @@ def test_slow_clients_never_silence_health(name, tmp_path, monkeypatch) -> None:
             s.close()
         stop_server()
     answered = sum(n for (p, c), n in probes.items())
-    print("FUZZ " + json.dumps({"campaign": "slow-clients", "server": name, "seconds": SECONDS,
-                                "attacks": counts, "probes": answered,
-                                "probe_codes": {f"{p} {c}": n for (p, c), n in sorted(probes.items(), key=str)}}))
+    print(
+        "FUZZ "
+        + json.dumps(
+            {
+                "campaign": "slow-clients",
+                "server": name,
+                "seconds": SECONDS,
+                "attacks": counts,
+                "probes": answered,
+                "probe_codes": {f"{p} {c}": n for (p, c), n in sorted(probes.items(), key=str)},
+            }
+        )
+    )
     assert answered > 0 and not failures, failures[:10]

@@ -62,8 +62,11 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=400_000, help="engram_vocab_size of the synthetic tables")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--bench-only", action="store_true", help="skip the exactness cases and the drafter seam")
-    ap.add_argument("--reuse-tables", action="store_true",
-                    help="keep the synthetic tables already under --work when they match (no 5 GB rewrite)")
+    ap.add_argument(
+        "--reuse-tables",
+        action="store_true",
+        help="keep the synthetic tables already under --work when they match (no 5 GB rewrite)",
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     import torch
@@ -74,8 +77,12 @@ def main() -> int:
     from dsv41.engram.synthetic import synthetic_rows
     from dsv41.overlay import contract as C, engram as E, settings as S
 
-    res: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count()}
+    res: dict = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpus": os.cpu_count(),
+    }
     import triton
 
     res["triton"] = triton.__version__
@@ -99,12 +106,26 @@ def main() -> int:
     TRANSPORT_IMPL.update(transport_impl(env))
     res["transport_impl"] = dict(TRANSPORT_IMPL)
     dsv41 = [sys.executable, "-c", "import sys; from dsv41.cli import main; sys.exit(main())"]
-    srv, url = start(dsv41 + ["engram", "serve", "--manifest", str(mpath), "--listen", "tcp://127.0.0.1:0",
-                              "--ready-file", str(args.work / "srv.ready")], args.work / "srv.ready", env)
+    srv, url = start(
+        dsv41
+        + [
+            "engram",
+            "serve",
+            "--manifest",
+            str(mpath),
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--ready-file",
+            str(args.work / "srv.ready"),
+        ],
+        args.work / "srv.ready",
+        env,
+    )
     res["engram_server"] = url
     try:
-        res.update(run_checks(eng, layout, manifest, args, url, runtime, contract, E, S, dequantize,
-                              synthetic_rows, torch))
+        res.update(
+            run_checks(eng, layout, manifest, args, url, runtime, contract, E, S, dequantize, synthetic_rows, torch)
+        )
     finally:
         srv.terminate()
         srv.wait(timeout=10)
@@ -119,20 +140,27 @@ def run_checks(eng, layout, manifest, args, url, runtime, contract, E, S, dequan
     vl, mcfg = vllm_layout(eng, layout)
     data = args.work / "tables"
     rng = np.random.default_rng(1234)
+
     def settings_for(tp: int):
         return S.parse({"DSV41_ENGRAM_REMOTE": ",".join([url] * tp), "DSV41_RUNTIME_ROOT": str(runtime)})
 
     cases = [(1, 0), (2, 0), (2, 1), (5, 4)] if not args.bench_only else [(2, 0)]
     exact, compared, zeros255 = True, 0, {"scale_0": 0, "scale_255": 0}
     per_case = []
-    orig = (eng.ParallelEngramEmbedding._allocate_weights, eng.ParallelEngramEmbedding.lookup,
-            eng.Engram._create_embedding)
+    orig = (
+        eng.ParallelEngramEmbedding._allocate_weights,
+        eng.ParallelEngramEmbedding.lookup,
+        eng.Engram._create_embedding,
+    )
     ORIG["alloc"] = orig[0]
     for tp, rank in cases:
         SIM.update(tp=tp, rank=rank)
         # vLLM's own layers (unpatched classes), tables loaded by vLLM's weight loader
-        (eng.ParallelEngramEmbedding._allocate_weights, eng.ParallelEngramEmbedding.lookup,
-         eng.Engram._create_embedding) = orig
+        (
+            eng.ParallelEngramEmbedding._allocate_weights,
+            eng.ParallelEngramEmbedding.lookup,
+            eng.Engram._create_embedding,
+        ) = orig
         eng._dsv41_overlay = False
         own = [build_engram(eng, vl, li, mcfg) for li in range(len(layout.layer_ids))]
         for li, lid in enumerate(layout.layer_ids):
@@ -157,7 +185,7 @@ def run_checks(eng, layout, manifest, args, url, runtime, contract, E, S, dequan
                 # CPU reference: dequant.dequantize(convention="vllm") of the owned rows
                 he = min(a.head_start + a.part_n_hash_cols, a.n_hash_cols)
                 mine = np.full((t, a.part_n_hash_cols), -1, np.int64)
-                mine[:, : he - a.head_start] = ids[:, a.head_start:he]
+                mine[:, : he - a.head_start] = ids[:, a.head_start : he]
                 flat = mine.reshape(-1)
                 owned = (flat >= a.vocab_start_idx) & (flat < a.vocab_end_idx)
                 packed = synthetic_rows(7, lid, layout.rows[li], flat[owned])
@@ -171,11 +199,21 @@ def run_checks(eng, layout, manifest, args, url, runtime, contract, E, S, dequan
                 ref_ok = bool(np.array_equal(got[~both_nan].view(np.uint32), ref[~both_nan].view(np.uint32)))
                 exact &= same and ref_ok
                 compared += t * a.part_n_hash_cols
-                case["sizes"].append({"layer": lid, "tokens": t, "vllm_vs_overlay_bit_exact": same,
-                                      "overlay_vs_tables_dequantize_vllm": ref_ok, "owned_rows": int(owned.sum())})
+                case["sizes"].append(
+                    {
+                        "layer": lid,
+                        "tokens": t,
+                        "vllm_vs_overlay_bit_exact": same,
+                        "overlay_vs_tables_dequantize_vllm": ref_ok,
+                        "owned_rows": int(owned.sum()),
+                    }
+                )
         src = E._sources[next(iter(E._sources))][0]
-        case["row_source_counters"] = {k: v for k, v in src.counters().items() if k in
-                                       ("lookups", "rows", "remote_rows", "fallbacks", "transport_errors", "source")}
+        case["row_source_counters"] = {
+            k: v
+            for k, v in src.counters().items()
+            if k in ("lookups", "rows", "remote_rows", "fallbacks", "transport_errors", "source")
+        }
         per_case.append(case)
         del own, ovl
         torch.cuda.empty_cache()
@@ -185,17 +223,22 @@ def run_checks(eng, layout, manifest, args, url, runtime, contract, E, S, dequan
     out["all_bit_exact"] = exact
 
     # the benchmark and the refusals run as TP2 rank 0: patch again with that rank's URL list
-    (eng.ParallelEngramEmbedding._allocate_weights, eng.ParallelEngramEmbedding.lookup,
-     eng.Engram._create_embedding) = orig
+    (
+        eng.ParallelEngramEmbedding._allocate_weights,
+        eng.ParallelEngramEmbedding.lookup,
+        eng.Engram._create_embedding,
+    ) = orig
     eng._dsv41_overlay = False
     E._sources.clear()
     SIM.update(tp=2, rank=0)
     E.apply(eng, settings_for(2), contract)
     # refusals (model construction raises; nothing falls back silently)
     refusals = {}
-    for label, mode, extra in (("FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", {}),
-                               ("FULL", "FULL", {}),
-                               ("specialized decode", "PIECEWISE", {"decode_backend": "latency_specialized"})):
+    for label, mode, extra in (
+        ("FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", {}),
+        ("FULL", "FULL", {}),
+        ("specialized decode", "PIECEWISE", {"decode_backend": "latency_specialized"}),
+    ):
         CFG.compilation_config.cudagraph_mode, CFG.additional_config = _Mode(mode), extra
         try:
             build_engram(eng, vl, 0, mcfg)
@@ -221,8 +264,10 @@ def bench(eng, vl, mcfg, layout, manifest, data, rng, torch, args, E):
     a = own.embed_tokens
     results = []
     for label, t in (("decode", 24), ("decode", 48), ("decode", 96), ("prefill", 32768)):
-        sets = [torch.from_numpy(random_ids(rng, t, layout, 0, a.n_hash_cols, a.vocab_start_idx,
-                                            a.vocab_end_idx)).cuda() for _ in range(4)]
+        sets = [
+            torch.from_numpy(random_ids(rng, t, layout, 0, a.n_hash_cols, a.vocab_start_idx, a.vocab_end_idx)).cuda()
+            for _ in range(4)
+        ]
         out_a = torch.empty((t, a.part_n_hash_cols, 256), dtype=torch.bfloat16, device="cuda")
         out_b = torch.empty_like(out_a)
         reps = args.reps if t < 1000 else max(5, args.reps // 3)
@@ -233,14 +278,26 @@ def bench(eng, vl, mcfg, layout, manifest, data, rng, torch, args, E):
         tv = timed(lambda i, a=a, sets=sets, out=out_a: a.lookup(sets[i % 4], out), reps)
         # start + join: the worker's fetch, H2D and kernel, joined by the current stream
         to = timed(lambda i, rr=rr, sets=sets, out=out_b: rr.lookup(sets[i % 4], out), reps)
-        results.append({"case": label, "tokens": t, "rows": t * a.part_n_hash_cols,
-                        "vllm_uva_ms": round(tv * 1e3, 3), "overlay_ms": round(to * 1e3, 3),
-                        "overlay_over_vllm": round(to / tv, 2), **stages(emb_o, sets, a, reps, manifest, data, E, torch)})
-    return {"rank": "TP2 rank 0 (12 of 24 columns)", "table_rows_per_rank": a.part_num_embeddings,
-            "vllm_pinned_table_bytes": a.weight.numel() + a.weight_scale_inv.numel(),
-            "overlay_pinned_staging_bytes": emb_o._dsv41.host_bytes, "transport": "tcp (loopback)",
-            "transport_impl": TRANSPORT_IMPL,
-            "results": results}
+        results.append(
+            {
+                "case": label,
+                "tokens": t,
+                "rows": t * a.part_n_hash_cols,
+                "vllm_uva_ms": round(tv * 1e3, 3),
+                "overlay_ms": round(to * 1e3, 3),
+                "overlay_over_vllm": round(to / tv, 2),
+                **stages(emb_o, sets, a, reps, manifest, data, E, torch),
+            }
+        )
+    return {
+        "rank": "TP2 rank 0 (12 of 24 columns)",
+        "table_rows_per_rank": a.part_num_embeddings,
+        "vllm_pinned_table_bytes": a.weight.numel() + a.weight_scale_inv.numel(),
+        "overlay_pinned_staging_bytes": emb_o._dsv41.host_bytes,
+        "transport": "tcp (loopback)",
+        "transport_impl": TRANSPORT_IMPL,
+        "results": results,
+    }
 
 
 def stages(emb_o, sets, a, reps, manifest, data, E, torch) -> dict:
@@ -254,10 +311,12 @@ def stages(emb_o, sets, a, reps, manifest, data, E, torch) -> dict:
     for d in sets:
         ids = np.full((d.shape[0], rr.part), -1, np.int64)
         he = min(rr.head_start + rr.part, rr.n_hash_cols)
-        ids[:, : he - rr.head_start] = d.cpu().numpy()[:, rr.head_start:he]
+        ids[:, : he - rr.head_start] = d.cpu().numpy()[:, rr.head_start : he]
         plans.append(E.plan_rows(ids.reshape(-1), rr.vocab_start, rr.vocab_end))
     buf = np.empty((max(p[1].size for p in plans), E.ROW_BYTES), np.uint8)
-    fetch_remote = timed(lambda i: rr.source.lookup(rr.layer_id, plans[i % 4][1], out=buf[: plans[i % 4][1].size]), reps)
+    fetch_remote = timed(
+        lambda i: rr.source.lookup(rr.layer_id, plans[i % 4][1], out=buf[: plans[i % 4][1].size]), reps
+    )
     local = LocalRowSource(LocalRowReader(manifest, data))
     fetch_local = timed(lambda i: local.lookup(rr.layer_id, plans[i % 4][1]), reps)
     rows = plans[0][0].size
@@ -268,14 +327,18 @@ def stages(emb_o, sets, a, reps, manifest, data, E, torch) -> dict:
     def gpu(i: int) -> None:
         dd = rr.d_buf[:nb]
         dd.copy_(rr.h_buf[:nb], non_blocking=True)
-        rows_d = dd[rows * 4:].view(n, E.ROW_BYTES)
+        rows_d = dd[rows * 4 :].view(n, E.ROW_BYTES)
         rr.d_w[:n].copy_(rows_d[:, :256])
         rr.d_s[:n].copy_(rows_d[:, 256:])
         rr.dequant(rr.d_w, rr.d_s, dd[: rows * 4].view(torch.int32), rr.d_dst, out, n, rows)
 
     gpu_stage = timed(gpu, reps)
-    return {"fetch_tcp_ms": round(fetch_remote * 1e3, 3), "fetch_local_reader_ms": round(fetch_local * 1e3, 3),
-            "h2d_split_kernel_ms": round(gpu_stage * 1e3, 3), "owned_rows": int(n)}
+    return {
+        "fetch_tcp_ms": round(fetch_remote * 1e3, 3),
+        "fetch_local_reader_ms": round(fetch_local * 1e3, 3),
+        "h2d_split_kernel_ms": round(gpu_stage * 1e3, 3),
+        "owned_rows": int(n),
+    }
 
 
 def bench_own_table(eng, vl, mcfg, manifest, data, torch):
@@ -310,30 +373,55 @@ def drafter_seam(args, torch):
             pass
 
         STUBS["vllm.v1.worker.gpu.spec_decode.speculator.BaseSpeculator"] = (
-            f"import failed: {type(exc).__name__}: {str(exc)[:160]}")
+            f"import failed: {type(exc).__name__}: {str(exc)[:160]}"
+        )
         res["base"] = "stand-in ABC"
     H, V, k = 64, 260, 5
     ddir = args.work / "drafter"
     random_drafter(ddir, vocab_size=V, hidden_size=H, seed=3)
     env = dict(os.environ, PYTHONPATH=f"{REPO / 'python'}:{os.environ.get('PYTHONPATH', '')}")
     dsv41 = [sys.executable, "-c", "import sys; from dsv41.cli import main; sys.exit(main())"]
-    proc, url = start(dsv41 + ["drafter", "serve", "--listen", "tcp://127.0.0.1:0", "--drafter", str(ddir),
-                               "--device", "cpu", "--ready-file", str(args.work / "drafter.ready")],
-                      args.work / "drafter.ready", env)
+    proc, url = start(
+        dsv41
+        + [
+            "drafter",
+            "serve",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--drafter",
+            str(ddir),
+            "--device",
+            "cpu",
+            "--ready-file",
+            str(args.work / "drafter.ready"),
+        ],
+        args.work / "drafter.ready",
+        env,
+    )
     try:
         expected = expected_identities(str(ddir), "")
         remote = RemoteSpeculator(url, expected, k=k, timeout_ms=5000)
         cls = D.speculator_class(base)
         n_reqs, max_len = 6, 64
         tpg = ns(rank_in_group=0, world_size=1, broadcast=lambda t, src=0: t)
-        rs = ns(total_len=ns(gpu=torch.tensor([10, 20, 30, 5, 7, 40], dtype=torch.int32, device="cuda")),
-                all_token_ids=ns(gpu=torch.randint(0, V, (n_reqs, max_len), dtype=torch.int32, device="cuda")))
-        vcfg = ns(speculative_config=ns(num_speculative_tokens=k, draft_model_config=ns(
-            hf_config=ns(dspark_target_layer_ids=[2, 3]))), scheduler_config=ns(max_num_seqs=16))
+        rs = ns(
+            total_len=ns(gpu=torch.tensor([10, 20, 30, 5, 7, 40], dtype=torch.int32, device="cuda")),
+            all_token_ids=ns(gpu=torch.randint(0, V, (n_reqs, max_len), dtype=torch.int32, device="cuda")),
+        )
+        vcfg = ns(
+            speculative_config=ns(
+                num_speculative_tokens=k, draft_model_config=ns(hf_config=ns(dspark_target_layer_ids=[2, 3]))
+            ),
+            scheduler_config=ns(max_num_seqs=16),
+        )
         spec = cls(vcfg, torch.device("cuda"), rs, tp_group=tpg, make_spec=lambda c: (remote, 3, 4))
         q = np.array([0, 3, 4, 9, 10, 11, 12])
-        batch = ns(num_reqs=n_reqs, query_start_loc_np=q, idx_mapping=torch.arange(n_reqs, device="cuda"),
-                   req_ids=[f"r{i}" for i in range(n_reqs)])
+        batch = ns(
+            num_reqs=n_reqs,
+            query_start_loc_np=q,
+            idx_mapping=torch.arange(n_reqs, device="cuda"),
+            req_ids=[f"r{i}" for i in range(n_reqs)],
+        )
         T = int(q[-1])
         aux = [torch.randn(T, H, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
         num_sampled = torch.tensor([1, 1, 2, 0, 1, 1], device="cuda")
@@ -350,10 +438,13 @@ def drafter_seam(args, torch):
 
         local = LocalSpeculator(str(ddir), k=k, device="cpu")
         want = D.fill_drafts(n_reqs, k, live, local.propose(items))
-        res.update(drafts=drafts.cpu().tolist(), in_process=want.tolist(),
-                   identical=bool(np.array_equal(drafts.cpu().numpy(), want)),
-                   request_without_sample_has_no_drafts=bool((drafts[3] == -1).all()),
-                   counters={k2: v for k2, v in spec.counters().items() if isinstance(v, int)})
+        res.update(
+            drafts=drafts.cpu().tolist(),
+            in_process=want.tolist(),
+            identical=bool(np.array_equal(drafts.cpu().numpy(), want)),
+            request_without_sample_has_no_drafts=bool((drafts[3] == -1).all()),
+            counters={k2: v for k2, v in spec.counters().items() if isinstance(v, int)},
+        )
         # fail closed: worker gone -> no drafts, no error
         proc.terminate()
         proc.wait(timeout=10)

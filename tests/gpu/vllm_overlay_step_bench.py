@@ -84,23 +84,41 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=PREFILL_TOKENS, help="prefill chunk tokens (0: none)")
     ap.add_argument("--rounds", type=int, default=40, help="decode rounds (each: every arm, order rotated)")
     ap.add_argument("--steps", type=int, default=5, help="timed decode steps per arm and round")
-    ap.add_argument("--warmup-s", type=float, default=30.0,
-                    help="untimed interleaved decode rounds before the first timed one, seconds (0: none)")
-    ap.add_argument("--target-ms", type=float, default=0.1,
-                    help="issue 23's decode target: overlay minus UVA, ms per step (both Engram layers)")
-    ap.add_argument("--prefill-rounds", type=int, default=8,
-                    help="prefill rounds (each: every arm, order rotated)")
+    ap.add_argument(
+        "--warmup-s",
+        type=float,
+        default=30.0,
+        help="untimed interleaved decode rounds before the first timed one, seconds (0: none)",
+    )
+    ap.add_argument(
+        "--target-ms",
+        type=float,
+        default=0.1,
+        help="issue 23's decode target: overlay minus UVA, ms per step (both Engram layers)",
+    )
+    ap.add_argument("--prefill-rounds", type=int, default=8, help="prefill rounds (each: every arm, order rotated)")
     ap.add_argument("--prefill-steps", type=int, default=3)
     ap.add_argument("--kill-server", action="store_true", help="end with a table server killed mid-run")
     ap.add_argument("--tag", default="")
-    ap.add_argument("--target-dead-ratio", type=float, default=1.2,
-                    help="issue 47: steps with the table server dead over the local-only step, at most")
-    ap.add_argument("--gpu-join", choices=("0", "1"), default=None,
-                    help="DSV41_ENGRAM_GPU_JOIN for the overlay (default: the environment's, else "
-                         "the setting's default)")
-    ap.add_argument("--switch-interval-us", type=float, default=0.0,
-                    help="sys.setswitchinterval for this run (0: Python's default, 5 ms); the worker "
-                         "thread waits for the GIL while the launching thread runs Python")
+    ap.add_argument(
+        "--target-dead-ratio",
+        type=float,
+        default=1.2,
+        help="issue 47: steps with the table server dead over the local-only step, at most",
+    )
+    ap.add_argument(
+        "--gpu-join",
+        choices=("0", "1"),
+        default=None,
+        help="DSV41_ENGRAM_GPU_JOIN for the overlay (default: the environment's, else the setting's default)",
+    )
+    ap.add_argument(
+        "--switch-interval-us",
+        type=float,
+        default=0.0,
+        help="sys.setswitchinterval for this run (0: Python's default, 5 ms); the worker "
+        "thread waits for the GIL while the launching thread runs Python",
+    )
     args = ap.parse_args()
     if args.out.exists():  # two runs into one directory must not overwrite each other's results
         print(f"vllm_overlay_step_bench: {args.out} exists; give another --out", file=sys.stderr)
@@ -117,15 +135,25 @@ def main() -> int:
     from dsv41.engram.manifest import load_manifest
     from dsv41.overlay import contract as C, engram as E, settings as S
 
-    res: dict = {"tag": args.tag, "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                 "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                 "cpus": os.cpu_count(), "vllm": "0.33.0 (wheel Python source)",
-                 "switch_interval_s": sys.getswitchinterval()}
+    res: dict = {
+        "tag": args.tag,
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpus": os.cpu_count(),
+        "vllm": "0.33.0 (wheel Python source)",
+        "switch_interval_s": sys.getswitchinterval(),
+    }
     try:
         import subprocess as sp
 
-        res["driver"] = sp.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                               capture_output=True, text=True, timeout=30).stdout.strip()
+        res["driver"] = sp.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
     except Exception as exc:  # noqa: BLE001
         res["driver"] = f"unknown ({exc})"
     eng = Q.load_vllm_engram(args.vllm_src)
@@ -142,8 +170,12 @@ def main() -> int:
     res["transport_impl"] = Q.transport_impl(env)
     dsv41 = [sys.executable, "-c", "import sys; from dsv41.cli import main; sys.exit(main())"]
     ready = args.work / f"step-srv{os.getpid()}.ready"
-    srv, url = Q.start(dsv41 + ["engram", "serve", "--manifest", str(mpath), "--listen", "tcp://127.0.0.1:0",
-                                "--ready-file", str(ready)], ready, env)
+    srv, url = Q.start(
+        dsv41
+        + ["engram", "serve", "--manifest", str(mpath), "--listen", "tcp://127.0.0.1:0", "--ready-file", str(ready)],
+        ready,
+        env,
+    )
     res["engram_server"] = url
     servers = [srv]
 
@@ -152,8 +184,21 @@ def main() -> int:
         from dsv41.transport import parse_url
 
         again = args.work / f"step-srv{os.getpid()}-{len(servers)}.ready"
-        proc, _ = Q.start(dsv41 + ["engram", "serve", "--manifest", str(mpath), "--listen",
-                                   f"tcp://127.0.0.1:{parse_url(url).port}", "--ready-file", str(again)], again, env)
+        proc, _ = Q.start(
+            dsv41
+            + [
+                "engram",
+                "serve",
+                "--manifest",
+                str(mpath),
+                "--listen",
+                f"tcp://127.0.0.1:{parse_url(url).port}",
+                "--ready-file",
+                str(again),
+            ],
+            again,
+            env,
+        )
         servers.append(proc)
         return proc
 
@@ -175,8 +220,12 @@ def main() -> int:
     print(json.dumps({k: v for k, v in res.items() if k not in ("stubs", "traceback")}, indent=1, default=str))
     if "traceback" in res:
         print(res["traceback"], file=sys.stderr)
-    ok = ("error" not in res and res.get("all_bit_exact") and res.get("kill", {}).get("ok", True)
-          and not Q.SYNC_PROBE["failures"])
+    ok = (
+        "error" not in res
+        and res.get("all_bit_exact")
+        and res.get("kill", {}).get("ok", True)
+        and not Q.SYNC_PROBE["failures"]
+    )
     return 0 if ok else 1
 
 
@@ -189,8 +238,11 @@ def run(args, eng, layout, manifest, url, runtime, srv, restart, torch, E, S, C)
     Q.SIM.update(tp=2, rank=0)
     main_stream = torch.cuda.Stream()
     torch.cuda.set_stream(main_stream)  # graphs cannot be captured on the legacy stream
-    orig = (eng.ParallelEngramEmbedding._allocate_weights, eng.ParallelEngramEmbedding.lookup,
-            eng.Engram._create_embedding)
+    orig = (
+        eng.ParallelEngramEmbedding._allocate_weights,
+        eng.ParallelEngramEmbedding.lookup,
+        eng.Engram._create_embedding,
+    )
     Q.ORIG["alloc"] = orig[0]
     own = build_engrams(eng, vl, mcfg, torch, torch.cuda.Stream())
     for li, lid in enumerate(layout.layer_ids):
@@ -211,8 +263,12 @@ def run(args, eng, layout, manifest, url, runtime, srv, restart, torch, E, S, C)
     src = E._sources[next(iter(E._sources))][0]
     a = own[0].embed_tokens
     out["rank"] = "TP2 rank 0 (12 of 24 columns)"
-    out["stand_in"] = {"layers": args.layers, "engram_layers": {"1": 1, "14": 14}, "model_layers": MODEL_LAYERS,
-                       "prefill_layer_ms_formula": "2 * (13e9/43) * 32768 / 2 / 790e12 s"}
+    out["stand_in"] = {
+        "layers": args.layers,
+        "engram_layers": {"1": 1, "14": 14},
+        "model_layers": MODEL_LAYERS,
+        "prefill_layer_ms_formula": "2 * (13e9/43) * 32768 / 2 / 790e12 s",
+    }
     n_dec, one_mm = calibrate(torch, args.decode_layer_ms)
     n_pre, _ = calibrate(torch, args.prefill_layer_ms)
     out["matmul_ms"] = round(one_mm, 4)
@@ -270,7 +326,7 @@ def run(args, eng, layout, manifest, url, runtime, srv, restart, torch, E, S, C)
             core.take_traces()
         k = 0
         for r in range(rounds):
-            order = arms[r % 3:] + arms[: r % 3]
+            order = arms[r % 3 :] + arms[: r % 3]
             for arm in order:
                 f = fw[arm]
                 for s in range(steps + 1):
@@ -295,8 +351,12 @@ def run(args, eng, layout, manifest, url, runtime, srv, restart, torch, E, S, C)
                         l0_ms[arm].append(f.l0[0].elapsed_time(f.l0[1]))
                     t1 = [g for g in got if g["key"] == keys[0]] if got else []
                     if t1:
-                        gms = {"l0_start": e0.elapsed_time(f.l0[0]), "l0_end": e0.elapsed_time(f.l0[1]),
-                               "a": e0.elapsed_time(f.stall[1][0]), "b": e0.elapsed_time(f.stall[1][1])}
+                        gms = {
+                            "l0_start": e0.elapsed_time(f.l0[0]),
+                            "l0_end": e0.elapsed_time(f.l0[1]),
+                            "a": e0.elapsed_time(f.stall[1][0]),
+                            "b": e0.elapsed_time(f.stall[1][1]),
+                        }
                         try:
                             ph = P.layer1_phases(t1[-1], h0, gms, args.prefill_layer_ms)
                         except Exception as exc:  # noqa: BLE001 - a bad trace is counted, not fatal
@@ -309,19 +369,22 @@ def run(args, eng, layout, manifest, url, runtime, srv, restart, torch, E, S, C)
                             ph["join_host"] = (f.host_ns["join1_1"] - f.host_ns["join0_1"]) * 1e-6
                         elif wt[0] == t1[-1]["gen"] and join_ns["gen"] == wt[0]:  # this step's join
                             try:
-                                ph.update(P.join_return(t1[-1]["t_done"], wt, join_ns["ret"], f.host_ns["join1_1"],
-                                                        h0 + gms["b"] * 1e6))
+                                ph.update(
+                                    P.join_return(
+                                        t1[-1]["t_done"], wt, join_ns["ret"], f.host_ns["join1_1"], h0 + gms["b"] * 1e6
+                                    )
+                                )
                             except Exception as exc:  # noqa: BLE001 - counted with the bad traces
                                 bad_traces.append(str(exc))
                                 continue
                         else:
-                            bad_traces.append(f"join return: wait of gen {wt[0]}, join of {join_ns['gen']}, "
-                                              f"trace of {t1[-1]['gen']}")
+                            bad_traces.append(
+                                f"join return: wait of gen {wt[0]}, join of {join_ns['gen']}, trace of {t1[-1]['gen']}"
+                            )
                             continue
                         ph["prepare_host"] = (f.host_ns["prepare1"] - f.host_ns["prepare0"]) * 1e-6
                         phases.append(ph)
-                        fetch14 += [P.trace_fetch_ns(g) * 1e-6
-                                    for g in got if g["key"] == keys[1]]
+                        fetch14 += [P.trace_fetch_ns(g) * 1e-6 for g in got if g["key"] == keys[1]]
         if tracing:
             core.set_trace(False)
         wait1 = sum(o.embed_tokens._dsv41.counters["handoff_wait_s"] for o in ovl)
@@ -329,15 +392,24 @@ def run(args, eng, layout, manifest, url, runtime, srv, restart, torch, E, S, C)
         exact &= ex2["bit_exact"]
         rr = ovl[0].embed_tokens._dsv41
         w = rr._worker.counters if rr._worker else {}
-        row = {"case": "prefill" if prefill else "decode", "tokens": t, "started": started,
-               "rows_per_layer": t * a.part_n_hash_cols,
-               "steps_per_arm": len(times["uva"]), "layer_ms_target": args.prefill_layer_ms if prefill
-               else args.decode_layer_ms, "graphs": "none (eager)" if prefill else "PIECEWISE stand-in",
-               "rows_bit_exact_before_after": [ex["bit_exact"], ex2["bit_exact"]], "rows_compared": ex["rows"] + ex2["rows"]}
+        row = {
+            "case": "prefill" if prefill else "decode",
+            "tokens": t,
+            "started": started,
+            "rows_per_layer": t * a.part_n_hash_cols,
+            "steps_per_arm": len(times["uva"]),
+            "layer_ms_target": args.prefill_layer_ms if prefill else args.decode_layer_ms,
+            "graphs": "none (eager)" if prefill else "PIECEWISE stand-in",
+            "rows_bit_exact_before_after": [ex["bit_exact"], ex2["bit_exact"]],
+            "rows_compared": ex["rows"] + ex2["rows"],
+        }
         for arm in arms:
-            row[arm] = {"step_ms_median": round(float(np.median(times[arm])), 3),
-                        "step_ms_p10": round(pct(times[arm], 10), 3), "step_ms_p90": round(pct(times[arm], 90), 3),
-                        "gpu_ms_median": round(float(np.median(gpu[arm])), 3)}
+            row[arm] = {
+                "step_ms_median": round(float(np.median(times[arm])), 3),
+                "step_ms_p10": round(pct(times[arm], 10), 3),
+                "step_ms_p90": round(pct(times[arm], 90), 3),
+                "gpu_ms_median": round(float(np.median(gpu[arm])), 3),
+            }
             if arm != "none":
                 row[arm]["stall_ms_median"] = {str(li): round(float(np.median(v)), 3) for li, v in stalls[arm].items()}
         med = {arm: np.median(times[arm]) for arm in arms}
@@ -353,17 +425,24 @@ def run(args, eng, layout, manifest, url, runtime, srv, restart, torch, E, S, C)
         # the decision: median of the paired per-round differences and its 95 % interval
         paired = median_interval(per_round)
         row["overlay_minus_uva_paired"] = {
-            "median_ms": round(paired["median"], 4), "rounds": paired["n"],
+            "median_ms": round(paired["median"], 4),
+            "rounds": paired["n"],
             "order_ci95_ms": [round(v, 4) for v in paired["order_ci"]] if paired["order_ci"] else None,
             "bootstrap_ci95_ms": [round(v, 4) for v in paired["bootstrap_ci"]] if paired["bootstrap_ci"] else None,
-            "target_ms": args.target_ms, "decision": decide(paired, args.target_ms)}
+            "target_ms": args.target_ms,
+            "decision": decide(paired, args.target_ms),
+        }
         jobs = max(1, w.get("jobs", 0) - wk0.get("jobs", 0))
         row["overlay_worker"] = {
             "jobs": w.get("jobs", 0) - wk0.get("jobs", 0),
             "requests": w.get("requests", 0) - wk0.get("requests", 0),
             "multi_layer_requests": w.get("multi_layer_requests", 0) - wk0.get("multi_layer_requests", 0),
-            "fetch_ms_per_request": round((w.get("fetch_s", 0) - wk0.get("fetch_s", 0)) * 1e3
-                                          / max(1, w.get("requests", 0) - wk0.get("requests", 0)), 3),
+            "fetch_ms_per_request": round(
+                (w.get("fetch_s", 0) - wk0.get("fetch_s", 0))
+                * 1e3
+                / max(1, w.get("requests", 0) - wk0.get("requests", 0)),
+                3,
+            ),
             "host_ms_per_job": round((w.get("host_s", 0) - wk0.get("host_s", 0)) * 1e3 / jobs, 3),
             "fetch_ms_per_job": round((w.get("fetch_s", 0) - wk0.get("fetch_s", 0)) * 1e3 / jobs, 3),
             "wake_ms_per_job": round((w.get("wake_s", 0) - wk0.get("wake_s", 0)) * 1e3 / jobs, 3),
@@ -371,65 +450,101 @@ def run(args, eng, layout, manifest, url, runtime, srv, restart, torch, E, S, C)
             # the C++ core's share: jobs it served, its own graph launches and
             # requests (a job it hands back to Python is counted on Python's side)
             **{k: w.get(k, 0) - wk0.get(k, 0) for k in ("native_jobs", "native_launches", "native_requests")},
-            **{f"{k}_ms_per_job": round((w.get(f"{k}_s", 0) - wk0.get(f"{k}_s", 0)) * 1e3 / jobs, 4)
-               for k in ("ids_wait", "coalesce", "plan", "launch")},
+            **{
+                f"{k}_ms_per_job": round((w.get(f"{k}_s", 0) - wk0.get(f"{k}_s", 0)) * 1e3 / jobs, 4)
+                for k in ("ids_wait", "coalesce", "plan", "launch")
+            },
             # a multi-piece job's plan of pieces 1.. on the core's planner thread, during the
             # requests (not host work of the worker thread; `plan` is what that thread waited)
-            "plan_ahead_ms_per_job": round((w.get("native_plan_ahead_s", 0) - wk0.get("native_plan_ahead_s", 0))
-                                           * 1e3 / jobs, 4),
+            "plan_ahead_ms_per_job": round(
+                (w.get("native_plan_ahead_s", 0) - wk0.get("native_plan_ahead_s", 0)) * 1e3 / jobs, 4
+            ),
             # host work outside plan and launch: the batch's Python hops, hand-offs, GIL re-takes
-            "other_host_ms_per_job": round((w.get("host_s", 0) - wk0.get("host_s", 0) - w.get("plan_s", 0)
-                                            + wk0.get("plan_s", 0) - w.get("launch_s", 0) + wk0.get("launch_s", 0))
-                                           * 1e3 / jobs, 4),
+            "other_host_ms_per_job": round(
+                (
+                    w.get("host_s", 0)
+                    - wk0.get("host_s", 0)
+                    - w.get("plan_s", 0)
+                    + wk0.get("plan_s", 0)
+                    - w.get("launch_s", 0)
+                    + wk0.get("launch_s", 0)
+                )
+                * 1e3
+                / jobs,
+                4,
+            ),
             "launching_thread_wait_ms_per_step": round(  # both layers' hand-off waits (timed + warm steps)
-                (wait1 - wait0) * 1e3 / max(1, len(times["overlay"]) + rounds), 3),
-            "inline_lookups": rr.counters["inline_lookups"], "worker_refusals": rr.counters["worker_refusals"],
+                (wait1 - wait0) * 1e3 / max(1, len(times["overlay"]) + rounds), 3
+            ),
+            "inline_lookups": rr.counters["inline_lookups"],
+            "worker_refusals": rr.counters["worker_refusals"],
             "handoff_timeouts": rr.counters["handoff_timeouts"],
             # joins of layer 1 that polled once a job's last request was out, whole run so far
             "join_tail_polls_layer1": rr.overlay_counters().get(f"layer{rr.layer_id}_join_tail_polls"),
             # the launch graphs of both layers in the timed rounds (replays = graph launches)
-            "launch_graphs": {k: round(sum(o.embed_tokens._dsv41.graphs.counters[k] - g[k] for o, g in zip(ovl, g0, strict=False)), 4)
-                              for k in ("replays", "captures", "failures", "capture_s")},
+            "launch_graphs": {
+                k: round(sum(o.embed_tokens._dsv41.graphs.counters[k] - g[k] for o, g in zip(ovl, g0, strict=False)), 4)
+                for k in ("replays", "captures", "failures", "capture_s")
+            },
             # a multi-piece job's piece graphs: captured by Python after the first
             # chunk of a size (warm-up), launched by the C++ core (native_launches), so replays stay 0
-            "piece_graphs": {k: round(sum(o.embed_tokens._dsv41.pieces.counters[k] - g[k] for o, g in zip(ovl, p0, strict=False)), 4)
-                             for k in ("captures", "failures", "capture_s")},
+            "piece_graphs": {
+                k: round(sum(o.embed_tokens._dsv41.pieces.counters[k] - g[k] for o, g in zip(ovl, p0, strict=False)), 4)
+                for k in ("captures", "failures", "capture_s")
+            },
             "piece_graphs_held": sum(len(o.embed_tokens._dsv41.pieces._graphs) for o in ovl),
             # the GPU-side join, both layers, timed rounds and the checks after them:
             # jobs joined on the GPU, filled from the local rows in C++, taken over by the watchdog
-            "gpu_join": {k: v - gj0.get(k, 0) for k, v in gj_counters(ovl).items()}}
+            "gpu_join": {k: v - gj0.get(k, 0) for k, v in gj_counters(ovl).items()},
+        }
         if prefill:
             fetch = row["overlay_worker"]["fetch_ms_per_job"]  # a job = one layer's pieces
             row["prefill_check"] = {
                 "layer14_stall_ms": row["overlay"]["stall_ms_median"]["14"],
                 "layer1_stall_ms": row["overlay"]["stall_ms_median"]["1"],
-                "fetch_ms_per_layer": fetch, "layer0_ms": args.prefill_layer_ms,
+                "fetch_ms_per_layer": fetch,
+                "layer0_ms": args.prefill_layer_ms,
                 "layer1_bound_ms": round(fetch - args.prefill_layer_ms, 3),
                 "layer1_within_bound": row["overlay"]["stall_ms_median"]["1"] <= fetch - args.prefill_layer_ms,
-                "exposed_total_ms": row["overlay_minus_none_ms"]}
+                "exposed_total_ms": row["overlay_minus_none_ms"],
+            }
             row["layer0_ms_measured_median"] = {arm: round(float(np.median(v)), 3) for arm, v in l0_ms.items() if v}
             if phases:
                 row["prefill_paired"] = P.paired(phases, fetch14)
-            row["phase_traces_refused"] = bad_traces[:5] + ([f"... {len(bad_traces)} in all"] if len(bad_traces) > 5 else [])
+            row["phase_traces_refused"] = bad_traces[:5] + (
+                [f"... {len(bad_traces)} in all"] if len(bad_traces) > 5 else []
+            )
         results.append(row)
         print(json.dumps(row), flush=True)
         del fw
     c1 = {k: v for k, v in src.counters().items() if isinstance(v, (int, float))}
-    out["row_source_counters"] = {k: c1[k] - c0.get(k, 0) for k in
-                                  ("lookups", "rows", "remote_rows", "fallbacks", "transport_errors",
-                                   "deadline_exceeded", "refusals", "reconnects")}
+    out["row_source_counters"] = {
+        k: c1[k] - c0.get(k, 0)
+        for k in (
+            "lookups",
+            "rows",
+            "remote_rows",
+            "fallbacks",
+            "transport_errors",
+            "deadline_exceeded",
+            "refusals",
+            "reconnects",
+        )
+    }
     out["results"] = results
     out["all_bit_exact"] = exact
     out["drafter_seam"] = Q.drafter_seam(torch)
     if args.kill_server:
         out["kill"] = kill_server(torch, srv, own, ovl, hash_buf, layout, a, rng, dec_layers, capture, src)
         if args.prefill:  # prefill chunks with the server dead (the GPU-side join's local fill)
-            out["kill"]["prefill_after"] = prefill_after_kill(torch, own, ovl, hash_buf, layout, rng, pre_layers,
-                                                              args.prefill, src)
+            out["kill"]["prefill_after"] = prefill_after_kill(
+                torch, own, ovl, hash_buf, layout, rng, pre_layers, args.prefill, src
+            )
             out["kill"]["ok"] = out["kill"]["ok"] and out["kill"]["prefill_after"]["rows_bit_exact"]
             # the server back on its port, then killed while a GPU-joined chunk is fetched
-            out["kill"]["mid_prefill"] = kill_mid_prefill(torch, restart, own, ovl, hash_buf, layout, rng, pre_layers,
-                                                          args.prefill, src)
+            out["kill"]["mid_prefill"] = kill_mid_prefill(
+                torch, restart, own, ovl, hash_buf, layout, rng, pre_layers, args.prefill, src
+            )
             out["kill"]["ok"] = out["kill"]["ok"] and out["kill"]["mid_prefill"]["ok"]
         out["kill"]["vs_local"] = kill_ratios(out["kill"], results, args.target_dead_ratio)
     return out

@@ -55,9 +55,14 @@ def prefill_after_kill(torch, own, ovl, hash_buf, layout, rng, layers, t: int, s
     for _ in range(3):
         ok &= timed_exact_step(torch, f_o, f_u, hash_buf, layout, rng, t, own, ovl, times)
     c1 = {k: v for k, v in src.counters().items() if isinstance(v, (int, float))}
-    return {"steps": 3, "tokens": t, "rows_bit_exact": ok, "step_ms": [round(x, 3) for x in times],
-            "gpu_join": {k: v - g0.get(k, 0) for k, v in gj_counters(ovl).items()},
-            "counters": {k: c1[k] - c0.get(k, 0) for k in ("fallbacks", "transport_errors", "lookups")}}
+    return {
+        "steps": 3,
+        "tokens": t,
+        "rows_bit_exact": ok,
+        "step_ms": [round(x, 3) for x in times],
+        "gpu_join": {k: v - g0.get(k, 0) for k, v in gj_counters(ovl).items()},
+        "counters": {k: c1[k] - c0.get(k, 0) for k in ("fallbacks", "transport_errors", "lookups")},
+    }
 
 
 def timed_exact_step(torch, f_o, f_u, hash_buf, layout, rng, t: int, own, ovl, times: list) -> bool:
@@ -72,22 +77,42 @@ def timed_exact_step(torch, f_o, f_u, hash_buf, layout, rng, t: int, own, ovl, t
     ro = [e.staged_rows[:t].clone() for e in ovl]
     f_u()
     torch.cuda.synchronize()
-    return all(bool(torch.equal(x.view(torch.int16), e.staged_rows[:t].view(torch.int16))) for x, e in zip(ro, own, strict=False))
+    return all(
+        bool(torch.equal(x.view(torch.int16), e.staged_rows[:t].view(torch.int16)))
+        for x, e in zip(ro, own, strict=False)
+    )
 
 
 def step_ids(torch, rng, t: int, layout, own):
     """int32 [t, n_layers, 24] on the GPU: each Engram layer's ids drawn around its own rank range."""
-    per = [Q.random_ids(rng, t, layout, li, e.embed_tokens.n_hash_cols, e.embed_tokens.vocab_start_idx,
-                        e.embed_tokens.vocab_end_idx) for li, e in enumerate(own)]
+    per = [
+        Q.random_ids(
+            rng, t, layout, li, e.embed_tokens.n_hash_cols, e.embed_tokens.vocab_start_idx, e.embed_tokens.vocab_end_idx
+        )
+        for li, e in enumerate(own)
+    ]
     return torch.from_numpy(np.stack(per, axis=1)).cuda()
-
 
 
 #: Worker counters whose change over the kill's steps shows where a step's fallback time goes
 #: (issue 47): the C++ core's local fill, Python's share, the probe.
-KILL_WORKER_KEYS = ("jobs", "native_jobs", "native_local_jobs", "native_local_batches", "native_local_rows",
-                    "native_local_s", "native_fetch_s", "native_requests", "native_offers_adopted", "fetch_s",
-                    "host_s", "wake_s", "local_fills_after_failure", "lease_probes_offered", "native_idle_spins")
+KILL_WORKER_KEYS = (
+    "jobs",
+    "native_jobs",
+    "native_local_jobs",
+    "native_local_batches",
+    "native_local_rows",
+    "native_local_s",
+    "native_fetch_s",
+    "native_requests",
+    "native_offers_adopted",
+    "fetch_s",
+    "host_s",
+    "wake_s",
+    "local_fills_after_failure",
+    "lease_probes_offered",
+    "native_idle_spins",
+)
 
 
 def python_local_read_ms(src, ovl, t: int, reps: int = 10) -> dict:
@@ -103,8 +128,12 @@ def python_local_read_ms(src, ovl, t: int, reps: int = 10) -> dict:
             ids = rng.integers(rr.vocab_start, rr.vocab_end, t * rr.part).astype(np.int64)
             src.local.lookup(rr.layer_id, ids)
         times.append((time.perf_counter() - t0) * 1e3)
-    return {"median": round(float(np.median(times)), 3), "max": round(max(times), 3), "reps": reps,
-            "rows_per_layer": t * ovl[0].embed_tokens._dsv41.part}
+    return {
+        "median": round(float(np.median(times)), 3),
+        "max": round(max(times), 3),
+        "reps": reps,
+        "rows_per_layer": t * ovl[0].embed_tokens._dsv41.part,
+    }
 
 
 def kill_server(torch, srv, own, ovl, hash_buf, layout, a, rng, layers, capture, src) -> dict:
@@ -134,21 +163,29 @@ def kill_server(torch, srv, own, ovl, hash_buf, layout, a, rng, layers, capture,
     dw = {k: w1.get(k, 0) - w0.get(k, 0) for k in KILL_WORKER_KEYS}
     jobs = max(1, dw["jobs"])
     worker = {k: (round(v * 1e3 / jobs, 4) if k.endswith("_s") else v) for k, v in dw.items()}
-    return {"ok": ok, "killed_after_step": killed_at, "steps": 40, "rows_bit_exact": ok,
-            "step_ms_before_kill_median": round(float(np.median(times[:10])), 3),
-            "step_ms_kill_step": round(times[10], 3), "step_ms_after_median": round(float(np.median(times[11:])), 3),
-            "step_ms_max": round(max(times), 3),
-            "counters": {k: c1[k] - c0.get(k, 0) for k in ("fallbacks", "transport_errors", "remote_rows",
-                                                             "deadline_exceeded", "lookups")},
-            "worker_refusals": rr.counters["worker_refusals"], "handoff_timeouts": rr.counters["handoff_timeouts"],
-            "worker_after_kill": {"steps": 29, "note": "*_s keys: ms per job", **worker},
-            "python_local_read_ms": python_local_read_ms(src, ovl, t)}
+    return {
+        "ok": ok,
+        "killed_after_step": killed_at,
+        "steps": 40,
+        "rows_bit_exact": ok,
+        "step_ms_before_kill_median": round(float(np.median(times[:10])), 3),
+        "step_ms_kill_step": round(times[10], 3),
+        "step_ms_after_median": round(float(np.median(times[11:])), 3),
+        "step_ms_max": round(max(times), 3),
+        "counters": {
+            k: c1[k] - c0.get(k, 0)
+            for k in ("fallbacks", "transport_errors", "remote_rows", "deadline_exceeded", "lookups")
+        },
+        "worker_refusals": rr.counters["worker_refusals"],
+        "handoff_timeouts": rr.counters["handoff_timeouts"],
+        "worker_after_kill": {"steps": 29, "note": "*_s keys: ms per job", **worker},
+        "python_local_read_ms": python_local_read_ms(src, ovl, t),
+    }
 
 
-
-
-def kill_mid_prefill(torch, restart, own, ovl, hash_buf, layout, rng, layers, t: int, src,
-                     delays_ms=(3.0, 25.0, 60.0)) -> dict:
+def kill_mid_prefill(
+    torch, restart, own, ovl, hash_buf, layout, rng, layers, t: int, src, delays_ms=(3.0, 25.0, 60.0)
+) -> dict:
     """A table server SIGKILLed while a GPU-joined ``t``-token prefill chunk is fetched.
     For each delay (ms after the step's start; the layer-1 fetch of a 32K chunk takes ~39 ms,
     layer 14's follows it): ``restart()`` starts the server again on its port (returns the
@@ -179,8 +216,12 @@ def kill_mid_prefill(torch, restart, own, ovl, hash_buf, layout, rng, layers, t:
             if c1["remote_rows"] > c0["remote_rows"] and g1.get("gj_fallback_jobs", 0) == g0.get("gj_fallback_jobs", 0):
                 reconnected = True
                 break
-        case = {"delay_ms": delay, "reconnect_s": round(time.monotonic() - t0, 2), "reconnect_steps": steps,
-                "reconnected": reconnected}
+        case = {
+            "delay_ms": delay,
+            "reconnect_s": round(time.monotonic() - t0, 2),
+            "reconnect_steps": steps,
+            "reconnected": reconnected,
+        }
         c0, g0 = counts(), gj_counters(ovl)
         killed = {}
 
@@ -199,11 +240,16 @@ def kill_mid_prefill(torch, restart, own, ovl, hash_buf, layout, rng, layers, t:
             timer.join()
         srv.wait(timeout=10)
         c1, g1 = counts(), gj_counters(ovl)
-        case.update({"killed_at_ms": round((killed["at"] - step_t0) * 1e3, 2) if "at" in killed else None,
-                     "step_ms": round(times[0], 3), "rows_bit_exact": exact,
-                     "killed_during_step": "at" in killed and killed["at"] - step_t0 < times[0] / 1e3,
-                     "gpu_join": {k: v - g0.get(k, 0) for k, v in g1.items()},
-                     "counters": {k: c1[k] - c0[k] for k in keys}})
+        case.update(
+            {
+                "killed_at_ms": round((killed["at"] - step_t0) * 1e3, 2) if "at" in killed else None,
+                "step_ms": round(times[0], 3),
+                "rows_bit_exact": exact,
+                "killed_during_step": "at" in killed and killed["at"] - step_t0 < times[0] / 1e3,
+                "gpu_join": {k: v - g0.get(k, 0) for k, v in g1.items()},
+                "counters": {k: c1[k] - c0[k] for k in keys},
+            }
+        )
         ok &= exact and reconnected and case["killed_during_step"]
         cases.append(case)
     return {"ok": bool(ok), "tokens": t, "cases": cases}

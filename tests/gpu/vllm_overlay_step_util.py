@@ -20,7 +20,7 @@ class Layer:
     def __init__(self, torch, n: int, m: int = 4096, k: int = 4096) -> None:
         self.n = n
         g = torch.Generator(device="cuda").manual_seed(1)
-        self.w = (torch.randn((k, k), device="cuda", dtype=torch.bfloat16, generator=g) / k ** 0.5)
+        self.w = torch.randn((k, k), device="cuda", dtype=torch.bfloat16, generator=g) / k**0.5
         self.a = torch.randn((m, k), device="cuda", dtype=torch.bfloat16, generator=g)
         self.b = torch.empty_like(self.a)
         self.torch = torch
@@ -56,8 +56,9 @@ class Forward:
         self.torch, self.engrams, self.hash_buf, self.t = torch, engrams, hash_buf, t
         self.layers, self.engram_at, self.graphs = layers, engram_at, graphs
         self.sink = torch.zeros((), device="cuda", dtype=torch.float32)
-        self.stall = {li: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                      for li in engram_at}
+        self.stall = {
+            li: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for li in engram_at
+        }
         # eager steps (the prefill chunk): layer 0 between two main-stream events, and the
         # launching thread's host times (time.monotonic_ns) around the starts and the joins
         self.l0 = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -141,8 +142,10 @@ def pct(xs, q):
 def build_engrams(eng, vl, mcfg, torch, stream):
     cfg = Q.ns(hidden_size=64, hc_mult=4, rms_norm_eps=1e-6, **vars(mcfg))
     with torch.device("cuda"):
-        return [eng.Engram(cfg, None, vl, li, False, f"model.layers.{vl.layer_ids[li]}.engram",
-                           prefetch_stream=stream) for li in range(len(vl.layer_ids))]
+        return [
+            eng.Engram(cfg, None, vl, li, False, f"model.layers.{vl.layer_ids[li]}.engram", prefetch_stream=stream)
+            for li in range(len(vl.layer_ids))
+        ]
 
 
 def check_rows(torch, fw, sets, hash_buf, t, own, ovl) -> dict:

@@ -37,9 +37,13 @@ class _Mode:
         self.name = name
 
 
-CFG = ns(scheduler_config=ns(max_num_batched_tokens=32768, max_num_seqs=64),
-         engram_config=ns(cpu_offload=True, dp_shared_memory=False, use_thp=False),
-         compilation_config=ns(cudagraph_mode=_Mode("PIECEWISE")), additional_config={}, lora_config=None)
+CFG = ns(
+    scheduler_config=ns(max_num_batched_tokens=32768, max_num_seqs=64),
+    engram_config=ns(cpu_offload=True, dp_shared_memory=False, use_thp=False),
+    compilation_config=ns(cudagraph_mode=_Mode("PIECEWISE")),
+    additional_config={},
+    lora_config=None,
+)
 
 
 def uva_view(cpu_tensor):
@@ -85,16 +89,23 @@ def load_vllm_engram(src: Path):
     sys.path.insert(0, str(src))
     os.environ.setdefault("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
     fallbacks = {
-        "vllm.compilation.breakable_cudagraph": {"eager_break_during_capture": lambda f: f,
-                                                 "is_breakable_cudagraph_enabled": lambda: True},
+        "vllm.compilation.breakable_cudagraph": {
+            "eager_break_during_capture": lambda f: f,
+            "is_breakable_cudagraph_enabled": lambda: True,
+        },
         "vllm.config": {"VllmConfig": object, "get_current_vllm_config": lambda: CFG},
-        "vllm.distributed": {"get_dp_group": lambda: None, "get_engram_dp_group": lambda: None,
-                             "get_engram_dp_size": lambda: 1,
-                             "get_tensor_model_parallel_rank": lambda: SIM["rank"],
-                             "get_tensor_model_parallel_world_size": lambda: SIM["tp"],
-                             "tensor_model_parallel_all_gather": lambda x, dim=-1: x},
-        "vllm.distributed.device_communicators.shm_broadcast": {"SHM_PATH": "/dev/shm",
-                                                                "check_shm_free_space": lambda *a, **k: None},
+        "vllm.distributed": {
+            "get_dp_group": lambda: None,
+            "get_engram_dp_group": lambda: None,
+            "get_engram_dp_size": lambda: 1,
+            "get_tensor_model_parallel_rank": lambda: SIM["rank"],
+            "get_tensor_model_parallel_world_size": lambda: SIM["tp"],
+            "tensor_model_parallel_all_gather": lambda x, dim=-1: x,
+        },
+        "vllm.distributed.device_communicators.shm_broadcast": {
+            "SHM_PATH": "/dev/shm",
+            "check_shm_free_space": lambda *a, **k: None,
+        },
         "vllm.distributed.parallel_state": {"GroupCoordinator": object, "in_the_same_node_as": lambda *a, **k: [True]},
         "vllm.forward_context": {"get_forward_context": lambda: None, "is_forward_context_available": lambda: False},
         "vllm.logger": {"init_logger": logging.getLogger},
@@ -102,13 +113,23 @@ def load_vllm_engram(src: Path):
         "vllm.model_executor.layers.linear": {"ColumnParallelLinear": StubLinear},
         "vllm.model_executor.layers.quantization": {"QuantizationConfig": object},
         "vllm.model_executor.layers.quantization.utils.quant_utils": {"kMxfp8Dynamic": None},
-        "vllm.model_executor.utils": {"set_weight_attrs": lambda p, a: [setattr(p, k, v) for k, v in (a or {}).items()]},
-        "vllm.models.deepseek_v41.common.ops.query_quant": {"can_fuse_query_quant": lambda *a: False,
-                                                            "mxfp8_scale_bytes": lambda *a: 0,
-                                                            "mxfp8_scale_offset": None},
-        "vllm.platforms": {"current_platform": ns(is_cuda=lambda: True, is_rocm=lambda: False,
-                                                  is_cuda_alike=lambda: True, is_xpu=lambda: False,
-                                                  is_device_capability_family=lambda *a: False)},
+        "vllm.model_executor.utils": {
+            "set_weight_attrs": lambda p, a: [setattr(p, k, v) for k, v in (a or {}).items()]
+        },
+        "vllm.models.deepseek_v41.common.ops.query_quant": {
+            "can_fuse_query_quant": lambda *a: False,
+            "mxfp8_scale_bytes": lambda *a: 0,
+            "mxfp8_scale_offset": None,
+        },
+        "vllm.platforms": {
+            "current_platform": ns(
+                is_cuda=lambda: True,
+                is_rocm=lambda: False,
+                is_cuda_alike=lambda: True,
+                is_xpu=lambda: False,
+                is_device_capability_family=lambda *a: False,
+            )
+        },
         "vllm.triton_utils": {"tl": triton.language, "triton": triton},
         "vllm.utils.platform_utils": {"is_uva_available": lambda: True},
         "vllm.utils.torch_utils": {"get_accelerator_view_from_cpu_tensor": uva_view},
@@ -124,8 +145,12 @@ def load_vllm_engram(src: Path):
             for m in set(sys.modules) - before:
                 if m.startswith("vllm") and m != "vllm":
                     sys.modules.pop(m, None)
-            _stub_module(name, attrs, f"import failed under torch {torch.__version__}: {type(exc).__name__}: "
-                                      f"{str(exc)[:160]}", src)
+            _stub_module(
+                name,
+                attrs,
+                f"import failed under torch {torch.__version__}: {type(exc).__name__}: {str(exc)[:160]}",
+                src,
+            )
     for pkg in ("vllm.models", "vllm.models.deepseek_v41", "vllm.models.deepseek_v41.common"):
         before = set(sys.modules)
         try:
@@ -136,13 +161,13 @@ def load_vllm_engram(src: Path):
             mod = types.ModuleType(pkg)
             mod.__path__ = [str(src / pkg.replace(".", "/"))]
             sys.modules[pkg] = mod
-            STUBS[pkg] = (f"package __init__ not run (engram.py itself is): {type(exc).__name__}: "
-                          f"{str(exc)[:160]}")
+            STUBS[pkg] = f"package __init__ not run (engram.py itself is): {type(exc).__name__}: {str(exc)[:160]}"
     eng = importlib.import_module("vllm.models.deepseek_v41.common.engram")
     # Always replaced: vLLM's compiled extension and the process-group world.
     eng.get_accelerator_view_from_cpu_tensor = uva_view
     STUBS["engram.get_accelerator_view_from_cpu_tensor"] = (
-        "vLLM compiled extension (torch.ops._C.get_cuda_view_from_cpu_tensor): CuPy alias of the same UVA address")
+        "vLLM compiled extension (torch.ops._C.get_cuda_view_from_cpu_tensor): CuPy alias of the same UVA address"
+    )
     eng.get_current_vllm_config = lambda: CFG
     STUBS["engram.get_current_vllm_config"] = "VllmConfig of a served model (needs the whole engine): a namespace"
     eng.get_tensor_model_parallel_rank = lambda: SIM["rank"]
@@ -183,22 +208,40 @@ def transport_impl(env: dict) -> dict[str, str]:
     of a process started with ``env`` (the table server's)."""
     from dsv41.transport import native
 
-    srv = subprocess.run([sys.executable, "-c", "from dsv41.transport import native; print(native.implementation())"],
-                         env=env, capture_output=True, text=True, timeout=60)
+    srv = subprocess.run(
+        [sys.executable, "-c", "from dsv41.transport import native; print(native.implementation())"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return {"client": native.implementation(), "server": srv.stdout.strip() or f"unknown ({srv.stderr[-200:]})"}
 
 
 def small_config(vocab: int) -> dict:
-    return {"engram_layer_ids": [1, 14], "engram_max_ngram_size": 4, "engram_vocab_size": vocab,
-            "engram_n_heads": 8, "engram_head_dim": 256, "engram_pad_token_id": 2,
-            "engram_compressed_vocab_size": 229, "vocab_size": 260}
+    return {
+        "engram_layer_ids": [1, 14],
+        "engram_max_ngram_size": 4,
+        "engram_vocab_size": vocab,
+        "engram_n_heads": 8,
+        "engram_head_dim": 256,
+        "engram_pad_token_id": 2,
+        "engram_compressed_vocab_size": 229,
+        "vocab_size": 260,
+    }
 
 
 def vllm_layout(eng, layout):
-    cfg = ns(engram_layer_ids=layout.layer_ids, engram_num_embeddings=layout.rows,
-             engram_max_ngram_size=layout.max_ngram_size, engram_n_heads=layout.n_heads,
-             engram_head_dim=layout.head_dim, engram_compressed_vocab_size=layout.compressed_vocab_size,
-             engram_pad_token_id=layout.pad_token_id, engram_vocab_size=layout.vocab_sizes[0])
+    cfg = ns(
+        engram_layer_ids=layout.layer_ids,
+        engram_num_embeddings=layout.rows,
+        engram_max_ngram_size=layout.max_ngram_size,
+        engram_n_heads=layout.n_heads,
+        engram_head_dim=layout.head_dim,
+        engram_compressed_vocab_size=layout.compressed_vocab_size,
+        engram_pad_token_id=layout.pad_token_id,
+        engram_vocab_size=layout.vocab_sizes[0],
+    )
     return eng.EngramLayout(cfg), cfg
 
 
@@ -247,7 +290,11 @@ def start(cmd: list[str], ready: Path, env: dict, timeout: float = 300.0) -> tup
             txt = ready.read_text().strip()
             try:
                 doc = json.loads(txt)
-                urls = doc.get("urls") or doc.get("listen") or [v for v in doc.values() if isinstance(v, str) and "://" in v]
+                urls = (
+                    doc.get("urls")
+                    or doc.get("listen")
+                    or [v for v in doc.values() if isinstance(v, str) and "://" in v]
+                )
                 url = urls[0] if isinstance(urls, list) else urls
             except json.JSONDecodeError:
                 url = txt
@@ -315,8 +362,13 @@ def warmup(torch, fw, hash_buf, sets, t: int, seconds: float, steps: int) -> dic
                 if arm == "none":
                     none_ms.append((time.perf_counter() - t0) * 1e3)
     d = max(1, len(none_ms) // 10)
-    return {"s": seconds, "tokens": t, "steps": n, "none_step_ms_first_tenth": round(float(np.median(none_ms[:d])), 3)
-            if none_ms else None, "none_step_ms_last_tenth": round(float(np.median(none_ms[-d:])), 3) if none_ms else None}
+    return {
+        "s": seconds,
+        "tokens": t,
+        "steps": n,
+        "none_step_ms_first_tenth": round(float(np.median(none_ms[:d])), 3) if none_ms else None,
+        "none_step_ms_last_tenth": round(float(np.median(none_ms[-d:])), 3) if none_ms else None,
+    }
 
 
 def drafter_seam(torch) -> dict:
@@ -353,14 +405,24 @@ def drafter_seam(torch) -> dict:
 
     k, H, V, n_reqs, max_len = 5, 4096, 129280, 8, 4096
     cls = D.speculator_class(Base)
-    rs = ns(total_len=ns(gpu=torch.randint(100, max_len, (n_reqs,), dtype=torch.int32, device="cuda")),
-              all_token_ids=ns(gpu=torch.randint(0, V, (n_reqs, max_len), dtype=torch.int32, device="cuda")))
-    vcfg = ns(speculative_config=ns(num_speculative_tokens=k, draft_model_config=ns(
-        hf_config=ns(dspark_target_layer_ids=[2, 3]))), scheduler_config=ns(max_num_seqs=16))
+    rs = ns(
+        total_len=ns(gpu=torch.randint(100, max_len, (n_reqs,), dtype=torch.int32, device="cuda")),
+        all_token_ids=ns(gpu=torch.randint(0, V, (n_reqs, max_len), dtype=torch.int32, device="cuda")),
+    )
+    vcfg = ns(
+        speculative_config=ns(
+            num_speculative_tokens=k, draft_model_config=ns(hf_config=ns(dspark_target_layer_ids=[2, 3]))
+        ),
+        scheduler_config=ns(max_num_seqs=16),
+    )
     spec = cls(vcfg, torch.device("cuda"), rs, tp_group=tpg, make_spec=lambda c: (Instant(), 3, 4))
     q = np.arange(0, 6 * (n_reqs + 1), 6)
-    batch = ns(num_reqs=n_reqs, query_start_loc_np=q, idx_mapping=torch.arange(n_reqs, device="cuda"),
-                 req_ids=[f"r{i}" for i in range(n_reqs)])
+    batch = ns(
+        num_reqs=n_reqs,
+        query_start_loc_np=q,
+        idx_mapping=torch.arange(n_reqs, device="cuda"),
+        req_ids=[f"r{i}" for i in range(n_reqs)],
+    )
     T = int(q[-1])
     aux = [torch.randn(T, H, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     ns_ = torch.full((n_reqs,), 6, device="cuda")
@@ -382,10 +444,16 @@ def drafter_seam(torch) -> dict:
     torch.cuda.synchronize()
     if dist.is_initialized():  # torch warns at exit ("destroy_process_group() was not called") when left open
         dist.destroy_process_group()
-    res.update(requests=n_reqs, k=k, hidden=H, propose_host_ms_median=round(float(np.median(whole)), 4),
-               propose_host_ms_p90=round(float(np.percentile(np.asarray(whole), 90)), 4), broadcast_host_ms_median=round(float(np.median(bcast)), 4),
-               note="propose = rank 0's hidden-state + tails copy to the host, the DraftInputs, an instant "
-                    "drafter, the drafts' H2D and broadcast; the broadcast alone timed apart")
+    res.update(
+        requests=n_reqs,
+        k=k,
+        hidden=H,
+        propose_host_ms_median=round(float(np.median(whole)), 4),
+        propose_host_ms_p90=round(float(np.percentile(np.asarray(whole), 90)), 4),
+        broadcast_host_ms_median=round(float(np.median(bcast)), 4),
+        note="propose = rank 0's hidden-state + tails copy to the host, the DraftInputs, an instant "
+        "drafter, the drafts' H2D and broadcast; the broadcast alone timed apart",
+    )
     return res
 
 

@@ -37,6 +37,7 @@ def pytest_collection_modifyitems(session, config, items):
     x86host, so in its managed files and service list) after every other shared-lab test, which
     compare the lab with the package and the service set that deploy.yml alone gives; the ones on
     the vLLM lab (``vllm_lab``: the Sparks switched to real vLLM) last of all."""
+
     def key(item) -> tuple[bool, bool, bool]:
         names = getattr(item, "fixturenames", ())
         vllm = "vllm_lab" in names  # asks for deployed_lab itself, at the switch
@@ -58,8 +59,15 @@ def lab_is_production() -> bool:
     """True when the lab's three hosts are up and ``dsv41 status`` calls them healthy (exit 0)."""
     if not all((LAB / f"{h}.pid").exists() for h in ("sparkhead", "sparkworker", "x86host")):
         return False
-    r = subprocess.run([str(BIN / "dsv41"), "status", "--window", "2"], cwd=ROOT, env=env(),
-                       capture_output=True, text=True, timeout=300, check=False)
+    r = subprocess.run(
+        [str(BIN / "dsv41"), "status", "--window", "2"],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     return r.returncode == 0
 
 

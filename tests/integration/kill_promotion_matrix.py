@@ -40,8 +40,14 @@ from promotionutil import (
 pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.lab_long, needs_lab]
 
 # every step a promote journals before `done`, and every step a rollback does
-PAIRS = [("verified", "verified"), ("held", "held"), ("begin", "begin"), ("applied", None), ("recorded", None),
-         ("pointer", None)]
+PAIRS = [
+    ("verified", "verified"),
+    ("held", "held"),
+    ("begin", "begin"),
+    ("applied", None),
+    ("recorded", None),
+    ("pointer", None),
+]
 
 
 def _converged(expect: str | None = None) -> str:
@@ -57,14 +63,19 @@ def _converged(expect: str | None = None) -> str:
     return pid
 
 
-@pytest.mark.parametrize("promote_step,rollback_step", PAIRS, ids=[f"promote_{a}-rollback_{b or 'none'}" for a, b in PAIRS])
+@pytest.mark.parametrize(
+    "promote_step,rollback_step", PAIRS, ids=[f"promote_{a}-rollback_{b or 'none'}" for a, b in PAIRS]
+)
 def test_kill_then_rerun_converges(deployed_lab, promote_step, rollback_step):
     p0 = _converged()
     before = listing()
     e, left = run_until_step(["promote.yml", *CANDIDATE], promote_step)
     d = json.loads(dsv41("package", "journal", "--path", str(JOURNAL), "--json").stdout)
-    print(f"\n[promotion] journal after the kill: {d['kind']} stopped after {d['last_step']}: "
-          f"re-run will {d['action']} to {d['package']}", flush=True)
+    print(
+        f"\n[promotion] journal after the kill: {d['kind']} stopped after {d['last_step']}: "
+        f"re-run will {d['action']} to {d['package']}",
+        flush=True,
+    )
     assert d["op"] == e["op"] and d["action"] in ("finish", "revert")
     at_start = alive(left)
     r = timed_play("promote.yml", *CANDIDATE)
@@ -75,8 +86,11 @@ def test_kill_then_rerun_converges(deployed_lab, promote_step, rollback_step):
     if rollback_step is not None:
         e, left = run_until_step(["playbooks/rollback.yml", "-e", "rollback_confirmation=yes"], rollback_step)
         d = json.loads(dsv41("package", "journal", "--path", str(JOURNAL), "--json").stdout)
-        print(f"\n[promotion] journal after the kill: {d['kind']} stopped after {d['last_step']}: "
-              f"re-run will {d['action']} to {d['package']}", flush=True)
+        print(
+            f"\n[promotion] journal after the kill: {d['kind']} stopped after {d['last_step']}: "
+            f"re-run will {d['action']} to {d['package']}",
+            flush=True,
+        )
         assert d["action"] == "finish" and d["package"] == p0, d
     else:
         left = []
@@ -109,12 +123,17 @@ WINDOW = ["window.yml", "-e", "candidate=slow-rows", "-e", f"window_spec={DRILL}
 ROLLBACK_TO = ["playbooks/rollback.yml", "-e", "rollback_confirmation=yes", "-e", "to={p0}"]
 # kill point -> the next run (window.yml replays on its own; promote.yml and rollback.yml replay
 # first, finding the killed window's run.pid through the windows_dir its journal `begin` names)
-WINDOW_KILLS = [("begin", ["window.yml", "-e", "restore_only=true", "-e", "windows_dir={wdir}"]), ("held", ROLLBACK_TO),
-                ("switch", ["promote.yml", *CANDIDATE]),
-                ("applied", ["window.yml", "-e", "candidate=aa", "-e", f"window_spec={DRILL}", "-e", "windows_dir={wdir}"])]
+WINDOW_KILLS = [
+    ("begin", ["window.yml", "-e", "restore_only=true", "-e", "windows_dir={wdir}"]),
+    ("held", ROLLBACK_TO),
+    ("switch", ["promote.yml", *CANDIDATE]),
+    ("applied", ["window.yml", "-e", "candidate=aa", "-e", f"window_spec={DRILL}", "-e", "windows_dir={wdir}"]),
+]
 
 
-@pytest.mark.parametrize("kill_step,next_run", WINDOW_KILLS, ids=[f"window_killed_{k}-then_{n[0].split('/')[-1]}" for k, n in WINDOW_KILLS])
+@pytest.mark.parametrize(
+    "kill_step,next_run", WINDOW_KILLS, ids=[f"window_killed_{k}-then_{n[0].split('/')[-1]}" for k, n in WINDOW_KILLS]
+)
 def test_window_killed_then_next_run_restores(deployed_lab, tmp_path, kill_step, next_run):
     p0 = _converged()
     before = listing()
@@ -122,8 +141,11 @@ def test_window_killed_then_next_run_restores(deployed_lab, tmp_path, kill_step,
     # window.yml's run and its worker: run.pid and stop-run (harness/window_pid.py), not asserted here
     e, _ = run_until_step([a.format(**fill) for a in WINDOW], kill_step, timeout=900)
     d = json.loads(dsv41("package", "journal", "--path", str(JOURNAL), "--json").stdout)
-    print(f"\n[promotion] journal after the kill: {d['kind']} stopped after {d['last_step']}: "
-          f"re-run will {d['action']} to {d['package']}", flush=True)
+    print(
+        f"\n[promotion] journal after the kill: {d['kind']} stopped after {d['last_step']}: "
+        f"re-run will {d['action']} to {d['package']}",
+        flush=True,
+    )
     # the window's package is production's own (undrifted): every kill point restores to it
     assert d["op"] == e["op"] and d["kind"] == "window" and (d["action"], d["package"]) == ("finish", p0), d
     assert d["windows_dir"] == str(fill["wdir"])

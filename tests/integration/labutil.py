@@ -23,7 +23,8 @@ API = "http://198.18.0.11:8000"
 
 needs_lab = pytest.mark.skipif(
     os.geteuid() != 0 or not all(shutil.which(c) for c in ("ip", "nsenter", "unshare")),
-    reason="needs root, iproute2 and util-linux for the lab's network namespaces")
+    reason="needs root, iproute2 and util-linux for the lab's network namespaces",
+)
 
 
 #: The controller's operator credential (roles/dsv41 tasks/credential.yml writes it once, the deploy
@@ -62,12 +63,14 @@ def post(url: str, **kw):
 
 def env(extra: dict | None = None) -> dict:
     """The environment for the project's tools: the venv first on PATH, no colours."""
-    return dict(os.environ, ANSIBLE_FORCE_COLOR="0", NO_COLOR="1", PATH=f"{BIN}:{os.environ.get('PATH', '')}",
-                **(extra or {}))
+    return dict(
+        os.environ, ANSIBLE_FORCE_COLOR="0", NO_COLOR="1", PATH=f"{BIN}:{os.environ.get('PATH', '')}", **(extra or {})
+    )
 
 
-def play(playbook: str, *args: str, env_extra: dict | None = None, user: int | None = None,
-         timeout: int = 600) -> subprocess.CompletedProcess:
+def play(
+    playbook: str, *args: str, env_extra: dict | None = None, user: int | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess:
     """``ansible-playbook PLAYBOOK ARGS`` from the checkout; ``user`` runs it in a new user
     namespace without a uid map (the overflow uid, no capabilities)."""
     cmd = [str(BIN / "ansible-playbook"), playbook, *args]
@@ -79,8 +82,15 @@ def play(playbook: str, *args: str, env_extra: dict | None = None, user: int | N
     # Its own session, so a timeout ends ansible-playbook's whole process group (its forks and the
     # commands they run), not only the main process: a forked worker left behind would go on
     # changing the lab under the next test.
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(env_extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env(env_extra),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -166,8 +176,9 @@ def inside(host: str, *cmd: str, check: bool = True, timeout: int = 120) -> subp
     pid 1, whose pid the lab writes to ``LAB/<host>.pid``), as a process started by that systemd
     would see the host."""
     pid = (LAB / f"{host}.pid").read_text().strip()
-    return subprocess.run(["nsenter", "-t", pid, "-a", "--", *cmd],
-                          capture_output=True, text=True, check=check, timeout=timeout)
+    return subprocess.run(
+        ["nsenter", "-t", pid, "-a", "--", *cmd], capture_output=True, text=True, check=check, timeout=timeout
+    )
 
 
 def host_path(host: str, path: str) -> Path:

@@ -19,14 +19,18 @@ INV = "inventories/sim"
 SPARKS = ("sparkhead", "sparkworker")
 MGMT = {"sparkhead": "198.18.0.11", "sparkworker": "198.18.0.12", "x86host": "198.18.0.13"}
 #: The systemd units deploy.yml runs on each host of the lab.
-UNITS = {"x86host": ("dsv41-engram-server", "dsv41-drafter"), "sparkhead": ("dsv41-serve",),
-         "sparkworker": ("dsv41-serve",)}
+UNITS = {
+    "x86host": ("dsv41-engram-server", "dsv41-drafter"),
+    "sparkhead": ("dsv41-serve",),
+    "sparkworker": ("dsv41-serve",),
+}
 
 #: The skip rule of every nspawn test: the machine kind's hybrid cgroup layout (docs/lab.md).
 needs_hybrid_cgroups = pytest.mark.skipif(
     not Path("/sys/fs/cgroup/unified/cgroup.procs").exists()
     or not Path("/sys/fs/cgroup/systemd/cgroup.procs").exists(),
-    reason="the nspawn lab needs the hybrid cgroup layout of the CI machine kind")
+    reason="the nspawn lab needs the hybrid cgroup layout of the CI machine kind",
+)
 
 
 def changed(out: str) -> int:
@@ -42,8 +46,9 @@ def recap(out: str) -> dict[str, dict[str, int]]:
     return res
 
 
-def ansible(pattern: str, module: str, args: str | None = None, *extra: str,
-            timeout: int = 300) -> subprocess.CompletedProcess:
+def ansible(
+    pattern: str, module: str, args: str | None = None, *extra: str, timeout: int = 300
+) -> subprocess.CompletedProcess:
     """``ansible PATTERN -i inventories/sim -m MODULE [-a ARGS] EXTRA`` (over ssh)."""
     cmd = [str(BIN / "ansible"), pattern, "-i", INV, "-m", module, *(["-a", args] if args else []), *extra]
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
@@ -111,8 +116,15 @@ def deploy(*args: str, timeout: int = 1500) -> tuple[subprocess.CompletedProcess
 def status_json(window: float = 2) -> tuple[int, dict]:
     """``dsv41 status --json`` on the lab: its exit code and report (``{"reasons": [stdout, stderr]}``
     when the output is not JSON)."""
-    r = subprocess.run([str(BIN / "dsv41"), "status", "-i", INV, "--json", "--window", str(window)], cwd=ROOT,
-                       env=env(), capture_output=True, text=True, timeout=300, check=False)
+    r = subprocess.run(
+        [str(BIN / "dsv41"), "status", "-i", INV, "--json", "--window", str(window)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     try:
         return r.returncode, json.loads(r.stdout)
     except json.JSONDecodeError:
@@ -131,7 +143,9 @@ def engram_counts() -> dict[str, dict[str, int]]:
 
 def complete(i: int, client: httpx.Client) -> None:
     """One 4-token completion on rank 0's API (asserted 200)."""
-    r = client.post(f"{API}/v1/completions", json={"model": "dsv41-lab", "prompt": f"systemd probe {i} ", "max_tokens": 4})
+    r = client.post(
+        f"{API}/v1/completions", json={"model": "dsv41-lab", "prompt": f"systemd probe {i} ", "max_tokens": 4}
+    )
     assert r.status_code == 200, r.text
 
 

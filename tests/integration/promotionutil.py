@@ -47,13 +47,20 @@ def listing() -> dict[str, dict[str, str]]:
     spec = yaml.safe_load((ROOT / "roles/dsv41/defaults/main.yml").read_text())["dsv41_managed_paths"]
     out = {}
     for h in HOSTS:
-        r = inside(h, "sh", "-c", "find " + " ".join(s["path"] for s in spec)
-                   + " -type f -exec sha256sum {} + 2>/dev/null", check=False)
+        r = inside(
+            h,
+            "sh",
+            "-c",
+            "find " + " ".join(s["path"] for s in spec) + " -type f -exec sha256sum {} + 2>/dev/null",
+            check=False,
+        )
         files = {}
         for line in r.stdout.splitlines():
             sha, path = line.split(None, 1)
             for s in spec:
-                if path.startswith(s["path"] + "/") and any(fnmatch.fnmatch(os.path.basename(path), p) for p in s["patterns"]):
+                if path.startswith(s["path"] + "/") and any(
+                    fnmatch.fnmatch(os.path.basename(path), p) for p in s["patterns"]
+                ):
                     files[path] = sha
         out[h] = files
     return out
@@ -72,8 +79,10 @@ def dsv41(*args: str) -> subprocess.CompletedProcess:
 
 def recap_changed(out: str) -> dict[str, int]:
     """``{host: changed}`` from the PLAY RECAP of an ansible-playbook run."""
-    tail = out[out.rindex("PLAY RECAP"):]
-    return {line.split()[0]: int(line.split("changed=")[1].split()[0]) for line in tail.splitlines() if "changed=" in line}
+    tail = out[out.rindex("PLAY RECAP") :]
+    return {
+        line.split()[0]: int(line.split("changed=")[1].split()[0]) for line in tail.splitlines() if "changed=" in line
+    }
 
 
 def assert_verified_production() -> str:
@@ -84,8 +93,11 @@ def assert_verified_production() -> str:
     assert r.returncode == 0, r.stderr
     files = listing()
     assert files == package_listing(pid)
-    print(f"\n[promotion] production {pid}: {r.stdout.strip()}; sha256 listing equals the record "
-          f"({', '.join(f'{h} {len(files[h])} files' for h in HOSTS)})", flush=True)
+    print(
+        f"\n[promotion] production {pid}: {r.stdout.strip()}; sha256 listing equals the record "
+        f"({', '.join(f'{h} {len(files[h])} files' for h in HOSTS)})",
+        flush=True,
+    )
     return pid
 
 
@@ -93,7 +105,9 @@ def timed_play(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """``play(*args, timeout=timeout)``, printing its wall time."""
     t0 = time.monotonic()
     r = play(*args, timeout=timeout)
-    print(f"\n[promotion] ansible-playbook {' '.join(args)}: rc {r.returncode}, {time.monotonic() - t0:.1f} s", flush=True)
+    print(
+        f"\n[promotion] ansible-playbook {' '.join(args)}: rc {r.returncode}, {time.monotonic() - t0:.1f} s", flush=True
+    )
     return r
 
 
@@ -116,8 +130,14 @@ def run_until_step(playbook_args: list[str], step: str, timeout: float = 600) ->
     the kill (its Ansible workers, which call ``setsid()``, and what they run; ``labutil.sigkill_group``)."""
     n0 = len(JOURNAL.read_text().splitlines()) if JOURNAL.exists() else 0
     t0 = time.monotonic()
-    proc = subprocess.Popen([str(BIN / "ansible-playbook"), *playbook_args], cwd=ROOT, env=env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(BIN / "ansible-playbook"), *playbook_args],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
@@ -130,9 +150,12 @@ def run_until_step(playbook_args: list[str], step: str, timeout: float = 600) ->
                 if e["step"] == step:
                     _await_a_task(proc, n0 + len(lines))
                     left = sigkill_group(proc)
-                    print(f"\n[promotion] SIGKILL ansible-playbook {' '.join(playbook_args)} at journal step "
-                          f"{step} ({e['op']}) after {time.monotonic() - t0:.1f} s; {len(left)} of its processes "
-                          f"outlived the kill: {_described(left)}", flush=True)
+                    print(
+                        f"\n[promotion] SIGKILL ansible-playbook {' '.join(playbook_args)} at journal step "
+                        f"{step} ({e['op']}) after {time.monotonic() - t0:.1f} s; {len(left)} of its processes "
+                        f"outlived the kill: {_described(left)}",
+                        flush=True,
+                    )
                     return e, left
             assert proc.poll() is None, f"{playbook_args} ended (rc {proc.returncode}) before journal step {step}"
             time.sleep(0.2)
@@ -207,8 +230,13 @@ def assert_none_outlived(left: list, rerun: subprocess.CompletedProcess, killed:
     while survivors and time.monotonic() - t0 < OUTLIVE_GRACE_S:
         time.sleep(1)
         survivors = alive(survivors)
-    print(f"\n[promotion] after the re-run of the killed {killed}: {len(left)} process(es) had outlived the kill, "
-          f"{len(at_start)} alive when the re-run started ({_described(at_start)}), {at_end} alive when it ended, "
-          f"{len(survivors)} after {time.monotonic() - t0:.0f} s more; the re-run said: "
-          f"{' | '.join(ended) or 'nothing ended'}", flush=True)
-    assert not survivors, f"{len(survivors)} process(es) of the SIGKILLed {killed} outlived its re-run: {_described(survivors)}"
+    print(
+        f"\n[promotion] after the re-run of the killed {killed}: {len(left)} process(es) had outlived the kill, "
+        f"{len(at_start)} alive when the re-run started ({_described(at_start)}), {at_end} alive when it ended, "
+        f"{len(survivors)} after {time.monotonic() - t0:.0f} s more; the re-run said: "
+        f"{' | '.join(ended) or 'nothing ended'}",
+        flush=True,
+    )
+    assert not survivors, (
+        f"{len(survivors)} process(es) of the SIGKILLed {killed} outlived its re-run: {_described(survivors)}"
+    )

@@ -31,8 +31,9 @@ def server(tmp_path_factory):
     assets = lab_assets(tmp_path_factory)
     port = free_port()
     log = tmp_path_factory.mktemp("srv") / "rank0.log"
-    proc = start(serve_cmd(assets, port=port, extra=["--kv-cache-tokens", "2048", "--max-step-tokens", "128"]),
-                 engine_env(), log)
+    proc = start(
+        serve_cmd(assets, port=port, extra=["--kv-cache-tokens", "2048", "--max-step-tokens", "128"]), engine_env(), log
+    )
     try:
         wait_ready(port, proc, log)
         yield f"http://127.0.0.1:{port}"
@@ -43,14 +44,27 @@ def server(tmp_path_factory):
 def test_openai_package_and_bench_client_agree(server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
-    chunks = list(client.completions.create(model=MODEL, prompt="Every green lamp", max_tokens=16, temperature=0,
-                                            stream=True, extra_body={"min_tokens": 16, "return_token_ids": True},
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="Every green lamp",
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            extra_body={"min_tokens": 16, "return_token_ids": True},
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert chunks[-1].usage.completion_tokens == 16
     with httpx.Client(timeout=60) as c:
-        r = bench.stream_one(c, server, bench.request_body(MODEL, "Every green lamp", 0, 16, {"temperature": 0.0},
-                                                           uuid.uuid4().hex), "p", "short")
+        r = bench.stream_one(
+            c,
+            server,
+            bench.request_body(MODEL, "Every green lamp", 0, 16, {"temperature": 0.0}, uuid.uuid4().hex),
+            "p",
+            "short",
+        )
     assert r.ok, r.error
     assert r.completion_tokens == 16 and len(r.token_ids) == 16 and r.finish_reason == "length"
     assert r.steps == 16 and r.tokens_per_step == pytest.approx(1.0)  # no speculation: one token per step
@@ -67,8 +81,15 @@ def test_client_timing_agrees_with_engine_histograms(server):
     no lower than the engine's (it wraps it) and at most 25 ms + 30 % above it (HTTP, SSE
     delivery, a loaded 2-core host); the mean step gap agrees with the engine's mean inter-token
     latency within 3 ms + 25 %."""
-    spec = {"sampler": {"temperature": 1.0, "top_p": 1.0}, "prompts": [], "repeats": 1, "seed": 10,
-            "cache_salt": True, "unique_prefix": False, "max_tokens": 24}
+    spec = {
+        "sampler": {"temperature": 1.0, "top_p": 1.0},
+        "prompts": [],
+        "repeats": 1,
+        "seed": 10,
+        "cache_salt": True,
+        "unique_prefix": False,
+        "max_tokens": 24,
+    }
     spec["prompts"] = [{"id": f"p{i}", "category": "short", "text": f"The table {i} answers"} for i in range(12)]
     items = bench.plan_requests(spec, "agree")
     url = server + "/metrics"
@@ -83,7 +104,9 @@ def test_client_timing_agrees_with_engine_histograms(server):
     eng_ttft, cli_ttft = 1e3 * ttft_sum / ttft_n, sum(r.ttft_ms for r in res) / 12
     eng_step = 1e3 * itl_sum / itl_n
     cli_step = sum(sum(r.step_ms) for r in res) / itl_n
-    print(f"TTFT client {cli_ttft:.2f} ms engine {eng_ttft:.2f} ms; step client {cli_step:.2f} ms engine {eng_step:.2f} ms")
+    print(
+        f"TTFT client {cli_ttft:.2f} ms engine {eng_ttft:.2f} ms; step client {cli_step:.2f} ms engine {eng_step:.2f} ms"
+    )
     assert eng_ttft - 1.0 <= cli_ttft <= eng_ttft * 1.3 + 25.0
     assert abs(cli_step - eng_step) <= 3.0 + 0.25 * eng_step
 
@@ -101,9 +124,18 @@ def test_smoke_start(server, tmp_path):
 
 
 def _small_spec(tmp_path, **kw):
-    doc = {"format": "dsv41-bench-spec/1", "name": "small", "max_tokens": 12, "repeats": 2, "concurrency": 2,
-           "prompts": [{"id": "a", "category": "short", "text": "row row row"},
-                       {"id": "b", "category": "long", "generate": {"words": 60, "seed": 3}}], **kw}
+    doc = {
+        "format": "dsv41-bench-spec/1",
+        "name": "small",
+        "max_tokens": 12,
+        "repeats": 2,
+        "concurrency": 2,
+        "prompts": [
+            {"id": "a", "category": "short", "text": "row row row"},
+            {"id": "b", "category": "long", "generate": {"words": 60, "seed": 3}},
+        ],
+        **kw,
+    }
     p = tmp_path / "spec.json"
     p.write_text(json.dumps(doc))
     return str(p)
@@ -135,8 +167,19 @@ def test_bench_run_ctrl_c_is_a_failure(server, tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(bench, "stream_one", interrupted)
     out = tmp_path / "res.jsonl"
-    rc = main(["bench", "run", "--endpoint", server, "--spec", _small_spec(tmp_path, concurrency=1),
-               "--out", str(out), "--no-metrics"])
+    rc = main(
+        [
+            "bench",
+            "run",
+            "--endpoint",
+            server,
+            "--spec",
+            _small_spec(tmp_path, concurrency=1),
+            "--out",
+            str(out),
+            "--no-metrics",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 130 and "interrupted after 1 of 4 requests" in err and "Traceback" not in err
     assert len(out.read_text().splitlines()) == 1
@@ -210,9 +253,17 @@ def test_pause_modes_match_vllm(server):
 
 
 def _window_spec(tmp_path):
-    doc = {"format": "dsv41-bench-spec/1", "name": "w", "max_tokens": 8, "blocks_per_prompt": 2, "seed": 7,
-           "prompts": [{"id": "a", "category": "short", "text": "row row row"},
-                       {"id": "b", "category": "code", "text": "def f(x):\n"}]}
+    doc = {
+        "format": "dsv41-bench-spec/1",
+        "name": "w",
+        "max_tokens": 8,
+        "blocks_per_prompt": 2,
+        "seed": 7,
+        "prompts": [
+            {"id": "a", "category": "short", "text": "row row row"},
+            {"id": "b", "category": "code", "text": "def f(x):\n"},
+        ],
+    }
     p = tmp_path / "wspec.json"
     p.write_text(json.dumps(doc))
     return str(p)
@@ -220,15 +271,30 @@ def _window_spec(tmp_path):
 
 def test_window_run_aa_cli(server, tmp_path, capsys):
     wd = tmp_path / "windows"
-    args = ["window", "run", "--control", server, "--candidate", server, "--spec", _window_spec(tmp_path),
-            "--windows-dir", str(wd), "--name", "aa", "--seed", "3"]
+    args = [
+        "window",
+        "run",
+        "--control",
+        server,
+        "--candidate",
+        server,
+        "--spec",
+        _window_spec(tmp_path),
+        "--windows-dir",
+        str(wd),
+        "--name",
+        "aa",
+        "--seed",
+        "3",
+    ]
     assert main(args + ["--id", "w1", "--json", "--drafting"]) == 0, capsys.readouterr().err
     d = json.loads(capsys.readouterr().out)
     assert d["verdict"] in ("NO-CHANGE", "UNRESOLVED") and d["n_pairs"] == 8, d["reasons"]
     # the same engine on both arms: greedy outputs identical, lengths equal -> the gate passes
     assert d["gate"]["passed"], d["gate"]["reasons"]
-    assert {k for k in d["gate"]["prompts"] if k.startswith("greedy:")} == {"greedy:" + n for n, _ in
-                                                                        bench.greedy_prompts(env={})}
+    assert {k for k in d["gate"]["prompts"] if k.startswith("greedy:")} == {
+        "greedy:" + n for n, _ in bench.greedy_prompts(env={})
+    }
     for f in ("cells.jsonl", "decision.json", "summary.md", "pairs.png", "cdf.png", "acceptance.png"):
         assert (wd / "w1" / f).stat().st_size > 0
     cells = [json.loads(x) for x in (wd / "w1" / "cells.jsonl").read_text().splitlines()]
@@ -251,8 +317,23 @@ def test_window_run_ctrl_c_is_invalid(server, tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(bench, "stream_one", interrupted)
     wd = tmp_path / "windows"
-    rc = main(["window", "run", "--control", server, "--candidate", server, "--spec", _window_spec(tmp_path),
-               "--windows-dir", str(wd), "--id", "w2", "--no-cap"])
+    rc = main(
+        [
+            "window",
+            "run",
+            "--control",
+            server,
+            "--candidate",
+            server,
+            "--spec",
+            _window_spec(tmp_path),
+            "--windows-dir",
+            str(wd),
+            "--id",
+            "w2",
+            "--no-cap",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 130 and "interrupted" in err and "Traceback" not in err
     assert len((wd / "w2" / "cells.jsonl").read_text().splitlines()) == 2
@@ -261,7 +342,20 @@ def test_window_run_ctrl_c_is_invalid(server, tmp_path, capsys, monkeypatch):
 
 def test_window_run_unreachable_no_window(tmp_path, capsys):
     wd = tmp_path / "windows"
-    rc = main(["window", "run", "--control", "http://127.0.0.1:9", "--candidate", "http://127.0.0.1:9",
-               "--windows-dir", str(wd), "--id", "w3", "--no-cap"])
+    rc = main(
+        [
+            "window",
+            "run",
+            "--control",
+            "http://127.0.0.1:9",
+            "--candidate",
+            "http://127.0.0.1:9",
+            "--windows-dir",
+            str(wd),
+            "--id",
+            "w3",
+            "--no-cap",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 1 and "cannot list models at http://127.0.0.1:9" in err and len(err.strip().splitlines()) == 1

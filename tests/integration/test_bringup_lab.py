@@ -46,8 +46,12 @@ def test_bringup_from_a_deployed_lab_reaches_async_then_deploy_changes_nothing(d
     assert passed == list(STAGES), passed
     stock = next(e for e in entries if e["step"] == "stage_passed" and e["stage"] == "stock")
     baseline = json.loads((ROOT / "bringup" / stock["bringup"] / "baseline.json").read_text())
-    assert baseline["components"] == {"engram_overlay_remote": False, "spec_decode_async": False,
-                                      "spec_decode_capacity_mode": False, "spec_decode_remote": False}
+    assert baseline["components"] == {
+        "engram_overlay_remote": False,
+        "spec_decode_async": False,
+        "spec_decode_capacity_mode": False,
+        "spec_decode_remote": False,
+    }
     assert baseline["greedy_refs"]["total"] == 6 and baseline["kv_cache_tokens"] > 0
     # references recorded before any offload: the stock stage passed before remote_engram began
     order = [(e["step"], e.get("stage")) for e in entries if e["step"] in ("begin", "stage_passed")]

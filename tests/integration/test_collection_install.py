@@ -50,8 +50,9 @@ def entry_playbooks() -> dict[str, str]:
 
 def run(cmd: list[str], env: dict, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run ``cmd`` in its own session; on timeout its whole process group is killed."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -67,13 +68,23 @@ def installed(tmp_path_factory):
     installed into an empty collections path."""
     tmp = tmp_path_factory.mktemp("collection")
     env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", ANSIBLE_FORCE_COLOR="0", NO_COLOR="1")
-    for k in ("ANSIBLE_CONFIG", "ANSIBLE_COLLECTIONS_PATH", "ANSIBLE_COLLECTIONS_PATHS", "ANSIBLE_ROLES_PATH", "ANSIBLE_LIBRARY"):
+    for k in (
+        "ANSIBLE_CONFIG",
+        "ANSIBLE_COLLECTIONS_PATH",
+        "ANSIBLE_COLLECTIONS_PATHS",
+        "ANSIBLE_ROLES_PATH",
+        "ANSIBLE_LIBRARY",
+    ):
         env.pop(k, None)
     b = run([str(BIN / "ansible-galaxy"), "collection", "build", "--output-path", str(tmp), str(ROOT)], env, tmp, 300)
     assert b.returncode == 0, b.stdout + b.stderr
     tarball = next(tmp.glob("dsv41-offload-*.tar.gz"))
-    i = run([str(BIN / "ansible-galaxy"), "collection", "install", "-p", str(tmp / "collections"), str(tarball)],
-            env, tmp, 300)
+    i = run(
+        [str(BIN / "ansible-galaxy"), "collection", "install", "-p", str(tmp / "collections"), str(tarball)],
+        env,
+        tmp,
+        300,
+    )
     assert i.returncode == 0 and "was installed successfully" in i.stdout, i.stdout + i.stderr
     coll = tmp / "collections" / "ansible_collections" / "dsv41" / "offload"
     cwd = tmp / "elsewhere"
@@ -85,12 +96,18 @@ def installed(tmp_path_factory):
 def test_the_installed_tree_has_no_dangling_link_and_no_build_outputs(installed):
     coll, _, _ = installed
     links = [p for p in coll.rglob("*") if p.is_symlink()]
-    outside = [str(p.relative_to(coll)) for p in links
-               if not p.resolve().is_file() or not p.resolve().is_relative_to(coll.resolve())]
+    outside = [
+        str(p.relative_to(coll))
+        for p in links
+        if not p.resolve().is_file() or not p.resolve().is_relative_to(coll.resolve())
+    ]
     assert outside == []
     assert not (coll / "library").exists()  # the repository's links; the collection's modules are plugins/modules
-    outputs = [str(p.relative_to(coll)) for p in coll.rglob("*")
-               if p.suffix == ".so" or p.name == "__pycache__" or p.name.endswith(".egg-info")]
+    outputs = [
+        str(p.relative_to(coll))
+        for p in coll.rglob("*")
+        if p.suffix == ".so" or p.name == "__pycache__" or p.name.endswith(".egg-info")
+    ]
     assert outputs == []
     for d in ("playbooks", "roles", "plugins/modules", "inventories", "python/dsv41", "meta"):
         assert (coll / d).is_dir(), d
@@ -128,11 +145,14 @@ def test_fqcn_playbook_syntax_and_tasks(installed, name):
     syn = run([str(BIN / "ansible-playbook"), f"{FQCN}.{name}", "-i", inv, "--syntax-check"], env, cwd)
     assert syn.returncode == 0, syn.stdout[-3000:] + syn.stderr[-3000:]
     assert f"playbook: {coll}/playbooks/{name}.yml" in syn.stdout
-    lst = run([str(BIN / "ansible-playbook"), f"{FQCN}.{name}", "-i", inv, "--list-tasks", "-e", "candidate=x"], env, cwd)
+    lst = run(
+        [str(BIN / "ansible-playbook"), f"{FQCN}.{name}", "-i", inv, "--list-tasks", "-e", "candidate=x"], env, cwd
+    )
     assert lst.returncode == 0, lst.stdout[-3000:] + lst.stderr[-3000:]
     role_tasks = [ln.strip() for ln in lst.stdout.splitlines() if re.match(r"^\s+\S+ : ", ln)]
-    assert role_tasks and all(t.startswith(f"{FQCN}.") for t in role_tasks), \
-        [t for t in role_tasks if not t.startswith(f"{FQCN}.")][:5]
+    assert role_tasks and all(t.startswith(f"{FQCN}.") for t in role_tasks), [
+        t for t in role_tasks if not t.startswith(f"{FQCN}.")
+    ][:5]
     # the repository's own run of the top-level file: the same plays and tasks
     repo_env = {k: v for k, v in env.items() if k not in ("ANSIBLE_CONFIG", "ANSIBLE_COLLECTIONS_PATH")}
     mine = run([str(BIN / "ansible-playbook"), f"{name}.yml", "--list-tasks", "-e", "candidate=x"], repo_env, ROOT)
@@ -142,6 +162,7 @@ def test_fqcn_playbook_syntax_and_tasks(installed, name):
 
 # ---- the lab (the integrator's CI: root, the deployed lab) ---------------------------------------
 
+
 def _recap_changed(stdout: str) -> dict[str, int]:
     recap = stdout.split("PLAY RECAP")[-1]
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\S+)\s*:\s*ok=\d+\s+changed=(\d+)", recap, re.M)}
@@ -150,9 +171,18 @@ def _recap_changed(stdout: str) -> dict[str, int]:
 def _state_args() -> list[str]:
     """The controller state where the checkout's runs keep it (docs/operations.md: a state
     directory outside the collection): the operator credential, packages and windows."""
-    return ["-e", f"dsv41_state_dir={ROOT}/state", "-e", f"dsv41_packages_dir={ROOT}/packages",
-            "-e", f"promotion_windows_dir={ROOT}/windows", "-e", f"status_windows_dir={ROOT}/windows",
-            "-e", f"windows_dir={ROOT}/windows"]
+    return [
+        "-e",
+        f"dsv41_state_dir={ROOT}/state",
+        "-e",
+        f"dsv41_packages_dir={ROOT}/packages",
+        "-e",
+        f"promotion_windows_dir={ROOT}/windows",
+        "-e",
+        f"status_windows_dir={ROOT}/windows",
+        "-e",
+        f"windows_dir={ROOT}/windows",
+    ]
 
 
 @pytest.mark.lab
@@ -177,8 +207,9 @@ def test_deploy_check_by_fqcn_changes_nothing_on_the_lab(installed, deployed_lab
     left: changed=0 on every host (the same inputs: the controller state of the checkout)."""
     coll, env, cwd = installed
     inv = ["-i", str(coll / "inventories" / "sim" / "hosts.yml")]
-    dep = run([str(BIN / "ansible-playbook"), f"{FQCN}.deploy", "--check", "--diff", *inv, *_state_args()],
-              env, cwd, 1800)
+    dep = run(
+        [str(BIN / "ansible-playbook"), f"{FQCN}.deploy", "--check", "--diff", *inv, *_state_args()], env, cwd, 1800
+    )
     assert dep.returncode == 0, dep.stdout[-6000:] + dep.stderr[-2000:]
     changed = _recap_changed(dep.stdout)
     assert set(changed) == {"localhost", "sparkhead", "sparkworker", "x86host"}, dep.stdout[-3000:]

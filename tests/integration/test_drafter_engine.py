@@ -38,8 +38,12 @@ def target(assets):
     from dsv41.engine.weights import load_weights, target_identity
 
     cfg = load_config(assets.config)
-    return {"cfg": cfg, "weights": load_weights(cfg, assets.weights),
-            "identity": target_identity(assets.config, assets.weights), "rows": local_rows(assets)}
+    return {
+        "cfg": cfg,
+        "weights": load_weights(cfg, assets.weights),
+        "identity": target_identity(assets.config, assets.weights),
+        "rows": local_rows(assets),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +53,16 @@ def drafter(assets, target, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("drafter")
     runner = LocalRunner(assets.config, assets.weights, target["rows"])
-    rep = train_drafter(str(assets.config), str(assets.weights), str(out), runner=runner, steps=150, n_prompts=10,
-                        gen_tokens=32, eval_tokens=24)
+    rep = train_drafter(
+        str(assets.config),
+        str(assets.weights),
+        str(out),
+        runner=runner,
+        steps=150,
+        n_prompts=10,
+        gen_tokens=32,
+        eval_tokens=24,
+    )
     return {"dir": str(out), "report": rep, "runner": runner}
 
 
@@ -81,13 +93,17 @@ def run_engine(target, spec, prompts, max_tokens=24, temperature=0.0, seed=None,
             elif ev["type"] == "finish":
                 reasons[i] = ev["reason"]
                 done[i].set()
+
         return f
 
     eng.start()
     try:
         for i, p in enumerate(prompts):
-            eng.submit(TOK.encode(p, bos=True),
-                       SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens, ignore_eos=True), sink(i))
+            eng.submit(
+                TOK.encode(p, bos=True),
+                SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens, ignore_eos=True),
+                sink(i),
+            )
         for d in done:
             assert d.wait(180), "request did not finish"
     finally:
@@ -143,8 +159,9 @@ def test_greedy_identical_with_speculation(mode, target, drafter, worker, refere
 
 def test_sampled_reproducible_per_seed(target, drafter, worker):
     def run(seed):
-        spec = build_speculator(envs.parse(_env(drafter, worker)), model_cfg=target["cfg"].raw,
-                                     target_identity=target["identity"])
+        spec = build_speculator(
+            envs.parse(_env(drafter, worker)), model_cfg=target["cfg"].raw, target_identity=target["identity"]
+        )
         return run_engine(target, spec, PROMPTS[:2], temperature=0.9, seed=seed)[0]
 
     a, b, c = run(7), run(7), run(8)
@@ -188,11 +205,19 @@ def test_identity_mismatch_refused_end_to_end(target, drafter, tmp_path, referen
     from dsv41.drafter.model import random_drafter
 
     other = tmp_path / "other"
-    random_drafter(other, vocab_size=target["cfg"].vocab_size, hidden_size=target["cfg"].hidden_size, seed=3,
-                   target_identity=target["identity"], tap_layer=int(target["cfg"].drafter_tap_layer))
+    random_drafter(
+        other,
+        vocab_size=target["cfg"].vocab_size,
+        hidden_size=target["cfg"].hidden_size,
+        seed=3,
+        target_identity=target["identity"],
+        tap_layer=int(target["cfg"].drafter_tap_layer),
+    )
     proc, url = start_worker(str(other), target["identity"], tmp_path / "worker.log")
     try:
-        spec = build_speculator(envs.parse(_env(drafter, url)), model_cfg=target["cfg"].raw, target_identity=target["identity"])
+        spec = build_speculator(
+            envs.parse(_env(drafter, url)), model_cfg=target["cfg"].raw, target_identity=target["identity"]
+        )
         outs, m = run_engine(target, spec, PROMPTS)
         assert outs == reference and m["drafted"] == 0
         assert spec.counters()["fail_closed_rounds"] >= 1

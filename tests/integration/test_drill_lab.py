@@ -21,9 +21,22 @@ def test_short_drill_zero_failed_requests_and_recovery(deployed_lab) -> None:
     did = f"pytest-{uuid.uuid4().hex[:8]}"
     out = ROOT / "drills" / did
     try:
-        r = play("playbooks/drill.yml", "-e", "drill_faults=engram_server,async_proxy", "-e", "drill_duration_s=5",
-                 "-e", "drill_baseline_s=3", "-e", "drill_recover_timeout_s=40", "-e", "drill_streams=3",
-                 "-e", f"drill_id={did}", timeout=900)
+        r = play(
+            "playbooks/drill.yml",
+            "-e",
+            "drill_faults=engram_server,async_proxy",
+            "-e",
+            "drill_duration_s=5",
+            "-e",
+            "drill_baseline_s=3",
+            "-e",
+            "drill_recover_timeout_s=40",
+            "-e",
+            "drill_streams=3",
+            "-e",
+            f"drill_id={did}",
+            timeout=900,
+        )
         assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
         rep = json.loads((out / "report.json").read_text())
         assert rep["ok"] is True and [f["fault"] for f in rep["faults"]] == ["engram_server", "async_proxy"]

@@ -34,8 +34,11 @@ def assets(tmp_path_factory):
 def engine(assets, tmp_path):
     port = free_port()
     log = tmp_path / "rank0.log"
-    proc = start(serve_cmd(assets, port=port, extra=["--kv-cache-tokens", "2048", "--max-step-tokens", "128"]),
-                 engine_env(DSV41_ENGINE_DRAIN_TIMEOUT_S=str(DRAIN_S)), log)
+    proc = start(
+        serve_cmd(assets, port=port, extra=["--kv-cache-tokens", "2048", "--max-step-tokens", "128"]),
+        engine_env(DSV41_ENGINE_DRAIN_TIMEOUT_S=str(DRAIN_S)),
+        log,
+    )
     try:
         wait_ready(port, proc, log)
         yield {"url": f"http://127.0.0.1:{port}", "proc": proc, "log": log}
@@ -46,6 +49,7 @@ def engine(assets, tmp_path):
 def _bg(url: str, path: str, out: dict, key: str, **kw) -> threading.Thread:
     def run():
         out[key] = lab_post(url + path, timeout=120, **kw)
+
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
@@ -73,8 +77,15 @@ def test_a_resume_cancels_the_pending_drain_and_later_requests_live(engine):
     time.sleep(0.3)
     assert lab_post(url + "/resume", timeout=10).json() == {"paused": False}
     t_pause.join(10)
-    assert out["pause"].json() == {"paused": False, "mode": "wait", "drain": "resumed", "in_flight_at_pause": 1,
-                                   "aborted": 0, "aborted_after_timeout": 0, "still_running": 1}
+    assert out["pause"].json() == {
+        "paused": False,
+        "mode": "wait",
+        "drain": "resumed",
+        "in_flight_at_pause": 1,
+        "aborted": 0,
+        "aborted_after_timeout": 0,
+        "still_running": 1,
+    }
     t_new = _bg(url, "/v1/completions", out, "new", json=LONG)
     time.sleep(2.5)  # past the first pause's deadline
     for t in (t_old, t_new):

@@ -50,8 +50,9 @@ def _env():
 
 
 def _cmd(assets, rank, port, master):
-    return serve_cmd(assets, rank=rank, tp=2, port=port, master=master,
-                     extra=["--rendezvous-timeout", str(RENDEZVOUS_S)])
+    return serve_cmd(
+        assets, rank=rank, tp=2, port=port, master=master, extra=["--rendezvous-timeout", str(RENDEZVOUS_S)]
+    )
 
 
 def _health(url):
@@ -88,8 +89,11 @@ def _wait_200(url, proc, log: Path, timeout: float = 90.0) -> None:
 def _post(url, out: dict, max_tokens: int = 4) -> None:
     t0 = time.monotonic()
     try:
-        r = httpx.post(url + "/v1/completions", timeout=60,
-                       json={"prompt": "The dog ", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
+        r = httpx.post(
+            url + "/v1/completions",
+            timeout=60,
+            json={"prompt": "The dog ", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0},
+        )
         out["status"], out["body"] = r.status_code, r.json()
     except httpx.HTTPError as exc:
         out["status"], out["body"] = None, exc
@@ -162,8 +166,12 @@ def test_frozen_at_rendezvous(assets, tmp_path, frozen):
             _wait_log(tmp_path / "rank1.log", "joining the TP2 group", r1)
             t0 = time.monotonic()
             # rank 0 froze holding the rendezvous store: the join watchdog ends rank 1
-            _assert_exit_line(r1, tmp_path / "rank1.log", "rank 1: cannot join the TP group",
-                              RENDEZVOUS_S + PEER_TIMEOUT_S + JOIN_GRACE_S + SLACK_S)
+            _assert_exit_line(
+                r1,
+                tmp_path / "rank1.log",
+                "rank 1: cannot join the TP group",
+                RENDEZVOUS_S + PEER_TIMEOUT_S + JOIN_GRACE_S + SLACK_S,
+            )
             assert _health(url)[0] is None
     finally:
         _cleanup(r0, r1)
@@ -174,9 +182,14 @@ def test_frozen_at_rendezvous(assets, tmp_path, frozen):
 # lab-long. Rank 0 frozen between or during requests is the same wait for rank 1 as
 # healthy-idle (its next command); a rank 0 frozen mid-stream: test_engine_hardening.
 LONG = pytest.mark.lab_long
-AFTER_JOIN = [("r1", "joined"), ("r1", "healthy-idle"), ("r0", "healthy-idle"),
-              pytest.param("r1", "between-requests", marks=LONG), pytest.param("r1", "mid-request", marks=LONG),
-              pytest.param("r0", "joined", marks=LONG)]
+AFTER_JOIN = [
+    ("r1", "joined"),
+    ("r1", "healthy-idle"),
+    ("r0", "healthy-idle"),
+    pytest.param("r1", "between-requests", marks=LONG),
+    pytest.param("r1", "mid-request", marks=LONG),
+    pytest.param("r0", "joined", marks=LONG),
+]
 
 
 @pytest.mark.parametrize("frozen,point", AFTER_JOIN)

@@ -49,9 +49,12 @@ def _rss_bytes(pid: int) -> int:
 def _stream(url: str, out: dict, first: threading.Event, max_tokens: int = 2000) -> None:
     chunks, err = [], None
     try:
-        with httpx.stream("POST", url + "/v1/completions", timeout=60,
-                          json={"prompt": "The dog ", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
-                                "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            url + "/v1/completions",
+            timeout=60,
+            json={"prompt": "The dog ", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True},
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     chunks.append(json.loads(line[6:]))
@@ -154,8 +157,10 @@ def _chunked_upload(port: int, path: str, total: int, chunk: int = 1 << 16) -> t
     th.start()
     sent = 0
     try:
-        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  f"Transfer-Encoding: chunked\r\n\r\n".encode())
+        s.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Transfer-Encoding: chunked\r\n\r\n".encode()
+        )
         piece = f"{chunk:x}\r\n".encode() + b"7" * chunk + b"\r\n"
         s.sendall(f"{chunk:x}\r\n".encode() + b'{"prompt": "' + b"7" * (chunk - 12) + b"\r\n")
         sent = chunk
@@ -189,8 +194,10 @@ def test_huge_chunked_body_is_413_with_bounded_rss(tp1, path):
         stop_ev.set()
         th.join(5)
     grown = peak[0] - base
-    print(f"RSS {path}: base {base >> 20} MiB, peak {peak[0] >> 20} MiB, grew {grown >> 20} MiB; "
-          f"client sent {sent >> 20} MiB")
+    print(
+        f"RSS {path}: base {base >> 20} MiB, peak {peak[0] >> 20} MiB, grew {grown >> 20} MiB; "
+        f"client sent {sent >> 20} MiB"
+    )
     assert resp.startswith(b"HTTP/1.1 413"), resp[:200]
     assert b"connection: close" in resp.lower()
     assert sent < 64 << 20, sent  # the server stopped reading long before 256 MiB
@@ -222,8 +229,10 @@ def test_pooled_client_survives_a_500(tmp_path):
         # the same on one raw keep-alive connection: the 500 either says close or the connection stays usable
         s = socket.create_connection(("127.0.0.1", port), timeout=5)
         body = b'{"prompt": "x", "max_tokens": 1}'
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         data = b""
         while b"\r\n\r\n" not in data:
             data += s.recv(65536)

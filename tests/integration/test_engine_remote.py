@@ -33,6 +33,7 @@ TOK = ByteTokenizer()
 def _nixl_ok() -> bool:
     try:
         import nixl_cu12._api  # noqa: F401
+
         return True
     except Exception:  # noqa: BLE001 - any import failure means no NIXL here
         return False
@@ -41,13 +42,27 @@ def _nixl_ok() -> bool:
 class TableServer:
     def __init__(self, assets, tmp: Path, nixl: bool):
         self.ready = tmp / f"ready-{time.monotonic_ns()}.json"
-        cmd = [PY, "-m", "dsv41.cli", "engram", "serve", "--manifest", str(assets.manifest), "--data",
-               str(assets.data), "--listen", "tcp://127.0.0.1:0", "--ready-file", str(self.ready)]
+        cmd = [
+            PY,
+            "-m",
+            "dsv41.cli",
+            "engram",
+            "serve",
+            "--manifest",
+            str(assets.manifest),
+            "--data",
+            str(assets.data),
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--ready-file",
+            str(self.ready),
+        ]
         if nixl:
             cmd += ["--listen", "nixl://127.0.0.1:0"]
         self.logf = tmp / f"tables-{time.monotonic_ns()}.log"
-        self.proc = subprocess.Popen(cmd, env=engine_env(), stdout=open(self.logf, "wb"), stderr=subprocess.STDOUT,
-                                     cwd=str(REPO))
+        self.proc = subprocess.Popen(
+            cmd, env=engine_env(), stdout=open(self.logf, "wb"), stderr=subprocess.STDOUT, cwd=str(REPO)
+        )
         t0 = time.monotonic()
         while not self.ready.exists():
             if self.proc.poll() is not None or time.monotonic() - t0 > 60:
@@ -75,8 +90,11 @@ def test_local_tcp_nixl_greedy_identical(assets, reference, tmp_path):
     try:
         urls = [srv.tcp] + ([srv.nixl] if srv.nixl else [])
         for url in urls:
-            env = {"DSV41_ENGRAM_REMOTE": url, "DSV41_ENGRAM_REMOTE_REQUIRED": "1",
-                   "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "5000"}
+            env = {
+                "DSV41_ENGRAM_REMOTE": url,
+                "DSV41_ENGRAM_REMOTE_REQUIRED": "1",
+                "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "5000",
+            }
             rs = sources.from_env(str(assets.manifest), str(assets.data), 0, 1, settings=envs.parse(env))
             try:
                 run = LocalRunner(assets.config, assets.weights, rs)
@@ -110,8 +128,12 @@ def test_tp2_remote_rows_and_table_server_death(assets, reference, tmp_path):
         toks, first = [], threading.Event()
 
         def stream():
-            with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
-                    "prompt": prompt, "max_tokens": 40, "temperature": 0, "stream": True, "return_token_ids": True}) as r:
+            with httpx.stream(
+                "POST",
+                url + "/v1/completions",
+                timeout=120,
+                json={"prompt": prompt, "max_tokens": 40, "temperature": 0, "stream": True, "return_token_ids": True},
+            ) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
                         c = json.loads(line[6:])["choices"]
@@ -136,8 +158,11 @@ def test_tp2_remote_rows_and_table_server_death(assets, reference, tmp_path):
             lost = vals[f'dsv41_engram_fallbacks_total{{rank="{rank}"}}']
             assert lost > 0, vals
         # after the death, a new request still matches (served from the local fallback)
-        r = httpx.post(url + "/v1/completions", timeout=120, json={"prompt": "count 3 4 5 6", "max_tokens": 40,
-                                                                  "temperature": 0, "return_token_ids": True})
+        r = httpx.post(
+            url + "/v1/completions",
+            timeout=120,
+            json={"prompt": "count 3 4 5 6", "max_tokens": 40, "temperature": 0, "return_token_ids": True},
+        )
         assert r.json()["choices"][0]["token_ids"] == reference["count 3 4 5 6"].tokens
     finally:
         stop(r0)

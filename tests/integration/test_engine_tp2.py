@@ -52,8 +52,11 @@ def test_tp2_greedy_identical_to_tp1(pair, assets):
     got = [None] * len(prompts)
 
     def one(i):
-        r = httpx.post(pair["url"] + "/v1/completions", json={"prompt": prompts[i], "max_tokens": 20,
-                                                              "temperature": 0, "return_token_ids": True}, timeout=120)
+        r = httpx.post(
+            pair["url"] + "/v1/completions",
+            json={"prompt": prompts[i], "max_tokens": 20, "temperature": 0, "return_token_ids": True},
+            timeout=120,
+        )
         got[i] = r.json()["choices"][0]["token_ids"]
 
     before = metric_values(pair["url"])
@@ -78,8 +81,12 @@ def test_rank1_sigterm_drains_both_ranks(pair):
 
     def stream():
         chunks = []
-        with httpx.stream("POST", pair["url"] + "/v1/completions", timeout=120,
-                          json={"prompt": "The dog ", "max_tokens": 50, "temperature": 0, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            pair["url"] + "/v1/completions",
+            timeout=120,
+            json={"prompt": "The dog ", "max_tokens": 50, "temperature": 0, "stream": True},
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     chunks.append(json.loads(line[6:]))

@@ -58,7 +58,9 @@ from nspawnutil import (
 pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab, needs_hybrid_cgroups]
 
 
-@pytest.mark.parametrize("wrong", ["sha256:" + "0" * 64, "dsv41-serve@sha256:" + "1" * 64], ids=["image_id", "repo_digest"])
+@pytest.mark.parametrize(
+    "wrong", ["sha256:" + "0" * 64, "dsv41-serve@sha256:" + "1" * 64], ids=["image_id", "repo_digest"]
+)
 def test_a_serving_image_the_sparks_lack_is_refused_before_anything_stops(deployed_lab, wrong):
     before = {h: {**serve_container(h), **serve_unit_state(h)} for h in SPARKS}
     pin = before["sparkhead"]["image"]
@@ -111,7 +113,10 @@ def test_systemctl_kill_of_the_table_server_is_restarted_by_systemd(deployed_lab
         stop.set()
         t.join(60)
     after = unit("x86host", "dsv41-engram-server")
-    assert int(after["NRestarts"]) == int(before["NRestarts"]) + 1 and after["MainPID"] != before["MainPID"], (before, after)
+    assert int(after["NRestarts"]) == int(before["NRestarts"]) + 1 and after["MainPID"] != before["MainPID"], (
+        before,
+        after,
+    )
     assert after["ActiveState"] == "active", after
     c1 = engram_counts()
     assert sent, "no request completed while the table server was down"
@@ -121,9 +126,14 @@ def test_systemctl_kill_of_the_table_server_is_restarted_by_systemd(deployed_lab
         for i in range(3):
             complete(1000 + i, c)
     c2 = engram_counts()
-    assert all(c2[r]["lookups"] > c1[r]["lookups"] and c2[r]["fallbacks"] == c1[r]["fallbacks"] for r in ("0", "1")), (c1, c2)
-    print(f"\nsystemctl kill dsv41-engram-server: ready again after {t_back:.1f} s (systemd restart),"
-          f" fallbacks meanwhile {[c1[r]['fallbacks'] - c0[r]['fallbacks'] for r in ('0', '1')]}")
+    assert all(c2[r]["lookups"] > c1[r]["lookups"] and c2[r]["fallbacks"] == c1[r]["fallbacks"] for r in ("0", "1")), (
+        c1,
+        c2,
+    )
+    print(
+        f"\nsystemctl kill dsv41-engram-server: ready again after {t_back:.1f} s (systemd restart),"
+        f" fallbacks meanwhile {[c1[r]['fallbacks'] - c0[r]['fallbacks'] for r in ('0', '1')]}"
+    )
     # the stack is what deploy left: healthy, no fallback growing
     _, rep = wait_healthy(60)
     assert rep.get("healthy"), rep.get("reasons")
@@ -140,7 +150,9 @@ def test_docker_kill_of_rank_0s_container_is_restarted_and_both_ranks_recover(de
     head = unit("sparkhead", "dsv41-serve")
     assert int(head["NRestarts"]) == int(before["sparkhead"]["NRestarts"]) + 1, (before["sparkhead"], head)
     assert head["ActiveState"] == "active" and head["MainPID"] != before["sparkhead"]["MainPID"], head
-    new_id = enter("sparkhead", "/usr/bin/docker", "inspect", "--format", "{{.Id}} {{.State.Running}}", "dsv41-serve").stdout.split()
+    new_id = enter(
+        "sparkhead", "/usr/bin/docker", "inspect", "--format", "{{.Id}} {{.State.Running}}", "dsv41-serve"
+    ).stdout.split()
     assert new_id[0] != old_id and new_id[1] == "true", (old_id, new_id)
     worker = unit("sparkworker", "dsv41-serve")
     assert worker["ActiveState"] == "active", worker
@@ -149,18 +161,29 @@ def test_docker_kill_of_rank_0s_container_is_restarted_and_both_ranks_recover(de
         for i in range(3):
             complete(3000 + i, c)
     c1 = engram_counts()
-    assert all(c1[r]["lookups"] > c0[r]["lookups"] and c1[r]["fallbacks"] == c0[r]["fallbacks"] for r in ("0", "1")), (c0, c1)
+    assert all(c1[r]["lookups"] > c0[r]["lookups"] and c1[r]["fallbacks"] == c0[r]["fallbacks"] for r in ("0", "1")), (
+        c0,
+        c1,
+    )
     rank1 = "restarted" if worker["MainPID"] != before["sparkworker"]["MainPID"] else "kept running"
-    print(f"\ndocker kill of rank 0's container: healthy again after {time.monotonic() - t0:.1f} s "
-          f"(systemd restart of sparkhead's dsv41-serve; rank 1 {rank1})")
+    print(
+        f"\ndocker kill of rank 0's container: healthy again after {time.monotonic() - t0:.1f} s "
+        f"(systemd restart of sparkhead's dsv41-serve; rank 1 {rank1})"
+    )
 
 
 @pytest.mark.lab_long
 def test_a_unit_that_fails_to_start_names_itself_and_restarts_nothing_else(deployed_lab):
     before = all_units()
-    bad, t_bad = deploy("--tags", "engram_server",
-                        "-e", '{"engram_server_extra_env": {"DSV41_METRICS_MAX_CONNECTIONS": "many"}}',
-                        "-e", "engram_server_ready_retries=20", timeout=900)
+    bad, t_bad = deploy(
+        "--tags",
+        "engram_server",
+        "-e",
+        '{"engram_server_extra_env": {"DSV41_METRICS_MAX_CONNECTIONS": "many"}}',
+        "-e",
+        "engram_server_ready_retries=20",
+        timeout=900,
+    )
     assert bad.returncode != 0
     # Ansible's one-line task failures (``[ERROR]: Task failed: Action failed: <msg>``)
     fails = [ln for ln in failed_lines(bad.stdout) if "is not ready" in ln]
@@ -173,10 +196,16 @@ def test_a_unit_that_fails_to_start_names_itself_and_restarts_nothing_else(deplo
     for k in before:
         if k == "x86host/dsv41-engram-server":
             continue
-        assert after[k]["MainPID"] == before[k]["MainPID"] and after[k]["ActiveState"] == "active", (k, before[k], after[k])
+        assert after[k]["MainPID"] == before[k]["MainPID"] and after[k]["ActiveState"] == "active", (
+            k,
+            before[k],
+            after[k],
+        )
     srv = after["x86host/dsv41-engram-server"]
     assert srv["ActiveState"] != "active" or srv["MainPID"] != before["x86host/dsv41-engram-server"]["MainPID"]
-    print(f"\nbad env value: the deploy (--tags engram_server) failed in {t_bad:.1f} s naming the unit; nothing else restarted")
+    print(
+        f"\nbad env value: the deploy (--tags engram_server) failed in {t_bad:.1f} s naming the unit; nothing else restarted"
+    )
     # the same tagged deploy with the inventory's values repairs it: the stack is healthy again
     fix, t_fix = deploy("--tags", "engram_server", timeout=900)
     assert fix.returncode == 0, fix.stdout[-6000:]
@@ -192,8 +221,18 @@ def test_a_host_rebooted_mid_window_ends_restored_or_held(deployed_lab, tmp_path
     result: dict = {}
 
     def run_window() -> None:
-        result["run"] = play("window.yml", "-i", INV, "-e", "candidate=aa", "-e", f"window_spec={spec}",
-                             "-e", f"windows_dir={wdir}", timeout=1500)
+        result["run"] = play(
+            "window.yml",
+            "-i",
+            INV,
+            "-e",
+            "candidate=aa",
+            "-e",
+            f"window_spec={spec}",
+            "-e",
+            f"windows_dir={wdir}",
+            timeout=1500,
+        )
 
     t = threading.Thread(target=run_window, daemon=True)
     t.start()
@@ -228,5 +267,7 @@ def test_a_host_rebooted_mid_window_ends_restored_or_held(deployed_lab, tmp_path
         assert host_sha256(host, sorted(want)) == want, host
     t_ok, rep = wait_healthy(240)
     assert rep.get("healthy"), rep.get("reasons")
-    print(f"\nsparkworker rebooted mid-window: back (poweroff + lab_up) in {t_back:.1f} s; {outcome}; "
-          f"rank 0's API answered {t_api:.1f} s after the window ended; healthy {t_ok:.1f} s after")
+    print(
+        f"\nsparkworker rebooted mid-window: back (poweroff + lab_up) in {t_back:.1f} s; {outcome}; "
+        f"rank 0's API answered {t_api:.1f} s after the window ended; healthy {t_ok:.1f} s after"
+    )

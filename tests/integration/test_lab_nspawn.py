@@ -49,10 +49,12 @@ def _assert_nothing_left() -> None:
     assert not any(Path(f"/run/systemd/nspawn/propagate/{h}").exists() for h in HOSTS)
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert "dsv41-mgmt" not in links and not re.search(r"\bmg-", links), links
-    assert not subprocess.run(["ip", "route", "show", "type", "blackhole", "198.18.0.0/15"],
-                              capture_output=True, text=True).stdout.strip()
-    assert not any((LAB / f"{h}.pid").exists() or (LAB / f"{h}.nspawn.pid").exists() or (LAB / h).exists()
-                   for h in HOSTS)
+    assert not subprocess.run(
+        ["ip", "route", "show", "type", "blackhole", "198.18.0.0/15"], capture_output=True, text=True
+    ).stdout.strip()
+    assert not any(
+        (LAB / f"{h}.pid").exists() or (LAB / f"{h}.nspawn.pid").exists() or (LAB / h).exists() for h in HOSTS
+    )
     assert not list(LAB.glob("nspawn-base-*")) and not (LAB / "ssh").exists()
     assert list((LAB / "nspawn-cache").glob("rootfs-*.tar.zst")), "the rootfs cache must survive lab_down"
 
@@ -65,11 +67,12 @@ def test_nspawn_hosts_production_connection_docker_reboot_and_nothing_left():
     up, t_first = _up()
     # built now (a changed package list is a new key: an older tarball does not make it warm)
     cold = any(p.stat().st_mtime >= t_start for p in (LAB / "nspawn-cache").glob("rootfs-*.tar.zst"))
-    print(f"\nnspawn lab: nothing -> three hosts answering Ansible over ssh in {t_first:.1f} s "
-          f"({'cold: rootfs built' if cold else 'rootfs from the cache'})")
+    print(
+        f"\nnspawn lab: nothing -> three hosts answering Ansible over ssh in {t_first:.1f} s "
+        f"({'cold: rootfs built' if cold else 'rootfs from the cache'})"
+    )
     again = play("playbooks/lab_up.yml", "-i", INV)
     assert again.returncode == 0 and changed(again.stdout) == 0, again.stdout[-4000:]
-
 
     # The production connection: ssh as ops, become root through sudo.
     who = per_host(ansible("all", "ansible.builtin.command", "whoami", "-b", "-o").stdout)
@@ -91,8 +94,15 @@ def test_nspawn_hosts_production_connection_docker_reboot_and_nothing_left():
         assert state == "running", (h, state, enter(h, "systemctl", "--failed", check=False).stdout)
         # Debian's postinst enabled these; the rootfs hook disabled them (not masked): no host runs
         # them until roles/monitoring enables and starts them on the monitoring host.
-        mon = enter(h, "systemctl", "is-enabled", "prometheus", "prometheus-alertmanager", "prometheus-node-exporter",
-                    check=False).stdout.split()
+        mon = enter(
+            h,
+            "systemctl",
+            "is-enabled",
+            "prometheus",
+            "prometheus-alertmanager",
+            "prometheus-node-exporter",
+            check=False,
+        ).stdout.split()
         assert mon == ["disabled"] * 3, (h, mon)
         # The controller's promotion journal directory, read-only, on the monitoring host only.
         seen = enter(h, "test", "-d", str(ROOT / "packages"), check=False).returncode == 0
@@ -105,9 +115,12 @@ def test_nspawn_hosts_production_connection_docker_reboot_and_nothing_left():
         assert seen == (h == "x86host"), h
 
     # Over the lab links: sparkhead reaches x86host's sshd on x86host's end of their direct link.
-    tcp = ansible("sparkhead", "ansible.builtin.command",
-                   "python3 -c \"import socket; s=socket.create_connection(('198.18.1.1', 22), 5); print(s.recv(64).decode().strip())\"",
-                   "-o")
+    tcp = ansible(
+        "sparkhead",
+        "ansible.builtin.command",
+        "python3 -c \"import socket; s=socket.create_connection(('198.18.1.1', 22), 5); print(s.recv(64).decode().strip())\"",
+        "-o",
+    )
     assert per_host(tcp.stdout).get("sparkhead", "").startswith("SSH-2.0-OpenSSH"), tcp.stdout + tcp.stderr
     route = enter("sparkhead", "ip", "-o", "route", "get", "198.18.1.1").stdout
     assert " dev ofl0 " in route, route
@@ -115,15 +128,21 @@ def test_nspawn_hosts_production_connection_docker_reboot_and_nothing_left():
 
     # docker inside each Spark: an image made by `docker import` of a tiny tarball runs with the
     # host's network (its netns address and hostname).
-    make_image = ("set -e; tar -ch -C / -f /tmp/probe.tar usr/bin/cat lib/x86_64-linux-gnu/libc.so.6 lib64/ld-linux-x86-64.so.2;"
-                  " /usr/bin/docker import /tmp/probe.tar dsv41-lab-probe:1 >/dev/null;"
-                  " /usr/bin/docker images --no-trunc -q dsv41-lab-probe:1")
+    make_image = (
+        "set -e; tar -ch -C / -f /tmp/probe.tar usr/bin/cat lib/x86_64-linux-gnu/libc.so.6 lib64/ld-linux-x86-64.so.2;"
+        " /usr/bin/docker import /tmp/probe.tar dsv41-lab-probe:1 >/dev/null;"
+        " /usr/bin/docker images --no-trunc -q dsv41-lab-probe:1"
+    )
     made = per_host(ansible("spark", "ansible.builtin.shell", make_image, "-b", "-o", timeout=300).stdout)
     assert set(made) == set(SPARKS) and all(v.startswith("sha256:") for v in made.values()), made
     for h in SPARKS:
-        run = ansible(h, "ansible.builtin.command",
-                       f"/usr/bin/docker run --rm --network host {made[h]} /usr/bin/cat /proc/sys/kernel/hostname /proc/net/fib_trie",
-                       "-b", timeout=300)
+        run = ansible(
+            h,
+            "ansible.builtin.command",
+            f"/usr/bin/docker run --rm --network host {made[h]} /usr/bin/cat /proc/sys/kernel/hostname /proc/net/fib_trie",
+            "-b",
+            timeout=300,
+        )
         assert run.returncode == 0, run.stdout + run.stderr
         assert f"\n{h}\n" in run.stdout and MGMT[h] in run.stdout, run.stdout
     info = ansible("sparkhead", "ansible.builtin.command", "/usr/bin/docker info", "-b")
@@ -146,8 +165,13 @@ def test_nspawn_hosts_production_connection_docker_reboot_and_nothing_left():
     print(f"nspawn lab: sparkworker powered off and started again, answering ssh after {time.monotonic() - t0:.1f} s")
     assert pid("sparkworker") != old_leader
     lab_pids += [pid("sparkworker"), pid("sparkworker", ".nspawn")]
-    kept = ansible("sparkworker", "ansible.builtin.command", f"/usr/bin/docker image inspect -f ok {made['sparkworker']}",
-                    "-b", "-o")
+    kept = ansible(
+        "sparkworker",
+        "ansible.builtin.command",
+        f"/usr/bin/docker image inspect -f ok {made['sparkworker']}",
+        "-b",
+        "-o",
+    )
     assert per_host(kept.stdout).get("sparkworker") == "ok", kept.stdout
 
     # lab_down: nothing left, and only lab processes ended (an outsider of the same shape lives).

@@ -61,8 +61,10 @@ def deployed():
 
 def test_a_deploy_then_deploy_again_changes_nothing(deployed):
     first, again = deployed["first"].stdout, deployed["again"].stdout
-    print(f"\nnspawn deploy.yml: nothing -> deployed {deployed['t_first']:.1f} s; again {deployed['t_again']:.1f} s"
-          f" (changed={changed(again)})")
+    print(
+        f"\nnspawn deploy.yml: nothing -> deployed {deployed['t_first']:.1f} s; again {deployed['t_again']:.1f} s"
+        f" (changed={changed(again)})"
+    )
     for out in (first, again):
         assert "status: HEALTHY" in out, out[-4000:]
     assert "6/6 identical" in again, again[-6000:]
@@ -117,16 +119,21 @@ def test_d_reboot_brings_every_service_back_without_ansible(deployed, host):
             complete(1000 + warm, c)
             warm += 1
             after = engram_counts()
-            if all(after[r]["lookups"] > before[r]["lookups"] and after[r]["fallbacks"] == before[r]["fallbacks"]
-                   for r in ("0", "1")):
+            if all(
+                after[r]["lookups"] > before[r]["lookups"] and after[r]["fallbacks"] == before[r]["fallbacks"]
+                for r in ("0", "1")
+            ):
                 break
             assert time.monotonic() < deadline, ("rows never remote again after the reboot", eng0, after)
         c2 = engram_counts()
         for i in range(3):
             complete(2000 + i, c)
     eng = engram_counts()
-    assert all(eng[r]["lookups"] > c2[r]["lookups"] and eng[r]["fallbacks"] == c2[r]["fallbacks"] for r in ("0", "1")), \
-        (c2, eng)
+    assert all(
+        eng[r]["lookups"] > c2[r]["lookups"] and eng[r]["fallbacks"] == c2[r]["fallbacks"] for r in ("0", "1")
+    ), (c2, eng)
     cost = {r: c2[r]["fallbacks"] - eng0[r]["fallbacks"] for r in ("0", "1")}
-    print(f"\n{host} rebooted: lab_up + healthy (no Ansible) {time.monotonic() - t0:.1f} s (healthy {t_ok:.1f} s after "
-          f"lab_up); remote again after {warm} request(s), fallbacks on the way {cost}")
+    print(
+        f"\n{host} rebooted: lab_up + healthy (no Ansible) {time.monotonic() - t0:.1f} s (healthy {t_ok:.1f} s after "
+        f"lab_up); remote again after {warm} request(s), fallbacks on the way {cost}"
+    )

@@ -54,14 +54,19 @@ def test_hosts_install_offline_from_the_wheelhouse(tmp_path):
     try:
         # no registry: nothing outside 198.18.0.0/15 is routable from a host
         for h in HOSTS:
-            probe = enter(h, "python3", "-c", "import socket; socket.create_connection(('151.101.0.223', 443), 3)",
-                          check=False)
-            assert probe.returncode != 0 and ("unreachable" in probe.stderr or "timed out" in probe.stderr), probe.stderr
+            probe = enter(
+                h, "python3", "-c", "import socket; socket.create_connection(('151.101.0.223', 443), 3)", check=False
+            )
+            assert probe.returncode != 0 and ("unreachable" in probe.stderr or "timed out" in probe.stderr), (
+                probe.stderr
+            )
         cold, t_cold = _install(pb)
         assert cold.returncode == 0, cold.stdout[-6000:] + cold.stderr[-2000:]
         keys = [p for p in CACHE.iterdir() if not p.name.startswith(".")]
         size = sum(f.stat().st_size for k in keys for f in k.iterdir())
-        print(f"\nwheelhouse: {len(keys)} entries, {size / 1e6:.1f} MB; first deploy (cold build + copy + install) {t_cold:.1f} s")
+        print(
+            f"\nwheelhouse: {len(keys)} entries, {size / 1e6:.1f} MB; first deploy (cold build + copy + install) {t_cold:.1f} s"
+        )
         for h in HOSTS:
             ver = enter(h, "/opt/dsv41/venv/bin/dsv41", "version", "--json")
             assert "transport" in json.loads(ver.stdout), ver.stdout
@@ -94,7 +99,8 @@ def test_hosts_install_offline_from_the_wheelhouse(tmp_path):
             enter("sparkworker", "mv", "/usr/lib/python3.11/ensurepip.off", "/usr/lib/python3.11/ensurepip")
         assert novenv.returncode != 0
         msgs = [m for m in _failed_lines(novenv.stdout) if "python3-venv" in m]
-        assert len(msgs) == 1 and re.search(r"sparkworker: /usr/bin/python3 has no venv/ensurepip", msgs[0]), \
+        assert len(msgs) == 1 and re.search(r"sparkworker: /usr/bin/python3 has no venv/ensurepip", msgs[0]), (
             novenv.stdout[-4000:]
+        )
     finally:
         down()

@@ -80,12 +80,21 @@ PLAY = f"""---
     - role: dsv41
     - role: serve
 """
-SERVE = PLAY[PLAY.index("- name: Serve in containers"):]
+SERVE = PLAY[PLAY.index("- name: Serve in containers") :]
 
 
 def run(pb: Path, *args: str, timeout: int = 720) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
-    res = play(str(pb), "-i", INV, "-e", "serve_container=true", *args, env_extra={"ANSIBLE_ROLES_PATH": str(ROOT / "roles")}, timeout=timeout)
+    res = play(
+        str(pb),
+        "-i",
+        INV,
+        "-e",
+        "serve_container=true",
+        *args,
+        env_extra={"ANSIBLE_ROLES_PATH": str(ROOT / "roles")},
+        timeout=timeout,
+    )
     return res, time.monotonic() - t0
 
 
@@ -107,8 +116,10 @@ def test_ranks_run_in_containers_from_the_lab_image_and_a_wrong_pin_refuses(tmp_
         pin = (LAB / "images" / "dsv41-serve.id").read_text().strip()
         assert re.fullmatch(r"sha256:[0-9a-f]{64}", pin), pin
         tar = next((LAB / "nspawn-cache").glob("serve-image-*.tar"))
-        print(f"\nfirst run (package, tables, image build cold, serve): {t_first:.1f} s; "
-              f"image tarball {tar.stat().st_size / 1e6:.0f} MB")
+        print(
+            f"\nfirst run (package, tables, image build cold, serve): {t_first:.1f} s; "
+            f"image tarball {tar.stat().st_size / 1e6:.0f} MB"
+        )
         assert health() == 200
         before = {}
         for h in SPARKS:
@@ -125,14 +136,20 @@ def test_ranks_run_in_containers_from_the_lab_image_and_a_wrong_pin_refuses(tmp_
 
         # the warm path: the cached tarball loaded into a Spark that lacks the image
         serve_pb = tmp_path / "serve-only.yml"
-        serve_pb.write_text("---\n" + PLAY[PLAY.index("- name: The serving image"):])
-        tag = enter("sparkworker", "/usr/bin/docker", "images", "--format", "{{.Repository}}:{{.Tag}}",
-                    "dsv41-serve").stdout.split()[0]
+        serve_pb.write_text("---\n" + PLAY[PLAY.index("- name: The serving image") :])
+        tag = enter(
+            "sparkworker", "/usr/bin/docker", "images", "--format", "{{.Repository}}:{{.Tag}}", "dsv41-serve"
+        ).stdout.split()[0]
         enter("sparkworker", "/usr/bin/docker", "rmi", "-f", tag)  # untagged; the running container keeps the image
         warm, t_warm = run(serve_pb)
         assert warm.returncode == 0, warm.stdout[-6000:]
-        assert "changed: [sparkworker]" in warm.stdout.split("load it into each Spark")[1].split("TASK")[0], warm.stdout[-6000:]
-        assert enter("sparkworker", "/usr/bin/docker", "image", "inspect", "--format", "{{.Id}}", tag).stdout.strip() == pin
+        assert "changed: [sparkworker]" in warm.stdout.split("load it into each Spark")[1].split("TASK")[0], (
+            warm.stdout[-6000:]
+        )
+        assert (
+            enter("sparkworker", "/usr/bin/docker", "image", "inspect", "--format", "{{.Id}}", tag).stdout.strip()
+            == pin
+        )
         print(f"image from the cache (docker load into sparkworker) + serve role, no restart: {t_warm:.1f} s")
 
         # a wrong pin (an ID the hosts lack; a repo digest): refused on both ranks, nothing stopped
@@ -145,7 +162,9 @@ def test_ranks_run_in_containers_from_the_lab_image_and_a_wrong_pin_refuses(tmp_
             msgs = [m for m in failed_lines(res.stdout) if "is not in dockerd" in m]
             assert msgs, res.stdout[-6000:]
             for h in SPARKS:
-                mine = [ln for ln in res.stdout.splitlines() if f"{h}: the serving image {wrong} is not in dockerd" in ln]
+                mine = [
+                    ln for ln in res.stdout.splitlines() if f"{h}: the serving image {wrong} is not in dockerd" in ln
+                ]
                 assert mine and "dsv41-serve:" in mine[0] and pin in mine[0], (h, res.stdout[-6000:])  # what was found
             assert "Restart | stop both ranks" not in res.stdout
             for h in SPARKS:

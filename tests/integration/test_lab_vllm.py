@@ -34,8 +34,15 @@ def _recap_changed(stdout: str) -> dict[str, int]:
 
 
 def _status(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "ansible-playbook"), *INVENTORY, "status.yml", *args], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=600, check=False)
+    return subprocess.run(
+        [str(BIN / "ansible-playbook"), *INVENTORY, "status.yml", *args],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
 
 
 @pytest.fixture
@@ -61,8 +68,15 @@ def _serve_errors() -> str:
     out = []
     for host in ("sparkhead", "sparkworker"):
         try:
-            j = inside(host, "journalctl", "--unit=dsv41-serve.service", "--no-pager", "--output=short-monotonic",
-                       check=False, timeout=60).stdout.splitlines()
+            j = inside(
+                host,
+                "journalctl",
+                "--unit=dsv41-serve.service",
+                "--no-pager",
+                "--output=short-monotonic",
+                check=False,
+                timeout=60,
+            ).stdout.splitlines()
         except (OSError, subprocess.SubprocessError) as e:
             out.append(f"\n[{host}] journal unreadable: {e}")
             continue
@@ -73,8 +87,12 @@ def _serve_errors() -> str:
 
 
 def _completion(headers: dict | None = None, timeout: float = 120.0) -> httpx.Response:
-    return httpx.post(f"{API}/v1/completions", headers=headers or {}, timeout=timeout,
-                      json={"model": "dsv41-lab", "prompt": "The dog ", "max_tokens": 8, "temperature": 0})
+    return httpx.post(
+        f"{API}/v1/completions",
+        headers=headers or {},
+        timeout=timeout,
+        json={"model": "dsv41-lab", "prompt": "The dog ", "max_tokens": 8, "temperature": 0},
+    )
 
 
 def test_real_vllm_serves_both_ranks_and_the_deploy_is_production(vllm_lab):
@@ -87,8 +105,12 @@ def test_real_vllm_serves_both_ranks_and_the_deploy_is_production(vllm_lab):
     r = _completion()
     assert r.status_code == 200 and r.json()["choices"][0]["text"], r.text
     metrics = httpx.get(f"{API}/metrics", timeout=30).text
-    for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_requests_running",
-                 "vllm:time_to_first_token_seconds_bucket"):
+    for name in (
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:num_requests_running",
+        "vllm:time_to_first_token_seconds_bucket",
+    ):
         assert name in metrics, name
     # the deploy ended with its own checks: references recorded or identical, admission open
     assert "greedy references:" in out and "6/6" in out, out[-4000:]

@@ -45,7 +45,7 @@ def test_timeout_ends_the_forked_children(tmp_path, monkeypatch):
 
 def test_a_finished_playbook_returns_its_output(tmp_path, monkeypatch):
     fake = tmp_path / "ansible-playbook"
-    fake.write_text("#!/bin/sh\necho ran \"$@\"\necho warn >&2\nexit 3\n")
+    fake.write_text('#!/bin/sh\necho ran "$@"\necho warn >&2\nexit 3\n')
     fake.chmod(0o755)
     monkeypatch.setattr(labutil, "BIN", tmp_path)
     r = labutil.play("x.yml", "-e", "a=b")

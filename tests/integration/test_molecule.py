@@ -28,16 +28,20 @@ pytestmark = [
     pytest.mark.lab,
     pytest.mark.slow,
     pytest.mark.lab_long,
-    pytest.mark.skipif(os.geteuid() != 0 or not all(shutil.which(c) for c in ("ip", "nsenter", "unshare")),
-                       reason="needs root, iproute2 and util-linux for the lab's network namespaces"),
+    pytest.mark.skipif(
+        os.geteuid() != 0 or not all(shutil.which(c) for c in ("ip", "nsenter", "unshare")),
+        reason="needs root, iproute2 and util-linux for the lab's network namespaces",
+    ),
 ]
 
 
 def test_molecule_default_scenario():
-    env = dict(os.environ, ANSIBLE_FORCE_COLOR="0", PY_COLORS="0", NO_COLOR="1",
-               PATH=f"{BIN}:{os.environ.get('PATH', '')}")
-    r = subprocess.run([str(BIN / "molecule"), "test", "-s", "default"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=900)
+    env = dict(
+        os.environ, ANSIBLE_FORCE_COLOR="0", PY_COLORS="0", NO_COLOR="1", PATH=f"{BIN}:{os.environ.get('PATH', '')}"
+    )
+    r = subprocess.run(
+        [str(BIN / "molecule"), "test", "-s", "default"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-6000:]
     # molecule fails on a changed task in the idempotence step (rc above); the converge and the

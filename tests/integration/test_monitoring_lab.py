@@ -61,8 +61,10 @@ class Traffic:
     def run(self):
         with httpx.Client(timeout=60, trust_env=False) as c:
             while not self.stop.is_set():
-                c.post(f"{API}/v1/completions", json={"model": "dsv41-lab", "prompt": f"monitoring {self.sent} ",
-                                                      "max_tokens": 6})
+                c.post(
+                    f"{API}/v1/completions",
+                    json={"model": "dsv41-lab", "prompt": f"monitoring {self.sent} ", "max_tokens": 6},
+                )
                 self.sent += 1
 
     def __enter__(self):
@@ -106,9 +108,16 @@ def _render_docs_png() -> None:
         return
     from dsv41.monitoring import render as R
 
-    drawn = R.render(PROM, _STATE["t0"], time.time(), out, step_s=5, rate_interval=D.LAB_RATE_INTERVAL,
-                     marks=_marks(), title="dsv41-offload dashboard queries on the lab (x86host Prometheus); "
-                                           "red: dsv41 alerts firing")
+    drawn = R.render(
+        PROM,
+        _STATE["t0"],
+        time.time(),
+        out,
+        step_s=5,
+        rate_interval=D.LAB_RATE_INTERVAL,
+        marks=_marks(),
+        title="dsv41-offload dashboard queries on the lab (x86host Prometheus); red: dsv41 alerts firing",
+    )
     print(f"rendered {out}: {json.dumps(drawn)}")
 
 
@@ -127,8 +136,18 @@ def test_monitoring_play_is_idempotent(monitored):
 def _drafter_log() -> list[str]:
     """Rank 0's serve log lines about the async drafter (the watchdog's "drafter proxy pid N
     exited / is stuck" and the proxy's own): what a firing drafter alert needs to be explained."""
-    r = inside("sparkhead", "journalctl", "-u", "dsv41-serve", "--no-pager", "-o", "short-monotonic",
-               "--since", "-30min", check=False)
+    r = inside(
+        "sparkhead",
+        "journalctl",
+        "-u",
+        "dsv41-serve",
+        "--no-pager",
+        "-o",
+        "short-monotonic",
+        "--since",
+        "-30min",
+        check=False,
+    )
     return [ln for ln in r.stdout.splitlines() if "drafter" in ln or "proxy" in ln][-40:]
 
 
@@ -143,7 +162,9 @@ def test_every_target_is_up_and_every_panel_returns_data(monitored):
             time.sleep(5)
         assert not down, down
         jobs = {t["labels"]["job"] for t in targets}
-        assert jobs == {"prometheus", "dsv41-api", "dsv41-table-server", "dsv41-drafter-worker", "dsv41-ops", "node"}, jobs
+        assert jobs == {"prometheus", "dsv41-api", "dsv41-table-server", "dsv41-drafter-worker", "dsv41-ops", "node"}, (
+            jobs
+        )
         assert all(float(s["value"][1]) == 1 for s in query("up")), query("up")
         time.sleep(70)  # a full rate interval (1m) of samples under traffic
         # healthy lab: every dsv41 alert silent (neither pending nor firing), and both ranks' counters
@@ -164,8 +185,10 @@ def test_table_server_stopped_fires_and_resolves(monitored):
     over = LAB_VARS["monitoring_alert_overrides"]
     ev = _dur(LAB_VARS["monitoring_evaluation_interval"]) + _dur(LAB_VARS["monitoring_scrape_interval"])
     # an alert fires `for:` after its expression first holds; the fallback rate needs two scrapes
-    limit = {"Dsv41TableServerDown": _dur(over["table_server_down"]["for"]) + 2 * ev + 10,
-             "Dsv41EngramFallbacksGrowing": _dur(over["engram_fallbacks"]["for"]) + 3 * ev + 10}
+    limit = {
+        "Dsv41TableServerDown": _dur(over["table_server_down"]["for"]) + 2 * ev + 10,
+        "Dsv41EngramFallbacksGrowing": _dur(over["engram_fallbacks"]["for"]) + 3 * ev + 10,
+    }
     assert not firing() & set(limit), firing()
     seen: dict[str, float] = {}
     with Traffic():
@@ -178,8 +201,14 @@ def test_table_server_stopped_fires_and_resolves(monitored):
                 for a in set(limit) & now:
                     seen.setdefault(a, time.monotonic() - t0)
                 time.sleep(1)
-            st = subprocess.run([str(BIN / "dsv41"), "status", "--window", "2", "--prometheus", PROM], cwd=ROOT,
-                                env=env(), capture_output=True, text=True, timeout=300)
+            st = subprocess.run(
+                [str(BIN / "dsv41"), "status", "--window", "2", "--prometheus", PROM],
+                cwd=ROOT,
+                env=env(),
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
         finally:
             _table_server("start", check=False)
             _marks().append((time.time(), "table server started"))
@@ -190,12 +219,16 @@ def test_table_server_stopped_fires_and_resolves(monitored):
                 resolved = time.monotonic() - t1
                 break
             time.sleep(2)
-    print(f"fired after {json.dumps({k: round(v, 1) for k, v in seen.items()})} s (limits {limit}); "
-          f"resolved {resolved} s after the restart")
+    print(
+        f"fired after {json.dumps({k: round(v, 1) for k, v in seen.items()})} s (limits {limit}); "
+        f"resolved {resolved} s after the restart"
+    )
     for a, lim in limit.items():
         assert a in seen and seen[a] <= lim, (a, seen, limit)
     assert st.returncode == 1, st.stdout
-    assert re.search(r"^alerts \(http://198\.18\.0\.13:9090\): \d+ firing: .*Dsv41TableServerDown", st.stdout, re.M), st.stdout
+    assert re.search(r"^alerts \(http://198\.18\.0\.13:9090\): \d+ firing: .*Dsv41TableServerDown", st.stdout, re.M), (
+        st.stdout
+    )
     assert "unhealthy: alert firing: Dsv41TableServerDown" in st.stdout
     assert resolved is not None, firing()
     _render_docs_png()

@@ -136,25 +136,43 @@ def test_promote_a_window_win_rollback_exact_promote_again(deployed_lab, tmp_pat
         # 8 restarting blocks: 6-14 min on the 2-core boxes (10 min on the Intel one, 2026-12-01,
         # where play()'s 600 s default killed ansible-playbook after the 32nd cell and left its
         # setsid worker running the window)
-        r = timed_play("window.yml", "-e", "candidate=async-drafter", "-e", "control=sync-drafter",
-                       "-e", f"window_spec={ROOT / 'candidates' / 'specs' / 'lab-window.json'}",
-                       "-e", f"windows_dir={wdir}", timeout=1800)
+        r = timed_play(
+            "window.yml",
+            "-e",
+            "candidate=async-drafter",
+            "-e",
+            "control=sync-drafter",
+            "-e",
+            f"window_spec={ROOT / 'candidates' / 'specs' / 'lab-window.json'}",
+            "-e",
+            f"windows_dir={wdir}",
+            timeout=1800,
+        )
         assert r.returncode == 0, r.stdout[-5000:]
         assert production() == p_sync and listing() == before  # the window restored production exactly
     wid, d = window_win(wdir, "async-drafter")
-    print(f"\n[promotion] window {wid}: {d['verdict']} effect {d['effect']:+.4f} CI {d['ci']} "
-          f"({d['n_pairs']} pairs, {d['metric']})", flush=True)
+    print(
+        f"\n[promotion] window {wid}: {d['verdict']} effect {d['effect']:+.4f} CI {d['ci']} "
+        f"({d['n_pairs']} pairs, {d['metric']})",
+        flush=True,
+    )
     assert d["verdict"] == "WIN", f"the window decided {d['verdict']}: nothing to promote"
 
-    r = timed_play("promote.yml", "-e", "candidate=async-drafter", "-e", f"window={wid}",
-                   "-e", f"promotion_windows_dir={wdir}")
+    r = timed_play(
+        "promote.yml", "-e", "candidate=async-drafter", "-e", f"window={wid}", "-e", f"promotion_windows_dir={wdir}"
+    )
     assert r.returncode == 0, r.stdout[-5000:]
     p1 = assert_verified_production()
     assert p1 != p_sync
     assert "DSV41_DRAFTER_ASYNC=1" in inside("sparkhead", "cat", "/etc/dsv41/drafter.env").stdout
     prov = json.loads((PACKAGES / p1 / "package.json").read_text())["provenance"]
-    assert (prov["op"], prov["candidate"], prov["window"], prov["verdict"], prov["parent"]) == \
-        ("promote", "async-drafter", wid, "WIN", p_sync), prov
+    assert (prov["op"], prov["candidate"], prov["window"], prov["verdict"], prov["parent"]) == (
+        "promote",
+        "async-drafter",
+        wid,
+        "WIN",
+        p_sync,
+    ), prov
     assert not prov.get("force")
 
     r = timed_play("rollback.yml", "-e", "rollback_confirmation=yes")
@@ -163,8 +181,9 @@ def test_promote_a_window_win_rollback_exact_promote_again(deployed_lab, tmp_pat
     assert listing() == before  # byte-identical to before the promotion
     print("[promotion] rollback: sha256 listing identical to before the promotion", flush=True)
 
-    r = timed_play("promote.yml", "-e", "candidate=async-drafter", "-e", f"window={wid}",
-                   "-e", f"promotion_windows_dir={wdir}")
+    r = timed_play(
+        "promote.yml", "-e", "candidate=async-drafter", "-e", f"window={wid}", "-e", f"promotion_windows_dir={wdir}"
+    )
     assert r.returncode == 0, r.stdout[-5000:]
     assert assert_verified_production() == p1
 
@@ -228,7 +247,9 @@ class AdmissionProbe:
             while not self._stop.is_set():
                 t0 = time.time()
                 try:
-                    out = c.post(API + "/v1/completions", json={"prompt": "probe", "max_tokens": 1, "temperature": 0}).status_code
+                    out = c.post(
+                        API + "/v1/completions", json={"prompt": "probe", "max_tokens": 1, "temperature": 0}
+                    ).status_code
                 except httpx.HTTPError:
                     out = "down"
                 self.samples.append((t0, time.time(), out))
@@ -271,10 +292,13 @@ def assert_held_throughout(probe: AdmissionProbe, steps: dict[str, float], reope
     after_restart = [o for t0, _, o in during if t0 > down[-1][1]]
     assert after_restart and set(after_restart) == {503}, f"{what}: after the restart {after_restart[:10]}"
     after = [o for t0, _, o in probe.samples if t0 > steps["done"]]
-    print(f"\n[promotion] {what}: {len(during)} outside requests during the HOLD "
-          f"({outcomes.count(503)} x 503, {len(down)} refused while rank 0 restarted, 0 admitted; "
-          f"{len(after_restart)} x 503 from the restarted rank 0 until the checks passed); "
-          f"after the reopen: {after}", flush=True)
+    print(
+        f"\n[promotion] {what}: {len(during)} outside requests during the HOLD "
+        f"({outcomes.count(503)} x 503, {len(down)} refused while rank 0 restarted, 0 admitted; "
+        f"{len(after_restart)} x 503 from the restarted rank 0 until the checks passed); "
+        f"after the reopen: {after}",
+        flush=True,
+    )
     assert after and set(after) == {200}, f"{what}: not admitted after the reopen: {after}"
 
 
@@ -283,8 +307,10 @@ def test_admission_stays_held_through_restart_and_checks(deployed_lab):
     passed, across the engine restart (the lab engine starts held: DSV41_ADMISSION_HOLD_FILE), and
     admit them again afterwards."""
     p0 = assert_verified_production()
-    for args, reopen_after, what in ((["promote.yml", *CANDIDATE], "pointer", "promote"),
-                                     (["playbooks/rollback.yml", "-e", "rollback_confirmation=yes", "-e", "to=" + p0], "verified", "rollback")):
+    for args, reopen_after, what in (
+        (["promote.yml", *CANDIDATE], "pointer", "promote"),
+        (["playbooks/rollback.yml", "-e", "rollback_confirmation=yes", "-e", "to=" + p0], "verified", "rollback"),
+    ):
         n0 = len(JOURNAL.read_text().splitlines()) if JOURNAL.exists() else 0
         with AdmissionProbe() as probe:
             r = timed_play(*args)

@@ -71,14 +71,24 @@ def test_qualify_passes_on_the_lab_and_changes_nothing(deployed_lab, tmp_path):
         for layer in (1, 2):
             c = ids[(f"exactness.bad_rows[rank {rank} layer {layer}]", host)]
             assert c["status"] == "pass" and c["value"]["bad_rows"] == 0 and c["value"]["lookups"] > 0
-        assert ids[(f"serving.piecewise[rank {rank}]", host)]["reason"] == "serve_runtime lab: no vLLM container on this host"
+        assert (
+            ids[(f"serving.piecewise[rank {rank}]", host)]["reason"]
+            == "serve_runtime lab: no vLLM container on this host"
+        )
     assert ids[("serving.greedy_refs", "localhost")]["value"] == "6/6"
     assert ids[("drafter.fail_closed", "localhost")]["status"] == "pass"
     assert ids[("drafter.worker_identity", "localhost")]["status"] == "pass"
     changed = _recap(r.stdout)
-    assert {h: changed[h] for h in ("sparkhead", "sparkworker", "x86host")} == {"sparkhead": 0, "sparkworker": 0, "x86host": 0}
+    assert {h: changed[h] for h in ("sparkhead", "sparkworker", "x86host")} == {
+        "sparkhead": 0,
+        "sparkworker": 0,
+        "x86host": 0,
+    }
     summary = next((tmp_path / "a").glob("*/summary.md")).read_text()
-    assert summary.startswith(f"# Qualification {rep['id']}: PASS") and "| transport.latency_p99[ofl0] | sparkhead | pass |" in summary
+    assert (
+        summary.startswith(f"# Qualification {rep['id']}: PASS")
+        and "| transport.latency_p99[ofl0] | sparkhead | pass |" in summary
+    )
     assert f"# Qualification {rep['id']}: PASS" in r.stdout.split("TASK [Summary]")[-1]  # printed by the playbook too
 
     chk, crep = _qualify(tmp_path / "c", "--check")
@@ -108,12 +118,36 @@ def test_unreachable_host_and_a_missing_link_fail_with_one_line_each(deployed_la
     import yaml
 
     x86 = yaml.safe_load((ROOT / "inventories/sim/host_vars/x86host.yml").read_text())
-    links = x86["dsv41_links"] + [{"name": "ofl9", "purpose": "offload", "address": "198.18.9.1", "prefix": 30, "mtu": 9000,
-                                   "peer": "sparkhead", "peer_if": "ofl9", "peer_address": "198.18.9.2"}]
-    extra = extra_inventory(tmp_path, {"sparkworker": {"ansible_host": "198.18.0.99"},  # no such host: blackholed
-                                        "x86host": {"dsv41_links": links}})
-    r, rep = _qualify(tmp_path / "r", "-i", "inventories/sim", "-i", extra, "-e", f"dsv41_project_dir={ROOT}",
-                      "--tags", "qualify_links")
+    links = x86["dsv41_links"] + [
+        {
+            "name": "ofl9",
+            "purpose": "offload",
+            "address": "198.18.9.1",
+            "prefix": 30,
+            "mtu": 9000,
+            "peer": "sparkhead",
+            "peer_if": "ofl9",
+            "peer_address": "198.18.9.2",
+        }
+    ]
+    extra = extra_inventory(
+        tmp_path,
+        {
+            "sparkworker": {"ansible_host": "198.18.0.99"},  # no such host: blackholed
+            "x86host": {"dsv41_links": links},
+        },
+    )
+    r, rep = _qualify(
+        tmp_path / "r",
+        "-i",
+        "inventories/sim",
+        "-i",
+        extra,
+        "-e",
+        f"dsv41_project_dir={ROOT}",
+        "--tags",
+        "qualify_links",
+    )
     assert r.returncode != 0 and rep is not None and rep["result"] == "FAIL"
     assert "links.reachable@sparkworker" in rep["failed"] and "links.netdev[ofl9]@x86host" in rep["failed"]
     reasons = {c["id"] + "@" + c["host"]: c["reason"] for c in rep["checks"] if c["status"] == "fail"}
@@ -125,6 +159,7 @@ def test_unreachable_host_and_a_missing_link_fail_with_one_line_each(deployed_la
 
 
 # --- make lab-long: a second run, then the broken lab -------------------------------------------------
+
 
 def _failed(rep) -> set[str]:
     return set(rep["failed"])
@@ -138,7 +173,11 @@ def _server(action: str) -> None:
 def test_broken_lab_fails_the_right_checks_and_only_those(deployed_lab, tmp_path):
     r, rep = _qualify(tmp_path / "again")
     assert r.returncode == 0 and rep["result"] == "PASS", r.stdout[-4000:]
-    assert {h: v for h, v in _recap(r.stdout).items() if h != "localhost"} == {"sparkhead": 0, "sparkworker": 0, "x86host": 0}
+    assert {h: v for h, v in _recap(r.stdout).items() if h != "localhost"} == {
+        "sparkhead": 0,
+        "sparkworker": 0,
+        "x86host": 0,
+    }
 
     # MTU 1500 on the link x86host <-> sparkhead (both ends: one end alone also breaks TCP segments
     # sized for 9000, which the counters would rightly report too)
@@ -150,7 +189,9 @@ def test_broken_lab_fails_the_right_checks_and_only_those(deployed_lab, tmp_path
     finally:
         for host, dev in ends:
             inside(host, "ip", "link", "set", "dev", dev, "mtu", "9000")
-    assert r.returncode != 0 and _failed(rep) == {"links.mtu[ofl-head]@x86host", "links.mtu[ofl0]@sparkhead"}, rep["reasons"]
+    assert r.returncode != 0 and _failed(rep) == {"links.mtu[ofl-head]@x86host", "links.mtu[ofl0]@sparkhead"}, rep[
+        "reasons"
+    ]
     assert "links.mtu[ofl-head]@x86host" in r.stdout
     assert "ofl-head: MTU 1500, expected 9000" in rep["reasons"]
 
@@ -161,11 +202,17 @@ def test_broken_lab_fails_the_right_checks_and_only_those(deployed_lab, tmp_path
         r, rep = _qualify(tmp_path / "server")
     finally:
         _server("start")
-    want = {"transport.reconnect[rank 0]@localhost", "transport.reconnect[rank 1]@localhost",
-            "serving.counters[rank 0]@localhost", "serving.counters[rank 1]@localhost"}
+    want = {
+        "transport.reconnect[rank 0]@localhost",
+        "transport.reconnect[rank 1]@localhost",
+        "serving.counters[rank 0]@localhost",
+        "serving.counters[rank 1]@localhost",
+    }
     for host, rank in (("sparkhead", 0), ("sparkworker", 1)):
-        want |= {f"transport.{c}[ofl0]@{host}" for c in ("latency_p50", "latency_p99", "bandwidth", "late_reply_dropped",
-                                                         "refused_identity")}
+        want |= {
+            f"transport.{c}[ofl0]@{host}"
+            for c in ("latency_p50", "latency_p99", "bandwidth", "late_reply_dropped", "refused_identity")
+        }
         want |= {f"exactness.bad_rows[rank {rank} layer {L}]@{host}" for L in (1, 2)}
     assert r.returncode != 0 and _failed(rep) == want, sorted(_failed(rep) ^ want)
     ids = {c["id"]: c for c in rep["checks"] if c["host"] == "localhost"}
@@ -190,6 +237,8 @@ def test_broken_lab_fails_the_right_checks_and_only_those(deployed_lab, tmp_path
     assert not any(x.startswith(("links.", "serving.", "drafter.")) for x in bad), sorted(bad)
 
     # the lab is production again
-    s = subprocess.run([str(BIN / "dsv41"), "status", "--window", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    s = subprocess.run(
+        [str(BIN / "dsv41"), "status", "--window", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert s.returncode == 0, s.stdout[-3000:]
     assert shutil.which("ip")

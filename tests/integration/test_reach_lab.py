@@ -19,7 +19,9 @@ import yaml
 from labutil import LAB, ROOT, admission_state, extra_inventory, inside, needs_lab, play
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab]
-CAUSES = {c["id"]: c for c in yaml.safe_load((ROOT / "roles/dsv41/defaults/main.yml").read_text())["dsv41_access_causes"]}
+CAUSES = {
+    c["id"]: c for c in yaml.safe_load((ROOT / "roles/dsv41/defaults/main.yml").read_text())["dsv41_access_causes"]
+}
 VICTIM = "sparkworker"
 ADDRESS = "198.18.0.12"
 # No ssh connection sharing for the faulty host: a master connection left by an earlier play
@@ -46,8 +48,10 @@ def _stranger_key(tmp_path) -> str:
 
 def _case_vars(cause: str, tmp_path) -> dict:
     key = str(LAB / "ssh" / "id_ed25519")
-    common = ("-o IdentitiesOnly=yes -o ConnectTimeout=10 -o StrictHostKeyChecking=yes "
-              f"-o UserKnownHostsFile={LAB / 'ssh' / 'known_hosts'}")
+    common = (
+        "-o IdentitiesOnly=yes -o ConnectTimeout=10 -o StrictHostKeyChecking=yes "
+        f"-o UserKnownHostsFile={LAB / 'ssh' / 'known_hosts'}"
+    )
     if cause == "no_route":
         return {"ansible_host": "198.18.0.99"}
     if cause == "login":
@@ -57,23 +61,31 @@ def _case_vars(cause: str, tmp_path) -> dict:
     if cause == "key_file":
         return {"ansible_ssh_private_key_file": str(tmp_path / "no-such-key")}
     if cause == "host_key":
-        return {"ansible_ssh_common_args": common.replace(str(LAB / "ssh" / "known_hosts"),
-                                                          _known_hosts_with_another_key(tmp_path))}
+        return {
+            "ansible_ssh_common_args": common.replace(
+                str(LAB / "ssh" / "known_hosts"), _known_hosts_with_another_key(tmp_path)
+            )
+        }
     return {}  # sudo: the fault is on the host (_fault)
 
 
 def _one_line(out: str) -> str:
     """The failure the contact reports for the victim (Ansible's callback output, one line)."""
-    msgs = [json.loads(ln.split(" => ", 1)[1]).get("msg", "") for ln in out.splitlines()
-            if ln.startswith(f"fatal: [{VICTIM}]: FAILED! => ")]
+    msgs = [
+        json.loads(ln.split(" => ", 1)[1]).get("msg", "")
+        for ln in out.splitlines()
+        if ln.startswith(f"fatal: [{VICTIM}]: FAILED! => ")
+    ]
     ours = [m for m in msgs if m.startswith(f"{VICTIM}: ")]
     assert len(ours) == 1, out[-4000:]
     return ours[0]
 
 
 def _recap(out: str) -> dict[str, dict[str, int]]:
-    return {m[0]: {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m[1])}
-            for m in re.findall(r"^(\S+)\s+: (ok=.*)$", out, re.M)}
+    return {
+        m[0]: {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m[1])}
+        for m in re.findall(r"^(\S+)\s+: (ok=.*)$", out, re.M)
+    }
 
 
 def _fault(cause: str):
@@ -93,9 +105,15 @@ def _fault(cause: str):
 # there with a timeout (sparkworker ok=23, failed=1); it now waits only for a host it booted, and
 # the contact names the cause.
 LONG = pytest.mark.lab_long
-RUNS = ["no_route", pytest.param("sudo", marks=LONG), pytest.param("refused", marks=LONG),
-        pytest.param("login", marks=LONG), pytest.param("login_user", marks=LONG),
-        pytest.param("key_file", marks=LONG), pytest.param("host_key", marks=LONG)]
+RUNS = [
+    "no_route",
+    pytest.param("sudo", marks=LONG),
+    pytest.param("refused", marks=LONG),
+    pytest.param("login", marks=LONG),
+    pytest.param("login_user", marks=LONG),
+    pytest.param("key_file", marks=LONG),
+    pytest.param("host_key", marks=LONG),
+]
 
 
 def test_every_cause_is_produced_here():
@@ -110,8 +128,15 @@ def test_deploy_names_the_host_and_the_cause_within_30_s(deployed_lab, tmp_path,
     undo = _fault(cause)
     try:
         t0 = time.monotonic()
-        r = play("deploy.yml", "-i", "inventories/sim", "-i", extra, env_extra={"ANSIBLE_CALLBACK_RESULT_FORMAT": "json"},
-                 timeout=300)
+        r = play(
+            "deploy.yml",
+            "-i",
+            "inventories/sim",
+            "-i",
+            extra,
+            env_extra={"ANSIBLE_CALLBACK_RESULT_FORMAT": "json"},
+            timeout=300,
+        )
         took = time.monotonic() - t0
     finally:
         undo()
@@ -133,8 +158,19 @@ def test_window_stops_at_the_contact_before_any_hold(deployed_lab, tmp_path, cau
     undo = _fault(cause)
     try:
         t0 = time.monotonic()
-        r = play("window.yml", "-i", "inventories/sim", "-i", extra, "-e", "candidate=aa", "-e", f"windows_dir={tmp_path / 'w'}",
-                 env_extra={"ANSIBLE_CALLBACK_RESULT_FORMAT": "json"}, timeout=300)
+        r = play(
+            "window.yml",
+            "-i",
+            "inventories/sim",
+            "-i",
+            extra,
+            "-e",
+            "candidate=aa",
+            "-e",
+            f"windows_dir={tmp_path / 'w'}",
+            env_extra={"ANSIBLE_CALLBACK_RESULT_FORMAT": "json"},
+            timeout=300,
+        )
         took = time.monotonic() - t0
     finally:
         undo()

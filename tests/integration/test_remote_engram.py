@@ -47,8 +47,16 @@ class Server:
 
     def __init__(self, manifest: Path, listens: list[str], tmp: Path, metrics=True):
         self.ready = tmp / f"ready-{time.monotonic_ns()}.json"
-        cmd = [sys.executable, "-m", "dsv41.engram.remote_cli", "serve", "--manifest", str(manifest),
-               "--ready-file", str(self.ready)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "dsv41.engram.remote_cli",
+            "serve",
+            "--manifest",
+            str(manifest),
+            "--ready-file",
+            str(self.ready),
+        ]
         for u in listens:
             cmd += ["--listen", u]
         if metrics:
@@ -102,8 +110,9 @@ def test_read_rows_byte_identical(server, tabs, capsys):
     rows = f"0,1,77,4095,4096,{m.table(1).rows - 1},{m.table(1).rows // 2}"
     outs = {}
     for src in ["local"] + server.urls:
-        rc, out, err = run_cli(capsys, "engram", "read-rows", "--manifest", man, "--layer", "1", "--rows", rows,
-                               "--source", src)
+        rc, out, err = run_cli(
+            capsys, "engram", "read-rows", "--manifest", man, "--layer", "1", "--rows", rows, "--source", src
+        )
         assert rc == 0, err
         outs[src] = out
     assert len(set(outs.values())) == 1 and len(outs["local"].split()) == 7
@@ -113,8 +122,23 @@ def test_sweeps_both_ranks_both_backends(server, tabs, capsys):
     man = str(tabs / "a" / "manifest.json")
     for url in server.urls:
         for rank in (0, 1):
-            rc, out, err = run_cli(capsys, "engram", "sweep", "--manifest", man, "--remote", url, "--tp", "2",
-                                   "--rank", str(rank), "--lookups", "12000", "--seed", str(rank))
+            rc, out, err = run_cli(
+                capsys,
+                "engram",
+                "sweep",
+                "--manifest",
+                man,
+                "--remote",
+                url,
+                "--tp",
+                "2",
+                "--rank",
+                str(rank),
+                "--lookups",
+                "12000",
+                "--seed",
+                str(rank),
+            )
             assert rc == 0, err
             rep = json.loads(out)
             assert rep["lookups"] == 12000 and rep["bad_rows"] == 0
@@ -125,8 +149,9 @@ def test_sweeps_both_ranks_both_backends(server, tabs, capsys):
 def test_wrong_identity_and_out_of_range_refused(server, tabs, capsys):
     other = str(tabs / "b" / "manifest.json")
     for url in server.urls:
-        rc, out, err = run_cli(capsys, "engram", "read-rows", "--manifest", other, "--layer", "1", "--rows", "1",
-                               "--source", url)
+        rc, out, err = run_cli(
+            capsys, "engram", "read-rows", "--manifest", other, "--layer", "1", "--rows", "1", "--source", url
+        )
         assert rc == 1 and ("wrong_identity" in err or "does not serve" in err)
         assert err.startswith("dsv41: error:") and err.count("\n") == 1
     m = load_manifest(tabs / "a" / "manifest.json")
@@ -138,8 +163,19 @@ def test_wrong_identity_and_out_of_range_refused(server, tabs, capsys):
             c.lookup_into(ident, np.array([m.table(2).rows], np.uint64), [out], 2.0)
         assert ei.value.reason == "out_of_range" and not out.any()
         c.close()
-    rc, out, err = run_cli(capsys, "engram", "read-rows", "--manifest", str(tabs / "a" / "manifest.json"),
-                           "--layer", "2", "--rows", str(m.table(2).rows), "--source", server.urls[0])
+    rc, out, err = run_cli(
+        capsys,
+        "engram",
+        "read-rows",
+        "--manifest",
+        str(tabs / "a" / "manifest.json"),
+        "--layer",
+        "2",
+        "--rows",
+        str(m.table(2).rows),
+        "--source",
+        server.urls[0],
+    )
     assert rc == 1 and "outside" in err
 
 
@@ -181,7 +217,10 @@ def test_two_ranks_and_extra_clients_concurrently(server, tabs):
         finally:
             c.close()
 
-    threads = [threading.Thread(target=rank_worker, args=(0, tcp)), threading.Thread(target=rank_worker, args=(1, nixl))]
+    threads = [
+        threading.Thread(target=rank_worker, args=(0, tcp)),
+        threading.Thread(target=rank_worker, args=(1, nixl)),
+    ]
     threads += [threading.Thread(target=extra_client, args=(k,)) for k in range(3)]
     for t in threads:
         t.start()
@@ -198,8 +237,14 @@ def test_metrics_endpoint(server):
     base = f"http://{server.info['metrics']}"
     assert urllib.request.urlopen(base + "/ready", timeout=5).status == 200
     text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
-    for name in ("dsv41_engram_rows_served_total", "dsv41_engram_requests_total", "dsv41_engram_load_bytes",
-                 "dsv41_engram_request_seconds_bucket", "dsv41_engram_refusals_total", "dsv41_engram_ready 1.0"):
+    for name in (
+        "dsv41_engram_rows_served_total",
+        "dsv41_engram_requests_total",
+        "dsv41_engram_load_bytes",
+        "dsv41_engram_request_seconds_bucket",
+        "dsv41_engram_refusals_total",
+        "dsv41_engram_ready 1.0",
+    ):
         assert name in text
 
 
@@ -264,8 +309,9 @@ def test_frozen_server_costs_the_deadline_then_reconnects(tabs, scheme):
     url = f"{scheme}://127.0.0.1:{free_port()}"
     srv = Server(man, [url], tabs, metrics=False)
     ref = LocalRowReader(m, tabs / "a", threads=2)
-    src = RemoteRowSource(url, m, 0, 1, timeout_ms=5000, local=LocalRowReader(m, tabs / "a", threads=2),
-                          deadline_ms=150)
+    src = RemoteRowSource(
+        url, m, 0, 1, timeout_ms=5000, local=LocalRowReader(m, tabs / "a", threads=2), deadline_ms=150
+    )
     assert src.wait_connected(30), src.last_error
     rng = np.random.default_rng(11)
     bad = 0
@@ -278,7 +324,9 @@ def test_frozen_server_costs_the_deadline_then_reconnects(tabs, scheme):
         src.lookup_layers([1, 2], ids, outs)
         got = src.lookup(1, ids[0])
         dt = time.monotonic() - t0
-        bad += sum(int(np.count_nonzero((o != ref.read(L, r)).any(axis=1))) for L, r, o in zip((1, 2), ids, outs, strict=False))
+        bad += sum(
+            int(np.count_nonzero((o != ref.read(L, r)).any(axis=1))) for L, r, o in zip((1, 2), ids, outs, strict=False)
+        )
         bad += int(np.count_nonzero((got != ref.read(1, ids[0])).any(axis=1)))
         return dt
 
@@ -344,8 +392,10 @@ def test_serve_bad_input_one_line(tabs, tmp_path, capsys):
         (["--manifest", str(tmp_path / "nope.json"), "--listen", "tcp://127.0.0.1:0"], "does not exist"),
         (["--manifest", str(tabs / "a" / "manifest.json"), "--listen", "udp://127.0.0.1:0"], "scheme"),
         (["--manifest", str(tabs / "a" / "manifest.json")], "at least one --listen"),
-        (["--manifest", str(tabs / "a" / "manifest.json"), "--data", str(tmp_path), "--listen", "tcp://127.0.0.1:0"],
-         "does not exist"),
+        (
+            ["--manifest", str(tabs / "a" / "manifest.json"), "--data", str(tmp_path), "--listen", "tcp://127.0.0.1:0"],
+            "does not exist",
+        ),
         (["--manifest", str(tabs / "a" / "manifest.json"), "--listen", "tcp://192.0.2.1:0"], "cannot listen"),
     ]
     for args, msg in cases:
@@ -353,21 +403,40 @@ def test_serve_bad_input_one_line(tabs, tmp_path, capsys):
         assert rc == 1, err
         assert msg in err and "Traceback" not in err and err.count("\n") == 1
     # the standalone entry point used by the tests above follows the same convention
-    p = subprocess.run([sys.executable, "-m", "dsv41.engram.remote_cli", "serve", *cases[0][0]], env=ENV,
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "dsv41.engram.remote_cli", "serve", *cases[0][0]],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 1 and "does not exist" in p.stderr and p.stderr.count("\n") == 1
 
 
 def test_sweep_against_absent_server(tabs, capsys):
     man = str(tabs / "a" / "manifest.json")
     url = f"tcp://127.0.0.1:{free_port()}"
-    rc, out, err = run_cli(capsys, "engram", "sweep", "--manifest", man, "--remote", url, "--rank", "0",
-                           "--lookups", "500", "--timeout-ms", "50")
+    rc, out, err = run_cli(
+        capsys,
+        "engram",
+        "sweep",
+        "--manifest",
+        man,
+        "--remote",
+        url,
+        "--rank",
+        "0",
+        "--lookups",
+        "500",
+        "--timeout-ms",
+        "50",
+    )
     assert rc == 1 and "compared no remote rows" in err
     rep = json.loads(out)
     assert rep["bad_rows"] == 0 and rep["fallbacks"] >= 1 and rep["remote_rows"] == 0
-    rc, out, err = run_cli(capsys, "engram", "sweep", "--manifest", man, "--remote", url, "--rank", "1",
-                           "--lookups", "500", "--required")
+    rc, out, err = run_cli(
+        capsys, "engram", "sweep", "--manifest", man, "--remote", url, "--rank", "1", "--lookups", "500", "--required"
+    )
     assert rc == 1 and "required" in err and err.count("\n") == 1
 
 

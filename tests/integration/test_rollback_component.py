@@ -31,12 +31,21 @@ ALL = os.environ.get("DSV41_ROLLBACK_COMPONENTS", "") == "all"
 PLAYBOOK = "playbooks/rollback_component.yml"
 
 # What each rollback must take out of the env files (and deploy.yml must put back).
-ENV_FILE = {"async_handoff": "/etc/dsv41/drafter.env", "remote_drafter": "/etc/dsv41/drafter.env",
-            "remote_engram": "/etc/dsv41/engram-overlay.env"}
-PRODUCTION_LINE = {"async_handoff": "DSV41_DRAFTER_ASYNC=1", "remote_drafter": "DSV41_DRAFTER_REMOTE=tcp://",
-                   "remote_engram": "DSV41_ENGRAM_REMOTE=tcp://"}
-ROLLED_BACK_LINE = {"async_handoff": "DSV41_DRAFTER_ASYNC=0", "remote_drafter": "DSV41_DRAFTER_LOCAL=/opt/dsv41/drafter",
-                    "remote_engram": "# Remote Engram off"}
+ENV_FILE = {
+    "async_handoff": "/etc/dsv41/drafter.env",
+    "remote_drafter": "/etc/dsv41/drafter.env",
+    "remote_engram": "/etc/dsv41/engram-overlay.env",
+}
+PRODUCTION_LINE = {
+    "async_handoff": "DSV41_DRAFTER_ASYNC=1",
+    "remote_drafter": "DSV41_DRAFTER_REMOTE=tcp://",
+    "remote_engram": "DSV41_ENGRAM_REMOTE=tcp://",
+}
+ROLLED_BACK_LINE = {
+    "async_handoff": "DSV41_DRAFTER_ASYNC=0",
+    "remote_drafter": "DSV41_DRAFTER_LOCAL=/opt/dsv41/drafter",
+    "remote_engram": "# Remote Engram off",
+}
 HOLD = re.compile(r"TASK \[admission : Set admission to held \(before the TP restart\)\].*\n(changed|ok): \[spark")
 
 
@@ -78,7 +87,16 @@ def _rollback(component: str, report) -> dict:
     """Run the rollback; assert it took the HOLD, passed every check, left the files rolled back and
     admission open; return the checks by name (and print them: docs/records.md records them)."""
     t0 = time.monotonic()
-    r = play(PLAYBOOK, "-e", "rollback_confirmation=yes", "-e", f"component={component}", "-e", f"rollback_component_report={report}", timeout=900)
+    r = play(
+        PLAYBOOK,
+        "-e",
+        "rollback_confirmation=yes",
+        "-e",
+        f"component={component}",
+        "-e",
+        f"rollback_component_report={report}",
+        timeout=900,
+    )
     took = time.monotonic() - t0
     assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-2000:]
     assert HOLD.search(r.stdout), r.stdout[-6000:]
@@ -90,8 +108,10 @@ def _rollback(component: str, report) -> dict:
     after = _env(ENV_FILE[component])
     assert PRODUCTION_LINE[component] not in after and ROLLED_BACK_LINE[component] in after
     assert not _paused()
-    print(f"\n{component}: rollback {took:.1f} s (checks {rep['seconds']} s): "
-          + "; ".join(f"{c['name']}: {c['detail']}" for c in checks.values()))
+    print(
+        f"\n{component}: rollback {took:.1f} s (checks {rep['seconds']} s): "
+        + "; ".join(f"{c['name']}: {c['detail']}" for c in checks.values())
+    )
     return checks
 
 
@@ -127,8 +147,16 @@ def test_rollback_every_component_then_plain_deploy_restores(deployed_lab, tmp_p
             # one component at a time: the one rolled back before is production again
             assert PRODUCTION_LINE[previous] in _env(ENV_FILE[previous])
         t0 = time.monotonic()
-        again = play(PLAYBOOK, "-e", "rollback_confirmation=yes", "-e", f"component={component}", "-e", f"rollback_component_report={tmp_path / 'r.json'}",
-                     timeout=900)
+        again = play(
+            PLAYBOOK,
+            "-e",
+            "rollback_confirmation=yes",
+            "-e",
+            f"component={component}",
+            "-e",
+            f"rollback_component_report={tmp_path / 'r.json'}",
+            timeout=900,
+        )
         assert again.returncode == 0, again.stdout[-6000:]
         assert set(_recap_changed(again.stdout).values()) == {0}, again.stdout.split("PLAY RECAP")[-1]
         assert not HOLD.search(again.stdout)  # nothing to restart, nothing held

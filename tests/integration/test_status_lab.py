@@ -42,7 +42,6 @@ from labutil import (
 pytestmark = [pytest.mark.lab, pytest.mark.slow, needs_lab]
 
 
-
 @pytest.fixture
 def deployed(deployed_lab):
     """The shared deployed lab (conftest.py); the value is its deploy.yml output."""
@@ -50,15 +49,18 @@ def deployed(deployed_lab):
 
 
 def _status(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "dsv41"), "status", *args], cwd=ROOT, env=env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [str(BIN / "dsv41"), "status", *args], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _readme_snippets() -> dict[str, tuple[str, str]]:
     """``{name: (language, code)}`` of the blocks marked ``<!-- try-it: NAME -->`` in README.md."""
     text = (ROOT / "README.md").read_text()
-    return {m.group(1): (m.group(2), m.group(3))
-            for m in re.finditer(r"<!-- try-it: (\S+) -->\n```(\w+)\n(.*?)```", text, re.S)}
+    return {
+        m.group(1): (m.group(2), m.group(3))
+        for m in re.finditer(r"<!-- try-it: (\S+) -->\n```(\w+)\n(.*?)```", text, re.S)
+    }
 
 
 def _recap_changed(stdout: str) -> dict[str, int]:
@@ -175,7 +177,9 @@ def test_table_server_stopped_names_the_fallbacks_on_both_ranks(deployed):
         i = 0
         with httpx.Client(timeout=60, trust_env=False) as c:
             while not stop.is_set():
-                c.post(f"{API}/v1/completions", json={"model": "dsv41-lab", "prompt": f"fault probe {i} ", "max_tokens": 4})
+                c.post(
+                    f"{API}/v1/completions", json={"model": "dsv41-lab", "prompt": f"fault probe {i} ", "max_tokens": 4}
+                )
                 sent.append(i)
                 i += 1
 
@@ -193,8 +197,11 @@ def test_table_server_stopped_names_the_fallbacks_on_both_ranks(deployed):
     assert r.returncode == 1, r.stdout
     out = r.stdout
     for rank in (0, 1):
-        assert re.search(rf"^unhealthy: rank {rank}: Engram fallbacks growing \(\+[1-9]\d* in 5 s, [1-9]\d* since start\)$",
-                         out, re.M), out
+        assert re.search(
+            rf"^unhealthy: rank {rank}: Engram fallbacks growing \(\+[1-9]\d* in 5 s, [1-9]\d* since start\)$",
+            out,
+            re.M,
+        ), out
     # systemctl list-units' ACTIVE column of a stopped unit
     assert "unhealthy: x86host: dsv41-engram-server is inactive" in out, out
     assert "unhealthy: Engram table server http://198.18.0.13:9441: unreachable" in out

@@ -31,8 +31,15 @@ def flat(out: str) -> str:
 
 
 def status_ok() -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "dsv41"), "status", "--window", "2"], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=300, check=False)
+    return subprocess.run(
+        [str(BIN / "dsv41"), "status", "--window", "2"],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 def test_bad_input_and_check_mode_never_hold(deployed_lab, tmp_path):
@@ -45,7 +52,9 @@ def test_bad_input_and_check_mode_never_hold(deployed_lab, tmp_path):
     bad.write_text("{not json")
     r = play("window.yml", "-e", "candidate=aa", "-e", f"window_spec={bad}", "-e", f"windows_dir={wdir}")
     assert r.returncode != 0 and "is not JSON" in flat(r.stdout)
-    r = play("window.yml", "-e", "candidate=aa", "-e", f"windows_dir={wdir}", "-e", "dsv41_api_url=http://198.18.0.99:8000")
+    r = play(
+        "window.yml", "-e", "candidate=aa", "-e", f"windows_dir={wdir}", "-e", "dsv41_api_url=http://198.18.0.99:8000"
+    )
     assert r.returncode != 0 and "cannot read admission state at http://198.18.0.99:8000" in flat(r.stdout)
     r = play("window.yml", "--check", "-e", "candidate=aa", "-e", f"windows_dir={wdir}")
     assert r.returncode == 0, r.stdout[-3000:]
@@ -81,8 +90,18 @@ def test_mid_cell_fault_ends_restored_and_open(deployed_lab, tmp_path):
     poller = OutsidePoller()
     poller.start()
     try:
-        r = play("window.yml", "-e", "candidate=aa", "-e", f"window_spec={DRILL_SPEC}", "-e", f"windows_dir={wdir}",
-                 "-e", "window_fault=mid_cell", timeout=900)
+        r = play(
+            "window.yml",
+            "-e",
+            "candidate=aa",
+            "-e",
+            f"window_spec={DRILL_SPEC}",
+            "-e",
+            f"windows_dir={wdir}",
+            "-e",
+            "window_fault=mid_cell",
+            timeout=900,
+        )
         time.sleep(2)
     finally:
         poller.stop.set()

@@ -33,8 +33,15 @@ SHAPES = {
 
 
 def _items(cfg, b, k, rng):
-    return [RoundItem(f"r{i}", rng.integers(0, cfg["vocab_size"], 64), rng.standard_normal(cfg["hidden_size"]).astype(np.float32),
-                      k) for i in range(b)]
+    return [
+        RoundItem(
+            f"r{i}",
+            rng.integers(0, cfg["vocab_size"], 64),
+            rng.standard_normal(cfg["hidden_size"]).astype(np.float32),
+            k,
+        )
+        for i in range(b)
+    ]
 
 
 def _time(fn, iters):
@@ -65,8 +72,18 @@ def test_bench_drafter_gpu_round_latency(tmp_path):
                 same = all(np.array_equal(x, y) for x, y in zip(ref.tokens, got.tokens, strict=False))
                 for g, dr in drafters.items():
                     p50, p90 = _time(lambda dr=dr, items=items: dr.draft(items), ITERS)
-                    out["rows"].append({"shape": shape, "view": "backend", "batch": b, "k": k, "cuda_graphs": g,
-                                        "p50_ms": p50, "p90_ms": p90, "graph_tokens_equal_eager": same})
+                    out["rows"].append(
+                        {
+                            "shape": shape,
+                            "view": "backend",
+                            "batch": b,
+                            "k": k,
+                            "cuda_graphs": g,
+                            "p50_ms": p50,
+                            "p90_ms": p90,
+                            "graph_tokens_equal_eager": same,
+                        }
+                    )
         # full TCP round on loopback, batch 1, through the worker
         for g, dr in drafters.items():
             w = DrafterWorker(dr)
@@ -76,8 +93,17 @@ def test_bench_drafter_gpu_round_latency(tmp_path):
                 for k in range(1, 8):
                     r = Round(_items(cfg, 1, k, rng), cfg["hidden_size"])
                     p50, p90 = _time(lambda c=c, r=r: c.round(r), ITERS)
-                    out["rows"].append({"shape": shape, "view": "tcp_round", "batch": 1, "k": k, "cuda_graphs": g,
-                                        "p50_ms": p50, "p90_ms": p90})
+                    out["rows"].append(
+                        {
+                            "shape": shape,
+                            "view": "tcp_round",
+                            "batch": 1,
+                            "k": k,
+                            "cuda_graphs": g,
+                            "p50_ms": p50,
+                            "p90_ms": p90,
+                        }
+                    )
                 c.close()
             finally:
                 w.stop()
@@ -85,7 +111,9 @@ def test_bench_drafter_gpu_round_latency(tmp_path):
         torch.cuda.empty_cache()
     text = json.dumps(out, indent=1)
     print(text)
-    dest = os.environ.get("DSV41_BENCH_OUT") or (os.environ.get("OUT") and str(Path(os.environ["OUT"]) / "drafter_gpu.json"))
+    dest = os.environ.get("DSV41_BENCH_OUT") or (
+        os.environ.get("OUT") and str(Path(os.environ["OUT"]) / "drafter_gpu.json")
+    )
     if dest:
         Path(dest).write_text(text)
     assert all(r.get("graph_tokens_equal_eager", True) for r in out["rows"])

@@ -59,13 +59,17 @@ def _run(target, spec, prompts):
                 events[i].append((time.perf_counter(), len(ev["ids"]), list(ev["ids"])))
             elif ev["type"] == "finish":
                 done[i].set()
+
         return f
 
     eng.start()
     try:
         for i, p in enumerate(prompts):
-            eng.submit(TOK.encode(p, bos=True), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                       sink(i))
+            eng.submit(
+                TOK.encode(p, bos=True),
+                SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                sink(i),
+            )
         for d in done:
             assert d.wait(300)
     finally:
@@ -77,8 +81,11 @@ def _run(target, spec, prompts):
         n_after_first = sum(n for _, n, _ in ev[1:])
         rates.append(n_after_first / (ts[-1] - ts[0]))
         outs.append([t for _, _, ids in ev for t in ids])
-    m = {"accepted": metrics.spec_accepted._value.get(), "rounds": metrics.spec_drafts._value.get(),
-         "drafted": metrics.spec_draft_tokens._value.get()}
+    m = {
+        "accepted": metrics.spec_accepted._value.get(),
+        "rounds": metrics.spec_drafts._value.get(),
+        "drafted": metrics.spec_draft_tokens._value.get(),
+    }
     return {"step_ms": gaps, "tok_s": rates, "outs": outs, "spec": m}
 
 
@@ -98,11 +105,16 @@ def test_bench_drafter_speculation(tmp_path_factory):
     t0 = time.monotonic()
     assets = lab_assets(tmp_path_factory, train_steps=200, table_seed=41)
     cfg = load_config(assets.config)
-    target = {"cfg": cfg, "weights": load_weights(cfg, assets.weights), "rows": local_rows(assets),
-              "identity": target_identity(assets.config, assets.weights)}
+    target = {
+        "cfg": cfg,
+        "weights": load_weights(cfg, assets.weights),
+        "rows": local_rows(assets),
+        "identity": target_identity(assets.config, assets.weights),
+    }
     ddir = str(tmp_path_factory.mktemp("drafter"))
-    rep = train_drafter(str(assets.config), str(assets.weights), ddir,
-                        runner=LocalRunner(assets.config, assets.weights, target["rows"]))
+    rep = train_drafter(
+        str(assets.config), str(assets.weights), ddir, runner=LocalRunner(assets.config, assets.weights, target["rows"])
+    )
     t_setup = time.monotonic() - t0
     proc, url = start_worker(ddir, target["identity"], tmp_path_factory.mktemp("w") / "worker.log")
     env = {"DSV41_DRAFTER_REMOTE": url, "DSV41_DRAFTER_DIR": ddir, "DSV41_DRAFTER_TIMEOUT_MS": "100"}
@@ -133,7 +145,7 @@ def test_bench_drafter_speculation(tmp_path_factory):
                 # three concurrent streams
                 for j in range(0, len(prompts), 3):
                     spec = _spec(m, env, target)
-                    r = _run(target, spec, prompts[j:j + 3])
+                    r = _run(target, spec, prompts[j : j + 3])
                     if spec is not None:
                         spec.close()
                     res[(m, "concurrent3")]["step_ms"] += r["step_ms"]
@@ -147,15 +159,34 @@ def test_bench_drafter_speculation(tmp_path_factory):
         b_tok, b_step = statistics.median(base["tok_s"]), statistics.median(base["step_ms"])
         for m in modes:
             tok, step = statistics.median(res[(m, c)]["tok_s"]), statistics.median(res[(m, c)]["step_ms"])
-            rows.append({"mode": m, "streams": c, "tok_s_median": round(tok, 1), "step_ms_p50": round(step, 2),
-                         "tok_s_ratio": round(tok / b_tok, 3), "step_ms_ratio": round(step / b_step, 3)})
-    acc = {m: {name: round(v["accepted"] / max(v["rounds"], 1), 2) for name, v in per_prompt[m].items()}
-           for m in ("sync", "async")}
-    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "nproc": os.cpu_count(),
-           "cpu": _cpu_model(), "kernel": platform.release(), "repeats": REPEATS, "max_tokens": MAX_TOKENS, "k": K,
-           "setup_s": round(t_setup, 1), "drafter_heldout_acceptance": round(rep["heldout_acceptance"], 3),
-           "rows": rows, "accepted_per_round_by_prompt": acc,
-           "round_ms_mean_single": {m: round(1000 * v[0] / max(v[1], 1), 3) for m, v in lat.items() if m != "off"}}
+            rows.append(
+                {
+                    "mode": m,
+                    "streams": c,
+                    "tok_s_median": round(tok, 1),
+                    "step_ms_p50": round(step, 2),
+                    "tok_s_ratio": round(tok / b_tok, 3),
+                    "step_ms_ratio": round(step / b_step, 3),
+                }
+            )
+    acc = {
+        m: {name: round(v["accepted"] / max(v["rounds"], 1), 2) for name, v in per_prompt[m].items()}
+        for m in ("sync", "async")
+    }
+    out = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "nproc": os.cpu_count(),
+        "cpu": _cpu_model(),
+        "kernel": platform.release(),
+        "repeats": REPEATS,
+        "max_tokens": MAX_TOKENS,
+        "k": K,
+        "setup_s": round(t_setup, 1),
+        "drafter_heldout_acceptance": round(rep["heldout_acceptance"], 3),
+        "rows": rows,
+        "accepted_per_round_by_prompt": acc,
+        "round_ms_mean_single": {m: round(1000 * v[0] / max(v[1], 1), 3) for m, v in lat.items() if m != "off"},
+    }
     print(json.dumps(out, indent=1))
     if os.environ.get("DSV41_BENCH_OUT"):
         Path(os.environ["DSV41_BENCH_OUT"]).write_text(json.dumps(out, indent=1))

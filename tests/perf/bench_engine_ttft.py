@@ -38,6 +38,7 @@ REPEATS = 3
 def _nixl_ok() -> bool:
     try:
         import nixl_cu12._api  # noqa: F401
+
         return True
     except Exception:  # noqa: BLE001
         return False
@@ -52,10 +53,14 @@ class Pair:
         def dev(r):
             return ["--device", DEVICE if DEVICE == "cpu" else f"cuda:{r}"]
 
-        self.r1 = start(serve_cmd(assets, rank=1, tp=2, master=master, extra=extra + dev(1)), env,
-                        tmp / f"{tag}-r1.log")
-        self.r0 = start(serve_cmd(assets, rank=0, tp=2, port=self.port, master=master, extra=extra + dev(0)), env,
-                        tmp / f"{tag}-r0.log")
+        self.r1 = start(
+            serve_cmd(assets, rank=1, tp=2, master=master, extra=extra + dev(1)), env, tmp / f"{tag}-r1.log"
+        )
+        self.r0 = start(
+            serve_cmd(assets, rank=0, tp=2, port=self.port, master=master, extra=extra + dev(0)),
+            env,
+            tmp / f"{tag}-r0.log",
+        )
         self.url = f"http://127.0.0.1:{self.port}"
         wait_ready(self.port, self.r0, tmp / f"{tag}-r0.log")
 
@@ -68,8 +73,12 @@ def ttft(url: str, prompt: list[int]) -> tuple[float, list[int]]:
     t0 = time.perf_counter()
     first = None
     toks: list[int] = []
-    with httpx.stream("POST", url + "/v1/completions", timeout=600, json={
-            "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True, "return_token_ids": True}) as r:
+    with httpx.stream(
+        "POST",
+        url + "/v1/completions",
+        timeout=600,
+        json={"prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True, "return_token_ids": True},
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 c = json.loads(line[6:])["choices"]
@@ -88,9 +97,19 @@ def decode_rate(url: str, n_streams: int) -> float:
     def one(i):
         prompt = f"Stream {i}: the quick dog "
         n, t_first, t_last = 0, None, None
-        with httpx.stream("POST", url + "/v1/completions", timeout=600, json={
-                "prompt": prompt, "max_tokens": DECODE_TOKENS, "temperature": 0, "ignore_eos": True,
-                "stream": True, "return_token_ids": True}) as r:
+        with httpx.stream(
+            "POST",
+            url + "/v1/completions",
+            timeout=600,
+            json={
+                "prompt": prompt,
+                "max_tokens": DECODE_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "return_token_ids": True,
+            },
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     c = json.loads(line[6:])["choices"]
@@ -123,8 +142,12 @@ def test_engine_cold_ttft_and_decode(tmp_path_factory):
     from dsv41.tokenizer import ByteTokenizer
 
     prompt = ByteTokenizer().encode(corpus_text(99, PROMPT_TOKENS * 2))[:PROMPT_TOKENS]
-    results = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "prompt_tokens": PROMPT_TOKENS,
-               "device": DEVICE}
+    results = {
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "prompt_tokens": PROMPT_TOKENS,
+        "device": DEVICE,
+    }
 
     # --- local O_DIRECT reader, cold
     pair = Pair(assets, tmp, engine_env(), "local")
@@ -144,13 +167,27 @@ def test_engine_cold_ttft_and_decode(tmp_path_factory):
 
     # --- remote table server (tables resident in its RAM)
     ready = tmp / "ready.json"
-    cmd = [PY, "-m", "dsv41.cli", "engram", "serve", "--manifest", str(assets.manifest), "--data", str(assets.data),
-           "--listen", "tcp://127.0.0.1:0", "--ready-file", str(ready)]
+    cmd = [
+        PY,
+        "-m",
+        "dsv41.cli",
+        "engram",
+        "serve",
+        "--manifest",
+        str(assets.manifest),
+        "--data",
+        str(assets.data),
+        "--listen",
+        "tcp://127.0.0.1:0",
+        "--ready-file",
+        str(ready),
+    ]
     nixl = _nixl_ok()
     if nixl:
         cmd += ["--listen", "nixl://127.0.0.1:0"]
-    srv = subprocess.Popen(cmd, env=engine_env(), stdout=open(tmp / "tables.log", "wb"), stderr=subprocess.STDOUT,
-                           cwd=str(REPO))
+    srv = subprocess.Popen(
+        cmd, env=engine_env(), stdout=open(tmp / "tables.log", "wb"), stderr=subprocess.STDOUT, cwd=str(REPO)
+    )
     try:
         t0 = time.monotonic()
         while not ready.exists():
@@ -171,20 +208,29 @@ def test_engine_cold_ttft_and_decode(tmp_path_factory):
                 remote.append(t)
                 assert toks == ref  # remote rows are byte-identical
             m = httpx.get(pair.url + "/metrics").text
-            assert 'dsv41_engram_fallbacks_total{rank="0"} 0.0' in m and 'dsv41_engram_fallbacks_total{rank="1"} 0.0' in m
+            assert (
+                'dsv41_engram_fallbacks_total{rank="0"} 0.0' in m and 'dsv41_engram_fallbacks_total{rank="1"} 0.0' in m
+            )
         finally:
             pair.close()
     finally:
         srv.send_signal(signal.SIGTERM)
         srv.wait(30)
 
-    results.update({
-        "ttft_local_s": local, "ttft_remote_s": remote,
-        "ttft_remote_over_local": statistics.mean(remote) / statistics.mean(local),
-        "rank1_transport": "nixl" if nixl else "tcp",
-        "decode_single_tok_s": single, "decode_3conc_tok_s": conc, "decode_3conc_over_single": conc / single,
-    })
+    results.update(
+        {
+            "ttft_local_s": local,
+            "ttft_remote_s": remote,
+            "ttft_remote_over_local": statistics.mean(remote) / statistics.mean(local),
+            "rank1_transport": "nixl" if nixl else "tcp",
+            "decode_single_tok_s": single,
+            "decode_3conc_tok_s": conc,
+            "decode_3conc_over_single": conc / single,
+        }
+    )
     print(json.dumps(results))
-    print(f"\nEngine TP2 ({DEVICE}), {PROMPT_TOKENS}-token prompt, cold TTFT: local O_DIRECT {ms(local)}, remote {ms(remote)} "
-          f"(remote/local {results['ttft_remote_over_local']:.3f}); decode single {single:.1f} tok/s, "
-          f"3 concurrent {conc:.1f} tok/s aggregate (x{conc / single:.2f}); {results['machine']}")
+    print(
+        f"\nEngine TP2 ({DEVICE}), {PROMPT_TOKENS}-token prompt, cold TTFT: local O_DIRECT {ms(local)}, remote {ms(remote)} "
+        f"(remote/local {results['ttft_remote_over_local']:.3f}); decode single {single:.1f} tok/s, "
+        f"3 concurrent {conc:.1f} tok/s aggregate (x{conc / single:.2f}); {results['machine']}"
+    )

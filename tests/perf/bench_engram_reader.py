@@ -31,8 +31,9 @@ ROWS = int(os.environ.get("DSV41_BENCH_ROWS", "2000000"))
 def cached_fraction(path: Path) -> str:
     """Resident pages of ``path`` per fincore (util-linux), to show the eviction worked."""
     try:
-        out = subprocess.run(["fincore", "-b", "-n", "-o", "RES,SIZE", str(path)], capture_output=True,
-                             text=True, timeout=10).stdout.split()
+        out = subprocess.run(
+            ["fincore", "-b", "-n", "-o", "RES,SIZE", str(path)], capture_output=True, text=True, timeout=10
+        ).stdout.split()
         return f"{int(out[0]) / max(1, int(out[1])):.3f}"
     except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
         return "n/a"
@@ -96,10 +97,16 @@ def test_reader_cold(shards, n: int, reps: int, base_reps: int) -> None:
         frac = cached_fraction(files[0])
     rr, r50, r99 = _stats(lat_r, n)
     br, b50, b99 = _stats(lat_b, n)
-    print(f"\n[engram bench] {machine()}; table {t.rows} rows x 264 B, O_DIRECT={direct}, "
-          f"cached after evict={frac}, load avg {os.getloadavg()[0]:.1f}")
-    print(f"| {n:,} rows | reader (16 threads) | {rr:,.0f} rows/s | p50 {r50 * 1e3:.2f} ms | p99 {r99 * 1e3:.2f} ms | {reps} reps |")
-    print(f"| {n:,} rows | pread loop (1 thread) | {br:,.0f} rows/s | p50 {b50 * 1e3:.2f} ms | p99 {b99 * 1e3:.2f} ms | {base_reps} reps |")
+    print(
+        f"\n[engram bench] {machine()}; table {t.rows} rows x 264 B, O_DIRECT={direct}, "
+        f"cached after evict={frac}, load avg {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"| {n:,} rows | reader (16 threads) | {rr:,.0f} rows/s | p50 {r50 * 1e3:.2f} ms | p99 {r99 * 1e3:.2f} ms | {reps} reps |"
+    )
+    print(
+        f"| {n:,} rows | pread loop (1 thread) | {br:,.0f} rows/s | p50 {b50 * 1e3:.2f} ms | p99 {b99 * 1e3:.2f} ms | {base_reps} reps |"
+    )
     print(f"| {n:,} rows | ratio reader/pread | {rr / br:.2f}x | | | |")
 
 
@@ -143,9 +150,17 @@ def test_verify_vs_raw_read(shards) -> None:
     t0 = time.perf_counter()
     verify(m, d, progress=False)
     hot = total / (time.perf_counter() - t0)
-    print(f"\n[engram bench] {machine()}; {total / 1e9:.2f} GB in {len(files)} files; load avg {os.getloadavg()[0]:.1f}")
-    print(f"| verify (default workers, cold) | {ver / 1e9:.2f} GB/s | raw sequential read (cold) {raw / 1e9:.2f} GB/s | ratio {ver / raw:.2f} |")
-    print(f"| verify (default workers, hot cache) | {hot / 1e9:.2f} GB/s | sha256 of RAM, 1 core: {sha1core / 1e9:.2f} GB/s | |")
+    print(
+        f"\n[engram bench] {machine()}; {total / 1e9:.2f} GB in {len(files)} files; load avg {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"| verify (default workers, cold) | {ver / 1e9:.2f} GB/s | raw sequential read (cold) {raw / 1e9:.2f} GB/s | ratio {ver / raw:.2f} |"
+    )
+    print(
+        f"| verify (default workers, hot cache) | {hot / 1e9:.2f} GB/s | sha256 of RAM, 1 core: {sha1core / 1e9:.2f} GB/s | |"
+    )
     cpu = min(res["cpu"])
     cap = 2 / cpu  # bytes/s two idle cores could verify, from the CPU time verify needed
-    print(f"| verify CPU cost | {cpu * 1e9:.2f} CPU-s/GB | 2-core CPU capacity {cap / 1e9:.2f} GB/s | capacity / raw {cap / raw:.2f} |")
+    print(
+        f"| verify CPU cost | {cpu * 1e9:.2f} CPU-s/GB | 2-core CPU capacity {cap / 1e9:.2f} GB/s | capacity / raw {cap / raw:.2f} |"
+    )

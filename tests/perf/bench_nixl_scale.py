@@ -94,8 +94,12 @@ def child(rows: int, directory: str) -> dict:
     fd = os.open(path, os.O_RDONLY)
     mm = mmap.mmap(fd, rows * 264, mmap.MAP_SHARED, mmap.PROT_READ)
     buf = np.frombuffer(mm, np.uint8)
-    table = RowTable(identity=bytes(range(32)), layer_id=1, weight=buf[: rows * 256].reshape(rows, 256),
-                     scale=buf[rows * 256 :].reshape(rows, 8))
+    table = RowTable(
+        identity=bytes(range(32)),
+        layer_id=1,
+        weight=buf[: rows * 256].reshape(rows, 256),
+        scale=buf[rows * 256 :].reshape(rows, 8),
+    )
     r0 = rss_mb()
     res["rss_start_mb"] = round(r0, 1)
     t0 = time.perf_counter()
@@ -108,7 +112,8 @@ def child(rows: int, directory: str) -> dict:
     t0 = time.perf_counter()
     exporter._reg = exporter.agent.register_memory(
         [(table.weight.ctypes.data, table.weight.nbytes, 0, ""), (table.scale.ctypes.data, table.scale.nbytes, 0, "")],
-        "DRAM")
+        "DRAM",
+    )
     res["register_only_s"] = round(time.perf_counter() - t0, 5)
     r1 = rss_mb()
     srv = RowServer([table], [parse_url("nixl://127.0.0.1:0")], nixl_provider=exporter)
@@ -127,8 +132,10 @@ def child(rows: int, directory: str) -> dict:
         for n in REQUESTED:
             ids = rng.integers(0, rows, n).astype(np.int64)
             reps = 3 if n > 1000 else 200
-            for label, build in (("new", lambda r: client._indices(0, [(r, wbase, sbase)])),
-                                 ("old", lambda r: old_indices(0, STAGING_ROWS, client._total, r, wbase, sbase))):
+            for label, build in (
+                ("new", lambda r: client._indices(0, [(r, wbase, sbase)])),
+                ("old", lambda r: old_indices(0, STAGING_ROWS, client._total, r, wbase, sbase)),
+            ):
                 idx_s, make_s = [], []
                 for _ in range(reps):
                     t0 = time.perf_counter()
@@ -169,9 +176,14 @@ def test_nixl_scale_table(tmp_path):
     here = Path(__file__).resolve().parent
     results = []
     for rows in TABLE_ROWS:
-        p = subprocess.run([sys.executable, str(Path(__file__)), "--child", str(rows), str(tmp_path)], cwd=here,
-                           capture_output=True, text=True, timeout=1800,
-                           env={**os.environ, "UCX_TLS": os.environ.get("UCX_TLS", "tcp")})
+        p = subprocess.run(
+            [sys.executable, str(Path(__file__)), "--child", str(rows), str(tmp_path)],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            env={**os.environ, "UCX_TLS": os.environ.get("UCX_TLS", "tcp")},
+        )
         line = [x for x in p.stdout.splitlines() if x.startswith("{")]
         assert p.returncode == 0 and line, p.stderr[-3000:]
         res = json.loads(line[-1])

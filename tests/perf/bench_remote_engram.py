@@ -126,15 +126,28 @@ def test_decode_lookup_vs_c_floor(shards, server, server_nospin, pingpong, tmp_p
     passes = [None] + ([(avail[0], avail[1])] if len(avail) >= 2 else [])
     for n in (24, 96):
         load0, t0 = os.getloadavg(), time.time()
-        res = {f"pass_{'free' if cpus is None else 'pinned'}": decode_arms(m, server, server_nospin, pingpong, n,
-                                                                            rng, cpus)
-               for cpus in passes}
+        res = {
+            f"pass_{'free' if cpus is None else 'pinned'}": decode_arms(
+                m, server, server_nospin, pingpong, n, rng, cpus
+            )
+            for cpus in passes
+        }
         lines = [summary(n, k.removeprefix("pass_"), v) for k, v in res.items()]
         free = res.pop("pass_free")
-        record(f"decode_{n}_rows", machine=machine(), implementation=native.implementation(),
-               utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
-               loadavg_before=[round(x, 2) for x in load0], loadavg_after=[round(x, 2) for x in os.getloadavg()],
-               rounds=ROUNDS, block=BLOCK, **free, **res, target_rowsource_p50=1.2, target_rowsource_p99=1.3)
+        record(
+            f"decode_{n}_rows",
+            machine=machine(),
+            implementation=native.implementation(),
+            utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
+            loadavg_before=[round(x, 2) for x in load0],
+            loadavg_after=[round(x, 2) for x in os.getloadavg()],
+            rounds=ROUNDS,
+            block=BLOCK,
+            **free,
+            **res,
+            target_rowsource_p50=1.2,
+            target_rowsource_p99=1.3,
+        )
         print("\n" + "\n".join(lines))
     pure = Served(d / "manifest.json", tmp_path, pure=True)  # pure-Python server and client
     assert pure.info["implementation"] == "python"
@@ -148,8 +161,12 @@ def test_decode_lookup_vs_c_floor(shards, server, server_nospin, pingpong, tmp_p
         py = lookup_samples(pc, ident, urows, 2000)
         pc.close()
         floor = floor_samples(pingpong, P.REQ.size + 8 * n, P.REP.size + P.ROW_BYTES * n, 2000)
-        record(f"decode_{n}_rows_pure_python", pure_python_p50_us=round(pct(py, 50), 1),
-               pure_python_p99_us=round(pct(py, 99), 1), pure_python_ratio_p50=round(pct(py, 50) / pct(floor, 50), 2))
+        record(
+            f"decode_{n}_rows_pure_python",
+            pure_python_p50_us=round(pct(py, 50), 1),
+            pure_python_p99_us=round(pct(py, 99), 1),
+            pure_python_ratio_p50=round(pct(py, 50) / pct(floor, 50), 2),
+        )
     pure.stop()
 
 
@@ -184,12 +201,20 @@ def test_prefill_lookup_vs_cold_local(shards, server, pingpong):
     # second baseline: the C ping-pong moving the same bytes in the same 16,384-row pieces
     pieces = 2 * per_layer // 16384
     rtt = floor_samples_n(pingpong, P.REQ.size + 8 * 16384, P.REP.size + P.ROW_BYTES * 16384, pieces, 5)
-    record("prefill_786432_rows", machine=machine(), local_cold_s=round(t_local, 3), tcp_s=round(res["tcp"], 3),
-           loopback_floor_s=round(sum(rtt) / 1e6, 3),
-           tcp_reused_buffer_s=round(res["tcp_reused_buffer"], 3), nixl_s=round(res["nixl"], 3),
-           nixl_reused_buffer_s=round(res["nixl_reused_buffer"], 3), tcp_speedup=round(t_local / res["tcp"], 1),
-           tcp_reused_buffer_speedup=round(t_local / res["tcp_reused_buffer"], 1),
-           nixl_speedup=round(t_local / res["nixl"], 1), target_speedup=20)
+    record(
+        "prefill_786432_rows",
+        machine=machine(),
+        local_cold_s=round(t_local, 3),
+        tcp_s=round(res["tcp"], 3),
+        loopback_floor_s=round(sum(rtt) / 1e6, 3),
+        tcp_reused_buffer_s=round(res["tcp_reused_buffer"], 3),
+        nixl_s=round(res["nixl"], 3),
+        nixl_reused_buffer_s=round(res["nixl_reused_buffer"], 3),
+        tcp_speedup=round(t_local / res["tcp"], 1),
+        tcp_reused_buffer_speedup=round(t_local / res["tcp_reused_buffer"], 1),
+        nixl_speedup=round(t_local / res["nixl"], 1),
+        target_speedup=20,
+    )
 
 
 def test_gather_table_pages_private_vs_shared(tmp_path):
@@ -218,8 +243,10 @@ def test_gather_table_pages_private_vs_shared(tmp_path):
     np.frombuffer(shared, np.uint8)[:] = 0  # fault every page in, as the old load's reads did
     sv = np.frombuffer(shared, np.uint8)
     ident = bytes(range(32))
-    tabs = {"private": RowTable(ident, 1, w.view.reshape(THP_ROWS, 256), s_.view.reshape(THP_ROWS, 8)),
-            "shared": RowTable(ident, 1, sv[:nw].reshape(THP_ROWS, 256), sv[nw:].reshape(THP_ROWS, 8))}
+    tabs = {
+        "private": RowTable(ident, 1, w.view.reshape(THP_ROWS, 256), s_.view.reshape(THP_ROWS, 8)),
+        "shared": RowTable(ident, 1, sv[:nw].reshape(THP_ROWS, 256), sv[nw:].reshape(THP_ROWS, 8)),
+    }
     huge_kb = {"private": anon_huge_kb(w.view.ctypes.data), "shared": anon_huge_kb(sv.ctypes.data)}
     servers, clients = {}, {}
     for k, t in tabs.items():
@@ -232,7 +259,7 @@ def test_gather_table_pages_private_vs_shared(tmp_path):
             for n in (16384, 96):
                 reps = 5 if n > 1000 else 200
                 out = np.empty((n, P.ROW_BYTES), np.uint8)
-                for k in (["private", "shared"] if r % 2 else ["shared", "private"]):
+                for k in ["private", "shared"] if r % 2 else ["shared", "private"]:
                     ids = [rng.integers(0, THP_ROWS, n).astype(np.uint64) for _ in range(reps)]
                     ts = []
                     for x in ids:
@@ -246,16 +273,25 @@ def test_gather_table_pages_private_vs_shared(tmp_path):
             c.close()
         for sv_ in servers.values():
             sv_.stop(2)
-    res = {"table_rows": THP_ROWS, "table_gb": round((nw + ns) / 1e9, 2), "load_s": round(load_s, 2),
-           "anon_huge_pages_kb": huge_kb,
-           "thp_enabled": Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
-           if Path("/sys/kernel/mm/transparent_hugepage/enabled").exists() else None}
+    res = {
+        "table_rows": THP_ROWS,
+        "table_gb": round((nw + ns) / 1e9, 2),
+        "load_s": round(load_s, 2),
+        "anon_huge_pages_kb": huge_kb,
+        "thp_enabled": Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+        if Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
+        else None,
+    }
     for n in (16384, 96):
         p, q = pct(got[("private", n)], 50), pct(got[("shared", n)], 50)
-        res[f"rows_{n}"] = {"private_p50_us": round(p, 1), "shared_p50_us": round(q, 1),
-                            "private_p99_us": round(pct(got[("private", n)], 99), 1),
-                            "shared_p99_us": round(pct(got[("shared", n)], 99), 1),
-                            "ratio_p50": round(p / q, 2), "samples": len(got[("private", n)])}
+        res[f"rows_{n}"] = {
+            "private_p50_us": round(p, 1),
+            "shared_p50_us": round(q, 1),
+            "private_p99_us": round(pct(got[("private", n)], 99), 1),
+            "shared_p99_us": round(pct(got[("shared", n)], 99), 1),
+            "ratio_p50": round(p / q, 2),
+            "samples": len(got[("private", n)]),
+        }
     record("gather_table_pages_private_vs_shared", machine=machine(), **res)
     assert res["rows_96"]["samples"] == 30 * 200 and res["rows_16384"]["samples"] == 30 * 5
     assert not out.any()  # the sparse table's rows are zeros in both mappings
@@ -285,12 +321,21 @@ def test_server_load_vs_raw_direct_read(shards):
     t0 = time.perf_counter()
     hashlib.sha256(blob).digest()
     sha_gbps = len(blob) / (time.perf_counter() - t0) / 1e9
-    record("server_load", machine=machine(), bytes=nbytes, raw_direct_s=round(min(raw), 3),
-           raw_direct_fresh_ram_s=round(min(raw_fresh), 3), load_verify_s=round(min(load), 3),
-           raw_GBps=round(nbytes / min(raw) / 1e9, 2), load_GBps=round(nbytes / min(load) / 1e9, 2),
-           sha256_GBps_one_core=round(sha_gbps, 2), load_cpu_s_per_GB=round(min(cpu) / (nbytes / 1e9), 2),
-           ratio=round(min(load) / min(raw), 2),
-           ratio_vs_fresh_ram=round(min(load) / min(raw_fresh), 2), target_ratio=1.2)
+    record(
+        "server_load",
+        machine=machine(),
+        bytes=nbytes,
+        raw_direct_s=round(min(raw), 3),
+        raw_direct_fresh_ram_s=round(min(raw_fresh), 3),
+        load_verify_s=round(min(load), 3),
+        raw_GBps=round(nbytes / min(raw) / 1e9, 2),
+        load_GBps=round(nbytes / min(load) / 1e9, 2),
+        sha256_GBps_one_core=round(sha_gbps, 2),
+        load_cpu_s_per_GB=round(min(cpu) / (nbytes / 1e9), 2),
+        ratio=round(min(load) / min(raw), 2),
+        ratio_vs_fresh_ram=round(min(load) / min(raw_fresh), 2),
+        target_ratio=1.2,
+    )
 
 
 def test_sparse_prefill_lookup_vs_cold_local(shards, server):
@@ -318,8 +363,14 @@ def test_sparse_prefill_lookup_vs_cold_local(shards, server):
     for L in (1, 2):
         assert np.array_equal(got[L], local[L])
     src.close()
-    record("prefill_49152_rows_sparse", machine=machine(), local_cold_s=round(min(t_local), 4),
-           tcp_s=round(min(t_tcp), 4), tcp_speedup=round(min(t_local) / min(t_tcp), 1), target_speedup=20)
+    record(
+        "prefill_49152_rows_sparse",
+        machine=machine(),
+        local_cold_s=round(min(t_local), 4),
+        tcp_s=round(min(t_tcp), 4),
+        tcp_speedup=round(min(t_local) / min(t_tcp), 1),
+        target_speedup=20,
+    )
 
 
 @pytest.mark.parametrize("scheme", ["tcp", "nixl"])
@@ -335,14 +386,44 @@ def test_full_sweep_both_ranks(tmp_path_factory, scheme, capsys):
         for rank in (0, 1):
             url = s.tcp if scheme == "tcp" else s.nixl
             capsys.readouterr()
-            rc = main(["engram", "sweep", "--manifest", str(d / "manifest.json"), "--remote", url, "--tp", "2",
-                       "--rank", str(rank), "--lookups", "839040", "--seed", str(rank)])
+            rc = main(
+                [
+                    "engram",
+                    "sweep",
+                    "--manifest",
+                    str(d / "manifest.json"),
+                    "--remote",
+                    url,
+                    "--tp",
+                    "2",
+                    "--rank",
+                    str(rank),
+                    "--lookups",
+                    "839040",
+                    "--seed",
+                    str(rank),
+                ]
+            )
             out = capsys.readouterr().out
             assert rc == 0
             rep = json.loads(out)
             assert rep["bad_rows"] == 0 and rep["lookups"] == 839040
             with capsys.disabled():
-                record(f"sweep_{scheme}_rank{rank}", machine=machine(), **{k: rep[k] for k in (
-                    "lookups", "bad_rows", "fallbacks", "refusals", "transport_errors", "requests", "seconds")})
+                record(
+                    f"sweep_{scheme}_rank{rank}",
+                    machine=machine(),
+                    **{
+                        k: rep[k]
+                        for k in (
+                            "lookups",
+                            "bad_rows",
+                            "fallbacks",
+                            "refusals",
+                            "transport_errors",
+                            "requests",
+                            "seconds",
+                        )
+                    },
+                )
     finally:
         s.stop()

@@ -22,8 +22,10 @@ from dsv41.harness import win2_sim
 def test_win2_calibration(sigma, source):
     t0 = time.monotonic()
     res = win2_sim.simulate(win2_sim.NoiseModel(sigma, source=source), (32, 64, 128), n_windows=400)
-    print(f"\nWIN2 R3 calibration, sigma {sigma} ({source}); {platform.node()} "
-          f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {time.monotonic() - t0:.0f} s")
+    print(
+        f"\nWIN2 R3 calibration, sigma {sigma} ({source}); {platform.node()} "
+        f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {time.monotonic() - t0:.0f} s"
+    )
     print("| pairs | false-WIN rate (95 % CI) | A/A verdicts | MDE (power at MDE) |")
     for r in res["rows"]:
         mde = f"{r['mde']:.1%} ({r['power_at_mde']:.2f})" if r["mde"] is not None else "beyond the grid"

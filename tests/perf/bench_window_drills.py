@@ -39,8 +39,17 @@ def flat(out: str) -> str:
 
 
 def status_ok() -> bool:
-    return subprocess.run([str(BIN / "dsv41"), "status", "--window", "1"], cwd=ROOT, env=env(),
-                          capture_output=True, timeout=300, check=False).returncode == 0
+    return (
+        subprocess.run(
+            [str(BIN / "dsv41"), "status", "--window", "1"],
+            cwd=ROOT,
+            env=env(),
+            capture_output=True,
+            timeout=300,
+            check=False,
+        ).returncode
+        == 0
+    )
 
 
 def paused() -> bool:
@@ -59,8 +68,15 @@ def window(name: str, *args: str, timeout: int = 1800) -> tuple[subprocess.Compl
 
 def window_open() -> bool:
     """The promotion journal's last operation is a window that owes its restore."""
-    r = subprocess.run([str(BIN / "dsv41"), "package", "journal", "--path", str(ROOT / "packages" / "journal.jsonl"),
-                        "--json"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120, check=True)
+    r = subprocess.run(
+        [str(BIN / "dsv41"), "package", "journal", "--path", str(ROOT / "packages" / "journal.jsonl"), "--json"],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     d = json.loads(r.stdout)
     return d["kind"] == "window" and d["action"] != "none"
 
@@ -106,8 +122,9 @@ def test_mid_cell_fault():
     (dec,) = (WDIR / "midcell").glob("*-slow-rows/decision.json")
     fault = json.loads(dec.read_text()).get("fault")
     print(f"   fault drill: {fault}")
-    assert fault and fault["triggered"] and fault["rc"] == 0, (dec.with_name("fault.log").read_text()[-3000:]
-                                                            if dec.with_name("fault.log").exists() else fault)
+    assert fault and fault["triggered"] and fault["rc"] == 0, (
+        dec.with_name("fault.log").read_text()[-3000:] if dec.with_name("fault.log").exists() else fault
+    )
     assert r.returncode != 0
     assert "a window was INVALID" in flat(r.stdout), r.stdout[-4000:]
     assert verdict(WDIR / "midcell", "slow-rows")["verdict"] == "INVALID"  # decision.json written
@@ -128,10 +145,19 @@ def test_restore_fault_holds_then_restore_only_reopens():
 def test_killed_run_is_restored_by_the_next():
     wdir = WDIR / "killed"
     wdir.mkdir(parents=True, exist_ok=True)
-    cmd = [str(BIN / "ansible-playbook"), "window.yml", "-e", "candidate=slow-rows", "-e", f"window_spec={DRILL}",
-           "-e", f"windows_dir={wdir}"]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
+    cmd = [
+        str(BIN / "ansible-playbook"),
+        "window.yml",
+        "-e",
+        "candidate=slow-rows",
+        "-e",
+        f"window_spec={DRILL}",
+        "-e",
+        f"windows_dir={wdir}",
+    ]
+    p = subprocess.Popen(
+        cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         cells = list(wdir.glob("*-slow-rows/cells.jsonl"))
@@ -161,11 +187,14 @@ def test_killed_run_is_restored_by_the_next():
     restored(wdir)
 
 
-@pytest.mark.parametrize("name,args,expect", [
-    ("aa", ["-e", "candidate=aa"], {"NO-CHANGE", "UNRESOLVED"}),
-    ("loss", ["-e", "candidate=slow-rows"], {"LOSS"}),
-    ("win", ["-e", "candidate=aa", "-e", "control=slow-rows"], {"WIN"}),
-])
+@pytest.mark.parametrize(
+    "name,args,expect",
+    [
+        ("aa", ["-e", "candidate=aa"], {"NO-CHANGE", "UNRESOLVED"}),
+        ("loss", ["-e", "candidate=slow-rows"], {"LOSS"}),
+        ("win", ["-e", "candidate=aa", "-e", "control=slow-rows"], {"WIN"}),
+    ],
+)
 def test_verdicts(name, args, expect):
     r, dt = window(name, *args, "-e", f"window_spec={LAB_SPEC}", timeout=3600)
     assert r.returncode == 0, r.stdout[-4000:]
@@ -175,8 +204,16 @@ def test_verdicts(name, args, expect):
 
 
 def test_async_vs_sync_drafter():
-    r, dt = window("async", "-e", "candidate=async-drafter", "-e", "control=sync-drafter", "-e", f"window_spec={LAB_SPEC}",
-                   timeout=3600)
+    r, dt = window(
+        "async",
+        "-e",
+        "candidate=async-drafter",
+        "-e",
+        "control=sync-drafter",
+        "-e",
+        f"window_spec={LAB_SPEC}",
+        timeout=3600,
+    )
     assert r.returncode == 0, r.stdout[-4000:]
     verdict(WDIR / "async", "async-drafter")
     restored(WDIR / "async")

@@ -63,9 +63,24 @@ class Served:
         if pure:
             env["DSV41_TRANSPORT_PURE"] = "1"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dsv41.engram.remote_cli", "serve", "--manifest", str(man),
-             "--listen", "tcp://127.0.0.1:0", "--listen", "nixl://127.0.0.1:0", "--ready-file", str(self.ready)],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                sys.executable,
+                "-m",
+                "dsv41.engram.remote_cli",
+                "serve",
+                "--manifest",
+                str(man),
+                "--listen",
+                "tcp://127.0.0.1:0",
+                "--listen",
+                "nixl://127.0.0.1:0",
+                "--ready-file",
+                str(self.ready),
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 300
         while not self.ready.exists():
             assert self.proc.poll() is None and time.monotonic() < deadline, "server did not start"
@@ -79,14 +94,16 @@ class Served:
 
 
 def floor_samples(exe, req: int, rep: int, iters: int) -> list[float]:
-    out = subprocess.run([str(exe), str(req), str(rep), str(iters), "200"], capture_output=True, text=True,
-                         check=True, timeout=120).stdout
+    out = subprocess.run(
+        [str(exe), str(req), str(rep), str(iters), "200"], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
     return [int(x) / 1e3 for x in out.split()]  # microseconds
 
 
 def floor_samples_n(exe, req: int, rep: int, iters: int, warm: int) -> list[float]:
-    out = subprocess.run([str(exe), str(req), str(rep), str(iters), str(warm)], capture_output=True, text=True,
-                         check=True, timeout=300).stdout
+    out = subprocess.run(
+        [str(exe), str(req), str(rep), str(iters), str(warm)], capture_output=True, text=True, check=True, timeout=300
+    ).stdout
     return [int(x) / 1e3 for x in out.split()]
 
 
@@ -108,8 +125,13 @@ class Floor:
     interleaved with the other arms; ``block(n)`` -> n round trips in microseconds."""
 
     def __init__(self, exe, req: int, rep: int, cpus=(-1, -1)):
-        self.proc = subprocess.Popen([str(exe), "-s", str(req), str(rep), str(cpus[0]), str(cpus[1])],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            [str(exe), "-s", str(req), str(rep), str(cpus[0]), str(cpus[1])],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
 
     def block(self, n: int) -> list[float]:
         self.proc.stdin.write(f"{n}\n")
@@ -226,10 +248,16 @@ def decode_arms(m, server, server0, pingpong, n: int, rng, cpus) -> dict:
             "rowsource_client_spin": lambda k: timed_block(lambda: lookc(1, rows, bufc), k),
         }
         side = {  # secondary arms, once per round after the primary ones
-            "general": (SIDE_BLOCK, lambda k: timed_block(lambda: src._lookup_general(1, rows, buf, time.perf_counter()), k)),
+            "general": (
+                SIDE_BLOCK,
+                lambda k: timed_block(lambda: src._lookup_general(1, rows, buf, time.perf_counter()), k),
+            ),
             "floor2": (SIDE_BLOCK // 2, lambda k: fl2.block(k)),
             "both": (SIDE_BLOCK // 2, lambda k: timed_block(lambda: layers((1, 2), rows2, outs), k)),
-            "two": (SIDE_BLOCK // 2, lambda k: timed_block(lambda: (look(1, rows2[0], outs[0]), look(2, rows2[1], outs[1])), k)),
+            "two": (
+                SIDE_BLOCK // 2,
+                lambda k: timed_block(lambda: (look(1, rows2[0], outs[0]), look(2, rows2[1], outs[1])), k),
+            ),
             "nixl": (20, lambda k: timed_block(lambda: xc.lookup_into(ident, urows, [buf], 1.0), k)),
             "gap": (20, lambda k: timed_gap_block(lambda: look(1, rows, buf), k)),
             "gap_nospin": (20, lambda k: timed_gap_block(lambda: look0(1, rows, buf0), k)),
@@ -240,7 +268,7 @@ def decode_arms(m, server, server0, pingpong, n: int, rng, cpus) -> dict:
         names = list(arms)
         group = {k: [] for k in names}
         for r in range(WARM_ROUNDS + ROUNDS):
-            order = names[r % len(names):] + names[:r % len(names)]
+            order = names[r % len(names) :] + names[: r % len(names)]
             this = {k: arms[k](BLOCK + 1)[1:] for k in order}  # the block's cold first call dropped
             extra = {k: f(b) for k, (b, f) in side.items()} if r % SIDE_EVERY == 0 else {}
             if r < WARM_ROUNDS:
@@ -276,54 +304,74 @@ def decode_arms(m, server, server0, pingpong, n: int, rng, cpus) -> dict:
 
     def arm(k: str) -> dict:  # p50/p99 of one arm and its ratios to this run's floor
         a50, a99 = pct(got[k], 50), pct(got[k], 99)
-        return {f"{k}_p50_us": round(a50, 1), f"{k}_p99_us": round(a99, 1),
-                f"{k}_ratio_p50": round(a50 / f50, 2), f"{k}_ratio_p99": round(a99 / f99, 2)}
+        return {
+            f"{k}_p50_us": round(a50, 1),
+            f"{k}_p99_us": round(a99, 1),
+            f"{k}_ratio_p50": round(a50 / f50, 2),
+            f"{k}_ratio_p99": round(a99 / f99, 2),
+        }
 
-    res = {"pinned": None if cpus is None else {"client_cpu": cpus[0], "server_cpu": cpus[1]},
-           "spin_us": {"client": SPIN_CLIENT_US, "server": SPIN_SERVER_US},
-           "samples_per_arm": len(got["floor"]),
-           "floor_p50_us": round(f50, 1), "floor_p99_us": round(f99, 1),
-           "tcp_p50_us": round(pct(got["tcp"], 50), 1), "tcp_p99_us": round(pct(got["tcp"], 99), 1),
-           "ratio_p50": round(pct(got["tcp"], 50) / f50, 2), "ratio_p99": round(pct(got["tcp"], 99) / f99, 2),
-           "rowsource_tcp_p50_us": round(pct(got["rowsource"], 50), 1),
-           "rowsource_tcp_p99_us": round(pct(got["rowsource"], 99), 1),
-           "rowsource_ratio_p50": round(pct(got["rowsource"], 50) / f50, 2),
-           "rowsource_ratio_p99": round(pct(got["rowsource"], 99) / f99, 2),
-           "rowsource_vs_tcp_p50": round(pct(got["rowsource"], 50) / pct(got["tcp"], 50), 2),
-           # drift check: the p50 ratios of each round (median, min, max over the rounds)
-           "round_ratio_p50_tcp": [round(float(x), 2) for x in (np.median(rr[:, 0]), rr[:, 0].min(), rr[:, 0].max())],
-           "round_ratio_p50_rowsource": [round(float(x), 2) for x in (np.median(rr[:, 1]), rr[:, 1].min(), rr[:, 1].max())],
-           "rowsource_general_path_p50_us": round(pct(got["general"], 50), 1),
-           "rowsource_general_path_p99_us": round(pct(got["general"], 99), 1),
-           "rowsource_general_vs_tcp_p50": round(pct(got["general"], 50) / pct(got["tcp"], 50), 2),
-           "rowsource_no_out_p50_us": round(pct(got["no_out"], 50), 1),
-           "layers_floor_p50_us": round(pct(got["floor2"], 50), 1),
-           "layers_one_request_p50_us": round(pct(got["both"], 50), 1),
-           "layers_one_request_p99_us": round(pct(got["both"], 99), 1),
-           "layers_ratio_p50": round(pct(got["both"], 50) / pct(got["floor2"], 50), 2),
-           "two_lookups_p50_us": round(pct(got["two"], 50), 1), "two_lookups_p99_us": round(pct(got["two"], 99), 1),
-           "nixl_p50_us": round(pct(got["nixl"], 50), 1), "nixl_p99_us": round(pct(got["nixl"], 99), 1),
-           # busy-polling off (client and server spin 0), same floor, same rounds
-           **arm("tcp_nospin"), **arm("rowsource_nospin"),
-           # client spin only (server0), the shipped defaults
-           **arm("tcp_client_spin"), **arm("rowsource_client_spin"),
-           "rowsource_vs_tcp_nospin_p50": round(pct(got["rowsource_nospin"], 50) / pct(got["tcp_nospin"], 50), 2),
-           # calls after GAP_S idle (the server thread asleep), spin on / off; ratios to the floor
-           **arm("gap"), **arm("gap_nospin"), **arm("gap_client_spin")}
+    res = {
+        "pinned": None if cpus is None else {"client_cpu": cpus[0], "server_cpu": cpus[1]},
+        "spin_us": {"client": SPIN_CLIENT_US, "server": SPIN_SERVER_US},
+        "samples_per_arm": len(got["floor"]),
+        "floor_p50_us": round(f50, 1),
+        "floor_p99_us": round(f99, 1),
+        "tcp_p50_us": round(pct(got["tcp"], 50), 1),
+        "tcp_p99_us": round(pct(got["tcp"], 99), 1),
+        "ratio_p50": round(pct(got["tcp"], 50) / f50, 2),
+        "ratio_p99": round(pct(got["tcp"], 99) / f99, 2),
+        "rowsource_tcp_p50_us": round(pct(got["rowsource"], 50), 1),
+        "rowsource_tcp_p99_us": round(pct(got["rowsource"], 99), 1),
+        "rowsource_ratio_p50": round(pct(got["rowsource"], 50) / f50, 2),
+        "rowsource_ratio_p99": round(pct(got["rowsource"], 99) / f99, 2),
+        "rowsource_vs_tcp_p50": round(pct(got["rowsource"], 50) / pct(got["tcp"], 50), 2),
+        # drift check: the p50 ratios of each round (median, min, max over the rounds)
+        "round_ratio_p50_tcp": [round(float(x), 2) for x in (np.median(rr[:, 0]), rr[:, 0].min(), rr[:, 0].max())],
+        "round_ratio_p50_rowsource": [
+            round(float(x), 2) for x in (np.median(rr[:, 1]), rr[:, 1].min(), rr[:, 1].max())
+        ],
+        "rowsource_general_path_p50_us": round(pct(got["general"], 50), 1),
+        "rowsource_general_path_p99_us": round(pct(got["general"], 99), 1),
+        "rowsource_general_vs_tcp_p50": round(pct(got["general"], 50) / pct(got["tcp"], 50), 2),
+        "rowsource_no_out_p50_us": round(pct(got["no_out"], 50), 1),
+        "layers_floor_p50_us": round(pct(got["floor2"], 50), 1),
+        "layers_one_request_p50_us": round(pct(got["both"], 50), 1),
+        "layers_one_request_p99_us": round(pct(got["both"], 99), 1),
+        "layers_ratio_p50": round(pct(got["both"], 50) / pct(got["floor2"], 50), 2),
+        "two_lookups_p50_us": round(pct(got["two"], 50), 1),
+        "two_lookups_p99_us": round(pct(got["two"], 99), 1),
+        "nixl_p50_us": round(pct(got["nixl"], 50), 1),
+        "nixl_p99_us": round(pct(got["nixl"], 99), 1),
+        # busy-polling off (client and server spin 0), same floor, same rounds
+        **arm("tcp_nospin"),
+        **arm("rowsource_nospin"),
+        # client spin only (server0), the shipped defaults
+        **arm("tcp_client_spin"),
+        **arm("rowsource_client_spin"),
+        "rowsource_vs_tcp_nospin_p50": round(pct(got["rowsource_nospin"], 50) / pct(got["tcp_nospin"], 50), 2),
+        # calls after GAP_S idle (the server thread asleep), spin on / off; ratios to the floor
+        **arm("gap"),
+        **arm("gap_nospin"),
+        **arm("gap_client_spin"),
+    }
     return res
 
 
 def summary(n: int, name: str, r: dict) -> str:
     """One readable line per pass: every arm's p50/p99 ratio to the same floor."""
+
     def pr(k: str) -> str:
         return f"{r[k + '_ratio_p50']:.2f}/{r[k + '_ratio_p99']:.2f}"
 
-    return (f"[remote bench] {n:3d} rows {name:6s} floor {r['floor_p50_us']:.1f}/{r['floor_p99_us']:.1f} us | "
-            f"both spin: tcp {r['ratio_p50']:.2f}/{r['ratio_p99']:.2f} rowsource "
-            f"{r['rowsource_ratio_p50']:.2f}/{r['rowsource_ratio_p99']:.2f} | client spin: tcp {pr('tcp_client_spin')} "
-            f"rowsource {pr('rowsource_client_spin')} | no spin: tcp {pr('tcp_nospin')} "
-            f"rowsource {pr('rowsource_nospin')} | after 1 ms idle: both {pr('gap')} client {pr('gap_client_spin')} "
-            f"none {pr('gap_nospin')}")
+    return (
+        f"[remote bench] {n:3d} rows {name:6s} floor {r['floor_p50_us']:.1f}/{r['floor_p99_us']:.1f} us | "
+        f"both spin: tcp {r['ratio_p50']:.2f}/{r['ratio_p99']:.2f} rowsource "
+        f"{r['rowsource_ratio_p50']:.2f}/{r['rowsource_ratio_p99']:.2f} | client spin: tcp {pr('tcp_client_spin')} "
+        f"rowsource {pr('rowsource_client_spin')} | no spin: tcp {pr('tcp_nospin')} "
+        f"rowsource {pr('rowsource_nospin')} | after 1 ms idle: both {pr('gap')} client {pr('gap_client_spin')} "
+        f"none {pr('gap_nospin')}"
+    )
 
 
 def raw_direct_read(m, d: Path, fresh: bool) -> float:
@@ -371,5 +419,3 @@ def anon_huge_kb(addr: int) -> int:
         elif inside and head == "AnonHugePages:":
             return int(line.split()[1])
     return 0
-
-

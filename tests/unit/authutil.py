@@ -24,8 +24,15 @@ def write_credential(path) -> str:
 
 #: vLLM 0.33's dev-mode routes (VLLM_SERVER_DEV_MODE=1): the fence must guard the ones that change
 #: state too (it forwards every other path to vLLM).
-VLLM_DEV_ROUTES = ("/sleep", "/wake_up", "/reset_prefix_cache", "/reset_mm_cache", "/collective_rpc",
-                   "/scale_elastic_ep", "/is_sleeping")
+VLLM_DEV_ROUTES = (
+    "/sleep",
+    "/wake_up",
+    "/reset_prefix_cache",
+    "/reset_mm_cache",
+    "/collective_rpc",
+    "/scale_elastic_ep",
+    "/is_sleeping",
+)
 #: The reads (vLLM's GET routes) among the fence's control routes and vLLM's dev routes.
 VLLM_READ_ROUTES = frozenset({"/is_paused", "/is_sleeping"})
 
@@ -54,8 +61,14 @@ def engine_read_routes(app) -> list[tuple[str, str]]:
     ``/health``, ``/is_paused`` ...), sorted."""
     from dsv41.authz import SAFE_METHODS, is_inference
 
-    return sorted({(m, path) for r, path in app_routes(app.routes) for m in r.methods
-                   if m in SAFE_METHODS and not is_inference(path)})
+    return sorted(
+        {
+            (m, path)
+            for r, path in app_routes(app.routes)
+            for m in r.methods
+            if m in SAFE_METHODS and not is_inference(path)
+        }
+    )
 
 
 def fence_control_paths() -> list[str]:

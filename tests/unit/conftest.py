@@ -46,8 +46,11 @@ def pytest_sessionfinish(session, exitstatus):
     left = repo_leftovers(_BEFORE, after, ignored=unit_only) if after is not None else []
     if left:
         tr = session.config.pluginmanager.get_plugin("terminalreporter")
-        msg = ("the unit tests left files in the repository tree (write them under tmp_path): "
-               + ", ".join(left[:20]) + (f" and {len(left) - 20} more" if len(left) > 20 else ""))
+        msg = (
+            "the unit tests left files in the repository tree (write them under tmp_path): "
+            + ", ".join(left[:20])
+            + (f" and {len(left) - 20} more" if len(left) > 20 else "")
+        )
         if tr is not None:
             tr.ensure_newline()
             tr.write_line(msg, red=True)

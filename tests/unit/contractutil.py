@@ -9,8 +9,9 @@ from pathlib import Path
 from dsv41.overlay import contract as C
 
 
-def fake_tree(root: Path, version: str | None, contract: dict, change: tuple[str, ...] = (),
-              drop: tuple[str, ...] = ()) -> None:
+def fake_tree(
+    root: Path, version: str | None, contract: dict, change: tuple[str, ...] = (), drop: tuple[str, ...] = ()
+) -> None:
     """A vLLM installed under ``root``: the package, a dist-info naming ``version`` (none: no
     metadata) and every contract file with its contract bytes' stand-in; ``change`` files get other
     bytes, ``drop`` files are missing."""

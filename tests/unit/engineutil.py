@@ -29,8 +29,12 @@ PY = sys.executable
 def lab_assets(tmp_path_factory, train_steps: int = 40, table_seed: int = 5) -> SimpleNamespace:
     """Config/weights/tables for the engine tests, built once per session (cached)."""
     base = tmp_path_factory.getbasetemp() / f"engine-assets-{train_steps}-{table_seed}"
-    ns = SimpleNamespace(config=base / "lab.json", weights=base / "w.safetensors", data=base / "tables",
-                         manifest=base / "tables" / "manifest.json")
+    ns = SimpleNamespace(
+        config=base / "lab.json",
+        weights=base / "w.safetensors",
+        data=base / "tables",
+        manifest=base / "tables" / "manifest.json",
+    )
     if (base / "done").exists():
         return ns
     import torch
@@ -76,9 +80,30 @@ def free_ports(n: int) -> list[int]:
 
 
 def serve_cmd(ns, rank: int = 0, tp: int = 1, port: int = 0, master: str = "127.0.0.1:0", extra=()) -> list[str]:
-    return [PY, "-m", "dsv41.cli", "engine", "serve", "--config", str(ns.config), "--weights", str(ns.weights),
-            "--manifest", str(ns.manifest), "--data", str(ns.data), "--rank", str(rank), "--tp", str(tp),
-            "--master", master, "--port", str(port), *extra]
+    return [
+        PY,
+        "-m",
+        "dsv41.cli",
+        "engine",
+        "serve",
+        "--config",
+        str(ns.config),
+        "--weights",
+        str(ns.weights),
+        "--manifest",
+        str(ns.manifest),
+        "--data",
+        str(ns.data),
+        "--rank",
+        str(rank),
+        "--tp",
+        str(tp),
+        "--master",
+        master,
+        "--port",
+        str(port),
+        *extra,
+    ]
 
 
 def engine_env(**kw) -> dict:
@@ -130,8 +155,7 @@ def start_pair(assets, logdir: Path, extra=(), env=None) -> dict:
     env = engine_env(**(env or {}))
     r1 = start(serve_cmd(assets, rank=1, tp=2, master=master, extra=extra), env, logdir / "rank1.log")
     time.sleep(0.5)  # the worker really is first; it waits for rank 0's rendezvous store
-    r0 = start(serve_cmd(assets, rank=0, tp=2, port=port, master=master, extra=extra), env,
-               logdir / "rank0.log")
+    r0 = start(serve_cmd(assets, rank=0, tp=2, port=port, master=master, extra=extra), env, logdir / "rank0.log")
     try:
         wait_ready(port, r0, logdir / "rank0.log")
     except AssertionError:
@@ -149,9 +173,28 @@ def start_worker(drafter_dir, target_identity, log: Path, extra=()) -> tuple[sub
         ready.unlink()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_DRAFTER")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "dsv41.cli", "drafter", "serve", "--listen", "tcp://127.0.0.1:0",
-                             "--drafter", drafter_dir, "--target-identity", target_identity, "--ready-file", str(ready),
-                             *extra], env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=str(REPO))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dsv41.cli",
+            "drafter",
+            "serve",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--drafter",
+            drafter_dir,
+            "--target-identity",
+            target_identity,
+            "--ready-file",
+            str(ready),
+            *extra,
+        ],
+        env=env,
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        cwd=str(REPO),
+    )
     t0 = time.monotonic()
     while not ready.exists() or not ready.read_text().strip():
         if proc.poll() is not None or time.monotonic() - t0 > 60:
@@ -193,6 +236,7 @@ class FakeEngine:
 
         class R:
             request_id = "req-x"
+
         return R()
 
     def abort(self, rid=None):

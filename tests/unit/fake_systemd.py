@@ -61,11 +61,29 @@ def main(argv: list[str]) -> int:
     elif cmd == "show":
         for n in names:
             u = units.get(n)
-            full = ({"Id": f"{n}.service", "LoadState": "not-found", "ActiveState": "inactive", "SubState": "dead",
-                     "NeedDaemonReload": "no", "NRestarts": "0", "Result": "success", "MainPID": "0"} if u is None else
-                    {"Id": f"{n}.service", "LoadState": "loaded", "SubState": "running", "Result": "success",
-                     "UnitFileState": "enabled", "NRestarts": str(u.get("NRestarts", 0)), "MainPID": "0",
-                     **{k: str(v) for k, v in u.items() if k not in ("journal", "NRestarts")}})
+            full = (
+                {
+                    "Id": f"{n}.service",
+                    "LoadState": "not-found",
+                    "ActiveState": "inactive",
+                    "SubState": "dead",
+                    "NeedDaemonReload": "no",
+                    "NRestarts": "0",
+                    "Result": "success",
+                    "MainPID": "0",
+                }
+                if u is None
+                else {
+                    "Id": f"{n}.service",
+                    "LoadState": "loaded",
+                    "SubState": "running",
+                    "Result": "success",
+                    "UnitFileState": "enabled",
+                    "NRestarts": str(u.get("NRestarts", 0)),
+                    "MainPID": "0",
+                    **{k: str(v) for k, v in u.items() if k not in ("journal", "NRestarts")},
+                }
+            )
             shown = [(k, v) for k, v in full.items() if props is None or k in props]
             print("\n".join(v if "--value" in args else f"{k}={v}" for k, v in shown))
     elif cmd == "is-active":

@@ -20,8 +20,10 @@ class FakeVllm:
     async def __call__(self, scope, receive, send):
         self.served.append(scope["path"])
         if scope["path"] == "/v1/completions":
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
-            await send({"type": "http.response.body", "body": b"data: {\"n\": 1}\n\n", "more_body": True})
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+            )
+            await send({"type": "http.response.body", "body": b'data: {"n": 1}\n\n', "more_body": True})
             self.started.set()
             if self.block:
                 await self.release.wait()

@@ -63,10 +63,15 @@ class FenceMachine(RuleBasedStateMachine):
         self.lp = Loop()
         self.vllm = HeldVllm()
         self.hold_file = self.hold_dir / f"hold-{time.monotonic_ns()}"
-        self.fence = AdmissionFence(self.vllm, hold_file=self.hold_file, dev_routes=False, credential=OPERATOR,
-                                    allowed_hosts=TEST_HOSTS)
-        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.fence), base_url="http://rank0", headers=OP_HEADERS,
-                                        timeout=LONG_S * 2)
+        self.fence = AdmissionFence(
+            self.vllm, hold_file=self.hold_file, dev_routes=False, credential=OPERATOR, allowed_hosts=TEST_HOSTS
+        )
+        self.client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=self.fence),
+            base_url="http://rank0",
+            headers=OP_HEADERS,
+            timeout=LONG_S * 2,
+        )
         self.seed = 0
         self.window: str | None = None  # the fenced HOLD's token; None: open
         self.in_flight: dict[int, dict] = {}
@@ -79,9 +84,17 @@ class FenceMachine(RuleBasedStateMachine):
     def _reply(self, p: dict, outcome: str, outlived: int = 0) -> None:
         resp = p["fut"].result(WAIT_S)
         assert resp.status_code == 200, resp.text
-        want = {"paused": self.window is not None, "mode": "wait", "window": p["window"], "drain": outcome,
-                "in_flight_at_pause": p["at_pause"], "aborted": 0, "aborted_after_timeout": 0,
-                "outlived_drain": outlived, "still_running": len(p["scope"])}
+        want = {
+            "paused": self.window is not None,
+            "mode": "wait",
+            "window": p["window"],
+            "drain": outcome,
+            "in_flight_at_pause": p["at_pause"],
+            "aborted": 0,
+            "aborted_after_timeout": 0,
+            "outlived_drain": outlived,
+            "still_running": len(p["scope"]),
+        }
         assert resp.json() == want, (resp.json(), want)
 
     def _end_pending(self, outcome: str) -> None:

@@ -18,8 +18,12 @@ ROWS = 300
 def _table():
     """ROWS random rows (seed 11) of a table whose identity is sha256(b"fuzz")."""
     rng = np.random.default_rng(11)
-    return RowTable(hashlib.sha256(b"fuzz").digest(), 1,
-                    rng.integers(0, 256, (ROWS, 256), dtype=np.uint8), rng.integers(0, 256, (ROWS, 8), dtype=np.uint8))
+    return RowTable(
+        hashlib.sha256(b"fuzz").digest(),
+        1,
+        rng.integers(0, 256, (ROWS, 256), dtype=np.uint8),
+        rng.integers(0, 256, (ROWS, 8), dtype=np.uint8),
+    )
 
 
 TABLE = _table()
@@ -66,11 +70,18 @@ def random_frame(rng, ops=(None,)) -> dict:
     ``frame_fields`` (the long campaign, ``make fuzz``, draws this way: hypothesis is too slow for
     10^5 frames). ``ops``: op codes a broken ``op`` field is drawn from (``None``: any 16-bit)."""
     op = rng.choice(ops)
-    return {"break": rng.choice(BREAKS), "magic": rng.getrandbits(32), "version": rng.getrandbits(16),
-            "op": rng.getrandbits(16) if op is None else op, "ident": rng.randbytes(32),
-            "rows": [rng.randrange(ROWS) if rng.random() < 0.7 else rng.getrandbits(64) for _ in range(rng.randrange(41))],
-            "count_delta": rng.randint(-3, 3), "plen_delta": rng.randint(-16, 16) if rng.random() < 0.9 else 2**31,
-            "trunc": rng.randrange(401), "junk": rng.randbytes(rng.randint(1, 64))}
+    return {
+        "break": rng.choice(BREAKS),
+        "magic": rng.getrandbits(32),
+        "version": rng.getrandbits(16),
+        "op": rng.getrandbits(16) if op is None else op,
+        "ident": rng.randbytes(32),
+        "rows": [rng.randrange(ROWS) if rng.random() < 0.7 else rng.getrandbits(64) for _ in range(rng.randrange(41))],
+        "count_delta": rng.randint(-3, 3),
+        "plen_delta": rng.randint(-16, 16) if rng.random() < 0.9 else 2**31,
+        "trunc": rng.randrange(401),
+        "junk": rng.randbytes(rng.randint(1, 64)),
+    }
 
 
 def build_frames(frames, identity: bytes) -> tuple[bytes, list]:
@@ -93,8 +104,13 @@ def build_frames(frames, identity: bytes) -> tuple[bytes, list]:
             frame = frame[: f["trunc"]]
         if b == "junk":
             frame += f["junk"]
-        ok = (op == P.OP_LOOKUP and count == len(rows) and plen == len(payload) and ident == identity
-              and version in P.VERSIONS)
+        ok = (
+            op == P.OP_LOOKUP
+            and count == len(rows)
+            and plen == len(payload)
+            and ident == identity
+            and version in P.VERSIONS
+        )
         sent_rows.append(rows if ok else None)
         data += frame
     return data, sent_rows

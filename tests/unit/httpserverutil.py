@@ -18,8 +18,12 @@ from dsv41 import envs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CAP = 6  # connection cap of every server under test
-LIMITS = {"DSV41_HTTP_HEADER_TIMEOUT_S": "5", "DSV41_HTTP_KEEPALIVE_TIMEOUT_S": "5",
-          "DSV41_HTTP_MAX_CONNECTIONS": str(CAP), "DSV41_METRICS_MAX_CONNECTIONS": str(CAP)}
+LIMITS = {
+    "DSV41_HTTP_HEADER_TIMEOUT_S": "5",
+    "DSV41_HTTP_KEEPALIVE_TIMEOUT_S": "5",
+    "DSV41_HTTP_MAX_CONNECTIONS": str(CAP),
+    "DSV41_METRICS_MAX_CONNECTIONS": str(CAP),
+}
 
 
 class Engine:
@@ -56,8 +60,9 @@ def _start_engine(tmp_path):
     settings = envs.parse(LIMITS)
     app = create_app(Engine(), "m", 64, metrics=EngineMetrics("m", dict), request_limit=request_limit(settings))
     port = _port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off",
-                                           **uvicorn_limits(settings)))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off", **uvicorn_limits(settings))
+    )
     t = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     t.start()
     end = time.monotonic() + 20
@@ -71,6 +76,7 @@ def _start_engine(tmp_path):
     def stop():
         server.should_exit = True
         t.join(10)
+
     return ("127.0.0.1", port), paths, stop
 
 
@@ -92,6 +98,7 @@ def _start_drafter_metrics(tmp_path, monkeypatch):
     def stop():
         srv.shutdown()
         srv.server_close()
+
     return srv.server_address[:2], list(srv.RequestHandlerClass.GET_PATHS), stop
 
 
@@ -103,6 +110,7 @@ def _start_exporter(tmp_path, monkeypatch):
     def stop():
         srv.shutdown()
         srv.server_close()
+
     return srv.server_address[:2], list(srv.RequestHandlerClass.GET_PATHS), stop
 
 
@@ -116,6 +124,7 @@ def _start_overlay_metrics(tmp_path, monkeypatch):
 
     def stop():
         OM.reset()  # stops it: one endpoint per process, the next test starts its own
+
     return srv.server_address[:2], list(srv.RequestHandlerClass.GET_PATHS), stop
 
 

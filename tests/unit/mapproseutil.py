@@ -27,7 +27,7 @@ def doc_table(text: str, heading: str) -> list[list[str]]:
     except ValueError:
         raise AssertionError(f"{DOC}: no heading '## {heading}'") from None
     rows: list[list[str]] = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if line.startswith("## "):
             break
         if line.startswith("|"):
@@ -80,8 +80,14 @@ class TreeIndex:
         self.dirs = {str(Path(f).parents[i]) for f in files for i in range(len(Path(f).parents) - 1)}
         self.basenames = {Path(f).name for f in files}
         own = {Path(f) for f in CHECK_FILES} if root == ROOT else set()
-        code = [f for f in files if not f.startswith("docs/") and f != "README.md"
-                and Path(f) not in own and (f.endswith(FILE_EXT) or Path(f).name == "Makefile")]
+        code = [
+            f
+            for f in files
+            if not f.startswith("docs/")
+            and f != "README.md"
+            and Path(f) not in own
+            and (f.endswith(FILE_EXT) or Path(f).name == "Makefile")
+        ]
         self.text = "\n".join((root / f).read_text(errors="replace") for f in code if (root / f).is_file())
         self.words = set(re.findall(r"[\w-]+", self.text))
         self.entry = {r: entry_points(root, r) for r in tree_roles(root)}
@@ -106,13 +112,19 @@ def tracked_files(root: Path) -> list[str]:
     """The checkout's files (tracked and new, ignored ones left out), relative to ``root``."""
     import subprocess
 
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=root,
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if out.returncode == 0 and out.stdout.strip():
         return [f for f in out.stdout.splitlines() if (root / f).exists()]
     skip = {".git", ".venv", "__pycache__", "build", ".tox"}
-    return [str(p.relative_to(root)) for p in root.rglob("*")
-            if p.is_file() and not skip & set(p.relative_to(root).parts)]
+    return [
+        str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and not skip & set(p.relative_to(root).parts)
+    ]
 
 
 def entry_points(root: Path, role: str) -> set[str]:
@@ -146,8 +158,12 @@ def command_error(words: list[str], tree: TreeIndex) -> str | None:
         return None
     if words[0] not in tree.commands:
         return f"no command 'dsv41 {words[0]}'"
-    if len(words) > 1 and re.fullmatch(r"[a-z][\w-]*", words[1]) and tree.commands[words[0]] \
-            and words[1] not in tree.commands[words[0]]:
+    if (
+        len(words) > 1
+        and re.fullmatch(r"[a-z][\w-]*", words[1])
+        and tree.commands[words[0]]
+        and words[1] not in tree.commands[words[0]]
+    ):
         return f"no command 'dsv41 {words[0]} {words[1]}'"
     return None
 
@@ -158,7 +174,8 @@ def module_error(dotted: str, tree: TreeIndex) -> str | None:
     if parts[:2] == ["dsv41", "offload"]:  # the collection's content
         name = parts[2] if len(parts) > 2 else ""
         found = f"playbooks/{name}.yml" in tree.files or any(
-            f.startswith("plugins/") and Path(f).stem == name for f in tree.files)
+            f.startswith("plugins/") and Path(f).stem == name for f in tree.files
+        )
         return None if found else f"the collection has no playbook or plugin '{name}'"
     for n in range(len(parts), 0, -1):
         base = "python/" + "/".join(parts[:n])
@@ -202,9 +219,12 @@ def token_errors(token: str, tree: TreeIndex) -> list[str]:
     if t.startswith("/"):
         return [] if PLACEHOLDER.split(t)[0] in tree.text else [f"'{t}' appears nowhere in the code"]
     head = re.split(r"[ (]", fixed)[0] if fixed else ""
-    if head.startswith("dsv41.") or (head.split(".")[0] in {f.split("/")[2] for f in tree.files
-                                                              if f.startswith("python/dsv41/") and f.count("/") > 2}
-                                     and "." in head and not head.endswith(FILE_EXT)):
+    if head.startswith("dsv41.") or (
+        head.split(".")[0]
+        in {f.split("/")[2] for f in tree.files if f.startswith("python/dsv41/") and f.count("/") > 2}
+        and "." in head
+        and not head.endswith(FILE_EXT)
+    ):
         err = module_error(head if head.startswith("dsv41.") else "dsv41." + head, tree)
         return [err] if err else []
     if "/" in head or head.endswith(FILE_EXT):
@@ -217,16 +237,26 @@ def token_errors(token: str, tree: TreeIndex) -> list[str]:
     if ":" in t:  # `key: value`: the key is a name of the code
         key = t.split(":")[0].strip()
         return [] if key in tree.words else [f"'{key}' appears nowhere in the code"]
-    names = [w for w in re.findall(r"[A-Za-z_][\w]*", fixed) if "_" in w.strip("_") or re.search(r"[a-z][A-Z]|^[A-Z]{2,}", w)] \
-        if " " in fixed else ([fixed] if re.fullmatch(r"[A-Za-z_]\w*", fixed) else [])
-    return [f"'{w}' appears nowhere in the code" for w in names
-            if w not in tree.words and w not in EXTERNAL and w not in tree.entry]
+    names = (
+        [
+            w
+            for w in re.findall(r"[A-Za-z_][\w]*", fixed)
+            if "_" in w.strip("_") or re.search(r"[a-z][A-Z]|^[A-Z]{2,}", w)
+        ]
+        if " " in fixed
+        else ([fixed] if re.fullmatch(r"[A-Za-z_]\w*", fixed) else [])
+    )
+    return [
+        f"'{w}' appears nowhere in the code"
+        for w in names
+        if w not in tree.words and w not in EXTERNAL and w not in tree.entry
+    ]
 
 
 def brace_expand(path: str) -> list[str]:
     """``a/{b,c}/`` -> ``["a/b/", "a/c/"]`` (one brace group)."""
     m = re.search(r"\{([^}]*)\}", path)
-    return [path[:m.start()] + alt + path[m.end():] for alt in m.group(1).split(",")] if m else [path]
+    return [path[: m.start()] + alt + path[m.end() :] for alt in m.group(1).split(",")] if m else [path]
 
 
 def role_entry_errors(text: str, tree: TreeIndex) -> list[str]:

@@ -20,9 +20,16 @@ from dsv41.overlay import engram as E
 from dsv41.transport import parse_url
 from dsv41.transport.server import RowServer
 
-CFG = {"engram_layer_ids": [1, 14], "engram_max_ngram_size": 4, "engram_vocab_size": 500,
-       "engram_n_heads": 8, "engram_head_dim": 256, "engram_pad_token_id": 2,
-       "engram_compressed_vocab_size": 229, "vocab_size": 260}
+CFG = {
+    "engram_layer_ids": [1, 14],
+    "engram_max_ngram_size": 4,
+    "engram_vocab_size": 500,
+    "engram_n_heads": 8,
+    "engram_head_dim": 256,
+    "engram_pad_token_id": 2,
+    "engram_compressed_vocab_size": 229,
+    "vocab_size": 260,
+}
 SEED = 5
 
 
@@ -69,9 +76,22 @@ def remote_rows(tabs_, src, layer_id: int, tp: int = 2, rank: int = 0, max_token
     li = layout.layer_index(layer_id)
     c0, _ = layout.columns_for_rank(tp, rank)
     lo, hi = layout.row_range(li, tp, rank)
-    return E.RemoteRows(src, layer_id, head_start=c0, part=-(-layout.n_columns // tp), n_hash_cols=layout.n_columns,
-                        vocab_start=lo, vocab_end=hi, dim=256, block=32, max_tokens=max_tokens, device="cpu",
-                        dequant=kernel_on_cpu, rank=rank, **kw)
+    return E.RemoteRows(
+        src,
+        layer_id,
+        head_start=c0,
+        part=-(-layout.n_columns // tp),
+        n_hash_cols=layout.n_columns,
+        vocab_start=lo,
+        vocab_end=hi,
+        dim=256,
+        block=32,
+        max_tokens=max_tokens,
+        device="cpu",
+        dequant=kernel_on_cpu,
+        rank=rank,
+        **kw,
+    )
 
 
 def lookup_ids(tabs_, rr, t: int, seed: int) -> np.ndarray:
@@ -91,9 +111,10 @@ def exact_rows(tabs_, rr, ids: np.ndarray, out) -> bool:
     """``out`` (t, part, 256) bf16 equals the reference rows of ``ids`` bit for bit."""
     he = min(rr.head_start + rr.part, rr.n_hash_cols)
     mine = np.full((ids.shape[0], rr.part), -1, np.int64)
-    mine[:, : he - rr.head_start] = ids[:, rr.head_start:he]
-    return same_bits(out.float().numpy().reshape(-1, 256), reference(tabs_, rr.layer_id, mine, rr.vocab_start,
-                                                                     rr.vocab_end))
+    mine[:, : he - rr.head_start] = ids[:, rr.head_start : he]
+    return same_bits(
+        out.float().numpy().reshape(-1, 256), reference(tabs_, rr.layer_id, mine, rr.vocab_start, rr.vocab_end)
+    )
 
 
 def poisoned(t: int, part: int):
@@ -102,6 +123,7 @@ def poisoned(t: int, part: int):
 
 
 # ------------------------------------------------- the worker pipeline (issue 23), on the CPU
+
 
 class Gate(RowSource):
     """A RowSource over the exact local reader whose calls can be held (``hold``) and that records

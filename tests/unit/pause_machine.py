@@ -63,6 +63,7 @@ class ControlledEngine:
 
         class R:
             request_id = rid
+
         return R()
 
     def _end(self, rid: str, reason: str) -> None:
@@ -70,7 +71,7 @@ class ControlledEngine:
         sink({"type": "finish", "reason": reason, "prompt_tokens": plen, "completion_tokens": 1})
 
     def abort(self, rid=None):
-        for r in ([rid] if rid is not None else list(self.live)):
+        for r in [rid] if rid is not None else list(self.live):
             if r in self.live:
                 self._end(r, "abort")
 
@@ -102,6 +103,7 @@ class Loop:
     def call(self, fn, *args):
         async def run():
             return fn(*args)
+
         return self.submit(run()).result(WAIT_S)
 
     def settle(self, s: float = 0.01) -> None:
@@ -123,8 +125,9 @@ def _until(pred, what: str) -> None:
 def _finish_reason(resp: httpx.Response, stream: bool) -> str:
     if not stream:
         return resp.json()["choices"][0]["finish_reason"]
-    chunks = [json.loads(line[6:]) for line in resp.text.splitlines()
-              if line.startswith("data: ") and line != "data: [DONE]"]
+    chunks = [
+        json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"
+    ]
     assert resp.text.rstrip().endswith("data: [DONE]")
     return [c for c in chunks if c.get("choices")][-1]["choices"][0]["finish_reason"]
 
@@ -138,8 +141,9 @@ class PauseMachine(RuleBasedStateMachine):
         self.engine = ControlledEngine()
         self.state = ServerState()
         app = create_app(self.engine, "m", 64, self.state, operator_credential=OPERATOR, allowed_hosts=TEST_HOSTS)
-        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine", headers=OP_HEADERS,
-                                        timeout=LONG_S * 2)
+        self.client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://engine", headers=OP_HEADERS, timeout=LONG_S * 2
+        )
         self.seed = 0
         self.steps = 0
         self.held = False
@@ -175,9 +179,15 @@ class PauseMachine(RuleBasedStateMachine):
         resp = p["fut"].result(WAIT_S)
         assert resp.status_code == 200, resp.text
         doc = resp.json()
-        want = {"paused": self.held, "mode": p["mode"], "drain": outcome, "in_flight_at_pause": p["at_pause"],
-                "aborted": p["aborted"], "aborted_after_timeout": p["aborted"] if p["mode"] == "wait" else 0,
-                "still_running": len(p["scope"])}
+        want = {
+            "paused": self.held,
+            "mode": p["mode"],
+            "drain": outcome,
+            "in_flight_at_pause": p["at_pause"],
+            "aborted": p["aborted"],
+            "aborted_after_timeout": p["aborted"] if p["mode"] == "wait" else 0,
+            "still_running": len(p["scope"]),
+        }
         assert doc == want, (doc, want)
 
     def _end_pending(self, outcome: str) -> None:
@@ -255,8 +265,12 @@ class PauseMachine(RuleBasedStateMachine):
         self._check_ended()
 
     @precondition(lambda self: not self.shut)
-    @rule(n=st.integers(1, 3), mode=st.sampled_from(["abort", "wait", "keep"]), short=st.booleans(),
-          with_window=st.booleans())
+    @rule(
+        n=st.integers(1, 3),
+        mode=st.sampled_from(["abort", "wait", "keep"]),
+        short=st.booleans(),
+        with_window=st.booleans(),
+    )
     def traffic_then_pause(self, n, mode, short, with_window):
         """The common shape: requests in flight, then a HOLD (the random rules alone rarely
         pause with a scope)."""

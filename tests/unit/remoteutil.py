@@ -21,7 +21,6 @@ from dsv41.transport.server import RowServer
 LAB_MODEL = Path(__file__).resolve().parents[2] / "python" / "dsv41" / "data" / "lab_model.json"
 
 
-
 @pytest.fixture(scope="module")
 def tabs(tmp_path_factory):
     d = tmp_path_factory.mktemp("t")

@@ -81,11 +81,20 @@ def role_writers(role: str) -> list[dict]:
             tmpl = t.get("ansible.builtin.template")
             inc = t.get("ansible.builtin.include_role") or t.get("ansible.builtin.import_role")
             if tmpl:
-                out.append({"kind": "template", "src": tmpl["src"], "dest": tmpl["dest"], "vars": t.get("vars", {}),
-                            "role": role, "task": f"{f.name}: {t.get('name')}"})
+                out.append(
+                    {
+                        "kind": "template",
+                        "src": tmpl["src"],
+                        "dest": tmpl["dest"],
+                        "vars": t.get("vars", {}),
+                        "role": role,
+                        "task": f"{f.name}: {t.get('name')}",
+                    }
+                )
             elif inc and inc.get("name") == SERVICE_ROLE and inc.get("tasks_from", "main") in ("main", "files"):
-                out.append({"kind": "service", "vars": t.get("vars", {}), "role": role,
-                            "task": f"{f.name}: {t.get('name')}"})
+                out.append(
+                    {"kind": "service", "vars": t.get("vars", {}), "role": role, "task": f"{f.name}: {t.get('name')}"}
+                )
     return out
 
 
@@ -202,7 +211,8 @@ class Renderer:
                 tdir = REPO / "roles" / SERVICE_ROLE / "templates"
                 out.files[str(v["dsv41_service_env_file"])] = str(self.template(v, (tdir / "env.j2").read_text()))
                 out.files[f"/etc/systemd/system/{name}.service"] = str(
-                    self.template(v, (tdir / "systemd.service.j2").read_text()))
+                    self.template(v, (tdir / "systemd.service.j2").read_text())
+                )
         return out
 
 
@@ -251,7 +261,7 @@ def systemd_argv(line: str) -> list[str]:
                     word.append(c)
                     i += 2
                     continue
-                if c == "%" or re.match(r"[A-Za-z_{]", line[i + 1:i + 2]):
+                if c == "%" or re.match(r"[A-Za-z_{]", line[i + 1 : i + 2]):
                     raise ValueError(f"unescaped {c} at {i} in {line!r}")
             word.append(c)
             i += 1

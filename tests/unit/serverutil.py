@@ -192,7 +192,9 @@ class V1Server:
                     c.close()
                     return
                 if op == P.OP_HELLO:
-                    body = b"".join(P.TABLE_ENTRY.pack(t.identity, t.layer_id, t.rows, 264) for t in self.tables.values())
+                    body = b"".join(
+                        P.TABLE_ENTRY.pack(t.identity, t.layer_id, t.rows, 264) for t in self.tables.values()
+                    )
                     c.sendall(P.REP.pack(P.MAGIC, 1, 0, rid, len(self.tables), len(body)) + body)
                 elif op == P.OP_LOOKUP:
                     rows = np.frombuffer(payload, "<u8").astype(np.int64)
@@ -353,20 +355,36 @@ class FakeStack(HttpStandIn):
                     return self._send(f.alerts_code, f.alerts_body)
                 if p.startswith("/api/v1/query_range"):
                     f.range_queries += 1
-                    return self._send(200, {"status": "success", "data": {"resultType": "matrix", "result": [
-                        {"metric": {"rank": "0"}, "values": [[100 + 5 * i, str(i % 3)] for i in range(20)]}]}})
+                    return self._send(
+                        200,
+                        {
+                            "status": "success",
+                            "data": {
+                                "resultType": "matrix",
+                                "result": [
+                                    {"metric": {"rank": "0"}, "values": [[100 + 5 * i, str(i % 3)] for i in range(20)]}
+                                ],
+                            },
+                        },
+                    )
                 return self._send(404, {})
 
         self._serve(H)
 
     def engine_metrics(self) -> str:
         """Rank 0's Prometheus text: speculation counters and both ranks' Engram counters."""
-        out = ['vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 40.0',
-               'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 50.0',
-               "dsv41_drafter_rounds 12.0", "dsv41_drafter_fail_closed_rounds 1.0", "dsv41_drafter_proxy_respawns 2.0"]
+        out = [
+            'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 40.0',
+            'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 50.0',
+            "dsv41_drafter_rounds 12.0",
+            "dsv41_drafter_fail_closed_rounds 1.0",
+            "dsv41_drafter_proxy_respawns 2.0",
+        ]
         for r in (0, 1):
-            out += [f'dsv41_engram_lookups_total{{rank="{r}"}} {self.lookups[r]}',
-                    f'dsv41_engram_fallbacks_total{{rank="{r}"}} {self.fallbacks[r]}']
+            out += [
+                f'dsv41_engram_lookups_total{{rank="{r}"}} {self.lookups[r]}',
+                f'dsv41_engram_fallbacks_total{{rank="{r}"}} {self.fallbacks[r]}',
+            ]
         return "\n".join(out) + "\n"
 
     def worker_metrics(self) -> str:
@@ -376,6 +394,7 @@ class FakeStack(HttpStandIn):
 
 
 # ---- streaming completions (vLLM's SSE), for the bench client and the drill's load ----------------
+
 
 def completion_chunk(ids: list[int], finish: str | None = None, completion: int | None = None) -> dict:
     """One streamed ``/v1/completions`` chunk as vLLM sends it: one choice with ``token_ids``

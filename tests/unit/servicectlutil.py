@@ -54,8 +54,12 @@ class FakeManager:
         self.state = d / f"{manager}.json"
         words = STATES[manager]
         pids = pids or {}
-        doc = {"units": {n: {"ActiveState": words[s], "NeedDaemonReload": "no",
-                             "MainPID": pids.get(n, 4242) if s == "up" else 0} for n, s in services.items()}}
+        doc = {
+            "units": {
+                n: {"ActiveState": words[s], "NeedDaemonReload": "no", "MainPID": pids.get(n, 4242) if s == "up" else 0}
+                for n, s in services.items()
+            }
+        }
         self.ctl = service_control.for_manager(manager)
         self.state.write_text(json.dumps(doc))
         Path(str(self.state) + ".log").write_text("")
@@ -106,10 +110,10 @@ class FakeLab:
         cut = cmd.index("--")
         assert cmd[0] == "nsenter" and cmd[1] == "--target", cmd
         self.entries.append(tuple(cmd[3:cut]))
-        argv = list(cmd[cut + 1:])
+        argv = list(cmd[cut + 1 :])
         self.argvs.append(tuple(argv))
         prefix = list(self.mgr.ctl.prefix)
-        if argv[:len(prefix)] == prefix:
+        if argv[: len(prefix)] == prefix:
             return self.mgr.run(argv, timeout=kw.get("timeout", 60))
         if argv[0] == "python3":  # the children probe: read our own /proc
             return subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, timeout=60, check=False)
@@ -117,7 +121,9 @@ class FakeLab:
             return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
         if argv[:3] == ["ip", "-o", "link"]:
             flags = "BROADCAST,MULTICAST,UP,LOWER_UP" if self.link_up else "BROADCAST,MULTICAST"
-            return self._reply(cmd, out=f"7: {self.iface}@if6: <{flags}> mtu 9000 state {'UP' if self.link_up else 'DOWN'}\n")
+            return self._reply(
+                cmd, out=f"7: {self.iface}@if6: <{flags}> mtu 9000 state {'UP' if self.link_up else 'DOWN'}\n"
+            )
         if argv[:3] == ["ip", "link", "set"]:
             self.link_up = argv[-1] == "up"
             return self._reply(cmd)
@@ -136,11 +142,13 @@ def spawn_engine() -> tuple[subprocess.Popen, int]:
     """A stand-in engine (this test's child, killed by the caller) whose own child has the async
     proxy's argv (``-m dsv41.drafter.proxy_cli run --parent-pid <engine pid>``); returns the
     engine process and the proxy's pid, once the proxy runs."""
-    code = ("import os,subprocess,sys,time\n"
-            "p=subprocess.Popen([sys.executable,'-c','import time; time.sleep(120)','-m','dsv41.drafter.proxy_cli',"
-            "'run','--parent-pid',str(os.getpid())])\n"
-            "print(p.pid,flush=True)\n"
-            "p.wait(); time.sleep(120)\n")
+    code = (
+        "import os,subprocess,sys,time\n"
+        "p=subprocess.Popen([sys.executable,'-c','import time; time.sleep(120)','-m','dsv41.drafter.proxy_cli',"
+        "'run','--parent-pid',str(os.getpid())])\n"
+        "print(p.pid,flush=True)\n"
+        "p.wait(); time.sleep(120)\n"
+    )
     eng = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     proxy = int(eng.stdout.readline())
     return eng, proxy

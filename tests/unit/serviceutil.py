@@ -60,17 +60,36 @@ def env(path_first: str | os.PathLike | None = None, **extra: str) -> dict:
     """The environment of an ``ansible-playbook`` run: the repository's ansible.cfg, this venv's
     bin first on PATH (after ``path_first``, a directory of stand-in tools), no colour, ``extra``."""
     path = f"{BIN}:{os.environ['PATH']}"
-    return dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_FORCE_COLOR="0", NO_COLOR="1",
-                PATH=f"{path_first}:{path}" if path_first else path, **extra)
+    return dict(
+        os.environ,
+        ANSIBLE_CONFIG=str(REPO / "ansible.cfg"),
+        ANSIBLE_FORCE_COLOR="0",
+        NO_COLOR="1",
+        PATH=f"{path_first}:{path}" if path_first else path,
+        **extra,
+    )
 
 
-def run_playbook(inventory: str | os.PathLike, playbook: Path, cwd: Path, environ: dict, *, check: bool = False,
-                 timeout: int = 600, ok: bool = True) -> subprocess.CompletedProcess:
+def run_playbook(
+    inventory: str | os.PathLike,
+    playbook: Path,
+    cwd: Path,
+    environ: dict,
+    *,
+    check: bool = False,
+    timeout: int = 600,
+    ok: bool = True,
+) -> subprocess.CompletedProcess:
     """Run ``ansible-playbook -i inventory playbook`` (``--check`` when asked) in ``cwd``; with
     ``ok`` the run must succeed (its output's tail is the failure message)."""
-    r = subprocess.run([str(BIN / "ansible-playbook"), "-i", str(inventory), str(playbook),
-                        *(["--check"] if check else [])], cwd=cwd, env=environ, capture_output=True, text=True,
-                       timeout=timeout)
+    r = subprocess.run(
+        [str(BIN / "ansible-playbook"), "-i", str(inventory), str(playbook), *(["--check"] if check else [])],
+        cwd=cwd,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if ok:
         assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     return r
@@ -80,5 +99,8 @@ def mutating_calls(log: Path, mutating: tuple[str, ...], first: str | None = Non
     """The calls a stand-in logged to ``log`` (lines ``WHO VERB ARGS...``) whose verb is in
     ``mutating``, without ``WHO``; only those of ``first`` (a host or a tool) when given."""
     lines = log.read_text().splitlines()
-    return [line.split(None, 1)[1] for line in lines
-            if (first is None or line.split()[0] == first) and line.split()[1] in mutating]
+    return [
+        line.split(None, 1)[1]
+        for line in lines
+        if (first is None or line.split()[0] == first) and line.split()[1] in mutating
+    ]

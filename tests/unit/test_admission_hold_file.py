@@ -25,8 +25,13 @@ REQ = {"prompt": "x", "max_tokens": 1}
 
 def engine(hold_file) -> TestClient:
     """A fresh rank 0 (what a restart gives) keeping its fenced HOLD in ``hold_file``."""
-    return TestClient(create_app(FakeEngine(), "m", 64, ServerState(hold_file), operator_credential=OPERATOR,
-                                 allowed_hosts=TEST_HOSTS), raise_server_exceptions=False, headers=OP_HEADERS)
+    return TestClient(
+        create_app(
+            FakeEngine(), "m", 64, ServerState(hold_file), operator_credential=OPERATOR, allowed_hosts=TEST_HOSTS
+        ),
+        raise_server_exceptions=False,
+        headers=OP_HEADERS,
+    )
 
 
 def test_a_fenced_hold_survives_a_restart_and_resume_ends_it(tmp_path):
@@ -61,8 +66,9 @@ def test_a_new_fenced_hold_replaces_the_kept_token_and_a_plain_pause_is_memory_o
     assert engine(f).get("/is_paused").json()["is_paused"] is False
 
 
-@pytest.mark.parametrize("text", ["", "{", "[]", '{"window": "a b", "since": 1}', '{"window": "t"}',
-                                  '{"window": "t", "since": true}'])
+@pytest.mark.parametrize(
+    "text", ["", "{", "[]", '{"window": "a b", "since": 1}', '{"window": "t"}', '{"window": "t", "since": true}']
+)
 def test_a_malformed_record_starts_open_with_a_warning(tmp_path, caplog, text):
     f = tmp_path / "admission-hold"
     f.write_text(text)
@@ -92,5 +98,7 @@ def test_an_unwritable_hold_file_is_one_error_and_admission_stays_held(tmp_path)
 
 def test_the_setting_is_in_the_env_table():
     assert envs.parse({}).admission_hold_file == ""
-    assert envs.parse({"DSV41_ADMISSION_HOLD_FILE": "/run/dsv41/admission-hold"}).admission_hold_file == \
-        "/run/dsv41/admission-hold"
+    assert (
+        envs.parse({"DSV41_ADMISSION_HOLD_FILE": "/run/dsv41/admission-hold"}).admission_hold_file
+        == "/run/dsv41/admission-hold"
+    )

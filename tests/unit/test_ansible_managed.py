@@ -20,8 +20,12 @@ def _yaml_files() -> list[Path]:
 def test_ansible_managed_only_in_templates() -> None:
     files = _yaml_files()
     assert len(files) > 50, "the walk found too few files"
-    offenders = [f"{p.relative_to(REPO)}:{i}" for p in files
-                 for i, line in enumerate(p.read_text().splitlines(), 1) if "ansible_managed" in line]
+    offenders = [
+        f"{p.relative_to(REPO)}:{i}"
+        for p in files
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "ansible_managed" in line
+    ]
     assert offenders == [], "ansible_managed is undefined outside the template module: " + ", ".join(offenders)
 
 

@@ -57,9 +57,14 @@ def tree_modules(root: Path) -> set[str]:
 def is_playbook(path: Path) -> bool:
     """A playbook: a non-empty YAML list whose every item is a play (``hosts``) or an import."""
     doc = yaml.safe_load(path.read_text())
-    return isinstance(doc, list) and bool(doc) and all(
-        isinstance(p, dict) and ("hosts" in p or "import_playbook" in p or "ansible.builtin.import_playbook" in p)
-        for p in doc)
+    return (
+        isinstance(doc, list)
+        and bool(doc)
+        and all(
+            isinstance(p, dict) and ("hosts" in p or "import_playbook" in p or "ansible.builtin.import_playbook" in p)
+            for p in doc
+        )
+    )
 
 
 def tree_playbooks(root: Path) -> set[str]:
@@ -80,8 +85,11 @@ def runners(root: Path, playbooks: set[str]) -> dict[str, set[str]]:
                 name = str((root / src).parent.joinpath(target).resolve().relative_to(root.resolve()))
                 if name in out:
                     out[name].add("import")
-        body = "\n".join(ln for ln in (root / src).read_text().splitlines()
-                         if not ln.lstrip().startswith("#") and "import_playbook" not in ln)
+        body = "\n".join(
+            ln
+            for ln in (root / src).read_text().splitlines()
+            if not ln.lstrip().startswith("#") and "import_playbook" not in ln
+        )
         for p in playbooks:
             if "/" in p and f"/{p}" in body:
                 out[p].add("dsv41 window run")
@@ -109,7 +117,11 @@ def tree_floors(root: Path) -> list[tuple[str, ...]]:
     """``FLOORS`` of tests/unit/test_import_floors.py, read as a literal (never imported)."""
     path = root / "tests" / "unit" / "test_import_floors.py"
     for node in ast.parse(path.read_text()).body:
-        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        target = (
+            node.target
+            if isinstance(node, ast.AnnAssign)
+            else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        )
         if isinstance(target, ast.Name) and target.id == "FLOORS":
             return [tuple(f) for f in ast.literal_eval(node.value)]
     raise AssertionError(f"{path}: no FLOORS")
@@ -120,13 +132,18 @@ def tree_native(root: Path) -> dict[str, list[str]]:
     literal (never imported)."""
     path = root / "setup.py"
     for node in ast.parse(path.read_text()).body:
-        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        target = (
+            node.target
+            if isinstance(node, ast.AnnAssign)
+            else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        )
         if isinstance(target, ast.Name) and target.id == "NATIVE":
             return {k: list(v) for k, v in ast.literal_eval(node.value).items()}
     raise AssertionError(f"{path}: no NATIVE")
 
 
 # ---- the comparisons -------------------------------------------------------------------------
+
 
 def map_errors(root: Path, commands: set[str] | None = None) -> list[str]:
     """Every disagreement between ``root``/docs/architecture.md and the tree under ``root``, as
@@ -149,13 +166,17 @@ def map_errors(root: Path, commands: set[str] | None = None) -> list[str]:
             continue
         for who in ("import", "dsv41 window run"):
             if (who in said) != (who in found[name]):
-                errors.append(f"{DOC} '## Playbooks' {name}: run by {who}? the tree says "
-                              f"{'yes' if who in found[name] else 'no'}, the row {'yes' if who in said else 'no'}")
+                errors.append(
+                    f"{DOC} '## Playbooks' {name}: run by {who}? the tree says "
+                    f"{'yes' if who in found[name] else 'no'}, the row {'yes' if who in said else 'no'}"
+                )
         if "/" not in name and "operator" not in said:
             errors.append(f"{DOC} '## Playbooks' {name}: a root playbook is run by an operator")
         if "/" in name and "operator" in said and not operator_documented(root, name):
-            errors.append(f"{DOC} '## Playbooks' {name}: says operator, but no `ansible-playbook {name}` "
-                          "in the Makefile, README.md or docs/")
+            errors.append(
+                f"{DOC} '## Playbooks' {name}: says operator, but no `ansible-playbook {name}` "
+                "in the Makefile, README.md or docs/"
+            )
         if "/" in name and not found[name] and "operator" not in said:
             errors.append(f"{DOC} '## Playbooks' {name}: nothing imports or runs it, so an operator does")
     cmds = tree_commands() if commands is None else commands
@@ -165,7 +186,7 @@ def map_errors(root: Path, commands: set[str] | None = None) -> list[str]:
     numbers = [r[0] for r in rows]
     if numbers != [str(i) for i in range(len(floors))]:
         errors.append(f"{DOC} '## Import floors': floors {numbers}, FLOORS has 0..{len(floors) - 1}")
-    for i, row in enumerate(rows[:len(floors)]):
+    for i, row in enumerate(rows[: len(floors)]):
         errors += compare(f"Import floors' floor {i}", ticked(row[1]) if len(row) > 1 else [], set(floors[i]))
     rows = doc_table(text, "Native extensions")
     native = tree_native(root)
@@ -173,8 +194,11 @@ def map_errors(root: Path, commands: set[str] | None = None) -> list[str]:
     for row in rows:
         name = first_column([row])[0]
         if name in native:  # the files column: python/dsv41/-relative paths, exactly setup.py's list
-            errors += compare(f"Native extensions' {name} files", ticked(row[1]) if len(row) > 1 else [],
-                              {f.removeprefix("python/dsv41/") for f in native[name]})
+            errors += compare(
+                f"Native extensions' {name} files",
+                ticked(row[1]) if len(row) > 1 else [],
+                {f.removeprefix("python/dsv41/") for f in native[name]},
+            )
     return errors
 
 
@@ -189,8 +213,9 @@ def collection_errors(root: Path) -> list[str]:
         errors.append(f"galaxy.yml description: does not name {', '.join(missing)}")
     log = yaml.safe_load((root / "changelogs" / "changelog.yaml").read_text())
     named = [m["name"] for rel in log["releases"].values() for m in rel.get("modules", [])]
-    errors += [e.replace(f"{DOC} '## changelog'", "changelogs/changelog.yaml")
-               for e in compare("changelog", named, mods)]
+    errors += [
+        e.replace(f"{DOC} '## changelog'", "changelogs/changelog.yaml") for e in compare("changelog", named, mods)
+    ]
     return errors
 
 
@@ -207,7 +232,8 @@ def test_wrong_prose_is_named():
     text = (ROOT / DOC).read_text() + (
         "\nThe plugin tests are in `tests/unit/plugins/{modules,connection}/`; `make nosuch`, "
         "`dsv41 window nosuch`, `dsv41.errors.no_such`, role `promotion` `restart`, "
-        "`python/dsv41/nowhere/`, `no_such_name_anywhere`.\n")
+        "`python/dsv41/nowhere/`, `no_such_name_anywhere`.\n"
+    )
     assert prose_errors(text, tree) == [
         f"{DOC}: `tests/unit/plugins/{{modules,connection}}/`: no path tests/unit/plugins/connection/",
         f"{DOC}: `make nosuch`: no make target 'nosuch'",
@@ -235,6 +261,7 @@ def test_every_module_and_library_link_agree():
 
 
 # ---- the check itself, on a copy of the tree ---------------------------------------------------
+
 
 @pytest.fixture
 def tree(tmp_path):
@@ -278,8 +305,10 @@ def test_a_row_without_a_role_fails_naming_it(tree):
 def test_a_module_without_a_row_or_changelog_entry_fails(tree):
     (tree / "library" / "new_module.py").write_text("")
     assert map_errors(tree, tree_commands()) == [f"{DOC} '## Modules': no row for new_module"]
-    assert collection_errors(tree) == ["galaxy.yml description: does not name new_module",
-                                       "changelogs/changelog.yaml: no row for new_module"]
+    assert collection_errors(tree) == [
+        "galaxy.yml description: does not name new_module",
+        "changelogs/changelog.yaml: no row for new_module",
+    ]
 
 
 def test_playbooks_task_files_commands_and_floors(tree):
@@ -301,9 +330,14 @@ def test_playbooks_task_files_commands_and_floors(tree):
 
 def test_a_native_extension_or_file_without_its_row_fails_naming_it(tree):
     setup = tree / "setup.py"
-    setup.write_text(setup.read_text().replace('"python/dsv41/overlay/core_driver.h",',
-                                               '"python/dsv41/overlay/core_driver.h", "python/dsv41/overlay/core_new.h",')
-                     .replace('NATIVE = {', 'NATIVE = {\n    "dsv41.engram._new": ["python/dsv41/engram/_new.cpp"],'))
+    setup.write_text(
+        setup.read_text()
+        .replace(
+            '"python/dsv41/overlay/core_driver.h",',
+            '"python/dsv41/overlay/core_driver.h", "python/dsv41/overlay/core_new.h",',
+        )
+        .replace("NATIVE = {", 'NATIVE = {\n    "dsv41.engram._new": ["python/dsv41/engram/_new.cpp"],')
+    )
     assert map_errors(tree, tree_commands()) == [
         f"{DOC} '## Native extensions': no row for dsv41.engram._new",
         f"{DOC} '## Native extensions' dsv41.overlay._core files': no row for overlay/core_new.h",

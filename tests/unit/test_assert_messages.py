@@ -21,11 +21,12 @@ from yamltree import REPO, items, parsed
 ASSERT = {"ansible.builtin.assert", "assert"}
 MESSAGE_KEYS = ("fail_msg", "success_msg", "msg")
 BARE = re.compile(r"^\s*\{\{(?P<expr>(?:(?!\}\}).)*)\}\}\s*$", re.S)
-TEXT_FILTER = re.compile(r"\|\s*(to_json|to_nice_json|to_yaml|to_nice_yaml|string|join\(.*\)|trim|"
-                         r"regex_replace\(.*\)|quote)\s*$", re.S)
+TEXT_FILTER = re.compile(
+    r"\|\s*(to_json|to_nice_json|to_yaml|to_nice_yaml|string|join\(.*\)|trim|"
+    r"regex_replace\(.*\)|quote)\s*$",
+    re.S,
+)
 TEXT_FIELD = re.compile(r"\.(stdout|stderr|msg)(\[[^\]]*\])?(\s*\|\s*default\(\s*'[^']*'\s*\))?\s*$", re.S)
-
-
 
 
 def _asserts():
@@ -49,11 +50,20 @@ def message_problem(value) -> str | None:
     return f"'{value}' may template to a dict or list of non-strings (end it in | to_json)"
 
 
-@pytest.mark.parametrize("value,ok", [
-    ("{{ states }}", False), ("{{ states | to_json }}", True), ("{{ r.stdout[-3000:] }}", True),
-    ("{{ r.msg | default('none') }}", True), ("{{ lines | join('; ') }}", True),
-    ("states: {{ states }}", True), ("{{ 'a ' ~ b }}", True), (["a", "b"], True), ({"a": 1}, False),
-])
+@pytest.mark.parametrize(
+    "value,ok",
+    [
+        ("{{ states }}", False),
+        ("{{ states | to_json }}", True),
+        ("{{ r.stdout[-3000:] }}", True),
+        ("{{ r.msg | default('none') }}", True),
+        ("{{ lines | join('; ') }}", True),
+        ("states: {{ states }}", True),
+        ("{{ 'a ' ~ b }}", True),
+        (["a", "b"], True),
+        ({"a": 1}, False),
+    ],
+)
 def test_the_rule_itself(value, ok):
     assert (message_problem(value) is None) is ok
 
@@ -63,8 +73,12 @@ def test_asserts_are_found():
 
 
 def test_every_assert_message_is_text():
-    offenders = [f"{path}: {name}: {key}: {problem}"
-                 for path, name, args in _asserts()
-                 for key in MESSAGE_KEYS if key in args
-                 for problem in [message_problem(args[key])] if problem]
+    offenders = [
+        f"{path}: {name}: {key}: {problem}"
+        for path, name, args in _asserts()
+        for key in MESSAGE_KEYS
+        if key in args
+        for problem in [message_problem(args[key])]
+        if problem
+    ]
     assert not offenders, "\n".join(offenders)

@@ -48,8 +48,9 @@ def _send(c, method, path, shape, host=None):
     if host:
         h["host"] = host
     if shape == "two credentials":
-        return c.request(method, path, headers=[(authz.OPERATOR_HEADER, OPERATOR), (authz.OPERATOR_HEADER, "y" * 40)],
-                         content=body)
+        return c.request(
+            method, path, headers=[(authz.OPERATOR_HEADER, OPERATOR), (authz.OPERATOR_HEADER, "y" * 40)], content=body
+        )
     return c.request(method, path, headers=h, content=body)
 
 
@@ -96,8 +97,9 @@ def _fence(tmp_path):
     from fakevllm import FakeVllm
 
     vllm = FakeVllm()
-    return AdmissionFence(vllm, hold_file=tmp_path / "hold", dev_routes=True, credential=OPERATOR,
-                          allowed_hosts=TEST_HOSTS), vllm
+    return AdmissionFence(
+        vllm, hold_file=tmp_path / "hold", dev_routes=True, credential=OPERATOR, allowed_hosts=TEST_HOSTS
+    ), vllm
 
 
 def _send_async(c, method, path, shape):
@@ -125,6 +127,7 @@ def test_every_fence_control_route_refuses_and_forwards_nothing(tmp_path, shape)
                     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
             r = await c.post("/pause?mode=wait&window=tok", headers={"host": "attacker.example", **OP_HEADERS})
             assert r.status_code == 403
+
     asyncio.run(go())
     assert vllm.served == [] and not (tmp_path / "hold").exists()
     assert fence.refused_total == len(paths) * 2 + 1
@@ -134,9 +137,11 @@ def test_the_fence_admits_the_operator_and_without_credential_refuses_all(tmp_pa
     fence, vllm = _fence(tmp_path)
 
     async def go(f):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=f), base_url="http://rank0",
-                                     headers=OP_HEADERS) as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=f), base_url="http://rank0", headers=OP_HEADERS
+        ) as c:
             return [(await c.post("/pause?mode=wait&window=tok")).status_code, (await c.post("/resume")).status_code]
+
     assert asyncio.run(go(fence)) == [200, 200]
     monkeypatch.delenv("DSV41_OPERATOR_CREDENTIAL_FILE", raising=False)
     bare = AdmissionFence(vllm, hold_file=tmp_path / "hold2", dev_routes=True, allowed_hosts=TEST_HOSTS)
@@ -144,8 +149,10 @@ def test_the_fence_admits_the_operator_and_without_credential_refuses_all(tmp_pa
 
 
 def test_api_key_in_vllms_convention():
-    c = TestClient(create_app(FakeEngine(), "m", 64, operator_credential=OPERATOR, api_key="k" * 32,
-                              allowed_hosts=TEST_HOSTS), raise_server_exceptions=False)
+    c = TestClient(
+        create_app(FakeEngine(), "m", 64, operator_credential=OPERATOR, api_key="k" * 32, allowed_hosts=TEST_HOSTS),
+        raise_server_exceptions=False,
+    )
     body = {"prompt": "x", "max_tokens": 1}
     assert c.post("/v1/completions", json=body).status_code == 401
     assert c.get("/v1/models").status_code == 401
@@ -166,9 +173,11 @@ def test_tokens_are_never_logged(tmp_path, caplog):
     fence, _ = _fence(tmp_path)  # the fence restarts held (same file name)
 
     async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=fence), base_url="http://rank0",
-                                     headers=OP_HEADERS) as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=fence), base_url="http://rank0", headers=OP_HEADERS
+        ) as c:
             assert (await c.post(f"/pause?mode=wait&window={secret}")).status_code == 200
+
     asyncio.run(go())
     # (the test's own httpx client logs its URLs; harness.http keeps httpx's logger at WARNING)
     assert caplog.records and not any(secret in r.getMessage() for r in caplog.records if r.name != "httpx")
@@ -204,9 +213,9 @@ def test_every_project_client_sends_the_credentials():
     for path in sorted((REPO / "python" / "dsv41").rglob("*.py")):
         text = path.read_text()
         for m in re.finditer(r"httpx\.(Client|AsyncClient)\(", text):
-            call = text[max(0, m.start() - 600):m.start() + 400]
+            call = text[max(0, m.start() - 600) : m.start() + 400]
             if "auth_headers" not in call and "transport=" not in call:
-                missing.append(f"{path.relative_to(REPO)}:{text[:m.start()].count(chr(10)) + 1}")
+                missing.append(f"{path.relative_to(REPO)}:{text[: m.start()].count(chr(10)) + 1}")
     assert missing == []
 
 
@@ -221,6 +230,7 @@ def test_the_admission_client_sends_the_operator_credential(tmp_path, monkeypatc
     def handler(request: httpx.Request) -> httpx.Response:
         r = tc.request(request.method, str(request.url), headers=dict(request.headers), content=request.content)
         return httpx.Response(r.status_code, headers=dict(r.headers), content=r.content)
+
     real = httpx.Client
     # the harness's own client code, its requests answered by the app in process
     monkeypatch.setattr(httpx, "Client", lambda *a, **kw: real(*a, transport=httpx.MockTransport(handler), **kw))
@@ -248,15 +258,18 @@ def test_the_fence_redacts_the_token_from_the_access_logs_view(tmp_path):
         seen.append(scope["query_string"])
 
     async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://rank0",
-                                     headers=OP_HEADERS) as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://rank0", headers=OP_HEADERS
+        ) as c:
             assert (await c.post(f"/pause?mode=wait&window={secret}")).status_code == 200
+
     asyncio.run(go())
     assert seen and secret.encode() not in seen[0] and b"window=REDACTED" in seen[0]
 
 
-@pytest.mark.parametrize("path", ["/v1/../pause", "/v1/%2e%2e/pause", "/v1/%2E%2E/resume", "/v1/./models/../../sleep",
-                                  "/v1/.", "/v1/.."])
+@pytest.mark.parametrize(
+    "path", ["/v1/../pause", "/v1/%2e%2e/pause", "/v1/%2E%2E/resume", "/v1/./models/../../sleep", "/v1/.", "/v1/.."]
+)
 def test_a_dot_segment_is_never_inference(path):
     """The fence forwards inference without the credential: a path something behind it could
     collapse onto a control route (``/v1/../pause``) is control, so it needs the credential."""

@@ -12,8 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "benchmarks.md"
-COLUMNS = ["quantity", "current", "baseline, same run", "machine", "date (UTC)", "what ran",
-           "reproduce", "record"]
+COLUMNS = ["quantity", "current", "baseline, same run", "machine", "date (UTC)", "what ran", "reproduce", "record"]
 #: The first screen: the table's header must start within it and the table must end within it.
 FIRST_SCREEN = 45
 #: A reproduce cell that points at another row's command instead of repeating it.
@@ -38,7 +37,7 @@ def current_table(text: str) -> tuple[int, int, list[list[str]]]:
     end = start
     while end + 1 < len(lines) and lines[end + 1].startswith("|"):
         end += 1
-    rows = [split_row(ln) for ln in lines[start:end + 1]]
+    rows = [split_row(ln) for ln in lines[start : end + 1]]
     return start + 1, end + 1, [rows[0]] + rows[2:]
 
 
@@ -94,7 +93,8 @@ def test_the_current_table_leads_the_page():
     first, last, rows = current_table(DOC.read_text())
     assert rows[0] == COLUMNS
     assert first <= 10 and last <= FIRST_SCREEN, (
-        f"docs/benchmarks.md: the current table spans lines {first}-{last}; it must end by line {FIRST_SCREEN}")
+        f"docs/benchmarks.md: the current table spans lines {first}-{last}; it must end by line {FIRST_SCREEN}"
+    )
 
 
 def test_every_row_is_complete_and_reproducible():
@@ -112,9 +112,19 @@ def test_every_benchmark_record_is_linked():
 
 
 def test_a_broken_row_is_named():
-    row = ["q", "1 ms", "2 ms", "H100", "2026-12-07", "bench", "`make nosuch tools/nosuch.sh`",
-           "[r](records/nosuch.md#x)"]
-    assert row_errors(row) == ["row 'q': record records/nosuch.md does not exist",
-                               "row 'q': command names tools/nosuch.sh, which does not exist",
-                               "row 'q': no make target 'nosuch'"]
+    row = [
+        "q",
+        "1 ms",
+        "2 ms",
+        "H100",
+        "2026-12-07",
+        "bench",
+        "`make nosuch tools/nosuch.sh`",
+        "[r](records/nosuch.md#x)",
+    ]
+    assert row_errors(row) == [
+        "row 'q': record records/nosuch.md does not exist",
+        "row 'q': command names tools/nosuch.sh, which does not exist",
+        "row 'q': no make target 'nosuch'",
+    ]
     assert row_errors(["q", ""]) == ["row 'q': 2 cells, the header has 8"]

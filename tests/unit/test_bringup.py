@@ -22,13 +22,18 @@ def _stage_op(path, run: str, stage: str, *, passed: bool = True) -> None:
 
 
 def _refs(identical=6, total=6, delta=None, drafter=None) -> dict:
-    return {"identical": identical, "total": total,
-            "counters_delta": delta if delta is not None else {r: {"lookups": 10.0, "fallbacks": 0.0} for r in RANKS},
-            "drafter_delta": drafter if drafter is not None else {"rounds": 4.0, "identity_refusals": 0.0,
-                                                                   "fail_closed_rounds": 0.0}}
+    return {
+        "identical": identical,
+        "total": total,
+        "counters_delta": delta if delta is not None else {r: {"lookups": 10.0, "fallbacks": 0.0} for r in RANKS},
+        "drafter_delta": drafter
+        if drafter is not None
+        else {"rounds": 4.0, "identity_refusals": 0.0, "fail_closed_rounds": 0.0},
+    }
 
 
 # ---- journal and plan --------------------------------------------------------------------------
+
 
 def test_stage_passed_is_a_journal_step(tmp_path):
     assert bringup.STEP in journal.STEPS
@@ -116,6 +121,7 @@ def test_stage_names_are_names(bad):
 
 # ---- role variables ---------------------------------------------------------------------------
 
+
 def test_stock_switches_every_component_off_and_async_is_deploys_production():
     every = {k: v for comp in ROLE_VARS.values() for k, v in comp.items()}
     assert bringup.role_vars("stock") == every
@@ -133,6 +139,7 @@ def test_each_change_stage_switches_on_exactly_its_component():
 
 # ---- gates: pass, and every failing decision names stage, host and value ----------------------
 
+
 def test_every_stage_but_stock_has_a_gate():
     assert set(bringup.GATES) == set(bringup.STAGES) - {"stock"}
     with pytest.raises(bringup.BringupError, match="no gate"):
@@ -140,23 +147,41 @@ def test_every_stage_but_stock_has_a_gate():
 
 
 def test_links_rows_passes_and_a_bad_row_stops_it():
-    ok = [{"id": "links.mtu[ofl0]", "status": "pass"}, {"link": "ofl0", "check": "up", "ok": True},
-          {"id": "exactness.bad_rows[rank 0 layer 2]", "status": "pass", "value": {"bad_rows": 0}}]
+    ok = [
+        {"id": "links.mtu[ofl0]", "status": "pass"},
+        {"link": "ofl0", "check": "up", "ok": True},
+        {"id": "exactness.bad_rows[rank 0 layer 2]", "status": "pass", "value": {"bad_rows": 0}},
+    ]
     assert bringup.gate("links_rows", "spark1", {"records": ok})["checks"] == 3
-    bad = ok + [{"id": "exactness.bad_rows[rank 0 layer 15]", "status": "fail",
-                 "reason": "rank 0 layer 15: 3 bad rows of 419520, 0 fallbacks"}]
+    bad = ok + [
+        {
+            "id": "exactness.bad_rows[rank 0 layer 15]",
+            "status": "fail",
+            "reason": "rank 0 layer 15: 3 bad rows of 419520, 0 fallbacks",
+        }
+    ]
     with pytest.raises(bringup.GateError) as e:
         bringup.gate("links_rows", "spark1", {"records": bad})
-    assert str(e.value) == ("bring-up stopped at stage links_rows on spark1: exactness.bad_rows[rank 0 layer 15]: "
-                            "rank 0 layer 15: 3 bad rows of 419520, 0 fallbacks")
+    assert str(e.value) == (
+        "bring-up stopped at stage links_rows on spark1: exactness.bad_rows[rank 0 layer 15]: "
+        "rank 0 layer 15: 3 bad rows of 419520, 0 fallbacks"
+    )
     with pytest.raises(bringup.GateError, match="links_rows on spark2: ofl0.mtu: value 1500, expected 9000"):
-        bringup.gate("links_rows", "spark2", {"records": [{"link": "ofl0", "check": "mtu", "ok": False,
-                                                           "value": 1500, "expected": 9000}]})
+        bringup.gate(
+            "links_rows",
+            "spark2",
+            {"records": [{"link": "ofl0", "check": "mtu", "ok": False, "value": 1500, "expected": 9000}]},
+        )
     skipped = [{"id": "exactness.bad_rows[rank 1]", "status": "skipped", "reason": "remote Engram is off on rank 1"}]
-    with pytest.raises(bringup.GateError, match="links_rows on spark2: exactness.bad_rows\\[rank 1\\]: remote Engram is off"):
+    with pytest.raises(
+        bringup.GateError, match="links_rows on spark2: exactness.bad_rows\\[rank 1\\]: remote Engram is off"
+    ):
         bringup.gate("links_rows", "spark2", {"records": ok + skipped})
-    assert bringup.gate("links_rows", "x86", {"records": [{"id": "links.rdma_port[ofl0]", "status": "skipped",
-                                                           "reason": "no RDMA device"}]})
+    assert bringup.gate(
+        "links_rows",
+        "x86",
+        {"records": [{"id": "links.rdma_port[ofl0]", "status": "skipped", "reason": "no RDMA device"}]},
+    )
     with pytest.raises(bringup.GateError, match="no link or exactness check ran"):
         bringup.gate("links_rows", "spark1", {"records": []})
 
@@ -164,14 +189,20 @@ def test_links_rows_passes_and_a_bad_row_stops_it():
 def test_remote_engram_passes_and_a_fallback_stops_it():
     assert bringup.gate("remote_engram", "spark1", {"refs": _refs(), "ranks": RANKS})["ranks"]["1"]["lookups"] == 10
     delta = {"0": {"lookups": 10.0, "fallbacks": 0.0}, "1": {"lookups": 10.0, "fallbacks": 2.0}}
-    with pytest.raises(bringup.GateError, match=r"^bring-up stopped at stage remote_engram on spark1: "
-                                                r"rank 1: 2 Engram fallbacks in the interval$"):
+    with pytest.raises(
+        bringup.GateError,
+        match=r"^bring-up stopped at stage remote_engram on spark1: "
+        r"rank 1: 2 Engram fallbacks in the interval$",
+    ):
         bringup.gate("remote_engram", "spark1", {"refs": _refs(delta=delta), "ranks": RANKS})
     with pytest.raises(bringup.GateError, match="rank 1: no Engram counters"):
         bringup.gate("remote_engram", "spark1", {"refs": _refs(delta={"0": {"lookups": 1.0}}), "ranks": RANKS})
     with pytest.raises(bringup.GateError, match="rank 0: 0 Engram lookups"):
-        bringup.gate("remote_engram", "spark1",
-                     {"refs": _refs(delta={"0": {"lookups": 0.0}, "1": {"lookups": 1.0}}), "ranks": RANKS})
+        bringup.gate(
+            "remote_engram",
+            "spark1",
+            {"refs": _refs(delta={"0": {"lookups": 0.0}, "1": {"lookups": 1.0}}), "ranks": RANKS},
+        )
     with pytest.raises(bringup.GateError, match="remote_engram on spark1: greedy references 5/6 identical"):
         bringup.gate("remote_engram", "spark1", {"refs": _refs(identical=5), "ranks": RANKS})
 
@@ -183,11 +214,15 @@ def test_remote_drafter_passes_and_a_parity_miss_or_kv_miss_stops_it():
     with pytest.raises(bringup.GateError, match="remote_drafter on spark1: greedy references 4/6"):
         bringup.gate("remote_drafter", "spark1", {"refs": _refs(identical=4), "kv_tokens": None, "kv_expected": 1})
     with pytest.raises(bringup.GateError, match="2 drafter identity refusals"):
-        bringup.gate("remote_drafter", "spark1", {"refs": _refs(drafter={"rounds": 3, "identity_refusals": 2}),
-                                                  "kv_tokens": None, "kv_expected": 1})
+        bringup.gate(
+            "remote_drafter",
+            "spark1",
+            {"refs": _refs(drafter={"rounds": 3, "identity_refusals": 2}), "kv_tokens": None, "kv_expected": 1},
+        )
     with pytest.raises(bringup.GateError, match="0 drafter rounds"):
-        bringup.gate("remote_drafter", "spark1", {"refs": _refs(drafter={"rounds": 0}), "kv_tokens": None,
-                                                  "kv_expected": 1})
+        bringup.gate(
+            "remote_drafter", "spark1", {"refs": _refs(drafter={"rounds": 0}), "kv_tokens": None, "kv_expected": 1}
+        )
     with pytest.raises(bringup.GateError, match="KV pool 32768 tokens, expected 65536"):
         bringup.gate("remote_drafter", "spark1", {"refs": _refs(), "kv_tokens": 32768.0, "kv_expected": 65536})
 
@@ -196,28 +231,46 @@ def test_async_passes_and_a_failed_self_test_or_fallback_stops_it():
     good = {"ring": "ok", "host_flags": "ok", "torch_loaded": False, "pid": 1}
     tests = {"spark1": good, "spark2": good}
     assert bringup.gate("async", "spark1", {"selftests": tests, "refs": _refs(), "ranks": RANKS})
-    with pytest.raises(bringup.GateError, match="stage async on spark2: proxy self-test: dsv41: error: proxy "
-                                                "self-test: ring round trip failed"):
-        bringup.gate("async", "spark1", {"selftests": {"spark1": good, "spark2": "dsv41: error: proxy self-test: "
-                                                       "ring round trip failed"}, "refs": _refs(), "ranks": RANKS})
+    with pytest.raises(
+        bringup.GateError,
+        match="stage async on spark2: proxy self-test: dsv41: error: proxy self-test: ring round trip failed",
+    ):
+        bringup.gate(
+            "async",
+            "spark1",
+            {
+                "selftests": {"spark1": good, "spark2": "dsv41: error: proxy self-test: ring round trip failed"},
+                "refs": _refs(),
+                "ranks": RANKS,
+            },
+        )
     with pytest.raises(bringup.GateError, match="stage async on spark1: proxy self-test: .*torch_loaded"):
-        bringup.gate("async", "spark1", {"selftests": {"spark1": dict(good, torch_loaded=True)}, "refs": _refs(),
-                                         "ranks": RANKS})
+        bringup.gate(
+            "async", "spark1", {"selftests": {"spark1": dict(good, torch_loaded=True)}, "refs": _refs(), "ranks": RANKS}
+        )
     refused = dict(good, mlock="refused: RLIMIT_MEMLOCK 65536 bytes, 2097152 needed")
     with pytest.raises(bringup.GateError) as e:
-        bringup.gate("async", "spark1", {"selftests": {"spark1": good, "spark2": refused}, "refs": _refs(), "ranks": RANKS})
-    assert str(e.value) == ("bring-up stopped at stage async on spark2: proxy memory locking: "
-                            "refused: RLIMIT_MEMLOCK 65536 bytes, 2097152 needed")
-    assert bringup.gate("async", "spark1", {"selftests": {"spark1": dict(good, mlock="ok")}, "refs": _refs(),
-                                            "ranks": RANKS})
+        bringup.gate(
+            "async", "spark1", {"selftests": {"spark1": good, "spark2": refused}, "refs": _refs(), "ranks": RANKS}
+        )
+    assert str(e.value) == (
+        "bring-up stopped at stage async on spark2: proxy memory locking: "
+        "refused: RLIMIT_MEMLOCK 65536 bytes, 2097152 needed"
+    )
+    assert bringup.gate(
+        "async", "spark1", {"selftests": {"spark1": dict(good, mlock="ok")}, "refs": _refs(), "ranks": RANKS}
+    )
     with pytest.raises(bringup.GateError, match="no proxy self-test ran"):
         bringup.gate("async", "spark1", {"selftests": {}, "refs": _refs(), "ranks": RANKS})
     delta = {"0": {"lookups": 3.0, "fallbacks": 1.0}, "1": {"lookups": 3.0, "fallbacks": 0.0}}
     with pytest.raises(bringup.GateError, match="stage async on spark1: rank 0: 1 Engram fallbacks"):
         bringup.gate("async", "spark1", {"selftests": tests, "refs": _refs(delta=delta), "ranks": RANKS})
     with pytest.raises(bringup.GateError, match="3 fail-closed \\(watchdog\\) drafter rounds"):
-        bringup.gate("async", "spark1", {"selftests": tests, "ranks": RANKS,
-                                         "refs": _refs(drafter={"rounds": 5, "fail_closed_rounds": 3})})
+        bringup.gate(
+            "async",
+            "spark1",
+            {"selftests": tests, "ranks": RANKS, "refs": _refs(drafter={"rounds": 5, "fail_closed_rounds": 3})},
+        )
 
 
 def test_window_gate():
@@ -234,6 +287,7 @@ def test_measured_values_of_the_wrong_shape_are_one_error(measured):
 
 # ---- the CLI: one line and exit 1, never a traceback -------------------------------------------
 
+
 def test_cli_plan_and_gate(tmp_path, capsys):
     j = tmp_path / "j.jsonl"
     _stage_op(j, "r1", "stock")
@@ -246,7 +300,8 @@ def test_cli_plan_and_gate(tmp_path, capsys):
     measured = '{"refs": {"identical": 6, "total": 6, "counters_delta": {"0": {"lookups": 1, "fallbacks": 4}}}, "ranks": ["0"]}'
     assert cli_main(["package", "bringup-gate", "remote_engram", "--host", "spark1", "--measured", measured]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [("dsv41: error: bring-up stopped at stage remote_engram on spark1: rank 0: 4 Engram fallbacks "
-                    "in the interval")]
+    assert err == [
+        ("dsv41: error: bring-up stopped at stage remote_engram on spark1: rank 0: 4 Engram fallbacks in the interval")
+    ]
     assert cli_main(["package", "bringup-gate", "links_rows", "--host", "h", "--measured", "{not json"]) == 1
     assert "--measured is not JSON" in capsys.readouterr().err

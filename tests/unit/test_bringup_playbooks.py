@@ -16,9 +16,14 @@ import yaml
 from dsv41.promotion import bringup
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGE_FILES = {"stock": "playbooks/bringup_stock.yml", "links_rows": "playbooks/bringup_links.yml",
-               "remote_engram": "playbooks/bringup_change.yml", "remote_drafter": "playbooks/bringup_change.yml",
-               "async": "playbooks/bringup_change.yml", "window": "playbooks/bringup.yml"}
+STAGE_FILES = {
+    "stock": "playbooks/bringup_stock.yml",
+    "links_rows": "playbooks/bringup_links.yml",
+    "remote_engram": "playbooks/bringup_change.yml",
+    "remote_drafter": "playbooks/bringup_change.yml",
+    "async": "playbooks/bringup_change.yml",
+    "window": "playbooks/bringup.yml",
+}
 
 
 def _plays(rel: str) -> list[dict]:
@@ -33,6 +38,7 @@ def _tasks(play: dict) -> list[dict]:
             out.append(t)
             for k in ("block", "rescue", "always"):
                 walk(t.get(k))
+
     for k in ("pre_tasks", "tasks", "post_tasks"):
         walk(play.get(k))
     return out
@@ -41,14 +47,23 @@ def _tasks(play: dict) -> list[dict]:
 def _guarded(play: dict, stage_expr: str) -> bool:
     """The play's first task ends it when the stage is not in the plan."""
     first = (play.get("pre_tasks") or play.get("tasks") or [{}])[0]
-    return (first.get("ansible.builtin.meta") == "end_play" and stage_expr in str(first.get("when"))
-            and "bringup_plan.stages" in str(first.get("when")))
+    return (
+        first.get("ansible.builtin.meta") == "end_play"
+        and stage_expr in str(first.get("when"))
+        and "bringup_plan.stages" in str(first.get("when"))
+    )
 
 
 def test_syntax_check():
     bindir = Path(sys.executable).parent
-    r = subprocess.run([str(bindir / "ansible-playbook"), "--syntax-check", "bringup.yml"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300, check=False)
+    r = subprocess.run(
+        [str(bindir / "ansible-playbook"), "--syntax-check", "bringup.yml"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
@@ -56,8 +71,11 @@ def test_every_stage_has_its_plays_and_the_entry_point_imports_them_in_order():
     entry = _plays("playbooks/bringup.yml")
     imports = [p.get("ansible.builtin.import_playbook") for p in entry]
     order = [imports.index("bringup_stock.yml"), imports.index("bringup_links.yml")]
-    change = [(i, p["vars"]["bringup_stage"]) for i, p in enumerate(entry)
-              if p.get("ansible.builtin.import_playbook") == "bringup_change.yml"]
+    change = [
+        (i, p["vars"]["bringup_stage"])
+        for i, p in enumerate(entry)
+        if p.get("ansible.builtin.import_playbook") == "bringup_change.yml"
+    ]
     assert [s for _, s in change] == [s for s in bringup.STAGES if s in bringup.CHANGE_STAGES]
     order += [i for i, _ in change]
     window = next(i for i, p in enumerate(entry) if "window" in p.get("name", "") and "hosts" in p)
@@ -67,9 +85,14 @@ def test_every_stage_has_its_plays_and_the_entry_point_imports_them_in_order():
     assert imports.index("promotion_current.yml") < change[0][0]
 
 
-@pytest.mark.parametrize("rel,expr", [("playbooks/bringup_stock.yml", "'stock'"),
-                                      ("playbooks/bringup_links.yml", "'links_rows'"),
-                                      ("playbooks/bringup_change.yml", "bringup_stage")])
+@pytest.mark.parametrize(
+    "rel,expr",
+    [
+        ("playbooks/bringup_stock.yml", "'stock'"),
+        ("playbooks/bringup_links.yml", "'links_rows'"),
+        ("playbooks/bringup_change.yml", "bringup_stage"),
+    ],
+)
 def test_every_play_of_a_stage_ends_when_the_plan_does_not_run_it(rel, expr):
     for play in _plays(rel):
         if "hosts" not in play:
@@ -87,8 +110,12 @@ def test_change_stages_use_roles_change_and_hold():
     assert entry_points == ["begin", "check", "finish"]
     assert plays[0]["vars"]["serve_restart_hold"] is True and plays[0]["vars"]["serve_restart_keep_hold"] is True
     assert "DSV41_WINDOW_TOKEN" in plays[0]["environment"]
-    assert [r["role"] if isinstance(r, dict) else r for r in plays[0]["roles"]] == \
-        ["dsv41", "engram_overlay", "spec_decode", "serve"]
+    assert [r["role"] if isinstance(r, dict) else r for r in plays[0]["roles"]] == [
+        "dsv41",
+        "engram_overlay",
+        "spec_decode",
+        "serve",
+    ]
 
 
 def _keys(node) -> set[str]:
@@ -106,8 +133,13 @@ def test_component_variables_come_from_the_plan_only():
     for rel in set(STAGE_FILES.values()) | {"bringup.yml"}:
         assert not names & _keys(_plays(rel)), rel
     # and the set_fact that sets them loops over the plan
-    loops = [str(t.get("loop")) for rel in set(STAGE_FILES.values()) for p in _plays(rel) for t in _tasks(p)
-             if "{{ item.key }}" in (t.get("ansible.builtin.set_fact") or {})]
+    loops = [
+        str(t.get("loop"))
+        for rel in set(STAGE_FILES.values())
+        for p in _plays(rel)
+        for t in _tasks(p)
+        if "{{ item.key }}" in (t.get("ansible.builtin.set_fact") or {})
+    ]
     assert len(loops) == 3 and all("bringup_plan.role_vars" in lp for lp in loops), loops
 
 

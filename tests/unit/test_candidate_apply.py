@@ -57,12 +57,22 @@ def _service_renders(group: str) -> list[dict]:
         svc = _task_vars(REPO / "roles/engram_server/tasks/configure.yml", "dsv41_service")
         svc = {**svc, "engram_server_manifest_stat": {"stat": {"checksum": "0" * 64}}}
         files = []
-    files += [(f"roles/dsv41_service/templates/{t}", f"{stem}", svc)
-              for t, stem in (("env.j2", "service.env"), ("systemd.service.j2", "service.unit"))]
-    return [{"name": f"Render {dest}", "vars": v,
-             "ansible.builtin.template": {"src": str(REPO / src), "mode": "0644",
-                                          "dest": "{{ candidate_apply_out }}/{{ inventory_hostname }}." + dest}}
-            for src, dest, v in files]
+    files += [
+        (f"roles/dsv41_service/templates/{t}", f"{stem}", svc)
+        for t, stem in (("env.j2", "service.env"), ("systemd.service.j2", "service.unit"))
+    ]
+    return [
+        {
+            "name": f"Render {dest}",
+            "vars": v,
+            "ansible.builtin.template": {
+                "src": str(REPO / src),
+                "mode": "0644",
+                "dest": "{{ candidate_apply_out }}/{{ inventory_hostname }}." + dest,
+            },
+        }
+        for src, dest, v in files
+    ]
 
 
 def _skip(entry):
@@ -78,9 +88,15 @@ def _production_plays() -> list[dict]:
     for play in yaml.safe_load((REPO / "playbooks" / "deploy.yml").read_text()):
         names = [r["role"] if isinstance(r, dict) else r for r in play.get("roles", [])]
         if play.get("hosts") in HOSTS and ({"serve", "engram_server"} & set(names)):
-            plays.append({"name": play["name"], "hosts": play["hosts"], "gather_facts": False,
-                          "roles": [_skip(r) for r in play["roles"]] + [{"role": "dsv41_service", "when": False}],
-                          "tasks": _service_renders(play["hosts"])})
+            plays.append(
+                {
+                    "name": play["name"],
+                    "hosts": play["hosts"],
+                    "gather_facts": False,
+                    "roles": [_skip(r) for r in play["roles"]] + [{"role": "dsv41_service", "when": False}],
+                    "tasks": _service_renders(play["hosts"]),
+                }
+            )
     assert sorted(p["hosts"] for p in plays) == ["offload", "spark"]
     return plays
 
@@ -94,12 +110,21 @@ def _switch_plays() -> list[dict]:
         for task in play["tasks"]:
             if "ansible.builtin.import_role" in task:
                 tasks.append(_skip(task))
-            elif {k: v for k, v in (task.get("ansible.builtin.include_role") or {}).items()} in (CANDIDATE_TASK, ARM_TASK):
+            elif {k: v for k, v in (task.get("ansible.builtin.include_role") or {}).items()} in (
+                CANDIDATE_TASK,
+                ARM_TASK,
+            ):
                 tasks.append(task)
         assert any("ansible.builtin.include_role" in t for t in tasks), f"{play['name']}: no candidate task"
-        plays.append({"name": play["name"], "hosts": play["hosts"], "gather_facts": False,
-                      "roles": play["roles"] + [{"role": "dsv41_service", "when": False}],
-                      "tasks": tasks + _service_renders(play["hosts"])})
+        plays.append(
+            {
+                "name": play["name"],
+                "hosts": play["hosts"],
+                "gather_facts": False,
+                "roles": play["roles"] + [{"role": "dsv41_service", "when": False}],
+                "tasks": tasks + _service_renders(play["hosts"]),
+            }
+        )
     return plays
 
 
@@ -109,22 +134,40 @@ def _promote_plays() -> list[dict]:
     for play in yaml.safe_load((REPO / "playbooks" / "promote.yml").read_text()):
         block = next((t for t in play.get("tasks", []) if t.get("name") == "Apply the candidate"), None)
         if play.get("hosts") == "spark" and block:
-            tasks = [_skip(t) if "ansible.builtin.import_role" in t else t for t in block["block"]
-                     if "ansible.builtin.import_role" in t
-                     or (t.get("ansible.builtin.include_role") or {}) == CANDIDATE_TASK]
+            tasks = [
+                _skip(t) if "ansible.builtin.import_role" in t else t
+                for t in block["block"]
+                if "ansible.builtin.import_role" in t or (t.get("ansible.builtin.include_role") or {}) == CANDIDATE_TASK
+            ]
             assert [t for t in tasks if "ansible.builtin.include_role" in t], "promote.yml: no candidate task"
-            return [{"name": "controller", "hosts": "localhost", "gather_facts": False,
-                     "tasks": [{"name": "The candidate's role variables",
-                                "ansible.builtin.set_fact": {"promote_role_vars": "{{ promote_arm }}"}}]},
-                    {"name": play["name"], "hosts": "spark", "gather_facts": False,
-                     "roles": [_skip(r) for r in play["roles"]] + [{"role": "dsv41_service", "when": False}],
-                     "tasks": tasks + _service_renders("spark")}]
+            return [
+                {
+                    "name": "controller",
+                    "hosts": "localhost",
+                    "gather_facts": False,
+                    "tasks": [
+                        {
+                            "name": "The candidate's role variables",
+                            "ansible.builtin.set_fact": {"promote_role_vars": "{{ promote_arm }}"},
+                        }
+                    ],
+                },
+                {
+                    "name": play["name"],
+                    "hosts": "spark",
+                    "gather_facts": False,
+                    "roles": [_skip(r) for r in play["roles"]] + [{"role": "dsv41_service", "when": False}],
+                    "tasks": tasks + _service_renders("spark"),
+                },
+            ]
     raise AssertionError("promote.yml: no Spark apply play")
 
 
-ARMS = {"control": {},  # production's control arm: `dsv41 window plan` gives it no variable
-        "slow-rows": W.role_vars(W.load_candidate("slow-rows", REPO / "candidates")),
-        "k3": {"spec_decode_k": 3, "spec_decode_timeout_ms": 50}}
+ARMS = {
+    "control": {},  # production's control arm: `dsv41 window plan` gives it no variable
+    "slow-rows": W.role_vars(W.load_candidate("slow-rows", REPO / "candidates")),
+    "k3": {"spec_decode_k": 3, "spec_decode_timeout_ms": 50},
+}
 
 
 def _run(tmp: Path, inventory: str, name: str, plays: list[dict], extra: dict) -> dict[str, str]:
@@ -132,12 +175,34 @@ def _run(tmp: Path, inventory: str, name: str, plays: list[dict], extra: dict) -
     out.mkdir(parents=True)
     play = out / "play.yml"
     play.write_text(yaml.safe_dump(plays, sort_keys=False))
-    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), PATH=f"{BIN}:{os.environ['PATH']}",
-               ANSIBLE_ROLES_PATH=str(REPO / "roles"))
-    r = subprocess.run([str(BIN / "ansible-playbook"), "-i", str(REPO / "inventories" / inventory), str(play),
-                        "-e", json.dumps({"ansible_connection": "local", "candidate_apply_out": str(out),
-                                          "ansible_python_interpreter": sys.executable, **extra})],
-                       cwd=out, env=env, capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ,
+        ANSIBLE_CONFIG=str(REPO / "ansible.cfg"),
+        PATH=f"{BIN}:{os.environ['PATH']}",
+        ANSIBLE_ROLES_PATH=str(REPO / "roles"),
+    )
+    r = subprocess.run(
+        [
+            str(BIN / "ansible-playbook"),
+            "-i",
+            str(REPO / "inventories" / inventory),
+            str(play),
+            "-e",
+            json.dumps(
+                {
+                    "ansible_connection": "local",
+                    "candidate_apply_out": str(out),
+                    "ansible_python_interpreter": sys.executable,
+                    **extra,
+                }
+            ),
+        ],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     return {p.name: p.read_text() for p in sorted(out.iterdir()) if p.name != "play.yml"}
 
@@ -155,9 +220,17 @@ def rendered(request, tmp_path_factory) -> tuple[str, dict[str, dict[str, str]]]
     inv = request.param
     got = {"production": _run(tmp, inv, "production", _production_plays(), {})}
     for arm, arm_vars in ARMS.items():
-        got[arm] = _run(tmp, inv, arm, _switch_plays(),
-                        {"window_arm_file": _arm_file(tmp / f"{inv}-{arm}.json", arm_vars,
-                                                      ["engram_server", "serve", "spec_decode"])})
+        got[arm] = _run(
+            tmp,
+            inv,
+            arm,
+            _switch_plays(),
+            {
+                "window_arm_file": _arm_file(
+                    tmp / f"{inv}-{arm}.json", arm_vars, ["engram_server", "serve", "spec_decode"]
+                )
+            },
+        )
     return inv, got
 
 
@@ -178,8 +251,10 @@ def test_promote_without_a_delta_renders_production(promoted):
 
 
 def test_promote_applies_exactly_the_candidate(promoted):
-    assert _differing(promoted["production"], promoted["slow-rows"]) == ["sparkhead.service.env",
-                                                                         "sparkworker.service.env"]
+    assert _differing(promoted["production"], promoted["slow-rows"]) == [
+        "sparkhead.service.env",
+        "sparkworker.service.env",
+    ]
 
 
 def _differing(a: dict[str, str], b: dict[str, str]) -> list[str]:
@@ -215,8 +290,11 @@ def test_k_candidate_reaches_drafter_env_and_vllm_speculative_config(rendered):
     # the lab drafts on rank 0 only; under vLLM every rank holds the drafter settings
     # (spec_decode_ranks) and its launch line carries num_speculative_tokens (serve's
     # serve_spec_tokens reads spec_decode_k)
-    expect = (["sparkhead.drafter.env"] if inv != "production" else
-              sorted([f"{h}.drafter.env" for h in HOSTS["spark"]] + [f"{h}.service.unit" for h in HOSTS["spark"]]))
+    expect = (
+        ["sparkhead.drafter.env"]
+        if inv != "production"
+        else sorted([f"{h}.drafter.env" for h in HOSTS["spark"]] + [f"{h}.service.unit" for h in HOSTS["spark"]])
+    )
     assert _differing(got["production"], got["k3"]) == expect
     assert "DSV41_DRAFTER_K=3" in got["k3"]["sparkhead.drafter.env"].replace('"', "")
 
@@ -236,8 +314,14 @@ def test_no_set_fact_restates_a_role_default():
     defaults = {}
     for path in sorted((REPO / "roles").glob("*/defaults/main.yml")):
         defaults.update(yaml.safe_load(path.read_text()) or {})
-    assert {"serve_health_retries", "spec_decode_async", "spec_decode_k", "spec_decode_timeout_ms",
-            "engram_overlay_remote", "serve_extra_env"} <= set(defaults)
+    assert {
+        "serve_health_retries",
+        "spec_decode_async",
+        "spec_decode_k",
+        "spec_decode_timeout_ms",
+        "engram_overlay_remote",
+        "serve_extra_env",
+    } <= set(defaults)
 
     def walk(tasks):
         for t in tasks or []:
@@ -246,9 +330,15 @@ def test_no_set_fact_restates_a_role_default():
                 yield from walk(t.get(key))
 
     files = [(p, yaml.safe_load(p.read_text())) for p in sorted((REPO / "playbooks").glob("*.yml"))]
-    tasks = [(p, t) for p, plays in files for play in plays or []
-             for t in walk((play.get("pre_tasks") or []) + (play.get("tasks") or []) + (play.get("post_tasks") or []))]
-    tasks += [(p, t) for p in sorted((REPO / "roles").glob("*/tasks/*.yml")) for t in walk(yaml.safe_load(p.read_text()))]
+    tasks = [
+        (p, t)
+        for p, plays in files
+        for play in plays or []
+        for t in walk((play.get("pre_tasks") or []) + (play.get("tasks") or []) + (play.get("post_tasks") or []))
+    ]
+    tasks += [
+        (p, t) for p in sorted((REPO / "roles").glob("*/tasks/*.yml")) for t in walk(yaml.safe_load(p.read_text()))
+    ]
     assert len(tasks) > 200
     found = []
     for path, t in tasks:
@@ -266,13 +356,20 @@ def test_no_set_fact_restates_a_role_default():
 def test_a_name_outside_the_settable_ones_is_refused(tmp_path):
     plays = [p for p in _switch_plays() if p["hosts"] == "offload"]
     with pytest.raises(AssertionError) as err:
-        _run(tmp_path, "sim", "bad", plays,
-             {"window_arm_file": _arm_file(tmp_path / "bad.json", {"serve_health_delay": 0}, [])})
+        _run(
+            tmp_path,
+            "sim",
+            "bad",
+            plays,
+            {"window_arm_file": _arm_file(tmp_path / "bad.json", {"serve_health_delay": 0}, [])},
+        )
     assert "serve_health_delay" in str(err.value) and "not settable by a candidate" in str(err.value)
 
 
-@pytest.mark.skipif(SYSTEM_UNITS is None or not __import__("shutil").which("systemd-analyze"),
-                    reason="needs systemd-analyze and the system's units (Debian package systemd)")
+@pytest.mark.skipif(
+    SYSTEM_UNITS is None or not __import__("shutil").which("systemd-analyze"),
+    reason="needs systemd-analyze and the system's units (Debian package systemd)",
+)
 def test_every_rendered_unit_passes_systemd_analyze_verify(rendered, tmp_path):
     """Every systemd unit the roles render (both inventories, production and every window arm)
     passes ``systemd-analyze verify`` with no message at all, as the role's validate requires; a
@@ -280,8 +377,12 @@ def test_every_rendered_unit_passes_systemd_analyze_verify(rendered, tmp_path):
     from dsv41.entrypoints.unit_check import verify_unit
 
     inv, got = rendered
-    units = {f"{arm}/{name}": text for arm, files in got.items() for name, text in files.items()
-             if name.endswith(".service.unit")}
+    units = {
+        f"{arm}/{name}": text
+        for arm, files in got.items()
+        for name, text in files.items()
+        if name.endswith(".service.unit")
+    }
     assert len(units) == 3 * len(got)
     root = stub_root(tmp_path / "root", list(units.values()))
     for key, text in sorted(units.items()):

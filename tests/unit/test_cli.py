@@ -65,28 +65,34 @@ def test_env_check_accepts_a_good_file(tmp_path: Path, capsys) -> None:
     assert main(["env", "check", str(f), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["ok"] is True and got["other"] == ["UCX_TLS"]
-    assert got["variables"] == {"DSV41_ENGRAM_REMOTE": GOOD.splitlines()[1].split("=", 1)[1],
-                                "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": 250, "DSV41_ENGRAM_REMOTE_REQUIRED": False,
-                                "DSV41_RUNTIME_ROOT": "/opt/dsv41/runtime"}
+    assert got["variables"] == {
+        "DSV41_ENGRAM_REMOTE": GOOD.splitlines()[1].split("=", 1)[1],
+        "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": 250,
+        "DSV41_ENGRAM_REMOTE_REQUIRED": False,
+        "DSV41_RUNTIME_ROOT": "/opt/dsv41/runtime",
+    }
     empty = tmp_path / "empty.env"
     empty.write_text("# nothing\n\n")
     assert main(["env", "check", str(empty)]) == 0
 
 
-@pytest.mark.parametrize("text,argv,msg", [
-    ("DSV41_DRAFTER_K=x\n", [], "DSV41_DRAFTER_K must be an integer"),
-    ("DSV41_DRAFTER_K=3\nDSV41_DRAFTER_K=4\n", [], ":2: DSV41_DRAFTER_K is set twice"),
-    ("just words\n", [], ":1: not KEY=VALUE"),
-    ("=1\n", [], ":1: not KEY=VALUE"),
-    ("DSV41_DRAFTR_K=3\n", [], "DSV41_DRAFTR_K is not a dsv41 variable"),
-    ("VLLM_ENGRAM_REMOTE=tcp://h:1\n", [], "VLLM_ENGRAM_REMOTE was renamed: set DSV41_ENGRAM_REMOTE"),
-    ("VLLM_ENGRAM_REMOTE_TIMEOUT_MS=5\n", [], "set DSV41_ENGRAM_REMOTE_TIMEOUT_MS"),
-    ("VLLM_ENGRAM_REMOTE_REQUIRED=0\n", [], "set DSV41_ENGRAM_REMOTE_REQUIRED"),
-    ("DSV41_ENGRAM_REMOTE_REQUIRED=1\n", [], "DSV41_ENGRAM_REMOTE is empty"),
-    ("DSV41_ENGRAM_REMOTE=tcp://h:1\n", ["--tp", "2"], "names 1 URL(s) but tp is 2"),
-    ("DSV41_ENGRAM_REMOTE=http://h:1,tcp://h:2\n", ["--tp", "2"], "DSV41_ENGRAM_REMOTE"),
-    ("DSV41_DRAFTER_REMOTE=tcp://h:1\n", [], "needs DSV41_DRAFTER_DIR"),
-])
+@pytest.mark.parametrize(
+    "text,argv,msg",
+    [
+        ("DSV41_DRAFTER_K=x\n", [], "DSV41_DRAFTER_K must be an integer"),
+        ("DSV41_DRAFTER_K=3\nDSV41_DRAFTER_K=4\n", [], ":2: DSV41_DRAFTER_K is set twice"),
+        ("just words\n", [], ":1: not KEY=VALUE"),
+        ("=1\n", [], ":1: not KEY=VALUE"),
+        ("DSV41_DRAFTR_K=3\n", [], "DSV41_DRAFTR_K is not a dsv41 variable"),
+        ("VLLM_ENGRAM_REMOTE=tcp://h:1\n", [], "VLLM_ENGRAM_REMOTE was renamed: set DSV41_ENGRAM_REMOTE"),
+        ("VLLM_ENGRAM_REMOTE_TIMEOUT_MS=5\n", [], "set DSV41_ENGRAM_REMOTE_TIMEOUT_MS"),
+        ("VLLM_ENGRAM_REMOTE_REQUIRED=0\n", [], "set DSV41_ENGRAM_REMOTE_REQUIRED"),
+        ("DSV41_ENGRAM_REMOTE_REQUIRED=1\n", [], "DSV41_ENGRAM_REMOTE is empty"),
+        ("DSV41_ENGRAM_REMOTE=tcp://h:1\n", ["--tp", "2"], "names 1 URL(s) but tp is 2"),
+        ("DSV41_ENGRAM_REMOTE=http://h:1,tcp://h:2\n", ["--tp", "2"], "DSV41_ENGRAM_REMOTE"),
+        ("DSV41_DRAFTER_REMOTE=tcp://h:1\n", [], "needs DSV41_DRAFTER_DIR"),
+    ],
+)
 def test_env_check_refuses_bad_files(tmp_path: Path, capsys, text: str, argv: list[str], msg: str) -> None:
     f = tmp_path / "bad.env"
     f.write_text(text)
@@ -107,8 +113,10 @@ def test_env_check_from_the_shell(tmp_path: Path) -> None:
     """As the role runs it: a process, exit 1 and one line on stderr."""
     f = tmp_path / "e.env"
     f.write_text("DSV41_DRAFTER_TIMEOUT_MS=0\n")
-    p = subprocess.run([sys.executable, "-m", "dsv41.cli", "env", "check", str(f)], capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "dsv41.cli", "env", "check", str(f)], capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 1 and p.stdout == ""
     assert p.stderr.strip().splitlines() == [
-        f"dsv41: error: env file {f}: DSV41_DRAFTER_TIMEOUT_MS must be a number in [1, 60000] ms, got '0'"]
+        f"dsv41: error: env file {f}: DSV41_DRAFTER_TIMEOUT_MS must be a number in [1, 60000] ms, got '0'"
+    ]

@@ -59,20 +59,31 @@ def _argv(path: tuple[str, ...], param, value: str) -> list[str]:
 def test_the_tree_is_the_whole_command() -> None:
     """The enumeration sees every group and the options the issue named."""
     names = {(" ".join(path), errors.option_name(p)) for path, p in PARAMS}
-    for want in [("engine generate", "--prompt"), ("engine serve", "--host"), ("engine serve", "--master"),
-                 ("drafter serve", "--listen"), ("drafter serve", "--metrics"), ("engram verify", "--manifest"),
-                 ("window decide", "CELLS"), ("env check", "FILE"), ("engram layout", "CONFIG")]:
+    for want in [
+        ("engine generate", "--prompt"),
+        ("engine serve", "--host"),
+        ("engine serve", "--master"),
+        ("drafter serve", "--listen"),
+        ("drafter serve", "--metrics"),
+        ("engram verify", "--manifest"),
+        ("window decide", "CELLS"),
+        ("env check", "FILE"),
+        ("engram layout", "CONFIG"),
+    ]:
         assert want in names, want
     groups = {path[0] for path, _ in PARAMS if path}
     assert {g for g, _, _ in cli.GROUPS} <= groups, {g for g, _, _ in cli.GROUPS} - groups
     assert len(PARAMS) > 120
 
 
-@pytest.mark.parametrize("kind,value,text", [
-    ("undecodable", UNDECODABLE, "not valid UTF-8"),
-    ("empty", "", "empty value"),
-    ("over-long", LONG, "longer than"),
-])
+@pytest.mark.parametrize(
+    "kind,value,text",
+    [
+        ("undecodable", UNDECODABLE, "not valid UTF-8"),
+        ("empty", "", "empty value"),
+        ("over-long", LONG, "longer than"),
+    ],
+)
 def test_every_parameter_refuses_malformed_values(kind: str, value: str, text: str, capsys) -> None:
     failures = []
     for path, p in PARAMS:
@@ -84,8 +95,14 @@ def test_every_parameter_refuses_malformed_values(kind: str, value: str, text: s
         out = capsys.readouterr()
         name = f"{' '.join(path)} {errors.option_name(p)}".strip()
         lines = out.err.splitlines()
-        ok = (rc == 2 and len(lines) == 1 and lines[0].startswith(f"dsv41: error: {name}: ") and text in lines[0]
-              and "Traceback" not in out.err + out.out and out.out == "")
+        ok = (
+            rc == 2
+            and len(lines) == 1
+            and lines[0].startswith(f"dsv41: error: {name}: ")
+            and text in lines[0]
+            and "Traceback" not in out.err + out.out
+            and out.out == ""
+        )
         if not ok:
             failures.append((argv[:-1], rc, out.err[-300:]))
     assert not failures, f"{len(failures)} of {len(PARAMS)} parameters: {failures[:5]}"
@@ -116,14 +133,17 @@ def test_defaults_are_not_checked_and_explicit_values_are(capsys) -> None:
     assert "cells file" in err and "--gate" not in err
 
 
-@pytest.mark.parametrize("argv", [
-    [b"engine", b"generate", b"--prompt", b"\xff\xfe"],
-    [b"engine", b"serve", b"--host", b"\xff\xfe"],
-    [b"engine", b"serve", b"--master", b"\xc3\x28:1"],
-    [b"drafter", b"serve", b"--listen", b"tcp://\xff:1"],
-    [b"drafter", b"serve", b"--metrics", b"\xed\xa0\x80"],
-    [b"window", b"decide", b"\xff.jsonl"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [b"engine", b"generate", b"--prompt", b"\xff\xfe"],
+        [b"engine", b"serve", b"--host", b"\xff\xfe"],
+        [b"engine", b"serve", b"--master", b"\xc3\x28:1"],
+        [b"drafter", b"serve", b"--listen", b"tcp://\xff:1"],
+        [b"drafter", b"serve", b"--metrics", b"\xed\xa0\x80"],
+        [b"window", b"decide", b"\xff.jsonl"],
+    ],
+)
 def test_raw_argv_bytes_in_a_real_process(argv, tmp_path) -> None:
     r = subprocess.run([sys.executable, "-m", "dsv41.cli", *argv], capture_output=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 2, r.stderr
@@ -149,8 +169,12 @@ def test_every_float_parameter_refuses_non_finite_values(value: str, capsys) -> 
         out = capsys.readouterr()
         name = f"{' '.join(path)} {errors.option_name(p)}".strip()
         lines = out.err.splitlines()
-        if not (rc == 2 and len(lines) == 1 and lines[0] == f"dsv41: error: {name}: {value!r} is not a finite number"
-                and out.out == ""):
+        if not (
+            rc == 2
+            and len(lines) == 1
+            and lines[0] == f"dsv41: error: {name}: {value!r} is not a finite number"
+            and out.out == ""
+        ):
             failures.append((argv, rc, out.err[-300:]))
     assert not failures, f"{len(failures)} of {len(FLOATS)} float parameters: {failures[:5]}"
 

@@ -19,23 +19,88 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from dsv41.cli import _register, app
 from dsv41.errors import run_app
 
-COMMANDS = [[], ["engram"], ["engine"], ["drafter"], ["proxy"], ["refs"], ["version"],
-            ["engram", "hash"], ["engram", "make-tables"], ["engram", "manifest"], ["engram", "verify"],
-            ["engram", "read-rows"], ["engine", "init-weights"], ["engine", "identity"], ["engine", "generate"],
-            ["engine", "serve"], ["drafter", "serve"], ["drafter", "identity"], ["drafter", "train"],
-            ["proxy", "run"], ["proxy", "self-test"], ["refs", "record"], ["refs", "verify"], ["env"], ["env", "check"],
-            ["drafter", "status"], ["metrics"], ["metrics", "get"], ["monitor"], ["monitor", "exporter"],
-            ["monitor", "rules"], ["monitor", "dashboard"], ["monitor", "render"], ["nope"]]
-OPTIONS = ["--help", "--config", "--out", "--weights", "--manifest", "--data", "--rank", "--tp", "--port",
-           "--max-tokens", "--device", "--json", "--seed", "--timeout-ms", "--endpoint", "--refs", "--remote",
-           "--layer", "--rows", "--threads", "--quiet", "--force", "--shm", "--master", "--listen", "--overrides",
-           "--ranks", "--prometheus", "--minutes", "-x", "--"]
+COMMANDS = [
+    [],
+    ["engram"],
+    ["engine"],
+    ["drafter"],
+    ["proxy"],
+    ["refs"],
+    ["version"],
+    ["engram", "hash"],
+    ["engram", "make-tables"],
+    ["engram", "manifest"],
+    ["engram", "verify"],
+    ["engram", "read-rows"],
+    ["engine", "init-weights"],
+    ["engine", "identity"],
+    ["engine", "generate"],
+    ["engine", "serve"],
+    ["drafter", "serve"],
+    ["drafter", "identity"],
+    ["drafter", "train"],
+    ["proxy", "run"],
+    ["proxy", "self-test"],
+    ["refs", "record"],
+    ["refs", "verify"],
+    ["env"],
+    ["env", "check"],
+    ["drafter", "status"],
+    ["metrics"],
+    ["metrics", "get"],
+    ["monitor"],
+    ["monitor", "exporter"],
+    ["monitor", "rules"],
+    ["monitor", "dashboard"],
+    ["monitor", "render"],
+    ["nope"],
+]
+OPTIONS = [
+    "--help",
+    "--config",
+    "--out",
+    "--weights",
+    "--manifest",
+    "--data",
+    "--rank",
+    "--tp",
+    "--port",
+    "--max-tokens",
+    "--device",
+    "--json",
+    "--seed",
+    "--timeout-ms",
+    "--endpoint",
+    "--refs",
+    "--remote",
+    "--layer",
+    "--rows",
+    "--threads",
+    "--quiet",
+    "--force",
+    "--shm",
+    "--master",
+    "--listen",
+    "--overrides",
+    "--ranks",
+    "--prometheus",
+    "--minutes",
+    "-x",
+    "--",
+]
 
 arg_bytes = st.binary(max_size=24).map(os.fsdecode)  # what sys.argv holds for arbitrary bytes
-words = st.one_of(st.text(max_size=24), arg_bytes, st.sampled_from(OPTIONS),
-                  st.builds(lambda o, v: f"{o}={v}", st.sampled_from(OPTIONS), st.text(max_size=12) | arg_bytes),
-                  st.integers(-2**70, 2**70).map(str), st.sampled_from(["nan", "inf", "-1", "0", "1e999", "9" * 5000]))
-junk = st.text(alphabet=st.characters(codec="utf-8", exclude_characters="-"), min_size=1, max_size=8).map(lambda s: "zz" + s)
+words = st.one_of(
+    st.text(max_size=24),
+    arg_bytes,
+    st.sampled_from(OPTIONS),
+    st.builds(lambda o, v: f"{o}={v}", st.sampled_from(OPTIONS), st.text(max_size=12) | arg_bytes),
+    st.integers(-(2**70), 2**70).map(str),
+    st.sampled_from(["nan", "inf", "-1", "0", "1e999", "9" * 5000]),
+)
+junk = st.text(alphabet=st.characters(codec="utf-8", exclude_characters="-"), min_size=1, max_size=8).map(
+    lambda s: "zz" + s
+)
 
 _register()
 
@@ -56,12 +121,15 @@ def test_cli_never_prints_a_traceback(cmd, args, tail, capsys, tmp_path_factory,
         assert out.err.strip(), argv  # a failure always says why
 
 
-@pytest.mark.parametrize("argv", [
-    [b"engine", b"serve", b"--port", b"\xff\xfe", b"--manifest", b"\xed\xa0\x80"],
-    [b"engram", b"hash", b"\xff" * 3],
-    [b"\xc3\x28", b"--help"],
-    [b"engine", b"generate", b"--max-tokens", b"9" * 5000, b"--prompt", b"x", b"--manifest", b"/nonexistent"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [b"engine", b"serve", b"--port", b"\xff\xfe", b"--manifest", b"\xed\xa0\x80"],
+        [b"engram", b"hash", b"\xff" * 3],
+        [b"\xc3\x28", b"--help"],
+        [b"engine", b"generate", b"--max-tokens", b"9" * 5000, b"--prompt", b"x", b"--manifest", b"/nonexistent"],
+    ],
+)
 def test_cli_subprocess_with_raw_argument_bytes(argv, tmp_path):
     """The real console entry with undecodable argument bytes: one clear line, exit 1 or 2."""
     r = subprocess.run([sys.executable, "-m", "dsv41.cli", *argv], capture_output=True, timeout=120, cwd=tmp_path)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 # A one-command app run through run_app whose write blocks half way, after the temporary file exists.
-SCRIPT = r'''
+SCRIPT = r"""
 import sys, time, typer
 from dsv41 import fileio
 from dsv41.errors import run_app
@@ -39,7 +39,7 @@ def other() -> None:
     pass
 
 sys.exit(run_app(app))
-'''
+"""
 
 
 STOPPERS = (signal.SIGINT, signal.SIGTERM)
@@ -65,8 +65,14 @@ def _ignore_sigint() -> None:
 def _names(mask_hex: str) -> str:
     """The signals of a /proc status mask (bit n-1 is signal n), e.g. ``SIGINT,SIGQUIT``."""
     bits = int(mask_hex, 16)
-    return ",".join(signal.Signals(n).name if n in signal.Signals._value2member_map_ else str(n)
-                    for n in range(1, 65) if bits >> (n - 1) & 1) or "-"
+    return (
+        ",".join(
+            signal.Signals(n).name if n in signal.Signals._value2member_map_ else str(n)
+            for n in range(1, 65)
+            if bits >> (n - 1) & 1
+        )
+        or "-"
+    )
 
 
 def _hang_report(p: subprocess.Popen, sig: signal.Signals) -> str:
@@ -74,22 +80,34 @@ def _hang_report(p: subprocess.Popen, sig: signal.Signals) -> str:
     stack (SIGUSR1: dsv41.errors.stacks_on_sigusr1) and its stderr. Ends the child."""
     try:
         status = Path(f"/proc/{p.pid}/status").read_text().splitlines()
-        masks = [f"{k}: {v.strip()} ({_names(v.strip())})" for k, _, v in (ln.partition(":") for ln in status)
-                 if k in ("SigBlk", "SigIgn", "SigCgt", "SigPnd", "ShdPnd")]
+        masks = [
+            f"{k}: {v.strip()} ({_names(v.strip())})"
+            for k, _, v in (ln.partition(":") for ln in status)
+            if k in ("SigBlk", "SigIgn", "SigCgt", "SigPnd", "ShdPnd")
+        ]
     except OSError as exc:
         masks = [f"no /proc status: {exc}"]
     p.send_signal(signal.SIGUSR1)
     time.sleep(1.0)
     p.kill()
     _out, err = p.communicate(timeout=30)
-    return (f"the child (pid {p.pid}) did not end within 30 s of {sig.name}; its signal masks:\n  "
-            + "\n  ".join(masks) + "\nits stderr (thread stacks after SIGUSR1):\n" + err.decode(errors="replace"))
+    return (
+        f"the child (pid {p.pid}) did not end within 30 s of {sig.name}; its signal masks:\n  "
+        + "\n  ".join(masks)
+        + "\nits stderr (thread stacks after SIGUSR1):\n"
+        + err.decode(errors="replace")
+    )
 
 
 def _start_writing(out: Path, cwd: Path, preexec=_default_signals) -> subprocess.Popen:
     """The write command of SCRIPT on ``out``, once its temporary file exists."""
-    p = subprocess.Popen([sys.executable, "-c", SCRIPT, "write", str(out)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, cwd=cwd, preexec_fn=preexec)
+    p = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, "write", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=cwd,
+        preexec_fn=preexec,
+    )
     assert p.stdout.readline() == b"writing\n"
     return p
 
@@ -102,8 +120,10 @@ def _wait(p: subprocess.Popen, sig: signal.Signals) -> bytes:
         pytest.fail(_hang_report(p, sig), pytrace=False)
 
 
-@pytest.mark.parametrize("sig,rc,line", [(signal.SIGTERM, 143, "dsv41: error: terminated (SIGTERM)"),
-                                         (signal.SIGINT, 130, "dsv41: error: interrupted")])
+@pytest.mark.parametrize(
+    "sig,rc,line",
+    [(signal.SIGTERM, 143, "dsv41: error: terminated (SIGTERM)"), (signal.SIGINT, 130, "dsv41: error: interrupted")],
+)
 def test_a_signal_mid_write_keeps_the_old_file_and_leaves_no_temporary(sig, rc, line, tmp_path: Path) -> None:
     out = tmp_path / "result.json"
     out.write_text("old\n")
@@ -183,6 +203,7 @@ def test_a_handler_installed_by_a_command_is_left_alone() -> None:
 
         def mine(signum, frame):
             pass
+
         signal.signal(signal.SIGTERM, mine)
         with sigterm_unwinds():
             assert signal.getsignal(signal.SIGTERM) is mine

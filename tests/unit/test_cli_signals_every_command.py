@@ -26,7 +26,7 @@ from dsv41.errors import _walk
 
 ROOT = Path(__file__).resolve().parents[2]
 
-CHILD = r'''
+CHILD = r"""
 import os, signal, sys, time
 moment, sig, target = sys.argv[1], getattr(signal, sys.argv[2]), sys.argv[3]
 path = sys.argv[4:]
@@ -57,7 +57,7 @@ else:
     rc = run_app(cli.app, None, command=tree)
     cli.quiet_after_exit()
     sys.exit(rc)
-'''
+"""
 
 LINES = {signal.SIGINT: ("dsv41: error: interrupted", 130), signal.SIGTERM: ("dsv41: error: terminated (SIGTERM)", 143)}
 
@@ -76,15 +76,19 @@ def _default_signals() -> None:
 
 def _run(moment: str, sig: signal.Signals, target: str, path: tuple[str, ...]) -> tuple[str, int, str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-c", CHILD, moment, sig.name, target, *path], capture_output=True,
-                       timeout=60, env=env, preexec_fn=_default_signals)
+    p = subprocess.run(
+        [sys.executable, "-c", CHILD, moment, sig.name, target, *path],
+        capture_output=True,
+        timeout=60,
+        env=env,
+        preexec_fn=_default_signals,
+    )
     return " ".join(path) or target, p.returncode, p.stderr.decode(errors="replace")
 
 
 def _check(runs, sig) -> None:
     line, rc = LINES[sig]
-    bad = [f"{what}: rc {code}, stderr {err!r}" for what, code, err in runs
-           if code != rc or err.splitlines() != [line]]
+    bad = [f"{what}: rc {code}, stderr {err!r}" for what, code, err in runs if code != rc or err.splitlines() != [line]]
     assert not bad, "\n".join(bad)
 
 

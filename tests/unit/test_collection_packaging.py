@@ -37,7 +37,9 @@ def _tool(name: str) -> str:
 
 
 def _controller_requirements():
-    spec = importlib.util.spec_from_file_location("controller_requirements", ROOT / "tools" / "controller_requirements.py")
+    spec = importlib.util.spec_from_file_location(
+        "controller_requirements", ROOT / "tools" / "controller_requirements.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -52,8 +54,10 @@ def test_requirements_controller_is_the_controller_set():
     cr = _controller_requirements()
     want = cr.controller_set(ROOT)
     have = cr.requirement_lines((ROOT / cr.REQUIREMENTS).read_text())
-    assert have == want, (f"{cr.REQUIREMENTS} differs from the controller set: missing {sorted(set(want) - set(have))}, "
-                          f"extra {sorted(set(have) - set(want))} (python tools/controller_requirements.py)")
+    assert have == want, (
+        f"{cr.REQUIREMENTS} differs from the controller set: missing {sorted(set(want) - set(have))}, "
+        f"extra {sorted(set(have) - set(want))} (python tools/controller_requirements.py)"
+    )
     # every root is in it: the package's dependencies, its torch extra, its build requirements, the tools
     names = {re.split(r"==", ln)[0].lower().replace("_", "-") for ln in have}
     for req in cr.roots(ROOT):
@@ -64,7 +68,8 @@ def test_a_dependency_without_a_pin_is_one_error(tmp_path):
     cr = _controller_requirements()
     (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
     (tmp_path / "constraints.txt").write_text(
-        "\n".join(ln for ln in (ROOT / "constraints.txt").read_text().splitlines() if not ln.startswith("psutil==")))
+        "\n".join(ln for ln in (ROOT / "constraints.txt").read_text().splitlines() if not ln.startswith("psutil=="))
+    )
     with pytest.raises(cr.MissingPin, match="constraints.txt has no pin for psutil"):
         cr.controller_set(tmp_path)
 
@@ -82,19 +87,31 @@ def test_builder_create_writes_the_controller_set(tmp_path):
     ctx.mkdir()
     for name in ("execution-environment.yml", ee["dependencies"]["python"], ee["dependencies"]["system"]):
         shutil.copy(ROOT / name, ctx / name)
-    build = subprocess.run([str(BIN / "ansible-galaxy"), "collection", "build", "--output-path", str(ctx), str(ROOT)],
-                           capture_output=True, text=True, timeout=300, check=False)
+    build = subprocess.run(
+        [str(BIN / "ansible-galaxy"), "collection", "build", "--output-path", str(ctx), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert build.returncode == 0 and (ctx / tarball).is_file(), build.stdout + build.stderr
-    r = subprocess.run([_tool("ansible-builder"), "create", "--file", "execution-environment.yml",
-                        "--context", str(ctx / "context")], cwd=ctx, capture_output=True, text=True,
-                       timeout=300, check=False)
+    r = subprocess.run(
+        [_tool("ansible-builder"), "create", "--file", "execution-environment.yml", "--context", str(ctx / "context")],
+        cwd=ctx,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     cr = _controller_requirements()
     written = cr.requirement_lines((ctx / "context" / "_build" / "requirements.txt").read_text())
     assert written == cr.controller_set(ROOT)
     assert (ctx / "context" / "_build" / "bindep.txt").read_text() == (ROOT / "bindep.txt").read_text()
     assert (ctx / "context" / "_build" / "collections" / tarball).is_file()
-    containerfile = next(p for p in (ctx / "context").iterdir() if p.name in ("Containerfile", "Dockerfile")).read_text()
+    containerfile = next(
+        p for p in (ctx / "context").iterdir() if p.name in ("Containerfile", "Dockerfile")
+    ).read_text()
     assert f'ANSIBLE_INSTALL_REFS="{_pin("ansible-core")} {_pin("ansible-runner")}"' in containerfile
     assert "ANSIBLE_CONFIG" not in containerfile  # the AWX project's own ansible.cfg applies there
 
@@ -103,8 +120,10 @@ def test_navigator_runs_the_image_with_the_collection_config():
     nav = yaml.safe_load((ROOT / "ansible-navigator.yml").read_text())["ansible-navigator"]["execution-environment"]
     version = yaml.safe_load((ROOT / "galaxy.yml").read_text())["version"]
     assert nav["enabled"] and nav["image"] == f"dsv41-offload-ee:{version}"
-    assert nav["environment-variables"]["set"]["ANSIBLE_CONFIG"] == \
-        "/usr/share/ansible/collections/ansible_collections/dsv41/offload/ansible.cfg"
+    assert (
+        nav["environment-variables"]["set"]["ANSIBLE_CONFIG"]
+        == "/usr/share/ansible/collections/ansible_collections/dsv41/offload/ansible.cfg"
+    )
 
 
 def test_meta_execution_environment_names_the_same_files():
@@ -127,11 +146,18 @@ def test_changelog_md_is_what_antsibull_changelog_generates(tmp_path):
     for name in ("galaxy.yml", "CHANGELOG.md"):
         shutil.copy(ROOT / name, tmp_path / name)
     shutil.copytree(ROOT / "changelogs", tmp_path / "changelogs")
-    r = subprocess.run([_tool("antsibull-changelog"), "generate"], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=120, check=False)
+    r = subprocess.run(
+        [_tool("antsibull-changelog"), "generate"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
-    assert (tmp_path / "CHANGELOG.md").read_text() == (ROOT / "CHANGELOG.md").read_text(), \
+    assert (tmp_path / "CHANGELOG.md").read_text() == (ROOT / "CHANGELOG.md").read_text(), (
         "CHANGELOG.md differs from antsibull-changelog generate's"
+    )
 
 
 def test_the_changelog_names_only_plugins_the_collection_has():
@@ -139,11 +165,22 @@ def test_the_changelog_names_only_plugins_the_collection_has():
     and every module of plugins/modules is announced."""
     log = yaml.safe_load((ROOT / "changelogs" / "changelog.yaml").read_text())
     announced = {("module", m["name"]) for rel in log["releases"].values() for m in rel.get("modules", [])}
-    announced |= {(kind, p["name"]) for rel in log["releases"].values()
-                  for kind, items in rel.get("plugins", {}).items() for p in items}
-    exists = {(("module" if d.name == "modules" else d.name), p.stem)
-              for d in (ROOT / "plugins").iterdir() if d.is_dir() for p in d.glob("*.py") if p.stem != "__init__"}
-    assert announced - exists == set(), f"changelog.yaml names plugins the collection does not have: {sorted(announced - exists)}"
+    announced |= {
+        (kind, p["name"])
+        for rel in log["releases"].values()
+        for kind, items in rel.get("plugins", {}).items()
+        for p in items
+    }
+    exists = {
+        (("module" if d.name == "modules" else d.name), p.stem)
+        for d in (ROOT / "plugins").iterdir()
+        if d.is_dir()
+        for p in d.glob("*.py")
+        if p.stem != "__init__"
+    }
+    assert announced - exists == set(), (
+        f"changelog.yaml names plugins the collection does not have: {sorted(announced - exists)}"
+    )
     modules = {n for kind, n in exists if kind == "module"}
     assert modules <= {n for kind, n in announced if kind == "module"}
 

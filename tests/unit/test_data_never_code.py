@@ -83,14 +83,43 @@ def _arm(marker: Path) -> dict:
 
 def _play(tmp: Path, extra: list[str], tasks: list[dict]) -> subprocess.CompletedProcess:
     play = tmp / "play.yml"
-    play.write_text(yaml.safe_dump([{"name": "load an arm as window_switch.yml does", "hosts": "localhost",
-                                     "gather_facts": False, "roles": [{"role": "dsv41"}], "tasks": tasks}],
-                                   sort_keys=False))
-    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_ROLES_PATH=str(REPO / "roles"),
-               PATH=f"{BIN}:{os.environ['PATH']}", PYTHONPATH=str(REPO / "python"))
-    return subprocess.run([str(BIN / "ansible-playbook"), "-i", str(REPO / "inventories" / "sim"), str(play), "-e",
-                           json.dumps({"ansible_connection": "local", "ansible_python_interpreter": sys.executable}),
-                           *extra], cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+    play.write_text(
+        yaml.safe_dump(
+            [
+                {
+                    "name": "load an arm as window_switch.yml does",
+                    "hosts": "localhost",
+                    "gather_facts": False,
+                    "roles": [{"role": "dsv41"}],
+                    "tasks": tasks,
+                }
+            ],
+            sort_keys=False,
+        )
+    )
+    env = dict(
+        os.environ,
+        ANSIBLE_CONFIG=str(REPO / "ansible.cfg"),
+        ANSIBLE_ROLES_PATH=str(REPO / "roles"),
+        PATH=f"{BIN}:{os.environ['PATH']}",
+        PYTHONPATH=str(REPO / "python"),
+    )
+    return subprocess.run(
+        [
+            str(BIN / "ansible-playbook"),
+            "-i",
+            str(REPO / "inventories" / "sim"),
+            str(play),
+            "-e",
+            json.dumps({"ansible_connection": "local", "ansible_python_interpreter": sys.executable}),
+            *extra,
+        ],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _switch_load_tasks() -> list[dict]:
@@ -111,7 +140,9 @@ def test_an_arm_with_template_syntax_everywhere_runs_nothing(tmp_path):
     # the control: the load window_switch.yml used before (-e @file) runs the probe
     control = tmp_path / "control"
     control.mkdir()
-    r = _play(control, ["-e", f"@{arm_file}"], [{"name": "use it", "ansible.builtin.debug": {"msg": "{{ window_arm }}"}}])
+    r = _play(
+        control, ["-e", f"@{arm_file}"], [{"name": "use it", "ansible.builtin.debug": {"msg": "{{ window_arm }}"}}]
+    )
     assert marker.exists(), "the probe is not a probe: the old load did not run it either"
 
 
@@ -121,9 +152,19 @@ def test_a_module_result_is_data_even_unchecked(tmp_path):
     marker = tmp_path / "RAN"
     f = tmp_path / "raw.json"
     f.write_text(json.dumps(_arm(marker)))
-    r = _play(tmp_path, [], [
-        {"name": "read", "ansible.builtin.command": {"argv": ["cat", str(f)]}, "register": "raw", "changed_when": False},
-        {"name": "keep", "ansible.builtin.set_fact": {"dsv41_arm": "{{ (raw.stdout | from_json).window_arm }}"}},
-        {"name": "use", "ansible.builtin.debug": {"msg": "{{ dsv41_arm.serve_extra_env.DSV41_ENGINE_THREADS }}"}}])
+    r = _play(
+        tmp_path,
+        [],
+        [
+            {
+                "name": "read",
+                "ansible.builtin.command": {"argv": ["cat", str(f)]},
+                "register": "raw",
+                "changed_when": False,
+            },
+            {"name": "keep", "ansible.builtin.set_fact": {"dsv41_arm": "{{ (raw.stdout | from_json).window_arm }}"}},
+            {"name": "use", "ansible.builtin.debug": {"msg": "{{ dsv41_arm.serve_extra_env.DSV41_ENGINE_THREADS }}"}},
+        ],
+    )
     assert r.returncode == 0, r.stdout[-3000:]
     assert not marker.exists() and "ansible.builtin.pipe" in r.stdout  # printed, not run

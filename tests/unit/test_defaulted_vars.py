@@ -22,8 +22,19 @@ import yaml
 from yamltree import REPO as ROOT, yaml_files
 
 #: Ansible's magic variables the project reads (docs.ansible.com, "Special variables").
-MAGIC = frozenset({"item", "groups", "hostvars", "inventory_hostname", "inventory_dir", "playbook_dir", "omit",
-                   "role_path", "play_hosts"})
+MAGIC = frozenset(
+    {
+        "item",
+        "groups",
+        "hostvars",
+        "inventory_hostname",
+        "inventory_dir",
+        "playbook_dir",
+        "omit",
+        "role_path",
+        "play_hosts",
+    }
+)
 _READ = re.compile(r"(?<![\w.\]'\"|])(?<!\|\s)([a-z_][a-z0-9_]*)\s*\|\s*default\(")
 _SET = re.compile(r"\{%-?\s*set\s+([a-z_][a-z0-9_]*)")
 _FOR = re.compile(r"\{%-?\s*for\s+([a-z_][a-z0-9_]*)(?:\s*,\s*([a-z_][a-z0-9_]*))?\s+in\b")
@@ -97,7 +108,12 @@ def test_the_scan_sees_the_readers():
 def test_every_defaulted_variable_is_defined_or_a_documented_input():
     files = ansible_files()
     defined, docs = defined_names(files), documented_words()
-    orphans = {n: where for n, where in defaulted_reads(files).items()
-               if n not in defined and n not in MAGIC and not n.startswith("ansible_") and n not in docs}
-    assert not orphans, ("read with default() but neither defined by a role, playbook or inventory nor an input "
-                         f"the docs name (a removed variable?): {orphans}")
+    orphans = {
+        n: where
+        for n, where in defaulted_reads(files).items()
+        if n not in defined and n not in MAGIC and not n.startswith("ansible_") and n not in docs
+    }
+    assert not orphans, (
+        "read with default() but neither defined by a role, playbook or inventory nor an input "
+        f"the docs name (a removed variable?): {orphans}"
+    )

@@ -26,8 +26,16 @@ DEFAULTS = ROOT / "roles" / "dsv41" / "defaults" / "main.yml"
 
 #: The derived facts (other than the unit names, found by their pattern below). Each must be a key
 #: of the defaults role; nothing else may define it.
-DERIVED = ("dsv41_rank0_host", "dsv41_api_url", "dsv41_links_by_host", "dsv41_offload_links",
-           "dsv41_offload_link", "dsv41_fabric_link", "dsv41_transport", "dsv41_transport_listeners")
+DERIVED = (
+    "dsv41_rank0_host",
+    "dsv41_api_url",
+    "dsv41_links_by_host",
+    "dsv41_offload_links",
+    "dsv41_offload_link",
+    "dsv41_fabric_link",
+    "dsv41_transport",
+    "dsv41_transport_listeners",
+)
 
 #: Files being rewritten by the change-layer work, allowed until the change-layer merge: the
 #: integrator switches them to the derived names and deletes this allow-list.
@@ -58,8 +66,11 @@ def _defaults() -> dict:
 def service_literals() -> dict[str, str]:
     """``{unit name: variable}`` for every ``dsv41_*_service`` the defaults role defines as a
     literal (a unit name without template)."""
-    return {v: k for k, v in _defaults().items()
-            if re.fullmatch(r"dsv41_[a-z0-9_]+_service", k) and isinstance(v, str) and "{" not in v}
+    return {
+        v: k
+        for k, v in _defaults().items()
+        if re.fullmatch(r"dsv41_[a-z0-9_]+_service", k) and isinstance(v, str) and "{" not in v
+    }
 
 
 def scanned_files() -> list[Path]:
@@ -90,16 +101,21 @@ def violations(path: Path, literals: dict[str, str]) -> list[str]:
     rel = path.relative_to(ROOT).as_posix()
     if path.name == "argument_specs.yml":
         return []
-    lit = re.compile(r"(?<![\w./-])(" + "|".join(map(re.escape, sorted(literals, key=len, reverse=True)))
-                     + r")(?![\w-])") if literals else None
+    lit = (
+        re.compile(r"(?<![\w./-])(" + "|".join(map(re.escape, sorted(literals, key=len, reverse=True))) + r")(?![\w-])")
+        if literals
+        else None
+    )
     found = []
     for n, line in _code_lines(path):
         where = f"{rel}:{n}"
         if any(p.search(line) for p in _RANK0):
             found.append(f"{where}: selects rank 0 (use dsv41_rank0_host)")
         if any(p.search(line) for p in _LINKS):
-            found.append(f"{where}: selects links by purpose (use dsv41_offload_links / dsv41_offload_link / "
-                         "dsv41_fabric_link / dsv41_links_by_host)")
+            found.append(
+                f"{where}: selects links by purpose (use dsv41_offload_links / dsv41_offload_link / "
+                "dsv41_fabric_link / dsv41_links_by_host)"
+            )
         if _API_URL.search(line):
             found.append(f"{where}: builds rank 0's API URL (use dsv41_api_url)")
         for name in (*DERIVED, *literals.values()):
@@ -120,8 +136,12 @@ def violations(path: Path, literals: dict[str, str]) -> list[str]:
 def test_the_derived_facts_are_defined_in_the_defaults_role() -> None:
     defaults = _defaults()
     assert [n for n in DERIVED if n not in defaults] == []
-    assert set(service_literals().values()) >= {"dsv41_serve_service", "dsv41_engram_service",
-                                                 "dsv41_drafter_service", "dsv41_ops_exporter_service"}
+    assert set(service_literals().values()) >= {
+        "dsv41_serve_service",
+        "dsv41_engram_service",
+        "dsv41_drafter_service",
+        "dsv41_ops_exporter_service",
+    }
 
 
 def test_the_allow_list_names_existing_files() -> None:
@@ -138,16 +158,22 @@ def test_no_derived_fact_is_computed_outside_the_defaults_role() -> None:
     assert found == [], "derived facts computed outside roles/dsv41/defaults/main.yml:\n" + "\n".join(found)
 
 
-@pytest.mark.parametrize("text,what", [
-    ("x: \"{{ groups['spark'] | map('extract', hostvars) | selectattr('dsv41_rank', 'eq', 0) | first }}\"", "rank 0"),
-    ("  when: (dsv41_rank | int) == 0", "rank 0"),
-    ("x: \"{{ (dsv41_links | selectattr('purpose', 'equalto', 'offload') | first).name }}\"", "by purpose"),
-    ("x: \"http://{{ hostvars['sparkhead'].dsv41_mgmt_address }}:{{ dsv41_api_port }}\"", "API URL"),
-    ("dsv41_api_url: http://h:8000", "defines dsv41_api_url"),
-    ("window_serve_service: dsv41-serve", "restates"),
-    ("drafter_worker_rank0_host: \"{{ x }}\"", "restates a derived fact"),
-    ("    dsv41_service_control_names: [dsv41-drafter]", "unit name dsv41-drafter"),
-])
+@pytest.mark.parametrize(
+    "text,what",
+    [
+        (
+            "x: \"{{ groups['spark'] | map('extract', hostvars) | selectattr('dsv41_rank', 'eq', 0) | first }}\"",
+            "rank 0",
+        ),
+        ("  when: (dsv41_rank | int) == 0", "rank 0"),
+        ("x: \"{{ (dsv41_links | selectattr('purpose', 'equalto', 'offload') | first).name }}\"", "by purpose"),
+        ("x: \"http://{{ hostvars['sparkhead'].dsv41_mgmt_address }}:{{ dsv41_api_port }}\"", "API URL"),
+        ("dsv41_api_url: http://h:8000", "defines dsv41_api_url"),
+        ("window_serve_service: dsv41-serve", "restates"),
+        ('drafter_worker_rank0_host: "{{ x }}"', "restates a derived fact"),
+        ("    dsv41_service_control_names: [dsv41-drafter]", "unit name dsv41-drafter"),
+    ],
+)
 def test_each_pattern_is_caught(tmp_path: Path, text: str, what: str, monkeypatch) -> None:
     """Each kind of restatement in a file is reported (the scan is not vacuous)."""
     monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
@@ -163,5 +189,7 @@ def test_lab_image_names_and_longer_names_are_not_units(tmp_path: Path, monkeypa
     monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
     f = tmp_path / "inventories" / "x.yml"
     f.parent.mkdir(parents=True)
-    f.write_text("serve_image_repository: dsv41-serve\nlab_build: dsv41-serve-build\nunit: \"{{ dsv41_serve_service }}\"\n")
+    f.write_text(
+        'serve_image_repository: dsv41-serve\nlab_build: dsv41-serve-build\nunit: "{{ dsv41_serve_service }}"\n'
+    )
     assert violations(f, service_literals()) == []

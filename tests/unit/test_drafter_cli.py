@@ -60,26 +60,45 @@ def test_identity_command(ddir, capsys):
 
 def test_serve_refuses_bad_arguments(ddir, capsys):
     assert "expected tcp://HOST:PORT" in _err(capsys, ["drafter", "serve", "--listen", "tcp://x", "--drafter", ddir])
-    assert "hex sha256" in _err(capsys, ["drafter", "serve", "--listen", "tcp://127.0.0.1:0", "--drafter", ddir,
-                                         "--target-identity", "xyz"])
-    assert "distilled for target" in _err(capsys, ["drafter", "serve", "--listen", "tcp://127.0.0.1:0", "--drafter",
-                                                   ddir, "--target-identity", "ef" * 32])
-    assert "CUDA" in _err(capsys, ["drafter", "serve", "--listen", "tcp://127.0.0.1:0", "--drafter", ddir,
-                                   "--cuda-graphs"])
-    assert "exl3" in _err(capsys, ["drafter", "serve", "--listen", "tcp://127.0.0.1:0", "--drafter", ddir,
-                                   "--backend", "exl3"])
-    assert "expected cpu, cuda or cuda:N" in _err(capsys, ["drafter", "serve", "--listen", "tcp://127.0.0.1:0",
-                                                            "--drafter", ddir, "--device", "tpu"])
-    assert "--ready-file" in _err(capsys, ["drafter", "serve", "--listen", "tcp://127.0.0.1:0", "--drafter", ddir,
-                                           "--ready-file", "/nonexistent-dsv41/dir/f"])
+    assert "hex sha256" in _err(
+        capsys, ["drafter", "serve", "--listen", "tcp://127.0.0.1:0", "--drafter", ddir, "--target-identity", "xyz"]
+    )
+    assert "distilled for target" in _err(
+        capsys, ["drafter", "serve", "--listen", "tcp://127.0.0.1:0", "--drafter", ddir, "--target-identity", "ef" * 32]
+    )
+    assert "CUDA" in _err(
+        capsys, ["drafter", "serve", "--listen", "tcp://127.0.0.1:0", "--drafter", ddir, "--cuda-graphs"]
+    )
+    assert "exl3" in _err(
+        capsys, ["drafter", "serve", "--listen", "tcp://127.0.0.1:0", "--drafter", ddir, "--backend", "exl3"]
+    )
+    assert "expected cpu, cuda or cuda:N" in _err(
+        capsys, ["drafter", "serve", "--listen", "tcp://127.0.0.1:0", "--drafter", ddir, "--device", "tpu"]
+    )
+    assert "--ready-file" in _err(
+        capsys,
+        [
+            "drafter",
+            "serve",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--drafter",
+            ddir,
+            "--ready-file",
+            "/nonexistent-dsv41/dir/f",
+        ],
+    )
     with socket.socket() as busy:  # a port in use: one line, nothing left listening
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        assert "cannot listen" in _err(capsys, ["drafter", "serve", "--listen", f"tcp://127.0.0.1:{port}",
-                                                "--drafter", ddir])
-        assert "cannot listen" in _err(capsys, ["drafter", "serve", "--listen", "tcp://127.0.0.1:0", "--drafter",
-                                                ddir, "--metrics", f"127.0.0.1:{port}"])
+        assert "cannot listen" in _err(
+            capsys, ["drafter", "serve", "--listen", f"tcp://127.0.0.1:{port}", "--drafter", ddir]
+        )
+        assert "cannot listen" in _err(
+            capsys,
+            ["drafter", "serve", "--listen", "tcp://127.0.0.1:0", "--drafter", ddir, "--metrics", f"127.0.0.1:{port}"],
+        )
 
 
 def test_serve_metrics_busy_stderr_of_the_process(ddir):
@@ -87,34 +106,93 @@ def test_serve_metrics_busy_stderr_of_the_process(ddir):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        r = subprocess.run([sys.executable, "-m", "dsv41.cli", "drafter", "serve", "--listen", "tcp://127.0.0.1:0",
-                            "--drafter", ddir, "--metrics", f"127.0.0.1:{busy.getsockname()[1]}"],
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dsv41.cli",
+                "drafter",
+                "serve",
+                "--listen",
+                "tcp://127.0.0.1:0",
+                "--drafter",
+                ddir,
+                "--metrics",
+                f"127.0.0.1:{busy.getsockname()[1]}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert r.returncode == 1
     assert r.stderr.strip().startswith("dsv41: error: --metrics") and "\n" not in r.stderr.strip(), r.stderr
 
 
 def test_train_refuses_missing_inputs(tmp_path, capsys):
-    err = _err(capsys, ["drafter", "train", "--config", str(tmp_path / "nope.json"), "--weights",
-                        str(tmp_path / "w.safetensors"), "--out", str(tmp_path / "d")])
+    err = _err(
+        capsys,
+        [
+            "drafter",
+            "train",
+            "--config",
+            str(tmp_path / "nope.json"),
+            "--weights",
+            str(tmp_path / "w.safetensors"),
+            "--out",
+            str(tmp_path / "d"),
+        ],
+    )
     assert "nope.json" in err
-    err = _err(capsys, ["drafter", "train", "--config", str(tmp_path / "nope.json"), "--weights", "w", "--out", "d",
-                        "--manifest", "m.json"])
+    err = _err(
+        capsys,
+        [
+            "drafter",
+            "train",
+            "--config",
+            str(tmp_path / "nope.json"),
+            "--weights",
+            "w",
+            "--out",
+            "d",
+            "--manifest",
+            "m.json",
+        ],
+    )
     assert "go together" in err
 
 
 def test_proxy_self_test_and_errors_torch_free():
-    code = ("import sys; from dsv41.drafter.proxy_cli import main; rc = main(sys.argv[1:]); "
-            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
+    code = (
+        "import sys; from dsv41.drafter.proxy_cli import main; rc = main(sys.argv[1:]); "
+        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
+    )
     r = subprocess.run([sys.executable, "-c", code, "self-test", "--json"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["torch_loaded"] is False
-    r = subprocess.run([sys.executable, "-c", code, "run", "--shm", "dsv41-no-such-ring", "--remote",
-                        "tcp://127.0.0.1:1"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1 and r.stderr.strip() == "dsv41: error: drafter ring: shared memory 'dsv41-no-such-ring' does not exist"
-    r = subprocess.run([sys.executable, "-c", code, "run", "--shm", "", "--remote", "tcp://127.0.0.1:1"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and r.stderr.strip() == "dsv41: error: run --shm: empty value; give a value or leave the option out"
-    r = subprocess.run([sys.executable, "-c", code, "run", "--shm", "x", "--remote", "http://h:1"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", code, "run", "--shm", "dsv41-no-such-ring", "--remote", "tcp://127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        r.returncode == 1
+        and r.stderr.strip() == "dsv41: error: drafter ring: shared memory 'dsv41-no-such-ring' does not exist"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, "run", "--shm", "", "--remote", "tcp://127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        r.returncode == 2
+        and r.stderr.strip() == "dsv41: error: run --shm: empty value; give a value or leave the option out"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, "run", "--shm", "x", "--remote", "http://h:1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1 and "tcp://" in r.stderr and "Traceback" not in r.stderr

@@ -27,8 +27,15 @@ TARGET = "ab" * 32
 
 
 def _sidecar(d: Path, **kw):
-    side = {"format": "dsv41-exl3-drafter", "target_identity": TARGET, "hidden_size": 128, "n_ctx": 64, "max_k": 7,
-            "top_n": 32, **kw}
+    side = {
+        "format": "dsv41-exl3-drafter",
+        "target_identity": TARGET,
+        "hidden_size": 128,
+        "n_ctx": 64,
+        "max_k": 7,
+        "top_n": 32,
+        **kw,
+    }
     (d / SIDECAR).write_text(json.dumps(side))
 
 
@@ -93,8 +100,9 @@ def _byte_tokenizer(path: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<|bos|>", "<|eos|>", "<|pad|>", "<|sep|>"])
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|bos|>", "eos_token": "<|eos|>",
-                                                            "pad_token": "<|pad|>"}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"})
+    )
 
 
 @pytest.fixture(scope="module")
@@ -107,18 +115,49 @@ def exl3_dir(tmp_path_factory):
     base = tmp_path_factory.mktemp("exl3")
     hf, out, work = base / "hf", base / "exl3", base / "work"
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=260, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096, bos_token_id=0,
-                      eos_token_id=1, pad_token_id=2, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=260,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg).to(torch.float16)
     with torch.no_grad():
         model.lm_head.weight.mul_(40.0)  # peaked distributions: argmax robust to quantisation noise
     model.save_pretrained(str(hf), safe_serialization=True)
     _byte_tokenizer(hf)
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "exllamav3.conversion.convert_model", "-i", str(hf), "-o", str(out),
-                        "-w", str(work), "-b", "4", "-hb", "16", "-cr", "8", "-cc", "512"],
-                       capture_output=True, text=True, timeout=400)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "exllamav3.conversion.convert_model",
+            "-i",
+            str(hf),
+            "-o",
+            str(out),
+            "-w",
+            str(work),
+            "-b",
+            "4",
+            "-hb",
+            "16",
+            "-cr",
+            "8",
+            "-cc",
+            "512",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     print(f"convert: rc={r.returncode} in {time.monotonic() - t0:.1f} s\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     assert r.returncode == 0 and (out / "config.json").exists(), r.stdout[-2000:] + r.stderr[-2000:]
     _sidecar(out, hidden_size=128)
@@ -126,8 +165,10 @@ def exl3_dir(tmp_path_factory):
 
 
 def _items(rng, n, depth, temp=0.0):
-    return [RoundItem(f"r{i}", rng.integers(4, 260, 20 + i), np.zeros(128, np.float32), depth, temp, 5 + i)
-            for i in range(n)]
+    return [
+        RoundItem(f"r{i}", rng.integers(4, 260, 20 + i), np.zeros(128, np.float32), depth, temp, 5 + i)
+        for i in range(n)
+    ]
 
 
 def test_exl3_drafts_and_latency(exl3_dir):
@@ -181,12 +222,18 @@ def test_exl3_drafts_and_latency(exl3_dir):
                 t0 = time.perf_counter()
                 c.round(r)
                 tcp.append((time.perf_counter() - t0) * 1000)
-            rows.append({"k": k, "backend_p50_ms": round(float(np.median(ts)), 3),
-                         "tcp_round_p50_ms": round(float(np.median(tcp)), 3)})
+            rows.append(
+                {
+                    "k": k,
+                    "backend_p50_ms": round(float(np.median(ts)), 3),
+                    "tcp_round_p50_ms": round(float(np.median(tcp)), 3),
+                }
+            )
         c.close()
     finally:
         w.stop()
     print(json.dumps(rows))
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "drafter_exl3.json").write_text(json.dumps({"device": torch.cuda.get_device_name(0),
-                                                                            "rows": rows}, indent=1))
+        Path(os.environ["OUT"], "drafter_exl3.json").write_text(
+            json.dumps({"device": torch.cuda.get_device_name(0), "rows": rows}, indent=1)
+        )

@@ -16,16 +16,24 @@ def _families(registry) -> dict:
 
 
 def test_engine_exposes_speculator_counters_as_prometheus_types() -> None:
-    counters = {"rounds": 7, "identity_refusals": 0, "latency_sum_s": 0.25, "latency_count": 5,
-                "parity_max_prob_diff": 0.125, "source": "remote"}
+    counters = {
+        "rounds": 7,
+        "identity_refusals": 0,
+        "latency_sum_s": 0.25,
+        "latency_count": 5,
+        "parity_max_prob_diff": 0.125,
+        "source": "remote",
+    }
     m = EngineMetrics("t", lambda: {}, lambda: counters)
     fams = _families(m.registry)
     assert fams["dsv41_drafter_rounds"].type == "counter"
     assert [s.name for s in fams["dsv41_drafter_rounds"].samples] == ["dsv41_drafter_rounds_total"]
     lat = fams["dsv41_drafter_propose_latency_seconds"]
     assert lat.type == "summary"
-    assert {s.name: s.value for s in lat.samples} == {"dsv41_drafter_propose_latency_seconds_count": 5.0,
-                                                      "dsv41_drafter_propose_latency_seconds_sum": 0.25}
+    assert {s.name: s.value for s in lat.samples} == {
+        "dsv41_drafter_propose_latency_seconds_count": 5.0,
+        "dsv41_drafter_propose_latency_seconds_sum": 0.25,
+    }
     assert fams["dsv41_drafter_parity_max_prob_diff"].type == "gauge"
     assert not any("latency_sum_s" in n or "latency_count" in n for n in fams)
     # the reference check reads the same keys as before
@@ -52,8 +60,13 @@ def _assigned_keys(func) -> set[str]:
     import textwrap
 
     tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
-    return {t.slice.value for node in ast.walk(tree) if isinstance(node, ast.Assign) for t in node.targets
-            if isinstance(t, ast.Subscript) and isinstance(t.slice, ast.Constant) and isinstance(t.slice.value, str)}
+    return {
+        t.slice.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Subscript) and isinstance(t.slice, ast.Constant) and isinstance(t.slice.value, str)
+    }
 
 
 def test_every_speculator_key_has_its_prometheus_type() -> None:
@@ -75,6 +88,7 @@ def test_every_speculator_key_has_its_prometheus_type() -> None:
         want = "gauge" if k in LEVEL_KEYS else "counter"
         assert fams[f"dsv41_drafter_{k}"].type == want, k
     # a level that went down reads as its value, not as a counter reset
-    vals = refs.flat_values(generate_latest(EngineMetrics("t", lambda: {}, lambda: {"proxy_up": 0}).registry).decode(),
-                            "dsv41_drafter_")
+    vals = refs.flat_values(
+        generate_latest(EngineMetrics("t", lambda: {}, lambda: {"proxy_up": 0}).registry).decode(), "dsv41_drafter_"
+    )
     assert vals["proxy_up"] == 0

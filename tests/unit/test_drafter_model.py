@@ -25,8 +25,10 @@ def ddir(tmp_path_factory):
 
 def _items(n=3, temp=0.0, seed=0, depth=5):
     rng = np.random.default_rng(5)
-    return [RoundItem(f"r{i}", rng.integers(0, V, 6 + i), rng.standard_normal(H).astype(np.float32), depth,
-                      temp, seed + i) for i in range(n)]
+    return [
+        RoundItem(f"r{i}", rng.integers(0, V, 6 + i), rng.standard_normal(H).astype(np.float32), depth, temp, seed + i)
+        for i in range(n)
+    ]
 
 
 def test_greedy_drafts_are_argmax_and_deterministic(ddir):
@@ -102,12 +104,14 @@ def test_bad_inputs_and_files(tmp_path, ddir):
         M.load_model(tmp_path / "y")
     with pytest.raises(ConfigError, match="positive"):
         M.DrafterConfig(vocab_size=0, hidden_size=4).validate()
-    for mutate, msg in [(lambda c: c.pop("vocab_size"), "missing vocab_size"),
-                        (lambda c: c.update(max_k=True), "max_k"),
-                        (lambda c: c.update(max_k=10**9), "max_k"),
-                        (lambda c: c.update(tap_layer=-1), "tap_layer"),
-                        (lambda c: c.update(rms_norm_eps="x"), "rms_norm_eps"),
-                        (lambda c: c.update(target_identity="Z" * 64), "target_identity")]:
+    for mutate, msg in [
+        (lambda c: c.pop("vocab_size"), "missing vocab_size"),
+        (lambda c: c.update(max_k=True), "max_k"),
+        (lambda c: c.update(max_k=10**9), "max_k"),
+        (lambda c: c.update(tap_layer=-1), "tap_layer"),
+        (lambda c: c.update(rms_norm_eps="x"), "rms_norm_eps"),
+        (lambda c: c.update(target_identity="Z" * 64), "target_identity"),
+    ]:
         c = json.loads((ddir / M.CONFIG_NAME).read_text())
         mutate(c)
         (tmp_path / "y" / M.CONFIG_NAME).write_text(json.dumps(c))

@@ -28,7 +28,7 @@ def test_bad_policies(bad):
 def test_respawn_budget_window_and_stays_down():
     b = RespawnBudget(2, 10.0)
     assert b.allow(0.0) and b.allow(1.0)
-    assert not b.allow(2.0)          # third in the window -> refused
+    assert not b.allow(2.0)  # third in the window -> refused
     assert b.exhausted and not b.allow(100.0)  # and it stays down
     b2 = RespawnBudget(2, 10.0)
     assert b2.allow(0.0) and b2.allow(1.0) and b2.allow(11.5)  # the first one left the window

@@ -14,8 +14,18 @@ from dsv41.drafter import protocol as P
 
 def _round(n=2, h=8, ntok=5):
     rng = np.random.default_rng(0)
-    items = [P.RoundItem(f"req-{i}", rng.integers(0, 260, ntok), rng.standard_normal(h).astype(np.float32), 3 + i,
-                         0.5 * i, 17 + i, ntok + 10 * i) for i in range(n)]
+    items = [
+        P.RoundItem(
+            f"req-{i}",
+            rng.integers(0, 260, ntok),
+            rng.standard_normal(h).astype(np.float32),
+            3 + i,
+            0.5 * i,
+            17 + i,
+            ntok + 10 * i,
+        )
+        for i in range(n)
+    ]
     return P.Round(items, h, 50)
 
 
@@ -33,9 +43,11 @@ def test_round_roundtrip():
 
 def test_drafts_roundtrip_and_hello():
     rng = np.random.default_rng(1)
-    d = P.Drafts([np.array([1, 2, 3]), np.zeros(0, np.int64)],
-                 [rng.integers(0, 99, (3, 32)), np.zeros((0, 32), np.int64)],
-                 [rng.random((3, 32)).astype(np.float32), np.zeros((0, 32), np.float32)])
+    d = P.Drafts(
+        [np.array([1, 2, 3]), np.zeros(0, np.int64)],
+        [rng.integers(0, 99, (3, 32)), np.zeros((0, 32), np.int64)],
+        [rng.random((3, 32)).astype(np.float32), np.zeros((0, 32), np.float32)],
+    )
     back = P.Drafts.decode(d.encode())
     np.testing.assert_array_equal(back.tokens[0], [1, 2, 3])
     np.testing.assert_array_equal(back.top_ids[0], d.top_ids[0])
@@ -62,12 +74,15 @@ def test_frame_header_checks():
         assert ei.value.status == status and ei.value.fatal
 
 
-@pytest.mark.parametrize("mutate, status", [
-    (lambda b: b[:-3], P.Status.MALFORMED),                       # truncated hidden
-    (lambda b: b + b"\0", P.Status.MALFORMED),                    # trailing byte
-    (lambda b: struct.pack("<I", 5000) + b[4:], P.Status.LIMIT),  # too many items
-    (lambda b: b[:4] + struct.pack("<I", 0) + b[8:], P.Status.MALFORMED),  # hidden size 0
-])
+@pytest.mark.parametrize(
+    "mutate, status",
+    [
+        (lambda b: b[:-3], P.Status.MALFORMED),  # truncated hidden
+        (lambda b: b + b"\0", P.Status.MALFORMED),  # trailing byte
+        (lambda b: struct.pack("<I", 5000) + b[4:], P.Status.LIMIT),  # too many items
+        (lambda b: b[:4] + struct.pack("<I", 0) + b[8:], P.Status.MALFORMED),  # hidden size 0
+    ],
+)
 def test_round_payload_refusals(mutate, status):
     with pytest.raises(P.ProtocolError) as ei:
         P.Round.decode(mutate(_round().encode()))

@@ -154,9 +154,11 @@ def test_proxy_modules_import_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys, dsv41.drafter.proxy, dsv41.drafter.proxy_cli, dsv41.drafter.shm, dsv41.drafter.client; "
-            "bad = [m for m in ('torch', 'dsv41.drafter.model') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, dsv41.drafter.proxy, dsv41.drafter.proxy_cli, dsv41.drafter.shm, dsv41.drafter.client; "
+        "bad = [m for m in ('torch', 'dsv41.drafter.model') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
 

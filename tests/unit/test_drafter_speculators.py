@@ -58,8 +58,12 @@ def _url(w):
 
 def _inputs(n=2, L=9, depth=5, seed=0):
     rng = np.random.default_rng(seed)
-    return [DraftInput(f"r{i}", rng.integers(0, V, L + i).astype(np.int64), rng.standard_normal(H).astype(np.float32),
-                       depth) for i in range(n)]
+    return [
+        DraftInput(
+            f"r{i}", rng.integers(0, V, L + i).astype(np.int64), rng.standard_normal(H).astype(np.float32), depth
+        )
+        for i in range(n)
+    ]
 
 
 def _expected(ddir):
@@ -163,8 +167,17 @@ def _wait_reply(spec, timeout=20.0):
 
 
 def test_async_proxy_realigned_drafts_watchdog_and_budget(ddir, worker):
-    spec = AsyncSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=2000, watchdog_ms=5000,
-                             respawns=1, window_s=60, max_context=4, max_k=7)
+    spec = AsyncSpeculator(
+        _url(worker),
+        _expected(ddir),
+        k=5,
+        timeout_ms=2000,
+        watchdog_ms=5000,
+        respawns=1,
+        window_s=60,
+        max_context=4,
+        max_k=7,
+    )
     try:
         batch = _inputs(1, depth=5)
         assert spec.propose(batch)[0].tokens.size == 0  # nothing ready on the first step
@@ -175,13 +188,20 @@ def test_async_proxy_realigned_drafts_watchdog_and_budget(ddir, worker):
         got = spec.propose(nxt)[0]
         np.testing.assert_array_equal(got.tokens, ready.tokens[2:7])
         # the same reply is exact: compare with drafting the original context locally
-        ref = TorchDrafter(ddir).draft([RoundItem("r0", batch[0].token_ids[-4:], batch[0].hidden, 7,
-                                                  position=batch[0].token_ids.size)])
+        ref = TorchDrafter(ddir).draft(
+            [RoundItem("r0", batch[0].token_ids[-4:], batch[0].hidden, 7, position=batch[0].token_ids.size)]
+        )
         np.testing.assert_array_equal(ready.tokens, ref.tokens[0])
         # a diverging context gets no stale drafts
         _wait_reply(spec)
-        bad = [DraftInput("r0", np.concatenate([nxt[0].token_ids, [(int(spec._ready["r0"].tokens[0]) + 1) % V]]),
-                          batch[0].hidden, 5)]
+        bad = [
+            DraftInput(
+                "r0",
+                np.concatenate([nxt[0].token_ids, [(int(spec._ready["r0"].tokens[0]) + 1) % V]]),
+                batch[0].hidden,
+                5,
+            )
+        ]
         assert spec.propose(bad)[0].tokens.size == 0 and spec.counters()["stale_drafts"] >= 1
         assert "torch" not in open(f"/proc/{spec.proxy_pid}/maps").read()  # torch-free proxy process
         # kill the proxy mid-stream: the next call fails over (no drafts) and respawns once
@@ -206,8 +226,9 @@ def test_async_proxy_realigned_drafts_watchdog_and_budget(ddir, worker):
 
 
 def test_async_stuck_proxy_detected(ddir, worker):
-    spec = AsyncSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=2000, watchdog_ms=300,
-                             respawns=0, window_s=60, max_context=4)
+    spec = AsyncSpeculator(
+        _url(worker), _expected(ddir), k=5, timeout_ms=2000, watchdog_ms=300, respawns=0, window_s=60, max_context=4
+    )
     try:
         assert spec.wait_ready(20)  # connected: idle, beating every loop (no promise ahead)
         time.sleep(0.05)
@@ -236,8 +257,7 @@ def test_async_identity_refusal_via_proxy(tmp_path, ddir, worker):
 
 def test_env_contract(ddir, worker, monkeypatch):
     assert _build({}, model_cfg=MODEL_CFG, target_identity=TARGET) is None
-    loc = _build({"DSV41_DRAFTER_LOCAL": ddir, "DSV41_DRAFTER_K": "3"}, model_cfg=MODEL_CFG,
-                                target_identity=TARGET)
+    loc = _build({"DSV41_DRAFTER_LOCAL": ddir, "DSV41_DRAFTER_K": "3"}, model_cfg=MODEL_CFG, target_identity=TARGET)
     assert isinstance(loc, LocalSpeculator) and loc.k == 3
     env = {"DSV41_DRAFTER_REMOTE": _url(worker), "DSV41_DRAFTER_DIR": ddir}
     rem = _build(env, model_cfg=MODEL_CFG, target_identity=TARGET)
@@ -270,13 +290,19 @@ def test_env_contract(ddir, worker, monkeypatch):
 
 def test_capacity_mode():
     assert _kv_extra({}) == 0
-    on = {"DSV41_DRAFTER_CAPACITY_MODE": "1", "DSV41_DRAFTER_REMOTE": "tcp://127.0.0.1:1",
-          "DSV41_DRAFTER_DIR": "/d", "DSV41_DRAFTER_LOCAL_MEMORY_TOKENS": "4096"}
+    on = {
+        "DSV41_DRAFTER_CAPACITY_MODE": "1",
+        "DSV41_DRAFTER_REMOTE": "tcp://127.0.0.1:1",
+        "DSV41_DRAFTER_DIR": "/d",
+        "DSV41_DRAFTER_LOCAL_MEMORY_TOKENS": "4096",
+    }
     assert _kv_extra(on) == 4096
     assert _kv_extra({**on, "DSV41_DRAFTER_REMOTE": ""}) == 0  # no remote drafter: nothing freed
-    for e, msg in [({**on, "DSV41_DRAFTER_LOCAL_MEMORY_TOKENS": "0"}, "> 0"),
-                   ({**on, "DSV41_DRAFTER_LOCAL_MEMORY_TOKENS": "lots"}, "integer"),
-                   ({**on, "DSV41_DRAFTER_LOCAL": "/x"}, "frees no memory")]:
+    for e, msg in [
+        ({**on, "DSV41_DRAFTER_LOCAL_MEMORY_TOKENS": "0"}, "> 0"),
+        ({**on, "DSV41_DRAFTER_LOCAL_MEMORY_TOKENS": "lots"}, "integer"),
+        ({**on, "DSV41_DRAFTER_LOCAL": "/x"}, "frees no memory"),
+    ]:
         with pytest.raises(ConfigError, match=msg):
             _kv_extra(e)
 
@@ -288,8 +314,7 @@ def _shm_path(name: str) -> str:
 def test_async_garbage_in_ring_replaces_proxy_and_fails_closed(ddir, worker):
     import struct
 
-    spec = AsyncSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=2000, respawns=1, window_s=60,
-                             max_context=4)
+    spec = AsyncSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=2000, respawns=1, window_s=60, max_context=4)
     try:
         batch = _inputs(1)
         spec.propose(batch)  # submits a round
@@ -318,11 +343,17 @@ def test_no_shm_left_after_normal_close_or_engine_kill(ddir, worker):
     import subprocess
     import sys
 
-    code = ("import sys, time; from dsv41.drafter.async_speculator import AsyncSpeculator; "
-            "s = AsyncSpeculator(sys.argv[1], {}, nap_us=50); "
-            "print(s.ring.name, s.proxy_pid, flush=True); time.sleep(60)")
-    eng = subprocess.Popen([sys.executable, "-c", code, _url(worker)], stdout=subprocess.PIPE, text=True,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+    code = (
+        "import sys, time; from dsv41.drafter.async_speculator import AsyncSpeculator; "
+        "s = AsyncSpeculator(sys.argv[1], {}, nap_us=50); "
+        "print(s.ring.name, s.proxy_pid, flush=True); time.sleep(60)"
+    )
+    eng = subprocess.Popen(
+        [sys.executable, "-c", code, _url(worker)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     try:
         name, ppid = eng.stdout.readline().split()
         assert os.path.exists(_shm_path(name))
@@ -376,8 +407,16 @@ def test_async_proxy_that_cannot_start_leaks_nothing(ddir, worker, monkeypatch):
 
 def test_async_round_never_readable_replaces_proxy(ddir, worker):
     now = [1000.0]
-    spec = AsyncSpeculator(_url(worker), _expected(ddir), k=5, timeout_ms=50, watchdog_ms=5000, respawns=1,
-                             max_context=4, clock=lambda: now[0])
+    spec = AsyncSpeculator(
+        _url(worker),
+        _expected(ddir),
+        k=5,
+        timeout_ms=50,
+        watchdog_ms=5000,
+        respawns=1,
+        max_context=4,
+        clock=lambda: now[0],
+    )
     try:
         assert spec.wait_ready(20)
         batch = _inputs(1)
@@ -407,8 +446,9 @@ def test_async_round_longer_than_watchdog_is_not_a_hang(ddir):
     timeout) announces when it will be back; the watchdog must not kill it."""
     slow = DrafterWorker(TorchDrafter(ddir), target_identity=TARGET, delay_ms=500)
     slow.start()
-    spec = AsyncSpeculator(_url(slow), _expected(ddir), k=5, timeout_ms=1500, watchdog_ms=150, respawns=3,
-                             max_context=4)
+    spec = AsyncSpeculator(
+        _url(slow), _expected(ddir), k=5, timeout_ms=1500, watchdog_ms=150, respawns=3, max_context=4
+    )
     try:
         assert spec.wait_ready(20)
         batch = _inputs(1)

@@ -45,8 +45,13 @@ def _expected(w):
 
 def _round(n=2, depth=4):
     rng = np.random.default_rng(2)
-    return P.Round([P.RoundItem(f"q{i}", rng.integers(0, V, 7), rng.standard_normal(H).astype(np.float32), depth)
-                    for i in range(n)], H)
+    return P.Round(
+        [
+            P.RoundItem(f"q{i}", rng.integers(0, V, 7), rng.standard_normal(H).astype(np.float32), depth)
+            for i in range(n)
+        ],
+        H,
+    )
 
 
 def test_round_matches_local_backend(worker, ddir):
@@ -136,13 +141,19 @@ def test_metrics_exposed(worker):
     c.round(_round(2, depth=3))
     c.close()
     text = generate_latest(worker.metrics.registry).decode()
-    for name in ("dsv41_drafter_rounds_total", "dsv41_drafter_drafts_total", "dsv41_drafter_round_seconds_count",
-                 "dsv41_drafter_refusals_total", "dsv41_drafter_info"):
+    for name in (
+        "dsv41_drafter_rounds_total",
+        "dsv41_drafter_drafts_total",
+        "dsv41_drafter_round_seconds_count",
+        "dsv41_drafter_refusals_total",
+        "dsv41_drafter_info",
+    ):
         assert name in text
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(msg=st.sampled_from([1, 3, 4, 5, 9]), body=st.binary(max_size=200), corrupt_crc=st.booleans())
 def test_fuzzed_frames_refused_with_status(worker, msg, body, corrupt_crc):
     """After a valid hello, any fuzzed frame gets an ERROR status (never a crash, never drafts)."""
@@ -153,6 +164,7 @@ def test_fuzzed_frames_refused_with_status(worker, msg, body, corrupt_crc):
         frame[6:8] = msg.to_bytes(2, "little")
         frame[20:24] = len(body).to_bytes(4, "little")
         import zlib
+
         crc = zlib.crc32(body) ^ (1 if corrupt_crc else 0)
         frame[24:28] = (crc & 0xFFFFFFFF).to_bytes(4, "little")
         s.sendall(bytes(frame) + body)
@@ -193,8 +205,13 @@ def test_concurrent_clients(worker):
 @pytest.fixture()
 def tight(ddir):
     """A worker with short hello/frame timeouts and room for 3 connections."""
-    w = DrafterWorker(TorchDrafter(ddir, max_batch=8), target_identity=TARGET, max_connections=3,
-                      hello_timeout_s=0.4, frame_timeout_s=0.4)
+    w = DrafterWorker(
+        TorchDrafter(ddir, max_batch=8),
+        target_identity=TARGET,
+        max_connections=3,
+        hello_timeout_s=0.4,
+        frame_timeout_s=0.4,
+    )
     w.start()
     yield w
     w.stop()

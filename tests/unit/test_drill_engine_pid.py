@@ -38,27 +38,49 @@ ENGINE = ["/opt/dsv41/venv/bin/dsv41", "engine", "serve", "--rank", "0"]
 
 def proxy_argv(parent_ns_pid: int) -> list[str]:
     """The async proxy's argv as AsyncSpeculator._spawn builds it."""
-    return ["/opt/dsv41/venv/bin/python", "-m", "dsv41.drafter.proxy_cli", "run", "--shm", "/dsv41-ring",
-            "--parent-pid", str(parent_ns_pid)]
+    return [
+        "/opt/dsv41/venv/bin/python",
+        "-m",
+        "dsv41.drafter.proxy_cli",
+        "run",
+        "--shm",
+        "/dsv41-ring",
+        "--parent-pid",
+        str(parent_ns_pid),
+    ]
 
 
 # host pid -> (parent host pid, pid in its own namespace, argv); MAIN: the service's main pid.
-PLAIN = {"main": 500, "engine": 500, "proxy": 501, "container": None, "procs": {
-    1: (0, 1, ["/lib/systemd/systemd"]),
-    500: (1, 500, ENGINE),
-    501: (500, 501, proxy_argv(500)),
-    502: (500, 502, ["/opt/dsv41/venv/bin/python", "-c", "from multiprocessing.spawn import spawn_main"])}}
-CONTAINER = {"main": 600, "engine": 702, "proxy": 703, "container": ("true", 701, "true"), "procs": {
-    1: (0, 1, ["/lib/systemd/systemd"]),
-    600: (1, 600, ["/usr/bin/docker", "run", "--rm", "--name", "dsv41-serve", "--init", "sha256:ab", *ENGINE[1:]]),
-    650: (1, 650, ["/usr/bin/dockerd", "-H", "fd://"]),
-    700: (1, 700, ["/usr/bin/containerd-shim-runc-v2", "-namespace", "moby", "-id", "c0ffee"]),
-    701: (700, 1, ["/sbin/docker-init", "--", *ENGINE[1:]]),
-    702: (701, 7, ENGINE),
-    703: (702, 8, proxy_argv(7)),
-    704: (702, 9, ["/opt/dsv41/venv/bin/python", "-c", "from multiprocessing.spawn import spawn_main"]),
-    # a proxy orphaned by an earlier engine, reparented to the init: never the engine, never killed
-    705: (701, 12, proxy_argv(3))}}
+PLAIN = {
+    "main": 500,
+    "engine": 500,
+    "proxy": 501,
+    "container": None,
+    "procs": {
+        1: (0, 1, ["/lib/systemd/systemd"]),
+        500: (1, 500, ENGINE),
+        501: (500, 501, proxy_argv(500)),
+        502: (500, 502, ["/opt/dsv41/venv/bin/python", "-c", "from multiprocessing.spawn import spawn_main"]),
+    },
+}
+CONTAINER = {
+    "main": 600,
+    "engine": 702,
+    "proxy": 703,
+    "container": ("true", 701, "true"),
+    "procs": {
+        1: (0, 1, ["/lib/systemd/systemd"]),
+        600: (1, 600, ["/usr/bin/docker", "run", "--rm", "--name", "dsv41-serve", "--init", "sha256:ab", *ENGINE[1:]]),
+        650: (1, 650, ["/usr/bin/dockerd", "-H", "fd://"]),
+        700: (1, 700, ["/usr/bin/containerd-shim-runc-v2", "-namespace", "moby", "-id", "c0ffee"]),
+        701: (700, 1, ["/sbin/docker-init", "--", *ENGINE[1:]]),
+        702: (701, 7, ENGINE),
+        703: (702, 8, proxy_argv(7)),
+        704: (702, 9, ["/opt/dsv41/venv/bin/python", "-c", "from multiprocessing.spawn import spawn_main"]),
+        # a proxy orphaned by an earlier engine, reparented to the init: never the engine, never killed
+        705: (701, 12, proxy_argv(3)),
+    },
+}
 RUNTIMES = {"plain": (PLAIN, TOPO), "container": (CONTAINER, CTOPO)}
 MODES = ("explicit", "auto")
 
@@ -86,9 +108,9 @@ class TreeLab(FakeLab):
         return [pid, self.procs[pid][1], list(self.procs[pid][2])]
 
     def __call__(self, cmd, **kw) -> subprocess.CompletedProcess:
-        argv = list(cmd[cmd.index("--") + 1:])
+        argv = list(cmd[cmd.index("--") + 1 :])
         if argv[:2] == ["python3", "-c"]:
-            self.entries.append(tuple(cmd[3:cmd.index("--")]))
+            self.entries.append(tuple(cmd[3 : cmd.index("--")]))
             pid = int(argv[3])
             if pid not in self.procs:
                 return self._reply(cmd, out="null\n")
@@ -120,8 +142,13 @@ class TreeLab(FakeLab):
 
 # Per fault class: whether it needs rank 0's engine. Keyed by class name so that a new fault class
 # fails test_every_fault_class_is_classified until it is said here.
-NEEDS_ENGINE = {"EngramServerStop": False, "DrafterWorkerStop": False, "AsyncProxyKill": True,
-                "LinkDown": False, "Netem": False}
+NEEDS_ENGINE = {
+    "EngramServerStop": False,
+    "DrafterWorkerStop": False,
+    "AsyncProxyKill": True,
+    "LinkDown": False,
+    "Netem": False,
+}
 LOOKUPS = ("program_pid", "proc_tree", "container_pid")
 
 
@@ -150,6 +177,7 @@ def guarded(monkeypatch) -> list[str]:
         def wrapped(self, *a, _orig=orig, _name=name, **kw):
             assert inside[0] > 0, f"LabHosts.{_name} called outside find_engine"
             return _orig(self, *a, **kw)
+
         monkeypatch.setattr(drill_faults.LabHosts, name, wrapped)
     monkeypatch.setattr(drill_faults, "find_engine", find_engine)
     return calls
@@ -159,8 +187,9 @@ def guarded(monkeypatch) -> list[str]:
 @pytest.mark.parametrize("manager", MANAGERS)
 @pytest.mark.parametrize("runtime", RUNTIMES)
 @pytest.mark.parametrize("fault", list(drill_faults.FAULTS))
-def test_every_fault_acts_on_the_right_pid(fault: str, runtime: str, manager: str, mode: str, tmp_path: Path,
-                                           guarded) -> None:
+def test_every_fault_acts_on_the_right_pid(
+    fault: str, runtime: str, manager: str, mode: str, tmp_path: Path, guarded
+) -> None:
     tree, topo = RUNTIMES[runtime]
     topo = topo if mode == "explicit" else ATOPO
     lab = TreeLab(tmp_path, manager, tree)
@@ -190,10 +219,15 @@ def _calls_outside(tree: ast.AST, names: tuple[str, ...], allowed: str) -> list[
     def walk(node: ast.AST, fn: str | None) -> None:
         for child in ast.iter_child_nodes(node):
             here = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else fn
-            if (isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute)
-                    and child.func.attr in names and fn != allowed):
+            if (
+                isinstance(child, ast.Call)
+                and isinstance(child.func, ast.Attribute)
+                and child.func.attr in names
+                and fn != allowed
+            ):
                 bad.append(child.lineno)
             walk(child, here)
+
     walk(tree, None)
     return bad
 
@@ -226,16 +260,37 @@ def _tree(base: dict, **changes) -> dict:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case, tree, expect", [
-    ("no container", _tree(CONTAINER, container=None), "no container dsv41-serve on sparkhead (Error: No such object"),
-    ("stopped", _tree(CONTAINER, container=("false", 0, "true")), "container dsv41-serve on sparkhead is not running"),
-    ("no engine", _tree(CONTAINER, drop=(702, 703, 704, 705)),
-     "container dsv41-serve on sparkhead: its init (pid 701) runs no engine"),
-    ("no proxy", _tree(CONTAINER, drop=(703,)),
-     "no async proxy process under container dsv41-serve (engine pid 702, 7 in the container) on sparkhead"),
-    ("bad answer", _tree(CONTAINER, container=("[]",)), "container dsv41-serve on sparkhead: /usr/bin/docker inspect said"),
-    ("gone", _tree(CONTAINER, drop=(701,)), "pid 701 on sparkhead is gone"),
-])
+@pytest.mark.parametrize(
+    "case, tree, expect",
+    [
+        (
+            "no container",
+            _tree(CONTAINER, container=None),
+            "no container dsv41-serve on sparkhead (Error: No such object",
+        ),
+        (
+            "stopped",
+            _tree(CONTAINER, container=("false", 0, "true")),
+            "container dsv41-serve on sparkhead is not running",
+        ),
+        (
+            "no engine",
+            _tree(CONTAINER, drop=(702, 703, 704, 705)),
+            "container dsv41-serve on sparkhead: its init (pid 701) runs no engine",
+        ),
+        (
+            "no proxy",
+            _tree(CONTAINER, drop=(703,)),
+            "no async proxy process under container dsv41-serve (engine pid 702, 7 in the container) on sparkhead",
+        ),
+        (
+            "bad answer",
+            _tree(CONTAINER, container=("[]",)),
+            "container dsv41-serve on sparkhead: /usr/bin/docker inspect said",
+        ),
+        ("gone", _tree(CONTAINER, drop=(701,)), "pid 701 on sparkhead is gone"),
+    ],
+)
 def test_container_failures_are_one_line(case: str, tree: dict, expect: str, mode: str, tmp_path: Path) -> None:
     topo = CTOPO if mode == "explicit" else ATOPO
     if case == "no container" and mode == "auto":
@@ -270,8 +325,13 @@ def test_plain_failures_name_the_service(tmp_path: Path) -> None:
 
 def test_container_without_init(tmp_path: Path) -> None:
     """Without docker's init the container's PID 1 is the engine itself (proxy --parent-pid 1)."""
-    tree = _tree(CONTAINER, container=("true", 702, "<nil>"), engine=702, drop=(701, 705),
-                 procs={702: (700, 1, ENGINE), 703: (702, 8, proxy_argv(1)), 704: (702, 9, ["x"])})
+    tree = _tree(
+        CONTAINER,
+        container=("true", 702, "<nil>"),
+        engine=702,
+        drop=(701, 705),
+        procs={702: (700, 1, ENGINE), 703: (702, 8, proxy_argv(1)), 704: (702, 9, ["x"])},
+    )
     lab = TreeLab(tmp_path, "systemd", tree)
     rec = drill_faults.AsyncProxyKill(lab.hosts, CTOPO).inject()
     assert lab.kills == [703] and rec["engine_pid"] == 702 and "1 in the container" in rec["action"]
@@ -287,10 +347,15 @@ NO_CONTAINER = {
     "podman: no such object": (125, 'Error: no such object: "dsv41-serve"'),
 }
 CANNOT_TELL = {
-    "daemon down": (1, "Cannot connect to the Docker daemon at unix:///var/run/docker.sock. "
-                       "Is the docker daemon running?"),
-    "permission denied": (1, "permission denied while trying to connect to the Docker daemon socket at "
-                             "unix:///var/run/docker.sock: Get \"http://%2Fvar%2Frun%2Fdocker.sock/v1.47/containers/json\""),
+    "daemon down": (
+        1,
+        "Cannot connect to the Docker daemon at unix:///var/run/docker.sock. Is the docker daemon running?",
+    ),
+    "permission denied": (
+        1,
+        "permission denied while trying to connect to the Docker daemon socket at "
+        'unix:///var/run/docker.sock: Get "http://%2Fvar%2Frun%2Fdocker.sock/v1.47/containers/json"',
+    ),
     "runtime not executable": (126, "nsenter: failed to execute /usr/bin/docker: Permission denied"),
     "no stderr": (2, ""),
 }
@@ -313,8 +378,12 @@ def test_auto_when_the_host_cannot_tell_is_one_line(case: str, tmp_path: Path) -
     rc, err = CANNOT_TELL[case]
     lab = TreeLab(tmp_path, "systemd", CONTAINER)
     lab.inspect_reply = (rc, err)
-    want = ["cannot tell how the engine runs on sparkhead", f"(exit {rc}", "--serve-container or --plain-engine",
-            *([err.splitlines()[-1]] if err else [])]
+    want = [
+        "cannot tell how the engine runs on sparkhead",
+        f"(exit {rc}",
+        "--serve-container or --plain-engine",
+        *([err.splitlines()[-1]] if err else []),
+    ]
     with pytest.raises(DrillError) as exc:
         drill_faults.AsyncProxyKill(lab.hosts, ATOPO).inject()
     _one_line(exc, *want)
@@ -345,8 +414,21 @@ def _run_cli(lab: TreeLab, tmp_path: Path, monkeypatch, *args: str) -> tuple[int
     monkeypatch.setattr(drill, "run_drill", lambda params, hosts, topo, **kw: seen.append(topo))
     refs = tmp_path / "refs.json"
     refs.write_text("{}")
-    rc = main(["drill", "run", "--faults", "async_proxy", "--refs", str(refs), "--out-dir", str(tmp_path / "d"),
-               "--id", "t", *args])
+    rc = main(
+        [
+            "drill",
+            "run",
+            "--faults",
+            "async_proxy",
+            "--refs",
+            str(refs),
+            "--out-dir",
+            str(tmp_path / "d"),
+            "--id",
+            "t",
+            *args,
+        ]
+    )
     return rc, seen
 
 
@@ -356,7 +438,7 @@ def test_run_asks_once_before_any_fault(runtime: str, mode: str, tmp_path: Path,
     """The drill is given the runtime decided (said or asked); the report records it and how."""
     tree, topo = RUNTIMES[runtime]
     lab = TreeLab(tmp_path, "systemd", tree)
-    flag = ({"plain": ["--plain-engine"], "container": ["--serve-container"]}[runtime] if mode == "explicit" else [])
+    flag = {"plain": ["--plain-engine"], "container": ["--serve-container"]}[runtime] if mode == "explicit" else []
     rc, seen = _run_cli(lab, tmp_path, monkeypatch, *flag)
     assert rc == 1 and "no fault ran" in capsys.readouterr().err  # the replaced drill ran no fault
     assert [t.serve_container for t in seen] == [topo.serve_container]
@@ -371,7 +453,6 @@ def test_run_refuses_a_host_that_cannot_tell_before_any_fault(tmp_path: Path, mo
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1 and "cannot tell how the engine runs on sparkhead" in err[0], err
     assert seen == [] and lab.kills == [] and lab.mgr.calls() == [] and not (tmp_path / "d").exists()
-
 
 
 @pytest.mark.parametrize("cmd", [["clear"], ["run", "--refs", "/nonexistent"]])
@@ -393,13 +474,19 @@ def test_a_real_pid_namespace(tmp_path: Path) -> None:
 
     from servicectlutil import FakeLab
 
-    code = ("import os,subprocess,sys,time\n"
-            "p=subprocess.Popen([sys.executable,'-c','import time; time.sleep(120)','-m','dsv41.drafter.proxy_cli',"
-            "'run','--parent-pid',str(os.getpid())])\n"
-            "print(os.getpid(),flush=True)\n"
-            "time.sleep(120)\n")
-    ns = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", code],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    code = (
+        "import os,subprocess,sys,time\n"
+        "p=subprocess.Popen([sys.executable,'-c','import time; time.sleep(120)','-m','dsv41.drafter.proxy_cli',"
+        "'run','--parent-pid',str(os.getpid())])\n"
+        "print(os.getpid(),flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    ns = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         first = ns.stdout.readline().strip()
         if first != "1":
@@ -413,7 +500,7 @@ def test_a_real_pid_namespace(tmp_path: Path) -> None:
 
         class Inspect(FakeLab):
             def __call__(self, cmd, **kw):
-                if cmd[cmd.index("--") + 1:][1:2] == ["inspect"]:
+                if cmd[cmd.index("--") + 1 :][1:2] == ["inspect"]:
                     return self._reply(cmd, out=f"true {engine} <nil>\n")
                 return super().__call__(cmd, **kw)
 
@@ -423,7 +510,10 @@ def test_a_real_pid_namespace(tmp_path: Path) -> None:
         assert (rec["engine_pid"], rec["proxy_pid"]) == (engine, proxy), rec
         assert "1 in the container" in rec["action"] and ("kill", "-KILL", str(proxy)) in lab.argvs
         deadline = time.monotonic() + 5
-        while Path(f"/proc/{proxy}/stat").exists() and Path(f"/proc/{proxy}/stat").read_text().split(") ")[1][0] not in "ZX":
+        while (
+            Path(f"/proc/{proxy}/stat").exists()
+            and Path(f"/proc/{proxy}/stat").read_text().split(") ")[1][0] not in "ZX"
+        ):
             assert time.monotonic() < deadline, "the proxy still runs"
             time.sleep(0.02)
     finally:

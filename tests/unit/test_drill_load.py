@@ -77,8 +77,9 @@ def test_a_refused_connection_is_a_failed_result_with_a_clear_error() -> None:
     results = load.stop()
     assert results
     assert all(not r["ok"] and r["status"] is None for r in results)
-    assert all(r["error"].startswith("ConnectError: ") and "refused" in r["error"].lower() for r in results), \
-        results[0]["error"]
+    assert all(r["error"].startswith("ConnectError: ") and "refused" in r["error"].lower() for r in results), results[
+        0
+    ]["error"]
     # each stream paused FAILED_PAUSE_S after each failure instead of spinning
     assert len(results) <= 2 * (0.5 / drill_measure.FAILED_PAUSE_S + 2), len(results)
 

@@ -146,8 +146,10 @@ def test_builders_round_trip_through_the_fake(manager: str, tmp_path: Path) -> N
     ctl = mgr.ctl
     r = mgr.run(ctl.list_services())
     assert r.returncode == 0, r.stderr
-    assert ctl.parse_list(r.stdout) == {"dsv41-a": ctl.parse_state("dsv41-a", mgr.run(ctl.state("dsv41-a")).stdout),
-                                        "dsv41-b": ctl.parse_state("dsv41-b", mgr.run(ctl.state("dsv41-b")).stdout)}
+    assert ctl.parse_list(r.stdout) == {
+        "dsv41-a": ctl.parse_state("dsv41-a", mgr.run(ctl.state("dsv41-a")).stdout),
+        "dsv41-b": ctl.parse_state("dsv41-b", mgr.run(ctl.state("dsv41-b")).stdout),
+    }
     assert ctl.parse_state("dsv41-a", mgr.run(ctl.state("dsv41-a")).stdout) in ctl.up_states
     assert ctl.parse_state("dsv41-b", mgr.run(ctl.state("dsv41-b")).stdout) not in ctl.up_states
     assert ctl.parse_main_pid(mgr.run(ctl.main_pid("dsv41-a")).stdout) == 777
@@ -195,6 +197,7 @@ def test_for_manager_refusals() -> None:
 
 # ---- every CLI that takes --service-manager --------------------------------------------------------
 
+
 def _commands_with(option: str) -> dict[tuple[str, ...], set[str]]:
     """``{command path: its options}`` of every command of the dsv41 tree that has ``option``."""
     opts: dict[tuple[str, ...], set[str]] = {}
@@ -241,6 +244,7 @@ def test_drill_clear_reaches_the_lab_check_with_every_manager(manager: str, caps
 
 # ---- the playbooks and roles pass the hosts' manager ----------------------------------------------
 
+
 def _yaml_files() -> list[Path]:
     return sorted([*ROOT.glob("playbooks/*.yml"), *ROOT.glob("*.yml"), *ROOT.glob("roles/*/tasks/*.yml")])
 
@@ -274,8 +278,13 @@ def _rendered(path: str, where, variables: dict, play_vars: bool = False):
 
 
 @pytest.mark.parametrize("manager", MANAGERS)
-@pytest.mark.parametrize("path, where", [("playbooks/status.yml", (1, "tasks", 0, "ansible.builtin.command", "argv")),
-                                         ("roles/promotion/tasks/facts.yml", (2, "ansible.builtin.command", "argv"))])
+@pytest.mark.parametrize(
+    "path, where",
+    [
+        ("playbooks/status.yml", (1, "tasks", 0, "ansible.builtin.command", "argv")),
+        ("roles/promotion/tasks/facts.yml", (2, "ansible.builtin.command", "argv")),
+    ],
+)
 def test_status_argv_of_the_playbooks_runs(path: str, where, manager: str, tmp_path: Path, monkeypatch, capsys) -> None:
     """The argv status.yml and the promotion facts render for each manager is accepted by
     ``dsv41 status --local`` and lists the services through that manager."""
@@ -285,8 +294,9 @@ def test_status_argv_of_the_playbooks_runs(path: str, where, manager: str, tmp_p
     argv = _rendered(path, where, {"dsv41_venv": "/opt/dsv41/venv", "dsv41_service_manager": manager})
     assert argv[:2] == ["/opt/dsv41/venv/bin/dsv41", "status"]
     assert argv[argv.index("--service-manager") + 1] == manager
-    assert main([*argv[1:], "--root", str(tmp_path / "opt"), "--container-runtime", str(tmp_path / "no-docker")]) == 0, \
-        capsys.readouterr().err
+    assert (
+        main([*argv[1:], "--root", str(tmp_path / "opt"), "--container-runtime", str(tmp_path / "no-docker")]) == 0
+    ), capsys.readouterr().err
     assert json.loads(capsys.readouterr().out)["services"] == {"dsv41-serve": STATES[manager]["up"]}
 
 
@@ -297,9 +307,12 @@ def test_drill_argv_of_the_playbook_is_accepted(manager: str, tmp_path: Path, ca
     plays = yaml.safe_load((ROOT / "playbooks" / "drill.yml").read_text())
     at = next(i for i, p in enumerate(plays) if "drill_common_args" in p.get("vars", {}))
     head = {"dsv41_lab_dir": str(tmp_path / "nolab"), "dsv41_service_manager": manager}
-    args = _rendered("playbooks/drill.yml", (at, "vars", "drill_common_args"),
-                     {"hostvars": {"sparkhead": head}, "drill_head": "sparkhead", "drill_link": "sparkhead:ofl0"},
-                     play_vars=True)
+    args = _rendered(
+        "playbooks/drill.yml",
+        (at, "vars", "drill_common_args"),
+        {"hostvars": {"sparkhead": head}, "drill_head": "sparkhead", "drill_link": "sparkhead:ofl0"},
+        play_vars=True,
+    )
     assert args[args.index("--service-manager") + 1] == manager
     assert main(["drill", "clear", "--faults", "all", *args]) == 1
     err = capsys.readouterr().err.strip().splitlines()

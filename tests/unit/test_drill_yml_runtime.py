@@ -34,12 +34,21 @@ def _template(expr, variables: dict, tmp_path: Path):
 
 
 # The head Spark's variables the role would decide by: none of them changes what drill.yml passes.
-HEADS = [{}, {"serve_runtime": "vllm"}, {"serve_container": True}, {"serve_container": False, "serve_runtime": "vllm"},
-         {"serve_container_runtime": "/opt/bin/docker"}]
+HEADS = [
+    {},
+    {"serve_runtime": "vllm"},
+    {"serve_container": True},
+    {"serve_container": False, "serve_runtime": "vllm"},
+    {"serve_container_runtime": "/opt/bin/docker"},
+]
 
 
-OVERRIDES = {"unset": (None, []), "true": ("true", ["--serve-container"]), "false": ("false", ["--plain-engine"]),
-             "yaml true": (True, ["--serve-container"])}
+OVERRIDES = {
+    "unset": (None, []),
+    "true": ("true", ["--serve-container"]),
+    "false": ("false", ["--plain-engine"]),
+    "yaml true": (True, ["--serve-container"]),
+}
 
 
 @pytest.mark.parametrize("override", OVERRIDES)
@@ -54,16 +63,36 @@ def test_drill_yml_passes_only_the_operators_runtime(inv: dict, override: str, t
     if value is not None:
         play["drill_serve_container"] = value
     args = list(_template("{{ drill_common_args }}", play, tmp_path))
-    runtime = (["--container-runtime", inv["serve_container_runtime"]] if "serve_container_runtime" in inv else [])
-    assert args == ["--link", "sparkhead:ofl0", "--lab-dir", head["dsv41_lab_dir"], "--service-manager", "systemd",
-                    *runtime, *flag], args
+    runtime = ["--container-runtime", inv["serve_container_runtime"]] if "serve_container_runtime" in inv else []
+    assert args == [
+        "--link",
+        "sparkhead:ofl0",
+        "--lab-dir",
+        head["dsv41_lab_dir"],
+        "--service-manager",
+        "systemd",
+        *runtime,
+        *flag,
+    ], args
     assert main(["drill", "clear", "--faults", "all", *args]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the lab is not up" in err[0], err
 
 
-@pytest.mark.parametrize("value, ok", [(None, True), ("true", True), ("false", True), (True, True), (False, True),
-                                       ("True", True), ("maybe", False), ("", False), ("yes", False)])
+@pytest.mark.parametrize(
+    "value, ok",
+    [
+        (None, True),
+        ("true", True),
+        ("false", True),
+        (True, True),
+        (False, True),
+        ("True", True),
+        ("maybe", False),
+        ("", False),
+        ("yes", False),
+    ],
+)
 def test_drill_yml_refuses_an_override_that_is_not_a_boolean(value, ok: bool, tmp_path: Path) -> None:
     """The first play's check of ``-e drill_serve_container`` (before production is even read)."""
     plays = yaml.safe_load((ROOT / "playbooks" / "drill.yml").read_text())

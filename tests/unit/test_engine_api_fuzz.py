@@ -15,25 +15,70 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from engineutil import lab_assets, local_rows  # noqa: E402
 
-FIELDS = ["prompt", "messages", "model", "max_tokens", "max_completion_tokens", "min_tokens", "temperature",
-          "top_p", "seed", "n", "best_of", "stream", "stream_options", "return_token_ids", "ignore_eos",
-          "logprobs", "top_logprobs", "echo", "suffix", "tools", "logit_bias", "stop", "user"]
+FIELDS = [
+    "prompt",
+    "messages",
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "n",
+    "best_of",
+    "stream",
+    "stream_options",
+    "return_token_ids",
+    "ignore_eos",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "suffix",
+    "tools",
+    "logit_bias",
+    "stop",
+    "user",
+]
 MAX_MODEL_LEN = 64
 
-scalars = (st.none() | st.booleans() | st.integers() | st.integers(-2**70, 2**70)
-           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=40)
-           | st.text(alphabet=st.characters(codec="utf-8"), max_size=8))
-json_values = st.recursive(scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
-                           max_leaves=12)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=40)
+    | st.text(alphabet=st.characters(codec="utf-8"), max_size=8)
+)
+json_values = st.recursive(
+    scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=12
+)
 plausible = {
-    "prompt": st.text(max_size=30) | st.lists(st.integers(-2, 300), max_size=8) | st.lists(st.lists(st.integers(0, 259), max_size=3), max_size=2),
-    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
-                                                "content": st.text(max_size=20) | json_values}), max_size=3),
-    "max_tokens": st.integers(-2, 80), "max_completion_tokens": st.integers(-2, 80), "min_tokens": st.integers(-1, 5),
-    "temperature": st.floats(-1, 3), "top_p": st.floats(-0.5, 1.5), "seed": st.integers(-2**64, 2**64),
-    "stream": st.booleans(), "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans(),
-                                                                                    "continuous_usage_stats": st.booleans()}),
-    "logprobs": st.integers(0, 5) | st.booleans(), "model": st.sampled_from(["m", "other"]),
+    "prompt": st.text(max_size=30)
+    | st.lists(st.integers(-2, 300), max_size=8)
+    | st.lists(st.lists(st.integers(0, 259), max_size=3), max_size=2),
+    "messages": st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
+                "content": st.text(max_size=20) | json_values,
+            }
+        ),
+        max_size=3,
+    ),
+    "max_tokens": st.integers(-2, 80),
+    "max_completion_tokens": st.integers(-2, 80),
+    "min_tokens": st.integers(-1, 5),
+    "temperature": st.floats(-1, 3),
+    "top_p": st.floats(-0.5, 1.5),
+    "seed": st.integers(-(2**64), 2**64),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries(
+        {}, optional={"include_usage": st.booleans(), "continuous_usage_stats": st.booleans()}
+    ),
+    "logprobs": st.integers(0, 5) | st.booleans(),
+    "model": st.sampled_from(["m", "other"]),
 }
 
 
@@ -49,8 +94,11 @@ def requests(draw):
     if path in PATHS[:2] and draw(st.booleans()):
         chat = path == PATHS[1]
         body = {"messages": [{"role": "user", "content": "ab"}]} if chat else {"prompt": "ab"}
-        own = [k for k in plausible if k not in ("prompt", "messages", "logprobs")
-               and (chat or k != "max_completion_tokens")]
+        own = [
+            k
+            for k in plausible
+            if k not in ("prompt", "messages", "logprobs") and (chat or k != "max_completion_tokens")
+        ]
         for k in draw(st.lists(st.sampled_from(own), max_size=4, unique=True)):
             body[k] = draw(plausible[k])
         return json.dumps(body).encode(), path
@@ -129,8 +177,11 @@ def app_client(tmp_path_factory):
         engine.shutdown(5)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                   HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(case=requests())
 def test_request_json_never_5xx_nor_traceback(app_client, case):
     raw, path = case

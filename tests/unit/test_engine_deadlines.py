@@ -60,8 +60,9 @@ def run(target, rows, spec=None, depth=0, deadlines=None, max_tokens=12, prompts
     model = TargetModel(target["cfg"], target["weights"], LocalComm(), rows)
     sched = Scheduler(kv_cache_tokens=4096, max_model_len=1024, max_running=8, spec_depth=depth)
     metrics = EngineMetrics("lab", lambda: {})
-    eng = Engine(model, sched, LocalComm(), rows, speculator=spec, spec_depth=depth, metrics=metrics,
-                 deadlines=deadlines)
+    eng = Engine(
+        model, sched, LocalComm(), rows, speculator=spec, spec_depth=depth, metrics=metrics, deadlines=deadlines
+    )
     outs = [[] for _ in prompts]
     done = [threading.Event() for _ in prompts]
     reasons = [None] * len(prompts)
@@ -73,6 +74,7 @@ def run(target, rows, spec=None, depth=0, deadlines=None, max_tokens=12, prompts
             else:
                 reasons[i] = ev["reason"]
                 done[i].set()
+
         return f
 
     eng.start()
@@ -94,8 +96,7 @@ def test_hanging_propose_fails_closed_within_the_deadline(assets, target):
     want, _, _, _ = run(target, local_rows(assets))
     spec = HangingSpeculator()
     t0 = time.monotonic()
-    got, reasons, eng, metrics = run(target, local_rows(assets), spec=spec, depth=3,
-                                     deadlines=Deadlines(propose_s=0.2))
+    got, reasons, eng, metrics = run(target, local_rows(assets), spec=spec, depth=3, deadlines=Deadlines(propose_s=0.2))
     elapsed = time.monotonic() - t0
     assert got == want and reasons == ["length", "length"]
     assert spec.calls == 1  # no second call stacked on the stuck one
@@ -117,8 +118,13 @@ def test_frozen_remote_engram_server_costs_a_local_read_within_the_deadline(asse
     want, _, _, _ = run(target, local_rows(assets))
     tables, _ = load_tables(load_manifest(assets.manifest), assets.data)
     hung = SilentServer(tables)
-    s = envs.parse({"DSV41_ENGRAM_REMOTE": f"tcp://127.0.0.1:{hung.port}", "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "5000",
-                    "DSV41_ENGRAM_LOOKUP_DEADLINE_MS": "100"})
+    s = envs.parse(
+        {
+            "DSV41_ENGRAM_REMOTE": f"tcp://127.0.0.1:{hung.port}",
+            "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "5000",
+            "DSV41_ENGRAM_LOOKUP_DEADLINE_MS": "100",
+        }
+    )
     rows = sources.from_env(str(assets.manifest), str(assets.data), 0, 1, settings=s)
     assert rows.connected and rows.deadline_s == 0.1
     t0 = time.monotonic()
@@ -150,14 +156,17 @@ def test_deadline_caller_returns_values_and_errors():
     c.close()
 
 
-@pytest.mark.parametrize("env, frag", [
-    ({"DSV41_TP_PEER_TIMEOUT_S": "abc"}, "DSV41_TP_PEER_TIMEOUT_S must be a number"),
-    ({"DSV41_TP_PEER_TIMEOUT_S": "nan"}, "DSV41_TP_PEER_TIMEOUT_S must be a number"),
-    ({"DSV41_DRAFTER_PROPOSE_DEADLINE_MS": "0"}, "DSV41_DRAFTER_PROPOSE_DEADLINE_MS must be a number"),
-    ({"DSV41_ENGRAM_LOOKUP_DEADLINE_MS": "-5"}, "DSV41_ENGRAM_LOOKUP_DEADLINE_MS must be a number"),
-    ({"DSV41_TP_PEER_TIMEOUT_S": "1"}, "DSV41_TP_PEER_TIMEOUT_S must be a number"),
-    ({"DSV41_TP_PEER_TIMEOUT_S": "2", "DSV41_DRAFTER_PROPOSE_DEADLINE_MS": "3000"}, "must exceed"),
-])
+@pytest.mark.parametrize(
+    "env, frag",
+    [
+        ({"DSV41_TP_PEER_TIMEOUT_S": "abc"}, "DSV41_TP_PEER_TIMEOUT_S must be a number"),
+        ({"DSV41_TP_PEER_TIMEOUT_S": "nan"}, "DSV41_TP_PEER_TIMEOUT_S must be a number"),
+        ({"DSV41_DRAFTER_PROPOSE_DEADLINE_MS": "0"}, "DSV41_DRAFTER_PROPOSE_DEADLINE_MS must be a number"),
+        ({"DSV41_ENGRAM_LOOKUP_DEADLINE_MS": "-5"}, "DSV41_ENGRAM_LOOKUP_DEADLINE_MS must be a number"),
+        ({"DSV41_TP_PEER_TIMEOUT_S": "1"}, "DSV41_TP_PEER_TIMEOUT_S must be a number"),
+        ({"DSV41_TP_PEER_TIMEOUT_S": "2", "DSV41_DRAFTER_PROPOSE_DEADLINE_MS": "3000"}, "must exceed"),
+    ],
+)
 def test_bad_deadline_variables_name_the_variable(env, frag):
     with pytest.raises(ConfigError, match=frag):
         deadlines_from_env(env)

@@ -89,11 +89,13 @@ class ThreadComm:
 
 def test_config_errors(tmp_path):
     base = json.loads(LAB_CONFIG.read_text())
-    for mutate, msg in [(lambda c: c.pop("hidden_size"), "lacks keys"),
-                        (lambda c: c.update(vocab_size=300), "vocab_size"),
-                        (lambda c: c.update(drafter_tap_layer=9), "drafter_tap_layer"),
-                        (lambda c: c.update(engram_layer_ids=[1, 7]), "engram layer"),
-                        (lambda c: c.update(num_attention_heads=3), "divisible")]:
+    for mutate, msg in [
+        (lambda c: c.pop("hidden_size"), "lacks keys"),
+        (lambda c: c.update(vocab_size=300), "vocab_size"),
+        (lambda c: c.update(drafter_tap_layer=9), "drafter_tap_layer"),
+        (lambda c: c.update(engram_layer_ids=[1, 7]), "engram layer"),
+        (lambda c: c.update(num_attention_heads=3), "divisible"),
+    ]:
         c = dict(base)
         mutate(c)
         with pytest.raises(ConfigError, match=msg):
@@ -232,8 +234,9 @@ def test_tp2_threads_bit_identical_to_tp1(cfg, weights, assets):
     def run(rank):
         try:
             m = TargetModel(cfg, weights, ThreadComm(rank, shared), srcs[rank])
-            results[rank] = m.forward([(m.new_cache(64), p) for p in prompts], [list(range(len(p))) for p in prompts],
-                                      logits=(rank == 0)).logits
+            results[rank] = m.forward(
+                [(m.new_cache(64), p) for p in prompts], [list(range(len(p))) for p in prompts], logits=(rank == 0)
+            ).logits
         except Exception as exc:  # surfaced below
             errors.append(exc)
             shared["barrier"].abort()

@@ -47,8 +47,11 @@ def _call(body: dict, chat: bool):
     base = {"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"}
     base["max_tokens"] = 1
     base.update(body)
-    r = c.post("/v1/chat/completions" if chat else "/v1/completions", content=json.dumps(base),
-               headers={"content-type": "application/json"})
+    r = c.post(
+        "/v1/chat/completions" if chat else "/v1/completions",
+        content=json.dumps(base),
+        headers={"content-type": "application/json"},
+    )
     return r, eng
 
 
@@ -110,6 +113,7 @@ def test_a_field_of_neither_schema_is_refused(chat, name):
 
 
 # --- implemented fields: each one's behaviour (the set must equal the table's) ------------------
+
 
 def _params(body, chat):
     r, eng = _call(body, chat)
@@ -205,10 +209,29 @@ def _chk_messages(chat):
     assert _params({"messages": msgs}, chat)[2].prompts[-1] == ByteTokenizer().chat_prompt(msgs)
 
 
-CHECKS = {f.__name__[5:]: f for f in (_chk_model, _chk_max_tokens, _chk_max_completion_tokens, _chk_n, _chk_best_of,
-                                      _chk_seed, _chk_stream, _chk_stream_options, _chk_temperature, _chk_top_p,
-                                      _chk_top_k, _chk_min_p, _chk_ignore_eos, _chk_min_tokens,
-                                      _chk_return_token_ids, _chk_cache_salt, _chk_prompt, _chk_messages)}
+CHECKS = {
+    f.__name__[5:]: f
+    for f in (
+        _chk_model,
+        _chk_max_tokens,
+        _chk_max_completion_tokens,
+        _chk_n,
+        _chk_best_of,
+        _chk_seed,
+        _chk_stream,
+        _chk_stream_options,
+        _chk_temperature,
+        _chk_top_p,
+        _chk_top_k,
+        _chk_min_p,
+        _chk_ignore_eos,
+        _chk_min_tokens,
+        _chk_return_token_ids,
+        _chk_cache_salt,
+        _chk_prompt,
+        _chk_messages,
+    )
+}
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
@@ -221,6 +244,7 @@ def test_every_implemented_field_has_its_behaviour_checked(chat):
 
 # --- the sampler --------------------------------------------------------------------------------
 
+
 def test_top_k_one_is_the_argmax_and_top_k_min_p_cut_the_distribution():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(229, generator=g, dtype=torch.float32)
@@ -229,7 +253,9 @@ def test_top_k_one_is_the_argmax_and_top_k_min_p_cut_the_distribution():
     assert float(p1[top]) == 1.0 and int((p1 > 0).sum()) == 1
     assert {sample(p1, torch.Generator().manual_seed(s)) for s in range(50)} == {top}
     p5 = probs_of(logits, SamplingParams(temperature=1.0, top_k=5))
-    assert int((p5 > 0).sum()) == 5 and set(torch.nonzero(p5).flatten().tolist()) == set(torch.topk(logits, 5).indices.tolist())
+    assert int((p5 > 0).sum()) == 5 and set(torch.nonzero(p5).flatten().tolist()) == set(
+        torch.topk(logits, 5).indices.tolist()
+    )
     assert abs(float(p5.sum()) - 1.0) < 1e-12
     full = probs_of(logits, SamplingParams(temperature=1.0))
     pm = probs_of(logits, SamplingParams(temperature=1.0, min_p=0.3))

@@ -36,8 +36,13 @@ def engine(tmp_path_factory):
     rows = local_rows(assets)
     model = TargetModel(cfg, load_weights(cfg, assets.weights), LocalComm(), rows)
     metrics = EngineMetrics("m", lambda: {})
-    eng = Engine(model, Scheduler(kv_cache_tokens=512, max_model_len=128, max_running=1, max_step_tokens=64),
-                 LocalComm(), rows, metrics=metrics)
+    eng = Engine(
+        model,
+        Scheduler(kv_cache_tokens=512, max_model_len=128, max_running=1, max_step_tokens=64),
+        LocalComm(),
+        rows,
+        metrics=metrics,
+    )
     eng.start()
     yield eng, metrics
     eng.shutdown(5)
@@ -60,7 +65,9 @@ def test_requests_that_leave_a_frozen_engine_leave_the_gauges(engine) -> None:
     assert _gauge(metrics.running) == 1
     eng.abort(a.request_id)  # what the API does when its client goes away
     eng.abort(b.request_id)
-    assert _wait(lambda: _gauge(metrics.running) == 0 and _gauge(metrics.waiting) == 0, 5.0), \
-        (_gauge(metrics.running), _gauge(metrics.waiting))
+    assert _wait(lambda: _gauge(metrics.running) == 0 and _gauge(metrics.waiting) == 0, 5.0), (
+        _gauge(metrics.running),
+        _gauge(metrics.waiting),
+    )
     assert eng.frozen and eng.idle()
     eng.freeze(False)

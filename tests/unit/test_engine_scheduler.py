@@ -20,7 +20,9 @@ from engineutil import LAB_CONFIG, PY, REPO, lab_assets
 
 
 def req(n_prompt, max_tokens=4):
-    return Request(prompt=list(range(4, 4 + n_prompt)), params=SamplingParams(max_tokens=max_tokens), sink=lambda e: None)
+    return Request(
+        prompt=list(range(4, 4 + n_prompt)), params=SamplingParams(max_tokens=max_tokens), sink=lambda e: None
+    )
 
 
 def test_fifo_running_bound_and_kv_budget():
@@ -108,10 +110,16 @@ def run_cli(*args):
 
 
 def test_cli_entry_point_subprocess():
-    r = subprocess.run([PY, "-m", "dsv41.cli", "engine", "serve", "--manifest", "/nonexistent/m.json"],
-                       capture_output=True, text=True, cwd=str(REPO), timeout=300)
-    assert r.returncode == 1 and r.stderr.strip() == ("dsv41: error: weights file weights.safetensors does not "
-                                                      "exist (run `dsv41 engine init-weights`)")
+    r = subprocess.run(
+        [PY, "-m", "dsv41.cli", "engine", "serve", "--manifest", "/nonexistent/m.json"],
+        capture_output=True,
+        text=True,
+        cwd=str(REPO),
+        timeout=300,
+    )
+    assert r.returncode == 1 and r.stderr.strip() == (
+        "dsv41: error: weights file weights.safetensors does not exist (run `dsv41 engine init-weights`)"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +128,22 @@ def assets(tmp_path_factory):
 
 
 def test_cli_generate_identity_and_errors(assets, tmp_path):
-    r = run_cli("generate", "--prompt", "The cat ", "--config", str(assets.config), "--weights", str(assets.weights),
-                "--manifest", str(assets.manifest), "--data", str(assets.data), "--max-tokens", "5", "--json")
+    r = run_cli(
+        "generate",
+        "--prompt",
+        "The cat ",
+        "--config",
+        str(assets.config),
+        "--weights",
+        str(assets.weights),
+        "--manifest",
+        str(assets.manifest),
+        "--data",
+        str(assets.data),
+        "--max-tokens",
+        "5",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert len(out["tokens"]) == 5 and out["counters"]["lookups"] > 0
@@ -129,24 +151,128 @@ def test_cli_generate_identity_and_errors(assets, tmp_path):
     assert r.returncode == 0 and len(r.stdout.strip()) == 64
     bad = [
         (("identity", "--config", str(assets.config), "--weights", str(tmp_path / "x")), "cannot read"),
-        (("serve", "--manifest", str(tmp_path / "m.json"), "--config", str(assets.config), "--weights",
-          str(assets.weights)), "does not exist"),
-        (("serve", "--manifest", str(assets.manifest), "--config", str(assets.config), "--weights",
-          str(assets.weights), "--tp", "3"), "--tp must be 1 or 2"),
-        (("serve", "--manifest", str(assets.manifest), "--config", str(assets.config), "--weights",
-          str(assets.weights), "--device", "tpu"), "--device"),
-        (("serve", "--manifest", str(assets.manifest), "--config", str(assets.config), "--weights",
-          str(assets.weights), "--tp", "2", "--rank", "2"), "--rank must be in [0, 2)"),
-        (("serve", "--manifest", str(assets.manifest), "--data", str(assets.data), "--config", str(assets.config),
-          "--weights", str(assets.weights), "--tp", "2", "--rank", "1", "--master", "nohost"), "ADDR:PORT"),
-        (("serve", "--manifest", str(assets.manifest), "--config", str(assets.config), "--weights",
-          str(tmp_path / "none.safetensors")), "init-weights"),
-        (("generate", "--prompt", "x", "--manifest", str(assets.manifest), "--config", str(LAB_CONFIG),
-          "--weights", str(assets.weights), "--max-tokens", "-2"), "max_tokens"),
-        (("serve", "--manifest", str(assets.manifest), "--data", str(tmp_path / "nodata"), "--config",
-          str(assets.config), "--weights", str(assets.weights)), "is not a directory"),
-        (("init-weights", "--config", str(assets.config), "--out", str(tmp_path / "no" / "w.safetensors")),
-         "does not exist"),
+        (
+            (
+                "serve",
+                "--manifest",
+                str(tmp_path / "m.json"),
+                "--config",
+                str(assets.config),
+                "--weights",
+                str(assets.weights),
+            ),
+            "does not exist",
+        ),
+        (
+            (
+                "serve",
+                "--manifest",
+                str(assets.manifest),
+                "--config",
+                str(assets.config),
+                "--weights",
+                str(assets.weights),
+                "--tp",
+                "3",
+            ),
+            "--tp must be 1 or 2",
+        ),
+        (
+            (
+                "serve",
+                "--manifest",
+                str(assets.manifest),
+                "--config",
+                str(assets.config),
+                "--weights",
+                str(assets.weights),
+                "--device",
+                "tpu",
+            ),
+            "--device",
+        ),
+        (
+            (
+                "serve",
+                "--manifest",
+                str(assets.manifest),
+                "--config",
+                str(assets.config),
+                "--weights",
+                str(assets.weights),
+                "--tp",
+                "2",
+                "--rank",
+                "2",
+            ),
+            "--rank must be in [0, 2)",
+        ),
+        (
+            (
+                "serve",
+                "--manifest",
+                str(assets.manifest),
+                "--data",
+                str(assets.data),
+                "--config",
+                str(assets.config),
+                "--weights",
+                str(assets.weights),
+                "--tp",
+                "2",
+                "--rank",
+                "1",
+                "--master",
+                "nohost",
+            ),
+            "ADDR:PORT",
+        ),
+        (
+            (
+                "serve",
+                "--manifest",
+                str(assets.manifest),
+                "--config",
+                str(assets.config),
+                "--weights",
+                str(tmp_path / "none.safetensors"),
+            ),
+            "init-weights",
+        ),
+        (
+            (
+                "generate",
+                "--prompt",
+                "x",
+                "--manifest",
+                str(assets.manifest),
+                "--config",
+                str(LAB_CONFIG),
+                "--weights",
+                str(assets.weights),
+                "--max-tokens",
+                "-2",
+            ),
+            "max_tokens",
+        ),
+        (
+            (
+                "serve",
+                "--manifest",
+                str(assets.manifest),
+                "--data",
+                str(tmp_path / "nodata"),
+                "--config",
+                str(assets.config),
+                "--weights",
+                str(assets.weights),
+            ),
+            "is not a directory",
+        ),
+        (
+            ("init-weights", "--config", str(assets.config), "--out", str(tmp_path / "no" / "w.safetensors")),
+            "does not exist",
+        ),
         (("init-weights", "--config", str(assets.config), "--out", str(tmp_path)), "is a directory"),
     ]
     for args, frag in bad:
@@ -175,10 +301,30 @@ def test_cli_serve_port_in_use_is_one_line(assets):
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        r = subprocess.run([PY, "-m", "dsv41.cli", "engine", "serve", "--manifest", str(assets.manifest), "--data",
-                            str(assets.data), "--config", str(assets.config), "--weights", str(assets.weights),
-                            "--port", str(port)], capture_output=True, text=True, cwd=str(REPO), timeout=300,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        r = subprocess.run(
+            [
+                PY,
+                "-m",
+                "dsv41.cli",
+                "engine",
+                "serve",
+                "--manifest",
+                str(assets.manifest),
+                "--data",
+                str(assets.data),
+                "--config",
+                str(assets.config),
+                "--weights",
+                str(assets.weights),
+                "--port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=str(REPO),
+            timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     assert r.returncode == 1, r.stderr
     assert r.stderr.splitlines()[-1].startswith(f"dsv41: error: could not listen on 127.0.0.1:{port}"), r.stderr
     assert "Traceback" not in r.stderr

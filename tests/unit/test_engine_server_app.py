@@ -15,15 +15,22 @@ from engineutil import FakeEngine  # noqa: E402
 
 
 def client(engine):
-    return TestClient(create_app(engine, "m", 64, operator_credential=OPERATOR, allowed_hosts=TEST_HOSTS),
-                      raise_server_exceptions=False, headers=OP_HEADERS)
+    return TestClient(
+        create_app(engine, "m", 64, operator_credential=OPERATOR, allowed_hosts=TEST_HOSTS),
+        raise_server_exceptions=False,
+        headers=OP_HEADERS,
+    )
 
 
 def test_unexpected_exception_is_openai_shaped_500():
     r = client(FakeEngine(boom=RuntimeError("bug"))).post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
     assert r.status_code == 500
-    assert r.json()["error"] == {"message": "internal error: RuntimeError: bug", "type": "InternalServerError",
-                                 "param": None, "code": 500}
+    assert r.json()["error"] == {
+        "message": "internal error: RuntimeError: bug",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
 
 
 def test_one_failed_request_is_500_and_engine_failure_503():
@@ -49,8 +56,11 @@ def test_oversized_body_413_and_long_prompt_refused_before_tokenizing(monkeypatc
     import dsv41.engine.server as server
 
     c = client(FakeEngine())
-    r = c.post("/v1/completions", content=b'{"prompt": "' + b"x" * (server.MAX_BODY_BYTES + 1) + b'"}',
-               headers={"content-type": "application/json"})
+    r = c.post(
+        "/v1/completions",
+        content=b'{"prompt": "' + b"x" * (server.MAX_BODY_BYTES + 1) + b'"}',
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 413 and r.json()["error"]["type"] == "RequestTooLargeError"
     # create_app(..., max_model_len=64): 65 characters or ids can never fit
     seen = []
@@ -63,6 +73,7 @@ def test_oversized_body_413_and_long_prompt_refused_before_tokenizing(monkeypatc
 
 # ---------------------------------------------------------------- issue 10: client mistakes are 4xx
 
+
 def _post(body, path="/v1/completions"):
     import json as _json
 
@@ -70,16 +81,19 @@ def _post(body, path="/v1/completions"):
     return client(FakeEngine()).post(path, content=raw, headers={"content-type": "application/json"})
 
 
-@pytest.mark.parametrize("raw, param", [
-    ('{"prompt": "x", "seed": ' + "9" * 5000 + "}", "seed"),  # beyond Python's int-parse limit: was a 500
-    ('{"prompt": "x", "max_tokens": ' + "1" * 5000 + "}", "max_tokens"),
-    ('{"prompt": "x", "n": -' + "1" * 5000 + "}", "n"),
-    ('{"prompt": [' + "7" * 5000 + "]}", "prompt"),
-    ('{"prompt": "x", "temperature": ' + "3" * 5000 + "}", "temperature"),
-    ('{"prompt": "\\ud800x"}', "prompt"),  # a lone surrogate cannot be encoded: was a 500
-    ('{"prompt": "x", "model": "\\udfff"}', "model"),
-    ('{"prompt": "x", "stream_options": {"\\ud800": 1}}', "stream_options"),
-])
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        ('{"prompt": "x", "seed": ' + "9" * 5000 + "}", "seed"),  # beyond Python's int-parse limit: was a 500
+        ('{"prompt": "x", "max_tokens": ' + "1" * 5000 + "}", "max_tokens"),
+        ('{"prompt": "x", "n": -' + "1" * 5000 + "}", "n"),
+        ('{"prompt": [' + "7" * 5000 + "]}", "prompt"),
+        ('{"prompt": "x", "temperature": ' + "3" * 5000 + "}", "temperature"),
+        ('{"prompt": "\\ud800x"}', "prompt"),  # a lone surrogate cannot be encoded: was a 500
+        ('{"prompt": "x", "model": "\\udfff"}', "model"),
+        ('{"prompt": "x", "stream_options": {"\\ud800": 1}}', "stream_options"),
+    ],
+)
 def test_malformed_values_are_400_naming_the_field(raw, param):
     r = _post(raw)
     assert r.status_code == 400, r.text
@@ -87,11 +101,24 @@ def test_malformed_values_are_400_naming_the_field(raw, param):
 
 
 @pytest.mark.parametrize("chat", [False, True])
-@pytest.mark.parametrize("field, value", [
-    ("logprobs", 0), ("logprobs", 1), ("logprobs", True), ("top_logprobs", 0), ("echo", 0), ("echo", True),
-    ("suffix", ""), ("tools", [{"type": "function"}]), ("logit_bias", {"5": 1}), ("stop", 0), ("stop", "x"),
-    ("best_of", True), ("best_of", 2),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("logprobs", 0),
+        ("logprobs", 1),
+        ("logprobs", True),
+        ("top_logprobs", 0),
+        ("echo", 0),
+        ("echo", True),
+        ("suffix", ""),
+        ("tools", [{"type": "function"}]),
+        ("logit_bias", {"5": 1}),
+        ("stop", 0),
+        ("stop", "x"),
+        ("best_of", True),
+        ("best_of", 2),
+    ],
+)
 def test_unsupported_features_refused_even_when_falsy(field, value, chat):
     body = {field: value, "max_tokens": 1}
     body.update({"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"})
@@ -101,8 +128,16 @@ def test_unsupported_features_refused_even_when_falsy(field, value, chat):
 
 
 def test_values_that_ask_for_nothing_still_pass():
-    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "logprobs": False, "echo": False,
-            "tools": [], "logit_bias": {}, "stop": [], "top_logprobs": None}  # best_of: not a chat field (400)
+    chat = {
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 1,
+        "logprobs": False,
+        "echo": False,
+        "tools": [],
+        "logit_bias": {},
+        "stop": [],
+        "top_logprobs": None,
+    }  # best_of: not a chat field (400)
     assert _post(chat, "/v1/chat/completions").status_code == 200
     r = _post({"prompt": "x", "max_tokens": 1, "logprobs": False})  # completions' logprobs is an integer
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
@@ -128,11 +163,25 @@ def test_chunked_body_over_the_limit_is_413_without_reading_it_all(monkeypatch):
         async def send(msg):
             sent.append(msg)
 
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-                 "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-                 "headers": [(b"content-type", b"application/json"), (b"host", b"127.0.0.1"),
-                             (OPERATOR_HEADER.encode(), OPERATOR.encode()), *headers], "client": ("127.0.0.1", 1),
-                 "server": ("127.0.0.1", 2)}
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": method,
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"host", b"127.0.0.1"),
+                (OPERATOR_HEADER.encode(), OPERATOR.encode()),
+                *headers,
+            ],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 2),
+        }
         asyncio.run(app(scope, receive, send))
         start = next(m for m in sent if m["type"] == "http.response.start")
         return start["status"], dict(start["headers"]), calls[0]

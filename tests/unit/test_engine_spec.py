@@ -56,10 +56,10 @@ class OracleSpeculator:
         out = []
         for d in batch:
             ids = d.token_ids.tolist()
-            full = next((v for v in self.ref.values() if v[:len(ids)] == ids), None)
+            full = next((v for v in self.ref.values() if v[: len(ids)] == ids), None)
             if full is None:  # off the greedy path (sampling): propose the last token again
                 full = ids + [ids[-1]] * d.depth
-            toks = np.asarray(full[len(ids):len(ids) + d.depth], dtype=np.int64)
+            toks = np.asarray(full[len(ids) : len(ids) + d.depth], dtype=np.int64)
             if self.wrong:
                 toks = (toks + 1) % 260
             self.inputs.append((d.request_id, len(ids), d.hidden.shape, d.depth))
@@ -109,6 +109,7 @@ def run_all(engine, reqs, timeout=120):
                 left[0] -= 1
                 if left[0] == 0:
                     done.set()
+
         return sink
 
     for i, (ids, params) in enumerate(reqs):
@@ -150,7 +151,9 @@ def test_top_p_keeps_smallest_nucleus():
     lg = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     p = probs_of(lg, SamplingParams(temperature=1.0, top_p=0.7))
     assert torch.allclose(p, torch.tensor([0.625, 0.375, 0.0, 0.0], dtype=torch.float64))
-    assert torch.allclose(probs_of(lg, SamplingParams(temperature=1.0, top_p=1.0)).sum(), torch.tensor(1.0, dtype=torch.float64))
+    assert torch.allclose(
+        probs_of(lg, SamplingParams(temperature=1.0, top_p=1.0)).sum(), torch.tensor(1.0, dtype=torch.float64)
+    )
 
 
 def test_sampled_verify_preserves_target_distribution():
@@ -180,7 +183,7 @@ def test_sampled_verify_preserves_target_distribution():
 
 def test_greedy_identical_with_and_without_speculation(assets, reference):
     reqs = [(TOK.encode(p), SamplingParams(temperature=0.0, max_tokens=30)) for p in PROMPTS]
-    want = [reference[tuple(ids)][len(ids):len(ids) + 30] for ids, _ in reqs]
+    want = [reference[tuple(ids)][len(ids) : len(ids) + 30] for ids, _ in reqs]
     plain = run_all(make_engine(assets), reqs)
     assert [r[0] for r in plain] == want  # batched engine == single-request LocalRunner
     assert all(r[1]["reason"] == "length" for r in plain)
@@ -235,7 +238,7 @@ def test_failing_speculator_falls_back_to_target_only(assets, reference):
     ids = TOK.encode(PROMPTS[0])
     e = make_engine(assets, BrokenSpeculator(reference), 3)
     res = run_all(e, [(ids, SamplingParams(temperature=0.0, max_tokens=10))])
-    assert res[0][0] == reference[tuple(ids)][len(ids):len(ids) + 10]
+    assert res[0][0] == reference[tuple(ids)][len(ids) : len(ids) + 10]
     assert e.spec_errors >= 5 and e.fatal is None
 
 
@@ -251,8 +254,13 @@ def test_engine_request_edges(assets):
     e.submit([5, 6], SamplingParams(max_tokens=0), evs.append)
     assert evs == [{"type": "finish", "reason": "length", "prompt_tokens": 2, "completion_tokens": 0}]
     # two requests that each need most of the KV budget run one after the other (FIFO)
-    r = run_all(e, [(TOK.encode("The cat "), SamplingParams(temperature=0.0, max_tokens=30)),
-                    (TOK.encode("The dog "), SamplingParams(temperature=0.0, max_tokens=30))])
+    r = run_all(
+        e,
+        [
+            (TOK.encode("The cat "), SamplingParams(temperature=0.0, max_tokens=30)),
+            (TOK.encode("The dog "), SamplingParams(temperature=0.0, max_tokens=30)),
+        ],
+    )
     assert [len(x[0]) for x in r] == [30, 30]
 
 
@@ -288,7 +296,7 @@ def test_malformed_proposals_fail_closed(assets, reference):
     ids = TOK.encode(PROMPTS[1])
     e = make_engine(assets, MalformedSpeculator(reference), 3)
     res = run_all(e, [(ids, SamplingParams(temperature=0.0, max_tokens=12))])
-    assert res[0][0] == reference[tuple(ids)][len(ids):len(ids) + 12]
+    assert res[0][0] == reference[tuple(ids)][len(ids) : len(ids) + 12]
     assert e.fatal is None and e.spec_errors >= 6
     assert e.metrics.spec_drafts._value.get() == 0  # nothing malformed reached the verifier
 
@@ -298,10 +306,15 @@ def test_one_failing_request_does_not_end_the_engine(assets, reference):
     # only that request ends with "error", its batch neighbours finish normally.
     ids = [TOK.encode(p) for p in PROMPTS[:2]]
     e = make_engine(assets)
-    res = run_all(e, [(ids[0], SamplingParams(temperature=float("nan"), max_tokens=8)),
-                      (ids[1], SamplingParams(temperature=0.0, max_tokens=8))])
+    res = run_all(
+        e,
+        [
+            (ids[0], SamplingParams(temperature=float("nan"), max_tokens=8)),
+            (ids[1], SamplingParams(temperature=0.0, max_tokens=8)),
+        ],
+    )
     assert res[0][1]["reason"] == "error" and "not finite/normalisable" in res[0][1]["error"]
-    assert res[1][0] == reference[tuple(ids[1])][len(ids[1]):len(ids[1]) + 8]
+    assert res[1][0] == reference[tuple(ids[1])][len(ids[1]) : len(ids[1]) + 8]
     assert e.fatal is None and e.sched.idle() and e.sched.reserved == 0
 
 

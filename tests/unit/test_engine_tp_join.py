@@ -41,6 +41,8 @@ def test_a_join_blocked_past_its_bound_exits_with_one_line():
     bound = 0.5 + 0.5 + JOIN_GRACE_S
     assert r.returncode == 1, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("dsv41: error: rank 1: cannot join the TP group at 127.0.0.1:9"), lines
+    assert len(lines) == 1 and lines[0].startswith("dsv41: error: rank 1: cannot join the TP group at 127.0.0.1:9"), (
+        lines
+    )
     assert "joined?!" not in r.stdout and "Traceback" not in r.stderr
     assert bound <= took < bound + 20, took

@@ -26,8 +26,9 @@ PROBE_BOUND_S = 3.0  # the probe's backoff is at most 0.75 s; slack for a loaded
 
 def _source(tabs_, port: int, timeout_ms: int = 500) -> RemoteRowSource:
     manifest, d, _ = tabs_
-    return RemoteRowSource(f"tcp://127.0.0.1:{port}", manifest, 0, 1, timeout_ms=timeout_ms,
-                           local=reader.LocalRowReader(manifest, d))
+    return RemoteRowSource(
+        f"tcp://127.0.0.1:{port}", manifest, 0, 1, timeout_ms=timeout_ms, local=reader.LocalRowReader(manifest, d)
+    )
 
 
 def _ids(tabs_, layer: int, n: int, seed: int) -> np.ndarray:
@@ -135,7 +136,9 @@ def test_a_lost_lease_opens_the_sources_own_breaker(tabs) -> None:
         srv.stop()
         ids = _ids(tabs, 1, 40, 9)
         out = np.empty((40, 264), np.uint8)
-        src.lease_failed(lease["client"], TransportError("connection reset by peer"), [(1, ids, out)], time.perf_counter())
+        src.lease_failed(
+            lease["client"], TransportError("connection reset by peer"), [(1, ids, out)], time.perf_counter()
+        )
         assert np.array_equal(out, _ref(tabs, 1, ids))
         c = src.counters()
         assert not src.connected and c["breaker_opens"] == 1 and c["transport_errors"] == 1
@@ -184,7 +187,8 @@ def _step(tabs_, r1, r14, t: int, seed: int) -> bool:
 
 @pytest.mark.skipif(overlay_core._core is None or native._fastrow is None, reason="the C++ extensions are not built")
 def test_the_core_fills_local_rows_itself_while_the_server_is_dead_and_the_probe_brings_it_back(
-        tabs, workers, monkeypatch) -> None:
+    tabs, workers, monkeypatch
+) -> None:
     port = free_port()
     srv = serve_tables(tabs, port)
     src = _source(tabs, port)

@@ -147,7 +147,12 @@ def test_token_map_sha_and_loading(tmp_path: Path) -> None:
     (tmp_path / "f.json").write_text("[1, 2.5]")
     (tmp_path / "g.bin").write_bytes(b"abc")
     (tmp_path / "h.json").write_text("[-1]")
-    for n, msg in [("e.json", "token_map"), ("f.json", "list of ints"), ("g.bin", "multiple of 4"),
-                   ("h.json", r"\[0, 2\^31\)"), ("zz.json", "does not exist")]:
+    for n, msg in [
+        ("e.json", "token_map"),
+        ("f.json", "list of ints"),
+        ("g.bin", "multiple of 4"),
+        ("h.json", r"\[0, 2\^31\)"),
+        ("zz.json", "does not exist"),
+    ]:
         with pytest.raises(ConfigError, match=msg):
             load_token_map(tmp_path / n)

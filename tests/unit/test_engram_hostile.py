@@ -45,12 +45,23 @@ def tdir(tmp_path_factory) -> Path:
 
 
 def test_huge_integers_are_one_line(capsys, tdir: Path) -> None:
-    rc, _, err = run(capsys, "engram", "read-rows", "--manifest", tdir / "manifest.json", "--layer", "1",
-                     "--rows", "99999999999999999999")
+    rc, _, err = run(
+        capsys,
+        "engram",
+        "read-rows",
+        "--manifest",
+        tdir / "manifest.json",
+        "--layer",
+        "1",
+        "--rows",
+        "99999999999999999999",
+    )
     one_error(rc, err, "does not fit in a 64-bit integer")
     tm = tdir.parent / "tm.json"
     tm.write_text(json.dumps(list(range(229))))
-    rc, _, err = run(capsys, "engram", "hash", "--config", LAB, "--token-map", tm, "--tokens", "1,99999999999999999999999")
+    rc, _, err = run(
+        capsys, "engram", "hash", "--config", LAB, "--token-map", tm, "--tokens", "1,99999999999999999999999"
+    )
     one_error(rc, err, "--tokens: 99999999999999999999999 does not fit")
 
 
@@ -183,8 +194,10 @@ def _shard(path: Path, hdr: dict, pad: int = 600) -> Path:
 )
 def test_table_regions_malformed_headers(tmp_path: Path, woffs, wshape, msg: str) -> None:
     W, S = shards.weight_name(1), shards.scale_name(1)
-    hdr = {W: {"dtype": "F8_E4M3", "shape": wshape, "data_offsets": woffs},
-           S: {"dtype": "F8_E8M0", "shape": [2, 8], "data_offsets": [512, 528]}}
+    hdr = {
+        W: {"dtype": "F8_E4M3", "shape": wshape, "data_offsets": woffs},
+        S: {"dtype": "F8_E8M0", "shape": [2, 8], "data_offsets": [512, 528]},
+    }
     if msg == "truncated":  # a consistent header whose regions end beyond the file
         hdr[S] = {"dtype": "F8_E8M0", "shape": [2000, 8], "data_offsets": [512000, 528000]}
     with pytest.raises(VerificationError, match=msg.replace("[", r"\[").replace("]", r"\]")):
@@ -211,24 +224,69 @@ def test_serve_never_deletes_a_foreign_ready_file(capsys, tdir: Path, tmp_path: 
     try:
         precious = tmp_path / "precious.txt"
         precious.write_text("keep me")
-        rc, _, err = run(capsys, "engram", "serve", "--manifest", tdir / "manifest.json",
-                         "--listen", f"tcp://127.0.0.1:{port}", "--ready-file", precious)
+        rc, _, err = run(
+            capsys,
+            "engram",
+            "serve",
+            "--manifest",
+            tdir / "manifest.json",
+            "--listen",
+            f"tcp://127.0.0.1:{port}",
+            "--ready-file",
+            precious,
+        )
         one_error(rc, err, "exists and is not a ready file")
         assert precious.read_text() == "keep me"
         stale = tmp_path / "ready.json"
         stale.write_text(json.dumps({"pid": 1, "listen": ["tcp://127.0.0.1:1"]}))
-        rc, _, err = run(capsys, "engram", "serve", "--manifest", tdir / "manifest.json",
-                         "--listen", f"tcp://127.0.0.1:{port}", "--ready-file", stale)
+        rc, _, err = run(
+            capsys,
+            "engram",
+            "serve",
+            "--manifest",
+            tdir / "manifest.json",
+            "--listen",
+            f"tcp://127.0.0.1:{port}",
+            "--ready-file",
+            stale,
+        )
         one_error(rc, err, "Address already in use")
         assert not stale.exists()  # a crashed run's ready file must not look like this run's
-        rc, _, err = run(capsys, "engram", "serve", "--manifest", tdir / "manifest.json",
-                         "--listen", "tcp://127.0.0.1:0", "--ready-file", tmp_path / "nodir" / "r.json")
+        rc, _, err = run(
+            capsys,
+            "engram",
+            "serve",
+            "--manifest",
+            tdir / "manifest.json",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--ready-file",
+            tmp_path / "nodir" / "r.json",
+        )
         one_error(rc, err, "does not exist")
-        rc, _, err = run(capsys, "engram", "serve", "--manifest", tdir / "manifest.json",
-                         "--listen", "tcp://127.0.0.1:0", "--metrics", "garbage")
+        rc, _, err = run(
+            capsys,
+            "engram",
+            "serve",
+            "--manifest",
+            tdir / "manifest.json",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--metrics",
+            "garbage",
+        )
         one_error(rc, err, "--metrics must be HOST:PORT")
-        rc, _, err = run(capsys, "engram", "serve", "--manifest", tdir / "manifest.json",
-                         "--listen", "tcp://127.0.0.1:0", "--drain-timeout", "1e20")
+        rc, _, err = run(
+            capsys,
+            "engram",
+            "serve",
+            "--manifest",
+            tdir / "manifest.json",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--drain-timeout",
+            "1e20",
+        )
         one_error(rc, err, "--drain-timeout must be in [0, 3600]")
     finally:
         busy.close()
@@ -236,11 +294,35 @@ def test_serve_never_deletes_a_foreign_ready_file(capsys, tdir: Path, tmp_path: 
 
 def test_sweep_rank_without_columns_and_bad_seed(capsys, tdir: Path) -> None:
     # tp 16: part 2, ranks 12..15 own no column; the sweep used to loop for ever
-    rc, _, err = run(capsys, "engram", "sweep", "--manifest", tdir / "manifest.json", "--remote",
-                     "tcp://127.0.0.1:1", "--tp", "16", "--rank", "15", "--lookups", "10")
+    rc, _, err = run(
+        capsys,
+        "engram",
+        "sweep",
+        "--manifest",
+        tdir / "manifest.json",
+        "--remote",
+        "tcp://127.0.0.1:1",
+        "--tp",
+        "16",
+        "--rank",
+        "15",
+        "--lookups",
+        "10",
+    )
     one_error(rc, err, "owns no Engram columns at tp 16")
-    rc, _, err = run(capsys, "engram", "sweep", "--manifest", tdir / "manifest.json", "--remote",
-                     "tcp://127.0.0.1:1", "--rank", "0", "--seed", "-1")
+    rc, _, err = run(
+        capsys,
+        "engram",
+        "sweep",
+        "--manifest",
+        tdir / "manifest.json",
+        "--remote",
+        "tcp://127.0.0.1:1",
+        "--rank",
+        "0",
+        "--seed",
+        "-1",
+    )
     one_error(rc, err, "--seed must be in [0, 2^63)")
 
 
@@ -248,8 +330,21 @@ def test_huge_timeouts_are_refused(capsys, tdir: Path) -> None:
     """A 10^14 ms timeout used to overflow socket.settimeout (traceback)."""
     from dsv41.engram.rowsource import parse_remote_env
 
-    rc, _, err = run(capsys, "engram", "sweep", "--manifest", tdir / "manifest.json", "--remote",
-                     "tcp://127.0.0.1:1", "--rank", "0", "--lookups", "10", "--timeout-ms", "99999999999999")
+    rc, _, err = run(
+        capsys,
+        "engram",
+        "sweep",
+        "--manifest",
+        tdir / "manifest.json",
+        "--remote",
+        "tcp://127.0.0.1:1",
+        "--rank",
+        "0",
+        "--lookups",
+        "10",
+        "--timeout-ms",
+        "99999999999999",
+    )
     one_error(rc, err, "timeout_ms must be in (0, 600000]")
     with pytest.raises(ConfigError, match=r"in \[1, 600000\]"):
         parse_remote_env({"DSV41_ENGRAM_REMOTE": "tcp://h:1", "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "9" * 20}, 1)

@@ -205,7 +205,11 @@ def test_layout_from_manifest_round_trip_and_foreign_hash(tmp_path: Path) -> Non
     got = layout_from_manifest(m)
     want = EngramLayout.from_config(load_model_config(LAB))
     assert (got.layer_ids, got.primes, got.offsets, got.multipliers) == (
-        want.layer_ids, want.primes, want.offsets, want.multipliers)
+        want.layer_ids,
+        want.primes,
+        want.offsets,
+        want.multipliers,
+    )
     first = m.tables[0].layer_id
 
     def table(layer_id: int):

@@ -53,7 +53,9 @@ def test_flipped_byte_names_file_chunk_range(data: Path) -> None:
         b = fh.read(1)
         fh.seek(CHUNK + 12345)
         fh.write(bytes([b[0] ^ 0x10]))
-    with pytest.raises(VerificationError, match=rf"model-00047-of-00048.safetensors: chunk 1 bytes \[{CHUNK}, {2 * CHUNK}\): sha256"):
+    with pytest.raises(
+        VerificationError, match=rf"model-00047-of-00048.safetensors: chunk 1 bytes \[{CHUNK}, {2 * CHUNK}\): sha256"
+    ):
         verify(data / "manifest.json", data, workers=2, progress=False)
 
 
@@ -69,7 +71,9 @@ def test_two_problems_counted(data: Path) -> None:
 def test_truncated(data: Path) -> None:
     f = data / "model-00047-of-00048.safetensors"
     os.truncate(f, CHUNK + 10)
-    with pytest.raises(VerificationError, match=rf"truncated: {CHUNK + 10} bytes.*chunk 1 bytes \[{CHUNK}, {2 * CHUNK}\)"):
+    with pytest.raises(
+        VerificationError, match=rf"truncated: {CHUNK + 10} bytes.*chunk 1 bytes \[{CHUNK}, {2 * CHUNK}\)"
+    ):
         verify(data / "manifest.json", data, progress=False)
 
 
@@ -143,7 +147,9 @@ def test_table_geometry_must_match_header(data: Path) -> None:
     t["weight_offset"] -= 8  # identity does not cover offsets, the chunks still match
     (data / "shifted.json").write_text(json.dumps(d))
     m = load_manifest(data / "shifted.json")
-    with pytest.raises(VerificationError, match=r"layer 1 table differs from the safetensors header: weight_offset 656 vs header 664"):
+    with pytest.raises(
+        VerificationError, match=r"layer 1 table differs from the safetensors header: weight_offset 656 vs header 664"
+    ):
         verify(m, data, progress=False)
 
 

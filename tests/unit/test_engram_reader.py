@@ -54,8 +54,9 @@ def test_reader_equals_safetensors(data: Path, direct: bool, threads: int) -> No
         for t in m.tables:
             strad = _straddlers(t)
             assert strad.size and strad[0] == 13  # weight region at 664: row 13 crosses 4096
-            ids = np.concatenate([[0, t.rows - 1, t.rows - 1, 0], strad[:5], rng.integers(0, t.rows, 300),
-                                  np.arange(100, 140)])  # duplicates, and a dense run to coalesce
+            ids = np.concatenate(
+                [[0, t.rows - 1, t.rows - 1, 0], strad[:5], rng.integers(0, t.rows, 300), np.arange(100, 140)]
+            )  # duplicates, and a dense run to coalesce
             got = r.read(t.layer_id, ids)
             np.testing.assert_array_equal(got, _oracle(data / t.file, t, ids))
             assert got.shape == (len(ids), 264) and got.dtype == np.uint8
@@ -167,10 +168,22 @@ def test_sparse_real_geometry(tmp_path: Path) -> None:
     os.truncate(p, size)
     reg = shards.table_regions(p, 1)
     assert reg["weight_offset"] == 664 and reg["rows"] == REAL_ROWS
-    t = TableEntry(layer_id=1, file=p.name, weight_name=shards.weight_name(1), scale_name=shards.scale_name(1),
-                   rows=REAL_ROWS, row_bytes=264, weight_bytes=256, scale_bytes=8,
-                   weight_offset=reg["weight_offset"], scale_offset=reg["scale_offset"],
-                   weight_sha256="0" * 64, scale_sha256="0" * 64, hash={}, identity="0" * 64)
+    t = TableEntry(
+        layer_id=1,
+        file=p.name,
+        weight_name=shards.weight_name(1),
+        scale_name=shards.scale_name(1),
+        rows=REAL_ROWS,
+        row_bytes=264,
+        weight_bytes=256,
+        scale_bytes=8,
+        weight_offset=reg["weight_offset"],
+        scale_offset=reg["scale_offset"],
+        weight_sha256="0" * 64,
+        scale_sha256="0" * 64,
+        hash={},
+        identity="0" * 64,
+    )
     written = np.asarray([0, 13, (1 << 24) + 5, (1 << 28) + 77, 300_000_013, REAL_ROWS - 1])
     assert 664 + 256 * written[2] > 2**32 and 664 + 256 * written[3] > 2**36 and t.scale_offset > 2**36
     rng = np.random.default_rng(3)

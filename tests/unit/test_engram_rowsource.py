@@ -93,8 +93,14 @@ def test_parse_url_errors(url: str, msg: str) -> None:
     [
         ({"DSV41_ENGRAM_REMOTE": "tcp://a:1"}, "names 1 URL.*tp is 2"),
         ({"DSV41_ENGRAM_REMOTE": "tcp://a:1,tcp://b:1,tcp://c:1"}, "names 3 URL"),
-        ({"DSV41_ENGRAM_REMOTE": "tcp://a:1,tcp://b:1", "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "0"}, r"integer in \[1, 600000\]"),
-        ({"DSV41_ENGRAM_REMOTE": "tcp://a:1,tcp://b:1", "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "1.5"}, r"integer in \[1, 600000\]"),
+        (
+            {"DSV41_ENGRAM_REMOTE": "tcp://a:1,tcp://b:1", "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "0"},
+            r"integer in \[1, 600000\]",
+        ),
+        (
+            {"DSV41_ENGRAM_REMOTE": "tcp://a:1,tcp://b:1", "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "1.5"},
+            r"integer in \[1, 600000\]",
+        ),
         ({"DSV41_ENGRAM_REMOTE": "tcp://a:1,tcp://b:1", "DSV41_ENGRAM_REMOTE_REQUIRED": "maybe"}, "0 or 1"),
         ({"DSV41_ENGRAM_REMOTE_REQUIRED": "1"}, "DSV41_ENGRAM_REMOTE is empty"),
     ],
@@ -108,8 +114,14 @@ def test_env_defaults() -> None:
     urls, t, req = parse_remote_env({"DSV41_ENGRAM_REMOTE": " tcp://a:1@10.0.0.1 , nixl://b:2 "}, 2)
     assert [str(u) for u in urls] == ["tcp://a:1@10.0.0.1", "nixl://b:2"]
     assert (t, req) == (100, False)
-    assert parse_remote_env({"DSV41_ENGRAM_REMOTE": "tcp://a:1", "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "250",
-                             "DSV41_ENGRAM_REMOTE_REQUIRED": "1"}, 1)[1:] == (250, True)
+    assert parse_remote_env(
+        {
+            "DSV41_ENGRAM_REMOTE": "tcp://a:1",
+            "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "250",
+            "DSV41_ENGRAM_REMOTE_REQUIRED": "1",
+        },
+        1,
+    )[1:] == (250, True)
 
 
 def test_rank_tp_errors(data: Path) -> None:
@@ -123,26 +135,60 @@ def test_remote_constructs_client(data: Path, monkeypatch) -> None:
     seen = {}
 
     class Fake:
-        def __init__(self, urls, manifest, rank, tp, timeout_ms, required, local=None, deadline_ms=None,
-                     fault_delay_ms=0.0, spin_us=None):
-            seen.update(urls=urls, manifest=manifest, rank=rank, tp=tp, timeout_ms=timeout_ms,
-                        required=required, local=local, deadline_ms=deadline_ms, fault_delay_ms=fault_delay_ms,
-                        spin_us=spin_us)
+        def __init__(
+            self,
+            urls,
+            manifest,
+            rank,
+            tp,
+            timeout_ms,
+            required,
+            local=None,
+            deadline_ms=None,
+            fault_delay_ms=0.0,
+            spin_us=None,
+        ):
+            seen.update(
+                urls=urls,
+                manifest=manifest,
+                rank=rank,
+                tp=tp,
+                timeout_ms=timeout_ms,
+                required=required,
+                local=local,
+                deadline_ms=deadline_ms,
+                fault_delay_ms=fault_delay_ms,
+                spin_us=spin_us,
+            )
 
     mod = types.ModuleType("dsv41.engram.client")
     mod.RemoteRowSource = Fake
     monkeypatch.setitem(sys.modules, "dsv41.engram.client", mod)
-    env = {"DSV41_ENGRAM_REMOTE": "tcp://198.18.1.1:7000@198.18.1.2,nixl://198.18.2.1:7000",
-           "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "50", "DSV41_ENGRAM_REMOTE_REQUIRED": "1"}
+    env = {
+        "DSV41_ENGRAM_REMOTE": "tcp://198.18.1.1:7000@198.18.1.2,nixl://198.18.2.1:7000",
+        "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "50",
+        "DSV41_ENGRAM_REMOTE_REQUIRED": "1",
+    }
     src = from_env(load_manifest(data / "manifest.json"), data, 1, 2, settings=envs.parse(env))
     assert isinstance(src, Fake)  # not wrapped: the deadline lives in the remote source
     assert seen["urls"] == ["tcp://198.18.1.1:7000@198.18.1.2", "nixl://198.18.2.1:7000"]
     assert (seen["rank"], seen["tp"], seen["timeout_ms"], seen["required"]) == (1, 2, 50, True)
     # defaults: DSV41_ENGRAM_LOOKUP_DEADLINE_MS 1000, no fault delay, DSV41_TRANSPORT_CLIENT_SPIN_US 50
     assert (seen["deadline_ms"], seen["fault_delay_ms"], seen["spin_us"]) == (1000.0, 0.0, 50)
-    from_env(load_manifest(data / "manifest.json"), data, 1, 2, settings=envs.parse(
-        {**env, "DSV41_ENGRAM_LOOKUP_DEADLINE_MS": "250", "DSV41_ENGRAM_FAULT_DELAY_MS": "20",
-         "DSV41_TRANSPORT_CLIENT_SPIN_US": "0"}))
+    from_env(
+        load_manifest(data / "manifest.json"),
+        data,
+        1,
+        2,
+        settings=envs.parse(
+            {
+                **env,
+                "DSV41_ENGRAM_LOOKUP_DEADLINE_MS": "250",
+                "DSV41_ENGRAM_FAULT_DELAY_MS": "20",
+                "DSV41_TRANSPORT_CLIENT_SPIN_US": "0",
+            }
+        ),
+    )
     assert (seen["deadline_ms"], seen["fault_delay_ms"], seen["spin_us"]) == (250.0, 20.0, 0)
     seen["local"].close()
     assert isinstance(seen["local"], reader.LocalRowReader)
@@ -176,8 +222,13 @@ def _row_source_classes() -> list[tuple[str, str]]:
             if not isinstance(node, ast.ClassDef):
                 continue
             bases = {ast.unparse(b).rpartition(".")[2] for b in node.bases}
-            looks = any(isinstance(f, ast.FunctionDef) and f.name == "lookup" and len(f.args.args) > 1
-                        and f.args.args[1].arg == "layer_id" for f in node.body)
+            looks = any(
+                isinstance(f, ast.FunctionDef)
+                and f.name == "lookup"
+                and len(f.args.args) > 1
+                and f.args.args[1].arg == "layer_id"
+                for f in node.body
+            )
             classes[(mod, node.name)] = (bases, looks)
     found = {k for k, (bases, looks) in classes.items() if looks or "RowSource" in bases}
     while True:  # subclasses of a row source are row sources
@@ -283,8 +334,12 @@ def test_required_is_part_of_the_protocol_for_every_source_class() -> None:
     import dsv41.engram.client as client
     import dsv41.engram.rowsource as rowsource
 
-    classes = [c for m in (rowsource, client, train) for c in vars(m).values()
-               if isinstance(c, type) and issubclass(c, rowsource.RowSource)]
+    classes = [
+        c
+        for m in (rowsource, client, train)
+        for c in vars(m).values()
+        if isinstance(c, type) and issubclass(c, rowsource.RowSource)
+    ]
     assert {c.__name__ for c in classes} >= {"RowSource", "LocalRowSource", "RemoteRowSource", "SyntheticRowSource"}
     for c in classes:
         assert callable(c.is_required), c

@@ -40,28 +40,78 @@ GOOD = {W: _t("F8_E4M3", [ROWS, 256], [0, WB]), S: _t("F8_E8M0", [ROWS, 8], [WB,
 
 # (id, header, data bytes after the header, header length override, text the error must contain)
 CASES = [
-    ("scale-overlaps-weight", {W: _t("F8_E4M3", [ROWS, 256], [0, WB]), S: _t("F8_E8M0", [ROWS, 8], [0, SB])},
-     WB + SB, None, f"tensor {W}: data_offsets must be contiguous"),
-    ("gap-between-tensors", {W: _t("F8_E4M3", [ROWS, 256], [0, WB]), S: _t("F8_E8M0", [ROWS, 8], [WB + 8, WB + 8 + SB])},
-     WB + 8 + SB, None, f"tensor {S}: data_offsets must be contiguous"),
-    ("not-from-zero", {W: _t("F8_E4M3", [ROWS, 256], [8, WB + 8]), S: _t("F8_E8M0", [ROWS, 8], [WB + 8, WB + 8 + SB])},
-     WB + 8 + SB, None, f"tensor {W}: data_offsets must be contiguous"),
-    ("end-before-begin", {W: _t("F8_E4M3", [ROWS, 256], [0, WB]), S: _t("F8_E8M0", [ROWS, 8], [WB, WB - 1])},
-     WB + SB, None, f"tensor {S}: data_offsets must be contiguous"),
+    (
+        "scale-overlaps-weight",
+        {W: _t("F8_E4M3", [ROWS, 256], [0, WB]), S: _t("F8_E8M0", [ROWS, 8], [0, SB])},
+        WB + SB,
+        None,
+        f"tensor {W}: data_offsets must be contiguous",
+    ),
+    (
+        "gap-between-tensors",
+        {W: _t("F8_E4M3", [ROWS, 256], [0, WB]), S: _t("F8_E8M0", [ROWS, 8], [WB + 8, WB + 8 + SB])},
+        WB + 8 + SB,
+        None,
+        f"tensor {S}: data_offsets must be contiguous",
+    ),
+    (
+        "not-from-zero",
+        {W: _t("F8_E4M3", [ROWS, 256], [8, WB + 8]), S: _t("F8_E8M0", [ROWS, 8], [WB + 8, WB + 8 + SB])},
+        WB + 8 + SB,
+        None,
+        f"tensor {W}: data_offsets must be contiguous",
+    ),
+    (
+        "end-before-begin",
+        {W: _t("F8_E4M3", [ROWS, 256], [0, WB]), S: _t("F8_E8M0", [ROWS, 8], [WB, WB - 1])},
+        WB + SB,
+        None,
+        f"tensor {S}: data_offsets must be contiguous",
+    ),
     ("unindexed-tail", GOOD, WB + SB + 100, None, "unindexed tail"),
     ("data-past-end-of-file", GOOD, WB + SB - 1, None, "truncated"),
-    ("dtype-shape-vs-bytes", {W: _t("F8_E4M3", [ROWS, 255], [0, WB]), S: _t("F8_E8M0", [ROWS, 8], [WB, WB + SB])},
-     WB + SB, None, f"tensor {W}: F8_E4M3 [{ROWS}, 255]"),
-    ("wider-dtype", {W: _t("BF16", [ROWS, 256], [0, WB]), S: _t("F8_E8M0", [ROWS, 8], [WB, WB + SB])},
-     WB + SB, None, f"tensor {W}: BF16"),
-    ("unknown-dtype", {W: _t("F8_E4M3X", [ROWS, 256], [0, WB]), S: _t("F8_E8M0", [ROWS, 8], [WB, WB + SB])},
-     WB + SB, None, f"tensor {W}: unknown dtype"),
-    ("negative-offset", {W: _t("F8_E4M3", [ROWS, 256], [-1, WB]), S: _t("F8_E8M0", [ROWS, 8], [WB, WB + SB])},
-     WB + SB, None, f"tensor {W}: data_offsets"),
-    ("three-offsets", {W: _t("F8_E4M3", [ROWS, 256], [0, WB, WB]), S: _t("F8_E8M0", [ROWS, 8], [WB, WB + SB])},
-     WB + SB, None, f"tensor {W}: data_offsets"),
-    ("float-shape", {W: _t("F8_E4M3", [ROWS, 256.0], [0, WB]), S: _t("F8_E8M0", [ROWS, 8], [WB, WB + SB])},
-     WB + SB, None, f"tensor {W}: shape"),
+    (
+        "dtype-shape-vs-bytes",
+        {W: _t("F8_E4M3", [ROWS, 255], [0, WB]), S: _t("F8_E8M0", [ROWS, 8], [WB, WB + SB])},
+        WB + SB,
+        None,
+        f"tensor {W}: F8_E4M3 [{ROWS}, 255]",
+    ),
+    (
+        "wider-dtype",
+        {W: _t("BF16", [ROWS, 256], [0, WB]), S: _t("F8_E8M0", [ROWS, 8], [WB, WB + SB])},
+        WB + SB,
+        None,
+        f"tensor {W}: BF16",
+    ),
+    (
+        "unknown-dtype",
+        {W: _t("F8_E4M3X", [ROWS, 256], [0, WB]), S: _t("F8_E8M0", [ROWS, 8], [WB, WB + SB])},
+        WB + SB,
+        None,
+        f"tensor {W}: unknown dtype",
+    ),
+    (
+        "negative-offset",
+        {W: _t("F8_E4M3", [ROWS, 256], [-1, WB]), S: _t("F8_E8M0", [ROWS, 8], [WB, WB + SB])},
+        WB + SB,
+        None,
+        f"tensor {W}: data_offsets",
+    ),
+    (
+        "three-offsets",
+        {W: _t("F8_E4M3", [ROWS, 256], [0, WB, WB]), S: _t("F8_E8M0", [ROWS, 8], [WB, WB + SB])},
+        WB + SB,
+        None,
+        f"tensor {W}: data_offsets",
+    ),
+    (
+        "float-shape",
+        {W: _t("F8_E4M3", [ROWS, 256.0], [0, WB]), S: _t("F8_E8M0", [ROWS, 8], [WB, WB + SB])},
+        WB + SB,
+        None,
+        f"tensor {W}: shape",
+    ),
     ("metadata-not-strings", {"__metadata__": {"seed": 3}, **GOOD}, WB + SB, None, "__metadata__"),
     ("header-past-file-end", GOOD, 0, 1 << 20, "runs past the end"),
     ("header-over-limit", GOOD, WB + SB, 100_000_001, "exceeds 100000000"),
@@ -89,14 +139,20 @@ def test_reference_loader_and_dsv41_both_refuse(tmp_path: Path, case) -> None:
 
 @pytest.mark.parametrize("lead", [b"", b" "], ids=["plain", "leading-space"])
 def test_good_header_is_accepted_by_both(tmp_path: Path, lead: bytes) -> None:
-    p = _file(tmp_path / "good.safetensors", lead + json.dumps({"__metadata__": {"format": "pt"}, **GOOD}).encode(),
-              WB + SB)
+    p = _file(
+        tmp_path / "good.safetensors", lead + json.dumps({"__metadata__": {"format": "pt"}, **GOOD}).encode(), WB + SB
+    )
     with safe_open(str(p), framework="numpy") as f:
         assert sorted(f.keys()) == sorted([W, S])
     n, hdr = shards.read_safetensors_header(p)
     assert sorted(k for k in hdr if k != "__metadata__") == sorted([W, S])
-    assert shards.table_regions(p, 1) == {"rows": ROWS, "weight_offset": 8 + n, "weight_bytes": 256,
-                                          "scale_offset": 8 + n + WB, "scale_bytes": 8}
+    assert shards.table_regions(p, 1) == {
+        "rows": ROWS,
+        "weight_offset": 8 + n,
+        "weight_bytes": 256,
+        "scale_offset": 8 + n + WB,
+        "scale_bytes": 8,
+    }
 
 
 def test_duplicate_key_is_refused(tmp_path: Path) -> None:
@@ -130,8 +186,11 @@ def _rehash_file_record(man: mf.Manifest, d: Path, name: str) -> None:
     rec = man.file(name)
     data = (d / name).read_bytes()
     cs = rec["chunk_size"]
-    rec.update(size=len(data), sha256=hashlib.sha256(data).hexdigest(),
-               chunks=[hashlib.sha256(data[i : i + cs]).hexdigest() for i in range(0, len(data), cs)])
+    rec.update(
+        size=len(data),
+        sha256=hashlib.sha256(data).hexdigest(),
+        chunks=[hashlib.sha256(data[i : i + cs]).hexdigest() for i in range(0, len(data), cs)],
+    )
 
 
 @pytest.fixture
@@ -154,8 +213,9 @@ def test_overlapping_scale_refused_everywhere(overlapped, capsys) -> None:
             pass
     want = f"{t.file}: tensor {t.weight_name}: data_offsets must be contiguous"
     # dsv41 engram manifest (build from the shards)
-    rc = main(["engram", "manifest", "--config", str(LAB), "--data", str(d), "--revision", "x",
-               "--out", str(d / "m2.json")])
+    rc = main(
+        ["engram", "manifest", "--config", str(LAB), "--data", str(d), "--revision", "x", "--out", str(d / "m2.json")]
+    )
     err = capsys.readouterr().err
     assert rc == 1 and want in err and "Traceback" not in err and not (d / "m2.json").exists()
     # dsv41 engram verify (bytes match the manifest; the header does not pass)

@@ -37,11 +37,20 @@ def test_layout_of_files(small: Path) -> None:
     raw = (small / t1.file).read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     hdr = json.loads(raw[8 : 8 + n])
-    assert hdr["layers.1.engram.embed.weight"] == {"dtype": "F8_E4M3", "shape": [70000, 256], "data_offsets": [0, 70000 * 256]}
+    assert hdr["layers.1.engram.embed.weight"] == {
+        "dtype": "F8_E4M3",
+        "shape": [70000, 256],
+        "data_offsets": [0, 70000 * 256],
+    }
     assert hdr["layers.1.engram.embed.scale"]["dtype"] == "F8_E8M0"
     assert len(raw) == 8 + n + 70000 * 264
     assert shards.table_regions(small / t1.file, 1) == {
-        "rows": 70000, "weight_offset": 664, "scale_offset": t1.scale_offset, "weight_bytes": 256, "scale_bytes": 8}
+        "rows": 70000,
+        "weight_offset": 664,
+        "scale_offset": t1.scale_offset,
+        "weight_bytes": 256,
+        "scale_bytes": 8,
+    }
 
 
 def test_safetensors_oracle_and_synthetic_rows(small: Path) -> None:
@@ -106,8 +115,10 @@ def test_bad_shards(tmp_path: Path) -> None:
     p.write_bytes(struct.pack("<Q", 2) + b"{}")
     with pytest.raises(VerificationError, match="not found"):
         shards.table_regions(p, 1)
-    hdr = {"layers.1.engram.embed.weight": {"dtype": "BF16", "shape": [2, 256], "data_offsets": [0, 512]},
-           "layers.1.engram.embed.scale": {"dtype": "F8_E8M0", "shape": [2, 8], "data_offsets": [512, 528]}}
+    hdr = {
+        "layers.1.engram.embed.weight": {"dtype": "BF16", "shape": [2, 256], "data_offsets": [0, 512]},
+        "layers.1.engram.embed.scale": {"dtype": "F8_E8M0", "shape": [2, 8], "data_offsets": [512, 528]},
+    }
     js = json.dumps(hdr).encode()
     p.write_bytes(struct.pack("<Q", len(js)) + js)
     with pytest.raises(VerificationError, match="must be F8_E4M3"):

@@ -105,17 +105,29 @@ def test_old_engram_names_are_refused_naming_the_new(old: str, new: str) -> None
         parse({old: ""})  # even empty: a leftover env file line must be noticed
 
 
-@pytest.mark.parametrize("env,name,msg", [
-    ({"DSV41_ENGRAM_REMOTE_REQUIRED": "1"}, "DSV41_ENGRAM_REMOTE_REQUIRED", "DSV41_ENGRAM_REMOTE is empty"),
-    ({"DSV41_DRAFTER_REMOTE": "tcp://h:1", "DSV41_DRAFTER_LOCAL": "/d", "DSV41_DRAFTER_DIR": "/d"},
-     "DSV41_DRAFTER_REMOTE", "only one"),
-    ({"DSV41_DRAFTER_REMOTE": "tcp://h:1"}, "DSV41_DRAFTER_DIR", "needs DSV41_DRAFTER_DIR"),
-    ({"DSV41_DRAFTER_ASYNC": "1", "DSV41_DRAFTER_SHADOW": "1"}, "DSV41_DRAFTER_SHADOW", "synchronous"),
-    ({"DSV41_DRAFTER_CAPACITY_MODE": "1", "DSV41_DRAFTER_LOCAL": "/d"}, "DSV41_DRAFTER_CAPACITY_MODE",
-     "frees no memory"),
-    ({"DSV41_DRAFTER_CAPACITY_MODE": "1", "DSV41_DRAFTER_REMOTE": "tcp://h:1", "DSV41_DRAFTER_DIR": "/d"},
-     "DSV41_DRAFTER_LOCAL_MEMORY_TOKENS", "> 0"),
-])
+@pytest.mark.parametrize(
+    "env,name,msg",
+    [
+        ({"DSV41_ENGRAM_REMOTE_REQUIRED": "1"}, "DSV41_ENGRAM_REMOTE_REQUIRED", "DSV41_ENGRAM_REMOTE is empty"),
+        (
+            {"DSV41_DRAFTER_REMOTE": "tcp://h:1", "DSV41_DRAFTER_LOCAL": "/d", "DSV41_DRAFTER_DIR": "/d"},
+            "DSV41_DRAFTER_REMOTE",
+            "only one",
+        ),
+        ({"DSV41_DRAFTER_REMOTE": "tcp://h:1"}, "DSV41_DRAFTER_DIR", "needs DSV41_DRAFTER_DIR"),
+        ({"DSV41_DRAFTER_ASYNC": "1", "DSV41_DRAFTER_SHADOW": "1"}, "DSV41_DRAFTER_SHADOW", "synchronous"),
+        (
+            {"DSV41_DRAFTER_CAPACITY_MODE": "1", "DSV41_DRAFTER_LOCAL": "/d"},
+            "DSV41_DRAFTER_CAPACITY_MODE",
+            "frees no memory",
+        ),
+        (
+            {"DSV41_DRAFTER_CAPACITY_MODE": "1", "DSV41_DRAFTER_REMOTE": "tcp://h:1", "DSV41_DRAFTER_DIR": "/d"},
+            "DSV41_DRAFTER_LOCAL_MEMORY_TOKENS",
+            "> 0",
+        ),
+    ],
+)
 def test_rules_across_variables(env: dict, name: str, msg: str) -> None:
     with pytest.raises(ConfigError, match=msg) as ei:
         parse(env)
@@ -185,8 +197,11 @@ def _env_reads(path: Path) -> list[str]:
                 hits.append(f"{path.name}:{node.lineno}")
         elif isinstance(node, ast.Subscript) and dsv41(node.slice):
             hits.append(f"{path.name}:{node.lineno}")
-        elif isinstance(node, ast.Compare) and dsv41(node.left) and any(isinstance(o, (ast.In, ast.NotIn))
-                                                                        for o in node.ops):
+        elif (
+            isinstance(node, ast.Compare)
+            and dsv41(node.left)
+            and any(isinstance(o, (ast.In, ast.NotIn)) for o in node.ops)
+        ):
             hits.append(f"{path.name}:{node.lineno}")
     return hits
 
@@ -201,8 +216,10 @@ def test_no_module_but_envs_reads_a_dsv41_variable(tmp_path: Path) -> None:
     probe = REPO / "python" / "dsv41" / "envs.py"
     assert len(_env_reads(probe)) == 0  # envs.py reads through the table, by variable object
     sample = tmp_path / "probe.py"
-    sample.write_text('import os\nos.environ.get("DSV41_X")\nos.getenv("DSV41_Y")\nos.environ["DSV41_Z"]\n'
-                      'env = {}\nenv.get("DSV41_K", "5")\n"DSV41_Q" in env\n')
+    sample.write_text(
+        'import os\nos.environ.get("DSV41_X")\nos.getenv("DSV41_Y")\nos.environ["DSV41_Z"]\n'
+        'env = {}\nenv.get("DSV41_K", "5")\n"DSV41_Q" in env\n'
+    )
     assert len(_env_reads(sample)) == 5
 
 

@@ -49,8 +49,15 @@ def odd(tmp_path: Path) -> dict[str, Path]:
     (d / "regular").write_text('{"a": 1}\n')
     os.symlink(d / "nowhere", d / "dangling")
     os.symlink(d / "regular", d / "link")
-    yield {"fifo": d / "fifo", "socket": d / "sock", "device": Path("/dev/null"), "directory": d / "dir",
-           "dangling": d / "dangling", "regular": d / "regular", "link": d / "link"}
+    yield {
+        "fifo": d / "fifo",
+        "socket": d / "sock",
+        "device": Path("/dev/null"),
+        "directory": d / "dir",
+        "dangling": d / "dangling",
+        "regular": d / "regular",
+        "link": d / "link",
+    }
     s.close()
 
 
@@ -66,8 +73,17 @@ def _leftovers(d: Path) -> list[str]:
 
 # ---- inputs ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind,msg", [("fifo", "is a FIFO"), ("socket", "is a socket"), ("device", "is a character device"),
-                                      ("directory", "is a directory"), ("dangling", "dangling symlink")])
+
+@pytest.mark.parametrize(
+    "kind,msg",
+    [
+        ("fifo", "is a FIFO"),
+        ("socket", "is a socket"),
+        ("device", "is a character device"),
+        ("directory", "is a directory"),
+        ("dangling", "dangling symlink"),
+    ],
+)
 def test_reader_refuses_what_is_not_a_regular_file(odd, kind, msg) -> None:
     for read in (fileio.read_bytes, fileio.read_text, fileio.read_json, fileio.check_input):
         with pytest.raises(fileio.FileError, match=msg) as e:
@@ -118,17 +134,29 @@ def test_a_fifo_swapped_in_after_the_check_does_not_block(tmp_path: Path, monkey
 
 # ---- outputs --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind,msg", [("fifo", "is a FIFO"), ("socket", "is a socket"), ("device", "is a character device"),
-                                      ("directory", "is a directory"), ("dangling", "is a symlink"), ("link", "is a symlink")])
+
+@pytest.mark.parametrize(
+    "kind,msg",
+    [
+        ("fifo", "is a FIFO"),
+        ("socket", "is a socket"),
+        ("device", "is a character device"),
+        ("directory", "is a directory"),
+        ("dangling", "is a symlink"),
+        ("link", "is a symlink"),
+    ],
+)
 def test_writers_refuse_and_leave_what_is_at_the_path(odd, kind, msg) -> None:
     p = odd[kind]
     before = _snapshot(p)
     target = _snapshot(odd["regular"])
-    writers = [lambda: fileio.atomic_write(p, b"new", "--out"),
-               lambda: fileio.atomic_write_json(p, {"b": 2}, "--out"),
-               lambda: fileio.stage(p, "new", "--out").commit(),
-               lambda: fileio.append(p, "line\n", "--out"),
-               lambda: fileio.Appender(p, "--out")]
+    writers = [
+        lambda: fileio.atomic_write(p, b"new", "--out"),
+        lambda: fileio.atomic_write_json(p, {"b": 2}, "--out"),
+        lambda: fileio.stage(p, "new", "--out").commit(),
+        lambda: fileio.append(p, "line\n", "--out"),
+        lambda: fileio.Appender(p, "--out"),
+    ]
 
     def third_party():
         with fileio.atomic_path(p, "--out") as tmp:
@@ -225,8 +253,23 @@ def test_enospc_through_a_real_command(small_fs: Path) -> None:
     """``dsv41 window candidate --vars-out`` on a full disk: one line, exit 1, old file kept."""
     _fill(small_fs)
     out = small_fs / "vars.json"
-    r = subprocess.run([sys.executable, "-m", "dsv41.cli", "window", "candidate", "aa", "--root",
-                        str(REPO / "candidates"), "--vars-out", str(out)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsv41.cli",
+            "window",
+            "candidate",
+            "aa",
+            "--root",
+            str(REPO / "candidates"),
+            "--vars-out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "no space left" in r.stderr, r.stderr
     assert not out.exists() and _leftovers(small_fs) == []
 
@@ -244,6 +287,7 @@ def test_stdout_full_or_closed_gives_one_line() -> None:
 
 
 # ---- the command line: every path parameter ---------------------------------------------------------
+
 
 def test_every_path_parameter_refuses_fifo_socket_device_and_dangling_symlink(odd, tmp_path: Path) -> None:
     """All path-typed parameters of the command tree, each given each odd file, in one child
@@ -270,34 +314,47 @@ def test_every_path_parameter_refuses_fifo_socket_device_and_dangling_symlink(od
         print(json.dumps(res))
     """)
     kinds = {k: str(odd[k]) for k in ("fifo", "socket", "device", "dangling")}
-    r = subprocess.run([sys.executable, "-c", driver, json.dumps(kinds)], capture_output=True, text=True, timeout=180,
-                       cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-c", driver, json.dumps(kinds)], capture_output=True, text=True, timeout=180, cwd=tmp_path
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout)
-    words = {"fifo": "is a FIFO", "socket": "is a socket", "device": "is a character device",
-             "dangling": "is a dangling symlink"}
+    words = {
+        "fifo": "is a FIFO",
+        "socket": "is a socket",
+        "device": "is a character device",
+        "dangling": "is a dangling symlink",
+    }
     params = {name for _, name, *_ in res}
     assert len(params) >= 30, params  # engram, engine, env, package, ... all have path parameters
-    bad = [(a, rc, err) for a, name, kind, rc, err in res
-           if not (rc == 2 and err.count("\n") == 1 and err.startswith(f"dsv41: error: {name}: ") and words[kind] in err)]
+    bad = [
+        (a, rc, err)
+        for a, name, kind, rc, err in res
+        if not (rc == 2 and err.count("\n") == 1 and err.startswith(f"dsv41: error: {name}: ") and words[kind] in err)
+    ]
     assert not bad, bad[:5]
 
 
-@pytest.mark.parametrize("argv_of", [
-    lambda f: ["window", "decide", f],
-    lambda f: ["window", "decide", "--gate", f, "/nonexistent"],
-    lambda f: ["bench", "run", "--endpoint", "http://127.0.0.1:9", "--spec", f],
-    lambda f: ["window", "simulate", "--from-cells", f],
-])
+@pytest.mark.parametrize(
+    "argv_of",
+    [
+        lambda f: ["window", "decide", f],
+        lambda f: ["window", "decide", "--gate", f, "/nonexistent"],
+        lambda f: ["bench", "run", "--endpoint", "http://127.0.0.1:9", "--spec", f],
+        lambda f: ["window", "simulate", "--from-cells", f],
+    ],
+)
 def test_string_typed_inputs_refuse_a_fifo_in_the_reader(odd, argv_of, tmp_path: Path) -> None:
     """Inputs typed as plain strings reach the reader, which refuses the FIFO without opening it."""
     argv = argv_of(str(odd["fifo"]))
-    r = subprocess.run([sys.executable, "-m", "dsv41.cli", *argv], capture_output=True, text=True, timeout=120,
-                       cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "dsv41.cli", *argv], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "is a FIFO, not a regular file" in r.stderr, r.stderr
 
 
 # ---- a window's decision and its two-window cap ---------------------------------------------------
+
 
 def _decided_window():
     from dsv41.harness import bench, win2, window
@@ -306,9 +363,21 @@ def _decided_window():
     sp["blocks_per_prompt"] = 2
     cells = []
     for i, c in enumerate(window.plan_cells(sp, 1, "s")):
-        res = bench.RequestResult(c["prompt_id"], c["category"], c["seed"], c["max_tokens"], ok=True,
-                                  ttft_ms=50 + i % 3, step_ms_p50=20 + (i % 5) * 0.1, tok_s=50.0, tokens_per_step=1.5,
-                                  steps=10, step_ms=[20.0] * 9, finish_reason="length", completion_tokens=14)
+        res = bench.RequestResult(
+            c["prompt_id"],
+            c["category"],
+            c["seed"],
+            c["max_tokens"],
+            ok=True,
+            ttft_ms=50 + i % 3,
+            step_ms_p50=20 + (i % 5) * 0.1,
+            tok_s=50.0,
+            tokens_per_step=1.5,
+            steps=10,
+            step_ms=[20.0] * 9,
+            finish_reason="length",
+            completion_tokens=14,
+        )
         cells.append(window.cell_record(c, res))
     return win2.decide(cells, n_resamples=199), cells
 
@@ -351,9 +420,12 @@ def test_decision_and_cap_on_a_full_disk(small_fs: Path) -> None:
     (small_fs / "w1").mkdir()
     _fill(small_fs)
     with pytest.raises(Dsv41Error, match="no space left"):
-        window.write_report(str(small_fs / "w1"), d, cells, {"window_id": "w1", "pad": "p" * 8192},
-                            cap=lambda: win2_cap.stage_window(str(small_fs), "aa", d.metric, "w1", d.verdict))
+        window.write_report(
+            str(small_fs / "w1"),
+            d,
+            cells,
+            {"window_id": "w1", "pad": "p" * 8192},
+            cap=lambda: win2_cap.stage_window(str(small_fs), "aa", d.metric, "w1", d.verdict),
+        )
     assert not (small_fs / "questions.json").exists() and not (small_fs / "w1" / "decision.json").exists()
     assert _leftovers(small_fs) == [] and _leftovers(small_fs / "w1") == []
-
-

@@ -88,13 +88,17 @@ def test_the_walk_finds_the_service_roles_readiness_wait():
 @pytest.mark.parametrize("path", sorted(_reachable_from_handlers()), ids=lambda p: str(p.relative_to(REPO)))
 def test_no_file_a_handler_reaches_has_a_rescue(path):
     doc = yaml.safe_load(path.read_text()) or []
-    assert not _rescues(doc), (f"{path.relative_to(REPO)} is reached from a handler "
-                               f"({_reachable_from_handlers()[path]}) and has block(s) with rescue/always, "
-                               f"which Ansible never runs there: {_rescues(doc)}")
+    assert not _rescues(doc), (
+        f"{path.relative_to(REPO)} is reached from a handler "
+        f"({_reachable_from_handlers()[path]}) and has block(s) with rescue/always, "
+        f"which Ansible never runs there: {_rescues(doc)}"
+    )
 
 
 def test_the_check_fails_on_a_rescue():
-    doc = yaml.safe_load("- name: b\n  block: [{name: t, ansible.builtin.command: 'true'}]\n"
-                         "  rescue: [{name: r, ansible.builtin.fail: {msg: x}}]\n")
+    doc = yaml.safe_load(
+        "- name: b\n  block: [{name: t, ansible.builtin.command: 'true'}]\n"
+        "  rescue: [{name: r, ansible.builtin.fail: {msg: x}}]\n"
+    )
     assert _rescues(doc) == ["b"]
     assert not _rescues(yaml.safe_load("- name: b\n  when: x\n  block: [{name: t, ansible.builtin.command: 'true'}]\n"))

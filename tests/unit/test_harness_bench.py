@@ -30,8 +30,12 @@ def _spec(tmp_path, doc, name="spec.json"):
     return str(p)
 
 
-GOOD = {"format": "dsv41-bench-spec/1", "name": "t", "prompts": [{"id": "a", "category": "short", "text": "hi"}],
-        "max_tokens": 8}
+GOOD = {
+    "format": "dsv41-bench-spec/1",
+    "name": "t",
+    "prompts": [{"id": "a", "category": "short", "text": "hi"}],
+    "max_tokens": 8,
+}
 
 
 def test_spec_from_env_and_defaults(tmp_path):
@@ -41,17 +45,22 @@ def test_spec_from_env_and_defaults(tmp_path):
     assert bench.load_spec(path, env={"DSV41_BENCH_SPEC_FILE": "/nonexistent"})["name"] == "t"
 
 
-@pytest.mark.parametrize("doc,msg", [
-    ("{bad", "is not JSON"),
-    ({**GOOD, "format": "x"}, "schema at format"),
-    ({**GOOD, "prompts": []}, "schema at prompts"),
-    ({**GOOD, "prompts": [{"id": "a", "category": "s"}]}, "schema at prompts/0"),
-    ({**GOOD, "prompts": [{"id": "a", "category": "s", "text": "x", "generate": {"words": 3, "seed": 1}}]},
-     "schema at prompts/0"),
-    ({**GOOD, "max_tokens": 0}, "schema at max_tokens"),
-    ({**GOOD, "extra": 1}, "schema at (top)"),
-    ({**GOOD, "prompts": [GOOD["prompts"][0], GOOD["prompts"][0]]}, "appears more than once"),
-])
+@pytest.mark.parametrize(
+    "doc,msg",
+    [
+        ("{bad", "is not JSON"),
+        ({**GOOD, "format": "x"}, "schema at format"),
+        ({**GOOD, "prompts": []}, "schema at prompts"),
+        ({**GOOD, "prompts": [{"id": "a", "category": "s"}]}, "schema at prompts/0"),
+        (
+            {**GOOD, "prompts": [{"id": "a", "category": "s", "text": "x", "generate": {"words": 3, "seed": 1}}]},
+            "schema at prompts/0",
+        ),
+        ({**GOOD, "max_tokens": 0}, "schema at max_tokens"),
+        ({**GOOD, "extra": 1}, "schema at (top)"),
+        ({**GOOD, "prompts": [GOOD["prompts"][0], GOOD["prompts"][0]]}, "appears more than once"),
+    ],
+)
 def test_bad_specs(tmp_path, doc, msg):
     with pytest.raises(bench.BenchError, match=msg.replace("(", r"\(").replace(")", r"\)")):
         bench.load_spec(_spec(tmp_path, doc))
@@ -67,7 +76,12 @@ def test_unreachable_endpoint_cli_one_line(tmp_path, capsys):
     # 198.18.0.0/15 is the lab's blackholed range; port 9 on loopback refuses at once.
     rc = main(["bench", "run", "--endpoint", "http://127.0.0.1:9", "--spec", _spec(tmp_path, GOOD)])
     err = capsys.readouterr().err
-    assert rc == 1 and "cannot list models at http://127.0.0.1:9" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert (
+        rc == 1
+        and "cannot list models at http://127.0.0.1:9" in err
+        and "Traceback" not in err
+        and len(err.strip().splitlines()) == 1
+    )
 
 
 def test_greedy_prompts_file(tmp_path):
@@ -100,10 +114,14 @@ def _client(body: bytes, status=200):
 
 def test_stream_timing_tokens_per_step_and_tok_s():
     # prefill chunk (1 token), then three verify steps of 3, 1, 4 tokens; final usage chunk.
-    events = [completion_chunk([1], completion=1), completion_chunk([2, 3, 4], completion=4), completion_chunk([5], completion=5),
-              completion_chunk([6, 7, 8, 9], "length", completion=9), {"choices": [], "usage": {"prompt_tokens": 5,
-                                                                                    "completion_tokens": 9}},
-              "[DONE]"]
+    events = [
+        completion_chunk([1], completion=1),
+        completion_chunk([2, 3, 4], completion=4),
+        completion_chunk([5], completion=5),
+        completion_chunk([6, 7, 8, 9], "length", completion=9),
+        {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 9}},
+        "[DONE]",
+    ]
     # clock reads: t0, then one read per SSE line (events + blank separators), then t_end
     clock = FakeClock([0.0, 0.050] + [0.0] + [0.020, 0.0] * 2 + [0.030, 0.0] + [0.0] * 10)
     body = bench.request_body("m", "p", 7, 9, {"temperature": 1.0}, "salt")
@@ -122,21 +140,27 @@ def test_stream_timing_tokens_per_step_and_tok_s():
 
 def test_stream_usage_only_endpoint_counts_tokens_from_usage():
     # an endpoint without token_ids: per-chunk tokens come from continuous usage deltas
-    events = [{"choices": [{"text": "a", "finish_reason": None}], "usage": {"completion_tokens": 1}},
-              {"choices": [{"text": "bcd", "finish_reason": None}], "usage": {"completion_tokens": 4}},
-              {"choices": [{"text": "e", "finish_reason": "length"}], "usage": {"completion_tokens": 5}}, "[DONE]"]
+    events = [
+        {"choices": [{"text": "a", "finish_reason": None}], "usage": {"completion_tokens": 1}},
+        {"choices": [{"text": "bcd", "finish_reason": None}], "usage": {"completion_tokens": 4}},
+        {"choices": [{"text": "e", "finish_reason": "length"}], "usage": {"completion_tokens": 5}},
+        "[DONE]",
+    ]
     with _client(sse(events)) as c:
         r = bench.stream_one(c, "http://x", bench.request_body("m", "p", 1, 5, {}, None), "a", "s")
     assert r.ok and r.steps == 3 and r.tokens_per_step == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize("body,status,msg", [
-    (json.dumps({"error": {"message": "paused"}}).encode(), 503, "HTTP 503: paused"),
-    (sse([{"error": {"message": "engine failed"}}]), 200, "error event: engine failed"),
-    (sse(["[DONE]"]), 200, "no tokens"),
-    (sse([completion_chunk([1]), "[DONE]"]), 200, "without a finish_reason"),
-    (b"data: {oops\n\n", 200, "bad SSE data"),
-])
+@pytest.mark.parametrize(
+    "body,status,msg",
+    [
+        (json.dumps({"error": {"message": "paused"}}).encode(), 503, "HTTP 503: paused"),
+        (sse([{"error": {"message": "engine failed"}}]), 200, "error event: engine failed"),
+        (sse(["[DONE]"]), 200, "no tokens"),
+        (sse([completion_chunk([1]), "[DONE]"]), 200, "without a finish_reason"),
+        (b"data: {oops\n\n", 200, "bad SSE data"),
+    ],
+)
 def test_stream_failures_are_results_not_exceptions(body, status, msg):
     with _client(body, status) as c:
         r = bench.stream_one(c, "http://x", bench.request_body("m", "p", 1, 4, {}, None), "a", "s")
@@ -194,9 +218,11 @@ def test_plan_requests_unique_salts_and_seeds():
 
 
 def test_summarize_groups():
-    rs = [bench.RequestResult("a", "short", 1, 4, ok=True, ttft_ms=10, step_ms_p50=5, tok_s=100, tokens_per_step=2),
-          bench.RequestResult("b", "code", 2, 4, ok=True, ttft_ms=30, step_ms_p50=7, tok_s=80, tokens_per_step=1),
-          bench.RequestResult("c", "code", 3, 4, ok=False, error="x")]
+    rs = [
+        bench.RequestResult("a", "short", 1, 4, ok=True, ttft_ms=10, step_ms_p50=5, tok_s=100, tokens_per_step=2),
+        bench.RequestResult("b", "code", 2, 4, ok=True, ttft_ms=30, step_ms_p50=7, tok_s=80, tokens_per_step=1),
+        bench.RequestResult("c", "code", 3, 4, ok=False, error="x"),
+    ]
     s = bench.summarize(rs)
     assert s["all"]["requests"] == 3 and s["all"]["failed"] == 1 and s["all"]["ttft_ms_p50"] == 20
     assert s["code"]["step_ms_p50"] == 7

@@ -31,8 +31,11 @@ def test_shipped_candidates_validate():
         candidates.check_restorable(doc)  # every shipped candidate is one a window can restore
     assert candidates.role_vars(candidates.load_candidate("aa", REPO_CANDIDATES)) == {}
     assert candidates.role_vars(candidates.load_candidate("slow-rows", REPO_CANDIDATES)) == {
-        "serve_extra_env": {"DSV41_ENGRAM_FAULT_DELAY_MS": "20"}}
-    assert candidates.role_vars(candidates.load_candidate("async-drafter", REPO_CANDIDATES)) == {"spec_decode_async": True}
+        "serve_extra_env": {"DSV41_ENGRAM_FAULT_DELAY_MS": "20"}
+    }
+    assert candidates.role_vars(candidates.load_candidate("async-drafter", REPO_CANDIDATES)) == {
+        "spec_decode_async": True
+    }
     with pytest.raises(CandidateError, match="known: aa, async-drafter"):
         candidates.load_candidate("nope", REPO_CANDIDATES)
 
@@ -45,11 +48,18 @@ def test_candidate_refusals(tmp_path):
     _cand(tmp_path, "renamed", BASE.format(n="other") + "roles: {}\n")
     _cand(tmp_path, "broken", "name: [unclosed\n")
     _cand(tmp_path, "newline", BASE.format(n="newline") + 'roles:\n  serve:\n    env:\n      DSV41_X: "a\\nb"\n')
-    for name, msg in [("badenv", "schema at roles/serve/env"), ("norestore", "schema at roles/serve"),
-                      ("unknownrole", "schema at roles"), ("badmetric", "schema at primary_metric"),
-                      ("renamed", "named 'other'"), ("broken", "not readable YAML"),
-                      ("newline", "schema at roles/serve/env/DSV41_X"), ("../etc", "plain name"), ("", "plain name"),
-                      (".hidden", "plain name")]:
+    for name, msg in [
+        ("badenv", "schema at roles/serve/env"),
+        ("norestore", "schema at roles/serve"),
+        ("unknownrole", "schema at roles"),
+        ("badmetric", "schema at primary_metric"),
+        ("renamed", "named 'other'"),
+        ("broken", "not readable YAML"),
+        ("newline", "schema at roles/serve/env/DSV41_X"),
+        ("../etc", "plain name"),
+        ("", "plain name"),
+        (".hidden", "plain name"),
+    ]:
         with pytest.raises(CandidateError, match=msg) as exc:
             candidates.load_candidate(name, tmp_path)
         assert isinstance(exc.value, WindowError) and "\n" not in str(exc.value)
@@ -61,8 +71,9 @@ def test_role_vars_cover_every_setting_the_schema_admits():
     """Fix the class: every ``roles.<role>.<key>`` of schemas/candidate.schema.json has a role
     variable, and no role variable names a setting the schema does not admit."""
     schema = json.loads(candidates.CANDIDATE_SCHEMA.read_text())
-    admitted = {(role, key) for role, sub in schema["properties"]["roles"]["properties"].items()
-                for key in sub["properties"]}
+    admitted = {
+        (role, key) for role, sub in schema["properties"]["roles"]["properties"].items() for key in sub["properties"]
+    }
     assert admitted == set(candidates.ROLE_VARS)
     doc = {"roles": {}}
     for role, key in admitted:

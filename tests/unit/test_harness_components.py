@@ -11,15 +11,23 @@ import pytest
 from dsv41.harness import components as C, refs
 from serverutil import FakeServing
 
-PROD_DRAFTER = ("# managed\nDSV41_DRAFTER_REMOTE=tcp://198.18.1.1:7451\nDSV41_DRAFTER_DIR=/opt/dsv41/drafter\n"
-                "DSV41_DRAFTER_ASYNC=1\nDSV41_DRAFTER_K=5\n")
-PROD_ENGRAM = ("# managed\nDSV41_ENGRAM_REMOTE=tcp://198.18.1.1:7441@198.18.1.2,tcp://198.18.2.1:7441@198.18.2.2\n"
-               "DSV41_ENGRAM_REMOTE_TIMEOUT_MS=100\nDSV41_ENGRAM_REMOTE_REQUIRED=0\nDSV41_RUNTIME_ROOT=/opt/dsv41/runtime\n")
+PROD_DRAFTER = (
+    "# managed\nDSV41_DRAFTER_REMOTE=tcp://198.18.1.1:7451\nDSV41_DRAFTER_DIR=/opt/dsv41/drafter\n"
+    "DSV41_DRAFTER_ASYNC=1\nDSV41_DRAFTER_K=5\n"
+)
+PROD_ENGRAM = (
+    "# managed\nDSV41_ENGRAM_REMOTE=tcp://198.18.1.1:7441@198.18.1.2,tcp://198.18.2.1:7441@198.18.2.2\n"
+    "DSV41_ENGRAM_REMOTE_TIMEOUT_MS=100\nDSV41_ENGRAM_REMOTE_REQUIRED=0\nDSV41_RUNTIME_ROOT=/opt/dsv41/runtime\n"
+)
 ENGRAM_OFF = "# managed\n# Remote Engram off (no DSV41_ENGRAM_REMOTE*, no overlay env): the local reader serves.\n"
 
 
 def test_unknown_component_is_one_line_naming_the_known_ones():
-    for bad, shown in (("bogus", "'bogus'"), ("", "(none given: -e component=NAME)"), ("Async_Handoff", "'Async_Handoff'")):
+    for bad, shown in (
+        ("bogus", "'bogus'"),
+        ("", "(none given: -e component=NAME)"),
+        ("Async_Handoff", "'Async_Handoff'"),
+    ):
         with pytest.raises(C.ComponentError) as ei:
             C.component(bad)
         msg = str(ei.value)
@@ -36,7 +44,8 @@ def test_env_problems_names_a_malformed_env_file():
 def test_env_problems_async_handoff():
     both = {"sparkhead": PROD_DRAFTER + PROD_ENGRAM, "sparkworker": PROD_ENGRAM}
     assert C.env_problems("async_handoff", both) == [
-        "sparkhead: DSV41_DRAFTER_ASYNC=1 (async handoff still configured)"]
+        "sparkhead: DSV41_DRAFTER_ASYNC=1 (async handoff still configured)"
+    ]
     sync = {"sparkhead": PROD_DRAFTER.replace("ASYNC=1", "ASYNC=0"), "sparkworker": ""}
     assert C.env_problems("async_handoff", sync) == []
 
@@ -44,9 +53,11 @@ def test_env_problems_async_handoff():
 def test_env_problems_remote_drafter():
     cap = PROD_DRAFTER + "DSV41_DRAFTER_CAPACITY_MODE=1\nDSV41_DRAFTER_LOCAL_MEMORY_TOKENS=4096\n"
     got = C.env_problems("remote_drafter", {"sparkhead": cap, "sparkworker": ""}, drafting_hosts=["sparkhead"])
-    assert got == ["sparkhead: DSV41_DRAFTER_REMOTE=tcp://198.18.1.1:7451 (remote drafter still configured)",
-                   "sparkhead: capacity mode 1 with 4096 extra KV tokens (remote drafter still configured)",
-                   "sparkhead: no DSV41_DRAFTER_LOCAL (this rank drafts; it must draft locally)"]
+    assert got == [
+        "sparkhead: DSV41_DRAFTER_REMOTE=tcp://198.18.1.1:7451 (remote drafter still configured)",
+        "sparkhead: capacity mode 1 with 4096 extra KV tokens (remote drafter still configured)",
+        "sparkhead: no DSV41_DRAFTER_LOCAL (this rank drafts; it must draft locally)",
+    ]
     local = {"sparkhead": "DSV41_DRAFTER_LOCAL=/opt/dsv41/drafter\nDSV41_DRAFTER_K=5\n", "sparkworker": ""}
     assert C.env_problems("remote_drafter", local, drafting_hosts=["sparkhead"]) == []
     # target-only (nothing drafts) is also free of the remote drafter
@@ -55,8 +66,12 @@ def test_env_problems_remote_drafter():
 
 def test_env_problems_remote_engram_names_every_overlay_variable():
     got = C.env_problems("remote_engram", {"sparkworker": PROD_ENGRAM})
-    assert [g.split("=")[0] for g in got] == ["sparkworker: DSV41_ENGRAM_REMOTE", "sparkworker: DSV41_ENGRAM_REMOTE_REQUIRED",
-                                              "sparkworker: DSV41_ENGRAM_REMOTE_TIMEOUT_MS", "sparkworker: DSV41_RUNTIME_ROOT"]
+    assert [g.split("=")[0] for g in got] == [
+        "sparkworker: DSV41_ENGRAM_REMOTE",
+        "sparkworker: DSV41_ENGRAM_REMOTE_REQUIRED",
+        "sparkworker: DSV41_ENGRAM_REMOTE_TIMEOUT_MS",
+        "sparkworker: DSV41_RUNTIME_ROOT",
+    ]
     assert C.env_problems("remote_engram", {"sparkhead": ENGRAM_OFF + PROD_DRAFTER, "sparkworker": ENGRAM_OFF}) == []
 
 
@@ -67,7 +82,8 @@ def test_env_problems_reads_values_the_way_the_engine_does():
     assert len(got) == 1 and got[0].startswith("sparkhead: the engine would refuse its env files: DSV41_DRAFTER_REMOTE")
     # any spelling the engine takes as on counts as on
     assert C.env_problems("async_handoff", {"h": "DSV41_DRAFTER_ASYNC=true\n"}) == [
-        "h: DSV41_DRAFTER_ASYNC=1 (async handoff still configured)"]
+        "h: DSV41_DRAFTER_ASYNC=1 (async handoff still configured)"
+    ]
 
 
 def test_env_problems_refuses_unknown_component():
@@ -104,8 +120,9 @@ def snap(engine=None, engram=None, worker=None, server=None) -> C.Snapshot:
 
 
 def _eval(name, before, after, **kw):
-    args = dict(refs_identical=6, refs_total=6, failed_requests=0, sent_requests=14, env_problems_found=[],
-                kv_baseline=65536)
+    args = dict(
+        refs_identical=6, refs_total=6, failed_requests=0, sent_requests=14, env_problems_found=[], kv_baseline=65536
+    )
     args.update(kw)
     return {c.name: c for c in C.evaluate(name, before, after, **args)}
 
@@ -118,7 +135,9 @@ def test_async_handoff_passes_on_sync_rounds_and_fails_when_the_proxy_still_coun
     assert got["synchronous rounds continue"].detail == "engine rounds +30, worker rounds +30, failed closed +1"
     # the proxy still drafting: the async counters grow
     after_async = snap({"rounds": 30, "proxy_rounds": 30, "proxy_up": 1, "proxy_state": 2}, worker={"rounds": 130})
-    bad = _eval("async_handoff", snap({"rounds": 0, "proxy_rounds": 0, "proxy_state": 2}, worker={"rounds": 100}), after_async)
+    bad = _eval(
+        "async_handoff", snap({"rounds": 0, "proxy_rounds": 0, "proxy_state": 2}, worker={"rounds": 100}), after_async
+    )
     assert not bad["async counters still"].ok and "proxy_rounds" in bad["async counters still"].detail
     # rounds that stopped (target-only) are not synchronous remote drafting either
     stopped = _eval("async_handoff", before, snap({"rounds": 0}, worker={"rounds": 100}))
@@ -134,12 +153,17 @@ def test_remote_drafter_needs_still_worker_local_rounds_and_the_baseline_kv():
     moving = _eval("remote_drafter", before, snap(dict(after.engine), worker={"rounds": 540}))
     assert not moving["worker rounds still"].ok and moving["worker rounds still"].detail == "worker rounds +40"
     # capacity mode left on: the KV budget is not the baseline
-    cap = _eval("remote_drafter", before, snap(dict(after.engine, kv_tokens=69632, kv_extra_tokens=4096),
-                                               worker={"rounds": 500}))
+    cap = _eval(
+        "remote_drafter",
+        before,
+        snap(dict(after.engine, kv_tokens=69632, kv_extra_tokens=4096), worker={"rounds": 500}),
+    )
     assert not cap["KV budget baseline"].ok
     assert cap["KV budget baseline"].detail == "kv_cache_tokens 69632 (baseline 65536), extra 4096"
     # no local speculation (target-only)
-    none = _eval("remote_drafter", before, snap({"rounds": 0, "spec_drafts": 0, "kv_tokens": 65536}, worker={"rounds": 500}))
+    none = _eval(
+        "remote_drafter", before, snap({"rounds": 0, "spec_drafts": 0, "kv_tokens": 65536}, worker={"rounds": 500})
+    )
     assert not none["local speculation"].ok
     # no KV gauge at all is a failure, not a pass
     assert not _eval("remote_drafter", before, snap({"rounds": 4, "spec_drafts": 4}))["KV budget baseline"].ok
@@ -151,12 +175,22 @@ def test_remote_engram_needs_a_still_table_server_and_local_lookups_without_fall
     got = _eval("remote_engram", before, after)
     assert all(c.ok for c in got.values()), got
     assert got["local reader serves"].detail == "rank 0 lookups +40 fallbacks +0, rank 1 lookups +40 fallbacks +0"
-    remote = _eval("remote_engram", before, snap(after.engine, after.engram, server={"requests": 980, "rows_served": 9800}))
-    assert not remote["remote lookups still"].ok and remote["remote lookups still"].detail == "table server requests +80, rows +800"
-    fb = _eval("remote_engram", before, snap(engram={"0": {"lookups": 50, "fallbacks": 3}, "1": {"lookups": 50}},
-                                             server={"requests": 900}))
+    remote = _eval(
+        "remote_engram", before, snap(after.engine, after.engram, server={"requests": 980, "rows_served": 9800})
+    )
+    assert (
+        not remote["remote lookups still"].ok
+        and remote["remote lookups still"].detail == "table server requests +80, rows +800"
+    )
+    fb = _eval(
+        "remote_engram",
+        before,
+        snap(engram={"0": {"lookups": 50, "fallbacks": 3}, "1": {"lookups": 50}}, server={"requests": 900}),
+    )
     assert not fb["local reader serves"].ok
-    idle = _eval("remote_engram", before, snap(engram={"0": {"lookups": 50}, "1": {"lookups": 10}}, server={"requests": 900}))
+    idle = _eval(
+        "remote_engram", before, snap(engram={"0": {"lookups": 50}, "1": {"lookups": 10}}, server={"requests": 900})
+    )
     assert not idle["local reader serves"].ok  # rank 1 did no lookups
 
 
@@ -168,8 +202,13 @@ def test_common_checks_refs_failures_and_configuration(name):
     assert not got["failed requests"].ok and got["failed requests"].detail == "1 failed of 14 sent"
     assert not got["configuration"].ok and got["configuration"].detail == "h: X=1 (left)"
     # aborted requests counted by the engine are failures too; no refs at all is not a pass
-    got = _eval(name, snap({"finished_abort": 1}), snap({"finished_abort": 3, "finished_error": 1}), refs_total=0,
-                refs_identical=0)
+    got = _eval(
+        name,
+        snap({"finished_abort": 1}),
+        snap({"finished_abort": 3, "finished_error": 1}),
+        refs_total=0,
+        refs_identical=0,
+    )
     assert got["failed requests"].detail == "3 failed of 14 sent" and not got["greedy references"].ok
 
 
@@ -215,8 +254,15 @@ def lab(tmp_path):
 
 def _run(lab, name, **kw):
     serving, worker, server, path = lab
-    args = dict(engine_metrics_url=serving.url + "/metrics", worker_metrics_url=worker.url, server_metrics_url=server.url,
-                envs={"sparkhead": ENGRAM_OFF, "sparkworker": ENGRAM_OFF}, kv_baseline=65536, burst=4, max_tokens=8)
+    args = dict(
+        engine_metrics_url=serving.url + "/metrics",
+        worker_metrics_url=worker.url,
+        server_metrics_url=server.url,
+        envs={"sparkhead": ENGRAM_OFF, "sparkworker": ENGRAM_OFF},
+        kv_baseline=65536,
+        burst=4,
+        max_tokens=8,
+    )
     args.update(kw)
     return C.run(name, serving.url, str(path), **args)
 
@@ -230,7 +276,12 @@ def test_run_remote_engram_passes_on_a_still_table_server(lab):
     d = res.to_dict()
     assert d["sent_requests"] == 10 and d["failed_requests"] == 0 and "failed" not in d
     assert d["ok"] and [c["name"] for c in d["checks"]] == [
-        "configuration", "greedy references", "failed requests", "remote lookups still", "local reader serves"]
+        "configuration",
+        "greedy references",
+        "failed requests",
+        "remote lookups still",
+        "local reader serves",
+    ]
 
 
 def test_run_names_the_failed_check_when_the_remote_is_still_used(lab):

@@ -18,6 +18,7 @@ from dsv41.service_control import for_manager
 
 # ---- validation -----------------------------------------------------------------------------------
 
+
 def test_parse_faults_order_all_and_errors() -> None:
     assert drill_faults.parse_faults("all") == list(drill_faults.FAULTS)
     assert drill_faults.parse_faults("netem, engram_server") == ["netem", "engram_server"]
@@ -49,10 +50,12 @@ def test_lab_only_urls_links_and_netem() -> None:
 
 
 def test_proxy_pid_is_the_engines_proxy_child() -> None:
-    kids = [(40, ["/opt/dsv41/venv/bin/python", "-c", "x"]),
-            (41, ["/opt/dsv41/venv/bin/dsv41", "proxy", "run", "--shm", "r", "--parent-pid", "99"]),
-            (42, ["/opt/dsv41/venv/bin/dsv41", "proxy", "run", "--shm", "r", "--parent-pid", "7"]),
-            (43, ["/opt/dsv41/venv/bin/python", "-m", "dsv41.drafter.proxy_cli", "run", "--parent-pid", "9"])]
+    kids = [
+        (40, ["/opt/dsv41/venv/bin/python", "-c", "x"]),
+        (41, ["/opt/dsv41/venv/bin/dsv41", "proxy", "run", "--shm", "r", "--parent-pid", "99"]),
+        (42, ["/opt/dsv41/venv/bin/dsv41", "proxy", "run", "--shm", "r", "--parent-pid", "7"]),
+        (43, ["/opt/dsv41/venv/bin/python", "-m", "dsv41.drafter.proxy_cli", "run", "--parent-pid", "9"]),
+    ]
     assert drill_faults.proxy_pid(kids, 7) == 42
     assert drill_faults.proxy_pid(kids, 9) == 43
     assert drill_faults.proxy_pid(kids, 8) is None
@@ -61,8 +64,14 @@ def test_proxy_pid_is_the_engines_proxy_child() -> None:
 
 # ---- computations ---------------------------------------------------------------------------------
 
-def _samples(fallback_until: float, t_end: float = 30.0, dt: float = 1.0, fail_closed_until: float = -1.0,
-             gap: tuple[float, float] | None = None) -> list[Sample]:
+
+def _samples(
+    fallback_until: float,
+    t_end: float = 30.0,
+    dt: float = 1.0,
+    fail_closed_until: float = -1.0,
+    gap: tuple[float, float] | None = None,
+) -> list[Sample]:
     """Counters of a 2-rank lab sampled every ``dt`` s: 100 lookups/s per rank, 10 tokens/s,
     5 drafting rounds/s; fallbacks grow by 7/s on rank 0 until ``fallback_until``, fail-closed
     rounds by 2/s until ``fail_closed_until``; samples in ``gap`` are unreadable."""
@@ -75,10 +84,19 @@ def _samples(fallback_until: float, t_end: float = 30.0, dt: float = 1.0, fail_c
         if gap and gap[0] <= t <= gap[1]:
             out.append(Sample(t, error="cannot read metrics"))
         else:
-            out.append(Sample(t, engram={"0": {"lookups": 100 * t, "fallbacks": fb, "remote_rows": 50 * t},
-                                         "1": {"lookups": 100 * t, "fallbacks": 0.0, "remote_rows": 50 * t}},
-                              drafter={"rounds": 5 * t, "fail_closed_rounds": fc, "proxy_respawns": 1.0 if t > 12 else 0.0},
-                              gen_tokens=10 * t, server_requests=20 * t, worker_rounds=5 * t))
+            out.append(
+                Sample(
+                    t,
+                    engram={
+                        "0": {"lookups": 100 * t, "fallbacks": fb, "remote_rows": 50 * t},
+                        "1": {"lookups": 100 * t, "fallbacks": 0.0, "remote_rows": 50 * t},
+                    },
+                    drafter={"rounds": 5 * t, "fail_closed_rounds": fc, "proxy_respawns": 1.0 if t > 12 else 0.0},
+                    gen_tokens=10 * t,
+                    server_requests=20 * t,
+                    worker_rounds=5 * t,
+                )
+            )
         t = round(t + dt, 6)
     return out
 
@@ -138,12 +156,29 @@ def test_timeline_rates_and_counter_deltas() -> None:
 
 def _result(failed: int = 0, fallback_until: float = 13.0, refs_ok: bool = True) -> dict:
     s = _samples(fallback_until=fallback_until)
-    reqs = [{"prompt_id": f"p{i}", "ok": i >= failed, "error": None if i >= failed else "HTTP 500: boom",
-             "t_start": 2.0 * i, "t_end": 2.0 * i + 3} for i in range(12)]
+    reqs = [
+        {
+            "prompt_id": f"p{i}",
+            "ok": i >= failed,
+            "error": None if i >= failed else "HTTP 500: boom",
+            "t_start": 2.0 * i,
+            "t_end": 2.0 * i + 3,
+        }
+        for i in range(12)
+    ]
     refs = {"ok": refs_ok, "summary": "6/6 identical" if refs_ok else "5/6 identical"}
-    return drill_report.fault_result("engram_server", s, reqs, 5.0, 10.0, ["0", "1"], 3.0,
-                              {"host": "x86host", "action": "systemctl stop dsv41-engram-server.service"},
-                              {"host": "x86host", "action": "systemctl start dsv41-engram-server.service"}, refs)
+    return drill_report.fault_result(
+        "engram_server",
+        s,
+        reqs,
+        5.0,
+        10.0,
+        ["0", "1"],
+        3.0,
+        {"host": "x86host", "action": "systemctl stop dsv41-engram-server.service"},
+        {"host": "x86host", "action": "systemctl start dsv41-engram-server.service"},
+        refs,
+    )
 
 
 def test_fault_result_counts_and_verdict() -> None:
@@ -160,10 +195,22 @@ def test_fault_result_counts_and_verdict() -> None:
 
 
 def test_report_summary_and_timeline(tmp_path) -> None:
-    rep = drill_report.build_report("t1", [_result(), _result(failed=1)], {"streams": 4, "spec": "s", "max_tokens": 48,
-                                                                     "baseline_s": 8, "duration_s": 20,
-                                                                     "recover_timeout_s": 60, "stable_s": 3},
-                             "2026-12-01T03:00:00+00:00", "2026-12-01T03:05:00+00:00", "box (2 CPUs)")
+    rep = drill_report.build_report(
+        "t1",
+        [_result(), _result(failed=1)],
+        {
+            "streams": 4,
+            "spec": "s",
+            "max_tokens": 48,
+            "baseline_s": 8,
+            "duration_s": 20,
+            "recover_timeout_s": 60,
+            "stable_s": 3,
+        },
+        "2026-12-01T03:00:00+00:00",
+        "2026-12-01T03:05:00+00:00",
+        "box (2 CPUs)",
+    )
     assert rep["format"] == drill_report.FORMAT and rep["ok"] is False
     assert drill_report.build_report("t2", [_result()], {}, "a", "b", "m")["ok"] is True
     assert drill_report.build_report("t3", [], {}, "a", "b", "m")["ok"] is False
@@ -178,6 +225,7 @@ def test_report_summary_and_timeline(tmp_path) -> None:
 
 # ---- faults against a fake runner -----------------------------------------------------------------
 
+
 class FakeLab:
     """Records every ``nsenter`` argv and answers from ``replies`` (argv suffix -> (rc, stdout))."""
 
@@ -190,10 +238,10 @@ class FakeLab:
         self.hosts = drill_faults.LabHosts(tmp_path, for_manager("systemd"), self)
 
     def __call__(self, cmd, **kw):
-        argv = tuple(cmd[cmd.index("--") + 1:])
+        argv = tuple(cmd[cmd.index("--") + 1 :])
         self.calls.append(argv)
         for key, (rc, out) in self.replies.items():
-            if argv[:len(key)] == key or argv[-len(key):] == key:
+            if argv[: len(key)] == key or argv[-len(key) :] == key:
                 return subprocess.CompletedProcess(cmd, rc, out, self.replies_err if rc else "")
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
@@ -224,15 +272,28 @@ def test_program_stop_and_idempotent_clear(tmp_path) -> None:
 def test_link_and_netem_clear_only_what_is_set(tmp_path) -> None:
     down = "7: ofl0@if6: <BROADCAST,MULTICAST> mtu 9000 qdisc netem state DOWN\n"
     up = "7: ofl0@if6: <BROADCAST,MULTICAST,UP,LOWER_UP> mtu 9000 state UP\n"
-    lab = FakeLab(tmp_path, {("ip", "-o", "link", "show", "dev", "ofl0"): (0, down),
-                             ("tc", "qdisc", "show", "dev", "ofl0", "root"): (0, "qdisc netem 8001: root limit 1000\n")})
+    lab = FakeLab(
+        tmp_path,
+        {
+            ("ip", "-o", "link", "show", "dev", "ofl0"): (0, down),
+            ("tc", "qdisc", "show", "dev", "ofl0", "root"): (0, "qdisc netem 8001: root limit 1000\n"),
+        },
+    )
     topo = drill_faults.Topology(link_host="sparkworker")
     assert drill_faults.LinkDown(lab.hosts, topo).clear()["action"] == "ip link set dev ofl0 up"
     assert drill_faults.Netem(lab.hosts, topo).clear()["action"] == "tc qdisc del dev ofl0 root (netem)"
-    assert drill_faults.Netem(lab.hosts, topo).inject()["action"] == "tc qdisc replace dev ofl0 root netem delay 60ms 20ms loss 5%"
+    assert (
+        drill_faults.Netem(lab.hosts, topo).inject()["action"]
+        == "tc qdisc replace dev ofl0 root netem delay 60ms 20ms loss 5%"
+    )
     # A kernel without sch_netem: tbf instead, said in the record, and cleared the same way.
-    lab = FakeLab(tmp_path, {("netem", "delay", "60ms", "20ms", "loss", "5%"):
-                             (2, ""), ("tc", "qdisc", "show", "dev", "ofl0", "root"): (0, "qdisc tbf 8002: root refcnt 2\n")})
+    lab = FakeLab(
+        tmp_path,
+        {
+            ("netem", "delay", "60ms", "20ms", "loss", "5%"): (2, ""),
+            ("tc", "qdisc", "show", "dev", "ofl0", "root"): (0, "qdisc tbf 8002: root refcnt 2\n"),
+        },
+    )
     lab.replies_err = "Error: Specified qdisc kind is unknown."
     rec = drill_faults.Netem(lab.hosts, topo).inject()
     assert rec["qdisc"] == "tbf" and rec["action"].startswith("tc qdisc replace dev ofl0 root tbf rate 4mbit")
@@ -240,18 +301,31 @@ def test_link_and_netem_clear_only_what_is_set(tmp_path) -> None:
     lab.replies_err = "Error: Cannot find device"
     with pytest.raises(DrillError, match="Cannot find device"):
         drill_faults.Netem(lab.hosts, topo).inject()
-    lab = FakeLab(tmp_path, {("ip", "-o", "link", "show", "dev", "ofl0"): (0, up),
-                             ("tc", "qdisc", "show", "dev", "ofl0", "root"): (0, "qdisc noqueue 0: root\n")})
+    lab = FakeLab(
+        tmp_path,
+        {
+            ("ip", "-o", "link", "show", "dev", "ofl0"): (0, up),
+            ("tc", "qdisc", "show", "dev", "ofl0", "root"): (0, "qdisc noqueue 0: root\n"),
+        },
+    )
     out = drill_faults.clear_all(lab.hosts, topo, ["offload_link", "netem"])
-    assert out == {"offload_link": {"host": "sparkworker", "action": "none", "iface": "ofl0"},
-                   "netem": {"host": "sparkworker", "action": "none", "iface": "ofl0"}}
+    assert out == {
+        "offload_link": {"host": "sparkworker", "action": "none", "iface": "ofl0"},
+        "netem": {"host": "sparkworker", "action": "none", "iface": "ofl0"},
+    }
 
 
 def test_async_proxy_kill_by_pid_and_errors(tmp_path) -> None:
     # the plain-process path, said (auto would ask docker; test_drill_engine_pid.py covers that)
-    kids = json.dumps([[12, 12, ["dsv41", "engine", "serve"]],
-                       [[29, 29, ["python3", "-c", "x\ny"]],
-                        [30, 30, ["/opt/dsv41/venv/bin/dsv41", "proxy", "run", "--parent-pid", "12"]]]])
+    kids = json.dumps(
+        [
+            [12, 12, ["dsv41", "engine", "serve"]],
+            [
+                [29, 29, ["python3", "-c", "x\ny"]],
+                [30, 30, ["/opt/dsv41/venv/bin/dsv41", "proxy", "run", "--parent-pid", "12"]],
+            ],
+        ]
+    )
     lab = FakeLab(tmp_path, {MAIN_PID: (0, "12\n"), ("12",): (0, kids)})
     f = drill_faults.AsyncProxyKill(lab.hosts, PLAIN)
     rec = f.inject()
@@ -264,8 +338,14 @@ def test_async_proxy_kill_by_pid_and_errors(tmp_path) -> None:
     with pytest.raises(DrillError, match="dsv41-serve on sparkhead is not running"):
         drill_faults.AsyncProxyKill(lab.hosts, PLAIN).inject()
     # A failing command is one line with its stderr's last line; clear_all keeps going.
-    lab = FakeLab(tmp_path, {(*CTL, "is-active", ENGRAM): (3, "inactive\n"), (*CTL, "start", ENGRAM): (7, ""),
-                             (*CTL, "is-active", DRAFTER): (0, "active\n")})
+    lab = FakeLab(
+        tmp_path,
+        {
+            (*CTL, "is-active", ENGRAM): (3, "inactive\n"),
+            (*CTL, "start", ENGRAM): (7, ""),
+            (*CTL, "is-active", DRAFTER): (0, "active\n"),
+        },
+    )
     out = drill_faults.clear_all(lab.hosts, drill_faults.Topology(), ["engram_server", "drafter_worker"])
     assert "failed (exit 7)" in out["engram_server"]["error"] and out["drafter_worker"]["action"] == "none"
 
@@ -278,17 +358,21 @@ def test_lab_not_up(tmp_path) -> None:
 
 # ---- the command's bad input: one line, exit 1, nothing touched -------------------------------------
 
-@pytest.mark.parametrize("args, msg", [
-    (["check", "--faults", "engram_server,tablez"], "unknown fault 'tablez'"),
-    (["run", "--faults", "tablez"], "unknown fault 'tablez'"),
-    (["run", "--endpoint", "http://10.1.2.3:8000"], "not a lab address"),
-    (["run", "--link", "sparkhead"], "HOST:IFACE"),
-    (["run", "--netem", "rate 1mbit"], "--netem word 'rate'"),
-    (["run", "--streams", "0"], "--streams must be between 1 and 64"),
-    (["run", "--duration", "-1"], "--duration must be between 0 and 3600"),
-    (["run", "--refs", "/nonexistent/refs.json"], "no greedy references at /nonexistent/refs.json"),
-    (["clear", "--faults", "nope"], "unknown fault 'nope'"),
-])
+
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["check", "--faults", "engram_server,tablez"], "unknown fault 'tablez'"),
+        (["run", "--faults", "tablez"], "unknown fault 'tablez'"),
+        (["run", "--endpoint", "http://10.1.2.3:8000"], "not a lab address"),
+        (["run", "--link", "sparkhead"], "HOST:IFACE"),
+        (["run", "--netem", "rate 1mbit"], "--netem word 'rate'"),
+        (["run", "--streams", "0"], "--streams must be between 1 and 64"),
+        (["run", "--duration", "-1"], "--duration must be between 0 and 3600"),
+        (["run", "--refs", "/nonexistent/refs.json"], "no greedy references at /nonexistent/refs.json"),
+        (["clear", "--faults", "nope"], "unknown fault 'nope'"),
+    ],
+)
 def test_cli_bad_input_one_line(args, msg, capsys, tmp_path) -> None:
     assert main(["drill", *args, "--lab-dir", str(tmp_path)] if args[0] != "check" else ["drill", *args]) == 1
     err = capsys.readouterr().err.strip().splitlines()
@@ -300,8 +384,21 @@ def test_cli_check_and_lab_not_up(capsys, tmp_path) -> None:
     assert capsys.readouterr().out.strip() == "netem,async_proxy"
     refs = tmp_path / "refs.json"
     refs.write_text("{}")
-    assert main(["drill", "run", "--refs", str(refs), "--lab-dir", str(tmp_path / "nolab"),
-                 "--out-dir", str(tmp_path / "d")]) == 1
+    assert (
+        main(
+            [
+                "drill",
+                "run",
+                "--refs",
+                str(refs),
+                "--lab-dir",
+                str(tmp_path / "nolab"),
+                "--out-dir",
+                str(tmp_path / "d"),
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the lab is not up" in err[0]
     assert not (tmp_path / "d").exists()

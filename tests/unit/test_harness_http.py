@@ -23,8 +23,11 @@ class _Odd(HttpStandIn):
             def do_GET(self):
                 if self.path == "/slow":
                     time.sleep(2)
-                code, body = {"/boom": (500, b"internal trouble"), "/text": (200, b"<html>"),
-                              "/garbage": (200, b"metric{ 1\n")}.get(self.path, (200, b"{}"))
+                code, body = {
+                    "/boom": (500, b"internal trouble"),
+                    "/text": (200, b"<html>"),
+                    "/garbage": (200, b"metric{ 1\n"),
+                }.get(self.path, (200, b"{}"))
                 self.send_response(code)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -67,8 +70,10 @@ def test_errors_are_one_clear_line(odd) -> None:
 
 
 def test_metric_samples_keep_suffixes() -> None:
-    text = ("# TYPE a counter\na_total{rank=\"0\"} 3\na_created{rank=\"0\"} 1.7e9\n"
-            "# TYPE b summary\nb_sum 0.5\nb_count 2\nc 1\n")
+    text = (
+        '# TYPE a counter\na_total{rank="0"} 3\na_created{rank="0"} 1.7e9\n'
+        "# TYPE b summary\nb_sum 0.5\nb_count 2\nc 1\n"
+    )
     got = http.metric_samples(text)
     assert ("a_total", {"rank": "0"}, 3.0) in got and ("b_sum", {}, 0.5) in got and ("c", {}, 1.0) in got
 
@@ -79,8 +84,12 @@ def test_metrics_cli(capsys) -> None:
         fake.lookups = 4
         assert main(["metrics", "get", fake.url + "/metrics", "--prefix", "dsv41_engram_lookups"]) == 0
         doc = json.loads(capsys.readouterr().out)
-        assert doc["metrics"] == {"dsv41_engram_lookups_total": [{"labels": {"rank": "0"}, "value": 4.0},
-                                                                 {"labels": {"rank": "1"}, "value": 4.0}]}
+        assert doc["metrics"] == {
+            "dsv41_engram_lookups_total": [
+                {"labels": {"rank": "0"}, "value": 4.0},
+                {"labels": {"rank": "1"}, "value": 4.0},
+            ]
+        }
     finally:
         fake.close()
     assert main(["metrics", "get", f"http://127.0.0.1:{_closed_port()}/metrics"]) == 1
@@ -99,7 +108,9 @@ def test_refs_verify_cli_checks_counters_like_the_deploy(tmp_path, capsys) -> No
         args = ["refs", "verify", "--endpoint", fake.url, "--refs", str(out), "--attempts", "2", "--delay", "0"]
         assert main(args) == 1
         err = capsys.readouterr().err
-        assert err.startswith("dsv41: error: counters while the references ran (2 attempt(s)): rank 0: 6 Engram fallbacks")
+        assert err.startswith(
+            "dsv41: error: counters while the references ran (2 attempt(s)): rank 0: 6 Engram fallbacks"
+        )
         assert main([*args, "--no-counters"]) == 0
         capsys.readouterr()
         fake.fallbacks_per_call = 0

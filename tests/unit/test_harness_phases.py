@@ -25,8 +25,19 @@ def _trace(t0, pieces=3, fetch_ms=5.0, launch_ms=0.03, wait_ms=0.01):
         t += int(launch_ms * MS)
         l1.append(t)
     t_done = t + int(0.01 * MS)
-    return {"key": 1, "gen": 1, "rows": pieces * 65536, "t_sub": t_sub, "t_deq": t_deq, "t_ids": t_ids,
-            "t_plan0": t_plan0, "t_done": t_done, "fetch0": f0, "fetch1": f1, "launch1": l1}
+    return {
+        "key": 1,
+        "gen": 1,
+        "rows": pieces * 65536,
+        "t_sub": t_sub,
+        "t_deq": t_deq,
+        "t_ids": t_ids,
+        "t_plan0": t_plan0,
+        "t_done": t_done,
+        "fetch0": f0,
+        "fetch1": f1,
+        "launch1": l1,
+    }
 
 
 def test_phases_sum_to_the_critical_path_and_give_the_excess():
@@ -158,8 +169,10 @@ def test_a_stream_trace_counts_busy_time_as_the_fetch_and_launches_off_the_path(
     assert sum(ph[k] for k in P.PHASES) == pytest.approx(ph["critical"]) == pytest.approx(ph["excess"])
 
 
-@pytest.mark.parametrize("bad", [{"idle": 10**12}, {"idle": -1}, {"t_fetch0": 0}, {"launch1": []},
-                                 {"t_fetch1": 1}, {"launch1": [1, 2, 10**15]}])
+@pytest.mark.parametrize(
+    "bad",
+    [{"idle": 10**12}, {"idle": -1}, {"t_fetch0": 0}, {"launch1": []}, {"t_fetch1": 1}, {"launch1": [1, 2, 10**15]}],
+)
 def test_malformed_stream_traces_are_refused(bad):
     tr = _stream(10_000 * MS)
     tr.update(bad)
@@ -188,10 +201,11 @@ def test_join_return_takes_the_tail_after_the_hand_off_apart():
     assert sum(r[k] for k in P.RETURN_PHASES) == pytest.approx((b_ns - t_done) * 1e-6)
     # the hand-off seen before the core read t_done (after its unlock): a small negative ret_seen
     assert P.join_return(t_done, (7, t_done - MS, t_done - 500, t_done, t_done + 1), join_ret, join1, b_ns)[
-        "ret_seen"] == pytest.approx(-0.0005)
+        "ret_seen"
+    ] == pytest.approx(-0.0005)
 
 
-@pytest.mark.parametrize("wait", [(1, 0, 5, 6, 7), (1, 4, 3, 6, 7), (1, 1, 2, 3, 10 ** 12)])
+@pytest.mark.parametrize("wait", [(1, 0, 5, 6, 7), (1, 4, 3, 6, 7), (1, 1, 2, 3, 10**12)])
 def test_join_return_refuses_missing_or_disordered_times(wait):
     with pytest.raises(Dsv41Error):
-        P.join_return(10, wait, 10 ** 9, 10 ** 9 + 1, 2e9)
+        P.join_return(10, wait, 10**9, 10**9 + 1, 2e9)

@@ -54,13 +54,15 @@ def test_unreachable_endpoint():
         refs.run_prompts("http://127.0.0.1:9", max_tokens=4)
 
 
-@pytest.mark.parametrize("content,match", [
-    ("{", "not JSON"),
-    ('{"format": "other"}', "is not a"),
-    ('{"format": "dsv41-greedy-refs/1", "prompts": []}', "no valid prompts"),
-    ('{"format": "dsv41-greedy-refs/1", "prompts": [{"name": "a", "prompt": "b", "token_ids": []}]}',
-     "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        ("{", "not JSON"),
+        ('{"format": "other"}', "is not a"),
+        ('{"format": "dsv41-greedy-refs/1", "prompts": []}', "no valid prompts"),
+        ('{"format": "dsv41-greedy-refs/1", "prompts": [{"name": "a", "prompt": "b", "token_ids": []}]}', "max_tokens"),
+    ],
+)
 def test_load_refs_rejects_bad_files(tmp_path, content, match):
     p = tmp_path / "refs.json"
     p.write_text(content)
@@ -74,13 +76,15 @@ def test_load_refs_missing_file(tmp_path):
 
 
 def test_engram_counters_and_delta():
-    text = ('# TYPE dsv41_engram_lookups_total counter\n'
-            'dsv41_engram_lookups_total{rank="0"} 10\n'
-            'dsv41_engram_lookups_total{rank="1"} 12\n'
-            'dsv41_engram_lookups_created{rank="0"} 1.7e9\n'
-            'dsv41_engram_fallbacks_total{rank="1"} 2\n'
-            'dsv41_engram_latency_sum_s{rank="0"} 0.5\n'
-            'dsv41_engram_lookups_total 99\n')
+    text = (
+        "# TYPE dsv41_engram_lookups_total counter\n"
+        'dsv41_engram_lookups_total{rank="0"} 10\n'
+        'dsv41_engram_lookups_total{rank="1"} 12\n'
+        'dsv41_engram_lookups_created{rank="0"} 1.7e9\n'
+        'dsv41_engram_fallbacks_total{rank="1"} 2\n'
+        'dsv41_engram_latency_sum_s{rank="0"} 0.5\n'
+        "dsv41_engram_lookups_total 99\n"
+    )
     c = refs.engram_counters(text)
     with pytest.raises(refs.RefsError, match="not Prometheus text exposition"):
         refs.engram_counters(text + "garbage line\n")  # parsed by prometheus_client: refused, not skipped
@@ -95,7 +99,7 @@ def test_engram_counters_and_delta():
 
 
 def test_flat_values():
-    text = "dsv41_drafter_rounds 4\ndsv41_drafter_drafts_total 9\ndsv41_drafter_x{a=\"1\"} 3\nother 1\n"
+    text = 'dsv41_drafter_rounds 4\ndsv41_drafter_drafts_total 9\ndsv41_drafter_x{a="1"} 3\nother 1\n'
     assert refs.flat_values(text, "dsv41_drafter_") == {"rounds": 4.0, "drafts": 9.0}
 
 

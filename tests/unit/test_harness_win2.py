@@ -17,8 +17,14 @@ from dsv41.harness import win2, win2_cap, win2_sim
 NR = 999
 
 
-def make_cells(effects: dict[str, float], n_prompts_per_cat: int = 3, blocks: int = 4, noise: float = 0.01,
-               seed: int = 1, metric: str = "step_ms_p50") -> list[dict]:
+def make_cells(
+    effects: dict[str, float],
+    n_prompts_per_cat: int = 3,
+    blocks: int = 4,
+    noise: float = 0.01,
+    seed: int = 1,
+    metric: str = "step_ms_p50",
+) -> list[dict]:
     """ABBA cells: per category, ``n_prompts_per_cat`` prompts, ``blocks`` blocks per prompt, two
     pairs per block. The candidate is better by ``effects[cat]`` (fraction, positive = better)
     with multiplicative log-normal noise ``noise`` on every cell."""
@@ -37,8 +43,20 @@ def make_cells(effects: dict[str, float], n_prompts_per_cat: int = 3, blocks: in
                     cand = base * math.exp(rng.normal(0, noise))
                     cand = cand / (1 + eff) if "_ms" in metric else cand * (1 + eff)
                     for arm, v in (("control", ctl), ("candidate", cand)):
-                        cells.append({"block": b, "pair": pair, "arm": arm, "prompt_id": pid, "category": cat,
-                                      "seed": s, "ok": True, "ttft_ms": v, "step_ms_p50": v, "tok_s": v})
+                        cells.append(
+                            {
+                                "block": b,
+                                "pair": pair,
+                                "arm": arm,
+                                "prompt_id": pid,
+                                "category": cat,
+                                "seed": s,
+                                "ok": True,
+                                "ttft_ms": v,
+                                "step_ms_p50": v,
+                                "tok_s": v,
+                            }
+                        )
     return cells
 
 
@@ -161,9 +179,17 @@ def test_two_window_cap(tmp_path):
 
 
 def test_distributional_gate():
-    ok = [{"prompt_id": "a", "first_diff": None, "control_lengths": [64, 64], "candidate_lengths": [64, 64],
-           "control_acceptance": [2.0, 2.2], "candidate_acceptance": [2.5, 2.7]},
-          {"prompt_id": "b", "first_diff": 12, "logit_gap_nat": 0.3, "control_lengths": [64], "candidate_lengths": [63]}]
+    ok = [
+        {
+            "prompt_id": "a",
+            "first_diff": None,
+            "control_lengths": [64, 64],
+            "candidate_lengths": [64, 64],
+            "control_acceptance": [2.0, 2.2],
+            "candidate_acceptance": [2.5, 2.7],
+        },
+        {"prompt_id": "b", "first_diff": 12, "logit_gap_nat": 0.3, "control_lengths": [64], "candidate_lengths": [63]},
+    ]
     g = win2.distributional_gate(ok)
     assert g["passed"], g["reasons"]
     assert g["prompts"]["a"]["acceptance_candidate"] == pytest.approx(2.6)
@@ -188,8 +214,25 @@ def _write(tmp_path, cells, name="cells.jsonl"):
 
 def test_cli_decide_json(tmp_path, capsys):
     path = _write(tmp_path, make_cells({"short": -0.1, "code": -0.1}))
-    assert main(["window", "decide", path, "--json", "--metric", "step_ms_p50", "--min-effect", "0.02",
-                 "--alpha", "0.05", "--seed", "3"]) == 0
+    assert (
+        main(
+            [
+                "window",
+                "decide",
+                path,
+                "--json",
+                "--metric",
+                "step_ms_p50",
+                "--min-effect",
+                "0.02",
+                "--alpha",
+                "0.05",
+                "--seed",
+                "3",
+            ]
+        )
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     assert doc["verdict"] == "LOSS" and doc["n_pairs"] == 48 and set(doc["categories"]) == {"short", "code"}
     assert len(doc["ci"]) == 2 and doc["ci"][1] < -0.02
@@ -197,13 +240,16 @@ def test_cli_decide_json(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("LOSS: step_ms_p50")
 
 
-@pytest.mark.parametrize("content,msg", [
-    (None, "cannot read cells file"),
-    ("", "no cells"),
-    ("{not json\n", ":1: not a JSON object"),
-    ("[1, 2]\n", "each line must be a JSON object"),
-    (b"\xff\xfe\x00", "cannot read cells file"),
-])
+@pytest.mark.parametrize(
+    "content,msg",
+    [
+        (None, "cannot read cells file"),
+        ("", "no cells"),
+        ("{not json\n", ":1: not a JSON object"),
+        ("[1, 2]\n", "each line must be a JSON object"),
+        (b"\xff\xfe\x00", "cannot read cells file"),
+    ],
+)
 def test_cli_decide_bad_files(tmp_path, capsys, content, msg):
     p = tmp_path / "cells.jsonl"
     if isinstance(content, bytes):
@@ -240,8 +286,15 @@ def test_cli_cap(tmp_path, capsys):
 def test_simulate_small_aa_calibration():
     """A small, seeded calibration run (the full one is documented in docs/windows.md): the rule's
     false-WIN rate on A/A windows stays at or below alpha and a large effect is detected."""
-    res = win2_sim.simulate(win2_sim.NoiseModel(0.05, drift=0.002, source="test"), (16,), n_windows=60, n_prompts=4,
-                        n_resamples=499, effects=(0.02, 0.30), seed=11)
+    res = win2_sim.simulate(
+        win2_sim.NoiseModel(0.05, drift=0.002, source="test"),
+        (16,),
+        n_windows=60,
+        n_prompts=4,
+        n_resamples=499,
+        effects=(0.02, 0.30),
+        seed=11,
+    )
     row = res["rows"][0]
     assert sum(row["aa_verdicts"].values()) == 60
     assert row["false_win_rate"] <= 0.05
@@ -287,8 +340,16 @@ def _aa_by_cat(rng, k: int, prompts: int = 2, blocks: int = 8, sigma: float = 0.
             for _ in range(blocks):
                 b += 1
                 for pair in (0, 1):
-                    pairs.append({"block": b, "pair": pair, "prompt_id": f"c{c}-p{p}", "category": f"c{c}",
-                                  "seed": 1000 * b + pair, "r": float(rng.normal(0, sigma) - rng.normal(0, sigma))})
+                    pairs.append(
+                        {
+                            "block": b,
+                            "pair": pair,
+                            "prompt_id": f"c{c}-p{p}",
+                            "category": f"c{c}",
+                            "seed": 1000 * b + pair,
+                            "r": float(rng.normal(0, sigma) - rng.normal(0, sigma)),
+                        }
+                    )
         by_cat[f"c{c}"] = pairs
     return by_cat
 
@@ -313,7 +374,9 @@ def test_holm_keeps_aa_per_category_false_claims_at_the_family_alpha():
         holm_hits += any(e.verdict in ("WIN", "LOSS") for e, _ in adj.values())
     raw_ci = stats.binomtest(raw_hits, n).proportion_ci(0.95, method="exact")
     holm_ci = stats.binomtest(holm_hits, n).proportion_ci(0.95, method="exact")
-    print(f"A/A, {k} categories, {n} windows: family-wise false WIN/LOSS unadjusted {raw_hits}/{n}, Holm {holm_hits}/{n}")
+    print(
+        f"A/A, {k} categories, {n} windows: family-wise false WIN/LOSS unadjusted {raw_hits}/{n}, Holm {holm_hits}/{n}"
+    )
     assert raw_ci.low > alpha, (raw_hits, n)  # the uncorrected rule exceeds the family alpha: teeth
     assert holm_ci.low <= alpha, (holm_hits, n)
     assert holm_hits < raw_hits / 3, (holm_hits, raw_hits)
@@ -352,10 +415,28 @@ def test_a_category_unresolved_after_holm_is_labelled_with_its_unadjusted_verdic
     for c in by_cat:
         for p in by_cat[c]:
             base = 30.0
-            cells += [{"block": p["block"], "pair": p["pair"], "arm": "control", "prompt_id": p["prompt_id"],
-                       "category": c, "seed": p["seed"], "ok": True, "step_ms_p50": base * math.exp(p["r"])},
-                      {"block": p["block"], "pair": p["pair"], "arm": "candidate", "prompt_id": p["prompt_id"],
-                       "category": c, "seed": p["seed"], "ok": True, "step_ms_p50": base}]
+            cells += [
+                {
+                    "block": p["block"],
+                    "pair": p["pair"],
+                    "arm": "control",
+                    "prompt_id": p["prompt_id"],
+                    "category": c,
+                    "seed": p["seed"],
+                    "ok": True,
+                    "step_ms_p50": base * math.exp(p["r"]),
+                },
+                {
+                    "block": p["block"],
+                    "pair": p["pair"],
+                    "arm": "candidate",
+                    "prompt_id": p["prompt_id"],
+                    "category": c,
+                    "seed": p["seed"],
+                    "ok": True,
+                    "step_ms_p50": base,
+                },
+            ]
     d = win2.decide(cells, min_effect=0.0, seed=seed, n_resamples=199)
     e = d.categories[flipped[0]]
     assert e["verdict"] == "UNRESOLVED" and e["descriptive"]["verdict_unadjusted"] == "WIN", e

@@ -44,13 +44,26 @@ def test_report_files(tmp_path):
     plan = window.plan_cells(sp, 1, "s")
     cells = []
     for i, c in enumerate(plan):
-        res = bench.RequestResult(c["prompt_id"], c["category"], c["seed"], c["max_tokens"], ok=True,
-                                  ttft_ms=50 + i % 3, step_ms_p50=20 + (i % 5) * 0.1, tok_s=50.0, tokens_per_step=1.5,
-                                  steps=10, step_ms=[20.0] * 9, finish_reason="length", completion_tokens=14)
+        res = bench.RequestResult(
+            c["prompt_id"],
+            c["category"],
+            c["seed"],
+            c["max_tokens"],
+            ok=True,
+            ttft_ms=50 + i % 3,
+            step_ms_p50=20 + (i % 5) * 0.1,
+            tok_s=50.0,
+            tokens_per_step=1.5,
+            steps=10,
+            step_ms=[20.0] * 9,
+            finish_reason="length",
+            completion_tokens=14,
+        )
         cells.append(window.cell_record(c, res))
     d = win2.decide(cells, n_resamples=199)
-    files = window.write_report(str(tmp_path / "w1"), d, cells, {"window_id": "w1", "candidate": "aa",
-                                                                 "versions": window.stack_version()})
+    files = window.write_report(
+        str(tmp_path / "w1"), d, cells, {"window_id": "w1", "candidate": "aa", "versions": window.stack_version()}
+    )
     assert set(files) == {"decision.json", "summary.md", "pairs.png", "cdf.png", "acceptance.png"}
     for f in files:
         assert os.path.getsize(tmp_path / "w1" / f) > 0
@@ -72,9 +85,11 @@ def test_stack_version_outside_git(tmp_path):
 
 
 def test_gate_records_from_cells_and_greedy():
-    cells = [{"prompt_id": "a", "arm": "control", "ok": True, "completion_tokens": 32, "accepted_per_round": 2.0},
-             {"prompt_id": "a", "arm": "candidate", "ok": True, "completion_tokens": 32, "accepted_per_round": 3.0},
-             {"prompt_id": "a", "arm": "candidate", "ok": False, "completion_tokens": 1}]
+    cells = [
+        {"prompt_id": "a", "arm": "control", "ok": True, "completion_tokens": 32, "accepted_per_round": 2.0},
+        {"prompt_id": "a", "arm": "candidate", "ok": True, "completion_tokens": 32, "accepted_per_round": 3.0},
+        {"prompt_id": "a", "arm": "candidate", "ok": False, "completion_tokens": 1},
+    ]
     recs = window.gate_records(cells, {"plain": ([1, 2, 3], [1, 2, 3]), "code": ([1, 2, 3], [1, 9, 3])})
     g = win2.distributional_gate(recs)
     assert not g["passed"]  # "code" differs at token 1 and no logit gap was measured: fails closed

@@ -38,10 +38,12 @@ class SlowEngine:
                 time.sleep(self.gap_s)
                 sink({"type": "tokens", "ids": [65], "prompt_tokens": len(ids), "completion_tokens": i + 1})
             sink({"type": "finish", "reason": "length", "prompt_tokens": len(ids), "completion_tokens": self.n})
+
         threading.Thread(target=run, daemon=True).start()
 
         class R:
             request_id = "req-slow"
+
         return R()
 
     def abort(self, rid=None):
@@ -60,14 +62,20 @@ def _engine(max_connections: int, per_client: int):
     from dsv41.engine.server import create_app
     from dsv41.httpd import uvicorn_limits
 
-    settings = envs.parse({"DSV41_HTTP_MAX_CONNECTIONS": str(max_connections), "DSV41_HTTP_HEADER_TIMEOUT_S": "5",
-                           "DSV41_HTTP_MAX_CONNECTIONS_PER_CLIENT": str(per_client)})
+    settings = envs.parse(
+        {
+            "DSV41_HTTP_MAX_CONNECTIONS": str(max_connections),
+            "DSV41_HTTP_HEADER_TIMEOUT_S": "5",
+            "DSV41_HTTP_MAX_CONNECTIONS_PER_CLIENT": str(per_client),
+        }
+    )
     app = create_app(SlowEngine(), "m", 64, metrics=EngineMetrics("m", dict), request_limit=(3, 2))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off",
-                                           **uvicorn_limits(settings)))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off", **uvicorn_limits(settings))
+    )
     t = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     t.start()
     end = time.monotonic() + 20
@@ -87,8 +95,11 @@ def _client(source: str) -> httpx.Client:
 
 def _stream(addr, source: str, started: threading.Event, done: list) -> None:
     with _client(source) as c:
-        with c.stream("POST", "http://{}:{}/v1/completions".format(*addr),
-                      json={"model": "m", "prompt": "hi", "max_tokens": 30, "stream": True}) as r:
+        with c.stream(
+            "POST",
+            "http://{}:{}/v1/completions".format(*addr),
+            json={"model": "m", "prompt": "hi", "max_tokens": 30, "stream": True},
+        ) as r:
             started.set()
             done.append(r.status_code)
             for _ in r.iter_bytes():
@@ -208,10 +219,12 @@ class FloodEngine(SlowEngine):
             for i in range(self.n):
                 sink({"type": "tokens", "ids": [65], "prompt_tokens": len(ids), "completion_tokens": i + 1})
             sink({"type": "finish", "reason": "length", "prompt_tokens": len(ids), "completion_tokens": self.n})
+
         threading.Thread(target=run, daemon=True).start()
 
         class R:
             request_id = "req-flood"
+
         return R()
 
 
@@ -225,7 +238,9 @@ def test_a_client_that_stops_reading_its_answer_is_disconnected() -> None:
 
     settings = envs.parse({"DSV41_HTTP_MAX_CONNECTIONS": "8", "DSV41_HTTP_HEADER_TIMEOUT_S": "1"})
     app = create_app(FloodEngine(), "m", 64, metrics=EngineMetrics("m", dict), request_limit=(3, 2))
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off", **uvicorn_limits(settings))
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=0, log_level="error", lifespan="off", **uvicorn_limits(settings)
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         config.port = s.getsockname()[1]
@@ -241,8 +256,10 @@ def test_a_client_that_stops_reading_its_answer_is_disconnected() -> None:
         s = socket.create_connection(("127.0.0.1", config.port), timeout=5)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         body = b'{"model": "m", "prompt": "hi", "max_tokens": 200000, "stream": true, "ignore_eos": true}'
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         time.sleep(0.3)
         assert len(book) == 1
         end = time.monotonic() + 15

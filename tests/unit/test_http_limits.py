@@ -25,8 +25,12 @@ from dsv41.engine.server import create_app  # noqa: E402
 from dsv41.httpd import serve_metrics, uvicorn_limits  # noqa: E402
 
 HEAD_S, KEEPALIVE_S = 0.6, 0.4
-LIMITS = {"DSV41_HTTP_HEADER_TIMEOUT_S": str(HEAD_S), "DSV41_HTTP_KEEPALIVE_TIMEOUT_S": str(KEEPALIVE_S),
-          "DSV41_HTTP_MAX_CONNECTIONS": "4", "DSV41_METRICS_MAX_CONNECTIONS": "8"}
+LIMITS = {
+    "DSV41_HTTP_HEADER_TIMEOUT_S": str(HEAD_S),
+    "DSV41_HTTP_KEEPALIVE_TIMEOUT_S": str(KEEPALIVE_S),
+    "DSV41_HTTP_MAX_CONNECTIONS": "4",
+    "DSV41_METRICS_MAX_CONNECTIONS": "8",
+}
 SLACK_S = 3.0  # scheduling slack on a loaded 2-core runner; the trickles below last far longer
 
 
@@ -45,10 +49,12 @@ class SlowEngine:
                 time.sleep(self.gap_s)
                 sink({"type": "tokens", "ids": [65], "prompt_tokens": len(ids), "completion_tokens": i + 1})
             sink({"type": "finish", "reason": "length", "prompt_tokens": len(ids), "completion_tokens": self.n})
+
         threading.Thread(target=run, daemon=True).start()
 
         class R:
             request_id = "req-slow"
+
         return R()
 
     def abort(self, rid=None):
@@ -68,8 +74,9 @@ def engine_url():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off",
-                                           **uvicorn_limits(settings)))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off", **uvicorn_limits(settings))
+    )
     t = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     t.start()
     end = time.monotonic() + 20
@@ -144,6 +151,7 @@ SLOW_HEAD = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Padding: " + b"p" * 
 
 # ---------------------------------------------------------------- engine API (uvicorn)
 
+
 def test_engine_closes_an_idle_connection(engine_url):
     with socket.create_connection(engine_url, timeout=5) as s:
         took = _closed_within(s, HEAD_S + SLACK_S)
@@ -178,8 +186,10 @@ def test_engine_closes_a_trickled_body_at_the_deadline_without_a_traceback(engin
     """A complete head, then a body a byte every 0.1 s: the request deadline closes it (the body
     is bounded in time, not only in size) and the API logs no traceback for the disconnect."""
     body = json.dumps({"prompt": "x" * 200, "max_tokens": 4}).encode()
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+    )
     caplog.set_level("ERROR")
     with socket.create_connection(engine_url, timeout=5) as s:
         s.sendall(head)
@@ -247,6 +257,7 @@ def test_engine_idle_connections_over_the_limit_make_room_for_health(engine_url)
 
 # ---------------------------------------------------------------- table server and drafter /metrics
 
+
 def test_metrics_closes_idle_and_trickled_connections(metrics_url):
     addr, _ = metrics_url
     with socket.create_connection(addr, timeout=5) as s:
@@ -273,10 +284,15 @@ def test_metrics_idle_connections_over_the_limit_make_room_and_it_still_serves(m
     assert r.status_code == 200 and srv.open_connections <= 1
 
 
-@pytest.mark.parametrize("exc, level", [(BrokenPipeError(32, "Broken pipe"), "DEBUG"),
-                                        (ConnectionResetError(104, "Connection reset by peer"), "DEBUG"),
-                                        (TimeoutError("timed out"), "DEBUG"),
-                                        (RuntimeError("handler bug"), "WARNING")])
+@pytest.mark.parametrize(
+    "exc, level",
+    [
+        (BrokenPipeError(32, "Broken pipe"), "DEBUG"),
+        (ConnectionResetError(104, "Connection reset by peer"), "DEBUG"),
+        (TimeoutError("timed out"), "DEBUG"),
+        (RuntimeError("handler bug"), "WARNING"),
+    ],
+)
 def test_metrics_server_errors_are_one_log_line_never_a_traceback(exc, level, capfd, caplog) -> None:
     """socketserver prints a traceback to stderr (the service's journal) for every failed request,
     e.g. a scraper that went away mid-answer; BoundedHTTPServer logs one line instead."""

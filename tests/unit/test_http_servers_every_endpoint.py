@@ -25,8 +25,10 @@ pytest.importorskip("fastapi")
 from httpserverutil import CAP, LIMITS, ROOT, STARTERS, _start_engine  # noqa: E402
 
 #: modules that build or wrap servers without being one a process starts by itself
-NOT_SERVERS = {"dsv41/httpd.py": "the servers' building blocks, started through the modules above",
-               "dsv41/overlay/plugin.py": "starts dsv41/overlay/metrics.py's endpoint in vLLM's worker"}
+NOT_SERVERS = {
+    "dsv41/httpd.py": "the servers' building blocks, started through the modules above",
+    "dsv41/overlay/plugin.py": "starts dsv41/overlay/metrics.py's endpoint in vLLM's worker",
+}
 
 _BUILDS = re.compile(r"BoundedHTTPServer\(|serve_metrics\(|uvicorn\.Config\(|start_http_server\(|HTTPServer\(")
 

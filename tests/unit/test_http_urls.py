@@ -48,16 +48,19 @@ def test_every_module_that_builds_requests_is_listed() -> None:
     for f in PKG.rglob("*.py"):
         tree = ast.parse(f.read_text())
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "httpx"
-                    and node.attr in {"Client", "AsyncClient", "get", "post", "put", "delete", "request", "stream"}):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "httpx"
+                and node.attr in {"Client", "AsyncClient", "get", "post", "put", "delete", "request", "stream"}
+            ):
                 users.add(str(f.relative_to(PKG)))
-    assert users == set(DIRECT_CLIENTS), (users ^ set(DIRECT_CLIENTS))
+    assert users == set(DIRECT_CLIENTS), users ^ set(DIRECT_CLIENTS)
 
 
 @pytest.mark.parametrize("url", sorted(BAD))
 def test_check_url_refuses_in_one_line(url: str) -> None:
-    for call in (lambda: http.request("GET", url, what="probe"),
-                 lambda: render.query_range(url, "up", 0, 60, 5)):
+    for call in (lambda: http.request("GET", url, what="probe"), lambda: render.query_range(url, "up", 0, 60, 5)):
         with pytest.raises(Dsv41Error, match=BAD[url]) as info:
             call()
         assert "\n" not in str(info.value)
@@ -65,8 +68,11 @@ def test_check_url_refuses_in_one_line(url: str) -> None:
 
 @pytest.mark.parametrize("url", sorted(BAD))
 def test_url_taking_commands_give_one_line(url: str, capsys) -> None:
-    for argv in (["metrics", "get", url], ["drafter", "status", "--metrics", url],
-                 ["refs", "verify", "--endpoint", url, "--refs", "/nonexistent"]):
+    for argv in (
+        ["metrics", "get", url],
+        ["drafter", "status", "--metrics", url],
+        ["refs", "verify", "--endpoint", url, "--refs", "/nonexistent"],
+    ):
         rc = run_app(cli.app, argv)
         out = capsys.readouterr()
         assert "Traceback" not in out.err + out.out, (argv, out.err[-1500:])

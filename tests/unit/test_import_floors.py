@@ -41,7 +41,20 @@ CPP_SUFFIXES = (".cpp", ".h")
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 FLOORS: list[tuple[str, ...]] = [
-    ("errors", "envs", "env_vars", "fileio", "codec", "httpd", "tokenizer", "service_control", "authz", "names", "filelock", "__init__"),
+    (
+        "errors",
+        "envs",
+        "env_vars",
+        "fileio",
+        "codec",
+        "httpd",
+        "tokenizer",
+        "service_control",
+        "authz",
+        "names",
+        "filelock",
+        "__init__",
+    ),
     ("transport",),
     ("version", "wheelhouse", "serve_image"),
     ("engram",),
@@ -99,8 +112,10 @@ def _imports(mod: str, path: Path, mods: dict[str, Path]) -> set[str]:
                 anchor = mod.split(".") if is_pkg else mod.split(".")[:-1]
                 anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
-            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else
-                     "" if _extension(base, a.name, mods) else base for a in node.names]
+            names = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in mods else "" if _extension(base, a.name, mods) else base
+                for a in node.names
+            ]
         else:
             continue
         for n in names:
@@ -176,8 +191,12 @@ def test_every_subpackage_has_a_floor() -> None:
 
 def test_no_upward_import() -> None:
     graph = _graph()
-    up = [f"{a} (floor {_floor(a)}) imports {b} (floor {_floor(b)})"
-          for a, deps in sorted(graph.items()) for b in sorted(deps) if _floor(b) > _floor(a)]
+    up = [
+        f"{a} (floor {_floor(a)}) imports {b} (floor {_floor(b)})"
+        for a, deps in sorted(graph.items())
+        for b in sorted(deps)
+        if _floor(b) > _floor(a)
+    ]
     assert up == [], "imports running up the floors:\n" + "\n".join(up)
 
 
@@ -206,12 +225,17 @@ def test_engine_and_drafter_meet_only_in_entrypoints() -> None:
 
 # ---- the native extensions ------------------------------------------------------------------
 
+
 def _native(root: Path = ROOT) -> dict[str, list[str]]:
     """setup.py's ``NATIVE`` (extension module -> its files, relative to the root), read as a
     literal: setup.py is never imported."""
     tree = ast.parse((root / "setup.py").read_text())
     for node in tree.body:
-        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        target = (
+            node.target
+            if isinstance(node, ast.AnnAssign)
+            else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        )
         if isinstance(target, ast.Name) and target.id == "NATIVE":
             return ast.literal_eval(node.value)
     raise AssertionError("setup.py: no NATIVE")
@@ -241,8 +265,9 @@ def test_every_cpp_file_belongs_to_an_extension_that_lists_exactly_its_includes(
     native = _native()
     on_disk = {p.relative_to(ROOT).as_posix() for p in PKG.rglob("*") if p.suffix in CPP_SUFFIXES}
     listed = {f for files in native.values() for f in files}
-    assert on_disk == listed, f"C++ files not in setup.py's NATIVE: {sorted(on_disk - listed)}; " \
-                              f"listed but absent: {sorted(listed - on_disk)}"
+    assert on_disk == listed, (
+        f"C++ files not in setup.py's NATIVE: {sorted(on_disk - listed)}; listed but absent: {sorted(listed - on_disk)}"
+    )
     for name, files in native.items():
         seen, todo = set(), [ROOT / files[0]]
         while todo:
@@ -251,10 +276,13 @@ def test_every_cpp_file_belongs_to_an_extension_that_lists_exactly_its_includes(
                 continue
             seen.add(p)
             for inc in _includes(p):
-                assert inc.is_file(), f"{p.relative_to(ROOT)} includes {inc.relative_to(PKG.parent)}, which does not exist"
+                assert inc.is_file(), (
+                    f"{p.relative_to(ROOT)} includes {inc.relative_to(PKG.parent)}, which does not exist"
+                )
                 todo.append(inc)
-        assert sorted(q.relative_to(ROOT).as_posix() for q in seen) == sorted(files), \
+        assert sorted(q.relative_to(ROOT).as_posix() for q in seen) == sorted(files), (
             f"{name}: setup.py's NATIVE must list exactly the files its translation unit includes"
+        )
 
 
 def test_no_cpp_include_runs_up_the_floors() -> None:

@@ -38,14 +38,20 @@ def _all_tasks():
 
 
 def test_only_the_task_file_appends_to_the_journal():
-    appends = [(p.relative_to(REPO).as_posix(), t["name"]) for p, t in _all_tasks()
-               if (t.get("promotion_journal") or {}).get("action") == "append"]
+    appends = [
+        (p.relative_to(REPO).as_posix(), t["name"])
+        for p, t in _all_tasks()
+        if (t.get("promotion_journal") or {}).get("action") == "append"
+    ]
     assert appends == [("roles/promotion/tasks/journal.yml", "Promotion | journal {{ promotion_journal_step }}")]
 
 
 def test_every_call_names_op_and_step():
-    calls = [(p.name, t) for p, t in _all_tasks()
-             if (t.get("ansible.builtin.include_role") or {}).get("tasks_from") == "journal"]
+    calls = [
+        (p.name, t)
+        for p, t in _all_tasks()
+        if (t.get("ansible.builtin.include_role") or {}).get("tasks_from") == "journal"
+    ]
     # the change role's steps (begin, apply, finish) journal for every operation; the rest are
     # promote's own steps (applied per host, failed), the package record and deploy
     files = {name for name, _ in calls}
@@ -82,12 +88,34 @@ PLAY = """
 def test_the_task_file_writes_the_entries(tmp_path):
     (tmp_path / "play.yml").write_text(PLAY)
     journal = tmp_path / "journal.jsonl"
-    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), PATH=f"{BIN}:{os.environ['PATH']}",
-               ANSIBLE_ROLES_PATH=str(REPO / "roles"), ANSIBLE_LIBRARY=str(REPO / "library"))
-    r = subprocess.run([str(BIN / "ansible-playbook"), "-i", str(REPO / "inventories" / "sim"), "play.yml",
-                        "-e", json.dumps({"ansible_connection": "local", "promotion_journal": str(journal),
-                                          "ansible_python_interpreter": sys.executable})],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ,
+        ANSIBLE_CONFIG=str(REPO / "ansible.cfg"),
+        PATH=f"{BIN}:{os.environ['PATH']}",
+        ANSIBLE_ROLES_PATH=str(REPO / "roles"),
+        ANSIBLE_LIBRARY=str(REPO / "library"),
+    )
+    r = subprocess.run(
+        [
+            str(BIN / "ansible-playbook"),
+            "-i",
+            str(REPO / "inventories" / "sim"),
+            "play.yml",
+            "-e",
+            json.dumps(
+                {
+                    "ansible_connection": "local",
+                    "promotion_journal": str(journal),
+                    "ansible_python_interpreter": sys.executable,
+                }
+            ),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     entries = [json.loads(line) for line in journal.read_text().splitlines()]
     assert sorted(e["host"] for e in entries if e["step"] == "applied") == ["sparkhead", "sparkworker", "x86host"]

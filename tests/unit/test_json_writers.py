@@ -43,8 +43,11 @@ def _calls() -> list[tuple[str, int, ast.Call]]:
 
 
 def _is(node: ast.Call, pairs: set) -> bool:
-    return (isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
-            and (node.func.value.id, node.func.attr) in pairs)
+    return (
+        isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and (node.func.value.id, node.func.attr) in pairs
+    )
 
 
 def test_every_json_writer_goes_through_dumps_json() -> None:
@@ -56,32 +59,49 @@ def test_every_json_writer_goes_through_dumps_json() -> None:
     assert set(OWN_ENCODER) <= set(sites), set(OWN_ENCODER) - set(sites)  # the list stays current
     stray = {f: lines for f, lines in sites.items() if f not in OWN_ENCODER}
     assert not stray, f"write JSON with dsv41.fileio.dumps_json / atomic_write_json instead: {stray}"
-    uses = [(f, line, node) for f, line, node in calls
-            if _is(node, {("fileio", n) for n in ONE_PLACE})]
+    uses = [(f, line, node) for f, line, node in calls if _is(node, {("fileio", n) for n in ONE_PLACE})]
     assert len(uses) > 50, len(uses)
     # each writer's choice is deliberate and readable at the call: absent (refuse) or a literal
-    vague = [(f, line) for f, line, node in uses for kw in node.keywords
-             if kw.arg == "nonfinite"
-             and not (isinstance(kw.value, ast.Constant) and kw.value.value in ("refuse", "null"))]
+    vague = [
+        (f, line)
+        for f, line, node in uses
+        for kw in node.keywords
+        if kw.arg == "nonfinite" and not (isinstance(kw.value, ast.Constant) and kw.value.value in ("refuse", "null"))
+    ]
     assert not vague, f"nonfinite= must be the literal 'refuse' or 'null': {vague}"
-    assert not any(kw.arg is None for _f, _l, node in uses for kw in node.keywords), \
+    assert not any(kw.arg is None for _f, _l, node in uses for kw in node.keywords), (
         "no **kwargs: the choice is read at the call"
+    )
 
 
 def _nulls() -> set[str]:
-    return {f for f, _line, node in _calls() if _is(node, {("fileio", n) for n in ONE_PLACE})
-            and any(kw.arg == "nonfinite" and getattr(kw.value, "value", None) == "null" for kw in node.keywords)}
+    return {
+        f
+        for f, _line, node in _calls()
+        if _is(node, {("fileio", n) for n in ONE_PLACE})
+        and any(kw.arg == "nonfinite" and getattr(kw.value, "value", None) == "null" for kw in node.keywords)
+    }
 
 
 def test_the_measurement_records_write_null_with_a_reason() -> None:
     """The writers of measurement records keep the record (null plus the reason); canonical bytes,
     digests and requests to peers refuse (the default)."""
-    measured = {"python/dsv41/harness/window.py", "python/dsv41/harness/drill_report.py",
-                "python/dsv41/harness/bench_cli.py", "python/dsv41/harness/window_cli.py",
-                "python/dsv41/entrypoints/qualify.py", "python/dsv41/entrypoints/status_cli.py",
-                "python/dsv41/harness/metrics_cli.py"}
-    canonical = {"python/dsv41/promotion/package.py", "python/dsv41/promotion/journal.py",
-                 "python/dsv41/engram/manifest.py", "python/dsv41/wheelhouse.py", "python/dsv41/overlay/fence.py"}
+    measured = {
+        "python/dsv41/harness/window.py",
+        "python/dsv41/harness/drill_report.py",
+        "python/dsv41/harness/bench_cli.py",
+        "python/dsv41/harness/window_cli.py",
+        "python/dsv41/entrypoints/qualify.py",
+        "python/dsv41/entrypoints/status_cli.py",
+        "python/dsv41/harness/metrics_cli.py",
+    }
+    canonical = {
+        "python/dsv41/promotion/package.py",
+        "python/dsv41/promotion/journal.py",
+        "python/dsv41/engram/manifest.py",
+        "python/dsv41/wheelhouse.py",
+        "python/dsv41/overlay/fence.py",
+    }
     nulls = _nulls()
     assert measured <= nulls, measured - nulls
     assert not canonical & nulls, canonical & nulls
@@ -105,8 +125,10 @@ def test_refuse_names_the_pointer_and_null_records_the_reason(case: str) -> None
     assert back[fileio.NONFINITE_KEY] == where
     assert "NaN" not in text and "Infinity" not in text
     assert doc == DOCS[case][0] or case == "nested NaN"  # the caller's document is not changed
-    assert fileio.loads_json(fileio.dumps_json({"a": [1, 2.5e300, "NaN"], "b": None})) == {"a": [1, 2.5e300, "NaN"],
-                                                                                            "b": None}
+    assert fileio.loads_json(fileio.dumps_json({"a": [1, 2.5e300, "NaN"], "b": None})) == {
+        "a": [1, 2.5e300, "NaN"],
+        "b": None,
+    }
 
 
 def test_null_refuses_where_the_reason_has_no_place() -> None:
@@ -149,9 +171,21 @@ def test_a_window_with_no_ci_writes_a_strict_decision(tmp_path: Path) -> None:
     cells = []
     for i, c in enumerate(window.plan_cells(sp, 1, "s")):
         step = 20.0 if c["arm"] == "control" else 19.0 + (i % 3) * 0.1
-        res = bench.RequestResult(c["prompt_id"], c["category"], c["seed"], c["max_tokens"], ok=True,
-                                  ttft_ms=50.0, step_ms_p50=step, tok_s=50.0, tokens_per_step=1.5, steps=10,
-                                  step_ms=[step] * 9, finish_reason="length", completion_tokens=14)
+        res = bench.RequestResult(
+            c["prompt_id"],
+            c["category"],
+            c["seed"],
+            c["max_tokens"],
+            ok=True,
+            ttft_ms=50.0,
+            step_ms_p50=step,
+            tok_s=50.0,
+            tokens_per_step=1.5,
+            steps=10,
+            step_ms=[step] * 9,
+            finish_reason="length",
+            completion_tokens=14,
+        )
         cells.append(window.cell_record(c, res))
     d = win2.decide(cells, n_resamples=199)
     assert d.verdict == "UNRESOLVED" and d.ci == (-1.0, math.inf), (d.ci, d.reasons)  # expm1 of [-inf, inf]

@@ -29,14 +29,17 @@ LAB_DEFAULTS = yaml.safe_load((ROOT / "roles" / "lab" / "defaults" / "main.yml")
 LAB_SPEC = yaml.safe_load((ROOT / "roles" / "lab" / "meta" / "argument_specs.yml").read_text())
 MON_DEFAULTS = yaml.safe_load((ROOT / "roles" / "monitoring" / "defaults" / "main.yml").read_text())
 # Debian's unit of each package roles/monitoring starts (its defaults name them).
-MON_UNITS = {"prometheus": MON_DEFAULTS["monitoring_prometheus_service"] + ".service",
-             "prometheus-alertmanager": MON_DEFAULTS["monitoring_alertmanager_service"] + ".service",
-             "prometheus-node-exporter": MON_DEFAULTS["monitoring_node_exporter_service"] + ".service"}
+MON_UNITS = {
+    "prometheus": MON_DEFAULTS["monitoring_prometheus_service"] + ".service",
+    "prometheus-alertmanager": MON_DEFAULTS["monitoring_alertmanager_service"] + ".service",
+    "prometheus-node-exporter": MON_DEFAULTS["monitoring_node_exporter_service"] + ".service",
+}
 # Packages of the rootfs whose units must stay enabled (every host runs them).
 KEPT_UNITS = {"openssh-server": "ssh.service", "docker.io": "docker.service"}
 
-needs_systemctl = pytest.mark.skipif(shutil.which("systemctl") is None,
-                                     reason="systemctl (systemd) is what the rootfs hook runs on the controller")
+needs_systemctl = pytest.mark.skipif(
+    shutil.which("systemctl") is None, reason="systemctl (systemd) is what the rootfs hook runs on the controller"
+)
 
 
 def _bash(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -51,8 +54,11 @@ def _role_started() -> list[str]:
 
 def test_the_rootfs_carries_what_roles_monitoring_starts():
     started = _role_started()
-    wanted = (MON_DEFAULTS["monitoring_packages"] + MON_DEFAULTS["monitoring_alertmanager_packages"]
-              + MON_DEFAULTS["monitoring_node_exporter_packages"])
+    wanted = (
+        MON_DEFAULTS["monitoring_packages"]
+        + MON_DEFAULTS["monitoring_alertmanager_packages"]
+        + MON_DEFAULTS["monitoring_node_exporter_packages"]
+    )
     assert sorted(started) == sorted(wanted) == sorted(MON_UNITS)
     assert set(started) <= set(LAB_DEFAULTS["lab_nspawn_packages"])
     spec = LAB_SPEC["argument_specs"]["main"]["options"]["lab_nspawn_packages"]["default"]
@@ -67,10 +73,12 @@ def _fake_root(root: Path, packages: dict[str, str]) -> None:
     for d in (info, units, wants):
         d.mkdir(parents=True, exist_ok=True)
     for pkg, unit in packages.items():
-        (info / f"{pkg}.list").write_text(f"/.\n/etc/default/{pkg}\n/lib/systemd\n/lib/systemd/system\n"
-                                          f"/lib/systemd/system/{unit}\n/usr/bin/{pkg}\n")
-        (units / unit).write_text(f"[Unit]\nDescription={pkg}\n[Service]\nExecStart=/usr/bin/{pkg}\n"
-                                  "[Install]\nWantedBy=multi-user.target\n")
+        (info / f"{pkg}.list").write_text(
+            f"/.\n/etc/default/{pkg}\n/lib/systemd\n/lib/systemd/system\n/lib/systemd/system/{unit}\n/usr/bin/{pkg}\n"
+        )
+        (units / unit).write_text(
+            f"[Unit]\nDescription={pkg}\n[Service]\nExecStart=/usr/bin/{pkg}\n[Install]\nWantedBy=multi-user.target\n"
+        )
         (wants / unit).symlink_to(f"/lib/systemd/system/{unit}")
 
 
@@ -109,27 +117,64 @@ def _lab_vars(with_monitoring_defaults: bool, tmp_path: Path, *extra: str) -> di
     with roles/monitoring's defaults loaded too (then also its monitoring_host and journal). The play
     lies in ``<out>/playbooks/`` as the project's plays do (dsv41_packages_dir is playbook_dir's
     parent's packages/); ``extra``: more ``-e`` values."""
-    files = [ROOT / "roles/dsv41/defaults/main.yml", ROOT / "roles/lab/defaults/main.yml"]  # every play lists dsv41 first
+    files = [
+        ROOT / "roles/dsv41/defaults/main.yml",
+        ROOT / "roles/lab/defaults/main.yml",
+    ]  # every play lists dsv41 first
     if with_monitoring_defaults:
         files.append(ROOT / "roles/monitoring/defaults/main.yml")
     out = tmp_path / ("with-monitoring" if with_monitoring_defaults else "lab") / "playbooks"
     out.mkdir(parents=True, exist_ok=True)
-    expr = ("{{ {'binds': lab_nspawn_binds_ro, 'host': lab_nspawn_monitoring_host,"
-            " 'journal': monitoring_ops_journal | default(''), 'monitoring_host': monitoring_host | default('')}"
-            " | to_json }}")
-    play = [{"hosts": "spark:offload", "gather_facts": False,
-             "tasks": [{"ansible.builtin.include_vars": {"file": str(f)}} for f in files]
-             + [{"ansible.builtin.copy": {"content": expr, "dest": f"{out}/{{{{ inventory_hostname }}}}.json",
-                                          "mode": "0644"}}]}]
+    expr = (
+        "{{ {'binds': lab_nspawn_binds_ro, 'host': lab_nspawn_monitoring_host,"
+        " 'journal': monitoring_ops_journal | default(''), 'monitoring_host': monitoring_host | default('')}"
+        " | to_json }}"
+    )
+    play = [
+        {
+            "hosts": "spark:offload",
+            "gather_facts": False,
+            "tasks": [{"ansible.builtin.include_vars": {"file": str(f)}} for f in files]
+            + [
+                {
+                    "ansible.builtin.copy": {
+                        "content": expr,
+                        "dest": f"{out}/{{{{ inventory_hostname }}}}.json",
+                        "mode": "0644",
+                    }
+                }
+            ],
+        }
+    ]
     pb = out / "lab_vars.yml"
     pb.write_text(yaml.safe_dump(play))
-    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
-               PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    env = dict(
+        os.environ,
+        ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"),
+        ANSIBLE_NOCOLOR="1",
+        PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+    )
     # run here, as this user: the values only (no host is reached)
-    r = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "inventories/sim", str(pb),
-                        "-e", "ansible_connection=local", "-e", "ansible_become=false",
-                        "-e", f"ansible_python_interpreter={sys.executable}", *extra], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "ansible-playbook"),
+            "-i",
+            "inventories/sim",
+            str(pb),
+            "-e",
+            "ansible_connection=local",
+            "-e",
+            "ansible_become=false",
+            "-e",
+            f"ansible_python_interpreter={sys.executable}",
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     return {h: json.loads((out / f"{h}.json").read_text()) for h in ("sparkhead", "sparkworker", "x86host")}
 
@@ -161,10 +206,19 @@ def test_an_inventory_journal_or_packages_dir_moves_the_bind(tmp_path, override)
 
 def _boot_check(tmp_path: Path, *binds: str) -> subprocess.CompletedProcess:
     """``nspawnhost.sh --check boot`` for a machine that is not up (no pid files): says what it would do."""
-    args = ["m1", "dsv41-m1", str(tmp_path / "hd"), str(tmp_path / "m1.pid"), str(tmp_path / "m1.nspawn.pid"),
-            "dsv41-m1", str(tmp_path / "images"), str(tmp_path / "log")]
-    return subprocess.run(["bash", str(NSPAWNHOST), "--check", "boot", *args, *binds], capture_output=True, text=True,
-                          timeout=60)
+    args = [
+        "m1",
+        "dsv41-m1",
+        str(tmp_path / "hd"),
+        str(tmp_path / "m1.pid"),
+        str(tmp_path / "m1.nspawn.pid"),
+        "dsv41-m1",
+        str(tmp_path / "images"),
+        str(tmp_path / "log"),
+    ]
+    return subprocess.run(
+        ["bash", str(NSPAWNHOST), "--check", "boot", *args, *binds], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_boot_passes_each_bind_read_only_at_the_same_path(tmp_path):
@@ -172,8 +226,9 @@ def test_boot_passes_each_bind_read_only_at_the_same_path(tmp_path):
     assert r.returncode == 0 and r.stdout == "changed: boot m1 (systemd-nspawn in dsv41-m1, cgroup dsv41-m1)\n", r
     r = _boot_check(tmp_path, "/srv/a/packages", "/srv/b")
     assert r.returncode == 0, r.stderr
-    assert r.stdout == ("changed: boot m1 (systemd-nspawn in dsv41-m1, cgroup dsv41-m1; "
-                        "--bind-ro=/srv/a/packages --bind-ro=/srv/b)\n")
+    assert r.stdout == (
+        "changed: boot m1 (systemd-nspawn in dsv41-m1, cgroup dsv41-m1; --bind-ro=/srv/a/packages --bind-ro=/srv/b)\n"
+    )
 
 
 @pytest.mark.parametrize("bad", ["relative/packages", "/srv/a:b"])

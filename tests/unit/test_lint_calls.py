@@ -18,8 +18,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RC = ROOT / "tools" / "pylintrc-calls"
-CODES = {"E1120": "no-value-for-parameter", "E1121": "too-many-function-args", "E1123": "unexpected-keyword-arg",
-         "E1124": "redundant-keyword-arg", "E0602": "undefined-variable"}
+CODES = {
+    "E1120": "no-value-for-parameter",
+    "E1121": "too-many-function-args",
+    "E1123": "unexpected-keyword-arg",
+    "E1124": "redundant-keyword-arg",
+    "E0602": "undefined-variable",
+}
 
 
 def _pin(name: str) -> str:
@@ -40,7 +45,9 @@ def test_make_lint_runs_the_pinned_check_first_over_every_shipped_source() -> No
 
     assert f"pylint=={version('pylint')}" == pin and f"astroid=={version('astroid')}" == _pin("astroid")
     # library/ is links into plugins/modules: scanning plugins/ covers it
-    assert all(p.is_symlink() and p.resolve().parent == ROOT / "plugins" / "modules" for p in (ROOT / "library").glob("*.py"))
+    assert all(
+        p.is_symlink() and p.resolve().parent == ROOT / "plugins" / "modules" for p in (ROOT / "library").glob("*.py")
+    )
 
 
 def test_the_rc_enables_exactly_the_call_messages() -> None:
@@ -53,13 +60,13 @@ def test_the_rc_enables_exactly_the_call_messages() -> None:
 
 MISTAKES = {
     "bench.py": "def _client(timeout_s, endpoint):\n    return (timeout_s, endpoint)\n\n\n"
-                "def body(model, *, seed=0):\n    return (model, seed)\n",
+    "def body(model, *, seed=0):\n    return (model, seed)\n",
     "drill.py": "class Load:\n    def worker(self):\n        from pkg import bench\n\n"
-                "        bench._client(1.0)\n"                      # E1120 (the drill's bug)
-                "        bench._client(1.0, 'http://x', 3)\n"       # E1121
-                "        bench.body('m', salt='s')\n"                # E1123
-                "        bench._client(1.0, 'http://x', timeout_s=2)\n"  # E1124
-                "        return streams\n",                          # E0602
+    "        bench._client(1.0)\n"  # E1120 (the drill's bug)
+    "        bench._client(1.0, 'http://x', 3)\n"  # E1121
+    "        bench.body('m', salt='s')\n"  # E1123
+    "        bench._client(1.0, 'http://x', timeout_s=2)\n"  # E1124
+    "        return streams\n",  # E0602
     "ok.py": "from pkg import bench\n\n\ndef fine():\n    return bench._client(1.0, 'http://x'), bench.body('m', seed=1)\n",
 }
 
@@ -70,8 +77,13 @@ def test_the_check_catches_each_mistake_and_passes_good_calls(tmp_path: Path) ->
     (pkg / "__init__.py").write_text("")
     for name, text in MISTAKES.items():
         (pkg / name).write_text(text)
-    r = subprocess.run([sys.executable, "-m", "pylint", f"--rcfile={RC}", "--jobs=1", "pkg"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "pylint", f"--rcfile={RC}", "--jobs=1", "pkg"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     found = re.findall(r"^pkg/(\w+\.py):(\d+):\d+: (E\d{4}):", r.stdout, re.M)
     assert r.returncode != 0, r.stdout + r.stderr
     assert sorted(code for _f, _l, code in found) == sorted(CODES), r.stdout + r.stderr
@@ -80,7 +92,11 @@ def test_the_check_catches_each_mistake_and_passes_good_calls(tmp_path: Path) ->
 
 
 def test_each_code_is_the_named_pylint_message() -> None:
-    r = subprocess.run([sys.executable, "-m", "pylint", f"--help-msg={','.join(sorted(CODES))}"], capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "pylint", f"--help-msg={','.join(sorted(CODES))}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     for code, symbol in CODES.items():
         assert f":{symbol} ({code}):" in r.stdout, r.stdout[:500]

@@ -110,10 +110,26 @@ def test_engine_serve_with_a_bad_shard_exits_with_one_line_and_never_listens(tab
     ns, d = tables
     _damage(_shard(d, ns.manifest), how)
     port = free_port()
-    cmd = [PY, "-m", "dsv41.cli", "engine", "serve", "--config", str(ns.config), "--weights", str(ns.weights),
-           "--manifest", str(ns.manifest), "--data", str(d), "--port", str(port)]
-    p = subprocess.run(cmd, env=engine_env(PYTHONPATH=str(REPO / "python")), capture_output=True, timeout=120,
-                       cwd=str(REPO))
+    cmd = [
+        PY,
+        "-m",
+        "dsv41.cli",
+        "engine",
+        "serve",
+        "--config",
+        str(ns.config),
+        "--weights",
+        str(ns.weights),
+        "--manifest",
+        str(ns.manifest),
+        "--data",
+        str(d),
+        "--port",
+        str(port),
+    ]
+    p = subprocess.run(
+        cmd, env=engine_env(PYTHONPATH=str(REPO / "python")), capture_output=True, timeout=120, cwd=str(REPO)
+    )
     err = p.stderr.decode()
     lines = [ln for ln in err.splitlines() if ln.startswith("dsv41: error:")]
     assert p.returncode == 1 and len(lines) == 1 and _shard(d, ns.manifest).name in lines[0], err[-2000:]

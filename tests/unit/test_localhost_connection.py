@@ -30,5 +30,6 @@ def test_no_task_or_localhost_play_restates_the_connection():
             if "hosts" in item and item["hosts"] != "localhost":
                 continue  # a play on the managed hosts that runs on the controller (the lab's bring-up)
             offenders.append(f"{path.relative_to(REPO)}: {item.get('name', '?')}")
-    assert not offenders, "restated ansible_connection: local (inventories/*/host_vars/localhost.yml has it):\n" + \
-        "\n".join(offenders)
+    assert not offenders, (
+        "restated ansible_connection: local (inventories/*/host_vars/localhost.yml has it):\n" + "\n".join(offenders)
+    )

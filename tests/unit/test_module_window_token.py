@@ -20,8 +20,14 @@ MODULES = sorted((REPO / "plugins" / "modules").glob("*.py"))
 
 def _package_modules(path: Path) -> list[str]:
     tree = ast.parse(path.read_text())
-    return [n.args[0].value for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "import_dsv41"
-            and n.args and isinstance(n.args[0], ast.Constant)]
+    return [
+        n.args[0].value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and getattr(n.func, "id", "") == "import_dsv41"
+        and n.args
+        and isinstance(n.args[0], ast.Constant)
+    ]
 
 
 def _sends_http(name: str) -> bool:
@@ -31,7 +37,9 @@ def _sends_http(name: str) -> bool:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     loaded, file = r.stdout.split()
     src = Path(file).read_text()
-    return loaded == "True" or any(s in src for s in ("from dsv41.harness import http", "from dsv41.harness import refs"))
+    return loaded == "True" or any(
+        s in src for s in ("from dsv41.harness import http", "from dsv41.harness import refs")
+    )
 
 
 def _merges_the_shared_spec(path: Path) -> bool:
@@ -44,7 +52,9 @@ def _merges_the_shared_spec(path: Path) -> bool:
 
 def _doc(path: Path) -> dict:
     src = path.read_text()
-    return yaml.safe_load(ast.literal_eval(src[src.index("DOCUMENTATION = ") + len("DOCUMENTATION = "):src.index("EXAMPLES")].strip()))
+    return yaml.safe_load(
+        ast.literal_eval(src[src.index("DOCUMENTATION = ") + len("DOCUMENTATION = ") : src.index("EXAMPLES")].strip())
+    )
 
 
 # Modules whose package module can send HTTP, but whose calls into it send none (none today:
@@ -73,9 +83,11 @@ def test_the_shared_spec_and_fragment():
     # the token is a secret (it admits requests past a fenced HOLD): no_log; the credentials are files
     assert dsv41_common.WINDOW_TOKEN_SPEC == {
         "window_token": dict(type="str", default="", no_log=True, fallback=(env_fallback, ["DSV41_WINDOW_TOKEN"])),
-        "operator_credential_file": dict(type="path", default="",
-                                         fallback=(env_fallback, ["DSV41_OPERATOR_CREDENTIAL_FILE"])),
-        "api_key_file": dict(type="path", default="", fallback=(env_fallback, ["DSV41_API_KEY_FILE"]))}
+        "operator_credential_file": dict(
+            type="path", default="", fallback=(env_fallback, ["DSV41_OPERATOR_CREDENTIAL_FILE"])
+        ),
+        "api_key_file": dict(type="path", default="", fallback=(env_fallback, ["DSV41_API_KEY_FILE"])),
+    }
     ns: dict = {}
     exec((REPO / "plugins" / "doc_fragments" / "window_token.py").read_text(), ns)
     opt = yaml.safe_load(ns["ModuleDocFragment"].DOCUMENTATION)["options"]["window_token"]
@@ -88,10 +100,11 @@ def test_window_token_is_the_shared_option(path):
     src = path.read_text()
     assert "window_token(module)" in src.split("def main")[1], f"{path.name}: the option does not reach the package"
     doc = _doc(path)
-    assert "dsv41.offload.window_token" in doc.get("extends_documentation_fragment", []), \
+    assert "dsv41.offload.window_token" in doc.get("extends_documentation_fragment", []), (
         f"{path.name}: window_token is not documented (extends_documentation_fragment)"
+    )
     assert "window_token" not in doc["options"], f"{path.name}: restates the fragment's window_token"
-    assert "env_fallback" not in src and "DSV41_WINDOW_TOKEN\"]" not in src, f"{path.name}: a second window_token spec"
+    assert "env_fallback" not in src and 'DSV41_WINDOW_TOKEN"]' not in src, f"{path.name}: a second window_token spec"
 
 
 @pytest.mark.parametrize("path", [p for p in MODULES if p not in SENDERS], ids=lambda p: p.stem)

@@ -30,19 +30,32 @@ def fake():
 
 
 def _alert(name, state="firing", severity="critical", **labels):
-    return {"labels": {"alertname": name, "severity": severity, **labels}, "annotations": {"summary": f"{name} says"},
-            "state": state, "activeAt": "2026-12-02T00:00:00Z", "value": "1e+00"}
+    return {
+        "labels": {"alertname": name, "severity": severity, **labels},
+        "annotations": {"summary": f"{name} says"},
+        "state": state,
+        "activeAt": "2026-12-02T00:00:00Z",
+        "value": "1e+00",
+    }
 
 
 # ---- the operations exporter ---------------------------------------------------------------
 
+
 def test_exporter_idle(fake, tmp_path):
     col = E.OpsCollector(fake.url, tmp_path / "packages" / "journal.jsonl")
     v = E.describe(col)
-    assert v == {"dsv41_admission_up": 1.0, "dsv41_admission_held": 0.0, "dsv41_admission_held_since_seconds": 0.0,
-                 "dsv41_window_active": 0.0, "dsv41_window_active_since_seconds": 0.0,
-                 "dsv41_promotion_journal_open": 0.0, "dsv41_promotion_journal_last_step_seconds": 0.0,
-                 "dsv41_promotion_current_since_seconds": 0.0, "dsv41_promotion_journal_readable": 1.0}
+    assert v == {
+        "dsv41_admission_up": 1.0,
+        "dsv41_admission_held": 0.0,
+        "dsv41_admission_held_since_seconds": 0.0,
+        "dsv41_window_active": 0.0,
+        "dsv41_window_active_since_seconds": 0.0,
+        "dsv41_promotion_journal_open": 0.0,
+        "dsv41_promotion_journal_last_step_seconds": 0.0,
+        "dsv41_promotion_current_since_seconds": 0.0,
+        "dsv41_promotion_journal_readable": 1.0,
+    }
 
 
 def test_exporter_window_hold_and_open_journal(fake, tmp_path):
@@ -89,19 +102,29 @@ def test_exporter_bad_listen_is_one_error(listen, tmp_path):
 
 # ---- the alerts reader and dsv41 status ------------------------------------------------------
 
+
 def test_firing_alerts_only_dsv41_and_firing(fake):
-    fake.alerts_body["data"]["alerts"] = [_alert("Dsv41TableServerDown", instance="198.18.0.13:9441"),
-                                          _alert("Dsv41EngramFallbacksGrowing", state="pending", rank="0"),
-                                          _alert("Watchdog", severity="none"),
-                                          _alert("Dsv41ProxyRespawning", severity="warning")]
+    fake.alerts_body["data"]["alerts"] = [
+        _alert("Dsv41TableServerDown", instance="198.18.0.13:9441"),
+        _alert("Dsv41EngramFallbacksGrowing", state="pending", rank="0"),
+        _alert("Watchdog", severity="none"),
+        _alert("Dsv41ProxyRespawning", severity="warning"),
+    ]
     got = A.firing(fake.url)
     assert [a["name"] for a in got] == ["Dsv41ProxyRespawning", "Dsv41TableServerDown"]
     assert A.describe(got[1]) == "Dsv41TableServerDown{instance=198.18.0.13:9441} (critical): Dsv41TableServerDown says"
 
 
-@pytest.mark.parametrize("code,body", [(500, {"status": "error"}), (200, {"status": "error", "error": "x"}),
-                                       (200, {"status": "success", "data": {}}), (200, "not json"),
-                                       (200, {"status": "success", "data": {"alerts": [1]}})])
+@pytest.mark.parametrize(
+    "code,body",
+    [
+        (500, {"status": "error"}),
+        (200, {"status": "error", "error": "x"}),
+        (200, {"status": "success", "data": {}}),
+        (200, "not json"),
+        (200, {"status": "success", "data": {"alerts": [1]}}),
+    ],
+)
 def test_bad_alerts_answers_are_one_error(fake, code, body):
     fake.alerts_code, fake.alerts_body = code, body
     with pytest.raises(A.AlertsError):
@@ -109,14 +132,26 @@ def test_bad_alerts_answers_are_one_error(fake, code, body):
 
 
 def _report():
-    return {"time": 0, "window_s": 0, "healthy": True, "reasons": [], "warnings": [], "hosts": {},
-            "api": {"url": "http://x", "health": "ok", "admission": "open"},
-            "engine": {"engram": {}, "window": {}, "drafter": {}, "spec": {}},
-            "engram_server": {}, "drafter_worker": {}, "window": None}
+    return {
+        "time": 0,
+        "window_s": 0,
+        "healthy": True,
+        "reasons": [],
+        "warnings": [],
+        "hosts": {},
+        "api": {"url": "http://x", "health": "ok", "admission": "open"},
+        "engine": {"engram": {}, "window": {}, "drafter": {}, "spec": {}},
+        "engram_server": {},
+        "drafter_worker": {},
+        "window": None,
+    }
 
 
 def test_status_says_which_alerts_fire(fake):
-    fake.alerts_body["data"]["alerts"] = [_alert("Dsv41TableServerDown"), _alert("Dsv41ProxyRespawning", severity="warning")]
+    fake.alerts_body["data"]["alerts"] = [
+        _alert("Dsv41TableServerDown"),
+        _alert("Dsv41ProxyRespawning", severity="warning"),
+    ]
     rep = st.add_alerts(_report(), fake.url)
     assert not rep["healthy"]
     assert rep["reasons"] == ["alert firing: Dsv41TableServerDown (critical): Dsv41TableServerDown says"]
@@ -140,9 +175,11 @@ def test_status_prometheus_unreachable_is_a_warning():
 
 # ---- the dashboard ---------------------------------------------------------------------------
 
+
 def test_dashboard_json_is_the_generated_one():
     assert (ROOT / "monitoring" / "grafana" / "dsv41-offload.json").read_text() == D.render(), (
-        "monitoring/grafana/dsv41-offload.json is stale: dsv41 monitor dashboard --out it")
+        "monitoring/grafana/dsv41-offload.json is stale: dsv41 monitor dashboard --out it"
+    )
 
 
 def test_dashboard_has_every_panel_and_annotation():
@@ -160,8 +197,11 @@ def test_dashboard_expressions_are_valid_promql(tmp_path):
         pytest.fail("promtool not found: install Debian's prometheus package (tools/install_prometheus.sh)")
     exprs = [e.replace("$__rate_interval", D.LAB_RATE_INTERVAL) for _t, e in D.expressions()]
     exprs += [a[1] for a in D.ANNOTATIONS]
-    rules = {"groups": [{"name": "dashboard", "rules": [{"record": f"dashboard:expr{i}", "expr": e}
-                                                        for i, e in enumerate(exprs)]}]}
+    rules = {
+        "groups": [
+            {"name": "dashboard", "rules": [{"record": f"dashboard:expr{i}", "expr": e} for i, e in enumerate(exprs)]}
+        ]
+    }
     f = tmp_path / "d.yml"
     f.write_text(yaml.safe_dump(rules))
     r = subprocess.run([promtool, "check", "rules", str(f)], capture_output=True, text=True, timeout=60)
@@ -170,25 +210,35 @@ def test_dashboard_expressions_are_valid_promql(tmp_path):
 
 # ---- dsv41 monitor: bad input is one line ----------------------------------------------------
 
-@pytest.mark.parametrize("argv", [
-    ["monitor", "rules", "--overrides", "[1]"],
-    ["monitor", "rules", "--overrides", "{"],
-    ["monitor", "rules", "--ranks", "a,b"],
-    ["monitor", "rules", "--project", "/nonexistent"],
-    ["monitor", "rules", "--overrides", '{"table_server_down": 3}'],
-    ["monitor", "exporter", "--listen", "bad"],
-    ["monitor", "dashboard", "--out", "/nonexistent/dir/x.json"],
-])
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["monitor", "rules", "--overrides", "[1]"],
+        ["monitor", "rules", "--overrides", "{"],
+        ["monitor", "rules", "--ranks", "a,b"],
+        ["monitor", "rules", "--project", "/nonexistent"],
+        ["monitor", "rules", "--overrides", '{"table_server_down": 3}'],
+        ["monitor", "exporter", "--listen", "bad"],
+        ["monitor", "dashboard", "--out", "/nonexistent/dir/x.json"],
+    ],
+)
 def test_monitor_bad_input_one_line(argv, tmp_path):
-    r = subprocess.run([str(Path(sys.executable).parent / "dsv41"), *argv], capture_output=True, text=True, timeout=60,
-                       cwd=ROOT)
+    r = subprocess.run(
+        [str(Path(sys.executable).parent / "dsv41"), *argv], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     assert r.returncode == 1, r.stderr
     assert r.stderr.startswith("dsv41: error: ") and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1
 
 
 def test_monitor_rules_prints_the_checked_in_file():
-    r = subprocess.run([str(Path(sys.executable).parent / "dsv41"), "monitor", "rules"], capture_output=True, text=True,
-                       timeout=60, cwd=ROOT)
+    r = subprocess.run(
+        [str(Path(sys.executable).parent / "dsv41"), "monitor", "rules"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert r.returncode == 0 and r.stdout == (ROOT / "monitoring" / "prometheus" / "dsv41.rules.yml").read_text()
 
 

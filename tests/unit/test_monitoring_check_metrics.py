@@ -22,8 +22,17 @@ def _engine() -> bytes:
     from dsv41.engine.metrics import ENGRAM_KEYS, EngineMetrics
 
     per_rank = {r: {**{k: 3 for k in ENGRAM_KEYS}, "latency_count": 3, "latency_sum_s": 0.01} for r in (0, 1)}
-    drafter = {"rounds": 5, "fail_closed_rounds": 1, "proxy_respawns": 0, "watchdog_fires": 0, "proxy_gave_up": 0,
-               "identity_refusals": 0, "latency_sum_s": 0.1, "latency_count": 5, "parity_max_prob_diff": 0.0}
+    drafter = {
+        "rounds": 5,
+        "fail_closed_rounds": 1,
+        "proxy_respawns": 0,
+        "watchdog_fires": 0,
+        "proxy_gave_up": 0,
+        "identity_refusals": 0,
+        "latency_sum_s": 0.1,
+        "latency_count": 5,
+        "parity_max_prob_diff": 0.0,
+    }
     m = EngineMetrics("dsv41-lab", lambda: per_rank, lambda: drafter)
     m.ttft.observe(0.05)
     m.itl.observe(0.01)

@@ -19,15 +19,26 @@ ROOT = Path(__file__).resolve().parents[2]
 
 INVENTORY = {
     "all": {
-        "vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable, "dsv41_lab": False,
-                 "dsv41_project_dir": str(ROOT),
-                 "dsv41_service_manager": "systemd",
-                 "monitoring_alert_overrides": {"table_server_down": {"for": "1m"}},
-                 "monitoring_ops_exporter_target": "10.0.0.5:9461"},
+        "vars": {
+            "ansible_connection": "local",
+            "ansible_python_interpreter": sys.executable,
+            "dsv41_lab": False,
+            "dsv41_project_dir": str(ROOT),
+            "dsv41_service_manager": "systemd",
+            "monitoring_alert_overrides": {"table_server_down": {"for": "1m"}},
+            "monitoring_ops_exporter_target": "10.0.0.5:9461",
+        },
         "children": {
-            "spark": {"hosts": {"sparkhead": {"dsv41_rank": 0, "dsv41_mgmt_address": "10.0.0.11"},
-                                "sparkworker": {"dsv41_rank": 1, "dsv41_mgmt_address": "10.0.0.12",
-                                                "monitoring_node_exporter": False}}},
+            "spark": {
+                "hosts": {
+                    "sparkhead": {"dsv41_rank": 0, "dsv41_mgmt_address": "10.0.0.11"},
+                    "sparkworker": {
+                        "dsv41_rank": 1,
+                        "dsv41_mgmt_address": "10.0.0.12",
+                        "monitoring_node_exporter": False,
+                    },
+                }
+            },
             "offload": {"hosts": {"x86host": {"dsv41_mgmt_address": "10.0.0.13"}}},
         },
     }
@@ -40,23 +51,52 @@ def exported(tmp_path_factory):
     inv = d / "hosts.yml"
     inv.write_text(yaml.safe_dump(INVENTORY))
     out = d / "out"
-    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
-               PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
-    r = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inv), "monitoring.yml",
-                        "--tags", "monitoring_export", "-e", f"monitoring_export_dir={out}"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ,
+        ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"),
+        ANSIBLE_NOCOLOR="1",
+        PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+    )
+    r = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "ansible-playbook"),
+            "-i",
+            str(inv),
+            "monitoring.yml",
+            "--tags",
+            "monitoring_export",
+            "-e",
+            f"monitoring_export_dir={out}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     return out
 
 
 def test_targets_per_job_from_the_inventory(exported):
     t = {p.stem: json.loads(p.read_text()) for p in (exported / "file_sd").glob("*.json")}
-    assert sorted(t) == ["dsv41-api", "dsv41-drafter-worker", "dsv41-ops", "dsv41-overlay", "dsv41-table-server", "node"]
+    assert sorted(t) == [
+        "dsv41-api",
+        "dsv41-drafter-worker",
+        "dsv41-ops",
+        "dsv41-overlay",
+        "dsv41-table-server",
+        "node",
+    ]
     # the inventory serves with vLLM (dsv41_lab false): each Spark's overlay endpoint, no rank label
-    assert t["dsv41-overlay"] == [{"targets": ["10.0.0.11:9471"], "labels": {"host": "sparkhead", "dsv41_role": "spark"}},
-                                  {"targets": ["10.0.0.12:9471"], "labels": {"host": "sparkworker", "dsv41_role": "spark"}}]
+    assert t["dsv41-overlay"] == [
+        {"targets": ["10.0.0.11:9471"], "labels": {"host": "sparkhead", "dsv41_role": "spark"}},
+        {"targets": ["10.0.0.12:9471"], "labels": {"host": "sparkworker", "dsv41_role": "spark"}},
+    ]
     assert t["dsv41-api"] == [{"targets": ["10.0.0.11:8000"], "labels": {"host": "sparkhead", "dsv41_role": "spark"}}]
-    assert t["dsv41-table-server"] == [{"targets": ["10.0.0.13:9441"], "labels": {"host": "x86host", "dsv41_role": "offload"}}]
+    assert t["dsv41-table-server"] == [
+        {"targets": ["10.0.0.13:9441"], "labels": {"host": "x86host", "dsv41_role": "offload"}}
+    ]
     assert t["dsv41-drafter-worker"][0]["targets"] == ["10.0.0.13:9451"]
     assert t["dsv41-ops"][0]["targets"] == ["10.0.0.5:9461"]
     # node metrics where present: every host but the one that opted out
@@ -73,8 +113,11 @@ def test_promtool_check_config_on_the_exported_files(exported, tmp_path):
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.fail("promtool not found: install Debian's prometheus package (tools/install_prometheus.sh)")
-    cfg = {"global": {"scrape_interval": "15s"}, "rule_files": [str(exported / "dsv41.rules.yml")],
-           "scrape_configs": yaml.safe_load((exported / "scrape_configs.yml").read_text())}
+    cfg = {
+        "global": {"scrape_interval": "15s"},
+        "rule_files": [str(exported / "dsv41.rules.yml")],
+        "scrape_configs": yaml.safe_load((exported / "scrape_configs.yml").read_text()),
+    }
     f = tmp_path / "prometheus.yml"
     f.write_text(yaml.safe_dump(cfg))
     r = subprocess.run([promtool, "check", "config", str(f)], capture_output=True, text=True, timeout=60)

@@ -24,7 +24,9 @@ LAB_VARS = ROOT / "inventories" / "sim" / "group_vars" / "all.yml"
 def promtool() -> str:
     p = shutil.which("promtool")
     if p is None:
-        pytest.fail("promtool not found: install Debian's prometheus package (tools/install_prometheus.sh; .ci/run does)")
+        pytest.fail(
+            "promtool not found: install Debian's prometheus package (tools/install_prometheus.sh; .ci/run does)"
+        )
     return p
 
 
@@ -48,11 +50,16 @@ def promtool_tests(text: str) -> dict:
             exp = []
             for extra in chk["fires"]:
                 labels = {**{str(k): str(v) for k, v in extra.items()}, **rule["labels"]}
-                exp.append({"exp_labels": labels,
-                            "exp_annotations": {k: _fill(v, labels) for k, v in rule["annotations"].items()}})
+                exp.append(
+                    {
+                        "exp_labels": labels,
+                        "exp_annotations": {k: _fill(v, labels) for k, v in rule["annotations"].items()},
+                    }
+                )
             art.append({"eval_time": chk["at"], "alertname": chk["alert"], "exp_alerts": exp})
-        tests.append({"name": case["name"], "interval": case["interval"], "input_series": case["series"],
-                      "alert_rule_test": art})
+        tests.append(
+            {"name": case["name"], "interval": case["interval"], "input_series": case["series"], "alert_rule_test": art}
+        )
     return {"rule_files": ["dsv41.rules.yml"], "evaluation_interval": "1m", "tests": tests}
 
 
@@ -62,7 +69,8 @@ def lab_overrides() -> dict:
 
 def test_checked_in_rules_are_the_rendering():
     assert CHECKED_IN.read_text() == rules.render(ROOT), (
-        "monitoring/prometheus/dsv41.rules.yml is stale: python -m dsv41.cli monitor rules > it")
+        "monitoring/prometheus/dsv41.rules.yml is stale: python -m dsv41.cli monitor rules > it"
+    )
 
 
 @pytest.mark.parametrize("which", ["production", "lab"])
@@ -89,8 +97,9 @@ def test_promtool_test_rules(tmp_path):
     text = rules.render(ROOT)
     (tmp_path / "dsv41.rules.yml").write_text(text)
     (tmp_path / "tests.yml").write_text(yaml.safe_dump(promtool_tests(text), sort_keys=False))
-    r = subprocess.run([promtool(), "test", "rules", "tests.yml"], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [promtool(), "test", "rules", "tests.yml"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
     assert "SUCCESS" in r.stdout
 
@@ -106,6 +115,7 @@ def test_promtool_test_rules_catches_a_wrong_expectation(tmp_path):
     doc["tests"] = [first]
     (tmp_path / "dsv41.rules.yml").write_text(text)
     (tmp_path / "tests.yml").write_text(yaml.safe_dump(doc, sort_keys=False))
-    r = subprocess.run([promtool(), "test", "rules", "tests.yml"], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [promtool(), "test", "rules", "tests.yml"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode != 0

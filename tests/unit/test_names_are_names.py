@@ -35,6 +35,7 @@ def _commands():
                 yield from walk(c, path + [n])
         else:
             yield path, cmd
+
     yield from walk(root, [])
 
 
@@ -49,12 +50,21 @@ def _id_params():
 
 def test_the_class_is_found():
     found = {(" ".join(path), p.name) for path, p in _id_params()}
-    assert {("window stop-run", "window_id"), ("window candidate", "name"), ("window plan", "candidates"),
-            ("package show", "ref"), ("oplock acquire", "op_id"), ("drill run", "drill_id")} <= found
+    assert {
+        ("window stop-run", "window_id"),
+        ("window candidate", "name"),
+        ("window plan", "candidates"),
+        ("package show", "ref"),
+        ("oplock acquire", "op_id"),
+        ("drill run", "drill_id"),
+    } <= found
 
 
-@pytest.mark.parametrize("path,param", _id_params(), ids=lambda x: x if isinstance(x, str) else
-                         (" ".join(x) if isinstance(x, list) else x.name))
+@pytest.mark.parametrize(
+    "path,param",
+    _id_params(),
+    ids=lambda x: x if isinstance(x, str) else (" ".join(x) if isinstance(x, list) else x.name),
+)
 def test_every_id_refuses_globs_and_paths(path, param, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for bad in HOSTILE:

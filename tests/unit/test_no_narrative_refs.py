@@ -68,17 +68,24 @@ def test_the_tests_name_no_pass():
     assert [h for h in _hits(paths, (PASS_REF,)) if not h.startswith("tests/unit/test_no_narrative_refs.py")] == []
 
 
-@pytest.mark.parametrize("line,kind", [
-    ("# the plan (issue 23 pass K): ahead", "both"),
-    ("# since pass L the core streams", "pass"),
-    ("x = 1  # see issue #12", "issue"),
-    ("# Pass O's design", "pass"),
-    ("# bypass A/B testing; passes are counted", None),
-    ("# the issue: a reissued 12 s", None),
-])
+@pytest.mark.parametrize(
+    "line,kind",
+    [
+        ("# the plan (issue 23 pass K): ahead", "both"),
+        ("# since pass L the core streams", "pass"),
+        ("x = 1  # see issue #12", "issue"),
+        ("# Pass O's design", "pass"),
+        ("# bypass A/B testing; passes are counted", None),
+        ("# the issue: a reissued 12 s", None),
+    ],
+)
 def test_the_patterns_catch_references_and_nothing_else(line, kind):
     """The two patterns on sample lines: references match, ordinary words do not."""
     got = {"pass": bool(PASS_REF.search(line)), "issue": bool(ISSUE_REF.search(line))}
-    want = {"both": {"pass": True, "issue": True}, "pass": {"pass": True, "issue": False},
-            "issue": {"pass": False, "issue": True}, None: {"pass": False, "issue": False}}[kind]
+    want = {
+        "both": {"pass": True, "issue": True},
+        "pass": {"pass": True, "issue": False},
+        "issue": {"pass": False, "issue": True},
+        None: {"pass": False, "issue": False},
+    }[kind]
     assert got == want

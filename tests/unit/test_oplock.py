@@ -99,15 +99,41 @@ def test_the_command_refuses_a_second_operation_in_one_line(tmp_path):
     owner = _sleeper()
     env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
     try:
-        a = subprocess.run([str(BIN / "dsv41"), "oplock", "acquire", "--op", "window", "--id", "w9", "--state-dir",
-                            str(tmp_path), "--owner-pid", str(owner.pid)], capture_output=True, text=True, env=env,
-                           timeout=120)
+        a = subprocess.run(
+            [
+                str(BIN / "dsv41"),
+                "oplock",
+                "acquire",
+                "--op",
+                "window",
+                "--id",
+                "w9",
+                "--state-dir",
+                str(tmp_path),
+                "--owner-pid",
+                str(owner.pid),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert a.returncode == 0, a.stderr
-        b = subprocess.run([str(BIN / "dsv41"), "oplock", "acquire", "--op", "promote", "--id", "p9", "--state-dir",
-                            str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
+        b = subprocess.run(
+            [str(BIN / "dsv41"), "oplock", "acquire", "--op", "promote", "--id", "p9", "--state-dir", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert b.returncode == 1 and len(b.stderr.strip().splitlines()) == 1 and "window w9" in b.stderr
-        s = subprocess.run([str(BIN / "dsv41"), "oplock", "status", "--state-dir", str(tmp_path), "--json"],
-                           capture_output=True, text=True, env=env, timeout=120)
+        s = subprocess.run(
+            [str(BIN / "dsv41"), "oplock", "status", "--state-dir", str(tmp_path), "--json"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert json.loads(s.stdout)["holder"]["id"] == "w9"
     finally:
         owner.kill()
@@ -115,6 +141,7 @@ def test_the_command_refuses_a_second_operation_in_one_line(tmp_path):
 
 
 # ---- every change operation takes it --------------------------------------------------------------
+
 
 def _tasks(tasks):
     for t in tasks or []:
@@ -145,13 +172,15 @@ def _includes(play, tasks_from: str) -> list[dict]:
 
 
 def _takes_lock(play) -> bool:
-    return any((t.get("vars") or {}).get("promotion_lock_state", "acquired") == "acquired"
-               for t in _includes(play, "lock"))
+    return any(
+        (t.get("vars") or {}).get("promotion_lock_state", "acquired") == "acquired" for t in _includes(play, "lock")
+    )
 
 
 def _writes_journal(play) -> bool:
     return bool(_includes(play, "journal")) or any(
-        "promotion_journal" in t for key in ("tasks", "pre_tasks") for t in _tasks(play.get(key)))
+        "promotion_journal" in t for key in ("tasks", "pre_tasks") for t in _tasks(play.get(key))
+    )
 
 
 def test_every_run_that_changes_production_takes_the_lock_first():
@@ -166,7 +195,8 @@ def test_every_run_that_changes_production_takes_the_lock_first():
             if first_journal is None:
                 continue
             first_lock = next((i for i, p in enumerate(seq) if _takes_lock(p)), None)
-            assert first_lock is not None and first_lock <= first_journal, \
+            assert first_lock is not None and first_lock <= first_journal, (
                 f"{root.name} ({branch or 'always'}): journal written before the change lock is taken"
+            )
             checked.append(root.name)
     assert {"window.yml", "promote.yml", "rollback.yml", "deploy.yml"} <= set(checked)

@@ -26,8 +26,14 @@ from contractutil import contract_of, fake_tree  # noqa: E402
 def run(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
     e = dict(os.environ, **(env or {}))
     e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "python"), e.get("PYTHONPATH", "")) if p)
-    return subprocess.run([sys.executable, "-m", "dsv41.cli", "overlay", "contract", *argv], capture_output=True,
-                          text=True, env=e, cwd="/", timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "dsv41.cli", "overlay", "contract", *argv],
+        capture_output=True,
+        text=True,
+        env=e,
+        cwd="/",
+        timeout=120,
+    )
 
 
 def test_version_and_file_hash_mismatch_are_each_named(tmp_path):
@@ -101,13 +107,16 @@ os.execve({sys.executable!r}, [{sys.executable!r}, *rest], dict(os.environ, PYTH
     assert len(r.stderr.splitlines()) == 1
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--image", "-it"], "--image must be an image reference"),
-    (["--image", "a b"], "--image must be an image reference"),
-    (["--image", "x", "--python", sys.executable], "give --image or --python, not both"),
-    (["--image", "x", "--container-runtime", "/bin/sh"], "--container-runtime must be docker or podman"),
-    (["--python", "/nonexistent/python3"], "cannot run /nonexistent/python3: not found"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--image", "-it"], "--image must be an image reference"),
+        (["--image", "a b"], "--image must be an image reference"),
+        (["--image", "x", "--python", sys.executable], "give --image or --python, not both"),
+        (["--image", "x", "--container-runtime", "/bin/sh"], "--container-runtime must be docker or podman"),
+        (["--python", "/nonexistent/python3"], "cannot run /nonexistent/python3: not found"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2(argv, words):
     r = run(argv)
     assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr

@@ -18,12 +18,15 @@ def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("kind,msg", [
-    ("missing", "no such wheel file"),
-    ("name", "not a vllm manylinux wheel name"),
-    ("notzip", "not a zip file"),
-    ("empty", "has no vllm/models/deepseek_v41/common/engram.py"),
-])
+@pytest.mark.parametrize(
+    "kind,msg",
+    [
+        ("missing", "no such wheel file"),
+        ("name", "not a vllm manylinux wheel name"),
+        ("notzip", "not a zip file"),
+        ("empty", "has no vllm/models/deepseek_v41/common/engram.py"),
+    ],
+)
 def test_bad_wheels_fail_with_one_line(tmp_path: Path, kind: str, msg: str) -> None:
     good_name = tmp_path / "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl"
     if kind == "missing":

@@ -20,9 +20,13 @@ def workers():
 
 
 def _gates() -> dict:
-    return {"use_core": core.use_core(), "implementation": core.implementation(),
-            "worker_core": EW._new_core(64) is not None, "plan": O._native_plan() is not None,
-            "gpu_join": GJ.available(0)}
+    return {
+        "use_core": core.use_core(),
+        "implementation": core.implementation(),
+        "worker_core": EW._new_core(64) is not None,
+        "plan": O._native_plan() is not None,
+        "gpu_join": GJ.available(0),
+    }
 
 
 def _one_step(tabs_) -> tuple[bool, bool]:
@@ -43,8 +47,13 @@ def test_without_the_core_every_gate_says_no_and_python_serves_exact_rows(tabs, 
         monkeypatch.setattr(native, "_fastrow", None)  # the core needs the C++ transport's connection
     else:
         monkeypatch.setenv("DSV41_TRANSPORT_PURE", "1")
-    assert _gates() == {"use_core": False, "implementation": "python", "worker_core": False, "plan": False,
-                        "gpu_join": False}
+    assert _gates() == {
+        "use_core": False,
+        "implementation": "python",
+        "worker_core": False,
+        "plan": False,
+        "gpu_join": False,
+    }
     assert _one_step(tabs) == (True, False)
 
 

@@ -11,7 +11,9 @@ import pytest
 from dsv41.overlay import core as overlay_core, engram_rows as ER, engram_worker as EW
 from dsv41.transport import native
 
-pytestmark = pytest.mark.skipif(overlay_core._core is None or native._fastrow is None, reason="the C++ extensions are not built")
+pytestmark = pytest.mark.skipif(
+    overlay_core._core is None or native._fastrow is None, reason="the C++ extensions are not built"
+)
 
 
 def _piece_reference(ids: np.ndarray, lo: int, hi: int, piece_rows: int) -> tuple[list, np.ndarray, list]:
@@ -20,24 +22,27 @@ def _piece_reference(ids: np.ndarray, lo: int, hi: int, piece_rows: int) -> tupl
     sel = np.full(ids.size, -1, np.int32)
     ns, fetches = [], []
     for r0 in range(0, ids.size, piece_rows):
-        v = ids[r0:r0 + piece_rows]
+        v = ids[r0 : r0 + piece_rows]
         own = (v >= lo) & (v < hi)
-        sel[r0:r0 + v.size][own] = np.arange(int(own.sum()), dtype=np.int32)
+        sel[r0 : r0 + v.size][own] = np.arange(int(own.sum()), dtype=np.int32)
         ns.append(int(own.sum()))
         fetches.append(v[own])
     return ns, sel, fetches
 
 
-@pytest.mark.parametrize("rows,piece_rows,lo,hi,seed", [
-    (600, 100, 1000, 3000, 1),  # six full pieces, about half the ids owned
-    (655, 100, 1000, 3000, 2),  # a short last piece
-    (100, 100, 1000, 3000, 3),  # one piece: no planner thread
-    (1, 100, 1000, 3000, 4),
-    (0, 100, 1000, 3000, 5),  # no ids
-    (700, 64, 0, 10**12, 6),  # every id owned
-    (700, 64, 5000, 6000, 7),  # pieces with no owned id
-    (393216, 65536, 0, 1 << 20, 8),  # a 32K chunk of one layer in the production layout
-])
+@pytest.mark.parametrize(
+    "rows,piece_rows,lo,hi,seed",
+    [
+        (600, 100, 1000, 3000, 1),  # six full pieces, about half the ids owned
+        (655, 100, 1000, 3000, 2),  # a short last piece
+        (100, 100, 1000, 3000, 3),  # one piece: no planner thread
+        (1, 100, 1000, 3000, 4),
+        (0, 100, 1000, 3000, 5),  # no ids
+        (700, 64, 0, 10**12, 6),  # every id owned
+        (700, 64, 5000, 6000, 7),  # pieces with no owned id
+        (393216, 65536, 0, 1 << 20, 8),  # a 32K chunk of one layer in the production layout
+    ],
+)
 def test_the_pipelined_piece_plan_equals_the_all_at_once_plan(rows, piece_rows, lo, hi, seed) -> None:
     """The core's plan of a multi-piece job with the planner thread ahead of the requests (piece 0
     first, pieces 1.. while the requests before are in flight) gives the same per-piece counts,
@@ -60,11 +65,17 @@ def test_the_pipelined_piece_plan_equals_the_all_at_once_plan(rows, piece_rows, 
         fetch = np.full(rows, -7, np.int64)
         ns, bad = overlay_core._core.plan_pieces(ids, lo, hi, 1 << 62, piece_rows, sel, fetch, ahead, head)
         assert not bad
-        got[ahead, head] = (list(ns), sel, [fetch[r0:r0 + n] for r0, n in zip(range(0, rows, piece_rows), ns, strict=False)])
+        got[ahead, head] = (
+            list(ns),
+            sel,
+            [fetch[r0 : r0 + n] for r0, n in zip(range(0, rows, piece_rows), ns, strict=False)],
+        )
     for order in orders:
         ns, sel, fetches = got[order]
         assert ns == want_ns and np.array_equal(sel, want_sel)
-        assert len(fetches) == len(want_fetch) and all(np.array_equal(a, b) for a, b in zip(fetches, want_fetch, strict=False))
+        assert len(fetches) == len(want_fetch) and all(
+            np.array_equal(a, b) for a, b in zip(fetches, want_fetch, strict=False)
+        )
     if rows:
         flat_sel = np.full(rows, 7, np.int32)
         flat_fetch = np.empty(rows, np.int64)
@@ -81,8 +92,9 @@ def test_the_tail_piece_layout_is_the_cores_and_pythons_and_plans_exactly(monkey
     rows; a one-piece job is not split, nor a last piece no longer than a tail (by that tail);
     the plan in that layout, in every order and for one tail or two, equals numpy's piece by piece."""
     assert EW.TAIL_ROWS == ER.TAIL_ROWS == (16384, 2048)
-    assert ER.RemoteRows._piece_keys(393216) == ([(k * 65536, 65536) for k in range(5)]
-                                                 + [(327680, 49152), (376832, 14336), (391168, 2048)])
+    assert ER.RemoteRows._piece_keys(393216) == (
+        [(k * 65536, 65536) for k in range(5)] + [(327680, 49152), (376832, 14336), (391168, 2048)]
+    )
     assert ER.RemoteRows._piece_keys(65536) == [(0, 65536)]
     assert ER.RemoteRows._piece_keys(65536 + 16384) == [(0, 65536), (65536, 14336), (79872, 2048)]
     assert ER.RemoteRows._piece_keys(65536 + 2048) == [(0, 65536), (65536, 2048)]
@@ -95,17 +107,19 @@ def test_the_tail_piece_layout_is_the_cores_and_pythons_and_plans_exactly(monkey
             keys = ER.RemoteRows._piece_keys(rows)
             assert [r0 for r0, _ in keys] == sorted({r0 for r0, _ in keys}) and sum(m for _, m in keys) == rows
             ids = rng.integers(0, 4000, rows).astype(np.int64)
-            want = [(int(((v := ids[r0:r0 + m]) >= 1000).__and__(v < 3000).sum()), r0, m) for r0, m in keys]
+            want = [(int(((v := ids[r0 : r0 + m]) >= 1000).__and__(v < 3000).sum()), r0, m) for r0, m in keys]
             for ahead, head in ((False, 0), (True, 0), (True, 30)):
                 sel = np.full(rows, 7, np.int32)
                 fetch = np.full(rows, -7, np.int64)
-                ns, bad = overlay_core._core.plan_pieces(ids, 1000, 3000, 1 << 62, 100, sel, fetch, ahead, head, list(tails))
+                ns, bad = overlay_core._core.plan_pieces(
+                    ids, 1000, 3000, 1 << 62, 100, sel, fetch, ahead, head, list(tails)
+                )
                 assert not bad and list(ns) == [n for n, _, _ in want], (tails, rows)
                 for n, r0, m in want:
-                    v = ids[r0:r0 + m]
+                    v = ids[r0 : r0 + m]
                     own = (v >= 1000) & (v < 3000)
-                    assert np.array_equal(fetch[r0:r0 + n], v[own])
-                    assert np.array_equal(sel[r0:r0 + m][own], np.arange(n)) and (sel[r0:r0 + m][~own] == -1).all()
+                    assert np.array_equal(fetch[r0 : r0 + n], v[own])
+                    assert np.array_equal(sel[r0 : r0 + m][own], np.arange(n)) and (sel[r0 : r0 + m][~own] == -1).all()
 
 
 def test_a_negative_tail_is_refused_by_the_core_and_the_plan() -> None:
@@ -114,8 +128,9 @@ def test_a_negative_tail_is_refused_by_the_core_and_the_plan() -> None:
     with pytest.raises(ValueError, match="tail_rows entries must be >= 0"):
         overlay_core._core.EngramCore(64, 100, 60.0, 30, [30, -1])
     with pytest.raises(ValueError, match="tail_rows entries must be >= 0"):
-        overlay_core._core.plan_pieces(np.arange(10, dtype=np.int64), 0, 10, 10, 4, np.empty(10, np.int32),
-                                    np.empty(10, np.int64), False, 0, [-2])
+        overlay_core._core.plan_pieces(
+            np.arange(10, dtype=np.int64), 0, 10, 10, 4, np.empty(10, np.int32), np.empty(10, np.int64), False, 0, [-2]
+        )
 
 
 @pytest.mark.parametrize("ahead", [False, True])
@@ -123,11 +138,23 @@ def test_an_owned_id_past_the_table_is_flagged_in_either_plan_order(ahead) -> No
     """An owned id at or past the table's row count (or a negative one in a range that starts
     below 0) sets the plan's flag, in either order; an id outside the range never does."""
     ids = np.arange(0, 500, dtype=np.int64)
-    assert overlay_core._core.plan_pieces(ids, 0, 1000, 1000, 100, np.empty(500, np.int32), np.empty(500, np.int64),
-                                       ahead)[1] is False
+    assert (
+        overlay_core._core.plan_pieces(
+            ids, 0, 1000, 1000, 100, np.empty(500, np.int32), np.empty(500, np.int64), ahead
+        )[1]
+        is False
+    )
     ids[437] = 1000  # owned ([0, 2000)), past a 1000-row table
-    assert overlay_core._core.plan_pieces(ids, 0, 2000, 1000, 100, np.empty(500, np.int32), np.empty(500, np.int64),
-                                       ahead)[1] is True
+    assert (
+        overlay_core._core.plan_pieces(
+            ids, 0, 2000, 1000, 100, np.empty(500, np.int32), np.empty(500, np.int64), ahead
+        )[1]
+        is True
+    )
     ids[437] = -5  # owned by a range from -10, negative: past the table as an unsigned row
-    assert overlay_core._core.plan_pieces(ids, -10, 1000, 1000, 100, np.empty(500, np.int32), np.empty(500, np.int64),
-                                       ahead)[1] is True
+    assert (
+        overlay_core._core.plan_pieces(
+            ids, -10, 1000, 1000, 100, np.empty(500, np.int32), np.empty(500, np.int64), ahead
+        )[1]
+        is True
+    )

@@ -56,15 +56,23 @@ def ddir(tmp_path_factory):
 
 
 def _vcfg(layers=(2, 3)):
-    return ns(speculative_config=ns(num_speculative_tokens=K, method="dspark",
-                                    draft_model_config=ns(hf_config=ns(dspark_target_layer_ids=list(layers)))),
-              scheduler_config=ns(max_num_seqs=8), model_config=ns(hf_config=ns(hidden_size=H, vocab_size=V)))
+    return ns(
+        speculative_config=ns(
+            num_speculative_tokens=K,
+            method="dspark",
+            draft_model_config=ns(hf_config=ns(dspark_target_layer_ids=list(layers))),
+        ),
+        scheduler_config=ns(max_num_seqs=8),
+        model_config=ns(hf_config=ns(hidden_size=H, vocab_size=V)),
+    )
 
 
 def _state(n: int):
     g = torch.Generator().manual_seed(0)
-    return ns(total_len=ns(gpu=torch.tensor([10, 3, 30, 5, 7][:n], dtype=torch.int32)),
-              all_token_ids=ns(gpu=torch.randint(0, V, (n, 40), dtype=torch.int32, generator=g)))
+    return ns(
+        total_len=ns(gpu=torch.tensor([10, 3, 30, 5, 7][:n], dtype=torch.int32)),
+        all_token_ids=ns(gpu=torch.randint(0, V, (n, 40), dtype=torch.int32, generator=g)),
+    )
 
 
 def _batch(n: int):
@@ -80,8 +88,9 @@ def test_hidden_row_is_the_newest_tokens_position() -> None:
 
 def test_draft_inputs_from_runner_state() -> None:
     tails = np.array([[5, 6, 7, 8], [0, 1, 2, 3], [9, 9, 9, 9]])
-    live, batch = D.draft_inputs(["a", "b", "c"], np.array([1, 2, 0]), np.ones((3, H), np.float32), tails,
-                                 np.array([10, 2, 7]), K)
+    live, batch = D.draft_inputs(
+        ["a", "b", "c"], np.array([1, 2, 0]), np.ones((3, H), np.float32), tails, np.array([10, 2, 7]), K
+    )
     assert live == [0, 1]  # c sampled nothing this step (a chunked-prefill chunk)
     a, b = batch
     assert a.token_ids.size == 10 and a.token_ids[-4:].tolist() == [5, 6, 7, 8] and a.depth == K
@@ -102,8 +111,13 @@ def test_fill_drafts_fails_closed() -> None:
 def test_rank0_drafts_match_the_drafter_in_process_and_are_broadcast(ddir) -> None:
     cls = D.speculator_class(FakeBase)
     group = Group(0)
-    spec = cls(_vcfg(), torch.device("cpu"), _state(5), tp_group=group,
-               make_spec=lambda c: (LocalSpeculator(str(ddir), k=K), 3, 4))
+    spec = cls(
+        _vcfg(),
+        torch.device("cpu"),
+        _state(5),
+        tp_group=group,
+        make_spec=lambda c: (LocalSpeculator(str(ddir), k=K), 3, 4),
+    )
     assert spec.tap_index == 1 and spec.draft_logits is None
     aux = [torch.randn(10, H, dtype=torch.bfloat16) for _ in range(2)]
     ns_ = torch.tensor([1, 1, 2, 0, 1])
@@ -117,8 +131,9 @@ def test_rank0_drafts_match_the_drafter_in_process_and_are_broadcast(ddir) -> No
     tot = st.total_len.gpu.long()
     cols = (tot[:, None] - 4 + torch.arange(4)[None]).clamp(min=0)
     tails = st.all_token_ids.gpu[torch.arange(5)[:, None], cols].numpy()
-    live, items = D.draft_inputs(_batch(5).req_ids, ns_.numpy(), aux[1][torch.from_numpy(rows)].float().numpy(),
-                                 tails, tot.numpy(), K)
+    live, items = D.draft_inputs(
+        _batch(5).req_ids, ns_.numpy(), aux[1][torch.from_numpy(rows)].float().numpy(), tails, tot.numpy(), K
+    )
     want = D.fill_drafts(5, K, live, LocalSpeculator(str(ddir), k=K).propose(items))
     assert drafts.tolist() == want.tolist()
     assert len(group.calls) == 1 and group.calls[0][1] == 0 and torch.equal(group.calls[0][0], drafts)
@@ -129,8 +144,19 @@ def test_other_ranks_never_ask_the_drafter_and_take_the_broadcast() -> None:
     asked = []
     group = Group(1)
     spec = cls(_vcfg(), torch.device("cpu"), _state(2), tp_group=group, make_spec=lambda c: asked.append(c))
-    out = spec.propose(_batch(2), None, None, None, [torch.zeros(3, H)] * 2, torch.ones(2, dtype=torch.long),
-                       torch.zeros(2, dtype=torch.long), None, None, None, None)
+    out = spec.propose(
+        _batch(2),
+        None,
+        None,
+        None,
+        [torch.zeros(3, H)] * 2,
+        torch.ones(2, dtype=torch.long),
+        torch.zeros(2, dtype=torch.long),
+        None,
+        None,
+        None,
+        None,
+    )
     assert asked == [] and len(group.calls) == 1 and out.shape == (2, K)
 
 
@@ -145,11 +171,22 @@ def test_no_drafts_never_an_error(why: str, ddir) -> None:
 
     cls = D.speculator_class(FakeBase)
     layers = (5, 6) if why == "tap missing" else (2, 3)
-    spec = cls(_vcfg(layers), torch.device("cpu"), _state(2), tp_group=Group(0),
-               make_spec=lambda c: (Boom(), 3, 4))
+    spec = cls(_vcfg(layers), torch.device("cpu"), _state(2), tp_group=Group(0), make_spec=lambda c: (Boom(), 3, 4))
     aux = [torch.randn(3, H) for _ in range(2)]
-    out = spec.propose(_batch(2), None, None, None, aux, torch.ones(2, dtype=torch.long),
-                       torch.zeros(2, dtype=torch.long), None, None, None, None, dummy_run=why == "dummy")
+    out = spec.propose(
+        _batch(2),
+        None,
+        None,
+        None,
+        aux,
+        torch.ones(2, dtype=torch.long),
+        torch.zeros(2, dtype=torch.long),
+        None,
+        None,
+        None,
+        None,
+        dummy_run=why == "dummy",
+    )
     assert (out == -1).all()
     assert spec.counters()["overlay_failures"] == (1 if why == "raises" else 0)
 
@@ -186,10 +223,19 @@ def test_make_dsv41_spec_needs_the_drafter_files(ddir) -> None:
     bad = _vcfg()
     bad.model_config.hf_config.hidden_size = H + 1
     with pytest.raises(Exception, match="hidden_size"):
-        D.make_dsv41_spec(bad, envs.parse({"DSV41_DRAFTER_REMOTE": "tcp://127.0.0.1:1", "DSV41_DRAFTER_DIR": str(ddir)}))
-    spec, tap, n_ctx = D.make_dsv41_spec(_vcfg(), envs.parse({"DSV41_DRAFTER_REMOTE": "tcp://127.0.0.1:1",
-                                                              "DSV41_DRAFTER_DIR": str(ddir),
-                                                              "DSV41_DRAFTER_TIMEOUT_MS": "50"}))
+        D.make_dsv41_spec(
+            bad, envs.parse({"DSV41_DRAFTER_REMOTE": "tcp://127.0.0.1:1", "DSV41_DRAFTER_DIR": str(ddir)})
+        )
+    spec, tap, n_ctx = D.make_dsv41_spec(
+        _vcfg(),
+        envs.parse(
+            {
+                "DSV41_DRAFTER_REMOTE": "tcp://127.0.0.1:1",
+                "DSV41_DRAFTER_DIR": str(ddir),
+                "DSV41_DRAFTER_TIMEOUT_MS": "50",
+            }
+        ),
+    )
     try:
         assert (tap, n_ctx) == (0, 4)
         # nothing listens: one round fails closed inside the dsv41 speculator

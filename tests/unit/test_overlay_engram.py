@@ -49,9 +49,20 @@ def test_rows_assembled_bit_exact_against_tables_dequantize_vllm(tabs, tp: int, 
         c0, _ = layout.columns_for_rank(tp, rank)
         part = -(-layout.n_columns // tp)
         lo, hi = layout.row_range(li, tp, rank)
-        rr = E.RemoteRows(src, layer_id, head_start=c0, part=part, n_hash_cols=layout.n_columns,
-                          vocab_start=lo, vocab_end=hi, dim=256, block=32, max_tokens=64, device="cpu",
-                          dequant=kernel_on_cpu)
+        rr = E.RemoteRows(
+            src,
+            layer_id,
+            head_start=c0,
+            part=part,
+            n_hash_cols=layout.n_columns,
+            vocab_start=lo,
+            vocab_end=hi,
+            dim=256,
+            block=32,
+            max_tokens=64,
+            device="cpu",
+            dequant=kernel_on_cpu,
+        )
         for t in (1, 7, 64):
             ids = rng.integers(lo, hi, size=(t, layout.n_columns)).astype(np.int32)
             u = rng.random(ids.shape)
@@ -69,7 +80,7 @@ def test_rows_assembled_bit_exact_against_tables_dequantize_vllm(tabs, tp: int, 
             got = out.float().numpy().reshape(-1, 256)
             assert same_bits(got, ref), (tp, rank, layer_id, t)
             if tp == 5:
-                assert (got.reshape(t, part, 256)[:, he - c0:] == 0).all()  # padded head: zero rows
+                assert (got.reshape(t, part, 256)[:, he - c0 :] == 0).all()  # padded head: zero rows
     assert src.counters()["fallbacks"] == 0
 
 
@@ -78,8 +89,20 @@ def test_scale_bytes_zero_and_255_reach_the_output(tabs) -> None:
     packed = synthetic.synthetic_rows(SEED, 1, layout.rows[0], np.array([1, 2]))
     assert (packed[0, 256:] == 0).any() and (packed[1, 256:] == 255).any()
     src = LocalRowSource(reader.LocalRowReader(manifest, d))
-    rr = E.RemoteRows(src, 1, head_start=0, part=24, n_hash_cols=24, vocab_start=0, vocab_end=layout.rows[0],
-                      dim=256, block=32, max_tokens=4, device="cpu", dequant=kernel_on_cpu)
+    rr = E.RemoteRows(
+        src,
+        1,
+        head_start=0,
+        part=24,
+        n_hash_cols=24,
+        vocab_start=0,
+        vocab_end=layout.rows[0],
+        dim=256,
+        block=32,
+        max_tokens=4,
+        device="cpu",
+        dequant=kernel_on_cpu,
+    )
     ids = np.full((1, 24), -1, np.int32)
     ids[0, :2] = [1, 2]
     out = torch.empty((1, 24, 256), dtype=torch.bfloat16)
@@ -95,12 +118,24 @@ def test_scale_bytes_zero_and_255_reach_the_output(tabs) -> None:
 def test_remote_source_falls_back_exactly_and_refuses_when_required(tabs) -> None:
     manifest, d, layout = tabs
     # nothing listens on port 1: remote fails, the local shards give the exact rows
-    src = RemoteRowSource("tcp://127.0.0.1:1", manifest, 0, 1, timeout_ms=50, required=False,
-                          local=reader.LocalRowReader(manifest, d))
+    src = RemoteRowSource(
+        "tcp://127.0.0.1:1", manifest, 0, 1, timeout_ms=50, required=False, local=reader.LocalRowReader(manifest, d)
+    )
     try:
-        rr = E.RemoteRows(src, 14, head_start=0, part=24, n_hash_cols=24, vocab_start=0,
-                          vocab_end=layout.rows[1], dim=256, block=32, max_tokens=8, device="cpu",
-                          dequant=kernel_on_cpu)
+        rr = E.RemoteRows(
+            src,
+            14,
+            head_start=0,
+            part=24,
+            n_hash_cols=24,
+            vocab_start=0,
+            vocab_end=layout.rows[1],
+            dim=256,
+            block=32,
+            max_tokens=8,
+            device="cpu",
+            dequant=kernel_on_cpu,
+        )
         ids = np.random.default_rng(0).integers(-2, layout.rows[1] + 5, size=(8, 24)).astype(np.int32)
         out = torch.empty((8, 24, 256), dtype=torch.bfloat16)
         rr.lookup(torch.from_numpy(ids), out)
@@ -115,8 +150,20 @@ def test_remote_source_falls_back_exactly_and_refuses_when_required(tabs) -> Non
 def test_too_many_tokens_and_empty_batches(tabs) -> None:
     manifest, d, layout = tabs
     src = LocalRowSource(reader.LocalRowReader(manifest, d))
-    rr = E.RemoteRows(src, 1, head_start=0, part=24, n_hash_cols=24, vocab_start=0, vocab_end=layout.rows[0],
-                      dim=256, block=32, max_tokens=2, device="cpu", dequant=kernel_on_cpu)
+    rr = E.RemoteRows(
+        src,
+        1,
+        head_start=0,
+        part=24,
+        n_hash_cols=24,
+        vocab_start=0,
+        vocab_end=layout.rows[0],
+        dim=256,
+        block=32,
+        max_tokens=2,
+        device="cpu",
+        dequant=kernel_on_cpu,
+    )
     rr.lookup(torch.zeros((0, 24), dtype=torch.int32), torch.empty((0, 24, 256), dtype=torch.bfloat16))
     with pytest.raises(Dsv41Error, match="3 tokens > staging for 2"):
         rr.lookup(torch.zeros((3, 24), dtype=torch.int32), torch.empty((3, 24, 256), dtype=torch.bfloat16))
@@ -165,16 +212,29 @@ def test_ranges_checked_against_layout_and_contract() -> None:
     flash = EngramLayout.from_config(str(Path(C.__file__).parents[1] / "data" / "dsv41_flash_engram_config.json"))
     contract = C.load()
     r = contract["ranges"]["tp"]["2"][1]
-    got = {"head_start": 12, "part_n_hash_cols": 12, "vocab_start_idx": r["layers"][1]["vocab_start_idx"],
-           "vocab_end_idx": r["layers"][1]["vocab_end_idx"]}
+    got = {
+        "head_start": 12,
+        "part_n_hash_cols": 12,
+        "vocab_start_idx": r["layers"][1]["vocab_start_idx"],
+        "vocab_end_idx": r["layers"][1]["vocab_end_idx"],
+    }
     assert C.check_ranges(flash, 14, 2, 1, got, contract) == []
     bad = dict(got, vocab_start_idx=got["vocab_start_idx"] + 1)
     problems = C.check_ranges(flash, 14, 2, 1, bad, contract)
     assert len(problems) == 2 and "dsv41 layout" in problems[0] and "contract" in problems[1]
     small = EngramLayout.from_config(CFG)  # not the contract's model: the layout alone decides
     lo, hi = small.row_range(0, 2, 0)
-    assert C.check_ranges(small, 1, 2, 0, {"head_start": 0, "part_n_hash_cols": 12, "vocab_start_idx": lo,
-                                           "vocab_end_idx": hi}, contract) == []
+    assert (
+        C.check_ranges(
+            small,
+            1,
+            2,
+            0,
+            {"head_start": 0, "part_n_hash_cols": 12, "vocab_start_idx": lo, "vocab_end_idx": hi},
+            contract,
+        )
+        == []
+    )
 
 
 # ----------------------------------------------------------- the patch on a fake vLLM module
@@ -186,8 +246,11 @@ def fake_vllm_engram(tp: int, rank: int, mode: str = "PIECEWISE", cpu_offload: b
     ``Engram._create_embedding``); the kernel is ``kernel_on_cpu`` behind vLLM's launch syntax."""
     mod = types.ModuleType("fake_vllm_engram")
     ns = types.SimpleNamespace
-    mod.get_current_vllm_config = lambda: ns(compilation_config=ns(cudagraph_mode=ns(name=mode)),
-                                             additional_config={}, scheduler_config=ns(max_num_batched_tokens=16))
+    mod.get_current_vllm_config = lambda: ns(
+        compilation_config=ns(cudagraph_mode=ns(name=mode)),
+        additional_config={},
+        scheduler_config=ns(max_num_batched_tokens=16),
+    )
     mod.get_tensor_model_parallel_rank = lambda: rank
     mod.triton = ns(cdiv=lambda a, b: -(-a // b))
     launches = []
@@ -198,6 +261,7 @@ def fake_vllm_engram(tp: int, rank: int, mode: str = "PIECEWISE", cpu_offload: b
                 launches.append(kw)
                 assert w.dtype == torch.float8_e4m3fn and kw["SORTED"] and not kw["PACKED"] and vocab_start == 0
                 kernel_on_cpu(w.view(torch.uint8), s, sel, dst, out, vocab_end, rows)
+
             return run
 
     mod._engram_lookup_kernel = Kernel()
@@ -219,8 +283,10 @@ def fake_vllm_engram(tp: int, rank: int, mode: str = "PIECEWISE", cpu_offload: b
             self.loader = self._weight_loader
 
         def _allocate_weights(self):
-            return (torch.zeros(self.part_num_embeddings, self.dim, dtype=torch.uint8),
-                    torch.zeros(self.part_num_embeddings, self.dim // 32, dtype=torch.uint8))
+            return (
+                torch.zeros(self.part_num_embeddings, self.dim, dtype=torch.uint8),
+                torch.zeros(self.part_num_embeddings, self.dim // 32, dtype=torch.uint8),
+            )
 
         def lookup(self, indices, out, background=False):
             out.fill_(7)  # "vLLM's own path"
@@ -231,6 +297,7 @@ def fake_vllm_engram(tp: int, rank: int, mode: str = "PIECEWISE", cpu_offload: b
     def eager_break_during_capture(fn):  # vLLM's decorator outside a capture: a plain call
         def wrapper(*a, **k):
             return fn(*a, **k)
+
         wrapper.__wrapped__, wrapper.eager_break = fn, True
         return wrapper
 
@@ -269,16 +336,22 @@ def runtime(tabs, tmp_path):
 
 
 def _vlayout(layout):
-    return types.SimpleNamespace(layer_ids=layout.layer_ids, num_embeddings=layout.rows,
-                                 head_sizes=[tuple(p) for p in layout.primes])
+    return types.SimpleNamespace(
+        layer_ids=layout.layer_ids, num_embeddings=layout.rows, head_sizes=[tuple(p) for p in layout.primes]
+    )
 
 
 @pytest.mark.parametrize("tp,rank", [(1, 0), (2, 1)])
 def test_apply_takes_the_table_and_serves_exact_rows(tabs, runtime, breakable, tp: int, rank: int) -> None:
     manifest, d, layout = tabs
     mod = fake_vllm_engram(tp, rank)
-    settings = S.parse({"DSV41_ENGRAM_REMOTE": ",".join(["tcp://127.0.0.1:1"] * tp),
-                        "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "50", "DSV41_RUNTIME_ROOT": str(runtime)})
+    settings = S.parse(
+        {
+            "DSV41_ENGRAM_REMOTE": ",".join(["tcp://127.0.0.1:1"] * tp),
+            "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "50",
+            "DSV41_RUNTIME_ROOT": str(runtime),
+        }
+    )
     E.apply(mod, settings, C.load())
     E.apply(mod, settings, C.load())  # idempotent
     eng = mod.Engram(_vlayout(layout), 1)
@@ -292,7 +365,7 @@ def test_apply_takes_the_table_and_serves_exact_rows(tabs, runtime, breakable, t
     eng._ready_rows(5)  # -> the patched _finish_prefetch: the hand-off, then vLLM's own wait
     assert mod.waits == ["vllm's prefetch event"] and mod.Engram._finish_prefetch.eager_break
     he = emb.head_start + emb.part_n_hash_cols
-    ref = reference(tabs, 14, ids[:, emb.head_start:he], emb.vocab_start_idx, emb.vocab_end_idx)
+    ref = reference(tabs, 14, ids[:, emb.head_start : he], emb.vocab_start_idx, emb.vocab_end_idx)
     assert same_bits(out.float().numpy().reshape(-1, 256), ref)
     assert mod.launches[-1]["LOCAL_HEADS"] == emb.part_n_hash_cols and mod.launches[-1]["TOTAL_HEADS"] == 24
     src = E._sources[next(iter(E._sources))][0]
@@ -302,8 +375,7 @@ def test_apply_takes_the_table_and_serves_exact_rows(tabs, runtime, breakable, t
 def test_apply_refuses_full_graphs_at_construction(tabs, runtime) -> None:
     manifest, d, layout = tabs
     mod = fake_vllm_engram(1, 0, mode="FULL_AND_PIECEWISE")
-    E.apply(mod, S.parse({"DSV41_ENGRAM_REMOTE": "tcp://127.0.0.1:1", "DSV41_RUNTIME_ROOT": str(runtime)}),
-            C.load())
+    E.apply(mod, S.parse({"DSV41_ENGRAM_REMOTE": "tcp://127.0.0.1:1", "DSV41_RUNTIME_ROOT": str(runtime)}), C.load())
     with pytest.raises(E.OverlayRefused, match="PIECEWISE"):
         mod.Engram(_vlayout(layout), 0)
 
@@ -311,8 +383,11 @@ def test_apply_refuses_full_graphs_at_construction(tabs, runtime) -> None:
 @pytest.mark.parametrize("required", [False, True])
 def test_apply_declines_what_it_cannot_serve(tabs, runtime, breakable, required: bool, caplog) -> None:
     manifest, d, layout = tabs
-    env = {"DSV41_ENGRAM_REMOTE": "tcp://127.0.0.1:1", "DSV41_RUNTIME_ROOT": str(runtime),
-           "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "50"}
+    env = {
+        "DSV41_ENGRAM_REMOTE": "tcp://127.0.0.1:1",
+        "DSV41_RUNTIME_ROOT": str(runtime),
+        "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "50",
+    }
     if required:
         env["DSV41_ENGRAM_REMOTE_REQUIRED"] = "1"
     settings = S.parse(env)
@@ -351,9 +426,15 @@ def test_source_takes_the_engine_deadline_and_spin(tabs, runtime) -> None:
     tables, _ = load_tables(manifest, d)
     hung = SilentServer(tables)
     try:
-        settings = S.parse({"DSV41_ENGRAM_REMOTE": f"tcp://127.0.0.1:{hung.port}",
-                            "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "5000", "DSV41_ENGRAM_LOOKUP_DEADLINE_MS": "100",
-                            "DSV41_TRANSPORT_CLIENT_SPIN_US": "20", "DSV41_RUNTIME_ROOT": str(runtime)})
+        settings = S.parse(
+            {
+                "DSV41_ENGRAM_REMOTE": f"tcp://127.0.0.1:{hung.port}",
+                "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "5000",
+                "DSV41_ENGRAM_LOOKUP_DEADLINE_MS": "100",
+                "DSV41_TRANSPORT_CLIENT_SPIN_US": "20",
+                "DSV41_RUNTIME_ROOT": str(runtime),
+            }
+        )
         src, _ = E._source(settings, 1, 0)
         assert src.deadline_s == 0.1 and src.spin_us == 20 and src._client.spin_us == 20
         rows = np.random.default_rng(4).integers(0, layout.rows[1], 24)

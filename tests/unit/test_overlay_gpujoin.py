@@ -29,7 +29,9 @@ from overlayutil import (
     tabs,  # noqa: F401 - a pytest fixture, injected by its name
 )
 
-needs_core = pytest.mark.skipif(overlay_core._core is None or native._fastrow is None, reason="the C++ extensions are not built")
+needs_core = pytest.mark.skipif(
+    overlay_core._core is None or native._fastrow is None, reason="the C++ extensions are not built"
+)
 
 PIECE, TAIL, HEAD, CHUNK = 100, (30, 10), 30, 64  # 600 rows: pieces 5 x 100, then 70, 20 and 10 (two tails)
 LAYER, TP, RANK = 14, 2, 0
@@ -37,8 +39,9 @@ LAYER, TP, RANK = 14, 2, 0
 
 def _source(tabs_, port: int) -> RemoteRowSource:
     manifest, d, _ = tabs_
-    return RemoteRowSource(f"tcp://127.0.0.1:{port}", manifest, 0, 1, timeout_ms=500,
-                           local=reader.LocalRowReader(manifest, d))
+    return RemoteRowSource(
+        f"tcp://127.0.0.1:{port}", manifest, 0, 1, timeout_ms=500, local=reader.LocalRowReader(manifest, d)
+    )
 
 
 def _layout(rows: int) -> list[tuple[int, int]]:
@@ -89,15 +92,15 @@ class Table:
         sel = self.hb[: self.max_rows * 4].view(np.int32)
         base = self.max_rows * 4
         for r0, m in _layout(rows):
-            v = self.ids[r0: r0 + m]
+            v = self.ids[r0 : r0 + m]
             own = (v >= self.lo) & (v < self.hi)
             want_sel = np.where(own, np.cumsum(own) - 1, -1).astype(np.int32)
-            if not np.array_equal(sel[r0: r0 + m], want_sel):
+            if not np.array_equal(sel[r0 : r0 + m], want_sel):
                 return False
             n = int(own.sum())
-            if not np.array_equal(self.fetch[r0: r0 + n], v[own]):
+            if not np.array_equal(self.fetch[r0 : r0 + n], v[own]):
                 return False
-            got = self.hb[base + r0 * O.ROW_BYTES: base + (r0 + n) * O.ROW_BYTES].reshape(n, O.ROW_BYTES)
+            got = self.hb[base + r0 * O.ROW_BYTES : base + (r0 + n) * O.ROW_BYTES].reshape(n, O.ROW_BYTES)
             if n and not np.array_equal(got, self.reader.read(LAYER, v[own])):
                 return False
         return True
@@ -377,13 +380,23 @@ def test_local_table_names_the_shard_and_refuses_what_cpp_cannot_serve_exactly(t
     assert GJ.local_table(src, 999) is None
     assert GJ.local_table(SimpleNamespace(local=None), LAYER) is None
     assert GJ.local_table(SimpleNamespace(local=src.local, fault_delay_s=0.01), LAYER) is None
-    assert GJ.local_table(SimpleNamespace(local=SimpleNamespace(reader=src.local.reader, fault_delay_s=0.5)),
-                          LAYER) is None
+    assert (
+        GJ.local_table(SimpleNamespace(local=SimpleNamespace(reader=src.local.reader, fault_delay_s=0.5)), LAYER)
+        is None
+    )
 
 
 def _fake_rows(src, **kw):
-    base = dict(required=False, _slot=SimpleNamespace(native=object()), _cuda=True, ops=SimpleNamespace(graphs=True),
-                device=SimpleNamespace(index=0), source=src, layer_id=LAYER, counters={})
+    base = dict(
+        required=False,
+        _slot=SimpleNamespace(native=object()),
+        _cuda=True,
+        ops=SimpleNamespace(graphs=True),
+        device=SimpleNamespace(index=0),
+        source=src,
+        layer_id=LAYER,
+        counters={},
+    )
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -530,8 +543,7 @@ def test_start_and_join_glue_queue_once_and_never_wait_on_the_host(tabs, server,
     assert not GJ.GpuJoin(nr).start(wr, 1) and sr == []  # a slot not ready is never handed over
 
 
-def test_a_partly_queued_job_is_served_again_on_the_host_after_the_core_released_it(tabs, server,
-                                                                                    monkeypatch) -> None:
+def test_a_partly_queued_job_is_served_again_on_the_host_after_the_core_released_it(tabs, server, monkeypatch) -> None:
     """The core answered -1 (a driver call failed part way): join waits for the core's release
     (gj_done), synchronizes the job's stream, serves the job again on the host and makes the
     current stream wait on its done event; the GPU-side join is off for the table from then on."""

@@ -21,9 +21,11 @@ from contractutil import contract_of, fake_tree
 from dsv41.overlay import contract as C
 
 REPO = Path(__file__).resolve().parents[2]
-TASKS = ("The serving image sees the plugin, its entry point, and the vLLM and transport it would run",
-         "The image's vLLM is one the overlay has a contract for (refused before anything stops)",
-         "Say so when the image runs the overlay's pure-Python transport or worker core (no C++ extension for its Python)")
+TASKS = (
+    "The serving image sees the plugin, its entry point, and the vLLM and transport it would run",
+    "The image's vLLM is one the overlay has a contract for (refused before anything stops)",
+    "Say so when the image runs the overlay's pure-Python transport or worker core (no C++ extension for its Python)",
+)
 IMAGE = "registry.example/serve@sha256:" + "b" * 64
 
 
@@ -43,13 +45,17 @@ os.execve({sys.executable!r}, [{sys.executable!r}, *rest],
     d.chmod(d.stat().st_mode | stat.S_IXUSR)
 
 
-def run_check(tmp: Path, *, version: str, contract: dict | None = None, missing: tuple[str, ...] = (),
-              overlay_active: bool = True) -> subprocess.CompletedProcess:
+def run_check(
+    tmp: Path, *, version: str, contract: dict | None = None, missing: tuple[str, ...] = (), overlay_active: bool = True
+) -> subprocess.CompletedProcess:
     tree = tmp / "image-vllm"
     fake_tree(tree, version, C.load())
     site = tmp / "site"
-    shutil.copytree(REPO / "python" / "dsv41", site / "dsv41",
-                    ignore=shutil.ignore_patterns(*(f"{m}*.so" for m in missing)) if missing else None)
+    shutil.copytree(
+        REPO / "python" / "dsv41",
+        site / "dsv41",
+        ignore=shutil.ignore_patterns(*(f"{m}*.so" for m in missing)) if missing else None,
+    )
     if contract is not None:
         (site / "dsv41" / "overlay" / "vllm_contract.json").write_text(json.dumps(contract(tree)))
     bindir = tmp / "bin"
@@ -58,18 +64,40 @@ def run_check(tmp: Path, *, version: str, contract: dict | None = None, missing:
     doc = yaml.safe_load((REPO / "roles" / "serve" / "tasks" / "overlay.yml").read_text())
     tasks = [t for t in doc if t.get("name") in TASKS]
     assert [t["name"] for t in tasks] == list(TASKS)
-    play = [{"hosts": "localhost", "gather_facts": False, "connection": "local", "tasks": tasks,
-             "vars": {"serve_container_runtime": str(bindir / "docker"), "serve_overlay_site": str(site),
-                      "serve_overlay_container_site": "/opt/dsv41/overlay-site", "serve_image": IMAGE,
-                      "serve_overlay_plugin": C.PLUGIN_NAME, "serve_rank": 1,
-                      "serve_overlay_active": overlay_active}}]
+    play = [
+        {
+            "hosts": "localhost",
+            "gather_facts": False,
+            "connection": "local",
+            "tasks": tasks,
+            "vars": {
+                "serve_container_runtime": str(bindir / "docker"),
+                "serve_overlay_site": str(site),
+                "serve_overlay_container_site": "/opt/dsv41/overlay-site",
+                "serve_image": IMAGE,
+                "serve_overlay_plugin": C.PLUGIN_NAME,
+                "serve_rank": 1,
+                "serve_overlay_active": overlay_active,
+            },
+        }
+    ]
     (tmp / "play.yml").write_text(yaml.safe_dump(play, sort_keys=False))
     py = Path(sys.executable).parent
-    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
-               PATH=f"{py}{os.pathsep}{os.environ['PATH']}")
+    env = dict(
+        os.environ,
+        ANSIBLE_CONFIG=str(REPO / "ansible.cfg"),
+        ANSIBLE_NOCOLOR="1",
+        PATH=f"{py}{os.pathsep}{os.environ['PATH']}",
+    )
     env.pop("PYTHONPATH", None)
-    return subprocess.run([str(py / "ansible-playbook"), "-i", "localhost,", str(tmp / "play.yml")], cwd=tmp, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [str(py / "ansible-playbook"), "-i", "localhost,", str(tmp / "play.yml")],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_unsupported_vllm_is_refused_naming_versions_and_the_command(tmp_path):

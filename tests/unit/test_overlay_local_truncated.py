@@ -17,9 +17,11 @@ import pytest
 from dsv41.overlay import core as overlay_core
 from dsv41.transport import native
 
-pytestmark = pytest.mark.skipif(overlay_core._core is None or native._fastrow is None, reason="the C++ extensions are not built")
+pytestmark = pytest.mark.skipif(
+    overlay_core._core is None or native._fastrow is None, reason="the C++ extensions are not built"
+)
 
-CHILD = r'''
+CHILD = r"""
 import os, sys, time
 import numpy as np
 from dsv41.overlay import core as overlay_core
@@ -53,7 +55,7 @@ print(dict(slot.gj_counters())["gj_bad_pieces"], flush=True)
 core.retire()
 th.join(10)  # next() re-takes the GIL on its way out: it must not meet the interpreter finalizing (abort)
 assert not th.is_alive()
-'''
+"""
 
 
 @pytest.mark.parametrize("how", ["truncate", "rewrite"])

@@ -72,7 +72,10 @@ def test_metrics_and_health_over_http():
     assert samples[("dsv41_engram_reconnects_total", (("rank", "1"),))] == 3
     assert samples[("dsv41_engram_transport_errors_total", (("rank", "1"),))] == 1
     assert samples[("dsv41_engram_refusals_total", (("rank", "1"),))] == 4
-    assert samples[("dsv41_overlay_layer_events_total", (("event", "handoff_timeouts"), ("layer", "3"), ("rank", "1")))] == 1
+    assert (
+        samples[("dsv41_overlay_layer_events_total", (("event", "handoff_timeouts"), ("layer", "3"), ("rank", "1")))]
+        == 1
+    )
     assert samples[("dsv41_drafter_rounds_total", ())] == 9
     assert _impl(text) in ("c++", "python")
     assert RM.overlay_states(text) == {"1": {"state": "active", "transport": _impl(text)}}
@@ -93,8 +96,10 @@ def test_transport_implementation_is_reported(monkeypatch):
     assert _impl(_get(port, "/metrics")[1]) == "python"
 
 
-@pytest.mark.parametrize("state, exported", [("active", "active"), ("inert", "inert"),
-                                             ("contract-mismatch", "refused"), ("refused", "refused")])
+@pytest.mark.parametrize(
+    "state, exported",
+    [("active", "active"), ("inert", "inert"), ("contract-mismatch", "refused"), ("refused", "refused")],
+)
 def test_state_is_one_labelled_gauge(state, exported):
     M.set_state(state, rank=0)
     text = _get(_start(), "/metrics")[1]
@@ -134,17 +139,24 @@ def test_bad_address_is_one_error_and_a_taken_port_does_not_stop_serving(caplog)
 def test_engram_names_are_the_stand_in_engines():
     """Readers never branch on the runtime: the same Engram families, types and labels."""
     M.add_engram_source(0, Source(lookups=1))
-    overlay = {(n, tuple(sorted(lb))) for n, lb, _ in H.metric_samples(_get(_start(), "/metrics")[1])
-               if n.startswith("dsv41_engram_")}
+    overlay = {
+        (n, tuple(sorted(lb)))
+        for n, lb, _ in H.metric_samples(_get(_start(), "/metrics")[1])
+        if n.startswith("dsv41_engram_")
+    }
     from prometheus_client import generate_latest
 
     eng = EngineMetrics("m", lambda: {0: Source(lookups=1).counters()})
-    engine = {(n, tuple(sorted(lb))) for n, lb, _ in H.metric_samples(generate_latest(eng.registry).decode())
-              if n.startswith("dsv41_engram_")}
+    engine = {
+        (n, tuple(sorted(lb)))
+        for n, lb, _ in H.metric_samples(generate_latest(eng.registry).decode())
+        if n.startswith("dsv41_engram_")
+    }
     assert overlay == engine
 
 
 # ---- the plugin: the endpoint in the worker only; the dsv41 logger's handler -----------------------
+
 
 @pytest.fixture
 def fake_vllm(tmp_path, monkeypatch):

@@ -40,19 +40,27 @@ def _clean_env() -> dict:
 
 
 def test_register_is_inert_and_imports_no_torch_without_a_remote() -> None:
-    code = ("import sys; from dsv41.overlay import plugin, hooks; plugin.register(); plugin.register(); "
-            "print(plugin.STATE['state'], 'torch' in sys.modules, any(m.startswith('vllm') for m in sys.modules), "
-            "hooks._finder in sys.meta_path)")
+    code = (
+        "import sys; from dsv41.overlay import plugin, hooks; plugin.register(); plugin.register(); "
+        "print(plugin.STATE['state'], 'torch' in sys.modules, any(m.startswith('vllm') for m in sys.modules), "
+        "hooks._finder in sys.meta_path)"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["inert", "False", "False", "False"]
 
 
 def test_register_imports_no_torch_when_active(tmp_path: Path) -> None:
     # active but vLLM absent (CI): contract mismatch, inert, still no torch
-    env = dict(_clean_env(), DSV41_ENGRAM_REMOTE="tcp://127.0.0.1:7441", DSV41_DRAFTER_REMOTE="tcp://127.0.0.1:7450",
-               DSV41_DRAFTER_DIR=str(tmp_path))
-    code = ("import sys; from dsv41.overlay import plugin; plugin.register(); "
-            "print(plugin.STATE['state'], 'torch' in sys.modules)")
+    env = dict(
+        _clean_env(),
+        DSV41_ENGRAM_REMOTE="tcp://127.0.0.1:7441",
+        DSV41_DRAFTER_REMOTE="tcp://127.0.0.1:7450",
+        DSV41_DRAFTER_DIR=str(tmp_path),
+    )
+    code = (
+        "import sys; from dsv41.overlay import plugin; plugin.register(); "
+        "print(plugin.STATE['state'], 'torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split()[1] == "False"
 
@@ -63,13 +71,16 @@ def test_old_engram_names_are_refused_naming_the_new(old: str, new: str) -> None
         S.parse({old: "1"})
 
 
-@pytest.mark.parametrize("env,msg", [
-    ({"DSV41_ENGRAM_REMOTE_REQUIRED": "maybe"}, "^DSV41_ENGRAM_REMOTE_REQUIRED must be 0 or 1"),
-    ({"DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "0"}, "^DSV41_ENGRAM_REMOTE_TIMEOUT_MS must be an integer"),
-    ({"DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "600001"}, "^DSV41_ENGRAM_REMOTE_TIMEOUT_MS must be an integer"),
-    ({"DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "1.5"}, "^DSV41_ENGRAM_REMOTE_TIMEOUT_MS must be an integer"),
-    ({"DSV41_ENGRAM_REMOTE_REQUIRED": "1"}, "^DSV41_ENGRAM_REMOTE_REQUIRED=1 but DSV41_ENGRAM_REMOTE is empty"),
-])
+@pytest.mark.parametrize(
+    "env,msg",
+    [
+        ({"DSV41_ENGRAM_REMOTE_REQUIRED": "maybe"}, "^DSV41_ENGRAM_REMOTE_REQUIRED must be 0 or 1"),
+        ({"DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "0"}, "^DSV41_ENGRAM_REMOTE_TIMEOUT_MS must be an integer"),
+        ({"DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "600001"}, "^DSV41_ENGRAM_REMOTE_TIMEOUT_MS must be an integer"),
+        ({"DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "1.5"}, "^DSV41_ENGRAM_REMOTE_TIMEOUT_MS must be an integer"),
+        ({"DSV41_ENGRAM_REMOTE_REQUIRED": "1"}, "^DSV41_ENGRAM_REMOTE_REQUIRED=1 but DSV41_ENGRAM_REMOTE is empty"),
+    ],
+)
 def test_bad_settings_give_one_clear_error(env: dict, msg: str) -> None:
     with pytest.raises(ConfigError, match=msg):
         S.parse(env)
@@ -78,9 +89,14 @@ def test_bad_settings_give_one_clear_error(env: dict, msg: str) -> None:
 def test_settings_parse_values() -> None:
     s = S.parse({})
     assert not s.active and not s.engram and s.runtime_root == Path(S.DEFAULT_RUNTIME_ROOT)
-    s = S.parse({"DSV41_ENGRAM_REMOTE": " tcp://10.0.0.1:7441 , tcp://10.0.1.1:7441 ",
-                 "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "250", "DSV41_ENGRAM_REMOTE_REQUIRED": "1",
-                 "DSV41_RUNTIME_ROOT": "/x"})
+    s = S.parse(
+        {
+            "DSV41_ENGRAM_REMOTE": " tcp://10.0.0.1:7441 , tcp://10.0.1.1:7441 ",
+            "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "250",
+            "DSV41_ENGRAM_REMOTE_REQUIRED": "1",
+            "DSV41_RUNTIME_ROOT": "/x",
+        }
+    )
     assert s.engram_urls == ("tcp://10.0.0.1:7441", "tcp://10.0.1.1:7441") and s.timeout_ms == 250
     assert s.required and s.active and not s.drafter and s.runtime_root == Path("/x")
     assert S.rank_url(s, 2, 1) == "tcp://10.0.1.1:7441"
@@ -153,8 +169,14 @@ def test_check_files_accepts_the_matching_tree_and_names_each_difference(tmp_pat
     assert f"{C.PLUGINS_FILE} is missing" in problems
 
 
-@pytest.mark.parametrize("text,msg", [("nope", "not JSON"), ("{}", "not a dsv41-vllm-contract"),
-                                      (json.dumps({"format": C.FORMAT, "version": C.VERSION}), "missing")])
+@pytest.mark.parametrize(
+    "text,msg",
+    [
+        ("nope", "not JSON"),
+        ("{}", "not a dsv41-vllm-contract"),
+        (json.dumps({"format": C.FORMAT, "version": C.VERSION}), "missing"),
+    ],
+)
 def test_bad_contract_files(tmp_path: Path, text: str, msg: str) -> None:
     p = tmp_path / "c.json"
     p.write_text(text)

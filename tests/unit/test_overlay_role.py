@@ -32,15 +32,28 @@ def render(tmp_path: Path, **extra) -> str:
     out = tmp_path / "cmd.txt"
     play = tmp_path / "play.yml"
     play.write_text(PLAY.format(repo=REPO, out=out))
-    fixed = {"serve_runtime": "vllm", "serve_image": "vllm/vllm-openai@sha256:" + "a" * 64, "dsv41_rank": 0,
-             "serve_master_address": "192.0.2.1", "serve_host": "192.0.2.10",
-             "serve_fabric_ifname": "eth1", "serve_overlay_site": "/opt/dsv41/overlay/site-0123456789abcdef",
-             "dsv41_mgmt_address": "192.0.2.10"}
+    fixed = {
+        "serve_runtime": "vllm",
+        "serve_image": "vllm/vllm-openai@sha256:" + "a" * 64,
+        "dsv41_rank": 0,
+        "serve_master_address": "192.0.2.1",
+        "serve_host": "192.0.2.10",
+        "serve_fabric_ifname": "eth1",
+        "serve_overlay_site": "/opt/dsv41/overlay/site-0123456789abcdef",
+        "dsv41_mgmt_address": "192.0.2.10",
+    }
     args = ["-e", json.dumps({**fixed, **extra})]
     bindir = Path(sys.executable).parent
     env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), PATH=f"{bindir}:{os.environ['PATH']}")
-    subprocess.run([str(bindir / "ansible-playbook"), "-i", "localhost,", str(play), *args], cwd=tmp_path,
-                   env=env, check=True, capture_output=True, text=True, timeout=120)
+    subprocess.run(
+        [str(bindir / "ansible-playbook"), "-i", "localhost,", str(play), *args],
+        cwd=tmp_path,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return out.read_text()
 
 
@@ -52,8 +65,15 @@ def tmp(tmp_path_factory):
 def test_nothing_remote_and_no_fence_is_vllms_own_launch(tmp) -> None:
     cmd = render(tmp, serve_engram_remote=False, serve_drafter_remote=False, serve_admission_fence=False)
     assert "vllm serve /model" in cmd
-    for absent in ("VLLM_PLUGINS", "PYTHONPATH", "overlay-site", "--compilation-config", "--speculative-config",
-                   "--middleware", "/run/dsv41"):
+    for absent in (
+        "VLLM_PLUGINS",
+        "PYTHONPATH",
+        "overlay-site",
+        "--compilation-config",
+        "--speculative-config",
+        "--middleware",
+        "/run/dsv41",
+    ):
         assert absent not in cmd
 
 
@@ -92,7 +112,9 @@ def test_remote_drafting_adds_the_dspark_config(tmp) -> None:
 
 
 def test_rank1_with_the_overlay_serves_its_own_metrics(tmp) -> None:
-    cmd = render(tmp, serve_engram_remote=True, serve_drafter_remote=False, dsv41_rank=1, dsv41_mgmt_address="192.0.2.11")
+    cmd = render(
+        tmp, serve_engram_remote=True, serve_drafter_remote=False, dsv41_rank=1, dsv41_mgmt_address="192.0.2.11"
+    )
     assert "-e DSV41_OVERLAY_METRICS_ADDR=192.0.2.11:9471 -e DSV41_OVERLAY_RANK=1 " in cmd and "--headless" in cmd
 
 

@@ -131,8 +131,9 @@ def test_inside_a_graph_capture_the_lookup_runs_on_the_launching_thread(tabs, wo
 def test_a_failing_fetch_raises_on_the_launching_thread_in_required_mode(tabs, workers, required: bool) -> None:
     manifest, d, layout = tabs
     # nothing listens on port 1: the worker's fetch fails; exact local rows, or the required refusal
-    src = RemoteRowSource("tcp://127.0.0.1:1", manifest, 0, 1, timeout_ms=50, required=False,
-                          local=reader.LocalRowReader(manifest, d))
+    src = RemoteRowSource(
+        "tcp://127.0.0.1:1", manifest, 0, 1, timeout_ms=50, required=False, local=reader.LocalRowReader(manifest, d)
+    )
     src.required = required  # after construction, which refuses an unreachable server when required
     try:
         r1, r14 = _rows(tabs, src, 1, tp=1), _rows(tabs, src, 14, tp=1)
@@ -183,8 +184,9 @@ def test_a_dead_worker_is_a_counted_refusal_never_a_hang(tabs, workers, required
 
 
 @pytest.mark.parametrize("required", [False, True])
-def test_a_hung_worker_is_refused_after_the_bounded_wait_and_writes_nothing_later(tabs, workers,
-                                                                                  required: bool) -> None:
+def test_a_hung_worker_is_refused_after_the_bounded_wait_and_writes_nothing_later(
+    tabs, workers, required: bool
+) -> None:
     src = Gate(tabs, required=required)
     src.hold_worker_only = True
     rr = _rows(tabs, src, 14, handoff_timeout_s=0.3)
@@ -314,8 +316,12 @@ def test_the_native_plan_equals_the_numpy_plan_and_refuses_a_converted_buffer() 
         n2 = O.plan_into(ids, 10, 40, s2, f2, None, None, overlay_core._core.plan_rows)
         assert n1 == n2 and np.array_equal(s1, s2) and np.array_equal(f1[:n1], f2[:n2])
     buf = np.empty(8, np.int32)
-    for bad in ({"ids": np.zeros(8, np.int32)}, {"sel": np.zeros(8, np.int64)}, {"fetch": np.zeros(8, np.int32)},
-                {"sel": np.zeros(16, np.int32)[::2]}):
+    for bad in (
+        {"ids": np.zeros(8, np.int32)},
+        {"sel": np.zeros(8, np.int64)},
+        {"fetch": np.zeros(8, np.int32)},
+        {"sel": np.zeros(16, np.int32)[::2]},
+    ):
         args = {"ids": np.zeros(8, np.int64), "sel": buf, "fetch": np.zeros(8, np.int64), **bad}
         with pytest.raises(TypeError):
             overlay_core._core.plan_rows(args["ids"], 0, 1, args["sel"], args["fetch"])

@@ -31,13 +31,22 @@ from overlayutil import (
     tabs,  # noqa: F401 - a pytest fixture, injected by its name
 )
 
-pytestmark = pytest.mark.skipif(overlay_core._core is None or native._fastrow is None, reason="the C++ extensions are not built")
+pytestmark = pytest.mark.skipif(
+    overlay_core._core is None or native._fastrow is None, reason="the C++ extensions are not built"
+)
 
 
 def _source(tabs_, port: int, required: bool = False) -> RemoteRowSource:
     manifest, d, _ = tabs_
-    return RemoteRowSource(f"tcp://127.0.0.1:{port}", manifest, 0, 1, timeout_ms=500, required=required,
-                           local=None if required else reader.LocalRowReader(manifest, d))
+    return RemoteRowSource(
+        f"tcp://127.0.0.1:{port}",
+        manifest,
+        0,
+        1,
+        timeout_ms=500,
+        required=required,
+        local=None if required else reader.LocalRowReader(manifest, d),
+    )
 
 
 @pytest.fixture
@@ -145,8 +154,15 @@ def test_a_source_without_a_lease_is_served_by_python_through_the_core(tabs, wor
     port = _free_port()
     srv = _serve(tabs, port)
     manifest, d, _ = tabs
-    src = RemoteRowSource(f"tcp://127.0.0.1:{port}", manifest, 0, 1, timeout_ms=500, fault_delay_ms=1.0,
-                          local=reader.LocalRowReader(manifest, d))
+    src = RemoteRowSource(
+        f"tcp://127.0.0.1:{port}",
+        manifest,
+        0,
+        1,
+        timeout_ms=500,
+        fault_delay_ms=1.0,
+        local=reader.LocalRowReader(manifest, d),
+    )
     try:
         assert src.native_lease() is None
         r1, r14 = _rows(tabs, src, 1), _rows(tabs, src, 14)
@@ -181,8 +197,9 @@ def test_a_lent_client_sends_nothing_and_close_closes_the_socket(tabs) -> None:
         srv.stop()
 
 
-@pytest.mark.parametrize("code,exc", [(-1, TransportTimeout), (-2, TransportError), (-3, TransportError),
-                                      (-4, TransportError), (1, Refused)])
+@pytest.mark.parametrize(
+    "code,exc", [(-1, TransportTimeout), (-2, TransportError), (-3, TransportError), (-4, TransportError), (1, Refused)]
+)
 def test_every_native_failure_code_maps_to_its_transport_exception(tabs, code, exc) -> None:
     port = _free_port()
     srv = _serve(tabs, port)
@@ -349,7 +366,9 @@ def test_the_phase_trace_records_each_multi_piece_job_in_order(tabs, workers, sm
         assert [g["key"] for g in got] == [r1._slot.key, r14._slot.key]  # layer 1 first, then 14
         overlapped = 0
         for g in got:
-            assert g["rows"] == 50 * r1.part and len(g["fetch0"]) == len(g["fetch1"]) == len(g["launch1"]) == len(r1._piece_keys(g["rows"]))
+            assert g["rows"] == 50 * r1.part and len(g["fetch0"]) == len(g["fetch1"]) == len(g["launch1"]) == len(
+                r1._piece_keys(g["rows"])
+            )
             # one pipelined stream over the pieces: first send .. last reply, less idle gaps
             assert g["stream"] and 0 <= g["idle"] <= g["t_fetch1"] - g["t_fetch0"]
             seq = [g["t_sub"], g["t_deq"], g["t_ids"], g["t_plan0"], g["t_fetch0"]]
@@ -385,18 +404,19 @@ def test_the_fixed_piece_layout_launch_equals_the_plan_of_each_piece(tabs, small
     ids = _ids(tabs, rr, t, 90)
     he = min(rr.head_start + rr.part, rr.n_hash_cols)
     mine = np.full((t, rr.part), -1, np.int64)
-    mine[:, : he - rr.head_start] = ids[:, rr.head_start:he]
+    mine[:, : he - rr.head_start] = ids[:, rr.head_start : he]
     flat = mine.reshape(-1)
     rr._hids[: flat.size] = flat
     out = _poisoned(t, rr.part)
     for r0, m in rr._piece_keys(flat.size):
-        sel = rr._hb[r0 * 4: (r0 + m) * 4].view(np.int32)
-        n = O.plan_into_numpy(flat[r0: r0 + m], rr.vocab_start, rr.vocab_end, sel, rr._fetch[r0:],
-                              rr._own[:m], rr._tmp[:m])
+        sel = rr._hb[r0 * 4 : (r0 + m) * 4].view(np.int32)
+        n = O.plan_into_numpy(
+            flat[r0 : r0 + m], rr.vocab_start, rr.vocab_end, sel, rr._fetch[r0:], rr._own[:m], rr._tmp[:m]
+        )
         a = rr.max_rows * 4 + r0 * O.ROW_BYTES
-        local.read(14, rr._fetch[r0: r0 + n], out=rr._hb[a: a + n * O.ROW_BYTES].reshape(n, O.ROW_BYTES))
+        local.read(14, rr._fetch[r0 : r0 + n], out=rr._hb[a : a + n * O.ROW_BYTES].reshape(n, O.ROW_BYTES))
         rr._launch_piece((r0, m), out)
-        done = out.view(-1, 256)[r0 + m:]
+        done = out.view(-1, 256)[r0 + m :]
         assert torch.isnan(done.float()).all()  # nothing past the piece written yet
     assert len(rr._piece_keys(flat.size)) == 8 and _exact(tabs, rr, ids, out)  # 5 x 100, 70, 20, 10
     local.close()
@@ -445,5 +465,3 @@ def test_required_mode_raises_a_failed_piece_request_at_the_join(tabs, workers, 
         assert rr.counters["worker_refusals"] == 0 and rr._pool is None  # raised at once, nothing re-served
 
     _required_failure_at_join(tabs, 14, 50, 120, check)
-
-

@@ -27,14 +27,19 @@ def test_a_file_that_is_not_a_journal_is_one_error_line(name, tmp_path: Path, ca
     f.write_bytes(NOT_JOURNALS[name])
     assert main(["package", "journal", "--path", str(f)]) == 1
     out, err = capsys.readouterr()
-    assert out == "" and err.splitlines() == [f"dsv41: error: {f} is not a promotion journal: no line of it is a "
-                                              "journal entry (a JSON object with op and step)"]
+    assert out == "" and err.splitlines() == [
+        f"dsv41: error: {f} is not a promotion journal: no line of it is a "
+        "journal entry (a JSON object with op and step)"
+    ]
 
 
 def test_a_journal_an_empty_file_and_a_missing_one_still_read(tmp_path: Path, capsys) -> None:
     j = tmp_path / "journal.jsonl"
-    j.write_text(json.dumps({"op": "p1", "step": "begin", "kind": "promote", "package": "a", "ts": 1.0}) + "\n"
-                 + '{"op": "p1", "st')  # a torn last line, as a kill inside a write leaves
+    j.write_text(
+        json.dumps({"op": "p1", "step": "begin", "kind": "promote", "package": "a", "ts": 1.0})
+        + "\n"
+        + '{"op": "p1", "st'
+    )  # a torn last line, as a kill inside a write leaves
     assert main(["package", "journal", "--path", str(j), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["op"] == "p1"
     empty = tmp_path / "empty.jsonl"

@@ -18,8 +18,13 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 from fence_machine import FenceMachine  # noqa: E402
 from pause_machine import PauseMachine  # noqa: E402
 
-SETTINGS = settings(max_examples=int(os.environ.get("PAUSE_MACHINE_EXAMPLES", "40")), stateful_step_count=25,
-                    deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=int(os.environ.get("PAUSE_MACHINE_EXAMPLES", "40")),
+    stateful_step_count=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 TestEnginePauseMachine = PauseMachine.TestCase
 TestEnginePauseMachine.settings = SETTINGS

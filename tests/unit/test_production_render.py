@@ -25,10 +25,13 @@ INVENTORY = REPO / "tests/data/production_inventory"
 SEED = REPO / "docs/seed-requirements.md"
 SERVE_UNIT = "/etc/systemd/system/dsv41-serve.service"
 DOC_NETS = ("192.0.2.", "198.51.100.", "203.0.113.")
-GIB = 1024 ** 3
+GIB = 1024**3
 #: What rollback.yml -e component=NAME sets (playbooks/rollback_component.yml), as extra vars.
-ROLLBACKS = {"async_handoff": {"spec_decode_async": False}, "remote_drafter": {"spec_decode_remote": False},
-             "remote_engram": {"engram_overlay_remote": False}}
+ROLLBACKS = {
+    "async_handoff": {"spec_decode_async": False},
+    "remote_drafter": {"spec_decode_remote": False},
+    "remote_engram": {"engram_overlay_remote": False},
+}
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +64,7 @@ def serve_argv(rendered) -> list[str]:
 def split_run(argv: list[str], image: str) -> tuple[list[str], list[str]]:
     """``docker run`` argv -> (docker's arguments before the image, the command after it)."""
     i = argv.index(image)
-    return argv[:i], argv[i + 1:]
+    return argv[:i], argv[i + 1 :]
 
 
 def flag(args: list[str], name: str) -> list[str]:
@@ -75,6 +78,7 @@ def sparks(prod) -> list:
 
 
 # ---- the inventory -------------------------------------------------------------------------------
+
 
 def _leaves(value, path=""):
     if isinstance(value, dict):
@@ -99,16 +103,31 @@ def test_the_copy_has_every_setting_of_the_production_inventory_and_no_placehold
         have = dict(_leaves(copy[name]))
         assert want == set(have), (name, want ^ set(have))
         assert not [p for p, v in have.items() if "CHANGE_ME" in str(v)], name
-    addresses = [v for doc in copy.values() for p, v in _leaves(doc)
-                 if re.search(r"(address|ansible_host)$", p) and isinstance(v, str) and re.match(r"\d+\.", v)]
+    addresses = [
+        v
+        for doc in copy.values()
+        for p, v in _leaves(doc)
+        if re.search(r"(address|ansible_host)$", p) and isinstance(v, str) and re.match(r"\d+\.", v)
+    ]
     assert addresses and all(a.startswith(DOC_NETS) for a in addresses), addresses
 
 
 def test_every_host_gets_its_units_and_env_files(prod) -> None:
-    want = {"sparkhead": {SERVE_UNIT, "/etc/dsv41/serve.env", "/etc/dsv41/engram-overlay.env", "/etc/dsv41/drafter.env",
-                          "/opt/dsv41/runtime/overlay.json"},
-            "x86host": {"/etc/systemd/system/dsv41-engram-server.service", "/etc/dsv41/engram-server.env",
-                        "/etc/systemd/system/dsv41-drafter.service", "/etc/dsv41/drafter-worker.env"}}
+    want = {
+        "sparkhead": {
+            SERVE_UNIT,
+            "/etc/dsv41/serve.env",
+            "/etc/dsv41/engram-overlay.env",
+            "/etc/dsv41/drafter.env",
+            "/opt/dsv41/runtime/overlay.json",
+        },
+        "x86host": {
+            "/etc/systemd/system/dsv41-engram-server.service",
+            "/etc/dsv41/engram-server.env",
+            "/etc/systemd/system/dsv41-drafter.service",
+            "/etc/dsv41/drafter-worker.env",
+        },
+    }
     want["sparkworker"] = want["sparkhead"]
     assert {h: set(r.files) for h, r in prod.items()} == want
     for r in prod.values():
@@ -128,6 +147,7 @@ def test_the_serving_line_is_the_container_launch_of_the_pinned_image(prod, rend
 
 # ---- the rows' checks ----------------------------------------------------------------------------
 
+
 def _vllm(prod, renderer, host) -> list[str]:
     return split_run(serve_argv(prod[host]), renderer.var(host, "serve_image"))[1]
 
@@ -137,8 +157,10 @@ def _docker(prod, renderer, host) -> list[str]:
 
 
 def check_nodes(prod, renderer, rb) -> None:
-    fabric = {h: next(x for x in renderer.var(h, "dsv41_links") if x["purpose"] == "fabric")
-              for h in ("sparkhead", "sparkworker")}
+    fabric = {
+        h: next(x for x in renderer.var(h, "dsv41_links") if x["purpose"] == "fabric")
+        for h in ("sparkhead", "sparkworker")
+    }
     for rank, host in enumerate(("sparkhead", "sparkworker")):
         args = _vllm(prod, renderer, host)
         assert flag(args, "--tensor-parallel-size") == ["2"] and flag(args, "--nnodes") == ["2"], args
@@ -203,7 +225,9 @@ def check_manifest(prod, renderer, rb) -> None:
     tables = renderer.var("sparkhead", "serve_tables_dir")
     for h in ("sparkhead", "sparkworker"):
         assert f"{tables}:{tables}:ro" in flag(_docker(prod, renderer, h), "-v")
-        assert re.fullmatch(r"[0-9a-f]{64}", yaml.safe_load(prod[h].files["/opt/dsv41/runtime/overlay.json"])["manifest_sha256"])
+        assert re.fullmatch(
+            r"[0-9a-f]{64}", yaml.safe_load(prod[h].files["/opt/dsv41/runtime/overlay.json"])["manifest_sha256"]
+        )
 
 
 def check_start_budget(prod, renderer, rb) -> None:
@@ -222,7 +246,9 @@ def check_fallback(prod, renderer, rb) -> None:
 def check_identities(prod, renderer, rb) -> None:
     argv = systemd_argv(unit_key(prod["x86host"].files["/etc/systemd/system/dsv41-drafter.service"], "ExecStart")[0])
     assert flag(argv, "--target-identity") == [renderer.var("x86host", "dsv41_target_identity")]
-    assert re.fullmatch(r"[0-9a-f]{64}", env_file(prod["x86host"].files["/etc/dsv41/drafter-worker.env"])["DSV41_DRAFTER_FILES_SHA256"])
+    assert re.fullmatch(
+        r"[0-9a-f]{64}", env_file(prod["x86host"].files["/etc/dsv41/drafter-worker.env"])["DSV41_DRAFTER_FILES_SHA256"]
+    )
     drafter = renderer.var("sparkhead", "serve_drafter_dir")
     assert f"{drafter}:{drafter}:ro" in flag(_docker(prod, renderer, "sparkhead"), "-v")
 
@@ -243,11 +269,15 @@ def check_memlock(prod, renderer, rb) -> None:
         docker = _docker(prod, renderer, h)
         assert flag(docker, "--ulimit") == ["memlock=-1:-1"] and flag(docker, "--cap-add") == ["IPC_LOCK"], docker
         assert flag(docker, "--device") == ["/dev/infiniband"], docker
-    assert unit_key(prod["x86host"].files["/etc/systemd/system/dsv41-engram-server.service"], "LimitMEMLOCK") == ["infinity"]
+    assert unit_key(prod["x86host"].files["/etc/systemd/system/dsv41-engram-server.service"], "LimitMEMLOCK") == [
+        "infinity"
+    ]
 
 
 def check_listen(prod, renderer, rb) -> None:
-    argv = systemd_argv(unit_key(prod["x86host"].files["/etc/systemd/system/dsv41-engram-server.service"], "ExecStart")[0])
+    argv = systemd_argv(
+        unit_key(prod["x86host"].files["/etc/systemd/system/dsv41-engram-server.service"], "ExecStart")[0]
+    )
     links = [x["address"] for x in renderer.var("x86host", "dsv41_links") if x["purpose"] == "offload"]
     hosts = [re.sub(r"^\w+://(.*):\d+$", r"\1", u) for u in flag(argv, "--listen")]
     assert hosts == links and len(links) == 2, (hosts, links)
@@ -260,10 +290,14 @@ def check_runtime_root(prod, renderer, rb) -> None:
 
 
 def check_engram_urls(prod, renderer, rb) -> None:
-    by_rank = {renderer.var(h, "dsv41_rank"): next(x for x in renderer.var(h, "dsv41_links") if x["purpose"] == "offload")
-               for h in ("sparkhead", "sparkworker")}
-    want = [f"{by_rank[r]['peer_address']}:{renderer.var('sparkhead', 'engram_overlay_server_port')}@{by_rank[r]['address']}"
-            for r in sorted(by_rank)]
+    by_rank = {
+        renderer.var(h, "dsv41_rank"): next(x for x in renderer.var(h, "dsv41_links") if x["purpose"] == "offload")
+        for h in ("sparkhead", "sparkworker")
+    }
+    want = [
+        f"{by_rank[r]['peer_address']}:{renderer.var('sparkhead', 'engram_overlay_server_port')}@{by_rank[r]['address']}"
+        for r in sorted(by_rank)
+    ]
     for h in ("sparkhead", "sparkworker"):
         urls = env_file(prod[h].files["/etc/dsv41/engram-overlay.env"])["DSV41_ENGRAM_REMOTE"].split(",")
         assert [u.split("://", 1)[1] for u in urls] == want, urls
@@ -317,25 +351,41 @@ def check_rb_engram(prod, renderer, rb) -> None:
 
 #: render:ID -> its check (prod: host -> Rendered; renderer; rb: the rollbacks' renders).
 CHECKS = {
-    "REQ-nodes": check_nodes, "REQ-offload-host": check_offload_host, "REQ-links": check_links,
-    "REQ-max-len": check_max_len, "REQ-seqs": check_seqs, "REQ-kv": check_kv, "REQ-draft": check_draft,
-    "REQ-ram": check_ram, "REQ-manifest": check_manifest, "START-budget": check_start_budget,
-    "DEP-fallback": check_fallback, "DEP-identities": check_identities, "DEP-d-config": check_d_config,
-    "DEP-memlock": check_memlock, "DEP-listen": check_listen, "DEP-runtime-root": check_runtime_root,
-    "DEP-engram-urls": check_engram_urls, "DEP-timeout": check_timeout, "DEP-required": check_required,
-    "DEP-image-pinned": check_image_pinned, "RB-async": check_rb_async, "RB-drafter": check_rb_drafter,
+    "REQ-nodes": check_nodes,
+    "REQ-offload-host": check_offload_host,
+    "REQ-links": check_links,
+    "REQ-max-len": check_max_len,
+    "REQ-seqs": check_seqs,
+    "REQ-kv": check_kv,
+    "REQ-draft": check_draft,
+    "REQ-ram": check_ram,
+    "REQ-manifest": check_manifest,
+    "START-budget": check_start_budget,
+    "DEP-fallback": check_fallback,
+    "DEP-identities": check_identities,
+    "DEP-d-config": check_d_config,
+    "DEP-memlock": check_memlock,
+    "DEP-listen": check_listen,
+    "DEP-runtime-root": check_runtime_root,
+    "DEP-engram-urls": check_engram_urls,
+    "DEP-timeout": check_timeout,
+    "DEP-required": check_required,
+    "DEP-image-pinned": check_image_pinned,
+    "RB-async": check_rb_async,
+    "RB-drafter": check_rb_drafter,
     "RB-engram": check_rb_engram,
 }
 
 
 # ---- the table -----------------------------------------------------------------------------------
 
+
 def seed_rows(text: str) -> list[dict]:
     """The rows of the table under ``## Rows``: dicts keyed by the header's first words (``id``,
     ``requirement``, ``source``, ``rendered``, ``check``, ``status``)."""
     lines = text.splitlines()
     start = lines.index("## Rows")
-    table = [ln for ln in lines[start + 1:] if ln.startswith("|")]
+    table = [ln for ln in lines[start + 1 :] if ln.startswith("|")]
     head = [c.strip().split()[0] for c in table[0].strip().strip("|").split("|")]
     return [dict(zip(head, (c.strip() for c in ln.strip().strip("|").split("|")), strict=False)) for ln in table[2:]]
 
@@ -348,7 +398,12 @@ def test_the_table_is_whole() -> None:
     ids = [r["id"] for r in ROWS]
     assert len(ids) == len(set(ids)), ids
     named = {r["check"].split(":", 1)[1] for r in ROWS if r["check"].startswith("render:")}
-    assert named == set(CHECKS), ("checks no row names", set(CHECKS) - named, "rows naming no check", named - set(CHECKS))
+    assert named == set(CHECKS), (
+        "checks no row names",
+        set(CHECKS) - named,
+        "rows naming no check",
+        named - set(CHECKS),
+    )
 
 
 @pytest.mark.parametrize("row", [r for r in ROWS if r["status"] != "met"], ids=lambda r: r["id"])

@@ -53,8 +53,10 @@ def test_window_snapshot_of_an_undrifted_production_is_its_package(stored):
     same, _ = pkg.build(_hosts(), {"op": "window", "parent": pid, "window": "w1"}, refs)
     assert pkg.package_id(same) != pid  # provenance differs, the production does not
     assert pkg.same_production(root, same) == pid
-    for drifted in (pkg.build(_hosts(b"DSV41_DRAFTER_ASYNC=1\n"), {"op": "window", "parent": pid}, refs)[0],
-                    pkg.build(_hosts(), {"op": "window", "parent": pid}, b"other refs")[0]):
+    for drifted in (
+        pkg.build(_hosts(b"DSV41_DRAFTER_ASYNC=1\n"), {"op": "window", "parent": pid}, refs)[0],
+        pkg.build(_hosts(), {"op": "window", "parent": pid}, b"other refs")[0],
+    ):
         assert pkg.same_production(root, drifted) is None
     assert pkg.same_production(root, pkg.build(_hosts(), {"op": "window", "parent": None}, refs)[0]) is None
     with pytest.raises(pkg.PackageError, match="unknown package"):
@@ -74,15 +76,22 @@ def test_verify_ok(stored):
     assert r["files"] == 4 and r["hosts"] == {"sparkhead": 2, "x86host": 1}
 
 
-@pytest.mark.parametrize("tamper, needle", [
-    (lambda d: (d / "files/sparkhead/etc/dsv41/serve.env").write_bytes(b"DSV41_DRAFTER_ASYNC=1\n"),
-     "/etc/dsv41/serve.env of sparkhead has sha256"),
-    (lambda d: (d / "files/x86host/etc/dsv41/engram-server.env").unlink(), "is missing"),
-    (lambda d: (d / "files/x86host/etc/dsv41/extra.env").write_bytes(b"x"), "unrecorded file"),
-    (lambda d: (d / "refs/greedy_refs.json").write_bytes(b"{}"), "greedy references"),
-    (lambda d: (d / "package.json").write_text((d / "package.json").read_text().replace('"0600"', '"0644"')),
-     "package.json hashes to"),
-])
+@pytest.mark.parametrize(
+    "tamper, needle",
+    [
+        (
+            lambda d: (d / "files/sparkhead/etc/dsv41/serve.env").write_bytes(b"DSV41_DRAFTER_ASYNC=1\n"),
+            "/etc/dsv41/serve.env of sparkhead has sha256",
+        ),
+        (lambda d: (d / "files/x86host/etc/dsv41/engram-server.env").unlink(), "is missing"),
+        (lambda d: (d / "files/x86host/etc/dsv41/extra.env").write_bytes(b"x"), "unrecorded file"),
+        (lambda d: (d / "refs/greedy_refs.json").write_bytes(b"{}"), "greedy references"),
+        (
+            lambda d: (d / "package.json").write_text((d / "package.json").read_text().replace('"0600"', '"0644"')),
+            "package.json hashes to",
+        ),
+    ],
+)
 def test_tamper_is_detected(stored, tamper, needle):
     root, pid, _ = stored
     tamper(root / pid)
@@ -94,14 +103,21 @@ def test_tamper_is_detected(stored, tamper, needle):
         pkg.write(root, *pkg.build(_hosts(), PROV, b'{"refs": []}\n'))
 
 
-@pytest.mark.parametrize("mutate, where", [
-    (lambda d: d.update(format=2), "format"),
-    (lambda d: d["provenance"].update(op="bogus"), "provenance/op"),
-    (lambda d: d["hosts"]["sparkhead"]["files"]["/etc/dsv41/serve.env"].update(sha256="xyz"), "sha256"),
-    (lambda d: d["hosts"]["sparkhead"]["files"].update({"relative/path": {"sha256": "0" * 64, "size": 0, "mode": "0644"}}),
-     "files"),
-    (lambda d: d.update(extra=1), "(top)"),
-])
+@pytest.mark.parametrize(
+    "mutate, where",
+    [
+        (lambda d: d.update(format=2), "format"),
+        (lambda d: d["provenance"].update(op="bogus"), "provenance/op"),
+        (lambda d: d["hosts"]["sparkhead"]["files"]["/etc/dsv41/serve.env"].update(sha256="xyz"), "sha256"),
+        (
+            lambda d: d["hosts"]["sparkhead"]["files"].update(
+                {"relative/path": {"sha256": "0" * 64, "size": 0, "mode": "0644"}}
+            ),
+            "files",
+        ),
+        (lambda d: d.update(extra=1), "(top)"),
+    ],
+)
 def test_schema_errors_name_the_place(mutate, where):
     doc, _ = pkg.build(_hosts(), PROV, None)
     mutate(doc)
@@ -149,10 +165,16 @@ def test_diff_names_hosts_files_and_facts():
 def test_installed_diff():
     doc, _ = pkg.build(_hosts(), PROV, None)
     f = doc["hosts"]["sparkhead"]["files"]
-    installed = {"/etc/dsv41/serve.env": "0" * 64, "/opt/dsv41/model/config.json": f["/opt/dsv41/model/config.json"]["sha256"],
-                 "/etc/dsv41/stray.env": "1" * 64}
+    installed = {
+        "/etc/dsv41/serve.env": "0" * 64,
+        "/opt/dsv41/model/config.json": f["/opt/dsv41/model/config.json"]["sha256"],
+        "/etc/dsv41/stray.env": "1" * 64,
+    }
     assert pkg.installed_diff(doc, "sparkhead", installed) == {
-        "write": ["/etc/dsv41/serve.env"], "remove": ["/etc/dsv41/stray.env"], "same": 1}
+        "write": ["/etc/dsv41/serve.env"],
+        "remove": ["/etc/dsv41/stray.env"],
+        "same": 1,
+    }
 
 
 def test_window_gate(tmp_path):
@@ -178,8 +200,15 @@ def test_window_gate(tmp_path):
 def test_window_gate_reads_what_dsv41_window_run_writes(tmp_path):
     # harness/window.py write_report: {"decision": {"verdict": ...}, "candidate": NAME, ...}
     (tmp_path / "w3").mkdir()
-    (tmp_path / "w3" / "decision.json").write_text(json.dumps(
-        {"decision": {"verdict": "WIN", "metric": "step_ms_p50"}, "candidate": "async-drafter", "control": "production"}))
+    (tmp_path / "w3" / "decision.json").write_text(
+        json.dumps(
+            {
+                "decision": {"verdict": "WIN", "metric": "step_ms_p50"},
+                "candidate": "async-drafter",
+                "control": "production",
+            }
+        )
+    )
     g = pkg.check_window(tmp_path, "w3", False, None, "async-drafter")
     assert g == {"window": "w3", "verdict": "WIN", "force": False, "reason": None}
     with pytest.raises(pkg.PackageError, match="window w3 measured candidate 'async-drafter', not 'sync-drafter'"):
@@ -211,30 +240,50 @@ def test_journal_append_read_and_torn_line(tmp_path):
         journal.append(j, "op1", "nope")
 
 
-@pytest.mark.parametrize("steps, want", [
-    ([], ("none", None)),
-    ([("begin", {"kind": "promote", "prev": P0}), ("held", {})], ("revert", P0)),
-    ([("begin", {"kind": "promote", "prev": P0}), ("held", {}), ("applied", {"host": "x86host"})], ("revert", P0)),
-    ([("begin", {"kind": "promote", "prev": P0}), ("recorded", {"package": P1})], ("revert", P0)),
-    ([("begin", {"kind": "promote", "prev": P0}), ("recorded", {"package": P1}), ("verified", {"package": P1})],
-     ("finish", P1)),
-    ([("begin", {"kind": "promote", "prev": P0}), ("verified", {"package": P1}), ("pointer", {"package": P1})],
-     ("finish", P1)),
-    ([("begin", {"kind": "promote", "prev": P0}), ("failed", {"why": "refs"}), ("rolled_back", {"package": P0})],
-     ("revert", P0)),
-    ([("begin", {"kind": "promote", "prev": P0}), ("verified", {"package": P1}), ("done", {})], ("none", None)),
-    ([("begin", {"kind": "rollback", "prev": P1, "target": P0}), ("held", {})], ("finish", P0)),
-    ([("begin", {"kind": "deploy", "prev": None})], ("none", None)),
-    # a window journals its package as prev and target: every kill point restores production to it
-    ([("begin", {"kind": "window", "prev": P0, "target": P0})], ("finish", P0)),
-    ([("begin", {"kind": "window", "prev": P0, "target": P0}), ("held", {})], ("finish", P0)),
-    ([("begin", {"kind": "window", "prev": P0, "target": P0}), ("held", {}), ("applied", {"package": P0})],
-     ("finish", P0)),
-    ([("begin", {"kind": "window", "prev": P0, "target": P0}), ("held", {}), ("applied", {"package": P0}),
-      ("verified", {"package": P0})], ("finish", P0)),
-    ([("begin", {"kind": "window", "prev": P0, "target": P0}), ("verified", {"package": P0}), ("done", {})],
-     ("none", None)),
-])
+@pytest.mark.parametrize(
+    "steps, want",
+    [
+        ([], ("none", None)),
+        ([("begin", {"kind": "promote", "prev": P0}), ("held", {})], ("revert", P0)),
+        ([("begin", {"kind": "promote", "prev": P0}), ("held", {}), ("applied", {"host": "x86host"})], ("revert", P0)),
+        ([("begin", {"kind": "promote", "prev": P0}), ("recorded", {"package": P1})], ("revert", P0)),
+        (
+            [("begin", {"kind": "promote", "prev": P0}), ("recorded", {"package": P1}), ("verified", {"package": P1})],
+            ("finish", P1),
+        ),
+        (
+            [("begin", {"kind": "promote", "prev": P0}), ("verified", {"package": P1}), ("pointer", {"package": P1})],
+            ("finish", P1),
+        ),
+        (
+            [("begin", {"kind": "promote", "prev": P0}), ("failed", {"why": "refs"}), ("rolled_back", {"package": P0})],
+            ("revert", P0),
+        ),
+        ([("begin", {"kind": "promote", "prev": P0}), ("verified", {"package": P1}), ("done", {})], ("none", None)),
+        ([("begin", {"kind": "rollback", "prev": P1, "target": P0}), ("held", {})], ("finish", P0)),
+        ([("begin", {"kind": "deploy", "prev": None})], ("none", None)),
+        # a window journals its package as prev and target: every kill point restores production to it
+        ([("begin", {"kind": "window", "prev": P0, "target": P0})], ("finish", P0)),
+        ([("begin", {"kind": "window", "prev": P0, "target": P0}), ("held", {})], ("finish", P0)),
+        (
+            [("begin", {"kind": "window", "prev": P0, "target": P0}), ("held", {}), ("applied", {"package": P0})],
+            ("finish", P0),
+        ),
+        (
+            [
+                ("begin", {"kind": "window", "prev": P0, "target": P0}),
+                ("held", {}),
+                ("applied", {"package": P0}),
+                ("verified", {"package": P0}),
+            ],
+            ("finish", P0),
+        ),
+        (
+            [("begin", {"kind": "window", "prev": P0, "target": P0}), ("verified", {"package": P0}), ("done", {})],
+            ("none", None),
+        ),
+    ],
+)
 def test_journal_replay_decision(tmp_path, steps, want):
     j = tmp_path / "journal.jsonl"
     _run(j, "old", [("begin", {"kind": "promote", "prev": P2}), ("done", {})])
@@ -244,6 +293,7 @@ def test_journal_replay_decision(tmp_path, steps, want):
 
 
 # ---- CLI ------------------------------------------------------------------------------------
+
 
 def test_cli_show_diff_verify(stored, capsys):
     root, pid, _ = stored
@@ -264,9 +314,15 @@ def test_cli_journal_decision(tmp_path, capsys):
     j = tmp_path / "journal.jsonl"
     _run(j, "op1", [("begin", {"kind": "promote", "prev": P0}), ("held", {})])
     assert main(["package", "journal", "--path", str(j), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"action": "revert", "package": P0, "op": "op1",
-                                                   "kind": "promote", "last_step": "held", "result_package": None,
-                                                   "windows_dir": None}
+    assert json.loads(capsys.readouterr().out) == {
+        "action": "revert",
+        "package": P0,
+        "op": "op1",
+        "kind": "promote",
+        "last_step": "held",
+        "result_package": None,
+        "windows_dir": None,
+    }
 
 
 def test_journal_window_names_its_windows_dir(tmp_path):
@@ -279,8 +335,15 @@ def test_journal_window_names_its_windows_dir(tmp_path):
 
 def test_journal_last_finished_operation_names_its_package(tmp_path):
     j = tmp_path / "journal.jsonl"
-    _run(j, "r1", [("begin", {"kind": "rollback", "prev": P1, "target": P0}), ("verified", {"package": P0}),
-                   ("done", {"result": "rolled_back", "package": P0})])
+    _run(
+        j,
+        "r1",
+        [
+            ("begin", {"kind": "rollback", "prev": P1, "target": P0}),
+            ("verified", {"package": P0}),
+            ("done", {"result": "rolled_back", "package": P0}),
+        ],
+    )
     d = journal.decide(journal.read(j))
     assert (d.action, d.kind, d.result_package) == ("none", "rollback", P0)
 
@@ -300,7 +363,9 @@ def test_kv_budget_read_from_the_service_definition():
     h = _hosts()
     h["sparkhead"]["kv_budget"] = None
     h["sparkhead"]["files"]["/etc/systemd/system/dsv41-serve.service"] = {
-        "content": b"ExecStart=/opt/dsv41/venv/bin/dsv41 engine serve --threads 1 --kv-cache-tokens 32768\n", "mode": "0644"}
+        "content": b"ExecStart=/opt/dsv41/venv/bin/dsv41 engine serve --threads 1 --kv-cache-tokens 32768\n",
+        "mode": "0644",
+    }
     doc, _ = pkg.build(h, PROV, None)
     assert doc["hosts"]["sparkhead"]["kv_budget"] == 32768
     assert doc["hosts"]["x86host"]["kv_budget"] is None

@@ -47,13 +47,18 @@ def _selected(tags: list[str], only: set[str], skip: set[str]) -> bool:
 
 
 # (what the task itself carries, what the tasks an include brings in carry) for every task
-STEPS = [(t["name"], tags, t.get("ansible.builtin.include_role", {}).get("apply", {}).get("tags"))
-         for play in PLAYS for t, tags in _tasks(play.get("tasks", []), play.get("tags", []))]
+STEPS = [
+    (t["name"], tags, t.get("ansible.builtin.include_role", {}).get("apply", {}).get("tags"))
+    for play in PLAYS
+    for t, tags in _tasks(play.get("tasks", []), play.get("tags", []))
+]
 
 
 def test_the_playbook_has_the_three_steps():
     names = [n for n, _, _ in STEPS]
-    assert {"Read this host's part of the package", "Record the package", "Point this host at the package"} <= set(names)
+    assert {"Read this host's part of the package", "Record the package", "Point this host at the package"} <= set(
+        names
+    )
     assert sum(applied is not None for _, _, applied in STEPS) == 2  # facts and pointer are included roles
 
 

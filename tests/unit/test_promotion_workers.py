@@ -88,6 +88,7 @@ def _end(*procs: subprocess.Popen) -> None:
 
 # -- the record: written and cleared -------------------------------------------------------------
 
+
 def _child_writes_nothing() -> None:
     os._exit(0)
 
@@ -103,8 +104,10 @@ def test_the_playbook_and_each_fork_are_recorded_and_cleared_at_the_end(tmp_path
     rec = workers.start(tmp_path, "promote.yml")
     d = workers.run_dir(tmp_path, ProcessIdentity.of())
     assert rec.dir == d
-    assert json.loads((d / workers.PLAYBOOK_NAME).read_text()) == {"playbook": ProcessIdentity.of().as_record(),
-                                                                   "name": "promote.yml"}
+    assert json.loads((d / workers.PLAYBOOK_NAME).read_text()) == {
+        "playbook": ProcessIdentity.of().as_record(),
+        "name": "promote.yml",
+    }
     ctx = multiprocessing.get_context("fork")  # ansible-core's context (ansible/utils/multiprocessing.py)
     q = ctx.Queue()
     p = ctx.Process(target=_child_forks_a_grandchild, args=(q,))
@@ -133,6 +136,7 @@ def test_an_unwritable_record_directory_is_one_line(tmp_path):
 
 
 # -- the ender: only matched processes ----------------------------------------------------------
+
 
 def test_the_orphaned_workers_of_a_dead_playbook_and_what_they_ran_are_ended(tmp_path):
     (w1, c1), (w2, c2) = _worker(), _worker()
@@ -209,10 +213,17 @@ def test_a_playbook_of_an_earlier_boot_is_dead_and_its_live_pids_untouched(tmp_p
         _end(victim)
 
 
-BAD = [(b"not json", "not JSON"), (b"", "it is empty"), (b'{"pid": 12, "start_ti', "not JSON"),
-       (b"\xff\xfe{}", "not UTF-8"), (b"[1, 2]", "a JSON list, not an object"), (b"x" * 5000, "larger than"),
-       (b'{"pid": 5}', "KeyError"), (b'{"pid": "x", "start_ticks": 1, "boot_id": "b"}', "ValueError"),
-       (b'{"pid": true, "start_ticks": 1, "boot_id": "b"}', "TypeError")]
+BAD = [
+    (b"not json", "not JSON"),
+    (b"", "it is empty"),
+    (b'{"pid": 12, "start_ti', "not JSON"),
+    (b"\xff\xfe{}", "not UTF-8"),
+    (b"[1, 2]", "a JSON list, not an object"),
+    (b"x" * 5000, "larger than"),
+    (b'{"pid": 5}', "KeyError"),
+    (b'{"pid": "x", "start_ticks": 1, "boot_id": "b"}', "ValueError"),
+    (b'{"pid": true, "start_ticks": 1, "boot_id": "b"}', "TypeError"),
+]
 
 
 @pytest.mark.parametrize("content,why", BAD)
@@ -274,13 +285,20 @@ def _play(tmp_path: Path, name: str, *args: str) -> list[str]:
     """The command line of ``ansible-playbook`` on the stand-in ``PLAYBOOK`` saved as ``name``, on
     localhost, with the repository's ansible.cfg (which enables the callback)."""
     (tmp_path / name).write_text(PLAYBOOK)
-    (tmp_path / "hosts.ini").write_text(f"localhost ansible_connection=local ansible_python_interpreter={sys.executable}\n")
+    (tmp_path / "hosts.ini").write_text(
+        f"localhost ansible_connection=local ansible_python_interpreter={sys.executable}\n"
+    )
     return [str(BIN / "ansible-playbook"), "-i", str(tmp_path / "hosts.ini"), str(tmp_path / name), *args]
 
 
 def _play_env(records: Path) -> dict:
-    return dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), DSV41_WORKERS_DIR=str(records), NO_COLOR="1",
-                PATH=f"{BIN}:{os.environ.get('PATH', '')}")
+    return dict(
+        os.environ,
+        ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"),
+        DSV41_WORKERS_DIR=str(records),
+        NO_COLOR="1",
+        PATH=f"{BIN}:{os.environ.get('PATH', '')}",
+    )
 
 
 @pytest.mark.parametrize("name", ["promote.yml", "rollback.yml"])
@@ -289,8 +307,14 @@ def test_a_sigkilled_playbook_leaves_a_worker_that_the_next_run_ends(tmp_path, n
 
     records = tmp_path / "records"
     cmd = _play(tmp_path, name)
-    killed = subprocess.Popen([*cmd, "-e", "s=300"], cwd=ROOT, env=_play_env(records), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
+    killed = subprocess.Popen(
+        [*cmd, "-e", "s=300"],
+        cwd=ROOT,
+        env=_play_env(records),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 60
         sleeper = None
@@ -306,7 +330,9 @@ def test_a_sigkilled_playbook_leaves_a_worker_that_the_next_run_ends(tmp_path, n
     left = [i for i in tree if i.alive()]
     assert left, "nothing outlived the SIGKILL: the defect this guards against did not show"
     try:
-        r = subprocess.run([*cmd, "-e", "s=0"], cwd=ROOT, env=_play_env(records), capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [*cmd, "-e", "s=0"], cwd=ROOT, env=_play_env(records), capture_output=True, text=True, timeout=120
+        )
         assert r.returncode == 0, r.stdout + r.stderr
         assert f"of the SIGKILLed ansible-playbook {killed.pid} ({name}) still running" in r.stdout
         assert [i.pid for i in left if i.alive()] == []  # nothing of the killed run outlived the re-run
@@ -319,6 +345,12 @@ def test_a_sigkilled_playbook_leaves_a_worker_that_the_next_run_ends(tmp_path, n
 
 def test_other_playbooks_are_not_recorded(tmp_path):
     records = tmp_path / "records"
-    r = subprocess.run(_play(tmp_path, "deploy.yml", "-e", "s=0"), cwd=ROOT,
-                       env=_play_env(records), capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        _play(tmp_path, "deploy.yml", "-e", "s=0"),
+        cwd=ROOT,
+        env=_play_env(records),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and not records.exists() and "dsv41_workers" not in r.stdout + r.stderr

@@ -20,8 +20,9 @@ def tracked_files(root: Path, *patterns: str) -> list[Path]:
     """Every file matching one of ``patterns`` (git pathspecs, e.g. ``*.py``) that git tracks under
     ``root`` (absolute paths; raises CalledProcessError outside a git checkout). Deleted-but-unstaged
     files are left out."""
-    out = subprocess.run(["git", "ls-files", "-z", "--", *patterns], cwd=root, capture_output=True, check=True,
-                         timeout=60)
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--", *patterns], cwd=root, capture_output=True, check=True, timeout=60
+    )
     return [root / n for n in out.stdout.decode().split("\0") if n and (root / n).is_file()]
 
 
@@ -68,8 +69,11 @@ def test_the_check_finds_a_long_file(tmp_path):
 def test_the_cpp_class_is_enumerated():
     """Both extensions' translation units and the header they share are seen."""
     names = {p.relative_to(ROOT).as_posix() for p in tracked_cpp_files(ROOT)}
-    assert {"python/dsv41/transport/_fastrow.cpp", "python/dsv41/overlay/_core.cpp",
-            "python/dsv41/transport/wire.h"} <= names
+    assert {
+        "python/dsv41/transport/_fastrow.cpp",
+        "python/dsv41/overlay/_core.cpp",
+        "python/dsv41/transport/wire.h",
+    } <= names
 
 
 def test_no_cpp_file_over_its_limit():

@@ -29,9 +29,12 @@ def test_record_status_and_skipped_needs_a_reason():
 
 # --- bad input -------------------------------------------------------------------------------------
 
+
 def test_change_me_anywhere_in_the_inventory_is_one_line_naming_each_place(tmp_path):
-    hosts = {"sparkhead": {"ansible_host": "10.0.0.1", "dsv41_links": [{"name": "CHANGE_ME", "address": "10.77.0.2"}]},
-             "x86host": {"ansible_host": "CHANGE_ME"}}
+    hosts = {
+        "sparkhead": {"ansible_host": "10.0.0.1", "dsv41_links": [{"name": "CHANGE_ME", "address": "10.77.0.2"}]},
+        "x86host": {"ansible_host": "CHANGE_ME"},
+    }
     with pytest.raises(Q.QualifyError) as e:
         Q.preflight(hosts, tmp_path / "q" / "1")
     msg = str(e.value)
@@ -90,7 +93,9 @@ def _cli(capsys, *argv):
 
 
 def test_cli_preflight_one_line_exit_1(tmp_path, capsys):
-    rc, out, err = _cli(capsys, "qualify", "preflight", "--hosts", '{"a": {"x": "CHANGE_ME"}}', "--out", str(tmp_path / "o"))
+    rc, out, err = _cli(
+        capsys, "qualify", "preflight", "--hosts", '{"a": {"x": "CHANGE_ME"}}', "--out", str(tmp_path / "o")
+    )
     assert rc == 1 and err.strip() == "dsv41: error: inventory still has CHANGE_ME in 1 place(s): a.x" and out == ""
     rc, out, err = _cli(capsys, "qualify", "preflight", "--hosts", "not json", "--out", str(tmp_path / "o"))
     assert rc == 1 and err.startswith("dsv41: error: --hosts: not JSON") and len(err.strip().splitlines()) == 1
@@ -99,6 +104,7 @@ def test_cli_preflight_one_line_exit_1(tmp_path, capsys):
 
 
 # --- assembly --------------------------------------------------------------------------------------
+
 
 def _version():
     return {"rc": 0, "stdout": json.dumps({"dsv41": "0.1.0", "python": "3.11.7"}), "changed": False}
@@ -109,20 +115,61 @@ def _cmd(records):
 
 
 def _links_result(ok=True):
-    return {"checks": [{"check": "mtu", "ok": ok, "value": 9000 if ok else 1500, "expected": 9000, "link": "ofl0",
-                        "reason": "" if ok else "ofl0: MTU 1500, expected 9000", "rdma_source": "sysfs"},
-                       {"check": "rdma_port", "ok": None, "value": None, "expected": None, "link": "ofl0",
-                        "reason": "ofl0: no RDMA device bound to the interface (sysfs)", "rdma_source": "sysfs"}]}
+    return {
+        "checks": [
+            {
+                "check": "mtu",
+                "ok": ok,
+                "value": 9000 if ok else 1500,
+                "expected": 9000,
+                "link": "ofl0",
+                "reason": "" if ok else "ofl0: MTU 1500, expected 9000",
+                "rdma_source": "sysfs",
+            },
+            {
+                "check": "rdma_port",
+                "ok": None,
+                "value": None,
+                "expected": None,
+                "link": "ofl0",
+                "reason": "ofl0: no RDMA device bound to the interface (sysfs)",
+                "rdma_source": "sysfs",
+            },
+        ]
+    }
 
 
 def _host(ok=True):
-    return {"version": _version(), "done": True, "steps": [
-        {"name": "rdma_link", "group": "links", "kind": "rdma_link", "result": _links_result(ok), "checks": ["mtu"]},
-        {"name": "sweep", "group": "exactness", "kind": "command", "checks": ["bad_rows"],
-         "result": _cmd([Q.record("exactness", "bad_rows", "sparkhead", True, {"bad_rows": 0}, 0, subject="rank 0 layer 1")])},
-        {"name": "serving-host", "group": "serving", "kind": "command", "checks": ["required_mode"], "skip_reason": "not a Spark",
-         "result": {"skipped": True, "changed": False}},
-    ]}
+    return {
+        "version": _version(),
+        "done": True,
+        "steps": [
+            {
+                "name": "rdma_link",
+                "group": "links",
+                "kind": "rdma_link",
+                "result": _links_result(ok),
+                "checks": ["mtu"],
+            },
+            {
+                "name": "sweep",
+                "group": "exactness",
+                "kind": "command",
+                "checks": ["bad_rows"],
+                "result": _cmd(
+                    [Q.record("exactness", "bad_rows", "sparkhead", True, {"bad_rows": 0}, 0, subject="rank 0 layer 1")]
+                ),
+            },
+            {
+                "name": "serving-host",
+                "group": "serving",
+                "kind": "command",
+                "checks": ["required_mode"],
+                "skip_reason": "not a Spark",
+                "result": {"skipped": True, "changed": False},
+            },
+        ],
+    }
 
 
 def test_assemble_pass_with_skips_that_name_why():
@@ -143,8 +190,15 @@ def test_assemble_fails_naming_each_failed_check():
 
 
 def test_unreachable_host_fails_with_one_line_and_no_success_claimed():
-    rep = Q.assemble({"sparkhead": _host(), "sparkworker": {"version": {"unreachable": True, "msg": "ssh: connect to host\n10.0.0.2 port 22: No route"}}},
-                     meta={})
+    rep = Q.assemble(
+        {
+            "sparkhead": _host(),
+            "sparkworker": {
+                "version": {"unreachable": True, "msg": "ssh: connect to host\n10.0.0.2 port 22: No route"}
+            },
+        },
+        meta={},
+    )
     assert rep["result"] == "FAIL" and rep["failed"] == ["links.reachable@sparkworker"]
     (r,) = [c for c in rep["checks"] if c["host"] == "sparkworker"]
     assert r["reason"] == "sparkworker: unreachable: ssh: connect to host 10.0.0.2 port 22: No route"
@@ -160,14 +214,33 @@ def test_a_host_that_stopped_midway_fails_finished():
 
 
 def test_a_probe_that_exited_1_fails_every_check_it_owed_with_its_line():
-    steps = [{"name": "transport", "group": "transport", "kind": "command", "subject": "ofl0",
-              "checks": ["latency_p50", "bandwidth"],
-              "result": {"rc": 1, "stdout": "", "stderr": "dsv41: error: manifest /opt/dsv41/tables/manifest.json: no such file"}},
-             {"name": "peers", "group": "links", "kind": "command", "checks": ["peer_reachable"],
-              "result": {"rc": 0, "stdout": "not json", "stderr": ""}}]
+    steps = [
+        {
+            "name": "transport",
+            "group": "transport",
+            "kind": "command",
+            "subject": "ofl0",
+            "checks": ["latency_p50", "bandwidth"],
+            "result": {
+                "rc": 1,
+                "stdout": "",
+                "stderr": "dsv41: error: manifest /opt/dsv41/tables/manifest.json: no such file",
+            },
+        },
+        {
+            "name": "peers",
+            "group": "links",
+            "kind": "command",
+            "checks": ["peer_reachable"],
+            "result": {"rc": 0, "stdout": "not json", "stderr": ""},
+        },
+    ]
     rep = Q.assemble({"sparkhead": {"version": _version(), "done": True, "steps": steps}}, meta={})
-    assert rep["failed"] == ["transport.latency_p50[ofl0]@sparkhead", "transport.bandwidth[ofl0]@sparkhead",
-                             "links.peer_reachable@sparkhead"]
+    assert rep["failed"] == [
+        "transport.latency_p50[ofl0]@sparkhead",
+        "transport.bandwidth[ofl0]@sparkhead",
+        "links.peer_reachable@sparkhead",
+    ]
     assert rep["reasons"][0] == "transport: dsv41: error: manifest /opt/dsv41/tables/manifest.json: no such file"
     assert rep["reasons"][2] == "peers: printed no records"
 
@@ -179,8 +252,9 @@ def test_rdma_link_that_did_not_run_is_one_failure():
 
 def test_bandwidth_both_links_sum_and_overlap():
     def bw(host, link, gbps, start, end):
-        return Q.record("transport", "bandwidth", host, True, {"gbps": gbps, "start": start, "end": end}, ">= 1",
-                        subject=link)
+        return Q.record(
+            "transport", "bandwidth", host, True, {"gbps": gbps, "start": start, "end": end}, ">= 1", subject=link
+        )
 
     checks = [bw("sparkhead", "ofl0", 39.2, 100.0, 101.0), bw("sparkworker", "ofl0", 39.18, 100.1, 101.1)]
     (r,) = Q.bandwidth_both(checks, 70)
@@ -226,17 +300,65 @@ def test_write_report_into_an_unwritable_place_is_one_line(tmp_path):
 def test_cli_probes_print_records_and_skip_without_remote(tmp_path, capsys):
     env = tmp_path / "e.env"
     env.write_text("# remote Engram off\n")
-    rc, out, err = _cli(capsys, "qualify", "transport", "--host", "h", "--link", "ofl0", "--rank", "0", "--backend", "tcp",
-                        "--p50-max-us", "1", "--p99-max-us", "1", "--gbps-min", "1", "--env-file", str(env))
+    rc, out, err = _cli(
+        capsys,
+        "qualify",
+        "transport",
+        "--host",
+        "h",
+        "--link",
+        "ofl0",
+        "--rank",
+        "0",
+        "--backend",
+        "tcp",
+        "--p50-max-us",
+        "1",
+        "--p99-max-us",
+        "1",
+        "--gbps-min",
+        "1",
+        "--env-file",
+        str(env),
+    )
     assert rc == 0, err
     recs = json.loads(out.strip().splitlines()[-1])
     assert {x["status"] for x in recs} == {"skipped"} and len(recs) == 6
     assert recs[0]["reason"].startswith("remote Engram is off on rank 0")
-    rc, out, err = _cli(capsys, "qualify", "transport", "--host", "h", "--link", "l", "--rank", "0", "--backend", "rdma",
-                        "--p50-max-us", "1", "--p99-max-us", "1", "--gbps-min", "1")
+    rc, out, err = _cli(
+        capsys,
+        "qualify",
+        "transport",
+        "--host",
+        "h",
+        "--link",
+        "l",
+        "--rank",
+        "0",
+        "--backend",
+        "rdma",
+        "--p50-max-us",
+        "1",
+        "--p99-max-us",
+        "1",
+        "--gbps-min",
+        "1",
+    )
     assert rc == 1 and err.strip() == "dsv41: error: --backend must be nixl or tcp, not 'rdma'"
-    rc, out, err = _cli(capsys, "qualify", "serving-host", "--host", "h", "--rank", "0", "--runtime", "docker",
-                        "--required", "--pinned-max-bytes", "1")
+    rc, out, err = _cli(
+        capsys,
+        "qualify",
+        "serving-host",
+        "--host",
+        "h",
+        "--rank",
+        "0",
+        "--runtime",
+        "docker",
+        "--required",
+        "--pinned-max-bytes",
+        "1",
+    )
     assert rc == 1 and err.strip() == "dsv41: error: --runtime must be lab or vllm, not 'docker'"
     rc, out, err = _cli(capsys, "qualify", "peers", "--host", "h", "--links", "[1]")
     assert rc == 1 and err.startswith("dsv41: error: --links: expected a JSON list")
@@ -256,12 +378,16 @@ def test_controller_probes_with_rank0_unreachable_fail_every_check_they_owe(tmp_
     s.close()
     refs = tmp_path / "refs.json"
     recs = C.probe_serving(api, str(refs), host="localhost", ranks=["0", "1"], interval_s=0.1)
-    assert [(r["id"], r["status"]) for r in recs] == [("serving.counters[rank 0]", "fail"), ("serving.counters[rank 1]", "fail"),
-                                                      ("serving.greedy_refs", "fail")]
+    assert [(r["id"], r["status"]) for r in recs] == [
+        ("serving.counters[rank 0]", "fail"),
+        ("serving.counters[rank 1]", "fail"),
+        ("serving.greedy_refs", "fail"),
+    ]
     assert all(r["reason"].startswith(api) for r in recs)
     recs = C.probe_reconnect(api, host="localhost", ranks=["0", "1"], wait_s=0.1)
-    assert [(r["id"], r["status"]) for r in recs] == [("transport.reconnect[rank 0]", "fail"), ("transport.reconnect[rank 1]", "fail")]
+    assert [(r["id"], r["status"]) for r in recs] == [
+        ("transport.reconnect[rank 0]", "fail"),
+        ("transport.reconnect[rank 1]", "fail"),
+    ]
     (r,) = C.probe_fail_closed(api, str(refs), host="localhost")
     assert r["id"] == "drafter.fail_closed" and r["status"] == "fail"
-
-

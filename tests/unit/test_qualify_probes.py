@@ -18,6 +18,7 @@ from dsv41.entrypoints import qualify_controller as C, qualify_host as H, qualif
 
 # --- probes with fakes -----------------------------------------------------------------------------
 
+
 def test_peers_through_icmplib_fake():
     pytest.importorskip("icmplib")
     calls = []
@@ -27,9 +28,11 @@ def test_peers_through_icmplib_fake():
         got = 3 if addr == "198.18.1.1" else 0
         return types.SimpleNamespace(packets_received=got, packets_sent=3, avg_rtt=0.05 if got else 0.0)
 
-    links = [{"name": "ofl0", "address": "198.18.1.2", "peer_address": "198.18.1.1"},
-             {"name": "fab0", "address": "198.18.3.1", "peer_address": "198.18.3.2"},
-             {"name": "x"}]
+    links = [
+        {"name": "ofl0", "address": "198.18.1.2", "peer_address": "198.18.1.1"},
+        {"name": "fab0", "address": "198.18.3.1", "peer_address": "198.18.3.2"},
+        {"name": "x"},
+    ]
     recs = H.probe_peers("sparkhead", links, ping=ping)
     assert [r["status"] for r in recs] == ["pass", "fail", "skipped"]
     assert calls == [("198.18.1.1", "198.18.1.2", True), ("198.18.3.2", "198.18.3.1", True)]
@@ -48,24 +51,43 @@ def test_peers_ping_error_is_a_failure():
 
 def _meminfo(tmp_path, mlocked_kb=1000):
     p = tmp_path / "meminfo"
-    p.write_text(f"MemTotal:       24731184 kB\nMlocked:        {mlocked_kb} kB\nUnevictable:    {mlocked_kb + 10} kB\n")
+    p.write_text(
+        f"MemTotal:       24731184 kB\nMlocked:        {mlocked_kb} kB\nUnevictable:    {mlocked_kb + 10} kB\n"
+    )
     return str(p)
 
 
 def test_serving_host_lab_runtime_skips_what_needs_vllm(tmp_path):
     env = tmp_path / "e.env"
     env.write_text("DSV41_ENGRAM_REMOTE=tcp://198.18.1.1:7441@198.18.1.2\nDSV41_ENGRAM_REMOTE_REQUIRED=0\n")
-    recs = S.probe_serving_host("sparkhead", 0, runtime="lab", env_file=str(env), required=False,
-                                pinned_max_bytes=1 << 30, meminfo_path=_meminfo(tmp_path))
+    recs = S.probe_serving_host(
+        "sparkhead",
+        0,
+        runtime="lab",
+        env_file=str(env),
+        required=False,
+        pinned_max_bytes=1 << 30,
+        meminfo_path=_meminfo(tmp_path),
+    )
     by = {r["check"]: r for r in recs}
     assert by["required_mode"]["status"] == "pass" and by["host_memory"]["status"] == "pass"
     assert by["host_memory"]["value"] == {"mlocked": 1000 * 1024, "unevictable": 1010 * 1024}
     for k in ("image_digest", "overlay_contract", "piecewise"):
         assert by[k]["status"] == "skipped" and by[k]["reason"] == "serve_runtime lab: no vLLM container on this host"
-    recs = S.probe_serving_host("sparkhead", 0, runtime="lab", env_file=str(env), required=True,
-                                pinned_max_bytes=1 << 19, meminfo_path=_meminfo(tmp_path))
+    recs = S.probe_serving_host(
+        "sparkhead",
+        0,
+        runtime="lab",
+        env_file=str(env),
+        required=True,
+        pinned_max_bytes=1 << 19,
+        meminfo_path=_meminfo(tmp_path),
+    )
     by = {r["check"]: r for r in recs}
-    assert by["required_mode"]["status"] == "fail" and "DSV41_ENGRAM_REMOTE_REQUIRED=0, expected 1" in by["required_mode"]["reason"]
+    assert (
+        by["required_mode"]["status"] == "fail"
+        and "DSV41_ENGRAM_REMOTE_REQUIRED=0, expected 1" in by["required_mode"]["reason"]
+    )
     assert by["host_memory"]["status"] == "fail"
 
 
@@ -74,7 +96,8 @@ def test_serving_host_vllm_reads_docker_and_systemd(tmp_path):
     env.write_text("DSV41_ENGRAM_REMOTE=tcp://198.18.1.1:7441@198.18.1.2\nDSV41_ENGRAM_REMOTE_REQUIRED=1\n")
     image = "registry/vllm-dsv41@sha256:" + "a" * 64
     answers = {
-        "inspect": (0, image + "\n"), "exec": (0, "[]\n"),
+        "inspect": (0, image + "\n"),
+        "exec": (0, "[]\n"),
         "cat": (0, 'ExecStart=docker run ... --compilation-config {"cudagraph_mode": "PIECEWISE"}\n'),
         "logs": (0, "INFO dsv41 overlay active: rows [0, 192001740) from tcp://...\n"),
     }
@@ -83,14 +106,42 @@ def test_serving_host_vllm_reads_docker_and_systemd(tmp_path):
         rc, out = answers[argv[1]]
         return types.SimpleNamespace(returncode=rc, stdout=out, stderr="")
 
-    recs = S.probe_serving_host("sparkhead", 0, runtime="vllm", env_file=str(env), required=True, pinned_max_bytes=1 << 30,
-                                image=image, meminfo_path=_meminfo(tmp_path), run=run)
-    assert {r["check"]: r["status"] for r in recs} == {"required_mode": "pass", "host_memory": "pass", "image_digest": "pass",
-                                                       "overlay_contract": "pass", "piecewise": "pass", "overlay_active": "pass"}
-    answers.update(inspect=(0, "registry/vllm-dsv41:latest\n"), exec=(0, '["vllm/x.py"]\n'),
-                   cat=(0, '{"cudagraph_mode": "FULL_AND_PIECEWISE"}'), logs=(0, ""))
-    recs = S.probe_serving_host("sparkhead", 0, runtime="vllm", env_file=str(env), required=True, pinned_max_bytes=1 << 30,
-                                image=image, meminfo_path=_meminfo(tmp_path), run=run)
+    recs = S.probe_serving_host(
+        "sparkhead",
+        0,
+        runtime="vllm",
+        env_file=str(env),
+        required=True,
+        pinned_max_bytes=1 << 30,
+        image=image,
+        meminfo_path=_meminfo(tmp_path),
+        run=run,
+    )
+    assert {r["check"]: r["status"] for r in recs} == {
+        "required_mode": "pass",
+        "host_memory": "pass",
+        "image_digest": "pass",
+        "overlay_contract": "pass",
+        "piecewise": "pass",
+        "overlay_active": "pass",
+    }
+    answers.update(
+        inspect=(0, "registry/vllm-dsv41:latest\n"),
+        exec=(0, '["vllm/x.py"]\n'),
+        cat=(0, '{"cudagraph_mode": "FULL_AND_PIECEWISE"}'),
+        logs=(0, ""),
+    )
+    recs = S.probe_serving_host(
+        "sparkhead",
+        0,
+        runtime="vllm",
+        env_file=str(env),
+        required=True,
+        pinned_max_bytes=1 << 30,
+        image=image,
+        meminfo_path=_meminfo(tmp_path),
+        run=run,
+    )
     st = {r["check"]: r["status"] for r in recs}
     assert [st[k] for k in ("image_digest", "overlay_contract", "piecewise", "overlay_active")] == ["fail"] * 4
 
@@ -115,6 +166,7 @@ def test_rank_url_and_env_file(tmp_path):
 
 # --- transport and exactness against a real table server ------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     from dsv41.engram.manifest import load_manifest
@@ -137,9 +189,23 @@ def served(tmp_path_factory):
 
 def test_transport_probe_on_a_real_server(served):
     d, url, _ = served
-    recs = H.probe_transport("sparkhead", "ofl0", url, str(d / "manifest.json"), 0, 2, backend="tcp", p50_max_us=1e6,
-                             p99_max_us=1e6, gbps_min=0.001, iters=50, bw_bytes=1 << 20, bw_repeats=2,
-                             bw_min_s=0.3, start_at=time.time() - 1.0)
+    recs = H.probe_transport(
+        "sparkhead",
+        "ofl0",
+        url,
+        str(d / "manifest.json"),
+        0,
+        2,
+        backend="tcp",
+        p50_max_us=1e6,
+        p99_max_us=1e6,
+        gbps_min=0.001,
+        iters=50,
+        bw_bytes=1 << 20,
+        bw_repeats=2,
+        bw_min_s=0.3,
+        start_at=time.time() - 1.0,
+    )
     by = {r["check"]: r for r in recs}
     assert set(by) == {"backend", "latency_p50", "latency_p99", "bandwidth", "late_reply_dropped", "refused_identity"}
     bwv = by["bandwidth"]["value"]
@@ -148,18 +214,42 @@ def test_transport_probe_on_a_real_server(served):
     assert bwv["end"] - bwv["start"] >= 0.3 - 0.002 and bwv["repeats"] > 2 and bwv["late_s"] >= 1.0
     assert all(r["status"] == "pass" for r in recs), [r for r in recs if r["status"] != "pass"]
     assert by["refused_identity"]["value"] == "refused: wrong_identity"
-    assert by["late_reply_dropped"]["value"] == {"timed_out": True, "connection_closed": True, "bad_rows_after": 0,
-                                                 "rows_after": 4096}
+    assert by["late_reply_dropped"]["value"] == {
+        "timed_out": True,
+        "connection_closed": True,
+        "bad_rows_after": 0,
+        "rows_after": 4096,
+    }
     assert by["bandwidth"]["value"]["bytes"] > (1 << 20) - 300 and by["latency_p99"]["unit"] == "us"
 
 
 def test_transport_probe_floors_and_backend_fail(served):
     d, url, _ = served
-    recs = H.probe_transport("sparkhead", "ofl0", url, str(d / "manifest.json"), 1, 2, backend="nixl", p50_max_us=0.001,
-                             p99_max_us=0.001, gbps_min=1e6, iters=20, bw_bytes=1 << 18, bw_repeats=1, bw_min_s=0)
+    recs = H.probe_transport(
+        "sparkhead",
+        "ofl0",
+        url,
+        str(d / "manifest.json"),
+        1,
+        2,
+        backend="nixl",
+        p50_max_us=0.001,
+        p99_max_us=0.001,
+        gbps_min=1e6,
+        iters=20,
+        bw_bytes=1 << 18,
+        bw_repeats=1,
+        bw_min_s=0,
+    )
     st = {r["check"]: r["status"] for r in recs}
-    assert st == {"backend": "fail", "latency_p50": "fail", "latency_p99": "fail", "bandwidth": "fail",
-                  "late_reply_dropped": "pass", "refused_identity": "pass"}
+    assert st == {
+        "backend": "fail",
+        "latency_p50": "fail",
+        "latency_p99": "fail",
+        "bandwidth": "fail",
+        "late_reply_dropped": "pass",
+        "refused_identity": "pass",
+    }
 
 
 def test_transport_probe_server_down_fails_every_check(served):
@@ -170,8 +260,20 @@ def test_transport_probe_server_down_fails_every_check(served):
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    recs = H.probe_transport("sparkhead", "ofl0", f"tcp://127.0.0.1:{port}", str(d / "manifest.json"), 0, 2, backend="tcp",
-                             p50_max_us=1e6, p99_max_us=1e6, gbps_min=0.0, iters=10, bw_bytes=1 << 16)
+    recs = H.probe_transport(
+        "sparkhead",
+        "ofl0",
+        f"tcp://127.0.0.1:{port}",
+        str(d / "manifest.json"),
+        0,
+        2,
+        backend="tcp",
+        p50_max_us=1e6,
+        p99_max_us=1e6,
+        gbps_min=0.0,
+        iters=10,
+        bw_bytes=1 << 16,
+    )
     st = {r["check"]: r["status"] for r in recs}
     assert st["backend"] == "pass" and [v for k, v in st.items() if k != "backend"] == ["fail"] * 5
 
@@ -225,9 +327,22 @@ def test_transport_probe_over_nixl(served):
     srv = RowServer(tables, [parse_url("nixl://127.0.0.1:0")], nixl_provider=ex)
     ep = srv.start()[0]
     try:
-        recs = H.probe_transport("sparkhead", "ofl0", f"nixl://127.0.0.1:{ep.port}", str(d / "manifest.json"), 0, 2,
-                                 backend="nixl", p50_max_us=1e6, p99_max_us=1e6, gbps_min=0.001, iters=30,
-                                 bw_bytes=1 << 20, bw_repeats=2, bw_min_s=0)
+        recs = H.probe_transport(
+            "sparkhead",
+            "ofl0",
+            f"nixl://127.0.0.1:{ep.port}",
+            str(d / "manifest.json"),
+            0,
+            2,
+            backend="nixl",
+            p50_max_us=1e6,
+            p99_max_us=1e6,
+            gbps_min=0.001,
+            iters=30,
+            bw_bytes=1 << 20,
+            bw_repeats=2,
+            bw_min_s=0,
+        )
     finally:
         srv.stop(2)
         ex.close()
@@ -240,4 +355,8 @@ def test_sweep_probe_with_an_unreadable_manifest_is_one_failure(tmp_path):
     bad = tmp_path / "manifest.json"
     bad.write_text("{not json")
     (r,) = H.probe_sweep("sparkworker", "tcp://127.0.0.1:1", str(bad), 1, 2, lookups=10)
-    assert r["id"] == "exactness.bad_rows[rank 1]" and r["status"] == "fail" and r["reason"].startswith(f"rank 1: manifest {bad}: ")
+    assert (
+        r["id"] == "exactness.bad_rows[rank 1]"
+        and r["status"] == "fail"
+        and r["reason"].startswith(f"rank 1: manifest {bad}: ")
+    )

@@ -22,13 +22,17 @@ FACTS = {"api_url": "http://192.0.2.10:8000", "ranks": {"0": "192.0.2.10", "1": 
 
 
 def test_stand_in_engine_reads_every_rank_on_rank0s_api():
-    assert RM.urls({**FACTS, "runtime": "lab"}) == {"0": "http://192.0.2.10:8000/metrics",
-                                                    "1": "http://192.0.2.10:8000/metrics"}
+    assert RM.urls({**FACTS, "runtime": "lab"}) == {
+        "0": "http://192.0.2.10:8000/metrics",
+        "1": "http://192.0.2.10:8000/metrics",
+    }
 
 
 def test_vllm_reads_each_spark_overlay_endpoint():
-    assert RM.urls({**FACTS, "runtime": "vllm"}) == {"0": "http://192.0.2.10:9471/metrics",
-                                                     "1": "http://192.0.2.11:9471/metrics"}
+    assert RM.urls({**FACTS, "runtime": "vllm"}) == {
+        "0": "http://192.0.2.10:9471/metrics",
+        "1": "http://192.0.2.11:9471/metrics",
+    }
     # ranks in rank order whatever the inventory's order; integer ranks as Ansible may pass them
     assert list(RM.urls({**FACTS, "runtime": "vllm", "ranks": {1: "192.0.2.11", 0: "192.0.2.10"}})) == ["0", "1"]
 
@@ -39,19 +43,22 @@ def test_vllm_only_the_ranks_whose_overlay_is_on():
     assert len(RM.urls({**FACTS, "runtime": "lab", "overlay_ranks": []})) == 2  # the engine counts every rank
 
 
-@pytest.mark.parametrize("facts, words", [
-    ({**FACTS, "runtime": "sglang"}, "runtime must be one of lab, vllm"),
-    ({**FACTS, "runtime": "vllm", "ranks": {}}, "ranks must map"),
-    ({**FACTS, "runtime": "vllm", "ranks": {"x": "192.0.2.10"}}, "rank 'x' is not a TP rank"),
-    ({**FACTS, "runtime": "vllm", "ranks": {"0": "192.0.2.10/metrics"}}, "rank 0's address must be a bare host"),
-    ({**FACTS, "runtime": "vllm", "ranks": {"0": "192.0.2.10:9"}}, "rank 0's address must be a bare host"),
-    ({**FACTS, "runtime": "vllm", "ranks": {"0": ""}}, "rank 0's address must be a bare host"),
-    ({**FACTS, "runtime": "vllm", "overlay_port": 0}, "overlay_port must be 1..65535"),
-    ({**FACTS, "runtime": "vllm", "overlay_port": "http"}, "overlay_port must be 1..65535"),
-    ({**FACTS, "runtime": "vllm", "overlay_ranks": "0"}, "overlay_ranks must be a list"),
-    ({**FACTS, "runtime": "lab", "api_url": ""}, "api_url must be http://HOST:PORT"),
-    ([1], "must be a mapping"),
-])
+@pytest.mark.parametrize(
+    "facts, words",
+    [
+        ({**FACTS, "runtime": "sglang"}, "runtime must be one of lab, vllm"),
+        ({**FACTS, "runtime": "vllm", "ranks": {}}, "ranks must map"),
+        ({**FACTS, "runtime": "vllm", "ranks": {"x": "192.0.2.10"}}, "rank 'x' is not a TP rank"),
+        ({**FACTS, "runtime": "vllm", "ranks": {"0": "192.0.2.10/metrics"}}, "rank 0's address must be a bare host"),
+        ({**FACTS, "runtime": "vllm", "ranks": {"0": "192.0.2.10:9"}}, "rank 0's address must be a bare host"),
+        ({**FACTS, "runtime": "vllm", "ranks": {"0": ""}}, "rank 0's address must be a bare host"),
+        ({**FACTS, "runtime": "vllm", "overlay_port": 0}, "overlay_port must be 1..65535"),
+        ({**FACTS, "runtime": "vllm", "overlay_port": "http"}, "overlay_port must be 1..65535"),
+        ({**FACTS, "runtime": "vllm", "overlay_ranks": "0"}, "overlay_ranks must be a list"),
+        ({**FACTS, "runtime": "lab", "api_url": ""}, "api_url must be http://HOST:PORT"),
+        ([1], "must be a mapping"),
+    ],
+)
 def test_bad_facts_are_one_error_naming_the_fact(facts, words):
     with pytest.raises(RM.RankMetricsError, match="rank metrics") as exc:
         RM.urls(facts)
@@ -59,6 +66,7 @@ def test_bad_facts_are_one_error_naming_the_fact(facts, words):
 
 
 # ---- the fakes: vLLM's API on rank 0 and one overlay endpoint per rank -------------------------
+
 
 class Api(HttpStandIn):
     """Rank 0's API under vLLM: completions (greedy ids from the prompt bytes), /v1/models,
@@ -88,9 +96,12 @@ class Api(HttpStandIn):
                 if p == "/v1/models":
                     return self._send(200, {"data": [{"id": "dsv41"}]})
                 if p == "/metrics":
-                    return self._send(200, "vllm:spec_decode_num_drafts_total{model_name=\"m\"} "
-                                           f"{api.completions}\nvllm:num_requests_running{{model_name=\"m\"}} 0\n",
-                                      "text/plain")
+                    return self._send(
+                        200,
+                        'vllm:spec_decode_num_drafts_total{model_name="m"} '
+                        f'{api.completions}\nvllm:num_requests_running{{model_name="m"}} 0\n',
+                        "text/plain",
+                    )
                 return self._send(404, {})
 
             def do_POST(self):  # noqa: N802
@@ -139,13 +150,17 @@ class Rank(HttpStandIn):
 
     def text(self) -> str:
         r = self.rank
-        lines = [f'dsv41_overlay_state{{rank="{r}",state="{s}"}} {1.0 if s == self.state else 0.0}'
-                 for s in ("active", "inert", "refused")]
+        lines = [
+            f'dsv41_overlay_state{{rank="{r}",state="{s}"}} {1.0 if s == self.state else 0.0}'
+            for s in ("active", "inert", "refused")
+        ]
         lines.append(f'dsv41_overlay_transport_info{{rank="{r}",implementation="{self.transport}"}} 1.0')
         if self.state == "active":
-            lines += [f'dsv41_engram_lookups_total{{rank="{r}"}} {self.lookups}',
-                      f'dsv41_engram_rows_total{{rank="{r}"}} {self.lookups * 8}',
-                      f'dsv41_engram_fallbacks_total{{rank="{r}"}} {self.fallbacks}']
+            lines += [
+                f'dsv41_engram_lookups_total{{rank="{r}"}} {self.lookups}',
+                f'dsv41_engram_rows_total{{rank="{r}"}} {self.lookups * 8}',
+                f'dsv41_engram_fallbacks_total{{rank="{r}"}} {self.fallbacks}',
+            ]
         if self.drafter:
             lines += [f"dsv41_drafter_rounds_total {self.lookups}", "dsv41_drafter_identity_refusals_total 0"]
         return "\n".join(lines) + "\n"
@@ -163,16 +178,26 @@ def stack(tmp_path):
 
 
 def _hosts() -> dict:
-    return {"sparkhead": {"groups": ["spark"], "rank": 0, "reachable": True, "services": {"dsv41-serve": "active"}},
-            "sparkworker": {"groups": ["spark"], "rank": 1, "reachable": True, "services": {"dsv41-serve": "active"}}}
+    return {
+        "sparkhead": {"groups": ["spark"], "rank": 0, "reachable": True, "services": {"dsv41-serve": "active"}},
+        "sparkworker": {"groups": ["spark"], "rank": 1, "reachable": True, "services": {"dsv41-serve": "active"}},
+    }
 
 
 # ---- every reader: (name, call -> one failure line or None) -------------------------------------
 
+
 def read_refs(api, urls, tmp):
     try:
-        res = refs.check(api.url, tmp / "refs.json", mode="record", max_tokens=4, metrics_url=urls,
-                         require_ranks=["0", "1"], require_drafter=True)
+        res = refs.check(
+            api.url,
+            tmp / "refs.json",
+            mode="record",
+            max_tokens=4,
+            metrics_url=urls,
+            require_ranks=["0", "1"],
+            require_drafter=True,
+        )
     except refs.RefsError as exc:  # the module's one failure line
         return str(exc)
     return res.problem
@@ -185,8 +210,9 @@ def read_status(api, urls, tmp):
 
 def read_status_window(api, urls, tmp):
     """status with a window: traffic between the two reads, so the deltas come from the ranks."""
-    probed = ST.probe(api.url, None, None, window_s=0.3, rank_metrics=urls,
-                      sleep=lambda _s: refs.generate(api.url, "the", "dsv41", 4))
+    probed = ST.probe(
+        api.url, None, None, window_s=0.3, rank_metrics=urls, sleep=lambda _s: refs.generate(api.url, "the", "dsv41", 4)
+    )
     rep = ST.evaluate(_hosts(), probed)
     if not rep["reasons"]:
         assert probed["engine"]["window"]["engram"]["1"]["lookups"] > 0  # read from rank 1's endpoint
@@ -195,8 +221,9 @@ def read_status_window(api, urls, tmp):
 
 def read_qualify(api, urls, tmp):
     refs.save_refs(refs.run_prompts(api.url, None, 4), tmp / "q.json")
-    recs = QC.probe_serving(api.url, str(tmp / "q.json"), host="localhost", ranks=["0", "1"], interval_s=0.05,
-                            requests=2, rank_metrics=urls)
+    recs = QC.probe_serving(
+        api.url, str(tmp / "q.json"), host="localhost", ranks=["0", "1"], interval_s=0.05, requests=2, rank_metrics=urls
+    )
     bad = [r["reason"] for r in recs if r["status"] != "pass"]
     return "; ".join(bad) or None
 
@@ -221,8 +248,14 @@ def read_components(api, urls, tmp):
     return None
 
 
-READERS = [("greedy_refs", read_refs), ("status", read_status), ("status window", read_status_window),
-           ("qualify serving", read_qualify), ("window ready", read_window_ready), ("component check", read_components)]
+READERS = [
+    ("greedy_refs", read_refs),
+    ("status", read_status),
+    ("status window", read_status_window),
+    ("qualify serving", read_qualify),
+    ("window ready", read_window_ready),
+    ("component check", read_components),
+]
 #: Readers that judge the overlay's state (the component check reads counters for its own table).
 JUDGES_STATE = {"greedy_refs", "status", "status window", "qualify serving", "window ready"}
 
@@ -241,8 +274,9 @@ def test_unreachable_rank_endpoint_names_the_rank_and_the_endpoint(stack, name, 
     assert msg and "rank 1" in msg and urls["1"] in msg, msg
 
 
-@pytest.mark.parametrize("name, reader", [r for r in READERS if r[0] in JUDGES_STATE],
-                         ids=[n for n, _ in READERS if n in JUDGES_STATE])
+@pytest.mark.parametrize(
+    "name, reader", [r for r in READERS if r[0] in JUDGES_STATE], ids=[n for n, _ in READERS if n in JUDGES_STATE]
+)
 def test_inert_overlay_on_a_remote_rank_is_a_failure_naming_it(stack, name, reader):
     api, ranks, urls, tmp = stack
     ranks[1].state = "inert"
@@ -270,8 +304,9 @@ def test_qualify_reports_each_ranks_transport(stack):
     api, ranks, urls, tmp = stack
     ranks[0].transport = "python"
     refs.save_refs(refs.run_prompts(api.url, None, 4), tmp / "q.json")
-    recs = QC.probe_serving(api.url, str(tmp / "q.json"), host="localhost", ranks=["0", "1"], interval_s=0.05,
-                            requests=2, rank_metrics=urls)
+    recs = QC.probe_serving(
+        api.url, str(tmp / "q.json"), host="localhost", ranks=["0", "1"], interval_s=0.05, requests=2, rank_metrics=urls
+    )
     seen = {r["subject"]: r["value"]["transport"] for r in recs if r.get("subject", "").startswith("rank")}
     assert seen == {"rank 0": "python", "rank 1": "c++"}
 
@@ -284,8 +319,18 @@ def test_refs_verify_cli_reads_each_rank_and_names_an_unreachable_one(stack, cap
     refs.save_refs(refs.run_prompts(api.url, None, 4), tmp / "r.json")
     # the facts name one port for every Spark (dsv41_overlay_metrics_port); nothing listens on port 1
     facts = {"runtime": "vllm", "api_url": api.url, "ranks": {"0": "127.0.0.1", "1": "127.0.0.2"}, "overlay_port": 1}
-    argv = ["refs", "verify", "--endpoint", api.url, "--refs", str(tmp / "r.json"), "--attempts", "1",
-            "--rank-metrics", json.dumps(facts)]
+    argv = [
+        "refs",
+        "verify",
+        "--endpoint",
+        api.url,
+        "--refs",
+        str(tmp / "r.json"),
+        "--attempts",
+        "1",
+        "--rank-metrics",
+        json.dumps(facts),
+    ]
     assert main(argv) == 1  # nothing listens on port 1 of either address
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "rank 0: metrics endpoint http://127.0.0.1:1/metrics unreachable" in err, err

@@ -24,18 +24,34 @@ CAUSES = yaml.safe_load((REPO / "roles/dsv41/defaults/main.yml").read_text())["d
 # least once (test_every_cause_has_a_case). The key_file and host_key cases end in the same
 # "Permission denied" a refused login does: the table's order must name the first cause.
 MESSAGES = [
-    ("key_file", "ssh", "Warning: Identity file /srv/keys/gone not accessible: No such file or directory.\n"
-                        "ops@198.18.0.13: Permission denied (publickey)."),
-    ("key_file", "ssh", "@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@\n"
-                        "@         WARNING: UNPROTECTED PRIVATE KEY FILE!          @\n"
-                        "Permissions 0644 for '/srv/keys/id' are too open.\n"
-                        "Load key \"/srv/keys/id\": bad permissions\nops@198.18.0.13: Permission denied (publickey)."),
-    ("host_key", "ssh", "@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@\n"
-                        "@    WARNING: REMOTE HOST IDENTIFICATION HAS CHANGED!     @\n"
-                        "Host key for 198.18.0.13 has changed and you have requested strict checking.\n"
-                        "Host key verification failed."),
-    ("host_key", "ssh", "No ED25519 host key is known for 198.18.0.13 and you have requested strict checking.\n"
-                        "Host key verification failed."),
+    (
+        "key_file",
+        "ssh",
+        "Warning: Identity file /srv/keys/gone not accessible: No such file or directory.\n"
+        "ops@198.18.0.13: Permission denied (publickey).",
+    ),
+    (
+        "key_file",
+        "ssh",
+        "@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@\n"
+        "@         WARNING: UNPROTECTED PRIVATE KEY FILE!          @\n"
+        "Permissions 0644 for '/srv/keys/id' are too open.\n"
+        'Load key "/srv/keys/id": bad permissions\nops@198.18.0.13: Permission denied (publickey).',
+    ),
+    (
+        "host_key",
+        "ssh",
+        "@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@\n"
+        "@    WARNING: REMOTE HOST IDENTIFICATION HAS CHANGED!     @\n"
+        "Host key for 198.18.0.13 has changed and you have requested strict checking.\n"
+        "Host key verification failed.",
+    ),
+    (
+        "host_key",
+        "ssh",
+        "No ED25519 host key is known for 198.18.0.13 and you have requested strict checking.\n"
+        "Host key verification failed.",
+    ),
     ("login", "ssh", "intruder@198.18.0.13: Permission denied (publickey)."),
     ("login", "ssh", "Received disconnect from 198.18.0.13 port 22:2: Too many authentication failures"),
     ("sudo", "sudo", "sudo: a password is required"),
@@ -72,22 +88,37 @@ def _run(tmp: Path, tool: str | None, message: str = "", *extra: str, check: boo
         p.chmod(0o755)
     (tmp / "play.yml").write_text(PLAY)
     if tool == "ssh":
-        conn = (f"ansible_connection=ssh ansible_ssh_executable={tmp / 'ssh'} ansible_host={ADDRESS} "
-                f"ansible_user={LOGIN} ansible_ssh_private_key_file={KEY} ansible_become=true")
+        conn = (
+            f"ansible_connection=ssh ansible_ssh_executable={tmp / 'ssh'} ansible_host={ADDRESS} "
+            f"ansible_user={LOGIN} ansible_ssh_private_key_file={KEY} ansible_become=true"
+        )
     elif tool == "sudo":  # local: the become is what fails (a user other than root, so it is not skipped)
-        conn = (f"ansible_connection=local ansible_become=true ansible_become_user=dsv41probe "
-                f"ansible_become_exe={tmp / 'sudo'} ansible_user={LOGIN}")
+        conn = (
+            f"ansible_connection=local ansible_become=true ansible_become_user=dsv41probe "
+            f"ansible_become_exe={tmp / 'sudo'} ansible_user={LOGIN}"
+        )
     else:
         conn = "ansible_connection=local ansible_user=root"
     (tmp / "hosts.ini").write_text(f"x86host {conn} ansible_python_interpreter=/usr/bin/python3 {' '.join(extra)}\n")
-    r = run_playbook(tmp / "hosts.ini", tmp / "play.yml", REPO, env(FAKE_MESSAGE=message, ANSIBLE_CALLBACK_RESULT_FORMAT="json"),
-                     check=check, ok=False, timeout=120)
+    r = run_playbook(
+        tmp / "hosts.ini",
+        tmp / "play.yml",
+        REPO,
+        env(FAKE_MESSAGE=message, ANSIBLE_CALLBACK_RESULT_FORMAT="json"),
+        check=check,
+        ok=False,
+        timeout=120,
+    )
     return r
 
 
 def _failure(out: str) -> str:
     """The one failure the contact reports (a become refusal's own failure is ignored, then explained)."""
-    msgs = [json.loads(ln.split(" => ", 1)[1])["msg"] for ln in out.splitlines() if ln.startswith("fatal: [x86host]: FAILED! => ")]
+    msgs = [
+        json.loads(ln.split(" => ", 1)[1])["msg"]
+        for ln in out.splitlines()
+        if ln.startswith("fatal: [x86host]: FAILED! => ")
+    ]
     ours = [m for m in msgs if m.startswith("x86host: ")]
     assert len(ours) == 1 and len(msgs) <= 2, out[-3000:]
     return ours[0]
@@ -95,8 +126,14 @@ def _failure(out: str) -> str:
 
 def _expected(cause: dict, user: str, become_user: str) -> str:
     text = cause["cause"]
-    for k, v in {"host": "x86host", "address": ADDRESS, "port": "22", "user": user, "key": KEY,
-                 "become_user": become_user}.items():
+    for k, v in {
+        "host": "x86host",
+        "address": ADDRESS,
+        "port": "22",
+        "user": user,
+        "key": KEY,
+        "become_user": become_user,
+    }.items():
         text = text.replace("{" + k + "}", v)
     return text
 
@@ -126,7 +163,9 @@ def test_each_cause_fails_the_host_with_one_line_naming_it(tmp_path, cause_id, t
 def test_a_message_no_cause_matches_still_names_the_host(tmp_path):
     r = _run(tmp_path, "ssh", "ssh: something nobody has seen before")
     msg = _failure(r.stdout)
-    assert msg.startswith("x86host: cannot be reached [") and msg.endswith("ssh: something nobody has seen before]"), msg
+    assert msg.startswith("x86host: cannot be reached [") and msg.endswith("ssh: something nobody has seen before]"), (
+        msg
+    )
 
 
 @pytest.mark.parametrize("check", [False, True])
@@ -139,4 +178,6 @@ def test_a_reachable_host_goes_on(tmp_path, check):
 def test_a_host_that_logs_in_as_someone_else_is_stopped(tmp_path):
     # become off and the login not the user the commands run as (root here): the contact says so
     r = _run(tmp_path, None, "", "ansible_become=false", "ansible_user=ops")
-    assert _failure(r.stdout) == "x86host: commands run as root, not as ops: check ansible_become and ansible_become_user"
+    assert (
+        _failure(r.stdout) == "x86host: commands run as root, not as ops: check ansible_become and ansible_become_user"
+    )

@@ -235,8 +235,13 @@ def test_hot_path_checks_match_general_path(tabs):
     ref = local(d, m)
     src = RemoteRowSource(str(ep), m, 0, 1, timeout_ms=1000, local=local(d, m))
     n1 = m.table(1).rows
-    for rows in (np.array([0, n1 - 1, 5], np.int64), np.array([3, 4], np.uint64), np.array([7, 8], np.int32),
-                 [1, 2, 3], np.arange(10, dtype=np.int64)[::3]):
+    for rows in (
+        np.array([0, n1 - 1, 5], np.int64),
+        np.array([3, 4], np.uint64),
+        np.array([7, 8], np.int32),
+        [1, 2, 3],
+        np.arange(10, dtype=np.int64)[::3],
+    ):
         buf = np.zeros((len(rows), 264), np.uint8)
         assert src.lookup(1, rows, out=buf) is buf
         np.testing.assert_array_equal(buf, ref.read(1, np.asarray(rows, np.int64)))

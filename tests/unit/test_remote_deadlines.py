@@ -32,16 +32,15 @@ def test_deadline_bounds_every_path_against_a_frozen_server(tabs):
     d, m, tables = tabs
     hung = SilentServer(tables)
     ref = local(d, m)
-    src = RemoteRowSource(f"tcp://127.0.0.1:{hung.port}", m, 0, 1, timeout_ms=5000, local=local(d, m),
-                          deadline_ms=80)
+    src = RemoteRowSource(f"tcp://127.0.0.1:{hung.port}", m, 0, 1, timeout_ms=5000, local=local(d, m), deadline_ms=80)
     assert src.connected and src.deadline_s == 0.08
     ids = [rand_rows(m, 1, 24, 1), rand_rows(m, 2, 24, 2)]
     outs = [np.zeros((24, 264), np.uint8) for _ in range(2)]
     calls = [
-        lambda: [src.lookup(2, ids[1], out=outs[1])],                       # hot path
-        lambda: src.lookup_layers([1, 2], ids, outs),                        # hot path, one request
-        lambda: src.lookup_layers([1, 2], [list(ids[0]), list(ids[1])]),     # general path
-        lambda: [src.lookup(1, rand_rows(m, 1, 40000, 3))],                  # pipelined, 3 requests
+        lambda: [src.lookup(2, ids[1], out=outs[1])],  # hot path
+        lambda: src.lookup_layers([1, 2], ids, outs),  # hot path, one request
+        lambda: src.lookup_layers([1, 2], [list(ids[0]), list(ids[1])]),  # general path
+        lambda: [src.lookup(1, rand_rows(m, 1, 40000, 3))],  # pipelined, 3 requests
     ]
     for k, call in enumerate(calls, 1):
         assert src.wait_connected(10)
@@ -104,8 +103,7 @@ def test_deadline_cuts_a_slow_pipelined_lookup_short(tabs):
     slow = SlowServer(tables, ref, 0.4)
     rows = rand_rows(m, 1, 40000, 5)
     want = ref.read(1, rows)
-    src = RemoteRowSource(f"tcp://127.0.0.1:{slow.port}", m, 0, 1, timeout_ms=1000, local=local(d, m),
-                          deadline_ms=500)
+    src = RemoteRowSource(f"tcp://127.0.0.1:{slow.port}", m, 0, 1, timeout_ms=1000, local=local(d, m), deadline_ms=500)
     got, dt = _timed(src.lookup, 1, rows)
     np.testing.assert_array_equal(got, want)
     assert 0.45 <= dt < 1.15, dt
@@ -132,8 +130,14 @@ def test_fault_delay_is_a_slow_server_inside_the_deadline(tabs):
     srv, ep = serve(tables)
     ref = local(d, m)
     rows = rand_rows(m, 2, 24, 6)
-    s = envs.parse({"DSV41_ENGRAM_REMOTE": str(ep), "DSV41_ENGRAM_FAULT_DELAY_MS": "30",
-                    "DSV41_ENGRAM_LOOKUP_DEADLINE_MS": "1000", "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "1000"})
+    s = envs.parse(
+        {
+            "DSV41_ENGRAM_REMOTE": str(ep),
+            "DSV41_ENGRAM_FAULT_DELAY_MS": "30",
+            "DSV41_ENGRAM_LOOKUP_DEADLINE_MS": "1000",
+            "DSV41_ENGRAM_REMOTE_TIMEOUT_MS": "1000",
+        }
+    )
     src = sources.from_env(m, d, 0, 1, settings=s)
     assert isinstance(src, RemoteRowSource)  # the delay lives inside the remote source
     assert src.deadline_s == 1.0 and src.fault_delay_s == 0.03
@@ -149,8 +153,7 @@ def test_fault_delay_is_a_slow_server_inside_the_deadline(tabs):
     c = src.counters()
     assert c["fallbacks"] == 0 and c["remote_rows"] == 72 and c["fault_delay_ms"] == 30.0
     src.close()
-    late = RemoteRowSource(str(ep), m, 0, 1, timeout_ms=1000, local=local(d, m), deadline_ms=100,
-                           fault_delay_ms=400)
+    late = RemoteRowSource(str(ep), m, 0, 1, timeout_ms=1000, local=local(d, m), deadline_ms=100, fault_delay_ms=400)
     got, dt = _timed(late.lookup, 2, rows)
     np.testing.assert_array_equal(got, ref.read(2, rows))
     assert 0.09 <= dt < 0.1 + 1.0, dt
@@ -163,8 +166,12 @@ def test_fault_delay_is_a_slow_server_inside_the_deadline(tabs):
 
 def test_deadline_and_fault_arguments_checked(tabs):
     d, m, tables = tabs
-    for kw, frag in (({"deadline_ms": 0}, "deadline_ms"), ({"deadline_ms": 10 ** 9}, "deadline_ms"),
-                     ({"fault_delay_ms": -1}, "fault_delay_ms"), ({"fault_delay_ms": float("nan")}, "fault_delay_ms")):
+    for kw, frag in (
+        ({"deadline_ms": 0}, "deadline_ms"),
+        ({"deadline_ms": 10**9}, "deadline_ms"),
+        ({"fault_delay_ms": -1}, "fault_delay_ms"),
+        ({"fault_delay_ms": float("nan")}, "fault_delay_ms"),
+    ):
         with pytest.raises(Dsv41Error, match=frag):
             RemoteRowSource("tcp://127.0.0.1:1", m, 0, 1, **kw)
 
@@ -184,11 +191,11 @@ def test_spin_on_and_off_give_exact_rows(tabs, server_spin: int, client_spin: in
     ids = [rand_rows(m, 1, 24, 5), rand_rows(m, 2, 96, 6)]
     outs = [np.zeros((24, 264), np.uint8), np.zeros((96, 264), np.uint8)]
     for _ in range(3):  # back to back (inside the server's spin) and after a pause (past it)
-        assert src.lookup(1, ids[0], out=outs[0]) is outs[0]                       # hot path
+        assert src.lookup(1, ids[0], out=outs[0]) is outs[0]  # hot path
         np.testing.assert_array_equal(outs[0], ref.read(1, ids[0]))
-        src.lookup_layers([1, 2], ids, outs)                                       # one request
+        src.lookup_layers([1, 2], ids, outs)  # one request
         np.testing.assert_array_equal(outs[1], ref.read(2, ids[1]))
-        big = rand_rows(m, 2, 40000, 7)                                            # pipelined
+        big = rand_rows(m, 2, 40000, 7)  # pipelined
         np.testing.assert_array_equal(src.lookup(2, big), ref.read(2, big))
         time.sleep(0.002)
     c = src.counters()
@@ -204,15 +211,16 @@ def test_deadline_honoured_while_spinning(tabs):
     d, m, tables = tabs
     hung = SilentServer(tables)
     ref = local(d, m)
-    src = RemoteRowSource(f"tcp://127.0.0.1:{hung.port}", m, 0, 1, timeout_ms=5000, local=local(d, m),
-                          deadline_ms=80, spin_us=5_000_000)
+    src = RemoteRowSource(
+        f"tcp://127.0.0.1:{hung.port}", m, 0, 1, timeout_ms=5000, local=local(d, m), deadline_ms=80, spin_us=5_000_000
+    )
     assert src._client.spin_us == 5_000_000
     ids = [rand_rows(m, 1, 24, 1), rand_rows(m, 2, 24, 2)]
     outs = [np.zeros((24, 264), np.uint8) for _ in range(2)]
     calls = [
-        lambda: [src.lookup(2, ids[1], out=outs[1])],                       # hot path
-        lambda: src.lookup_layers([1, 2], ids, outs),                        # hot path, one request
-        lambda: [src.lookup(1, rand_rows(m, 1, 40000, 3))],                  # pipelined, 3 requests
+        lambda: [src.lookup(2, ids[1], out=outs[1])],  # hot path
+        lambda: src.lookup_layers([1, 2], ids, outs),  # hot path, one request
+        lambda: [src.lookup(1, rand_rows(m, 1, 40000, 3))],  # pipelined, 3 requests
     ]
     for k, call in enumerate(calls, 1):
         assert src.wait_connected(10)

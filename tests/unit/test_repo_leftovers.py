@@ -19,9 +19,18 @@ def test_each_test_runs_in_its_own_temporary_directory(tmp_path: Path) -> None:
 
 def test_the_check_finds_what_a_run_left(tmp_path: Path) -> None:
     def git(*args):
-        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True,
-                       env=dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
-                                GIT_COMMITTER_EMAIL="t@t"))
+        subprocess.run(
+            ["git", "-C", str(tmp_path), *args],
+            check=True,
+            capture_output=True,
+            env=dict(
+                os.environ,
+                GIT_AUTHOR_NAME="t",
+                GIT_AUTHOR_EMAIL="t@t",
+                GIT_COMMITTER_NAME="t",
+                GIT_COMMITTER_EMAIL="t@t",
+            ),
+        )
 
     git("init", "-q")
     (tmp_path / ".gitignore").write_text("/windows/\n__pycache__/\n*.pyc\n")

@@ -39,9 +39,12 @@ def switch_vars() -> dict[str, dict]:
     return C.ROLE_VARS
 
 
-VARIANTS = {"production": {}, "production_capacity": CAPACITY,
-            **{name: v for name, v in switch_vars().items()},
-            "remote_drafter_from_capacity": {**CAPACITY, **switch_vars()["remote_drafter"]}}
+VARIANTS = {
+    "production": {},
+    "production_capacity": CAPACITY,
+    **{name: v for name, v in switch_vars().items()},
+    "remote_drafter_from_capacity": {**CAPACITY, **switch_vars()["remote_drafter"]},
+}
 
 PLAY = """
 - hosts: spark
@@ -66,19 +69,38 @@ TASK = """
 def rendered(tmp_path_factory) -> dict:
     """{variant: {host: {"drafter": text, "engram": text}}}, one ansible-playbook run."""
     out = tmp_path_factory.mktemp("render")
-    tasks = "".join(TASK.format(variant=v, vars=json.dumps(x), repo=REPO, out=out, role=role, tmpl=tmpl, kind=kind)
-                    for v, x in VARIANTS.items()
-                    for role, tmpl, kind in (("spec_decode", "drafter.env.j2", "drafter"),
-                                             ("engram_overlay", "engram-overlay.env.j2", "engram")))
+    tasks = "".join(
+        TASK.format(variant=v, vars=json.dumps(x), repo=REPO, out=out, role=role, tmpl=tmpl, kind=kind)
+        for v, x in VARIANTS.items()
+        for role, tmpl, kind in (
+            ("spec_decode", "drafter.env.j2", "drafter"),
+            ("engram_overlay", "engram-overlay.env.j2", "engram"),
+        )
+    )
     play = out / "play.yml"
     play.write_text(PLAY.format(repo=REPO, tasks=tasks))
     env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), PATH=f"{BIN}:{os.environ['PATH']}")
-    r = subprocess.run([str(BIN / "ansible-playbook"), "-i", str(REPO / "inventories" / "sim"), str(play),
-                        "-e", "ansible_connection=local", "-e", "dsv41_drafter_src=/nonexistent"],
-                       cwd=out, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            str(BIN / "ansible-playbook"),
+            "-i",
+            str(REPO / "inventories" / "sim"),
+            str(play),
+            "-e",
+            "ansible_connection=local",
+            "-e",
+            "dsv41_drafter_src=/nonexistent",
+        ],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    return {v: {h: {k: (out / f"{v}.{h}.{k}").read_text() for k in ("drafter", "engram")} for h in HOSTS}
-            for v in VARIANTS}
+    return {
+        v: {h: {k: (out / f"{v}.{h}.{k}").read_text() for k in ("drafter", "engram")} for h in HOSTS} for v in VARIANTS
+    }
 
 
 def parse_env(text: str) -> dict[str, str]:
@@ -91,9 +113,11 @@ def host_env(files: dict) -> dict[str, str]:
 
 
 def test_the_playbook_switches_each_component_with_role_variables():
-    assert switch_vars() == {"async_handoff": {"spec_decode_async": False},
-                             "remote_drafter": {"spec_decode_remote": False, "spec_decode_capacity_mode": False},
-                             "remote_engram": {"engram_overlay_remote": False}}
+    assert switch_vars() == {
+        "async_handoff": {"spec_decode_async": False},
+        "remote_drafter": {"spec_decode_remote": False, "spec_decode_capacity_mode": False},
+        "remote_engram": {"engram_overlay_remote": False},
+    }
     assert set(switch_vars()) == set(C.COMPONENTS)
 
 
@@ -155,17 +179,23 @@ def test_remote_engram_rollback_leaves_no_overlay_variable(rendered):
 
 def _register(env: dict) -> list[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("DSV41_", "VLLM_ENGRAM"))}
-    code = ("import sys; from dsv41.overlay import plugin, hooks; plugin.register(); "
-            "print(plugin.STATE['state'], 'torch' in sys.modules, hooks._finder in sys.meta_path)")
-    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
-                         check=True, timeout=120)
+    code = (
+        "import sys; from dsv41.overlay import plugin, hooks; plugin.register(); "
+        "print(plugin.STATE['state'], 'torch' in sys.modules, hooks._finder in sys.meta_path)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, check=True, timeout=120
+    )
     return out.stdout.split()
 
 
 def test_the_overlay_is_inert_once_its_variables_are_unset(rendered):
     # remote Engram and remote drafter both rolled back: nothing of the overlay remains set
     for h in HOSTS:
-        env = {**parse_env(rendered["remote_drafter"][h]["drafter"]), **parse_env(rendered["remote_engram"][h]["engram"])}
+        env = {
+            **parse_env(rendered["remote_drafter"][h]["drafter"]),
+            **parse_env(rendered["remote_engram"][h]["engram"]),
+        }
         assert not S.parse(env).active
         assert _register(env) == ["inert", "False", "False"]
     # one of the two rolled back: the overlay keeps only the other one
@@ -176,13 +206,26 @@ def test_the_overlay_is_inert_once_its_variables_are_unset(rendered):
 
 
 def test_unknown_component_fails_on_the_first_play_with_one_line(tmp_path):
-    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), PATH=f"{BIN}:{os.environ['PATH']}",
-               ANSIBLE_FORCE_COLOR="0", NO_COLOR="1")
+    env = dict(
+        os.environ,
+        ANSIBLE_CONFIG=str(REPO / "ansible.cfg"),
+        PATH=f"{BIN}:{os.environ['PATH']}",
+        ANSIBLE_FORCE_COLOR="0",
+        NO_COLOR="1",
+    )
     for extra in (["-e", "component=bogus"], []):
-        r = subprocess.run([str(BIN / "ansible-playbook"), "playbooks/rollback_component.yml", *extra], cwd=REPO,
-                           env=env, capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [str(BIN / "ansible-playbook"), "playbooks/rollback_component.yml", *extra],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == 2, r.stdout[-2000:]
-        assert "unknown component" in r.stdout and "choose one of async_handoff, remote_drafter, remote_engram" in r.stdout
+        assert (
+            "unknown component" in r.stdout and "choose one of async_handoff, remote_drafter, remote_engram" in r.stdout
+        )
         # nothing ran past the name check: no other play started
         assert "Rollback component | boilerplate" not in r.stdout and "Boilerplate" not in r.stdout
         assert r.stdout.count("PLAY [") == 1

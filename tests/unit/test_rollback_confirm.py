@@ -34,8 +34,13 @@ WRAP = """
 
 
 def _env() -> dict:
-    return dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), PATH=f"{BIN}:{os.environ['PATH']}",
-                ANSIBLE_FORCE_COLOR="0", NO_COLOR="1")
+    return dict(
+        os.environ,
+        ANSIBLE_CONFIG=str(REPO / "ansible.cfg"),
+        PATH=f"{BIN}:{os.environ['PATH']}",
+        ANSIBLE_FORCE_COLOR="0",
+        NO_COLOR="1",
+    )
 
 
 @pytest.fixture
@@ -77,8 +82,15 @@ def test_yes_at_the_prompt_proceeds(wrapped):
 @pytest.mark.parametrize("flag", ["rollback_confirmation=yes", '{"rollback_confirmation": true}'])
 def test_the_flag_skips_the_question_and_proceeds(wrapped, flag):
     play, marker = wrapped
-    r = subprocess.run(_cmd(play, "-e", flag), cwd=REPO, env=_env(), capture_output=True, text=True,
-                       stdin=subprocess.DEVNULL, timeout=120)
+    r = subprocess.run(
+        _cmd(play, "-e", flag),
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout[-2000:]
     assert "Type 'yes'" not in r.stdout and marker.exists()
 
@@ -86,8 +98,9 @@ def test_the_flag_skips_the_question_and_proceeds(wrapped, flag):
 @pytest.mark.parametrize("extra", [[], ["-e", "rollback_confirmation=no"]])
 def test_without_a_terminal_or_with_another_answer_it_fails_with_one_line(wrapped, extra):
     play, marker = wrapped
-    r = subprocess.run(_cmd(play, *extra), cwd=REPO, env=_env(), capture_output=True, text=True,
-                       stdin=subprocess.DEVNULL, timeout=120)
+    r = subprocess.run(
+        _cmd(play, *extra), cwd=REPO, env=_env(), capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120
+    )
     assert r.returncode == 2 and not marker.exists()
     errors = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("[ERROR]")]
     assert len(errors) == 1 and LINE in errors[0] and errors[0].endswith("-e rollback_confirmation=yes")
@@ -95,8 +108,15 @@ def test_without_a_terminal_or_with_another_answer_it_fails_with_one_line(wrappe
 
 def test_check_mode_does_not_ask(wrapped):
     play, _ = wrapped
-    r = subprocess.run(_cmd(play, "--check"), cwd=REPO, env=_env(), capture_output=True, text=True,
-                       stdin=subprocess.DEVNULL, timeout=120)
+    r = subprocess.run(
+        _cmd(play, "--check"),
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=120,
+    )
     assert r.returncode == 0 and LINE not in r.stdout
 
 
@@ -109,8 +129,15 @@ def test_each_rollback_entry_point_confirms_right_after_its_input_check(playbook
 
 def test_a_bare_rollback_without_a_terminal_stops_before_any_host(tmp_path):
     """The operator's entry point itself: nothing past the confirmation runs."""
-    r = subprocess.run([str(BIN / "ansible-playbook"), "rollback.yml", "-e", f"promotion_root={tmp_path}"],
-                       cwd=REPO, env=_env(), capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
+    r = subprocess.run(
+        [str(BIN / "ansible-playbook"), "rollback.yml", "-e", f"promotion_root={tmp_path}"],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=300,
+    )
     assert r.returncode == 2, r.stdout[-2000:]
     assert [ln for ln in r.stdout.splitlines() if LINE in ln]
     started = [ln for ln in r.stdout.splitlines() if ln.startswith("PLAY [")]

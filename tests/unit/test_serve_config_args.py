@@ -55,19 +55,23 @@ def test_hostile_values_reach_docker_and_vllm_as_the_same_arguments(renderer) ->
         argv = systemd_argv(unit_key(r.render(host).files[SERVE_UNIT], "ExecStart")[0])
         image = r.var(host, "serve_image")
         i = argv.index(image)
-        assert argv[i - len(tab_free) - 1:i] == ["--label", *tab_free], argv[:i]
-        assert argv[-len(tab_free):] == tab_free, argv[-len(tab_free) - 4:]
+        assert argv[i - len(tab_free) - 1 : i] == ["--label", *tab_free], argv[:i]
+        assert argv[-len(tab_free) :] == tab_free, argv[-len(tab_free) - 4 :]
 
 
-@pytest.mark.skipif(SYSTEM_UNITS is None or shutil.which("systemd-analyze") is None,
-                    reason="needs systemd-analyze and the system's units (Debian package systemd)")
+@pytest.mark.skipif(
+    SYSTEM_UNITS is None or shutil.which("systemd-analyze") is None,
+    reason="needs systemd-analyze and the system's units (Debian package systemd)",
+)
 def test_a_unit_with_hostile_values_passes_systemd_analyze(renderer, tmp_path, capsys) -> None:
     tab_free = [h for h in HOSTILE if "\t" not in h]
     text = renderer.variant({"serve_vllm_args": tab_free}).render("sparkhead").files[SERVE_UNIT]
     root = stub_root(tmp_path / "root", [text])
     f = tmp_path / "dsv41-serve.service"
     f.write_text(text)
-    assert main(["env", "unit", str(f), "--name", "dsv41-serve.service", "--root", str(root)]) == 0, capsys.readouterr().err
+    assert main(["env", "unit", str(f), "--name", "dsv41-serve.service", "--root", str(root)]) == 0, (
+        capsys.readouterr().err
+    )
 
 
 def test_production_has_nothing_to_refuse(renderer) -> None:
@@ -99,16 +103,31 @@ def test_a_value_of_the_wrong_shape_is_refused_in_one_line_naming_it(renderer, n
     assert len(got) == 1 and needle in got[0] and "\n" not in got[0], got
 
 
-GOOD = {"serve_vllm_gpu_memory_utilization": "0.85", "serve_vllm_quantization": "exl3", "serve_vllm_shutdown_timeout": "",
-        "serve_vllm_kv_cache_gib": "", "serve_vllm_max_model_len": 0, "serve_vllm_max_num_queued_reqs": 12,
-        "serve_vllm_args": ["--enforce-eager"]}
+GOOD = {
+    "serve_vllm_gpu_memory_utilization": "0.85",
+    "serve_vllm_quantization": "exl3",
+    "serve_vllm_shutdown_timeout": "",
+    "serve_vllm_kv_cache_gib": "",
+    "serve_vllm_max_model_len": 0,
+    "serve_vllm_max_num_queued_reqs": 12,
+    "serve_vllm_args": ["--enforce-eager"],
+}
 
 
 def test_the_accepted_shapes_render_as_documented(renderer) -> None:
     assert problems(renderer, GOOD) == []
     args = renderer.variant(GOOD).var("sparkhead", "serve_vllm_config_args")
-    assert args == ["--max-num-seqs", "4", "--gpu-memory-utilization", "0.85", "--quantization", "exl3",
-                    "--max-num-queued-reqs", "12", "--enforce-eager"], args
+    assert args == [
+        "--max-num-seqs",
+        "4",
+        "--gpu-memory-utilization",
+        "0.85",
+        "--quantization",
+        "exl3",
+        "--max-num-queued-reqs",
+        "12",
+        "--enforce-eager",
+    ], args
 
 
 def test_the_lab_engine_gets_no_vllm_configuration_and_no_extra_docker_argument(renderer) -> None:
@@ -120,17 +139,34 @@ def test_the_lab_engine_gets_no_vllm_configuration_and_no_extra_docker_argument(
 
 def test_ansible_playbook_runs_the_refusal(tmp_path) -> None:
     """The task as ansible-playbook runs it: one failure line naming every bad value."""
-    play = [{"hosts": "localhost", "gather_facts": False, "connection": "local",
-             "vars_files": [str(REPO / f) for f in ("roles/dsv41/defaults/main.yml", "roles/serve/defaults/main.yml",
-                                                   "roles/serve/vars/main.yml")],
-             "tasks": [_refusal_task()]}]
+    play = [
+        {
+            "hosts": "localhost",
+            "gather_facts": False,
+            "connection": "local",
+            "vars_files": [
+                str(REPO / f)
+                for f in ("roles/dsv41/defaults/main.yml", "roles/serve/defaults/main.yml", "roles/serve/vars/main.yml")
+            ],
+            "tasks": [_refusal_task()],
+        }
+    ]
     (tmp_path / "play.yml").write_text(yaml.safe_dump(play, sort_keys=False))
     bindir = Path(sys.executable).parent
     env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), PATH=f"{bindir}:{os.environ['PATH']}")
-    extra = {"serve_vllm_max_num_seqs": "four", "serve_vllm_shutdown_timeout": 90,
-             "ansible_python_interpreter": sys.executable}
-    r = subprocess.run([str(bindir / "ansible-playbook"), "-i", "localhost,", str(tmp_path / "play.yml"),
-                        "-e", json.dumps(extra)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    extra = {
+        "serve_vllm_max_num_seqs": "four",
+        "serve_vllm_shutdown_timeout": 90,
+        "ansible_python_interpreter": sys.executable,
+    }
+    r = subprocess.run(
+        [str(bindir / "ansible-playbook"), "-i", "localhost,", str(tmp_path / "play.yml"), "-e", json.dumps(extra)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     msg = [ln for ln in r.stdout.splitlines() if ln.startswith("[ERROR]") and "serve_vllm_max_num_seqs" in ln]
     assert len(msg) == 1 and "serve_vllm_shutdown_timeout" in msg[0] and "not four" in msg[0], r.stdout[-2000:]

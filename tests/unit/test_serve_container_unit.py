@@ -42,22 +42,61 @@ def _service_vars() -> dict:
 def render(tmp: Path, name: str, **extra) -> str:
     """The systemd unit of one rank with ``extra`` variables (over a fixed Spark context)."""
     out = tmp / f"{name}.service"
-    play = [{"hosts": "localhost", "gather_facts": False, "connection": "local",
-             "vars_files": [str(REPO / f) for f in ("roles/dsv41/defaults/main.yml", "roles/serve/defaults/main.yml",
-                                                   "roles/serve/vars/main.yml", "roles/dsv41_service/defaults/main.yml")],
-             "tasks": [{"name": "Render", "vars": {**_service_vars(), "serve_inputs_sha256": "0" * 64},
-                        "ansible.builtin.template": {"src": str(REPO / "roles/dsv41_service/templates/systemd.service.j2"),
-                                                     "dest": str(out), "mode": "0644"}}]}]
+    play = [
+        {
+            "hosts": "localhost",
+            "gather_facts": False,
+            "connection": "local",
+            "vars_files": [
+                str(REPO / f)
+                for f in (
+                    "roles/dsv41/defaults/main.yml",
+                    "roles/serve/defaults/main.yml",
+                    "roles/serve/vars/main.yml",
+                    "roles/dsv41_service/defaults/main.yml",
+                )
+            ],
+            "tasks": [
+                {
+                    "name": "Render",
+                    "vars": {**_service_vars(), "serve_inputs_sha256": "0" * 64},
+                    "ansible.builtin.template": {
+                        "src": str(REPO / "roles/dsv41_service/templates/systemd.service.j2"),
+                        "dest": str(out),
+                        "mode": "0644",
+                    },
+                }
+            ],
+        }
+    ]
     (tmp / f"{name}.yml").write_text(yaml.safe_dump(play, sort_keys=False))
-    fixed = {"dsv41_rank": 0, "serve_master_address": "198.18.3.1",
-             "serve_host": "198.18.0.11", "serve_fabric_ifname": "fab0", "serve_engram_remote": False,
-             "serve_drafter_remote": False, "serve_overlay_site": "/opt/dsv41/overlay/site-0123456789abcdef",
-             "ansible_python_interpreter": sys.executable}
+    fixed = {
+        "dsv41_rank": 0,
+        "serve_master_address": "198.18.3.1",
+        "serve_host": "198.18.0.11",
+        "serve_fabric_ifname": "fab0",
+        "serve_engram_remote": False,
+        "serve_drafter_remote": False,
+        "serve_overlay_site": "/opt/dsv41/overlay/site-0123456789abcdef",
+        "ansible_python_interpreter": sys.executable,
+    }
     bindir = Path(sys.executable).parent
     env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), PATH=f"{bindir}:{os.environ['PATH']}")
-    r = subprocess.run([str(bindir / "ansible-playbook"), "-i", "localhost,", str(tmp / f"{name}.yml"),
-                        "-e", json.dumps({**fixed, **extra})], cwd=tmp, env=env, capture_output=True, text=True,
-                       timeout=180)
+    r = subprocess.run(
+        [
+            str(bindir / "ansible-playbook"),
+            "-i",
+            "localhost,",
+            str(tmp / f"{name}.yml"),
+            "-e",
+            json.dumps({**fixed, **extra}),
+        ],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     return out.read_text()
 
@@ -68,9 +107,18 @@ def _key(text: str, key: str) -> str:
     return lines[0]
 
 
-CASES = {f"{rt}-rank{rank}-gpus{g}": {"serve_runtime": rt, "serve_container": True, "serve_image": RUNTIMES[rt],
-                                      "dsv41_rank": rank, "dsv41_gpus": g}
-         for rt in RUNTIMES for rank in (0, 1) for g in (0, 1)}
+CASES = {
+    f"{rt}-rank{rank}-gpus{g}": {
+        "serve_runtime": rt,
+        "serve_container": True,
+        "serve_image": RUNTIMES[rt],
+        "dsv41_rank": rank,
+        "dsv41_gpus": g,
+    }
+    for rt in RUNTIMES
+    for rank in (0, 1)
+    for g in (0, 1)
+}
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +134,11 @@ def test_the_container_unit(units, name) -> None:
     assert " ".join(argv).startswith(PREFIX), argv[:12]
     assert ("--gpus" in argv) == (case["dsv41_gpus"] > 0) and argv.count("--gpus") <= 1
     mounts = [argv[i + 1] for i, a in enumerate(argv) if a == "-v"]
-    for ro in ("/opt/dsv41/runtime:/opt/dsv41/runtime:ro", "/opt/dsv41/tables:/opt/dsv41/tables:ro",
-               "/opt/dsv41/model:/model:ro"):
+    for ro in (
+        "/opt/dsv41/runtime:/opt/dsv41/runtime:ro",
+        "/opt/dsv41/tables:/opt/dsv41/tables:ro",
+        "/opt/dsv41/model:/model:ro",
+    ):
         assert ro in mounts, (ro, mounts)
     env_files = [argv[i + 1] for i, a in enumerate(argv) if a == "--env-file"]
     assert env_files == ["/etc/dsv41/engram-overlay.env", "/etc/dsv41/drafter.env", "/etc/dsv41/serve.env"]
@@ -109,26 +160,32 @@ def test_the_runtimes_differ_only_in_the_image_and_its_arguments(units) -> None:
     for g in (0, 1):
         lab = shlex.split(_key(units[f"lab-rank1-gpus{g}"], "ExecStart"))
         vllm = shlex.split(_key(units[f"vllm-rank1-gpus{g}"], "ExecStart"))
-        prefix = lab[:lab.index(LAB_ID)]
-        assert vllm[:len(prefix)] == prefix
-        assert vllm[len(prefix):vllm.index(VLLM_DIGEST)] == VLLM_EXTRA
+        prefix = lab[: lab.index(LAB_ID)]
+        assert vllm[: len(prefix)] == prefix
+        assert vllm[len(prefix) : vllm.index(VLLM_DIGEST)] == VLLM_EXTRA
 
 
 def test_the_plain_process_stays_for_the_netns_lab(tmp_path) -> None:
     text = render(tmp_path, "plain", serve_runtime="lab", serve_container=False)
-    assert _key(text, "ExecStart").startswith("/opt/dsv41/venv/bin/dsv41 engine serve --config /opt/dsv41/model/config.json")
+    assert _key(text, "ExecStart").startswith(
+        "/opt/dsv41/venv/bin/dsv41 engine serve --config /opt/dsv41/model/config.json"
+    )
     assert "ExecStop=" not in text and "docker" not in text
 
 
-@pytest.mark.skipif(SYSTEM_UNITS is None or shutil.which("systemd-analyze") is None,
-                    reason="needs systemd-analyze and the system's units (Debian package systemd)")
+@pytest.mark.skipif(
+    SYSTEM_UNITS is None or shutil.which("systemd-analyze") is None,
+    reason="needs systemd-analyze and the system's units (Debian package systemd)",
+)
 def test_every_container_unit_passes_dsv41_env_unit(units, tmp_path, capsys) -> None:
     root = stub_root(tmp_path / "root", list(units.values()))
     for name, text in sorted(units.items()):
         f = tmp_path / f"{name}.unit"
         f.write_text(text)
-        assert main(["env", "unit", str(f), "--name", "dsv41-serve.service", "--root", str(root)]) == 0, \
-            (name, capsys.readouterr().err)
+        assert main(["env", "unit", str(f), "--name", "dsv41-serve.service", "--root", str(root)]) == 0, (
+            name,
+            capsys.readouterr().err,
+        )
     # not vacuous: the same unit with a bad value fails in the same root
     bad = tmp_path / "bad.unit"
     bad.write_text(units["lab-rank0-gpus0"].replace("TimeoutStopSec=60", "TimeoutStopSec=sixty"))
@@ -147,11 +204,22 @@ def test_env_unit_refuses_a_root_that_is_not_a_directory(tmp_path, capsys) -> No
 DRAFTER_MOUNT = "/opt/dsv41/drafter:/opt/dsv41/drafter:ro"
 #: Drafting on for each runtime (the lab engine drafts in-process; vLLM through the remote drafter),
 #: times the rank, times which ranks hold the drafter files (spec_decode_ranks).
-DRAFTER_CASES = {f"{rt}-rank{rank}-ranks{''.join(map(str, ranks))}":
-                 {"serve_runtime": rt, "serve_container": True, "serve_image": RUNTIMES[rt], "dsv41_rank": rank,
-                  "dsv41_gpus": 0, "spec_decode_enabled": True, "spec_decode_ranks": ranks, "dsv41_mgmt_address": "192.0.2.10",
-                  "serve_drafter_remote": rt == "vllm"}
-                 for rt in RUNTIMES for rank in (0, 1) for ranks in ([0], [0, 1])}
+DRAFTER_CASES = {
+    f"{rt}-rank{rank}-ranks{''.join(map(str, ranks))}": {
+        "serve_runtime": rt,
+        "serve_container": True,
+        "serve_image": RUNTIMES[rt],
+        "dsv41_rank": rank,
+        "dsv41_gpus": 0,
+        "spec_decode_enabled": True,
+        "spec_decode_ranks": ranks,
+        "dsv41_mgmt_address": "192.0.2.10",
+        "serve_drafter_remote": rt == "vllm",
+    }
+    for rt in RUNTIMES
+    for rank in (0, 1)
+    for ranks in ([0], [0, 1])
+}
 
 
 @pytest.fixture(scope="module")

@@ -26,19 +26,35 @@ VLLM = {"Id": B, "RepoTags": ["vllm/vllm-openai:v0.33.0"], "RepoDigests": [f"vll
 OTHER = {"Id": "sha256:" + "c" * 64, "RepoTags": ["debian:12"], "RepoDigests": []}
 
 
-@pytest.mark.parametrize("pin, kind, repo", [
-    (A, "id", ""),
-    (f"vllm/vllm-openai@{DA}", "digest", "vllm/vllm-openai"),
-    (f"registry.local:5000/team/vllm@{DA}", "digest", "registry.local:5000/team/vllm"),
-])
+@pytest.mark.parametrize(
+    "pin, kind, repo",
+    [
+        (A, "id", ""),
+        (f"vllm/vllm-openai@{DA}", "digest", "vllm/vllm-openai"),
+        (f"registry.local:5000/team/vllm@{DA}", "digest", "registry.local:5000/team/vllm"),
+    ],
+)
 def test_pins(pin, kind, repo) -> None:
     p = S.parse_pin(pin)
     assert (p.kind, p.repo, p.value) == (kind, repo, pin)
 
 
-@pytest.mark.parametrize("pin", ["", "  ", "CHANGE_ME", "vllm/vllm-openai:latest", "dsv41-serve:0123456789abcdef",
-                                 "sha256:" + "a" * 12, "a" * 64, "@" + DA, "sha256:" + "A" * 64,
-                                 f"vllm/vllm-openai@{DA[:-1]}", f"vllm/vllm-openai:v1@{DA}x"])
+@pytest.mark.parametrize(
+    "pin",
+    [
+        "",
+        "  ",
+        "CHANGE_ME",
+        "vllm/vllm-openai:latest",
+        "dsv41-serve:0123456789abcdef",
+        "sha256:" + "a" * 12,
+        "a" * 64,
+        "@" + DA,
+        "sha256:" + "A" * 64,
+        f"vllm/vllm-openai@{DA[:-1]}",
+        f"vllm/vllm-openai:v1@{DA}x",
+    ],
+)
 def test_non_pins_are_refused(pin) -> None:
     with pytest.raises(ConfigError):
         S.parse_pin(pin)
@@ -75,10 +91,13 @@ def test_the_tag_alone_does_not_count_for_a_digest_pin() -> None:
     assert "vllm/vllm-openai:v0.33.0 = " + B in str(e.value)
 
 
-@pytest.mark.parametrize("images, repository, expect", [
-    ([], "", "no image with that ID (0 image(s) in all)"),
-    ([OTHER], "dsv41-serve", "no image of dsv41-serve (1 image(s) in all)"),
-])
+@pytest.mark.parametrize(
+    "images, repository, expect",
+    [
+        ([], "", "no image with that ID (0 image(s) in all)"),
+        ([OTHER], "dsv41-serve", "no image of dsv41-serve (1 image(s) in all)"),
+    ],
+)
 def test_nothing_of_the_repository(images, repository, expect) -> None:
     with pytest.raises(VerificationError) as e:
         S.check(A, images, "sparkhead", repository=repository)
@@ -86,6 +105,7 @@ def test_nothing_of_the_repository(images, repository, expect) -> None:
 
 
 # --- the CLI against a stand-in docker ------------------------------------------------------
+
 
 def fake_docker(tmp_path: Path, images: list[dict] | None, mode: str = "ok") -> Path:
     """An executable that answers ``image ls -q --no-trunc`` and ``image inspect ID...`` from
@@ -136,10 +156,13 @@ def test_cli_absent_is_one_line_naming_host_pin_and_found(tmp_path, capsys) -> N
     assert "sparkhead" in lines[0] and B in lines[0] and f"dsv41-serve:0123456789abcdef = {A}" in lines[0]
 
 
-@pytest.mark.parametrize("mode, expect", [
-    ("down", "Cannot connect to the Docker daemon"),
-    ("garbage", "not JSON"),
-])
+@pytest.mark.parametrize(
+    "mode, expect",
+    [
+        ("down", "Cannot connect to the Docker daemon"),
+        ("garbage", "not JSON"),
+    ],
+)
 def test_cli_docker_failures_are_one_line(tmp_path, capsys, mode, expect) -> None:
     rc, _, err = run_cli(capsys, A, fake_docker(tmp_path, [LAB], mode))
     lines = err.strip().splitlines()
@@ -169,7 +192,7 @@ def test_cli_no_images(tmp_path, capsys) -> None:
 
 def test_list_images_refuses_a_non_list(tmp_path) -> None:
     exe = tmp_path / "docker"
-    exe.write_text("#!/bin/sh\n[ \"$2\" = ls ] && echo " + A + " || echo '{\"Id\": 1}'\n")
+    exe.write_text('#!/bin/sh\n[ "$2" = ls ] && echo ' + A + " || echo '{\"Id\": 1}'\n")
     exe.chmod(0o755)
     with pytest.raises(Dsv41Error, match="not a list"):
         S.list_images(str(exe))

@@ -72,10 +72,19 @@ def test_pair_restart_order(tmp_path, check):
     _Health.seen, _Health.state = [], states["sparkhead"]
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Health)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    inv = {"all": {"vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
-                            "dsv41_service_manager": "systemd"},
-                   "children": {"spark": {"hosts": {"sparkhead": {"dsv41_rank": 0}, "sparkworker": {"dsv41_rank": 1}}},
-                                 "offload": {"hosts": {"x86host": {}}}}}}
+    inv = {
+        "all": {
+            "vars": {
+                "ansible_connection": "local",
+                "ansible_python_interpreter": sys.executable,
+                "dsv41_service_manager": "systemd",
+            },
+            "children": {
+                "spark": {"hosts": {"sparkhead": {"dsv41_rank": 0}, "sparkworker": {"dsv41_rank": 1}}},
+                "offload": {"hosts": {"x86host": {}}},
+            },
+        }
+    }
     (tmp_path / "hosts.yml").write_text(yaml.safe_dump(inv))
     (tmp_path / "play.yml").write_text(PAIR_PLAY.format(tmp=tmp_path, port=srv.server_address[1]))
     try:
@@ -90,8 +99,12 @@ def test_pair_restart_order(tmp_path, check):
     start1 = calls.index("sparkworker start dsv41-serve")
     start0 = calls.index("sparkhead start dsv41-serve")
     assert len(stops) == 2 and max(stops) < start1 < start0, calls
-    assert set(calls) == {"sparkhead stop dsv41-serve", "sparkworker stop dsv41-serve",
-                          "sparkworker start dsv41-serve", "sparkhead start dsv41-serve"}, calls
+    assert set(calls) == {
+        "sparkhead stop dsv41-serve",
+        "sparkworker stop dsv41-serve",
+        "sparkworker start dsv41-serve",
+        "sparkhead start dsv41-serve",
+    }, calls
     assert _Health.seen and _Health.seen[0] == ("/health", True)
     assert all(json.loads(p.read_text())["units"]["dsv41-serve"]["ActiveState"] == "active" for p in states.values())
 
@@ -109,20 +122,35 @@ class _Unhealthy(BaseHTTPRequestHandler):
 
 
 def test_rank_0_not_healthy_within_the_budget_names_unit_rank_and_journal_on_each_rank(tmp_path):
-    journals = {"sparkhead": ["vllm: loading weights", "RuntimeError: CUDA out of memory"],
-                "sparkworker": ["vllm: waiting for rank 0 at the rendezvous"]}
+    journals = {
+        "sparkhead": ["vllm: loading weights", "RuntimeError: CUDA out of memory"],
+        "sparkworker": ["vllm: waiting for rank 0 at the rendezvous"],
+    }
     for h, lines in journals.items():
-        (tmp_path / f"{h}.json").write_text(json.dumps({"units": {"dsv41-serve": {
-            "ActiveState": "active", "NeedDaemonReload": "no", "journal": lines}}}))
+        (tmp_path / f"{h}.json").write_text(
+            json.dumps(
+                {"units": {"dsv41-serve": {"ActiveState": "active", "NeedDaemonReload": "no", "journal": lines}}}
+            )
+        )
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Unhealthy)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    inv = {"all": {"vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
-                            "dsv41_service_manager": "systemd"},
-                   "children": {"spark": {"hosts": {"sparkhead": {"dsv41_rank": 0}, "sparkworker": {"dsv41_rank": 1}}},
-                                 "offload": {"hosts": {"x86host": {}}}}}}
+    inv = {
+        "all": {
+            "vars": {
+                "ansible_connection": "local",
+                "ansible_python_interpreter": sys.executable,
+                "dsv41_service_manager": "systemd",
+            },
+            "children": {
+                "spark": {"hosts": {"sparkhead": {"dsv41_rank": 0}, "sparkworker": {"dsv41_rank": 1}}},
+                "offload": {"hosts": {"x86host": {}}},
+            },
+        }
+    }
     (tmp_path / "hosts.yml").write_text(yaml.safe_dump(inv))
     play = PAIR_PLAY.format(tmp=tmp_path, port=srv.server_address[1]).replace(
-        "serve_health_retries: 5", "serve_health_retries: 2\n        serve_health_delay: 1")
+        "serve_health_retries: 5", "serve_health_retries: 2\n        serve_health_delay: 1"
+    )
     (tmp_path / "play.yml").write_text(play)
     try:
         r = run_playbook(tmp_path / "hosts.yml", tmp_path / "play.yml", tmp_path, env(fake_bin(tmp_path)), ok=False)

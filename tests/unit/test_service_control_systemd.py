@@ -30,19 +30,54 @@ CASES = {
     "stop_inactive_is_a_noop": ({"a": (I, "no")}, "stop", ["a"], False, {"a": I}, False, []),
     "start_inactive": ({"a": (I, "no")}, "start", ["a"], False, {"a": A}, True, ["start a"]),
     "start_active_is_a_noop": ({"a": (A, "no")}, "start", ["a"], False, {"a": A}, False, []),
-    "start_a_changed_unit_reloads_first": ({"a": (I, "yes")}, "start", ["a"], False, {"a": A}, True,
-                                           ["daemon-reload", "start a"]),
-    "restart_reloads_once_for_two_units": ({"a": (A, "yes"), "b": (A, "yes")}, "restart", ["a", "b"], False,
-                                           {"a": A, "b": A}, True, ["daemon-reload", "restart a", "restart b"]),
-    "start_failed_clears_the_start_limit_first": ({"a": ("failed", "no")}, "start", ["a"], False, {"a": A}, True,
-                                                  ["reset-failed -- a", "start a"]),
+    "start_a_changed_unit_reloads_first": (
+        {"a": (I, "yes")},
+        "start",
+        ["a"],
+        False,
+        {"a": A},
+        True,
+        ["daemon-reload", "start a"],
+    ),
+    "restart_reloads_once_for_two_units": (
+        {"a": (A, "yes"), "b": (A, "yes")},
+        "restart",
+        ["a", "b"],
+        False,
+        {"a": A, "b": A},
+        True,
+        ["daemon-reload", "restart a", "restart b"],
+    ),
+    "start_failed_clears_the_start_limit_first": (
+        {"a": ("failed", "no")},
+        "start",
+        ["a"],
+        False,
+        {"a": A},
+        True,
+        ["reset-failed -- a", "start a"],
+    ),
     "stop_failed_keeps_it_failed": ({"a": ("failed", "no")}, "stop", ["a"], False, {"a": "failed"}, False, []),
     "restart_inactive_starts": ({"a": (I, "no")}, "restart", ["a"], False, {"a": A}, True, ["start a"]),
     "restart_probe_reports_no_change": ({"a": (A, "no")}, "restart", ["a"], True, {"a": A}, False, ["restart a"]),
-    "kill_sets_the_states": ({"a": (A, "no")}, "kill", ["a"], False, {"a": "activating"}, True,
-                             ["kill --signal=KILL -- a"]),
-    "status_only_reads": ({"a": (A, "yes"), "b": (I, "no")}, "status", ["a", "b", "c"], False,
-                          {"a": A, "b": I, "c": I}, False, []),
+    "kill_sets_the_states": (
+        {"a": (A, "no")},
+        "kill",
+        ["a"],
+        False,
+        {"a": "activating"},
+        True,
+        ["kill --signal=KILL -- a"],
+    ),
+    "status_only_reads": (
+        {"a": (A, "yes"), "b": (I, "no")},
+        "status",
+        ["a", "b", "c"],
+        False,
+        {"a": A, "b": I, "c": I},
+        False,
+        [],
+    ),
 }
 MUTATING = ("start", "stop", "restart", "kill", "daemon-reload", "reset-failed", "enable", "disable")
 
@@ -81,11 +116,16 @@ def _run_case(tmp: Path, case: str, check: bool) -> tuple[dict, list[str]]:
     d = tmp / case
     d.mkdir()
     state = d / "state.json"
-    state.write_text(json.dumps({"units": {n: {"ActiveState": s, "NeedDaemonReload": r} for n, (s, r) in before.items()}}))
+    state.write_text(
+        json.dumps({"units": {n: {"ActiveState": s, "NeedDaemonReload": r} for n, (s, r) in before.items()}})
+    )
     Path(str(state) + ".log").write_text("")
     out = d / "out.json"
-    (d / "play.yml").write_text(play("systemd", TASK.format(
-        case=case, names=json.dumps(names), action=action, probe=str(probe).lower(), out=out)))
+    (d / "play.yml").write_text(
+        play(
+            "systemd", TASK.format(case=case, names=json.dumps(names), action=action, probe=str(probe).lower(), out=out)
+        )
+    )
     run_playbook("localhost,", d / "play.yml", d, _env(d, state), check=check)
     return json.loads(out.read_text()), _calls(state)
 
@@ -104,8 +144,16 @@ def test_control_systemd(tmp_path, case):
     assert res["changed"] is changed
 
 
-@pytest.mark.parametrize("case", ["stop_active", "start_a_changed_unit_reloads_first", "kill_sets_the_states",
-                                  "restart_reloads_once_for_two_units", "status_only_reads"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "stop_active",
+        "start_a_changed_unit_reloads_first",
+        "kill_sets_the_states",
+        "restart_reloads_once_for_two_units",
+        "status_only_reads",
+    ],
+)
 def test_check_mode_makes_no_mutating_call(tmp_path, case):
     before, *_ = CASES[case]
     res, made = _run_case(tmp_path, case, check=True)
@@ -137,8 +185,21 @@ def test_a_failed_readiness_wait_names_the_unit_and_its_last_journal_lines(tmp_p
         port = s.getsockname()[1]
     state = tmp_path / "state.json"
     journal = [f"line {i}" for i in range(5)] + ["dsv41: DSV41_METRICS_MAX_CONNECTIONS: not an integer: 'many'"]
-    state.write_text(json.dumps({"units": {"dsv41-bad": {"ActiveState": "failed", "NeedDaemonReload": "no",
-                                                         "NRestarts": 5, "Result": "exit-code", "journal": journal}}}))
+    state.write_text(
+        json.dumps(
+            {
+                "units": {
+                    "dsv41-bad": {
+                        "ActiveState": "failed",
+                        "NeedDaemonReload": "no",
+                        "NRestarts": 5,
+                        "Result": "exit-code",
+                        "journal": journal,
+                    }
+                }
+            }
+        )
+    )
     Path(str(state) + ".log").write_text("")
     (tmp_path / "play.yml").write_text(play("systemd", WAIT_TASKS.format(port=port)))
     r = run_playbook("localhost,", tmp_path / "play.yml", tmp_path, _env(tmp_path, state), timeout=300, ok=False)

@@ -104,6 +104,7 @@ def test_shell_body_is_shellcheck_clean(rel, name, shell, body, tmp_path):
     """shellcheck finds nothing in the rendered body, with the task's own shell."""
     script = tmp_path / "body.sh"
     script.write_text(render(body))
-    proc = subprocess.run([_shellcheck(), f"--shell={shell}", "-f", "gcc", str(script)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [_shellcheck(), f"--shell={shell}", "-f", "gcc", str(script)], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, f"{rel}: task {name!r} ({shell}):\n{proc.stdout}{proc.stderr}"

@@ -52,9 +52,13 @@ def _writer_functions() -> set[tuple[str, str]]:
                 if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     continue
                 for node in ast.walk(fn):
-                    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                            and isinstance(node.func.value, ast.Name) and node.func.value.id == "fileio"
-                            and node.func.attr in WRITER_CALLS):
+                    if (
+                        isinstance(node, ast.Call)
+                        and isinstance(node.func, ast.Attribute)
+                        and isinstance(node.func.value, ast.Name)
+                        and node.func.value.id == "fileio"
+                        and node.func.attr in WRITER_CALLS
+                    ):
                         found.add((f"{sub}/{path.name}", fn.name))
     return found
 

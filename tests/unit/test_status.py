@@ -27,7 +27,9 @@ T = {"1": "a" * 64, "14": "b" * 64}
 
 def _manifest(path: Path, tables=T, revision="r1") -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"revision": revision, "tables": [{"layer_id": int(k), "identity": v} for k, v in tables.items()]}))
+    path.write_text(
+        json.dumps({"revision": revision, "tables": [{"layer_id": int(k), "identity": v} for k, v in tables.items()]})
+    )
 
 
 def _fake_systemctl(tmp_path: Path, lines: str, rc: int = 0) -> Path:
@@ -43,14 +45,18 @@ def _fake_systemctl(tmp_path: Path, lines: str, rc: int = 0) -> Path:
 
 # ---- host facts -----------------------------------------------------------------------------
 
+
 def test_host_facts_from_files_and_systemd(tmp_path, monkeypatch):
     root = tmp_path / "opt"
     _manifest(root / "tables" / "manifest.json")
     (root / "packages" / "pkg-0007").mkdir(parents=True)
     os.symlink("pkg-0007", root / "packages" / "current")
-    b = _fake_systemctl(tmp_path, "dsv41-serve.service   loaded active   running dsv41 engine\n"
-                                  "dsv41-other.service   loaded inactive dead    dsv41 other\n"
-                                  "unrelated.service     loaded active   running unrelated")
+    b = _fake_systemctl(
+        tmp_path,
+        "dsv41-serve.service   loaded active   running dsv41 engine\n"
+        "dsv41-other.service   loaded inactive dead    dsv41 other\n"
+        "unrelated.service     loaded active   running unrelated",
+    )
     monkeypatch.setenv("PATH", f"{b}:{os.environ['PATH']}")
     f = status_host.host_facts(service_manager="systemd", root=str(root), container_runtime="")
     assert f["services"] == {"dsv41-serve": "active", "dsv41-other": "inactive"}
@@ -88,7 +94,9 @@ def test_host_facts_missing_and_broken_things_are_reported_not_raised(tmp_path, 
 
 def test_image_of_the_running_container(tmp_path):
     rt = tmp_path / "docker"
-    rt.write_text("#!/bin/sh\n[ \"$1\" = inspect ] && [ \"$4\" = dsv41-serve ] && echo 'reg/vllm@sha256:abc sha256:def' && exit 0\nexit 1\n")
+    rt.write_text(
+        '#!/bin/sh\n[ "$1" = inspect ] && [ "$4" = dsv41-serve ] && echo \'reg/vllm@sha256:abc sha256:def\' && exit 0\nexit 1\n'
+    )
     rt.chmod(0o755)
     assert status_host.image_facts(str(rt), "dsv41-serve") == "reg/vllm@sha256:abc sha256:def"
     assert status_host.image_facts(str(rt), "other") is None
@@ -112,6 +120,7 @@ def test_last_window_is_the_newest_decision(tmp_path):
 
 # ---- the endpoints (loopback fakes) ---------------------------------------------------------
 
+
 @pytest.fixture
 def fake():
     f = FakeStack()
@@ -123,14 +132,31 @@ def _hosts(spark_tables=T, x86_tables=T, drafter=None, reachable=True):
     d = drafter or {"drafter": "d" * 64, "markov": "m" * 64, "target": "t" * 64}
     base = {"dsv41": "0.1.0", "image": None, "promotion": None, "reachable": True, "error": None}
     return {
-        "sparkhead": {**base, "groups": ["spark"], "rank": 0, "services": {"dsv41-serve": "active"},
-                      "manifest": {"revision": "r1", "sha256": "x", "tables": spark_tables}, "drafter": d},
-        "sparkworker": {**base, "groups": ["spark"], "rank": 1, "services": {"dsv41-serve": "active"},
-                        "manifest": {"revision": "r1", "sha256": "x", "tables": T}, "drafter": None,
-                        **({} if reachable else {"reachable": False, "error": "Failed to connect"})},
-        "x86host": {**base, "groups": ["offload"], "rank": None,
-                    "services": {"dsv41-engram-server": "active", "dsv41-drafter": "active"},
-                    "manifest": {"revision": "r1", "sha256": "x", "tables": x86_tables}, "drafter": d},
+        "sparkhead": {
+            **base,
+            "groups": ["spark"],
+            "rank": 0,
+            "services": {"dsv41-serve": "active"},
+            "manifest": {"revision": "r1", "sha256": "x", "tables": spark_tables},
+            "drafter": d,
+        },
+        "sparkworker": {
+            **base,
+            "groups": ["spark"],
+            "rank": 1,
+            "services": {"dsv41-serve": "active"},
+            "manifest": {"revision": "r1", "sha256": "x", "tables": T},
+            "drafter": None,
+            **({} if reachable else {"reachable": False, "error": "Failed to connect"}),
+        },
+        "x86host": {
+            **base,
+            "groups": ["offload"],
+            "rank": None,
+            "services": {"dsv41-engram-server": "active", "dsv41-drafter": "active"},
+            "manifest": {"revision": "r1", "sha256": "x", "tables": x86_tables},
+            "drafter": d,
+        },
     }
 
 
@@ -139,6 +165,7 @@ def _probe(fake, bump=None, window=2.0):
         assert s == window
         if bump:
             bump()
+
     return st.probe(fake.url, fake.url, fake.url + "/w", window_s=window, sleep=sleep)
 
 
@@ -151,9 +178,13 @@ def test_healthy_stack(fake):
     assert rep["engine"]["drafter"]["proxy_respawns"] == 2.0
     lines = status_render.render_lines(rep)
     assert lines[0] == "status: HEALTHY"
-    assert any(ln.startswith(f"API: {fake.url} (model dsv41-lab; health ok)") and "admission open" in ln for ln in lines)
+    assert any(
+        ln.startswith(f"API: {fake.url} (model dsv41-lab; health ok)") and "admission open" in ln for ln in lines
+    )
     assert "Engram rank 1: 90 lookups (+0 in 2 s), 0 fallbacks (+0 in 2 s)" in lines
-    assert any("drafter rounds 12 (+0), accepted tokens 40/50 (+0), fail-closed 1 (+0), proxy respawns 2" in ln for ln in lines)
+    assert any(
+        "drafter rounds 12 (+0), accepted tokens 40/50 (+0), fail-closed 1 (+0), proxy respawns 2" in ln for ln in lines
+    )
     assert "last window: none" in lines and any(ln.startswith("sparkhead (rank 0): serve active") for ln in lines)
     json.dumps(rep)  # what --json prints
 
@@ -162,6 +193,7 @@ def test_fallbacks_growing_on_both_ranks_are_named(fake):
     def bump():
         fake.lookups = [130, 120]
         fake.fallbacks = [7, 5]
+
     fake.ready = False
     rep = st.evaluate(_hosts(), _probe(fake, bump))
     assert not rep["healthy"]
@@ -206,13 +238,20 @@ def test_identity_mismatches(fake):
     fake.worker_ids["target"] = "e" * 64
     rep = st.evaluate(_hosts(spark_tables={"1": "a" * 64, "14": "c" * 64}), _probe(fake))
     assert "identity mismatch: Engram tables on sparkhead differ from x86host (layers 14)" in rep["reasons"]
-    assert "identity mismatch: drafter worker reports target eeeeeeeeeeee; rank 0 expects target tttttttttttt" in rep["reasons"]
+    assert (
+        "identity mismatch: drafter worker reports target eeeeeeeeeeee; rank 0 expects target tttttttttttt"
+        in rep["reasons"]
+    )
     hosts = _hosts()
     hosts["sparkworker"]["dsv41"] = "0.0.9"
     hosts["sparkhead"]["image"] = "reg/vllm@sha256:old sha256:1"
     rep = st.evaluate(hosts, _probe(fake), expected_image="reg/vllm@sha256:new")
-    assert any(r.startswith("identity mismatch: dsv41 versions differ") and "sparkworker 0.0.9" in r for r in rep["reasons"])
-    assert "identity mismatch: sparkhead runs image reg/vllm@sha256:old, configured reg/vllm@sha256:new" in rep["reasons"]
+    assert any(
+        r.startswith("identity mismatch: dsv41 versions differ") and "sparkworker 0.0.9" in r for r in rep["reasons"]
+    )
+    assert (
+        "identity mismatch: sparkhead runs image reg/vllm@sha256:old, configured reg/vllm@sha256:new" in rep["reasons"]
+    )
 
 
 def test_unreachable_host_rank_and_endpoints():
@@ -259,6 +298,7 @@ def test_rich_tables_render(fake):
 
 # ---- the engine's /is_paused says since when --------------------------------------------------
 
+
 def test_is_paused_reports_paused_since():
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
@@ -267,8 +307,9 @@ def test_is_paused_reports_paused_since():
     from dsv41.engine.server import create_app
     from engineutil import FakeEngine
 
-    c = TestClient(create_app(FakeEngine(), "m", 64, operator_credential=OPERATOR, allowed_hosts=TEST_HOSTS),
-                   headers=OP_HEADERS)
+    c = TestClient(
+        create_app(FakeEngine(), "m", 64, operator_credential=OPERATOR, allowed_hosts=TEST_HOSTS), headers=OP_HEADERS
+    )
     assert c.get("/is_paused").json() == {"is_paused": False, "paused_since": None}
     t0 = time.time()
     assert c.post("/pause").status_code == 200
@@ -282,10 +323,13 @@ def test_is_paused_reports_paused_since():
 
 # ---- the command: bad input is one line, exit 1 --------------------------------------------------
 
+
 def _dsv41(*args, cwd=ROOT, timeout=180, path_first: Path | None = None):
     path = f"{BIN}:{os.environ.get('PATH', '')}"
     env = dict(os.environ, NO_COLOR="1", PATH=f"{path_first}:{path}" if path_first else path)
-    return subprocess.run([str(BIN / "dsv41"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [str(BIN / "dsv41"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_unknown_inventory_is_one_line():
@@ -305,8 +349,16 @@ def test_inventory_without_dsv41_hosts_is_one_line(tmp_path):
 def test_local_facts_json(tmp_path):
     _manifest(tmp_path / "tables" / "manifest.json")
     b = _fake_systemctl(tmp_path, "dsv41-serve.service loaded active running dsv41 engine")
-    r = _dsv41("status", "--local", "--json", "--root", str(tmp_path), "--container-runtime", str(tmp_path / "no-docker"),
-               path_first=b)
+    r = _dsv41(
+        "status",
+        "--local",
+        "--json",
+        "--root",
+        str(tmp_path),
+        "--container-runtime",
+        str(tmp_path / "no-docker"),
+        path_first=b,
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["services"] == {"dsv41-serve": "active"}
 
@@ -317,17 +369,20 @@ def test_unreachable_hosts_through_the_status_playbook(tmp_path):
     and whose endpoints are closed loopback ports: every host and endpoint named, exit 1."""
     inv = tmp_path / "inv"
     (inv / "group_vars").mkdir(parents=True)
-    (inv / "hosts.yml").write_text("all:\n  children:\n    spark:\n      hosts:\n        sparkhead:\n"
-                                   "          dsv41_rank: 0\n          dsv41_mgmt_address: 127.0.0.1\n"
-                                   "        sparkworker:\n          dsv41_rank: 1\n"
-                                   "    offload:\n      hosts:\n        x86host:\n          dsv41_mgmt_address: 127.0.0.1\n")
+    (inv / "hosts.yml").write_text(
+        "all:\n  children:\n    spark:\n      hosts:\n        sparkhead:\n"
+        "          dsv41_rank: 0\n          dsv41_mgmt_address: 127.0.0.1\n"
+        "        sparkworker:\n          dsv41_rank: 1\n"
+        "    offload:\n      hosts:\n        x86host:\n          dsv41_mgmt_address: 127.0.0.1\n"
+    )
     # dsv41_api_url names another host's variable through hostvars, as the real inventories do
     (inv / "group_vars" / "all.yml").write_text(
         # ssh to a loopback port nothing listens on: every host is unreachable
         "ansible_connection: ssh\nansible_host: 127.0.0.1\nansible_port: 9\n"
         "ansible_ssh_common_args: -o ConnectTimeout=5 -o BatchMode=yes\n"
-        "ansible_python_interpreter: \"{{ ansible_playbook_python }}\"\n"
-        "dsv41_api_url: \"http://{{ hostvars['sparkhead'].dsv41_mgmt_address }}:9\"\ndsv41_drafter_metrics_port: 9\n")
+        'ansible_python_interpreter: "{{ ansible_playbook_python }}"\n'
+        "dsv41_api_url: \"http://{{ hostvars['sparkhead'].dsv41_mgmt_address }}:9\"\ndsv41_drafter_metrics_port: 9\n"
+    )
     r = _dsv41("status", "--inventory", str(inv / "hosts.yml"), "--window", "0")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "Traceback" not in r.stdout + r.stderr
@@ -344,7 +399,9 @@ def test_inventory_that_does_not_parse_is_one_line(tmp_path):
     inv.write_text("all: [\n")
     r = _dsv41("status", "--inventory", str(inv))
     assert r.returncode == 1 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr
-    assert r.stderr.startswith(f"dsv41: error: inventory {inv}: no hosts in the 'spark' and 'offload' groups (it did not parse: YAML")
+    assert r.stderr.startswith(
+        f"dsv41: error: inventory {inv}: no hosts in the 'spark' and 'offload' groups (it did not parse: YAML"
+    )
 
 
 def test_metrics_endpoint_failing_is_a_reason(fake):
@@ -352,4 +409,6 @@ def test_metrics_endpoint_failing_is_a_reason(fake):
     probed = st.probe(fake.url, None, None, window_s=0)
     rep = st.evaluate(_hosts(), probed)
     assert probed["engine"]["error"].startswith(f"rank 0: metrics endpoint {fake.url}/metrics ")
-    assert any(r.startswith(f"metrics: rank 0: metrics endpoint {fake.url}/metrics ") for r in rep["reasons"]), rep["reasons"]
+    assert any(r.startswith(f"metrics: rank 0: metrics endpoint {fake.url}/metrics ") for r in rep["reasons"]), rep[
+        "reasons"
+    ]

@@ -29,19 +29,31 @@ SOURCES = sorted([*(ROOT / "python" / "dsv41").rglob("*.py"), *(ROOT / "plugins"
 OWN_PARSER = {
     "python/dsv41/codec.py": "the strict parsers themselves",
     "python/dsv41/engine/protocol.py": "request bodies: BigInt for over-long integers, RecursionError and "
-                                        "NaN refused per field as HTTP 400 (test_engine_api_fuzz.py)",
+    "NaN refused per field as HTTP 400 (test_engine_api_fuzz.py)",
     "plugins/modules/rdma_link.py": "`ip -j` output on a managed host, where the module runs without dsv41",
 }
-LOADERS = {("json", "loads"), ("json", "load"), ("yaml", "safe_load"), ("yaml", "load"), ("yaml", "full_load"),
-           ("yaml", "unsafe_load"), ("yaml", "safe_load_all"), ("yaml", "load_all")}
+LOADERS = {
+    ("json", "loads"),
+    ("json", "load"),
+    ("yaml", "safe_load"),
+    ("yaml", "load"),
+    ("yaml", "full_load"),
+    ("yaml", "unsafe_load"),
+    ("yaml", "safe_load_all"),
+    ("yaml", "load_all"),
+}
 
 
 def _parse_sites() -> dict[str, list[int]]:
     sites: dict[str, list[int]] = {}
     for f in SOURCES:
         for node in ast.walk(ast.parse(f.read_text(), str(f))):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and isinstance(node.func.value, ast.Name) and (node.func.value.id, node.func.attr) in LOADERS):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)
+                and (node.func.value.id, node.func.attr) in LOADERS
+            ):
                 sites.setdefault(str(f.relative_to(ROOT)), []).append(node.lineno)
     return sites
 
@@ -113,11 +125,17 @@ def test_json_reading_commands_give_one_line(case: str, tmp_path: Path, capsys) 
     text, _why = HOSTILE_JSON[case]
     p = tmp_path / "doc.json"
     p.write_text(text + "\n")
-    for argv in (["engram", "layout", str(p)], ["window", "decide", str(p)],
-                 ["engram", "verify", "--manifest", str(p)]):
+    for argv in (
+        ["engram", "layout", str(p)],
+        ["window", "decide", str(p)],
+        ["engram", "verify", "--manifest", str(p)],
+    ):
         rc, err = _run(argv, capsys)
-        assert rc == 1 and len(err.splitlines()) == 1 and err.startswith("dsv41: error: ") and "doc.json" in err, \
-            (argv, rc, err[-500:])
+        assert rc == 1 and len(err.splitlines()) == 1 and err.startswith("dsv41: error: ") and "doc.json" in err, (
+            argv,
+            rc,
+            err[-500:],
+        )
 
 
 GOOD_CANDIDATE = (ROOT / "candidates" / "aa.yml").read_text().replace("name: aa", "name: x")
@@ -135,7 +153,10 @@ def test_a_hostile_candidate_is_refused_in_one_line(case: str, tmp_path: Path, c
     assert text != GOOD_CANDIDATE
     (tmp_path / "x.yml").write_text(text)
     rc, err = _run(["window", "candidate", "--root", str(tmp_path), "x"], capsys)
-    assert rc == 1 and len(err.splitlines()) == 1 and "x.yml is not readable YAML" in err and why in err, (rc, err[-500:])
+    assert rc == 1 and len(err.splitlines()) == 1 and "x.yml is not readable YAML" in err and why in err, (
+        rc,
+        err[-500:],
+    )
     (tmp_path / "x.yml").write_text(GOOD_CANDIDATE)
     assert _run(["window", "candidate", "--root", str(tmp_path), "x"], capsys)[0] == 0
 

@@ -23,8 +23,7 @@ LOOPS = [False] + ([True] if native._fastrow is not None else [])
 @pytest.fixture(params=LOOPS, ids=lambda n: "c++" if n else "python")
 def server(request):
     t = RowTable(b"\x07" * 32, 3, np.zeros((ROWS, 256), np.uint8), np.zeros((ROWS, 8), np.uint8))
-    srv = RowServer([t], [Endpoint("tcp", "127.0.0.1", 0)], native=request.param, max_connections=4,
-                    send_timeout_s=0.5)
+    srv = RowServer([t], [Endpoint("tcp", "127.0.0.1", 0)], native=request.param, max_connections=4, send_timeout_s=0.5)
     addr = srv.start()[0]
     yield srv, (addr.host, addr.port), t
     srv.stop(1.0)

@@ -46,8 +46,9 @@ def imports_of_test_files(root: Path) -> list[str]:
 
 def test_no_test_file_imports_a_test_file():
     found = imports_of_test_files(ROOT)
-    assert not found, ("move what these import into a helper module (not test_*.py) or a conftest.py:\n"
-                       + "\n".join(found))
+    assert not found, "move what these import into a helper module (not test_*.py) or a conftest.py:\n" + "\n".join(
+        found
+    )
 
 
 def test_the_check_finds_each_kind_of_import(tmp_path):
@@ -60,7 +61,8 @@ def test_the_check_finds_each_kind_of_import(tmp_path):
     (tmp_path / "tests" / "unit" / "helper.py").write_text("Z = 1\n")
     (tmp_path / "tests" / "unit" / "test_uses_helper.py").write_text("from helper import Z\nimport helper\n")
     (tmp_path / "tests" / "integration" / "test_c.py").write_text(
-        "import sys\nfrom test_a import X\n\ndef f():\n    import b_test\n    from tests.unit.test_a import X\n")
+        "import sys\nfrom test_a import X\n\ndef f():\n    import b_test\n    from tests.unit.test_a import X\n"
+    )
     (tmp_path / "tests" / "integration" / "util.py").write_text("from . import test_c\n")
     (tmp_path / "tools" / "t.py").write_text("import test_a as a\n")
     assert imports_of_test_files(tmp_path) == [

@@ -54,11 +54,17 @@ def test_tokenizer_roundtrip_and_incremental_utf8():
 
 def test_chat_prompt_and_errors():
     tok = ByteTokenizer()
-    ids = tok.chat_prompt([{"role": "user", "content": "hi"},
-                           {"role": "user", "content": [{"type": "text", "text": "there"}]}])
+    ids = tok.chat_prompt(
+        [{"role": "user", "content": "hi"}, {"role": "user", "content": [{"type": "text", "text": "there"}]}]
+    )
     assert ids[0] == BOS and ids.count(SEP) == 3 and tok.decode(ids).endswith("assistant: ")
-    for bad, frag in (([{"content": "x"}], "role"), ([{"role": "user"}], "content"),
-                      ([{"role": "user", "content": [{"type": "image_url"}]}], "text parts"), (["x"], "role"),
-                      ([{"role": "wizard", "content": "x"}], "not one of"), ([{"role": "user", "content": 5}], "content")):
+    for bad, frag in (
+        ([{"content": "x"}], "role"),
+        ([{"role": "user"}], "content"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "text parts"),
+        (["x"], "role"),
+        ([{"role": "wizard", "content": "x"}], "not one of"),
+        ([{"role": "user", "content": 5}], "content"),
+    ):
         with pytest.raises(Dsv41Error, match=frag):
             tok.chat_prompt(bad)

@@ -29,8 +29,9 @@ def server(request):
 # broken, so well-formed lookups keep coming between the malformed ones.
 frame_fields = st.fixed_dictionaries(
     {
-        "break": st.sampled_from([None, None, None, "magic", "version", "op", "ident", "count", "plen",
-                                  "trunc", "junk"]),
+        "break": st.sampled_from(
+            [None, None, None, "magic", "version", "op", "ident", "count", "plen", "trunc", "junk"]
+        ),
         "magic": st.integers(0, 2**32 - 1),
         "version": st.integers(0, 2**16 - 1),
         "op": st.integers(0, 2**16 - 1),
@@ -45,8 +46,18 @@ frame_fields = st.fixed_dictionaries(
 
 
 def _frame(brk=None, rows=(0, 5, ROWS - 1)):
-    return {"break": brk, "magic": 1, "version": 9, "op": 77, "ident": bytes(32), "rows": list(rows),
-            "count_delta": 2, "plen_delta": 8, "trunc": 30, "junk": b"\x00junk"}
+    return {
+        "break": brk,
+        "magic": 1,
+        "version": 9,
+        "op": 77,
+        "ident": bytes(32),
+        "rows": list(rows),
+        "count_delta": 2,
+        "plen_delta": 8,
+        "trunc": 30,
+        "junk": b"\x00junk",
+    }
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -80,8 +91,13 @@ MULTI_CHECKED: list[int] = []
 
 multi_fields = st.fixed_dictionaries(
     {
-        "segs": st.lists(st.tuples(st.booleans(), st.lists(st.one_of(st.integers(0, ROWS - 1), st.integers(0, 2**64 - 1)),
-                                                          max_size=12)), min_size=0, max_size=18),
+        "segs": st.lists(
+            st.tuples(
+                st.booleans(), st.lists(st.one_of(st.integers(0, ROWS - 1), st.integers(0, 2**64 - 1)), max_size=12)
+            ),
+            min_size=0,
+            max_size=18,
+        ),
         "count_delta": st.sampled_from([0, 0, 0, -1, 1]),
         "seg_delta": st.sampled_from([0, 0, 0, -1, 1]),
         "reserved": st.sampled_from([0, 0, 0, 1, 2**32 - 1]),
@@ -93,8 +109,18 @@ multi_fields = st.fixed_dictionaries(
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(frames=st.lists(multi_fields, min_size=1, max_size=4))
-@example(frames=[{"segs": [(True, [0, 5]), (True, [ROWS - 1])], "count_delta": 0, "seg_delta": 0, "reserved": 0,
-                  "plen_delta": 0, "version": 2}])
+@example(
+    frames=[
+        {
+            "segs": [(True, [0, 5]), (True, [ROWS - 1])],
+            "count_delta": 0,
+            "seg_delta": 0,
+            "reserved": 0,
+            "plen_delta": 0,
+            "version": 2,
+        }
+    ]
+)
 def test_malformed_multi_frames(server, frames):
     """Version-2 OP_LOOKUP_MULTI frames with broken segment tables, counts, reserved fields,
     lengths or a version-1 header: refusals or exact rows, never a crash."""
@@ -114,9 +140,16 @@ def test_malformed_multi_frames(server, frames):
         data += P.REQ.pack(P.MAGIC, f["version"], P.OP_LOOKUP_MULTI, i, bytes(32), nseg, plen) + payload[:plen]
         if plen > len(payload):
             data += b"\0" * (plen - len(payload))
-        ok = (f["version"] == 2 and 1 <= len(f["segs"]) <= P.MAX_SEGMENTS and f["count_delta"] == 0
-              and f["seg_delta"] == 0 and f["reserved"] == 0 and f["plen_delta"] == 0
-              and all(known for known, _ in f["segs"]) and all(r < ROWS for r in ids))
+        ok = (
+            f["version"] == 2
+            and 1 <= len(f["segs"]) <= P.MAX_SEGMENTS
+            and f["count_delta"] == 0
+            and f["seg_delta"] == 0
+            and f["reserved"] == 0
+            and f["plen_delta"] == 0
+            and all(known for known, _ in f["segs"])
+            and all(r < ROWS for r in ids)
+        )
         if ok:
             valid[i] = np.array(ids, np.int64)
     try:

@@ -40,7 +40,9 @@ def client(ep, impl) -> TcpClient:
 
 def segs_for(tables, ids):
     outs = [np.full((len(r), 264), 0xEE, np.uint8) for r in ids]
-    return tuple((t.identity, np.asarray(r, np.int64), t.rows, o) for t, r, o in zip(tables, ids, outs, strict=False)), outs
+    return tuple(
+        (t.identity, np.asarray(r, np.int64), t.rows, o) for t, r, o in zip(tables, ids, outs, strict=False)
+    ), outs
 
 
 def test_multi_lookup_exact(served):
@@ -80,8 +82,14 @@ def test_lookup_segs_checks_send_nothing(served):
     assert c.lookup_segs((ok, (t.identity, np.array([1, 2], np.int64), 2, out)), 1.0) == (3, 1, 1)
     ro = np.empty((2, 264), np.uint8)
     ro.flags.writeable = False
-    for bad in (np.empty((3, 264), np.uint8), np.empty((2, 263), np.uint8), ro, np.empty((2, 264), np.int8),
-                np.empty((2, 528), np.uint8)[:, ::2], None):
+    for bad in (
+        np.empty((3, 264), np.uint8),
+        np.empty((2, 263), np.uint8),
+        ro,
+        np.empty((2, 264), np.int8),
+        np.empty((2, 528), np.uint8)[:, ::2],
+        None,
+    ):
         assert c.lookup_segs(((t.identity, np.array([1, 2], np.int64), t.rows, bad),), 1.0) == (4, 0, 0)
     with pytest.raises(ValueError):
         c.lookup_segs((), 1.0)
@@ -100,8 +108,10 @@ def test_multi_refusals_keep_connection(served):
     assert e.value.reason == "wrong_identity" and c.connected
     assert (outs[0] == 0xEE).all()  # a refusal writes no row byte
     # the server's own range check (a client limit larger than the table)
-    segs = ((tables[0].identity, np.array([1], np.int64), 1 << 40, np.empty((1, 264), np.uint8)),
-            (tables[1].identity, np.array([tables[1].rows], np.int64), 1 << 40, np.empty((1, 264), np.uint8)))
+    segs = (
+        (tables[0].identity, np.array([1], np.int64), 1 << 40, np.empty((1, 264), np.uint8)),
+        (tables[1].identity, np.array([tables[1].rows], np.int64), 1 << 40, np.empty((1, 264), np.uint8)),
+    )
     with pytest.raises(Refused) as e:
         c.lookup_segs(segs, 1.0)
     assert e.value.reason == "out_of_range" and c.connected

@@ -28,8 +28,12 @@ ROWS = 40000
 
 def make_table(seed, layer):
     rng = np.random.default_rng(seed)
-    return RowTable(hashlib.sha256(f"n{seed}".encode()).digest(), layer,
-                    rng.integers(0, 256, (ROWS, 256), dtype=np.uint8), rng.integers(0, 256, (ROWS, 8), dtype=np.uint8))
+    return RowTable(
+        hashlib.sha256(f"n{seed}".encode()).digest(),
+        layer,
+        rng.integers(0, 256, (ROWS, 256), dtype=np.uint8),
+        rng.integers(0, 256, (ROWS, 8), dtype=np.uint8),
+    )
 
 
 def expected(t, rows):

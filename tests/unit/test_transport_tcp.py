@@ -303,15 +303,17 @@ def test_server_frames_split_and_coalesced(served):
     t = tables[0]
     s = raw_conn(ep)
     r1, r2 = np.array([3, 1, 4], np.uint64), np.array([ROWS - 1], np.uint64)
-    s.sendall(req(rid=1, ident=t.identity, count=3, payload=r1.tobytes())
-              + req(rid=2, ident=t.identity, count=1, payload=r2.tobytes()))
+    s.sendall(
+        req(rid=1, ident=t.identity, count=3, payload=r1.tobytes())
+        + req(rid=2, ident=t.identity, count=1, payload=r2.tobytes())
+    )
     for rid, rows in ((1, r1), (2, r2)):
         status, got_rid, count, data = reply(s)
         assert (status, got_rid, count) == (P.ST_OK, rid, len(rows))
         assert np.array_equal(np.frombuffer(data, np.uint8).reshape(-1, 264), expected(t, rows))
     frame = req(rid=3, ident=t.identity, count=5, payload=np.arange(5, dtype=np.uint64).tobytes())
     for i in range(0, len(frame), 7):
-        s.sendall(frame[i:i + 7])
+        s.sendall(frame[i : i + 7])
         time.sleep(0.002)
     status, got_rid, count, data = reply(s)
     assert (status, got_rid, count) == (P.ST_OK, 3, 5)

@@ -12,8 +12,9 @@ import pytest
 from dsv41.cli import main
 from dsv41.entrypoints.unit_check import verify_unit
 
-pytestmark = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                                reason="needs systemd-analyze (Debian package systemd)")
+pytestmark = pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None, reason="needs systemd-analyze (Debian package systemd)"
+)
 
 GOOD = """[Unit]
 Description=dsv41 test unit
@@ -61,11 +62,14 @@ def test_the_cli_passes_a_clean_unit(tmp_path, capsys):
     assert "ok" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, expect", [
-    (["--name", "dsv41-test"], "NAME.service"),
-    (["--name", "../x.service"], "NAME.service"),
-    (["--name", "a b.service"], "NAME.service"),
-])
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["--name", "dsv41-test"], "NAME.service"),
+        (["--name", "../x.service"], "NAME.service"),
+        (["--name", "a b.service"], "NAME.service"),
+    ],
+)
 def test_bad_names_are_one_line(argv, expect, tmp_path, capsys):
     f = tmp_path / "source"
     f.write_text(GOOD)

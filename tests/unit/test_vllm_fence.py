@@ -37,8 +37,13 @@ def client(fence) -> httpx.AsyncClient:
 
 def fence_for(tmp_path, app=None, dev_routes=True) -> tuple[AdmissionFence, FakeVllm]:
     app = app or FakeVllm()
-    return AdmissionFence(app, hold_file=tmp_path / "run" / "admission-hold", dev_routes=dev_routes, credential=OPERATOR,
-                          allowed_hosts=TEST_HOSTS), app
+    return AdmissionFence(
+        app,
+        hold_file=tmp_path / "run" / "admission-hold",
+        dev_routes=dev_routes,
+        credential=OPERATOR,
+        allowed_hosts=TEST_HOSTS,
+    ), app
 
 
 def test_open_admission_passes_everything_through(tmp_path):
@@ -51,6 +56,7 @@ def test_open_admission_passes_everything_through(tmp_path):
             assert (await c.get("/is_paused")).json() == {"vllm": "/is_paused"}  # vLLM's own answer when open
         assert app.served == ["/v1/completions", "/v1/chat/completions", "/is_paused"]
         assert fence.refused_total == 0 and fence.in_flight == 0
+
     run(go())
 
 
@@ -60,9 +66,17 @@ def test_a_fenced_hold_admits_only_its_token_health_and_metrics(tmp_path):
         async with client(fence) as c:
             r = await c.post(f"/pause?mode=wait&timeout_s=5&window={TOKEN}")
             assert r.status_code == 200
-            assert r.json() == {"paused": True, "mode": "wait", "window": TOKEN, "drain": "drained",
-                                "in_flight_at_pause": 0, "aborted": 0, "aborted_after_timeout": 0,
-                                "outlived_drain": 0, "still_running": 0}
+            assert r.json() == {
+                "paused": True,
+                "mode": "wait",
+                "window": TOKEN,
+                "drain": "drained",
+                "in_flight_at_pause": 0,
+                "aborted": 0,
+                "aborted_after_timeout": 0,
+                "outlived_drain": 0,
+                "still_running": 0,
+            }
             assert "/pause" not in app.served  # never forwarded: vLLM's engine keeps running
             for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/invocations"):
                 r = await c.post(path, json=REQ)
@@ -80,6 +94,7 @@ def test_a_fenced_hold_admits_only_its_token_health_and_metrics(tmp_path):
             assert doc["is_paused"] is True and doc["paused_since"] == read_hold(fence.hold_file).since
         assert fence.refused_total == 6
         assert app.served.count("/v1/completions") == 1
+
     run(go())
 
 
@@ -101,6 +116,7 @@ def test_the_hold_survives_a_restart_and_resume_clears_it(tmp_path):
         # the first instance reads the file on each request: it is open too
         async with client(first) as c:
             assert (await c.post("/v1/completions", json=REQ)).status_code == 200
+
     run(go())
 
 
@@ -111,6 +127,7 @@ def test_the_lab_engine_reads_the_fences_record_and_vice_versa(tmp_path):
     async def pause():
         async with client(fence) as c:
             assert (await c.post(f"/pause?mode=wait&window={TOKEN}")).status_code == 200
+
     run(pause())
     st = ServerState(f)
     assert st.paused and st.window_token == TOKEN
@@ -128,6 +145,7 @@ def test_without_dev_routes_the_fence_answers_is_paused_and_resume_itself(tmp_pa
             assert (await c.post("/resume")).json() == {"paused": False}
             assert (await c.get("/is_paused")).json()["is_paused"] is False
         assert app.served == []
+
     run(go())
 
 
@@ -149,6 +167,7 @@ def test_drain_waits_for_an_in_flight_stream(tmp_path):
             assert (await stream).status_code == 200
         assert r.json()["in_flight_at_pause"] == 1 and r.json()["outlived_drain"] == 0
         assert fence.drain_outlived_total == 0 and fence.in_flight == 0
+
     run(go())
 
 
@@ -169,6 +188,7 @@ def test_a_drain_that_times_out_is_counted_and_the_hold_stays(tmp_path, caplog):
             assert (await c.post("/v1/completions", json=REQ)).status_code == 503
         assert fence.drain_outlived_total == 1
         assert "1 in-flight requests outlived the 0.2 s drain" in caplog.text
+
     run(go())
 
 
@@ -194,6 +214,7 @@ def test_a_malformed_hold_file_keeps_admission_closed_with_one_error_line(tmp_pa
                 await c.post("/resume")
                 assert (await c.post("/v1/completions", json=REQ)).status_code == 200
         assert app.served.count("/v1/completions") == 1
+
     run(go())
 
 
@@ -204,14 +225,22 @@ def test_plain_pause_is_forwarded_and_replaces_the_fenced_record(tmp_path):
             await c.post(f"/pause?mode=wait&window={TOKEN}")
             assert (await c.post("/pause?mode=wait")).json() == {"vllm": "/pause"}
         assert not fence.hold_file.exists() and "/pause" in app.served
+
     run(go())
 
 
-@pytest.mark.parametrize("query, param", [("mode=abort&window=t", "mode"), ("window=t", "mode"),
-                                          ("mode=wait&window=a%20b", "window"), ("mode=wait&window=", "window"),
-                                          ("mode=wait&timeout_s=0&window=t", "timeout_s"),
-                                          ("mode=wait&timeout_s=nan&window=t", "timeout_s"),
-                                          ("mode=wait&timeout_s=abc&window=t", "timeout_s")])
+@pytest.mark.parametrize(
+    "query, param",
+    [
+        ("mode=abort&window=t", "mode"),
+        ("window=t", "mode"),
+        ("mode=wait&window=a%20b", "window"),
+        ("mode=wait&window=", "window"),
+        ("mode=wait&timeout_s=0&window=t", "timeout_s"),
+        ("mode=wait&timeout_s=nan&window=t", "timeout_s"),
+        ("mode=wait&timeout_s=abc&window=t", "timeout_s"),
+    ],
+)
 def test_bad_fenced_pause_is_400_and_holds_nothing(tmp_path, query, param):
     async def go():
         fence, app = fence_for(tmp_path)
@@ -219,6 +248,7 @@ def test_bad_fenced_pause_is_400_and_holds_nothing(tmp_path, query, param):
             r = await c.post(f"/pause?{query}")
         assert r.status_code == 400 and r.json()["error"]["param"] == param
         assert not fence.hold_file.exists() and app.served == []
+
     run(go())
 
 
@@ -227,12 +257,18 @@ def test_an_unwritable_hold_file_is_a_500_saying_nothing_is_held(tmp_path):
     blocker.write_text("")
 
     async def go():
-        fence = AdmissionFence(FakeVllm(), hold_file=blocker / "admission-hold", dev_routes=True, credential=OPERATOR,
-                               allowed_hosts=TEST_HOSTS)
+        fence = AdmissionFence(
+            FakeVllm(),
+            hold_file=blocker / "admission-hold",
+            dev_routes=True,
+            credential=OPERATOR,
+            allowed_hosts=TEST_HOSTS,
+        )
         async with client(fence) as c:
             r = await c.post(f"/pause?mode=wait&window={TOKEN}")
             assert r.status_code == 500 and r.json()["error"]["message"].startswith("admission is NOT held")
             assert (await c.post("/v1/completions", json=REQ)).status_code == 200
+
     run(go())
 
 

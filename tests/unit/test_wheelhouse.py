@@ -46,8 +46,11 @@ def test_host_requirements_are_the_dependencies_and_never_the_dev_tools():
 
 
 def test_every_host_and_build_requirement_is_pinned_in_constraints():
-    pins = {_name(line) for line in (REPO / "constraints.txt").read_text().splitlines()
-            if line.strip() and not line.startswith("#")}
+    pins = {
+        _name(line)
+        for line in (REPO / "constraints.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     for extra in [[]] + [[e] for e in PYPROJECT["project"]["optional-dependencies"] if e != "dev"]:
         for req in wh.host_requirements(PYPROJECT, extra) + wh.build_requirements(PYPROJECT):
             assert _name(req) in pins, req
@@ -70,7 +73,9 @@ def test_host_constraints_drop_only_the_named_pins():
 
 def _wheel(d: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> None:
     dist = f"{name}-{version}.dist-info"
-    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(f"Requires-Dist: {r}\n" for r in requires)
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {r}\n" for r in requires
+    )
     with zipfile.ZipFile(d / f"{name}-{version}-py3-none-any.whl", "w") as z:
         z.writestr(f"{name}/__init__.py", "")
         z.writestr(f"{dist}/METADATA", meta)
@@ -86,23 +91,38 @@ def lab(tmp_path):
     links.mkdir()
     (proj / "pyproject.toml").write_text(
         '[build-system]\nrequires = ["beta"]\n[project]\nname = "dsv41"\nversion = "0.3.0"\n'
-        'dependencies = ["alpha"]\n[project.optional-dependencies]\nextra1 = ["delta"]\ndev = ["pytest"]\n')
+        'dependencies = ["alpha"]\n[project.optional-dependencies]\nextra1 = ["delta"]\ndev = ["pytest"]\n'
+    )
     (proj / "setup.py").write_text("")
     (proj / "README.md").write_text("r\n")
     (proj / "constraints.txt").write_text("alpha==1.0\ngamma==2.0\nbeta==1.0\nwheel==0.1\ndelta==1.0\n")
     (proj / "python" / "pkg" / "m.py").write_text("x = 1\n")
     (proj / "python" / "pkg" / "__pycache__" / "m.pyc").write_bytes(b"\0")
     (proj / "python" / "pkg" / "_x.so").write_bytes(b"\0")
-    for n, v, req in (("alpha", "1.0", ("gamma",)), ("alpha", "1.1", ("gamma",)), ("gamma", "2.0", ()),
-                      ("gamma", "2.1", ()), ("beta", "1.0", ()), ("wheel", "0.1", ()), ("delta", "1.0", ())):
+    for n, v, req in (
+        ("alpha", "1.0", ("gamma",)),
+        ("alpha", "1.1", ("gamma",)),
+        ("gamma", "2.0", ()),
+        ("gamma", "2.1", ()),
+        ("beta", "1.0", ()),
+        ("wheel", "0.1", ()),
+        ("delta", "1.0", ()),
+    ):
         _wheel(links, n, v, req)
     return proj, links, tmp_path / "cache"
 
 
 def _build(proj, links, cache, **kw):
     lines: list[str] = []
-    path, reused = wh.build(proj, cache, TARGET, kw.pop("extras", []), index_args=["--no-index", "--find-links", str(links)],
-                            log=lines.append, **kw)
+    path, reused = wh.build(
+        proj,
+        cache,
+        TARGET,
+        kw.pop("extras", []),
+        index_args=["--no-index", "--find-links", str(links)],
+        log=lines.append,
+        **kw,
+    )
     return path, reused, lines
 
 
@@ -111,8 +131,15 @@ def test_build_downloads_the_pinned_set_and_a_second_build_reuses_it(lab):
     path, reused, lines = _build(proj, links, cache)
     assert not reused and lines[0].startswith("wheelhouse: downloading") and lines[-1].startswith("wheelhouse: built")
     names = sorted(p.name for p in path.iterdir())
-    assert names == ["alpha-1.0-py3-none-any.whl", "beta-1.0-py3-none-any.whl", "constraints-host.txt",
-                     "dsv41-0.3.0.tar.gz", "gamma-2.0-py3-none-any.whl", "manifest.json", "wheel-0.1-py3-none-any.whl"]
+    assert names == [
+        "alpha-1.0-py3-none-any.whl",
+        "beta-1.0-py3-none-any.whl",
+        "constraints-host.txt",
+        "dsv41-0.3.0.tar.gz",
+        "gamma-2.0-py3-none-any.whl",
+        "manifest.json",
+        "wheel-0.1-py3-none-any.whl",
+    ]
     m = wh.check(path)
     assert m["key"] == path.name and m["projects"] == ["alpha", "beta", "gamma", "wheel"]
     with tarfile.open(path / "dsv41-0.3.0.tar.gz") as t:
@@ -139,9 +166,17 @@ def test_each_input_changes_the_key(lab):
     src = wh.source_tarball(proj, "0.3.0")
     assert src == wh.source_tarball(proj, "0.3.0")  # reproducible bytes
     t311 = wh.cache_key("c", "1", src, TARGET, ["a"])
-    assert len({t311, wh.cache_key("c", "1", src, wh.Target.for_host("aarch64", "3.11", "2.36"), ["a"]),
+    assert (
+        len(
+            {
+                t311,
+                wh.cache_key("c", "1", src, wh.Target.for_host("aarch64", "3.11", "2.36"), ["a"]),
                 wh.cache_key("c", "1", src, wh.Target.for_host("x86_64", "3.12", "2.36"), ["a"]),
-                wh.cache_key("c", "2", src, TARGET, ["a"])}) == 4
+                wh.cache_key("c", "2", src, TARGET, ["a"]),
+            }
+        )
+        == 4
+    )
 
 
 def test_a_missing_wheel_is_one_failure_naming_the_requirement(lab, capsys):
@@ -180,10 +215,29 @@ def test_an_unavailable_pin_is_one_line_from_pip_and_leaves_no_cache_entry(lab):
 
 def test_cli_build_prints_progress_on_stderr_and_one_json_line(lab):
     proj, links, cache = lab
-    argv = [sys.executable, "-m", "dsv41.wheelhouse", "build", "--project-dir", str(proj), "--cache-dir", str(cache),
-            "--machine", "x86_64", "--python-version", "3.11", "--glibc", "2.36"]
-    env_links = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(links), "PIP_CONSTRAINT": "", "PATH": "/usr/bin:/bin",
-                 "PYTHONPATH": str(REPO / "python")}
+    argv = [
+        sys.executable,
+        "-m",
+        "dsv41.wheelhouse",
+        "build",
+        "--project-dir",
+        str(proj),
+        "--cache-dir",
+        str(cache),
+        "--machine",
+        "x86_64",
+        "--python-version",
+        "3.11",
+        "--glibc",
+        "2.36",
+    ]
+    env_links = {
+        "PIP_NO_INDEX": "1",
+        "PIP_FIND_LINKS": str(links),
+        "PIP_CONSTRAINT": "",
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(REPO / "python"),
+    }
     cold = subprocess.run(argv, capture_output=True, text=True, env=env_links, check=False)
     assert cold.returncode == 0, cold.stderr
     out = json.loads(cold.stdout)
@@ -196,11 +250,20 @@ def test_cli_build_prints_progress_on_stderr_and_one_json_line(lab):
 
 
 def test_pip_failure_names_the_requirement_in_each_form_pip_reports():
-    assert wh.pip_failure("ERROR: Could not find a version that satisfies the requirement x==1 (from versions: none)\n"
-                          "ERROR: No matching distribution found for x==1\n") == "No matching distribution found for x==1"
-    assert wh.pip_failure("ERROR: Cannot install a==1\n\nThe conflict is caused by:\n    a 1 depends on g\n"
-                          "    The user requested (constraint) g==2\n\nERROR: ResolutionImpossible: x\n") == \
-        "no wheel satisfies the pinned g==2 (conflicting dependencies)"
+    assert (
+        wh.pip_failure(
+            "ERROR: Could not find a version that satisfies the requirement x==1 (from versions: none)\n"
+            "ERROR: No matching distribution found for x==1\n"
+        )
+        == "No matching distribution found for x==1"
+    )
+    assert (
+        wh.pip_failure(
+            "ERROR: Cannot install a==1\n\nThe conflict is caused by:\n    a 1 depends on g\n"
+            "    The user requested (constraint) g==2\n\nERROR: ResolutionImpossible: x\n"
+        )
+        == "no wheel satisfies the pinned g==2 (conflicting dependencies)"
+    )
     assert wh.pip_failure("ERROR: something else\n") == "something else"
     assert wh.pip_failure("") == ""
 
@@ -217,8 +280,17 @@ def test_a_dropped_pin_is_replaced_by_the_added_requirement(lab):
 def test_every_option_the_role_passes_is_one_the_cli_takes(capsys):
     tasks = (REPO / "roles" / "dsv41_package" / "tasks" / "wheelhouse.yml").read_text()
     used = set(re.findall(r"'(--[a-z-]+)[=']", tasks))
-    assert {"--project-dir", "--cache-dir", "--machine", "--python-version", "--glibc", "--extra", "--drop-pin",
-            "--add", "--no-deps"} == used
+    assert {
+        "--project-dir",
+        "--cache-dir",
+        "--machine",
+        "--python-version",
+        "--glibc",
+        "--extra",
+        "--drop-pin",
+        "--add",
+        "--no-deps",
+    } == used
     for opt in sorted(used):
         with pytest.raises(SystemExit) as e:
             wh.main(["build", opt + "=x", "--help"])
@@ -231,7 +303,9 @@ def test_pinned_downloads_each_pin_without_dependencies_and_reuses_it(lab, tmp_p
     req = tmp_path / "image.txt"
     req.write_text("# the closure, each pinned\nalpha==1.1\n\ngamma==2.1  # why not 2.0\n")
     lines: list[str] = []
-    path, reused = wh.pinned(req, cache, TARGET, index_args=["--no-index", "--find-links", str(links)], log=lines.append)
+    path, reused = wh.pinned(
+        req, cache, TARGET, index_args=["--no-index", "--find-links", str(links)], log=lines.append
+    )
     assert not reused and path.name.startswith("pinned-")
     # alpha's dependency gamma is taken at the pinned 2.1, never resolved to another version
     assert sorted(p.name for p in path.glob("*.whl")) == ["alpha-1.1-py3-none-any.whl", "gamma-2.1-py3-none-any.whl"]
@@ -239,7 +313,9 @@ def test_pinned_downloads_each_pin_without_dependencies_and_reuses_it(lab, tmp_p
     assert wh.check(path)["requirements"] == ["alpha==1.1", "gamma==2.1"]
     for p in links.iterdir():
         p.unlink()
-    again, reused = wh.pinned(req, cache, TARGET, index_args=["--no-index", "--find-links", str(links)], log=lines.append)
+    again, reused = wh.pinned(
+        req, cache, TARGET, index_args=["--no-index", "--find-links", str(links)], log=lines.append
+    )
     assert reused and again == path
 
 
@@ -247,8 +323,21 @@ def test_pinned_downloads_each_pin_without_dependencies_and_reuses_it(lab, tmp_p
 def test_pinned_refuses_a_line_that_is_not_an_exact_pin(tmp_path, line, capsys):
     req = tmp_path / "image.txt"
     req.write_text(f"gamma==2.0\n{line}\n")
-    rc = wh.main(["pinned", "--requirements", str(req), "--cache-dir", str(tmp_path / "c"), "--machine", "x86_64",
-                  "--python-version", "3.11", "--glibc", "2.36"])
+    rc = wh.main(
+        [
+            "pinned",
+            "--requirements",
+            str(req),
+            "--cache-dir",
+            str(tmp_path / "c"),
+            "--machine",
+            "x86_64",
+            "--python-version",
+            "3.11",
+            "--glibc",
+            "2.36",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0 and len(err) == 1 and "line 2" in err[0] and "not an exact pin" in err[0], err
     assert not (tmp_path / "c").exists()

@@ -17,9 +17,21 @@ SPEC = os.path.join(os.path.dirname(__file__), "..", "..", "candidates", "specs"
 
 
 def _ok_result(prompt_id, category, seed, max_tokens):
-    return bench.RequestResult(prompt_id, category, seed, max_tokens, ok=True, ttft_ms=50.0, step_ms_p50=20.0,
-                               tok_s=50.0, tokens_per_step=1.0, steps=8, step_ms=[20.0] * 7,
-                               finish_reason="length", completion_tokens=8)
+    return bench.RequestResult(
+        prompt_id,
+        category,
+        seed,
+        max_tokens,
+        ok=True,
+        ttft_ms=50.0,
+        step_ms_p50=20.0,
+        tok_s=50.0,
+        tokens_per_step=1.0,
+        steps=8,
+        step_ms=[20.0] * 7,
+        finish_reason="length",
+        completion_tokens=8,
+    )
 
 
 def _fake_stream(client, url, body, prompt_id, category):
@@ -49,8 +61,15 @@ def test_refused_metrics_before_a_cell_is_a_failed_cell(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "snapshot_metrics", snap)
     out = tmp_path / "cells.jsonl"
     plan = _plan()
-    done = window.run_cells(plan, {"control": "http://x", "candidate": "http://x"}, "m", {"temperature": 1.0},
-                            5.0, str(out), metrics={"control": ["http://x/metrics"], "candidate": ["http://x/metrics"]})
+    done = window.run_cells(
+        plan,
+        {"control": "http://x", "candidate": "http://x"},
+        "m",
+        {"temperature": 1.0},
+        5.0,
+        str(out),
+        metrics={"control": ["http://x/metrics"], "candidate": ["http://x/metrics"]},
+    )
     assert [c["ok"] for c in done] == [True, True, False]
     assert "before the cell refused" in done[2]["error"] and "Connection refused" in done[2]["error"]
     assert "ttft_ms" not in done[2]
@@ -63,8 +82,15 @@ def test_refused_metrics_before_a_cell_is_a_failed_cell(tmp_path, monkeypatch):
 def test_refused_metrics_after_a_cell_fails_that_cell(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "stream_one", _fake_stream)
     monkeypatch.setattr(bench, "snapshot_metrics", _Metrics(ok_calls=1))
-    done = window.run_cells(_plan(), {"control": "http://x", "candidate": "http://x"}, "m", {}, 5.0,
-                            str(tmp_path / "c.jsonl"), metrics={"control": ["u"], "candidate": ["u"]})
+    done = window.run_cells(
+        _plan(),
+        {"control": "http://x", "candidate": "http://x"},
+        "m",
+        {},
+        5.0,
+        str(tmp_path / "c.jsonl"),
+        metrics={"control": ["u"], "candidate": ["u"]},
+    )
     assert len(done) == 1 and done[0]["ok"] is False
     assert "after the cell refused" in done[0]["error"] and done[0]["ttft_ms"] == 50.0
 
@@ -78,8 +104,15 @@ def test_failed_switch_is_a_failed_cell(tmp_path, monkeypatch):
         if len(seen) == 2:
             raise window.WindowError("switching to the candidate arm failed (exit 2): x")
 
-    done = window.run_cells(_plan(), {"control": "http://x", "candidate": "http://x"}, "m", {}, 5.0,
-                            str(tmp_path / "c.jsonl"), switch=switch)
+    done = window.run_cells(
+        _plan(),
+        {"control": "http://x", "candidate": "http://x"},
+        "m",
+        {},
+        5.0,
+        str(tmp_path / "c.jsonl"),
+        switch=switch,
+    )
     assert done[-1]["ok"] is False and done[-1]["error"].startswith("arm switch failed: switching to the")
     assert all(c["ok"] for c in done[:-1])
 
@@ -91,8 +124,26 @@ def test_cli_run_writes_an_invalid_decision_when_metrics_are_refused(tmp_path, m
     monkeypatch.setattr(bench, "snapshot_metrics", _Metrics(ok_calls=6))
     monkeypatch.setattr(bench, "served_model", lambda url, **kw: "dsv41-lab")
     monkeypatch.setattr(bench, "smoke", lambda *a, **kw: {"canary": {"ok": True}, "greedy": {"ok": True}})
-    rc = main(["window", "run", "--control", "http://x", "--candidate", "http://x", "--spec", SPEC,
-               "--name", "aa", "--seed", "3", "--windows-dir", str(tmp_path), "--id", "w-killed"])
+    rc = main(
+        [
+            "window",
+            "run",
+            "--control",
+            "http://x",
+            "--candidate",
+            "http://x",
+            "--spec",
+            SPEC,
+            "--name",
+            "aa",
+            "--seed",
+            "3",
+            "--windows-dir",
+            str(tmp_path),
+            "--id",
+            "w-killed",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and out.startswith("INVALID")
     dec = json.loads((tmp_path / "w-killed" / "decision.json").read_text())
@@ -112,9 +163,28 @@ def test_cli_run_stdout_is_the_decision_even_with_a_noisy_switch(tmp_path, monke
     monkeypatch.setattr(bench, "snapshot_metrics", _Metrics(ok_calls=6))
     monkeypatch.setattr(bench, "served_model", lambda url, **kw: "dsv41-lab")
     monkeypatch.setattr(bench, "smoke", lambda *a, **kw: {"canary": {"ok": True}, "greedy": {"ok": True}})
-    rc = main(["window", "run", "--control", "http://x", "--candidate", "http://x", "--spec", SPEC,
-               "--name", "aa", "--seed", "3", "--windows-dir", str(tmp_path), "--id", "w-noisy",
-               "--switch-cmd", "echo; echo PLAY switching to {arm}"])
+    rc = main(
+        [
+            "window",
+            "run",
+            "--control",
+            "http://x",
+            "--candidate",
+            "http://x",
+            "--spec",
+            SPEC,
+            "--name",
+            "aa",
+            "--seed",
+            "3",
+            "--windows-dir",
+            str(tmp_path),
+            "--id",
+            "w-noisy",
+            "--switch-cmd",
+            "echo; echo PLAY switching to {arm}",
+        ]
+    )
     out, err = capfd.readouterr()
     assert rc == 0 and out.startswith("INVALID"), out
     assert "PLAY switching to control" in err and "PLAY switching" not in out

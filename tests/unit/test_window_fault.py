@@ -63,10 +63,19 @@ def _run(tmp: Path, state: str, rank: int = 0, check: bool = False) -> tuple[lis
     runtime = d / "docker"
     runtime.write_text(RUNTIME.format(log=log))
     runtime.chmod(0o755)
-    (d / "play.yml").write_text(play("systemd", TASK.format(
-        rank=rank, runtime=json.dumps(str(d / "missing" if state == "no_runtime" else runtime)))))
-    run_playbook("localhost,", d / "play.yml", d, env(fake_bin(d), FAKE_SYSTEMD_STATE=str(units),
-                                                       FAKE_CONTAINER=state), check=check)
+    (d / "play.yml").write_text(
+        play(
+            "systemd",
+            TASK.format(rank=rank, runtime=json.dumps(str(d / "missing" if state == "no_runtime" else runtime))),
+        )
+    )
+    run_playbook(
+        "localhost,",
+        d / "play.yml",
+        d,
+        env(fake_bin(d), FAKE_SYSTEMD_STATE=str(units), FAKE_CONTAINER=state),
+        check=check,
+    )
     made = [line for line in log.read_text().splitlines() if not line.startswith("inspect")]
     return made, mutating_calls(Path(str(units) + ".log"), ("kill", "stop", "start", "restart"), "systemctl")
 

@@ -44,18 +44,22 @@ def test_plan_switch_reruns_the_union_of_both_arms_roles(tmp_path):
     assert only_serve["switch_roles"] == ["serve"]  # drafting is not re-applied when no arm changes it
 
 
-@pytest.mark.parametrize("names,control,msg", [
-    (["nope"], "production", "unknown candidate 'nope'"),
-    (["aa"], "nope", "unknown candidate 'nope'"),
-    (["aa"], "aa", "both the control and a candidate"),
-])
+@pytest.mark.parametrize(
+    "names,control,msg",
+    [
+        (["nope"], "production", "unknown candidate 'nope'"),
+        (["aa"], "nope", "unknown candidate 'nope'"),
+        (["aa"], "aa", "both the control and a candidate"),
+    ],
+)
 def test_plan_refusals(tmp_path, names, control, msg):
     with pytest.raises(WindowError, match=msg):
         window_plan.plan(names, control=control, root=CANDS, windows_dir=str(tmp_path))
 
 
-@pytest.mark.parametrize("text,msg", [("", "no candidate given"), (" , ", "no candidate given"),
-                                      ("aa,aa", "named twice: aa")])
+@pytest.mark.parametrize(
+    "text,msg", [("", "no candidate given"), (" , ", "no candidate given"), ("aa,aa", "named twice: aa")]
+)
 def test_split_names_refusals(text, msg):
     with pytest.raises(WindowError, match=msg):
         window_plan.split_names(text)
@@ -68,9 +72,14 @@ def test_schema_error_is_refused(tmp_path):
         window_plan.plan(["bad"], root=root, windows_dir=str(tmp_path))
 
 
-@pytest.mark.parametrize("var,msg", [("DSV41_NOT_A_VARIABLE", "not a dsv41 variable"),
-                                     ("DSV41_SERVE_INPUTS_SHA256", "derived by the role"),
-                                     ("DSV41_WINDOW_TOKEN", "derived by the role")])
+@pytest.mark.parametrize(
+    "var,msg",
+    [
+        ("DSV41_NOT_A_VARIABLE", "not a dsv41 variable"),
+        ("DSV41_SERVE_INPUTS_SHA256", "derived by the role"),
+        ("DSV41_WINDOW_TOKEN", "derived by the role"),
+    ],
+)
 def test_unrestorable_delta_is_refused(tmp_path, var, msg):
     root = _cand(tmp_path, "c", BASE.format(n="c") + f"roles:\n  serve:\n    env:\n      {var}: '1'\n")
     with pytest.raises(WindowError, match=msg):
@@ -135,13 +144,16 @@ def test_fault_trigger_waits_for_a_slow_strike_before_the_next_cell(tmp_path):
     t.join(0.5)
 
 
-@pytest.mark.parametrize("arms,after,at", [
-    (["control", "candidate", "candidate", "control"], 2, 2),     # next cell same arm: as asked
-    (["control", "candidate", "candidate", "control"], 1, 2),     # 1 -> 2 is a switch: moved on
-    (["control", "candidate", "control", "control"], 1, 3),
-    (["control", "candidate", "control", "candidate"], 1, 1),     # no same-arm boundary: as asked
-    ([], 2, 2),
-])
+@pytest.mark.parametrize(
+    "arms,after,at",
+    [
+        (["control", "candidate", "candidate", "control"], 2, 2),  # next cell same arm: as asked
+        (["control", "candidate", "candidate", "control"], 1, 2),  # 1 -> 2 is a switch: moved on
+        (["control", "candidate", "control", "control"], 1, 3),
+        (["control", "candidate", "control", "candidate"], 1, 1),  # no same-arm boundary: as asked
+        ([], 2, 2),
+    ],
+)
 def test_fault_trigger_strikes_where_no_arm_switch_heals_it(tmp_path, arms, after, at):
     """An arm switch restarts the TP pair: the trigger moves to the first boundary at or after
     after_cells whose next cell is of the same arm (the plan's own arms)."""
@@ -216,6 +228,7 @@ def test_engine_admits_only_the_window_while_held():
 
             class R:
                 request_id = "r"
+
             return R()
 
         def abort(self, rid=None):
@@ -229,8 +242,11 @@ def test_engine_admits_only_the_window_while_held():
 
     from authutil import OP_HEADERS, OPERATOR, TEST_HOSTS
 
-    c = TestClient(create_app(Eng(), "m", 64, operator_credential=OPERATOR, allowed_hosts=TEST_HOSTS),
-                   raise_server_exceptions=False, headers=OP_HEADERS)
+    c = TestClient(
+        create_app(Eng(), "m", 64, operator_credential=OPERATOR, allowed_hosts=TEST_HOSTS),
+        raise_server_exceptions=False,
+        headers=OP_HEADERS,
+    )
     body = {"prompt": "x", "max_tokens": 1}
     assert c.post("/pause?mode=wait&window=bad token").status_code == 400
     assert c.post("/pause?mode=wait&window=w-1").status_code == 200
@@ -256,8 +272,12 @@ def test_fault_trigger_keeps_its_output_and_says_when_it_did_not_strike(tmp_path
     assert ok.failure() is None and (tmp_path / "fault.log").read_text() == "struck\n"
     assert ok.record() == {"after_cells": 1, "at_cell": 1, "triggered": True, "rc": 0, "log": "fault.log"}
 
-    bad = window.FaultTrigger(1, "while [ ! -e {trigger} ]; do sleep 0.02; done; echo no host >&2; exit 4",
-                              str(tmp_path / "t2"), log_path=str(tmp_path / "f2.log"))
+    bad = window.FaultTrigger(
+        1,
+        "while [ ! -e {trigger} ]; do sleep 0.02; done; echo no host >&2; exit 4",
+        str(tmp_path / "t2"),
+        log_path=str(tmp_path / "f2.log"),
+    )
     bad.start()
     bad.cell_done()
     bad.join(30)

@@ -19,9 +19,21 @@ SPEC = str(Path(__file__).resolve().parents[2] / "candidates" / "specs" / "drill
 
 
 def _fake_stream(client, url, body, prompt_id, category):
-    return bench.RequestResult(prompt_id, category, body.get("seed", 0), body.get("max_tokens", 8), ok=True,
-                               ttft_ms=50.0, step_ms_p50=20.0, tok_s=50.0, tokens_per_step=1.0, steps=8,
-                               step_ms=[20.0] * 7, finish_reason="length", completion_tokens=8)
+    return bench.RequestResult(
+        prompt_id,
+        category,
+        body.get("seed", 0),
+        body.get("max_tokens", 8),
+        ok=True,
+        ttft_ms=50.0,
+        step_ms_p50=20.0,
+        tok_s=50.0,
+        tokens_per_step=1.0,
+        steps=8,
+        step_ms=[20.0] * 7,
+        finish_reason="length",
+        completion_tokens=8,
+    )
 
 
 @pytest.fixture
@@ -32,8 +44,15 @@ def fake_arms(monkeypatch):
 
 
 def _params(tmp_path, **kw) -> window_run.WindowParams:
-    return window_run.WindowParams(control="http://x", candidate="http://x", spec=bench.load_spec(SPEC), seed=3,
-                                   windows_dir=str(tmp_path), snapshot_metrics=False, **kw)
+    return window_run.WindowParams(
+        control="http://x",
+        candidate="http://x",
+        spec=bench.load_spec(SPEC),
+        seed=3,
+        windows_dir=str(tmp_path),
+        snapshot_metrics=False,
+        **kw,
+    )
 
 
 def test_run_window_writes_the_report_and_returns_the_decision(tmp_path, fake_arms):
@@ -89,10 +108,13 @@ def test_run_window_interrupted_keeps_cells_and_decides_invalid(tmp_path, fake_a
 
 
 # CLI options whose params field has another name (or sense); as_json is the printing's alone.
-_RENAMED = {"refs_file": ("refs_path", lambda v: v), "no_cap": ("cap", lambda v: not v),
-            "no_metrics": ("snapshot_metrics", lambda v: not v),
-            # the JSON facts become {rank: url} (dsv41.harness.rank_metrics.urls); empty: none
-            "rank_metrics": ("rank_urls", lambda v: {} if v == "" else v)}
+_RENAMED = {
+    "refs_file": ("refs_path", lambda v: v),
+    "no_cap": ("cap", lambda v: not v),
+    "no_metrics": ("snapshot_metrics", lambda v: not v),
+    # the JSON facts become {rank: url} (dsv41.harness.rank_metrics.urls); empty: none
+    "rank_metrics": ("rank_urls", lambda v: {} if v == "" else v),
+}
 
 
 def test_every_window_run_option_reaches_a_params_field_with_its_default():
@@ -153,13 +175,21 @@ def test_a_fault_drill_that_failed_is_recorded_and_named(tmp_path, fake_arms):
     assert doc["fault"]["triggered"] and doc["fault"]["rc"] == 2 and doc["fault"]["log"] == "fault.log"
     assert (Path(res.dir) / "fault.log").read_text() == "unreachable\n"
     assert res.fault_failure.startswith("fault drill command failed (rc 2)")
-    ok = window_run.run_window(_params(tmp_path, window_id="wok", cap=False, fault_after_cells=1,
-                                       fault_cmd="while [ ! -e {trigger} ]; do sleep 0.02; done"))
+    ok = window_run.run_window(
+        _params(
+            tmp_path,
+            window_id="wok",
+            cap=False,
+            fault_after_cells=1,
+            fault_cmd="while [ ! -e {trigger} ]; do sleep 0.02; done",
+        )
+    )
     assert ok.fault_failure is None
     assert json.loads((Path(ok.dir) / "decision.json").read_text())["fault"]["rc"] == 0
 
 
 def test_rank_endpoints_are_snapshotted_once_besides_the_metrics_urls():
-    assert window_run._with_ranks(["http://a:1/metrics"], {"0": "http://a:1/metrics", "1": "http://b:9471/metrics"}) == \
-        ["http://a:1/metrics", "http://b:9471/metrics"]
+    assert window_run._with_ranks(
+        ["http://a:1/metrics"], {"0": "http://a:1/metrics", "1": "http://b:9471/metrics"}
+    ) == ["http://a:1/metrics", "http://b:9471/metrics"]
     assert window_run._with_ranks(["http://a:1/metrics"], {}) == ["http://a:1/metrics"]

@@ -39,8 +39,9 @@ time.sleep(300)
 
 def _start_run(wdir, ignore_term=False):
     wdir.mkdir(parents=True)
-    p = subprocess.Popen([sys.executable, "-c", RUN, str(wdir), "1" if ignore_term else "0"],
-                         stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", RUN, str(wdir), "1" if ignore_term else "0"], stdout=subprocess.PIPE, text=True
+    )
     child = int(p.stdout.readline())
     deadline = time.monotonic() + 30
     while not (wdir / window_pid.RUN_PID_NAME).exists() and time.monotonic() < deadline:
@@ -109,9 +110,17 @@ def test_a_dead_run_leaves_a_stale_file_that_is_removed(tmp_path):
     assert not (d / window_pid.RUN_PID_NAME).exists()
 
 
-@pytest.mark.parametrize("content,why", [(b"not json", "not JSON"), (b"", "it is empty"),
-                                         (b'{"pid": 12, "start_ti', "not JSON"), (b"\xff\xfe{}", "not UTF-8"),
-                                         (b"[1, 2]", "a JSON list, not an object"), (b"x" * 5000, "larger than")])
+@pytest.mark.parametrize(
+    "content,why",
+    [
+        (b"not json", "not JSON"),
+        (b"", "it is empty"),
+        (b'{"pid": 12, "start_ti', "not JSON"),
+        (b"\xff\xfe{}", "not UTF-8"),
+        (b"[1, 2]", "a JSON list, not an object"),
+        (b"x" * 5000, "larger than"),
+    ],
+)
 def test_an_unreadable_pid_file_is_one_clear_error(tmp_path, capsys, content, why):
     """Empty (killed while writing, before fileio.atomic_write), torn, undecodable, not an object,
     too long: one line from the strict reader, the file kept."""
@@ -159,16 +168,47 @@ def test_window_run_names_itself_while_it_runs_and_clears_at_the_end(tmp_path, m
 
     def stream(client, url, body, prompt_id, category):
         seen.append(json.loads((tmp_path / "w-pid" / window_pid.RUN_PID_NAME).read_text())["pid"])
-        return bench.RequestResult(prompt_id, category, body.get("seed", 0), 8, ok=True, ttft_ms=50.0,
-                                   step_ms_p50=20.0, tok_s=50.0, tokens_per_step=1.0, steps=8, step_ms=[20.0] * 7,
-                                   finish_reason="length", completion_tokens=8)
+        return bench.RequestResult(
+            prompt_id,
+            category,
+            body.get("seed", 0),
+            8,
+            ok=True,
+            ttft_ms=50.0,
+            step_ms_p50=20.0,
+            tok_s=50.0,
+            tokens_per_step=1.0,
+            steps=8,
+            step_ms=[20.0] * 7,
+            finish_reason="length",
+            completion_tokens=8,
+        )
 
     monkeypatch.setattr(bench, "stream_one", stream)
     monkeypatch.setattr(bench, "snapshot_metrics", lambda urls, timeout_s=10.0: {u: {} for u in urls})
     monkeypatch.setattr(bench, "served_model", lambda url, **kw: "dsv41-lab")
     monkeypatch.setattr(bench, "smoke", lambda *a, **kw: {"canary": {"ok": True}, "greedy": {"ok": True}})
-    rc = main(["window", "run", "--control", "http://x", "--candidate", "http://x", "--spec", SPEC,
-               "--name", "aa", "--seed", "3", "--windows-dir", str(tmp_path), "--id", "w-pid", "--no-metrics"])
+    rc = main(
+        [
+            "window",
+            "run",
+            "--control",
+            "http://x",
+            "--candidate",
+            "http://x",
+            "--spec",
+            SPEC,
+            "--name",
+            "aa",
+            "--seed",
+            "3",
+            "--windows-dir",
+            str(tmp_path),
+            "--id",
+            "w-pid",
+            "--no-metrics",
+        ]
+    )
     assert rc == 0 and seen and set(seen) == {os.getpid()}
     assert not (tmp_path / "w-pid" / window_pid.RUN_PID_NAME).exists()
 
@@ -237,12 +277,18 @@ def test_a_reused_pid_is_never_signalled_whatever_the_clock(tmp_path, monkeypatc
         me = ProcessIdentity.of(victim.pid)
         real = psutil.Process.create_time
         monkeypatch.setattr(psutil.Process, "create_time", lambda self: real(self) + 1.0)
-        for i, rec in enumerate([dict(me.as_record(), start_ticks=me.start_ticks - 1),
-                                 dict(me.as_record(), start_ticks=me.start_ticks + 100),
-                                 dict(me.as_record(), boot_id="00000000-0000-0000-0000-000000000000")]):
+        for i, rec in enumerate(
+            [
+                dict(me.as_record(), start_ticks=me.start_ticks - 1),
+                dict(me.as_record(), start_ticks=me.start_ticks + 100),
+                dict(me.as_record(), boot_id="00000000-0000-0000-0000-000000000000"),
+            ]
+        ):
             d = tmp_path / f"W10-{i}"
             d.mkdir()
-            (d / window_pid.RUN_PID_NAME).write_text(json.dumps(dict(rec, create_time=real(psutil.Process(victim.pid)))))
+            (d / window_pid.RUN_PID_NAME).write_text(
+                json.dumps(dict(rec, create_time=real(psutil.Process(victim.pid))))
+            )
             assert window_pid.run_process(rec) is None
         assert window_pid.stop_runs(tmp_path, "W10") == []
         assert victim.poll() is None  # still alive: nothing was signalled
@@ -258,8 +304,9 @@ def test_a_legacy_record_of_a_live_run_is_still_read(tmp_path):
     try:
         d = tmp_path / "W11-aa"
         d.mkdir()
-        (d / window_pid.RUN_PID_NAME).write_text(json.dumps({"pid": victim.pid,
-                                                         "create_time": psutil.Process(victim.pid).create_time()}))
+        (d / window_pid.RUN_PID_NAME).write_text(
+            json.dumps({"pid": victim.pid, "create_time": psutil.Process(victim.pid).create_time()})
+        )
         assert window_pid.stop_runs(tmp_path, "W11", timeout_s=5) == [victim.pid]
         victim.wait(10)  # psutil reaped it already (we are its parent): returncode 0 or -15
         assert _gone(victim.pid)
@@ -267,10 +314,16 @@ def test_a_legacy_record_of_a_live_run_is_still_read(tmp_path):
         victim.kill()
 
 
-@pytest.mark.parametrize("rec", [{"pid": 5, "start_ticks": "x", "boot_id": "b"}, {"pid": 5, "start_ticks": 1},
-                                 {"pid": True, "start_ticks": 1, "boot_id": "b"},
-                                 {"pid": -1, "start_ticks": 1, "boot_id": "b"},
-                                 {"pid": 5, "start_ticks": 1, "boot_id": 7}])
+@pytest.mark.parametrize(
+    "rec",
+    [
+        {"pid": 5, "start_ticks": "x", "boot_id": "b"},
+        {"pid": 5, "start_ticks": 1},
+        {"pid": True, "start_ticks": 1, "boot_id": "b"},
+        {"pid": -1, "start_ticks": 1, "boot_id": "b"},
+        {"pid": 5, "start_ticks": 1, "boot_id": 7},
+    ],
+)
 def test_a_malformed_identity_record_is_one_clear_error(tmp_path, rec):
     d = tmp_path / "W12-aa"
     d.mkdir()
@@ -335,7 +388,11 @@ def _start_playbook(tmp_path, wdir, mode="plain"):
     worker = int(p.stdout.readline())
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        rec = window_pid.read_run_pid(wdir / window_pid.RUN_PID_NAME) if (wdir / window_pid.RUN_PID_NAME).exists() else None
+        rec = (
+            window_pid.read_run_pid(wdir / window_pid.RUN_PID_NAME)
+            if (wdir / window_pid.RUN_PID_NAME).exists()
+            else None
+        )
         if rec:
             return p, worker, rec
         time.sleep(0.05)
@@ -387,8 +444,10 @@ def test_the_orphaned_worker_of_a_killed_playbook_is_stopped_after_its_run(tmp_p
         assert not _gone(worker)
         assert main(["window", "stop-run", "--window", "W22", "--windows-dir", str(tmp_path)]) == 0
         out = capsys.readouterr().out.strip()
-        assert out == (f"stopped {rec['pid']} (the killed run of window W22), and {worker} "
-                       "(the killed window.yml's Ansible worker that waited on it)")
+        assert out == (
+            f"stopped {rec['pid']} (the killed run of window W22), and {worker} "
+            "(the killed window.yml's Ansible worker that waited on it)"
+        )
         assert _wait_gone(worker) and _gone(rec["pid"])
         assert not (tmp_path / "W22-aa" / window_pid.RUN_PID_NAME).exists()
     finally:
@@ -472,10 +531,19 @@ def test_a_reused_worker_pid_is_never_signalled(tmp_path):
         victim.wait()
 
 
-@pytest.mark.parametrize("session", [[1, 2], "x", {"leader": {"pid": 5, "start_ticks": 1, "boot_id": "b"}},
-                                     {"leader": {"pid": 5}, "parent": {"pid": 6, "start_ticks": 1, "boot_id": "b"}},
-                                     {"leader": {"pid": 5, "start_ticks": 1, "boot_id": "b"},
-                                      "parent": {"pid": "x", "start_ticks": 1, "boot_id": "b"}}])
+@pytest.mark.parametrize(
+    "session",
+    [
+        [1, 2],
+        "x",
+        {"leader": {"pid": 5, "start_ticks": 1, "boot_id": "b"}},
+        {"leader": {"pid": 5}, "parent": {"pid": 6, "start_ticks": 1, "boot_id": "b"}},
+        {
+            "leader": {"pid": 5, "start_ticks": 1, "boot_id": "b"},
+            "parent": {"pid": "x", "start_ticks": 1, "boot_id": "b"},
+        },
+    ],
+)
 def test_a_malformed_session_is_one_clear_error_and_nothing_is_signalled(tmp_path, session):
     victim = _sleeper()
     try:

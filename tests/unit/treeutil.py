@@ -21,16 +21,23 @@ TOLERATED = {
     ".cache": "downloaded rootfs and tool caches",
     ".venv": "the virtual environment",
 }
-TOLERATED_SUFFIXES = {".pyc": "bytecode", ".pyo": "bytecode", ".so": "the native transport built in place",
-                      ".egg-info": "setuptools' metadata of the editable install"}
+TOLERATED_SUFFIXES = {
+    ".pyc": "bytecode",
+    ".pyo": "bytecode",
+    ".so": "the native transport built in place",
+    ".egg-info": "setuptools' metadata of the editable install",
+}
 
 
 def repo_files(repo: Path) -> set[str] | None:
     """Untracked (``?? path``) and ignored (``!! path``, directories as ``dir/``) paths of the git
     checkout ``repo``, as ``git status`` names them; None when ``repo`` is no git checkout."""
     try:
-        r = subprocess.run(["git", "-C", str(repo), "status", "--porcelain=v1", "-z", "--untracked-files=all",
-                            "--ignored=matching"], capture_output=True, timeout=120)
+        r = subprocess.run(
+            ["git", "-C", str(repo), "status", "--porcelain=v1", "-z", "--untracked-files=all", "--ignored=matching"],
+            capture_output=True,
+            timeout=120,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     if r.returncode != 0:
@@ -43,9 +50,11 @@ def repo_leftovers(before: set[str], after: set[str], *, ignored: bool = True) -
     :data:`TOLERATED` paths left out: the paths, sorted. ``ignored=False``: untracked paths only
     (a session that ran lab tests too: playbooks write their outputs, ``windows/``, ``packages/``,
     under the repository by default, ignored by git on purpose)."""
+
     def tolerated(entry: str) -> bool:
         if entry.startswith("!! ") and not ignored:
             return True
         parts = entry[3:].rstrip("/").split("/")
         return bool(set(parts) & set(TOLERATED)) or parts[-1].endswith(tuple(TOLERATED_SUFFIXES))
+
     return sorted(e[3:] for e in after - before if not tolerated(e))

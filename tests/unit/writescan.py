@@ -12,8 +12,18 @@ import ast
 WRITE_MODE_CHARS = set("wax+")
 WRITE_FLAGS = {"O_WRONLY", "O_RDWR", "O_CREAT", "O_APPEND", "O_TRUNC"}
 COPIERS = {"copy", "copy2", "copyfile", "copytree", "move"}
-DUMPERS = {("json", "dump"), ("pickle", "dump"), ("marshal", "dump"), ("yaml", "dump"), ("yaml", "safe_dump"),
-           ("np", "save"), ("np", "savez"), ("np", "savetxt"), ("numpy", "save"), ("torch", "save")}
+DUMPERS = {
+    ("json", "dump"),
+    ("pickle", "dump"),
+    ("marshal", "dump"),
+    ("yaml", "dump"),
+    ("yaml", "safe_dump"),
+    ("np", "save"),
+    ("np", "savez"),
+    ("np", "savetxt"),
+    ("numpy", "save"),
+    ("torch", "save"),
+}
 OPEN_MODULES = {"gzip", "bz2", "lzma", "tarfile", "codecs", "io"}
 
 
@@ -32,7 +42,9 @@ def _write_kind(node: ast.Call, assigned: dict[str, list[ast.AST]]) -> str | Non
     kw = {k.arg: k.value for k in node.keywords}
     if name == "open" and owner == "os":
         flags = node.args[1] if len(node.args) > 1 else kw.get("flags")
-        seen = [n for x in ([flags] + assigned.get(getattr(flags, "id", None), [])) if x is not None for n in ast.walk(x)]
+        seen = [
+            n for x in ([flags] + assigned.get(getattr(flags, "id", None), [])) if x is not None for n in ast.walk(x)
+        ]
         names = {getattr(n, "attr", None) or getattr(n, "id", None) for n in seen}
         return "os.open" if names & WRITE_FLAGS or not names - {None} else None
     if name in ("open", "fdopen", "GzipFile"):
@@ -65,11 +77,19 @@ def write_calls(source: str, module: str) -> list[tuple[str, str, str, int]]:
     tree = ast.parse(source)
     through = set()
     for c in ast.walk(tree):
-        if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and getattr(c.func.value, "id", None) == "fileio":
+        if (
+            isinstance(c, ast.Call)
+            and isinstance(c.func, ast.Attribute)
+            and getattr(c.func.value, "id", None) == "fileio"
+        ):
             handed = {a.id for a in c.args if isinstance(a, ast.Name)}
             through |= {id(n) for a in c.args if isinstance(a, ast.Lambda) for n in ast.walk(a)}
-            through |= {id(n) for d in ast.walk(tree) if isinstance(d, ast.FunctionDef) and d.name in handed
-                        for n in ast.walk(d)}
+            through |= {
+                id(n)
+                for d in ast.walk(tree)
+                if isinstance(d, ast.FunctionDef) and d.name in handed
+                for n in ast.walk(d)
+            }
     found = []
 
     def visit(node, qual: str, assigned: dict, staged: set) -> None:
@@ -85,13 +105,22 @@ def write_calls(source: str, module: str) -> list[tuple[str, str, str, int]]:
                 visit(child, q, a, set())
                 continue
             if isinstance(child, ast.With):
-                staged = staged | {i.optional_vars.id for i in child.items if isinstance(i.optional_vars, ast.Name)
-                                   and isinstance(i.context_expr, ast.Call) and isinstance(i.context_expr.func, ast.Attribute)
-                                   and i.context_expr.func.attr == "atomic_path"}
+                staged = staged | {
+                    i.optional_vars.id
+                    for i in child.items
+                    if isinstance(i.optional_vars, ast.Name)
+                    and isinstance(i.context_expr, ast.Call)
+                    and isinstance(i.context_expr.func, ast.Attribute)
+                    and i.context_expr.func.attr == "atomic_path"
+                }
             if isinstance(child, ast.Call) and id(child) not in through:
                 kind = _write_kind(child, assigned)
-                uses = {n.id for a in [*child.args, *(k.value for k in child.keywords)] for n in ast.walk(a)
-                        if isinstance(n, ast.Name)}
+                uses = {
+                    n.id
+                    for a in [*child.args, *(k.value for k in child.keywords)]
+                    for n in ast.walk(a)
+                    if isinstance(n, ast.Name)
+                }
                 if kind and not uses & staged:
                     found.append((module, qual, kind, child.lineno))
             visit(child, qual, assigned, staged)

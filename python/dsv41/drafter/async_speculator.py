@@ -50,11 +50,26 @@ class AsyncSpeculator(SpeculatorBase):
 
     TAIL = 16  # context tokens remembered per request to check that a reply still applies
 
-    def __init__(self, url: str, expected: dict, *, k: int = 5, policy: DepthPolicy | None = None,
-                 timeout_ms: float = 100.0, watchdog_ms: float = 2000.0, startup_grace_s: float = 20.0,
-                 respawns: int = 3, window_s: float = 60.0, n_slots: int = 4, slot_size: int = 4 << 20,
-                 nap_us: float = 50.0, max_context: int = 64, max_k: int = 7, clock=time.monotonic,
-                 proxy_cmd: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        expected: dict,
+        *,
+        k: int = 5,
+        policy: DepthPolicy | None = None,
+        timeout_ms: float = 100.0,
+        watchdog_ms: float = 2000.0,
+        startup_grace_s: float = 20.0,
+        respawns: int = 3,
+        window_s: float = 60.0,
+        n_slots: int = 4,
+        slot_size: int = 4 << 20,
+        nap_us: float = 50.0,
+        max_context: int = 64,
+        max_k: int = 7,
+        clock=time.monotonic,
+        proxy_cmd: list[str] | None = None,
+    ) -> None:
         super().__init__(k, policy or DepthPolicy.parse(None, k))
         P.parse_url(url)
         self.url, self.expected = url, expected
@@ -99,12 +114,26 @@ class AsyncSpeculator(SpeculatorBase):
         except OSError as exc:  # /dev/shm full or not mounted
             raise Dsv41Error(f"drafter proxy: cannot create the shared-memory ring: {exc}") from None
         self.ring.beat_engine()
-        cmd = [*self.proxy_cmd, "run", "--shm", self.ring.name, "--remote", self.url,
-               "--drafter-identity", self.expected.get("drafter", ""),
-               "--markov-identity", self.expected.get("markov", ""),
-               "--target-identity", self.expected.get("target", ""),
-               "--timeout-ms", str(self.timeout_ms), "--nap-us", str(self.nap_us),
-               "--parent-pid", str(os.getpid())]
+        cmd = [
+            *self.proxy_cmd,
+            "run",
+            "--shm",
+            self.ring.name,
+            "--remote",
+            self.url,
+            "--drafter-identity",
+            self.expected.get("drafter", ""),
+            "--markov-identity",
+            self.expected.get("markov", ""),
+            "--target-identity",
+            self.expected.get("target", ""),
+            "--timeout-ms",
+            str(self.timeout_ms),
+            "--nap-us",
+            str(self.nap_us),
+            "--parent-pid",
+            str(os.getpid()),
+        ]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         try:
@@ -200,8 +229,12 @@ class AsyncSpeculator(SpeculatorBase):
                 log.error("drafter proxy respawn failed: %s", exc)
         self._c["proxy_gave_up"] = 1
         if not self.down_logged:
-            log.error("drafter proxy respawn budget (%d per %.0f s) spent: the proxy stays down, "
-                      "decoding continues target-only", self.budget.n, self.budget.window_s)
+            log.error(
+                "drafter proxy respawn budget (%d per %.0f s) spent: the proxy stays down, "
+                "decoding continues target-only",
+                self.budget.n,
+                self.budget.window_s,
+            )
             self.down_logged = True
         return False
 
@@ -253,8 +286,10 @@ class AsyncSpeculator(SpeculatorBase):
         self._c["items"] += len(rids)
         self._c["latency_count"] += 1
         self._c["latency_sum_s"] += max(0.0, self.clock() - meta[rids[0]][2])
-        self._ready = {rid: _Ready(meta[rid][0], meta[rid][1], drafts.tokens[j], drafts.top_ids[j], drafts.top_probs[j])
-                       for j, rid in enumerate(rids)}
+        self._ready = {
+            rid: _Ready(meta[rid][0], meta[rid][1], drafts.tokens[j], drafts.top_ids[j], drafts.top_probs[j])
+            for j, rid in enumerate(rids)
+        }
 
     def _aligned(self, x, depth: int):
         r = self._ready.get(str(x.request_id))
@@ -262,16 +297,16 @@ class AsyncSpeculator(SpeculatorBase):
             return None
         toks = np.asarray(x.token_ids, dtype=np.int64).reshape(-1)
         g = toks.size - r.ctx_len
-        if g < 0 or g > r.tokens.size or not np.array_equal(toks[r.ctx_len - r.tail.size:r.ctx_len], r.tail):
+        if g < 0 or g > r.tokens.size or not np.array_equal(toks[r.ctx_len - r.tail.size : r.ctx_len], r.tail):
             self._c["stale_drafts"] += 1
             return None
-        if not np.array_equal(toks[r.ctx_len:], r.tokens[:g]):
+        if not np.array_equal(toks[r.ctx_len :], r.tokens[:g]):
             self._c["stale_drafts"] += 1
             return None
         d = min(depth, r.tokens.size - g)
         if d <= 0:
             return None
-        return r.tokens[g:g + d], r.ids[g:g + d], r.probs[g:g + d]
+        return r.tokens[g : g + d], r.ids[g : g + d], r.probs[g : g + d]
 
     def _submit(self, batch, depths: list[int]) -> None:
         from dsv41.drafter.shm import SlotState
@@ -300,7 +335,7 @@ class AsyncSpeculator(SpeculatorBase):
         meta = {}
         for i, it in zip(live, items, strict=False):
             toks = np.asarray(batch[i].token_ids, dtype=np.int64).reshape(-1)
-            meta[it.request_id] = (int(toks.size), toks[-self.TAIL:].copy(), now)
+            meta[it.request_id] = (int(toks.size), toks[-self.TAIL :].copy(), now)
         self.ring.write(free[0], SlotState.REQUEST, self._seq, payload)
         self._inflight = (free[0], self._seq, meta)
         self._inflight_t = now

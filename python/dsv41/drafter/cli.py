@@ -9,8 +9,9 @@ import typer
 
 from dsv41 import fileio
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  help="Remote drafter worker and tools.")
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, help="Remote drafter worker and tools."
+)
 
 
 @app.command("serve")
@@ -19,8 +20,9 @@ def serve_cmd(
     drafter: str = typer.Option(..., help="Drafter directory (drafter.json + drafter.safetensors)."),
     target_identity: str = typer.Option("", help="Target identity this worker serves (hex sha256)."),
     device: str = typer.Option("cpu", help="cpu or cuda[:N]."),
-    cuda_graphs: bool | None = typer.Option(None, "--cuda-graphs/--no-cuda-graphs",
-                                               help="Replay CUDA graphs (default: on with --device cuda)."),
+    cuda_graphs: bool | None = typer.Option(
+        None, "--cuda-graphs/--no-cuda-graphs", help="Replay CUDA graphs (default: on with --device cuda)."
+    ),
     backend: str = typer.Option("torch", help="Drafter backend: torch, or exl3 (EXL3 model dir, CUDA, exllamav3)."),
     metrics: str = typer.Option("", help="HOST:PORT for Prometheus /metrics (empty = off)."),
     ready_file: str = typer.Option("", help="Write the bound URL here once serving."),
@@ -37,8 +39,18 @@ def serve_cmd(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s dsv41-drafter %(levelname)s %(message)s")
     if cuda_graphs is None:
         cuda_graphs = device.startswith("cuda")
-    serve(drafter, listen, target_identity=target_identity, device=device, cuda_graphs=cuda_graphs, backend=backend,
-          metrics=metrics, ready_file=ready_file, max_batch=max_batch, delay_ms=delay_ms)
+    serve(
+        drafter,
+        listen,
+        target_identity=target_identity,
+        device=device,
+        cuda_graphs=cuda_graphs,
+        backend=backend,
+        metrics=metrics,
+        ready_file=ready_file,
+        max_batch=max_batch,
+        delay_ms=delay_ms,
+    )
 
 
 @app.command("identity")
@@ -63,8 +75,10 @@ def status_cmd(
         print(fileio.dumps_json(st, indent=1, nonfinite="null"))
     else:
         ids = st["identities"]
-        print(f"connections {st['connections']}; drafter {ids['drafter'][:16]} markov {ids['markov'][:16]} "
-              f"target {ids['target'][:16]}")
+        print(
+            f"connections {st['connections']}; drafter {ids['drafter'][:16]} markov {ids['markov'][:16]} "
+            f"target {ids['target'][:16]}"
+        )
 
 
 @app.command("train")
@@ -76,7 +90,9 @@ def train_cmd(
     seed: int = typer.Option(0, help="Seed (data order and initialisation)."),
     manifest: str = typer.Option("", help="Engram manifest (with --data); default: synthetic tables in memory."),
     data: str = typer.Option("", help="Engram table directory (with --manifest)."),
-    tables_seed: int = typer.Option(41, help="Seed of the synthetic tables when no --manifest (the lab's dsv41_tables_seed)."),
+    tables_seed: int = typer.Option(
+        41, help="Seed of the synthetic tables when no --manifest (the lab's dsv41_tables_seed)."
+    ),
     threads: int = typer.Option(1, min=1, max=256, help="torch CPU threads."),
     as_json: bool = typer.Option(False, "--json", help="Print the training report as JSON."),
 ) -> None:
@@ -86,11 +102,21 @@ def train_cmd(
     from dsv41.drafter.train import train_drafter
 
     torch.set_num_threads(threads)
-    rep = train_drafter(config, weights, out, steps=steps or None, seed=seed, manifest=manifest or None,
-                        data=data or None, tables_seed=tables_seed)
+    rep = train_drafter(
+        config,
+        weights,
+        out,
+        steps=steps or None,
+        seed=seed,
+        manifest=manifest or None,
+        data=data or None,
+        tables_seed=tables_seed,
+    )
     if as_json:
         print(fileio.dumps_json(rep, indent=1, nonfinite="null"))
     else:
-        print(f"drafter written to {out}: drafter {rep['identities']['drafter'][:12]} markov "
-              f"{rep['identities']['markov'][:12]} target {rep['identities']['target'][:12]}; "
-              f"held-out acceptance {rep['heldout_acceptance']:.2f} ({rep['seconds']:.1f} s)")
+        print(
+            f"drafter written to {out}: drafter {rep['identities']['drafter'][:12]} markov "
+            f"{rep['identities']['markov'][:12]} target {rep['identities']['target'][:12]}; "
+            f"held-out acceptance {rep['heldout_acceptance']:.2f} ({rep['seconds']:.1f} s)"
+        )

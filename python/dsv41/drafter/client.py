@@ -38,8 +38,19 @@ class WorkerRefused(Dsv41Error):
         self.status = status
 
 
-COUNTER_KEYS = ("rounds", "rounds_ok", "timeouts", "late_dropped", "refusals", "identity_refusals",
-                "reconnects", "connect_failures", "disconnects", "latency_sum_s", "latency_count")
+COUNTER_KEYS = (
+    "rounds",
+    "rounds_ok",
+    "timeouts",
+    "late_dropped",
+    "refusals",
+    "identity_refusals",
+    "reconnects",
+    "connect_failures",
+    "disconnects",
+    "latency_sum_s",
+    "latency_count",
+)
 
 
 class DrafterClient:
@@ -51,8 +62,16 @@ class DrafterClient:
     per-round timeout. ``reconnect_s``: minimum time between connection attempts.
     """
 
-    def __init__(self, url: str, expected: dict, *, timeout_ms: float = 100.0, connect_timeout_ms: float = 500.0,
-                 reconnect_s: float = 1.0, client_name: str = "spark") -> None:
+    def __init__(
+        self,
+        url: str,
+        expected: dict,
+        *,
+        timeout_ms: float = 100.0,
+        connect_timeout_ms: float = 500.0,
+        reconnect_s: float = 1.0,
+        client_name: str = "spark",
+    ) -> None:
         self.host, self.port = P.parse_url(url)
         self.url = url
         self.expected = {k: (expected.get(k) or "") for k in ("drafter", "markov", "target")}
@@ -116,8 +135,9 @@ class DrafterClient:
             sock.settimeout(self.connect_timeout_s)
             P.send_frame(sock, P.Msg.HELLO_REQ, P.HelloRequest(self.expected["target"], self.client_name).encode())
             # a worker that trickles or announces a huge hello cannot hold or bloat the client
-            head, payload = P.read_frame(sock, deadline=time.monotonic() + self.connect_timeout_s,
-                                         max_length=P.MAX_HELLO_PAYLOAD)
+            head, payload = P.read_frame(
+                sock, deadline=time.monotonic() + self.connect_timeout_s, max_length=P.MAX_HELLO_PAYLOAD
+            )
             if head.msg == P.Msg.ERROR:
                 msg = payload.decode("utf-8", "replace")
                 if head.status == P.Status.IDENTITY_MISMATCH:
@@ -141,7 +161,8 @@ class DrafterClient:
             self.counters["identity_refusals"] += 1
             exc = IdentityMismatch(
                 f"drafter {self.url}: identity mismatch ({', '.join(f'{k}: worker {got[k][:12]} != expected {self.expected[k][:12]}' for k in bad)}); "
-                "refusing this worker, drafting disabled (target-only)")
+                "refusing this worker, drafting disabled (target-only)"
+            )
             self._fail(exc)
             self.hello = None
             self._refused = True
@@ -160,10 +181,10 @@ class DrafterClient:
         assert self.sock is not None
         while True:
             if len(self._buf) >= P.HEADER_SIZE:
-                head = P.unpack_header(bytes(self._buf[:P.HEADER_SIZE]))
+                head = P.unpack_header(bytes(self._buf[: P.HEADER_SIZE]))
                 total = P.HEADER_SIZE + head.length
                 if len(self._buf) >= total:
-                    payload = bytes(self._buf[P.HEADER_SIZE:total])
+                    payload = bytes(self._buf[P.HEADER_SIZE : total])
                     del self._buf[:total]
                     P.check_payload(head, payload)
                     return head, payload

@@ -60,8 +60,11 @@ def exl3_identities(model_dir: str | Path) -> dict:
                 fh.update(chunk)
         h.update(p.name.encode() + b"\0" + fh.digest())
     side = _sidecar(d)
-    return {"drafter": h.hexdigest(), "markov": hashlib.sha256(b"dsv41-exl3-markov/none").hexdigest(),
-            "target": side.get("target_identity", "")}
+    return {
+        "drafter": h.hexdigest(),
+        "markov": hashlib.sha256(b"dsv41-exl3-markov/none").hexdigest(),
+        "target": side.get("target_identity", ""),
+    }
 
 
 def _sidecar(d: Path) -> dict:
@@ -105,14 +108,23 @@ class Exl3Drafter:
         self.max_seq = ((n_ctx + max_k + PAGE - 1) // PAGE) * PAGE
         self.cache = Cache(self.model, max_num_tokens=self.max_seq)
         self.model.load(device=device)
-        self.cfg = Exl3Config(vocab_size=int(self.config.vocab_size), hidden_size=int(side["hidden_size"]),
-                              n_ctx=n_ctx, max_k=max_k, top_n=int(side.get("top_n", TOP_K)),
-                              target_identity=side.get("target_identity", ""))
+        self.cfg = Exl3Config(
+            vocab_size=int(self.config.vocab_size),
+            hidden_size=int(side["hidden_size"]),
+            n_ctx=n_ctx,
+            max_k=max_k,
+            top_n=int(side.get("top_n", TOP_K)),
+            target_identity=side.get("target_identity", ""),
+        )
         self.max_batch = max_batch
 
     def _fwd(self, ids, past_len: int):
-        params = {"attn_mode": "flash_attn", "cache": self.cache, "past_len": past_len,
-                  "batch_shape": (1, self.max_seq)}
+        params = {
+            "attn_mode": "flash_attn",
+            "cache": self.cache,
+            "past_len": past_len,
+            "batch_shape": (1, self.max_seq),
+        }
         out = self.model.forward(ids, params)
         return out[0, -1, : self.cfg.vocab_size].float()
 
@@ -137,16 +149,20 @@ class Exl3Drafter:
             for it in items:
                 t = np.asarray(it.tokens, dtype=np.int64)
                 if t.size == 0 or t.min() < 0 or t.max() >= cfg.vocab_size:
-                    raise Dsv41Error(f"drafter: request {it.request_id!r} has no tokens or ids outside 0..{cfg.vocab_size - 1}")
+                    raise Dsv41Error(
+                        f"drafter: request {it.request_id!r} has no tokens or ids outside 0..{cfg.vocab_size - 1}"
+                    )
                 k = min(int(it.depth), cfg.max_k)
                 if k == 0:
                     out_t.append(np.zeros(0, np.int64))
                     out_i.append(np.zeros((0, cfg.top_n), np.int64))
                     out_p.append(np.zeros((0, cfg.top_n), np.float32))
                     continue
-                tail = t[-cfg.n_ctx:]
+                tail = t[-cfg.n_ctx :]
                 temp = float(np.float32(it.temperature))
-                u = draft_uniforms(np.array([it.seed & 0xFFFFFFFFFFFFFFFF], np.uint64), np.array([it.context_len]), k)[0]
+                u = draft_uniforms(np.array([it.seed & 0xFFFFFFFFFFFFFFFF], np.uint64), np.array([it.context_len]), k)[
+                    0
+                ]
                 logits = self._fwd(torch.from_numpy(tail)[None], 0)
                 toks, ids, probs = [], [], []
                 for i in range(k):

@@ -31,9 +31,11 @@ def expected_identities(drafter_dir: str, target_identity: str) -> dict:
 
     ids = identities(drafter_dir)
     if ids["target"] and target_identity and ids["target"] != target_identity:
-        raise ConfigError("DSV41_DRAFTER_DIR",
-                          f"DSV41_DRAFTER_DIR {drafter_dir}: drafter was distilled for target {ids['target'][:12]}, "
-                          f"the engine serves {target_identity[:12]}")
+        raise ConfigError(
+            "DSV41_DRAFTER_DIR",
+            f"DSV41_DRAFTER_DIR {drafter_dir}: drafter was distilled for target {ids['target'][:12]}, "
+            f"the engine serves {target_identity[:12]}",
+        )
     return {"drafter": ids["drafter"], "markov": ids["markov"], "target": target_identity or ids["target"]}
 
 
@@ -88,17 +90,29 @@ def build_speculator(settings: Settings, *, model_cfg: dict, target_identity: st
 
         cfg = load_config(s.drafter_dir)
         spec = AsyncSpeculator(
-            s.drafter_remote, expected, k=k, policy=policy, timeout_ms=s.drafter_timeout_ms,
-            watchdog_ms=s.drafter_watchdog_ms, respawns=s.drafter_proxy_respawns,
-            window_s=s.drafter_proxy_window_s, max_context=cfg.n_ctx, max_k=cfg.max_k)
+            s.drafter_remote,
+            expected,
+            k=k,
+            policy=policy,
+            timeout_ms=s.drafter_timeout_ms,
+            watchdog_ms=s.drafter_watchdog_ms,
+            respawns=s.drafter_proxy_respawns,
+            window_s=s.drafter_proxy_window_s,
+            max_context=cfg.n_ctx,
+            max_k=cfg.max_k,
+        )
         # At engine start-up give the proxy a moment to connect (never required: fail closed).
         if not spec.wait_ready(10.0):
-            log.warning("drafter proxy not connected to %s after 10 s (%s); drafting target-only until it is",
-                        s.drafter_remote, spec.ring.error if spec.ring is not None else "proxy down")
+            log.warning(
+                "drafter proxy not connected to %s after 10 s (%s); drafting target-only until it is",
+                s.drafter_remote,
+                spec.ring.error if spec.ring is not None else "proxy down",
+            )
         return spec
     if s.drafter_shadow:
-        return ShadowSpeculator(s.drafter_remote, expected, s.drafter_dir, k=k, policy=policy,
-                                timeout_ms=s.drafter_timeout_ms)
+        return ShadowSpeculator(
+            s.drafter_remote, expected, s.drafter_dir, k=k, policy=policy, timeout_ms=s.drafter_timeout_ms
+        )
     return RemoteSpeculator(s.drafter_remote, expected, k=k, policy=policy, timeout_ms=s.drafter_timeout_ms)
 
 

@@ -80,8 +80,11 @@ class DrafterConfig:
                 raise ConfigError(f"drafter config: {name} must be a non-negative integer, got {v!r}")
         if not isinstance(self.rms_norm_eps, (int, float)) or not 0 < float(self.rms_norm_eps) < 1:
             raise ConfigError(f"drafter config: rms_norm_eps must be in (0, 1), got {self.rms_norm_eps!r}")
-        if self.target_identity and (not isinstance(self.target_identity, str) or len(self.target_identity) != 64
-                                     or any(c not in "0123456789abcdef" for c in self.target_identity)):
+        if self.target_identity and (
+            not isinstance(self.target_identity, str)
+            or len(self.target_identity) != 64
+            or any(c not in "0123456789abcdef" for c in self.target_identity)
+        ):
             raise ConfigError("drafter config: target_identity must be a lowercase hex sha256")
 
     def to_json(self) -> str:
@@ -227,7 +230,7 @@ def _make_module_class():
                 tp, ti = torch.topk(p, top_n, dim=-1)
                 tp = tp / tp.sum(-1, keepdim=True)
                 c = torch.cumsum(tp, dim=-1)
-                j = (c < u[:, i:i + 1]).sum(-1).clamp(max=top_n - 1)
+                j = (c < u[:, i : i + 1]).sum(-1).clamp(max=top_n - 1)
                 tok = ti.gather(1, j[:, None]).squeeze(1)
                 toks.append(tok)
                 ids.append(ti)
@@ -309,8 +312,9 @@ def identities(drafter_dir: str | os.PathLike) -> dict:
     d = Path(drafter_dir)
     cfg = load_config(d)
 
-    canon = fileio.dumps_json(fileio.read_json(d / CONFIG_NAME, "drafter config", error=ConfigError), sort_keys=True,
-                       separators=(",", ":")).encode()
+    canon = fileio.dumps_json(
+        fileio.read_json(d / CONFIG_NAME, "drafter config", error=ConfigError), sort_keys=True, separators=(",", ":")
+    ).encode()
     fileio.check_input(d / WEIGHTS_NAME, "drafter weights", error=ConfigError)
     drafter = hashlib.sha256(b"dsv41-drafter/1" + _sha(canon) + _file_sha(d / WEIGHTS_NAME)).hexdigest()
     from safetensors.numpy import load_file
@@ -364,8 +368,9 @@ class TorchDrafter:
 
     backend = "torch"
 
-    def __init__(self, drafter_dir: str | os.PathLike, device: str = "cpu", cuda_graphs: bool = False,
-                 max_batch: int = 64) -> None:
+    def __init__(
+        self, drafter_dir: str | os.PathLike, device: str = "cpu", cuda_graphs: bool = False, max_batch: int = 64
+    ) -> None:
         torch = _torch()
         self.torch = torch
         if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device):
@@ -404,8 +409,8 @@ class TorchDrafter:
                 raise Dsv41Error(f"drafter: request {it.request_id!r} has no context tokens")
             if t.min() < 0 or t.max() >= cfg.vocab_size:
                 raise Dsv41Error(f"drafter: request {it.request_id!r} has token ids outside 0..{cfg.vocab_size - 1}")
-            tail = t[-cfg.n_ctx:]
-            ctx[i, cfg.n_ctx - tail.size:] = tail
+            tail = t[-cfg.n_ctx :]
+            ctx[i, cfg.n_ctx - tail.size :] = tail
             hid[i] = it.hidden
             # float32 first: the wire carries f32, so local and remote drafting see one value.
             temp32 = np.float32(it.temperature)
@@ -431,16 +436,25 @@ class TorchDrafter:
         ctx, hid, inv_t, u, k = self._inputs(items)
         if k == 0:
             z = np.zeros(0, np.int64)
-            return Drafts([z] * len(items), [np.zeros((0, top_n), np.int64)] * len(items),
-                          [np.zeros((0, top_n), np.float32)] * len(items), top_n)
+            return Drafts(
+                [z] * len(items),
+                [np.zeros((0, top_n), np.int64)] * len(items),
+                [np.zeros((0, top_n), np.float32)] * len(items),
+                top_n,
+            )
         with torch.inference_mode():
             if self.cuda_graphs:
                 toks, ids, probs = self._draft_graph(ctx, hid, inv_t, u, k)
             else:
                 dev = self.device
-                toks, ids, probs = self.model.draft(torch.from_numpy(hid).to(dev), torch.from_numpy(ctx).to(dev),
-                                                    torch.from_numpy(inv_t).to(dev), torch.from_numpy(u).to(dev),
-                                                    k, top_n)
+                toks, ids, probs = self.model.draft(
+                    torch.from_numpy(hid).to(dev),
+                    torch.from_numpy(ctx).to(dev),
+                    torch.from_numpy(inv_t).to(dev),
+                    torch.from_numpy(u).to(dev),
+                    k,
+                    top_n,
+                )
             toks, ids, probs = toks.cpu().numpy(), ids.cpu().numpy(), probs.cpu().numpy()
         out_t, out_i, out_p = [], [], []
         for i, it in enumerate(items):
@@ -485,13 +499,21 @@ class TorchDrafter:
         return toks[:b], ids[:b], probs[:b]
 
 
-def random_drafter(out_dir: str | os.PathLike, *, vocab_size: int, hidden_size: int, seed: int = 0,
-                   target_identity: str = "", **overrides) -> dict:
+def random_drafter(
+    out_dir: str | os.PathLike,
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    seed: int = 0,
+    target_identity: str = "",
+    **overrides,
+) -> dict:
     """Write an untrained (seeded) drafter to ``out_dir``; returns its identities.
 
     For tests, benchmarks of round latency and fault drills, where draft quality does not matter.
     """
-    cfg = DrafterConfig(vocab_size=vocab_size, hidden_size=hidden_size, seed=seed, target_identity=target_identity,
-                        **overrides)
+    cfg = DrafterConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, seed=seed, target_identity=target_identity, **overrides
+    )
     cfg.validate()
     return save_drafter(DrafterModel(cfg), cfg, out_dir)

@@ -134,8 +134,16 @@ def pack_frame(msg: Msg, payload: bytes = b"", *, round_id: int = 0, status: Sta
     """
     if len(payload) > MAX_PAYLOAD:
         raise ProtocolError(Status.LIMIT, f"payload {len(payload)} B > {MAX_PAYLOAD} B")
-    head = HEADER.pack(MAGIC, VERSION, int(msg), int(status), 0, round_id & 0xFFFFFFFFFFFFFFFF,
-                       len(payload), zlib.crc32(payload) & 0xFFFFFFFF)
+    head = HEADER.pack(
+        MAGIC,
+        VERSION,
+        int(msg),
+        int(status),
+        0,
+        round_id & 0xFFFFFFFFFFFFFFFF,
+        len(payload),
+        zlib.crc32(payload) & 0xFFFFFFFF,
+    )
     return head + payload
 
 
@@ -210,8 +218,9 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> b
     return bytes(buf)
 
 
-def read_frame(sock: socket.socket, *, deadline: float | None = None,
-               max_length: int = MAX_PAYLOAD) -> tuple[Header, bytes]:
+def read_frame(
+    sock: socket.socket, *, deadline: float | None = None, max_length: int = MAX_PAYLOAD
+) -> tuple[Header, bytes]:
     """Read one frame from a blocking socket.
 
     ``deadline``: monotonic time by which the whole frame must have arrived (None: the socket's
@@ -223,15 +232,17 @@ def read_frame(sock: socket.socket, *, deadline: float | None = None,
     """
     header = unpack_header(_recv_exact(sock, HEADER_SIZE, deadline))
     if header.length > max_length:
-        raise ProtocolError(Status.BAD_LENGTH, f"payload length {header.length} > {max_length} allowed here",
-                            fatal=True)
+        raise ProtocolError(
+            Status.BAD_LENGTH, f"payload length {header.length} > {max_length} allowed here", fatal=True
+        )
     payload = _recv_exact(sock, header.length, deadline) if header.length else b""
     check_payload(header, payload)
     return header, payload
 
 
-def send_frame(sock: socket.socket, msg: Msg, payload: bytes = b"", *, round_id: int = 0,
-               status: Status = Status.OK) -> None:
+def send_frame(
+    sock: socket.socket, msg: Msg, payload: bytes = b"", *, round_id: int = 0, status: Status = Status.OK
+) -> None:
     """Send one frame (blocking, ``sendall``)."""
     sock.sendall(pack_frame(msg, payload, round_id=round_id, status=status))
 
@@ -255,7 +266,7 @@ def _unpack_str(buf: bytes, off: int) -> tuple[str, int]:
     if off + n > len(buf):
         raise ProtocolError(Status.MALFORMED, "truncated string")
     try:
-        s = buf[off:off + n].decode("utf-8")
+        s = buf[off : off + n].decode("utf-8")
     except UnicodeDecodeError:
         raise ProtocolError(Status.MALFORMED, "string is not utf-8") from None
     return s, off + n
@@ -307,8 +318,13 @@ class Hello:
     def encode(self) -> bytes:
         """HELLO payload (identities as 3 x 32 raw bytes, then the limits and backend name)."""
         ids = b"".join(bytes.fromhex(x) for x in (self.drafter_identity, self.markov_identity, self.target_identity))
-        return ids + _HELLO_LIMITS.pack(self.max_batch, self.max_k, self.hidden_size, self.vocab_size,
-                                        self.top_n, self.max_context) + _pack_str(self.backend)
+        return (
+            ids
+            + _HELLO_LIMITS.pack(
+                self.max_batch, self.max_k, self.hidden_size, self.vocab_size, self.top_n, self.max_context
+            )
+            + _pack_str(self.backend)
+        )
 
     @classmethod
     def decode(cls, buf: bytes) -> Hello:
@@ -316,7 +332,7 @@ class Hello:
         need = 96 + _HELLO_LIMITS.size
         if len(buf) < need:
             raise ProtocolError(Status.MALFORMED, f"HELLO of {len(buf)} B < {need}")
-        ids = [buf[i * 32:(i + 1) * 32].hex() for i in range(3)]
+        ids = [buf[i * 32 : (i + 1) * 32].hex() for i in range(3)]
         lim = _HELLO_LIMITS.unpack_from(buf, 96)
         backend, off = _unpack_str(buf, need)
         if off != len(buf):
@@ -374,8 +390,11 @@ class Round:
                 raise ProtocolError(Status.MALFORMED, f"hidden of {hid.size} values != {self.hidden_size}")
             if not 0 <= it.depth <= MAX_DEPTH:
                 raise ProtocolError(Status.LIMIT, f"depth {it.depth} outside 0..{MAX_DEPTH}")
-            parts.append(_ITEM_HEAD.pack(len(rid), it.depth, toks.size, float(it.temperature),
-                                         it.seed & 0xFFFFFFFFFFFFFFFF, it.context_len))
+            parts.append(
+                _ITEM_HEAD.pack(
+                    len(rid), it.depth, toks.size, float(it.temperature), it.seed & 0xFFFFFFFFFFFFFFFF, it.context_len
+                )
+            )
             parts += [rid, toks.tobytes(), hid.tobytes()]
         return b"".join(parts)
 
@@ -408,7 +427,7 @@ class Round:
             if end > len(buf):
                 raise ProtocolError(Status.MALFORMED, "truncated item body")
             try:
-                rid = buf[off:off + id_len].decode("utf-8")
+                rid = buf[off : off + id_len].decode("utf-8")
             except UnicodeDecodeError:
                 raise ProtocolError(Status.MALFORMED, "request id is not utf-8") from None
             off += id_len
@@ -440,9 +459,12 @@ class Drafts:
         parts = [_DRAFTS_HEAD.pack(len(self.tokens), self.top_n)]
         for t, i, p in zip(self.tokens, self.top_ids, self.top_probs, strict=True):
             k = int(t.size)
-            parts += [struct.pack("<I", k), np.ascontiguousarray(t, "<i8").tobytes(),
-                      np.ascontiguousarray(i, "<i4").reshape(k, self.top_n).tobytes(),
-                      np.ascontiguousarray(p, "<f4").reshape(k, self.top_n).tobytes()]
+            parts += [
+                struct.pack("<I", k),
+                np.ascontiguousarray(t, "<i8").tobytes(),
+                np.ascontiguousarray(i, "<i4").reshape(k, self.top_n).tobytes(),
+                np.ascontiguousarray(p, "<f4").reshape(k, self.top_n).tobytes(),
+            ]
         return b"".join(parts)
 
     @classmethod
@@ -486,7 +508,7 @@ def parse_url(url: str, *, listen: bool = False) -> tuple[str, int]:
     Raises :class:`Dsv41Error` otherwise."""
     if not url.startswith("tcp://"):
         raise Dsv41Error(f"drafter URL {url!r}: only tcp://HOST:PORT is supported")
-    rest = url[len("tcp://"):].split("@", 1)[0].rstrip("/")
+    rest = url[len("tcp://") :].split("@", 1)[0].rstrip("/")
     host, sep, port = rest.rpartition(":")
     if not sep or not host or not port.isdigit() or not (0 if listen else 1) <= int(port) < 65536:
         raise Dsv41Error(f"drafter URL {url!r}: expected tcp://HOST:PORT")

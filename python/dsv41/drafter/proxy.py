@@ -48,9 +48,19 @@ def _try_connect(client: DrafterClient, ring: Ring, *, force: bool = False) -> N
             ring.error = str(exc)
 
 
-def run_proxy(shm_name: str, url: str, expected: dict, *, timeout_ms: float = 100.0, nap_us: float = 50.0,
-              engine_timeout_s: float = 10.0, reconnect_s: float = 1.0, parent_pid: int | None = None,
-              max_rounds: int | None = None, nap_max_us: float = 1000.0) -> int:
+def run_proxy(
+    shm_name: str,
+    url: str,
+    expected: dict,
+    *,
+    timeout_ms: float = 100.0,
+    nap_us: float = 50.0,
+    engine_timeout_s: float = 10.0,
+    reconnect_s: float = 1.0,
+    parent_pid: int | None = None,
+    max_rounds: int | None = None,
+    nap_max_us: float = 1000.0,
+) -> int:
     """Serve rounds from the ring named ``shm_name`` until told to stop; returns rounds served.
 
     Idle naps start at ``nap_us`` and double up to ``nap_max_us`` while no round arrives (reset

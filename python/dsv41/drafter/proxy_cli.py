@@ -15,8 +15,12 @@ import typer
 from dsv41 import fileio
 from dsv41.errors import Dsv41Error, run_app
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  help="The async drafting proxy (torch-free).")
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="The async drafting proxy (torch-free).",
+)
 
 
 def _hex_or_empty(name: str, v: str) -> str:
@@ -34,9 +38,12 @@ def run(
     target_identity: str = typer.Option("", help="Expected target identity (hex sha256)."),
     timeout_ms: float = typer.Option(100.0, min=1.0, help="Per-round timeout (ms)."),
     nap_us: float = typer.Option(50.0, min=0.0, help="First sleep between idle polls (µs)."),
-    nap_max_us: float = typer.Option(1000.0, min=0.0, help="Longest sleep between idle polls (µs); naps double while idle."),
-    engine_timeout_s: float = typer.Option(10.0, min=0.1,
-                                           help="Without --parent-pid: exit when the engine heartbeat is older (s)."),
+    nap_max_us: float = typer.Option(
+        1000.0, min=0.0, help="Longest sleep between idle polls (µs); naps double while idle."
+    ),
+    engine_timeout_s: float = typer.Option(
+        10.0, min=0.1, help="Without --parent-pid: exit when the engine heartbeat is older (s)."
+    ),
     parent_pid: int = typer.Option(0, help="Exit when this parent process is gone (0 = do not check)."),
 ) -> None:
     """Serve drafting rounds from the ring until the engine stops us."""
@@ -44,13 +51,22 @@ def run(
     from dsv41.drafter.proxy import run_proxy
 
     parse_url(remote)
-    expected = {"drafter": _hex_or_empty("drafter-identity", drafter_identity),
-                "markov": _hex_or_empty("markov-identity", markov_identity),
-                "target": _hex_or_empty("target-identity", target_identity)}
+    expected = {
+        "drafter": _hex_or_empty("drafter-identity", drafter_identity),
+        "markov": _hex_or_empty("markov-identity", markov_identity),
+        "target": _hex_or_empty("target-identity", target_identity),
+    }
     logging.basicConfig(level=logging.INFO, format="%(asctime)s dsv41-proxy %(levelname)s %(message)s")
-    run_proxy(shm, remote, expected, timeout_ms=timeout_ms, nap_us=nap_us, nap_max_us=nap_max_us,
-              engine_timeout_s=engine_timeout_s,
-              parent_pid=parent_pid or None)
+    run_proxy(
+        shm,
+        remote,
+        expected,
+        timeout_ms=timeout_ms,
+        nap_us=nap_us,
+        nap_max_us=nap_max_us,
+        engine_timeout_s=engine_timeout_s,
+        parent_pid=parent_pid or None,
+    )
 
 
 @app.command("self-test")

@@ -40,8 +40,16 @@ MAGIC = 0x47525344  # b"DSRG" little-endian
 VERSION = 1
 HEADER_SIZE = 512
 SLOT_HEADER = struct.Struct("<IIQIIQ")  # 32 bytes
-PROXY_COUNTERS = ("rounds", "rounds_ok", "timeouts", "refusals", "identity_refusals", "reconnects",
-                  "unavailable", "late_dropped")
+PROXY_COUNTERS = (
+    "rounds",
+    "rounds_ok",
+    "timeouts",
+    "refusals",
+    "identity_refusals",
+    "reconnects",
+    "unavailable",
+    "late_dropped",
+)
 _CREATED: set[str] = set()  # segments this process created (and its resource tracker owns)
 _ERR_OFF = 112
 _ERR_MAX = 398
@@ -92,13 +100,17 @@ class Ring:
         self.owner = owner
         magic, version, self.n_slots, self.slot_size = struct.unpack_from("<IIII", self.buf, 0)
         if magic != MAGIC or version != VERSION:
-            raise Dsv41Error(f"shared memory {shm.name}: not a dsv41 drafter ring (magic {magic:#x}, version {version})")
+            raise Dsv41Error(
+                f"shared memory {shm.name}: not a dsv41 drafter ring (magic {magic:#x}, version {version})"
+            )
         self.stride = SLOT_HEADER.size + self.slot_size
         need = HEADER_SIZE + self.n_slots * self.stride
         if not 1 <= self.n_slots <= 256 or not 64 <= self.slot_size <= (256 << 20) or shm.size < need:
             # a corrupt header must not let slot offsets run past the segment
-            raise Dsv41Error(f"shared memory {shm.name}: ring header ({self.n_slots} slots of {self.slot_size} B) "
-                             f"does not fit its {shm.size} B")
+            raise Dsv41Error(
+                f"shared memory {shm.name}: ring header ({self.n_slots} slots of {self.slot_size} B) "
+                f"does not fit its {shm.size} B"
+            )
 
     @classmethod
     def create(cls, n_slots: int = 4, slot_size: int = 1 << 20) -> Ring:
@@ -109,7 +121,7 @@ class Ring:
         size = HEADER_SIZE + n_slots * (SLOT_HEADER.size + slot_size)
         shm = shared_memory.SharedMemory(create=True, size=size)
         _CREATED.add(shm.name)
-        shm.buf[:HEADER_SIZE + n_slots * SLOT_HEADER.size] = b"\0" * (HEADER_SIZE + n_slots * SLOT_HEADER.size)
+        shm.buf[: HEADER_SIZE + n_slots * SLOT_HEADER.size] = b"\0" * (HEADER_SIZE + n_slots * SLOT_HEADER.size)
         struct.pack_into("<IIII", shm.buf, 0, MAGIC, VERSION, n_slots, slot_size)
         return cls(shm, owner=True)
 
@@ -210,12 +222,12 @@ class Ring:
     def error(self) -> str:
         """The proxy's last error message (utf-8, at most 398 bytes; set to "" when healthy)."""
         (n,) = struct.unpack_from("<H", self.buf, _ERR_OFF)
-        return bytes(self.buf[_ERR_OFF + 2:_ERR_OFF + 2 + min(n, _ERR_MAX)]).decode("utf-8", "replace")
+        return bytes(self.buf[_ERR_OFF + 2 : _ERR_OFF + 2 + min(n, _ERR_MAX)]).decode("utf-8", "replace")
 
     @error.setter
     def error(self, msg: str) -> None:
         b = msg.encode("utf-8")[:_ERR_MAX]
-        self.buf[_ERR_OFF + 2:_ERR_OFF + 2 + len(b)] = b
+        self.buf[_ERR_OFF + 2 : _ERR_OFF + 2 + len(b)] = b
         struct.pack_into("<H", self.buf, _ERR_OFF, len(b))
 
     # ------------------------------------------------------------------ slots
@@ -247,9 +259,10 @@ class Ring:
             raise Dsv41Error(f"drafter ring: {len(data)} B do not fit a {self.slot_size} B slot")
         off = self._slot_off(i)
         d0 = off + SLOT_HEADER.size
-        self.buf[d0:d0 + len(data)] = data
-        struct.pack_into("<IQIIQ", self.buf, off + 4, status, seq, len(data), zlib.crc32(data) & 0xFFFFFFFF,
-                         time.monotonic_ns())
+        self.buf[d0 : d0 + len(data)] = data
+        struct.pack_into(
+            "<IQIIQ", self.buf, off + 4, status, seq, len(data), zlib.crc32(data) & 0xFFFFFFFF, time.monotonic_ns()
+        )
         self._set_u32(off, int(state))
 
     def read(self, i: int) -> tuple[int, int, bytes] | None:
@@ -258,7 +271,7 @@ class Ring:
         if length > self.slot_size:
             return None
         d0 = self._slot_off(i) + SLOT_HEADER.size
-        data = bytes(self.buf[d0:d0 + length])
+        data = bytes(self.buf[d0 : d0 + length])
         if zlib.crc32(data) & 0xFFFFFFFF != crc:
             return None
         return seq, status, data

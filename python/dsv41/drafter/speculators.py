@@ -35,10 +35,27 @@ log = logging.getLogger("dsv41.drafter.speculators")
 
 #: Counter keys every speculator reports (``latency_*`` in seconds).
 COUNTER_KEYS = (
-    "rounds", "items", "drafted_tokens", "fail_closed_rounds", "timeouts", "refusals", "identity_refusals",
-    "unavailable", "late_dropped", "reconnects", "latency_sum_s", "latency_count", "proxy_spawns",
-    "proxy_respawns", "watchdog_fires", "proxy_down", "proxy_gave_up", "stale_drafts", "parity_rounds",
-    "parity_items", "parity_mismatches",
+    "rounds",
+    "items",
+    "drafted_tokens",
+    "fail_closed_rounds",
+    "timeouts",
+    "refusals",
+    "identity_refusals",
+    "unavailable",
+    "late_dropped",
+    "reconnects",
+    "latency_sum_s",
+    "latency_count",
+    "proxy_spawns",
+    "proxy_respawns",
+    "watchdog_fires",
+    "proxy_down",
+    "proxy_gave_up",
+    "stale_drafts",
+    "parity_rounds",
+    "parity_items",
+    "parity_mismatches",
 )
 
 
@@ -61,11 +78,17 @@ def round_items(batch, depths: list[int], tail: int | None) -> list[P.RoundItem]
     items = []
     for x, d in zip(batch, depths, strict=False):
         toks = np.asarray(x.token_ids, dtype=np.int64).reshape(-1)
-        items.append(P.RoundItem(
-            request_id=str(x.request_id), tokens=toks[-tail:] if tail else toks,
-            hidden=np.asarray(x.hidden, dtype=np.float32).reshape(-1), depth=int(d),
-            temperature=float(getattr(x, "temperature", 0.0) or 0.0), seed=int(getattr(x, "seed", 0) or 0),
-            position=int(toks.size)))
+        items.append(
+            P.RoundItem(
+                request_id=str(x.request_id),
+                tokens=toks[-tail:] if tail else toks,
+                hidden=np.asarray(x.hidden, dtype=np.float32).reshape(-1),
+                depth=int(d),
+                temperature=float(getattr(x, "temperature", 0.0) or 0.0),
+                seed=int(getattr(x, "seed", 0) or 0),
+                position=int(toks.size),
+            )
+        )
     return items
 
 
@@ -133,8 +156,17 @@ class LocalSpeculator(SpeculatorBase):
 class RemoteSpeculator(SpeculatorBase):
     """Synchronous remote drafting: one round per ``propose`` over :class:`DrafterClient`."""
 
-    def __init__(self, url: str, expected: dict, *, k: int = 5, policy: DepthPolicy | None = None,
-                 timeout_ms: float = 100.0, reconnect_s: float = 1.0, hidden_size: int | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        expected: dict,
+        *,
+        k: int = 5,
+        policy: DepthPolicy | None = None,
+        timeout_ms: float = 100.0,
+        reconnect_s: float = 1.0,
+        hidden_size: int | None = None,
+    ) -> None:
         super().__init__(k, policy or DepthPolicy.parse(None, k))
         self.client = DrafterClient(url, expected, timeout_ms=timeout_ms, reconnect_s=reconnect_s)
         self.hidden_size = hidden_size
@@ -227,12 +259,19 @@ class ShadowSpeculator(RemoteSpeculator):
         for j in range(len(items)):
             self._c["parity_items"] += 1
             a, b = drafts.tokens[j], mine.tokens[j]
-            diff = float(np.max(np.abs(drafts.top_probs[j] - mine.top_probs[j]))) if a.size and a.size == b.size else 0.0
+            diff = (
+                float(np.max(np.abs(drafts.top_probs[j] - mine.top_probs[j]))) if a.size and a.size == b.size else 0.0
+            )
             self.max_prob_diff = max(self.max_prob_diff, diff)
             if a.size != b.size or not np.array_equal(a, b) or diff > self.prob_tol:
                 self._c["parity_mismatches"] += 1
-                log.warning("shadow parity mismatch for %s: remote %s local %s (max |dp| %.2e)",
-                            items[j].request_id, a.tolist(), b.tolist(), diff)
+                log.warning(
+                    "shadow parity mismatch for %s: remote %s local %s (max |dp| %.2e)",
+                    items[j].request_id,
+                    a.tolist(),
+                    b.tolist(),
+                    diff,
+                )
         return out
 
     def counters(self) -> dict:

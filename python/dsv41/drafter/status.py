@@ -23,7 +23,9 @@ def parse_status(text: str) -> dict:
     """
     connections = None
     identities = {k: "" for k in IDENTITY_LABELS}
-    for name, labels, value in http.metric_samples(text, what="drafter status: unreadable metrics text", error=Dsv41Error):
+    for name, labels, value in http.metric_samples(
+        text, what="drafter status: unreadable metrics text", error=Dsv41Error
+    ):
         if name == CONNECTIONS:
             connections = int(value)
         elif name == INFO:
@@ -39,6 +41,7 @@ def fetch_status(metrics_url: str, timeout_s: float = 10.0) -> dict:
     Raises :class:`Dsv41Error` with one line when the worker cannot be reached or answers non-2xx
     (``harness.http.request``).
     """
-    r = http.request("GET", metrics_url, what=f"drafter status: cannot read {metrics_url}", timeout_s=timeout_s,
-                     error=Dsv41Error)
+    r = http.request(
+        "GET", metrics_url, what=f"drafter status: cannot read {metrics_url}", timeout_s=timeout_s, error=Dsv41Error
+    )
     return parse_status(r.text)

@@ -32,8 +32,21 @@ from dsv41.errors import ConfigError
 
 log = logging.getLogger("dsv41.drafter.train")
 
-DEFAULTS = {"n_prompts": 24, "prompt_chars": 48, "gen_tokens": 48, "steps": 300, "lr": 3e-3, "batch": 256,
-            "d_model": 96, "n_layers": 3, "n_ctx": 4, "markov_rank": 32, "max_k": 7, "eval_tokens": 32, "eval_k": 5}
+DEFAULTS = {
+    "n_prompts": 24,
+    "prompt_chars": 48,
+    "gen_tokens": 48,
+    "steps": 300,
+    "lr": 3e-3,
+    "batch": 256,
+    "d_model": 96,
+    "n_layers": 3,
+    "n_ctx": 4,
+    "markov_rank": 32,
+    "max_k": 7,
+    "eval_tokens": 32,
+    "eval_k": 5,
+}
 
 
 class SyntheticRowSource(RowSource):
@@ -112,11 +125,11 @@ def _examples(seqs, prompt_lens, taps, n_ctx: int, k: int):
         s = np.asarray(s, np.int64)
         for L in range(p + 1, len(s) - k + 1):
             ctx = np.zeros(n_ctx, np.int64)
-            tail = s[max(0, L - n_ctx):L]
-            ctx[n_ctx - tail.size:] = tail
+            tail = s[max(0, L - n_ctx) : L]
+            ctx[n_ctx - tail.size :] = tail
             hs.append(tap[L - 2])
             cs.append(ctx)
-            ts.append(s[L:L + k])
+            ts.append(s[L : L + k])
     return np.stack(hs).astype(np.float32), np.stack(cs), np.stack(ts)
 
 
@@ -139,9 +152,19 @@ def simulate_acceptance(drafter, seq, prompt_len: int, tap, k: int) -> tuple[int
     return acc, drafted, rounds
 
 
-def train_drafter(config: str, weights: str, out: str, *, steps: int | None = None, seed: int = 0,
-                  manifest: str | None = None, data: str | None = None, tables_seed: int = 41,
-                  runner=None, **overrides) -> dict:
+def train_drafter(
+    config: str,
+    weights: str,
+    out: str,
+    *,
+    steps: int | None = None,
+    seed: int = 0,
+    manifest: str | None = None,
+    data: str | None = None,
+    tables_seed: int = 41,
+    runner=None,
+    **overrides,
+) -> dict:
     """Distil a drafter into ``out``; returns a report (identities, loss, held-out acceptance).
 
     ``runner``: an already-built ``LocalRunner`` (tests share one). Raises :class:`ConfigError`
@@ -180,15 +203,24 @@ def train_drafter(config: str, weights: str, out: str, *, steps: int | None = No
     picks = rng.choice(len(starts), size=min(hp["n_prompts"], len(starts)), replace=False)
     seqs, plens, taps = [], [], []
     for j in sorted(picks.tolist()):
-        ids = tok.encode(text[starts[j]:starts[j] + hp["prompt_chars"]], bos=True)
+        ids = tok.encode(text[starts[j] : starts[j] + hp["prompt_chars"]], bos=True)
         res = runner.generate(ids, hp["gen_tokens"])
         seqs.append(ids + res.tokens)
         plens.append(len(ids))
         taps.append(res.hidden_tap)
     t_gen = time.monotonic() - t0
-    cfg = DrafterConfig(vocab_size=mcfg.vocab_size, hidden_size=mcfg.hidden_size, d_model=hp["d_model"],
-                        n_layers=hp["n_layers"], n_ctx=hp["n_ctx"], markov_rank=hp["markov_rank"], max_k=hp["max_k"],
-                        tap_layer=int(mcfg.drafter_tap_layer), seed=seed, target_identity=tid)
+    cfg = DrafterConfig(
+        vocab_size=mcfg.vocab_size,
+        hidden_size=mcfg.hidden_size,
+        d_model=hp["d_model"],
+        n_layers=hp["n_layers"],
+        n_ctx=hp["n_ctx"],
+        markov_rank=hp["markov_rank"],
+        max_k=hp["max_k"],
+        tap_layer=int(mcfg.drafter_tap_layer),
+        seed=seed,
+        target_identity=tid,
+    )
     cfg.validate()
     hid, ctx, tgt = _examples(seqs, plens, taps, cfg.n_ctx, cfg.max_k)
     threads = torch.get_num_threads()
@@ -213,8 +245,14 @@ def train_drafter(config: str, weights: str, out: str, *, steps: int | None = No
             loss_v = float(loss.detach())
     finally:
         torch.set_num_threads(threads)
-    cfg.train = {"method": "greedy distillation, teacher forcing", "steps": hp["steps"], "examples": int(n),
-                 "final_loss": round(loss_v, 4) if math.isfinite(loss_v) else None, "seed": seed, "settings": hp}
+    cfg.train = {
+        "method": "greedy distillation, teacher forcing",
+        "steps": hp["steps"],
+        "examples": int(n),
+        "final_loss": round(loss_v, 4) if math.isfinite(loss_v) else None,
+        "seed": seed,
+        "settings": hp,
+    }
     save_drafter(model, cfg, out)
     # held-out acceptance on the default prompts
     drafter = TorchDrafter(out)
@@ -226,9 +264,14 @@ def train_drafter(config: str, weights: str, out: str, *, steps: int | None = No
         a, d, r = simulate_acceptance(drafter, ids + res.tokens, len(ids), res.hidden_tap, hp["eval_k"])
         per_prompt[name] = {"accepted": a, "drafted": d, "rounds": r, "accepted_per_round": round(a / max(r, 1), 3)}
         tot_a, tot_d = tot_a + a, tot_d + d
-    rep = {"identities": identities(out), "final_loss": loss_v if math.isfinite(loss_v) else None,  # no step: no loss
-           "examples": int(n), "generate_s": round(t_gen, 2),
-           "seconds": round(time.monotonic() - t0, 2), "heldout_acceptance": tot_a / max(tot_d, 1),
-           "per_prompt": per_prompt}
+    rep = {
+        "identities": identities(out),
+        "final_loss": loss_v if math.isfinite(loss_v) else None,  # no step: no loss
+        "examples": int(n),
+        "generate_s": round(t_gen, 2),
+        "seconds": round(time.monotonic() - t0, 2),
+        "heldout_acceptance": tot_a / max(tot_d, 1),
+        "per_prompt": per_prompt,
+    }
     log.info("drafter distilled: loss %.3f, acceptance %.2f", loss_v, rep["heldout_acceptance"])
     return rep

@@ -34,12 +34,22 @@ class WorkerMetrics:
         self.rounds = Counter("dsv41_drafter_rounds", "Drafting rounds answered with drafts", registry=self.registry)
         self.drafts = Counter("dsv41_drafter_drafts", "Draft tokens proposed", registry=self.registry)
         self.items = Counter("dsv41_drafter_items", "Requests drafted for (batch items)", registry=self.registry)
-        self.latency = Histogram("dsv41_drafter_round_seconds", "Round compute latency (s)", registry=self.registry,
-                                 buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0))
-        self.refusals = Counter("dsv41_drafter_refusals", "Frames or rounds refused", ["status"], registry=self.registry)
+        self.latency = Histogram(
+            "dsv41_drafter_round_seconds",
+            "Round compute latency (s)",
+            registry=self.registry,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
+        )
+        self.refusals = Counter(
+            "dsv41_drafter_refusals", "Frames or rounds refused", ["status"], registry=self.registry
+        )
         self.connections = Gauge("dsv41_drafter_connections", "Open client connections", registry=self.registry)
-        self.info = Gauge("dsv41_drafter_info", "Worker identities (value 1)",
-                          ["drafter", "markov", "target", "backend"], registry=self.registry)
+        self.info = Gauge(
+            "dsv41_drafter_info",
+            "Worker identities (value 1)",
+            ["drafter", "markov", "target", "backend"],
+            registry=self.registry,
+        )
 
 
 class DrafterWorker:
@@ -51,9 +61,18 @@ class DrafterWorker:
     per-round delay (drills and tests of the client's timeout path).
     """
 
-    def __init__(self, backend, host: str = "127.0.0.1", port: int = 0, *, target_identity: str = "",
-                 delay_ms: float = 0.0, max_connections: int = 64, hello_timeout_s: float = 10.0,
-                 frame_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        backend,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        target_identity: str = "",
+        delay_ms: float = 0.0,
+        max_connections: int = 64,
+        hello_timeout_s: float = 10.0,
+        frame_timeout_s: float = 10.0,
+    ) -> None:
         self.backend = backend
         # Connection hygiene (a peer must not hold or bloat the worker): at most
         # ``max_connections`` open at once (more are refused LIMIT and closed); the hello must
@@ -68,12 +87,20 @@ class DrafterWorker:
         self.metrics = WorkerMetrics()
         cfg = backend.cfg
         self.hello = P.Hello(
-            drafter_identity=backend.ids["drafter"], markov_identity=backend.ids["markov"],
-            target_identity=self.target_identity or "0" * 64, max_batch=backend.max_batch, max_k=cfg.max_k,
-            hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, top_n=cfg.top_n, max_context=cfg.n_ctx,
-            backend=backend.backend)
-        self.metrics.info.labels(self.hello.drafter_identity, self.hello.markov_identity,
-                                 self.hello.target_identity, backend.backend).set(1)
+            drafter_identity=backend.ids["drafter"],
+            markov_identity=backend.ids["markov"],
+            target_identity=self.target_identity or "0" * 64,
+            max_batch=backend.max_batch,
+            max_k=cfg.max_k,
+            hidden_size=cfg.hidden_size,
+            vocab_size=cfg.vocab_size,
+            top_n=cfg.top_n,
+            max_context=cfg.n_ctx,
+            backend=backend.backend,
+        )
+        self.metrics.info.labels(
+            self.hello.drafter_identity, self.hello.markov_identity, self.hello.target_identity, backend.backend
+        ).set(1)
         self._lock = threading.Lock()
         self._host, self._port = host, port
         self._server: socketserver.ThreadingTCPServer | None = None
@@ -99,11 +126,17 @@ class DrafterWorker:
             self._server = Server((self._host, self._port), Handler)
         except OSError as exc:
             raise Dsv41Error(f"drafter serve: cannot listen on {self._host}:{self._port}: {exc}") from None
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name="drafter-worker", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, name="drafter-worker", daemon=True
+        )
         self._thread.start()
-        log.info("drafter worker listening on %s:%d (backend %s, drafter %s, target %s)", *self.address,
-                 self.backend.backend, self.hello.drafter_identity[:12], self.hello.target_identity[:12])
+        log.info(
+            "drafter worker listening on %s:%d (backend %s, drafter %s, target %s)",
+            *self.address,
+            self.backend.backend,
+            self.hello.drafter_identity[:12],
+            self.hello.target_identity[:12],
+        )
         return self.address
 
     @property
@@ -146,8 +179,7 @@ class DrafterWorker:
         ``frame_timeout_s``. Raises ``socket.timeout``, ConnectionError, :class:`P.ProtocolError`.
         """
         if not greeted:
-            return P.read_frame(sock, deadline=time.monotonic() + self.hello_timeout_s,
-                                max_length=P.MAX_HELLO_PAYLOAD)
+            return P.read_frame(sock, deadline=time.monotonic() + self.hello_timeout_s, max_length=P.MAX_HELLO_PAYLOAD)
         sock.settimeout(None)
         if not sock.recv(1, socket.MSG_PEEK):
             raise ConnectionError("peer closed the connection")
@@ -190,9 +222,12 @@ class DrafterWorker:
                         self._refuse(sock, exc.status, str(exc), head.round_id)
                         return
                     if req.target_identity and self.target_identity and req.target_identity != self.target_identity:
-                        self._refuse(sock, P.Status.IDENTITY_MISMATCH,
-                                     f"client target {req.target_identity[:12]} != worker target {self.target_identity[:12]}",
-                                     head.round_id)
+                        self._refuse(
+                            sock,
+                            P.Status.IDENTITY_MISMATCH,
+                            f"client target {req.target_identity[:12]} != worker target {self.target_identity[:12]}",
+                            head.round_id,
+                        )
                         return
                     sock.settimeout(self.frame_timeout_s)
                     P.send_frame(sock, P.Msg.HELLO, self.hello.encode(), round_id=head.round_id)
@@ -227,8 +262,12 @@ class DrafterWorker:
             return None
         with self._lock:
             if rnd.deadline_ms and (time.monotonic() - t_recv) * 1000.0 > rnd.deadline_ms:
-                self._refuse(sock, P.Status.TIMEOUT, f"round {head.round_id} waited past its {rnd.deadline_ms} ms deadline",
-                             head.round_id)
+                self._refuse(
+                    sock,
+                    P.Status.TIMEOUT,
+                    f"round {head.round_id} waited past its {rnd.deadline_ms} ms deadline",
+                    head.round_id,
+                )
                 return None
             t0 = time.perf_counter()
             try:
@@ -250,9 +289,20 @@ class DrafterWorker:
         return drafts.encode()
 
 
-def serve(drafter_dir: str, listen: str, *, target_identity: str = "", device: str = "cpu", cuda_graphs: bool = False,
-          backend: str = "torch", metrics: str = "", ready_file: str = "", max_batch: int = 64,
-          delay_ms: float = 0.0, stop_event: threading.Event | None = None) -> None:
+def serve(
+    drafter_dir: str,
+    listen: str,
+    *,
+    target_identity: str = "",
+    device: str = "cpu",
+    cuda_graphs: bool = False,
+    backend: str = "torch",
+    metrics: str = "",
+    ready_file: str = "",
+    max_batch: int = 64,
+    delay_ms: float = 0.0,
+    stop_event: threading.Event | None = None,
+) -> None:
     """Load the backend, check identities, serve until SIGTERM/SIGINT (or ``stop_event``).
 
     Raises :class:`Dsv41Error` on bad arguments, a drafter trained for another target, or a port
@@ -282,8 +332,10 @@ def serve(drafter_dir: str, listen: str, *, target_identity: str = "", device: s
         raise Dsv41Error(f"drafter serve: unknown backend {backend!r} (torch or exl3)")
     recorded = be.ids.get("target", "")
     if target_identity and recorded and recorded != target_identity:
-        raise Dsv41Error(f"drafter {drafter_dir} was distilled for target {recorded[:12]}, "
-                         f"not --target-identity {target_identity[:12]}; refusing to serve it")
+        raise Dsv41Error(
+            f"drafter {drafter_dir} was distilled for target {recorded[:12]}, "
+            f"not --target-identity {target_identity[:12]}; refusing to serve it"
+        )
     worker = DrafterWorker(be, host, port, target_identity=target_identity, delay_ms=delay_ms)
     # --metrics is bound before the worker starts (and logs that it listens): a busy or bad
     # --metrics is then the process's one error line
@@ -315,13 +367,18 @@ def serve(drafter_dir: str, listen: str, *, target_identity: str = "", device: s
         from dsv41 import fileio
 
         try:
-            fileio.atomic_write(ready_file, f"tcp://{worker.address[0]}:{worker.address[1]}\n", "drafter serve --ready-file")
+            fileio.atomic_write(
+                ready_file, f"tcp://{worker.address[0]}:{worker.address[1]}\n", "drafter serve --ready-file"
+            )
         except Dsv41Error:
             worker.stop()
             raise
-    print(f"drafter worker ready on tcp://{worker.address[0]}:{worker.address[1]} "
-          f"drafter={worker.hello.drafter_identity} markov={worker.hello.markov_identity} "
-          f"target={worker.hello.target_identity}", flush=True)
+    print(
+        f"drafter worker ready on tcp://{worker.address[0]}:{worker.address[1]} "
+        f"drafter={worker.hello.drafter_identity} markov={worker.hello.markov_identity} "
+        f"target={worker.hello.target_identity}",
+        flush=True,
+    )
     try:
         while not stop.wait(0.2):
             pass

@@ -84,11 +84,13 @@ def _admission(ctx: ApiContext, body: dict, request: Request) -> None:
     if ctx.engine.fatal:
         raise ApiError(503, f"engine failed: {ctx.engine.fatal}", etype="ServiceUnavailableError")
     if st.draining:
-        raise ApiError(503, "the server is shutting down (draining); not admitting new requests",
-                       etype="ServiceUnavailableError")
+        raise ApiError(
+            503, "the server is shutting down (draining); not admitting new requests", etype="ServiceUnavailableError"
+        )
     if st.paused and not same_secret(request.headers.get(WINDOW_HEADER), st.window_token):
-        raise ApiError(503, "the server is paused (POST /resume to admit requests again)",
-                       etype="ServiceUnavailableError")
+        raise ApiError(
+            503, "the server is paused (POST /resume to admit requests again)", etype="ServiceUnavailableError"
+        )
 
 
 async def _run(request: Request, body: dict, chat: bool):
@@ -207,8 +209,19 @@ async def chat_completions(request: Request):
 async def models(request: Request):
     """The one served model (readiness probe of the playbooks and the harness)."""
     ctx = _ctx(request)
-    return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": 0, "owned_by": "dsv41",
-                                        "root": ctx.model_name, "max_model_len": ctx.max_model_len}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": ctx.model_name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "dsv41",
+                "root": ctx.model_name,
+                "max_model_len": ctx.max_model_len,
+            }
+        ],
+    }
 
 
 @router.get("/health")
@@ -257,7 +270,7 @@ async def pause(request: Request, mode: str | None = None, timeout_s: float = 60
         if raw.strip():
             b = parse_json_body(raw)
             if not isinstance(b, dict):
-                raise ApiError(400, "request body must be a JSON object like {\"mode\": \"wait\"}")
+                raise ApiError(400, 'request body must be a JSON object like {"mode": "wait"}')
             mode = b.get("mode")
         mode = mode or "abort"
     if mode not in ("abort", "wait", "keep"):
@@ -267,8 +280,7 @@ async def pause(request: Request, mode: str | None = None, timeout_s: float = 60
     if window is not None and not WINDOW_TOKEN_RE.fullmatch(window):
         raise ApiError(400, "window must be 1-128 characters of [A-Za-z0-9._-]", param="window")
     if st.draining:
-        raise ApiError(503, "the server is shutting down (draining); nothing to pause",
-                       etype="ServiceUnavailableError")
+        raise ApiError(503, "the server is shutting down (draining); nothing to pause", etype="ServiceUnavailableError")
     kept_err = None
     try:
         st.hold(window)
@@ -281,8 +293,11 @@ async def pause(request: Request, mode: str | None = None, timeout_s: float = 60
         if mode == "abort":
             _abort_scope(ctx, d)
         if kept_err is not None:
-            raise ApiError(500, f"admission is held, but the HOLD could not be kept in {st.hold_file}: {kept_err}",
-                           etype="InternalServerError")
+            raise ApiError(
+                500,
+                f"admission is held, but the HOLD could not be kept in {st.hold_file}: {kept_err}",
+                etype="InternalServerError",
+            )
         if mode == "keep":
             d.outcome = dr.FROZEN
         elif mode == "abort":
@@ -295,9 +310,15 @@ async def pause(request: Request, mode: str | None = None, timeout_s: float = 60
                 metrics.pause_drain_aborts.inc(d.aborted)
     finally:
         st.book.end(d)
-    return {"paused": st.paused, "mode": mode, "drain": d.outcome, "in_flight_at_pause": d.in_flight_at_pause,
-            "aborted": d.aborted, "aborted_after_timeout": d.aborted if mode == "wait" else 0,
-            "still_running": d.still_running}
+    return {
+        "paused": st.paused,
+        "mode": mode,
+        "drain": d.outcome,
+        "in_flight_at_pause": d.in_flight_at_pause,
+        "aborted": d.aborted,
+        "aborted_after_timeout": d.aborted if mode == "wait" else 0,
+        "still_running": d.still_running,
+    }
 
 
 def _abort_scope(ctx: ApiContext, d) -> int:
@@ -325,8 +346,11 @@ async def resume(request: Request):
     st.book.resume()
     ctx.engine.freeze(False)
     if failed is not None:
-        raise ApiError(500, f"admission is open, but the kept HOLD {st.hold_file} could not be removed: {failed}",
-                       etype="InternalServerError")
+        raise ApiError(
+            500,
+            f"admission is open, but the kept HOLD {st.hold_file} could not be removed: {failed}",
+            etype="InternalServerError",
+        )
     return {"paused": False}
 
 

@@ -12,12 +12,61 @@ from __future__ import annotations
 import random
 
 _DET = ["the", "a", "this", "every", "one", "that"]
-_ADJ = ["small", "red", "quick", "old", "quiet", "bright", "heavy", "green", "cold", "happy",
-        "dark", "tiny", "warm", "blue", "strange"]
-_NOUN = ["cat", "dog", "house", "river", "engine", "table", "garden", "bird", "window", "road",
-         "lamp", "ship", "tree", "stone", "clock", "letter", "server", "model", "token", "node"]
-_VERB = ["sees", "finds", "moves", "reads", "holds", "likes", "opens", "carries", "follows",
-         "watches", "builds", "counts", "serves", "keeps"]
+_ADJ = [
+    "small",
+    "red",
+    "quick",
+    "old",
+    "quiet",
+    "bright",
+    "heavy",
+    "green",
+    "cold",
+    "happy",
+    "dark",
+    "tiny",
+    "warm",
+    "blue",
+    "strange",
+]
+_NOUN = [
+    "cat",
+    "dog",
+    "house",
+    "river",
+    "engine",
+    "table",
+    "garden",
+    "bird",
+    "window",
+    "road",
+    "lamp",
+    "ship",
+    "tree",
+    "stone",
+    "clock",
+    "letter",
+    "server",
+    "model",
+    "token",
+    "node",
+]
+_VERB = [
+    "sees",
+    "finds",
+    "moves",
+    "reads",
+    "holds",
+    "likes",
+    "opens",
+    "carries",
+    "follows",
+    "watches",
+    "builds",
+    "counts",
+    "serves",
+    "keeps",
+]
 _PREP = ["near", "under", "behind", "beside", "above", "across", "inside"]
 _ADV = ["slowly", "again", "today", "quietly", "at night", "every day", "twice"]
 

@@ -106,7 +106,9 @@ def deadlines_from_settings(settings) -> Deadlines:
     """The step-path deadlines of a parsed environment (``dsv41.envs.Settings``:
     ``DSV41_TP_PEER_TIMEOUT_S``, ``DSV41_DRAFTER_PROPOSE_DEADLINE_MS``; ranges and the rule that
     the TP peer timeout exceeds the propose deadline are checked by ``dsv41.envs.parse``)."""
-    return Deadlines(tp_peer_timeout_s=settings.tp_peer_timeout_s, propose_s=settings.drafter_propose_deadline_ms / 1000)
+    return Deadlines(
+        tp_peer_timeout_s=settings.tp_peer_timeout_s, propose_s=settings.drafter_propose_deadline_ms / 1000
+    )
 
 
 def deadlines_from_env(env: Mapping[str, str] | None = None) -> Deadlines:

@@ -30,8 +30,14 @@ import time
 from dataclasses import dataclass, field
 
 #: Outcomes of a pause's drain (the ``drain`` field of a ``/pause`` reply).
-DRAINED, TIMED_OUT, RESUMED, SUPERSEDED, SHUTDOWN, FROZEN = ("drained", "timed_out", "resumed", "superseded",
-                                                            "shutdown", "frozen")
+DRAINED, TIMED_OUT, RESUMED, SUPERSEDED, SHUTDOWN, FROZEN = (
+    "drained",
+    "timed_out",
+    "resumed",
+    "superseded",
+    "shutdown",
+    "frozen",
+)
 #: The parties an abort is attributed to besides a pause.
 BY_SHUTDOWN, BY_CLIENT = "shutdown", "client"
 

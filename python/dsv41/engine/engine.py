@@ -59,9 +59,19 @@ class Engine:
     ``Deadlines`` (``propose_s`` bounds each ``speculator.propose``; default ``Deadlines()``).
     """
 
-    def __init__(self, model, scheduler: Scheduler, comm, row_source=None, speculator=None, spec_depth: int = 0,
-                 metrics=None, on_fatal: Callable[[str], None] | None = None, heartbeat_s: float = 0.5,
-                 deadlines: Deadlines | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        scheduler: Scheduler,
+        comm,
+        row_source=None,
+        speculator=None,
+        spec_depth: int = 0,
+        metrics=None,
+        on_fatal: Callable[[str], None] | None = None,
+        heartbeat_s: float = 0.5,
+        deadlines: Deadlines | None = None,
+    ) -> None:
         self.model, self.sched, self.comm, self.rows = model, scheduler, comm, row_source
         self.spec, self.spec_depth = speculator, (spec_depth if speculator is not None else 0)
         self.metrics, self.on_fatal, self.heartbeat_s = metrics, on_fatal, heartbeat_s
@@ -262,10 +272,16 @@ class Engine:
             if d <= 0 or r.last_hidden is None:
                 continue
             ids = np.asarray(r.prompt + r.output, dtype=np.int64)
-            batch.append(DraftInput(request_id=r.request_id, token_ids=ids,
-                                    hidden=np.asarray(r.last_hidden, dtype=np.float32), depth=d,
-                                    temperature=0.0 if r.params.greedy else float(r.params.temperature),
-                                    seed=r.sample_seed))
+            batch.append(
+                DraftInput(
+                    request_id=r.request_id,
+                    token_ids=ids,
+                    hidden=np.asarray(r.last_hidden, dtype=np.float32),
+                    depth=d,
+                    temperature=0.0 if r.params.greedy else float(r.params.temperature),
+                    seed=r.sample_seed,
+                )
+            )
             reqs.append((r, d))
         if not batch:
             return
@@ -281,14 +297,18 @@ class Engine:
             if self.metrics:
                 self.metrics.spec_deadline.inc()
             if self.spec_deadline_exceeded == 1 or self.spec_deadline_exceeded % 100 == 0:
-                log.warning("speculator over its deadline (%d so far), decoding without drafts: %s",
-                            self.spec_deadline_exceeded, exc)
+                log.warning(
+                    "speculator over its deadline (%d so far), decoding without drafts: %s",
+                    self.spec_deadline_exceeded,
+                    exc,
+                )
             return
         except Exception as exc:  # noqa: BLE001 - fail closed: target-only decoding for this round
             self.spec_errors += 1
             if self.spec_errors == 1 or self.spec_errors % 100 == 0:
-                log.warning("speculator failed (%d so far), decoding without drafts this round: %s",
-                            self.spec_errors, exc)
+                log.warning(
+                    "speculator failed (%d so far), decoding without drafts this round: %s", self.spec_errors, exc
+                )
             return
         for (r, d), p in zip(reqs, props, strict=False):
             try:
@@ -338,7 +358,9 @@ class Engine:
             for r, toks, _ in plan.items:
                 cap = r.reserved if getattr(r, "new", False) else 0
                 items.append((r.request_id, toks, cap))
-            self.comm.broadcast({"op": "step", "items": items, "truncate": self._pop_truncs(), "free": self._pop_frees()})
+            self.comm.broadcast(
+                {"op": "step", "items": items, "truncate": self._pop_truncs(), "free": self._pop_frees()}
+            )
         else:
             self._truncs, self._frees = [], []
         for r, _, _ in plan.items:

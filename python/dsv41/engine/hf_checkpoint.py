@@ -27,8 +27,10 @@ BOS, EOS = 256, 257
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS = 128, 256, 2, 4, 2
 MAX_POSITIONS = 512
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant: {% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 
 
 def byte_symbols() -> list[str]:
@@ -48,36 +50,79 @@ def byte_symbols() -> list[str]:
 def config() -> dict:
     """transformers' config of the checkpoint (``LlamaForCausalLM``, bf16)."""
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
-        "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_hidden_layers": LAYERS,
-        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "hidden_act": "silu",
-        "max_position_embeddings": MAX_POSITIONS, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": BOS, "eos_token_id": EOS,
-        "attention_bias": False, "mlp_bias": False, "initializer_range": 0.02,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "hidden_act": "silu",
+        "max_position_embeddings": MAX_POSITIONS,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": BOS,
+        "eos_token_id": EOS,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
     }
 
 
 def tokenizer() -> dict:
     """``tokenizer.json``: byte-level BPE over the 256 byte symbols (ids 0..255), no merges, and the
     two special tokens (``BOS``, ``EOS``)."""
-    specials = [{"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False,
-                 "normalized": False, "special": True} for i, c in ((BOS, "<|bos|>"), (EOS, "<|eos|>"))]
+    specials = [
+        {
+            "id": i,
+            "content": c,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for i, c in ((BOS, "<|bos|>"), (EOS, "<|eos|>"))
+    ]
     byte_level = {"add_prefix_space": False, "trim_offsets": True, "use_regex": True}
     return {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": specials,
-        "normalizer": None, "pre_tokenizer": {"type": "ByteLevel", **byte_level}, "post_processor": None,
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": specials,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", **byte_level},
+        "post_processor": None,
         "decoder": {"type": "ByteLevel", **byte_level},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": {s: i for i, s in enumerate(byte_symbols())}, "merges": []},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {s: i for i, s in enumerate(byte_symbols())},
+            "merges": [],
+        },
     }
 
 
 def tokenizer_config() -> dict:
     """``tokenizer_config.json`` (``PreTrainedTokenizerFast``, a plain chat template)."""
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|eos|>",
-            "add_bos_token": False, "model_max_length": MAX_POSITIONS, "clean_up_tokenization_spaces": False,
-            "chat_template": CHAT_TEMPLATE}
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|bos|>",
+        "eos_token": "<|eos|>",
+        "add_bos_token": False,
+        "model_max_length": MAX_POSITIONS,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
 
 
 def tensors(seed: int) -> dict:
@@ -90,17 +135,21 @@ def tensors(seed: int) -> dict:
     norms = ["model.norm.weight"]
     for i in range(LAYERS):
         p = f"model.layers.{i}."
-        shapes |= {p + "self_attn.q_proj.weight": (HEADS * head, HIDDEN),
-                   p + "self_attn.k_proj.weight": (KV_HEADS * head, HIDDEN),
-                   p + "self_attn.v_proj.weight": (KV_HEADS * head, HIDDEN),
-                   p + "self_attn.o_proj.weight": (HIDDEN, HEADS * head),
-                   p + "mlp.gate_proj.weight": (INTERMEDIATE, HIDDEN),
-                   p + "mlp.up_proj.weight": (INTERMEDIATE, HIDDEN),
-                   p + "mlp.down_proj.weight": (HIDDEN, INTERMEDIATE)}
+        shapes |= {
+            p + "self_attn.q_proj.weight": (HEADS * head, HIDDEN),
+            p + "self_attn.k_proj.weight": (KV_HEADS * head, HIDDEN),
+            p + "self_attn.v_proj.weight": (KV_HEADS * head, HIDDEN),
+            p + "self_attn.o_proj.weight": (HIDDEN, HEADS * head),
+            p + "mlp.gate_proj.weight": (INTERMEDIATE, HIDDEN),
+            p + "mlp.up_proj.weight": (INTERMEDIATE, HIDDEN),
+            p + "mlp.down_proj.weight": (HIDDEN, INTERMEDIATE),
+        }
         norms += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
     gen = torch.Generator().manual_seed(seed)
-    out = {name: (torch.randn(shapes[name], generator=gen, dtype=torch.float32) * 0.02).to(torch.bfloat16)
-           for name in sorted(shapes)}
+    out = {
+        name: (torch.randn(shapes[name], generator=gen, dtype=torch.float32) * 0.02).to(torch.bfloat16)
+        for name in sorted(shapes)
+    }
     out |= {name: torch.ones(HIDDEN, dtype=torch.bfloat16) for name in norms}
     return out
 
@@ -116,12 +165,14 @@ def write(out: Path, seed: int) -> str:
     except OSError as exc:
         raise Dsv41Error(f"checkpoint directory {out}: {exc.strerror}") from None
     fileio.atomic_write_json(out / "config.json", config(), "config.json")
-    fileio.atomic_write_json(out / "generation_config.json", {"bos_token_id": BOS, "eos_token_id": EOS},
-                             "generation_config.json")
+    fileio.atomic_write_json(
+        out / "generation_config.json", {"bos_token_id": BOS, "eos_token_id": EOS}, "generation_config.json"
+    )
     fileio.atomic_write_json(out / "tokenizer.json", tokenizer(), "tokenizer.json")
     fileio.atomic_write_json(out / "tokenizer_config.json", tokenizer_config(), "tokenizer_config.json")
-    fileio.atomic_write(out / "model.safetensors", save_safetensors(tensors(seed), {"format": "pt"}),
-                        "model.safetensors")
+    fileio.atomic_write(
+        out / "model.safetensors", save_safetensors(tensors(seed), {"format": "pt"}), "model.safetensors"
+    )
     return identity(out)
 
 

@@ -65,8 +65,12 @@ def read_hold(path: str | os.PathLike) -> HoldRecord | None:
         raise HoldFileError(f"admission hold file {p} unreadable ({exc})") from None
     token = doc.get("window") if isinstance(doc, dict) else None
     since = doc.get("since") if isinstance(doc, dict) else None
-    if not (isinstance(token, str) and WINDOW_TOKEN_RE.fullmatch(token)
-            and isinstance(since, (int, float)) and not isinstance(since, bool)):
+    if not (
+        isinstance(token, str)
+        and WINDOW_TOKEN_RE.fullmatch(token)
+        and isinstance(since, (int, float))
+        and not isinstance(since, bool)
+    ):
         raise HoldFileError(f"admission hold file {p} is not a fenced HOLD record")
     return HoldRecord(float(since), token)
 
@@ -78,8 +82,12 @@ def write_hold(path: str | os.PathLike, record: HoldRecord) -> None:
 
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    fileio.atomic_write(p, fileio.dumps_json({"since": record.since, "window": record.window}), "admission hold file",
-                        error=HoldWriteError)
+    fileio.atomic_write(
+        p,
+        fileio.dumps_json({"since": record.since, "window": record.window}),
+        "admission hold file",
+        error=HoldWriteError,
+    )
 
 
 def remove_hold(path: str | os.PathLike) -> None:

@@ -53,8 +53,7 @@ class SeqCache:
         import torch
 
         cap = max(16, capacity)
-        self.k = [torch.zeros(local_heads, cap, head_dim, dtype=torch.float64, device=device)
-                  for _ in range(n_layers)]
+        self.k = [torch.zeros(local_heads, cap, head_dim, dtype=torch.float64, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros_like(t) for t in self.k]
         self.length = 0
         self.tokens: list[int] = []
@@ -125,11 +124,18 @@ class TargetModel:
             L["ffn"] = []
             for s in self.shards:
                 a, b = s * self.heads_per_shard * hd, (s + 1) * self.heads_per_shard * hd
-                L["attn"].append(tuple(W[p + f"attn.{n}.weight"][a:b].contiguous() for n in ("wq", "wk", "wv"))
-                                 + (W[p + "attn.wo.weight"][:, a:b].contiguous(),))
+                L["attn"].append(
+                    tuple(W[p + f"attn.{n}.weight"][a:b].contiguous() for n in ("wq", "wk", "wv"))
+                    + (W[p + "attn.wo.weight"][:, a:b].contiguous(),)
+                )
                 a, b = s * self.inter_per_shard, (s + 1) * self.inter_per_shard
-                L["ffn"].append((W[p + "ffn.w1.weight"][a:b].contiguous(), W[p + "ffn.w3.weight"][a:b].contiguous(),
-                                 W[p + "ffn.w2.weight"][:, a:b].contiguous()))
+                L["ffn"].append(
+                    (
+                        W[p + "ffn.w1.weight"][a:b].contiguous(),
+                        W[p + "ffn.w3.weight"][a:b].contiguous(),
+                        W[p + "ffn.w2.weight"][:, a:b].contiguous(),
+                    )
+                )
             if i in cfg.engram_layer_ids:
                 L["wkv"] = W[p + "engram.wkv.weight"]
                 L["qk"] = W[p + "engram.q_weight"] * W[p + "engram.k_weight"]
@@ -165,7 +171,9 @@ class TargetModel:
         tab = self._rope_cache.get("tab")
         if tab is None or tab[0].shape[0] < key:
             n = max(key, 1024, 2 * (tab[0].shape[0] if tab else 0))
-            tab = rope_tables(torch.arange(n, device=self.device), self.cfg.head_dim, self.cfg.rope_theta, torch.float64)
+            tab = rope_tables(
+                torch.arange(n, device=self.device), self.cfg.head_dim, self.cfg.rope_theta, torch.float64
+            )
             self._rope_cache["tab"] = tab
         return tab[0][positions], tab[1][positions]
 
@@ -179,7 +187,7 @@ class TargetModel:
         out = []
         for win, n in zip(windows, n_new, strict=False):
             rows, _ = self.hasher.hash(np.asarray(win, dtype=np.int64))
-            out.append(np.asarray(rows)[len(win) - n:])
+            out.append(np.asarray(rows)[len(win) - n :])
         return np.concatenate(out, 0)
 
     def _engram_prefetch(self, rows_np) -> list | None:
@@ -189,8 +197,10 @@ class TargetModel:
         if rows_np is None:
             return None
         lids = list(self.cfg.engram_layer_ids)
-        ids = [np.ascontiguousarray(rows_np[:, li, self.col0:self.col1].reshape(-1), dtype=np.int64)
-               for li in range(len(lids))]
+        ids = [
+            np.ascontiguousarray(rows_np[:, li, self.col0 : self.col1].reshape(-1), dtype=np.int64)
+            for li in range(len(lids))
+        ]
         n = ids[0].shape[0]
         if n > ENGRAM_BUF_ROWS:  # a large prefill chunk: fresh arrays, nothing that size kept
             return self.rows.lookup_layers(lids, ids)
@@ -229,7 +239,7 @@ class TargetModel:
         emb = self.comm.gather_cols(local)  # [N, 6144], columns in rank order
         kv = emb @ L["wkv"].T
         keys = kv[:, : hc * H].view(N, hc, H)
-        value = kv[:, hc * H:]
+        value = kv[:, hc * H :]
         dot = (x * L["qk"][None] * keys).sum(-1)
         dot = dot * torch.rsqrt(x.pow(2).mean(-1) + ENGRAM_EPS) * torch.rsqrt(keys.pow(2).mean(-1) + ENGRAM_EPS)
         dot = dot / math.sqrt(H)
@@ -247,8 +257,9 @@ class TargetModel:
         self.engram_stats["scale_bytes_255"] += int(f)
 
     # -- forward
-    def forward(self, items: list[tuple[SeqCache, list[int]]], want: list[list[int]],
-                logits: bool = True) -> ForwardOut:
+    def forward(
+        self, items: list[tuple[SeqCache, list[int]]], want: list[list[int]], logits: bool = True
+    ) -> ForwardOut:
         """Run new tokens of several requests through the model, appending to their caches.
 
         ``items[i] = (cache, new_tokens)``; ``want[i]`` = indices into ``new_tokens`` whose
@@ -263,7 +274,9 @@ class TargetModel:
         lens = [len(t) for _, t in items]
         N = sum(lens)
         toks = torch.tensor([t for _, ts in items for t in ts], dtype=torch.int64, device=self.device)
-        pos = torch.cat([torch.arange(c.length, c.length + n, device=self.device) for (c, _), n in zip(items, lens, strict=False)])
+        pos = torch.cat(
+            [torch.arange(c.length, c.length + n, device=self.device) for (c, _), n in zip(items, lens, strict=False)]
+        )
         if int(pos.max()) >= cfg.max_position_embeddings:
             raise Dsv41Error(f"position {int(pos.max())} exceeds max_position_embeddings {cfg.max_position_embeddings}")
         cos, sin = self._rope(pos)
@@ -295,12 +308,15 @@ class TargetModel:
                 for j, (c, _) in enumerate(items):
                     a, b = int(offs[j]), int(offs[j + 1])
                     L0, n = c.length, b - a
-                    c.k[i][hs, L0:L0 + n] = k[:, a:b]
-                    c.v[i][hs, L0:L0 + n] = v[:, a:b]
+                    c.k[i][hs, L0 : L0 + n] = k[:, a:b]
+                    c.v[i][hs, L0 : L0 + n] = v[:, a:b]
                     K, Vv = c.k[i][hs, : L0 + n], c.v[i][hs, : L0 + n]
                     sc = (q[:, a:b] @ K.transpose(1, 2)) / math.sqrt(hd)
                     if n > 1:
-                        mask = torch.arange(L0 + n, device=self.device)[None, :] > (L0 + torch.arange(n, device=self.device))[:, None]
+                        mask = (
+                            torch.arange(L0 + n, device=self.device)[None, :]
+                            > (L0 + torch.arange(n, device=self.device))[:, None]
+                        )
                         sc = sc.masked_fill(mask[None], float("-inf"))
                     o[:, a:b] = torch.softmax(sc, -1) @ Vv
                 parts.append(o.transpose(0, 1).reshape(N, hps * hd) @ wo.T)
@@ -316,8 +332,9 @@ class TargetModel:
         for (c, t), n in zip(items, lens, strict=False):
             c.length += n
             c.tokens.extend(int(v) for v in t)
-        sel = torch.tensor([int(offs[j]) + w for j, ws in enumerate(want) for w in ws], dtype=torch.int64,
-                           device=self.device)
+        sel = torch.tensor(
+            [int(offs[j]) + w for j, ws in enumerate(want) for w in ws], dtype=torch.int64, device=self.device
+        )
         counts = [len(ws) for ws in want]
         tap_sel = taps[sel].to(torch.float32).cpu().split(counts)
         lg = None

@@ -15,9 +15,19 @@ from dsv41.engram.config import load_model_config
 from dsv41.errors import ConfigError
 from dsv41.tokenizer import TOKEN_MAP, VOCAB_SIZE
 
-_REQUIRED = ["seed", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-             "intermediate_size", "hc_mult", "rms_norm_eps", "max_position_embeddings",
-             "engram_layer_ids", "drafter_tap_layer"]
+_REQUIRED = [
+    "seed",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "hc_mult",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "engram_layer_ids",
+    "drafter_tap_layer",
+]
 ENGRAM_COLUMNS = 24  # 3 orders x 8 heads (engram-spec.md section 2)
 ENGRAM_HEAD_DIM = 256
 

@@ -33,8 +33,9 @@ class ApiError(Exception):
     """An error answered to the client: ``status`` code, ``message``, OpenAI error ``type``,
     ``param`` (the field at fault), ``close`` (answer with ``Connection: close``)."""
 
-    def __init__(self, status: int, message: str, etype: str = "BadRequestError", param: str | None = None,
-                 close: bool = False) -> None:
+    def __init__(
+        self, status: int, message: str, etype: str = "BadRequestError", param: str | None = None, close: bool = False
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.etype, self.param, self.close = status, message, etype, param, close
 
@@ -56,8 +57,9 @@ def error_response(e: ApiError) -> JSONResponse:
     headers = {"connection": "close"} if e.close else {}
     if e.status in (429, 503):
         headers["retry-after"] = str(RETRY_AFTER_S)
-    return JSONResponse(status_code=e.status, headers=headers or None,
-                        content=error_body(e.status, e.message, e.etype, e.param))
+    return JSONResponse(
+        status_code=e.status, headers=headers or None, content=error_body(e.status, e.message, e.etype, e.param)
+    )
 
 
 def _show(v, limit: int = 60) -> str:
@@ -165,7 +167,9 @@ def _float(body: dict, key: str, default: float, lo: float, hi: float, lo_open: 
     try:
         v = float(v)
     except OverflowError:  # a JSON integer beyond float range, e.g. 10**400
-        raise ApiError(400, f"{key} must be in [{lo}, {hi}], got an integer of {len(str(v))} digits", param=key) from None
+        raise ApiError(
+            400, f"{key} must be in [{lo}, {hi}], got an integer of {len(str(v))} digits", param=key
+        ) from None
     if v != v or v > hi or v < lo or (lo_open and v <= lo):
         raise ApiError(400, f"{key} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", param=key)
     return v
@@ -184,8 +188,9 @@ def parse_sampling(body: dict, default_max_tokens: int, chat: bool) -> SamplingP
         raise ApiError(400, refused[1], param=refused[0])
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not 1 <= len(salt) <= 1024):
-        raise ApiError(400, f"cache_salt must be a string of 1 to 1024 characters, got {_show(salt)}",
-                       param="cache_salt")
+        raise ApiError(
+            400, f"cache_salt must be a string of 1 to 1024 characters, got {_show(salt)}", param="cache_salt"
+        )
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, key, default_max_tokens, lo=0)
     min_tokens = _int(body, "min_tokens", 0, lo=0)
@@ -194,10 +199,16 @@ def parse_sampling(body: dict, default_max_tokens: int, chat: bool) -> SamplingP
     seed = _int(body, "seed", None)
     ignore_eos = _bool(body, "ignore_eos")
     top_k = _int(body, "top_k", 0, lo=-1, hi=VOCAB_SIZE)  # vLLM: 0 or -1 disables top-k
-    return SamplingParams(temperature=_float(body, "temperature", 1.0, 0.0, 100.0),
-                          top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=seed,
-                          max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos,
-                          top_k=max(0, top_k), min_p=_float(body, "min_p", 0.0, 0.0, 1.0))
+    return SamplingParams(
+        temperature=_float(body, "temperature", 1.0, 0.0, 100.0),
+        top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        seed=seed,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        ignore_eos=ignore_eos,
+        top_k=max(0, top_k),
+        min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
+    )
 
 
 def parse_prompt(body: dict, tok: ByteTokenizer, max_len: int | None = None) -> list[int]:
@@ -209,13 +220,20 @@ def parse_prompt(body: dict, tok: ByteTokenizer, max_len: int | None = None) -> 
     """
     p = body.get("prompt")
     if isinstance(p, BigInt) or (isinstance(p, list) and any(isinstance(t, BigInt) for t in p)):
-        raise ApiError(400, "prompt token ids must be integers in [0, {VOCAB_SIZE})".replace("{VOCAB_SIZE}", str(VOCAB_SIZE)),
-                       param="prompt")
+        raise ApiError(
+            400,
+            "prompt token ids must be integers in [0, {VOCAB_SIZE})".replace("{VOCAB_SIZE}", str(VOCAB_SIZE)),
+            param="prompt",
+        )
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]
     if max_len is not None and isinstance(p, (str, list)) and len(p) > max_len:
-        raise ApiError(400, f"the prompt has {len(p)} {'characters' if isinstance(p, str) else 'tokens'}, "
-                            f"but the engine holds at most {max_len} tokens per request", param="prompt")
+        raise ApiError(
+            400,
+            f"the prompt has {len(p)} {'characters' if isinstance(p, str) else 'tokens'}, "
+            f"but the engine holds at most {max_len} tokens per request",
+            param="prompt",
+        )
     if isinstance(p, str):
         ids = tok.encode(p)
     elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
@@ -224,8 +242,12 @@ def parse_prompt(body: dict, tok: ByteTokenizer, max_len: int | None = None) -> 
             raise ApiError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {VOCAB_SIZE})", param="prompt")
         ids = list(p)
     elif isinstance(p, list):
-        raise ApiError(400, "prompt must be a string, a list of token ids, or a one-element list of those "
-                            "(batched prompts are not supported)", param="prompt")
+        raise ApiError(
+            400,
+            "prompt must be a string, a list of token ids, or a one-element list of those "
+            "(batched prompts are not supported)",
+            param="prompt",
+        )
     else:
         raise ApiError(400, "prompt is required (a string or a list of token ids)", param="prompt")
     if not ids:
@@ -290,8 +312,11 @@ def parse_completion_request(body: dict, tok: ByteTokenizer, max_model_len: int,
 def usage(ev: dict) -> dict:
     """OpenAI's ``usage`` of a request from an engine event's ``prompt_tokens`` and
     ``completion_tokens`` (token counts)."""
-    return {"prompt_tokens": ev["prompt_tokens"], "completion_tokens": ev["completion_tokens"],
-            "total_tokens": ev["prompt_tokens"] + ev["completion_tokens"]}
+    return {
+        "prompt_tokens": ev["prompt_tokens"],
+        "completion_tokens": ev["completion_tokens"],
+        "total_tokens": ev["prompt_tokens"] + ev["completion_tokens"],
+    }
 
 
 def sse(d: dict) -> str:
@@ -331,8 +356,14 @@ class Reply:
         if self.req.return_token_ids:
             choice["token_ids"] = out
             choice["prompt_token_ids"] = self.req.prompt_ids
-        return {"id": self.id, "object": "chat.completion" if self.req.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice], "usage": usage(ev)}
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.req.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage(ev),
+        }
 
     def chunk(self, text: str | None, tids: list[int] | None, finish: str | None, ev: dict | None, first: bool) -> dict:
         """One stream chunk: ``text`` (None: no content), the ids it decodes ``tids`` (sent with
@@ -351,13 +382,24 @@ class Reply:
             c["token_ids"] = tids
             if first:
                 c["prompt_token_ids"] = self.req.prompt_ids
-        d: dict[str, Any] = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
-                             "choices": [c]}
+        d: dict[str, Any] = {
+            "id": self.id,
+            "object": self.chunk_object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [c],
+        }
         if self.req.include_usage and self.req.continuous_usage and ev is not None:
             d["usage"] = usage(ev)
         return d
 
     def usage_chunk(self, ev: dict) -> dict:
         """The stream's usage chunk (``include_usage``): no choices."""
-        return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
-                "choices": [], "usage": usage(ev)}
+        return {
+            "id": self.id,
+            "object": self.chunk_object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage(ev),
+        }

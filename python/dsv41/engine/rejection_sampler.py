@@ -19,8 +19,15 @@ from dsv41.engine.sampler import SamplingParams, probs_of, process_logits, sampl
 from dsv41.engine.spec_decode import DraftProposal
 
 
-def verify(logits, drafts: list[int], proposal: DraftProposal | None, params: SamplingParams,
-           n_generated: int, eos_id: int, gen) -> tuple[list[int], int]:
+def verify(
+    logits,
+    drafts: list[int],
+    proposal: DraftProposal | None,
+    params: SamplingParams,
+    n_generated: int,
+    eos_id: int,
+    gen,
+) -> tuple[list[int], int]:
     """Apply the verification rule to one request.
 
     ``logits`` float32 ``[k+1, V]`` (target at the pending token and after each draft);

@@ -64,8 +64,10 @@ _COMMON: dict[str, Field] = {
     "ignore_eos": _impl("EOS masked"),
     "min_tokens": _impl("EOS masked before min_tokens"),
     "return_token_ids": _impl("token_ids (and prompt_token_ids) in the choice"),
-    "cache_salt": _impl("validated (1-1024 characters); the lab engine has no prefix cache to share, so "
-                        "requests are isolated whatever the salt"),
+    "cache_salt": _impl(
+        "validated (1-1024 characters); the lab engine has no prefix cache to share, so "
+        "requests are isolated whatever the salt"
+    ),
     "skip_special_tokens": _refuse("special tokens are always skipped in the text", True),
     "user": _meta("end-user id (abuse monitoring): no effect on the output"),
     "session_id": _meta("session routing hint: no effect on the output"),
@@ -175,8 +177,10 @@ def check(body: dict, chat: bool, show=repr) -> tuple[str, str] | None:
     for key, v in body.items():
         f = pol.get(key)
         if f is None:
-            return key, (f"{key} is not a field of {endpoint} (OpenAI's or vLLM's request schema); "
-                         "the lab engine refuses fields it would otherwise ignore")
+            return key, (
+                f"{key} is not a field of {endpoint} (OpenAI's or vLLM's request schema); "
+                "the lab engine refuses fields it would otherwise ignore"
+            )
         if f.kind == "implemented" or v is None:
             continue
         if f.kind == "metadata":

@@ -61,7 +61,7 @@ class LocalRunner:
         ids = [int(t) for t in prompt_ids]
         last = None
         for a in range(0, len(ids), chunk):
-            part = ids[a:a + chunk]
+            part = ids[a : a + chunk]
             fo = self.model.forward([(cache, part)], [list(range(len(part)))])
             taps.append(fo.taps[0])
             last = fo.logits[0][-1]

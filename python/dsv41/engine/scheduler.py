@@ -79,8 +79,14 @@ class Scheduler:
     tokens per step (prefill chunk budget); ``spec_depth``: drafts per round (reserved per request).
     """
 
-    def __init__(self, kv_cache_tokens: int, max_model_len: int, max_running: int = 8,
-                 max_step_tokens: int = 512, spec_depth: int = 0) -> None:
+    def __init__(
+        self,
+        kv_cache_tokens: int,
+        max_model_len: int,
+        max_running: int = 8,
+        max_step_tokens: int = 512,
+        spec_depth: int = 0,
+    ) -> None:
         if kv_cache_tokens < 16:
             raise Dsv41Error(f"--kv-cache-tokens must be >= 16, got {kv_cache_tokens}")
         if max_running < 1 or max_step_tokens < 1:
@@ -106,9 +112,11 @@ class Scheduler:
         need = prompt_len + max_tokens
         limit = min(self.max_model_len, self.kv_cache_tokens - self.spec_depth - 1)
         if need > limit:
-            raise RequestError(f"this request needs {need} tokens (prompt {prompt_len} + max_tokens {max_tokens}) "
-                               f"but the engine holds at most {limit} per request (--kv-cache-tokens "
-                               f"{self.kv_cache_tokens}, max_position_embeddings {self.max_model_len})")
+            raise RequestError(
+                f"this request needs {need} tokens (prompt {prompt_len} + max_tokens {max_tokens}) "
+                f"but the engine holds at most {limit} per request (--kv-cache-tokens "
+                f"{self.kv_cache_tokens}, max_position_embeddings {self.max_model_len})"
+            )
 
     def add(self, r: Request) -> None:
         """Append ``r`` to the waiting queue (any thread); ``RequestError`` when it can never run."""
@@ -173,7 +181,7 @@ class Scheduler:
         for r in running:
             if r.prefilling and r.finished is None and (budget > 0 or first):
                 n = min(len(r.prompt) - r.fed, max(budget, 1) if not first else max(budget, 16))
-                chunk = r.prompt[r.fed:r.fed + n]
+                chunk = r.prompt[r.fed : r.fed + n]
                 done = r.fed + n == len(r.prompt)
                 items.append((r, chunk, [n - 1] if done else []))
                 budget -= n

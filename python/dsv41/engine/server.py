@@ -49,8 +49,12 @@ MAX_BODY_BYTES = 4 << 20
 
 def _too_large(n: int | str) -> ApiError:
     """The 413 of a body of ``n`` bytes (or "more than N") over ``MAX_BODY_BYTES``."""
-    return ApiError(413, f"request body of {n} bytes is over the {MAX_BODY_BYTES} byte limit",
-                    etype="RequestTooLargeError", close=True)
+    return ApiError(
+        413,
+        f"request body of {n} bytes is over the {MAX_BODY_BYTES} byte limit",
+        etype="RequestTooLargeError",
+        close=True,
+    )
 
 
 class BodyLimit:
@@ -111,8 +115,11 @@ class CatchAll:
         except ClientDisconnect:
             # the client went away before its whole body arrived (or the request deadline closed
             # it: dsv41.httpd.uvicorn_protocol): nobody to answer, not a bug
-            log.info("%s %s: the client disconnected before its request body arrived",
-                     scope.get("method", ""), scope.get("path", ""))
+            log.info(
+                "%s %s: the client disconnected before its request body arrived",
+                scope.get("method", ""),
+                scope.get("path", ""),
+            )
         except Exception as exc:  # noqa: BLE001 - see class doc
             log.error("unhandled error in a request handler", exc_info=exc)
             if started:
@@ -163,16 +170,20 @@ class Guard:
     ``Authorization: Bearer KEY`` get 401. ``credential`` None: every control request is refused.
     ``allowed_hosts``: Host names accepted besides IP literals and ``localhost``."""
 
-    def __init__(self, app, credential: str | None = None, api_key: str | None = None,
-                 allowed_hosts: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, app, credential: str | None = None, api_key: str | None = None, allowed_hosts: tuple[str, ...] = ()
+    ) -> None:
         self.app, self.credential, self.api_key, self.allowed_hosts = app, credential, api_key, allowed_hosts
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         method, path, headers = scope.get("method", "GET"), scope.get("path", ""), scope.get("headers", ())
-        why = (authz.control_refusal(headers, self.credential, self.allowed_hosts)
-               if authz.is_control(method, path) else authz.api_key_refusal(method, path, headers, self.api_key))
+        why = (
+            authz.control_refusal(headers, self.credential, self.allowed_hosts)
+            if authz.is_control(method, path)
+            else authz.api_key_refusal(method, path, headers, self.api_key)
+        )
         if why is not None:
             code, msg = why
             etype = "AuthenticationError" if code == 401 else "PermissionDeniedError"
@@ -196,13 +207,22 @@ async def _unexpected(_req, exc: Exception):
     # A bug must still answer in OpenAI's shape (and be logged), never as a bare text 500.
     # Only reached for errors outside CatchAll (the middleware stack itself).
     log.error("unhandled error in a request handler", exc_info=exc)
-    return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", etype="InternalServerError",
-                                   close=True))
+    return error_response(
+        ApiError(500, f"internal error: {type(exc).__name__}: {exc}", etype="InternalServerError", close=True)
+    )
 
 
-def create_app(engine, model_name: str, max_model_len: int, state: ServerState | None = None,
-               metrics=None, request_limit: tuple[int, int] | None = None, operator_credential: str | None = None,
-               api_key: str | None = None, allowed_hosts: tuple[str, ...] = ()) -> FastAPI:
+def create_app(
+    engine,
+    model_name: str,
+    max_model_len: int,
+    state: ServerState | None = None,
+    metrics=None,
+    request_limit: tuple[int, int] | None = None,
+    operator_credential: str | None = None,
+    api_key: str | None = None,
+    allowed_hosts: tuple[str, ...] = (),
+) -> FastAPI:
     """Build the FastAPI app serving ``engine`` (an ``engine.Engine``) as ``model_name``.
 
     ``max_model_len``: tokens one request may hold; ``state``: the admission state (default: a

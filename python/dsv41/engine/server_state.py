@@ -112,10 +112,17 @@ async def shutdown_drain(engine, st: ServerState, timeout_s: float) -> dict:
         if rid is not None:
             engine.abort(rid)
     if keys:
-        log.warning("shutdown: aborting %d requests still in flight after the %g s drain%s", len(keys), timeout_s,
-                    " (the engine is frozen by a keep pause)" if getattr(engine, "frozen", False) else "")
+        log.warning(
+            "shutdown: aborting %d requests still in flight after the %g s drain%s",
+            len(keys),
+            timeout_s,
+            " (the engine is frozen by a keep pause)" if getattr(engine, "frozen", False) else "",
+        )
         await st.book.idle(ABORT_SETTLE_S)
-    st.shutdown_report = {"in_flight": in_flight, "aborted": st.book.shutdown_aborted,
-                          "still_running": len(st.book.entries), "seconds": round(time.monotonic() - t0, 3)}
+    st.shutdown_report = {
+        "in_flight": in_flight,
+        "aborted": st.book.shutdown_aborted,
+        "still_running": len(st.book.entries),
+        "seconds": round(time.monotonic() - t0, 3),
+    }
     return st.shutdown_report
-

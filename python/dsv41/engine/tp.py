@@ -88,8 +88,15 @@ class DistComm:
     failed rendezvous, ``PeerLost`` when the handshake times out.
     """
 
-    def __init__(self, rank: int, tp: int, master: str, device: str = "cpu", timeout_s: float = 600.0,
-                 peer_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        tp: int,
+        master: str,
+        device: str = "cpu",
+        timeout_s: float = 600.0,
+        peer_timeout_s: float | None = None,
+    ) -> None:
         if not 0 <= rank < tp:
             raise Dsv41Error(f"--rank {rank} is outside [0, {tp})")
         host, _, port = master.rpartition(":")
@@ -102,8 +109,15 @@ class DistComm:
         self.wedged = False  # a collective timed out or failed: the group may be stuck
 
     @classmethod
-    def init(cls, rank: int, tp: int, master: str, device: str = "cpu", timeout_s: float = 600.0,
-             peer_timeout_s: float | None = None) -> DistComm:
+    def init(
+        cls,
+        rank: int,
+        tp: int,
+        master: str,
+        device: str = "cpu",
+        timeout_s: float = 600.0,
+        peer_timeout_s: float | None = None,
+    ) -> DistComm:
         """``DistComm(...)`` then ``join()``; see the class doc."""
         comm = cls(rank, tp, master, device, timeout_s, peer_timeout_s)
         comm.join()
@@ -129,9 +143,12 @@ class DistComm:
             watchdog.cancel()
 
     def _join_overdue(self, bound: float) -> None:
-        print(f"dsv41: error: rank {self.rank}: cannot join the TP group at {self.master} within {bound:g} s "
-              f"(--rendezvous-timeout {self.timeout_s:g} s + DSV41_TP_PEER_TIMEOUT_S + {JOIN_GRACE_S:g} s): the "
-              "peer is frozen, wedged or unreachable", file=sys.stderr)
+        print(
+            f"dsv41: error: rank {self.rank}: cannot join the TP group at {self.master} within {bound:g} s "
+            f"(--rendezvous-timeout {self.timeout_s:g} s + DSV41_TP_PEER_TIMEOUT_S + {JOIN_GRACE_S:g} s): the "
+            "peer is frozen, wedged or unreachable",
+            file=sys.stderr,
+        )
         _exit_now(1)
 
     def _join(self) -> DistComm:
@@ -143,12 +160,19 @@ class DistComm:
         if backend == "nccl":
             torch.cuda.set_device(torch.device(self.device))
         try:
-            dist.init_process_group(backend=backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
-                                    world_size=self.tp, timeout=_dt.timedelta(seconds=self.timeout_s))
+            dist.init_process_group(
+                backend=backend,
+                init_method=f"tcp://{host}:{port}",
+                rank=self.rank,
+                world_size=self.tp,
+                timeout=_dt.timedelta(seconds=self.timeout_s),
+            )
         except (RuntimeError, ValueError, OSError) as exc:
-            raise Dsv41Error(f"rank {self.rank}: cannot join the TP group at {self.master} within "
-                             f"{self.timeout_s:g} s (--rendezvous-timeout): "
-                             f"{(str(exc).splitlines() or [type(exc).__name__])[0]}") from None
+            raise Dsv41Error(
+                f"rank {self.rank}: cannot join the TP group at {self.master} within "
+                f"{self.timeout_s:g} s (--rendezvous-timeout): "
+                f"{(str(exc).splitlines() or [type(exc).__name__])[0]}"
+            ) from None
         self.joined = True
         # Both ranks have just answered: from here on, every wait on the peer is the short bound.
         try:
@@ -161,9 +185,11 @@ class DistComm:
                 self.ctrl = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
         except (RuntimeError, ValueError, OSError) as exc:
             self.wedged = True
-            raise PeerLost(f"rank {self.rank}: the TP peer did not finish forming the groups within "
-                           f"{self.peer_timeout_s or self.timeout_s:g} s: "
-                           f"{(str(exc).splitlines() or [type(exc).__name__])[0]}") from None
+            raise PeerLost(
+                f"rank {self.rank}: the TP peer did not finish forming the groups within "
+                f"{self.peer_timeout_s or self.timeout_s:g} s: "
+                f"{(str(exc).splitlines() or [type(exc).__name__])[0]}"
+            ) from None
         hello = self.all_gather_obj({"hello": self.rank})
         if [h.get("hello") if isinstance(h, dict) else None for h in hello] != list(range(self.tp)):
             raise Dsv41Error(f"rank {self.rank}: unexpected TP handshake {hello!r}")
@@ -183,11 +209,14 @@ class DistComm:
             detail = (str(exc).splitlines() or [type(exc).__name__])[0]
             detail = detail.split("] ", 1)[-1].split(". This is typically", 1)[0]
             if "timed out" in detail.lower() or "timeout" in detail.lower():
-                raise PeerLost(f"rank {self.rank}: the TP peer did not answer within "
-                               f"{self.peer_timeout_s or 0:g} s (DSV41_TP_PEER_TIMEOUT_S; frozen, wedged or "
-                               f"unreachable) during {what}: {detail}") from None
-            raise PeerLost(f"rank {self.rank}: lost the TP peer (the other rank died or the link broke) "
-                           f"during {what}: {detail}") from None
+                raise PeerLost(
+                    f"rank {self.rank}: the TP peer did not answer within "
+                    f"{self.peer_timeout_s or 0:g} s (DSV41_TP_PEER_TIMEOUT_S; frozen, wedged or "
+                    f"unreachable) during {what}: {detail}"
+                ) from None
+            raise PeerLost(
+                f"rank {self.rank}: lost the TP peer (the other rank died or the link broke) during {what}: {detail}"
+            ) from None
 
     def sum_shards(self, parts):
         """All-gather every rank's partials (list of equal-shape tensors) and sum them in rank

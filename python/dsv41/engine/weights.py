@@ -30,10 +30,24 @@ def weight_names(cfg: ModelConfig) -> list[str]:
         p = f"layers.{i}."
         if i in cfg.engram_layer_ids:
             names += [p + "engram.wkv.weight", p + "engram.q_weight", p + "engram.k_weight"]
-        names += [p + n for n in ("hc_attn_pre", "hc_attn_post", "attn_norm.weight", "attn.wq.weight",
-                                  "attn.wk.weight", "attn.wv.weight", "attn.wo.weight", "hc_ffn_pre",
-                                  "hc_ffn_post", "ffn_norm.weight", "ffn.w1.weight", "ffn.w3.weight",
-                                  "ffn.w2.weight")]
+        names += [
+            p + n
+            for n in (
+                "hc_attn_pre",
+                "hc_attn_post",
+                "attn_norm.weight",
+                "attn.wq.weight",
+                "attn.wk.weight",
+                "attn.wv.weight",
+                "attn.wo.weight",
+                "hc_ffn_pre",
+                "hc_ffn_post",
+                "ffn_norm.weight",
+                "ffn.w1.weight",
+                "ffn.w3.weight",
+                "ffn.w2.weight",
+            )
+        ]
     return names + ["norm.weight", "head.weight"]
 
 
@@ -123,8 +137,7 @@ def init_weights(cfg: ModelConfig, progress=None) -> tuple[dict, dict]:
         w = _random_weights(cfg)
         data = torch.tensor(ByteTokenizer().encode(corpus_text(int(cfg.seed))), dtype=torch.int64)
         trainable = {k: v.requires_grad_(True) for k, v in w.items() if ".engram." not in k}
-        opt = torch.optim.AdamW(list(trainable.values()), lr=cfg.train_lr, weight_decay=0.0,
-                                betas=(0.9, 0.95))
+        opt = torch.optim.AdamW(list(trainable.values()), lr=cfg.train_lr, weight_decay=0.0, betas=(0.9, 0.95))
         g = torch.Generator().manual_seed(int(cfg.seed) + 1)
         L, B = cfg.train_seq_len, cfg.train_batch
         loss_v = float("nan")
@@ -133,10 +146,9 @@ def init_weights(cfg: ModelConfig, progress=None) -> tuple[dict, dict]:
             for grp in opt.param_groups:
                 grp["lr"] = lr
             starts = torch.randint(0, len(data) - L - 1, (B,), generator=g)
-            batch = torch.stack([data[s:s + L + 1] for s in starts.tolist()])
+            batch = torch.stack([data[s : s + L + 1] for s in starts.tolist()])
             logits = train_forward(cfg, w, batch[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                     batch[:, 1:].reshape(-1))
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(list(trainable.values()), 1.0)
@@ -187,8 +199,9 @@ def load_weights(cfg: ModelConfig, path: str | os.PathLike) -> dict:
     ref = _shapes(cfg)
     missing = [n for n in ref if n not in w]
     if missing:
-        raise Dsv41Error(f"weights file {p} lacks {len(missing)} tensors (first: {missing[0]}); "
-                         "was it made for another config?")
+        raise Dsv41Error(
+            f"weights file {p} lacks {len(missing)} tensors (first: {missing[0]}); was it made for another config?"
+        )
     for n, shape in ref.items():
         if tuple(w[n].shape) != shape:
             raise Dsv41Error(f"weights file {p}: {n} has shape {tuple(w[n].shape)}, config wants {shape}")

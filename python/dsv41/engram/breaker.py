@@ -77,8 +77,9 @@ class Breaker:
             if self._closed.is_set():
                 return
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._reconnect_loop, name=f"engram-reconnect-{self.rank}",
-                                                daemon=True)
+                self._thread = threading.Thread(
+                    target=self._reconnect_loop, name=f"engram-reconnect-{self.rank}", daemon=True
+                )
                 self._thread.start()
 
     def _reconnect_loop(self) -> None:

@@ -84,9 +84,13 @@ def make_tables(
     config: Annotated[Path, typer.Option("--config", help="Model config JSON.")],
     out: Annotated[Path, typer.Option("--out", help="Output directory (shards + manifest.json).")],
     seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic content.")] = 0,
-    revision: Annotated[str | None, typer.Option("--revision", help="Manifest revision (default synthetic-seedN).")] = None,
+    revision: Annotated[
+        str | None, typer.Option("--revision", help="Manifest revision (default synthetic-seedN).")
+    ] = None,
     chunk_size: Annotated[int, typer.Option("--chunk-size", help="Bytes per verified chunk.")] = 32 << 20,
-    force: Annotated[bool, typer.Option("--force", help="Replace files in --out that make-tables did not write.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace files in --out that make-tables did not write.")
+    ] = False,
 ) -> None:
     """Write deterministic synthetic shards in the real layout plus manifest.json.
 
@@ -131,8 +135,13 @@ def verify(
     manifest: Annotated[Path, typer.Option("--manifest", help="manifest.json")],
     data: Annotated[Path | None, typer.Option("--data", help="Shard directory (default: the manifest's).")] = None,
     workers: Annotated[int | None, typer.Option("--workers", help="Hashing threads (default: CPUs).")] = None,
-    progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="Progress bar (default: on a TTY).")] = None,
-    cache: Annotated[Path | None, typer.Option("--cache", help="Verify cache file: skip shards unchanged since their last verification.")] = None,
+    progress: Annotated[
+        bool | None, typer.Option("--progress/--no-progress", help="Progress bar (default: on a TTY).")
+    ] = None,
+    cache: Annotated[
+        Path | None,
+        typer.Option("--cache", help="Verify cache file: skip shards unchanged since their last verification."),
+    ] = None,
     full: Annotated[bool, typer.Option("--full", help="Re-hash every shard whatever the cache says.")] = False,
 ) -> None:
     """Verify sizes, every chunk's sha256 and the safetensors headers; exit 1 naming file, chunk
@@ -144,8 +153,18 @@ def verify(
     m = load_manifest(manifest)
     rep = do_verify(m, data, workers=workers, progress=progress, cache=cache, mode="full" if full else "cached")
     total = sum(f["size"] for f in m.files)
-    print(fileio.dumps_json({"verified": True, "files": len(m.files), "bytes": total, "hashed": rep.verified,
-                      "cached": rep.cached, "tables": {str(t.layer_id): t.identity for t in m.tables}}))
+    print(
+        fileio.dumps_json(
+            {
+                "verified": True,
+                "files": len(m.files),
+                "bytes": total,
+                "hashed": rep.verified,
+                "cached": rep.cached,
+                "tables": {str(t.layer_id): t.identity for t in m.tables},
+            }
+        )
+    )
 
 
 @app.command("read-rows")
@@ -154,7 +173,9 @@ def read_rows(
     layer: Annotated[int, typer.Option("--layer", help="Engram layer id, e.g. 1.")],
     rows: Annotated[str, typer.Option("--rows", help="Comma-separated global row ids.")],
     data: Annotated[Path | None, typer.Option("--data", help="Shard directory (default: the manifest's).")] = None,
-    source: Annotated[str, typer.Option("--source", help="local, or tcp://H:P / nixl://H:P of a table server.")] = "local",
+    source: Annotated[
+        str, typer.Option("--source", help="local, or tcp://H:P / nixl://H:P of a table server.")
+    ] = "local",
 ) -> None:
     """Print one hex row (weight + scale bytes) per line, in request order."""
     import numpy as np
@@ -176,7 +197,9 @@ def read_rows(
             client = importlib.import_module("dsv41.engram.client")
         except ModuleNotFoundError as exc:
             if exc.name == "dsv41.engram.client":
-                raise Dsv41Error(f"--source {source}: remote reads need dsv41.engram.client, which is not installed") from None
+                raise Dsv41Error(
+                    f"--source {source}: remote reads need dsv41.engram.client, which is not installed"
+                ) from None
             raise
         m.table(layer)
         out = client.read_rows_remote(source, m, layer, ids)

@@ -56,8 +56,9 @@ def _check_rows(rows: Any, entry: Any) -> np.ndarray:
     return check_row_ids(rows, entry.rows, entry.layer_id)
 
 
-def _fetch(client: Any, ident: bytes, rows: np.ndarray, out: np.ndarray, timeout_s: float,
-           end: float | None = None) -> None:
+def _fetch(
+    client: Any, ident: bytes, rows: np.ndarray, out: np.ndarray, timeout_s: float, end: float | None = None
+) -> None:
     """``rows`` of table ``ident`` into ``out`` in requests of ``CHUNK_ROWS`` rows, each within
     ``timeout_s`` and all by ``end`` (``time.monotonic()`` instant, None: no whole-call bound)."""
     if hasattr(client, "lookup_many"):  # TCP: pipelined requests of CHUNK_ROWS rows
@@ -86,6 +87,7 @@ def read_rows_remote(url: str, manifest: Any, layer_id: int, rows: Any, timeout_
     r = _check_rows(rows, entry)
     ident = P.identity_bytes(entry.identity)
     out = np.empty((r.shape[0], P.ROW_BYTES), np.uint8)
+
     def unavailable(exc: TransportError) -> RemoteUnavailable:
         msg = str(exc)  # transport messages usually name the endpoint already
         return RemoteUnavailable(msg if str(parse_url(url)) in msg else f"{url}: {msg}")
@@ -126,9 +128,19 @@ class RemoteRowSource(Breaker, RowSource):
     Thread-safe; ``close()`` stops the reconnect thread.
     """
 
-    def __init__(self, urls: Any, manifest: Any, rank: int, tp: int, timeout_ms: int = 100,
-                 required: bool = False, local: Any = None, deadline_ms: float | None = None,
-                 fault_delay_ms: float = 0.0, spin_us: float | None = None) -> None:
+    def __init__(
+        self,
+        urls: Any,
+        manifest: Any,
+        rank: int,
+        tp: int,
+        timeout_ms: int = 100,
+        required: bool = False,
+        local: Any = None,
+        deadline_ms: float | None = None,
+        fault_delay_ms: float = 0.0,
+        spin_us: float | None = None,
+    ) -> None:
         if isinstance(urls, str):
             urls = [u.strip() for u in urls.split(",") if u.strip()]
         urls = list(urls)
@@ -139,10 +151,12 @@ class RemoteRowSource(Breaker, RowSource):
         if len(urls) not in (1, tp):
             raise Dsv41Error(f"{len(urls)} URLs for tp={tp}: give one per rank")
         # beyond MAX_TIMEOUT_MS poll()/settimeout() overflow; the comparisons also refuse NaN
-        for name, v, zero, top in (("timeout_ms", timeout_ms, False, MAX_TIMEOUT_MS),
-                                   ("deadline_ms", deadline_ms, False, MAX_TIMEOUT_MS),
-                                   ("fault_delay_ms", fault_delay_ms, True, MAX_TIMEOUT_MS),
-                                   ("spin_us", spin_us, True, MAX_SPIN_US)):
+        for name, v, zero, top in (
+            ("timeout_ms", timeout_ms, False, MAX_TIMEOUT_MS),
+            ("deadline_ms", deadline_ms, False, MAX_TIMEOUT_MS),
+            ("fault_delay_ms", fault_delay_ms, True, MAX_TIMEOUT_MS),
+            ("spin_us", spin_us, True, MAX_SPIN_US),
+        ):
             if v is not None and not (0 <= v <= top if zero else 0 < v <= top):
                 raise Dsv41Error(f"{name} must be in {'[' if zero else '('}0, {top}], got {v}")
         self.spin_us = spin_us
@@ -167,13 +181,31 @@ class RemoteRowSource(Breaker, RowSource):
         # Guards the client, its one in-flight request, and the hot path's counters (no second lock)
         self._lock = threading.Lock()
         self._rlock = threading.Lock()  # guards starting the reconnect thread
-        self._c = {"lookups": 0, "rows": 0, "fallbacks": 0, "transport_errors": 0, "refusals": 0,
-                   "reconnects": 0, "latency_sum_s": 0.0, "latency_count": 0, "remote_rows": 0,
-                   "connect_failures": 0, "deadline_exceeded": 0, "breaker_opens": 0}
+        self._c = {
+            "lookups": 0,
+            "rows": 0,
+            "fallbacks": 0,
+            "transport_errors": 0,
+            "refusals": 0,
+            "reconnects": 0,
+            "latency_sum_s": 0.0,
+            "latency_count": 0,
+            "remote_rows": 0,
+            "connect_failures": 0,
+            "deadline_exceeded": 0,
+            "breaker_opens": 0,
+        }
         # The other paths' counters: their own lock (a call past its deadline never waits to count)
         self._slock = threading.Lock()
-        self._side = {"lookups": 0, "rows": 0, "fallbacks": 0, "remote_rows": 0, "latency_sum_s": 0.0,
-                      "latency_count": 0, "deadline_exceeded": 0}
+        self._side = {
+            "lookups": 0,
+            "rows": 0,
+            "fallbacks": 0,
+            "remote_rows": 0,
+            "latency_sum_s": 0.0,
+            "latency_count": 0,
+            "deadline_exceeded": 0,
+        }
         self.last_error: str | None = None
         self._extra: list = []  # counters of requests on lent connections (add_counters)
         self._client = None
@@ -267,7 +299,9 @@ class RemoteRowSource(Breaker, RowSource):
         if not (lock.acquire(False) or lock.acquire(True, max(0.0, budget - (_perf() - t0)))):
             with self._slock:
                 self._side["deadline_exceeded"] += 1
-            return DeadlineExceeded(f"{self.url}: the connection stayed busy past the {budget * 1e3:g} ms lookup deadline")
+            return DeadlineExceeded(
+                f"{self.url}: the connection stayed busy past the {budget * 1e3:g} ms lookup deadline"
+            )
         try:
             client = self._client
             if client is None:
@@ -303,8 +337,10 @@ class RemoteRowSource(Breaker, RowSource):
         t = min(self.timeout_s, self._budget - (_perf() - t0))
         if want >= t:
             time.sleep(max(t, 0.0))
-            raise TransportTimeout(f"{self.url}: rows delayed {want * 1e3:g} ms (DSV41_ENGRAM_FAULT_DELAY_MS), "
-                                   f"past the {max(t, 0.0) * 1e3:.0f} ms left to the request")
+            raise TransportTimeout(
+                f"{self.url}: rows delayed {want * 1e3:g} ms (DSV41_ENGRAM_FAULT_DELAY_MS), "
+                f"past the {max(t, 0.0) * 1e3:.0f} ms left to the request"
+            )
         time.sleep(want)
 
     def lookup_layers(self, layer_ids: Any, rows: Any, outs: Any = None) -> list[np.ndarray]:
@@ -330,8 +366,11 @@ class RemoteRowSource(Breaker, RowSource):
                     client = self._client
                     if client is not None and client.multi_table:
                         try:
-                            code, n, _ = client.lookup_segs(((a[0], rows[0], a[1], outs[0]), (b[0], rows[1], b[1], outs[1])),
-                                                            self._req_s, CHUNK_ROWS)
+                            code, n, _ = client.lookup_segs(
+                                ((a[0], rows[0], a[1], outs[0]), (b[0], rows[1], b[1], outs[1])),
+                                self._req_s,
+                                CHUNK_ROWS,
+                            )
                         except (TransportTimeout, TransportError) as exc:  # ids and outs passed the checks
                             code, failure = -1, exc
                             self._fail_locked(client, exc, self._req_cut and isinstance(exc, TransportTimeout))
@@ -383,8 +422,13 @@ class RemoteRowSource(Breaker, RowSource):
     def _out(out: Any, n: int) -> np.ndarray:
         if out is None:
             return np.empty((n, P.ROW_BYTES), np.uint8)
-        if (not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.shape != (n, P.ROW_BYTES)
-                or not out.flags.c_contiguous or not out.flags.writeable):
+        if (
+            not isinstance(out, np.ndarray)
+            or out.dtype != np.uint8
+            or out.shape != (n, P.ROW_BYTES)
+            or not out.flags.c_contiguous
+            or not out.flags.writeable
+        ):
             raise Dsv41Error(f"out must be a writable C-contiguous uint8[{n}, {P.ROW_BYTES}] array")
         return out
 
@@ -395,7 +439,9 @@ class RemoteRowSource(Breaker, RowSource):
         if self.required:
             raise RemoteUnavailable(f"remote Engram {self.url} is required but failed: {failure}") from None
         if self.local is None:
-            raise RemoteUnavailable(f"remote Engram {self.url} failed and there is no local reader: {failure}") from None
+            raise RemoteUnavailable(
+                f"remote Engram {self.url} failed and there is no local reader: {failure}"
+            ) from None
         for layer_id, r, out in parts:
             self.local.lookup(layer_id, r, out=out)
 
@@ -438,8 +484,15 @@ class RemoteRowSource(Breaker, RowSource):
         except TransportError:
             client.close()
             return None
-        return {"client": client, "fd": fd, "gen": gen, "version": version, "spin_ns": spin_ns,
-                "timeout_ns": int(self._req_s * 1e9), "tables": dict(self._tabs)}
+        return {
+            "client": client,
+            "fd": fd,
+            "gen": gen,
+            "version": version,
+            "spin_ns": spin_ns,
+            "timeout_ns": int(self._req_s * 1e9),
+            "tables": dict(self._tabs),
+        }
 
     def native_tables(self) -> dict:
         """``{layer_id: (identity bytes, table rows)}`` a lease would name, where this source can
@@ -490,8 +543,12 @@ class RemoteRowSource(Breaker, RowSource):
         for fn in list(self._extra):
             for k, v in fn().items():
                 c[k] += v
-        c.update(source=self.endpoint.scheme, url=self.url, connected=self._client is not None,
-                 deadline_ms=None if self.deadline_s is None else self.deadline_s * 1e3)
+        c.update(
+            source=self.endpoint.scheme,
+            url=self.url,
+            connected=self._client is not None,
+            deadline_ms=None if self.deadline_s is None else self.deadline_s * 1e3,
+        )
         if self.fault_delay_s:
             c["fault_delay_ms"] = self.fault_delay_s * 1e3
         return c

@@ -104,7 +104,8 @@ def load_model_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> di
     hd = cfg["engram_head_dim"]
     if hd < SCALE_BLOCK or hd % SCALE_BLOCK or hd > MAX_HEAD_DIM:
         raise ConfigError(
-            f"model config {where}: engram_head_dim {hd} must be a positive multiple of {SCALE_BLOCK} <= {MAX_HEAD_DIM}")
+            f"model config {where}: engram_head_dim {hd} must be a positive multiple of {SCALE_BLOCK} <= {MAX_HEAD_DIM}"
+        )
     vs = cfg["engram_vocab_size"]
     n_orders = cfg["engram_max_ngram_size"] - 1
     if _is_int(vs):
@@ -112,9 +113,7 @@ def load_model_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> di
     elif isinstance(vs, list) and len(vs) == n_orders and all(_is_int(x) for x in vs):
         vs_list = list(vs)
     else:
-        raise ConfigError(
-            f"model config {where}: engram_vocab_size must be an int or a list of {n_orders} ints"
-        )
+        raise ConfigError(f"model config {where}: engram_vocab_size must be an int or a list of {n_orders} ints")
     if min(vs_list) < 2 or max(vs_list) > MAX_VOCAB_SIZE:
         raise ConfigError(f"model config {where}: engram_vocab_size must be in [2, 2^32]")
     cfg["engram_vocab_sizes"] = vs_list
@@ -127,7 +126,8 @@ def load_model_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> di
     cvs = cfg["engram_compressed_vocab_size"]
     if not _is_int(cvs) or not 1 <= cvs <= MAX_COMPRESSED_VOCAB:
         raise ConfigError(
-            f"model config {where}: engram_compressed_vocab_size must be an int in [1, 2^31], got {cvs!r}")
+            f"model config {where}: engram_compressed_vocab_size must be an int in [1, 2^31], got {cvs!r}"
+        )
     ne = cfg.get("engram_num_embeddings")
     if ne is not None:
         if _is_int(ne):

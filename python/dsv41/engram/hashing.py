@@ -42,9 +42,7 @@ def check_token_map(token_map: np.ndarray, expected: str = REAL_TOKEN_MAP_SHA256
     """
     got = token_map_sha256(token_map)
     if got != expected:
-        raise VerificationError(
-            f"token map sha256 {got} (len {len(token_map)}) differs from the expected {expected}"
-        )
+        raise VerificationError(f"token map sha256 {got} (len {len(token_map)}) differs from the expected {expected}")
     return got
 
 
@@ -131,8 +129,8 @@ class NgramHasher:
             # ids beyond the compressed vocabulary could overflow the int64 products the
             # multipliers were bounded for (layout.compute_multipliers)
             raise ConfigError(
-                f"token map holds compressed id {int(self.token_map.max())}, outside "
-                f"engram_compressed_vocab_size {cvs}")
+                f"token map holds compressed id {int(self.token_map.max())}, outside engram_compressed_vocab_size {cvs}"
+            )
         self._mult = np.asarray(layout.multipliers, dtype=np.int64)  # [L, N]
         self._primes = np.asarray(layout.primes, dtype=np.int64)  # [L, C]
         self._offsets = np.asarray(layout.offsets, dtype=np.int64)  # [L, C]
@@ -191,6 +189,8 @@ class NgramHasher:
                     rolling = rolling ^ (vals[s][:, None] * self._mult[None, :, s])
                     cols = slice((s - 1) * H, s * H)
                     # np.mod is floor mod: non-negative for positive primes.
-                    out[:, :, cols] = np.mod(rolling[:, :, None], self._primes[None, :, cols]) + self._offsets[None, :, cols]
+                    out[:, :, cols] = (
+                        np.mod(rolling[:, :, None], self._primes[None, :, cols]) + self._offsets[None, :, cols]
+                    )
         new_hist = ext[-lb:].copy() if lb else ext[:0].copy()
         return out, DecodeState(new_hist)

@@ -247,19 +247,24 @@ def layout_from_manifest(manifest: Any) -> EngramLayout:
     whose tables were hashed for another layout, engram-spec.md section 3).
     """
     p = manifest.layout
-    layout = EngramLayout.from_config({
-        "engram_layer_ids": p["layer_ids"],
-        "engram_max_ngram_size": p["max_ngram_size"],
-        "engram_n_heads": p["n_heads"],
-        "engram_head_dim": p["head_dim"],
-        "engram_vocab_size": p["vocab_sizes"][0],
-        "engram_vocab_sizes": p["vocab_sizes"],
-        "engram_compressed_vocab_size": p["compressed_vocab_size"],
-        "engram_pad_token_id": p["pad_token_id"],
-    })
+    layout = EngramLayout.from_config(
+        {
+            "engram_layer_ids": p["layer_ids"],
+            "engram_max_ngram_size": p["max_ngram_size"],
+            "engram_n_heads": p["n_heads"],
+            "engram_head_dim": p["head_dim"],
+            "engram_vocab_size": p["vocab_sizes"][0],
+            "engram_vocab_sizes": p["vocab_sizes"],
+            "engram_compressed_vocab_size": p["compressed_vocab_size"],
+            "engram_pad_token_id": p["pad_token_id"],
+        }
+    )
     for li, layer in enumerate(layout.layer_ids):
         h = manifest.table(layer).hash
         if (list(h["primes"]), list(h["offsets"]), list(h["multipliers"])) != (
-                list(layout.primes[li]), list(layout.offsets[li]), list(layout.multipliers[li])):
+            list(layout.primes[li]),
+            list(layout.offsets[li]),
+            list(layout.multipliers[li]),
+        ):
             raise VerificationError(f"manifest table of layer {layer}: hash parameters differ from its layout")
     return layout

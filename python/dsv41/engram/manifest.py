@@ -64,22 +64,50 @@ def table_identity(layout: dict[str, Any], entry: dict[str, Any] | TableEntry) -
     e = entry.to_dict() if isinstance(entry, TableEntry) else entry
     doc = {
         "layout": {k: v for k, v in layout.items() if k != "layer_ids"},
-        **{k: e[k] for k in ("layer_id", "rows", "row_bytes", "weight_bytes", "scale_bytes",
-                             "weight_name", "scale_name", "weight_sha256", "scale_sha256")},
+        **{
+            k: e[k]
+            for k in (
+                "layer_id",
+                "rows",
+                "row_bytes",
+                "weight_bytes",
+                "scale_bytes",
+                "weight_name",
+                "scale_name",
+                "weight_sha256",
+                "scale_sha256",
+            )
+        },
         "hash": e["hash"],
     }
     return hashlib.sha256(fileio.dumps_json(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def make_table_entry(layout: EngramLayout, li: int, file: str, rows: int, weight_offset: int,
-                     scale_offset: int, weight_sha256: str, scale_sha256: str) -> TableEntry:
+def make_table_entry(
+    layout: EngramLayout,
+    li: int,
+    file: str,
+    rows: int,
+    weight_offset: int,
+    scale_offset: int,
+    weight_sha256: str,
+    scale_sha256: str,
+) -> TableEntry:
     """Build a :class:`TableEntry` (identity computed) for table ``li`` of ``layout``."""
     layer = layout.layer_ids[li]
     e = TableEntry(
-        layer_id=layer, file=file, weight_name=weight_name(layer), scale_name=scale_name(layer),
-        rows=rows, row_bytes=layout.row_bytes, weight_bytes=layout.weight_bytes,
-        scale_bytes=layout.scale_bytes, weight_offset=weight_offset, scale_offset=scale_offset,
-        weight_sha256=weight_sha256, scale_sha256=scale_sha256,
+        layer_id=layer,
+        file=file,
+        weight_name=weight_name(layer),
+        scale_name=scale_name(layer),
+        rows=rows,
+        row_bytes=layout.row_bytes,
+        weight_bytes=layout.weight_bytes,
+        scale_bytes=layout.scale_bytes,
+        weight_offset=weight_offset,
+        scale_offset=scale_offset,
+        weight_sha256=weight_sha256,
+        scale_sha256=scale_sha256,
         hash={"primes": layout.primes[li], "offsets": layout.offsets[li], "multipliers": layout.multipliers[li]},
         identity="",
     )
@@ -114,8 +142,14 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form, valid against the schema."""
-        return {"format": FORMAT, "version": VERSION, "revision": self.revision, "layout": self.layout,
-                "files": self.files, "tables": [t.to_dict() for t in self.tables]}
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "revision": self.revision,
+            "layout": self.layout,
+            "files": self.files,
+            "tables": [t.to_dict() for t in self.tables],
+        }
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically as indented JSON (:func:`dsv41.fileio.atomic_write`: only over a regular
@@ -247,8 +281,15 @@ def _progress_ctx(enabled: bool, total: int):
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-    prog = Progress("verify", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-                    console=Console(stderr=True), transient=True)
+    prog = Progress(
+        "verify",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
     return prog
 
 
@@ -309,13 +350,27 @@ def _save_cache(path: Path, digest: str, files: dict[str, Any]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise VerificationError(f"cannot write verify cache {path}: {exc.strerror or exc}") from None
-    fileio.atomic_write_json(path, {"format": CACHE_FORMAT, "manifest_sha256": digest, "files": files},
-                             "verify cache", sort_keys=True, error=VerificationError, mode=0o600)
+    fileio.atomic_write_json(
+        path,
+        {"format": CACHE_FORMAT, "manifest_sha256": digest, "files": files},
+        "verify cache",
+        sort_keys=True,
+        error=VerificationError,
+        mode=0o600,
+    )
 
 
-def verify(manifest: Manifest | str | os.PathLike, data_dir: str | os.PathLike | None = None,
-           workers: int | None = None, progress: bool | None = None, *, only: Any = None,
-           cache: str | os.PathLike | None = None, mode: str = "cached", update_cache: bool = True) -> VerifyReport:
+def verify(
+    manifest: Manifest | str | os.PathLike,
+    data_dir: str | os.PathLike | None = None,
+    workers: int | None = None,
+    progress: bool | None = None,
+    *,
+    only: Any = None,
+    cache: str | os.PathLike | None = None,
+    mode: str = "cached",
+    update_cache: bool = True,
+) -> VerifyReport:
     """Check the files of ``manifest`` in ``data_dir`` (default: the manifest's directory):
     existence, size and every chunk's sha256, chunks hashed in parallel by ``workers`` threads
     (default: 2 per CPU, max 32), then every table's rows/offsets against its shard's
@@ -379,15 +434,21 @@ def check_table_header(path: str | os.PathLike, t: TableEntry) -> None:
     that places table ``t`` exactly where the manifest says (rows, offsets, row geometry).
     VerificationError naming the file, layer and differing fields otherwise."""
     reg = table_regions(path, t.layer_id, t.row_bytes)
-    want = {"rows": t.rows, "weight_offset": t.weight_offset, "scale_offset": t.scale_offset,
-            "weight_bytes": t.weight_bytes, "scale_bytes": t.scale_bytes}
+    want = {
+        "rows": t.rows,
+        "weight_offset": t.weight_offset,
+        "scale_offset": t.scale_offset,
+        "weight_bytes": t.weight_bytes,
+        "scale_bytes": t.scale_bytes,
+    }
     if reg != want:
         diff = ", ".join(f"{k} {want[k]} vs header {reg[k]}" for k in want if reg[k] != want[k])
         raise VerificationError(f"{t.file}: layer {t.layer_id} table differs from the safetensors header: {diff}")
 
 
-def _verify_files(m: Manifest, d: Path, files: list[dict[str, Any]], workers: int | None,
-                  progress: bool | None) -> None:
+def _verify_files(
+    m: Manifest, d: Path, files: list[dict[str, Any]], workers: int | None, progress: bool | None
+) -> None:
     """Sizes and chunk sha256s of ``files`` (records of ``m.files``) in ``d``; VerificationError
     summarising the problems."""
     problems: list[str] = []
@@ -448,8 +509,10 @@ def _verify_files(m: Manifest, d: Path, files: list[dict[str, Any]], workers: in
         if got != length:
             return f"{f['name']}: chunk {k} bytes [{start}, {start + length}): file ended after {got} bytes"
         if digest != f["chunks"][k]:
-            return (f"{f['name']}: chunk {k} bytes [{start}, {start + length}): sha256 {digest[:16]}... "
-                    f"!= manifest {f['chunks'][k][:16]}...")
+            return (
+                f"{f['name']}: chunk {k} bytes [{start}, {start + length}): sha256 {digest[:16]}... "
+                f"!= manifest {f['chunks'][k][:16]}..."
+            )
         return None
 
     if prog is not None:
@@ -471,8 +534,15 @@ def _summary(problems: list[str]) -> str:
     return f"verify failed: {problems[0]}{more}"
 
 
-def build_manifest(cfg: Any, data_dir: str | os.PathLike, files: dict[int, str] | None = None, *,
-                   revision: str, chunk_size: int = 32 << 20, workers: int | None = None) -> Manifest:
+def build_manifest(
+    cfg: Any,
+    data_dir: str | os.PathLike,
+    files: dict[int, str] | None = None,
+    *,
+    revision: str,
+    chunk_size: int = 32 << 20,
+    workers: int | None = None,
+) -> Manifest:
     """Build a manifest for existing shards (e.g. the real checkpoint's last two shards).
 
     ``files`` maps layer id -> shard file name (default: :func:`dsv41.engram.shards.shard_names`).  Reads each
@@ -487,7 +557,8 @@ def build_manifest(cfg: Any, data_dir: str | os.PathLike, files: dict[int, str] 
     if missing or extra:
         raise VerificationError(
             f"shard files must name every Engram layer {layout.layer_ids} exactly once"
-            + (f"; missing layer(s) {missing}" if missing else "") + (f"; unknown layer(s) {extra}" if extra else "")
+            + (f"; missing layer(s) {missing}" if missing else "")
+            + (f"; unknown layer(s) {extra}" if extra else "")
         )
     for L, name in names.items():
         if not name or "/" in name or "\\" in name or name in (".", ".."):
@@ -512,7 +583,9 @@ def build_manifest(cfg: Any, data_dir: str | os.PathLike, files: dict[int, str] 
             frecs[name] = {"name": name, "size": size, "sha256": whole, "chunk_size": chunk_size, "chunks": chunks}
         wsha, _ = _hash_range(p, reg["weight_offset"], reg["rows"] * reg["weight_bytes"], buf)
         ssha, _ = _hash_range(p, reg["scale_offset"], reg["rows"] * reg["scale_bytes"], buf)
-        tables.append(make_table_entry(layout, li, name, reg["rows"], reg["weight_offset"], reg["scale_offset"], wsha, ssha))
+        tables.append(
+            make_table_entry(layout, li, name, reg["rows"], reg["weight_offset"], reg["scale_offset"], wsha, ssha)
+        )
     man = Manifest(revision=revision, layout=layout_params(layout), files=list(frecs.values()), tables=tables)
     manifest_from_dict(man.to_dict(), "built manifest")  # self-check against the schema
     return man

@@ -70,7 +70,6 @@ class _TableFile:
         st = os.fstat(self.fd)
         self.key = _key(st)  # what the file was when opened: a read checks it still is
 
-
     def fall_back(self, fd_seen: int) -> None:
         """Switch to buffered I/O after the kernel refused an O_DIRECT read (EINVAL)."""
         with self.lock:
@@ -165,8 +164,10 @@ class LocalRowReader:
                 try:
                     want = self.verified.get(name)
                     if want is not None and tf.key != want:
-                        raise VerificationError(f"table file {p} changed since it was verified "
-                                                f"({_what_changed(want, tf.key)}); restart to verify it again")
+                        raise VerificationError(
+                            f"table file {p} changed since it was verified "
+                            f"({_what_changed(want, tf.key)}); restart to verify it again"
+                        )
                     for t in self.tables.values():
                         if t.file == name:
                             check_table_header(p, t)
@@ -204,8 +205,9 @@ class LocalRowReader:
             self.verified = before
             for n, tf in self._files.items():  # opened before: they must be the verified files
                 if tf.key != before.get(n, tf.key):
-                    raise VerificationError(f"table file {tf.path} open since before verification is not the "
-                                            "verified file")
+                    raise VerificationError(
+                        f"table file {tf.path} open since before verification is not the verified file"
+                    )
 
     def _watch(self, tf: _TableFile) -> None:
         """VerificationError (and ``stale`` set) when ``tf`` is no longer the file it was."""
@@ -219,8 +221,10 @@ class LocalRowReader:
         if now != tf.key:
             if now is not None:
                 why = _what_changed(tf.key, now)
-            self.stale = (f"table file {tf.path} changed under the running reader ({why}); its rows no longer "
-                          "match the manifest: restart to verify it again")
+            self.stale = (
+                f"table file {tf.path} changed under the running reader ({why}); its rows no longer "
+                "match the manifest: restart to verify it again"
+            )
             raise VerificationError(self.stale)
 
     def is_direct(self, layer_id: int) -> bool:
@@ -257,7 +261,9 @@ class LocalRowReader:
         if out is None:
             out = np.empty((n, t.row_bytes), dtype=np.uint8)
         elif out.dtype != np.uint8 or out.shape != (n, t.row_bytes) or not out.flags.c_contiguous:
-            raise Dsv41Error(f"out must be a C-contiguous uint8[{n}, {t.row_bytes}] array, got {out.dtype}{list(out.shape)}")
+            raise Dsv41Error(
+                f"out must be a C-contiguous uint8[{n}, {t.row_bytes}] array, got {out.dtype}{list(out.shape)}"
+            )
         if n == 0:
             return out
         tf = self._file(t.file)
@@ -318,8 +324,10 @@ class LocalRowReader:
                 # the file may end inside the last page: only the bytes rows need must be there
                 need_end = int(piece_p1[k]) * PAGE + PAGE
                 if got < size and off + got < min(need_end, self._needed_end(starts, lens, item_piece, k)):
-                    raise Dsv41Error(f"{tf.path}: truncated: a read at byte {off} got {got} of {size} bytes "
-                                     f"(is the shard shorter than its manifest says? run dsv41 engram verify)")
+                    raise Dsv41Error(
+                        f"{tf.path}: truncated: a read at byte {off} got {got} of {size} bytes "
+                        f"(is the shard shorter than its manifest says? run dsv41 engram verify)"
+                    )
             arr = np.frombuffer(buf, dtype=np.uint8, count=bufmax)
             items = ib_order[ib[b] : ib[b + 1]]
             w = items[items < n]

@@ -25,11 +25,20 @@ class _Terminated(BaseException):
 
 def serve(
     manifest: Annotated[Path, typer.Option("--manifest", help="manifest.json of the tables.")],
-    data: Annotated[Path | None, typer.Option("--data", help="Directory of the shards (default: the manifest's).")] = None,
-    listen: Annotated[list[str] | None, typer.Option("--listen", help="tcp://A:P or nixl://A:P (repeat for several; port 0 = ephemeral).")] = None,
+    data: Annotated[
+        Path | None, typer.Option("--data", help="Directory of the shards (default: the manifest's).")
+    ] = None,
+    listen: Annotated[
+        list[str] | None,
+        typer.Option("--listen", help="tcp://A:P or nixl://A:P (repeat for several; port 0 = ephemeral)."),
+    ] = None,
     metrics: Annotated[str | None, typer.Option("--metrics", help="A:P for Prometheus /metrics and /ready.")] = None,
-    ready_file: Annotated[Path | None, typer.Option("--ready-file", help="Written (JSON: pid, bound URLs) once listening.")] = None,
-    drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="Seconds SIGTERM waits for in-flight requests.")] = 5.0,
+    ready_file: Annotated[
+        Path | None, typer.Option("--ready-file", help="Written (JSON: pid, bound URLs) once listening.")
+    ] = None,
+    drain_timeout: Annotated[
+        float, typer.Option("--drain-timeout", help="Seconds SIGTERM waits for in-flight requests.")
+    ] = 5.0,
 ) -> None:
     """Load every table into RAM, verify it against the manifest, then serve rows until SIGTERM."""
     from dsv41.engram.manifest import load_manifest
@@ -68,9 +77,17 @@ def serve(
         if ready_file is not None:
             write_ready_file(ready_file, info)
             wrote_ready = True
-        print(fileio.dumps_json({"event": "listening", "listen": [str(a) for a in addrs],
-                          "load_seconds": round(report["seconds"], 3), "implementation": info["implementation"]}),
-              flush=True)
+        print(
+            fileio.dumps_json(
+                {
+                    "event": "listening",
+                    "listen": [str(a) for a in addrs],
+                    "load_seconds": round(report["seconds"], 3),
+                    "implementation": info["implementation"],
+                }
+            ),
+            flush=True,
+        )
         while not stop.wait(0.5):
             pass
         es.stop(drain_timeout)
@@ -87,15 +104,21 @@ def serve(
 
 def sweep(
     manifest: Annotated[Path, typer.Option("--manifest", help="manifest.json of the tables.")],
-    remote: Annotated[str, typer.Option("--remote", help="tcp://H:P[@LOCAL] or nixl://H:P[@LOCAL] of this rank's server.")],
+    remote: Annotated[
+        str, typer.Option("--remote", help="tcp://H:P[@LOCAL] or nixl://H:P[@LOCAL] of this rank's server.")
+    ],
     rank: Annotated[int, typer.Option("--rank", help="This rank (0-based).")],
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size.")] = 2,
-    data: Annotated[Path | None, typer.Option("--data", help="Local shards (default: the manifest's directory).")] = None,
+    data: Annotated[
+        Path | None, typer.Option("--data", help="Local shards (default: the manifest's directory).")
+    ] = None,
     lookups: Annotated[int, typer.Option("--lookups", help="Row ids to look up (both layers together).")] = 839040,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the token sequences.")] = 0,
     timeout_ms: Annotated[int, typer.Option("--timeout-ms", help="Per-request timeout before local fallback.")] = 1000,
     required: Annotated[bool, typer.Option("--required", help="Fail instead of falling back to local rows.")] = False,
-    token_map: Annotated[Path | None, typer.Option("--token-map", help="Token map (default: the lab tokenizer's, if it fits).")] = None,
+    token_map: Annotated[
+        Path | None, typer.Option("--token-map", help="Token map (default: the lab tokenizer's, if it fits).")
+    ] = None,
 ) -> None:
     """Compare remote rows with local rows over hashed token sequences; prints JSON.
 
@@ -109,14 +132,26 @@ def sweep(
     if not 0 <= seed < (1 << 63):
         raise Dsv41Error(f"--seed must be in [0, 2^63), got {seed}")
     m = load_manifest(manifest)
-    report = run_sweep(m, data, remote, tp, rank, lookups=lookups, seed=seed, timeout_ms=timeout_ms,
-                       required=required, token_map=str(token_map) if token_map else None)
+    report = run_sweep(
+        m,
+        data,
+        remote,
+        tp,
+        rank,
+        lookups=lookups,
+        seed=seed,
+        timeout_ms=timeout_ms,
+        required=required,
+        token_map=str(token_map) if token_map else None,
+    )
     print(fileio.dumps_json(report, nonfinite="null"))
     if report["bad_rows"]:
         raise Dsv41Error(f"sweep found {report['bad_rows']} bad rows")
     if report["remote_rows"] == 0:
-        raise Dsv41Error(f"sweep compared no remote rows: all {report['lookups']} lookups fell back to local "
-                         f"({report['fallbacks']} fallbacks); is {remote} up?")
+        raise Dsv41Error(
+            f"sweep compared no remote rows: all {report['lookups']} lookups fell back to local "
+            f"({report['fallbacks']} fallbacks); is {remote} up?"
+        )
 
 
 def register(app: typer.Typer) -> None:

@@ -20,8 +20,16 @@ from dsv41.envs import ConfigError as EnvConfigError, Settings
 from dsv41.errors import ConfigError, Dsv41Error
 
 #: Counter keys every RowSource reports.
-COUNTER_KEYS = ("lookups", "rows", "fallbacks", "transport_errors", "refusals", "reconnects",
-                "latency_sum_s", "latency_count")
+COUNTER_KEYS = (
+    "lookups",
+    "rows",
+    "fallbacks",
+    "transport_errors",
+    "refusals",
+    "reconnects",
+    "latency_sum_s",
+    "latency_count",
+)
 SCHEMES = ("tcp", "nixl")
 DEFAULT_TIMEOUT_MS = 100
 
@@ -50,8 +58,9 @@ class RowSource(Protocol):
         remote source, ``RemoteUnavailable`` when it may not fall back).
         """
 
-    def lookup_layers(self, layer_ids: Sequence[int], rows: Sequence[np.ndarray],
-                      outs: Sequence[np.ndarray | None] | None = None) -> list[np.ndarray]:
+    def lookup_layers(
+        self, layer_ids: Sequence[int], rows: Sequence[np.ndarray], outs: Sequence[np.ndarray | None] | None = None
+    ) -> list[np.ndarray]:
         """Rows of several layers (e.g. both Engram layers of a step): one ``uint8[N_i, 264]``
         array per layer, as :meth:`lookup` of ``(layer_ids[i], rows[i], outs[i])``.
 
@@ -179,8 +188,9 @@ def remote_config(settings: Settings, tp: int) -> tuple[list[RemoteURL], int, bo
         return None
     parts = [p for p in (x.strip() for x in value.split(",")) if p]
     if len(parts) != tp:
-        raise EnvConfigError("DSV41_ENGRAM_REMOTE",
-                             f"DSV41_ENGRAM_REMOTE names {len(parts)} URL(s) but tp is {tp}: one URL per rank")
+        raise EnvConfigError(
+            "DSV41_ENGRAM_REMOTE", f"DSV41_ENGRAM_REMOTE names {len(parts)} URL(s) but tp is {tp}: one URL per rank"
+        )
     try:
         urls = [parse_remote_url(p) for p in parts]
     except ConfigError as exc:

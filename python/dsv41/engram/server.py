@@ -68,8 +68,14 @@ def _open(path: Path, direct: bool) -> tuple[int, bool]:
     return open_table_file(path, direct)
 
 
-def load_region(path: str | os.PathLike, offset: int, length: int, direct: bool = True,
-                progress: LoadProgress | None = None, chunk: int = READ_CHUNK) -> RegionLoad:
+def load_region(
+    path: str | os.PathLike,
+    offset: int,
+    length: int,
+    direct: bool = True,
+    progress: LoadProgress | None = None,
+    chunk: int = READ_CHUNK,
+) -> RegionLoad:
     """Read ``length`` bytes at ``offset`` of ``path`` into a fresh anonymous mmap, hashing
     (sha256) overlapped with reading.
 
@@ -159,8 +165,9 @@ def load_region(path: str | os.PathLike, offset: int, length: int, direct: bool 
     return RegionLoad(buf, view, h.hexdigest(), is_direct, time.perf_counter() - t0)
 
 
-def load_tables(manifest, data_dir: str | os.PathLike, direct: bool = True,
-                progress: LoadProgress | None = None) -> tuple[list[RowTable], dict]:
+def load_tables(
+    manifest, data_dir: str | os.PathLike, direct: bool = True, progress: LoadProgress | None = None
+) -> tuple[list[RowTable], dict]:
     """Load and verify every table of ``manifest`` (a ``Manifest``) from ``data_dir``.
 
     All regions load in parallel; each region's sha256 must equal the manifest's
@@ -219,8 +226,13 @@ def load_tables(manifest, data_dir: str | os.PathLike, direct: bool = True,
             )
         )
         report["tables"].append(
-            {"layer_id": t.layer_id, "rows": t.rows, "bytes": t.rows * P.ROW_BYTES,
-             "seconds": max(w.seconds, s.seconds), "direct": w.direct and s.direct}
+            {
+                "layer_id": t.layer_id,
+                "rows": t.rows,
+                "bytes": t.rows * P.ROW_BYTES,
+                "seconds": max(w.seconds, s.seconds),
+                "direct": w.direct and s.direct,
+            }
         )
     # the mmaps stay alive through the numpy views' base objects
     return tables, report
@@ -241,21 +253,25 @@ class _Collector:
             done, total = es.progress.done, es.progress.total
         yield GaugeMetricFamily("dsv41_engram_load_bytes", "Table bytes loaded into RAM so far", value=done)
         yield GaugeMetricFamily("dsv41_engram_load_total_bytes", "Table bytes to load", value=total)
-        yield GaugeMetricFamily("dsv41_engram_ready", "1 once loaded, verified and listening",
-                                value=1 if es.ready.is_set() else 0)
+        yield GaugeMetricFamily(
+            "dsv41_engram_ready", "1 once loaded, verified and listening", value=1 if es.ready.is_set() else 0
+        )
         srv = es.rowserver
         snap = srv.snapshot() if srv is not None else None
-        yield CounterMetricFamily("dsv41_engram_requests", "Lookup requests served",
-                                  value=snap["requests"] if snap else 0)
+        yield CounterMetricFamily(
+            "dsv41_engram_requests", "Lookup requests served", value=snap["requests"] if snap else 0
+        )
         yield CounterMetricFamily("dsv41_engram_rows_served", "Rows served", value=snap["rows"] if snap else 0)
         c = CounterMetricFamily("dsv41_engram_refusals", "Requests refused, by reason", labels=["reason"])
         for reason, n in sorted((snap or {}).get("refusals", {}).items()):
             c.add_metric([reason], n)
         yield c
-        yield CounterMetricFamily("dsv41_engram_nixl_handshakes", "NIXL handshakes answered",
-                                  value=snap["nixl_handshakes"] if snap else 0)
-        yield GaugeMetricFamily("dsv41_engram_connections", "Open client connections",
-                                value=snap["connections"] if snap else 0)
+        yield CounterMetricFamily(
+            "dsv41_engram_nixl_handshakes", "NIXL handshakes answered", value=snap["nixl_handshakes"] if snap else 0
+        )
+        yield GaugeMetricFamily(
+            "dsv41_engram_connections", "Open client connections", value=snap["connections"] if snap else 0
+        )
         h = HistogramMetricFamily("dsv41_engram_request_seconds", "Server-side lookup handling time")
         counts = snap["latency_buckets"] if snap else [0] * (len(LATENCY_BUCKETS) + 1)
         acc, buckets = 0, []
@@ -288,8 +304,9 @@ class EngramServer:
     manifest.
     """
 
-    def __init__(self, manifest, data_dir: str | os.PathLike, listens: list[str],
-                 metrics: str | None = None, direct: bool = True) -> None:
+    def __init__(
+        self, manifest, data_dir: str | os.PathLike, listens: list[str], metrics: str | None = None, direct: bool = True
+    ) -> None:
         if not listens:
             raise Dsv41Error("serve needs at least one --listen tcp://HOST:PORT or nixl://HOST:PORT")
         self.endpoints: list[Endpoint] = [parse_url(u) for u in listens]
@@ -336,11 +353,17 @@ class EngramServer:
                     body, ctype, code = generate_latest(registry), CONTENT_TYPE_LATEST, 200
                 elif path == "/ready":
                     reason = es.not_ready_reason()
-                    body, ctype, code = (b"ready\n" if reason is None else f"{reason}\n".encode()), "text/plain", \
-                        200 if reason is None else 503
+                    body, ctype, code = (
+                        (b"ready\n" if reason is None else f"{reason}\n".encode()),
+                        "text/plain",
+                        200 if reason is None else 503,
+                    )
                 else:
-                    body, ctype, code = http_error_body(404, f"GET {path}: not found (only /metrics and /ready)"), \
-                        "application/json", 404
+                    body, ctype, code = (
+                        http_error_body(404, f"GET {path}: not found (only /metrics and /ready)"),
+                        "application/json",
+                        404,
+                    )
                 self.send_response(code)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
@@ -353,8 +376,9 @@ class EngramServer:
         host, port = self.metrics_addr
         limits = envs.parse()
         try:
-            self._http = BoundedHTTPServer((host, port), bounded_handler(Handler), limits.http_header_timeout_s,
-                                           limits.metrics_max_connections)
+            self._http = BoundedHTTPServer(
+                (host, port), bounded_handler(Handler), limits.http_header_timeout_s, limits.metrics_max_connections
+            )
         except OSError as exc:
             raise Dsv41Error(f"cannot listen for metrics on {host}:{port}: {exc.strerror or exc}") from None
         self.metrics_bound = self._http.server_address[:2]

@@ -35,8 +35,18 @@ from dsv41 import fileio
 from dsv41.errors import Dsv41Error, VerificationError
 
 __all__ = [
-    "DTYPE_BITS", "MAX_HEADER_BYTES", "PAGE", "RowRangeError", "VerificationError", "check_row_ids",
-    "read_safetensors_header", "scale_name", "shard_names", "table_regions", "validate_header", "weight_name",
+    "DTYPE_BITS",
+    "MAX_HEADER_BYTES",
+    "PAGE",
+    "RowRangeError",
+    "VerificationError",
+    "check_row_ids",
+    "read_safetensors_header",
+    "scale_name",
+    "shard_names",
+    "table_regions",
+    "validate_header",
+    "weight_name",
 ]
 
 PAGE = 4096
@@ -44,9 +54,26 @@ PAGE = 4096
 MAX_HEADER_BYTES = 100_000_000
 #: Bits per element of every safetensors dtype (safetensors ``Dtype::bitsize``).
 DTYPE_BITS = {
-    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
-    "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
-    "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+    "BOOL": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
 }
 
 
@@ -91,8 +118,11 @@ def shard_names(n_layers: int) -> list[str]:
 
 def _uints(v: Any, n: int | None = None) -> bool:
     """Whether ``v`` is a list of non-negative ints (bools excluded), of length ``n`` if given."""
-    return (isinstance(v, list) and (n is None or len(v) == n)
-            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v))
+    return (
+        isinstance(v, list)
+        and (n is None or len(v) == n)
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+    )
 
 
 def _check_tensors(p: Path, header: dict[str, Any], data_bytes: int) -> None:
@@ -120,19 +150,25 @@ def _check_tensors(p: Path, header: dict[str, Any], data_bytes: int) -> None:
         if begin != end or stop < begin:
             raise VerificationError(
                 f"{p}: tensor {name}: data_offsets must be contiguous and non-overlapping from 0, got "
-                f"[{begin}, {stop}] where the previous tensor ends at {end}")
+                f"[{begin}, {stop}] where the previous tensor ends at {end}"
+            )
         bits = math.prod(shape) * DTYPE_BITS[dtype]
         if bits % 8 or bits // 8 != stop - begin:
             raise VerificationError(
                 f"{p}: tensor {name}: {dtype} {shape} is {bits / 8:g} bytes, data_offsets [{begin}, {stop}] "
-                f"hold {stop - begin}")
+                f"hold {stop - begin}"
+            )
         end = stop
     if end < data_bytes:
-        raise VerificationError(f"{p}: unindexed tail: the tensors cover data bytes [0, {end}) but the file "
-                                f"holds {data_bytes} after the header")
+        raise VerificationError(
+            f"{p}: unindexed tail: the tensors cover data bytes [0, {end}) but the file "
+            f"holds {data_bytes} after the header"
+        )
     if end > data_bytes:
-        raise VerificationError(f"{p}: truncated: the tensors cover data bytes [0, {end}) but the file holds "
-                                f"only {data_bytes} after the header")
+        raise VerificationError(
+            f"{p}: truncated: the tensors cover data bytes [0, {end}) but the file holds "
+            f"only {data_bytes} after the header"
+        )
 
 
 def _reference_loader_accepts(p: Path) -> None:
@@ -166,8 +202,10 @@ def read_safetensors_header(path: str | os.PathLike, *, validate: bool = True) -
             if n > MAX_HEADER_BYTES:
                 raise VerificationError(f"{p}: safetensors header length {n} exceeds {MAX_HEADER_BYTES}")
             if 8 + n > st.st_size:
-                raise VerificationError(f"{p}: header truncated: safetensors header length {n} runs past "
-                                        f"the end of the {st.st_size}-byte file")
+                raise VerificationError(
+                    f"{p}: header truncated: safetensors header length {n} runs past "
+                    f"the end of the {st.st_size}-byte file"
+                )
             raw = f.read(n)
     except FileNotFoundError:
         raise VerificationError(f"{p}: file does not exist") from None

@@ -16,8 +16,14 @@ from dsv41.envs import Settings
 from dsv41.errors import ConfigError
 
 
-def from_env(manifest: Any, data_dir: str | os.PathLike | None, rank: int, tp: int,
-             settings: Settings | None = None, threads: int = 16) -> RowSource:
+def from_env(
+    manifest: Any,
+    data_dir: str | os.PathLike | None,
+    rank: int,
+    tp: int,
+    settings: Settings | None = None,
+    threads: int = 16,
+) -> RowSource:
     """Build the engine's RowSource from ``settings`` (default: ``envs.parse()`` of the
     environment).
 
@@ -53,10 +59,18 @@ def from_env(manifest: Any, data_dir: str | os.PathLike | None, rank: int, tp: i
             raise ConfigError("DSV41_ENGRAM_REMOTE is set but dsv41.engram.client is not installed") from None
         raise
     reader = LocalRowReader(m, Path(data_dir), threads=threads) if data_dir is not None else None
-    return client.RemoteRowSource([str(u) for u in urls], m, rank, tp, timeout_ms, required, local=reader,
-                                  deadline_ms=settings.engram_lookup_deadline_ms,
-                                  fault_delay_ms=settings.engram_fault_delay_ms,
-                                  spin_us=settings.transport_client_spin_us)
+    return client.RemoteRowSource(
+        [str(u) for u in urls],
+        m,
+        rank,
+        tp,
+        timeout_ms,
+        required,
+        local=reader,
+        deadline_ms=settings.engram_lookup_deadline_ms,
+        fault_delay_ms=settings.engram_fault_delay_ms,
+        spin_us=settings.transport_client_spin_us,
+    )
 
 
 def verify_local(source: RowSource) -> bool:

@@ -82,9 +82,20 @@ def token_source(layout: Any, token_map_path: str | None):
     return tm, gen, "zipf ids through an identity map over the compressed vocabulary"
 
 
-def run_sweep(manifest: Any, data_dir: str | Path | None, remote: str, tp: int, rank: int,
-              lookups: int = 839040, seed: int = 0, timeout_ms: int = 1000, required: bool = False,
-              token_map: str | None = None, max_prefill_tokens: int = 1024, decode_steps: int = 32) -> dict:
+def run_sweep(
+    manifest: Any,
+    data_dir: str | Path | None,
+    remote: str,
+    tp: int,
+    rank: int,
+    lookups: int = 839040,
+    seed: int = 0,
+    timeout_ms: int = 1000,
+    required: bool = False,
+    token_map: str | None = None,
+    max_prefill_tokens: int = 1024,
+    decode_steps: int = 32,
+) -> dict:
     """Run the sweep; returns the JSON-able report (``bad_rows`` must be 0; ``per_layer``:
     ``{"<layer id>": {"lookups", "bad_rows"}}``).
 
@@ -108,7 +119,9 @@ def run_sweep(manifest: Any, data_dir: str | Path | None, remote: str, tp: int, 
     layout = layout_from_manifest(m)
     c0, c1 = layout.columns_for_rank(tp, rank)
     if c0 == c1:  # e.g. tp 16: part 2, ranks 12..15 own no column; nothing to compare
-        raise Dsv41Error(f"rank {rank} owns no Engram columns at tp {tp} (columns per rank: {-(-layout.n_columns // tp)})")
+        raise Dsv41Error(
+            f"rank {rank} owns no Engram columns at tp {tp} (columns per rank: {-(-layout.n_columns // tp)})"
+        )
     if not 0 <= seed < (1 << 63):
         raise Dsv41Error(f"seed must be in [0, 2^63), got {seed}")
     tm, gen, desc = token_source(layout, token_map)

@@ -52,7 +52,9 @@ def _block_scale(seed: int, layer_id: int, blk: int, n: int, sb: int) -> np.ndar
     return s
 
 
-def synthetic_rows(seed: int, layer_id: int, total_rows: int, rows: np.ndarray, wb: int = 256, sb: int = 8) -> np.ndarray:
+def synthetic_rows(
+    seed: int, layer_id: int, total_rows: int, rows: np.ndarray, wb: int = 256, sb: int = 8
+) -> np.ndarray:
     """Expected packed rows ``uint8[N, wb+sb]`` of a table written by :func:`write_synthetic_tables`
     (for tests and exactness checks without reading the files).  RowRangeError if out of range."""
     rows = np.asarray(rows, dtype=np.int64)
@@ -118,7 +120,12 @@ class HashingWriter:
         if self.chunk_fill:
             self.chunks.append(self.chunk_sha.hexdigest())
         self.f.close()
-        return {"size": self.size, "sha256": self.file_sha.hexdigest(), "chunk_size": self.chunk_size, "chunks": self.chunks}
+        return {
+            "size": self.size,
+            "sha256": self.file_sha.hexdigest(),
+            "chunk_size": self.chunk_size,
+            "chunks": self.chunks,
+        }
 
 
 def table_header_bytes(layer_id: int, rows: int, wb: int, sb: int, weight_start: int, meta: dict[str, str]) -> bytes:
@@ -137,8 +144,16 @@ def table_header_bytes(layer_id: int, rows: int, wb: int, sb: int, weight_start:
     return struct.pack("<Q", n) + js + b" " * (n - len(js))
 
 
-def write_table_shard(path: Path, layer_id: int, rows: int, seed: int, weight_start: int,
-                      wb: int = 256, sb: int = 8, chunk_size: int = 32 << 20) -> dict[str, Any]:
+def write_table_shard(
+    path: Path,
+    layer_id: int,
+    rows: int,
+    seed: int,
+    weight_start: int,
+    wb: int = 256,
+    sb: int = 8,
+    chunk_size: int = 32 << 20,
+) -> dict[str, Any]:
     """Stream one synthetic shard to ``path`` (memory: one block of rows at a time).
 
     Returns the file record (size, sha256, chunk_size, chunks) plus ``regions``
@@ -146,8 +161,9 @@ def write_table_shard(path: Path, layer_id: int, rows: int, seed: int, weight_st
     """
     w = HashingWriter(path, chunk_size)
     try:
-        head = table_header_bytes(layer_id, rows, wb, sb, weight_start,
-                                  {"format": "pt", "dsv41": SYNTH_MARK, "seed": str(seed)})
+        head = table_header_bytes(
+            layer_id, rows, wb, sb, weight_start, {"format": "pt", "dsv41": SYNTH_MARK, "seed": str(seed)}
+        )
         w.write(head)
         nblk = -(-rows // SYNTH_BLOCK_ROWS)
         w.begin_region("weight")
@@ -203,13 +219,22 @@ def _check_replaceable(out: Path, names: list[str]) -> None:
         for f in files:
             fp = out / str(f.get("name", "")) if isinstance(f, dict) else None
             if fp is not None and fp.is_file() and not _is_synthetic_shard(fp):
-                raise Dsv41Error(f"{mp} describes {fp.name}, which is not a make-tables shard: refusing to "
-                                 "replace the manifest (use --force)")
+                raise Dsv41Error(
+                    f"{mp} describes {fp.name}, which is not a make-tables shard: refusing to "
+                    "replace the manifest (use --force)"
+                )
 
 
-def write_synthetic_tables(cfg: Any, out_dir: str | os.PathLike, seed: int = 0, *,
-                           revision: str | None = None, chunk_size: int = 32 << 20,
-                           rows_override: list[int] | None = None, force: bool = False) -> Path:
+def write_synthetic_tables(
+    cfg: Any,
+    out_dir: str | os.PathLike,
+    seed: int = 0,
+    *,
+    revision: str | None = None,
+    chunk_size: int = 32 << 20,
+    rows_override: list[int] | None = None,
+    force: bool = False,
+) -> Path:
     """Write one synthetic shard per Engram layer plus ``manifest.json`` into ``out_dir``.
 
     ``cfg``: config path/mapping or an :class:`EngramLayout`.  Deterministic from ``seed``
@@ -264,15 +289,34 @@ def write_synthetic_tables(cfg: Any, out_dir: str | os.PathLike, seed: int = 0, 
     try:
         for li, layer in enumerate(layout.layer_ids):
             try:
-                rec = write_table_shard(tmps[li], layer, rows_of[li], seed, SYNTH_WEIGHT_START + 8 * li,
-                                        layout.weight_bytes, layout.scale_bytes, chunk_size)
+                rec = write_table_shard(
+                    tmps[li],
+                    layer,
+                    rows_of[li],
+                    seed,
+                    SYNTH_WEIGHT_START + 8 * li,
+                    layout.weight_bytes,
+                    layout.scale_bytes,
+                    chunk_size,
+                )
             except OSError as exc:
                 raise Dsv41Error(f"cannot write {out / names[li]}: {exc.strerror or exc}") from None
             files.append({"name": names[li], **{k: rec[k] for k in ("size", "sha256", "chunk_size", "chunks")}})
-            tables.append(mf.make_table_entry(layout, li, names[li], rows_of[li], rec["weight_offset"],
-                                              rec["scale_offset"], rec["regions"]["weight"], rec["regions"]["scale"]))
-        man = mf.Manifest(revision=revision or f"synthetic-seed{seed}", layout=mf.layout_params(layout),
-                          files=files, tables=tables)
+            tables.append(
+                mf.make_table_entry(
+                    layout,
+                    li,
+                    names[li],
+                    rows_of[li],
+                    rec["weight_offset"],
+                    rec["scale_offset"],
+                    rec["regions"]["weight"],
+                    rec["regions"]["scale"],
+                )
+            )
+        man = mf.Manifest(
+            revision=revision or f"synthetic-seed{seed}", layout=mf.layout_params(layout), files=files, tables=tables
+        )
         mf.manifest_from_dict(man.to_dict(), "new manifest")  # schema self-check before replacing anything
         path = out / "manifest.json"
         try:

@@ -51,25 +51,41 @@ def hf_checkpoint_identity_cmd(
 @app.command("serve")
 def serve_cmd(
     manifest: Annotated[Path, typer.Option("--manifest", help="Engram manifest.json.")],
-    data: Annotated[Path | None, typer.Option("--data", help="Directory of the table shards (local reader / fallback).")] = None,
+    data: Annotated[
+        Path | None, typer.Option("--data", help="Directory of the table shards (local reader / fallback).")
+    ] = None,
     config: Annotated[Path, typer.Option("--config", help="Model config JSON.")] = DEFAULT_CONFIG,
     weights: Annotated[Path, typer.Option("--weights", help="Weights safetensors.")] = Path("weights.safetensors"),
     rank: Annotated[int, typer.Option("--rank", help="TP rank (0 = API head; start rank 1 first).")] = 0,
     tp: Annotated[int, typer.Option("--tp", help="TP size (1 or 2).")] = 1,
-    master: Annotated[str, typer.Option("--master", help="Rendezvous ADDR:PORT (rank 0 listens there).")] = "127.0.0.1:18790",
+    master: Annotated[
+        str, typer.Option("--master", help="Rendezvous ADDR:PORT (rank 0 listens there).")
+    ] = "127.0.0.1:18790",
     host: Annotated[str, typer.Option("--host", help="HTTP listen address (rank 0; rank 1 ignores it).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="HTTP port (rank 0; rank 1 ignores it).")] = 18700,
     device: Annotated[str, typer.Option("--device", help="cpu or cuda[:N].")] = "cpu",
-    kv_cache_tokens: Annotated[int, typer.Option("--kv-cache-tokens", help="KV budget in tokens over all requests.")] = 65536,
+    kv_cache_tokens: Annotated[
+        int, typer.Option("--kv-cache-tokens", help="KV budget in tokens over all requests.")
+    ] = 65536,
     max_running: Annotated[int, typer.Option("--max-running", help="Running-set bound (requests).")] = 8,
-    max_step_tokens: Annotated[int, typer.Option("--max-step-tokens", help="New tokens per step (prefill chunk budget).")] = 512,
+    max_step_tokens: Annotated[
+        int, typer.Option("--max-step-tokens", help="New tokens per step (prefill chunk budget).")
+    ] = 512,
     served_model_name: Annotated[str, typer.Option("--served-model-name", help="Model id in the API.")] = "dsv41-lab",
-    rendezvous_timeout: Annotated[float, typer.Option("--rendezvous-timeout", help="Seconds to wait for the other rank.")] = 600.0,
+    rendezvous_timeout: Annotated[
+        float, typer.Option("--rendezvous-timeout", help="Seconds to wait for the other rank.")
+    ] = 600.0,
     threads: Annotated[int, typer.Option("--threads", help="torch CPU threads per rank.")] = 1,
-    api_key: Annotated[str | None, typer.Option(
-        "--api-key", envvar="VLLM_API_KEY", show_default=False,
-        help="vLLM's convention: /v1 requests need 'Authorization: Bearer KEY' (rank 0). Prefer VLLM_API_KEY "
-             "in a mode-0600 env file: a command line is visible to every local user.")] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            envvar="VLLM_API_KEY",
+            show_default=False,
+            help="vLLM's convention: /v1 requests need 'Authorization: Bearer KEY' (rank 0). Prefer VLLM_API_KEY "
+            "in a mode-0600 env file: a command line is visible to every local user.",
+        ),
+    ] = None,
 ) -> None:
     """Serve the lab model: rank 0 answers HTTP, rank 1 is a headless worker (start it first)."""
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d rendezvous retries are expected noise
@@ -111,8 +127,9 @@ def serve_cmd(
 
         # Not joined yet: everything slow (the model, rank 0's speculator and server) is built
         # first, so that once the group forms no rank waits on the other past the peer timeout.
-        comm = DistComm(rank, tp, master, device, timeout_s=rendezvous_timeout,
-                        peer_timeout_s=deadlines.tp_peer_timeout_s)
+        comm = DistComm(
+            rank, tp, master, device, timeout_s=rendezvous_timeout, peer_timeout_s=deadlines.tp_peer_timeout_s
+        )
     else:
         from dsv41.engine.tp import LocalComm
 
@@ -130,8 +147,24 @@ def serve_cmd(
             logging.getLogger("dsv41.engine").info("rank %d ready (identity %s)", rank, identity[:12])
             worker_loop(model, comm, rows, lambda: drain["flag"])
             return
-        _serve_rank0(settings, cfg, model, comm, rows, identity, device, host, port, kv_cache_tokens,
-                     max_running, max_step_tokens, served_model_name, deadlines, access, api_key or None)
+        _serve_rank0(
+            settings,
+            cfg,
+            model,
+            comm,
+            rows,
+            identity,
+            device,
+            host,
+            port,
+            kv_cache_tokens,
+            max_running,
+            max_step_tokens,
+            served_model_name,
+            deadlines,
+            access,
+            api_key or None,
+        )
     finally:
         try:
             rows.close()
@@ -143,8 +176,7 @@ def serve_cmd(
 def _join(comm) -> None:
     """Join the TP group now (TP1's ``LocalComm`` has nothing to join)."""
     if hasattr(comm, "join"):
-        logging.getLogger("dsv41.engine").info("rank %d joining the TP%d group at %s", comm.rank, comm.tp,
-                                               comm.master)
+        logging.getLogger("dsv41.engine").info("rank %d joining the TP%d group at %s", comm.rank, comm.tp, comm.master)
         comm.join()
 
 
@@ -152,11 +184,28 @@ def _join(comm) -> None:
 FATAL_LINGER_S = 1.0
 
 
-def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, host, port, kv_cache_tokens,
-                 max_running, max_step_tokens, name, deadlines, access=(None, ()), api_key=None) -> None:
+def _serve_rank0(
+    settings: Settings,
+    cfg,
+    model,
+    comm,
+    rows,
+    identity,
+    device,
+    host,
+    port,
+    kv_cache_tokens,
+    max_running,
+    max_step_tokens,
+    name,
+    deadlines,
+    access=(None, ()),
+    api_key=None,
+) -> None:
     if access[0] is None:  # said when the API starts, after the arguments were checked
         logging.getLogger("dsv41.engine").warning(
-            "DSV41_OPERATOR_CREDENTIAL_FILE is not set: /pause and /resume refuse every request")
+            "DSV41_OPERATOR_CREDENTIAL_FILE is not set: /pause and /resume refuse every request"
+        )
     import asyncio
 
     import uvicorn
@@ -173,21 +222,34 @@ def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, h
     depth = settings.drafter_k if spec is not None else 0
     extra = kv_budget_extra_tokens(settings)
     if extra:
-        log.info("KV budget +%d tokens freed by the remote drafter (capacity mode): %d in all", extra,
-                 kv_cache_tokens + extra)
+        log.info(
+            "KV budget +%d tokens freed by the remote drafter (capacity mode): %d in all",
+            extra,
+            kv_cache_tokens + extra,
+        )
         kv_cache_tokens += extra
     sched = Scheduler(kv_cache_tokens, cfg.max_position_embeddings, max_running, max_step_tokens, depth)
     holder: dict = {}
-    metrics = EngineMetrics(name, lambda: dict(holder["engine"].rank_counters),
-                            spec.counters if spec is not None else None)
+    metrics = EngineMetrics(
+        name, lambda: dict(holder["engine"].rank_counters), spec.counters if spec is not None else None
+    )
     metrics.kv_tokens.set(kv_cache_tokens)
     metrics.kv_extra_tokens.set(extra)
     engine = Engine(model, sched, comm, rows, spec, depth, metrics, deadlines=deadlines)
     holder["engine"] = engine
     state = ServerState(settings.admission_hold_file or None)
-    app = create_app(engine, name, min(cfg.max_position_embeddings, kv_cache_tokens), state, metrics,
-                     request_limit(settings), operator_credential=access[0], api_key=api_key,
-                     allowed_hosts=access[1])
+    app = create_app(
+        engine,
+        name,
+        min(cfg.max_position_embeddings, kv_cache_tokens),
+        state,
+        metrics,
+        request_limit(settings),
+        operator_credential=access[0],
+        api_key=api_key,
+        allowed_hosts=access[1],
+    )
+
     class _Server(uvicorn.Server):
         # uvicorn re-raises a captured SIGTERM after its graceful shutdown, which would kill the
         # process before the engine tells rank 1 to stop; handle it as "drain, then exit 0".
@@ -202,9 +264,18 @@ def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, h
     drain_s = settings.engine_drain_timeout_s
     # The shutdown drain (server_state.shutdown_drain) bounds the requests; uvicorn's graceful shutdown
     # is the backstop for connections that outlive it (a handler that ignores its abort).
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                    timeout_graceful_shutdown=int(drain_s + ABORT_SETTLE_S) + 1, lifespan="off",
-                                    **uvicorn_limits(settings)))
+    server = _Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=int(drain_s + ABORT_SETTLE_S) + 1,
+            lifespan="off",
+            **uvicorn_limits(settings),
+        )
+    )
 
     async def watch():
         # Drain triggers besides our own SIGTERM: rank 1 draining, the engine failing. A failed
@@ -226,8 +297,15 @@ def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, h
 
     async def main():
         t = asyncio.create_task(watch())
-        log.info("rank 0 serving %s on http://%s:%d (tp %d, identity %s, speculation %s)", name, host, port,
-                 comm.tp, identity[:12], f"k={depth}" if spec is not None else "off")
+        log.info(
+            "rank 0 serving %s on http://%s:%d (tp %d, identity %s, speculation %s)",
+            name,
+            host,
+            port,
+            comm.tp,
+            identity[:12],
+            f"k={depth}" if spec is not None else "off",
+        )
         try:
             await server.serve()
         finally:
@@ -240,8 +318,9 @@ def _serve_rank0(settings: Settings, cfg, model, comm, rows, identity, device, h
         asyncio.run(main())
     except SystemExit as exc:
         # uvicorn calls sys.exit() when it cannot bind (bad --host, port in use): one clear line.
-        raise Dsv41Error(f"could not listen on {host}:{port} (bad address or port in use; uvicorn exit "
-                         f"{exc.code})") from None
+        raise Dsv41Error(
+            f"could not listen on {host}:{port} (bad address or port in use; uvicorn exit {exc.code})"
+        ) from None
     finally:
         state.draining = True
         engine.shutdown()

@@ -51,9 +51,13 @@ def check_env(values: dict[str, str], tp: int | None = None) -> envs.Settings:
 @app.command("check")
 def check_cmd(
     file: Annotated[Path, typer.Argument(help="Env file (KEY=VALUE lines, # comments).")],
-    tp: Annotated[int | None, typer.Option("--tp", min=1, max=64,
-                                              help="Also check DSV41_ENGRAM_REMOTE holds one URL per rank of TP N.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="JSON output: the variables set and their parsed values.")] = False,
+    tp: Annotated[
+        int | None,
+        typer.Option("--tp", min=1, max=64, help="Also check DSV41_ENGRAM_REMOTE holds one URL per rank of TP N."),
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="JSON output: the variables set and their parsed values.")
+    ] = False,
 ) -> None:
     """Validate an env file: exit 0 when the engine would accept it, else one line and exit 1."""
     values = read_env_file(file)
@@ -64,8 +68,17 @@ def check_cmd(
     parsed = asdict(settings)
     mine = {name: parsed[v.field] for name, v in envs.ENV_VARS.items() if name in values}
     if as_json:
-        print(fileio.dumps_json({"file": str(file), "ok": True, "variables": mine,
-                          "other": sorted(k for k in values if k not in envs.ENV_VARS)}, sort_keys=True))
+        print(
+            fileio.dumps_json(
+                {
+                    "file": str(file),
+                    "ok": True,
+                    "variables": mine,
+                    "other": sorted(k for k in values if k not in envs.ENV_VARS),
+                },
+                sort_keys=True,
+            )
+        )
     else:
         print(f"{file}: ok ({len(mine)} dsv41 variable(s), {len(values) - len(mine)} other)")
 
@@ -74,8 +87,13 @@ def check_cmd(
 def unit_cmd(
     file: Annotated[Path, typer.Argument(help="Rendered systemd unit (Ansible's validate passes it as %s).")],
     name: Annotated[str, typer.Option("--name", help="The unit's name on the host, NAME.service.")],
-    root: Annotated[Path | None, typer.Option(
-        "--root", help="Verify against this filesystem root (its executables and system units) instead of this host.")] = None,
+    root: Annotated[
+        Path | None,
+        typer.Option(
+            "--root",
+            help="Verify against this filesystem root (its executables and system units) instead of this host.",
+        ),
+    ] = None,
 ) -> None:
     """Verify a systemd unit with systemd-analyze: exit 0 only when it reports nothing at all."""
     from dsv41.entrypoints.unit_check import check_unit_file
@@ -91,8 +109,12 @@ def image_cmd(
     pin: Annotated[str, typer.Option("--pin", help="The pinned image: REPO@sha256:<hex> or an image ID sha256:<hex>.")],
     host: Annotated[str, typer.Option("--host", help="The host's inventory name (named in the refusal).")],
     docker: Annotated[str, typer.Option("--docker", help="The container CLI.")] = "/usr/bin/docker",
-    repository: Annotated[str, typer.Option(
-        "--repository", help="Repository whose images are named when the pin is absent (default: the pin's).")] = "",
+    repository: Annotated[
+        str,
+        typer.Option(
+            "--repository", help="Repository whose images are named when the pin is absent (default: the pin's)."
+        ),
+    ] = "",
 ) -> None:
     """Is the pinned serving image in this host's dockerd with exactly that ID/digest? Exit 0 and one
     JSON line, else one line naming the host, the pin and what was found, exit 1."""

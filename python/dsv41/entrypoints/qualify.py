@@ -42,8 +42,18 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def record(group: str, check: str, host: str, ok: bool | None, value: Any = None, expected: Any = None,
-           *, unit: str = "", reason: str = "", subject: str = "") -> dict:
+def record(
+    group: str,
+    check: str,
+    host: str,
+    ok: bool | None,
+    value: Any = None,
+    expected: Any = None,
+    *,
+    unit: str = "",
+    reason: str = "",
+    subject: str = "",
+) -> dict:
     """One check record (module docstring). ``ok``: True = pass, False = fail, None = skipped
     (``reason`` required: a skipped check always says why)."""
     if group not in GROUPS:
@@ -51,9 +61,19 @@ def record(group: str, check: str, host: str, ok: bool | None, value: Any = None
     if ok is None and not reason:
         raise ValueError(f"skipped check {group}.{check} needs a reason")
     cid = f"{group}.{check}" + (f"[{subject}]" if subject else "")
-    return {"id": cid, "group": group, "check": check, "subject": subject, "host": host,
-            "status": "pass" if ok is True else "fail" if ok is False else "skipped",
-            "value": value, "expected": expected, "unit": unit, "reason": reason, "time": _now()}
+    return {
+        "id": cid,
+        "group": group,
+        "check": check,
+        "subject": subject,
+        "host": host,
+        "status": "pass" if ok is True else "fail" if ok is False else "skipped",
+        "value": value,
+        "expected": expected,
+        "unit": unit,
+        "reason": reason,
+        "time": _now(),
+    }
 
 
 def skipped(group: str, checks: Iterable[str], host: str, reason: str, subject: str = "") -> list[dict]:
@@ -62,6 +82,7 @@ def skipped(group: str, checks: Iterable[str], host: str, reason: str, subject: 
 
 
 # --- bad input: before any step runs -------------------------------------------------------------
+
 
 def find_placeholders(doc: Any, placeholder: str = PLACEHOLDER, path: str = "") -> list[str]:
     """Dotted paths (``sparkhead.dsv41_links[0].name``) of every string in ``doc`` (nested dicts
@@ -111,6 +132,7 @@ def preflight(hosts: dict, out_dir: str | os.PathLike, placeholder: str = PLACEH
 
 # --- records of a playbook step -------------------------------------------------------------------
 
+
 def from_links(host: str, result: dict) -> list[dict]:
     """Records of one host from an ``rdma_link`` module result (its ``checks``). A result without
     checks (the module did not run: unreachable, crashed) is one failed record with its message."""
@@ -125,8 +147,17 @@ def from_links(host: str, result: dict) -> list[dict]:
         reason = c.get("reason") or ""
         if c["check"].startswith(("rdma", "roce")) and src and src not in reason:
             reason = f"{reason} (read through {src})" if reason else f"read through {src}"
-        r = record("links", c["check"], host, c["ok"], c.get("value"), c.get("expected"),
-                   unit=units.get(c["check"], ""), reason=reason, subject=c["link"])
+        r = record(
+            "links",
+            c["check"],
+            host,
+            c["ok"],
+            c.get("value"),
+            c.get("expected"),
+            unit=units.get(c["check"], ""),
+            reason=reason,
+            subject=c["link"],
+        )
         out.append(r)
     return out
 
@@ -136,7 +167,11 @@ def bandwidth_both(checks: list[dict], gbps_min: float) -> list[dict]:
     time (every Spark's ``transport.bandwidth`` starts at the same epoch second); the value also
     gives the overlap of their measurement windows (fraction of the shorter one). Fails below
     ``gbps_min`` or with windows overlapping less than half. [] without two measured links."""
-    bw = [c for c in checks if c["group"] == "transport" and c["check"] == "bandwidth" and isinstance(c.get("value"), dict)]
+    bw = [
+        c
+        for c in checks
+        if c["group"] == "transport" and c["check"] == "bandwidth" and isinstance(c.get("value"), dict)
+    ]
     if len(bw) < 2:
         return []
     total = sum(c["value"]["gbps"] for c in bw)
@@ -146,16 +181,31 @@ def bandwidth_both(checks: list[dict], gbps_min: float) -> list[dict]:
     overlap = max(0.0, end - start) / shortest
     ok = total >= gbps_min and overlap >= 0.5
     links = " + ".join(f"{c['host']}:{c['subject']}" for c in bw)
-    late = [f"{c['host']} began {c['value']['late_s']} s after the common start" for c in bw
-            if (c["value"].get("late_s") or 0) >= 0.5]
-    return [record("transport", "bandwidth_both", "localhost", ok,
-                   {"gbps": round(total, 2), "links": links, "overlap": round(min(overlap, 1.0), 2)}, f">= {gbps_min}",
-                   unit="Gb/s", subject="both links", reason="" if ok else
-                   f"both links at once: {total:.2f} Gb/s (floor {gbps_min}), windows overlapping {overlap:.0%}"
-                   + (f" ({'; '.join(late)}: its earlier checks ran past it)" if late else ""))]
+    late = [
+        f"{c['host']} began {c['value']['late_s']} s after the common start"
+        for c in bw
+        if (c["value"].get("late_s") or 0) >= 0.5
+    ]
+    return [
+        record(
+            "transport",
+            "bandwidth_both",
+            "localhost",
+            ok,
+            {"gbps": round(total, 2), "links": links, "overlap": round(min(overlap, 1.0), 2)},
+            f">= {gbps_min}",
+            unit="Gb/s",
+            subject="both links",
+            reason=""
+            if ok
+            else f"both links at once: {total:.2f} Gb/s (floor {gbps_min}), windows overlapping {overlap:.0%}"
+            + (f" ({'; '.join(late)}: its earlier checks ran past it)" if late else ""),
+        )
+    ]
 
 
 # --- the report ------------------------------------------------------------------------------------
+
 
 def records_from_step(host: str, step: dict) -> list[dict]:
     """Records of one playbook step of ``host``.
@@ -174,8 +224,10 @@ def records_from_step(host: str, step: dict) -> list[dict]:
     if step.get("kind") == "rdma_link":
         return from_links(host, res)
     if res.get("unreachable"):
-        return [record(group, n, host, False, reason=f"{host}: unreachable: {res.get('msg', '')}"[:300], subject=subject)
-                for n in names]
+        return [
+            record(group, n, host, False, reason=f"{host}: unreachable: {res.get('msg', '')}"[:300], subject=subject)
+            for n in names
+        ]
     if res.get("rc") == 0:
         try:
             recs = fileio.loads_json((res.get("stdout") or "").strip().splitlines()[-1])
@@ -187,7 +239,9 @@ def records_from_step(host: str, step: dict) -> list[dict]:
     else:
         lines = [ln for ln in (res.get("stderr") or res.get("msg") or "").splitlines() if ln.strip()]
         why = (lines[-1] if lines else f"exit {res.get('rc')}").strip()
-    return [record(group, n, host, False, reason=f"{step.get('name', group)}: {why}"[:400], subject=subject) for n in names]
+    return [
+        record(group, n, host, False, reason=f"{step.get('name', group)}: {why}"[:400], subject=subject) for n in names
+    ]
 
 
 def assemble(hosts: dict[str, Any], *, controller: list[dict] | None = None, meta: dict) -> dict:
@@ -216,8 +270,17 @@ def assemble(hosts: dict[str, Any], *, controller: list[dict] | None = None, met
         for step in raw.get("steps") or []:
             checks.extend(records_from_step(h, step))
         if not raw.get("done"):
-            checks.append(record("links", "finished", h, False, None, "every step ran",
-                                 reason=f"{h}: stopped before its last step (a task failed or the host went away)"))
+            checks.append(
+                record(
+                    "links",
+                    "finished",
+                    h,
+                    False,
+                    None,
+                    "every step ran",
+                    reason=f"{h}: stopped before its last step (a task failed or the host went away)",
+                )
+            )
     exp = meta.get("expectations") or {}
     if exp.get("bandwidth_both_gbps_min") not in (None, ""):
         checks.extend(bandwidth_both(checks, float(exp["bandwidth_both_gbps_min"])))
@@ -225,9 +288,16 @@ def assemble(hosts: dict[str, Any], *, controller: list[dict] | None = None, met
         checks.extend(records_from_step("localhost", step))
     counts = {s: sum(1 for c in checks if c["status"] == s) for s in ("pass", "fail", "skipped")}
     failed = [f"{c['id']}@{c['host']}" for c in checks if c["status"] == "fail"]
-    return {**meta, "versions": versions, "result": "FAIL" if failed or not checks else "PASS", "counts": counts,
-            "failed": failed, "reasons": [c["reason"] for c in checks if c["status"] == "fail"], "checks": checks,
-            "finished": _now()}
+    return {
+        **meta,
+        "versions": versions,
+        "result": "FAIL" if failed or not checks else "PASS",
+        "counts": counts,
+        "failed": failed,
+        "reasons": [c["reason"] for c in checks if c["status"] == "fail"],
+        "checks": checks,
+        "finished": _now(),
+    }
 
 
 def _fmt(v: Any) -> str:
@@ -244,23 +314,42 @@ def _fmt(v: Any) -> str:
 def render_summary(report: dict) -> str:
     """``summary.md``: verdict, failed checks with reasons, then one table per group."""
     c = report["counts"]
-    lines = [f"# Qualification {report.get('id', '')}: {report['result']}", "",
-             f"- inventory: `{report.get('inventory', '')}`; started {report.get('started', '')}, finished {report.get('finished', '')}",
-             f"- checks: {c['pass']} pass, {c['fail']} fail, {c['skipped']} skipped"
-             + (" (check mode: checks that change state were skipped)" if report.get("check_mode") else ""),
-             f"- versions: {_fmt(report.get('versions', {}))}", ""]
+    lines = [
+        f"# Qualification {report.get('id', '')}: {report['result']}",
+        "",
+        f"- inventory: `{report.get('inventory', '')}`; started {report.get('started', '')}, finished {report.get('finished', '')}",
+        f"- checks: {c['pass']} pass, {c['fail']} fail, {c['skipped']} skipped"
+        + (" (check mode: checks that change state were skipped)" if report.get("check_mode") else ""),
+        f"- versions: {_fmt(report.get('versions', {}))}",
+        "",
+    ]
     if report["failed"]:
-        lines += ["## Failed", ""] + [f"- `{c['id']}` on {c['host']}: {c['reason']}" for c in report["checks"]
-                                      if c["status"] == "fail"] + [""]
+        lines += (
+            ["## Failed", ""]
+            + [f"- `{c['id']}` on {c['host']}: {c['reason']}" for c in report["checks"] if c["status"] == "fail"]
+            + [""]
+        )
     for g in GROUPS:
         rows = [x for x in report["checks"] if x["group"] == g]
         if not rows:
             continue
-        lines += [f"## {g}", "", "| check | host | status | value | expected | unit | reason / note | time |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {g}",
+            "",
+            "| check | host | status | value | expected | unit | reason / note | time |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for x in rows:
-            cells = [x["id"], x["host"], x["status"].upper() if x["status"] == "fail" else x["status"], _fmt(x["value"]),
-                     _fmt(x["expected"]), x["unit"], x["reason"], x["time"]]
+            cells = [
+                x["id"],
+                x["host"],
+                x["status"].upper() if x["status"] == "fail" else x["status"],
+                _fmt(x["value"]),
+                _fmt(x["expected"]),
+                x["unit"],
+                x["reason"],
+                x["time"],
+            ]
             lines.append("| " + " | ".join(s.replace("|", "\\|") for s in cells) + " |")
         lines.append("")
     return "\n".join(lines)
@@ -272,10 +361,12 @@ def write_report(report: dict, out_dir: str | os.PathLike) -> dict:
     p = Path(out_dir)
     try:
         p.mkdir(parents=True, exist_ok=True)
-        fileio.atomic_write_json(p / "report.json", report, "the qualification report", error=QualifyError,
-                                 nonfinite="null")
-        fileio.atomic_write(p / "summary.md", render_summary(report) + "\n", "the qualification summary",
-                            error=QualifyError)
+        fileio.atomic_write_json(
+            p / "report.json", report, "the qualification report", error=QualifyError, nonfinite="null"
+        )
+        fileio.atomic_write(
+            p / "summary.md", render_summary(report) + "\n", "the qualification summary", error=QualifyError
+        )
     except OSError as exc:
         raise QualifyError(f"report directory {p} cannot be written: {exc.strerror or exc}") from None
     return {"report": str(p / "report.json"), "summary": str(p / "summary.md")}
@@ -283,5 +374,8 @@ def write_report(report: dict, out_dir: str | os.PathLike) -> dict:
 
 def failure_line(report: dict) -> str:
     """One line naming each failed check: ``qualification FAIL: links.mtu[ofl0]@sparkhead, ...``."""
-    return f"qualification {report['result']}: " + (", ".join(report["failed"]) if report["failed"] else
-                                                      f"{report['counts']['pass']} checks passed, {report['counts']['skipped']} skipped")
+    return f"qualification {report['result']}: " + (
+        ", ".join(report["failed"])
+        if report["failed"]
+        else f"{report['counts']['pass']} checks passed, {report['counts']['skipped']} skipped"
+    )

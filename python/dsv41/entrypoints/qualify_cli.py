@@ -33,7 +33,9 @@ def _emit(records: list[dict]) -> None:
 
 @app.command("preflight")
 def preflight_cmd(
-    hosts: Annotated[str, typer.Option("--hosts", help="JSON {host: {var: value}}: the inventory variables a qualification reads.")],
+    hosts: Annotated[
+        str, typer.Option("--hosts", help="JSON {host: {var: value}}: the inventory variables a qualification reads.")
+    ],
     out: Annotated[Path, typer.Option("--out", help="Report directory (created; must be writable).")],
 ) -> None:
     """Refuse before any host is touched: a CHANGE_ME left in the inventory, no hosts, a report
@@ -83,8 +85,13 @@ def transport_cmd(
     tp: Annotated[int, typer.Option("--tp")] = 2,
     iters: Annotated[int, typer.Option("--iters", help="Decode-size lookups timed.")] = 2000,
     bw_mib: Annotated[int, typer.Option("--bw-mib", help="Transfer size (MiB).")] = 64,
-    bw_seconds: Annotated[float, typer.Option("--bw-seconds", help="Least duration of the bandwidth transfers (s).")] = 2.0,
-    start_at: Annotated[float | None, typer.Option("--start-at", help="Epoch second the bandwidth transfers start (both links together).")] = None,
+    bw_seconds: Annotated[
+        float, typer.Option("--bw-seconds", help="Least duration of the bandwidth transfers (s).")
+    ] = 2.0,
+    start_at: Annotated[
+        float | None,
+        typer.Option("--start-at", help="Epoch second the bandwidth transfers start (both links together)."),
+    ] = None,
 ) -> None:
     """transport.* of this rank over its own link, on the URL its serving engine uses
     (DSV41_ENGRAM_REMOTE of the Engram env file)."""
@@ -96,13 +103,34 @@ def transport_cmd(
         raise ConfigError("--iters must be >= 10, --bw-mib >= 1 and --bw-seconds within [0, 600]")
     url = _url(env_file, rank)
     if url is None:
-        _emit(Q.skipped("transport", ("backend", "latency_p50", "latency_p99", "bandwidth", "late_reply_dropped",
-                                      "refused_identity"), host,
-                        f"remote Engram is off on rank {rank} ({env_file} has no DSV41_ENGRAM_REMOTE)", subject=link))
+        _emit(
+            Q.skipped(
+                "transport",
+                ("backend", "latency_p50", "latency_p99", "bandwidth", "late_reply_dropped", "refused_identity"),
+                host,
+                f"remote Engram is off on rank {rank} ({env_file} has no DSV41_ENGRAM_REMOTE)",
+                subject=link,
+            )
+        )
         return
-    _emit(H.probe_transport(host, link, url, str(manifest), rank, tp, backend=backend, p50_max_us=p50_max_us,
-                            p99_max_us=p99_max_us, gbps_min=gbps_min, iters=iters, bw_bytes=bw_mib << 20,
-                            bw_min_s=bw_seconds, start_at=start_at))
+    _emit(
+        H.probe_transport(
+            host,
+            link,
+            url,
+            str(manifest),
+            rank,
+            tp,
+            backend=backend,
+            p50_max_us=p50_max_us,
+            p99_max_us=p99_max_us,
+            gbps_min=gbps_min,
+            iters=iters,
+            bw_bytes=bw_mib << 20,
+            bw_min_s=bw_seconds,
+            start_at=start_at,
+        )
+    )
 
 
 @app.command("sweep")
@@ -121,8 +149,18 @@ def sweep_cmd(
         raise ConfigError(f"--lookups must be >= 1, got {lookups}")
     url = _url(env_file, rank)
     if url is None:
-        _emit([Q.record("exactness", "bad_rows", host, None, reason=f"remote Engram is off on rank {rank}",
-                        subject=f"rank {rank}")])
+        _emit(
+            [
+                Q.record(
+                    "exactness",
+                    "bad_rows",
+                    host,
+                    None,
+                    reason=f"remote Engram is off on rank {rank}",
+                    subject=f"rank {rank}",
+                )
+            ]
+        )
         return
     _emit(H.probe_sweep(host, url, str(manifest), rank, tp, lookups))
 
@@ -144,12 +182,24 @@ def serving_host_cmd(
 
     if runtime not in ("lab", "vllm"):
         raise ConfigError(f"--runtime must be lab or vllm, not {runtime!r}")
-    _emit(S.probe_serving_host(host, rank, runtime=runtime, env_file=str(env_file), required=required,
-                               pinned_max_bytes=pinned_max_bytes, image=image, container_runtime=container_runtime))
+    _emit(
+        S.probe_serving_host(
+            host,
+            rank,
+            runtime=runtime,
+            env_file=str(env_file),
+            required=required,
+            pinned_max_bytes=pinned_max_bytes,
+            image=image,
+            container_runtime=container_runtime,
+        )
+    )
 
 
-RANK_METRICS_HELP = ("JSON runtime facts (the inventory's dsv41_rank_metrics: runtime, api_url, ranks, overlay_port): "
-                     "where each rank's counters are read. Left out: rank 0's /metrics.")
+RANK_METRICS_HELP = (
+    "JSON runtime facts (the inventory's dsv41_rank_metrics: runtime, api_url, ranks, overlay_port): "
+    "where each rank's counters are read. Left out: rank 0's /metrics."
+)
 
 
 def _rank_urls(facts: str) -> dict[str, str] | None:
@@ -169,7 +219,9 @@ def serving_cmd(
     api: Annotated[str, typer.Option("--api", help="Rank 0's base URL.")],
     refs: Annotated[Path, typer.Option("--refs", help="Recorded greedy references.")],
     ranks: Annotated[str, typer.Option("--ranks", help="Ranks that must count lookups, e.g. 0,1.")] = "0,1",
-    interval: Annotated[float, typer.Option("--interval", help="Seconds of traffic between the two counter reads.")] = 10.0,
+    interval: Annotated[
+        float, typer.Option("--interval", help="Seconds of traffic between the two counter reads.")
+    ] = 10.0,
     rank_metrics: Annotated[str, typer.Option("--rank-metrics", help=RANK_METRICS_HELP)] = "",
 ) -> None:
     """serving.counters per rank over a measured interval of traffic, serving.greedy_refs 6/6."""
@@ -177,22 +229,39 @@ def serving_cmd(
 
     if not interval > 0:
         raise ConfigError(f"--interval must be > 0, got {interval}")
-    _emit(C.probe_serving(api, str(refs), host="localhost", ranks=[r.strip() for r in ranks.split(",") if r.strip()],
-                          interval_s=interval, rank_metrics=_rank_urls(rank_metrics)))
+    _emit(
+        C.probe_serving(
+            api,
+            str(refs),
+            host="localhost",
+            ranks=[r.strip() for r in ranks.split(",") if r.strip()],
+            interval_s=interval,
+            rank_metrics=_rank_urls(rank_metrics),
+        )
+    )
 
 
 @app.command("reconnect")
 def reconnect_cmd(
     api: Annotated[str, typer.Option("--api")],
     ranks: Annotated[str, typer.Option("--ranks")] = "0,1",
-    wait: Annotated[float, typer.Option("--wait", help="Seconds allowed for the ranks to serve remote rows again.")] = 30.0,
+    wait: Annotated[
+        float, typer.Option("--wait", help="Seconds allowed for the ranks to serve remote rows again.")
+    ] = 30.0,
     rank_metrics: Annotated[str, typer.Option("--rank-metrics", help=RANK_METRICS_HELP)] = "",
 ) -> None:
     """transport.reconnect per rank, right after the table server was restarted."""
     from dsv41.entrypoints import qualify_controller as C
 
-    _emit(C.probe_reconnect(api, host="localhost", ranks=[r.strip() for r in ranks.split(",") if r.strip()], wait_s=wait,
-                            rank_metrics=_rank_urls(rank_metrics)))
+    _emit(
+        C.probe_reconnect(
+            api,
+            host="localhost",
+            ranks=[r.strip() for r in ranks.split(",") if r.strip()],
+            wait_s=wait,
+            rank_metrics=_rank_urls(rank_metrics),
+        )
+    )
 
 
 @app.command("fail-closed")
@@ -209,16 +278,30 @@ def fail_closed_cmd(
 
 @app.command("drafter-identity")
 def drafter_identity_cmd(
-    worker: Annotated[str, typer.Option("--worker", help="JSON of `dsv41 drafter status --json` (left out: the "
-                                                         "worker's status could not be read).")] = "",
-    expected: Annotated[str, typer.Option("--expected", help="JSON of `dsv41 drafter identity DIR` on rank 0 (left "
-                                                             "out: rank 0's identities could not be read).")] = "",
+    worker: Annotated[
+        str,
+        typer.Option(
+            "--worker", help="JSON of `dsv41 drafter status --json` (left out: the worker's status could not be read)."
+        ),
+    ] = "",
+    expected: Annotated[
+        str,
+        typer.Option(
+            "--expected",
+            help="JSON of `dsv41 drafter identity DIR` on rank 0 (left out: rank 0's identities could not be read).",
+        ),
+    ] = "",
 ) -> None:
     """drafter.worker_identity: the worker's identities equal rank 0's drafter files."""
     from dsv41.entrypoints import qualify_controller as C
 
-    _emit(C.probe_drafter_identity(_json_arg(worker, "--worker") if worker else None,
-                                   _json_arg(expected, "--expected") if expected else None, host="localhost"))
+    _emit(
+        C.probe_drafter_identity(
+            _json_arg(worker, "--worker") if worker else None,
+            _json_arg(expected, "--expected") if expected else None,
+            host="localhost",
+        )
+    )
 
 
 @app.command("start-at")

@@ -25,8 +25,15 @@ BANDWIDTH_BYTES = 64 << 20
 
 # --- links -----------------------------------------------------------------------------------------
 
-def probe_peers(host: str, links: list[dict], count: int = 3, interval_s: float = 0.2, timeout_s: float = 1.0,
-                ping: Callable | None = None) -> list[dict]:
+
+def probe_peers(
+    host: str,
+    links: list[dict],
+    count: int = 3,
+    interval_s: float = 0.2,
+    timeout_s: float = 1.0,
+    ping: Callable | None = None,
+) -> list[dict]:
     """``links.peer_reachable[<link>]``: ICMP echo to each link's ``peer_address`` from its own
     ``address`` (icmplib, raw socket: needs root/CAP_NET_RAW). Value: average RTT in ms and
     packets received of ``count``."""
@@ -38,24 +45,47 @@ def probe_peers(host: str, links: list[dict], count: int = 3, interval_s: float 
     for link in links:
         name, peer = link["name"], link.get("peer_address")
         if not peer:
-            out.append(record("links", "peer_reachable", host, None, reason="no peer_address in the inventory",
-                              subject=name))
+            out.append(
+                record("links", "peer_reachable", host, None, reason="no peer_address in the inventory", subject=name)
+            )
             continue
         try:
-            h = ping(peer, count=count, interval=interval_s, timeout=timeout_s, source=link.get("address"),
-                     privileged=True)
+            h = ping(
+                peer, count=count, interval=interval_s, timeout=timeout_s, source=link.get("address"), privileged=True
+            )
             ok = h.packets_received > 0
-            out.append(record("links", "peer_reachable", host, ok,
-                              {"rtt_avg_ms": round(h.avg_rtt, 3), "received": h.packets_received, "sent": h.packets_sent},
-                              f"{peer} answers", reason="" if ok else f"{name}: {peer} did not answer "
-                              f"{h.packets_sent} echo requests from {link.get('address')}", subject=name))
+            out.append(
+                record(
+                    "links",
+                    "peer_reachable",
+                    host,
+                    ok,
+                    {"rtt_avg_ms": round(h.avg_rtt, 3), "received": h.packets_received, "sent": h.packets_sent},
+                    f"{peer} answers",
+                    reason=""
+                    if ok
+                    else f"{name}: {peer} did not answer {h.packets_sent} echo requests from {link.get('address')}",
+                    subject=name,
+                )
+            )
         except (ICMPLibError, OSError) as exc:
-            out.append(record("links", "peer_reachable", host, False, None, f"{peer} answers",
-                              reason=f"{name}: ping {peer}: {exc}", subject=name))
+            out.append(
+                record(
+                    "links",
+                    "peer_reachable",
+                    host,
+                    False,
+                    None,
+                    f"{peer} answers",
+                    reason=f"{name}: ping {peer}: {exc}",
+                    subject=name,
+                )
+            )
     return out
 
 
 # --- transport -------------------------------------------------------------------------------------
+
 
 def read_env_file(path: str | os.PathLike) -> dict[str, str]:
     """``KEY=VALUE`` pairs of a service's env file (:func:`dsv41.envs.parse_env_text`: comments and
@@ -83,10 +113,27 @@ def _pct(xs: list[float], q: float) -> float:
     return s[k]
 
 
-def probe_transport(host: str, link: str, url: str, manifest: str, rank: int, tp: int, *, backend: str,
-                    p50_max_us: float, p99_max_us: float, gbps_min: float, iters: int = 2000,
-                    bw_bytes: int = BANDWIDTH_BYTES, bw_repeats: int = 5, bw_min_s: float = 2.0,
-                    start_at: float | None = None, timeout_ms: int = 1000, seed: int = 0, sleep=time.sleep) -> list[dict]:
+def probe_transport(
+    host: str,
+    link: str,
+    url: str,
+    manifest: str,
+    rank: int,
+    tp: int,
+    *,
+    backend: str,
+    p50_max_us: float,
+    p99_max_us: float,
+    gbps_min: float,
+    iters: int = 2000,
+    bw_bytes: int = BANDWIDTH_BYTES,
+    bw_repeats: int = 5,
+    bw_min_s: float = 2.0,
+    start_at: float | None = None,
+    timeout_ms: int = 1000,
+    seed: int = 0,
+    sleep=time.sleep,
+) -> list[dict]:
     """Transport checks of one rank over its own link, with the project's client
     (``dsv41.engram.client.RemoteRowSource``, required mode: no local fallback can hide a failure):
 
@@ -115,9 +162,18 @@ def probe_transport(host: str, link: str, url: str, manifest: str, rank: int, tp
 
     out: list[dict] = []
     ep = parse_url(url)
-    out.append(record("transport", "backend", host, ep.scheme == backend, ep.scheme, backend,
-                      reason="" if ep.scheme == backend else f"{link}: {url} uses {ep.scheme}, production backend is {backend}",
-                      subject=link))
+    out.append(
+        record(
+            "transport",
+            "backend",
+            host,
+            ep.scheme == backend,
+            ep.scheme,
+            backend,
+            reason="" if ep.scheme == backend else f"{link}: {url} uses {ep.scheme}, production backend is {backend}",
+            subject=link,
+        )
+    )
     m = load_manifest(manifest)
     layout = layout_from_manifest(m)
     layers = list(layout.layer_ids)
@@ -129,8 +185,11 @@ def probe_transport(host: str, link: str, url: str, manifest: str, rank: int, tp
     try:
         src = RemoteRowSource([url], m, 0, 1, timeout_ms=timeout_ms, required=True, local=reader)
     except Dsv41Error as exc:
-        return out + [record("transport", n, host, False, reason=f"{link}: {url}: {exc}", subject=link) for n in names] + \
-            [record("transport", "refused_identity", host, False, reason=f"{link}: {url}: {exc}", subject=link)]
+        return (
+            out
+            + [record("transport", n, host, False, reason=f"{link}: {url}: {exc}", subject=link) for n in names]
+            + [record("transport", "refused_identity", host, False, reason=f"{link}: {url}: {exc}", subject=link)]
+        )
     try:
         if not src.wait_connected(10.0):
             raise Dsv41Error("not connected within 10 s")
@@ -143,12 +202,36 @@ def probe_transport(host: str, link: str, url: str, manifest: str, rank: int, tp
             src.lookup_layers(layers, rows)
             lat.append((time.perf_counter() - t0) * 1e6)
         p50, p99 = _pct(lat, 50), _pct(lat, 99)
-        out.append(record("transport", "latency_p50", host, p50 <= p50_max_us, round(p50, 1), f"<= {p50_max_us}",
-                          unit="us", subject=link, reason="" if p50 <= p50_max_us else
-                          f"{link}: p50 {p50:.1f} us of {iters} decode lookups ({ncol} rows x {len(layers)} layers) over {p50_max_us} us"))
-        out.append(record("transport", "latency_p99", host, p99 <= p99_max_us, round(p99, 1), f"<= {p99_max_us}",
-                          unit="us", subject=link, reason="" if p99 <= p99_max_us else
-                          f"{link}: p99 {p99:.1f} us of {iters} decode lookups over {p99_max_us} us"))
+        out.append(
+            record(
+                "transport",
+                "latency_p50",
+                host,
+                p50 <= p50_max_us,
+                round(p50, 1),
+                f"<= {p50_max_us}",
+                unit="us",
+                subject=link,
+                reason=""
+                if p50 <= p50_max_us
+                else f"{link}: p50 {p50:.1f} us of {iters} decode lookups ({ncol} rows x {len(layers)} layers) over {p50_max_us} us",
+            )
+        )
+        out.append(
+            record(
+                "transport",
+                "latency_p99",
+                host,
+                p99 <= p99_max_us,
+                round(p99, 1),
+                f"<= {p99_max_us}",
+                unit="us",
+                subject=link,
+                reason=""
+                if p99 <= p99_max_us
+                else f"{link}: p99 {p99:.1f} us of {iters} decode lookups over {p99_max_us} us",
+            )
+        )
         # bandwidth: 64 MiB of one layer's rows per transfer
         n = max(1, bw_bytes // layout.row_bytes)
         lo, hi = ranges[0]
@@ -166,11 +249,28 @@ def probe_transport(host: str, link: str, url: str, manifest: str, rank: int, tp
         t_end = time.time()
         late_s = round(max(0.0, t_start - start_at), 3) if start_at is not None else None
         gbps = n * layout.row_bytes * 8 / statistics.median(secs) / 1e9
-        out.append(record("transport", "bandwidth", host, gbps >= gbps_min,
-                          {"gbps": round(gbps, 2), "bytes": int(n * layout.row_bytes), "repeats": len(secs),
-                           "start": round(t_start, 3), "end": round(t_end, 3), "late_s": late_s}, f">= {gbps_min}", unit="Gb/s",
-                          subject=link, reason="" if gbps >= gbps_min else
-                          f"{link}: {gbps:.2f} Gb/s for {n * layout.row_bytes} B transfers, floor {gbps_min}"))
+        out.append(
+            record(
+                "transport",
+                "bandwidth",
+                host,
+                gbps >= gbps_min,
+                {
+                    "gbps": round(gbps, 2),
+                    "bytes": int(n * layout.row_bytes),
+                    "repeats": len(secs),
+                    "start": round(t_start, 3),
+                    "end": round(t_end, 3),
+                    "late_s": late_s,
+                },
+                f">= {gbps_min}",
+                unit="Gb/s",
+                subject=link,
+                reason=""
+                if gbps >= gbps_min
+                else f"{link}: {gbps:.2f} Gb/s for {n * layout.row_bytes} B transfers, floor {gbps_min}",
+            )
+        )
         # late reply: time one request out on purpose, then prove the next rows exact. tcp closes
         # the connection at a timeout (its late bytes are never read); nixl keeps the connection
         # and quarantines the staging slot the late READ may still write (nixl_backend).
@@ -197,37 +297,81 @@ def probe_transport(host: str, link: str, url: str, manifest: str, rank: int, tp
             c.close()
         bad = int(np.count_nonzero((got != reader.read(layers[0], check_ids)).any(axis=1)))
         ok = timed_out and guarded and bad == 0
-        out.append(record("transport", "late_reply_dropped", host, ok,
-                          {"timed_out": timed_out, guard: guarded, "bad_rows_after": bad, "rows_after": int(check_ids.size)},
-                          {"timed_out": True, guard: True, "bad_rows_after": 0}, subject=link,
-                          reason="" if ok else f"{link}: timed-out request: timed_out={timed_out} "
-                          f"{guard}={guarded}, {bad} bad rows after it"))
+        out.append(
+            record(
+                "transport",
+                "late_reply_dropped",
+                host,
+                ok,
+                {"timed_out": timed_out, guard: guarded, "bad_rows_after": bad, "rows_after": int(check_ids.size)},
+                {"timed_out": True, guard: True, "bad_rows_after": 0},
+                subject=link,
+                reason=""
+                if ok
+                else f"{link}: timed-out request: timed_out={timed_out} {guard}={guarded}, {bad} bad rows after it",
+            )
+        )
     except (Dsv41Error, TransportError) as exc:
         done = {r["check"] for r in out}
-        out += [record("transport", nm, host, False, reason=f"{link}: {url}: {exc}", subject=link)
-                for nm in names if nm not in done]
+        out += [
+            record("transport", nm, host, False, reason=f"{link}: {url}: {exc}", subject=link)
+            for nm in names
+            if nm not in done
+        ]
     finally:
         src.close()
     # refused identity: a table the server does not hold
     try:
         c = open_client(ep, [os.urandom(32)], timeout_s=timeout_ms / 1e3)
         c.close()
-        out.append(record("transport", "refused_identity", host, False, "accepted", "refused: wrong_identity",
-                          reason=f"{link}: {url} accepted a HELLO for a table it does not hold", subject=link))
+        out.append(
+            record(
+                "transport",
+                "refused_identity",
+                host,
+                False,
+                "accepted",
+                "refused: wrong_identity",
+                reason=f"{link}: {url} accepted a HELLO for a table it does not hold",
+                subject=link,
+            )
+        )
     except Refused as exc:
         ok = exc.status == P.ST_WRONG_IDENTITY
-        out.append(record("transport", "refused_identity", host, ok, f"refused: {exc.reason}", "refused: wrong_identity",
-                          reason="" if ok else f"{link}: refused with {exc.reason}", subject=link))
+        out.append(
+            record(
+                "transport",
+                "refused_identity",
+                host,
+                ok,
+                f"refused: {exc.reason}",
+                "refused: wrong_identity",
+                reason="" if ok else f"{link}: refused with {exc.reason}",
+                subject=link,
+            )
+        )
     except TransportError as exc:
-        out.append(record("transport", "refused_identity", host, False, None, "refused: wrong_identity",
-                          reason=f"{link}: {url}: {exc}", subject=link))
+        out.append(
+            record(
+                "transport",
+                "refused_identity",
+                host,
+                False,
+                None,
+                "refused: wrong_identity",
+                reason=f"{link}: {url}: {exc}",
+                subject=link,
+            )
+        )
     return out
 
 
 # --- exactness -------------------------------------------------------------------------------------
 
-def probe_sweep(host: str, url: str, manifest: str, rank: int, tp: int, lookups: int, timeout_ms: int = 1000,
-                seed: int = 0) -> list[dict]:
+
+def probe_sweep(
+    host: str, url: str, manifest: str, rank: int, tp: int, lookups: int, timeout_ms: int = 1000, seed: int = 0
+) -> list[dict]:
     """``exactness.bad_rows[layer L]``: ``dsv41 engram sweep`` (``dsv41.engram.sweep.run_sweep``)
     of this rank over the production URL against the local shards, required mode (a row that
     did not come from the server fails instead of falling back). 0 bad rows and 0 fallbacks per
@@ -238,21 +382,59 @@ def probe_sweep(host: str, url: str, manifest: str, rank: int, tp: int, lookups:
     try:
         m = load_manifest(manifest)
     except Dsv41Error as exc:
-        return [record("exactness", "bad_rows", host, False, None, 0, reason=f"rank {rank}: manifest {manifest}: {exc}",
-                       subject=f"rank {rank}")]
+        return [
+            record(
+                "exactness",
+                "bad_rows",
+                host,
+                False,
+                None,
+                0,
+                reason=f"rank {rank}: manifest {manifest}: {exc}",
+                subject=f"rank {rank}",
+            )
+        ]
     layers = [t.layer_id for t in m.tables]
     try:
         rep = run_sweep(m, None, url, tp, rank, lookups=lookups, seed=seed, timeout_ms=timeout_ms, required=True)
     except Dsv41Error as exc:
-        return [record("exactness", "bad_rows", host, False, None, 0, reason=f"rank {rank}: sweep over {url}: {exc}",
-                       subject=f"rank {rank} layer {L}") for L in layers]
+        return [
+            record(
+                "exactness",
+                "bad_rows",
+                host,
+                False,
+                None,
+                0,
+                reason=f"rank {rank}: sweep over {url}: {exc}",
+                subject=f"rank {rank} layer {L}",
+            )
+            for L in layers
+        ]
     out = []
     for L in layers:
         pl = rep["per_layer"][str(L)]
         ok = pl["bad_rows"] == 0 and pl["lookups"] > 0 and rep["fallbacks"] == 0
-        out.append(record("exactness", "bad_rows", host, ok,
-                          {"bad_rows": pl["bad_rows"], "lookups": pl["lookups"], "fallbacks": rep["fallbacks"],
-                           "remote": url, "seconds": rep["seconds"]}, 0, unit="rows", subject=f"rank {rank} layer {L}",
-                          reason="" if ok else f"rank {rank} layer {L}: {pl['bad_rows']} bad rows of {pl['lookups']}, "
-                          f"{rep['fallbacks']} fallbacks"))
+        out.append(
+            record(
+                "exactness",
+                "bad_rows",
+                host,
+                ok,
+                {
+                    "bad_rows": pl["bad_rows"],
+                    "lookups": pl["lookups"],
+                    "fallbacks": rep["fallbacks"],
+                    "remote": url,
+                    "seconds": rep["seconds"],
+                },
+                0,
+                unit="rows",
+                subject=f"rank {rank} layer {L}",
+                reason=""
+                if ok
+                else f"rank {rank} layer {L}: {pl['bad_rows']} bad rows of {pl['lookups']}, "
+                f"{rep['fallbacks']} fallbacks",
+            )
+        )
     return out

@@ -60,6 +60,7 @@ class StatusError(Dsv41Error):
 
 # ---- 2. the endpoints, from the controller -----------------------------------------------------
 
+
 def _get(url: str, timeout_s: float):
     """(status code, body text), or (None, why) when nothing answered (the harness HTTP client)."""
     from dsv41.harness import http
@@ -117,8 +118,15 @@ def _read_ranks(rank_urls: dict[str, str], timeout_s: float) -> tuple[str | None
     return "".join(parts), ""
 
 
-def probe(api_url: str, engram_url: str | None, drafter_url: str | None, window_s: float = 5.0,
-          timeout_s: float = 5.0, sleep=time.sleep, rank_metrics: dict[str, str] | None = None) -> dict:
+def probe(
+    api_url: str,
+    engram_url: str | None,
+    drafter_url: str | None,
+    window_s: float = 5.0,
+    timeout_s: float = 5.0,
+    sleep=time.sleep,
+    rank_metrics: dict[str, str] | None = None,
+) -> dict:
     """Read the endpoints. ``api_url``: rank 0's base URL; ``engram_url`` / ``drafter_url``: the
     table server's and the drafter worker's metrics base URLs (``http://A:P``) or None.
     ``window_s`` (s, >= 0): the gap between the two reads of the counters. ``rank_metrics``:
@@ -147,8 +155,15 @@ def probe(api_url: str, engram_url: str | None, drafter_url: str | None, window_
         except (ValueError, KeyError, IndexError, TypeError):
             pass
 
-    engine: dict = {"error": None, "engram": {}, "drafter": {}, "spec": {}, "window": {}, "overlay": {},
-                    "metrics_urls": {}}
+    engine: dict = {
+        "error": None,
+        "engram": {},
+        "drafter": {},
+        "spec": {},
+        "window": {},
+        "overlay": {},
+        "metrics_urls": {},
+    }
     from dsv41.harness import rank_metrics as RM
 
     urls = dict(rank_metrics) if rank_metrics is not None else {"0": api_url.rstrip("/") + "/metrics"}
@@ -195,8 +210,14 @@ def probe(api_url: str, engram_url: str | None, drafter_url: str | None, window_
                 worker["error"] = str(exc)
         else:
             worker["error"] = f"unreachable ({body})" if code is None else f"/metrics HTTP {code}"
-    return {"time": time.time(), "window_s": float(window_s), "api": api, "engine": engine,
-            "engram_server": server, "drafter_worker": worker}
+    return {
+        "time": time.time(),
+        "window_s": float(window_s),
+        "api": api,
+        "engine": engine,
+        "engram_server": server,
+        "drafter_worker": worker,
+    }
 
 
 def last_window(windows_dir: str | os.PathLike | None) -> dict | None:
@@ -219,6 +240,7 @@ def last_window(windows_dir: str | os.PathLike | None) -> dict | None:
 
 
 # ---- 3. judge --------------------------------------------------------------------------------
+
 
 def fmt_since(since: float | None, now: float) -> str:
     """``since <UTC stamp> (<seconds> s)`` of a HOLD taken at Unix time ``since`` (s), seen at ``now``."""
@@ -259,17 +281,25 @@ def evaluate(hosts: dict, probed: dict, *, expected_image: str = "", window: dic
 
     up = {n: h for n, h in hosts.items() if h.get("reachable")}
     # identity: every host that holds tables holds the same ones (x86host serves, the Sparks fall back)
-    tables = {n: h["manifest"]["tables"] for n, h in up.items() if isinstance(h.get("manifest"), dict) and "tables" in h["manifest"]}
+    tables = {
+        n: h["manifest"]["tables"]
+        for n, h in up.items()
+        if isinstance(h.get("manifest"), dict) and "tables" in h["manifest"]
+    }
     if len({fileio.dumps_json(t, sort_keys=True) for t in tables.values()}) > 1:
         ref_name = next(iter(sorted(n for n in tables if "offload" in hosts[n].get("groups", []))), sorted(tables)[0])
         for n, t in sorted(tables.items()):
             if t != tables[ref_name]:
                 diff = sorted(k for k in set(t) | set(tables[ref_name]) if t.get(k) != tables[ref_name].get(k))
-                reasons.append(f"identity mismatch: Engram tables on {n} differ from {ref_name} (layers {', '.join(diff)})")
+                reasons.append(
+                    f"identity mismatch: Engram tables on {n} differ from {ref_name} (layers {', '.join(diff)})"
+                )
     versions = {h.get("dsv41") for h in up.values() if h.get("dsv41")}
     if len(versions) > 1:
-        reasons.append("identity mismatch: dsv41 versions differ: "
-                       + ", ".join(f"{n} {h.get('dsv41')}" for n, h in sorted(up.items())))
+        reasons.append(
+            "identity mismatch: dsv41 versions differ: "
+            + ", ".join(f"{n} {h.get('dsv41')}" for n, h in sorted(up.items()))
+        )
 
     api = probed["api"]
     if api.get("error"):
@@ -298,21 +328,29 @@ def evaluate(hosts: dict, probed: dict, *, expected_image: str = "", window: dic
             if overlay:
                 st = overlay.get(str(r), {})
                 if st.get("state") != "active":
-                    reasons.append(f"rank {r}: overlay {st.get('state') or 'state missing'} on {where} "
-                                   "(Engram rows and drafts are not remote)")
+                    reasons.append(
+                        f"rank {r}: overlay {st.get('state') or 'state missing'} on {where} "
+                        "(Engram rows and drafts are not remote)"
+                    )
                     continue
                 if st.get("transport") == "python":
-                    warnings.append(f"rank {r}: the overlay runs the pure-Python transport (no C++ extension in the image)")
+                    warnings.append(
+                        f"rank {r}: the overlay runs the pure-Python transport (no C++ extension in the image)"
+                    )
             c = eng["engram"].get(str(r))
             if c is None:
                 reasons.append(f"rank {r}: unreachable (no Engram counters on {where})")
                 continue
             d = eng["window"].get("engram", {}).get(str(r), {})
             if d.get("fallbacks", 0) > 0:
-                reasons.append(f"rank {r}: Engram fallbacks growing (+{int(d['fallbacks'])} in {win:g} s, "
-                               f"{int(c.get('fallbacks', 0))} since start)")
+                reasons.append(
+                    f"rank {r}: Engram fallbacks growing (+{int(d['fallbacks'])} in {win:g} s, "
+                    f"{int(c.get('fallbacks', 0))} since start)"
+                )
             elif c.get("fallbacks", 0) > 0:
-                warnings.append(f"rank {r}: {int(c['fallbacks'])} Engram fallbacks since start (none in the last {win:g} s)")
+                warnings.append(
+                    f"rank {r}: {int(c['fallbacks'])} Engram fallbacks since start (none in the last {win:g} s)"
+                )
         dr = eng.get("drafter", {})
         if dr.get("proxy_gave_up", 0) > 0:
             reasons.append("rank 0: async proxy respawn budget spent, drafting failed closed to target-only")
@@ -328,20 +366,37 @@ def evaluate(hosts: dict, probed: dict, *, expected_image: str = "", window: dic
             reasons.append(f"drafter worker {worker['url']}: {worker['error']}")
         else:
             have = worker.get("identities") or {}
-            rank0 = [h for h in up.values() if h.get("rank") == 0 and isinstance(h.get("drafter"), dict)
-                     and "error" not in h["drafter"]]
+            rank0 = [
+                h
+                for h in up.values()
+                if h.get("rank") == 0 and isinstance(h.get("drafter"), dict) and "error" not in h["drafter"]
+            ]
             if rank0:
                 want = rank0[0]["drafter"]
                 bad = [k for k in ("drafter", "markov", "target") if have.get(k, "") != want.get(k, "")]
                 if bad:
-                    reasons.append("identity mismatch: drafter worker reports "
-                                   + ", ".join(f"{k} {have.get(k, '')[:12] or '-'}" for k in bad)
-                                   + "; rank 0 expects " + ", ".join(f"{k} {want.get(k, '')[:12] or '-'}" for k in bad))
+                    reasons.append(
+                        "identity mismatch: drafter worker reports "
+                        + ", ".join(f"{k} {have.get(k, '')[:12] or '-'}" for k in bad)
+                        + "; rank 0 expects "
+                        + ", ".join(f"{k} {want.get(k, '')[:12] or '-'}" for k in bad)
+                    )
             if worker.get("connections", 0) < 1:
                 warnings.append(f"drafter worker {worker['url']}: no client connected")
-    return {"time": now, "window_s": win, "healthy": not reasons, "reasons": reasons, "warnings": warnings,
-            "hosts": hosts, "api": api, "engine": eng, "engram_server": server, "drafter_worker": worker,
-            "window": window, "held_reason": held_reason}
+    return {
+        "time": now,
+        "window_s": win,
+        "healthy": not reasons,
+        "reasons": reasons,
+        "warnings": warnings,
+        "hosts": hosts,
+        "api": api,
+        "engine": eng,
+        "engram_server": server,
+        "drafter_worker": worker,
+        "window": window,
+        "held_reason": held_reason,
+    }
 
 
 def add_alerts(report: dict, prometheus_url: str | None, timeout_s: float = 5.0, fetch=None) -> dict:
@@ -375,11 +430,16 @@ def allow_hold(report: dict) -> dict:
     if not held or held not in report["reasons"]:
         return dict(report)
     reasons = [r for r in report["reasons"] if r != held]
-    return {**report, "reasons": reasons, "healthy": not reasons,
-            "warnings": [*report["warnings"], f"{held} (expected: --hold-ok)"]}
+    return {
+        **report,
+        "reasons": reasons,
+        "healthy": not reasons,
+        "warnings": [*report["warnings"], f"{held} (expected: --hold-ok)"],
+    }
 
 
 # ---- the whole judgement (what the playbook's summary task calls) -----------------------------
+
 
 def host_entry(raw: dict) -> dict:
     """One host's entry from what ``playbooks/status.yml`` registered for it: ``groups``, ``rank``
@@ -405,9 +465,18 @@ def host_entry(raw: dict) -> dict:
     return entry
 
 
-def summarize(hosts: dict, api_url: str, engram_url: str | None = None, drafter_url: str | None = None,
-              window_s: float = 5.0, expected_image: str = "", windows_dir: str | None = None,
-              timeout_s: float = 5.0, prometheus_url: str | None = None, rank_metrics: dict | None = None) -> dict:
+def summarize(
+    hosts: dict,
+    api_url: str,
+    engram_url: str | None = None,
+    drafter_url: str | None = None,
+    window_s: float = 5.0,
+    expected_image: str = "",
+    windows_dir: str | None = None,
+    timeout_s: float = 5.0,
+    prometheus_url: str | None = None,
+    rank_metrics: dict | None = None,
+) -> dict:
     """Probe the endpoints and judge: ``hosts`` as :func:`host_entry` takes them (``{name: raw}``);
     the rest as :func:`probe` and :func:`evaluate`; ``prometheus_url``: :func:`add_alerts`;
     ``rank_metrics``: the runtime facts of :func:`dsv41.harness.rank_metrics.urls` (None: rank

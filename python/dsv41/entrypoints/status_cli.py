@@ -22,22 +22,33 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 @app.callback(invoke_without_command=True)
 def status(
-    inventory: str = typer.Option("", "--inventory", "-i",
-                                  help="Ansible inventory (default: the one ansible.cfg names, the lab)."),
+    inventory: str = typer.Option(
+        "", "--inventory", "-i", help="Ansible inventory (default: the one ansible.cfg names, the lab)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON (for scripts)."),
-    window: float = typer.Option(5.0, min=0, max=3600,
-                                 help="Seconds between the two reads of rank 0's /metrics (the 'last N s' deltas)."),
-    local: bool = typer.Option(False, "--local",
-                               help="Only this host, from its own files and service manager (what status.yml runs on each host)."),
+    window: float = typer.Option(
+        5.0, min=0, max=3600, help="Seconds between the two reads of rank 0's /metrics (the 'last N s' deltas)."
+    ),
+    local: bool = typer.Option(
+        False,
+        "--local",
+        help="Only this host, from its own files and service manager (what status.yml runs on each host).",
+    ),
     service_manager: str = typer.Option("systemd", help="With --local: the host's service manager (systemd)."),
     root: str = typer.Option("/opt/dsv41", help="With --local: install root (tables/, drafter/, packages/)."),
     container_runtime: str = typer.Option("/usr/bin/docker", help="With --local: runtime of the serving container."),
-    prometheus: str = typer.Option("", "--prometheus",
-                                   help="Prometheus base URL whose firing dsv41 alerts the summary reports "
-                                        "(default: the inventory's dsv41_prometheus_url, if any)."),
-    hold_ok: bool = typer.Option(False, "--hold-ok",
-                                 help="A HOLD is expected (promote/rollback checks run under their own fenced HOLD): "
-                                      "admission held is a warning, not a failure."),
+    prometheus: str = typer.Option(
+        "",
+        "--prometheus",
+        help="Prometheus base URL whose firing dsv41 alerts the summary reports "
+        "(default: the inventory's dsv41_prometheus_url, if any).",
+    ),
+    hold_ok: bool = typer.Option(
+        False,
+        "--hold-ok",
+        help="A HOLD is expected (promote/rollback checks run under their own fenced HOLD): "
+        "admission held is a warning, not a failure.",
+    ),
 ) -> None:
     """Per host: services and state, package version, image digest, manifest and table identities,
     drafter and target identities, admission, Engram lookups and fallbacks per rank, drafter rounds,
@@ -73,8 +84,10 @@ def find_project(inventory: str | os.PathLike) -> Path:
         for d in (start, *start.parents):
             if (d / "playbooks" / "status.yml").is_file() and (d / "ansible.cfg").is_file():
                 return d
-    raise StatusError(f"cannot find playbooks/status.yml above {inventory} or the current directory "
-                      "(run dsv41 status from the dsv41-offload checkout)")
+    raise StatusError(
+        f"cannot find playbooks/status.yml above {inventory} or the current directory "
+        "(run dsv41 status from the dsv41-offload checkout)"
+    )
 
 
 def default_inventory() -> str:
@@ -106,10 +119,15 @@ def inventory_hosts(inventory: str) -> dict[str, list[str]]:
         raise StatusError(f"inventory {inventory}: {' '.join(str(exc).split())[:300]}") from None
     groups = {g: [h.name for h in inv.groups[g].get_hosts()] for g in ("spark", "offload") if g in inv.groups}
     if not groups.get("spark") or not groups.get("offload"):
-        why = [ln.split(" plugin: ", 1)[-1].strip() for ln in noise.getvalue().splitlines()
-               if ln.startswith("[WARNING]: Failed to parse")]
-        raise StatusError(f"inventory {inventory}: no hosts in the 'spark' and 'offload' groups"
-                          + (f" (it did not parse: {why[0][:200]})" if why else " (not a dsv41 inventory)"))
+        why = [
+            ln.split(" plugin: ", 1)[-1].strip()
+            for ln in noise.getvalue().splitlines()
+            if ln.startswith("[WARNING]: Failed to parse")
+        ]
+        raise StatusError(
+            f"inventory {inventory}: no hosts in the 'spark' and 'offload' groups"
+            + (f" (it did not parse: {why[0][:200]})" if why else " (not a dsv41 inventory)")
+        )
     return groups
 
 
@@ -141,11 +159,19 @@ def run_playbook(inventory: str, window_s: float = 5.0, timeout_s: float = 300.0
 
     with tempfile.TemporaryDirectory(prefix="dsv41-status-") as pdd:
         r = ansible_runner.run(
-            private_data_dir=pdd, project_dir=str(project), playbook=str(project / "playbooks" / "status.yml"),
-            inventory=str(Path(inventory).resolve()), extravars={"status_window_s": float(window_s),
-                       **({"status_prometheus_url": prometheus_url} if prometheus_url else {})},
-            quiet=True, event_handler=on_event, timeout=int(timeout_s),
-            envvars={"ANSIBLE_CONFIG": str(project / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1", "PATH": path})
+            private_data_dir=pdd,
+            project_dir=str(project),
+            playbook=str(project / "playbooks" / "status.yml"),
+            inventory=str(Path(inventory).resolve()),
+            extravars={
+                "status_window_s": float(window_s),
+                **({"status_prometheus_url": prometheus_url} if prometheus_url else {}),
+            },
+            quiet=True,
+            event_handler=on_event,
+            timeout=int(timeout_s),
+            envvars={"ANSIBLE_CONFIG": str(project / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1", "PATH": path},
+        )
         if "report" in found:
             return found["report"]
         out = ""

@@ -52,8 +52,11 @@ def manifest_facts(path: str | os.PathLike) -> dict | None:
     try:
         raw = fileio.read_bytes(p, "manifest")
         doc = fileio.loads_json(raw)
-        return {"revision": str(doc.get("revision", "?")), "sha256": hashlib.sha256(raw).hexdigest(),
-                "tables": {str(t["layer_id"]): str(t["identity"]) for t in doc.get("tables", [])}}
+        return {
+            "revision": str(doc.get("revision", "?")),
+            "sha256": hashlib.sha256(raw).hexdigest(),
+            "tables": {str(t["layer_id"]): str(t["identity"]) for t in doc.get("tables", [])},
+        }
     except (fileio.FileError, OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return {"error": f"{p}: {exc}"[:300]}
 
@@ -80,7 +83,6 @@ def promotion_facts(packages_dir: str | os.PathLike) -> str | None:
         if cur.is_symlink():
             return Path(os.readlink(cur)).name
         if cur.is_file():
-
             return fileio.read_text(cur, max_bytes=4096).strip() or None
     except (OSError, Dsv41Error) as exc:
         return f"unreadable: {exc}"
@@ -98,8 +100,13 @@ def image_facts(container_runtime: str, container: str) -> str | None:
     return r.stdout.strip() or None
 
 
-def host_facts(*, service_manager: str = "systemd", root: str = "/opt/dsv41",
-               container_runtime: str = "/usr/bin/docker", container: str = "dsv41-serve") -> dict:
+def host_facts(
+    *,
+    service_manager: str = "systemd",
+    root: str = "/opt/dsv41",
+    container_runtime: str = "/usr/bin/docker",
+    container: str = "dsv41-serve",
+) -> dict:
     """What this host runs, from its own files and service manager (no network). ``root`` holds
     ``tables/manifest.json``, ``drafter/`` and ``packages/``. Shape: one ``hosts[name]`` entry of
     the module docstring (without ``groups``, ``rank``, ``reachable``)."""

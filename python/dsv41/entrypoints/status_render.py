@@ -17,13 +17,26 @@ def _host_cells(name: str, h: dict) -> list[str]:
     role = f"rank {h['rank']}" if h.get("rank") is not None else ",".join(h.get("groups") or []) or "-"
     if not h.get("reachable"):
         return [name, role, f"unreachable: {h.get('error') or ''}"[:80], "-", "-", "-", "-", "-"]
-    svcs = ", ".join(f"{s.removeprefix(SERVICE_PREFIX)} {st}" for s, st in sorted((h.get("services") or {}).items())) or "none"
+    svcs = (
+        ", ".join(f"{s.removeprefix(SERVICE_PREFIX)} {st}" for s, st in sorted((h.get("services") or {}).items()))
+        or "none"
+    )
     man = h.get("manifest")
-    tables = ("-" if man is None else man.get("error", "")[:40] if "error" in man
-              else f"{man['revision']} " + " ".join(f"L{k}:{_short(v, 8)}" for k, v in sorted(man["tables"].items())))
+    tables = (
+        "-"
+        if man is None
+        else man.get("error", "")[:40]
+        if "error" in man
+        else f"{man['revision']} " + " ".join(f"L{k}:{_short(v, 8)}" for k, v in sorted(man["tables"].items()))
+    )
     dr = h.get("drafter")
-    drafter = "-" if dr is None else dr.get("error", "")[:40] if "error" in dr else (
-        f"drafter {_short(dr.get('drafter'), 8)} target {_short(dr.get('target'), 8)}")
+    drafter = (
+        "-"
+        if dr is None
+        else dr.get("error", "")[:40]
+        if "error" in dr
+        else (f"drafter {_short(dr.get('drafter'), 8)} target {_short(dr.get('target'), 8)}")
+    )
     image = h.get("image") or "none (no container)"
     return [name, role, svcs, h.get("dsv41") or "-", image, tables, drafter, h.get("promotion") or "none"]
 
@@ -33,8 +46,15 @@ def _rank_rows(report: dict) -> list[list[str]]:
     rows = []
     for r, c in sorted(eng.get("engram", {}).items()):
         d = eng.get("window", {}).get("engram", {}).get(r, {})
-        rows.append([r, f"{int(c.get('lookups', 0))}", f"+{int(d.get('lookups', 0))}",
-                     f"{int(c.get('fallbacks', 0))}", f"+{int(d.get('fallbacks', 0))}"])
+        rows.append(
+            [
+                r,
+                f"{int(c.get('lookups', 0))}",
+                f"+{int(d.get('lookups', 0))}",
+                f"{int(c.get('fallbacks', 0))}",
+                f"+{int(d.get('fallbacks', 0))}",
+            ]
+        )
     return rows
 
 
@@ -42,15 +62,19 @@ def _drafting_line(report: dict) -> str:
     eng = report["engine"]
     dr, spec, w = eng.get("drafter", {}), eng.get("spec", {}), eng.get("window", {})
     wd, ws = w.get("drafter", {}), w.get("spec", {})
-    line = (f"drafter rounds {int(dr.get('rounds', 0))} (+{int(wd.get('rounds', 0))}), accepted tokens "
-            f"{int(spec.get('accepted_tokens', 0))}/{int(spec.get('draft_tokens', 0))} (+{int(ws.get('accepted_tokens', 0))}), "
-            f"fail-closed {int(dr.get('fail_closed_rounds', 0))} (+{int(wd.get('fail_closed_rounds', 0))}), "
-            f"proxy respawns {int(dr.get('proxy_respawns', 0))}")
+    line = (
+        f"drafter rounds {int(dr.get('rounds', 0))} (+{int(wd.get('rounds', 0))}), accepted tokens "
+        f"{int(spec.get('accepted_tokens', 0))}/{int(spec.get('draft_tokens', 0))} (+{int(ws.get('accepted_tokens', 0))}), "
+        f"fail-closed {int(dr.get('fail_closed_rounds', 0))} (+{int(wd.get('fail_closed_rounds', 0))}), "
+        f"proxy respawns {int(dr.get('proxy_respawns', 0))}"
+    )
     worker = report["drafter_worker"]
     if worker.get("url") and not worker.get("error"):
         ids = worker.get("identities") or {}
-        line += (f"; worker {worker['url']} connections {int(worker.get('connections', 0))}, "
-                 f"drafter {_short(ids.get('drafter'))} target {_short(ids.get('target'))}")
+        line += (
+            f"; worker {worker['url']} connections {int(worker.get('connections', 0))}, "
+            f"drafter {_short(ids.get('drafter'))} target {_short(ids.get('target'))}"
+        )
     return line
 
 
@@ -96,9 +120,11 @@ def _metrics_where(report: dict) -> str:
 def render_lines(report: dict) -> list[str]:
     """The report as plain lines (the playbook's summary; also ``dsv41 status`` without a tty)."""
     api = report["api"]
-    lines = [f"status: {'HEALTHY' if report['healthy'] else 'UNHEALTHY'}",
-             f"API: {api['url']} (model {api.get('model') or '?'}; health {api.get('health') or api.get('error')}); "
-             f"metrics {_metrics_where(report)}; admission {_admission_line(report)}"]
+    lines = [
+        f"status: {'HEALTHY' if report['healthy'] else 'UNHEALTHY'}",
+        f"API: {api['url']} (model {api.get('model') or '?'}; health {api.get('health') or api.get('error')}); "
+        f"metrics {_metrics_where(report)}; admission {_admission_line(report)}",
+    ]
     for name, h in sorted(report["hosts"].items()):
         c = _host_cells(name, h)
         if not h.get("reachable"):
@@ -109,8 +135,10 @@ def render_lines(report: dict) -> list[str]:
     if srv.get("url"):
         lines.append(f"Engram table server {srv['url']}/metrics: {'ready' if srv.get('ready') else srv.get('error')}")
     for r, look, dlook, fb, dfb in _rank_rows(report):
-        lines.append(f"Engram rank {r}: {look} lookups ({dlook} in {report['window_s']:g} s), "
-                     f"{fb} fallbacks ({dfb} in {report['window_s']:g} s)")
+        lines.append(
+            f"Engram rank {r}: {look} lookups ({dlook} in {report['window_s']:g} s), "
+            f"{fb} fallbacks ({dfb} in {report['window_s']:g} s)"
+        )
     lines.append(_drafting_line(report))
     lines.append(f"last window: {_window_line(report)}")
     if _alerts_line(report):
@@ -131,12 +159,17 @@ def render_tables(report: dict, console) -> None:
     for name, h in sorted(report["hosts"].items()):
         t.add_row(*_host_cells(name, h))
     console.print(t)
-    console.print(f"API {api['url']}  model {api.get('model') or '?'}  health {api.get('health') or api.get('error')}"
-                  f"  admission [bold]{_admission_line(report)}[/bold]", markup=True, highlight=False)
+    console.print(
+        f"API {api['url']}  model {api.get('model') or '?'}  health {api.get('health') or api.get('error')}"
+        f"  admission [bold]{_admission_line(report)}[/bold]",
+        markup=True,
+        highlight=False,
+    )
     srv = report["engram_server"]
     if srv.get("url"):
-        console.print(f"Engram table server {srv['url']}: {'ready' if srv.get('ready') else srv.get('error')}",
-                      highlight=False)
+        console.print(
+            f"Engram table server {srv['url']}: {'ready' if srv.get('ready') else srv.get('error')}", highlight=False
+        )
     e = Table(title=f"Engram per rank (since start / last {report['window_s']:g} s)", title_justify="left")
     for col in ("rank", "lookups", "Δ lookups", "fallbacks", "Δ fallbacks"):
         e.add_column(col, justify="right")

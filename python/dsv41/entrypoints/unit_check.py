@@ -48,8 +48,9 @@ def verify_unit(text: str, name: str, root: Path | None = None) -> list[str]:
             where = [f"--root={root}", name]
         fileio.atomic_write(path, text)
         try:
-            r = subprocess.run([exe, "verify", "--man=no", *where], capture_output=True, text=True,
-                               timeout=TIMEOUT_S, check=False)
+            r = subprocess.run(
+                [exe, "verify", "--man=no", *where], capture_output=True, text=True, timeout=TIMEOUT_S, check=False
+            )
         except subprocess.TimeoutExpired:
             raise Dsv41Error(f"{SYSTEMD_ANALYZE} verify {name}: no answer in {TIMEOUT_S:g} s") from None
     lines = [line for line in (r.stderr + r.stdout).splitlines() if line.strip()]

@@ -29,16 +29,22 @@ class AdmissionError(Dsv41Error):
 
 def status(endpoint: str, timeout_s: float = 10.0) -> str:
     """``held`` or ``open``; AdmissionError when unreachable or the body lacks ``is_paused``."""
-    doc = http.request_json("GET", endpoint.rstrip("/") + "/is_paused", timeout_s=timeout_s,
-                            what=f"cannot read admission state at {endpoint}", error=AdmissionError)
+    doc = http.request_json(
+        "GET",
+        endpoint.rstrip("/") + "/is_paused",
+        timeout_s=timeout_s,
+        what=f"cannot read admission state at {endpoint}",
+        error=AdmissionError,
+    )
     paused = doc.get("is_paused") if isinstance(doc, dict) else None
     if not isinstance(paused, bool):
         raise AdmissionError(f"{endpoint}/is_paused returned no boolean is_paused")
     return HELD if paused else OPEN
 
 
-def set_state(endpoint: str, state: str, timeout_s: float = 30.0, settle_s: float = 10.0,
-              drain_s: float = 600.0) -> str:
+def set_state(
+    endpoint: str, state: str, timeout_s: float = 30.0, settle_s: float = 10.0, drain_s: float = 600.0
+) -> str:
     """Move admission to ``state`` (``held``/``open``) and wait until ``/is_paused`` agrees.
 
     ``held`` drains: ``POST /pause?mode=wait&timeout_s=drain_s`` (the HTTP call may take up to
@@ -60,8 +66,14 @@ def set_state(endpoint: str, state: str, timeout_s: float = 30.0, settle_s: floa
     path = f"/pause?mode=wait&timeout_s={drain_s:g}" if state == HELD else "/resume"
     if state == HELD and token:
         path += f"&window={token}"
-    http.request("POST", endpoint.rstrip("/") + path, timeout_s=timeout_s + (drain_s if state == HELD else 0.0),
-                 what=f"POST {path.split('&window=')[0]} at {endpoint} failed", error=AdmissionError, operator=True)
+    http.request(
+        "POST",
+        endpoint.rstrip("/") + path,
+        timeout_s=timeout_s + (drain_s if state == HELD else 0.0),
+        what=f"POST {path.split('&window=')[0]} at {endpoint} failed",
+        error=AdmissionError,
+        operator=True,
+    )
     deadline = time.monotonic() + settle_s
     while status(endpoint, timeout_s) != state:
         if time.monotonic() > deadline:

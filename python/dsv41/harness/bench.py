@@ -48,9 +48,11 @@ DEFAULT_SPEC = Path(__file__).resolve().parents[1] / "data" / "bench_spec.json"
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "bench_spec.schema.json"
 
 # Public-domain-style filler vocabulary of the seeded prompt generator (no real prompt text).
-_WORDS = ("table row server lookup engram layer token draft verify step round cache page batch rank "
-          "link memory host spark node proxy worker window cell block seed prompt budget metric the a of "
-          "and to in is on for with every each one two three five green quick lamp hill river stone").split()
+_WORDS = (
+    "table row server lookup engram layer token draft verify step round cache page batch rank "
+    "link memory host spark node proxy worker window cell block seed prompt budget metric the a of "
+    "and to in is on for with every each one two three five green quick lamp hill river stone"
+).split()
 
 
 class BenchError(Dsv41Error):
@@ -96,8 +98,17 @@ def load_spec(path: str | None = None, env: Mapping[str, str] | None = None) -> 
     dup = sorted({i for i in ids if ids.count(i) > 1})
     if dup:
         raise BenchError(f"bench spec {src}: prompt id {dup[0]} appears more than once")
-    out = {"sampler": {}, "concurrency": 1, "repeats": 1, "blocks_per_prompt": 4, "seed": 0, "timeout_s": 300.0,
-           "cache_salt": True, "unique_prefix": False, "model": None}
+    out = {
+        "sampler": {},
+        "concurrency": 1,
+        "repeats": 1,
+        "blocks_per_prompt": 4,
+        "seed": 0,
+        "timeout_s": 300.0,
+        "cache_salt": True,
+        "unique_prefix": False,
+        "model": None,
+    }
     out.update(doc)
     out["sampler"] = {"temperature": 1.0, "top_p": 1.0, **doc.get("sampler", {})}
     out["source"] = src
@@ -114,11 +125,21 @@ def greedy_prompts(env: Mapping[str, str] | None = None) -> tuple[tuple[str, str
     if not path:
         return PROMPTS
     doc = _read_json(path, "greedy prompts file")
-    if not isinstance(doc, list) or not doc or not all(
-            isinstance(p, dict) and isinstance(p.get("name"), str) and p["name"]
-            and isinstance(p.get("prompt"), str) and p["prompt"] for p in doc):
-        raise BenchError(f"greedy prompts file {path}: expected a non-empty JSON list of "
-                         '{"name": str, "prompt": str}')
+    if (
+        not isinstance(doc, list)
+        or not doc
+        or not all(
+            isinstance(p, dict)
+            and isinstance(p.get("name"), str)
+            and p["name"]
+            and isinstance(p.get("prompt"), str)
+            and p["prompt"]
+            for p in doc
+        )
+    ):
+        raise BenchError(
+            f'greedy prompts file {path}: expected a non-empty JSON list of {{"name": str, "prompt": str}}'
+        )
     names = [p["name"] for p in doc]
     if len(set(names)) != len(names):
         raise BenchError(f"greedy prompts file {path}: prompt names must be unique")
@@ -181,8 +202,11 @@ def _client(timeout_s: float, endpoint: str):
 
     http.check_url(endpoint, what=f"endpoint {endpoint}", error=BenchError)
 
-    return httpx.Client(timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)), trust_env=False,
-                        headers={**http.window_headers(), **http.auth_headers(what=f"endpoint {endpoint}", error=BenchError)})
+    return httpx.Client(
+        timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
+        trust_env=False,
+        headers={**http.window_headers(), **http.auth_headers(what=f"endpoint {endpoint}", error=BenchError)},
+    )
 
 
 def served_model(endpoint: str, timeout_s: float = 10.0) -> str:
@@ -195,17 +219,26 @@ def served_model(endpoint: str, timeout_s: float = 10.0) -> str:
 
 def request_body(model: str, prompt: str, seed: int, max_tokens: int, sampler: dict, salt: str | None) -> dict:
     """The streamed ``/v1/completions`` body of one timed request (vLLM field names)."""
-    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
-                            "seed": seed, "stream": True, "return_token_ids": True,
-                            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-                            "temperature": sampler.get("temperature", 1.0), "top_p": sampler.get("top_p", 1.0)}
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "min_tokens": max_tokens,
+        "seed": seed,
+        "stream": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "temperature": sampler.get("temperature", 1.0),
+        "top_p": sampler.get("top_p", 1.0),
+    }
     if salt:
         body["cache_salt"] = salt
     return body
 
 
-def stream_one(client, endpoint: str, body: dict, prompt_id: str, category: str,
-               clock: Callable[[], float] = time.perf_counter) -> RequestResult:
+def stream_one(
+    client, endpoint: str, body: dict, prompt_id: str, category: str, clock: Callable[[], float] = time.perf_counter
+) -> RequestResult:
     """Send one streamed completion with ``client`` (an ``httpx.Client``) and time it.
 
     Never raises for a failed request (``ok`` False, ``error`` set); KeyboardInterrupt propagates.
@@ -302,6 +335,7 @@ def stream_one(client, endpoint: str, body: dict, prompt_id: str, category: str,
 
 # ---- /metrics snapshots -----------------------------------------------------------------------
 
+
 def _cumulative(samples) -> dict[str, float]:
     out: dict[str, float] = {}
     for name, labels, value in samples:
@@ -330,7 +364,9 @@ def snapshot_metrics(urls: Iterable[str], timeout_s: float = 10.0) -> dict[str, 
     return {u: _cumulative(http.get_metrics(u, timeout_s=timeout_s, error=BenchError)) for u in urls}
 
 
-def metrics_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+def metrics_delta(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, dict[str, float]]:
     """Per URL and series: after - before (a series new in ``after`` counts from 0); series whose
     delta is 0 are kept, so a counter that should have moved is visibly 0."""
     return {u: {k: v - before.get(u, {}).get(k, 0.0) for k, v in sorted(vals.items())} for u, vals in after.items()}
@@ -338,8 +374,14 @@ def metrics_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str
 
 # ---- smoke start ------------------------------------------------------------------------------
 
-def smoke(endpoint: str, model: str, refs_doc: dict | None = None, timeout_s: float = 120.0,
-          env: Mapping[str, str] | None = None) -> dict:
+
+def smoke(
+    endpoint: str,
+    model: str,
+    refs_doc: dict | None = None,
+    timeout_s: float = 120.0,
+    env: Mapping[str, str] | None = None,
+) -> dict:
     """Correctness before timing: a canary and a known-answer greedy prompt.
 
     Canary: a short sampled streamed request that must finish with non-empty token ids and
@@ -351,10 +393,18 @@ def smoke(endpoint: str, model: str, refs_doc: dict | None = None, timeout_s: fl
     from dsv41.harness.refs import first_diff
 
     with _client(timeout_s, endpoint) as c:
-        canary = stream_one(c, endpoint, request_body(model, "The canary sings", 1, 8, {"temperature": 1.0},
-                                                      uuid.uuid4().hex), "canary", "smoke")
-    if not canary.ok or not canary.token_ids or not all(
-            math.isfinite(v) for v in (canary.ttft_ms or math.nan, canary.e2e_ms or math.nan)):
+        canary = stream_one(
+            c,
+            endpoint,
+            request_body(model, "The canary sings", 1, 8, {"temperature": 1.0}, uuid.uuid4().hex),
+            "canary",
+            "smoke",
+        )
+    if (
+        not canary.ok
+        or not canary.token_ids
+        or not all(math.isfinite(v) for v in (canary.ttft_ms or math.nan, canary.e2e_ms or math.nan))
+    ):
         raise BenchAborted(f"smoke: canary request failed: {canary.error or 'empty or non-finite output'}")
     if refs_doc:
         p = refs_doc["prompts"][0]
@@ -365,21 +415,27 @@ def smoke(endpoint: str, model: str, refs_doc: dict | None = None, timeout_s: fl
     runs = []
     for _ in range(1 if want is not None else 2):
         with _client(timeout_s, endpoint) as c:
-            g = stream_one(c, endpoint, request_body(model, prompt, 0, n, {"temperature": 0.0}, uuid.uuid4().hex),
-                           name, "smoke")
+            g = stream_one(
+                c, endpoint, request_body(model, prompt, 0, n, {"temperature": 0.0}, uuid.uuid4().hex), name, "smoke"
+            )
         if not g.ok:
             raise BenchAborted(f"smoke: greedy prompt {name} failed: {g.error}")
         runs.append(g.token_ids or [])
     ref = want if want is not None else runs[0]
     diff = first_diff(ref, runs[-1])
     if diff is not None:
-        raise BenchAborted(f"smoke: greedy prompt {name} differs from its "
-                           f"{'recorded reference' if want is not None else 'first run'} at token {diff}")
-    return {"canary": {"tokens": len(canary.token_ids), "ttft_ms": canary.ttft_ms},
-            "greedy": {"prompt": name, "tokens": len(runs[-1]), "against": "refs" if want is not None else "repeat"}}
+        raise BenchAborted(
+            f"smoke: greedy prompt {name} differs from its "
+            f"{'recorded reference' if want is not None else 'first run'} at token {diff}"
+        )
+    return {
+        "canary": {"tokens": len(canary.token_ids), "ttft_ms": canary.ttft_ms},
+        "greedy": {"prompt": name, "tokens": len(runs[-1]), "against": "refs" if want is not None else "repeat"},
+    }
 
 
 # ---- a run --------------------------------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def sigterm_as_interrupt():
@@ -415,15 +471,29 @@ def plan_requests(spec: dict, salt_base: str) -> list[dict]:
             salt = f"{salt_base}-{i}"
             if spec["unique_prefix"]:
                 text = f"[{salt}] {text}"
-            out.append({"prompt_id": p["id"], "category": p["category"], "seed": spec["seed"] + i,
-                        "max_tokens": p.get("max_tokens", spec["max_tokens"]), "prompt": text,
-                        "salt": salt if spec["cache_salt"] else None})
+            out.append(
+                {
+                    "prompt_id": p["id"],
+                    "category": p["category"],
+                    "seed": spec["seed"] + i,
+                    "max_tokens": p.get("max_tokens", spec["max_tokens"]),
+                    "prompt": text,
+                    "salt": salt if spec["cache_salt"] else None,
+                }
+            )
             i += 1
     return out
 
 
-def run_requests(endpoint: str, model: str, items: list[dict], sampler: dict, concurrency: int, timeout_s: float,
-                 progress: Callable[[RequestResult], None] | None = None) -> list[RequestResult]:
+def run_requests(
+    endpoint: str,
+    model: str,
+    items: list[dict],
+    sampler: dict,
+    concurrency: int,
+    timeout_s: float,
+    progress: Callable[[RequestResult], None] | None = None,
+) -> list[RequestResult]:
     """Run ``items`` (``plan_requests`` shape) with ``concurrency`` streams; results in item order.
 
     KeyboardInterrupt stops submitting, waits for nothing more and propagates (the caller
@@ -432,6 +502,7 @@ def run_requests(endpoint: str, model: str, items: list[dict], sampler: dict, co
 
     results: list[RequestResult | None] = [None] * len(items)
     with _client(timeout_s, endpoint) as c:
+
         def one(k: int) -> None:
             it = items[k]
             body = request_body(model, it["prompt"], it["seed"], it["max_tokens"], sampler, it["salt"])
@@ -458,6 +529,7 @@ def run_requests(endpoint: str, model: str, items: list[dict], sampler: dict, co
 def summarize(results: list[RequestResult]) -> dict:
     """Per category and overall: requests, failures, p50 of TTFT / per-request step_ms p50 /
     tok/s / tokens per step (ms, tok/s)."""
+
     def p50(vals):
         vals = [v for v in vals if isinstance(v, (int, float)) and math.isfinite(v)]
         return float(statistics.median(vals)) if vals else None
@@ -465,9 +537,14 @@ def summarize(results: list[RequestResult]) -> dict:
     groups: dict[str, list[RequestResult]] = {"all": list(results)}
     for r in results:
         groups.setdefault(r.category, []).append(r)
-    return {g: {"requests": len(rs), "failed": sum(not r.ok for r in rs),
-                "ttft_ms_p50": p50(r.ttft_ms for r in rs if r.ok),
-                "step_ms_p50": p50(r.step_ms_p50 for r in rs if r.ok),
-                "tok_s_p50": p50(r.tok_s for r in rs if r.ok),
-                "tokens_per_step_p50": p50(r.tokens_per_step for r in rs if r.ok)}
-            for g, rs in groups.items()}
+    return {
+        g: {
+            "requests": len(rs),
+            "failed": sum(not r.ok for r in rs),
+            "ttft_ms_p50": p50(r.ttft_ms for r in rs if r.ok),
+            "step_ms_p50": p50(r.step_ms_p50 for r in rs if r.ok),
+            "tok_s_p50": p50(r.tok_s for r in rs if r.ok),
+            "tokens_per_step_p50": p50(r.tokens_per_step for r in rs if r.ok),
+        }
+        for g, rs in groups.items()
+    }

@@ -25,15 +25,28 @@ CANDIDATE_SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "candidate.
 #: Candidate role settings ``(role, key)`` -> the role variable that templates them (re-running
 #: the role with production's values restores the file byte for byte; nothing else may be
 #: changed). Every ``roles.<role>.<key>`` the schema admits has an entry.
-ROLE_VARS = {("serve", "env"): "serve_extra_env", ("engram_server", "env"): "engram_server_extra_env",
-             ("spec_decode", "async"): "spec_decode_async", ("spec_decode", "k"): "spec_decode_k",
-             ("spec_decode", "timeout_ms"): "spec_decode_timeout_ms"}
+ROLE_VARS = {
+    ("serve", "env"): "serve_extra_env",
+    ("engram_server", "env"): "engram_server_extra_env",
+    ("spec_decode", "async"): "spec_decode_async",
+    ("spec_decode", "k"): "spec_decode_k",
+    ("spec_decode", "timeout_ms"): "spec_decode_timeout_ms",
+}
 #: Variables the roles derive from production's own files (digests, paths): a candidate that set
 #: them would change what production's inputs are said to be, not a setting; refused.
-DERIVED_ENV = frozenset({"DSV41_SERVE_INPUTS_SHA256", "DSV41_TABLES_MANIFEST", "DSV41_TABLES_MANIFEST_SHA256",
-                         "DSV41_DRAFTER_FILES_SHA256", "DSV41_WINDOW_TOKEN",
-                         # who may change production is not a setting a window measures
-                         "DSV41_OPERATOR_CREDENTIAL_FILE", "DSV41_CONTROL_HOSTS", "DSV41_API_KEY_FILE"})
+DERIVED_ENV = frozenset(
+    {
+        "DSV41_SERVE_INPUTS_SHA256",
+        "DSV41_TABLES_MANIFEST",
+        "DSV41_TABLES_MANIFEST_SHA256",
+        "DSV41_DRAFTER_FILES_SHA256",
+        "DSV41_WINDOW_TOKEN",
+        # who may change production is not a setting a window measures
+        "DSV41_OPERATOR_CREDENTIAL_FILE",
+        "DSV41_CONTROL_HOSTS",
+        "DSV41_API_KEY_FILE",
+    }
+)
 
 
 class CandidateError(WindowError):
@@ -80,12 +93,15 @@ def load_arm(path: str | os.PathLike) -> dict:
     ``playbooks/window_switch.yml`` loads every arm through this (``dsv41 window arm``)."""
     doc = fileio.read_json(path, "window arm file", max_bytes=1 << 20, error=CandidateError)
     if not isinstance(doc, dict) or set(doc) != ARM_KEYS:
-        raise CandidateError(f"window arm file {path}: must be a JSON object with exactly "
-                             f"{', '.join(sorted(ARM_KEYS))}")
+        raise CandidateError(
+            f"window arm file {path}: must be a JSON object with exactly {', '.join(sorted(ARM_KEYS))}"
+        )
     if not isinstance(doc["window_arm"], dict) or not (
-            isinstance(doc["window_switch_roles"], list) and all(isinstance(r, str) for r in doc["window_switch_roles"])):
-        raise CandidateError(f"window arm file {path}: window_arm must be an object and window_switch_roles a list "
-                             f"of role names")
+        isinstance(doc["window_switch_roles"], list) and all(isinstance(r, str) for r in doc["window_switch_roles"])
+    ):
+        raise CandidateError(
+            f"window arm file {path}: window_arm must be an object and window_switch_roles a list of role names"
+        )
     for r in doc["window_switch_roles"]:
         check_name(r, "window arm file role", CandidateError)
     check_data(doc, f"window arm file {path}")
@@ -146,11 +162,15 @@ def check_restorable(doc: dict) -> None:
     for role, settings in doc.get("roles", {}).items():
         for name in sorted(settings.get("env") or {}):
             if name not in envs.ENV_VARS:
-                raise CandidateError(f"candidate {doc['name']!r}: {role} env {name} is not a dsv41 variable "
-                                     f"(python/dsv41/envs.py); the window cannot restore what no role templates")
+                raise CandidateError(
+                    f"candidate {doc['name']!r}: {role} env {name} is not a dsv41 variable "
+                    f"(python/dsv41/envs.py); the window cannot restore what no role templates"
+                )
             if name in DERIVED_ENV:
-                raise CandidateError(f"candidate {doc['name']!r}: {role} env {name} is derived by the role from "
-                                     f"production's files; a window may not set it")
+                raise CandidateError(
+                    f"candidate {doc['name']!r}: {role} env {name} is derived by the role from "
+                    f"production's files; a window may not set it"
+                )
 
 
 def load_checked(name: str, root: str | os.PathLike = "candidates") -> dict:

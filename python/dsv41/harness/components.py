@@ -95,8 +95,10 @@ def env_problems(name: str, envs: dict[str, str], drafting_hosts: list[str] | tu
             if s.drafter_remote:
                 out.append(f"{host}: DSV41_DRAFTER_REMOTE={s.drafter_remote} (remote drafter still configured)")
             if s.drafter_capacity_mode or s.drafter_local_memory_tokens:
-                out.append(f"{host}: capacity mode {int(s.drafter_capacity_mode)} with {s.drafter_local_memory_tokens} "
-                           f"extra KV tokens (remote drafter still configured)")
+                out.append(
+                    f"{host}: capacity mode {int(s.drafter_capacity_mode)} with {s.drafter_local_memory_tokens} "
+                    f"extra KV tokens (remote drafter still configured)"
+                )
             if host in drafting_hosts and not s.drafter_local:
                 out.append(f"{host}: no DSV41_DRAFTER_LOCAL (this rank drafts; it must draft locally)")
         elif name == "remote_engram":
@@ -138,12 +140,14 @@ def parse_engine(text: str) -> tuple[dict, dict]:
 
 
 def _get(url: str, timeout_s: float) -> str:
-    return http.request("GET", url, what=f"cannot read metrics at {url}", timeout_s=timeout_s,
-                        error=ComponentError).text
+    return http.request(
+        "GET", url, what=f"cannot read metrics at {url}", timeout_s=timeout_s, error=ComponentError
+    ).text
 
 
-def snapshot(engine_url: str, worker_url: str, server_url: str, timeout_s: float = 10.0,
-             rank_urls: dict[str, str] | None = None) -> Snapshot:
+def snapshot(
+    engine_url: str, worker_url: str, server_url: str, timeout_s: float = 10.0, rank_urls: dict[str, str] | None = None
+) -> Snapshot:
     """Read rank 0's, the drafter worker's and the table server's ``/metrics`` (full URLs) and,
     with ``rank_urls`` (``{rank: url}``, :func:`dsv41.harness.rank_metrics.urls`: under vLLM each
     rank's overlay endpoint), every rank's Engram and drafter counters from there; an unreachable
@@ -160,8 +164,15 @@ def snapshot(engine_url: str, worker_url: str, server_url: str, timeout_s: float
     return Snapshot(engine, engram, worker, server)
 
 
-def settled_snapshot(engine_url: str, worker_url: str, server_url: str, timeout_s: float = 10.0,
-                     settle_s: float = 5.0, interval_s: float = 0.5, rank_urls: dict[str, str] | None = None) -> Snapshot:
+def settled_snapshot(
+    engine_url: str,
+    worker_url: str,
+    server_url: str,
+    timeout_s: float = 10.0,
+    settle_s: float = 5.0,
+    interval_s: float = 0.5,
+    rank_urls: dict[str, str] | None = None,
+) -> Snapshot:
     """:func:`snapshot` repeated until two reads ``interval_s`` apart agree on the worker's and
     the table server's counters (both count a request after its reply is sent), at most
     ``settle_s`` seconds; returns the last read."""
@@ -189,9 +200,19 @@ class Check:
     detail: str
 
 
-def evaluate(name: str, before: Snapshot, after: Snapshot, *, refs_identical: int, refs_total: int,
-             failed_requests: int, sent_requests: int, env_problems_found: list[str], kv_baseline: int,
-             ranks: list[str] | tuple[str, ...] = ("0", "1")) -> list[Check]:
+def evaluate(
+    name: str,
+    before: Snapshot,
+    after: Snapshot,
+    *,
+    refs_identical: int,
+    refs_total: int,
+    failed_requests: int,
+    sent_requests: int,
+    env_problems_found: list[str],
+    kv_baseline: int,
+    ranks: list[str] | tuple[str, ...] = ("0", "1"),
+) -> list[Check]:
     """The checks of component ``name``'s rollback over traffic between ``before`` and ``after``.
 
     ``refs_identical``/``refs_total``: greedy reference prompts identical / run;
@@ -205,43 +226,75 @@ def evaluate(name: str, before: Snapshot, after: Snapshot, *, refs_identical: in
     e0, e1 = before.engine, after.engine
     failed = failed_requests + int(sum(_d(e1, e0, f"finished_{r}") for r in FAILED_REASONS))
     checks = [
-        Check("configuration", not env_problems_found,
-              "; ".join(env_problems_found) or f"no {name} setting left in the hosts' env files"),
-        Check("greedy references", refs_total > 0 and refs_identical == refs_total,
-              f"{refs_identical}/{refs_total} identical"),
+        Check(
+            "configuration",
+            not env_problems_found,
+            "; ".join(env_problems_found) or f"no {name} setting left in the hosts' env files",
+        ),
+        Check(
+            "greedy references",
+            refs_total > 0 and refs_identical == refs_total,
+            f"{refs_identical}/{refs_total} identical",
+        ),
         Check("failed requests", failed == 0, f"{failed} failed of {sent_requests} sent"),
     ]
     rounds = _d(e1, e0, "rounds")
     worker_rounds = _d(after.worker, before.worker, "rounds")
     if name == "async_handoff":
-        moved = {k: _d(e1, e0, k) for k in sorted(set(e0) | set(e1))
-                 if k.startswith("proxy_") and k not in ("proxy_state", "proxy_up") and _d(e1, e0, k) != 0}
+        moved = {
+            k: _d(e1, e0, k)
+            for k in sorted(set(e0) | set(e1))
+            if k.startswith("proxy_") and k not in ("proxy_state", "proxy_up") and _d(e1, e0, k) != 0
+        }
         proxy_up = int(e1.get("proxy_up", 0))
         checks += [
-            Check("async counters still", not moved and proxy_up == 0,
-                  f"proxy counters moved {moved}" if moved else f"no proxy counter moved (proxy_up {proxy_up})"),
-            Check("synchronous rounds continue", rounds > 0 and worker_rounds > 0,
-                  f"engine rounds +{rounds:g}, worker rounds +{worker_rounds:g}, "
-                  f"failed closed +{_d(e1, e0, 'fail_closed_rounds'):g}"),
+            Check(
+                "async counters still",
+                not moved and proxy_up == 0,
+                f"proxy counters moved {moved}" if moved else f"no proxy counter moved (proxy_up {proxy_up})",
+            ),
+            Check(
+                "synchronous rounds continue",
+                rounds > 0 and worker_rounds > 0,
+                f"engine rounds +{rounds:g}, worker rounds +{worker_rounds:g}, "
+                f"failed closed +{_d(e1, e0, 'fail_closed_rounds'):g}",
+            ),
         ]
     elif name == "remote_drafter":
         kv, extra = e1.get("kv_tokens"), e1.get("kv_extra_tokens", 0.0)
         checks += [
             Check("worker rounds still", worker_rounds == 0, f"worker rounds +{worker_rounds:g}"),
-            Check("local speculation", rounds > 0 and _d(e1, e0, "spec_drafts") > 0,
-                  f"engine rounds +{rounds:g}, vllm:spec_decode_num_drafts +{_d(e1, e0, 'spec_drafts'):g}"),
-            Check("KV budget baseline", kv is not None and int(kv) == int(kv_baseline) and extra == 0,
-                  f"kv_cache_tokens {kv if kv is None else int(kv)} (baseline {kv_baseline}), extra {int(extra)}"),
+            Check(
+                "local speculation",
+                rounds > 0 and _d(e1, e0, "spec_drafts") > 0,
+                f"engine rounds +{rounds:g}, vllm:spec_decode_num_drafts +{_d(e1, e0, 'spec_drafts'):g}",
+            ),
+            Check(
+                "KV budget baseline",
+                kv is not None and int(kv) == int(kv_baseline) and extra == 0,
+                f"kv_cache_tokens {kv if kv is None else int(kv)} (baseline {kv_baseline}), extra {int(extra)}",
+            ),
         ]
     else:  # remote_engram
         served = _d(after.server, before.server, "requests")
-        per_rank = {r: (_d(after.engram.get(r, {}), before.engram.get(r, {}), "lookups"),
-                        _d(after.engram.get(r, {}), before.engram.get(r, {}), "fallbacks")) for r in ranks}
+        per_rank = {
+            r: (
+                _d(after.engram.get(r, {}), before.engram.get(r, {}), "lookups"),
+                _d(after.engram.get(r, {}), before.engram.get(r, {}), "fallbacks"),
+            )
+            for r in ranks
+        }
         checks += [
-            Check("remote lookups still", served == 0,
-                  f"table server requests +{served:g}, rows +{_d(after.server, before.server, 'rows_served'):g}"),
-            Check("local reader serves", all(lk > 0 and fb == 0 for lk, fb in per_rank.values()),
-                  ", ".join(f"rank {r} lookups +{lk:g} fallbacks +{fb:g}" for r, (lk, fb) in per_rank.items())),
+            Check(
+                "remote lookups still",
+                served == 0,
+                f"table server requests +{served:g}, rows +{_d(after.server, before.server, 'rows_served'):g}",
+            ),
+            Check(
+                "local reader serves",
+                all(lk > 0 and fb == 0 for lk, fb in per_rank.values()),
+                ", ".join(f"rank {r} lookups +{lk:g} fallbacks +{fb:g}" for r, (lk, fb) in per_rank.items()),
+            ),
         ]
     return checks
 
@@ -274,15 +327,35 @@ class Result:
 
     def to_dict(self) -> dict:
         """JSON-ready form (the module's result; ``failed_requests``, since Ansible owns ``failed``)."""
-        return {"component": self.component, "ok": self.ok, "checks": [asdict(c) for c in self.checks],
-                "before": asdict(self.before), "after": asdict(self.after), "sent_requests": self.sent,
-                "failed_requests": self.failed, "errors": self.errors, "seconds": round(self.seconds, 3)}
+        return {
+            "component": self.component,
+            "ok": self.ok,
+            "checks": [asdict(c) for c in self.checks],
+            "before": asdict(self.before),
+            "after": asdict(self.after),
+            "sent_requests": self.sent,
+            "failed_requests": self.failed,
+            "errors": self.errors,
+            "seconds": round(self.seconds, 3),
+        }
 
 
-def run(name: str, endpoint: str, refs_path: str, *, engine_metrics_url: str, worker_metrics_url: str,
-        server_metrics_url: str, envs: dict[str, str], kv_baseline: int,
-        drafting_hosts: list[str] | tuple[str, ...] = (), burst: int = 8, max_tokens: int = 16,
-        timeout_s: float = 120.0, rank_urls: dict[str, str] | None = None) -> Result:
+def run(
+    name: str,
+    endpoint: str,
+    refs_path: str,
+    *,
+    engine_metrics_url: str,
+    worker_metrics_url: str,
+    server_metrics_url: str,
+    envs: dict[str, str],
+    kv_baseline: int,
+    drafting_hosts: list[str] | tuple[str, ...] = (),
+    burst: int = 8,
+    max_tokens: int = 16,
+    timeout_s: float = 120.0,
+    rank_urls: dict[str, str] | None = None,
+) -> Result:
     """Send traffic to ``endpoint`` (rank 0's API) and judge component ``name``'s rollback.
 
     Traffic: the greedy reference prompts of ``refs_path`` (compared with the recorded ids,
@@ -318,7 +391,15 @@ def run(name: str, endpoint: str, refs_path: str, *, engine_metrics_url: str, wo
                 errors.append(str(exc))
     after = settled_snapshot(engine_metrics_url, worker_metrics_url, server_metrics_url, rank_urls=rank_urls)
     sent = total + burst
-    checks = evaluate(name, before, after, refs_identical=identical, refs_total=total,
-                      failed_requests=len(errors), sent_requests=sent, env_problems_found=problems,
-                      kv_baseline=kv_baseline)
+    checks = evaluate(
+        name,
+        before,
+        after,
+        refs_identical=identical,
+        refs_total=total,
+        failed_requests=len(errors),
+        sent_requests=sent,
+        env_problems_found=problems,
+        kv_baseline=kv_baseline,
+    )
     return Result(name, checks, before, after, sent, len(errors), errors, time.monotonic() - t0)

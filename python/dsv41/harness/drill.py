@@ -57,8 +57,13 @@ def new_id(now: _dt.datetime | None = None) -> str:
     return (now or _dt.datetime.now(_dt.UTC)).strftime("%Y%m%dT%H%M%SZ")
 
 
-def run_drill(params: DrillParams, hosts: LabHosts, topo: Topology, log: Callable[[str], None] = print,
-              results: list[dict] | None = None) -> list[dict]:
+def run_drill(
+    params: DrillParams,
+    hosts: LabHosts,
+    topo: Topology,
+    log: Callable[[str], None] = print,
+    results: list[dict] | None = None,
+) -> list[dict]:
     """Run every fault of ``params`` in turn (module docstring), appending each one's
     :func:`fault_result` to ``results`` (kept when a later fault raises) and returning it. A
     fault whose injection fails or is interrupted is cleared before the exception propagates
@@ -79,8 +84,9 @@ def run_drill(params: DrillParams, hosts: LabHosts, topo: Topology, log: Callabl
     for name in params.faults:
         fault = FAULT_CLASSES[name](hosts, topo)
         load = Load(params.endpoint, model, params.spec, params.streams, clock)  # raises before any thread runs
-        sampler = Sampler(lambda: read_sample(clock(), api_metrics, params.server_metrics, params.worker_metrics),
-                          params.interval_s).start()
+        sampler = Sampler(
+            lambda: read_sample(clock(), api_metrics, params.server_metrics, params.worker_metrics), params.interval_s
+        ).start()
         load.start()
         inject: dict = {}
         t_inject = 0.0
@@ -118,16 +124,33 @@ def run_drill(params: DrillParams, hosts: LabHosts, topo: Topology, log: Callabl
             clear = {**clear, **{k: v for k, v in fault.clear().items() if k in ("proxy_pid", "respawned")}}
         log(f"drill: {name}: {len(requests)} requests, verifying the greedy references")
         try:
-            chk = refs.check(params.endpoint, params.refs_path, mode="verify", metrics_url=api_metrics,
-                             require_ranks=list(params.ranks), require_drafter=True, attempts=5, delay_s=2.0)
-            refs_rec = {"ok": chk.ok, "summary": chk.comparison.summary(), "identical": chk.comparison.identical,
-                        "total": chk.comparison.total, "attempts": chk.attempts, "problem": chk.message()}
+            chk = refs.check(
+                params.endpoint,
+                params.refs_path,
+                mode="verify",
+                metrics_url=api_metrics,
+                require_ranks=list(params.ranks),
+                require_drafter=True,
+                attempts=5,
+                delay_s=2.0,
+            )
+            refs_rec = {
+                "ok": chk.ok,
+                "summary": chk.comparison.summary(),
+                "identical": chk.comparison.identical,
+                "total": chk.comparison.total,
+                "attempts": chk.attempts,
+                "problem": chk.message(),
+            }
         except Dsv41Error as exc:
             refs_rec = {"ok": False, "error": str(exc)}
-        res = fault_result(name, samples, requests, t_inject, t_clear, params.ranks, params.stable_s,
-                           inject, clear, refs_rec)
-        log(f"drill: {name}: {res['requests']} requests, {res['failed']} failed, {res['fallbacks_total']} fallbacks, "
+        res = fault_result(
+            name, samples, requests, t_inject, t_clear, params.ranks, params.stable_s, inject, clear, refs_rec
+        )
+        log(
+            f"drill: {name}: {res['requests']} requests, {res['failed']} failed, {res['fallbacks_total']} fallbacks, "
             f"{res['fail_closed_rounds']} fail-closed rounds, recovery {fmt_value(res['recovery_s'])} s, "
-            f"refs {refs_rec.get('summary') or refs_rec.get('error')}")
+            f"refs {refs_rec.get('summary') or refs_rec.get('error')}"
+        )
         results.append(res)
     return results

@@ -67,8 +67,10 @@ CONTAINER_FORMAT = "{{.State.Running}} {{.State.Pid}} {{.HostConfig.Init}}"
 _NO_SUCH_OBJECT = re.compile(r"no such (object|container)", re.IGNORECASE)
 EXEC_ENOENT = 127
 # tc netem words the drill passes on (anything else is refused before the lab is touched).
-_NETEM_WORD = re.compile(r"^(delay|loss|duplicate|corrupt|reorder|distribution|normal|pareto|"
-                         r"\d+(\.\d+)?(us|ms|s|%)?)$")
+_NETEM_WORD = re.compile(
+    r"^(delay|loss|duplicate|corrupt|reorder|distribution|normal|pareto|"
+    r"\d+(\.\d+)?(us|ms|s|%)?)$"
+)
 
 
 class DrillError(Dsv41Error):
@@ -76,6 +78,7 @@ class DrillError(Dsv41Error):
 
 
 # ---- request validation ------------------------------------------------------------------------
+
 
 def parse_faults(text: str | Sequence[str]) -> list[str]:
     """``"a,b"`` (or a list) -> the fault names in order, ``all`` = every fault in :data:`FAULTS`.
@@ -151,7 +154,9 @@ class Topology:
         if not _IFACE.match(self.link_iface):
             raise DrillError(f"drill: bad interface name {self.link_iface!r}")
         if not _RUNTIME.match(self.container_runtime):
-            raise DrillError(f"drill: bad container runtime {self.container_runtime!r} (one command, e.g. /usr/bin/docker)")
+            raise DrillError(
+                f"drill: bad container runtime {self.container_runtime!r} (one command, e.g. /usr/bin/docker)"
+            )
         parse_netem(self.netem)
         return self
 
@@ -177,8 +182,12 @@ class LabHosts:
     :data:`NSENTER_FLAGS`. ``ctl`` (:func:`dsv41.service_control.for_manager`)
     builds the hosts' service-manager commands."""
 
-    def __init__(self, lab_dir: str | Path, ctl: ServiceControl,
-                 runner: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> None:
+    def __init__(
+        self,
+        lab_dir: str | Path,
+        ctl: ServiceControl,
+        runner: Callable[..., subprocess.CompletedProcess] = subprocess.run,
+    ) -> None:
         self.lab_dir = Path(lab_dir)
         self.ctl = ctl
         self._run = runner
@@ -194,7 +203,9 @@ class LabHosts:
             raise DrillError(f"drill: the lab is not up ({p} names no running process)")
         return pid
 
-    def run(self, host: str, argv: Sequence[str], check: bool = True, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
+    def run(
+        self, host: str, argv: Sequence[str], check: bool = True, timeout_s: float = 60.0
+    ) -> subprocess.CompletedProcess:
         """``argv`` inside ``host``; DrillError with its stderr when ``check`` and it fails."""
         cmd = ["nsenter", "--target", self.holder(host), *NSENTER_FLAGS, "--", *argv]
         try:
@@ -203,8 +214,9 @@ class LabHosts:
             raise DrillError(f"drill: {' '.join(argv)} on {host}: no answer within {timeout_s:g} s") from None
         if check and r.returncode != 0:
             why = (r.stderr or r.stdout or "").strip().splitlines()
-            raise DrillError(f"drill: {' '.join(argv)} on {host} failed (exit {r.returncode})"
-                             + (f": {why[-1]}" if why else ""))
+            raise DrillError(
+                f"drill: {' '.join(argv)} on {host} failed (exit {r.returncode})" + (f": {why[-1]}" if why else "")
+            )
         return r
 
     def program_state(self, host: str, program: str) -> str:
@@ -235,9 +247,11 @@ class LabHosts:
         if r.returncode == EXEC_ENOENT or _NO_SUCH_OBJECT.search(r.stderr or ""):
             return False
         why = (r.stderr or r.stdout or "").strip().splitlines()
-        raise DrillError(f"drill: cannot tell how the engine runs on {host}: {runtime} inspect {name} failed "
-                         f"(exit {r.returncode}{': ' + why[-1] if why else ''}); say it with --serve-container or "
-                         "--plain-engine (drill.yml: -e drill_serve_container=true|false)")
+        raise DrillError(
+            f"drill: cannot tell how the engine runs on {host}: {runtime} inspect {name} failed "
+            f"(exit {r.returncode}{': ' + why[-1] if why else ''}); say it with --serve-container or "
+            "--plain-engine (drill.yml: -e drill_serve_container=true|false)"
+        )
 
     def container_pid(self, host: str, runtime: str, name: str) -> tuple[int, bool]:
         """``(pid, init)`` of running container ``name`` on ``host``: its PID 1 in ``host``'s pid
@@ -248,8 +262,10 @@ class LabHosts:
         r = self.run(host, [runtime, "inspect", "--format", CONTAINER_FORMAT, name], check=False)
         if r.returncode != 0:
             why = (r.stderr or r.stdout or "").strip().splitlines()
-            raise DrillError(f"drill: no container {name} on {host} ({why[-1] if why else f'exit {r.returncode}'}); "
-                             "is the engine running in a container (serve_container)?")
+            raise DrillError(
+                f"drill: no container {name} on {host} ({why[-1] if why else f'exit {r.returncode}'}); "
+                "is the engine running in a container (serve_container)?"
+            )
         words = r.stdout.split()
         if len(words) != 3 or words[0] not in ("true", "false") or not words[1].isdigit():
             raise DrillError(f"drill: container {name} on {host}: {runtime} inspect said {r.stdout.strip()[:200]!r}")
@@ -260,24 +276,26 @@ class LabHosts:
     def proc_tree(self, host: str, pid: int) -> tuple[Proc, list[Proc]]:
         """``pid`` on ``host`` and its children (``/proc/PID/task/*/children``), each a
         :class:`Proc`; DrillError when ``pid`` is gone or the answer cannot be read."""
-        script = ("import json,os,sys\n"
-                  "def ns(p):\n"
-                  " for l in open(f'/proc/{p}/status'):\n"
-                  "  if l.startswith('NSpid:'):return int(l.split()[-1])\n"
-                  " return int(p)\n"
-                  "def one(p):\n"
-                  " a=open(f'/proc/{p}/cmdline','rb').read().split(b'\\0')\n"
-                  " return [int(p),ns(p),[x.decode('utf-8','replace') for x in a if x]]\n"
-                  "p=sys.argv[1];o=set();r=[]\n"
-                  "try:\n"
-                  " me=one(p)\n"
-                  " for t in os.listdir(f'/proc/{p}/task'):\n"
-                  "  o.update(open(f'/proc/{p}/task/{t}/children').read().split())\n"
-                  "except OSError:print('null');sys.exit()\n"
-                  "for c in sorted(o,key=int):\n"
-                  " try:r.append(one(c))\n"
-                  " except OSError:continue\n"
-                  "print(json.dumps([me,r]))")
+        script = (
+            "import json,os,sys\n"
+            "def ns(p):\n"
+            " for l in open(f'/proc/{p}/status'):\n"
+            "  if l.startswith('NSpid:'):return int(l.split()[-1])\n"
+            " return int(p)\n"
+            "def one(p):\n"
+            " a=open(f'/proc/{p}/cmdline','rb').read().split(b'\\0')\n"
+            " return [int(p),ns(p),[x.decode('utf-8','replace') for x in a if x]]\n"
+            "p=sys.argv[1];o=set();r=[]\n"
+            "try:\n"
+            " me=one(p)\n"
+            " for t in os.listdir(f'/proc/{p}/task'):\n"
+            "  o.update(open(f'/proc/{p}/task/{t}/children').read().split())\n"
+            "except OSError:print('null');sys.exit()\n"
+            "for c in sorted(o,key=int):\n"
+            " try:r.append(one(c))\n"
+            " except OSError:continue\n"
+            "print(json.dumps([me,r]))"
+        )
         r = self.run(host, ["python3", "-c", script, str(pid)])
         try:
             doc = fileio.loads_json(r.stdout)
@@ -368,13 +386,17 @@ def proxy_pid(children: Iterable[tuple[int, list[str]]], engine_pid: int) -> int
     run ...`` with a custom ``proxy_cmd``); None if absent."""
     for pid, argv in children:
         pairs = list(zip(argv, argv[1:], strict=False))
-        if ("--parent-pid", str(engine_pid)) in pairs and (
-                ("-m", "dsv41.drafter.proxy_cli") in pairs or ("proxy", "run") in pairs) and "run" in argv:
+        if (
+            ("--parent-pid", str(engine_pid)) in pairs
+            and (("-m", "dsv41.drafter.proxy_cli") in pairs or ("proxy", "run") in pairs)
+            and "run" in argv
+        ):
             return pid
     return None
 
 
 # ---- faults ------------------------------------------------------------------------------------
+
 
 class Fault(abc.ABC):
     """One fault: ``inject`` and ``clear`` return a JSON-able record of what was done; ``clear``
@@ -447,18 +469,29 @@ class AsyncProxyKill(Fault):
         engine = find_engine(self.hosts, self.host, self.topo)
         proxy = engine.proxy()
         if proxy is None:
-            raise DrillError(f"drill: no async proxy process under {engine.where} on {self.host}: "
-                             "is DSV41_DRAFTER_ASYNC=1 in production?")
+            raise DrillError(
+                f"drill: no async proxy process under {engine.where} on {self.host}: "
+                "is DSV41_DRAFTER_ASYNC=1 in production?"
+            )
         self.hosts.run(self.host, ["kill", "-KILL", str(proxy.pid)])
         self.killed = proxy.pid
-        return {"host": self.host, "action": f"kill -KILL {proxy.pid} (async proxy, child of {engine.where})",
-                "engine_pid": engine.proc.pid, "proxy_pid": proxy.pid, "container": engine.container}
+        return {
+            "host": self.host,
+            "action": f"kill -KILL {proxy.pid} (async proxy, child of {engine.where})",
+            "engine_pid": engine.proc.pid,
+            "proxy_pid": proxy.pid,
+            "container": engine.container,
+        }
 
     def clear(self) -> dict:
         proxy = find_engine(self.hosts, self.host, self.topo).proxy()
         pid = proxy.pid if proxy else None
-        return {"host": self.host, "action": "none (the engine's watchdog respawns the proxy)",
-                "proxy_pid": pid, "respawned": pid is not None and pid != self.killed}
+        return {
+            "host": self.host,
+            "action": "none (the engine's watchdog respawns the proxy)",
+            "proxy_pid": pid,
+            "respawned": pid is not None and pid != self.killed,
+        }
 
 
 class LinkDown(Fault):
@@ -501,13 +534,19 @@ class Netem(Fault):
         base = ["tc", "qdisc", "replace", "dev", self.iface, "root"]
         r = self.hosts.run(self.host, [*base, "netem", *self.words], check=False)
         if r.returncode == 0:
-            return {"host": self.host, "qdisc": "netem",
-                    "action": f"tc qdisc replace dev {self.iface} root netem {' '.join(self.words)}"}
+            return {
+                "host": self.host,
+                "qdisc": "netem",
+                "action": f"tc qdisc replace dev {self.iface} root netem {' '.join(self.words)}",
+            }
         if "unknown" not in (r.stderr or "").lower():
             self.hosts.run(self.host, [*base, "netem", *self.words])  # the same failure, as one line
         self.hosts.run(self.host, [*base, "tbf", *FALLBACK_TBF.split()])
-        return {"host": self.host, "qdisc": "tbf",
-                "action": f"tc qdisc replace dev {self.iface} root tbf {FALLBACK_TBF} (the kernel has no sch_netem)"}
+        return {
+            "host": self.host,
+            "qdisc": "tbf",
+            "action": f"tc qdisc replace dev {self.iface} root tbf {FALLBACK_TBF} (the kernel has no sch_netem)",
+        }
 
     def clear(self) -> dict:
         r = self.hosts.run(self.host, ["tc", "qdisc", "show", "dev", self.iface, "root"])
@@ -518,8 +557,9 @@ class Netem(Fault):
         return {"host": self.host, "action": f"tc qdisc del dev {self.iface} root ({kinds[0]})"}
 
 
-FAULT_CLASSES: dict[str, type[Fault]] = {c.name: c for c in (EngramServerStop, DrafterWorkerStop, AsyncProxyKill,
-                                                              LinkDown, Netem)}
+FAULT_CLASSES: dict[str, type[Fault]] = {
+    c.name: c for c in (EngramServerStop, DrafterWorkerStop, AsyncProxyKill, LinkDown, Netem)
+}
 
 
 def clear_all(hosts: LabHosts, topo: Topology, names: Iterable[str] | None = None) -> dict[str, dict]:

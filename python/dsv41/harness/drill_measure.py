@@ -44,8 +44,9 @@ class Sample:
         return self.error is None
 
 
-def read_sample(t: float, api_metrics: str, server_metrics: str | None, worker_metrics: str | None,
-                timeout_s: float = 2.0) -> Sample:
+def read_sample(
+    t: float, api_metrics: str, server_metrics: str | None, worker_metrics: str | None, timeout_s: float = 2.0
+) -> Sample:
     """Read every counter the drill tracks (see :class:`Sample`); never raises for an unreachable
     endpoint (rank 0's goes into ``error``, the others become None)."""
     from dsv41.harness import http, refs
@@ -53,14 +54,18 @@ def read_sample(t: float, api_metrics: str, server_metrics: str | None, worker_m
     s = Sample(t)
     try:
         text = http.request("GET", api_metrics, what=f"cannot read metrics at {api_metrics}", timeout_s=timeout_s).text
-        s.engram = {r: {k: v for k, v in c.items() if k in ("lookups", "fallbacks", "remote_rows")}
-                    for r, c in refs.engram_counters(text).items()}
+        s.engram = {
+            r: {k: v for k, v in c.items() if k in ("lookups", "fallbacks", "remote_rows")}
+            for r, c in refs.engram_counters(text).items()
+        }
         s.drafter = refs.flat_values(text, "dsv41_drafter_")
         s.gen_tokens = sum(v for n, _l, v in http.metric_samples(text) if n == "vllm:generation_tokens_total")
     except Dsv41Error as exc:
         s.error = str(exc)
-    for url, name, attr in ((server_metrics, "dsv41_engram_requests_total", "server_requests"),
-                            (worker_metrics, "dsv41_drafter_rounds_total", "worker_rounds")):
+    for url, name, attr in (
+        (server_metrics, "dsv41_engram_requests_total", "server_requests"),
+        (worker_metrics, "dsv41_drafter_rounds_total", "worker_rounds"),
+    ):
         if not url:
             continue
         try:
@@ -127,8 +132,10 @@ class Load:
         self._stop = threading.Event()
         # The bench's own client settings (timeouts, no proxy variables, the endpoint checked).
         self._clients = [bench._client(spec["timeout_s"], endpoint) for _ in range(streams)]
-        self._threads = [threading.Thread(target=self._worker, args=(c,), name=f"drill-load-{i}", daemon=True)
-                         for i, c in enumerate(self._clients)]
+        self._threads = [
+            threading.Thread(target=self._worker, args=(c,), name=f"drill-load-{i}", daemon=True)
+            for i, c in enumerate(self._clients)
+        ]
 
     def _worker(self, client) -> None:
         from dsv41.harness import bench
@@ -140,8 +147,9 @@ class Load:
                     self._next += 1
                 it = self.items[k % len(self.items)]
                 salt = f"drill-{self.salt}-{k}" if self.spec["cache_salt"] else None
-                body = bench.request_body(self.model, it["prompt"], self.spec["seed"] + k, it["max_tokens"],
-                                          self.spec["sampler"], salt)
+                body = bench.request_body(
+                    self.model, it["prompt"], self.spec["seed"] + k, it["max_tokens"], self.spec["sampler"], salt
+                )
                 t0 = self.clock()
                 r = bench.stream_one(c, self.endpoint, body, it["prompt_id"], it["category"])
                 self.results.append({**r.to_dict(keep_steps=False), "t_start": t0, "t_end": self.clock()})
@@ -163,6 +171,7 @@ class Load:
 
 # ---- computations on the samples (pure) ----------------------------------------------------------
 
+
 def _engram_total(s: Sample, key: str) -> float:
     return sum(c.get(key, 0.0) for c in s.engram.values())
 
@@ -177,10 +186,16 @@ def timeline(samples: Sequence[Sample]) -> list[dict]:
         if dt <= 0:
             continue
         tok = (b.gen_tokens - a.gen_tokens) / dt if a.gen_tokens is not None and b.gen_tokens is not None else None
-        out.append({"t": (a.t + b.t) / 2, "tok_s": tok,
-                    "fallbacks_s": (_engram_total(b, "fallbacks") - _engram_total(a, "fallbacks")) / dt,
-                    "lookups_s": (_engram_total(b, "lookups") - _engram_total(a, "lookups")) / dt,
-                    "fail_closed_s": (b.drafter.get("fail_closed_rounds", 0.0) - a.drafter.get("fail_closed_rounds", 0.0)) / dt})
+        out.append(
+            {
+                "t": (a.t + b.t) / 2,
+                "tok_s": tok,
+                "fallbacks_s": (_engram_total(b, "fallbacks") - _engram_total(a, "fallbacks")) / dt,
+                "lookups_s": (_engram_total(b, "lookups") - _engram_total(a, "lookups")) / dt,
+                "fail_closed_s": (b.drafter.get("fail_closed_rounds", 0.0) - a.drafter.get("fail_closed_rounds", 0.0))
+                / dt,
+            }
+        )
     return out
 
 
@@ -193,7 +208,10 @@ def healthy_interval(a: Sample, b: Sample, ranks: Sequence[str], drafter: bool) 
         ca, cb = a.engram.get(r), b.engram.get(r)
         if ca is None or cb is None:
             return False
-        if cb.get("lookups", 0.0) - ca.get("lookups", 0.0) <= 0 or cb.get("fallbacks", 0.0) - ca.get("fallbacks", 0.0) != 0:
+        if (
+            cb.get("lookups", 0.0) - ca.get("lookups", 0.0) <= 0
+            or cb.get("fallbacks", 0.0) - ca.get("fallbacks", 0.0) != 0
+        ):
             return False
     if drafter:
         if b.drafter.get("rounds", 0.0) - a.drafter.get("rounds", 0.0) <= 0:
@@ -203,8 +221,9 @@ def healthy_interval(a: Sample, b: Sample, ranks: Sequence[str], drafter: bool) 
     return True
 
 
-def recovery_time(samples: Sequence[Sample], t_clear: float, ranks: Sequence[str], drafter: bool = True,
-                  stable_s: float = 3.0) -> float | None:
+def recovery_time(
+    samples: Sequence[Sample], t_clear: float, ranks: Sequence[str], drafter: bool = True, stable_s: float = 3.0
+) -> float | None:
     """Seconds from clearing the fault (``t_clear``, on the samples' clock) until the system is
     back: the start of the first run of consecutive :func:`healthy_interval` s lasting at least
     ``stable_s`` seconds, among intervals starting at or after ``t_clear``. ``0.0`` when healthy
@@ -223,8 +242,9 @@ def recovery_time(samples: Sequence[Sample], t_clear: float, ranks: Sequence[str
     return None
 
 
-def throughput_recovery_time(samples: Sequence[Sample], t_inject: float, t_clear: float, frac: float = 0.5,
-                             window_s: float = 3.0) -> float | None:
+def throughput_recovery_time(
+    samples: Sequence[Sample], t_inject: float, t_clear: float, frac: float = 0.5, window_s: float = 3.0
+) -> float | None:
     """Seconds from ``t_clear`` until generation is back to at least ``frac`` of its pre-fault mean:
     the first interval (of :func:`timeline`, midpoint at or after ``t_clear``) from which the mean
     tok/s of the intervals within ``window_s`` seconds reaches ``frac`` x the mean before
@@ -251,18 +271,40 @@ def counter_deltas(samples: Sequence[Sample], t0: float | None = None, t1: float
     "server_requests", "worker_rounds", "seconds"}``; empty dicts / None with fewer than two."""
     sel = [s for s in samples if s.ok and (t0 is None or s.t >= t0) and (t1 is None or s.t <= t1)]
     if len(sel) < 2:
-        return {"engram": {}, "drafter": {}, "gen_tokens": None, "server_requests": None, "worker_rounds": None,
-                "seconds": 0.0}
+        return {
+            "engram": {},
+            "drafter": {},
+            "gen_tokens": None,
+            "server_requests": None,
+            "worker_rounds": None,
+            "seconds": 0.0,
+        }
     a, b = sel[0], sel[-1]
 
     def d(x, y):
         return None if x is None or y is None else y - x
 
-    return {"engram": {r: {k: v - a.engram.get(r, {}).get(k, 0.0) for k, v in c.items()} for r, c in b.engram.items()},
-            "drafter": {k: v - a.drafter.get(k, 0.0) for k, v in b.drafter.items()
-                        if k in ("rounds", "fail_closed_rounds", "proxy_respawns", "proxy_spawns", "watchdog_fires",
-                                 "timeouts", "unavailable", "reconnects", "proxy_down", "proxy_gave_up")},
-            "gen_tokens": d(a.gen_tokens, b.gen_tokens),
-            "server_requests": d(a.server_requests, b.server_requests),
-            "worker_rounds": d(a.worker_rounds, b.worker_rounds),
-            "seconds": b.t - a.t}
+    return {
+        "engram": {r: {k: v - a.engram.get(r, {}).get(k, 0.0) for k, v in c.items()} for r, c in b.engram.items()},
+        "drafter": {
+            k: v - a.drafter.get(k, 0.0)
+            for k, v in b.drafter.items()
+            if k
+            in (
+                "rounds",
+                "fail_closed_rounds",
+                "proxy_respawns",
+                "proxy_spawns",
+                "watchdog_fires",
+                "timeouts",
+                "unavailable",
+                "reconnects",
+                "proxy_down",
+                "proxy_gave_up",
+            )
+        },
+        "gen_tokens": d(a.gen_tokens, b.gen_tokens),
+        "server_requests": d(a.server_requests, b.server_requests),
+        "worker_rounds": d(a.worker_rounds, b.worker_rounds),
+        "seconds": b.t - a.t,
+    }

@@ -91,8 +91,9 @@ def check_url(url: str, *, what: str, error: type[Dsv41Error] = HttpError) -> st
     return url
 
 
-def auth_headers(operator: bool = False, *, what: str = "HTTP request",
-                 error: type[Dsv41Error] = HttpError) -> dict[str, str]:
+def auth_headers(
+    operator: bool = False, *, what: str = "HTTP request", error: type[Dsv41Error] = HttpError
+) -> dict[str, str]:
     """The credentials a project client sends (``dsv41.authz.client_headers``): the API key
     (``DSV41_API_KEY_FILE``) always, the operator credential (``DSV41_OPERATOR_CREDENTIAL_FILE``)
     when ``operator`` (a request that changes a server's state). ``error(what: ...)`` naming the
@@ -105,8 +106,16 @@ def auth_headers(operator: bool = False, *, what: str = "HTTP request",
         raise error(f"{what}: {exc}") from None
 
 
-def request(method: str, url: str, *, what: str, timeout_s: float = 10.0, json: Any = None,
-            error: type[Dsv41Error] = HttpError, operator: bool = False) -> Any:
+def request(
+    method: str,
+    url: str,
+    *,
+    what: str,
+    timeout_s: float = 10.0,
+    json: Any = None,
+    error: type[Dsv41Error] = HttpError,
+    operator: bool = False,
+) -> Any:
     """Send one request and return the ``httpx.Response`` (status 2xx).
 
     ``timeout_s`` bounds connect, each read and write (seconds); environment proxies are ignored
@@ -131,8 +140,16 @@ def request(method: str, url: str, *, what: str, timeout_s: float = 10.0, json: 
         raise error(f"{what}: {exc} ({method} {url})") from exc
 
 
-def request_json(method: str, url: str, *, what: str, timeout_s: float = 10.0, json: Any = None,
-                 error: type[Dsv41Error] = HttpError, operator: bool = False) -> Any:
+def request_json(
+    method: str,
+    url: str,
+    *,
+    what: str,
+    timeout_s: float = 10.0,
+    json: Any = None,
+    error: type[Dsv41Error] = HttpError,
+    operator: bool = False,
+) -> Any:
     """:func:`request`, then the body decoded as JSON; ``error`` when it is not JSON."""
     r = request(method, url, what=what, timeout_s=timeout_s, json=json, error=error, operator=operator)
     try:
@@ -141,7 +158,9 @@ def request_json(method: str, url: str, *, what: str, timeout_s: float = 10.0, j
         raise error(f"{what}: the response is not JSON ({method} {url})") from exc
 
 
-def metric_samples(text: str, *, what: str = "metrics", error: type[Dsv41Error] = HttpError) -> list[tuple[str, dict[str, str], float]]:
+def metric_samples(
+    text: str, *, what: str = "metrics", error: type[Dsv41Error] = HttpError
+) -> list[tuple[str, dict[str, str], float]]:
     """Prometheus text exposition -> ``[(sample name, labels, value)]`` in text order, parsed by
     ``prometheus_client.parser.text_string_to_metric_families`` (sample names keep their
     ``_total`` / ``_sum`` / ``_count`` / ``_bucket`` / ``_created`` suffixes).  ``error`` naming
@@ -149,13 +168,18 @@ def metric_samples(text: str, *, what: str = "metrics", error: type[Dsv41Error] 
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        return [(s.name, dict(s.labels), float(s.value))
-                for fam in text_string_to_metric_families(text) for s in fam.samples]
+        return [
+            (s.name, dict(s.labels), float(s.value))
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        ]
     except (ValueError, TypeError, IndexError) as exc:
         raise error(f"{what}: not Prometheus text exposition: {exc}") from exc
 
 
-def get_metrics(url: str, *, timeout_s: float = 10.0, error: type[Dsv41Error] = HttpError) -> list[tuple[str, dict[str, str], float]]:
+def get_metrics(
+    url: str, *, timeout_s: float = 10.0, error: type[Dsv41Error] = HttpError
+) -> list[tuple[str, dict[str, str], float]]:
     """GET a ``/metrics`` URL and parse it (:func:`metric_samples`); ``error`` on failure."""
     what = f"cannot read metrics at {url}"
     return metric_samples(request("GET", url, what=what, timeout_s=timeout_s, error=error).text, what=what, error=error)

@@ -55,7 +55,9 @@ def ipv4_addresses(name: str, run: Callable[..., Any] = subprocess.run) -> list[
     """IPv4 addresses of interface ``name`` (``ip -j -4 addr show dev NAME``); [] when none or
     when ``ip`` fails."""
     try:
-        r = run(["ip", "-j", "-4", "addr", "show", "dev", name], capture_output=True, text=True, timeout=10, check=False)
+        r = run(
+            ["ip", "-j", "-4", "addr", "show", "dev", name], capture_output=True, text=True, timeout=10, check=False
+        )
     except (OSError, subprocess.SubprocessError):
         return []
     if r.returncode != 0:
@@ -77,8 +79,11 @@ def ip_link_facts(name: str, text: str) -> dict | None:
     if not isinstance(data, list) or not data or not isinstance(data[0], dict) or data[0].get("ifname") != name:
         return None
     d = data[0]
-    return {"mtu": int(d.get("mtu") or 0), "flags": IFF_UP if "UP" in (d.get("flags") or []) else 0,
-            "operstate": str(d.get("operstate", "")).lower()}
+    return {
+        "mtu": int(d.get("mtu") or 0),
+        "flags": IFF_UP if "UP" in (d.get("flags") or []) else 0,
+        "operstate": str(d.get("operstate", "")).lower(),
+    }
 
 
 def ip_link(name: str, run: Callable[..., Any] = subprocess.run) -> dict | None:
@@ -136,13 +141,23 @@ def verbs_ports_pyverbs(device_mod: Any, ifindex: int) -> tuple[list[dict], str 
             mine = [e for e in table if e.ndev_ifindex == ifindex]
             for p in sorted({e.port_num for e in mine}):
                 attr = ctx.query_port(p)
-                out.append({
-                    "device": name, "port": int(p), "state": _PORT_STATES.get(int(attr.state), str(attr.state)),
-                    "active_mtu": 128 << int(attr.active_mtu),
-                    "gids": [{"index": int(e.gid_index), "gid": e.gid_str(),
-                              "type": "RoCE v2" if int(e.gid_type) == IBV_GID_TYPE_ROCE_V2 else "other"}
-                             for e in mine if e.port_num == p],
-                })
+                out.append(
+                    {
+                        "device": name,
+                        "port": int(p),
+                        "state": _PORT_STATES.get(int(attr.state), str(attr.state)),
+                        "active_mtu": 128 << int(attr.active_mtu),
+                        "gids": [
+                            {
+                                "index": int(e.gid_index),
+                                "gid": e.gid_str(),
+                                "type": "RoCE v2" if int(e.gid_type) == IBV_GID_TYPE_ROCE_V2 else "other",
+                            }
+                            for e in mine
+                            if e.port_num == p
+                        ],
+                    }
+                )
         except PyverbsError as exc:
             return out, f"pyverbs: {name}: {exc}"
         finally:
@@ -155,27 +170,45 @@ def verbs_ports_sysfs(sysfs: str, name: str) -> list[dict]:
     ``gid_attrs/ndevs/<i>`` names ``name``."""
     out = []
     for port_dir in sorted(glob.glob(os.path.join(sysfs, "class/infiniband/*/ports/*"))):
-        idx = sorted((os.path.basename(p) for p in glob.glob(os.path.join(port_dir, "gid_attrs/ndevs/*"))
-                      if _read(p) == name), key=int)
+        idx = sorted(
+            (os.path.basename(p) for p in glob.glob(os.path.join(port_dir, "gid_attrs/ndevs/*")) if _read(p) == name),
+            key=int,
+        )
         if not idx:
             continue
         state = (_read(os.path.join(port_dir, "state")) or "").split(":")[-1].strip()  # "4: ACTIVE"
         active = (_read(os.path.join(port_dir, "active_mtu")) or "").split()  # "4096 (5)"
-        out.append({
-            "device": os.path.basename(os.path.dirname(os.path.dirname(port_dir))),
-            "port": int(os.path.basename(port_dir)),
-            "state": state or "unknown",
-            "active_mtu": int(active[0]) if active and active[0].isdigit() else 0,
-            "gids": [{"index": int(i), "gid": _read(os.path.join(port_dir, "gids", i)) or "",
-                      "type": "RoCE v2" if (_read(os.path.join(port_dir, "gid_attrs/types", i)) or "").lower() == "roce v2"
-                      else "other"} for i in idx],
-        })
+        out.append(
+            {
+                "device": os.path.basename(os.path.dirname(os.path.dirname(port_dir))),
+                "port": int(os.path.basename(port_dir)),
+                "state": state or "unknown",
+                "active_mtu": int(active[0]) if active and active[0].isdigit() else 0,
+                "gids": [
+                    {
+                        "index": int(i),
+                        "gid": _read(os.path.join(port_dir, "gids", i)) or "",
+                        "type": "RoCE v2"
+                        if (_read(os.path.join(port_dir, "gid_attrs/types", i)) or "").lower() == "roce v2"
+                        else "other",
+                    }
+                    for i in idx
+                ],
+            }
+        )
     return out
 
 
-def check_link(link: dict, *, sysfs: str = "/sys", require_verbs: bool = True, verbs_mtu: int = 4096,
-               pyverbs: Any = "auto", addresses: Callable[[str], list[str]] = ipv4_addresses,
-               netdev: Callable[[str], dict | None] = ip_link) -> tuple[dict, list[dict]]:
+def check_link(
+    link: dict,
+    *,
+    sysfs: str = "/sys",
+    require_verbs: bool = True,
+    verbs_mtu: int = 4096,
+    pyverbs: Any = "auto",
+    addresses: Callable[[str], list[str]] = ipv4_addresses,
+    netdev: Callable[[str], dict | None] = ip_link,
+) -> tuple[dict, list[dict]]:
     """Read one link and judge it.
 
     ``link``: an entry of ``dsv41_links`` (``name``, ``mtu`` (default 9000), optional ``address``).
@@ -208,13 +241,17 @@ def check_link(link: dict, *, sysfs: str = "/sys", require_verbs: bool = True, v
     up = bool(flags & IFF_UP) and oper in ("up", "unknown")
     addrs = addresses(name)
     info: dict = {"name": name, "exists": True, "mtu": mtu, "up": up, "operstate": oper, "addresses": addrs}
-    add("up", up, oper if up or not oper else f"{oper} (flags {flags:#x})", "up",
-        "" if up else f"{name}: link is down")
+    add("up", up, oper if up or not oper else f"{oper} (flags {flags:#x})", "up", "" if up else f"{name}: link is down")
     add("mtu", mtu == want_mtu, mtu, want_mtu, "" if mtu == want_mtu else f"{name}: MTU {mtu}, expected {want_mtu}")
     if link.get("address"):
         ok = link["address"] in addrs
-        add("address", ok, addrs, link["address"],
-            "" if ok else f"{name}: address {link['address']} missing (has {', '.join(addrs) or 'none'})")
+        add(
+            "address",
+            ok,
+            addrs,
+            link["address"],
+            "" if ok else f"{name}: address {link['address']} missing (has {', '.join(addrs) or 'none'})",
+        )
     dev = load_pyverbs() if pyverbs == "auto" else pyverbs
     ports, verr = [], None
     if dev is not None:
@@ -237,19 +274,34 @@ def check_link(link: dict, *, sysfs: str = "/sys", require_verbs: bool = True, v
             add(check, False if require_verbs else None, None, None, reason)
         return info, checks
     port = ports[0]
-    info["rdma"] = {"device": port["device"], "port": port["port"], "state": port["state"], "active_mtu": port["active_mtu"]}
+    info["rdma"] = {
+        "device": port["device"],
+        "port": port["port"],
+        "state": port["state"],
+        "active_mtu": port["active_mtu"],
+    }
     where = f"{name}: {port['device']} port {port['port']}"
     active = port["state"] == "ACTIVE"
     add("rdma_port", active, port["state"], "ACTIVE", "" if active else f"{where} is {port['state']}")
     ok = port["active_mtu"] == verbs_mtu
-    add("rdma_active_mtu", ok, port["active_mtu"], verbs_mtu,
-        "" if ok else f"{where} active verbs MTU {port['active_mtu']}, expected {verbs_mtu}")
+    add(
+        "rdma_active_mtu",
+        ok,
+        port["active_mtu"],
+        verbs_mtu,
+        "" if ok else f"{where} active verbs MTU {port['active_mtu']}, expected {verbs_mtu}",
+    )
     want_gid = gid_for_ipv4(link["address"]) if link.get("address") else None
     v2 = [g for g in port["gids"] if g["type"] == "RoCE v2" and (want_gid is None or g["gid"] == want_gid)]
     if v2:
         info["rdma"].update(gid_index=v2[0]["index"], gid=v2[0]["gid"])
-    add("roce_v2_gid", bool(v2), v2[0]["gid"] if v2 else [g["gid"] for g in port["gids"]], want_gid or "any RoCE v2",
-        "" if v2 else f"{where} has no RoCE v2 GID" + (f" for {link['address']}" if want_gid else ""))
+    add(
+        "roce_v2_gid",
+        bool(v2),
+        v2[0]["gid"] if v2 else [g["gid"] for g in port["gids"]],
+        want_gid or "any RoCE v2",
+        "" if v2 else f"{where} has no RoCE v2 GID" + (f" for {link['address']}" if want_gid else ""),
+    )
     return info, checks
 
 

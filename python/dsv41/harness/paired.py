@@ -44,8 +44,14 @@ def median_interval(diffs: Sequence[float], level: float = 0.95) -> dict:
     order = [float(x[k - 1]), float(x[n - k])] if k >= 1 else None
     boot = None
     if n >= 2 and x[0] != x[-1]:
-        res = stats.bootstrap((x,), np.median, confidence_level=level, n_resamples=9999, method="percentile",
-                              random_state=np.random.default_rng(23))
+        res = stats.bootstrap(
+            (x,),
+            np.median,
+            confidence_level=level,
+            n_resamples=9999,
+            method="percentile",
+            random_state=np.random.default_rng(23),
+        )
         boot = [float(res.confidence_interval.low), float(res.confidence_interval.high)]
     elif n >= 2:
         boot = [float(x[0]), float(x[0])]
@@ -53,7 +59,7 @@ def median_interval(diffs: Sequence[float], level: float = 0.95) -> dict:
 
 
 def decide(interval: dict, target: float) -> str:
-    """"met" / "not met" / "undecided" for "the median is at most ``target``" from
+    """ "met" / "not met" / "undecided" for "the median is at most ``target``" from
     ``median_interval``'s ``order_ci`` ("undecided" when there is none)."""
     ci = interval.get("order_ci")
     if ci is None:

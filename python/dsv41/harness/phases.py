@@ -48,8 +48,17 @@ from dsv41.errors import Dsv41Error
 from dsv41.harness.paired import decide, median_interval
 
 #: Phase names of ``layer1_phases`` in the order they lie on layer 1's critical path.
-PHASES = ("submit_after_l0", "wake", "ids_wait", "plan0", "plan0_to_fetch", "launches", "plan_waits",
-          "last_launch", "tail")
+PHASES = (
+    "submit_after_l0",
+    "wake",
+    "ids_wait",
+    "plan0",
+    "plan0_to_fetch",
+    "launches",
+    "plan_waits",
+    "last_launch",
+    "tail",
+)
 
 
 def layer1_phases(trace: dict, host_t0_ns: int, gpu_ms: dict, layer0_target_ms: float) -> dict:
@@ -103,14 +112,22 @@ def layer1_phases(trace: dict, host_t0_ns: int, gpu_ms: dict, layer0_target_ms: 
     layer0 = gpu_ms["l0_end"] - gpu_ms["l0_start"]
     stall = gpu_ms["b"] - gpu_ms["a"]
     out = {
-        "submit_after_l0": (t_sub - l0s) * ms, "wake": (t_deq - t_sub) * ms, "ids_wait": (t_ids - t_deq) * ms,
-        "plan0": (t_plan0 - t_ids) * ms, "plan0_to_fetch": (fs[0] - t_plan0) * ms,
+        "submit_after_l0": (t_sub - l0s) * ms,
+        "wake": (t_deq - t_sub) * ms,
+        "ids_wait": (t_ids - t_deq) * ms,
+        "plan0": (t_plan0 - t_ids) * ms,
+        "plan0_to_fetch": (fs[0] - t_plan0) * ms,
         "launches": sum(l1[k] - fe[k] for k in range(n - 1)) * ms,
         "plan_waits": (sum(fs[k] - l1[k - 1] for k in range(1, n)) + split[1]) * ms,
-        "last_launch": (t_done - fe[-1]) * ms, "tail": (b_ns - t_done) * ms,
-        "fetch": fetch, "layer0": layer0, "stall": stall,
-        "excess": stall - (fetch - layer0), "excess_target": stall - (fetch - layer0_target_ms),
-        "critical": (b_ns - l0s) * ms - fetch, "a_after_l0": gpu_ms["a"] - gpu_ms["l0_end"],
+        "last_launch": (t_done - fe[-1]) * ms,
+        "tail": (b_ns - t_done) * ms,
+        "fetch": fetch,
+        "layer0": layer0,
+        "stall": stall,
+        "excess": stall - (fetch - layer0),
+        "excess_target": stall - (fetch - layer0_target_ms),
+        "critical": (b_ns - l0s) * ms - fetch,
+        "a_after_l0": gpu_ms["a"] - gpu_ms["l0_end"],
     }
     return {k: float(v) for k, v in out.items()}
 
@@ -128,7 +145,12 @@ def _stream_phases(trace: dict, host_t0_ns: int, gpu_ms: dict, layer0_target_ms:
         raise Dsv41Error("phase trace: a timestamp is missing")
     t_sub, t_deq, t_ids, t_plan0, t_fetch0, t_fetch1, t_done = ts
     idle = int(trace.get("idle", 0))
-    if any(b < a for a, b in zip(ts, ts[1:], strict=False)) or idle < 0 or idle > t_fetch1 - t_fetch0 or max(l1) > t_done:
+    if (
+        any(b < a for a, b in zip(ts, ts[1:], strict=False))
+        or idle < 0
+        or idle > t_fetch1 - t_fetch0
+        or max(l1) > t_done
+    ):
         raise Dsv41Error("phase trace: timestamps out of order")
     ms = 1e-6
     l0s = host_t0_ns + gpu_ms["l0_start"] * 1e6
@@ -143,13 +165,24 @@ def _stream_phases(trace: dict, host_t0_ns: int, gpu_ms: dict, layer0_target_ms:
         over += max(l1[k] - start, 0)
         prev = l1[k]
     out = {
-        "submit_after_l0": (t_sub - l0s) * ms, "wake": (t_deq - t_sub) * ms, "ids_wait": (t_ids - t_deq) * ms,
-        "plan0": (t_plan0 - t_ids) * ms, "plan0_to_fetch": (t_fetch0 - t_plan0) * ms, "launches": 0.0,
-        "plan_waits": idle * ms, "last_launch": (t_done - t_fetch1) * ms, "tail": (b_ns - t_done) * ms,
-        "fetch": fetch, "layer0": layer0, "stall": stall,
-        "excess": stall - (fetch - layer0), "excess_target": stall - (fetch - layer0_target_ms),
-        "critical": (b_ns - l0s) * ms - fetch, "a_after_l0": gpu_ms["a"] - gpu_ms["l0_end"],
-        "launches_overlapped": over * ms, "span": (t_fetch1 - t_fetch0) * ms,
+        "submit_after_l0": (t_sub - l0s) * ms,
+        "wake": (t_deq - t_sub) * ms,
+        "ids_wait": (t_ids - t_deq) * ms,
+        "plan0": (t_plan0 - t_ids) * ms,
+        "plan0_to_fetch": (t_fetch0 - t_plan0) * ms,
+        "launches": 0.0,
+        "plan_waits": idle * ms,
+        "last_launch": (t_done - t_fetch1) * ms,
+        "tail": (b_ns - t_done) * ms,
+        "fetch": fetch,
+        "layer0": layer0,
+        "stall": stall,
+        "excess": stall - (fetch - layer0),
+        "excess_target": stall - (fetch - layer0_target_ms),
+        "critical": (b_ns - l0s) * ms - fetch,
+        "a_after_l0": gpu_ms["a"] - gpu_ms["l0_end"],
+        "launches_overlapped": over * ms,
+        "span": (t_fetch1 - t_fetch0) * ms,
     }
     return {k: float(v) for k, v in out.items()}
 
@@ -183,10 +216,16 @@ def join_return(t_done: int, wait: Sequence[int], join_ret_ns: int, join1_ns: in
     if any(b < a for a, b in zip(seq, seq[1:], strict=False)):
         raise Dsv41Error("join return: timestamps out of order")
     ms = 1e-6
-    out = {"ret_seen": (seen - t_done) * ms, "ret_queue": (queued - seen) * ms, "ret_gil": (gil - queued) * ms,
-           "ret_join_py": (join_ret_ns - gil) * ms, "ret_vllm": (join1_ns - join_ret_ns) * ms,
-           "ret_to_b": (b_ns - join1_ns) * ms, "join_return": (join1_ns - t_done) * ms,
-           "wait_lead": (t_done - enter) * ms}
+    out = {
+        "ret_seen": (seen - t_done) * ms,
+        "ret_queue": (queued - seen) * ms,
+        "ret_gil": (gil - queued) * ms,
+        "ret_join_py": (join_ret_ns - gil) * ms,
+        "ret_vllm": (join1_ns - join_ret_ns) * ms,
+        "ret_to_b": (b_ns - join1_ns) * ms,
+        "join_return": (join1_ns - t_done) * ms,
+        "wait_lead": (t_done - enter) * ms,
+    }
     return {k: float(v) for k, v in out.items()}
 
 
@@ -206,8 +245,11 @@ def summarize(steps: Sequence[dict], ndigits: int = 4) -> dict:
     out: dict = {"steps": len(steps)}
     for k in steps[0]:
         x = np.asarray([s[k] for s in steps], dtype=float)
-        out[k] = {"median": round(float(np.median(x)), ndigits), "p10": round(float(np.percentile(x, 10)), ndigits),
-                  "p90": round(float(np.percentile(x, 90)), ndigits)}
+        out[k] = {
+            "median": round(float(np.median(x)), ndigits),
+            "p10": round(float(np.percentile(x, 10)), ndigits),
+            "p90": round(float(np.percentile(x, 90)), ndigits),
+        }
     return out
 
 
@@ -228,12 +270,17 @@ def paired(phases: Sequence[dict], fetch14: Sequence[float]) -> dict:
     out: dict = {"steps": len(phases), "phases_ms": summarize(phases)}
     for key in ("excess", "excess_target"):
         iv = median_interval([p[key] for p in phases])
-        out[key] = {"median_ms": round(iv["median"], 4),
-                    "order_ci95_ms": [round(v, 4) for v in iv["order_ci"]] if iv["order_ci"] else None,
-                    "bootstrap_ci95_ms": [round(v, 4) for v in iv["bootstrap_ci"]] if iv["bootstrap_ci"] else None,
-                    "decision": decide(iv, 0.0), "per_step_ms": [round(p[key], 4) for p in phases]}
+        out[key] = {
+            "median_ms": round(iv["median"], 4),
+            "order_ci95_ms": [round(v, 4) for v in iv["order_ci"]] if iv["order_ci"] else None,
+            "bootstrap_ci95_ms": [round(v, 4) for v in iv["bootstrap_ci"]] if iv["bootstrap_ci"] else None,
+            "decision": decide(iv, 0.0),
+            "per_step_ms": [round(p[key], 4) for p in phases],
+        }
     out["within_bound_steps"] = sum(p["excess"] <= 0 for p in phases)
     out["layer14_fetch_ms_median"] = round(float(np.median(fetch14)), 3) if fetch14 else None
-    out["note"] = ("excess = stall(b - a) - (fetch - layer0) per step; critical = b - layer 0's start - fetch, "
-                   "the sum of the phases; excess = critical - a_after_l0")
+    out["note"] = (
+        "excess = stall(b - a) - (fetch - layer0) per step; critical = b - layer 0's start - fetch, "
+        "the sum of the phases; excess = critical - a_after_l0"
+    )
     return out

@@ -78,8 +78,9 @@ def urls(facts: Mapping[str, Any]) -> dict[str, str]:
         if keep is not None and str(r) not in keep:
             continue
         if not addr or any(c in addr for c in "/@?#[] ") or addr.count(":") > 0:
-            raise RankMetricsError(f"rank metrics: rank {r}'s address must be a bare host name or IPv4 "
-                                   f"address, got {addr!r}")
+            raise RankMetricsError(
+                f"rank metrics: rank {r}'s address must be a bare host name or IPv4 address, got {addr!r}"
+            )
         out[str(r)] = f"http://{addr}:{port_n}/metrics"
     return out
 
@@ -98,8 +99,9 @@ def overlay_runtime(facts: Mapping[str, Any]) -> bool:
     return str(facts.get("runtime", "")) in OVERLAY_RUNTIMES
 
 
-def fetch_text(rank_urls: Mapping[str, str], timeout_s: float = 10.0,
-               error: type[Dsv41Error] = RankMetricsError) -> str:
+def fetch_text(
+    rank_urls: Mapping[str, str], timeout_s: float = 10.0, error: type[Dsv41Error] = RankMetricsError
+) -> str:
     """GET every distinct URL of ``rank_urls`` (``{rank: url}``, :func:`urls`) once and return
     the Prometheus texts joined (rank 0's first); the result parses like the stand-in engine's
     rank 0 ``/metrics``.  ``error`` naming the rank(s) and the endpoint when one is unreachable or
@@ -110,10 +112,18 @@ def fetch_text(rank_urls: Mapping[str, str], timeout_s: float = 10.0,
     parts = []
     for u, ranks in seen.items():
         named = [r for r in ranks if r != API]
-        who = ("rank 0's API" if not named else "rank " + ", ".join(named) if len(named) == 1
-               else "ranks " + ", ".join(named))
-        parts.append(http.request("GET", u, what=f"{who}: metrics endpoint {u} unreachable", timeout_s=timeout_s,
-                                  error=error).text)
+        who = (
+            "rank 0's API"
+            if not named
+            else "rank " + ", ".join(named)
+            if len(named) == 1
+            else "ranks " + ", ".join(named)
+        )
+        parts.append(
+            http.request(
+                "GET", u, what=f"{who}: metrics endpoint {u} unreachable", timeout_s=timeout_s, error=error
+            ).text
+        )
     return "".join(p if p.endswith("\n") or not p else p + "\n" for p in parts)
 
 
@@ -131,7 +141,9 @@ def overlay_states(text: str) -> dict[str, dict[str, str]]:
     return out
 
 
-def overlay_problem(text: str, ranks: list[str] | tuple[str, ...], rank_urls: Mapping[str, str] | None = None) -> str | None:
+def overlay_problem(
+    text: str, ranks: list[str] | tuple[str, ...], rank_urls: Mapping[str, str] | None = None
+) -> str | None:
     """None when every rank in ``ranks`` reports ``dsv41_overlay_state{state="active"}``; else
     one line naming the first rank that does not (inert, refused, or no state on its endpoint)."""
     states = overlay_states(text)
@@ -141,8 +153,10 @@ def overlay_problem(text: str, ranks: list[str] | tuple[str, ...], rank_urls: Ma
         if st is None:
             return f"rank {r}: no overlay state on its metrics endpoint{where}"
         if st != "active":
-            return (f"rank {r}: the overlay is {st}{where}, so its Engram rows and drafts are not remote "
-                    "(see the serve log's 'dsv41 overlay' lines)")
+            return (
+                f"rank {r}: the overlay is {st}{where}, so its Engram rows and drafts are not remote "
+                "(see the serve log's 'dsv41 overlay' lines)"
+            )
     return None
 
 

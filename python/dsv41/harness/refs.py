@@ -82,8 +82,7 @@ class Comparison:
             "identical": self.identical,
             "total": self.total,
             "prompts": [
-                {"name": r.name, "first_diff": r.first_diff, "expected": r.expected, "got": r.got}
-                for r in self.results
+                {"name": r.name, "first_diff": r.first_diff, "expected": r.expected, "got": r.got} for r in self.results
             ],
         }
 
@@ -99,25 +98,36 @@ def first_diff(a: list[int], b: list[int]) -> int | None:
 
 def served_model(endpoint: str, timeout_s: float = 10.0) -> str:
     """The first model id of ``GET {endpoint}/v1/models``; RefsError if none or unreachable."""
-    doc = http.request_json("GET", endpoint.rstrip("/") + "/v1/models", what=f"cannot list models at {endpoint}",
-                            timeout_s=timeout_s, error=RefsError)
+    doc = http.request_json(
+        "GET",
+        endpoint.rstrip("/") + "/v1/models",
+        what=f"cannot list models at {endpoint}",
+        timeout_s=timeout_s,
+        error=RefsError,
+    )
     data = doc.get("data") if isinstance(doc, dict) else None
     if not isinstance(data, list) or not data or not isinstance(data[0], dict) or "id" not in data[0]:
         raise RefsError(f"{endpoint}/v1/models lists no model")
     return str(data[0]["id"])
 
 
-def generate(endpoint: str, prompt: str, model: str, max_tokens: int = DEFAULT_MAX_TOKENS,
-             timeout_s: float = 120.0) -> list[int]:
+def generate(
+    endpoint: str, prompt: str, model: str, max_tokens: int = DEFAULT_MAX_TOKENS, timeout_s: float = 120.0
+) -> list[int]:
     """Greedy token ids for one prompt (temperature 0, ``max_tokens`` new tokens at most).
 
     Raises RefsError when unreachable, on HTTP errors, or when the response lacks
     ``choices[0].token_ids``.
     """
-    body = {"model": model, "prompt": prompt, "max_tokens": int(max_tokens), "temperature": 0,
-            "return_token_ids": True}
-    doc = http.request_json("POST", endpoint.rstrip("/") + "/v1/completions", json=body, timeout_s=timeout_s,
-                            what=f"completion at {endpoint} failed", error=RefsError)
+    body = {"model": model, "prompt": prompt, "max_tokens": int(max_tokens), "temperature": 0, "return_token_ids": True}
+    doc = http.request_json(
+        "POST",
+        endpoint.rstrip("/") + "/v1/completions",
+        json=body,
+        timeout_s=timeout_s,
+        what=f"completion at {endpoint} failed",
+        error=RefsError,
+    )
     choices = doc.get("choices") if isinstance(doc, dict) else None
     choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
     ids = choice.get("token_ids")
@@ -126,8 +136,13 @@ def generate(endpoint: str, prompt: str, model: str, max_tokens: int = DEFAULT_M
     return ids
 
 
-def run_prompts(endpoint: str, model: str | None = None, max_tokens: int = DEFAULT_MAX_TOKENS,
-                prompts=PROMPTS, timeout_s: float = 120.0) -> dict:
+def run_prompts(
+    endpoint: str,
+    model: str | None = None,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    prompts=PROMPTS,
+    timeout_s: float = 120.0,
+) -> dict:
     """Run every prompt greedily; returns a refs document (see module docstring)."""
     model = model or served_model(endpoint)
     return {
@@ -135,8 +150,10 @@ def run_prompts(endpoint: str, model: str | None = None, max_tokens: int = DEFAU
         "model": model,
         "max_tokens": int(max_tokens),
         "recorded_at": _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat(),
-        "prompts": [{"name": n, "prompt": p, "token_ids": generate(endpoint, p, model, max_tokens, timeout_s)}
-                    for n, p in prompts],
+        "prompts": [
+            {"name": n, "prompt": p, "token_ids": generate(endpoint, p, model, max_tokens, timeout_s)}
+            for n, p in prompts
+        ],
     }
 
 
@@ -148,9 +165,16 @@ def load_refs(path: str | os.PathLike) -> dict:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise RefsError(f"refs {path} is not a {FORMAT} file")
     prompts = doc.get("prompts")
-    if not isinstance(prompts, list) or not prompts or not all(
-        isinstance(p, dict) and isinstance(p.get("name"), str) and isinstance(p.get("prompt"), str)
-        and isinstance(p.get("token_ids"), list) for p in prompts
+    if (
+        not isinstance(prompts, list)
+        or not prompts
+        or not all(
+            isinstance(p, dict)
+            and isinstance(p.get("name"), str)
+            and isinstance(p.get("prompt"), str)
+            and isinstance(p.get("token_ids"), list)
+            for p in prompts
+        )
     ):
         raise RefsError(f"refs {path} has no valid prompts list")
     if not isinstance(doc.get("max_tokens"), int) or doc["max_tokens"] <= 0:
@@ -210,7 +234,7 @@ def engram_counters(text: str, prefix: str = "dsv41_engram_") -> dict[str, dict[
     for name, labels, value in parse_metrics(text):
         if not name.startswith(prefix) or "rank" not in labels or name.endswith(("_created", "_bucket")):
             continue
-        key = name[len(prefix):]
+        key = name[len(prefix) :]
         key = key[:-6] if key.endswith("_total") else key
         rank = out.setdefault(labels["rank"], {})
         rank[key] = rank.get(key, 0.0) + value
@@ -224,8 +248,7 @@ def fetch_engram_counters(metrics_url: str, prefix: str = "dsv41_engram_", timeo
 
 def counter_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
     """Per rank and key: after - before (keys absent before count from 0)."""
-    return {rank: {k: v - before.get(rank, {}).get(k, 0.0) for k, v in keys.items()}
-            for rank, keys in after.items()}
+    return {rank: {k: v - before.get(rank, {}).get(k, 0.0) for k, v in keys.items()} for rank, keys in after.items()}
 
 
 def check_remote_engram(delta: dict, ranks: list[str]) -> str | None:
@@ -249,15 +272,16 @@ def flat_values(text: str, prefix: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for name, labels, value in parse_metrics(text):
         if name.startswith(prefix) and not labels and not name.endswith("_created"):
-            key = name[len(prefix):]
+            key = name[len(prefix) :]
             out[key[:-6] if key.endswith("_total") else key] = value
     return out
 
 
 def fetch_metrics_text(metrics_url: str, timeout_s: float = 10.0) -> str:
     """GET ``metrics_url`` -> Prometheus text; RefsError if unreachable."""
-    return http.request("GET", metrics_url, what=f"cannot read metrics at {metrics_url}", timeout_s=timeout_s,
-                        error=RefsError).text
+    return http.request(
+        "GET", metrics_url, what=f"cannot read metrics at {metrics_url}", timeout_s=timeout_s, error=RefsError
+    ).text
 
 
 def read_metrics(metrics: str | Mapping[str, str], timeout_s: float = 10.0) -> str:
@@ -332,18 +356,33 @@ class RefsCheck:
         return None
 
     def to_dict(self) -> dict:
-        d = {"action": self.action, "attempts": self.attempts, "summary": self.comparison.summary(),
-             **self.comparison.to_dict()}
+        d = {
+            "action": self.action,
+            "attempts": self.attempts,
+            "summary": self.comparison.summary(),
+            **self.comparison.to_dict(),
+        }
         if self.counters_delta is not None:
             d.update(counters_delta=self.counters_delta, drafter_delta=self.drafter_delta)
         return d
 
 
-def check(endpoint: str, path: str | os.PathLike, *, mode: str = "verify", max_tokens: int = DEFAULT_MAX_TOKENS,
-          timeout_s: float = 120.0, metrics_url: str | Mapping[str, str] | None = None,
-          metrics_prefix: str = "dsv41_engram_",
-          require_ranks: list[str] | tuple[str, ...] = (), require_drafter: bool = False, attempts: int = 1,
-          delay_s: float = 2.0, write: bool = True, sleep: Callable[[float], None] = time.sleep) -> RefsCheck:
+def check(
+    endpoint: str,
+    path: str | os.PathLike,
+    *,
+    mode: str = "verify",
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    timeout_s: float = 120.0,
+    metrics_url: str | Mapping[str, str] | None = None,
+    metrics_prefix: str = "dsv41_engram_",
+    require_ranks: list[str] | tuple[str, ...] = (),
+    require_drafter: bool = False,
+    attempts: int = 1,
+    delay_s: float = 2.0,
+    write: bool = True,
+    sleep: Callable[[float], None] = time.sleep,
+) -> RefsCheck:
     """Run the greedy references and the counter requirements: the check of the deploy.
 
     ``mode``: ``record`` (run the prompts and write ``path`` unless ``write`` is false), ``verify``
@@ -386,11 +425,14 @@ def check(endpoint: str, path: str | os.PathLike, *, mode: str = "verify", max_t
         if before is not None:
             after = read_metrics(metrics_url)
             engram = counter_delta(engram_counters(before, metrics_prefix), engram_counters(after, metrics_prefix))
-            drafter = counter_delta({"": flat_values(before, "dsv41_drafter_")},
-                                    {"": flat_values(after, "dsv41_drafter_")})[""]
+            drafter = counter_delta(
+                {"": flat_values(before, "dsv41_drafter_")}, {"": flat_values(after, "dsv41_drafter_")}
+            )[""]
             if require_ranks:
-                problems.append(check_overlay(after, list(require_ranks), metrics_url)
-                                or check_remote_engram(engram, list(require_ranks)))
+                problems.append(
+                    check_overlay(after, list(require_ranks), metrics_url)
+                    or check_remote_engram(engram, list(require_ranks))
+                )
             if require_drafter:
                 problems.append(check_drafter(drafter))
         problem = "; ".join(x for x in problems if x) or None

@@ -37,15 +37,23 @@ def verify(
     refs_file: str = typer.Option(..., "--refs", help="Refs file written by `dsv41 refs record`."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     metrics_url: str = typer.Option("", help="Rank 0 /metrics (default: ENDPOINT/metrics)."),
-    rank_metrics: str = typer.Option("", help="JSON runtime facts (the inventory's dsv41_rank_metrics: runtime, "
-                                              "api_url, ranks, overlay_port): read each rank's counters there "
-                                              "(under vLLM each Spark's overlay endpoint) instead of --metrics-url."),
-    require_rank: list[str] = typer.Option(["0", "1"], "--require-rank",
-                                           help="Rank whose Engram lookups must grow with zero fallbacks (repeat)."),
-    counters: bool = typer.Option(True, "--counters/--no-counters",
-                                  help="Read /metrics around the prompts and check the requirements."),
-    require_drafter: bool = typer.Option(True, "--require-drafter/--no-require-drafter",
-                                         help="Rank 0's speculator must run rounds with no identity refusal."),
+    rank_metrics: str = typer.Option(
+        "",
+        help="JSON runtime facts (the inventory's dsv41_rank_metrics: runtime, "
+        "api_url, ranks, overlay_port): read each rank's counters there "
+        "(under vLLM each Spark's overlay endpoint) instead of --metrics-url.",
+    ),
+    require_rank: list[str] = typer.Option(
+        ["0", "1"], "--require-rank", help="Rank whose Engram lookups must grow with zero fallbacks (repeat)."
+    ),
+    counters: bool = typer.Option(
+        True, "--counters/--no-counters", help="Read /metrics around the prompts and check the requirements."
+    ),
+    require_drafter: bool = typer.Option(
+        True,
+        "--require-drafter/--no-require-drafter",
+        help="Rank 0's speculator must run rounds with no identity refusal.",
+    ),
     attempts: int = typer.Option(5, min=1, help="Runs while only the counters fail (a token mismatch fails at once)."),
     delay: float = typer.Option(3.0, min=0.0, help="Seconds between attempts."),
 ) -> None:
@@ -61,9 +69,16 @@ def verify(
             url = RM.urls(fileio.loads_json(rank_metrics))
         except ValueError as exc:
             raise RM.RankMetricsError(f"--rank-metrics: not JSON ({exc})") from None
-    res = refs.check(endpoint, refs_file, mode="verify", metrics_url=url,
-                     require_ranks=require_rank if counters else [], require_drafter=counters and require_drafter,
-                     attempts=attempts, delay_s=delay)
+    res = refs.check(
+        endpoint,
+        refs_file,
+        mode="verify",
+        metrics_url=url,
+        require_ranks=require_rank if counters else [],
+        require_drafter=counters and require_drafter,
+        attempts=attempts,
+        delay_s=delay,
+    )
     print(fileio.dumps_json(res.to_dict(), nonfinite="null") if as_json else res.comparison.summary())
     msg = res.message()
     if msg:

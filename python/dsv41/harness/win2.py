@@ -93,9 +93,16 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"verdict": self.verdict, "effect": self.effect, "ci": list(self.ci), "n_pairs": self.n_pairs,
-                "n_blocks": self.n_blocks, "n_prompts": self.n_prompts, "method": self.method,
-                "notes": list(self.notes)}
+        return {
+            "verdict": self.verdict,
+            "effect": self.effect,
+            "ci": list(self.ci),
+            "n_pairs": self.n_pairs,
+            "n_blocks": self.n_blocks,
+            "n_prompts": self.n_prompts,
+            "method": self.method,
+            "notes": list(self.notes),
+        }
 
 
 @dataclass
@@ -117,11 +124,21 @@ class Decision:
     category_correction: dict | None = None
 
     def to_dict(self) -> dict:
-        return {"verdict": self.verdict, "metric": self.metric, "min_effect": self.min_effect, "alpha": self.alpha,
-                "seed": self.seed, "effect": self.effect, "ci": list(self.ci) if self.ci else None,
-                "n_pairs": self.n_pairs, "categories": self.categories,
-                "category_correction": self.category_correction, "reasons": list(self.reasons),
-                "gate": self.gate, "rule": "WIN2-R3"}
+        return {
+            "verdict": self.verdict,
+            "metric": self.metric,
+            "min_effect": self.min_effect,
+            "alpha": self.alpha,
+            "seed": self.seed,
+            "effect": self.effect,
+            "ci": list(self.ci) if self.ci else None,
+            "n_pairs": self.n_pairs,
+            "categories": self.categories,
+            "category_correction": self.category_correction,
+            "reasons": list(self.reasons),
+            "gate": self.gate,
+            "rule": "WIN2-R3",
+        }
 
 
 def classify(lo: float, hi: float, min_effect: float) -> str:
@@ -199,8 +216,10 @@ def pair_log_ratios(cells: Iterable[dict], metric: str) -> tuple[list[dict], lis
             continue
         a, b = arms["control"], arms["candidate"]
         if a["prompt_id"] != b["prompt_id"] or a["seed"] != b["seed"]:
-            problems.append(f"block {block} pair {pair}: arms differ in prompt_id or seed "
-                            f"({a['prompt_id']!r}/{a['seed']!r} vs {b['prompt_id']!r}/{b['seed']!r})")
+            problems.append(
+                f"block {block} pair {pair}: arms differ in prompt_id or seed "
+                f"({a['prompt_id']!r}/{a['seed']!r} vs {b['prompt_id']!r}/{b['seed']!r})"
+            )
             continue
         if not (a["ok"] is True and b["ok"] is True):
             continue  # already reported
@@ -209,8 +228,16 @@ def pair_log_ratios(cells: Iterable[dict], metric: str) -> tuple[list[dict], lis
             problems.append(f"block {block} pair {pair}: {metric} missing, non-finite or <= 0")
             continue
         r = math.log(va / vb) if METRICS[metric] == "lower" else math.log(vb / va)
-        pairs.append({"block": block, "pair": pair, "prompt_id": str(a["prompt_id"]),
-                      "category": str(a["category"]), "seed": a["seed"], "r": r})
+        pairs.append(
+            {
+                "block": block,
+                "pair": pair,
+                "prompt_id": str(a["prompt_id"]),
+                "category": str(a["category"]),
+                "seed": a["seed"],
+                "r": r,
+            }
+        )
     return pairs, problems
 
 
@@ -222,8 +249,9 @@ def _blocks(pairs: list[dict]) -> dict[str, dict[str, float]]:
     return {pid: {b: float(np.mean(v)) for b, v in bl.items()} for pid, bl in acc.items()}
 
 
-def estimate(pairs: list[dict], min_effect: float, alpha: float, seed: int,
-             n_resamples: int = DEFAULT_RESAMPLES) -> Estimate:
+def estimate(
+    pairs: list[dict], min_effect: float, alpha: float, seed: int, n_resamples: int = DEFAULT_RESAMPLES
+) -> Estimate:
     """Effect, stratified-by-prompt BCa CI and verdict of ``pairs`` (see the module doc).
 
     ``pairs`` must be non-empty (``pair_log_ratios`` output). Deterministic for a given ``seed``.
@@ -248,6 +276,7 @@ def estimate(pairs: list[dict], min_effect: float, alpha: float, seed: int,
             method = "none"
             notes.append("every prompt has a single block: nothing to resample within a prompt, no CI")
         else:
+
             def stat(*samples, axis=-1):
                 parts = list(samples)
                 if fixed.size:
@@ -258,16 +287,30 @@ def estimate(pairs: list[dict], min_effect: float, alpha: float, seed: int,
             method = "BCa"
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # DegenerateDataWarning: handled below
-                res = stats.bootstrap(tuple(sampled), stat, vectorized=True, paired=False,
-                                      confidence_level=1 - alpha, n_resamples=n_resamples, method="BCa",
-                                      rng=np.random.default_rng(seed))
+                res = stats.bootstrap(
+                    tuple(sampled),
+                    stat,
+                    vectorized=True,
+                    paired=False,
+                    confidence_level=1 - alpha,
+                    n_resamples=n_resamples,
+                    method="BCa",
+                    rng=np.random.default_rng(seed),
+                )
                 lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
                 if not (math.isfinite(lo) and math.isfinite(hi)):
                     method = "percentile"
                     notes.append("BCa gave a non-finite bound (ties); percentile interval used")
-                    res = stats.bootstrap(tuple(sampled), stat, vectorized=True, paired=False,
-                                          confidence_level=1 - alpha, n_resamples=n_resamples,
-                                          method="percentile", rng=np.random.default_rng(seed))
+                    res = stats.bootstrap(
+                        tuple(sampled),
+                        stat,
+                        vectorized=True,
+                        paired=False,
+                        confidence_level=1 - alpha,
+                        n_resamples=n_resamples,
+                        method="percentile",
+                        rng=np.random.default_rng(seed),
+                    )
                     lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
             # BCa on a median can place a bound a hair inside the point; the CI must contain it.
             lo, hi = min(lo, point), max(hi, point)
@@ -276,8 +319,16 @@ def estimate(pairs: list[dict], min_effect: float, alpha: float, seed: int,
     if n_blocks < MIN_BLOCKS and verdict != "UNRESOLVED":
         notes.append(f"only {n_blocks} blocks (< {MIN_BLOCKS}): too few to resolve, {verdict} withheld")
         verdict = "UNRESOLVED"
-    return Estimate(effect=math.expm1(point), ci=(flo, fhi), n_pairs=len(pairs), n_blocks=n_blocks,
-                    n_prompts=n_prompts, method=method, verdict=verdict, notes=notes)
+    return Estimate(
+        effect=math.expm1(point),
+        ci=(flo, fhi),
+        n_pairs=len(pairs),
+        n_blocks=n_blocks,
+        n_prompts=n_prompts,
+        method=method,
+        verdict=verdict,
+        notes=notes,
+    )
 
 
 def distributional_gate(records: list[dict], tolerance_nat: float = 0.5, length_tolerance: float = 0.10) -> dict:
@@ -306,27 +357,43 @@ def distributional_gate(records: list[dict], tolerance_nat: float = 0.5, length_
             if not isinstance(gap, (int, float)) or not math.isfinite(gap):
                 reasons.append(f"{pid}: outputs differ at token {rec['first_diff']} but no logit gap was measured")
             elif gap > tolerance_nat:
-                reasons.append(f"{pid}: outputs differ at token {rec['first_diff']} with a logit gap of "
-                               f"{gap:.3g} nat > the {tolerance_nat:g} nat near-tie tolerance")
+                reasons.append(
+                    f"{pid}: outputs differ at token {rec['first_diff']} with a logit gap of "
+                    f"{gap:.3g} nat > the {tolerance_nat:g} nat near-tie tolerance"
+                )
         cl, ca = rec.get("control_lengths") or [], rec.get("candidate_lengths") or []
         if cl and ca:
             ml, mc = float(np.median(cl)), float(np.median(ca))
             row["length_ratio"] = mc / ml if ml else math.inf
             if ml == 0 or abs(mc / ml - 1) > length_tolerance:
-                reasons.append(f"{pid}: median output length {mc:g} (candidate) vs {ml:g} (control) "
-                               f"differs by more than {length_tolerance:.0%}")
+                reasons.append(
+                    f"{pid}: median output length {mc:g} (candidate) vs {ml:g} (control) "
+                    f"differs by more than {length_tolerance:.0%}"
+                )
         al, aa = rec.get("control_acceptance") or [], rec.get("candidate_acceptance") or []
         if al and aa:
             ma, mc = float(np.median(al)), float(np.median(aa))
             row["acceptance_control"], row["acceptance_candidate"] = ma, mc
         out[pid] = row
-    return {"passed": not reasons, "reasons": reasons, "prompts": out,
-            "tolerance_nat": tolerance_nat, "length_tolerance": length_tolerance}
+    return {
+        "passed": not reasons,
+        "reasons": reasons,
+        "prompts": out,
+        "tolerance_nat": tolerance_nat,
+        "length_tolerance": length_tolerance,
+    }
 
 
-def decide(cells: list[dict], metric: str = "step_ms_p50", min_effect: float = DEFAULT_MIN_EFFECT,
-           alpha: float = DEFAULT_ALPHA, seed: int = 0, gate_records: list[dict] | None = None,
-           tolerance_nat: float = 0.5, n_resamples: int = DEFAULT_RESAMPLES) -> Decision:
+def decide(
+    cells: list[dict],
+    metric: str = "step_ms_p50",
+    min_effect: float = DEFAULT_MIN_EFFECT,
+    alpha: float = DEFAULT_ALPHA,
+    seed: int = 0,
+    gate_records: list[dict] | None = None,
+    tolerance_nat: float = 0.5,
+    n_resamples: int = DEFAULT_RESAMPLES,
+) -> Decision:
     """Apply WIN2 R3 to ``cells``; see the module doc. ``gate_records`` (drafting candidates):
     input of :func:`distributional_gate`; a failed gate makes the verdict INVALID.
 
@@ -350,9 +417,11 @@ def decide(cells: list[dict], metric: str = "step_ms_p50", min_effect: float = D
     est = estimate(pairs, min_effect, alpha, seed, n_resamples)
     d.effect, d.ci, d.verdict = est.effect, est.ci, est.verdict
     d.reasons.extend(est.notes)
-    d.reasons.append(f"overall: effect {est.effect:+.4f}, {1 - alpha:.0%} CI [{est.ci[0]:+.4f}, {est.ci[1]:+.4f}] "
-                     f"({est.method}; {est.n_pairs} pairs, {est.n_blocks} blocks, {est.n_prompts} prompts) "
-                     f"vs +-{min_effect:g}: {est.verdict}")
+    d.reasons.append(
+        f"overall: effect {est.effect:+.4f}, {1 - alpha:.0%} CI [{est.ci[0]:+.4f}, {est.ci[1]:+.4f}] "
+        f"({est.method}; {est.n_pairs} pairs, {est.n_blocks} blocks, {est.n_prompts} prompts) "
+        f"vs +-{min_effect:g}: {est.verdict}"
+    )
     by_cat: dict[str, list[dict]] = defaultdict(list)
     for p in pairs:
         by_cat[p["category"]].append(p)
@@ -371,8 +440,10 @@ def decide(cells: list[dict], metric: str = "step_ms_p50", min_effect: float = D
     d.category_correction = {"method": "holm", "family_alpha": alpha, "n_categories": len(by_cat)}
     if d.verdict == "WIN" and regressed:
         d.verdict = "UNRESOLVED"
-        d.reasons.append(f"non-inferiority failed: category {', '.join(regressed)} lies wholly below "
-                         f"-{min_effect:g}; the overall WIN becomes UNRESOLVED")
+        d.reasons.append(
+            f"non-inferiority failed: category {', '.join(regressed)} lies wholly below "
+            f"-{min_effect:g}; the overall WIN becomes UNRESOLVED"
+        )
     if gate_records is not None:
         d.gate = distributional_gate(gate_records, tolerance_nat)
         if not d.gate["passed"]:
@@ -381,9 +452,14 @@ def decide(cells: list[dict], metric: str = "step_ms_p50", min_effect: float = D
     return d
 
 
-def holm_categories(by_cat: dict[str, list[dict]], min_effect: float, alpha: float, seed: int,
-                    n_resamples: int = DEFAULT_RESAMPLES,
-                    unadjusted: dict[str, Estimate] | None = None) -> dict[str, tuple[Estimate, float]]:
+def holm_categories(
+    by_cat: dict[str, list[dict]],
+    min_effect: float,
+    alpha: float,
+    seed: int,
+    n_resamples: int = DEFAULT_RESAMPLES,
+    unadjusted: dict[str, Estimate] | None = None,
+) -> dict[str, tuple[Estimate, float]]:
     """Holm step-down over the categories' verdicts (module doc, rule 7).
 
     ``by_cat``: category -> its pairs (``pair_log_ratios`` output). Returns category ->
@@ -394,10 +470,16 @@ def holm_categories(by_cat: dict[str, list[dict]], min_effect: float, alpha: flo
     out: dict[str, tuple[Estimate, float]] = {}
     while open_cats:
         level = alpha / len(open_cats)
-        ests = {c: (unadjusted[c] if unadjusted and c in unadjusted and level == alpha
-                    else estimate(by_cat[c], min_effect, level, seed, n_resamples)) for c in open_cats}
+        ests = {
+            c: (
+                unadjusted[c]
+                if unadjusted and c in unadjusted and level == alpha
+                else estimate(by_cat[c], min_effect, level, seed, n_resamples)
+            )
+            for c in open_cats
+        }
         resolved = [c for c in open_cats if ests[c].verdict != "UNRESOLVED"]
-        for c in (resolved or open_cats):
+        for c in resolved or open_cats:
             out[c] = (ests[c], level)
         if not resolved:
             break

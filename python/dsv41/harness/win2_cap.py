@@ -48,10 +48,14 @@ def check_cap(state_dir: str, candidate: str, metric: str) -> int:
     if len(past) == 1 and past[0].get("verdict") == "UNRESOLVED":
         return 2
     if len(past) == 1:
-        raise CapError(f"question {key} was decided {past[0].get('verdict')} in window {past[0].get('window')}; "
-                       "WIN2 R3 gives a second window only after UNRESOLVED")
-    raise CapError(f"question {key} already had two windows ({', '.join(str(w.get('window')) for w in past)}); "
-                   "WIN2 R3 refuses a third")
+        raise CapError(
+            f"question {key} was decided {past[0].get('verdict')} in window {past[0].get('window')}; "
+            "WIN2 R3 gives a second window only after UNRESOLVED"
+        )
+    raise CapError(
+        f"question {key} already had two windows ({', '.join(str(w.get('window')) for w in past)}); "
+        "WIN2 R3 refuses a third"
+    )
 
 
 def record_window(state_dir: str, candidate: str, metric: str, window_id: str, verdict: str) -> None:
@@ -87,10 +91,11 @@ def stage_window(state_dir: str, candidate: str, metric: str, window_id: str, ve
     try:
         doc = _load_questions(state_dir)
         doc.setdefault(question_key(candidate, metric), []).append(
-            {"window": window_id, "verdict": verdict,
-             "at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")})
-        staged = fileio.stage(target, fileio.dumps_json(doc, indent=1, sort_keys=True), "the window cap state",
-                              error=Win2Error)
+            {"window": window_id, "verdict": verdict, "at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}
+        )
+        staged = fileio.stage(
+            target, fileio.dumps_json(doc, indent=1, sort_keys=True), "the window cap state", error=Win2Error
+        )
     except BaseException:
         os.close(fd)
         raise

@@ -31,15 +31,23 @@ def sigma_from_cells(cells: list[dict], metric: str) -> float:
     log-ratio is the difference of two cells. Raises Win2Error with fewer than 4 complete pairs."""
     pairs, problems = pair_log_ratios(cells, metric)
     if len(pairs) < 4:
-        raise Win2Error(f"need at least 4 complete pairs to estimate noise, got {len(pairs)}"
-                        + (f" ({problems[0]})" if problems else ""))
+        raise Win2Error(
+            f"need at least 4 complete pairs to estimate noise, got {len(pairs)}"
+            + (f" ({problems[0]})" if problems else "")
+        )
     r = np.array([p["r"] for p in pairs])
     mad = float(np.median(np.abs(r - np.median(r))))
     return 1.4826 * mad / math.sqrt(2)
 
 
-def simulate_cells(rng: np.random.Generator, n_pairs: int, n_prompts: int, effect: float, noise: NoiseModel,
-                   metric: str = "step_ms_p50") -> list[dict]:
+def simulate_cells(
+    rng: np.random.Generator,
+    n_pairs: int,
+    n_prompts: int,
+    effect: float,
+    noise: NoiseModel,
+    metric: str = "step_ms_p50",
+) -> list[dict]:
     """One simulated window: ``n_pairs`` pairs over ``n_prompts`` prompts (two categories),
     blocks of two pairs in seeded ABBA/BAAB order; the candidate better by ``effect`` (fraction).
     ``n_pairs`` must be a multiple of ``2 * n_prompts``."""
@@ -53,22 +61,43 @@ def simulate_cells(rng: np.random.Generator, n_pairs: int, n_prompts: int, effec
     lower = METRICS[metric] == "lower"
     shift = -math.log1p(effect) if lower else math.log1p(effect)
     for bi, (p, _b) in enumerate(order):
-        seq = ("control", "candidate", "candidate", "control") if rng.random() < 0.5 else \
-            ("candidate", "control", "control", "candidate")
+        seq = (
+            ("control", "candidate", "candidate", "control")
+            if rng.random() < 0.5
+            else ("candidate", "control", "control", "candidate")
+        )
         for k, arm in enumerate(seq):
             v = base[p] + noise.drift * t + rng.normal(0.0, noise.sigma) + (shift if arm == "candidate" else 0.0)
             t += 1
-            cells.append({"block": bi, "pair": k // 2,
-                          "arm": arm, "prompt_id": f"p{p}", "category": "short" if p % 2 else "code",
-                          "seed": 1000 * bi + k // 2, "ok": True, metric: math.exp(v)})
+            cells.append(
+                {
+                    "block": bi,
+                    "pair": k // 2,
+                    "arm": arm,
+                    "prompt_id": f"p{p}",
+                    "category": "short" if p % 2 else "code",
+                    "seed": 1000 * bi + k // 2,
+                    "ok": True,
+                    metric: math.exp(v),
+                }
+            )
     return cells
 
 
-def simulate(noise: NoiseModel, pair_counts=(32, 64, 128), n_windows: int = 400, n_prompts: int = 4,
-             metric: str = "step_ms_p50", min_effect: float = DEFAULT_MIN_EFFECT, alpha: float = DEFAULT_ALPHA,
-             seed: int = 0, n_resamples: int = 1999, power: float = 0.8,
-             effects=(0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.08, 0.10, 0.15, 0.20, 0.30, 0.40, 0.50, 0.75),
-             progress=None) -> dict:
+def simulate(
+    noise: NoiseModel,
+    pair_counts=(32, 64, 128),
+    n_windows: int = 400,
+    n_prompts: int = 4,
+    metric: str = "step_ms_p50",
+    min_effect: float = DEFAULT_MIN_EFFECT,
+    alpha: float = DEFAULT_ALPHA,
+    seed: int = 0,
+    n_resamples: int = 1999,
+    power: float = 0.8,
+    effects=(0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.08, 0.10, 0.15, 0.20, 0.30, 0.40, 0.50, 0.75),
+    progress=None,
+) -> dict:
     """A/A and known-effect windows through the full rule (``decide``, categories included).
 
     Returns ``{"noise": {...}, "rows": [{"n_pairs", "false_win_rate", "false_win_ci95", "aa_verdicts",
@@ -84,8 +113,14 @@ def simulate(noise: NoiseModel, pair_counts=(32, 64, 128), n_windows: int = 400,
     for n in pair_counts:
         counts = {v: 0 for v in VERDICTS}
         for _ in range(n_windows):
-            d = decide(simulate_cells(rng, n, n_prompts, 0.0, noise, metric), metric, min_effect, alpha,
-                       int(rng.integers(1 << 31)), n_resamples=n_resamples)
+            d = decide(
+                simulate_cells(rng, n, n_prompts, 0.0, noise, metric),
+                metric,
+                min_effect,
+                alpha,
+                int(rng.integers(1 << 31)),
+                n_resamples=n_resamples,
+            )
             counts[d.verdict] += 1
             if progress:
                 progress(1)
@@ -96,16 +131,40 @@ def simulate(noise: NoiseModel, pair_counts=(32, 64, 128), n_windows: int = 400,
         for eff in effects:
             wins = 0
             for _ in range(k_eff):
-                d = decide(simulate_cells(rng, n, n_prompts, eff, noise, metric), metric, min_effect, alpha,
-                           int(rng.integers(1 << 31)), n_resamples=n_resamples)
+                d = decide(
+                    simulate_cells(rng, n, n_prompts, eff, noise, metric),
+                    metric,
+                    min_effect,
+                    alpha,
+                    int(rng.integers(1 << 31)),
+                    n_resamples=n_resamples,
+                )
                 wins += d.verdict == "WIN"
                 if progress:
                     progress(1)
             if wins / k_eff >= power:
                 mde, p_at = eff, wins / k_eff
                 break
-        rows.append({"n_pairs": n, "false_win_rate": k / n_windows, "false_win_ci95": [ci.low, ci.high],
-                     "aa_verdicts": counts, "mde": mde, "power_at_mde": p_at, "windows_per_effect": k_eff})
-    return {"noise": {"sigma": noise.sigma, "drift": noise.drift, "source": noise.source},
-            "n_windows": n_windows, "n_prompts": n_prompts, "metric": metric, "min_effect": min_effect,
-            "alpha": alpha, "power": power, "seed": seed, "n_resamples": n_resamples, "rows": rows}
+        rows.append(
+            {
+                "n_pairs": n,
+                "false_win_rate": k / n_windows,
+                "false_win_ci95": [ci.low, ci.high],
+                "aa_verdicts": counts,
+                "mde": mde,
+                "power_at_mde": p_at,
+                "windows_per_effect": k_eff,
+            }
+        )
+    return {
+        "noise": {"sigma": noise.sigma, "drift": noise.drift, "source": noise.source},
+        "n_windows": n_windows,
+        "n_prompts": n_prompts,
+        "metric": metric,
+        "min_effect": min_effect,
+        "alpha": alpha,
+        "power": power,
+        "seed": seed,
+        "n_resamples": n_resamples,
+        "rows": rows,
+    }

@@ -51,20 +51,40 @@ def plan_cells(spec: dict, seed: int, salt_base: str | None = None) -> list[dict
         for k, arm in enumerate(order):
             pair = k // 2
             salt = f"{salt_base}-{bi}-{k}"
-            cells.append({"block": bi, "pair": pair, "arm": arm, "prompt_id": p["id"], "category": p["category"],
-                          "seed": spec["seed"] + 2 * bi + pair, "max_tokens": p.get("max_tokens", spec["max_tokens"]),
-                          "prompt": f"[{salt}] {text}" if spec["unique_prefix"] else text,
-                          "salt": salt if spec["cache_salt"] else None, "order": "".join("A" if a == "control" else "B" for a in order)})
+            cells.append(
+                {
+                    "block": bi,
+                    "pair": pair,
+                    "arm": arm,
+                    "prompt_id": p["id"],
+                    "category": p["category"],
+                    "seed": spec["seed"] + 2 * bi + pair,
+                    "max_tokens": p.get("max_tokens", spec["max_tokens"]),
+                    "prompt": f"[{salt}] {text}" if spec["unique_prefix"] else text,
+                    "salt": salt if spec["cache_salt"] else None,
+                    "order": "".join("A" if a == "control" else "B" for a in order),
+                }
+            )
     return cells
 
 
 def cell_record(plan_cell: dict, res: bench.RequestResult) -> dict:
     """One ``cells.jsonl`` line: the plan fields (prompt text dropped) plus the request's result."""
     rec = {k: v for k, v in plan_cell.items() if k not in ("prompt", "salt")}
-    rec.update(ok=res.ok, error=res.error, ttft_ms=res.ttft_ms, step_ms_p50=res.step_ms_p50, tok_s=res.tok_s,
-               e2e_ms=res.e2e_ms, steps=res.steps, completion_tokens=res.completion_tokens,
-               tokens_per_step=res.tokens_per_step, finish_reason=res.finish_reason, step_ms=res.step_ms,
-               started_at=res.started_at)
+    rec.update(
+        ok=res.ok,
+        error=res.error,
+        ttft_ms=res.ttft_ms,
+        step_ms_p50=res.step_ms_p50,
+        tok_s=res.tok_s,
+        e2e_ms=res.e2e_ms,
+        steps=res.steps,
+        completion_tokens=res.completion_tokens,
+        tokens_per_step=res.tokens_per_step,
+        finish_reason=res.finish_reason,
+        step_ms=res.step_ms,
+        started_at=res.started_at,
+    )
     return rec
 
 
@@ -95,10 +115,18 @@ def failed_cell(plan_cell: dict, error: str) -> dict:
     return rec
 
 
-def run_cells(plan: list[dict], endpoints: dict[str, str], model: str, sampler: dict, timeout_s: float,
-              out_path: str, switch: Callable[[str], None] | None = None,
-              progress: Callable[[dict], None] | None = None, stop_on_failure: bool = True,
-              metrics: dict[str, list[str]] | None = None) -> list[dict]:
+def run_cells(
+    plan: list[dict],
+    endpoints: dict[str, str],
+    model: str,
+    sampler: dict,
+    timeout_s: float,
+    out_path: str,
+    switch: Callable[[str], None] | None = None,
+    progress: Callable[[dict], None] | None = None,
+    stop_on_failure: bool = True,
+    metrics: dict[str, list[str]] | None = None,
+) -> list[dict]:
     """Run ``plan`` in order, one request at a time, appending each cell to ``out_path``.
 
     ``endpoints``: ``{"control": url, "candidate": url}`` (the same url twice when the arms
@@ -120,8 +148,11 @@ def run_cells(plan: list[dict], endpoints: dict[str, str], model: str, sampler: 
         http.check_url(url, what=f"{arm} endpoint", error=WindowError)
 
     def new_client():
-        return httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False,
-                            headers={**http.window_headers(), **http.auth_headers(what="window cells", error=WindowError)})
+        return httpx.Client(
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            trust_env=False,
+            headers={**http.window_headers(), **http.auth_headers(what="window cells", error=WindowError)},
+        )
 
     client = new_client()
     try:
@@ -183,8 +214,15 @@ class FaultTrigger:
     next to the trigger) so that a drill that did not strike says why; ``record()`` is what the
     window's report keeps."""
 
-    def __init__(self, after_cells: int, cmd: str, trigger_path: str, strike_wait_s: float = 120.0,
-                 log_path: str | None = None, arms: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        after_cells: int,
+        cmd: str,
+        trigger_path: str,
+        strike_wait_s: float = 120.0,
+        log_path: str | None = None,
+        arms: list[str] | None = None,
+    ) -> None:
         import shlex
 
         self.after_cells, self.trigger_path, self.strike_wait_s = after_cells, trigger_path, strike_wait_s
@@ -208,15 +246,22 @@ class FaultTrigger:
     def record(self) -> dict:
         """``{"after_cells", "at_cell", "triggered", "rc", "log"}`` (``at_cell``: cells finished
         when the trigger was created; ``log``: the file's name): after ``join``."""
-        return {"after_cells": self.after_cells, "at_cell": self.at_cell, "triggered": self.triggered,
-                "rc": self.rc, "log": os.path.basename(self.log_path)}
+        return {
+            "after_cells": self.after_cells,
+            "at_cell": self.at_cell,
+            "triggered": self.triggered,
+            "rc": self.rc,
+            "log": os.path.basename(self.log_path),
+        }
 
     def failure(self) -> str | None:
         """One line when the drill did not do its job (never triggered, or its command failed),
         else None: a fault drill that did not strike must not pass for one that did."""
         if not self.triggered:
-            return (f"fault drill never triggered: the window ended after {self.done} cell(s), "
-                    f"the fault was due after {self.at_cell}")
+            return (
+                f"fault drill never triggered: the window ended after {self.done} cell(s), "
+                f"the fault was due after {self.at_cell}"
+            )
         if self.rc != 0:
             return f"fault drill command failed (rc {self.rc}); its output is in {self.log_path}"
         return None
@@ -256,15 +301,25 @@ def gate_records(cells: list[dict], greedy: dict[str, tuple[list[int], list[int]
     each arm."""
     from dsv41.harness.refs import first_diff
 
-    recs = [{"prompt_id": f"greedy:{name}", "first_diff": first_diff(a, b), "logit_gap_nat": None}
-            for name, (a, b) in greedy.items()]
+    recs = [
+        {"prompt_id": f"greedy:{name}", "first_diff": first_diff(a, b), "logit_gap_nat": None}
+        for name, (a, b) in greedy.items()
+    ]
     by_prompt: dict[str, dict] = {}
     for c in cells:
         if not c.get("ok"):
             continue
-        r = by_prompt.setdefault(c["prompt_id"], {"prompt_id": c["prompt_id"], "first_diff": None,
-                                                  "control_lengths": [], "candidate_lengths": [],
-                                                  "control_acceptance": [], "candidate_acceptance": []})
+        r = by_prompt.setdefault(
+            c["prompt_id"],
+            {
+                "prompt_id": c["prompt_id"],
+                "first_diff": None,
+                "control_lengths": [],
+                "candidate_lengths": [],
+                "control_acceptance": [],
+                "candidate_acceptance": [],
+            },
+        )
         if c.get("completion_tokens") is not None:
             r[f"{c['arm']}_lengths"].append(c["completion_tokens"])
         if c.get("accepted_per_round") is not None:
@@ -280,10 +335,18 @@ def stack_version(repo: str | None = None) -> dict:
     out = {"package": __version__, "commit": None, "dirty": None}
     root = repo or str(Path(__file__).resolve().parents[3])
     try:
-        out["commit"] = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
-                                       timeout=10, check=True).stdout.strip()
-        out["dirty"] = bool(subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-                                           capture_output=True, text=True, timeout=10, check=True).stdout.strip())
+        out["commit"] = subprocess.run(
+            ["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        out["dirty"] = bool(
+            subprocess.run(
+                ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
+            ).stdout.strip()
+        )
     except (OSError, subprocess.SubprocessError):
         pass
     return out
@@ -377,9 +440,14 @@ def write_report(wdir: str, decision: win2.Decision, cells: list[dict], meta: di
     for j, arm in enumerate(("control", "candidate")):
         vals = []
         for p in prompts:
-            v = [c["accepted_per_round"] + 1 if c.get("accepted_per_round") is not None else c["tokens_per_step"]
-                 for c in cells if c.get("ok") and c["arm"] == arm and c["prompt_id"] == p
-                 and (c.get("tokens_per_step") is not None or c.get("accepted_per_round") is not None)]
+            v = [
+                c["accepted_per_round"] + 1 if c.get("accepted_per_round") is not None else c["tokens_per_step"]
+                for c in cells
+                if c.get("ok")
+                and c["arm"] == arm
+                and c["prompt_id"] == p
+                and (c.get("tokens_per_step") is not None or c.get("accepted_per_round") is not None)
+            ]
             vals.append(statistics.median(v) if v else 0.0)
         ax.bar([i + (j - 0.5) * width for i in range(len(prompts))], vals, width, label=arm)
     ax.set_xticks(range(len(prompts)))
@@ -389,28 +457,41 @@ def write_report(wdir: str, decision: win2.Decision, cells: list[dict], meta: di
     files.append(_save_plot(fig, wdir, "acceptance.png"))
     d = decision
     ver = meta.get("versions", {})
-    lines = [f"# Window {meta.get('window_id', '')}: **{d.verdict}**", "",
-             f"- question: {meta.get('question', '-')}",
-             f"- candidate `{meta.get('candidate', '-')}` vs control `{meta.get('control', '-')}`",
-             f"- primary metric {d.metric}, min effect {d.min_effect:.1%}, alpha {d.alpha}",
-             f"- effect {d.effect:+.2%} (positive = candidate better), CI [{d.ci[0]:+.2%}, {d.ci[1]:+.2%}]"
-             if d.ci else "- effect: none (window INVALID)",
-             f"- {d.n_pairs} pairs; cells: `cells.jsonl`; plots: pairs.png, cdf.png, acceptance.png",
-             f"- harness {ver.get('package')} at {ver.get('commit') or 'unknown commit'}"
-             + (" **(dirty tree)**" if ver.get("dirty") else ""), "", "## Reasons", ""]
+    lines = [
+        f"# Window {meta.get('window_id', '')}: **{d.verdict}**",
+        "",
+        f"- question: {meta.get('question', '-')}",
+        f"- candidate `{meta.get('candidate', '-')}` vs control `{meta.get('control', '-')}`",
+        f"- primary metric {d.metric}, min effect {d.min_effect:.1%}, alpha {d.alpha}",
+        f"- effect {d.effect:+.2%} (positive = candidate better), CI [{d.ci[0]:+.2%}, {d.ci[1]:+.2%}]"
+        if d.ci
+        else "- effect: none (window INVALID)",
+        f"- {d.n_pairs} pairs; cells: `cells.jsonl`; plots: pairs.png, cdf.png, acceptance.png",
+        f"- harness {ver.get('package')} at {ver.get('commit') or 'unknown commit'}"
+        + (" **(dirty tree)**" if ver.get("dirty") else ""),
+        "",
+        "## Reasons",
+        "",
+    ]
     lines += [f"- {r}" for r in d.reasons] + [
-        "", "## Categories", "",
+        "",
+        "## Categories",
+        "",
         f"Verdicts corrected for multiplicity across the {len(d.categories)} categories (Holm, family "
         f"alpha {d.alpha:g}); each CI is at its Holm-adjusted level. The unadjusted "
         f"{1 - d.alpha:.0%} CI is descriptive only (no verdict is drawn from it; the non-inferiority "
-        "guard uses it because it fails safe).", "",
+        "guard uses it because it fails safe).",
+        "",
         "| category | verdict (Holm) | effect | CI (Holm level) | adjusted alpha | descriptive CI (unadjusted) | pairs |",
-        "|---|---|---:|---|---:|---|---:|"]
+        "|---|---|---:|---|---:|---|---:|",
+    ]
     for cat, e in d.categories.items():
         desc = e.get("descriptive") or {"ci": e["ci"]}
-        lines.append(f"| {cat} | {e['verdict']} | {e['effect']:+.2%} | [{e['ci'][0]:+.2%}, {e['ci'][1]:+.2%}] | "
-                     f"{e.get('alpha_adjusted', d.alpha):.4g} | [{desc['ci'][0]:+.2%}, {desc['ci'][1]:+.2%}] | "
-                     f"{e['n_pairs']} |")
+        lines.append(
+            f"| {cat} | {e['verdict']} | {e['effect']:+.2%} | [{e['ci'][0]:+.2%}, {e['ci'][1]:+.2%}] | "
+            f"{e.get('alpha_adjusted', d.alpha):.4g} | [{desc['ci'][0]:+.2%}, {desc['ci'][1]:+.2%}] | "
+            f"{e['n_pairs']} |"
+        )
     fileio.atomic_write(os.path.join(wdir, "summary.md"), "\n".join(lines) + "\n", "window summary")
     files.append("summary.md")
     return files

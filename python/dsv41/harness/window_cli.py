@@ -24,8 +24,10 @@ def _print_decision(d: win2.Decision, as_json: bool) -> None:
     if d.categories:
         print(f"  per category (Holm-adjusted across {len(d.categories)}, family alpha {d.alpha:g}):")
     for cat, e in d.categories.items():
-        print(f"  {cat}: {e['verdict']} effect {e['effect']:+.2%} CI [{e['ci'][0]:+.2%}, {e['ci'][1]:+.2%}] "
-              f"at alpha {e['alpha_adjusted']:.4g} ({e['n_pairs']} pairs)")
+        print(
+            f"  {cat}: {e['verdict']} effect {e['effect']:+.2%} CI [{e['ci'][0]:+.2%}, {e['ci'][1]:+.2%}] "
+            f"at alpha {e['alpha_adjusted']:.4g} ({e['n_pairs']} pairs)"
+        )
 
 
 @app.command()
@@ -42,12 +44,18 @@ def decide(
     """Decide a window by WIN2 R3; exit 0 whatever the verdict (the verdict is the output)."""
     gate_records = None
     if gate:
-
         gate_records = fileio.read_json(gate, "gate records", error=win2.Win2Error)
         if not isinstance(gate_records, list):
             raise win2.Win2Error(f"{gate}: expected a JSON list of per-prompt records")
-    d = win2.decide(win2.load_cells(cells), metric=metric, min_effect=min_effect, alpha=alpha, seed=seed,
-                    gate_records=gate_records, tolerance_nat=tolerance_nat)
+    d = win2.decide(
+        win2.load_cells(cells),
+        metric=metric,
+        min_effect=min_effect,
+        alpha=alpha,
+        seed=seed,
+        gate_records=gate_records,
+        tolerance_nat=tolerance_nat,
+    )
     _print_decision(d, as_json)
 
 
@@ -114,26 +122,40 @@ def simulate(
             raise win2.Win2Error(f"--pairs {n} is not a multiple of 2 x --prompts ({2 * prompts})")
     with Progress(console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("simulating windows", total=None)
-        res = win2_sim.simulate(noise, counts, windows, prompts, metric, min_effect, alpha, seed, resamples,
-                            progress=lambda n: bar.advance(task, n))
+        res = win2_sim.simulate(
+            noise,
+            counts,
+            windows,
+            prompts,
+            metric,
+            min_effect,
+            alpha,
+            seed,
+            resamples,
+            progress=lambda n: bar.advance(task, n),
+        )
     if out:
-
-        fileio.atomic_write_json(out, res, "window simulate --out", error=win2.Win2Error,
-                                 nonfinite="null")
+        fileio.atomic_write_json(out, res, "window simulate --out", error=win2.Win2Error, nonfinite="null")
     if as_json:
         print(fileio.dumps_json(res, indent=1, nonfinite="null"))
         return
-    print(f"noise sigma {noise.sigma:.4f} ({noise.source}); {windows} A/A windows per row, alpha {alpha}, "
-          f"min effect {min_effect}")
+    print(
+        f"noise sigma {noise.sigma:.4f} ({noise.source}); {windows} A/A windows per row, alpha {alpha}, "
+        f"min effect {min_effect}"
+    )
     print("pairs | false-WIN rate (95% CI) | MDE at power 0.8")
     for r in res["rows"]:
         mde = f"{r['mde']:.1%}" if r["mde"] is not None else "> largest simulated"
-        print(f"{r['n_pairs']:5d} | {r['false_win_rate']:.3f} ({r['false_win_ci95'][0]:.3f}-{r['false_win_ci95'][1]:.3f}) | {mde}")
+        print(
+            f"{r['n_pairs']:5d} | {r['false_win_rate']:.3f} ({r['false_win_ci95'][0]:.3f}-{r['false_win_ci95'][1]:.3f}) | {mde}"
+        )
 
 
 @app.command()
 def candidate(
-    name: str = typer.Argument(..., help="Candidate name (candidates/NAME.yml).", callback=names.option("candidate name")),
+    name: str = typer.Argument(
+        ..., help="Candidate name (candidates/NAME.yml).", callback=names.option("candidate name")
+    ),
     root: str = typer.Option("candidates", help="Directory of candidate files."),
     vars_out: str = typer.Option("", help="Write the arm's Ansible extra variables (JSON) here."),
 ) -> None:
@@ -143,13 +165,14 @@ def candidate(
     doc = candidates.load_candidate(name, root)
     rv = candidates.role_vars(doc)
     if vars_out:
-
         fileio.atomic_write_json(vars_out, rv, "window candidate --vars-out", error=win2.Win2Error)
     print(fileio.dumps_json({"candidate": doc, "role_vars": rv}, indent=1))
 
 
 @app.command()
-def arm(file: str = typer.Option(..., "--file", help="A window arm file (windows/<id>/arms/<candidate>-<arm>.json).")) -> None:
+def arm(
+    file: str = typer.Option(..., "--file", help="A window arm file (windows/<id>/arms/<candidate>-<arm>.json)."),
+) -> None:
     """Print a window arm file as JSON after refusing template syntax anywhere in it (exit 1, one
     line): window_switch.yml reads every arm through this, so its values reach Ansible as data."""
     from dsv41.harness import candidates
@@ -160,11 +183,13 @@ def arm(file: str = typer.Option(..., "--file", help="A window arm file (windows
 @app.command("run")
 def run_cmd(
     control: str = typer.Option(..., help="Control arm base URL."),
-    candidate: str = typer.Option(..., help="Candidate arm base URL (the same URL with --switch-cmd, or "
-                                            "for an A/A window)."),
+    candidate: str = typer.Option(
+        ..., help="Candidate arm base URL (the same URL with --switch-cmd, or for an A/A window)."
+    ),
     spec: str = typer.Option("", help="Workload spec (default: $DSV41_BENCH_SPEC_FILE, else the shipped one)."),
-    name: str = typer.Option("aa", help="Candidate name (the question is NAME + metric).",
-                             callback=names.option("candidate name")),
+    name: str = typer.Option(
+        "aa", help="Candidate name (the question is NAME + metric).", callback=names.option("candidate name")
+    ),
     control_name: str = typer.Option("production", help="Control name.", callback=names.option("control name")),
     question: str = typer.Option("", help="The question, in words, for the report."),
     metric: str = typer.Option("step_ms_p50", help="Primary metric: ttft_ms, step_ms_p50 or tok_s."),
@@ -172,24 +197,38 @@ def run_cmd(
     alpha: float = typer.Option(win2.DEFAULT_ALPHA, help="1 - confidence level."),
     seed: int = typer.Option(0, help="Cell plan and bootstrap seed."),
     windows_dir: str = typer.Option("windows", help="Where windows/<id>/ and the cap state live."),
-    window_id: str = typer.Option("", "--id", help="Window id (default: UTC time + name).",
-                                  callback=names.option("window id", empty_ok=True)),
+    window_id: str = typer.Option(
+        "", "--id", help="Window id (default: UTC time + name).", callback=names.option("window id", empty_ok=True)
+    ),
     switch_cmd: str = typer.Option("", help="Shell command run to switch arms; {arm} is replaced."),
     refs_file: str = typer.Option("", "--refs", help="Greedy refs for the smoke start's known answer."),
     no_cap: bool = typer.Option(False, help="Do not apply or record the two-window cap (calibration runs)."),
-    metrics: list[str] = typer.Option([], "--metrics", help="Every rank's /metrics URL, snapshotted around each "
-                                                             "cell (default: each arm's URL/metrics)."),
+    metrics: list[str] = typer.Option(
+        [],
+        "--metrics",
+        help="Every rank's /metrics URL, snapshotted around each cell (default: each arm's URL/metrics).",
+    ),
     no_metrics: bool = typer.Option(False, help="No /metrics snapshots (endpoints without it)."),
-    rank_metrics: str = typer.Option("", help="JSON runtime facts (the inventory's dsv41_rank_metrics): every "
-                                              "rank's counters endpoint is snapshotted too (under vLLM each "
-                                              "Spark's overlay endpoint), besides the --metrics URLs."),
-    drafting: bool = typer.Option(False, help="A drafting candidate: the distributional gate (greedy "
-                                              "prompts on both arms, lengths, acceptance) decides validity."),
+    rank_metrics: str = typer.Option(
+        "",
+        help="JSON runtime facts (the inventory's dsv41_rank_metrics): every "
+        "rank's counters endpoint is snapshotted too (under vLLM each "
+        "Spark's overlay endpoint), besides the --metrics URLs.",
+    ),
+    drafting: bool = typer.Option(
+        False,
+        help="A drafting candidate: the distributional gate (greedy "
+        "prompts on both arms, lengths, acceptance) decides validity.",
+    ),
     tolerance_nat: float = typer.Option(0.5, help="Near-tie tolerance of the gate (nat)."),
-    fault_after_cells: int = typer.Option(0, min=0, help="Fault drill: create --fault-cmd's trigger file "
-                                                          "once this many cells are written."),
-    fault_cmd: str = typer.Option("", help="Fault drill command, started before the cells; it must wait for "
-                                           "the file {trigger} (created after --fault-after-cells cells), then strike."),
+    fault_after_cells: int = typer.Option(
+        0, min=0, help="Fault drill: create --fault-cmd's trigger file once this many cells are written."
+    ),
+    fault_cmd: str = typer.Option(
+        "",
+        help="Fault drill command, started before the cells; it must wait for "
+        "the file {trigger} (created after --fault-after-cells cells), then strike.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the decision as JSON."),
 ) -> None:
     """Seeded ABBA/BAAB paired cells between two arms, WIN2 R3 decision, report in windows/<id>/.
@@ -200,12 +239,29 @@ def run_cmd(
 
     sp = bench.load_spec(spec or None)
     params = window_run.WindowParams(
-        control=control, candidate=candidate, spec=sp, name=name, control_name=control_name, question=question,
-        metric=metric, min_effect=min_effect, alpha=alpha, seed=seed, windows_dir=windows_dir, window_id=window_id,
-        switch_cmd=switch_cmd, refs_path=refs_file, cap=not no_cap, metrics=list(metrics),
+        control=control,
+        candidate=candidate,
+        spec=sp,
+        name=name,
+        control_name=control_name,
+        question=question,
+        metric=metric,
+        min_effect=min_effect,
+        alpha=alpha,
+        seed=seed,
+        windows_dir=windows_dir,
+        window_id=window_id,
+        switch_cmd=switch_cmd,
+        refs_path=refs_file,
+        cap=not no_cap,
+        metrics=list(metrics),
         rank_urls=_rank_urls(rank_metrics) or {},
-        snapshot_metrics=not no_metrics, drafting=drafting, tolerance_nat=tolerance_nat,
-        fault_after_cells=fault_after_cells, fault_cmd=fault_cmd)
+        snapshot_metrics=not no_metrics,
+        drafting=drafting,
+        tolerance_nat=tolerance_nat,
+        fault_after_cells=fault_after_cells,
+        fault_cmd=fault_cmd,
+    )
     with bench.sigterm_as_interrupt():
         res = window_run.run_window(params, progress=_progress_bar)
         _print_decision(res.decision, as_json)
@@ -232,8 +288,12 @@ def _progress_bar(window_id: str, total: int):
 
 @app.command("stop-run")
 def stop_run_cmd(
-    window_id: str = typer.Option(..., "--window", help="Window id (windows/<id>/package's directory; the journal's op id).",
-                                  callback=names.option("window id")),
+    window_id: str = typer.Option(
+        ...,
+        "--window",
+        help="Window id (windows/<id>/package's directory; the journal's op id).",
+        callback=names.option("window id"),
+    ),
     windows_dir: str = typer.Option("windows", help="Where windows/<id>/ lives."),
     timeout: float = typer.Option(30.0, help="Seconds to wait after SIGTERM before SIGKILL."),
 ) -> None:
@@ -243,22 +303,31 @@ def stop_run_cmd(
     from dsv41.harness import window_pid
 
     pids = window_pid.stop_runs(windows_dir, window_id, timeout)
-    workers = (f", and {' '.join(map(str, pids.workers))} (the killed window.yml's Ansible worker that waited on it)"
-               if pids.workers else "")
+    workers = (
+        f", and {' '.join(map(str, pids.workers))} (the killed window.yml's Ansible worker that waited on it)"
+        if pids.workers
+        else ""
+    )
     if pids:
         print(f"stopped {' '.join(map(str, pids))} (the killed run of window {window_id}){workers}")
     elif pids.workers:
-        print(f"stopped {' '.join(map(str, pids.workers))} (the killed window.yml's Ansible worker of window {window_id})")
+        print(
+            f"stopped {' '.join(map(str, pids.workers))} (the killed window.yml's Ansible worker of window {window_id})"
+        )
     else:
         print(f"no run left of window {window_id}")
 
 
 @app.command("plan")
 def plan_cmd(
-    candidates: str = typer.Option(..., help="Candidate name(s), comma-separated (chain mode).",
-                                   callback=names.option("candidate name", many=True)),
-    control: str = typer.Option("production", help="Control: a candidate name, or production as deployed.",
-                                callback=names.option("control name")),
+    candidates: str = typer.Option(
+        ..., help="Candidate name(s), comma-separated (chain mode).", callback=names.option("candidate name", many=True)
+    ),
+    control: str = typer.Option(
+        "production",
+        help="Control: a candidate name, or production as deployed.",
+        callback=names.option("control name"),
+    ),
     root: str = typer.Option("candidates", help="Directory of candidate files."),
     windows_dir: str = typer.Option("windows", help="Where the cap state (questions.json) lives."),
     spec: str = typer.Option("", help="Workload spec for candidates that name none."),
@@ -267,8 +336,9 @@ def plan_cmd(
     line when refused (unknown candidate, schema error, unrestorable delta, bad spec, cap)."""
     from dsv41.harness import window_plan
 
-    doc = window_plan.plan(window_plan.split_names(candidates), control or "production", root, windows_dir,
-                           spec or None)
+    doc = window_plan.plan(
+        window_plan.split_names(candidates), control or "production", root, windows_dir, spec or None
+    )
     print(fileio.dumps_json(doc))
 
 
@@ -288,12 +358,17 @@ def _rank_urls(facts: str) -> dict[str, str] | None:
 @app.command("ready")
 def ready_cmd(
     api: str = typer.Option(..., help="Rank 0's base URL."),
-    ranks: str = typer.Option("", help="Ranks whose Engram lookups must move with zero fallbacks "
-                                       "(comma-separated; empty when Engram is local)."),
+    ranks: str = typer.Option(
+        "",
+        help="Ranks whose Engram lookups must move with zero fallbacks (comma-separated; empty when Engram is local).",
+    ),
     timeout: float = typer.Option(120.0, help="Seconds to keep trying."),
-    rank_metrics: str = typer.Option("", help="JSON runtime facts (the inventory's dsv41_rank_metrics: runtime, "
-                                              "api_url, ranks, overlay_port): where each rank's counters are read. "
-                                              "Empty: rank 0's /metrics."),
+    rank_metrics: str = typer.Option(
+        "",
+        help="JSON runtime facts (the inventory's dsv41_rank_metrics: runtime, "
+        "api_url, ranks, overlay_port): where each rank's counters are read. "
+        "Empty: rank 0's /metrics.",
+    ),
 ) -> None:
     """Readiness of a switched arm: a short greedy request, and Engram lookups moving on every
     listed rank with zero fallbacks (under vLLM: its overlay active); exit 1 with the last reason

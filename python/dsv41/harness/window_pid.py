@@ -205,8 +205,7 @@ def stop_runs(windows_dir: str | os.PathLike, window_id: str, timeout_s: float =
     check_name(window_id, "window id", WindowError)  # a glob or a path would reach other windows' runs
     stopped = StoppedRuns()
     prefix = f"{window_id}-"
-    for path in sorted(p for p in Path(windows_dir).glob(f"*/{RUN_PID_NAME}")
-                       if p.parent.name.startswith(prefix)):
+    for path in sorted(p for p in Path(windows_dir).glob(f"*/{RUN_PID_NAME}") if p.parent.name.startswith(prefix)):
         rec = read_run_pid(path)
         if rec is None:
             continue  # it ended (and removed its record) since the glob

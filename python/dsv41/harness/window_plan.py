@@ -43,8 +43,13 @@ def split_names(text: str) -> list[str]:
     return names
 
 
-def plan(candidates: list[str], control: str = PRODUCTION, root: str = "candidates",
-         windows_dir: str = "windows", spec: str | None = None) -> dict:
+def plan(
+    candidates: list[str],
+    control: str = PRODUCTION,
+    root: str = "candidates",
+    windows_dir: str = "windows",
+    spec: str | None = None,
+) -> dict:
     """The plan of one HOLD: ``{"control", "control_vars", "windows": [...]}``; one window per
     candidate, in order: ``{"candidate", "question", "kind", "metric", "min_effect", "spec",
     "window_number", "arms": {"control": vars, "candidate": vars}, "roles", "switch_roles"}``.
@@ -65,17 +70,33 @@ def plan(candidates: list[str], control: str = PRODUCTION, root: str = "candidat
         cand_vars = role_vars(doc)
         roles = sorted(set((control_doc or {}).get("roles", {})) | set(doc.get("roles", {})))
         switch_roles = sorted({t for r in roles for t in SWITCH_ROLES[r]})
-        windows.append({"candidate": name, "question": doc["question"], "kind": doc["kind"], "metric": metric,
-                        "min_effect": doc["min_effect"], "spec": doc.get("spec") or spec or "",
-                        "window_number": nth, "arms": {"control": control_vars, "candidate": cand_vars},
-                        "roles": roles, "switch_roles": switch_roles})
+        windows.append(
+            {
+                "candidate": name,
+                "question": doc["question"],
+                "kind": doc["kind"],
+                "metric": metric,
+                "min_effect": doc["min_effect"],
+                "spec": doc.get("spec") or spec or "",
+                "window_number": nth,
+                "arms": {"control": control_vars, "candidate": cand_vars},
+                "roles": roles,
+                "switch_roles": switch_roles,
+            }
+        )
     if spec is None:
         bench.load_spec(None)
     return {"control": control, "control_vars": control_vars, "windows": windows}
 
 
-def wait_ready(api_url: str, ranks: list[str], timeout_s: float = 120.0, max_tokens: int = 4,
-               poll_s: float = 1.0, rank_metrics: dict[str, str] | None = None) -> dict:
+def wait_ready(
+    api_url: str,
+    ranks: list[str],
+    timeout_s: float = 120.0,
+    max_tokens: int = 4,
+    poll_s: float = 1.0,
+    rank_metrics: dict[str, str] | None = None,
+) -> dict:
     """Readiness of a switched arm: rank 0 answers a greedy ``max_tokens`` completion and, with
     ``ranks`` (Engram remote), every listed rank's ``dsv41_engram_lookups`` moved with zero
     ``fallbacks`` across it and, where the vLLM overlay exports its state, every listed rank runs
@@ -103,8 +124,11 @@ def wait_ready(api_url: str, ranks: list[str], timeout_s: float = 120.0, max_tok
                 refs.generate(base, "window readiness", model, max_tokens)
                 after = refs.read_metrics(rank_metrics) if ranks else ""
                 delta = refs.counter_delta(before, refs.engram_counters(after)) if ranks else {}
-                reason = (refs.check_overlay(after, ranks, rank_metrics)
-                          or refs.check_remote_engram(delta, ranks)) if ranks else None
+                reason = (
+                    (refs.check_overlay(after, ranks, rank_metrics) or refs.check_remote_engram(delta, ranks))
+                    if ranks
+                    else None
+                )
             if reason is None:
                 return {"seconds": round(time.monotonic() - t0, 3), "attempts": attempts, "delta": delta}
         except Dsv41Error as exc:

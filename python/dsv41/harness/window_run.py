@@ -107,10 +107,12 @@ def _switcher(switch_cmd: str) -> Callable[[str], None]:
         if switch_cmd:
             # the switch's own output goes to stderr: stdout is the decision alone (window.yml
             # reads the verdict from its first line)
-            rc = subprocess.run(switch_cmd.replace("{arm}", shlex.quote(arm)), shell=True, check=False,
-                                stdout=sys.stderr).returncode
+            rc = subprocess.run(
+                switch_cmd.replace("{arm}", shlex.quote(arm)), shell=True, check=False, stdout=sys.stderr
+            ).returncode
             if rc != 0:
                 raise WindowError(f"switching to the {arm} arm failed (exit {rc}): {switch_cmd}")
+
     return switch
 
 
@@ -119,9 +121,12 @@ def _fill_missing(cells: list[dict], plan: list[dict]) -> list[dict]:
     if len(cells) >= len(plan):
         return cells
     done = {(c["block"], c["pair"], c["arm"]) for c in cells}
-    return cells + [{k: c[k] for k in ("block", "pair", "arm", "prompt_id", "category", "seed")}
-                    | {"ok": False, "error": "not run (window stopped)"}
-                    for c in plan if (c["block"], c["pair"], c["arm"]) not in done]
+    return cells + [
+        {k: c[k] for k in ("block", "pair", "arm", "prompt_id", "category", "seed")}
+        | {"ok": False, "error": "not run (window stopped)"}
+        for c in plan
+        if (c["block"], c["pair"], c["arm"]) not in done
+    ]
 
 
 def run_window(params: WindowParams, progress: ProgressFactory | None = None) -> WindowResult:
@@ -152,27 +157,45 @@ def run_window(params: WindowParams, progress: ProgressFactory | None = None) ->
         for arm in ("control", "candidate"):
             switch(arm)
             smoke[arm] = bench.smoke(endpoints[arm], model, refs_doc, sp["timeout_s"])
-        murls = None if not p.snapshot_metrics else {arm: _with_ranks(list(p.metrics) or [url.rstrip("/") + "/metrics"],
-                                                                  p.rank_urls)
-                                                     for arm, url in endpoints.items()}
+        murls = (
+            None
+            if not p.snapshot_metrics
+            else {
+                arm: _with_ranks(list(p.metrics) or [url.rstrip("/") + "/metrics"], p.rank_urls)
+                for arm, url in endpoints.items()
+            }
+        )
         plan = window.plan_cells(sp, p.seed)
         cells_path = os.path.join(wdir, "cells.jsonl")
         interrupted = False
         fault = None
         if p.fault_cmd and p.fault_after_cells:
-            fault = window.FaultTrigger(p.fault_after_cells, p.fault_cmd,
-                                        os.path.join(os.path.abspath(wdir), "fault.trigger"),
-                                        arms=[c["arm"] for c in plan])
+            fault = window.FaultTrigger(
+                p.fault_after_cells,
+                p.fault_cmd,
+                os.path.join(os.path.abspath(wdir), "fault.trigger"),
+                arms=[c["arm"] for c in plan],
+            )
             fault.start()
         with (progress or _no_progress)(wid, len(plan)) as advance:
+
             def on_cell(rec: dict) -> None:
                 advance(rec)
                 if fault is not None:
                     fault.cell_done()
 
             try:
-                window.run_cells(plan, endpoints, model, sp["sampler"], sp["timeout_s"], cells_path, switch,
-                                 progress=on_cell, metrics=murls)
+                window.run_cells(
+                    plan,
+                    endpoints,
+                    model,
+                    sp["sampler"],
+                    sp["timeout_s"],
+                    cells_path,
+                    switch,
+                    progress=on_cell,
+                    metrics=murls,
+                )
             except KeyboardInterrupt:
                 interrupted = True
             finally:
@@ -192,22 +215,37 @@ def run_window(params: WindowParams, progress: ProgressFactory | None = None) ->
                 records = window.gate_records(cells, greedy)
             except Dsv41Error as exc:
                 gate_error = f"distributional gate could not run: {exc}"
-        d = win2.decide(cells, p.metric, p.min_effect, p.alpha, p.seed, gate_records=records,
-                        tolerance_nat=p.tolerance_nat)
+        d = win2.decide(
+            cells, p.metric, p.min_effect, p.alpha, p.seed, gate_records=records, tolerance_nat=p.tolerance_nat
+        )
         if gate_error:
             d.verdict = "INVALID"
             d.reasons.append(gate_error)
-        meta = {"window_id": wid, "candidate": p.name, "control": p.control_name,
-                "question": p.question or f"{p.name}: {p.metric}",
-                "window_number": nth, "spec": {k: v for k, v in sp.items() if k != "prompts"},
-                "prompts": [q["id"] for q in sp["prompts"]], "endpoints": endpoints, "smoke": smoke,
-                "versions": window.stack_version(), "interrupted": interrupted}
+        meta = {
+            "window_id": wid,
+            "candidate": p.name,
+            "control": p.control_name,
+            "question": p.question or f"{p.name}: {p.metric}",
+            "window_number": nth,
+            "spec": {k: v for k, v in sp.items() if k != "prompts"},
+            "prompts": [q["id"] for q in sp["prompts"]],
+            "endpoints": endpoints,
+            "smoke": smoke,
+            "versions": window.stack_version(),
+            "interrupted": interrupted,
+        }
         if fault is not None:
             meta["fault"] = fault.record()
         # decision and cap are kept together or not at all (write_report's cap)
-        window.write_report(wdir, d, cells, meta, cap=None if not p.cap else
-                            lambda: win2_cap.stage_window(p.windows_dir, p.name, p.metric, wid, d.verdict))
-        return WindowResult(wid, wdir, cells_path, d, interrupted,
-                            None if fault is None or interrupted else fault.failure())
+        window.write_report(
+            wdir,
+            d,
+            cells,
+            meta,
+            cap=None if not p.cap else lambda: win2_cap.stage_window(p.windows_dir, p.name, p.metric, wid, d.verdict),
+        )
+        return WindowResult(
+            wid, wdir, cells_path, d, interrupted, None if fault is None or interrupted else fault.failure()
+        )
     finally:
         window_pid.clear_run_pid(wdir)

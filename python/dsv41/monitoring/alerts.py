@@ -31,9 +31,15 @@ def firing(prometheus_url: str, timeout_s: float = 5.0, prefix: str = "Dsv41") -
             name = str(labels.pop("alertname", "?"))
             if a.get("state") != "firing" or not name.startswith(prefix):
                 continue
-            out.append({"name": name, "severity": str(labels.pop("severity", "")), "labels": labels,
-                        "summary": str((a.get("annotations") or {}).get("summary", "")),
-                        "active_at": str(a.get("activeAt", ""))})
+            out.append(
+                {
+                    "name": name,
+                    "severity": str(labels.pop("severity", "")),
+                    "labels": labels,
+                    "summary": str((a.get("annotations") or {}).get("summary", "")),
+                    "active_at": str(a.get("activeAt", "")),
+                }
+            )
     except (AttributeError, KeyError, TypeError) as exc:
         raise AlertsError(f"Prometheus {prometheus_url}: /api/v1/alerts is not the alerts API ({exc!r})") from None
     return sorted(out, key=lambda x: (x["name"], sorted(x["labels"].items())))

@@ -18,8 +18,12 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
 @app.command()
 def exporter(
     listen: str = typer.Option("127.0.0.1:9461", help="HOST:PORT of /metrics (a management or loopback address)."),
-    api_url: str = typer.Option("", help="Rank 0's base URL, e.g. http://198.18.0.11:8000 (admission gauges; empty: none)."),
-    journal: Path = typer.Option(Path("packages/journal.jsonl"), help="The controller's promotion journal (windows too)."),
+    api_url: str = typer.Option(
+        "", help="Rank 0's base URL, e.g. http://198.18.0.11:8000 (admission gauges; empty: none)."
+    ),
+    journal: Path = typer.Option(
+        Path("packages/journal.jsonl"), help="The controller's promotion journal (windows too)."
+    ),
     once: bool = typer.Option(False, "--once", help="Print the current values as JSON and exit (no server)."),
     ready_file: Path = typer.Option(None, help="Written once listening."),
 ) -> None:
@@ -33,7 +37,6 @@ def exporter(
         return
     server, _thread = ex.serve(listen, col)
     if ready_file is not None:
-
         fileio.atomic_write(ready_file, f"{listen}\n", "the ready file")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -45,7 +48,9 @@ def exporter(
 @app.command()
 def rules(
     project: Path = typer.Option(Path("."), help="The dsv41-offload checkout (holds roles/monitoring)."),
-    overrides: str = typer.Option("{}", help="monitoring_alert_overrides as JSON, e.g. '{\"table_server_down\": {\"for\": \"1m\"}}'."),
+    overrides: str = typer.Option(
+        "{}", help='monitoring_alert_overrides as JSON, e.g. \'{"table_server_down": {"for": "1m"}}\'.'
+    ),
     ranks: str = typer.Option("0,1", help="TP ranks whose Engram counters rank 0 exports."),
 ) -> None:
     """Print the rules file (what roles/monitoring installs) for an existing Prometheus."""

@@ -47,8 +47,9 @@ class OpsCollector:
         from dsv41.harness import http
 
         try:
-            doc = http.request_json("GET", self.api_url + "/is_paused", what="rank 0 /is_paused",
-                                    timeout_s=self.timeout_s)
+            doc = http.request_json(
+                "GET", self.api_url + "/is_paused", what="rank 0 /is_paused", timeout_s=self.timeout_s
+            )
             held = bool(doc["is_paused"])
             since = float(doc.get("paused_since") or 0.0) if held else 0.0
             return 1, int(held), since
@@ -112,15 +113,24 @@ class OpsCollector:
             yield gauge("dsv41_admission_held", "1 while rank 0 holds admission (HOLD)", held)
             yield gauge("dsv41_admission_held_since_seconds", "Unix time admission was closed (0 while open)", since)
         readable, (active, wsince, wid), (jopen, jlast, cur) = self.journal_state()
-        yield gauge("dsv41_promotion_journal_readable", "1 when the promotion journal could be read at this scrape",
-                    readable)
-        yield gauge("dsv41_window_active", "1 while a window holds production (its journal operation has no done)", active)
+        yield gauge(
+            "dsv41_promotion_journal_readable", "1 when the promotion journal could be read at this scrape", readable
+        )
+        yield gauge(
+            "dsv41_window_active", "1 while a window holds production (its journal operation has no done)", active
+        )
         yield gauge("dsv41_window_active_since_seconds", "Unix time the active window started (0 when none)", wsince)
         if active:
             yield gauge("dsv41_window_info", "The active window (value 1)", 1, {"id": wid})
         yield gauge("dsv41_promotion_journal_open", "1 while the last promote/rollback has no done step", jopen)
-        yield gauge("dsv41_promotion_journal_last_step_seconds", "Unix time of the journal's last entry (0 when empty)", jlast)
-        yield gauge("dsv41_promotion_current_since_seconds", "Unix time production's package pointer last changed (0 when none)", cur)
+        yield gauge(
+            "dsv41_promotion_journal_last_step_seconds", "Unix time of the journal's last entry (0 when empty)", jlast
+        )
+        yield gauge(
+            "dsv41_promotion_current_since_seconds",
+            "Unix time production's package pointer last changed (0 when none)",
+            cur,
+        )
 
 
 def serve(listen: str, collector: OpsCollector, stop: threading.Event | None = None, settings=None):
@@ -141,8 +151,12 @@ def serve(listen: str, collector: OpsCollector, stop: threading.Event | None = N
     registry.register(collector)
     s = settings if settings is not None else envs.parse()
     try:
-        server = BoundedHTTPServer((host, port), bounded_handler(MetricsHandler.factory(registry)),
-                                   s.http_header_timeout_s, s.metrics_max_connections)
+        server = BoundedHTTPServer(
+            (host, port),
+            bounded_handler(MetricsHandler.factory(registry)),
+            s.http_header_timeout_s,
+            s.metrics_max_connections,
+        )
     except (OSError, OverflowError) as exc:
         raise Dsv41Error(f"cannot listen on {listen}: {getattr(exc, 'strerror', None) or exc}") from None
     thread = threading.Thread(target=server.serve_forever, name="ops-exporter-http", daemon=True)

@@ -16,11 +16,13 @@ def query_range(prometheus_url: str, expr: str, start: float, end: float, step_s
 
     from dsv41.harness.http import check_url
 
-    url = check_url(prometheus_url.rstrip("/") + "/api/v1/query_range", what=f"Prometheus {prometheus_url}",
-                    error=Dsv41Error)
+    url = check_url(
+        prometheus_url.rstrip("/") + "/api/v1/query_range", what=f"Prometheus {prometheus_url}", error=Dsv41Error
+    )
     try:
-        r = httpx.get(url, params={"query": expr, "start": start, "end": end, "step": step_s}, timeout=timeout_s,
-                      trust_env=False)
+        r = httpx.get(
+            url, params={"query": expr, "start": start, "end": end, "step": step_s}, timeout=timeout_s, trust_env=False
+        )
         r.raise_for_status()
         doc = r.json()
     except (httpx.HTTPError, ValueError) as exc:
@@ -36,8 +38,16 @@ def _legend(fmt: str, labels: dict) -> str:
     return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: str(labels.get(m.group(1), "")), fmt)
 
 
-def render(prometheus_url: str, start: float, end: float, out: str, step_s: float = 5.0,
-           rate_interval: str = "1m", marks: list[tuple[float, str]] | None = None, title: str = "") -> dict:
+def render(
+    prometheus_url: str,
+    start: float,
+    end: float,
+    out: str,
+    step_s: float = 5.0,
+    rate_interval: str = "1m",
+    marks: list[tuple[float, str]] | None = None,
+    title: str = "",
+) -> dict:
     """Draw every panel into the PNG ``out``; returns ``{panel title: number of series drawn}``."""
     import matplotlib
 
@@ -55,8 +65,9 @@ def render(prometheus_url: str, start: float, end: float, out: str, step_s: floa
     for ax, (ptitle, _kind, unit, exprs, _desc) in zip(axes.flat, panels, strict=False):
         n = 0
         for expr, fmt in exprs:
-            for labels, values in query_range(prometheus_url, expr.replace("$__rate_interval", rate_interval),
-                                              start, end, step_s):
+            for labels, values in query_range(
+                prometheus_url, expr.replace("$__rate_interval", rate_interval), start, end, step_s
+            ):
                 xs = [(t - start) / 60 for t, v in values if math.isfinite(v)]
                 ys = [v for _t, v in values if math.isfinite(v)]
                 if xs:
@@ -75,7 +86,7 @@ def render(prometheus_url: str, start: float, end: float, out: str, step_s: floa
         if n:
             ax.legend(fontsize=5, loc="upper left")
         drawn[ptitle] = n
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle(title or f"dsv41-offload dashboard queries ({prometheus_url}); red: dsv41 alerts firing", fontsize=11)
     fig.tight_layout()

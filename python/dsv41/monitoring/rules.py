@@ -37,6 +37,8 @@ def render(project: str | Path, overrides: dict | None = None, ranks: list[int] 
     defaults = fileio.loads_yaml(fileio.read_text(rd / "defaults" / "main.yml", "the monitoring role's defaults"))
     env = jinja2.Environment(trim_blocks=True, undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     tpl = env.from_string(fileio.read_text(rd / "templates" / "dsv41.rules.yml.j2", "the rules template"))
-    return tpl.render(monitoring_alerts_effective=merge(defaults["monitoring_alerts"], overrides or {}),
-                      monitoring_ranks=list(ranks if ranks is not None else [0, 1]),
-                      monitoring_rules_header=HEADER)
+    return tpl.render(
+        monitoring_alerts_effective=merge(defaults["monitoring_alerts"], overrides or {}),
+        monitoring_ranks=list(ranks if ranks is not None else [0, 1]),
+        monitoring_rules_header=HEADER,
+    )

@@ -27,8 +27,9 @@ def _line(d: dict) -> str:
 
 @app.command("contract")
 def contract_cmd(
-    image: str | None = typer.Option(None, "--image", help="A serving image (name[:tag][@digest]); run with "
-                                                              "--pull never, so pull it first."),
+    image: str | None = typer.Option(
+        None, "--image", help="A serving image (name[:tag][@digest]); run with --pull never, so pull it first."
+    ),
     python: str | None = typer.Option(None, "--python", help="Another Python interpreter whose vLLM to read."),
     container_runtime: str = typer.Option("docker", help="The container CLI that runs --image."),
     as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
@@ -49,15 +50,19 @@ def contract_cmd(
     found = C.inspect(python=python, image=image, container_runtime=container_runtime, timeout_s=timeout)
     where = f"image {image}" if image else f"interpreter {python}" if python else "this interpreter"
     if found.get("root") is None:
-        raise Dsv41Error(f"{where}: no vllm package is installed (supported: vLLM "
-                         f"{', '.join(C.supported_versions(contracts))})", exit_code=2)
+        raise Dsv41Error(
+            f"{where}: no vllm package is installed (supported: vLLM {', '.join(C.supported_versions(contracts))})",
+            exit_code=2,
+        )
     results = [{"vllm_version": c["vllm_version"], "differences": C.differences(c, found)} for c in contracts]
     ok = any(not r["differences"] for r in results)
     if as_json:
         print(fileio.dumps_json({"where": where, "found": found, "contracts": results, "holds": ok}))
     else:
-        print(f"{where}: vLLM {found.get('version') or '(no distribution metadata)'} at {found['root']} "
-              f"(Python {found.get('python')})")
+        print(
+            f"{where}: vLLM {found.get('version') or '(no distribution metadata)'} at {found['root']} "
+            f"(Python {found.get('python')})"
+        )
         for r in results:
             if not r["differences"]:
                 print(f"matches the overlay's vLLM {r['vllm_version']} contract: supported")
@@ -66,7 +71,9 @@ def contract_cmd(
             for d in r["differences"]:
                 print(_line(d))
         if not ok:
-            print(f"unsupported: the overlay supports vLLM {', '.join(C.supported_versions(contracts))} only "
-                  "(docs/operations.md, \"Supported serving images\")")
+            print(
+                f"unsupported: the overlay supports vLLM {', '.join(C.supported_versions(contracts))} only "
+                '(docs/operations.md, "Supported serving images")'
+            )
     if not ok:
         raise typer.Exit(1)

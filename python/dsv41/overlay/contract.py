@@ -43,12 +43,20 @@ CONTRACT_TPS = (1, 2, 4)
 PLUGIN_NAME = "dsv41_overlay"
 PLUGIN_VALUE = "dsv41.overlay.plugin:register"
 VLLM_ENV = ("VLLM_PLUGINS", "VLLM_USE_BREAKABLE_CUDAGRAPH")
-DSV41_ENV = ("DSV41_ENGRAM_REMOTE", "DSV41_ENGRAM_REMOTE_TIMEOUT_MS", "DSV41_ENGRAM_REMOTE_REQUIRED",
-             "DSV41_RUNTIME_ROOT", "DSV41_DRAFTER_REMOTE", "DSV41_DRAFTER_DIR", "DSV41_DRAFTER_ASYNC",
-             "DSV41_DRAFTER_K", "DSV41_DRAFTER_TIMEOUT_MS")
+DSV41_ENV = (
+    "DSV41_ENGRAM_REMOTE",
+    "DSV41_ENGRAM_REMOTE_TIMEOUT_MS",
+    "DSV41_ENGRAM_REMOTE_REQUIRED",
+    "DSV41_RUNTIME_ROOT",
+    "DSV41_DRAFTER_REMOTE",
+    "DSV41_DRAFTER_DIR",
+    "DSV41_DRAFTER_ASYNC",
+    "DSV41_DRAFTER_K",
+    "DSV41_DRAFTER_TIMEOUT_MS",
+)
 #: Old names, refused with the new name in the message (dsv41.envs.RENAMED).
 OLD_ENV = dict(RENAMED)
-PIECEWISE_FLAG = "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}'"
+PIECEWISE_FLAG = '--compilation-config \'{"cudagraph_mode": "PIECEWISE"}\''
 #: What the overlay requires of vLLM's compilation when Engram rows are remote: the host-side
 #: fetch runs in an eager_break_during_capture function, which re-runs at every PIECEWISE
 #: replay but is captured once (stale rows) under FULL graphs and the specialized decode.
@@ -131,8 +139,9 @@ def expected_ranges(contract: dict[str, Any], tp: int, rank: int) -> dict[str, A
     return ranks[rank]
 
 
-def check_ranges(layout: Any, layer_id: int, tp: int, rank: int, got: dict[str, int],
-                 contract: dict[str, Any] | None = None) -> list[str]:
+def check_ranges(
+    layout: Any, layer_id: int, tp: int, rank: int, got: dict[str, int], contract: dict[str, Any] | None = None
+) -> list[str]:
     """Compare vLLM's ranges of one embedding (``got``: head_start, part_n_hash_cols,
     vocab_start_idx, vocab_end_idx) with the dsv41 layout's (``layout``: EngramLayout of the
     manifest) and, when the layout is the contract's model, with the contract's.  Returns the
@@ -142,19 +151,30 @@ def check_ranges(layout: Any, layer_id: int, tp: int, rank: int, got: dict[str, 
     lo, hi = layout.row_range(li, tp, rank)
     part = -(-layout.n_columns // tp)
     want = {"head_start": c0, "part_n_hash_cols": part, "vocab_start_idx": lo, "vocab_end_idx": hi}
-    problems = [f"layer {layer_id} rank {rank}/{tp}: vLLM {k}={got.get(k)} != dsv41 layout {v}"
-                for k, v in want.items() if got.get(k) != v]
+    problems = [
+        f"layer {layer_id} rank {rank}/{tp}: vLLM {k}={got.get(k)} != dsv41 layout {v}"
+        for k, v in want.items()
+        if got.get(k) != v
+    ]
     if contract is not None:
         rows = contract["ranges"].get("layer_rows", {})
-        same_model = [str(x) for x in layout.layer_ids] == list(rows) and \
-            [rows[str(x)] for x in layout.layer_ids] == list(layout.rows)
+        same_model = [str(x) for x in layout.layer_ids] == list(rows) and [
+            rows[str(x)] for x in layout.layer_ids
+        ] == list(layout.rows)
         exp = expected_ranges(contract, tp, rank) if same_model else None
         if exp is not None:
             lay = {x["layer_id"]: x for x in exp["layers"]}.get(layer_id, {})
-            cwant = {"head_start": exp["head_start"], "part_n_hash_cols": exp["part_n_hash_cols"],
-                     "vocab_start_idx": lay.get("vocab_start_idx"), "vocab_end_idx": lay.get("vocab_end_idx")}
-            problems += [f"layer {layer_id} rank {rank}/{tp}: vLLM {k}={got.get(k)} != contract {v}"
-                         for k, v in cwant.items() if got.get(k) != v]
+            cwant = {
+                "head_start": exp["head_start"],
+                "part_n_hash_cols": exp["part_n_hash_cols"],
+                "vocab_start_idx": lay.get("vocab_start_idx"),
+                "vocab_end_idx": lay.get("vocab_end_idx"),
+            }
+            problems += [
+                f"layer {layer_id} rank {rank}/{tp}: vLLM {k}={got.get(k)} != contract {v}"
+                for k, v in cwant.items()
+                if got.get(k) != v
+            ]
     return problems
 
 
@@ -211,8 +231,9 @@ def differences(contract: dict[str, Any], found: dict[str, Any]) -> list[dict[st
     return out
 
 
-def probe_command(files: list[str], *, python: str | None = None, image: str | None = None,
-                  container_runtime: str = "docker") -> list[str]:
+def probe_command(
+    files: list[str], *, python: str | None = None, image: str | None = None, container_runtime: str = "docker"
+) -> list[str]:
     """The argv that runs :data:`PROBE` with ``python`` (a path; default this interpreter) or inside ``image`` (``RUNTIME run
     --rm --pull never --network none --entrypoint python3 IMAGE``). ConfigError for an image
     reference that is not a plain name (no leading ``-``, no spaces, only ``A-Za-z0-9._/:@+-``)."""
@@ -222,15 +243,34 @@ def probe_command(files: list[str], *, python: str | None = None, image: str | N
 
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,511}", image):
             raise ConfigError(f"--image must be an image reference (name[:tag][@digest]), got {image!r}", exit_code=2)
-        return [container_runtime, "run", "--rm", "--pull", "never", "--network", "none", "--entrypoint", "python3",
-                image, "-c", PROBE, arg]
+        return [
+            container_runtime,
+            "run",
+            "--rm",
+            "--pull",
+            "never",
+            "--network",
+            "none",
+            "--entrypoint",
+            "python3",
+            image,
+            "-c",
+            PROBE,
+            arg,
+        ]
     import sys
 
     return [python or sys.executable, "-c", PROBE, arg]
 
 
-def inspect(*, python: str | None = None, image: str | None = None, container_runtime: str = "docker",
-            timeout_s: float = 300.0, env: dict[str, str] | None = None) -> dict[str, Any]:
+def inspect(
+    *,
+    python: str | None = None,
+    image: str | None = None,
+    container_runtime: str = "docker",
+    timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """Run :data:`PROBE` (:func:`probe_command`) and return its JSON: ``python`` (version),
     ``version`` (vLLM's, None when absent), ``root``, ``files`` ({file: sha256 or None}).
     Dsv41Error (exit 2) when it cannot run, fails or prints no JSON."""

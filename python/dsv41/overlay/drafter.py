@@ -49,8 +49,14 @@ def hidden_rows(query_start_loc: np.ndarray, num_rejected: np.ndarray) -> np.nda
     return q[1:] - 1 - np.asarray(num_rejected, np.int64)[: q.size - 1]
 
 
-def draft_inputs(req_ids: list[str], num_sampled: np.ndarray, hidden: np.ndarray, tails: np.ndarray,
-                 total_len: np.ndarray, depth: int) -> tuple[list[int], list[Any]]:
+def draft_inputs(
+    req_ids: list[str],
+    num_sampled: np.ndarray,
+    hidden: np.ndarray,
+    tails: np.ndarray,
+    total_len: np.ndarray,
+    depth: int,
+) -> tuple[list[int], list[Any]]:
     """The DraftInputs of one step: (batch indices, DraftInput list) for requests with
     ``num_sampled > 0``.  ``hidden`` float32 ``[num_reqs, H]``; ``tails`` int ``[num_reqs, n]``
     (the last n tokens, left-padded); ``total_len`` int ``[num_reqs]``."""
@@ -65,10 +71,17 @@ def draft_inputs(req_ids: list[str], num_sampled: np.ndarray, hidden: np.ndarray
         ids = np.zeros(length, np.int64)  # calloc'd: only the tail is touched
         k = min(n, length)
         if k:
-            ids[length - k:] = tails[i, n - k:]
+            ids[length - k :] = tails[i, n - k :]
         live.append(i)
-        batch.append(DraftInput(request_id=str(rid), token_ids=ids,
-                                hidden=np.asarray(hidden[i], np.float32), depth=depth, temperature=0.0))
+        batch.append(
+            DraftInput(
+                request_id=str(rid),
+                token_ids=ids,
+                hidden=np.asarray(hidden[i], np.float32),
+                depth=depth,
+                temperature=0.0,
+            )
+        )
     return live, batch
 
 
@@ -97,8 +110,7 @@ def speculator_class(base: type) -> type:
         (vLLM's GroupCoordinator); ``make_spec``: builds the dsv41 speculator on rank 0.
         """
 
-        def __init__(self, vllm_config: Any, device: Any, req_states: Any, *, tp_group: Any,
-                     make_spec: Any) -> None:
+        def __init__(self, vllm_config: Any, device: Any, req_states: Any, *, tp_group: Any, make_spec: Any) -> None:
             import torch
 
             spec_cfg = vllm_config.speculative_config
@@ -123,8 +135,11 @@ def speculator_class(base: type) -> type:
                 if tap_layer in layers:
                     self.tap_index = layers.index(tap_layer)
                 else:
-                    log.error("dsv41 drafter: tap layer %s is not among dspark_target_layer_ids %s: "
-                              "no drafts (fail closed)", tap_layer, layers)
+                    log.error(
+                        "dsv41 drafter: tap layer %s is not among dspark_target_layer_ids %s: no drafts (fail closed)",
+                        tap_layer,
+                        layers,
+                    )
 
         def init_cudagraph_manager(self, cudagraph_mode: Any) -> None:
             """No draft model: nothing runs on the GPU to capture."""
@@ -138,15 +153,17 @@ def speculator_class(base: type) -> type:
             """Watermarking of drafts is not supported: drafts are unwatermarked proposals."""
             return None
 
-        def _rank0_drafts(self, input_batch: Any, aux_hidden_states: Any, num_sampled: Any,
-                          num_rejected: Any, k: int) -> np.ndarray:
+        def _rank0_drafts(
+            self, input_batch: Any, aux_hidden_states: Any, num_sampled: Any, num_rejected: Any, k: int
+        ) -> np.ndarray:
             import torch
 
             n = input_batch.num_reqs
             if self.spec is None or self.tap_index is None or not aux_hidden_states:
                 return np.full((n, k), -1, np.int64)
-            rows = torch.from_numpy(hidden_rows(input_batch.query_start_loc_np[: n + 1],
-                                                num_rejected[:n].cpu().numpy()))
+            rows = torch.from_numpy(
+                hidden_rows(input_batch.query_start_loc_np[: n + 1], num_rejected[:n].cpu().numpy())
+            )
             hidden = aux_hidden_states[self.tap_index][rows.to(aux_hidden_states[self.tap_index].device)]
             idx = input_batch.idx_mapping[:n]
             total = self.req_states.total_len.gpu[idx].to(torch.int64)
@@ -157,8 +174,7 @@ def speculator_class(base: type) -> type:
             tails_np = tails.cpu().numpy()
             total_np = total.cpu().numpy()
             sampled_np = num_sampled[:n].cpu().numpy()
-            live, batch = draft_inputs(list(input_batch.req_ids[:n]), sampled_np, hidden_np, tails_np,
-                                       total_np, k)
+            live, batch = draft_inputs(list(input_batch.req_ids[:n]), sampled_np, hidden_np, tails_np, total_np, k)
             if not batch:
                 return np.full((n, k), -1, np.int64)
             try:
@@ -170,11 +186,26 @@ def speculator_class(base: type) -> type:
                 props = None
             return fill_drafts(n, k, live, props)
 
-        def propose(self, input_batch: Any, attn_metadata: Any, slot_mappings: Any, last_hidden_states: Any,
-                    aux_hidden_states: Any, num_sampled: Any, num_rejected: Any, last_sampled: Any,
-                    next_prefill_tokens: Any, temperature: Any, seeds: Any, dp_sync_state: Any = None,
-                    dummy_run: bool = False, skip_attn_for_dummy_run: bool = False, mm_inputs: Any = None,
-                    is_profile: bool = False, num_speculative_tokens: int | None = None) -> Any:
+        def propose(
+            self,
+            input_batch: Any,
+            attn_metadata: Any,
+            slot_mappings: Any,
+            last_hidden_states: Any,
+            aux_hidden_states: Any,
+            num_sampled: Any,
+            num_rejected: Any,
+            last_sampled: Any,
+            next_prefill_tokens: Any,
+            temperature: Any,
+            seeds: Any,
+            dp_sync_state: Any = None,
+            dummy_run: bool = False,
+            skip_attn_for_dummy_run: bool = False,
+            mm_inputs: Any = None,
+            is_profile: bool = False,
+            num_speculative_tokens: int | None = None,
+        ) -> Any:
             """int64 ``[num_reqs, k]`` drafts (-1 = none), identical on every TP rank."""
             import torch
 
@@ -239,8 +270,11 @@ def apply_init_speculator(module: ModuleType, settings: Any) -> None:
 
     def init_speculator(vllm_config: Any, device: Any, req_states: Any) -> Any:
         if vllm_config.speculative_config.method != "dspark":
-            log.error("dsv41 drafter: DSV41_DRAFTER_REMOTE is set but --speculative-config method is %r, "
-                      "not 'dspark': vLLM's own speculator is used", vllm_config.speculative_config.method)
+            log.error(
+                "dsv41 drafter: DSV41_DRAFTER_REMOTE is set but --speculative-config method is %r, "
+                "not 'dspark': vLLM's own speculator is used",
+                vllm_config.speculative_config.method,
+            )
             return orig(vllm_config, device, req_states)
         from vllm.distributed import get_tp_group
         from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator

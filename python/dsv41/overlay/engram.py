@@ -53,8 +53,18 @@ from dsv41.overlay.engram_ops import ROW_BYTES, OverlayRefused, log, plan_rows, 
 from dsv41.overlay.engram_rows import RemoteRows
 from dsv41.overlay.engram_worker import EngramWorker, stop_workers
 
-__all__ = ["ROW_BYTES", "EngramWorker", "OverlayRefused", "RemoteRows", "apply", "check_compilation", "plan_rows",
-           "report_counters", "stop_workers", "vllm_dequant"]
+__all__ = [
+    "ROW_BYTES",
+    "EngramWorker",
+    "OverlayRefused",
+    "RemoteRows",
+    "apply",
+    "check_compilation",
+    "plan_rows",
+    "report_counters",
+    "stop_workers",
+    "vllm_dequant",
+]
 
 _layer: contextvars.ContextVar[tuple[Any, int] | None] = contextvars.ContextVar("dsv41_engram_layer", default=None)
 _sources: dict[tuple, Any] = {}
@@ -72,10 +82,28 @@ def vllm_dequant(module: ModuleType, emb: Any) -> Callable[..., None]:
     def run(w: Any, s: Any, sel: Any, dst: Any, out: Any, n: int, rows: int) -> None:
         grid = min(triton.cdiv(rows, 16), emb._num_sms)
         kernel[(grid,)](
-            w.view(torch.float8_e4m3fn), s, sel, dst, out, 0, n, rows, 0, 0,
-            HEAD_START=emb.head_start, LOCAL_HEADS=emb.part_n_hash_cols, TOTAL_HEADS=emb.n_hash_cols,
-            DIM=emb.dim, QUANT_BLOCK=emb.block_size, BLOCK_R=16, GRID=grid, SORTED=True, PACKED=False,
-            OUT_STRIDE=out.stride(0), PEER_ROWS=0)
+            w.view(torch.float8_e4m3fn),
+            s,
+            sel,
+            dst,
+            out,
+            0,
+            n,
+            rows,
+            0,
+            0,
+            HEAD_START=emb.head_start,
+            LOCAL_HEADS=emb.part_n_hash_cols,
+            TOTAL_HEADS=emb.n_hash_cols,
+            DIM=emb.dim,
+            QUANT_BLOCK=emb.block_size,
+            BLOCK_R=16,
+            GRID=grid,
+            SORTED=True,
+            PACKED=False,
+            OUT_STRIDE=out.stride(0),
+            PEER_ROWS=0,
+        )
 
     return run
 
@@ -88,19 +116,22 @@ def check_compilation(vllm_config: Any) -> None:
     if mode not in C.COMPILATION["engram_remote"]["cudagraph_mode_allowed"]:
         raise OverlayRefused(
             f"DSV41_ENGRAM_REMOTE needs PIECEWISE (or no) CUDA graphs, vLLM runs cudagraph_mode={mode}: "
-            f"a FULL decode graph captures the host-side row fetch once; start vLLM with {C.PIECEWISE_FLAG}")
+            f"a FULL decode graph captures the host-side row fetch once; start vLLM with {C.PIECEWISE_FLAG}"
+        )
     if mode == "PIECEWISE":
         from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
 
         if not is_breakable_cudagraph_enabled():
             raise OverlayRefused(
                 "DSV41_ENGRAM_REMOTE needs breakable PIECEWISE graphs (the fetch runs between graph "
-                "segments): remove VLLM_USE_BREAKABLE_CUDAGRAPH=0 from the environment")
+                "segments): remove VLLM_USE_BREAKABLE_CUDAGRAPH=0 from the environment"
+            )
     extra = getattr(vllm_config, "additional_config", None) or {}
     if isinstance(extra, dict) and extra.get("decode_backend") == "latency_specialized":
         raise OverlayRefused(
             "DSV41_ENGRAM_REMOTE cannot run under the specialized decode (FULL-graph decode steps): "
-            "remove \"decode_backend\": \"latency_specialized\" from --additional-config")
+            'remove "decode_backend": "latency_specialized" from --additional-config'
+        )
 
 
 def _source(settings: S.OverlaySettings, tp: int, rank: int) -> tuple[Any, Any]:
@@ -132,9 +163,17 @@ def _source(settings: S.OverlaySettings, tp: int, rank: int) -> tuple[Any, Any]:
             log.warning("dsv41 overlay rank %d: no local tables under the runtime root: no exact fallback", rank)
         # the engine's whole-call deadline and busy-poll budget, from the same settings
         # (DSV41_ENGRAM_LOOKUP_DEADLINE_MS, DSV41_TRANSPORT_CLIENT_SPIN_US)
-        src = RemoteRowSource(url, manifest, rank, tp, settings.timeout_ms, settings.required, local=local,
-                              deadline_ms=settings.env.engram_lookup_deadline_ms,
-                              spin_us=settings.env.transport_client_spin_us)
+        src = RemoteRowSource(
+            url,
+            manifest,
+            rank,
+            tp,
+            settings.timeout_ms,
+            settings.required,
+            local=local,
+            deadline_ms=settings.env.engram_lookup_deadline_ms,
+            spin_us=settings.env.transport_client_spin_us,
+        )
         _sources[key] = (src, layout)
         return _sources[key]
 
@@ -183,40 +222,72 @@ def apply(module: ModuleType, settings: S.OverlaySettings, contract: dict) -> No
         vcfg = module.get_current_vllm_config()
         check_compilation(vcfg)
         if not self.cpu_offload or self.dp_size != 1 or self.dp_shared_memory or self.peer_rows:
-            _decline(f"layer {layer_id}: Engram tables must be host-offloaded, per rank, without Engram DP "
-                     f"(cpu_offload={self.cpu_offload}, engram dp_size={self.dp_size}, "
-                     f"dp_shared_memory={self.dp_shared_memory})")
+            _decline(
+                f"layer {layer_id}: Engram tables must be host-offloaded, per rank, without Engram DP "
+                f"(cpu_offload={self.cpu_offload}, engram dp_size={self.dp_size}, "
+                f"dp_shared_memory={self.dp_shared_memory})"
+            )
             return orig_alloc(self)
         tp, rank = self.tp_size, module.get_tensor_model_parallel_rank()
         src, layout = _source(settings, tp, rank)
-        got = {"head_start": self.head_start, "part_n_hash_cols": self.part_n_hash_cols,
-               "vocab_start_idx": self.vocab_start_idx, "vocab_end_idx": self.vocab_end_idx}
+        got = {
+            "head_start": self.head_start,
+            "part_n_hash_cols": self.part_n_hash_cols,
+            "vocab_start_idx": self.vocab_start_idx,
+            "vocab_end_idx": self.vocab_end_idx,
+        }
         problems = C.check_ranges(layout, layer_id, tp, rank, got, contract)
         if int(vlayout.num_embeddings[hash_index]) != layout.rows[layout.layer_index(layer_id)]:
-            problems.append(f"layer {layer_id}: vLLM table has {vlayout.num_embeddings[hash_index]} rows, "
-                            f"the manifest {layout.rows[layout.layer_index(layer_id)]}")
+            problems.append(
+                f"layer {layer_id}: vLLM table has {vlayout.num_embeddings[hash_index]} rows, "
+                f"the manifest {layout.rows[layout.layer_index(layer_id)]}"
+            )
         if problems:
             _decline("; ".join(problems))
             return orig_alloc(self)
         max_tokens = int(vcfg.scheduler_config.max_num_batched_tokens)
         # vLLM builds the model on the current CUDA device; the CPU is for tests without a GPU
-        device = (torch.device("cuda", torch.accelerator.current_device_index()) if torch.cuda.is_available()
-                  else torch.device("cpu"))
+        device = (
+            torch.device("cuda", torch.accelerator.current_device_index())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
         self._dsv41 = RemoteRows(
-            src, layer_id, head_start=self.head_start, part=self.part_n_hash_cols, n_hash_cols=self.n_hash_cols,
-            vocab_start=self.vocab_start_idx, vocab_end=self.vocab_end_idx, dim=self.dim, block=self.block_size,
-            max_tokens=max_tokens, device=device, dequant=vllm_dequant(module, self), rank=rank,
-            gpu_join=settings.gpu_join)
+            src,
+            layer_id,
+            head_start=self.head_start,
+            part=self.part_n_hash_cols,
+            n_hash_cols=self.n_hash_cols,
+            vocab_start=self.vocab_start_idx,
+            vocab_end=self.vocab_end_idx,
+            dim=self.dim,
+            block=self.block_size,
+            max_tokens=max_tokens,
+            device=device,
+            dequant=vllm_dequant(module, self),
+            rank=rank,
+            gpu_join=settings.gpu_join,
+        )
         self._weight_loader = _skip_weight  # set_weight_attrs reads it right after this returns
         overlay_metrics.add_engram_source(rank, src)
         overlay_metrics.add_layer(rank, layer_id, self._dsv41)
-        log.info("dsv41 overlay rank %d layer %d: rows [%d, %d) from %s (fallback: %s); no vLLM host table "
-                 "(%.2f GiB not pinned), %.1f MiB pinned staging", rank, layer_id, self.vocab_start_idx,
-                 self.vocab_end_idx, src.url, "local shards" if src.local is not None else "none",
-                 self.part_num_embeddings * ROW_BYTES / 2**30, self._dsv41.host_bytes / 2**20)
+        log.info(
+            "dsv41 overlay rank %d layer %d: rows [%d, %d) from %s (fallback: %s); no vLLM host table "
+            "(%.2f GiB not pinned), %.1f MiB pinned staging",
+            rank,
+            layer_id,
+            self.vocab_start_idx,
+            self.vocab_end_idx,
+            src.url,
+            "local shards" if src.local is not None else "none",
+            self.part_num_embeddings * ROW_BYTES / 2**30,
+            self._dsv41.host_bytes / 2**20,
+        )
         scale_dim = self.dim // self.block_size
-        return (torch.empty(0, self.dim, dtype=torch.float8_e4m3fn, device="cpu"),
-                torch.empty(0, scale_dim, dtype=torch.uint8, device="cpu"))
+        return (
+            torch.empty(0, self.dim, dtype=torch.float8_e4m3fn, device="cpu"),
+            torch.empty(0, scale_dim, dtype=torch.uint8, device="cpu"),
+        )
 
     def lookup(self: Any, indices: Any, out: Any, background: bool = False) -> None:
         rows = getattr(self, "_dsv41", None)

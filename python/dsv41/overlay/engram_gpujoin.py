@@ -113,12 +113,18 @@ class GpuJoin:
             return None
         index = rows.device.index if rows.device.index is not None else 0
         if not available(index):
-            log.warning("dsv41 overlay layer %d: DSV41_ENGRAM_GPU_JOIN=1 but the driver has no v2 stream memory "
-                        "operations (or the C++ extension is not built): joins wait on the host", rows.layer_id)
+            log.warning(
+                "dsv41 overlay layer %d: DSV41_ENGRAM_GPU_JOIN=1 but the driver has no v2 stream memory "
+                "operations (or the C++ extension is not built): joins wait on the host",
+                rows.layer_id,
+            )
             return None
         if local_table(rows.source, rows.layer_id) is None:
-            log.warning("dsv41 overlay layer %d: DSV41_ENGRAM_GPU_JOIN=1 but the row source has no exact local rows "
-                        "the C++ fallback can read: joins wait on the host", rows.layer_id)
+            log.warning(
+                "dsv41 overlay layer %d: DSV41_ENGRAM_GPU_JOIN=1 but the row source has no exact local rows "
+                "the C++ fallback can read: joins wait on the host",
+                rows.layer_id,
+            )
             return None
         return cls(rows)
 
@@ -130,16 +136,22 @@ class GpuJoin:
         rows = self.rows
         try:
             loc = local_table(rows.source, rows.layer_id)
-            ok = (loc is not None and bool(self.native.gj_setup()) and bool(core._core.gj_watch_start()))
+            ok = loc is not None and bool(self.native.gj_setup()) and bool(core._core.gj_watch_start())
             if ok:
                 self.native.set_local(*loc)
         except (RuntimeError, OSError, ValueError) as exc:
-            log.error("dsv41 overlay layer %d: the GPU-side join cannot be set up (%s); joins wait on the host",
-                      rows.layer_id, exc)
+            log.error(
+                "dsv41 overlay layer %d: the GPU-side join cannot be set up (%s); joins wait on the host",
+                rows.layer_id,
+                exc,
+            )
             ok = False
         if not ok:
-            log.warning("dsv41 overlay layer %d: the GPU-side join is off (no host-mapped memory, local rows or "
-                        "watchdog thread); joins wait on the host", rows.layer_id)
+            log.warning(
+                "dsv41 overlay layer %d: the GPU-side join is off (no host-mapped memory, local rows or "
+                "watchdog thread); joins wait on the host",
+                rows.layer_id,
+            )
         return ok
 
     def start(self, worker: Any, gen: int) -> bool:
@@ -164,8 +176,11 @@ class GpuJoin:
         self._redo = q < 0
         if self._redo:
             rows.counters["gpu_join_redos"] += 1
-            log.error("dsv41 overlay layer %d: queueing the GPU-side join failed part way; this job is served again "
-                      "on the host and the GPU-side join is off", rows.layer_id)
+            log.error(
+                "dsv41 overlay layer %d: queueing the GPU-side join failed part way; this job is served again "
+                "on the host and the GPU-side join is off",
+                rows.layer_id,
+            )
             self._ready = False
         rows.counters["gpu_joins"] += 1
         return True

@@ -66,8 +66,13 @@ class Handbacks:
         try:
             self.source.lease_failed(client, client.native_failure(code, rcount), [], t0)
         except Exception as exc:  # noqa: BLE001 - the rows are exact already; nothing waits for this
-            log.error("dsv41 overlay rank %d layer %d: counting a failed GPU-joined request raised %s: %s",
-                      self.rank, rows.layer_id, type(exc).__name__, exc)
+            log.error(
+                "dsv41 overlay rank %d layer %d: counting a failed GPU-joined request raised %s: %s",
+                self.rank,
+                rows.layer_id,
+                type(exc).__name__,
+                exc,
+            )
         finally:
             self._c["fetch_s"] += _perf() - t0
         rows._maybe_report()
@@ -87,7 +92,9 @@ class Handbacks:
         try:
             self.source.lease_failed(client, client.native_failure(code, rcount), [], t0)
         except Exception as exc:  # noqa: BLE001 - the rows are exact already; nothing waits for this
-            log.error("dsv41 overlay rank %d: counting a failed request raised %s: %s", self.rank, type(exc).__name__, exc)
+            log.error(
+                "dsv41 overlay rank %d: counting a failed request raised %s: %s", self.rank, type(exc).__name__, exc
+            )
         finally:
             self._c["fetch_s"] += _perf() - t0
         for rows, _, _ in batch:

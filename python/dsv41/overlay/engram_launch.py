@@ -26,9 +26,9 @@ class Launches:
 
         b = rows * (4 + ROW_BYTES)
         self.d_buf[:b].copy_(self.h_buf[:b], non_blocking=self._cuda)
-        d_rows = self.d_buf[rows * 4: b].view(rows, ROW_BYTES)
+        d_rows = self.d_buf[rows * 4 : b].view(rows, ROW_BYTES)
         self.d_w[:rows].copy_(d_rows[:, : self.dim])
-        self.d_s[:rows].copy_(d_rows[:, self.dim:])
+        self.d_s[:rows].copy_(d_rows[:, self.dim :])
         self.dequant(self.d_w, self.d_s, self.d_buf[: rows * 4].view(torch.int32), self.d_dst[:rows], out, rows, rows)
 
     def _capture_pending(self) -> None:
@@ -67,13 +67,13 @@ class Launches:
         r0, m = key
         a = self.max_rows * 4 + r0 * ROW_BYTES
         b = a + m * ROW_BYTES
-        d_sel = self.d_buf[r0 * 4: (r0 + m) * 4]
-        d_sel.copy_(self.h_buf[r0 * 4: (r0 + m) * 4], non_blocking=self._cuda)
+        d_sel = self.d_buf[r0 * 4 : (r0 + m) * 4]
+        d_sel.copy_(self.h_buf[r0 * 4 : (r0 + m) * 4], non_blocking=self._cuda)
         self.d_buf[a:b].copy_(self.h_buf[a:b], non_blocking=self._cuda)
         d_rows = self.d_buf[a:b].view(m, ROW_BYTES)
-        self.d_w[r0: r0 + m].copy_(d_rows[:, : self.dim])
-        self.d_s[r0: r0 + m].copy_(d_rows[:, self.dim:])
-        self.dequant(self.d_w[r0:], self.d_s[r0:], d_sel.view(torch.int32), self.d_dst[r0: r0 + m], out, m, m)
+        self.d_w[r0 : r0 + m].copy_(d_rows[:, : self.dim])
+        self.d_s[r0 : r0 + m].copy_(d_rows[:, self.dim :])
+        self.dequant(self.d_w[r0:], self.d_s[r0:], d_sel.view(torch.int32), self.d_dst[r0 : r0 + m], out, m, m)
 
     def _launch_pieces(self, gen: int) -> bool:
         """Launch every piece of a multi-piece job the C++ core planned and fetched in the fixed

@@ -33,8 +33,18 @@ MAX_GRAPHS = 64
 
 #: Statuses of ``_core.EngramCore.next()`` (the enum of the C++ core): what the worker's Python
 #: does with the batch it hands back (``engram_worker.EngramWorker._run_native``).
-(CORE_RETIRED, CORE_PYTHON, CORE_FETCHED, CORE_FAILED, CORE_CUDA_FAILED, CORE_REPORT, CORE_PYTHON_IDS,
- CORE_PIECES_FETCHED, CORE_PIECES_FAILED, CORE_GJ_FAILED) = range(10)
+(
+    CORE_RETIRED,
+    CORE_PYTHON,
+    CORE_FETCHED,
+    CORE_FAILED,
+    CORE_CUDA_FAILED,
+    CORE_REPORT,
+    CORE_PYTHON_IDS,
+    CORE_PIECES_FETCHED,
+    CORE_PIECES_FAILED,
+    CORE_GJ_FAILED,
+) = range(10)
 
 
 class OverlayRefused(Dsv41Error):
@@ -47,8 +57,9 @@ def _native_plan() -> Callable[..., int] | None:
     return core._core.plan_rows if core.use_core() else None
 
 
-def plan_into_numpy(ids: np.ndarray, lo: int, hi: int, sel: np.ndarray, fetch: np.ndarray, own: np.ndarray,
-                    tmp: np.ndarray) -> int:
+def plan_into_numpy(
+    ids: np.ndarray, lo: int, hi: int, sel: np.ndarray, fetch: np.ndarray, own: np.ndarray, tmp: np.ndarray
+) -> int:
     """Vectorised mask + plan into caller buffers (no allocation): ``ids`` int64 ``[R]``;
     writes ``sel`` int32 ``[R]`` (index into the fetch, -1 = zero row) and ``fetch[:n]`` int64
     (owned ids in request order); ``own``/``tmp``: bool ``[R]`` scratch. Returns ``n``."""
@@ -64,8 +75,16 @@ def plan_into_numpy(ids: np.ndarray, lo: int, hi: int, sel: np.ndarray, fetch: n
     return n
 
 
-def plan_into(ids: np.ndarray, lo: int, hi: int, sel: np.ndarray, fetch: np.ndarray, own: np.ndarray,
-              tmp: np.ndarray, native: Callable[..., int] | None = None) -> int:
+def plan_into(
+    ids: np.ndarray,
+    lo: int,
+    hi: int,
+    sel: np.ndarray,
+    fetch: np.ndarray,
+    own: np.ndarray,
+    tmp: np.ndarray,
+    native: Callable[..., int] | None = None,
+) -> int:
     """``plan_into_numpy``'s result, through ``native`` (``_core.plan_rows``: one call, no
     GIL held, no scratch) when given. ``fetch`` needs room for ``len(ids)`` entries."""
     if not ids.size:
@@ -75,8 +94,9 @@ def plan_into(ids: np.ndarray, lo: int, hi: int, sel: np.ndarray, fetch: np.ndar
     return plan_into_numpy(ids, lo, hi, sel, fetch, own, tmp)
 
 
-def plan_rows(ids: np.ndarray, vocab_start: int, vocab_end: int, sel_out: np.ndarray | None = None
-              ) -> tuple[np.ndarray, np.ndarray]:
+def plan_rows(
+    ids: np.ndarray, vocab_start: int, vocab_end: int, sel_out: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Mask one rank's ids the way vLLM's ``_engram_lookup_kernel`` does and plan the fetch.
 
     ``ids``: int32/int64 ``[R]`` (the rank's ``[T, part]`` ids flattened, padded heads = -1).
@@ -283,9 +303,14 @@ class LaunchGraphs:
     ``replays``, ``captures``, ``failures``, ``capture_s``.
     """
 
-    def __init__(self, device: Any, launch: Callable[[int, Any], None], enabled: bool,
-                 record: Callable[[int, Any], Any] | None = None,
-                 on_change: Callable[[list], None] | None = None) -> None:
+    def __init__(
+        self,
+        device: Any,
+        launch: Callable[[int, Any], None],
+        enabled: bool,
+        record: Callable[[int, Any], Any] | None = None,
+        on_change: Callable[[list], None] | None = None,
+    ) -> None:
         self.device, self._launch, self.enabled = device, launch, enabled
         self._on_change = on_change
         self._record = self.cuda_graph if record is None else record
@@ -395,14 +420,18 @@ def report_counters(source: Any, rank: int, overlay: dict | None = None) -> dict
     and write them to ``<tmp>/dsv41-overlay-rank<R>.json`` (read by the qualification steps:
     ``docker exec dsv41-serve cat ...``)."""
     c = dict(source.counters(), **(overlay or {}))
-    log.info("dsv41 overlay rank %d engram counters: %s", rank,
-             " ".join(f"{k}={v}" for k, v in sorted(c.items()) if not isinstance(v, float)))
+    log.info(
+        "dsv41 overlay rank %d engram counters: %s",
+        rank,
+        " ".join(f"{k}={v}" for k, v in sorted(c.items()) if not isinstance(v, float)),
+    )
     path = os.path.join(tempfile.gettempdir(), f"dsv41-overlay-rank{rank}.json")
     from dsv41 import fileio
 
     try:
-        fileio.atomic_write_json(path, {"rank": rank, "time": time.time(), "counters": c}, indent=None, default=str,
-                                 nonfinite="null")
+        fileio.atomic_write_json(
+            path, {"rank": rank, "time": time.time(), "counters": c}, indent=None, default=str, nonfinite="null"
+        )
     except Dsv41Error as exc:  # a full /tmp must not break serving
         log.warning("dsv41 overlay: cannot write %s: %s", path, exc)
     return c

@@ -103,11 +103,29 @@ class RemoteRows(Launches):
     graph), and ``join`` only makes the current stream wait on the done event.
     """
 
-    def __init__(self, source: Any, layer_id: int, *, head_start: int, part: int, n_hash_cols: int,
-                 vocab_start: int, vocab_end: int, dim: int, block: int, max_tokens: int, device: Any,
-                 dequant: Callable[..., None], rank: int = 0, required: bool | None = None,
-                 handoff_timeout_s: float = HANDOFF_TIMEOUT_S, ops: Any = None, graphs: bool = True,
-                 graph_record: Callable[[int, Any], Any] | None = None, gpu_join: bool = False) -> None:
+    def __init__(
+        self,
+        source: Any,
+        layer_id: int,
+        *,
+        head_start: int,
+        part: int,
+        n_hash_cols: int,
+        vocab_start: int,
+        vocab_end: int,
+        dim: int,
+        block: int,
+        max_tokens: int,
+        device: Any,
+        dequant: Callable[..., None],
+        rank: int = 0,
+        required: bool | None = None,
+        handoff_timeout_s: float = HANDOFF_TIMEOUT_S,
+        ops: Any = None,
+        graphs: bool = True,
+        graph_record: Callable[[int, Any], Any] | None = None,
+        gpu_join: bool = False,
+    ) -> None:
         import torch
 
         if dim + dim // block != ROW_BYTES:
@@ -138,14 +156,22 @@ class RemoteRows(Launches):
         self._pool: Any = None  # the fetch thread of multi-piece jobs (_fetch_pool)
         self.h_buf: Any = None
         self._fetch: Any = None
-        self.graphs = LaunchGraphs(self.device, self._launch_one,
-                                   bool(graphs and (self.ops.graphs or graph_record is not None)), graph_record,
-                                   None if self._slot is None else self._slot.native.set_graphs)
+        self.graphs = LaunchGraphs(
+            self.device,
+            self._launch_one,
+            bool(graphs and (self.ops.graphs or graph_record is not None)),
+            graph_record,
+            None if self._slot is None else self._slot.native.set_graphs,
+        )
         # a multi-piece job's launches in the fixed piece layout, one graph per (first row, rows)
         # piece, launched by the C++ core: captured only where the core runs
-        self.pieces = LaunchGraphs(self.device, self._launch_piece,
-                                   bool(graphs and self.ops.graphs and self._slot is not None), None,
-                                   None if self._slot is None else self._slot.set_piece_graphs)
+        self.pieces = LaunchGraphs(
+            self.device,
+            self._launch_piece,
+            bool(graphs and self.ops.graphs and self._slot is not None),
+            None,
+            None if self._slot is None else self._slot.set_piece_graphs,
+        )
         self._capture_pieces: tuple[int, Any] | None = None  # (rows, out) of a multi-piece job Python served
         self._capture: tuple[int, Any] | None = None  # (rows, out) to capture at the next start
         self._hids = self.h_ids.numpy().reshape(-1)
@@ -167,8 +193,16 @@ class RemoteRows(Launches):
         self._out: Any = None
         self._stream: Any = None
         self._worker: EngramWorker | None = None
-        self.counters = {"starts": 0, "handoffs": 0, "handoff_wait_s": 0.0, "worker_starts": 0,
-                         "worker_refusals": 0, "handoff_timeouts": 0, "inline_lookups": 0, "refused_inline": 0}
+        self.counters = {
+            "starts": 0,
+            "handoffs": 0,
+            "handoff_wait_s": 0.0,
+            "worker_starts": 0,
+            "worker_refusals": 0,
+            "handoff_timeouts": 0,
+            "inline_lookups": 0,
+            "refused_inline": 0,
+        }
         self._last_report = time.monotonic()
         # the GPU-side join of multi-piece jobs (DSV41_ENGRAM_GPU_JOIN): None where off
         from dsv41.overlay.engram_gpujoin import GpuJoin
@@ -223,9 +257,9 @@ class RemoteRows(Launches):
         ops = self.ops
         stream = ops.current_stream()
         if self._width:
-            self.d_ids[:t, : self._width].copy_(indices[:, self.head_start: self.head_start + self._width])
+            self.d_ids[:t, : self._width].copy_(indices[:, self.head_start : self.head_start + self._width])
         if self._width < self.part:
-            self.d_ids[:t, self._width:].fill_(-1)  # padded heads: zero rows, as in the kernel
+            self.d_ids[:t, self._width :].fill_(-1)  # padded heads: zero rows, as in the kernel
         self.h_ids[:t].copy_(self.d_ids[:t], non_blocking=self._cuda)
         self.ids_ready.record(stream)
         self._t, self._rows, self._out, self._stream = t, rows, out, stream
@@ -313,10 +347,16 @@ class RemoteRows(Launches):
             self._new_host_buffers()  # the hung call may still write into the old ones
         self._worker = None
         if self.required:
-            raise OverlayRefused(f"dsv41 overlay rank {self.rank} layer {self.layer_id}: {cause}; "
-                                 f"DSV41_ENGRAM_REMOTE_REQUIRED=1")
-        log.error("dsv41 overlay rank %d layer %d: %s; serving this step's rows on the launching thread "
-                  "(a new worker takes the next step)", self.rank, self.layer_id, cause)
+            raise OverlayRefused(
+                f"dsv41 overlay rank {self.rank} layer {self.layer_id}: {cause}; DSV41_ENGRAM_REMOTE_REQUIRED=1"
+            )
+        log.error(
+            "dsv41 overlay rank %d layer %d: %s; serving this step's rows on the launching thread "
+            "(a new worker takes the next step)",
+            self.rank,
+            self.layer_id,
+            cause,
+        )
         self.counters["refused_inline"] += 1
         self._serve_inline()
         cur = self.ops.current_stream()
@@ -384,8 +424,9 @@ class RemoteRows(Launches):
             a = self.max_rows * 4 + r0 * ROW_BYTES
             t0 = time.perf_counter()
             try:
-                self.source.lookup(self.layer_id, self._fetch[r0: r0 + n],
-                                   out=self._hb[a: a + n * ROW_BYTES].reshape(n, ROW_BYTES))
+                self.source.lookup(
+                    self.layer_id, self._fetch[r0 : r0 + n], out=self._hb[a : a + n * ROW_BYTES].reshape(n, ROW_BYTES)
+                )
             finally:
                 counters["fetch_s"] = counters.get("fetch_s", 0.0) + time.perf_counter() - t0
             counters["requests"] = counters.get("requests", 0) + 1
@@ -429,16 +470,24 @@ class RemoteRows(Launches):
     def _plan(self, r0: int, r1: int, f0: int) -> int:
         """Mask and plan rows ``[r0, r1)`` of the job: selectors (relative to the piece's first
         fetched row ``f0``) into the pinned buffer, owned ids into ``_fetch[f0:]``."""
-        sel = self._hb[r0 * 4: r1 * 4].view(np.int32)
-        return plan_into(self._hids[r0:r1], self.vocab_start, self.vocab_end, sel, self._fetch[f0:],
-                         self._own[r0:r1], self._tmp[r0:r1], self._native_plan)
+        sel = self._hb[r0 * 4 : r1 * 4].view(np.int32)
+        return plan_into(
+            self._hids[r0:r1],
+            self.vocab_start,
+            self.vocab_end,
+            sel,
+            self._fetch[f0:],
+            self._own[r0:r1],
+            self._tmp[r0:r1],
+            self._native_plan,
+        )
 
     def _packed(self, f0: int, n: int) -> np.ndarray:
         off = self._rows * 4 + f0 * ROW_BYTES
-        return self._hb[off: off + n * ROW_BYTES].reshape(n, ROW_BYTES)
+        return self._hb[off : off + n * ROW_BYTES].reshape(n, ROW_BYTES)
 
     def _fetch_rows(self, f0: int, n: int) -> None:
-        self.source.lookup(self.layer_id, self._fetch[f0: f0 + n], out=self._packed(f0, n))
+        self.source.lookup(self.layer_id, self._fetch[f0 : f0 + n], out=self._packed(f0, n))
 
     def _launch(self, r0: int, r1: int, f0: int, n: int, gen: int | None, last: bool) -> bool:
         """A one-piece job's launch (``r0`` 0, ``r1`` its rows, ``f0`` 0, ``last``): H2D of the
@@ -467,9 +516,9 @@ class RemoteRows(Launches):
             d_sel = self.d_buf[: r1 * 4]
             self.d_buf[:b].copy_(self.h_buf[:b], non_blocking=self._cuda)  # selectors and rows in one copy
             if n:
-                d_rows = self.d_buf[r1 * 4: b].view(n, ROW_BYTES)
+                d_rows = self.d_buf[r1 * 4 : b].view(n, ROW_BYTES)
                 self.d_w[:n].copy_(d_rows[:, : self.dim])
-                self.d_s[:n].copy_(d_rows[:, self.dim:])
+                self.d_s[:n].copy_(d_rows[:, self.dim :])
             self.dequant(self.d_w, self.d_s, d_sel.view(torch.int32), self.d_dst[:r1], self._out, n, r1)
             self.done.record(self._stream)
         return True

@@ -107,9 +107,20 @@ class EngramWorker(Handbacks):
         # last step is how many jobs a step brings: both Engram layers start before either joins.
         self._open = self._burst = self._joins = 0
         self.expect = 1
-        self._c = {"wake_s": 0.0, "ids_wait_s": 0.0, "coalesce_waits": 0, "coalesce_s": 0.0,
-                         "plan_s": 0.0, "launch_s": 0.0, "jobs": 0, "requests": 0, "multi_layer_requests": 0, "errors": 0,
-                         "fetch_s": 0.0, "host_s": 0.0}
+        self._c = {
+            "wake_s": 0.0,
+            "ids_wait_s": 0.0,
+            "coalesce_waits": 0,
+            "coalesce_s": 0.0,
+            "plan_s": 0.0,
+            "launch_s": 0.0,
+            "jobs": 0,
+            "requests": 0,
+            "multi_layer_requests": 0,
+            "errors": 0,
+            "fetch_s": 0.0,
+            "host_s": 0.0,
+        }
         self.core = _new_core(self.chunk_rows)
         self._tables: dict[int, Any] = {}  # EngramSlot key -> RemoteRows (native path)
         self._lease: dict | None = None  # lent to the core or offered to it (guarded by _llock)
@@ -153,8 +164,19 @@ class EngramWorker(Handbacks):
             st = getattr(ops, "stream_handle", _no_handle)
             # an ids event without a raw handle that may block (tests' stand-ins) is waited by Python
             py_wait = not rows._cuda and not isinstance(rows.ids_ready, _NoEvent)
-            self.core.submit(slot.native, gen, rows._rows, rows._out.data_ptr(), st(rows._stream),
-                             ev(rows.ids_ready), ev(rows.done), rows._cuda, py_wait, self.expect, COALESCE_S)
+            self.core.submit(
+                slot.native,
+                gen,
+                rows._rows,
+                rows._out.data_ptr(),
+                st(rows._stream),
+                ev(rows.ids_ready),
+                ev(rows.done),
+                rows._cuda,
+                py_wait,
+                self.expect,
+                COALESCE_S,
+            )
             return
         with self._cond:
             self._queue.append((rows, gen, time.perf_counter()))
@@ -170,9 +192,20 @@ class EngramWorker(Handbacks):
         if slot.key not in self._tables:
             self._register(rows)
         ops = rows.ops
-        q = int(self.core.submit_gj(slot.native, gen, rows._rows, rows._out.data_ptr(),
-                                    ops.stream_handle(rows._stream), ops.event_handle(rows.done), PIECE_ROWS,
-                                    TAIL_ROWS, bound_s, self.expect))
+        q = int(
+            self.core.submit_gj(
+                slot.native,
+                gen,
+                rows._rows,
+                rows._out.data_ptr(),
+                ops.stream_handle(rows._stream),
+                ops.event_handle(rows.done),
+                PIECE_ROWS,
+                TAIL_ROWS,
+                bound_s,
+                self.expect,
+            )
+        )
         if q:
             self._open += 1
             self._burst = max(self._burst, self._open)
@@ -220,8 +253,12 @@ class EngramWorker(Handbacks):
             except (RuntimeError, OSError, ValueError) as exc:
                 from dsv41.overlay.engram_ops import log
 
-                log.warning("dsv41 overlay layer %d: the local rows cannot be mapped for the core (%s); a step "
-                            "without a connection is served by Python's local reader", rows.layer_id, exc)
+                log.warning(
+                    "dsv41 overlay layer %d: the local rows cannot be mapped for the core (%s); a step "
+                    "without a connection is served by Python's local reader",
+                    rows.layer_id,
+                    exc,
+                )
         self._tables[rows._slot.key] = rows
 
     def _new_lease(self) -> dict | None:
@@ -416,9 +453,11 @@ class EngramWorker(Handbacks):
             f0 = time.perf_counter()
             try:
                 if len(fetched) > 1:
-                    self.source.lookup_layers([r.layer_id for r, _, _ in fetched],
-                                              [r._fetch[:n] for r, _, n in fetched],
-                                              [r._packed(0, n) for r, _, n in fetched])
+                    self.source.lookup_layers(
+                        [r.layer_id for r, _, _ in fetched],
+                        [r._fetch[:n] for r, _, n in fetched],
+                        [r._packed(0, n) for r, _, n in fetched],
+                    )
                     c["multi_layer_requests"] += 1
                 else:
                     fetched[0][0]._fetch_rows(0, fetched[0][2])

@@ -91,17 +91,24 @@ def _json_response(status: int, doc: dict, headers: list[tuple[bytes, bytes]] | 
     body = fileio.dumps_json(doc).encode()
 
     async def app(scope, receive, send):
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())] + (headers or [])})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+                + (headers or []),
+            }
+        )
         await send({"type": "http.response.body", "body": body})
+
     return app
 
 
 def _error(status: int, message: str, etype: str, param: str | None = None, headers=None):
     """OpenAI's error shape, as vLLM and the lab engine answer errors."""
-    return _json_response(status, {"error": {"message": message, "type": etype, "param": param, "code": status}},
-                          headers)
+    return _json_response(
+        status, {"error": {"message": message, "type": etype, "param": param, "code": status}}, headers
+    )
 
 
 class AdmissionFence:
@@ -119,8 +126,14 @@ class AdmissionFence:
     could refuse), :attr:`refused_total`, :attr:`drain_outlived_total`.
     """
 
-    def __init__(self, app, hold_file: str | os.PathLike | None = None, dev_routes: bool | None = None,
-                 credential: str | None = None, allowed_hosts: tuple[str, ...] | None = None) -> None:
+    def __init__(
+        self,
+        app,
+        hold_file: str | os.PathLike | None = None,
+        dev_routes: bool | None = None,
+        credential: str | None = None,
+        allowed_hosts: tuple[str, ...] | None = None,
+    ) -> None:
         self.app = app
         settings = envs.parse()
         path = hold_file if hold_file is not None else settings.admission_hold_file
@@ -128,8 +141,10 @@ class AdmissionFence:
         self.credential = loaded
         self.allowed_hosts = tuple(hosts if allowed_hosts is None else allowed_hosts)
         if self.credential is None:
-            log.warning("DSV41_OPERATOR_CREDENTIAL_FILE is not set: /pause, /resume and every other control "
-                        "route refuse every request")
+            log.warning(
+                "DSV41_OPERATOR_CREDENTIAL_FILE is not set: /pause, /resume and every other control "
+                "route refuse every request"
+            )
         self.hold_file = Path(path) if path else None
         self.dev_routes = _vllm_dev_routes() if dev_routes is None else dev_routes
         self.book = dr.DrainBook()  # requests in flight through the fence, pending drains
@@ -195,8 +210,9 @@ class AdmissionFence:
             if "window" in query:
                 answer = self._fenced_pause(query)
                 # vLLM's uvicorn access log prints the query string of this scope: never the token
-                scope["query_string"] = urlencode([(k, "REDACTED" if k == "window" else v)
-                                                   for k, vs in query.items() for v in vs]).encode()
+                scope["query_string"] = urlencode(
+                    [(k, "REDACTED" if k == "window" else v) for k, vs in query.items() for v in vs]
+                ).encode()
                 return await answer(scope, receive, send)
             return await self._plain_pause(scope, receive, send)
         if path == "/resume" and method == "POST":
@@ -212,14 +228,19 @@ class AdmissionFence:
         if path in ALWAYS_ADMITTED or path in CONTROL_ROUTES:
             return await self.app(scope, receive, send)
         state = self.hold()
-        token = next((v.decode("latin-1") for k, v in scope.get("headers", ())
-                      if k.decode("latin-1").lower() == WINDOW_HEADER), None)
+        token = next(
+            (v.decode("latin-1") for k, v in scope.get("headers", ()) if k.decode("latin-1").lower() == WINDOW_HEADER),
+            None,
+        )
         if state is not None:
             if not (isinstance(state, HoldRecord) and authz.same_secret(token, state.window)):
                 self.refused_total += 1
-                return await _error(503, "the server is paused (a fenced HOLD is in force; POST /resume to admit "
-                                         "requests again)", "ServiceUnavailableError",
-                                    headers=[(b"retry-after", str(RETRY_AFTER_S).encode())])(scope, receive, send)
+                return await _error(
+                    503,
+                    "the server is paused (a fenced HOLD is in force; POST /resume to admit requests again)",
+                    "ServiceUnavailableError",
+                    headers=[(b"retry-after", str(RETRY_AFTER_S).encode())],
+                )(scope, receive, send)
         key = self.book.admit(token)  # no await since the check above: a /pause sees it or not
         try:
             return await self.app(scope, receive, send)
@@ -231,28 +252,37 @@ class AdmissionFence:
         window = query["window"][-1]
         mode = query.get("mode", [None])[-1]
         if mode != "wait":
-            return _error(400, f"a fenced HOLD on vLLM drains: mode must be 'wait', got {mode!r}", "BadRequestError",
-                          "mode")
+            return _error(
+                400, f"a fenced HOLD on vLLM drains: mode must be 'wait', got {mode!r}", "BadRequestError", "mode"
+            )
         try:
             timeout_s = float(query.get("timeout_s", [DEFAULT_DRAIN_S])[-1])
         except ValueError:
             timeout_s = math.nan
         if not 0 < timeout_s < math.inf:  # NaN fails too
-            return _error(400, f"timeout_s must be a positive number of seconds, got {query['timeout_s'][-1]!r}",
-                          "BadRequestError", "timeout_s")
+            return _error(
+                400,
+                f"timeout_s must be a positive number of seconds, got {query['timeout_s'][-1]!r}",
+                "BadRequestError",
+                "timeout_s",
+            )
         if not WINDOW_TOKEN_RE.fullmatch(window):
             return _error(400, "window must be 1-128 characters of [A-Za-z0-9._-]", "BadRequestError", "window")
         if self.hold_file is None:
-            return _error(500, "admission is NOT held: DSV41_ADMISSION_HOLD_FILE is not set on this server",
-                          "InternalServerError")
+            return _error(
+                500, "admission is NOT held: DSV41_ADMISSION_HOLD_FILE is not set on this server", "InternalServerError"
+            )
         state = self.hold()
         since = state.since if isinstance(state, HoldRecord) else time.time()
         record = HoldRecord(since, window)
         try:
             write_hold(self.hold_file, record)
         except OSError as exc:
-            return _error(500, f"admission is NOT held: the fenced HOLD could not be written to {self.hold_file}: {exc}",
-                          "InternalServerError")
+            return _error(
+                500,
+                f"admission is NOT held: the fenced HOLD could not be written to {self.hold_file}: {exc}",
+                "InternalServerError",
+            )
         self.hold()  # cache the record just written
         d = self.book.begin("wait", window)  # supersedes a pending drain of this process
         log.info("fenced HOLD taken; draining %d in-flight requests (at most %g s)", d.in_flight_at_pause, timeout_s)
@@ -262,10 +292,21 @@ class AdmissionFence:
                 late = await self.drain(d, record, timeout_s)
             finally:
                 self.book.end(d)
-            await _json_response(200, {"paused": self.held(), "mode": "wait", "window": window, "drain": d.outcome,
-                                       "in_flight_at_pause": d.in_flight_at_pause, "aborted": 0,
-                                       "aborted_after_timeout": 0, "outlived_drain": late,
-                                       "still_running": d.still_running})(scope, receive, send)
+            await _json_response(
+                200,
+                {
+                    "paused": self.held(),
+                    "mode": "wait",
+                    "window": window,
+                    "drain": d.outcome,
+                    "in_flight_at_pause": d.in_flight_at_pause,
+                    "aborted": 0,
+                    "aborted_after_timeout": 0,
+                    "outlived_drain": late,
+                    "still_running": d.still_running,
+                },
+            )(scope, receive, send)
+
         return app
 
     async def drain(self, d: dr.Drain, record: HoldRecord, timeout_s: float) -> int:
@@ -289,14 +330,18 @@ class AdmissionFence:
                 d.outcome = dr.TIMED_OUT
                 late = len(d.scope)
                 self.drain_outlived_total += late
-                log.warning("fenced HOLD: %d in-flight requests outlived the %g s drain; they run to completion",
-                            late, timeout_s)
+                log.warning(
+                    "fenced HOLD: %d in-flight requests outlived the %g s drain; they run to completion",
+                    late,
+                    timeout_s,
+                )
                 return late
             await asyncio.sleep(_DRAIN_POLL_S)
         return 0
 
     async def _plain_pause(self, scope, receive, send):
         """Forward vLLM's own ``/pause``; a 2xx answer replaces the fenced HOLD (record removed)."""
+
         async def watched(msg):
             if msg["type"] == "http.response.start" and 200 <= msg["status"] < 300:
                 self.book.end_waits(dr.SUPERSEDED)
@@ -306,6 +351,7 @@ class AdmissionFence:
                 except OSError as exc:
                     log.error("plain /pause: the fenced HOLD record %s could not be removed: %s", self.hold_file, exc)
             await send(msg)
+
         return await self.app(scope, receive, watched)
 
     async def _resume(self, scope, receive, send):
@@ -314,8 +360,11 @@ class AdmissionFence:
             try:
                 remove_hold(self.hold_file)
             except OSError as exc:
-                return await _error(500, f"admission is still HELD: the fenced HOLD {self.hold_file} could not be "
-                                         f"removed: {exc}", "InternalServerError")(scope, receive, send)
+                return await _error(
+                    500,
+                    f"admission is still HELD: the fenced HOLD {self.hold_file} could not be removed: {exc}",
+                    "InternalServerError",
+                )(scope, receive, send)
         self.book.resume()
         if self.dev_routes:
             return await self.app(scope, receive, send)

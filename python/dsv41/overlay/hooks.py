@@ -78,6 +78,7 @@ def on_import(name: str, patch: Callable[[ModuleType], None]) -> None:
 def install(settings: Any, contract: dict) -> None:
     """Hook the patches ``settings`` asks for (Engram rows, drafter)."""
     if settings.engram:
+
         def engram(module: ModuleType) -> None:
             from dsv41.overlay import engram as E
 
@@ -85,6 +86,7 @@ def install(settings: Any, contract: dict) -> None:
 
         on_import(ENGRAM_MODULE, engram)
     if settings.drafter:
+
         def spec_init(module: ModuleType) -> None:
             from dsv41.overlay import drafter as D
 

@@ -48,8 +48,13 @@ log = logging.getLogger("dsv41.overlay")
 #: The values of ``dsv41_overlay_state``'s ``state`` label.
 STATES = ("active", "inert", "refused")
 #: The plugin's internal states (``plugin.STATE``) -> :data:`STATES`.
-PLUGIN_STATES = {"active": "active", "inert": "inert", "contract-mismatch": "refused", "unregistered": "inert",
-                 "refused": "refused"}
+PLUGIN_STATES = {
+    "active": "active",
+    "inert": "inert",
+    "contract-mismatch": "refused",
+    "unregistered": "inert",
+    "refused": "refused",
+}
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _lock = threading.Lock()
@@ -112,8 +117,9 @@ class OverlayCollector:
         with _lock:
             rank, state = _state["rank"], _state["state"]
             engram, layers, drafter = dict(_engram), dict(_layers), list(_drafter)
-        st = GaugeMetricFamily("dsv41_overlay_state", "The overlay's state on this rank (1 = current)",
-                               labels=["rank", "state"])
+        st = GaugeMetricFamily(
+            "dsv41_overlay_state", "The overlay's state on this rank (1 = current)", labels=["rank", "state"]
+        )
         for s in STATES:
             st.add_metric([str(rank), s], 1.0 if s == state else 0.0)
         yield st
@@ -123,8 +129,11 @@ class OverlayCollector:
             impl = f"error: {exc}"[:80]
         yield _info(rank, impl)
         yield from _EngramCollector(lambda: {r: s.counters() for r, s in engram.items()}).collect()
-        ev = CounterMetricFamily("dsv41_overlay_layer_events", "Engram layer pipeline events per rank and layer",
-                                 labels=["rank", "layer", "event"])
+        ev = CounterMetricFamily(
+            "dsv41_overlay_layer_events",
+            "Engram layer pipeline events per rank and layer",
+            labels=["rank", "layer", "event"],
+        )
         for (r, layer), rows in sorted(layers.items()):
             for k, v in sorted(dict(getattr(rows, "counters", {}) or {}).items()):
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -135,8 +144,11 @@ class OverlayCollector:
 
 
 def _info(rank: int, impl: str) -> GaugeMetricFamily:
-    g = GaugeMetricFamily("dsv41_overlay_transport_info", "The transport implementation this rank imported",
-                          labels=["rank", "implementation"])
+    g = GaugeMetricFamily(
+        "dsv41_overlay_transport_info",
+        "The transport implementation this rank imported",
+        labels=["rank", "implementation"],
+    )
     g.add_metric([str(rank), impl], 1.0)
     return g
 
@@ -216,11 +228,19 @@ def start(addr: str, settings: Any = None) -> Any:
             return _server[0]
         s = settings if settings is not None else envs.parse()
         try:
-            srv = httpd.BoundedHTTPServer((host, port), httpd.bounded_handler(_handler(registry())),
-                                          s.http_header_timeout_s, s.metrics_max_connections)
+            srv = httpd.BoundedHTTPServer(
+                (host, port),
+                httpd.bounded_handler(_handler(registry())),
+                s.http_header_timeout_s,
+                s.metrics_max_connections,
+            )
         except OSError as exc:
-            log.error("dsv41 overlay: cannot serve metrics on %s: %s (the checks will report this rank's "
-                      "endpoint unreachable)", addr, exc.strerror or exc)
+            log.error(
+                "dsv41 overlay: cannot serve metrics on %s: %s (the checks will report this rank's "
+                "endpoint unreachable)",
+                addr,
+                exc.strerror or exc,
+            )
             return None
         _server.append(srv)
     threading.Thread(target=srv.serve_forever, name="dsv41-overlay-metrics", daemon=True).start()

@@ -46,12 +46,13 @@ def register() -> None:
         return
     contract = C.load()
     root = C.installed_vllm_root()
-    problems = (["vLLM is not installed"] if root is None
-                else C.check_files(contract, root, C.installed_version()))
+    problems = ["vLLM is not installed"] if root is None else C.check_files(contract, root, C.installed_version())
     if problems:
         STATE.update(state="contract-mismatch", problems=problems)
-        msg = (f"dsv41 overlay: the installed vLLM is not the one in vllm_contract.json "
-               f"({'; '.join(problems[:3])}{'; ...' if len(problems) > 3 else ''})")
+        msg = (
+            f"dsv41 overlay: the installed vLLM is not the one in vllm_contract.json "
+            f"({'; '.join(problems[:3])}{'; ...' if len(problems) > 3 else ''})"
+        )
         if settings.engram and settings.required:
             raise C.ContractMismatch(msg + "; refusing to start because DSV41_ENGRAM_REMOTE_REQUIRED=1")
         log.error("%s; overlay inert: vLLM's own Engram tables and drafter are used", msg)
@@ -62,8 +63,12 @@ def register() -> None:
     hooks.install(settings, contract)
     STATE.update(state="active", problems=[])
     _serve_metrics(settings, "active")
-    log.info("dsv41 overlay active (vLLM %s): engram %s, drafter %s", contract["vllm_version"],
-             "remote" if settings.engram else "vLLM's own", "remote" if settings.drafter else "vLLM's own")
+    log.info(
+        "dsv41 overlay active (vLLM %s): engram %s, drafter %s",
+        contract["vllm_version"],
+        "remote" if settings.engram else "vLLM's own",
+        "remote" if settings.drafter else "vLLM's own",
+    )
 
 
 def ensure_log_handler() -> logging.Handler | None:

@@ -64,8 +64,15 @@ def parse(env: Mapping[str, str] | None = None) -> OverlaySettings:
     s = envs.parse(env)
     urls = tuple(p for p in (x.strip() for x in s.engram_remote.split(",")) if p)
     root = Path(s.runtime_root.strip() or DEFAULT_RUNTIME_ROOT)
-    return OverlaySettings(urls, s.engram_remote_timeout_ms, s.engram_remote_required, root,
-                           bool(s.drafter_remote.strip()), s, s.engram_gpu_join)
+    return OverlaySettings(
+        urls,
+        s.engram_remote_timeout_ms,
+        s.engram_remote_required,
+        root,
+        bool(s.drafter_remote.strip()),
+        s,
+        s.engram_gpu_join,
+    )
 
 
 def rank_url(settings: OverlaySettings, tp: int, rank: int) -> str:
@@ -92,8 +99,9 @@ def runtime_files(settings: OverlaySettings) -> tuple[Path, Path | None]:
         raise ConfigError(f"DSV41_RUNTIME_ROOT {root}: no manifest.json (run roles/engram_overlay)")
 
     try:
-        desc = fileio.loads_json(fileio.read_text(root / "overlay.json", f"DSV41_RUNTIME_ROOT {root}: overlay.json",
-                                           error=ConfigError))
+        desc = fileio.loads_json(
+            fileio.read_text(root / "overlay.json", f"DSV41_RUNTIME_ROOT {root}: overlay.json", error=ConfigError)
+        )
     except json.JSONDecodeError as exc:
         raise ConfigError(f"DSV41_RUNTIME_ROOT {root}: overlay.json is not JSON ({exc})") from None
     tables = desc.get("tables_dir") if isinstance(desc, dict) else None

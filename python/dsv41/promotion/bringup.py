@@ -92,8 +92,11 @@ def passed(entries: Sequence[Mapping[str, Any]]) -> tuple[str | None, list[str]]
             run = e["bringup"]
     if run is None:
         return None, []
-    done = {e.get("stage") for e in entries
-            if e.get("step") == STEP and ops.get(e.get("op")) == run and e.get("bringup") == run}
+    done = {
+        e.get("stage")
+        for e in entries
+        if e.get("step") == STEP and ops.get(e.get("op")) == run and e.get("bringup") == run
+    }
     return run, [s for s in STAGES if s in done]
 
 
@@ -110,23 +113,28 @@ def plan(entries: Sequence[Mapping[str, Any]], stage: str = "", restart: bool = 
         raise BringupError("give -e stage=NAME or -e bringup_restart=true, not both")
     run, done = passed(entries)
     if restart or run is None:
-        return {"run": new_run_id(), "new": True, "passed": [],
-                "stages": _missing(stage, []) if stage else list(STAGES)}
+        return {
+            "run": new_run_id(),
+            "new": True,
+            "passed": [],
+            "stages": _missing(stage, []) if stage else list(STAGES),
+        }
     if stage:
         _missing(stage, done)
         return {"run": run, "new": False, "passed": done, "stages": [stage]}
     last = max((STAGES.index(s) for s in done), default=-1)
-    return {"run": run, "new": False, "passed": done, "stages": list(STAGES[last + 1:])}
+    return {"run": run, "new": False, "passed": done, "stages": list(STAGES[last + 1 :])}
 
 
 def _missing(stage: str, done: Sequence[str]) -> list[str]:
-    for s in STAGES[:STAGES.index(stage)]:
+    for s in STAGES[: STAGES.index(stage)]:
         if s not in done:
             raise BringupError(f"stage {stage} needs stage {s} passed first (run bringup.yml without -e stage)")
     return [stage]
 
 
 # ---- the gates --------------------------------------------------------------------------------
+
 
 def _fail(stage: str, host: str, what: str) -> GateError:
     return GateError(f"bring-up stopped at stage {stage} on {host}: {what}")
@@ -143,8 +151,11 @@ def gate_links_rows(host: str, records: Sequence[Mapping[str, Any]]) -> dict:
         raise _fail("links_rows", host, "no link or exactness check ran")
     for r in records:
         # a sweep that did not run is not a pass (required mode)
-        failed = (r.get("status") == "fail" or r.get("ok") is False
-                  or (r.get("status") == "skipped" and str(r.get("id", "")).startswith("exactness")))
+        failed = (
+            r.get("status") == "fail"
+            or r.get("ok") is False
+            or (r.get("status") == "skipped" and str(r.get("id", "")).startswith("exactness"))
+        )
         if failed:
             name = r.get("id") or f"{r.get('link', '?')}.{r.get('check', '?')}"
             why = r.get("reason") or f"value {r.get('value')!r}, expected {r.get('expected')!r}"
@@ -189,8 +200,12 @@ def gate_remote_drafter(host: str, refs: Mapping[str, Any], kv_tokens: float | N
         raise _fail("remote_drafter", host, f"{int(d.get('rounds', 0))} drafter rounds in the interval")
     if kv_tokens is not None and int(kv_tokens) != int(kv_expected):
         raise _fail("remote_drafter", host, f"KV pool {int(kv_tokens)} tokens, expected {int(kv_expected)}")
-    return {"stage": "remote_drafter", "host": host, "rounds": d.get("rounds"),
-            "kv_tokens": None if kv_tokens is None else int(kv_tokens)}
+    return {
+        "stage": "remote_drafter",
+        "host": host,
+        "rounds": d.get("rounds"),
+        "kv_tokens": None if kv_tokens is None else int(kv_tokens),
+    }
 
 
 def gate_async(host: str, selftests: Mapping[str, Any], refs: Mapping[str, Any], ranks: Sequence[str]) -> dict:
@@ -229,8 +244,13 @@ def gate_window(host: str, rc: int, verdict: str | None = None) -> dict:
 
 
 #: Stage -> its gate (``stock`` has none of its own: the references' record and the baseline).
-GATES = {"links_rows": gate_links_rows, "remote_engram": gate_remote_engram,
-         "remote_drafter": gate_remote_drafter, "async": gate_async, "window": gate_window}
+GATES = {
+    "links_rows": gate_links_rows,
+    "remote_engram": gate_remote_engram,
+    "remote_drafter": gate_remote_drafter,
+    "async": gate_async,
+    "window": gate_window,
+}
 
 
 def gate(stage: str, host: str, measured: Mapping[str, Any]) -> dict:

@@ -23,8 +23,11 @@ def _short(x) -> str:
 
 
 @app.command()
-def show(ref: str = typer.Argument(..., help="Package id (or unique prefix)."), root: Path = ROOT_OPT,
-         as_json: bool = typer.Option(False, "--json", help="Print package.json as JSON.")) -> None:
+def show(
+    ref: str = typer.Argument(..., help="Package id (or unique prefix)."),
+    root: Path = ROOT_OPT,
+    as_json: bool = typer.Option(False, "--json", help="Print package.json as JSON."),
+) -> None:
     """Print one package: provenance and, per host, facts and managed files with sha256."""
     pid = pkg.resolve(root, ref)
     doc = pkg.load(root, pid)
@@ -37,16 +40,22 @@ def show(ref: str = typer.Argument(..., help="Package id (or unique prefix)."), 
     if doc["greedy_refs"]:
         print(f"  greedy references sha256 {doc['greedy_refs']['sha256']}")
     for host, h in doc["hosts"].items():
-        print(f"  {host} (rank {h['rank']}, {','.join(h['groups'])}): dsv41 {h['dsv41']}"
-              + (f", KV budget {h['kv_budget']}" if h.get("kv_budget") is not None else "")
-              + (f", image {h['image']}" if h.get("image") else ""))
+        print(
+            f"  {host} (rank {h['rank']}, {','.join(h['groups'])}): dsv41 {h['dsv41']}"
+            + (f", KV budget {h['kv_budget']}" if h.get("kv_budget") is not None else "")
+            + (f", image {h['image']}" if h.get("image") else "")
+        )
         for path, f in h["files"].items():
             print(f"    {f['sha256']}  {f['mode']}  {path}")
 
 
 @app.command("diff")
-def diff_cmd(a: str = typer.Argument(..., help="From package id."), b: str = typer.Argument(..., help="To package id."),
-             root: Path = ROOT_OPT, as_json: bool = typer.Option(False, "--json", help="Print the diff as JSON.")) -> None:
+def diff_cmd(
+    a: str = typer.Argument(..., help="From package id."),
+    b: str = typer.Argument(..., help="To package id."),
+    root: Path = ROOT_OPT,
+    as_json: bool = typer.Option(False, "--json", help="Print the diff as JSON."),
+) -> None:
     """What changes on which host going from package A to package B (exit 0 either way)."""
     ida, idb = pkg.resolve(root, a), pkg.resolve(root, b)
     d = pkg.diff(pkg.load(root, ida), pkg.load(root, idb))
@@ -68,15 +77,20 @@ def diff_cmd(a: str = typer.Argument(..., help="From package id."), b: str = typ
 
 
 @app.command()
-def verify(ref: str = typer.Argument(..., help="Package id (or unique prefix)."), root: Path = ROOT_OPT,
-           as_json: bool = typer.Option(False, "--json", help="Print the result as JSON.")) -> None:
+def verify(
+    ref: str = typer.Argument(..., help="Package id (or unique prefix)."),
+    root: Path = ROOT_OPT,
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
     """Recompute the package id and every file's sha256; exit 1 naming the first mismatch."""
     r = pkg.verify(root, pkg.resolve(root, ref))
     if as_json:
         print(fileio.dumps_json({"ok": True, **r}, sort_keys=True))
     else:
-        print(f"package {r['id']} verified: {r['files']} files, {r['bytes']} bytes, "
-              + ", ".join(f"{h} {n}" for h, n in r["hosts"].items()))
+        print(
+            f"package {r['id']} verified: {r['files']} files, {r['bytes']} bytes, "
+            + ", ".join(f"{h} {n}" for h, n in r["hosts"].items())
+        )
 
 
 @app.command("list")
@@ -84,13 +98,18 @@ def list_cmd(root: Path = ROOT_OPT) -> None:
     """The stored package ids, one a line, with their provenance."""
     for pid in pkg.known_ids(root):
         p = pkg.load(root, pid)["provenance"]
-        print(f"{pid}  {p['op']}" + (f" {p['candidate']}" if p.get("candidate") else "")
-              + (f" {p['component']}" if p.get("component") else ""))
+        print(
+            f"{pid}  {p['op']}"
+            + (f" {p['candidate']}" if p.get("candidate") else "")
+            + (f" {p['component']}" if p.get("component") else "")
+        )
 
 
 @app.command()
-def journal(path: Path = typer.Option(Path("packages/journal.jsonl"), "--path", help="The promotion journal."),
-            as_json: bool = typer.Option(False, "--json", help="Print the replay decision as JSON.")) -> None:
+def journal(
+    path: Path = typer.Option(Path("packages/journal.jsonl"), "--path", help="The promotion journal."),
+    as_json: bool = typer.Option(False, "--json", help="Print the replay decision as JSON."),
+) -> None:
     """What a re-run would do first after an interruption (finish, revert or nothing)."""
     d = journal_mod.decide(journal_mod.read_journal(path))
     if as_json:
@@ -105,9 +124,11 @@ JOURNAL_OPT = typer.Option("packages/journal.jsonl", "--path", help="The promoti
 
 
 @app.command("bringup-plan")
-def bringup_plan(path: Path = JOURNAL_OPT,
-                 stage: str = typer.Option("", "--stage", help="Run only this stage (its earlier stages passed)."),
-                 restart: bool = typer.Option(False, "--restart", help="A new bring-up from stage stock.")) -> None:
+def bringup_plan(
+    path: Path = JOURNAL_OPT,
+    stage: str = typer.Option("", "--stage", help="Run only this stage (its earlier stages passed)."),
+    restart: bool = typer.Option(False, "--restart", help="A new bring-up from stage stock."),
+) -> None:
     """Which bring-up stages run now, as JSON: {run, new, passed, stages, role_vars: {stage: vars}}."""
     from dsv41.promotion import bringup
 
@@ -117,9 +138,11 @@ def bringup_plan(path: Path = JOURNAL_OPT,
 
 
 @app.command("bringup-gate")
-def bringup_gate(stage: str = typer.Argument(..., help="The stage whose gate decides."),
-                 host: str = typer.Option(..., "--host", help="The host the values were measured on."),
-                 measured: str = typer.Option(..., "--measured", help="JSON: the gate's measured values.")) -> None:
+def bringup_gate(
+    stage: str = typer.Argument(..., help="The stage whose gate decides."),
+    host: str = typer.Option(..., "--host", help="The host the values were measured on."),
+    measured: str = typer.Option(..., "--measured", help="JSON: the gate's measured values."),
+) -> None:
     """A bring-up stage's gate: prints the fields to journal (JSON), or exits 1 with one line
     naming the stage, the host and the measured value."""
     from dsv41.promotion import bringup

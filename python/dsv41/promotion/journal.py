@@ -29,8 +29,20 @@ from pathlib import Path
 from dsv41 import fileio
 from dsv41.errors import Dsv41Error
 
-STEPS = ("begin", "held", "applied", "verified", "recorded", "pointer", "reopened", "rolled_back", "recovered",
-         "failed", "done", "stage_passed")
+STEPS = (
+    "begin",
+    "held",
+    "applied",
+    "verified",
+    "recorded",
+    "pointer",
+    "reopened",
+    "rolled_back",
+    "recovered",
+    "failed",
+    "done",
+    "stage_passed",
+)
 
 
 class JournalError(Dsv41Error):
@@ -97,8 +109,9 @@ def read_journal(path: str | os.PathLike) -> list[dict]:
     raw = fileio.read_bytes(p, "the promotion journal", error=JournalError)
     entries = read(p) if raw.strip() else []
     if raw.strip() and not entries:
-        raise JournalError(f"{p} is not a promotion journal: no line of it is a journal entry "
-                           "(a JSON object with op and step)")
+        raise JournalError(
+            f"{p} is not a promotion journal: no line of it is a journal entry (a JSON object with op and step)"
+        )
     return entries
 
 
@@ -121,8 +134,15 @@ class Decision:
 
     def as_dict(self) -> dict:
         """The decision as a JSON-able dict."""
-        return {"action": self.action, "package": self.package, "op": self.op, "kind": self.kind,
-                "last_step": self.last_step, "result_package": self.result_package, "windows_dir": self.windows_dir}
+        return {
+            "action": self.action,
+            "package": self.package,
+            "op": self.op,
+            "kind": self.kind,
+            "last_step": self.last_step,
+            "result_package": self.result_package,
+            "windows_dir": self.windows_dir,
+        }
 
 
 def decide(entries: list[dict]) -> Decision:

@@ -79,8 +79,10 @@ def describe(rec: dict | None) -> str:
     if not rec:
         return "an unknown operation (no readable holder record)"
     owner = rec.get("owner") or {}
-    return (f"{rec.get('op', '?')} {rec.get('id', '?')} (pid {owner.get('pid', '?')}, {rec.get('owner_cmd', '?')}) "
-            f"since {rec.get('since', '?')}")
+    return (
+        f"{rec.get('op', '?')} {rec.get('id', '?')} (pid {owner.get('pid', '?')}, {rec.get('owner_cmd', '?')}) "
+        f"since {rec.get('since', '?')}"
+    )
 
 
 def find_owner(start_pid: int | None = None) -> int:
@@ -130,21 +132,45 @@ def acquire(state_dir: str | os.PathLike, op: str, op_id: str, owner_pid: int | 
         deadline = time.monotonic() + STALE_GRACE_S
         while not _try_lock(fd):
             rec = read_record(sd)
-            if rec is not None and rec.get("owner") == owner.as_record() and rec.get("op") == op \
-                    and rec.get("id") == op_id:
+            if (
+                rec is not None
+                and rec.get("owner") == owner.as_record()
+                and rec.get("op") == op
+                and rec.get("id") == op_id
+            ):
                 return rec  # this very run holds it already (a retried task)
             owner_dead = rec is not None and not _alive(rec.get("owner"))
             if not owner_dead or time.monotonic() > deadline:
-                raise LockHeld(f"refused: another change operation holds the lock {sd / LOCK_NAME}: {describe(rec)}; "
-                               f"wait for it to end (dsv41 oplock status --state-dir {sd})")
+                raise LockHeld(
+                    f"refused: another change operation holds the lock {sd / LOCK_NAME}: {describe(rec)}; "
+                    f"wait for it to end (dsv41 oplock status --state-dir {sd})"
+                )
             time.sleep(0.1)
         previous = read_record(sd)
-        keeper = subprocess.Popen([sys.executable, "-m", "dsv41.promotion.oplock", str(fd), str(owner.pid),
-                                   str(owner.start_ticks), owner.boot_id], pass_fds=(fd,), start_new_session=True,
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        rec = {"op": op, "id": op_id, "since": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-               "owner": owner.as_record(), "owner_cmd": _cmd_name(owner.pid),
-               "keeper": ProcessIdentity.of(keeper.pid).as_record()}
+        keeper = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dsv41.promotion.oplock",
+                str(fd),
+                str(owner.pid),
+                str(owner.start_ticks),
+                owner.boot_id,
+            ],
+            pass_fds=(fd,),
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        rec = {
+            "op": op,
+            "id": op_id,
+            "since": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "owner": owner.as_record(),
+            "owner_cmd": _cmd_name(owner.pid),
+            "keeper": ProcessIdentity.of(keeper.pid).as_record(),
+        }
         if previous:
             rec["taken_over"] = previous
         fileio.atomic_write_json(sd / RECORD_NAME, rec, "change lock record", error=LockError)

@@ -16,14 +16,20 @@ from dsv41.promotion import oplock
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 STATE_OPT = typer.Option(Path("state"), "--state-dir", help="The controller's state directory (mode 0700).")
-OWNER_OPT = typer.Option(None, "--owner-pid", help="Pid the lock follows (default: the outermost ansible-playbook "
-                                                   "above this command, else its parent).")
+OWNER_OPT = typer.Option(
+    None,
+    "--owner-pid",
+    help="Pid the lock follows (default: the outermost ansible-playbook above this command, else its parent).",
+)
 
 
 @app.command()
-def acquire(op: str = typer.Option(..., "--op", help=f"The operation: {', '.join(oplock.OPERATIONS)}."),
-            op_id: str = typer.Option(..., "--id", help="The operation's id (a plain name)."),
-            state_dir: Path = STATE_OPT, owner_pid: int | None = OWNER_OPT) -> None:
+def acquire(
+    op: str = typer.Option(..., "--op", help=f"The operation: {', '.join(oplock.OPERATIONS)}."),
+    op_id: str = typer.Option(..., "--id", help="The operation's id (a plain name)."),
+    state_dir: Path = STATE_OPT,
+    owner_pid: int | None = OWNER_OPT,
+) -> None:
     """Take the change lock for this run (held until its owner ends or `release`); exit 1 naming
     the holder when another operation holds it. Prints the holder record as JSON."""
     print(fileio.dumps_json(oplock.acquire(state_dir, op, op_id, owner_pid), sort_keys=True))

@@ -115,8 +115,10 @@ def build(hosts: dict, provenance: dict, refs: bytes | None) -> tuple[dict, dict
             data = f["content"]
             files[path] = {"sha256": sha256_bytes(data), "size": len(data), "mode": str(f.get("mode") or "0644")}
             blobs[str(_rel(host, path))] = data
-        entry = {k: h.get(k) for k in ("groups", "rank", "dsv41", "image", "engine_config", "manifest",
-                                       "drafter", "kv_budget")}
+        entry = {
+            k: h.get(k)
+            for k in ("groups", "rank", "dsv41", "image", "engine_config", "manifest", "drafter", "kv_budget")
+        }
         entry["groups"] = sorted(entry["groups"] or [])
         if entry["kv_budget"] is None:
             entry["kv_budget"] = kv_budget_from(h.get("files", {}))
@@ -127,8 +129,12 @@ def build(hosts: dict, provenance: dict, refs: bytes | None) -> tuple[dict, dict
     for k in ("candidate", "window", "verdict", "reason", "component"):
         prov[k] = provenance.get(k)
     prov["force"] = bool(provenance.get("force", False))
-    doc = {"format": 1, "provenance": prov, "hosts": doc_hosts,
-           "greedy_refs": None if refs is None else {"sha256": sha256_bytes(refs), "size": len(refs)}}
+    doc = {
+        "format": 1,
+        "provenance": prov,
+        "hosts": doc_hosts,
+        "greedy_refs": None if refs is None else {"sha256": sha256_bytes(refs), "size": len(refs)},
+    }
     if refs is not None:
         blobs["refs/greedy_refs.json"] = refs
     validate(doc)
@@ -164,6 +170,7 @@ def _tarball(pdir: Path, out: Path) -> None:
                     tar.addfile(info, fh)
             else:
                 tar.addfile(info)
+
     def fill(raw) -> None:
         with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz:
             gz.write(buf.getvalue())
@@ -197,8 +204,9 @@ def write(root: str | os.PathLike, doc: dict, blobs: dict[str, bytes]) -> tuple[
             # fsynced before the directory is renamed into place: a crash cannot leave a package
             # whose id is right and whose files are empty
             fileio.atomic_write(p, data, f"package {pid[:12]} file {rel}", error=PackageError)
-        fileio.atomic_write(tmp / "package.json", canonical(doc) + b"\n", f"package {pid[:12]} record",
-                            error=PackageError)
+        fileio.atomic_write(
+            tmp / "package.json", canonical(doc) + b"\n", f"package {pid[:12]} record", error=PackageError
+        )
         try:
             os.replace(tmp, dest)
         except OSError as exc:
@@ -227,10 +235,13 @@ def load(root: str | os.PathLike, pkg_id: str) -> dict:
     pdir = Path(root) / pkg_id
     if not (pdir / "package.json").is_file():
         known = known_ids(root)
-        raise PackageError(f"unknown package {pkg_id} (no {pdir}/package.json); known: "
-                           f"{', '.join(k[:12] for k in known) or 'none'}")
+        raise PackageError(
+            f"unknown package {pkg_id} (no {pdir}/package.json); known: {', '.join(k[:12] for k in known) or 'none'}"
+        )
     try:
-        doc = fileio.loads_json(fileio.read_text(pdir / "package.json", f"package {pkg_id}: package.json", error=PackageError))
+        doc = fileio.loads_json(
+            fileio.read_text(pdir / "package.json", f"package {pkg_id}: package.json", error=PackageError)
+        )
     except json.JSONDecodeError as exc:
         raise PackageError(f"package {pkg_id}: package.json is not readable JSON: {exc}") from None
     validate(doc)
@@ -282,14 +293,19 @@ def verify(root: str | os.PathLike, pkg_id: str) -> dict:
             raise VerificationError(f"package {pkg_id} is tampered: {path} of {host} is missing ({rel})")
         data = fileio.read_bytes(p, f"package {pkg_id}: {rel}", error=VerificationError)
         if sha256_bytes(data) != sha:
-            raise VerificationError(f"package {pkg_id} is tampered: {path} of {host} has sha256 "
-                                    f"{sha256_bytes(data)}, the record says {sha}")
+            raise VerificationError(
+                f"package {pkg_id} is tampered: {path} of {host} has sha256 {sha256_bytes(data)}, the record says {sha}"
+            )
         n_bytes += len(data)
     extra = sorted(present - set(expected))
     if extra:
         raise VerificationError(f"package {pkg_id} is tampered: unrecorded file {extra[0]}")
-    return {"id": pkg_id, "hosts": {h: len(v["files"]) for h, v in doc["hosts"].items()},
-            "files": len(expected), "bytes": n_bytes}
+    return {
+        "id": pkg_id,
+        "hosts": {h: len(v["files"]) for h, v in doc["hosts"].items()},
+        "files": len(expected),
+        "bytes": n_bytes,
+    }
 
 
 def blob(root: str | os.PathLike, pkg_id: str, host: str, path: str) -> Path:
@@ -308,8 +324,12 @@ def diff(a: dict, b: dict) -> dict:
         ha = a["hosts"].get(host, {"files": {}})
         hb = b["hosts"].get(host, {"files": {}})
         fa, fb = ha["files"], hb["files"]
-        d = {"added": sorted(set(fb) - set(fa)), "removed": sorted(set(fa) - set(fb)),
-             "changed": sorted(p for p in set(fa) & set(fb) if fa[p] != fb[p]), "facts": {}}
+        d = {
+            "added": sorted(set(fb) - set(fa)),
+            "removed": sorted(set(fa) - set(fb)),
+            "changed": sorted(p for p in set(fa) & set(fb) if fa[p] != fb[p]),
+            "facts": {},
+        }
         for k in sorted((set(ha) | set(hb)) - {"files"}):
             if ha.get(k) != hb.get(k):
                 d["facts"][k] = [ha.get(k), hb.get(k)]
@@ -344,8 +364,9 @@ def window_verdict(doc: object) -> str | None:
     return inner.get("verdict") if isinstance(inner, dict) and isinstance(inner.get("verdict"), str) else None
 
 
-def check_window(windows_dir: str | os.PathLike, window: str | None, force: bool, reason: str | None,
-                 candidate: str | None = None) -> dict:
+def check_window(
+    windows_dir: str | os.PathLike, window: str | None, force: bool, reason: str | None, candidate: str | None = None
+) -> dict:
     """The promotion gate: ``windows/<window>/decision.json`` must decide WIN (:func:`window_verdict`)
     for ``candidate`` (when the decision names its ``candidate``, it must be this one).
 
@@ -355,7 +376,7 @@ def check_window(windows_dir: str | os.PathLike, window: str | None, force: bool
     comes without a reason."""
     reason = (reason or "").strip() or None
     if force and not reason:
-        raise PackageError("force=true needs reason=\"...\" (it is recorded in the package)")
+        raise PackageError('force=true needs reason="..." (it is recorded in the package)')
     verdict = None
     if window:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", str(window)):
@@ -365,13 +386,15 @@ def check_window(windows_dir: str | os.PathLike, window: str | None, force: bool
             if not os.path.lexists(p):
                 raise FileNotFoundError(p)
             # finite=False: decisions written before fileio.dumps_json hold an open CI as Infinity
-            doc = fileio.loads_json(fileio.read_text(p, f"window {window}'s decision", error=PackageError),
-                                    finite=False)
+            doc = fileio.loads_json(
+                fileio.read_text(p, f"window {window}'s decision", error=PackageError), finite=False
+            )
             verdict = window_verdict(doc)
             measured = doc.get("candidate") if isinstance(doc, dict) else None
             if candidate and isinstance(measured, str) and measured != candidate and not force:
-                raise PackageError(f"window {window} measured candidate {measured!r}, not {candidate!r}: "
-                                   "refusing to promote")
+                raise PackageError(
+                    f"window {window} measured candidate {measured!r}, not {candidate!r}: refusing to promote"
+                )
         except FileNotFoundError:
             if not force:
                 raise PackageError(f"window {window}: no decision ({p} is missing); promotion needs a WIN") from None
@@ -379,8 +402,10 @@ def check_window(windows_dir: str | os.PathLike, window: str | None, force: bool
             if not force:
                 raise PackageError(f"window {window}: {p} is not a readable decision: {exc}") from None
     elif not force:
-        raise PackageError("promotion needs window=ID (a window whose decision is WIN) or force=true reason=\"...\"")
+        raise PackageError('promotion needs window=ID (a window whose decision is WIN) or force=true reason="..."')
     if verdict != "WIN" and not force:
-        raise PackageError(f"window {window} decided {verdict!r}, not WIN: refusing to promote "
-                           "(force=true reason=\"...\" overrides, and is recorded)")
+        raise PackageError(
+            f"window {window} decided {verdict!r}, not WIN: refusing to promote "
+            '(force=true reason="..." overrides, and is recorded)'
+        )
     return {"window": window or None, "verdict": verdict, "force": bool(force), "reason": reason}

@@ -162,12 +162,20 @@ class Ended:
 
     def line(self) -> str:
         """One line for the playbook's output."""
-        more = f" and {len(self.descendants)} process(es) they ran ({', '.join(map(str, self.descendants))})" if self.descendants else ""
-        return (f"ended {len(self.workers)} Ansible worker(s) of the SIGKILLed ansible-playbook {self.playbook} "
-                f"({self.name}) still running: {', '.join(map(str, self.workers))}{more}")
+        more = (
+            f" and {len(self.descendants)} process(es) they ran ({', '.join(map(str, self.descendants))})"
+            if self.descendants
+            else ""
+        )
+        return (
+            f"ended {len(self.workers)} Ansible worker(s) of the SIGKILLed ansible-playbook {self.playbook} "
+            f"({self.name}) still running: {', '.join(map(str, self.workers))}{more}"
+        )
 
 
-def end_leftovers(root: str | os.PathLike, timeout_s: float = orphans.WORKER_TERM_TIMEOUT_S) -> tuple[list[Ended], list[str]]:
+def end_leftovers(
+    root: str | os.PathLike, timeout_s: float = orphans.WORKER_TERM_TIMEOUT_S
+) -> tuple[list[Ended], list[str]]:
     """End the workers of every recorded ``ansible-playbook`` that no longer lives.
 
     For each run directory under ``root`` whose playbook identity is not alive (a playbook that

@@ -59,7 +59,9 @@ def open_client(url: str | Endpoint, identities: list[bytes], timeout_s: float =
         served = {bytes.fromhex(t["identity"]) for t in tables}
         missing = [i for i in identities if i not in served]
         if missing:
-            raise Refused(protocol.ST_WRONG_IDENTITY, "wrong_identity", f"{ep} does not serve table {missing[0].hex()[:16]}...")
+            raise Refused(
+                protocol.ST_WRONG_IDENTITY, "wrong_identity", f"{ep} does not serve table {missing[0].hex()[:16]}..."
+            )
     except BaseException:
         c.close()
         raise

@@ -89,7 +89,9 @@ def _agent(prefix: str, progress_thread: bool):
             if delay_us > 0:
                 api.nixlBind = _BindWithDelay(real, delay_us)
             try:
-                agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
+                agent = api.nixl_agent(
+                    name, api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+                )
             finally:
                 api.nixlBind = real
     except Exception as exc:  # NIXL raises plain RuntimeError/nixlBind errors
@@ -135,8 +137,9 @@ class NixlExporter:
                     "scale": [t.scale.ctypes.data, P.SCALE_BYTES, 0, P.SCALE_BYTES, t.rows],
                 }
             )
-        return fileio.dumps_json({"version": P.VERSION, "agent": self.agent.name, "metadata": self._metadata,
-                                  "tables": out}).encode()
+        return fileio.dumps_json(
+            {"version": P.VERSION, "agent": self.agent.name, "metadata": self._metadata, "tables": out}
+        ).encode()
 
     def close(self) -> None:
         """Deregister the tables (call after the server stopped)."""
@@ -207,7 +210,10 @@ class NixlClient:
             self.local_dlist = self.agent.prep_xfer_dlist(
                 "NIXL_INIT_AGENT",
                 np.array(
-                    [[addr, P.WEIGHT_BYTES, 0, P.ROW_BYTES, total], [addr + P.WEIGHT_BYTES, P.SCALE_BYTES, 0, P.ROW_BYTES, total]],
+                    [
+                        [addr, P.WEIGHT_BYTES, 0, P.ROW_BYTES, total],
+                        [addr + P.WEIGHT_BYTES, P.SCALE_BYTES, 0, P.ROW_BYTES, total],
+                    ],
                     dtype=np.uint64,
                 ),
                 "DRAM",

@@ -134,8 +134,14 @@ class RowServer:
     """
 
     def __init__(
-        self, tables: list[RowTable], listens: list[Endpoint], nixl_provider=None, native: bool | None = None,
-        spin_us: int | None = None, max_connections: int | None = None, send_timeout_s: float | None = None,
+        self,
+        tables: list[RowTable],
+        listens: list[Endpoint],
+        nixl_provider=None,
+        native: bool | None = None,
+        spin_us: int | None = None,
+        max_connections: int | None = None,
+        send_timeout_s: float | None = None,
     ) -> None:
         settings = envs.parse() if None in (spin_us, max_connections, send_timeout_s) else None
         if spin_us is None:
@@ -161,9 +167,7 @@ class RowServer:
         self._clients: dict[int, tuple[socket.socket, threading.Thread]] = {}
         self._clients_lock = threading.Lock()
         self._stopping = threading.Event()
-        self._hello = b"".join(
-            P.TABLE_ENTRY.pack(t.identity, t.layer_id, t.rows, P.ROW_BYTES) for t in tables
-        )
+        self._hello = b"".join(P.TABLE_ENTRY.pack(t.identity, t.layer_id, t.rows, P.ROW_BYTES) for t in tables)
         self.native = _native.use_native(native)
         self._core = None
         if self.native:
@@ -180,7 +184,9 @@ class RowServer:
             snap["requests"] += c["requests"]
             snap["rows"] += c["rows"]
             snap["latency_sum"] += c["latency_sum"]
-            snap["latency_buckets"] = [a + b for a, b in zip(snap["latency_buckets"], c["latency_buckets"], strict=False)]
+            snap["latency_buckets"] = [
+                a + b for a, b in zip(snap["latency_buckets"], c["latency_buckets"], strict=False)
+            ]
             for code, n in c["refusals"].items():
                 name = P.status_name(int(code))
                 snap["refusals"][name] = snap["refusals"].get(name, 0) + n
@@ -272,8 +278,9 @@ class RowServer:
                 continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sec = int(self.send_timeout_s)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                            struct.pack("ll", sec, int((self.send_timeout_s - sec) * 1e6)))
+            sock.setsockopt(
+                socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", sec, int((self.send_timeout_s - sec) * 1e6))
+            )
             t = threading.Thread(target=self._client_loop, args=(sock, ep.scheme == "nixl", addr), daemon=True)
             with self._clients_lock:
                 self._clients[id(t)] = (sock, t)
@@ -302,7 +309,6 @@ class RowServer:
                     del self._per_addr[addr]
             with self.stats.lock:
                 self.stats.connections -= 1
-
 
     def _native_loop(self, sock: socket.socket, nixl: bool) -> None:
         conn = _native._fastrow.Connection(self._core, sock.fileno(), nixl)

@@ -34,12 +34,22 @@ def check_segments(segs: tuple) -> tuple[int, int, int]:
         raise ValueError(f"1..{P.MAX_SEGMENTS} segments, got {len(segs)}")
     total = 0
     for k, (_, rows, limit, out) in enumerate(segs):
-        if (not isinstance(rows, np.ndarray) or rows.ndim != 1 or rows.dtype.kind not in "iu"
-                or rows.dtype.itemsize != 8 or not rows.flags.c_contiguous):
+        if (
+            not isinstance(rows, np.ndarray)
+            or rows.ndim != 1
+            or rows.dtype.kind not in "iu"
+            or rows.dtype.itemsize != 8
+            or not rows.flags.c_contiguous
+        ):
             return 2, k, 0
         n = rows.shape[0]
-        if (not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.shape != (n, P.ROW_BYTES)
-                or not out.flags.c_contiguous or not out.flags.writeable):
+        if (
+            not isinstance(out, np.ndarray)
+            or out.dtype != np.uint8
+            or out.shape != (n, P.ROW_BYTES)
+            or not out.flags.c_contiguous
+            or not out.flags.writeable
+        ):
             return 4, k, 0
         bad = np.flatnonzero(rows.view(np.uint64) >= np.uint64(limit))
         if bad.size:
@@ -60,7 +70,10 @@ class TcpClient:
     """
 
     def __init__(
-        self, endpoint: Endpoint, connect_timeout_s: float = 1.0, spin_us: float | None = None,
+        self,
+        endpoint: Endpoint,
+        connect_timeout_s: float = 1.0,
+        spin_us: float | None = None,
         native: bool | None = None,
     ) -> None:
         if spin_us is None:
@@ -194,8 +207,9 @@ class TcpClient:
         self._discard(plen, deadline)
         return Refused(status, P.status_name(status))
 
-    def request(self, op: int, identity: bytes, count: int, payload: bytes, timeout_s: float,
-                version: int = P.VERSION) -> tuple[int, bytes]:
+    def request(
+        self, op: int, identity: bytes, count: int, payload: bytes, timeout_s: float, version: int = P.VERSION
+    ) -> tuple[int, bytes]:
         """Send one control request in a ``version`` frame; return ``(count, payload)`` of an OK
         reply.
 
@@ -212,8 +226,11 @@ class TcpClient:
         status, rcount, plen = self._reply_header(gen, deadline, version)
         if status == P.ST_BAD_VERSION:
             self.close()  # the server closes after it
-            raise Refused(status, P.status_name(status), f"{self.endpoint} does not speak protocol version "
-                          f"{version} (its newest: {P.REP.unpack(self._hdr)[1]})")
+            raise Refused(
+                status,
+                P.status_name(status),
+                f"{self.endpoint} does not speak protocol version {version} (its newest: {P.REP.unpack(self._hdr)[1]})",
+            )
         if status != P.ST_OK:
             raise self._refusal(status, plen, deadline)
         if plen > (16 << 20):
@@ -299,8 +316,15 @@ class TcpClient:
         if self._fast is not None:
             if len(segs) > 1 and self.version < 2:
                 raise ValueError(f"{self.endpoint} speaks protocol version 1: one table per request")
-            code, a, b = self._fast(self.sock.fileno(), gen, self.version, segs, int(timeout_s * 1e9), self._spin_ns,
-                                    min(max_rows, P.MAX_ROWS))
+            code, a, b = self._fast(
+                self.sock.fileno(),
+                gen,
+                self.version,
+                segs,
+                int(timeout_s * 1e9),
+                self._spin_ns,
+                min(max_rows, P.MAX_ROWS),
+            )
             if code == 0 or code >= 2:
                 return code, a, b
             if code == 1:
@@ -336,8 +360,16 @@ class TcpClient:
                 self._recv_into(memoryview(s[3]).cast("B"), deadline)
         return 0, total, 0
 
-    def lookup_many(self, identity: bytes, rows: np.ndarray, out: np.ndarray, timeout_s: float,
-                    chunk_rows: int = 16384, window: int = 4, end: float | None = None) -> None:
+    def lookup_many(
+        self,
+        identity: bytes,
+        rows: np.ndarray,
+        out: np.ndarray,
+        timeout_s: float,
+        chunk_rows: int = 16384,
+        window: int = 4,
+        end: float | None = None,
+    ) -> None:
         """Fetch any number of rows into ``out`` (C-contiguous uint8 ``[N, 264]``) as requests of
         ``chunk_rows`` rows; on the C++ path up to ``window`` requests are in flight at once
         (the server gathers the next piece while this client receives the previous one).
@@ -371,7 +403,15 @@ class TcpClient:
         gen0 = next(self._gen)
         self._gen = itertools.count(gen0 + nchunks)
         code, status, _ = _native._fastrow.client_lookup_many(
-            self.sock.fileno(), gen0, identity, rows, out, chunk_rows, window, int(timeout_s * 1e9), int(self.spin_s * 1e9),
+            self.sock.fileno(),
+            gen0,
+            identity,
+            rows,
+            out,
+            chunk_rows,
+            window,
+            int(timeout_s * 1e9),
+            int(self.spin_s * 1e9),
             0 if end is None else max(1, int(end * 1e9)),  # time.monotonic() is CLOCK_MONOTONIC, as the C++ now_ns()
         )
         if code == 0:

@@ -40,8 +40,15 @@ def check_host(h: str, url: str) -> None:
     except ValueError:
         pass
     labels = h.split(".")
-    if not all(lab and len(lab) <= 63 and lab.replace("-", "").isalnum() and lab.isascii()
-               and not lab.startswith("-") and not lab.endswith("-") for lab in labels):
+    if not all(
+        lab
+        and len(lab) <= 63
+        and lab.replace("-", "").isalnum()
+        and lab.isascii()
+        and not lab.startswith("-")
+        and not lab.endswith("-")
+        for lab in labels
+    ):
         raise Dsv41Error(f"bad transport URL {url!r}: bad host {h!r}")
 
 

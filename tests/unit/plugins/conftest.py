@@ -24,6 +24,7 @@ UNIT = os.path.join(ROOT, "tests", "unit")
 def _collection_on_path() -> None:
     try:
         import ansible_collections.dsv41.offload.plugins  # noqa: F401
+
         return
     except ImportError:
         pass

@@ -31,8 +31,9 @@ def test_hold_then_idempotent_then_release(serving, run_module):
 
 
 def test_check_mode_and_diff_send_nothing(serving, run_module):
-    kind, res = run_module(admission, {"endpoint": serving.url, "state": "held",
-                                       "_ansible_check_mode": True, "_ansible_diff": True})
+    kind, res = run_module(
+        admission, {"endpoint": serving.url, "state": "held", "_ansible_check_mode": True, "_ansible_diff": True}
+    )
     assert kind == "exit" and res["changed"] and res["state"] == "held"
     assert res["diff"]["before"] == "admission: open\n" and res["diff"]["after"] == "admission: held\n"
     assert not serving.paused and not any(c.startswith("POST") for c in serving.calls)
@@ -55,7 +56,9 @@ def test_a_fenced_hold_is_resent_with_its_token_when_already_held(serving, run_m
     monkeypatch.setenv("DSV41_WINDOW_TOKEN", "next-run-token")
     kind, res = run_module(admission, {"endpoint": serving.url, "state": "held"})
     assert kind == "exit" and not res["changed"] and res["previous"] == "held"
-    assert serving.calls[-2].startswith("POST /pause?mode=wait") and serving.pause_query.endswith("&window=next-run-token")
+    assert serving.calls[-2].startswith("POST /pause?mode=wait") and serving.pause_query.endswith(
+        "&window=next-run-token"
+    )
     # check mode still sends nothing
     n = len(serving.calls)
     kind, res = run_module(admission, {"endpoint": serving.url, "state": "held", "_ansible_check_mode": True})

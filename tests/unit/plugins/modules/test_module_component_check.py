@@ -40,9 +40,17 @@ def _args(serving, **kw):
     s, path = serving
     # the fake rank 0 serves every metric the checks read; as worker and table server it shows
     # counters that do not move (no dsv41_drafter_rounds growth there is irrelevant for remote_engram)
-    args = {"component": "remote_engram", "stage": "check", "endpoint": s.url, "refs_path": str(path),
-            "worker_metrics_url": s.url + "/metrics", "server_metrics_url": s.url + "/metrics",
-            "envs": {"sparkhead": "# off\n", "sparkworker": ""}, "burst": 2, "max_tokens": 8}
+    args = {
+        "component": "remote_engram",
+        "stage": "check",
+        "endpoint": s.url,
+        "refs_path": str(path),
+        "worker_metrics_url": s.url + "/metrics",
+        "server_metrics_url": s.url + "/metrics",
+        "envs": {"sparkhead": "# off\n", "sparkworker": ""},
+        "burst": 2,
+        "max_tokens": 8,
+    }
     args.update(kw)
     return args
 
@@ -65,5 +73,7 @@ def test_check_passes_and_reports_counters(serving, run_module):
 def test_failed_check_is_named(serving, run_module):
     kind, res = run_module(component_check, _args(serving, envs={"sparkhead": "DSV41_ENGRAM_REMOTE=tcp://h:1\n"}))
     assert kind == "fail" and not res["ok"]
-    assert res["msg"] == ("remote_engram rollback check failed: configuration: sparkhead: "
-                          "DSV41_ENGRAM_REMOTE=tcp://h:1 (remote Engram overlay env still present)")
+    assert res["msg"] == (
+        "remote_engram rollback check failed: configuration: sparkhead: "
+        "DSV41_ENGRAM_REMOTE=tcp://h:1 (remote Engram overlay env still present)"
+    )

@@ -106,8 +106,9 @@ def test_missing_and_invalid_manifest(data, tmp_path, run_module):
 
 
 def test_stale_cache_of_another_manifest_is_ignored(data, count_verify, run_module):
-    (data / ".verified.json").write_text(json.dumps({"format": "dsv41-verify-cache/1", "manifest_sha256": "x",
-                                                     "files": {}}))
+    (data / ".verified.json").write_text(
+        json.dumps({"format": "dsv41-verify-cache/1", "manifest_sha256": "x", "files": {}})
+    )
     kind, res = run_module(engram_manifest, _args(data))
     assert kind == "exit" and len(res["verified"]) == 2
 
@@ -150,9 +151,16 @@ def test_old_format_cache_is_rehashed(data, count_verify, run_module):
     from dsv41.engram import manifest as mf
 
     man = mf.load_manifest(data / "manifest.json")
-    keys = {f["name"]: [(data / f["name"]).stat().st_size, (data / f["name"]).stat().st_mtime_ns,
-                        (data / f["name"]).stat().st_ino] for f in man.files}
-    (data / ".verified.json").write_text(json.dumps({"format": "dsv41-verify-cache/1",
-                                                     "manifest_sha256": mf.manifest_digest(man), "files": keys}))
+    keys = {
+        f["name"]: [
+            (data / f["name"]).stat().st_size,
+            (data / f["name"]).stat().st_mtime_ns,
+            (data / f["name"]).stat().st_ino,
+        ]
+        for f in man.files
+    }
+    (data / ".verified.json").write_text(
+        json.dumps({"format": "dsv41-verify-cache/1", "manifest_sha256": mf.manifest_digest(man), "files": keys})
+    )
     kind, res = run_module(engram_manifest, _args(data))
     assert kind == "exit" and len(res["verified"]) == 2 and res["cache_updated"]

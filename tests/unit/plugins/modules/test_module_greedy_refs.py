@@ -61,30 +61,59 @@ def test_counter_requirements_retry_then_fail_naming_rank(serving, tmp_path, run
     path = tmp_path / "greedy.json"
     run_module(greedy_refs, {"endpoint": serving.url, "path": str(path), "max_tokens": 4})
     serving.fallbacks_per_call = 1  # every completion also counts a fallback on both ranks
-    kind, res = run_module(greedy_refs, {"endpoint": serving.url, "path": str(path), "metrics_url": serving.url + "/metrics",
-                                         "require_ranks": ["0", "1"], "require_drafter": True, "attempts": 2, "delay": 0})
+    kind, res = run_module(
+        greedy_refs,
+        {
+            "endpoint": serving.url,
+            "path": str(path),
+            "metrics_url": serving.url + "/metrics",
+            "require_ranks": ["0", "1"],
+            "require_drafter": True,
+            "attempts": 2,
+            "delay": 0,
+        },
+    )
     assert kind == "fail" and res["attempts"] == 2
     assert res["msg"] == "counters while the references ran (2 attempt(s)): rank 0: 6 Engram fallbacks"
 
 
 def test_counter_requirements_met(serving, tmp_path, run_module):
     path = tmp_path / "greedy.json"
-    kind, res = run_module(greedy_refs, {"endpoint": serving.url, "path": str(path), "max_tokens": 4,
-                                         "metrics_url": serving.url + "/metrics", "require_ranks": ["0", "1"],
-                                         "require_drafter": True, "attempts": 3})
+    kind, res = run_module(
+        greedy_refs,
+        {
+            "endpoint": serving.url,
+            "path": str(path),
+            "max_tokens": 4,
+            "metrics_url": serving.url + "/metrics",
+            "require_ranks": ["0", "1"],
+            "require_drafter": True,
+            "attempts": 3,
+        },
+    )
     assert kind == "exit" and res["attempts"] == 1 and res["action"] == "recorded" and path.exists()
 
 
 def test_missing_rank_and_no_drafting(serving, tmp_path, run_module):
     path = tmp_path / "greedy.json"
     serving.drafter_rounds_per_call = 0
-    kind, res = run_module(greedy_refs, {"endpoint": serving.url, "path": str(path), "max_tokens": 4,
-                                         "metrics_url": serving.url + "/metrics", "require_ranks": ["2"],
-                                         "require_drafter": True})
+    kind, res = run_module(
+        greedy_refs,
+        {
+            "endpoint": serving.url,
+            "path": str(path),
+            "max_tokens": 4,
+            "metrics_url": serving.url + "/metrics",
+            "require_ranks": ["2"],
+            "require_drafter": True,
+        },
+    )
     assert kind == "fail" and "rank 2: no Engram counters on /metrics" in res["msg"]
     assert "drafter: no drafting rounds" in res["msg"] and path.exists()  # recorded before the check
 
 
 def test_require_ranks_needs_metrics_url(serving, tmp_path, run_module):
-    kind, res = run_module(greedy_refs, {"endpoint": serving.url, "path": str(tmp_path / "g.json"), "require_ranks": ["0"]})
+    kind, res = run_module(
+        greedy_refs, {"endpoint": serving.url, "path": str(tmp_path / "g.json"), "require_ranks": ["0"]}
+    )
     assert kind == "fail" and res["msg"] == "require_ranks needs metrics_url"

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-MODULES = sorted(p.stem for p in (Path(__file__).resolve().parents[4] / "plugins" / "modules").glob("*.py")
-                 if p.stem != "__init__")
+MODULES = sorted(
+    p.stem for p in (Path(__file__).resolve().parents[4] / "plugins" / "modules").glob("*.py") if p.stem != "__init__"
+)
 
 
 class _Captured(Exception):
@@ -46,7 +47,7 @@ def _spec(name: str, monkeypatch) -> tuple[object, dict, dict]:
 # (A digit string past 4300 digits is not here: ansible-core's own argument validation fails on it
 # before the module runs, and its fail_json then raises formatting the value: docs/field-reports.md.)
 HOSTILE = {
-    "int": [2 ** 63, -(2 ** 63) - 1, 10 ** 4000],
+    "int": [2**63, -(2**63) - 1, 10**4000],
     "float": ["nan", "inf", "-inf", "1e999"],
     "str": ["a\x00b"],
     "path": ["/tmp/a\x00b"],
@@ -54,12 +55,21 @@ HOSTILE = {
     "list": [["ok", "a\x00b"]],
     "dict": [{"k": "a\x00b"}],
 }
-FILL = {"str": "zz", "path": "/nonexistent/dsv41-hostile", "int": 1, "float": 1.0, "bool": False, "dict": {},
-        "list": [], "raw": "zz"}
+FILL = {
+    "str": "zz",
+    "path": "/nonexistent/dsv41-hostile",
+    "int": 1,
+    "float": 1.0,
+    "bool": False,
+    "dict": {},
+    "list": [],
+    "raw": "zz",
+}
 
 
 def _filled(spec: dict, kw: dict, skip: str) -> dict:
     """Valid stand-ins for the required options (and those ``required_if`` then asks for)."""
+
     def fill(k):
         v = spec[k]
         return v["choices"][0] if v.get("choices") else FILL[v.get("type", "str")]
@@ -114,8 +124,16 @@ def test_usable_values_pass_the_check() -> None:
         from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import option_problem
     except ImportError:  # pragma: no cover - library/ layout
         from ansible.module_utils.dsv41_common import option_problem
-    for kind, value in [("int", 2 ** 63 - 1), ("int", -(2 ** 63)), ("float", 1e308), ("str", "a\nb"),
-                        ("path", "/tmp/x"), ("list", ["a", 1]), ("dict", {"a": [1, "b"]}), ("bool", True)]:
+    for kind, value in [
+        ("int", 2**63 - 1),
+        ("int", -(2**63)),
+        ("float", 1e308),
+        ("str", "a\nb"),
+        ("path", "/tmp/x"),
+        ("list", ["a", 1]),
+        ("dict", {"a": [1, "b"]}),
+        ("bool", True),
+    ]:
         assert option_problem(kind, value) is None, (kind, value)
 
 
@@ -137,8 +155,7 @@ def _string_options(spec: dict, prefix: str = "") -> list[tuple[str, list[str], 
 
 
 @pytest.mark.parametrize("name", MODULES)
-def test_every_string_option_refuses_a_value_that_is_not_a_string(name: str, run_module, monkeypatch,
-                                                                  tmp_path) -> None:
+def test_every_string_option_refuses_a_value_that_is_not_a_string(name: str, run_module, monkeypatch, tmp_path) -> None:
     mod, spec, kw = _spec(name, monkeypatch)
     options = _string_options(spec)
     assert options, name
@@ -151,8 +168,7 @@ def test_every_string_option_refuses_a_value_that_is_not_a_string(name: str, run
             else:  # a sub-option: the parent holds one element with valid required sub-options
                 parent = spec[path[0]]
                 element = {**_filled(parent["options"], {}, path[1]), path[1]: value}
-                args = {**_filled(spec, kw, path[0]),
-                        path[0]: [element] if parent.get("type") == "list" else element}
+                args = {**_filled(spec, kw, path[0]), path[0]: [element] if parent.get("type") == "list" else element}
                 want = f"option {path[0]}[0].{path[1]}: " if parent.get("type") == "list" else f"option {label}: "
             kind, res = run_module(mod, args)
             if kind != "fail" or not res["msg"].startswith(want) or "is not a string" not in res["msg"]:
@@ -166,8 +182,12 @@ def test_not_a_string_finds_nested_and_listed_values() -> None:
         from ansible_collections.dsv41.offload.plugins.module_utils.dsv41_common import not_a_string
     except ImportError:  # pragma: no cover - library/ layout
         from ansible.module_utils.dsv41_common import not_a_string
-    spec = {"a": {"type": "path"}, "b": {"type": "list", "elements": "str"}, "c": {"type": "int"},
-            "d": {"type": "list", "elements": "dict", "options": {"x": {"type": "str"}}}}
+    spec = {
+        "a": {"type": "path"},
+        "b": {"type": "list", "elements": "str"},
+        "c": {"type": "int"},
+        "d": {"type": "list", "elements": "dict", "options": {"x": {"type": "str"}}},
+    }
     assert not_a_string(spec, {"a": "p", "b": ["x", None], "c": 5, "d": [{"x": "s"}]}) is None
     assert not_a_string(spec, {"a": ["l"]}) == ("a", ["l"])
     assert not_a_string(spec, {"b": ["x", 7]}) == ("b[1]", 7)

@@ -10,14 +10,28 @@ from ansible_collections.dsv41.offload.plugins.modules import promotion_journal,
 
 
 def _hosts(text: str = "A=1\n") -> dict:
-    return {"sparkhead": {"groups": ["spark"], "rank": 0, "dsv41": "0.1.0", "services": ["dsv41-serve"],
-                          "files": {"/etc/dsv41/a.env": {"content": base64.b64encode(text.encode()).decode(),
-                                                         "mode": "0644"}}}}
+    return {
+        "sparkhead": {
+            "groups": ["spark"],
+            "rank": 0,
+            "dsv41": "0.1.0",
+            "services": ["dsv41-serve"],
+            "files": {"/etc/dsv41/a.env": {"content": base64.b64encode(text.encode()).decode(), "mode": "0644"}},
+        }
+    }
 
 
 def _record(run_module, root, text="A=1\n", **extra):
-    return run_module(promotion_package, {"action": "record", "root": str(root), "hosts": _hosts(text),
-                                          "provenance": {"op": "deploy", "parent": None}, **extra})
+    return run_module(
+        promotion_package,
+        {
+            "action": "record",
+            "root": str(root),
+            "hosts": _hosts(text),
+            "provenance": {"op": "deploy", "parent": None},
+            **extra,
+        },
+    )
 
 
 def test_record_check_mode_writes_nothing_then_records_idempotently(tmp_path, run_module):
@@ -33,8 +47,15 @@ def test_record_check_mode_writes_nothing_then_records_idempotently(tmp_path, ru
 def test_read_verify_plan_and_tamper(tmp_path, run_module):
     rec = _record(run_module, tmp_path)[1]
     pid = rec["id"]
-    kind, res = run_module(promotion_package, {"action": "plan", "root": str(tmp_path), "id": pid[:10],
-                                               "hosts": {"sparkhead": {"/etc/dsv41/a.env": "0" * 64, "/etc/dsv41/x.env": "1" * 64}}})
+    kind, res = run_module(
+        promotion_package,
+        {
+            "action": "plan",
+            "root": str(tmp_path),
+            "id": pid[:10],
+            "hosts": {"sparkhead": {"/etc/dsv41/a.env": "0" * 64, "/etc/dsv41/x.env": "1" * 64}},
+        },
+    )
     assert kind == "exit" and res["id"] == pid
     assert res["plan"]["sparkhead"] == {"write": ["/etc/dsv41/a.env"], "remove": ["/etc/dsv41/x.env"], "same": 0}
     (tmp_path / pid / "files/sparkhead/etc/dsv41/a.env").write_text("A=2\n")
@@ -47,21 +68,42 @@ def test_read_verify_plan_and_tamper(tmp_path, run_module):
 def test_gate(tmp_path, run_module):
     (tmp_path / "w").mkdir()
     (tmp_path / "w" / "decision.json").write_text(json.dumps({"verdict": "LOSS"}))
-    kind, res = run_module(promotion_package, {"action": "gate", "root": str(tmp_path), "windows_dir": str(tmp_path),
-                                               "window": "w"})
+    kind, res = run_module(
+        promotion_package, {"action": "gate", "root": str(tmp_path), "windows_dir": str(tmp_path), "window": "w"}
+    )
     assert kind == "fail" and "decided 'LOSS', not WIN" in res["msg"]
-    kind, res = run_module(promotion_package, {"action": "gate", "root": str(tmp_path), "windows_dir": str(tmp_path),
-                                               "window": "w", "force": True, "reason": "drill"})
+    kind, res = run_module(
+        promotion_package,
+        {
+            "action": "gate",
+            "root": str(tmp_path),
+            "windows_dir": str(tmp_path),
+            "window": "w",
+            "force": True,
+            "reason": "drill",
+        },
+    )
     assert kind == "exit" and res["gate"]["force"] and res["gate"]["verdict"] == "LOSS"
 
 
 def test_journal_append_check_mode_and_decide(tmp_path, run_module):
     j = str(tmp_path / "journal.jsonl")
-    kind, res = run_module(promotion_journal, {"action": "append", "path": j, "op": "o1", "step": "begin",
-                                               "fields": {"kind": "promote", "prev": "a" * 64}, "_ansible_check_mode": True})
+    kind, res = run_module(
+        promotion_journal,
+        {
+            "action": "append",
+            "path": j,
+            "op": "o1",
+            "step": "begin",
+            "fields": {"kind": "promote", "prev": "a" * 64},
+            "_ansible_check_mode": True,
+        },
+    )
     assert kind == "exit" and not (tmp_path / "journal.jsonl").exists()
-    run_module(promotion_journal, {"action": "append", "path": j, "op": "o1", "step": "begin",
-                                   "fields": {"kind": "promote", "prev": "a" * 64}})
+    run_module(
+        promotion_journal,
+        {"action": "append", "path": j, "op": "o1", "step": "begin", "fields": {"kind": "promote", "prev": "a" * 64}},
+    )
     kind, res = run_module(promotion_journal, {"action": "decide", "path": j})
     assert kind == "exit" and not res["changed"] and res["decision"]["action"] == "revert"
     kind, res = run_module(promotion_journal, {"action": "append", "path": j, "op": "o1", "step": "bogus"})

@@ -13,21 +13,52 @@ def _version():
 
 
 def _links(ok):
-    return {"checks": [{"check": "mtu", "ok": ok, "value": 9000 if ok else 1500, "expected": 9000, "link": "ofl0",
-                        "reason": "" if ok else "ofl0: MTU 1500, expected 9000", "rdma_source": "sysfs"}]}
+    return {
+        "checks": [
+            {
+                "check": "mtu",
+                "ok": ok,
+                "value": 9000 if ok else 1500,
+                "expected": 9000,
+                "link": "ofl0",
+                "reason": "" if ok else "ofl0: MTU 1500, expected 9000",
+                "rdma_source": "sysfs",
+            }
+        ]
+    }
 
 
 def _hosts(ok=True):
-    return {"sparkhead": {"version": _version(), "done": True,
-                          "steps": [{"name": "rdma_link", "group": "links", "kind": "rdma_link", "result": _links(ok),
-                                     "checks": ["mtu"]}]}}
+    return {
+        "sparkhead": {
+            "version": _version(),
+            "done": True,
+            "steps": [
+                {"name": "rdma_link", "group": "links", "kind": "rdma_link", "result": _links(ok), "checks": ["mtu"]}
+            ],
+        }
+    }
 
 
 def test_pass_writes_report_and_summary(tmp_path, run_module):
-    kind, res = run_module(qualify_report, {"hosts": _hosts(), "out_dir": str(tmp_path / "q"), "meta": {"id": "q"},
-                                            "controller": [{"name": "vllm-tiny", "group": "serving", "kind": "command",
-                                                            "result": {"skipped": True}, "checks": ["vllm_tiny"],
-                                                            "skip_reason": "no CUDA host"}]})
+    kind, res = run_module(
+        qualify_report,
+        {
+            "hosts": _hosts(),
+            "out_dir": str(tmp_path / "q"),
+            "meta": {"id": "q"},
+            "controller": [
+                {
+                    "name": "vllm-tiny",
+                    "group": "serving",
+                    "kind": "command",
+                    "result": {"skipped": True},
+                    "checks": ["vllm_tiny"],
+                    "skip_reason": "no CUDA host",
+                }
+            ],
+        },
+    )
     assert kind == "exit" and res["result"] == "PASS" and res["counts"] == {"pass": 1, "fail": 0, "skipped": 1}
     doc = json.loads((tmp_path / "q" / "report.json").read_text())
     assert [c["status"] for c in doc["checks"]] == ["pass", "skipped"] and doc["checks"][1]["reason"] == "no CUDA host"
@@ -51,5 +82,7 @@ def test_unwritable_report_dir_is_one_line(tmp_path, run_module):
 
 
 def test_check_mode_writes_the_report_too(tmp_path, run_module):
-    kind, res = run_module(qualify_report, {"hosts": _hosts(), "out_dir": str(tmp_path / "q"), "_ansible_check_mode": True})
+    kind, res = run_module(
+        qualify_report, {"hosts": _hosts(), "out_dir": str(tmp_path / "q"), "_ansible_check_mode": True}
+    )
     assert kind == "exit" and (tmp_path / "q" / "report.json").exists()

@@ -24,8 +24,7 @@ def _netdev(sysfs, name, mtu=9000, up=True):
     (d / "operstate").write_text("up\n" if up else "down\n")
 
 
-_GIDS = (("RoCE v1", "fe80:0000:0000:0000:0000:0000:0000:0001"),
-         ("RoCE v2", "0000:0000:0000:0000:0000:ffff:0a4d:0002"))
+_GIDS = (("RoCE v1", "fe80:0000:0000:0000:0000:0000:0000:0001"), ("RoCE v2", "0000:0000:0000:0000:0000:ffff:0a4d:0002"))
 
 
 def _rdma(sysfs, dev, ndev, active_mtu="4096 (5)", gids=_GIDS, state="4: ACTIVE"):
@@ -51,8 +50,13 @@ def ip_addrs(monkeypatch):
         name = args[-1]
         if name not in table:
             return 1, "", "Device does not exist"
-        return 0, json.dumps([{"ifname": name, "addr_info": [{"family": "inet", "local": a, "prefixlen": 30}
-                                                             for a in table[name]]}]), ""
+        return (
+            0,
+            json.dumps(
+                [{"ifname": name, "addr_info": [{"family": "inet", "local": a, "prefixlen": 30} for a in table[name]]}]
+            ),
+            "",
+        )
 
     monkeypatch.setattr(basic.AnsibleModule, "run_command", run_command)
     return table
@@ -61,11 +65,28 @@ def ip_addrs(monkeypatch):
 def test_lab_link_without_verbs_reports_no_rdma_device(tmp_path, ip_addrs, run_module):
     _netdev(tmp_path, "ofl0")
     ip_addrs["ofl0"] = ["198.18.1.2"]
-    kind, res = run_module(rdma_link, {"links": [{"name": "ofl0", "address": "198.18.1.2"}],
-                                       "require_verbs": False, "sysfs": str(tmp_path), "rdma_source": "sysfs"})
+    kind, res = run_module(
+        rdma_link,
+        {
+            "links": [{"name": "ofl0", "address": "198.18.1.2"}],
+            "require_verbs": False,
+            "sysfs": str(tmp_path),
+            "rdma_source": "sysfs",
+        },
+    )
     assert kind == "exit" and not res["changed"] and res["rdma_source"] == "sysfs"
-    assert res["links"] == [{"name": "ofl0", "exists": True, "mtu": 9000, "up": True, "operstate": "up",
-                             "addresses": ["198.18.1.2"], "rdma_source": "sysfs", "rdma": "no RDMA device"}]
+    assert res["links"] == [
+        {
+            "name": "ofl0",
+            "exists": True,
+            "mtu": 9000,
+            "up": True,
+            "operstate": "up",
+            "addresses": ["198.18.1.2"],
+            "rdma_source": "sysfs",
+            "rdma": "no RDMA device",
+        }
+    ]
     by = {c["check"]: c for c in res["checks"]}
     assert [by[k]["ok"] for k in ("netdev", "up", "mtu", "address")] == [True] * 4
     assert [by[k]["ok"] for k in ("rdma_port", "rdma_active_mtu", "roce_v2_gid")] == [None] * 3  # skipped, with why
@@ -82,8 +103,15 @@ def test_require_verbs_fails_without_device(tmp_path, ip_addrs, run_module):
 def test_mtu_down_and_address_mismatches_name_interface_and_values(tmp_path, ip_addrs, run_module):
     _netdev(tmp_path, "ofl0", mtu=1500, up=False)
     ip_addrs["ofl0"] = ["198.18.9.9"]
-    kind, res = run_module(rdma_link, {"links": [{"name": "ofl0", "address": "198.18.1.2"}, {"name": "nope"}],
-                                       "require_verbs": False, "sysfs": str(tmp_path), "rdma_source": "sysfs"})
+    kind, res = run_module(
+        rdma_link,
+        {
+            "links": [{"name": "ofl0", "address": "198.18.1.2"}, {"name": "nope"}],
+            "require_verbs": False,
+            "sysfs": str(tmp_path),
+            "rdma_source": "sysfs",
+        },
+    )
     assert kind == "fail"
     assert "ofl0: MTU 1500, expected 9000" in res["msg"] and "ofl0: link is down" in res["msg"]
     assert "ofl0: address 198.18.1.2 missing (has 198.18.9.9)" in res["msg"] and "nope: no such interface" in res["msg"]
@@ -93,19 +121,29 @@ def test_verbs_mtu_and_roce_v2_gid(tmp_path, ip_addrs, run_module):
     _netdev(tmp_path, "enp1s0f1np1")
     ip_addrs["enp1s0f1np1"] = ["10.77.0.2"]
     _rdma(tmp_path, "mlx5_1", "enp1s0f1np1")
-    kind, res = run_module(rdma_link, {"links": [{"name": "enp1s0f1np1", "address": "10.77.0.2"}],
-                                       "sysfs": str(tmp_path), "rdma_source": "sysfs"})
+    kind, res = run_module(
+        rdma_link,
+        {"links": [{"name": "enp1s0f1np1", "address": "10.77.0.2"}], "sysfs": str(tmp_path), "rdma_source": "sysfs"},
+    )
     assert kind == "exit" and res["rdma_source"] == "sysfs"
-    assert res["links"][0]["rdma"] == {"device": "mlx5_1", "port": 1, "state": "ACTIVE", "active_mtu": 4096,
-                                       "gid_index": 1, "gid": "0000:0000:0000:0000:0000:ffff:0a4d:0002"}
+    assert res["links"][0]["rdma"] == {
+        "device": "mlx5_1",
+        "port": 1,
+        "state": "ACTIVE",
+        "active_mtu": 4096,
+        "gid_index": 1,
+        "gid": "0000:0000:0000:0000:0000:ffff:0a4d:0002",
+    }
 
 
 def test_verbs_mtu_mismatch_and_missing_v2_gid(tmp_path, ip_addrs, run_module):
     _netdev(tmp_path, "enp1s0f1np1")
     ip_addrs["enp1s0f1np1"] = ["10.77.0.3"]
     _rdma(tmp_path, "mlx5_1", "enp1s0f1np1", active_mtu="1024 (3)", state="1: DOWN")
-    kind, res = run_module(rdma_link, {"links": [{"name": "enp1s0f1np1", "address": "10.77.0.3"}],
-                                       "sysfs": str(tmp_path), "rdma_source": "sysfs"})
+    kind, res = run_module(
+        rdma_link,
+        {"links": [{"name": "enp1s0f1np1", "address": "10.77.0.3"}], "sysfs": str(tmp_path), "rdma_source": "sysfs"},
+    )
     assert kind == "fail"
     assert "enp1s0f1np1: mlx5_1 port 1 is DOWN" in res["msg"]
     assert "enp1s0f1np1: mlx5_1 port 1 active verbs MTU 1024, expected 4096" in res["msg"]
@@ -119,6 +157,7 @@ def test_links_required(run_module):
 
 # --- pyverbs -----------------------------------------------------------------------------------------
 
+
 def test_pyverbs_installed_on_a_host_without_rdma_devices(tmp_path, ip_addrs, run_module):
     """The real binding (constraints.txt pins it), on this machine: no RDMA device. auto and
     pyverbs read through it and say so; no device is skipped on the lab and fails in production."""
@@ -126,8 +165,15 @@ def test_pyverbs_installed_on_a_host_without_rdma_devices(tmp_path, ip_addrs, ru
     _netdev(tmp_path, "ofl0")
     ip_addrs["ofl0"] = ["198.18.1.2"]
     for source in ("auto", "pyverbs"):
-        kind, res = run_module(rdma_link, {"links": [{"name": "ofl0", "address": "198.18.1.2"}], "require_verbs": False,
-                                           "sysfs": str(tmp_path), "rdma_source": source})
+        kind, res = run_module(
+            rdma_link,
+            {
+                "links": [{"name": "ofl0", "address": "198.18.1.2"}],
+                "require_verbs": False,
+                "sysfs": str(tmp_path),
+                "rdma_source": source,
+            },
+        )
         assert kind == "exit" and res["rdma_source"] == "pyverbs", res
         assert res["links"][0]["rdma"] == "no RDMA device" and res["links"][0]["rdma_error"].startswith("pyverbs: ")
         assert {c["check"]: c["ok"] for c in res["checks"]}["rdma_port"] is None
@@ -190,10 +236,15 @@ class _FakeVerbs:
                 outer.closed += 1
 
         self.state, self.mtu_enum, self.opened, self.closed = state, mtu_enum, [], 0
-        self.entries = entries if entries is not None else [
-            _Entry(0, 1, 1, ifindex, "fe80:0000:0000:0000:0000:0000:0000:0001"),
-            _Entry(1, 1, 2, ifindex, "0000:0000:0000:0000:0000:ffff:0a4d:0002"),
-            _Entry(2, 1, 2, ifindex + 1, "0000:0000:0000:0000:0000:ffff:0a4d:0009")]  # another netdev
+        self.entries = (
+            entries
+            if entries is not None
+            else [
+                _Entry(0, 1, 1, ifindex, "fe80:0000:0000:0000:0000:0000:0000:0001"),
+                _Entry(1, 1, 2, ifindex, "0000:0000:0000:0000:0000:ffff:0a4d:0002"),
+                _Entry(2, 1, 2, ifindex + 1, "0000:0000:0000:0000:0000:ffff:0a4d:0009"),
+            ]
+        )  # another netdev
         self.Context = Context
         self.get_device_list = lambda: [Dev()]
 
@@ -217,20 +268,32 @@ def test_pyverbs_device_path_active_mtu_and_roce_v2_gid(tmp_path, ip_addrs, run_
     fv = fake_verbs()
     _netdev(tmp_path, "enp1s0f1np1")
     ip_addrs["enp1s0f1np1"] = ["10.77.0.2"]
-    kind, res = run_module(rdma_link, {"links": [{"name": "enp1s0f1np1", "address": "10.77.0.2"}], "sysfs": str(tmp_path)})
+    kind, res = run_module(
+        rdma_link, {"links": [{"name": "enp1s0f1np1", "address": "10.77.0.2"}], "sysfs": str(tmp_path)}
+    )
     assert kind == "exit", res
     assert res["rdma_source"] == "pyverbs" and res["links"][0]["rdma_source"] == "pyverbs"
-    assert res["links"][0]["rdma"] == {"device": "mlx5_1", "port": 1, "state": "ACTIVE", "active_mtu": 4096,
-                                       "gid_index": 1, "gid": "0000:0000:0000:0000:0000:ffff:0a4d:0002"}
+    assert res["links"][0]["rdma"] == {
+        "device": "mlx5_1",
+        "port": 1,
+        "state": "ACTIVE",
+        "active_mtu": 4096,
+        "gid_index": 1,
+        "gid": "0000:0000:0000:0000:0000:ffff:0a4d:0002",
+    }
     assert fv.opened == ["mlx5_1"] and fv.closed == 1
     assert all(c["ok"] for c in res["checks"])
 
 
-def test_pyverbs_device_path_port_down_mtu_1024_and_no_v2_gid_for_the_address(tmp_path, ip_addrs, run_module, fake_verbs):
+def test_pyverbs_device_path_port_down_mtu_1024_and_no_v2_gid_for_the_address(
+    tmp_path, ip_addrs, run_module, fake_verbs
+):
     fake_verbs(state=1, mtu_enum=3)
     _netdev(tmp_path, "enp1s0f1np1")
     ip_addrs["enp1s0f1np1"] = ["10.77.0.3"]
-    kind, res = run_module(rdma_link, {"links": [{"name": "enp1s0f1np1", "address": "10.77.0.3"}], "sysfs": str(tmp_path)})
+    kind, res = run_module(
+        rdma_link, {"links": [{"name": "enp1s0f1np1", "address": "10.77.0.3"}], "sysfs": str(tmp_path)}
+    )
     assert kind == "fail" and res["rdma_source"] == "pyverbs"
     assert "enp1s0f1np1: mlx5_1 port 1 is DOWN" in res["msg"]
     assert "enp1s0f1np1: mlx5_1 port 1 active verbs MTU 1024, expected 4096" in res["msg"]
@@ -241,7 +304,9 @@ def test_pyverbs_device_path_gids_of_another_netdev_are_not_this_link(tmp_path, 
     fake_verbs(entries=[_Entry(0, 1, 2, 8, "0000:0000:0000:0000:0000:ffff:0a4d:0002")])  # ifindex 8, not 7
     _netdev(tmp_path, "enp1s0f1np1")
     ip_addrs["enp1s0f1np1"] = ["10.77.0.2"]
-    kind, res = run_module(rdma_link, {"links": [{"name": "enp1s0f1np1", "address": "10.77.0.2"}], "sysfs": str(tmp_path)})
+    kind, res = run_module(
+        rdma_link, {"links": [{"name": "enp1s0f1np1", "address": "10.77.0.2"}], "sysfs": str(tmp_path)}
+    )
     assert kind == "fail" and res["msg"] == "enp1s0f1np1: no RDMA device bound to the interface (pyverbs)"
 
 
@@ -251,9 +316,15 @@ def test_every_check_name_is_reported_for_every_link(tmp_path, ip_addrs, run_mod
     _netdev(tmp_path, "b")
     _rdma(tmp_path, "mlx5_0", "b")
     ip_addrs.update(a=["10.0.0.1"], b=["10.77.0.2"])
-    kind, res = run_module(rdma_link, {"links": [{"name": "a", "address": "10.0.0.1"}, {"name": "b", "address": "10.77.0.2"},
-                                                 {"name": "gone"}], "require_verbs": False, "sysfs": str(tmp_path),
-                                       "rdma_source": "sysfs"})
+    kind, res = run_module(
+        rdma_link,
+        {
+            "links": [{"name": "a", "address": "10.0.0.1"}, {"name": "b", "address": "10.77.0.2"}, {"name": "gone"}],
+            "require_verbs": False,
+            "sysfs": str(tmp_path),
+            "rdma_source": "sysfs",
+        },
+    )
     names = ["netdev", "up", "mtu", "address", "rdma_port", "rdma_active_mtu", "roce_v2_gid"]
     got = {}
     for c in res["checks"]:
@@ -272,16 +343,37 @@ def test_a_sys_of_another_network_namespace_reads_the_interface_over_netlink(tmp
         if name != "ofl0":
             return 1, "", f'Device "{name}" does not exist.'
         if args[2] == "link":
-            return 0, json.dumps([{"ifname": "ofl0", "mtu": 9000, "flags": ["BROADCAST", "UP", "LOWER_UP"],
-                                   "operstate": "UP"}]), ""
+            return (
+                0,
+                json.dumps(
+                    [{"ifname": "ofl0", "mtu": 9000, "flags": ["BROADCAST", "UP", "LOWER_UP"], "operstate": "UP"}]
+                ),
+                "",
+            )
         return 0, json.dumps([{"ifname": "ofl0", "addr_info": [{"family": "inet", "local": "198.18.1.2"}]}]), ""
 
     monkeypatch.setattr(basic.AnsibleModule, "run_command", run_command)
-    kind, res = run_module(rdma_link, {"links": [{"name": "ofl0", "mtu": 9000, "address": "198.18.1.2"}],
-                                       "require_verbs": False, "sysfs": str(tmp_path), "rdma_source": "sysfs"})
+    kind, res = run_module(
+        rdma_link,
+        {
+            "links": [{"name": "ofl0", "mtu": 9000, "address": "198.18.1.2"}],
+            "require_verbs": False,
+            "sysfs": str(tmp_path),
+            "rdma_source": "sysfs",
+        },
+    )
     assert kind == "exit", res
-    assert res["links"][0] | {"rdma": None} == {"name": "ofl0", "exists": True, "mtu": 9000, "up": True, "operstate": "up",
-                                                "addresses": ["198.18.1.2"], "rdma_source": "sysfs", "rdma": None}
-    kind, res = run_module(rdma_link, {"links": [{"name": "ofl9"}], "require_verbs": False, "sysfs": str(tmp_path),
-                                       "rdma_source": "sysfs"})
+    assert res["links"][0] | {"rdma": None} == {
+        "name": "ofl0",
+        "exists": True,
+        "mtu": 9000,
+        "up": True,
+        "operstate": "up",
+        "addresses": ["198.18.1.2"],
+        "rdma_source": "sysfs",
+        "rdma": None,
+    }
+    kind, res = run_module(
+        rdma_link, {"links": [{"name": "ofl9"}], "require_verbs": False, "sysfs": str(tmp_path), "rdma_source": "sysfs"}
+    )
     assert kind == "fail" and res["msg"] == "ofl9: no such interface"
