@@ -30,6 +30,7 @@ NATIVE = {
         "python/dsv41/overlay/core_jobs.h",
         "python/dsv41/overlay/core_plan.h",
         "python/dsv41/overlay/core_slot.h",
+        "python/dsv41/overlay/core_local.h",
         "python/dsv41/overlay/core_driver.h",
         "python/dsv41/transport/wire.h",
         "python/dsv41/transport/client.h",

@@ -249,6 +249,45 @@ _ROWS = [
         "required mode always joins on the host. 0: the launching thread waits for the worker's hand-off.",
     ),
     EnvVar(
+        "DSV41_ENGRAM_LOCAL_READERS",
+        int,
+        0,
+        "vLLM overlay, the C++ core's exact local rows (the fallback with the table server down): threads "
+        "that read a job of more than DSV41_ENGRAM_LOCAL_PARALLEL_ROWS rows, the calling thread included "
+        "(persistent, created at a table's first such job); 0: min(8, hardware threads / 2); 1: no threads.",
+        "threads",
+        0,
+        64,
+    ),
+    EnvVar(
+        "DSV41_ENGRAM_LOCAL_PARALLEL_ROWS",
+        int,
+        1536,
+        "vLLM overlay: a local fill of more rows than this is split across DSV41_ENGRAM_LOCAL_READERS; a "
+        "smaller one (a decode step's: 12 rows per token at TP2) stays on the worker's thread, with no hand-off.",
+        "rows",
+        1,
+        2**31 - 1,
+    ),
+    EnvVar(
+        "DSV41_ENGRAM_LOCAL_GAP_BYTES",
+        int,
+        4096,
+        "vLLM overlay: the local fill reads rows in id order, each distinct id once, and two rows of a "
+        "region (256-byte weights, 8-byte scales) whose bytes lie at most this far apart with one pread of "
+        "the span (at most 64 KiB); 0: only adjacent rows.",
+        "bytes",
+        0,
+        32768,
+    ),
+    EnvVar(
+        "DSV41_ENGRAM_LOCAL_COALESCE",
+        bool,
+        True,
+        "vLLM overlay: 1: the local fill sorts, deduplicates and coalesces its reads "
+        "(DSV41_ENGRAM_LOCAL_GAP_BYTES); 0: two preads per row in request order (the reader before, for comparisons).",
+    ),
+    EnvVar(
         "DSV41_OVERLAY_METRICS_ADDR",
         str,
         "",

@@ -60,6 +60,10 @@ class Settings:
     engram_remote_timeout_ms: int = 100
     engram_remote_required: bool = False
     engram_gpu_join: bool = True
+    engram_local_readers: int = 0
+    engram_local_parallel_rows: int = 1536
+    engram_local_gap_bytes: int = 4096
+    engram_local_coalesce: bool = True
     overlay_metrics_addr: str = ""
     overlay_rank: int = 0
     drafter_remote: str = ""

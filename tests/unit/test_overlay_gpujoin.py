@@ -473,7 +473,7 @@ class _Native:
         self.calls.append("setup")
         return True
 
-    def set_local(self, *a) -> None:
+    def set_local(self, *a, **kw) -> None:
         self.calls.append(("local", a))
 
     def gj_ready(self) -> bool:

@@ -64,6 +64,13 @@ py::tuple plan_pieces(py::array_t<int64_t, py::array::c_style> ids, int64_t lo, 
   return py::make_tuple(ns, bad);
 }
 
+// A LocalTable's options as a dict (readers resolved) and its counters.
+py::dict local_options(const LocalTable &t) {
+  using namespace pybind11::literals;
+  return py::dict("readers"_a = t.opt.readers, "parallel_rows"_a = t.opt.parallel_rows, "gap_bytes"_a = t.opt.gap_bytes,
+                  "coalesce"_a = t.opt.coalesce);
+}
+
 PYBIND11_MODULE(_core, m) {
   m.doc() = "C++ worker core of the vLLM overlay's Engram layer (slots, planner, GPU join, watchdog).";
   py::class_<EngramSlot, std::shared_ptr<EngramSlot>>(m, "EngramSlot")
@@ -89,8 +96,25 @@ PYBIND11_MODULE(_core, m) {
       .def("wait_stream", &EngramSlot::wait_stream, py::arg("gen"), py::arg("timeout_s"), py::arg("spin_ns"),
            py::arg("stream"), py::arg("event"), py::arg("event2") = 0)
       .def("gj_setup", &EngramSlot::gj_setup)
-      .def("set_local", &EngramSlot::set_local, py::arg("path"), py::arg("weight_offset"), py::arg("scale_offset"),
-           py::arg("rows"))
+      .def(
+          "set_local",
+          [](EngramSlot &s, const std::string &path, uint64_t wo, uint64_t so, int64_t rows, int readers,
+             int64_t parallel_rows, int64_t gap_bytes, bool coalesce) {
+            s.set_local(path, wo, so, rows, LocalReadOptions{readers, parallel_rows, gap_bytes, coalesce});
+          },
+          py::arg("path"), py::arg("weight_offset"), py::arg("scale_offset"), py::arg("rows"),
+          py::arg("readers") = LocalReadOptions{}.readers, py::arg("parallel_rows") = LocalReadOptions{}.parallel_rows,
+          py::arg("gap_bytes") = LocalReadOptions{}.gap_bytes, py::arg("coalesce") = LocalReadOptions{}.coalesce)
+      .def("local_options",
+           [](EngramSlot &s) -> py::object {
+             std::shared_ptr<LocalTable> t;
+             {
+               std::lock_guard<std::mutex> g(s.m);
+               t = s.local;
+             }
+             if (t) return local_options(*t);
+             return py::none();
+           })
       .def("gj_ready", &EngramSlot::gj_ready)
       .def("gj_queue", &EngramSlot::gj_queue, py::arg("stream"), py::arg("gen"), py::arg("rows"), py::arg("out"),
            py::arg("piece_rows"), py::arg("tail_rows"), py::arg("done_event"))
@@ -150,6 +174,35 @@ PYBIND11_MODULE(_core, m) {
       .def("coalesce", &EngramCore::coalesce)
       .def("set_trace", &EngramCore::set_trace, py::arg("on"))
       .def("take_traces", &EngramCore::take_traces);
+  // A shard's exact rows as the core reads them (tests, tests/perf): gather(ids, out) fills
+  // out[:n * 264] with the packed rows of int64 ids (GIL released); False as the core's gather.
+  py::class_<LocalTable, std::shared_ptr<LocalTable>>(m, "LocalTable")
+      .def(py::init([](const std::string &path, uint64_t wo, uint64_t so, int64_t rows, int readers,
+                       int64_t parallel_rows, int64_t gap_bytes, bool coalesce) {
+             return std::make_shared<LocalTable>(path, wo, so, rows,
+                                                 LocalReadOptions{readers, parallel_rows, gap_bytes, coalesce});
+           }),
+           py::arg("path"), py::arg("weight_offset"), py::arg("scale_offset"), py::arg("rows"),
+           py::arg("readers") = LocalReadOptions{}.readers, py::arg("parallel_rows") = LocalReadOptions{}.parallel_rows,
+           py::arg("gap_bytes") = LocalReadOptions{}.gap_bytes, py::arg("coalesce") = LocalReadOptions{}.coalesce)
+      .def(
+          "gather",
+          [](const LocalTable &t, py::array_t<int64_t, py::array::c_style> ids,
+             py::array_t<uint8_t, py::array::c_style> out) {
+            const int64_t n = int64_t(ids.size());
+            if (out.size() < n * int64_t(kRow)) throw std::invalid_argument("gather: out needs ids.size() * 264 bytes");
+            const int64_t *p = ids.data();
+            uint8_t *o = out.mutable_data();
+            py::gil_scoped_release nogil;
+            return t.gather(p, n, o);
+          },
+          py::arg("ids").noconvert(), py::arg("out").noconvert())
+      .def_property_readonly("options", &local_options)
+      .def("counters", [](const LocalTable &t) {
+        using namespace pybind11::literals;
+        return py::dict("reads"_a = t.c_reads.load(), "bytes"_a = t.c_bytes.load(), "jobs"_a = t.c_jobs.load(),
+                        "parallel_jobs"_a = t.c_parallel.load());
+      });
   m.def("stream_mem_ops", &stream_mem_ops, py::arg("ordinal"));
   m.def("gj_watch_start", [] { return GjWatchdog::get().start(); });
   m.def("gj_watch_open", [] { return GjWatchdog::get().open(); });

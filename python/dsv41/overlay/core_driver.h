@@ -73,15 +73,4 @@ bool stream_mem_ops(int ordinal) {
   return cu.device_attribute(&v, kAttr64BitStreamMemOps, dev) == 0 && v != 0;
 }
 
-// A table's exact local rows for the GPU-side join's fallback: the shard file
-// kept open and read with pread (dsv41.engram.manifest.TableEntry regions: weight_offset + id * 256
-// and scale_offset + id * 8, the bytes LocalRowReader.read packs), so a fallback fills rows with
-// no GIL, no CUDA call, no Python reader. Not a MAP_SHARED mapping: a shard truncated under the
-// running worker would SIGBUS it at the first row past the new end; a short pread is an error.
-// gather() writes n packed 264-byte rows of the ids in `ids` (each in [0, rows): the caller's
-// plan guarantees it) and returns false (the piece counted bad) when an id is past the table, a
-// read comes back short, or the file is no longer the one opened (size or modification time
-// changed: rewritten or truncated in place). A shard shorter than its regions is refused at
-// construction (std::runtime_error).
-
 }  // namespace

@@ -1,75 +1,14 @@
-// The overlay worker core's per-table state: the local table reader (LocalTable) and the
-// hand-off state and staging of one Engram table (EngramSlot). Part of dsv41.overlay._core.
+// The overlay worker core's per-table state: the hand-off state and staging of one Engram table
+// (EngramSlot), with its exact local rows (LocalTable, core_local.h). Part of dsv41.overlay._core.
 
 #pragma once
 
-#include "dsv41/overlay/core_driver.h"
+#include "dsv41/overlay/core_local.h"
 
 namespace {
 
 // The tail pieces of a multi-piece job's layout, rows each, applied in order (piece_layout).
 using Tails = std::vector<int64_t>;
-
-struct LocalTable {
-  int fd = -1;
-  int64_t rows = 0;
-  uint64_t woff = 0, soff = 0;
-  off_t size = 0;
-  struct timespec mtime{};
-  LocalTable(const std::string &path, uint64_t weight_offset, uint64_t scale_offset, int64_t nrows) {
-    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) throw std::runtime_error("cannot open " + path + ": " + std::strerror(errno));
-    struct stat st{};
-    if (::fstat(fd, &st) != 0) {
-      const int e = errno;
-      ::close(fd);
-      throw std::runtime_error("cannot stat " + path + ": " + std::strerror(e));
-    }
-    const uint64_t need = std::max(weight_offset + uint64_t(nrows) * kW, scale_offset + uint64_t(nrows) * kS);
-    if (nrows <= 0 || uint64_t(st.st_size) < need) {
-      ::close(fd);
-      throw std::runtime_error(path + ": shorter than its table's regions (" + std::to_string(st.st_size) + " < " +
-                               std::to_string(need) + " bytes)");
-    }
-    size = st.st_size;
-    mtime = st.st_mtim;
-    rows = nrows;
-    woff = weight_offset;
-    soff = scale_offset;
-  }
-  ~LocalTable() {
-    if (fd >= 0) ::close(fd);
-  }
-  LocalTable(const LocalTable &) = delete;
-  LocalTable &operator=(const LocalTable &) = delete;
-  bool unchanged() const {
-    struct stat st{};
-    return ::fstat(fd, &st) == 0 && st.st_size == size && st.st_mtim.tv_sec == mtime.tv_sec &&
-           st.st_mtim.tv_nsec == mtime.tv_nsec;
-  }
-  static bool read_all(int fd, uint8_t *dst, size_t n, uint64_t off) {
-    while (n) {
-      const ssize_t got = ::pread(fd, dst, n, off_t(off));
-      if (got < 0 && errno == EINTR) continue;
-      if (got <= 0) return false;
-      dst += got;
-      n -= size_t(got);
-      off += uint64_t(got);
-    }
-    return true;
-  }
-  bool gather(const int64_t *ids, int64_t n, uint8_t *out) const {
-    if (!unchanged()) return false;
-    for (int64_t i = 0; i < n; i++) {
-      const int64_t id = ids[i];
-      if (id < 0 || id >= rows) return false;
-      if (!read_all(fd, out + i * kRow, kW, woff + uint64_t(id) * kW) ||
-          !read_all(fd, out + i * kRow + kW, kS, soff + uint64_t(id) * kS))
-        return false;
-    }
-    return unchanged();  // changed while read: these rows may mix old and new bytes
-  }
-};
 
 // One Engram table's hand-off state and staging (RemoteRows holds one): the generation handed
 // off, the one abandoned (a refused hand-off: never launched, never handed off), the buffers the
@@ -185,9 +124,11 @@ struct EngramSlot {
     gj_dev = d;
     return true;
   }
-  // The shard's exact rows for the fallback (LocalTable; std::runtime_error when unusable).
-  void set_local(const std::string &path, uint64_t weight_offset, uint64_t scale_offset, int64_t rows) {
-    auto t = std::make_shared<LocalTable>(path, weight_offset, scale_offset, rows);
+  // The shard's exact rows for the fallback, read as `opt` says (LocalTable, core_local.h;
+  // std::runtime_error when unusable, std::invalid_argument for bad options).
+  void set_local(const std::string &path, uint64_t weight_offset, uint64_t scale_offset, int64_t rows,
+                 const LocalReadOptions &opt = LocalReadOptions{}) {
+    auto t = std::make_shared<LocalTable>(path, weight_offset, scale_offset, rows, opt);
     std::lock_guard<std::mutex> g(m);
     local = std::move(t);
   }

@@ -267,6 +267,7 @@ def apply(module: ModuleType, settings: S.OverlaySettings, contract: dict) -> No
             dequant=vllm_dequant(module, self),
             rank=rank,
             gpu_join=settings.gpu_join,
+            local_reader=settings.local_reader,
         )
         self._weight_loader = _skip_weight  # set_weight_attrs reads it right after this returns
         overlay_metrics.add_engram_source(rank, src)

@@ -81,6 +81,16 @@ def local_table(source: Any, layer_id: int) -> tuple[str, int, int, int] | None:
     return str(reader.data_dir / t.file), int(t.weight_offset), int(t.scale_offset), int(t.rows)
 
 
+def set_local(native: Any, loc: tuple[str, int, int, int], rows: Any) -> None:
+    """The C++ slot ``native``'s exact local rows: ``loc`` (:func:`local_table`), read as ``rows``'
+    ``local_reader`` says (``settings.LocalReader``; its defaults where ``rows`` has none).
+    RuntimeError (unusable shard) or ValueError (bad options) from the extension."""
+    from dsv41.overlay.settings import LocalReader
+
+    opts = getattr(rows, "local_reader", None) or LocalReader()
+    native.set_local(*loc, **opts.kwargs())
+
+
 def available(device_index: int) -> bool:
     """Whether the C++ extension is built and the driver has the v2 stream memory operations on
     CUDA device ``device_index``."""
@@ -138,7 +148,7 @@ class GpuJoin:
             loc = local_table(rows.source, rows.layer_id)
             ok = loc is not None and bool(self.native.gj_setup()) and bool(core._core.gj_watch_start())
             if ok:
-                self.native.set_local(*loc)
+                set_local(self.native, loc, rows)
         except (RuntimeError, OSError, ValueError) as exc:
             log.error(
                 "dsv41 overlay layer %d: the GPU-side join cannot be set up (%s); joins wait on the host",

@@ -36,6 +36,7 @@ from dsv41.overlay.engram_worker import (
     _no_handle,
     _worker_for,
 )
+from dsv41.overlay.settings import LocalReader
 
 #: Seconds ``_finish_prefetch`` waits for the worker's hand-off of one layer before it counts a
 #: refusal and serves that layer's exact rows on the launching thread. The worker's fetch is
@@ -83,7 +84,8 @@ class RemoteRows(Launches):
     pass an emulation on CPU); ``required``: a refused hand-off raises instead of serving the
     rows inline (default: the source's ``is_required()``); ``gpu_join``: join a multi-piece job
     on the GPU where it can run (``DSV41_ENGRAM_GPU_JOIN``, ``engram_gpujoin``; never in required
-    mode); ``handoff_timeout_s``: see
+    mode); ``local_reader``: how the C++ core reads the exact local rows (``settings.LocalReader``;
+    default: the settings' defaults); ``handoff_timeout_s``: see
     ``HANDOFF_TIMEOUT_S``; ``ops``: stream/event operations (``CudaOps``/``HostOps`` by device;
     tests pass fakes); ``graphs``: replay a one-piece job's launch as a CUDA graph per token count
     (``LaunchGraphs``; CUDA, or ``graph_record`` in tests).
@@ -125,6 +127,7 @@ class RemoteRows(Launches):
         graphs: bool = True,
         graph_record: Callable[[int, Any], Any] | None = None,
         gpu_join: bool = False,
+        local_reader: Any = None,
     ) -> None:
         import torch
 
@@ -140,6 +143,7 @@ class RemoteRows(Launches):
         self.dequant = dequant
         self.required = bool(source.is_required() if required is None else required)
         self.handoff_timeout_s = float(handoff_timeout_s)
+        self.local_reader = local_reader if local_reader is not None else LocalReader()
         self.ops = ops if ops is not None else (CudaOps(self.device) if self.device.type == "cuda" else HostOps())
         self._cuda = self.device.type == "cuda"
         he = min(head_start + part, n_hash_cols)

@@ -240,7 +240,7 @@ class EngramWorker(Handbacks):
         lease names), its exact local rows where the core can read them (``engram_gpujoin.
         local_table``: the fill without a connection, or after a failed request, stays in C++)
         and its key into the worker's map."""
-        from dsv41.overlay.engram_gpujoin import local_table
+        from dsv41.overlay.engram_gpujoin import local_table, set_local
 
         tables_fn = getattr(self.source, "native_tables", None)
         tables = tables_fn() if tables_fn is not None else {}
@@ -249,7 +249,7 @@ class EngramWorker(Handbacks):
         loc = local_table(self.source, rows.layer_id) if tables else None
         if loc is not None:
             try:
-                rows._slot.native.set_local(*loc)
+                set_local(rows._slot.native, loc, rows)
             except (RuntimeError, OSError, ValueError) as exc:
                 from dsv41.overlay.engram_ops import log
 

@@ -5,7 +5,10 @@ Engram: ``DSV41_ENGRAM_REMOTE`` (one URL per rank, comma-separated; unset/empty 
 (0/1), ``DSV41_ENGRAM_GPU_JOIN`` (0/1, default 1: a prefill chunk's layer joined on the GPU with no host
 wait, ``dsv41.overlay.engram_gpujoin``; never in required mode), ``DSV41_ENGRAM_LOOKUP_DEADLINE_MS`` (whole-call deadline of a lookup, default 1000, the
 same setting the lab engine uses) and ``DSV41_TRANSPORT_CLIENT_SPIN_US`` (busy-poll budget per
-reply, default 50; both read from ``env``), ``DSV41_RUNTIME_ROOT`` (the read-only runtime root
+reply, default 50; both read from ``env``), ``DSV41_ENGRAM_LOCAL_READERS``, ``DSV41_ENGRAM_LOCAL_PARALLEL_ROWS``, ``DSV41_ENGRAM_LOCAL_GAP_BYTES`` and
+``DSV41_ENGRAM_LOCAL_COALESCE`` (how the C++ core reads the exact local rows when the table server
+is down: :class:`LocalReader`),
+``DSV41_RUNTIME_ROOT`` (the read-only runtime root
 staged by roles/engram_overlay: ``manifest.json`` and ``overlay.json``, whose ``tables_dir``
 holds the local exact fallback).
 The old ``VLLM_ENGRAM_REMOTE*`` names are refused with a message naming the new ones.
@@ -28,11 +31,48 @@ DEFAULT_RUNTIME_ROOT = "/opt/dsv41/runtime"
 
 
 @dataclass(frozen=True)
+class LocalReader:
+    """How the C++ core reads a table's exact local rows (``dsv41.overlay._core``'s ``LocalTable``,
+    ``core_local.h``): the shard is read with ``pread``, never mapped or loaded.
+
+    ``readers``: threads of a job of more than ``parallel_rows`` rows, the calling thread included
+    (``DSV41_ENGRAM_LOCAL_READERS``, 0: min(8, hardware threads / 2)); ``parallel_rows``: smaller
+    jobs stay on the worker's thread (``DSV41_ENGRAM_LOCAL_PARALLEL_ROWS``); ``gap_bytes``: rows of
+    a region at most this many bytes apart are read with one ``pread`` (``DSV41_ENGRAM_LOCAL_GAP_BYTES``);
+    ``coalesce``: False reads two rows' regions per row in request order (``DSV41_ENGRAM_LOCAL_COALESCE``).
+    The defaults are the table's (``dsv41.env_vars``) and the extension's."""
+
+    readers: int = 0
+    parallel_rows: int = 1536
+    gap_bytes: int = 4096
+    coalesce: bool = True
+
+    @classmethod
+    def from_env(cls, env: envs.Settings) -> LocalReader:
+        """The options of a parsed environment."""
+        return cls(
+            env.engram_local_readers,
+            env.engram_local_parallel_rows,
+            env.engram_local_gap_bytes,
+            env.engram_local_coalesce,
+        )
+
+    def kwargs(self) -> dict[str, int | bool]:
+        """Keyword arguments of ``EngramSlot.set_local`` / ``LocalTable``."""
+        return {
+            "readers": self.readers,
+            "parallel_rows": self.parallel_rows,
+            "gap_bytes": self.gap_bytes,
+            "coalesce": self.coalesce,
+        }
+
+
+@dataclass(frozen=True)
 class OverlaySettings:
     """What the overlay does in this process.
 
     ``engram_urls``: raw URL list (empty = Engram overlay off); ``timeout_ms``; ``required``;
-    ``gpu_join`` (``DSV41_ENGRAM_GPU_JOIN``); ``runtime_root``; ``drafter``: True when ``DSV41_DRAFTER_REMOTE`` is set; ``env``: the
+    ``gpu_join`` (``DSV41_ENGRAM_GPU_JOIN``); ``local_reader`` (:class:`LocalReader`); ``runtime_root``; ``drafter``: True when ``DSV41_DRAFTER_REMOTE`` is set; ``env``: the
     :class:`dsv41.envs.Settings` it was built from (the drafter factory reads it).
     """
 
@@ -43,6 +83,7 @@ class OverlaySettings:
     drafter: bool
     env: envs.Settings
     gpu_join: bool = True
+    local_reader: LocalReader = LocalReader()
 
     @property
     def engram(self) -> bool:
@@ -72,6 +113,7 @@ def parse(env: Mapping[str, str] | None = None) -> OverlaySettings:
         bool(s.drafter_remote.strip()),
         s,
         s.engram_gpu_join,
+        LocalReader.from_env(s),
     )
 
 
