@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -164,6 +165,31 @@ def test_coalescing_reads_each_span_once(shard) -> None:
     # a span never passes 64 KiB: 1,000 adjacent rows are 4 weight reads of <= 256 rows and 1 scale read
     lt = _table(t, path, readers=1)
     assert _gather(lt, np.arange(2000, 3000))[0] and lt.counters()["reads"] == 4 + 1
+
+
+@needs_cpp
+def test_jobs_from_several_threads_at_once_are_exact(shard) -> None:
+    """The worker and the watchdog may gather from one table at once: one job holds the readers,
+    the other reads on its own thread; both exact."""
+    r, t, path = shard
+    lt = _table(t, path, readers=3, parallel_rows=64)
+    jobs = [np.random.default_rng(k).integers(0, t.rows, 3000) for k in range(4)]
+    refs = [r.read(LAYER, ids) for ids in jobs]
+    bad: list[int] = []
+
+    def run(k: int) -> None:
+        for _ in range(5):
+            ok, got = _gather(lt, jobs[k])
+            if not (ok and np.array_equal(got, refs[k])):
+                bad.append(k)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not bad and not any(th.is_alive() for th in threads)
+    assert lt.counters()["jobs"] == 20 and lt.counters()["parallel_jobs"] >= 1
 
 
 @needs_cpp
