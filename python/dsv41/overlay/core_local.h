@@ -62,6 +62,7 @@ struct LocalReadOptions {
 class ReadPool {
  public:
   explicit ReadPool(int helpers) {
+    threads_.reserve(size_t(helpers));  // may throw before any thread exists, never after
     for (int k = 0; k < helpers; k++) {
       try {
         threads_.emplace_back([this] { loop(); });
@@ -201,7 +202,16 @@ struct LocalTable {
     for (int64_t i = 0; i < n; i++)
       if (ids[i] < 0 || ids[i] >= rows) return false;
     c_jobs.fetch_add(1, std::memory_order_relaxed);
-    const bool ok = n <= 0 || (opt.coalesce && fits_keys(n) ? gather_sorted(ids, n, out) : gather_rows(ids, n, out));
+    bool ok = n <= 0;
+    if (!ok && opt.coalesce && fits_keys(n)) {
+      try {
+        ok = gather_sorted(ids, n, out);
+      } catch (const std::bad_alloc &) {  // no memory for the sort: the rows one by one
+        ok = gather_rows(ids, n, out);
+      }
+    } else if (!ok) {
+      ok = gather_rows(ids, n, out);
+    }
     return ok && unchanged();  // changed while read: these rows may mix old and new bytes
   }
 
@@ -224,7 +234,9 @@ struct LocalTable {
     std::lock_guard<std::mutex> g(pool_m_);
     if (!pool_tried_) {
       pool_tried_ = true;
-      if (opt.readers > 1) pool_ = std::make_unique<ReadPool>(opt.readers - 1);
+      try {
+        if (opt.readers > 1) pool_ = std::make_unique<ReadPool>(opt.readers - 1);
+      } catch (const std::exception &) {}  // no pool: every job on its calling thread
     }
     return pool_ && pool_->helpers() ? pool_.get() : nullptr;
   }
