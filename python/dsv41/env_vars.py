@@ -330,7 +330,7 @@ _ROWS = [
         bool,
         True,
         "1: the async proxy locks its memory (mlockall) and reports it (gauge dsv41_drafter_proxy_memlock: "
-        "1 locked, 2 refused, 3 off); the container needs --ulimit memlock=-1:-1.",
+        "1 locked, 2 refused, 3 off); the container needs CAP_IPC_LOCK.",
     ),
     EnvVar(
         "DSV41_DRAFTER_CAPACITY_MODE",
