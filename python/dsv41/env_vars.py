@@ -365,6 +365,13 @@ _ROWS = [
     ),
     EnvVar("DSV41_DRAFTER_PROXY_WINDOW_S", float, 60.0, "Window of the respawn budget.", "s", 0.001, 86_400),
     EnvVar(
+        "DSV41_DRAFTER_PROXY_MEMLOCK",
+        bool,
+        True,
+        "1: the async proxy locks its memory (mlockall) and reports it (gauge dsv41_drafter_proxy_memlock: "
+        "1 locked, 2 refused, 3 off); the container needs CAP_IPC_LOCK.",
+    ),
+    EnvVar(
         "DSV41_DRAFTER_CAPACITY_MODE",
         bool,
         False,

@@ -77,6 +77,7 @@ class Settings:
     drafter_watchdog_ms: float = 2000.0
     drafter_proxy_respawns: int = 3
     drafter_proxy_window_s: float = 60.0
+    drafter_proxy_memlock: bool = True
     drafter_capacity_mode: bool = False
     drafter_local_memory_tokens: int = 0
     transport_pure: bool = False

@@ -15,6 +15,7 @@ import torch
 from dsv41 import envs
 from dsv41.drafter import factory
 from dsv41.drafter.async_speculator import AsyncSpeculator
+from dsv41.drafter.memlock import MemlockState
 from dsv41.drafter.model import TorchDrafter, identities, random_drafter
 from dsv41.drafter.protocol import RoundItem
 from dsv41.drafter.shm import SlotState
@@ -231,6 +232,8 @@ def test_async_stuck_proxy_detected(ddir, worker):
     )
     try:
         assert spec.wait_ready(20)  # connected: idle, beating every loop (no promise ahead)
+        # the proxy reported its memory locking before connecting: locked or the refusal, never unknown
+        assert spec.counters()["proxy_memlock"] in (MemlockState.LOCKED, MemlockState.REFUSED)
         time.sleep(0.05)
         os.kill(spec.proxy_pid, signal.SIGSTOP)  # alive but frozen: only the heartbeat shows it
         time.sleep(0.5)

@@ -130,11 +130,15 @@ def test_the_accepted_shapes_render_as_documented(renderer) -> None:
     ], args
 
 
-def test_the_lab_engine_gets_no_vllm_configuration_and_no_extra_docker_argument(renderer) -> None:
+def test_the_lab_engine_gets_no_vllm_configuration_and_only_the_proxy_capability(renderer) -> None:
+    # the stand-in engine spawns the same async proxy, which locks its memory: CAP_IPC_LOCK only
     lab = renderer.variant({"serve_runtime": "lab", "serve_image": "sha256:" + "b" * 64})
     argv = systemd_argv(unit_key(lab.render("sparkhead").files[SERVE_UNIT], "ExecStart")[0])
-    assert lab.var("sparkhead", "serve_container_extra_args") == []
-    assert not {"--device", "--ulimit", "--cap-add", "--max-model-len", "--shutdown-timeout"} & set(argv), argv
+    assert lab.var("sparkhead", "serve_container_extra_args") == ["--cap-add", "IPC_LOCK"]
+    assert not {"--device", "--ulimit", "--max-model-len", "--shutdown-timeout"} & set(argv), argv
+    for off in ({"spec_decode_proxy_memlock": False}, {"spec_decode_async": False}, {"spec_decode_enabled": False}):
+        quiet = renderer.variant({"serve_runtime": "lab", "serve_image": "sha256:" + "b" * 64, **off})
+        assert quiet.var("sparkhead", "serve_container_extra_args") == [], off
 
 
 def test_ansible_playbook_runs_the_refusal(tmp_path) -> None:

@@ -45,7 +45,9 @@ class AsyncSpeculator(SpeculatorBase):
     ``propose`` never blocks on the network: it (1) runs the watchdog, (2) collects the reply of
     the round in flight if the proxy has published it, (3) proposes, for each request, the drafts
     of that reply that still continue its context, (4) submits this step's round when no round is
-    in flight. ``clock`` is injectable for tests of the respawn budget.
+    in flight. ``clock`` is injectable for tests of the respawn budget. ``memlock``: the proxy
+    locks its memory (``--memlock``) and publishes the result, exported as ``proxy_memlock``
+    (:class:`dsv41.drafter.memlock.MemlockState`: 1 locked, 2 refused, 3 off).
     """
 
     TAIL = 16  # context tokens remembered per request to check that a reply still applies
@@ -65,6 +67,7 @@ class AsyncSpeculator(SpeculatorBase):
         n_slots: int = 4,
         slot_size: int = 4 << 20,
         nap_us: float = 50.0,
+        memlock: bool = True,
         max_context: int = 64,
         max_k: int = 7,
         clock=time.monotonic,
@@ -76,6 +79,7 @@ class AsyncSpeculator(SpeculatorBase):
         self.timeout_ms, self.watchdog_s, self.startup_grace_s = timeout_ms, watchdog_ms / 1000.0, startup_grace_s
         self.budget = RespawnBudget(respawns, window_s)
         self.n_slots, self.slot_size, self.nap_us = n_slots, slot_size, nap_us
+        self.memlock = memlock
         self.max_context, self.max_k = max_context, max_k
         self.clock = clock
         self.proxy_cmd = proxy_cmd or [sys.executable, "-m", "dsv41.drafter.proxy_cli"]
@@ -133,6 +137,7 @@ class AsyncSpeculator(SpeculatorBase):
             str(self.nap_us),
             "--parent-pid",
             str(os.getpid()),
+            "--memlock" if self.memlock else "--no-memlock",
         ]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -394,6 +399,7 @@ class AsyncSpeculator(SpeculatorBase):
                 c["proxy_state"] = int(self.ring.proxy_state)
             except RingCorrupt:  # a scrape must not fail; the next propose replaces the proxy
                 c["proxy_state"] = -1
+            c["proxy_memlock"] = self.ring.proxy_memlock
         c["proxy_up"] = int(self.proc is not None and self.proc.poll() is None)
         return c
 

@@ -98,6 +98,7 @@ def build_speculator(settings: Settings, *, model_cfg: dict, target_identity: st
             watchdog_ms=s.drafter_watchdog_ms,
             respawns=s.drafter_proxy_respawns,
             window_s=s.drafter_proxy_window_s,
+            memlock=s.drafter_proxy_memlock,
             max_context=cfg.n_ctx,
             max_k=cfg.max_k,
         )

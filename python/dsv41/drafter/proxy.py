@@ -17,6 +17,7 @@ import time
 
 from dsv41.drafter import protocol as P
 from dsv41.drafter.client import DrafterClient, DrafterUnavailable, IdentityMismatch, RoundTimeout, WorkerRefused
+from dsv41.drafter.memlock import MemlockState, lock_all, unlock_all
 from dsv41.drafter.shm import ProxyState, Ring, SlotState
 
 log = logging.getLogger("dsv41.drafter.proxy")
@@ -60,6 +61,7 @@ def run_proxy(
     parent_pid: int | None = None,
     max_rounds: int | None = None,
     nap_max_us: float = 1000.0,
+    memlock: bool = False,
 ) -> int:
     """Serve rounds from the ring named ``shm_name`` until told to stop; returns rounds served.
 
@@ -67,9 +69,23 @@ def run_proxy(
     by each round): the reply is needed only at the engine's next step, so a short pickup delay
     costs nothing while a hot spin would steal a core from the engine on a small host.
 
+    ``memlock``: (the CLI's default; off here, so an in-process caller is not locked by accident)
+    lock the process's memory first (:func:`dsv41.drafter.memlock.lock_all`) and
+    publish the result in the ring (``proxy_memlock``); a refusal is logged with its limit and
+    the proxy serves unlocked (slower rounds, never wrong ones).
+
     Raises :class:`dsv41.errors.Dsv41Error` when the ring cannot be attached or the URL is bad.
     """
     ring = Ring.attach(shm_name)
+    if memlock:
+        rep = lock_all()  # after the attach: the ring's mapping is locked with the rest
+        ring.proxy_memlock = rep.state
+        if rep.state != MemlockState.LOCKED:
+            log.error("drafter proxy: memory not locked: %s", rep.detail)
+        else:
+            log.info("drafter proxy: memory locked (%d KiB)", rep.locked_kib)
+    else:
+        ring.proxy_memlock = MemlockState.OFF
     client = DrafterClient(url, expected, timeout_ms=timeout_ms, reconnect_s=reconnect_s, client_name="proxy")
     ring.proxy_pid = os.getpid()
     ring.proxy_state = ProxyState.STARTING
@@ -160,10 +176,17 @@ def run_proxy(
     return served
 
 
-def self_test() -> dict:
-    """Torch-free self-test: ring create/attach round trip and host flags; returns a report.
+def self_test(memlock: bool = False) -> dict:
+    """Torch-free self-test: ring create/attach round trip, host flags and (``memlock``) the
+    memory locking the proxy will do, probed in this process and undone (the CLI's default: a
+    short-lived process; off here, since locking a large caller faults in all it maps); returns a report.
 
-    Raises :class:`dsv41.errors.Dsv41Error` when a check fails.
+    Report keys: ``ring``, ``host_flags`` ("ok"), ``torch_loaded`` (False), ``pid``, and with
+    ``memlock`` ``mlock`` ("ok" or the refusal's one line, e.g. ``ENOMEM`` with the
+    ``RLIMIT_MEMLOCK`` limits) and ``mlock_report`` (:meth:`MemlockReport.as_dict`). A refused
+    lock is reported, not raised: the caller's check decides (the bring-up's async gate fails on it).
+
+    Raises :class:`dsv41.errors.Dsv41Error` when the ring or host flags fail or torch was imported.
     """
     import sys
 
@@ -187,4 +210,11 @@ def self_test() -> dict:
     torch_loaded = "torch" in sys.modules
     if torch_loaded:
         raise Dsv41Error("proxy self-test: torch was imported into the proxy process")
-    return {"ring": "ok", "host_flags": "ok", "torch_loaded": False, "pid": os.getpid()}
+    rep = {"ring": "ok", "host_flags": "ok", "torch_loaded": False, "pid": os.getpid()}
+    if memlock:
+        ml = lock_all()
+        if ml.state == MemlockState.LOCKED:
+            unlock_all()
+        rep["mlock"] = "ok" if ml.state == MemlockState.LOCKED else ml.detail
+        rep["mlock_report"] = ml.as_dict()
+    return rep

@@ -45,6 +45,9 @@ def run(
         10.0, min=0.1, help="Without --parent-pid: exit when the engine heartbeat is older (s)."
     ),
     parent_pid: int = typer.Option(0, help="Exit when this parent process is gone (0 = do not check)."),
+    memlock: bool = typer.Option(
+        True, "--memlock/--no-memlock", help="Lock the proxy's memory (mlockall) and publish the result in the ring."
+    ),
 ) -> None:
     """Serve drafting rounds from the ring until the engine stops us."""
     from dsv41.drafter.protocol import parse_url
@@ -66,16 +69,32 @@ def run(
         nap_max_us=nap_max_us,
         engine_timeout_s=engine_timeout_s,
         parent_pid=parent_pid or None,
+        memlock=memlock,
     )
 
 
 @app.command("self-test")
-def self_test_cmd(as_json: bool = typer.Option(False, "--json", help="Print the report as JSON.")) -> None:
-    """Check shared memory, host flags and that the proxy runs without torch."""
+def self_test_cmd(
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    memlock: bool = typer.Option(
+        True, "--memlock/--no-memlock", help="Also probe the memory locking the proxy does (mlockall), then undo it."
+    ),
+    require_memlock: bool = typer.Option(False, help="Exit 1 when memory locking is refused (implies --memlock)."),
+) -> None:
+    """Check shared memory, host flags, memory locking and that the proxy runs without torch."""
     from dsv41.drafter.proxy import self_test
 
-    rep = self_test()
-    print(fileio.dumps_json(rep, nonfinite="null") if as_json else "proxy self-test: ok (ring, host flags, torch-free)")
+    rep = self_test(memlock=memlock or require_memlock)
+    refused = "mlock" in rep and rep["mlock"] != "ok"
+    if as_json:
+        print(fileio.dumps_json(rep, nonfinite="null"))
+    elif refused:
+        print(f"proxy self-test: ring, host flags, torch-free ok; memory locking refused: {rep['mlock']}")
+    else:
+        locked = ", memory locking" if "mlock" in rep else ""
+        print(f"proxy self-test: ok (ring, host flags, torch-free{locked})")
+    if refused and require_memlock:
+        raise Dsv41Error(f"proxy self-test: memory locking refused: {rep['mlock']}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ Header (512 bytes)::
             may block, the time by which the proxy will beat again, i.e. in the future)
     32  u64 engine heartbeat (CLOCK_MONOTONIC ns, written by every engine call)
     40  u32 stop flag (engine -> proxy)
+    44  u32 proxy memory locking (dsv41.drafter.memlock.MemlockState; 0 until the proxy reports)
     48  u64 x 8 proxy counters (PROXY_COUNTERS order)
     112 u16 n + 398 B last error message (utf-8)
 
@@ -195,6 +196,7 @@ class Ring:
         struct.pack_into("<Q", self.buf, off, v)
 
     proxy_pid = property(lambda s: s._u32(16), lambda s, v: s._set_u32(16, v))
+    proxy_memlock = property(lambda s: s._u32(44), lambda s, v: s._set_u32(44, int(v)))
     proxy_state = property(lambda s: _enum(ProxyState, s._u32(20), "proxy state"), lambda s, v: s._set_u32(20, int(v)))
     proxy_heartbeat = property(lambda s: s._u64(24), lambda s, v: s._set_u64(24, v))
     engine_heartbeat = property(lambda s: s._u64(32), lambda s, v: s._set_u64(32, v))

@@ -118,7 +118,7 @@ class _DrafterCollector:
     """``Speculator.counters()`` as Prometheus types: ``latency_sum_s`` + ``latency_count`` ->
     summary ``dsv41_drafter_propose_latency_seconds`` (seconds); a key naming a maximum
     (``*max*``, e.g. ``parity_max_prob_diff``) or a level (:data:`~dsv41.engine.spec_decode.LEVEL_KEYS`:
-    ``proxy_up``, ``proxy_state``) -> gauge ``dsv41_drafter_<key>``; every other
+    ``proxy_up``, ``proxy_state``, ``proxy_memlock``) -> gauge ``dsv41_drafter_<key>``; every other
     numeric key (monotonic since start, the Speculator contract) -> counter
     ``dsv41_drafter_<key>_total``."""
 

@@ -58,7 +58,7 @@ class DraftProposal:
 #: is up 1/0; the ring's proxy state, an enum value, -1 when unreadable), so ``/metrics`` exports
 #: them as gauges ``dsv41_drafter_<key>``; a counter that went down would read as a reset to
 #: Prometheus' ``rate``/``increase``. Every other key is monotonic since start.
-LEVEL_KEYS = frozenset({"proxy_up", "proxy_state"})
+LEVEL_KEYS = frozenset({"proxy_up", "proxy_state", "proxy_memlock"})
 
 
 class Speculator(Protocol):

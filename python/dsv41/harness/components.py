@@ -31,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from dsv41 import envs as dsv41_envs
+from dsv41.engine.spec_decode import LEVEL_KEYS
 from dsv41.errors import Dsv41Error
 from dsv41.harness import http, refs
 
@@ -244,7 +245,7 @@ def evaluate(
         moved = {
             k: _d(e1, e0, k)
             for k in sorted(set(e0) | set(e1))
-            if k.startswith("proxy_") and k not in ("proxy_state", "proxy_up") and _d(e1, e0, k) != 0
+            if k.startswith("proxy_") and k not in LEVEL_KEYS and _d(e1, e0, k) != 0
         }
         proxy_up = int(e1.get("proxy_up", 0))
         checks += [

@@ -107,7 +107,7 @@ cmd_boot() { # MACHINE NS HOSTDIR LEADER_PIDFILE NSPAWN_PIDFILE CGROUP IMAGES LO
     echo $$ >"$1/cgroup.procs"; echo $$ >"$2/cgroup.procs"
     SYSTEMD_NSPAWN_UNIFIED_HIERARCHY=1 exec systemd-nspawn -D "$3/root" -b -M "$4" --register=no --keep-unit \
       --network-namespace-path="/run/netns/$5" \
-      --capability=CAP_NET_ADMIN,CAP_BPF --system-call-filter="add_key keyctl request_key bpf" \
+      --capability=CAP_NET_ADMIN,CAP_BPF,CAP_IPC_LOCK --system-call-filter="add_key keyctl request_key bpf" \
       --bind="$3/docker:/var/lib/docker" --bind-ro="$6:/srv/dsv41-lab-images" "${@:7}" --console=passive
   ' nspawn "$CG_UNIFIED/$cg" "$CG_SYSTEMD/$cg" "$hd" "$m" "$ns" "$images" "${binds[@]}" </dev/null >"$log" 2>&1 &
   local npid=$!
