@@ -258,7 +258,9 @@ def test_no_playbook_or_role_passes_supervisorctl() -> None:
         assert not re.search(r"supervisorctl", text), p
         if "'--service-manager'" in text or "- --service-manager" in text:
             callers.append(p.relative_to(ROOT).as_posix())
-    assert {"playbooks/drill.yml", "roles/status/tasks/host.yml", "roles/promotion/tasks/facts.yml"} <= set(callers), callers
+    assert {"playbooks/drill.yml", "roles/status/tasks/host.yml", "roles/promotion/tasks/facts.yml"} <= set(callers), (
+        callers
+    )
 
 
 def _rendered(path: str, where, variables: dict, play_vars: bool = False):
