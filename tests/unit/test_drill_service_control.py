@@ -258,7 +258,9 @@ def test_no_playbook_or_role_passes_supervisorctl() -> None:
         assert not re.search(r"supervisorctl", text), p
         if "'--service-manager'" in text or "- --service-manager" in text:
             callers.append(p.relative_to(ROOT).as_posix())
-    assert {"playbooks/drill.yml", "playbooks/status.yml", "roles/promotion/tasks/facts.yml"} <= set(callers), callers
+    assert {"playbooks/drill.yml", "roles/status/tasks/host.yml", "roles/promotion/tasks/facts.yml"} <= set(callers), (
+        callers
+    )
 
 
 def _rendered(path: str, where, variables: dict, play_vars: bool = False):
@@ -281,7 +283,7 @@ def _rendered(path: str, where, variables: dict, play_vars: bool = False):
 @pytest.mark.parametrize(
     "path, where",
     [
-        ("playbooks/status.yml", (1, "tasks", 0, "ansible.builtin.command", "argv")),
+        ("roles/status/tasks/host.yml", (0, "ansible.builtin.command", "argv")),
         ("roles/promotion/tasks/facts.yml", (2, "ansible.builtin.command", "argv")),
     ],
 )

@@ -95,8 +95,8 @@ def test_drill_yml_passes_only_the_operators_runtime(inv: dict, override: str, t
 )
 def test_drill_yml_refuses_an_override_that_is_not_a_boolean(value, ok: bool, tmp_path: Path) -> None:
     """The first play's check of ``-e drill_serve_container`` (before production is even read)."""
-    plays = yaml.safe_load((ROOT / "playbooks" / "drill.yml").read_text())
-    task = next(t for t in plays[0]["tasks"] if "drill_serve_container" in t["name"])
+    tasks = yaml.safe_load((ROOT / "roles" / "drill" / "tasks" / "check.yml").read_text())
+    task = next(t for t in tasks if "drill_serve_container" in t["name"])
     that = task["ansible.builtin.assert"]["that"]
     assert len(that) == 1
     got = _template("{{ " + that[0] + " }}", {} if value is None else {"drill_serve_container": value}, tmp_path)
