@@ -75,8 +75,8 @@ def tree_playbooks(root: Path) -> set[str]:
 
 def runners(root: Path, playbooks: set[str]) -> dict[str, set[str]]:
     """Who runs each playbook, as far as the tree says: "import" when some playbook imports it,
-    "dsv41 window run" when a playbook's command line (not a comment, not an import) names it,
-    "operator" for the root ones."""
+    "dsv41 window run" when a command line (not a comment, not an import) of a playbook or of a role's
+    task file (a play's body) names it, "operator" for the root ones."""
     out: dict[str, set[str]] = {p: {"operator"} if "/" not in p else set() for p in playbooks}
     for src in playbooks:
         for play in yaml.safe_load((root / src).read_text()):
@@ -85,6 +85,7 @@ def runners(root: Path, playbooks: set[str]) -> dict[str, set[str]]:
                 name = str((root / src).parent.joinpath(target).resolve().relative_to(root.resolve()))
                 if name in out:
                     out[name].add("import")
+    for src in sorted(playbooks) + sorted(str(p.relative_to(root)) for p in root.glob("roles/*/tasks/*.yml")):
         body = "\n".join(
             ln
             for ln in (root / src).read_text().splitlines()
@@ -265,7 +266,7 @@ def test_every_module_and_library_link_agree():
 
 @pytest.fixture
 def tree(tmp_path):
-    """A copy of what the map reads: docs/, roles/ (directories only), library/, the playbooks,
+    """A copy of what the map reads: docs/, roles/ (directories and task files), library/, the playbooks,
     the Makefile, README.md, galaxy.yml, setup.py, changelogs/ and test_import_floors.py."""
     t = tmp_path / "repo"
     (t / "docs").mkdir(parents=True)
@@ -277,6 +278,9 @@ def tree(tmp_path):
     shutil.copytree(ROOT / "changelogs", t / "changelogs")
     for r in tree_roles(ROOT):
         (t / "roles" / r).mkdir(parents=True)
+    for f in ROOT.glob("roles/*/tasks/*.yml"):
+        (t / f.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(f, t / f.relative_to(ROOT))
     (t / "library").mkdir()
     for m in tree_modules(ROOT):
         (t / "library" / f"{m}.py").write_text("")
@@ -298,8 +302,9 @@ def test_a_role_without_a_row_fails_naming_it(tree):
 
 
 def test_a_row_without_a_role_fails_naming_it(tree):
-    shutil.rmtree(tree / "roles" / "window")
-    assert map_errors(tree, tree_commands()) == [f"{DOC} '## Roles': rows for what the tree does not have: window"]
+    # a role whose task files name no playbook (window's name the arm switch and fault playbooks)
+    shutil.rmtree(tree / "roles" / "admission")
+    assert map_errors(tree, tree_commands()) == [f"{DOC} '## Roles': rows for what the tree does not have: admission"]
 
 
 def test_a_module_without_a_row_or_changelog_entry_fails(tree):

@@ -26,8 +26,31 @@ STAGE_FILES = {
 }
 
 
+def _expand(ts: list[dict] | None) -> list[dict]:
+    """A task list with each static ``import_role`` replaced by its task file (a play's body lives in
+    roles/bringup), blocks walked; include_role (dynamic) stays a task."""
+    out = []
+    for t in ts or []:
+        imp = t.get("ansible.builtin.import_role")
+        if imp:
+            path = ROOT / "roles" / imp["name"] / "tasks" / f"{imp.get('tasks_from', 'main')}.yml"
+            out += _expand(yaml.safe_load(path.read_text()))
+            continue
+        t = dict(t)
+        for k in ("block", "rescue", "always"):
+            if k in t:
+                t[k] = _expand(t[k])
+        out.append(t)
+    return out
+
+
 def _plays(rel: str) -> list[dict]:
-    return yaml.safe_load((ROOT / rel).read_text())
+    plays = yaml.safe_load((ROOT / rel).read_text())
+    for play in plays:
+        for k in ("pre_tasks", "tasks", "post_tasks"):
+            if k in play:
+                play[k] = _expand(play[k])
+    return plays
 
 
 def _tasks(play: dict) -> list[dict]:

@@ -101,13 +101,25 @@ def _production_plays() -> list[dict]:
     return plays
 
 
+def _window_bodies(tasks: list[dict]) -> list[dict]:
+    """A play's tasks with its import of the window role (the play's body) replaced by that task file."""
+    out = []
+    for task in tasks:
+        imp = task.get("ansible.builtin.import_role") or {}
+        if imp.get("name") == "window":
+            out += yaml.safe_load((REPO / "roles" / "window" / "tasks" / f"{imp['tasks_from']}.yml").read_text())
+        else:
+            out.append(task)
+    return out
+
+
 def _switch_plays() -> list[dict]:
     """window_switch.yml's plays: their roles, their imports (tasks skipped) and their candidate
     task as written; everything else (restarts, HOLD, readiness) left out."""
     plays = []
     for play in yaml.safe_load(SWITCH.read_text()):
         tasks = []
-        for task in play["tasks"]:
+        for task in _window_bodies(play["tasks"]):
             if "ansible.builtin.import_role" in task:
                 tasks.append(_skip(task))
             elif {k: v for k, v in (task.get("ansible.builtin.include_role") or {}).items()} in (
