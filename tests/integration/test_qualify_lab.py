@@ -89,7 +89,7 @@ def test_qualify_passes_on_the_lab_and_changes_nothing(deployed_lab, tmp_path):
         summary.startswith(f"# Qualification {rep['id']}: PASS")
         and "| transport.latency_p99[ofl0] | sparkhead | pass |" in summary
     )
-    assert f"# Qualification {rep['id']}: PASS" in r.stdout.split("TASK [Summary]")[-1]  # printed by the playbook too
+    assert f"# Qualification {rep['id']}: PASS" in r.stdout.split("TASK [qualify : Summary]")[-1]  # printed by the playbook too
 
     chk, crep = _qualify(tmp_path / "c", "--check")
     assert chk.returncode == 0, chk.stdout[-5000:]
@@ -106,12 +106,12 @@ def test_change_me_and_an_unwritable_report_dir_are_refused_before_any_host_step
     r = play("qualify.yml", "-i", "inventories/production", "-e", f"qualify_dir={tmp_path}", timeout=300)
     assert r.returncode != 0 and not list(tmp_path.iterdir())
     assert "dsv41: error: inventory still has CHANGE_ME in" in r.stdout and "sparkhead.ansible_host" in r.stdout
-    assert "TASK [Reach the host" not in r.stdout  # no host was touched
+    assert "Reach the host (dsv41 version" not in r.stdout  # no host was touched
     f = tmp_path / "file"
     f.write_text("x")
     r = play("qualify.yml", "-e", f"qualify_dir={f}", timeout=300)
     assert r.returncode != 0 and f"dsv41: error: report directory {f}/" in r.stdout and "cannot be written" in r.stdout
-    assert "TASK [Reach the host" not in r.stdout
+    assert "Reach the host (dsv41 version" not in r.stdout
 
 
 def test_unreachable_host_and_a_missing_link_fail_with_one_line_each(deployed_lab, tmp_path):
