@@ -48,14 +48,23 @@ def test_only_the_task_file_appends_to_the_journal():
 
 def test_every_call_names_op_and_step():
     calls = [
-        (p.name, t)
+        (p.relative_to(REPO).as_posix(), t)
         for p, t in _all_tasks()
         if (t.get("ansible.builtin.include_role") or {}).get("tasks_from") == "journal"
     ]
     # the change role's steps (begin, apply, finish) journal for every operation; the rest are
     # promote's own steps (applied per host, failed), the package record and deploy
     files = {name for name, _ in calls}
-    assert {"begin.yml", "apply.yml", "finish.yml", "promote.yml", "promotion_record.yml", "deploy.yml"} <= files, files
+    assert {
+        "roles/change/tasks/begin.yml",
+        "roles/change/tasks/apply.yml",
+        "roles/change/tasks/finish.yml",
+        "roles/promote/tasks/offload.yml",
+        "roles/promote/tasks/spark.yml",
+        "roles/promotion/tasks/revert.yml",
+        "roles/promotion/tasks/record_store.yml",
+        "playbooks/deploy.yml",
+    } <= files, files
     for name, t in calls:
         assert t["ansible.builtin.include_role"]["name"] == "promotion", name
         assert {"promotion_journal_op", "promotion_journal_step"} <= set(t["vars"]), f"{name}: {t['name']}"
