@@ -17,6 +17,7 @@ import pytest
 import yaml
 from ansible.parsing.dataloader import DataLoader
 from ansible.playbook.taggable import Taggable
+
 from yamltree import with_imports
 
 REPO = Path(__file__).resolve().parents[2]
