@@ -26,6 +26,7 @@ import yaml
 
 from dsv41.harness import candidates as W
 from unitutil import SYSTEM_UNITS, stub_root
+from yamltree import items, with_imports
 
 ROLE_VARS = W.ROLE_VARS
 
@@ -144,7 +145,9 @@ def _promote_plays() -> list[dict]:
     """promote.yml's Spark apply play: its roles (tasks skipped), the imports of its apply block
     (tasks skipped) and its candidate task as written (promote_role_vars from the controller)."""
     for play in yaml.safe_load((REPO / "playbooks" / "promote.yml").read_text()):
-        block = next((t for t in play.get("tasks", []) if t.get("name") == "Apply the candidate"), None)
+        block = next(
+            (t for t in items(with_imports(play).get("tasks")) if t.get("name") == "Apply the candidate"), None
+        )
         if play.get("hosts") == "spark" and block:
             tasks = [
                 _skip(t) if "ansible.builtin.import_role" in t else t

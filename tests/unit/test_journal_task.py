@@ -56,7 +56,13 @@ def test_every_call_names_op_and_step():
     # promote's own steps (applied per host, failed), the package record and deploy's finish
     files = {name for name, _ in calls}
     change = {f"roles/change/tasks/{step}.yml" for step in ("begin", "apply", "finish")}
-    others = {"playbooks/promote.yml", "playbooks/promotion_record.yml", "roles/deploy/tasks/finish.yml"}
+    others = {
+        "roles/promote/tasks/offload.yml",
+        "roles/promote/tasks/spark.yml",
+        "roles/promotion/tasks/revert.yml",
+        "roles/promotion/tasks/record_store.yml",
+        "roles/deploy/tasks/finish.yml",
+    }
     assert change | others <= files, files
     for name, t in calls:
         assert t["ansible.builtin.include_role"]["name"] == "promotion", name

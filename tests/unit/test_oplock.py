@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from dsv41.promotion import oplock
+from yamltree import with_imports
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -169,7 +170,7 @@ def _plays(path: Path, when: str | None = None):
         if imp:
             yield from _plays((path.parent / imp).resolve(), item.get("when", when))
         else:
-            yield item, when
+            yield with_imports(item), when
 
 
 def _includes(play, tasks_from: str) -> list[dict]:

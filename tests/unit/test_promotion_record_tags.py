@@ -18,8 +18,10 @@ import yaml
 from ansible.parsing.dataloader import DataLoader
 from ansible.playbook.taggable import Taggable
 
+from yamltree import with_imports
+
 REPO = Path(__file__).resolve().parents[2]
-PLAYS = yaml.safe_load((REPO / "playbooks" / "promotion_record.yml").read_text())
+PLAYS = [with_imports(p) for p in yaml.safe_load((REPO / "playbooks" / "promotion_record.yml").read_text())]
 
 
 def _tasks(tasks, inherited=()):
@@ -82,7 +84,7 @@ def test_an_always_include_applies_always_to_what_it_includes(playbook):
     """promotion_current.yml read each host's managed files through the same kind of include:
     under promote.yml/rollback.yml --tags its included tasks would have been skipped too."""
     plays = yaml.safe_load((REPO / "playbooks" / playbook).read_text())
-    for play in plays:
+    for play in map(with_imports, plays):
         for task, tags in _tasks(play.get("tasks", []), play.get("tags", [])):
             applied = task.get("ansible.builtin.include_role", {}).get("apply", {}).get("tags")
             if "always" in tags and applied is not None:

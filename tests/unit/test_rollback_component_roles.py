@@ -23,6 +23,7 @@ from dsv41 import envs
 from dsv41.envs import parse_env_text
 from dsv41.harness import components as C
 from dsv41.overlay import settings as S
+from yamltree import items, with_imports
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -34,7 +35,7 @@ def switch_vars() -> dict[str, dict]:
     """{component: the variables the playbook sets for it}: the module's map, after checking that the
     playbook's only set_fact pre_task applies what the name check returned."""
     plays = yaml.safe_load((REPO / "playbooks" / "rollback_component.yml").read_text())
-    pre = [t for play in plays for t in play.get("pre_tasks", [])]
+    pre = [t for play in plays for t in items(with_imports(play).get("pre_tasks")) if "block" not in t]
     assert len(pre) == 1 and "rollback_component_known.role_vars" in pre[0]["loop"], pre
     return C.ROLE_VARS
 
