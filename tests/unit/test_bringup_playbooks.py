@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from dsv41.promotion import bringup
+from yamltree import imported
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGE_FILES = {
@@ -27,20 +28,11 @@ STAGE_FILES = {
 
 
 def _expand(ts: list[dict] | None) -> list[dict]:
-    """A task list with each static ``import_role`` replaced by its task file (a play's body lives in
-    roles/bringup), blocks walked; include_role (dynamic) stays a task."""
+    """A task list with each static import replaced by its file's tasks in place (yamltree.imported,
+    its blocks opened), so a play's first task is the first task it runs; include_role stays a task."""
     out = []
-    for t in ts or []:
-        imp = t.get("ansible.builtin.import_role")
-        if imp:
-            path = ROOT / "roles" / imp["name"] / "tasks" / f"{imp.get('tasks_from', 'main')}.yml"
-            out += _expand(yaml.safe_load(path.read_text()))
-            continue
-        t = dict(t)
-        for k in ("block", "rescue", "always"):
-            if k in t:
-                t[k] = _expand(t[k])
-        out.append(t)
+    for t in imported(ts):
+        out += _expand(t["block"]) if "imported_from" in t else [t]
     return out
 
 

@@ -145,21 +145,11 @@ def test_the_command_refuses_a_second_operation_in_one_line(tmp_path):
 
 
 def _tasks(tasks):
-    """Every task, blocks opened and static imports (import_role, a role's import_tasks) expanded."""
+    """Every task, blocks opened (the plays come through yamltree.with_imports: imports expanded)."""
     for t in tasks or []:
         yield t
         for key in ("block", "rescue", "always"):
             yield from _tasks(t.get(key))
-        imp = t.get("ansible.builtin.import_role")
-        if imp:
-            yield from _role_tasks(imp["name"], imp.get("tasks_from", "main"))
-
-
-def _role_tasks(role: str, entry: str):
-    for t in _tasks(yaml.safe_load((REPO / "roles" / role / "tasks" / f"{entry}.yml").read_text())):
-        yield t
-        if t.get("ansible.builtin.import_tasks"):
-            yield from _role_tasks(role, t["ansible.builtin.import_tasks"].removesuffix(".yml"))
 
 
 def _plays(path: Path, when: str | None = None):

@@ -44,23 +44,32 @@ def items(node):
             yield from items(node.get(k))
 
 
-def imported(tasks):
+def imported(tasks, role: str | None = None):
     """A task list as Ansible loads it: each static ``import_role`` with ``tasks_from`` (the plays'
-    bodies live in role entry points) replaced by a block of that task file's tasks carrying the
-    import's own keywords (name, tags, when), blocks walked. A test that reads a play's tasks reads
-    them through this, so moving a body into a role does not change what it checks."""
+    bodies live in role entry points; a role's ``main`` applied whole stays a task) and, inside a role's file, each ``import_tasks`` of a
+    sibling file, replaced by a block of that file's tasks carrying the import's own keywords (name,
+    tags, when; marked ``imported_from``: the file), blocks walked; include_role (dynamic) stays a task. ``role``: the role whose task
+    file ``tasks`` came from (None for a play). A test that reads a play's tasks reads them through
+    this, so moving a body into a role does not change what it checks."""
     out = []
     for t in tasks or []:
-        imp = t.get("ansible.builtin.import_role") if isinstance(t, dict) else None
-        if isinstance(imp, dict) and imp.get("tasks_from"):
-            body = yaml.safe_load((REPO / "roles" / imp["name"] / "tasks" / f"{imp['tasks_from']}.yml").read_text())
-            block = {k: v for k, v in t.items() if k != "ansible.builtin.import_role"}
-            block["block"] = imported(body)
-            out.append(block)
-        elif isinstance(t, dict):
-            out.append({k: imported(v) if k in ("block", "rescue", "always") else v for k, v in t.items()})
-        else:
+        if not isinstance(t, dict):
             out.append(t)
+            continue
+        imp = t.get("ansible.builtin.import_role")
+        sub = t.get("ansible.builtin.import_tasks")
+        if isinstance(imp, dict) and imp.get("tasks_from"):
+            name, entry = imp["name"], imp["tasks_from"]
+        elif isinstance(sub, str) and role is not None:
+            name, entry = role, sub.removesuffix(".yml")
+        else:
+            out.append({k: imported(v, role) if k in ("block", "rescue", "always") else v for k, v in t.items()})
+            continue
+        body = yaml.safe_load((REPO / "roles" / name / "tasks" / f"{entry}.yml").read_text())
+        block = {k: v for k, v in t.items() if k not in ("ansible.builtin.import_role", "ansible.builtin.import_tasks")}
+        block["block"] = imported(body, name)
+        block["imported_from"] = f"roles/{name}/tasks/{entry}.yml"  # not an Ansible keyword: the tests' mark
+        out.append(block)
     return out
 
 
