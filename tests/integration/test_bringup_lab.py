@@ -35,6 +35,17 @@ def _changed(stdout: str, host: str) -> int:
     return int(m.group(1))
 
 
+def _changed_tasks(stdout: str, host: str) -> list[str]:
+    """The TASK headers under which ``host`` reported ``changed`` (what a non-idempotent run changed)."""
+    out, task = [], ""
+    for line in stdout.splitlines():
+        if line.startswith("TASK ["):
+            task = line
+        elif line.startswith(f"changed: [{host}"):
+            out.append(task)
+    return out
+
+
 def test_bringup_from_a_deployed_lab_reaches_async_then_deploy_changes_nothing(deployed_lab):
     # the window needs a candidate: without one the bring-up stops before it, naming it
     r = play("bringup.yml", "-e", "bringup_restart=true", timeout=3600)
@@ -74,4 +85,5 @@ def test_bringup_from_a_deployed_lab_reaches_async_then_deploy_changes_nothing(d
 
     d = play("deploy.yml", "--tags", "engram_overlay,spec_decode,serve", timeout=1800)
     assert d.returncode == 0, d.stdout[-6000:]
-    assert _changed(d.stdout, "sparkhead") == 0 and _changed(d.stdout, "sparkworker") == 0
+    for host in ("sparkhead", "sparkworker"):
+        assert _changed(d.stdout, host) == 0, (host, _changed_tasks(d.stdout, host))
