@@ -35,6 +35,7 @@ DERIVED = (
     "dsv41_fabric_link",
     "dsv41_transport",
     "dsv41_transport_listeners",
+    "dsv41_api_key_file_active",
 )
 
 #: Files being rewritten by the change-layer work, allowed until the change-layer merge: the
@@ -55,6 +56,8 @@ _LINKS = (
 )
 #: The API URL built from a management address and the API port (the definition's own recipe).
 _API_URL = re.compile(r"dsv41_mgmt_address.*dsv41_api_port|dsv41_api_port.*dsv41_mgmt_address")
+#: The clients' key file chosen from the key switch (the definition's own recipe).
+_API_KEY = re.compile(r"dsv41_api_key_file\s+if\s+dsv41_api_key_enabled")
 #: A role's own name for another rank 0 / API URL / link fact.
 _RESTATE_KEY = re.compile(r"^\s*(?!dsv41_)[a-z][a-z0-9_]*_(rank0_host|api_url|offload_link|fabric_link)\s*:")
 
@@ -118,6 +121,8 @@ def violations(path: Path, literals: dict[str, str]) -> list[str]:
             )
         if _API_URL.search(line):
             found.append(f"{where}: builds rank 0's API URL (use dsv41_api_url)")
+        if _API_KEY.search(line):
+            found.append(f"{where}: chooses the clients' API key file (use dsv41_api_key_file_active)")
         for name in (*DERIVED, *literals.values()):
             if re.match(rf"\s*{name}\s*:", line):
                 found.append(f"{where}: defines {name} again (roles/dsv41/defaults/main.yml defines it)")
@@ -169,6 +174,7 @@ def test_no_derived_fact_is_computed_outside_the_defaults_role() -> None:
         ("x: \"{{ (dsv41_links | selectattr('purpose', 'equalto', 'offload') | first).name }}\"", "by purpose"),
         ("x: \"http://{{ hostvars['sparkhead'].dsv41_mgmt_address }}:{{ dsv41_api_port }}\"", "API URL"),
         ("dsv41_api_url: http://h:8000", "defines dsv41_api_url"),
+        ("    DSV41_API_KEY_FILE: \"{{ dsv41_api_key_file if dsv41_api_key_enabled | bool else '' }}\"", "API key file"),
         ("window_serve_service: dsv41-serve", "restates"),
         ('drafter_worker_rank0_host: "{{ x }}"', "restates a derived fact"),
         ("    dsv41_service_control_names: [dsv41-drafter]", "unit name dsv41-drafter"),
