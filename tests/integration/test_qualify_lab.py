@@ -89,7 +89,9 @@ def test_qualify_passes_on_the_lab_and_changes_nothing(deployed_lab, tmp_path):
         summary.startswith(f"# Qualification {rep['id']}: PASS")
         and "| transport.latency_p99[ofl0] | sparkhead | pass |" in summary
     )
-    assert f"# Qualification {rep['id']}: PASS" in r.stdout.split("TASK [qualify : Summary]")[-1]  # printed by the playbook too
+    assert (
+        f"# Qualification {rep['id']}: PASS" in r.stdout.split("TASK [qualify : Summary]")[-1]
+    )  # printed by the playbook too
 
     chk, crep = _qualify(tmp_path / "c", "--check")
     assert chk.returncode == 0, chk.stdout[-5000:]

@@ -174,7 +174,10 @@ def test_no_derived_fact_is_computed_outside_the_defaults_role() -> None:
         ("x: \"{{ (dsv41_links | selectattr('purpose', 'equalto', 'offload') | first).name }}\"", "by purpose"),
         ("x: \"http://{{ hostvars['sparkhead'].dsv41_mgmt_address }}:{{ dsv41_api_port }}\"", "API URL"),
         ("dsv41_api_url: http://h:8000", "defines dsv41_api_url"),
-        ("    DSV41_API_KEY_FILE: \"{{ dsv41_api_key_file if dsv41_api_key_enabled | bool else '' }}\"", "API key file"),
+        (
+            "    DSV41_API_KEY_FILE: \"{{ dsv41_api_key_file if dsv41_api_key_enabled | bool else '' }}\"",
+            "API key file",
+        ),
         ("window_serve_service: dsv41-serve", "restates"),
         ('drafter_worker_rank0_host: "{{ x }}"', "restates a derived fact"),
         ("    dsv41_service_control_names: [dsv41-drafter]", "unit name dsv41-drafter"),
