@@ -6,10 +6,12 @@ engine's critical path. The published system's step 5 requires "successful memor
 (docs/seed-requirements.md, DEP-memlock: stack-overview "Deploy" 5), so the proxy locks everything it has mapped and
 will map (``mlockall(MCL_CURRENT | MCL_FUTURE)``: its interpreter, its heap and the ring's mapping)
 and publishes the result in the ring's host flags, where the engine exports it as the gauge
-``dsv41_drafter_proxy_memlock`` and the bring-up's async gate reads it.
+``dsv41_drafter_proxy_memlock``; ``dsv41 proxy self-test`` probes the same lock where the proxy
+runs, and the bring-up's async gate reads that report.
 
 Locking needs ``CAP_IPC_LOCK`` or an ``RLIMIT_MEMLOCK`` at least the process's mapped size: the
-serving container gets ``--ulimit memlock=-1:-1`` (roles/serve) wherever async drafting is on.
+serving container gets ``--cap-add IPC_LOCK`` (roles/serve ``serve_proxy_memlock``) wherever the
+proxy locks.
 A refusal is reported with the limit that refused it; the proxy keeps serving (unlocked rounds
 are slower, never wrong), and the checks that require locking fail on the report.
 """
@@ -61,6 +63,10 @@ class MemlockReport:
         return d
 
 
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+
+
 def _limit(v: int) -> int:
     return -1 if v == resource.RLIM_INFINITY else int(v)
 
@@ -90,8 +96,7 @@ def lock_all() -> MemlockReport:
     """
     soft, hard = (_limit(v) for v in resource.getrlimit(resource.RLIMIT_MEMLOCK))
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.mlockall
+        fn = _libc().mlockall
     except (OSError, AttributeError) as exc:
         return MemlockReport(MemlockState.REFUSED, f"mlockall unavailable: {exc}", locked_kib(), soft, hard)
     fn.argtypes = [ctypes.c_int]
@@ -110,7 +115,6 @@ def lock_all() -> MemlockReport:
 def unlock_all() -> None:
     """``munlockall()``: undo :func:`lock_all` (the self-test's probe); errors ignored."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        libc.munlockall()
+        _libc().munlockall()
     except (OSError, AttributeError):
         pass
