@@ -133,8 +133,10 @@ def _record(module, p):
         with open(p["refs_path"], "rb") as fh:
             refs = fh.read()
     doc, blobs = pkg.build(hosts, p["provenance"] or {}, refs)
-    # a window's snapshot of an undrifted production is production's package (no new one appears)
-    same = pkg.same_production(p["root"], doc) if doc["provenance"]["op"] == "window" else None
+    # a window's snapshot, or a deploy, of an undrifted production is production's package: no new
+    # one appears that differs only in provenance (a deploy after a bring-up or a promotion whose
+    # result the inventory now holds changes nothing)
+    same = pkg.same_production(p["root"], doc) if doc["provenance"]["op"] in ("window", "deploy") else None
     if same is not None:
         return dict(changed=False, id=same, package=pkg.load(p["root"], same), verified=pkg.verify(p["root"], same))
     pid = pkg.package_id(doc)

@@ -6,11 +6,14 @@ vLLM lab"): the lab's vLLM image, TP2 across the two nspawn Sparks (rank 1 headl
 site built inside the image, the fence middleware on rank 0. Runs after every other shared-lab
 test (conftest's order: ``vllm_lab`` last), because it leaves the lab serving vLLM; the next
 ``deployed_lab`` user (none in one session) would re-deploy the stand-in engine. The first deploy,
-status and the fenced HOLD run in make test; the idempotent re-run under make lab-long.
+status and the fenced HOLD run in make test; under make lab-long: the idempotent re-run, windows
+comparing vLLM argument sets (an A/A and ``--max-num-seqs``), promote.yml and rollback.yml of a
+vLLM serving argument, qualify.yml and monitoring.yml, each on real vLLM.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import subprocess
@@ -21,6 +24,7 @@ import httpx
 import pytest
 
 from labutil import API, BIN, ROOT, admission_state, env, inside, needs_lab, play, refused_without_credential
+from promotionutil import assert_verified_production, listing, production
 
 pytestmark = [needs_lab, pytest.mark.lab, pytest.mark.slow]
 
@@ -163,3 +167,206 @@ def test_deploy_again_changes_nothing(vllm_lab):
     changed = _recap_changed(r.stdout)
     assert changed and not any(changed.values()), changed
     print(f"\n[vllm lab] deploy.yml again: {time.monotonic() - t0:.1f} s, changed=0 on every host")
+
+
+VLLM_SPEC = str(ROOT / "candidates" / "specs" / "vllm-lab-window.json")
+UNIT = "/etc/systemd/system/dsv41-serve.service"
+
+
+def _launch_pairs(host: str) -> set[tuple[str, str]]:
+    """Adjacent word pairs of ``host``'s serving unit (its `vllm serve` launch line)."""
+    words = inside(host, "cat", UNIT).stdout.split()
+    return set(zip(words, words[1:], strict=False))
+
+
+class LaunchLineWatch(threading.Thread):
+    """Polls both Sparks' serving units every ``every_s`` seconds while a play runs; ``seen``: the
+    ``--max-num-seqs`` values either unit carried."""
+
+    def __init__(self, every_s: float = 3.0) -> None:
+        super().__init__(daemon=True)
+        self.every_s, self.seen, self.stop = every_s, set(), threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            for host in ("sparkhead", "sparkworker"):
+                try:
+                    self.seen |= {b for a, b in _launch_pairs(host) if a == "--max-num-seqs"}
+                except (OSError, subprocess.SubprocessError):
+                    pass
+            self.stop.wait(self.every_s)
+
+
+@pytest.mark.lab_long
+def test_windows_compare_vllm_argument_sets_and_restore_production(vllm_lab, tmp_path):
+    """One HOLD, two windows on real vLLM: an A/A (no switch) and ``vllm-seqs`` (``--max-num-seqs
+    2`` against the inventory's 4: every switch re-renders both ranks' launch line and restarts the
+    pair). Both decided; production restored byte for byte (sha256 of every managed file), the
+    same package, admission open, both units back on production's launch line."""
+    p0, before = production(), listing()
+    assert ("--max-num-seqs", "4") in _launch_pairs("sparkhead")
+    wdir = tmp_path / "windows"
+    watch = LaunchLineWatch()
+    watch.start()
+    t0 = time.monotonic()
+    try:
+        r = play(
+            *INVENTORY,
+            "window.yml",
+            "-e",
+            "candidates=aa,vllm-seqs",
+            "-e",
+            f"window_spec={VLLM_SPEC}",
+            "-e",
+            f"windows_dir={wdir}",
+            timeout=3000,
+        )
+    finally:
+        watch.stop.set()
+        watch.join(30)
+    print(f"\n[vllm lab] window.yml aa + vllm-seqs: {time.monotonic() - t0:.1f} s, rc {r.returncode}")
+    assert r.returncode == 0, r.stdout[-8000:] + _serve_errors()
+    decisions = {}
+    for path in sorted(wdir.rglob("decision.json")):
+        doc = json.loads(path.read_text())
+        d = doc["decision"]
+        decisions[doc["candidate"]] = d["verdict"]
+        print(f"[vllm lab] {path.parent.name}: {d['verdict']} effect {d.get('effect')} ({d.get('n_pairs')} pairs)")
+    # one stream's step time is not expected to move with --max-num-seqs; what is checked is two
+    # decided windows, the A/A finding nothing, and a candidate arm that really ran its launch line
+    assert sorted(decisions) == ["aa", "vllm-seqs"], decisions
+    assert all(v in ("NO-CHANGE", "UNRESOLVED", "WIN", "LOSS") for v in decisions.values()), decisions
+    assert decisions["aa"] in ("NO-CHANGE", "UNRESOLVED"), decisions
+    assert {"2", "4"} <= watch.seen, watch.seen
+    assert production() == p0 and listing() == before
+    assert ("--max-num-seqs", "4") in _launch_pairs("sparkhead") and ("--max-num-seqs", "4") in _launch_pairs(
+        "sparkworker"
+    )
+    assert admission_state() == "open" and _completion().status_code == 200
+
+
+@pytest.mark.lab_long
+def test_promote_a_vllm_argument_then_roll_back_exactly(vllm_lab):
+    """promote.yml of ``vllm-seqs`` (forced, with a reason: recorded in the package) restarts both
+    ranks with ``--max-num-seqs 2``, verified; rollback.yml returns the previous package with
+    every managed file byte-identical. On the stand-in engine the same candidate is refused
+    before anything changes (tests/unit: check_runtime)."""
+    p0, before = production(), listing()
+    t0 = time.monotonic()
+    r = play(
+        *INVENTORY,
+        "promote.yml",
+        "-e",
+        "candidate=vllm-seqs",
+        "-e",
+        "force=true",
+        "-e",
+        "reason=vllm-lab-promotion-test",
+        timeout=1800,
+    )
+    print(f"\n[vllm lab] promote.yml vllm-seqs: {time.monotonic() - t0:.1f} s, rc {r.returncode}")
+    assert r.returncode == 0, r.stdout[-8000:] + _serve_errors()
+    p1 = assert_verified_production()
+    assert p1 != p0
+    for host in ("sparkhead", "sparkworker"):
+        assert ("--max-num-seqs", "2") in _launch_pairs(host), host
+    assert _completion().status_code == 200
+    t0 = time.monotonic()
+    r = play(*INVENTORY, "rollback.yml", "-e", "rollback_confirmation=yes", timeout=1800)
+    print(f"[vllm lab] rollback.yml: {time.monotonic() - t0:.1f} s, rc {r.returncode}")
+    assert r.returncode == 0, r.stdout[-8000:] + _serve_errors()
+    assert assert_verified_production() == p0 and listing() == before
+    assert admission_state() == "open" and _completion().status_code == 200
+
+
+@pytest.mark.lab_long
+def test_qualify_passes_on_real_vllm(vllm_lab, tmp_path):
+    """qualify.yml on the vLLM lab: PASS, every check group reported, the serving checks read
+    each rank's overlay metrics endpoint and the greedy references through real vLLM; nothing
+    changes on any host."""
+    t0 = time.monotonic()
+    r = play(*INVENTORY, "qualify.yml", "-e", f"qualify_dir={tmp_path}", timeout=1800)
+    print(f"\n[vllm lab] qualify.yml: {time.monotonic() - t0:.1f} s, rc {r.returncode}")
+    reports = sorted(tmp_path.glob("*/report.json"))
+    assert reports, r.stdout[-6000:]
+    rep = json.loads(reports[-1].read_text())
+    for c in rep["checks"]:
+        if c["group"] == "serving" or c["status"] != "pass":
+            print(f"[vllm lab] {c['id']} @{c['host']}: {c['status']} {c.get('value') or c.get('reason') or ''}")
+    assert r.returncode == 0 and rep["result"] == "PASS", (rep["failed"], r.stdout[-6000:])
+    ids = {(c["id"], c["host"]): c for c in rep["checks"]}
+    assert ids[("serving.greedy_refs", "localhost")]["value"] == "6/6"
+    for rank in ("0", "1"):
+        assert ids[(f"serving.counters[rank {rank}]", "localhost")]["status"] == "pass"
+    for c in rep["checks"]:
+        assert c["status"] in ("pass", "skipped") and (c["status"] == "pass" or c["reason"]), c
+    changed = _recap_changed(r.stdout)
+    assert changed and not any(changed.values()), changed
+
+
+#: In the stock stage nothing drafts (remote drafting off, no speculator in vLLM's launch line):
+#: panels on these metrics have no series by design; every other panel must return data.
+STOCK_STAGE_SILENT = ("vllm:spec_decode_", "dsv41_drafter_")
+
+
+@pytest.mark.lab_long
+def test_monitoring_on_real_vllm(vllm_lab):
+    """monitoring.yml on the vLLM lab: every scrape target up (rank 0's API and each rank's
+    overlay metrics endpoint among them), no dsv41 alert pending or firing on the healthy stock
+    stage under traffic, and every dashboard panel meaningful for it (all but drafting's) returns
+    data from real vLLM and the overlay."""
+    import httpx as hx
+
+    from dsv41.monitoring import dashboard as D
+
+    prom = "http://198.18.0.13:9090"
+
+    def query(expr: str) -> list[dict]:
+        r = hx.get(f"{prom}/api/v1/query", params={"query": expr}, timeout=30, trust_env=False)
+        r.raise_for_status()
+        return r.json()["data"]["result"]
+
+    t0 = time.monotonic()
+    r = play(*INVENTORY, "monitoring.yml", timeout=1200)
+    print(f"\n[vllm lab] monitoring.yml: {time.monotonic() - t0:.1f} s, rc {r.returncode}")
+    assert r.returncode == 0, r.stdout[-6000:]
+    stop = threading.Event()
+    sent = []
+
+    def traffic() -> None:
+        while not stop.is_set():
+            try:
+                sent.append(_completion(timeout=60).status_code)
+            except hx.HTTPError:
+                sent.append(0)
+
+    t = threading.Thread(target=traffic, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            targets = hx.get(f"{prom}/api/v1/targets", timeout=30, trust_env=False).json()["data"]["activeTargets"]
+            down = [(tg["labels"]["job"], tg["scrapeUrl"], tg["lastError"]) for tg in targets if tg["health"] != "up"]
+            if (targets and not down) or time.monotonic() > deadline:
+                break
+            time.sleep(5)
+        assert targets and not down, down
+        jobs = {tg["labels"]["job"] for tg in targets}
+        print(f"[vllm lab] scrape jobs: {sorted(jobs)}")
+        assert {"dsv41-api", "dsv41-overlay", "dsv41-table-server", "dsv41-ops", "node"} <= jobs, jobs
+        overlay_ranks = sorted(s["metric"].get("rank") for s in query('dsv41_overlay_state{job="dsv41-overlay"}'))
+        time.sleep(70)  # a full lab rate interval of samples under traffic
+        alerts = query('ALERTS{alertname=~"Dsv41.*"}')
+        empty, silent = [], []
+        for title, expr in D.expressions():
+            if query(expr.replace("$__rate_interval", D.LAB_RATE_INTERVAL)):
+                continue
+            (silent if any(m in expr for m in STOCK_STAGE_SILENT) else empty).append((title, expr))
+    finally:
+        stop.set()
+        t.join(90)
+    print(f"[vllm lab] {len(sent)} completions under traffic; panels silent by stage: {[s for s, _ in silent]}")
+    assert sent and sent.count(200) == len(sent), sent[-10:]
+    assert overlay_ranks == ["0", "1"], overlay_ranks
+    assert alerts == [], [a["metric"] for a in alerts]
+    assert not empty, empty

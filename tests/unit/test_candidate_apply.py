@@ -182,6 +182,15 @@ ARMS = {
     "control": {},  # production's control arm: `dsv41 window plan` gives it no variable
     "slow-rows": W.role_vars(W.load_candidate("slow-rows", REPO / "candidates")),
     "k3": {"spec_decode_k": 3, "spec_decode_timeout_ms": 50},
+    "vllm-seqs": W.role_vars(W.load_candidate("vllm-seqs", REPO / "candidates")),
+    # every vLLM serving argument a candidate may set, with the JSON types its schema admits
+    "vllm-all": {
+        "serve_vllm_max_model_len": 8192,
+        "serve_vllm_max_num_seqs": 8,
+        "serve_vllm_kv_cache_gib": 2.5,
+        "serve_vllm_gpu_memory_utilization": 0.8,
+        "serve_vllm_max_num_queued_reqs": 16,
+    },
 }
 
 
@@ -312,6 +321,30 @@ def test_k_candidate_reaches_drafter_env_and_vllm_speculative_config(rendered):
     )
     assert _differing(got["production"], got["k3"]) == expect
     assert "DSV41_DRAFTER_K=3" in got["k3"]["sparkhead.drafter.env"].replace('"', "")
+
+
+def test_vllm_candidates_change_exactly_the_launch_lines(rendered):
+    """Under vLLM (production's inventory) a serving-argument candidate changes both ranks' unit
+    (their launch line) and nothing else; under the stand-in engine (the lab's) the plan refuses it
+    (window_plan's check_runtime) and nothing renders differently."""
+    inv, got = rendered
+    for arm in ("vllm-seqs", "vllm-all"):
+        expect = [f"{h}.service.unit" for h in HOSTS["spark"]] if inv == "production" else []
+        assert _differing(got["production"], got[arm]) == expect, arm
+    if inv == "production":
+        for host in HOSTS["spark"]:
+            words = got["vllm-seqs"][f"{host}.service.unit"].split()
+            assert ("--max-num-seqs", "2") in set(zip(words, words[1:], strict=False))
+            words = got["vllm-all"][f"{host}.service.unit"].split()
+            pairs = set(zip(words, words[1:], strict=False))
+            for flag in (
+                ("--max-model-len", "8192"),
+                ("--max-num-seqs", "8"),
+                ("--kv-cache-memory-bytes", "2684354560"),
+                ("--gpu-memory-utilization", "0.8"),
+                ("--max-num-queued-reqs", "16"),
+            ):
+                assert flag in pairs, (host, flag)
 
 
 def test_the_settable_variables_are_the_candidate_role_map_and_the_fault_drill():

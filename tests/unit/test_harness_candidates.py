@@ -121,3 +121,34 @@ def test_cli_candidate(tmp_path, capsys):
     assert main(["window", "candidate", "nope", "--root", REPO_CANDIDATES]) == 1
     err = capsys.readouterr().err
     assert "unknown candidate" in err and len(err.strip().splitlines()) == 1
+
+
+def test_vllm_serving_arguments_are_typed_and_only_for_vllm(tmp_path, capsys):
+    """``roles.serve.vllm_*`` set the serving role's ``serve_vllm_*`` (the unit's launch line);
+    out-of-range values and unknown flags are schema refusals; a candidate that sets them for
+    Sparks that serve the stand-in engine is refused, as is an unknown runtime."""
+    doc = candidates.load_candidate("vllm-seqs", REPO_CANDIDATES)
+    assert candidates.role_vars(doc) == {"serve_vllm_max_num_seqs": 2}
+    candidates.check_runtime(doc, "vllm")
+    with pytest.raises(CandidateError, match=r"vllm_max_num_seqs\) but the Sparks serve with dsv41_serve_runtime=lab"):
+        candidates.check_runtime(doc, "lab")
+    with pytest.raises(CandidateError, match="serve runtime must be one of vllm, lab"):
+        candidates.check_runtime(doc, "sglang")
+    candidates.check_runtime(candidates.load_candidate("slow-rows", REPO_CANDIDATES), "lab")  # env: any runtime
+    for body, where in [
+        ("vllm_max_num_seqs: 0", "roles/serve/vllm_max_num_seqs"),
+        ("vllm_max_num_seqs: '2'", "roles/serve/vllm_max_num_seqs"),
+        ("vllm_gpu_memory_utilization: 1.5", "roles/serve/vllm_gpu_memory_utilization"),
+        ("vllm_kv_cache_gib: 0", "roles/serve/vllm_kv_cache_gib"),
+        ("vllm_trust_remote_code: true", "roles/serve"),
+    ]:
+        _cand(tmp_path, "v", BASE.format(n="v") + f"roles:\n  serve:\n    {body}\n")
+        with pytest.raises(CandidateError, match=f"schema at {where}"):
+            candidates.load_candidate("v", tmp_path)
+    from dsv41.cli import main
+
+    assert main(["window", "candidate", "vllm-seqs", "--root", REPO_CANDIDATES, "--serve-runtime", "vllm"]) == 0
+    capsys.readouterr()
+    assert main(["window", "candidate", "vllm-seqs", "--root", REPO_CANDIDATES, "--serve-runtime", "lab"]) == 1
+    err = capsys.readouterr().err
+    assert "nothing would change" in err and len(err.strip().splitlines()) == 1

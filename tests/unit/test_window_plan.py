@@ -290,3 +290,21 @@ def test_fault_trigger_keeps_its_output_and_says_when_it_did_not_strike(tmp_path
     never.join(0.5)
     assert never.failure() == "fault drill never triggered: the window ended after 1 cell(s), the fault was due after 3"
     assert never.record()["triggered"] is False
+
+
+def test_vllm_arguments_switch_serve_and_are_refused_on_the_stand_in(tmp_path, capsys):
+    """A window on vLLM serving arguments re-applies serve only; under the stand-in engine
+    (``--serve-runtime lab``) it is refused before any HOLD, as candidate or as control."""
+    (w,) = window_plan.plan(["vllm-seqs"], root=CANDS, windows_dir=str(tmp_path), serve_runtime="vllm")["windows"]
+    assert w["roles"] == ["serve"] and w["switch_roles"] == ["serve"]
+    assert w["arms"] == {"control": {}, "candidate": {"serve_vllm_max_num_seqs": 2}}
+    for names, control in ((["vllm-seqs"], "production"), (["aa"], "vllm-seqs")):
+        with pytest.raises(WindowError, match="dsv41_serve_runtime=lab: nothing would change"):
+            window_plan.plan(names, control=control, root=CANDS, windows_dir=str(tmp_path), serve_runtime="lab")
+    from dsv41.cli import main
+
+    argv = ["window", "plan", "--candidates", "vllm-seqs", "--root", CANDS, "--windows-dir", str(tmp_path)]
+    assert main([*argv, "--serve-runtime", "lab"]) == 1
+    err = capsys.readouterr().err
+    assert "nothing would change" in err and len(err.strip().splitlines()) == 1
+    assert main([*argv, "--serve-runtime", "vllm"]) == 0

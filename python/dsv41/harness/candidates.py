@@ -31,7 +31,16 @@ ROLE_VARS = {
     ("spec_decode", "async"): "spec_decode_async",
     ("spec_decode", "k"): "spec_decode_k",
     ("spec_decode", "timeout_ms"): "spec_decode_timeout_ms",
+    # `vllm serve`'s arguments (roles/serve vars serve_vllm_config_args): the unit's launch line
+    ("serve", "vllm_max_model_len"): "serve_vllm_max_model_len",
+    ("serve", "vllm_max_num_seqs"): "serve_vllm_max_num_seqs",
+    ("serve", "vllm_kv_cache_gib"): "serve_vllm_kv_cache_gib",
+    ("serve", "vllm_gpu_memory_utilization"): "serve_vllm_gpu_memory_utilization",
+    ("serve", "vllm_max_num_queued_reqs"): "serve_vllm_max_num_queued_reqs",
 }
+#: The serving runtimes (roles/dsv41 ``dsv41_serve_runtime``): only ``vllm`` reads the
+#: ``vllm_*`` serving arguments; the stand-in engine (``lab``) has no such flags.
+SERVE_RUNTIMES = ("vllm", "lab")
 #: Variables the roles derive from production's own files (digests, paths): a candidate that set
 #: them would change what production's inputs are said to be, not a setting; refused.
 DERIVED_ENV = frozenset(
@@ -171,6 +180,21 @@ def check_restorable(doc: dict) -> None:
                     f"candidate {doc['name']!r}: {role} env {name} is derived by the role from "
                     f"production's files; a window may not set it"
                 )
+
+
+def check_runtime(doc: dict, serve_runtime: str) -> None:
+    """Raise CandidateError when a candidate sets vLLM serving arguments (``roles.serve.vllm_*``)
+    for Sparks that do not serve vLLM: under the stand-in engine nothing would change, and a
+    window would report an A/A as the candidate's effect. ``serve_runtime``: ``vllm`` or ``lab``
+    (:data:`SERVE_RUNTIMES`, the inventory's ``dsv41_serve_runtime``); another value is refused."""
+    if serve_runtime not in SERVE_RUNTIMES:
+        raise CandidateError(f"serve runtime must be one of {', '.join(SERVE_RUNTIMES)}, not {serve_runtime!r}")
+    vllm = sorted(k for k in (doc.get("roles", {}).get("serve") or {}) if k.startswith("vllm_"))
+    if vllm and serve_runtime != "vllm":
+        raise CandidateError(
+            f"candidate {doc['name']!r} sets vLLM serving arguments ({', '.join(vllm)}) but the Sparks "
+            f"serve with dsv41_serve_runtime={serve_runtime}: nothing would change"
+        )
 
 
 def load_checked(name: str, root: str | os.PathLike = "candidates") -> dict:

@@ -158,11 +158,17 @@ def candidate(
     ),
     root: str = typer.Option("candidates", help="Directory of candidate files."),
     vars_out: str = typer.Option("", help="Write the arm's Ansible extra variables (JSON) here."),
+    serve_runtime: str = typer.Option(
+        "",
+        help="The Sparks' serving runtime (vllm or lab); refuses vLLM serving arguments elsewhere. Empty: not checked.",
+    ),
 ) -> None:
     """Validate a candidate and print it with its role variables as JSON; exit 1 when refused."""
     from dsv41.harness import candidates
 
     doc = candidates.load_candidate(name, root)
+    if serve_runtime:
+        candidates.check_runtime(doc, serve_runtime)
     rv = candidates.role_vars(doc)
     if vars_out:
         fileio.atomic_write_json(vars_out, rv, "window candidate --vars-out", error=win2.Win2Error)
@@ -331,13 +337,23 @@ def plan_cmd(
     root: str = typer.Option("candidates", help="Directory of candidate files."),
     windows_dir: str = typer.Option("windows", help="Where the cap state (questions.json) lives."),
     spec: str = typer.Option("", help="Workload spec for candidates that name none."),
+    serve_runtime: str = typer.Option(
+        "",
+        help="The Sparks' serving runtime (vllm or lab); refuses vLLM serving arguments elsewhere. Empty: not checked.",
+    ),
 ) -> None:
     """Check everything window.yml needs before a HOLD and print the plan as JSON; exit 1 with one
-    line when refused (unknown candidate, schema error, unrestorable delta, bad spec, cap)."""
+    line when refused (unknown candidate, schema error, unrestorable delta, bad spec, cap, vLLM
+    serving arguments for Sparks that do not serve vLLM)."""
     from dsv41.harness import window_plan
 
     doc = window_plan.plan(
-        window_plan.split_names(candidates), control or "production", root, windows_dir, spec or None
+        window_plan.split_names(candidates),
+        control or "production",
+        root,
+        windows_dir,
+        spec or None,
+        serve_runtime or None,
     )
     print(fileio.dumps_json(doc))
 

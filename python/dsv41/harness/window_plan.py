@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 
 from dsv41.harness import bench, win2_cap
-from dsv41.harness.candidates import load_checked, role_vars
+from dsv41.harness.candidates import check_runtime, load_checked, role_vars
 from dsv41.harness.window import WindowError
 
 #: The roles whose ``configure`` entry point a switch re-applies when a candidate sets that role's
@@ -49,22 +49,30 @@ def plan(
     root: str = "candidates",
     windows_dir: str = "windows",
     spec: str | None = None,
+    serve_runtime: str | None = None,
 ) -> dict:
     """The plan of one HOLD: ``{"control", "control_vars", "windows": [...]}``; one window per
     candidate, in order: ``{"candidate", "question", "kind", "metric", "min_effect", "spec",
     "window_number", "arms": {"control": vars, "candidate": vars}, "roles", "switch_roles"}``.
     ``roles``: the roles the two arms' settings differ in; ``switch_roles``: the roles whose
     ``configure`` a switch re-applies (:data:`SWITCH_ROLES`; empty: nothing differs, no switch). ``spec``: the candidate's, else ``spec``, else the default chain of
-    ``bench.load_spec``. Raises WindowError (or win2.Win2Error for the cap) before any HOLD."""
+    ``bench.load_spec``. ``serve_runtime``: the Sparks' runtime (``vllm`` or ``lab``); when given, a
+    candidate or control setting vLLM serving arguments for Sparks that do not serve vLLM is
+    refused (``candidates.check_runtime``). Raises WindowError (or win2.Win2Error for the cap)
+    before any HOLD."""
     if control != PRODUCTION and control in candidates:
         raise WindowError(f"{control!r} is both the control and a candidate")
     control_doc = None if control == PRODUCTION else load_checked(control, root)
+    if control_doc and serve_runtime is not None:
+        check_runtime(control_doc, serve_runtime)
     control_vars = role_vars(control_doc) if control_doc else {}
     if spec:
         bench.load_spec(spec)
     windows = []
     for name in candidates:
         doc = load_checked(name, root)
+        if serve_runtime is not None:
+            check_runtime(doc, serve_runtime)
         metric = doc["primary_metric"]
         nth = win2_cap.check_cap(windows_dir, name, metric)  # a third window is refused here
         cand_vars = role_vars(doc)

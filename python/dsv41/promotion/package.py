@@ -146,8 +146,9 @@ def same_production(root: str | os.PathLike, doc: dict) -> str | None:
     ``doc`` does (every host's files with sha256, size and mode, facts and services, and the greedy
     references); None when there is no parent or it differs.
 
-    A window's snapshot (provenance op ``window``) of an undrifted production is production's own
-    package: recording it must not create a second package that differs only in provenance.
+    A window's snapshot (provenance op ``window``) or a deploy (op ``deploy``) of an undrifted
+    production is production's own package: recording it must not create a second package that
+    differs only in provenance.
     Raises PackageError when the parent is named but unknown or malformed."""
     parent = (doc.get("provenance") or {}).get("parent")
     if not parent:

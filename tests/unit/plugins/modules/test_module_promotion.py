@@ -108,3 +108,23 @@ def test_journal_append_check_mode_and_decide(tmp_path, run_module):
     assert kind == "exit" and not res["changed"] and res["decision"]["action"] == "revert"
     kind, res = run_module(promotion_journal, {"action": "append", "path": j, "op": "o1", "step": "bogus"})
     assert kind == "fail" and "unknown journal step" in res["msg"]
+
+
+def test_a_deploy_of_an_unchanged_production_keeps_its_package(tmp_path, run_module):
+    """deploy.yml names the package production points at as the parent: the same files keep that
+    package (whatever recorded it: a bring-up stage, a promotion), changed files make a new one."""
+    staged = run_module(
+        promotion_package,
+        {
+            "action": "record",
+            "root": str(tmp_path),
+            "hosts": _hosts(),
+            "provenance": {"op": "deploy", "parent": None, "reason": "bring-up b1 stage async"},
+        },
+    )[1]
+    pid = staged["id"]
+    kind, same = _record(run_module, tmp_path, provenance={"op": "deploy", "parent": pid})
+    assert kind == "exit" and not same["changed"] and same["id"] == pid
+    kind, drifted = _record(run_module, tmp_path, text="A=2\n", provenance={"op": "deploy", "parent": pid})
+    assert kind == "exit" and drifted["changed"] and drifted["id"] != pid
+    assert drifted["package"]["provenance"]["parent"] == pid
