@@ -238,8 +238,38 @@ def test_async_stuck_proxy_detected(ddir, worker):
         os.kill(spec.proxy_pid, signal.SIGSTOP)  # alive but frozen: only the heartbeat shows it
         time.sleep(0.5)
         assert spec.propose(_inputs(1))[0].tokens.size == 0
+        assert spec.counters()["watchdog_fires"] == 0  # stale, not yet confirmed
+        time.sleep(AsyncSpeculator.STALE_CONFIRM_S + 0.05)
+        assert spec.propose(_inputs(1))[0].tokens.size == 0
         c = spec.counters()
         assert c["watchdog_fires"] == 1 and c["proxy_gave_up"] == 1 and spec.proc is None
+    finally:
+        spec.close()
+
+
+def test_a_host_stall_longer_than_the_watchdog_kills_no_healthy_proxy(ddir, worker):
+    """The whole host stalls (here: the proxy stopped and the engine not drafting) for longer than
+    the watchdog period, and the engine runs first when it ends: the proxy's heartbeat is stale
+    when the engine looks, though the proxy beats again as soon as it is scheduled. Confirming the
+    staleness over STALE_CONFIRM_S keeps that proxy; a stale heartbeat judged at once killed it."""
+    spec = AsyncSpeculator(
+        _url(worker), _expected(ddir), k=5, timeout_ms=2000, watchdog_ms=300, respawns=0, window_s=60, max_context=4
+    )
+    try:
+        assert spec.wait_ready(20)
+        pid = spec.proxy_pid
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.6)  # the stall: twice the watchdog period
+        os.kill(pid, signal.SIGCONT)
+        spec.propose(_inputs(1))  # the engine first, before the proxy has run
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            spec.propose(_inputs(1))
+            time.sleep(0.02)
+            if (time.monotonic_ns() - spec.ring.proxy_heartbeat) / 1e9 < 0.1 and spec._stale_since is None:  # noqa: SLF001
+                break
+        c = spec.counters()
+        assert c["watchdog_fires"] == 0 and spec.proxy_pid == pid and c["proxy_gave_up"] == 0
     finally:
         spec.close()
 

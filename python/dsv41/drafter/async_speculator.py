@@ -51,6 +51,8 @@ class AsyncSpeculator(SpeculatorBase):
     """
 
     TAIL = 16  # context tokens remembered per request to check that a reply still applies
+    #: seconds (monotonic) a stale proxy heartbeat must stay stale before the watchdog fires
+    STALE_CONFIRM_S = 0.25
 
     def __init__(
         self,
@@ -94,6 +96,8 @@ class AsyncSpeculator(SpeculatorBase):
         # timeout_ms and connects within 0.5 s): at least the watchdog period, at least 2 s
         self._inflight_limit_s = max(self.watchdog_s, 2.0, 20 * timeout_ms / 1000.0)
         self._ready: dict[str, _Ready] = {}
+        self._stale_since: float | None = None  # when the watchdog first saw this stale heartbeat
+        self._stale_hb = 0
         self._last_state_error = ""
         # propose (engine thread) and counters (metrics scrape thread) both touch the ring, and a
         # respawn replaces it: one lock keeps a scrape from reading a closed segment.
@@ -213,6 +217,17 @@ class AsyncSpeculator(SpeculatorBase):
             stuck = (time.monotonic_ns() - hb) / 1e9 > self.watchdog_s
         else:
             stuck = now - self.spawned_at > self.startup_grace_s
+        if stuck and not dead:
+            # A stale heartbeat is confirmed over STALE_CONFIRM_S of the engine's own time first:
+            # after the whole host stalled (CPU starvation, a VM pause) longer than the watchdog
+            # period, the engine may run before the proxy has been scheduled to beat again, and a
+            # healthy proxy would be killed. A frozen proxy is still replaced, that much later.
+            t = time.monotonic()
+            if self._stale_since is None or self._stale_hb != hb:
+                self._stale_since, self._stale_hb = t, hb
+            if t - self._stale_since < self.STALE_CONFIRM_S:
+                return True
+        self._stale_since = None
         if not (dead or stuck):
             return True
         return self._replace("exited" if dead else f"is stuck (heartbeat older than {self.watchdog_s:.1f} s)")
