@@ -182,8 +182,8 @@ ARMS = {
     "control": {},  # production's control arm: `dsv41 window plan` gives it no variable
     "slow-rows": W.role_vars(W.load_candidate("slow-rows", REPO / "candidates")),
     "k3": {"spec_decode_k": 3, "spec_decode_timeout_ms": 50},
-    "vllm-seqs": W.role_vars(W.load_candidate("vllm-seqs", REPO / "candidates")),
-    # every vLLM serving argument a candidate may set, with the JSON types its schema admits
+    # every vLLM serving argument a candidate may set (candidates/vllm-seqs.yml sets one), with
+    # the JSON types its schema admits
     "vllm-all": {
         "serve_vllm_max_model_len": 8192,
         "serve_vllm_max_num_seqs": 8,
@@ -328,13 +328,10 @@ def test_vllm_candidates_change_exactly_the_launch_lines(rendered):
     (their launch line) and nothing else; under the stand-in engine (the lab's) the plan refuses it
     (window_plan's check_runtime) and nothing renders differently."""
     inv, got = rendered
-    for arm in ("vllm-seqs", "vllm-all"):
-        expect = [f"{h}.service.unit" for h in HOSTS["spark"]] if inv == "production" else []
-        assert _differing(got["production"], got[arm]) == expect, arm
+    expect = [f"{h}.service.unit" for h in HOSTS["spark"]] if inv == "production" else []
+    assert _differing(got["production"], got["vllm-all"]) == expect
     if inv == "production":
         for host in HOSTS["spark"]:
-            words = got["vllm-seqs"][f"{host}.service.unit"].split()
-            assert ("--max-num-seqs", "2") in set(zip(words, words[1:], strict=False))
             words = got["vllm-all"][f"{host}.service.unit"].split()
             pairs = set(zip(words, words[1:], strict=False))
             for flag in (
