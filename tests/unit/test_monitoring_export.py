@@ -45,11 +45,10 @@ INVENTORY = {
 }
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+def _export(tmp_path_factory, inventory: dict) -> Path:
     d = tmp_path_factory.mktemp("export")
     inv = d / "hosts.yml"
-    inv.write_text(yaml.safe_dump(INVENTORY))
+    inv.write_text(yaml.safe_dump(inventory))
     out = d / "out"
     env = dict(
         os.environ,
@@ -76,6 +75,24 @@ def exported(tmp_path_factory):
     )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    return _export(tmp_path_factory, INVENTORY)
+
+
+def test_the_stock_stage_has_no_overlay_targets_and_no_rank_rule(tmp_path_factory):
+    """vLLM with remote Engram and remote drafting off (the bring-up's stock stage): no rank runs
+    the overlay, so there is no dsv41-overlay target to find down and no rank whose counters can
+    be missing (a lost rank shows as Dsv41ApiDown)."""
+    inv = json.loads(json.dumps(INVENTORY))
+    inv["all"]["vars"] |= {"engram_overlay_remote": False, "spec_decode_enabled": False}
+    out = _export(tmp_path_factory, inv)
+    assert json.loads((out / "file_sd" / "dsv41-overlay.json").read_text()) == []
+    rules = (out / "dsv41.rules.yml").read_text()
+    assert "Dsv41TPRankMissing" not in rules and "Dsv41ApiDown" in rules
+    yaml.safe_load(rules)
 
 
 def test_targets_per_job_from_the_inventory(exported):

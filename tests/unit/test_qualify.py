@@ -391,3 +391,49 @@ def test_controller_probes_with_rank0_unreachable_fail_every_check_they_owe(tmp_
     ]
     (r,) = C.probe_fail_closed(api, str(refs), host="localhost")
     assert r["id"] == "drafter.fail_closed" and r["status"] == "fail"
+
+
+def test_serving_skips_a_rank_whose_overlay_is_off_under_vllm(monkeypatch, tmp_path):
+    """vLLM's stock stage: no rank runs the overlay (rank_metrics.urls gives no entry), so no rank
+    has dsv41 counters; each rank's counters check is skipped naming why, never failed, while the
+    greedy references are still checked. The lab runtime (every rank has an entry) is unchanged."""
+    from dsv41.harness import rank_metrics as RM, refs as R
+
+    facts = {"runtime": "vllm", "api_url": "http://127.0.0.1:9", "ranks": {"0": "127.0.0.1", "1": "127.0.0.2"}}
+    urls = RM.urls({**facts, "overlay_port": 9471, "overlay_ranks": []})
+    assert urls == {}
+    monkeypatch.setattr(C, "_engine", lambda api, rm=None: {"engram": {}, "overlay": {}})
+    monkeypatch.setattr(C, "_completions", lambda api, n: (n, []))
+
+    class Six:
+        identical = total = 6
+
+        def summary(self):
+            return "6/6"
+
+    monkeypatch.setattr(R, "load_refs", lambda path: [])
+    monkeypatch.setattr(R, "verify", lambda api, refs: Six())
+    recs = C.probe_serving(
+        "http://127.0.0.1:9",
+        str(tmp_path / "r.json"),
+        host="localhost",
+        ranks=["0", "1"],
+        interval_s=0.01,
+        rank_metrics=urls,
+    )
+    assert [(r["id"], r["status"]) for r in recs] == [
+        ("serving.counters[rank 0]", "skipped"),
+        ("serving.counters[rank 1]", "skipped"),
+        ("serving.greedy_refs", "pass"),
+    ]
+    assert "runs vLLM's own code" in recs[0]["reason"]
+    lab = RM.urls({**facts, "runtime": "lab", "overlay_port": 9471})
+    recs = C.probe_serving(
+        "http://127.0.0.1:9",
+        str(tmp_path / "r.json"),
+        host="localhost",
+        ranks=["0", "1"],
+        interval_s=0.01,
+        rank_metrics=lab,
+    )
+    assert [r["status"] for r in recs] == ["fail", "fail", "pass"]  # the lab's ranks owe counters

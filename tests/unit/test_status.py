@@ -392,6 +392,20 @@ def test_unreachable_hosts_through_the_status_playbook(tmp_path):
     r = _dsv41("status", "--inventory", str(inv / "hosts.yml"), "--window", "0", "--json")
     rep = json.loads(r.stdout)
     assert r.returncode == 1 and rep["healthy"] is False and not rep["hosts"]["x86host"]["reachable"]
+    # a second inventory source overrides the first (ansible-playbook -i A -i B, as the vLLM lab
+    # and a site's own group_vars do): status reads both, in order
+    over = tmp_path / "over"
+    (over / "group_vars").mkdir(parents=True)
+    (over / "hosts.yml").write_text("all:\n  children:\n    spark:\n    offload:\n")
+    (over / "group_vars" / "all.yml").write_text(
+        "dsv41_api_url: \"http://{{ hostvars['sparkhead'].dsv41_mgmt_address }}:7\"\n"
+    )
+    r = _dsv41("status", "-i", str(inv / "hosts.yml"), "-i", str(over), "--window", "0")
+    assert r.returncode == 1 and "unhealthy: rank 0 API http://127.0.0.1:7: unreachable" in r.stdout, r.stdout
+    r = _dsv41("status", "-i", str(inv / "hosts.yml"), "-i", str(tmp_path / "absent"))
+    assert (
+        r.returncode == 1 and r.stderr == f"dsv41: error: inventory {tmp_path / 'absent'}: no such file or directory\n"
+    )
 
 
 def test_inventory_that_does_not_parse_is_one_line(tmp_path):

@@ -70,7 +70,8 @@ def probe_serving(
     under vLLM the rank's overlay is ``active`` and its transport implementation is reported)
     and ``greedy_refs`` (6/6 identical to the recorded references, ``dsv41.harness.refs``).
     ``rank_metrics``: ``{rank: /metrics URL}`` (:func:`dsv41.harness.rank_metrics.urls`; default
-    rank 0's ``/metrics``)."""
+    rank 0's ``/metrics``); a rank it leaves out (vLLM with that rank's overlay off) is skipped with
+    the reason."""
     from dsv41.harness import refs
 
     out = []
@@ -91,6 +92,19 @@ def probe_serving(
         ] + [record("serving", "greedy_refs", host, False, reason=f"{api_url}: {exc}")]
     where = rank_metrics or {}
     for r in ranks:
+        if rank_metrics is not None and r not in rank_metrics:
+            # under vLLM a rank without remote Engram or remote drafting runs vLLM's own code
+            out.append(
+                record(
+                    "serving",
+                    "counters",
+                    host,
+                    None,
+                    subject=f"rank {r}",
+                    reason=f"rank {r} runs vLLM's own code (remote Engram and remote drafting off): no dsv41 counters",
+                )
+            )
+            continue
         b, a = before["engram"].get(r, {}), after["engram"].get(r)
         url = where.get(r, f"{api_url}/metrics")
         st = after["overlay"].get(r) if after["overlay"] else None

@@ -22,8 +22,12 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 @app.callback(invoke_without_command=True)
 def status(
-    inventory: str = typer.Option(
-        "", "--inventory", "-i", help="Ansible inventory (default: the one ansible.cfg names, the lab)."
+    inventory: list[str] = typer.Option(
+        [],
+        "--inventory",
+        "-i",
+        help="Ansible inventory source; repeat it for several, in ansible-playbook's order "
+        "(default: the one ansible.cfg names, the lab).",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON (for scripts)."),
     window: float = typer.Option(
@@ -62,7 +66,7 @@ def status(
         facts = status_host.host_facts(service_manager=service_manager, root=root, container_runtime=container_runtime)
         print(fileio.dumps_json(facts, indent=None if as_json else 1, sort_keys=True, nonfinite="null"))
         return
-    report = run_playbook(inventory or default_inventory(), window_s=window, prometheus_url=prometheus)
+    report = run_playbook(list(inventory) or [default_inventory()], window_s=window, prometheus_url=prometheus)
     if hold_ok:
         report = st.allow_hold(report)
     if as_json:
@@ -98,11 +102,20 @@ def default_inventory() -> str:
     return hl[0] if isinstance(hl, (list, tuple)) and hl else str(hl)
 
 
-def inventory_hosts(inventory: str) -> dict[str, list[str]]:
+def _sources(inventory: str | list[str]) -> list[str]:
+    return [inventory] if isinstance(inventory, str) else list(inventory)
+
+
+def inventory_hosts(inventory: str | list[str]) -> dict[str, list[str]]:
     """``{group: [host, ...]}`` of the ``spark`` and ``offload`` groups, parsed by Ansible's own
-    inventory API. StatusError (one line) for a missing inventory or one without those hosts."""
-    if not os.path.exists(inventory):
-        raise StatusError(f"inventory {inventory}: no such file or directory")
+    inventory API from one source or several (later sources override earlier ones, as
+    ``ansible-playbook -i A -i B``). StatusError (one line) for a missing source or an inventory
+    without those hosts."""
+    sources = _sources(inventory)
+    for src in sources:
+        if not os.path.exists(src):
+            raise StatusError(f"inventory {src}: no such file or directory")
+    inventory = ", ".join(sources)
     import contextlib
     import io
 
@@ -114,7 +127,7 @@ def inventory_hosts(inventory: str) -> dict[str, list[str]]:
     noise = io.StringIO()  # Ansible's warnings about the source: folded into the one error line
     try:
         with contextlib.redirect_stderr(noise), contextlib.redirect_stdout(noise):
-            inv = InventoryManager(loader=DataLoader(), sources=[inventory])
+            inv = InventoryManager(loader=DataLoader(), sources=sources)
     except Exception as exc:  # noqa: BLE001 - Ansible raises its own error types for bad sources
         raise StatusError(f"inventory {inventory}: {' '.join(str(exc).split())[:300]}") from None
     groups = {g: [h.name for h in inv.groups[g].get_hosts()] for g in ("spark", "offload") if g in inv.groups}
@@ -131,9 +144,12 @@ def inventory_hosts(inventory: str) -> dict[str, list[str]]:
     return groups
 
 
-def run_playbook(inventory: str, window_s: float = 5.0, timeout_s: float = 300.0, prometheus_url: str = "") -> dict:
-    """Run ``playbooks/status.yml`` through ``inventory`` with ansible-runner (fresh private data
-    dir) and return the report its summary task computed (``status.summarize``); ``window_s``
+def run_playbook(
+    inventory: str | list[str], window_s: float = 5.0, timeout_s: float = 300.0, prometheus_url: str = ""
+) -> dict:
+    """Run ``playbooks/status.yml`` through ``inventory`` (one source or several, in
+    ``ansible-playbook -i`` order) with ansible-runner (fresh private data dir) and return the
+    report its summary task computed (``status.summarize``); ``window_s``
     (s) becomes ``status_window_s``, ``timeout_s`` (s) bounds the whole run, ``prometheus_url``
     (optional) becomes ``status_prometheus_url`` (firing alerts, ``status.add_alerts``).
     StatusError when the run produced none (the line says why)."""
@@ -141,8 +157,9 @@ def run_playbook(inventory: str, window_s: float = 5.0, timeout_s: float = 300.0
 
     import ansible_runner
 
-    inventory_hosts(inventory)
-    project = find_project(inventory)
+    sources = _sources(inventory)
+    inventory_hosts(sources)
+    project = find_project(sources[0])
     # ansible-playbook from the venv running this command, even when that venv is not on PATH
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     found: dict = {}
@@ -162,7 +179,7 @@ def run_playbook(inventory: str, window_s: float = 5.0, timeout_s: float = 300.0
             private_data_dir=pdd,
             project_dir=str(project),
             playbook=str(project / "playbooks" / "status.yml"),
-            inventory=str(Path(inventory).resolve()),
+            inventory=[str(Path(src).resolve()) for src in sources],
             extravars={
                 "status_window_s": float(window_s),
                 **({"status_prometheus_url": prometheus_url} if prometheus_url else {}),
@@ -179,4 +196,4 @@ def run_playbook(inventory: str, window_s: float = 5.0, timeout_s: float = 300.0
             out = r.stdout.read()
     tail = [ln for ln in out.splitlines() if ln.strip().startswith(("ERROR!", "[ERROR]", "fatal:"))]
     why = failures[0] if failures else (tail[-1].strip() if tail else f"ansible-playbook {r.status}, rc {r.rc}")
-    raise StatusError(f"status via {inventory}: {why}")
+    raise StatusError(f"status via {', '.join(sources)}: {why}")
