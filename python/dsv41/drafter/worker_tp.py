@@ -23,7 +23,6 @@ readiness. Rank 1 is killed (by its pid) if it does not stop within 5 s.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -63,7 +62,9 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def _send_json(sock: socket.socket, obj: dict) -> None:
-    body = json.dumps(obj).encode()
+    from dsv41 import codec
+
+    body = codec.dumps_json(obj).encode()
     sock.sendall(_LEN.pack(len(body)) + body)
 
 
