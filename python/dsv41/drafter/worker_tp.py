@@ -153,7 +153,7 @@ class PairDrafter:
         self.cfg = shard.cfg
         self.broken = ""
         self.threads = threads
-        self._tuned: set[int] = set()
+        self._local = threading.local()
 
     def draft(self, items):
         """Draft for a batch of RoundItems (see :class:`PairDrafter`)."""
@@ -174,13 +174,13 @@ class PairDrafter:
         if k == 0:
             z = np.zeros((b, 0, cfg.top_n))
             return drafts_of(cfg, items, np.zeros((b, 0), np.int64), z.astype(np.int64), z.astype(np.float32))
-        if threading.get_ident() not in self._tuned:
+        if not getattr(self._local, "tuned", False):
             # each connection's thread computes its rounds: give it the same intra-op thread count
             # as rank 1's main thread, so both ranks run the same kernels
             import torch
 
             torch.set_num_threads(self.threads)
-            self._tuned.add(threading.get_ident())
+            self._local.tuned = True
         try:
             send_round(self.ctrl, cfg, hid, ctx, inv, u, k)
             toks, ids, probs = self.shard.draft(hid, ctx, inv, u, k)
@@ -239,6 +239,7 @@ def serve_pair(
     stopping = threading.Event()
     try:
         _loopback_env(devices[0])
+        # a port taken between this probe and the store's bind fails the join with one line
         master = f"127.0.0.1:{_free_port()}"
         proc = subprocess.Popen(
             [sys.executable, "-m", "dsv41.drafter.worker_tp", "--ctrl-fd", str(theirs.fileno())],
@@ -263,7 +264,14 @@ def serve_pair(
         shard = _shard(drafter_dir, comm, devices[0])  # while rank 1 loads its own
         if shard.cfg.to_json() != cfg.to_json():
             raise Dsv41Error(f"drafter pair: {drafter_dir} changed while starting; start again")
-        _wait_ready(ours)
+        rank1_bytes = _wait_ready(ours)
+        log.info(
+            "drafter pair: weights per card: rank 0 %.1f MiB on %s, rank 1 %.1f MiB on %s",
+            shard.shard_bytes() / 2**20,
+            devices[0],
+            rank1_bytes / 2**20,
+            devices[1],
+        )
         comm.join()
         backend = PairDrafter(shard, ours, ids, max_batch, threads)
         worker = DrafterWorker(backend, host, port, target_identity=target_identity, delay_ms=delay_ms)
@@ -280,8 +288,9 @@ def serve_pair(
         gpulock.release(locks)
 
 
-def _wait_ready(ours: socket.socket) -> None:
-    """Rank 1's answer to the setup: it has loaded its shard (or says why it cannot)."""
+def _wait_ready(ours: socket.socket) -> int:
+    """Rank 1's answer to the setup: it has loaded its shard (or says why it cannot); returns the
+    bytes of weights it holds."""
     ours.settimeout(READY_TIMEOUT_S)
     try:
         answer = _recv_json(ours)
@@ -291,6 +300,7 @@ def _wait_ready(ours: socket.socket) -> None:
         ours.settimeout(None)
     if not answer.get("ok"):
         raise Dsv41Error(f"drafter pair: rank 1 refused to start: {answer.get('error', '?')}")
+    return int(answer.get("shard_bytes", 0))
 
 
 def _warm_up(backend: PairDrafter) -> None:
@@ -359,7 +369,7 @@ def follower(ctrl: socket.socket) -> int:
     except (Dsv41Error, KeyError, ValueError, TypeError) as exc:
         _send_json(ctrl, {"ok": False, "error": str(exc)})
         return 1
-    _send_json(ctrl, {"ok": True})
+    _send_json(ctrl, {"ok": True, "shard_bytes": shard.shard_bytes()})
     try:
         comm.join()
         while True:
