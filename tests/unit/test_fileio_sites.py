@@ -27,6 +27,9 @@ ALLOWED = {
         "write_secret",
     ): "a secret file created 0600 (O_EXCL temporary, fsync, rename): fileio's temporaries take the umask",
     ("filelock", "acquire"): "the state file's lock file: an flock, nothing written",
+    ("drafter.gpulock", "acquire"): "a card's lifetime lock: an flock held (and inherited by rank 1) for the "
+    "worker's life, the holder's pid written in place",
+    ("drafter.gpulock", "holder_pid"): "reads at most 32 bytes of a held card lock (O_NOFOLLOW) to name its holder",
     ("promotion.oplock", "_open"): "the change lock file: an flock, nothing written",
     ("engram.reader", "open_table_file"): "O_DIRECT shard reads: O_NONBLOCK open, fstat S_ISREG before any read",
     ("engram.manifest", "_hash_range"): "preadv of shard chunks after _regular_size checked the file",
@@ -129,6 +132,8 @@ WRITE_ALLOWED = {
     ("fileio", "*", "*"): "the implementation",
     ("authz", "write_secret", "os.open"): "a secret created 0600 from the start (O_EXCL temporary, fsync, rename)",
     ("filelock", "acquire", "os.open"): "the lock file of a state file: flock only, never written",
+    ("drafter.gpulock", "acquire", "os.open"): "a card lock: the pid is written under the flock, in place (a "
+    "rename would leave the lock on the old inode); a reader that sees it half-written names no pid",
     ("promotion.oplock", "_open", "os.open"): "the change lock file: flock only, never written",
     ("engram.synthetic", "HashingWriter.__init__", "open"): "shards streamed (GBs, hashed as written) to temporary "
     "names that make-tables checks and renames into place",

@@ -19,7 +19,13 @@ def serve_cmd(
     listen: str = typer.Option(..., help="tcp://ADDR:PORT to listen on (port 0 = ephemeral)."),
     drafter: str = typer.Option(..., help="Drafter directory (drafter.json + drafter.safetensors)."),
     target_identity: str = typer.Option("", help="Target identity this worker serves (hex sha256)."),
-    device: str = typer.Option("cpu", help="cpu or cuda[:N]."),
+    device: str = typer.Option("", help="One card: cpu or cuda[:N] (default cpu)."),
+    cards: int = typer.Option(1, min=1, max=2, help="1: the one-card worker; 2: the TP2 pair on --devices."),
+    devices: str = typer.Option("", help="With --cards 2: the two devices, e.g. cuda:0,cuda:1 (cpu,cpu: tests)."),
+    lock_dir: str = typer.Option("", help="Directory of the per-card lifetime locks (default /run/dsv41)."),
+    peer_timeout: float = typer.Option(
+        5.0, min=0.001, max=3600.0, help="With --cards 2: seconds a collective waits for the other rank."
+    ),
     cuda_graphs: bool | None = typer.Option(
         None, "--cuda-graphs/--no-cuda-graphs", help="Replay CUDA graphs (default: on with --device cuda)."
     ),
@@ -27,16 +33,48 @@ def serve_cmd(
     metrics: str = typer.Option("", help="HOST:PORT for Prometheus /metrics (empty = off)."),
     ready_file: str = typer.Option("", help="Write the bound URL here once serving."),
     max_batch: int = typer.Option(64, min=1, max=1024, help="Largest batch accepted per round."),
-    threads: int = typer.Option(1, min=1, max=256, help="torch CPU threads."),
+    threads: int = typer.Option(1, min=1, max=256, help="torch CPU threads (each rank's, with --cards 2)."),
     delay_ms: float = typer.Option(0.0, min=0.0, help="Injected per-round delay (fault drills)."),
 ) -> None:
-    """Serve drafting rounds until SIGTERM."""
-    import torch
+    """Serve drafting rounds until SIGTERM (one card, or the two-card TP2 pair)."""
+    from dsv41.errors import Dsv41Error
 
-    from dsv41.drafter.worker import serve
+    if cards == 2:
+        from dsv41.drafter.pair import parse_devices
+
+        if device:
+            raise Dsv41Error("drafter serve: --device names one card; with --cards 2 name both with --devices")
+        if backend != "torch":
+            raise Dsv41Error(f"drafter serve: --backend {backend}: the two-card worker serves the torch backend only")
+        if cuda_graphs:
+            raise Dsv41Error("drafter serve: --cuda-graphs: the two-card worker runs eager (no CUDA graphs)")
+        pair_devices = parse_devices(devices, 2)
+    elif devices:
+        raise Dsv41Error("drafter serve: --devices is for --cards 2; one card takes --device")
+    import torch
 
     torch.set_num_threads(threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s dsv41-drafter %(levelname)s %(message)s")
+    if cards == 2:
+        from dsv41.drafter.worker_tp import serve_pair
+
+        serve_pair(
+            drafter,
+            listen,
+            pair_devices,
+            target_identity=target_identity,
+            metrics=metrics,
+            ready_file=ready_file,
+            max_batch=max_batch,
+            delay_ms=delay_ms,
+            threads=threads,
+            lock_dir=lock_dir,
+            peer_timeout_s=peer_timeout,
+        )
+        return
+    from dsv41.drafter.worker import serve
+
+    device = device or "cpu"
     if cuda_graphs is None:
         cuda_graphs = device.startswith("cuda")
     serve(
@@ -50,6 +88,7 @@ def serve_cmd(
         ready_file=ready_file,
         max_batch=max_batch,
         delay_ms=delay_ms,
+        lock_dir=lock_dir,
     )
 
 

@@ -354,6 +354,56 @@ def load_model(drafter_dir: str | os.PathLike, device: str = "cpu"):
     return cfg, model.to(device)
 
 
+def round_arrays(cfg: DrafterConfig, items):
+    """The arrays one drafting round computes on, from its RoundItems (every backend, one recipe).
+
+    Returns ``(ctx int64[B, n_ctx] (left-padded with 0), hidden float32[B, H], inv_temp float32[B]
+    (1 for greedy), u float32[B, k] (0 for greedy), k = max depth capped at max_k)``. Raises
+    :class:`Dsv41Error` for an item without tokens or with token ids outside the vocabulary.
+    """
+    b = len(items)
+    ctx = np.zeros((b, cfg.n_ctx), dtype=np.int64)
+    hid = np.zeros((b, cfg.hidden_size), dtype=np.float32)
+    inv_t = np.ones(b, dtype=np.float32)
+    k = max(min(it.depth, cfg.max_k) for it in items)
+    seeds = np.zeros(b, dtype=np.uint64)
+    lens = np.zeros(b, dtype=np.uint64)
+    temps = np.zeros(b, dtype=np.float64)
+    for i, it in enumerate(items):
+        t = np.asarray(it.tokens, dtype=np.int64)
+        if t.size == 0:
+            raise Dsv41Error(f"drafter: request {it.request_id!r} has no context tokens")
+        if t.min() < 0 or t.max() >= cfg.vocab_size:
+            raise Dsv41Error(f"drafter: request {it.request_id!r} has token ids outside 0..{cfg.vocab_size - 1}")
+        tail = t[-cfg.n_ctx :]
+        ctx[i, cfg.n_ctx - tail.size :] = tail
+        hid[i] = it.hidden
+        # float32 first: the wire carries f32, so local and remote drafting see one value.
+        temp32 = np.float32(it.temperature)
+        if temp32 > 0:
+            inv_t[i] = np.float32(1.0) / temp32
+        seeds[i] = np.uint64(it.seed & 0xFFFFFFFFFFFFFFFF)
+        lens[i] = it.context_len
+        temps[i] = temp32
+    u = draft_uniforms(seeds, lens, max(k, 1)).astype(np.float32)
+    u[temps == 0] = 0.0
+    return ctx, hid, inv_t, u, k
+
+
+def drafts_of(cfg: DrafterConfig, items, toks, ids, probs):
+    """Cut a batch's drafts (numpy ``toks[B, k]``, ``ids[B, k, top_n]``, ``probs[B, k, top_n]``) to
+    each item's own depth; returns :class:`~dsv41.drafter.protocol.Drafts`."""
+    from dsv41.drafter.protocol import Drafts
+
+    out_t, out_i, out_p = [], [], []
+    for i, it in enumerate(items):
+        d = min(it.depth, cfg.max_k)
+        out_t.append(toks[i, :d].astype(np.int64))
+        out_i.append(ids[i, :d].astype(np.int64))
+        out_p.append(probs[i, :d].astype(np.float32))
+    return Drafts(out_t, out_i, out_p, cfg.top_n)
+
+
 # ----------------------------------------------------------------------------------------------
 # the torch backend the worker and the local speculator use
 
@@ -393,36 +443,6 @@ class TorchDrafter:
             b *= 2
         return b
 
-    def _inputs(self, items):
-        cfg = self.cfg
-        b = len(items)
-        ctx = np.zeros((b, cfg.n_ctx), dtype=np.int64)
-        hid = np.zeros((b, cfg.hidden_size), dtype=np.float32)
-        inv_t = np.ones(b, dtype=np.float32)
-        k = max(min(it.depth, cfg.max_k) for it in items)
-        seeds = np.zeros(b, dtype=np.uint64)
-        lens = np.zeros(b, dtype=np.uint64)
-        temps = np.zeros(b, dtype=np.float64)
-        for i, it in enumerate(items):
-            t = np.asarray(it.tokens, dtype=np.int64)
-            if t.size == 0:
-                raise Dsv41Error(f"drafter: request {it.request_id!r} has no context tokens")
-            if t.min() < 0 or t.max() >= cfg.vocab_size:
-                raise Dsv41Error(f"drafter: request {it.request_id!r} has token ids outside 0..{cfg.vocab_size - 1}")
-            tail = t[-cfg.n_ctx :]
-            ctx[i, cfg.n_ctx - tail.size :] = tail
-            hid[i] = it.hidden
-            # float32 first: the wire carries f32, so local and remote drafting see one value.
-            temp32 = np.float32(it.temperature)
-            if temp32 > 0:
-                inv_t[i] = np.float32(1.0) / temp32
-            seeds[i] = np.uint64(it.seed & 0xFFFFFFFFFFFFFFFF)
-            lens[i] = it.context_len
-            temps[i] = temp32
-        u = draft_uniforms(seeds, lens, max(k, 1)).astype(np.float32)
-        u[temps == 0] = 0.0
-        return ctx, hid, inv_t, u, k
-
     def draft(self, items):
         """Draft for a batch of RoundItems; returns :class:`~dsv41.drafter.protocol.Drafts`."""
         from dsv41.drafter.protocol import Drafts
@@ -433,7 +453,7 @@ class TorchDrafter:
             return Drafts([], [], [], top_n)
         if len(items) > self.max_batch:
             raise Dsv41Error(f"drafter: batch of {len(items)} > max_batch {self.max_batch}")
-        ctx, hid, inv_t, u, k = self._inputs(items)
+        ctx, hid, inv_t, u, k = round_arrays(self.cfg, items)
         if k == 0:
             z = np.zeros(0, np.int64)
             return Drafts(
@@ -456,13 +476,7 @@ class TorchDrafter:
                     top_n,
                 )
             toks, ids, probs = toks.cpu().numpy(), ids.cpu().numpy(), probs.cpu().numpy()
-        out_t, out_i, out_p = [], [], []
-        for i, it in enumerate(items):
-            d = min(it.depth, self.cfg.max_k)
-            out_t.append(toks[i, :d].astype(np.int64))
-            out_i.append(ids[i, :d].astype(np.int64))
-            out_p.append(probs[i, :d].astype(np.float32))
-        return Drafts(out_t, out_i, out_p, top_n)
+        return drafts_of(self.cfg, items, toks, ids, probs)
 
     def _draft_graph(self, ctx, hid, inv_t, u, k):
         """Replay (capturing on first use) a CUDA graph for this (batch bucket, k)."""

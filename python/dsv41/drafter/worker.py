@@ -24,6 +24,12 @@ from dsv41.errors import Dsv41Error
 log = logging.getLogger("dsv41.drafter.worker")
 
 
+class BackendFailed(Dsv41Error):
+    """The backend can no longer draft (the two-card worker lost its other rank): the round is
+    refused INTERNAL and the worker ends (:meth:`DrafterWorker.fail`), so clients fail closed and
+    the service manager restarts it."""
+
+
 class WorkerMetrics:
     """Prometheus metrics of one worker (a private registry, so tests can run several)."""
 
@@ -107,6 +113,9 @@ class DrafterWorker:
         self._thread: threading.Thread | None = None
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
+        #: Set by :meth:`fail`; the serving loop then stops the worker and exits with ``failure``.
+        self.failed = threading.Event()
+        self.failure = ""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -158,6 +167,14 @@ class DrafterWorker:
                     pass
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+    def fail(self, reason: str) -> None:
+        """Mark the worker failed for good (first reason kept): the serving loop stops it and the
+        process exits 1 with ``reason``. Safe from any thread."""
+        if not self.failed.is_set():
+            self.failure = reason
+            log.error("drafter worker failed: %s", reason)
+            self.failed.set()
 
     # ------------------------------------------------------------------ per connection
 
@@ -274,6 +291,10 @@ class DrafterWorker:
                 if self.delay_s:
                     time.sleep(self.delay_s)
                 drafts = self.backend.draft(rnd.items)
+            except BackendFailed as exc:
+                self._refuse(sock, P.Status.INTERNAL, str(exc), head.round_id)
+                self.fail(str(exc))
+                return None
             except Dsv41Error as exc:
                 self._refuse(sock, P.Status.MALFORMED, str(exc), head.round_id)
                 return None
@@ -289,54 +310,38 @@ class DrafterWorker:
         return drafts.encode()
 
 
-def serve(
-    drafter_dir: str,
-    listen: str,
-    *,
-    target_identity: str = "",
-    device: str = "cpu",
-    cuda_graphs: bool = False,
-    backend: str = "torch",
-    metrics: str = "",
-    ready_file: str = "",
-    max_batch: int = 64,
-    delay_ms: float = 0.0,
-    stop_event: threading.Event | None = None,
-) -> None:
-    """Load the backend, check identities, serve until SIGTERM/SIGINT (or ``stop_event``).
-
-    Raises :class:`Dsv41Error` on bad arguments, a drafter trained for another target, or a port
-    that cannot be bound.
-    """
-    import re
-    import signal
-
+def check_serve_args(listen: str, ready_file: str, target_identity: str) -> tuple[str, int]:
+    """The checks every worker makes before loading anything: returns the (host, port) of
+    ``listen``; :class:`Dsv41Error` (one line) for a bad URL, a ready-file directory that is missing
+    or not writable, or a target identity that is not a lowercase hex sha256."""
     host, port = P.parse_url(listen, listen=True)
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        raise Dsv41Error(f"drafter serve: --device {device!r}: expected cpu, cuda or cuda:N")
     if ready_file:  # check before loading anything, so a typo does not cost a start-up
         rdir = os.path.dirname(os.path.abspath(ready_file))
         if not os.path.isdir(rdir) or not os.access(rdir, os.W_OK):
             raise Dsv41Error(f"drafter serve: --ready-file {ready_file}: directory {rdir} is missing or not writable")
     if target_identity and (len(target_identity) != 64 or any(c not in "0123456789abcdef" for c in target_identity)):
         raise Dsv41Error(f"--target-identity {target_identity!r} is not a lowercase hex sha256")
-    if backend == "torch":
-        from dsv41.drafter.model import TorchDrafter
+    return host, port
 
-        be = TorchDrafter(drafter_dir, device=device, cuda_graphs=cuda_graphs, max_batch=max_batch)
-    elif backend == "exl3":
-        from dsv41.drafter.exl3 import Exl3Drafter
 
-        be = Exl3Drafter(drafter_dir, device=device, max_batch=max_batch)
-    else:
-        raise Dsv41Error(f"drafter serve: unknown backend {backend!r} (torch or exl3)")
-    recorded = be.ids.get("target", "")
+def check_recorded_target(drafter_dir: str, recorded: str, target_identity: str) -> None:
+    """Refuse (:class:`Dsv41Error`) a drafter distilled for another target than ``target_identity``."""
     if target_identity and recorded and recorded != target_identity:
         raise Dsv41Error(
             f"drafter {drafter_dir} was distilled for target {recorded[:12]}, "
             f"not --target-identity {target_identity[:12]}; refusing to serve it"
         )
-    worker = DrafterWorker(be, host, port, target_identity=target_identity, delay_ms=delay_ms)
+
+
+def run_worker(
+    worker: DrafterWorker, *, metrics: str = "", ready_file: str = "", stop_event: threading.Event | None = None
+) -> None:
+    """Serve ``worker`` until SIGTERM/SIGINT, ``stop_event`` or :meth:`DrafterWorker.fail`: binds
+    ``--metrics`` first, starts the worker, writes the ready file, prints the ready line, waits,
+    then stops the worker and the metrics server. Raises :class:`Dsv41Error` for a port that cannot
+    be bound and, after stopping, with the worker's failure reason when it failed."""
+    import signal
+
     # --metrics is bound before the worker starts (and logs that it listens): a busy or bad
     # --metrics is then the process's one error line
     metrics_http = None
@@ -363,27 +368,81 @@ def serve(
             signal.signal(sig, lambda *_: stop.set())
         except ValueError:  # not the main thread (tests): the stop event is enough
             pass
-    if ready_file:
-        from dsv41 import fileio
+    try:
+        if ready_file:
+            from dsv41 import fileio
 
-        try:
             fileio.atomic_write(
                 ready_file, f"tcp://{worker.address[0]}:{worker.address[1]}\n", "drafter serve --ready-file"
             )
-        except Dsv41Error:
-            worker.stop()
-            raise
-    print(
-        f"drafter worker ready on tcp://{worker.address[0]}:{worker.address[1]} "
-        f"drafter={worker.hello.drafter_identity} markov={worker.hello.markov_identity} "
-        f"target={worker.hello.target_identity}",
-        flush=True,
-    )
-    try:
-        while not stop.wait(0.2):
+        print(
+            f"drafter worker ready on tcp://{worker.address[0]}:{worker.address[1]} "
+            f"drafter={worker.hello.drafter_identity} markov={worker.hello.markov_identity} "
+            f"target={worker.hello.target_identity}",
+            flush=True,
+        )
+        while not stop.wait(0.2) and not worker.failed.is_set():
             pass
     finally:
         worker.stop()
         if metrics_http is not None:
             metrics_http.shutdown()
             metrics_http.server_close()
+    if worker.failed.is_set():
+        raise Dsv41Error(worker.failure)
+
+
+def serve(
+    drafter_dir: str,
+    listen: str,
+    *,
+    target_identity: str = "",
+    device: str = "cpu",
+    cuda_graphs: bool = False,
+    backend: str = "torch",
+    metrics: str = "",
+    ready_file: str = "",
+    max_batch: int = 64,
+    delay_ms: float = 0.0,
+    lock_dir: str = "",
+    stop_event: threading.Event | None = None,
+) -> None:
+    """Load the backend, check identities, serve until SIGTERM/SIGINT (or ``stop_event``).
+
+    A CUDA card is locked for the process's life (:mod:`dsv41.drafter.gpulock`, in ``lock_dir``,
+    default ``/run/dsv41``), so a second worker, one-card or two-card, cannot take it. Raises
+    :class:`Dsv41Error` on bad arguments, a card held by another worker, a drafter trained for
+    another target, or a port that cannot be bound.
+    """
+    import re
+
+    host, port = check_serve_args(listen, ready_file, target_identity)
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise Dsv41Error(f"drafter serve: --device {device!r}: expected cpu, cuda or cuda:N")
+    locks: list[int] = []
+    if device.startswith("cuda"):
+        from dsv41.drafter import gpulock, pair
+
+        facts = pair.probe_device(device)
+        if not facts.present:
+            raise Dsv41Error(f"drafter serve: --device {device}: not present ({facts.visible} CUDA device(s) visible)")
+        locks = gpulock.acquire_all(lock_dir or gpulock.DEFAULT_LOCK_DIR, [pair.card_key(facts, 0)])
+    try:
+        if backend == "torch":
+            from dsv41.drafter.model import TorchDrafter
+
+            be = TorchDrafter(drafter_dir, device=device, cuda_graphs=cuda_graphs, max_batch=max_batch)
+        elif backend == "exl3":
+            from dsv41.drafter.exl3 import Exl3Drafter
+
+            be = Exl3Drafter(drafter_dir, device=device, max_batch=max_batch)
+        else:
+            raise Dsv41Error(f"drafter serve: unknown backend {backend!r} (torch or exl3)")
+        check_recorded_target(drafter_dir, be.ids.get("target", ""), target_identity)
+        worker = DrafterWorker(be, host, port, target_identity=target_identity, delay_ms=delay_ms)
+        run_worker(worker, metrics=metrics, ready_file=ready_file, stop_event=stop_event)
+    finally:
+        if locks:
+            from dsv41.drafter import gpulock
+
+            gpulock.release(locks)

@@ -62,7 +62,7 @@ class LocalComm:
         """Sum of this rank's partial tensors in a fixed order (bit-identical to TP2's sum)."""
         return ordered_sum(parts)
 
-    def gather_cols(self, local):
+    def gather_cols(self, local, what: str = ""):
         """All ranks' column slices concatenated on dim 1: at TP1 ``local`` is already whole."""
         return local
 
@@ -78,6 +78,9 @@ class PeerLost(Dsv41Error):
 
 class DistComm:
     """TP over an initialised default process group plus a gloo control group.
+
+    ``timeout_source``: what a timeout's error line names as the setting of ``peer_timeout_s``
+    (the engine's environment variable; the drafter pair sets its ``--peer-timeout``).
 
     ``DistComm(rank, tp, master, device, timeout_s, peer_timeout_s)`` checks its arguments and
     joins nothing; ``join()`` forms the group (rank 0 hosts the rendezvous store at ``master``,
@@ -107,6 +110,7 @@ class DistComm:
         self.ctrl = self.live_ctrl = self.live_data = None
         self.joined = False
         self.wedged = False  # a collective timed out or failed: the group may be stuck
+        self.timeout_source = "DSV41_TP_PEER_TIMEOUT_S"
 
     @classmethod
     def init(
@@ -211,7 +215,7 @@ class DistComm:
             if "timed out" in detail.lower() or "timeout" in detail.lower():
                 raise PeerLost(
                     f"rank {self.rank}: the TP peer did not answer within "
-                    f"{self.peer_timeout_s or 0:g} s (DSV41_TP_PEER_TIMEOUT_S; frozen, wedged or "
+                    f"{self.peer_timeout_s or 0:g} s ({self.timeout_source}; frozen, wedged or "
                     f"unreachable) during {what}: {detail}"
                 ) from None
             raise PeerLost(
@@ -230,16 +234,16 @@ class DistComm:
         self._guard(lambda: dist.all_gather(bufs, local, group=group), "all_gather(partials)")
         return ordered_sum([p for b in bufs for p in b.unbind(0)])
 
-    def gather_cols(self, local):
+    def gather_cols(self, local, what: str = "all_gather(engram columns)"):
         """``[N, C/tp]`` on each rank -> ``[N, C]`` in rank order (vLLM column convention);
-        ``PeerLost`` on failure."""
+        ``PeerLost`` (naming ``what``) on failure."""
         import torch
         import torch.distributed as dist
 
         local = local.contiguous()
         bufs = [torch.empty_like(local) for _ in range(self.tp)]
         group = self._data_group()
-        self._guard(lambda: dist.all_gather(bufs, local, group=group), "all_gather(engram columns)")
+        self._guard(lambda: dist.all_gather(bufs, local, group=group), what)
         return torch.cat(bufs, dim=1)
 
     def broadcast(self, obj=None):
