@@ -225,7 +225,11 @@ def test_windows_compare_vllm_argument_sets_and_restore_production(vllm_lab, tmp
         watch.stop.set()
         watch.join(30)
     print(f"\n[vllm lab] window.yml aa + vllm-seqs: {time.monotonic() - t0:.1f} s, rc {r.returncode}")
-    assert r.returncode == 0, r.stdout[-8000:] + _serve_errors()
+    # the first failure (a cell run or a switch), which the restore's output pushes out of the tail
+    first = r.stdout.find("fatal:")
+    assert r.returncode == 0, (
+        (r.stdout[first : first + 6000] if first >= 0 else "") + r.stdout[-4000:] + _serve_errors()
+    )
     decisions = {}
     for path in sorted(wdir.rglob("decision.json")):
         doc = json.loads(path.read_text())
