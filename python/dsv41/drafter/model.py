@@ -142,6 +142,20 @@ def _torch():
     return torch
 
 
+def pick_step(lg, u_i, top_n: int):
+    """One draft step's choice, shared by the one-card and the two-card drafter (their drafts are
+    identical because this is one function). ``lg``: float32[B, V] logits already scaled by the
+    inverse temperature; ``u_i``: float32[B, 1] uniforms (0 = argmax); ``top_n``: kept ids.
+    Returns ``(tok int64[B], top_ids int64[B, top_n], top_probs float32[B, top_n])``, the top-n
+    probabilities renormalised and descending."""
+    torch = _torch()
+    p = torch.softmax(lg, dim=-1)
+    tp, ti = torch.topk(p, top_n, dim=-1)
+    tp = tp / tp.sum(-1, keepdim=True)
+    j = (torch.cumsum(tp, dim=-1) < u_i).sum(-1).clamp(max=top_n - 1)
+    return ti.gather(1, j[:, None]).squeeze(1), ti, tp
+
+
 def build_model(cfg: DrafterConfig):
     """Return a freshly initialised :class:`DrafterModel` (deterministic from ``cfg.seed``)."""
     torch = _torch()
@@ -225,13 +239,7 @@ def _make_module_class():
             prev = ctx[:, -1]
             toks, ids, probs = [], [], []
             for i in range(k):
-                lg = self.logits(x, prev) * inv_temp[:, None]
-                p = torch.softmax(lg, dim=-1)
-                tp, ti = torch.topk(p, top_n, dim=-1)
-                tp = tp / tp.sum(-1, keepdim=True)
-                c = torch.cumsum(tp, dim=-1)
-                j = (c < u[:, i : i + 1]).sum(-1).clamp(max=top_n - 1)
-                tok = ti.gather(1, j[:, None]).squeeze(1)
+                tok, ti, tp = pick_step(self.logits(x, prev) * inv_temp[:, None], u[:, i : i + 1], top_n)
                 toks.append(tok)
                 ids.append(ti)
                 probs.append(tp)

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dsv41.drafter.model import pick_step
+
 
 def split(n: int, tp: int, rank: int) -> tuple[int, int]:
     """``[lo, hi)`` of ``rank``'s part of ``n`` (the first ``n % tp`` ranks take one more)."""
@@ -148,13 +150,7 @@ class ShardedDrafter:
             prev = c[:, -1]
             toks, ids, probs = [], [], []
             for i in range(k):
-                lg = self._logits(x, prev) * it[:, None]
-                p = torch.softmax(lg, dim=-1)
-                tp, ti = torch.topk(p, top_n, dim=-1)
-                tp = tp / tp.sum(-1, keepdim=True)
-                cum = torch.cumsum(tp, dim=-1)
-                j = (cum < uu[:, i : i + 1]).sum(-1).clamp(max=top_n - 1)
-                tok = ti.gather(1, j[:, None]).squeeze(1)
+                tok, ti, tp = pick_step(self._logits(x, prev) * it[:, None], uu[:, i : i + 1], top_n)
                 toks.append(tok)
                 ids.append(ti)
                 probs.append(tp)
